@@ -1,0 +1,5 @@
+import sys
+
+from gpumem.cli import main
+
+sys.exit(main())

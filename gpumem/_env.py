@@ -1,0 +1,39 @@
+"""Every GPUMEM_* environment switch, parsed in one place.
+
+| variable                  | meaning                                              | default |
+|---------------------------|------------------------------------------------------|---------|
+| GPUMEM_THREADS            | worker threads of the native core (CRC, copy, write) | all cores |
+| GPUMEM_DISABLE_CUDA       | 1: never load the CUDA runtime, treat as CPU machine | 0 |
+| GPUMEM_CUDA_LIBRARY       | path of libcudart to dlopen instead of searching     | (search) |
+| GPUMEM_STAGING_BYTES      | default host staging budget of the Checkpointer      | (fraction of RAM) |
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def env_str(name: str, default: str | None = None) -> str | None:
+    value = os.environ.get(name)
+    return default if value is None or value == "" else value
+
+
+def env_int(name: str, default: int | None = None) -> int | None:
+    value = env_str(name)
+    if value is None:
+        return default
+    try:
+        return int(value, 0)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer; unset it or give a number") from None
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    value = env_str(name)
+    if value is None:
+        return default
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={value!r} is not a boolean; use 1 or 0")
