@@ -17,10 +17,24 @@ from typing import Any
 __version__ = "0.1.0"
 
 # public name -> (module, attribute); resolved on first access
-_LAZY_ATTRS: dict[str, tuple[str, str]] = {}
+_LAZY_ATTRS: dict[str, tuple[str, str]] = {
+    "profile": ("gpumem.profiler", "profile"),
+    "fake": ("gpumem.profiler", "fake"),
+    "Checkpointer": ("gpumem.checkpoint", "Checkpointer"),
+    "PreemptionGuard": ("gpumem.checkpoint", "PreemptionGuard"),
+    "CheckpointInfo": ("gpumem.checkpoint", "CheckpointInfo"),
+    "CheckpointError": ("gpumem.checkpoint", "CheckpointError"),
+    "CheckpointCorruptError": ("gpumem.checkpoint", "CheckpointCorruptError"),
+    "CheckpointIOError": ("gpumem.checkpoint", "CheckpointIOError"),
+    "CheckpointStateError": ("gpumem.checkpoint", "CheckpointStateError"),
+    "CheckpointFallbackWarning": ("gpumem.checkpoint", "CheckpointFallbackWarning"),
+    "estimate": ("gpumem.estimator", "estimate"), "Layout": ("gpumem.estimator", "Layout"),
+    "ModelSpec": ("gpumem.estimator", "ModelSpec"), "GPU": ("gpumem.estimator", "GPU"),
+    "plan": ("gpumem.planner", "plan"),
+}
 
 # submodules reachable as attributes (gpumem.checksum.crc32c(...)) without an explicit import
-_LAZY_MODULES = ("checksum", "device", "writer", "arena")
+_LAZY_MODULES = ("checksum", "device", "writer", "arena", "checkpoint")
 
 __all__ = ["__version__", *_LAZY_MODULES]
 

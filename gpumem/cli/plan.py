@@ -1,0 +1,93 @@
+"""gpumem plan: which layouts fit, how many GPUs a job needs, and what preemption costs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from gpumem.cli.estimate import add_job_arguments
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="search every layout that fits, rank them, and price preemptions",
+        description="Search dp x tp x pp (x ep) x ZeRO x micro-batch x recompute for MODEL on "
+        "--gpus GPUs, list the layouts that fit ranked by a throughput proxy, and optionally "
+        "the checkpoint economics and a Slurm/Kubernetes job header.",
+    )  # fmt: skip
+    add_job_arguments(p)
+    p.add_argument("--gpus", type=int, default=8, help="number of GPUs (default 8)")
+    p.add_argument("--min-gpus", action="store_true", help="find the smallest GPU count that fits")
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
+    p.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
+    p.add_argument("--inference", action="store_true", help="largest batch x context for serving")
+    econ = p.add_argument_group("preemption economics")
+    rate = econ.add_mutually_exclusive_group()
+    rate.add_argument("--mtbf-hours", type=float, default=None, help="mean time between preemptions")
+    rate.add_argument("--preemption-rate", type=float, default=None, help="preemptions per hour")
+    econ.add_argument("--price-per-gpu-hour", type=float, default=3.0, help="dollars (default 3)")
+    econ.add_argument("--stall-s", type=float, default=1.0, help="training stall per checkpoint (s)")
+    econ.add_argument("--persist-s", type=float, default=60.0, help="time to persist a checkpoint (s)")
+    econ.add_argument("--restart-s", type=float, default=300.0, help="restart + reload time (s)")
+    econ.add_argument("--run-hours", type=float, default=24.0, help="length of the run (hours)")
+    sched = p.add_mutually_exclusive_group()
+    sched.add_argument("--slurm", action="store_true", help="print an sbatch header for the best layout")
+    sched.add_argument("--k8s", action="store_true", help="print a Kubernetes Job (Kueue) for it")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.inference:
+        return _inference(args)
+    from gpumem.planner import economics, k8s_job, min_gpus, plan, sbatch_header
+
+    kw = dict(gpu=args.gpu, gpu_memory=args.gpu_memory, seq_len=args.seq_len,
+              global_batch=args.global_batch, precision=args.precision, optimizer=args.optimizer,
+              grads=args.grads, lora_rank=args.lora_rank, base_quant="nf4" if args.qlora else None)  # fmt: skip
+    if args.min_gpus:
+        result = min_gpus(args.model, **kw)
+    else:
+        result = plan(args.model, n_gpus=args.gpus, **kw)
+    out: dict = {"n_gpus": result.n_gpus, "n_configs": result.n_configs,
+                 "fitting": [dict(layout=c.describe(), peak_bytes=c.total_bytes, step_s=c.step_seconds)
+                             for c in result.candidates[: args.top]]}  # fmt: skip
+    text = [result.table(args.top)]
+    if result.best is not None:
+        bill = result.bill()
+        out["bill"] = bill.to_dict()
+        text += ["", "best layout:", bill.table()]
+    if args.mtbf_hours is not None or args.preemption_rate is not None:
+        e = economics(n_gpus=result.n_gpus, price_per_gpu_hour=args.price_per_gpu_hour,
+                      mtbf_hours=args.mtbf_hours, preemption_rate=args.preemption_rate,
+                      stall_s=args.stall_s, persist_s=args.persist_s, restart_s=args.restart_s,
+                      run_hours=args.run_hours)  # fmt: skip
+        out["economics"] = e.to_dict()
+        text += ["", e.table()]
+    if args.slurm or args.k8s:
+        layout = result.best.describe() if result.best else "none fits"
+        per_node = result.gpu.gpus_per_node
+        script = (sbatch_header(n_gpus=result.n_gpus, gpus_per_node=per_node, layout=layout,
+                                signal_s=max(60, int(args.persist_s * 2)))
+                  if args.slurm else
+                  k8s_job(n_gpus=result.n_gpus, gpus_per_node=per_node, layout=layout,
+                          grace_s=max(60, int(args.persist_s * 2))))  # fmt: skip
+        out["script"] = script
+        text += ["", script]
+    print(json.dumps(out, indent=2) if args.json else "\n".join(text))
+    return 0
+
+
+def _inference(args: argparse.Namespace) -> int:
+    from gpumem.estimator.inference import max_batch
+
+    rows = []
+    for ctx in (1024, 2048, 4096, 8192, 16384, 32768):
+        rows.append((ctx, max_batch(args.model, context=ctx, gpu=args.gpu, gpu_memory=args.gpu_memory)))
+    if args.json:
+        print(json.dumps({"max_batch_by_context": dict(rows)}, indent=2))
+    else:
+        print(f"{args.model} inference on one {args.gpu}: largest batch per context")
+        print("\n".join(f"  context {c:>6}: batch {b}" for c, b in rows))
+    return 0

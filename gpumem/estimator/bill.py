@@ -1,0 +1,440 @@
+"""``gpumem.estimate``: the per-GPU memory bill of a training job.
+
+Example:
+    >>> import gpumem
+    >>> bill = gpumem.estimate("llama-2-70b", batch_size=1, seq_len=4096, precision="bf16-mixed",
+    ...                        optimizer="adamw", gpu="H100-80GB",
+    ...                        layout=gpumem.Layout(dp=8, tp=8, pp=1, zero=1), recompute="selective")
+    >>> bill.fits, bill.per_gpu["total"]
+    >>> print(bill.table())
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpumem.estimator import activations as act
+from gpumem.estimator import peak
+from gpumem.estimator.gpus import GPU, find_gpu
+from gpumem.estimator.layout import Layout
+from gpumem.estimator.models import ModelSpec, param_groups, resolve_model
+from gpumem.estimator.states import Training
+from gpumem.units import format_bytes
+
+CATEGORIES = ("weights", "gradients", "optimizer", "activations", "temporary", "overhead", "total")
+PHASES = ("backward start", "backward end", "optimizer step")
+RECOMPUTE = ("none", "selective", "full")
+DEEPSPEED_BUCKET = 500_000_000  # reduce_bucket_size / allgather_bucket_size default (elements)
+
+
+@dataclass
+class Bill:
+    """The memory bill of the most loaded GPU, in integer bytes, and whether it fits.
+
+    Attributes:
+        n_params: parameters of the whole model.
+        per_gpu: bytes by category at the peak of the most loaded rank (profiler categories).
+        fits: ``per_gpu["total"] <= gpu.total_bytes``.
+        headroom_bytes: capacity minus total (negative when it does not fit).
+        cluster_model_state_bytes: unique weights + gradients + optimizer state of the job.
+        model_states: per-GPU weights/gradients/optimizer outside any phase (steady state).
+        phase: the moment of the peak (backward start / end, optimizer step).
+        stage: the pipeline stage that is most loaded.
+        items: the itemised activations of one layer (one micro-batch), for the table.
+    """
+
+    model: ModelSpec
+    layout: Layout
+    training: Training
+    gpu: GPU
+    n_params: int
+    per_gpu: dict[str, int]
+    fits: bool
+    headroom_bytes: int
+    cluster_model_state_bytes: int
+    model_states: dict[str, int]
+    phase: str
+    stage: int
+    inputs: dict[str, Any] = field(default_factory=dict)
+    items: list[act.Item] = field(default_factory=list, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Exactly the public keys: n_params, per_gpu, fits, headroom_bytes,
+        cluster_model_state_bytes (what ``gpumem estimate --json`` prints)."""
+        return {
+            "n_params": self.n_params,
+            "per_gpu": dict(self.per_gpu),
+            "fits": self.fits,
+            "headroom_bytes": self.headroom_bytes,
+            "cluster_model_state_bytes": self.cluster_model_state_bytes,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def table(self, markdown: bool = False) -> str:
+        """The bill as a text (or Markdown) table with GiB and share of the total."""
+        total = self.per_gpu["total"]
+        rows = [(c, self.per_gpu[c]) for c in CATEGORIES]
+        head = (
+            f"{self.model.name}: {self.n_params / 1e9:.2f} B params, {self.training.precision}, "
+            f"{self.training.optimizer}, {self.layout.describe()} on {self.gpu.name} "
+            f"(peak at {self.phase}, stage {self.stage})"
+        )
+        verdict = (
+            f"{'fits' if self.fits else 'does NOT fit'}: headroom "
+            f"{format_bytes(self.headroom_bytes)} of {format_bytes(self.gpu.total_bytes)}"
+        )
+        if markdown:
+            lines = [f"**{head}**", "", "| category | bytes | GiB | share |", "|---|---:|---:|---:|"]
+            lines += [f"| {c} | {b} | {b / 2**30:.2f} | {100 * b / max(total, 1):.1f}% |" for c, b in rows]
+            return "\n".join([*lines, "", verdict])
+        lines = [head, f"{'category':<12}{'bytes':>18}{'GiB':>10}{'share':>8}"]
+        lines += [f"{c:<12}{b:>18,}{b / 2**30:>10.2f}{100 * b / max(total, 1):>7.1f}%" for c, b in rows]
+        return "\n".join([*lines, verdict])
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def estimate(
+    model: Any,
+    *,
+    batch_size: int = 1,
+    seq_len: int | None = None,
+    precision: str = "bf16-mixed",
+    optimizer: str = "adamw",
+    gpu: str | GPU | None = "H100-80GB",
+    gpu_memory: str | int | None = None,
+    layout: Layout | None = None,
+    recompute: str = "none",
+    grad_accum: int = 1,
+    attention: str = "sdpa",
+    dropout: float = 0.0,
+    grads: str = "compute",
+    offload_optimizer: bool = False,
+    lora_rank: int = 0,
+    base_quant: str | None = None,
+    activation_model: str = "ops",
+    device: str = "cuda",
+    keep_logits: bool = True,
+    persistent_grads: bool | None = None,
+    foreach: bool | None = None,
+) -> Bill:
+    """Estimate the per-GPU peak memory of training ``model``.
+
+    Args:
+        model: a preset name, config.json path, dict, ModelSpec, or gpumem.models config.
+        batch_size: micro-batch per GPU. seq_len: tokens per sample (default: model context).
+        precision / optimizer / grads / offload_optimizer / lora_rank / base_quant: see Training.
+        gpu / gpu_memory: a catalog name, or the memory of a GPU not in the catalog.
+        layout: the parallel layout (default: one GPU).
+        recompute: ``none``, ``selective``, ``full`` or ``every-K`` (checkpoint K layers at once).
+        grad_accum: micro-batches per step (also the pipeline's micro-batch count).
+        attention: ``sdpa`` (the backend PyTorch picks), ``flash``, ``efficient``,
+            ``cpu-flash`` or ``eager``/``math`` (s² scores).
+        activation_model: ``ops`` (what autograd saves) or ``korthikanti`` (the paper).
+        device: ``cuda``, or ``cpu`` to compare with a CPU run (no context/NCCL reserve).
+        keep_logits: the training loop holds the logits until backward.
+        persistent_grads: gradients stay allocated across steps (default: when distributed or
+            accumulating; plain single-GPU ``zero_grad(set_to_none=True)`` frees them).
+
+    Raises:
+        ValueError / LookupError: bad sizes, unknown names, invalid layouts, with the reason.
+    """
+    spec = model if isinstance(model, ModelSpec) else _resolve(model)
+    training = Training(precision, optimizer, grads, offload_optimizer, lora_rank, base_quant, foreach)
+    layout = layout or Layout()
+    g = gpu if isinstance(gpu, GPU) else find_gpu(gpu, gpu_memory)
+    for name, value in (("batch_size", batch_size), ("grad_accum", grad_accum)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    seq = _seq_len(spec, seq_len)
+    layout.check(spec, seq_len=seq)
+    if activation_model not in ("ops", "korthikanti"):
+        raise ValueError(f"activation_model must be 'ops' or 'korthikanti', got {activation_model!r}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    plan = Plan(spec, training, g, seq, attention, dropout, activation_model, device, keep_logits)
+    terms_by_stage = plan.terms(layout, batch_size, recompute, grad_accum, persistent_grads)
+    best, best_stage = None, 0
+    stages = sorted({0, layout.pp - 1})
+    for i, terms in zip(stages, terms_by_stage):
+        out = peak.assemble(terms)
+        if best is None or out[6] > best[6]:
+            best, best_stage = out, i
+    assert best is not None
+    per_gpu = dict(zip(CATEGORIES, best[:7]))
+    x = terms_by_stage[stages.index(best_stage)]
+    states = _steady_states(x)
+    return Bill(
+        model=spec, layout=layout, training=training, gpu=g, n_params=spec.n_params,
+        per_gpu=per_gpu, fits=per_gpu["total"] <= g.total_bytes,
+        headroom_bytes=g.total_bytes - per_gpu["total"],
+        cluster_model_state_bytes=plan.cluster_model_states(),
+        model_states=states, phase=PHASES[best[7]], stage=best_stage,
+        inputs={"batch_size": batch_size, "seq_len": seq, "recompute": recompute,
+                "grad_accum": grad_accum, "attention": plan.backend, "device": device},
+        items=plan.layer_items(layout, batch_size),
+    )  # fmt: skip
+
+
+def _steady_states(x) -> dict[str, int]:  # noqa: ANN001
+    """Weights / gradients / optimizer per GPU with every gradient present (the ZeRO paper's
+    accounting), independent of which phase peaks."""
+    y = list(x)
+    y[peak.G_PERSIST] = 1.0
+    for k in (peak.A_LAYER, peak.A_FIRST, peak.A_LAST, peak.T_BWD0, peak.T_LAYER, peak.T_STEP,
+              peak.GATHER, peak.CASTS, peak.COMM, peak.CONTEXT, peak.NCCL, peak.FRAG):  # fmt: skip
+        y[k] = 0.0
+    w, g, o = peak.assemble(y)[:3]
+    return {"weights": w, "gradients": g, "optimizer": o, "total": w + g + o}
+
+
+def _resolve(model: Any) -> ModelSpec:
+    if hasattr(model, "arch") and hasattr(model, "hidden_size"):  # gpumem.models.ModelConfig
+        from gpumem.estimator.models import from_model_config
+
+        return from_model_config(model)
+    if hasattr(model, "config") and hasattr(model, "parameters"):  # a built-in nn.Module
+        from gpumem.estimator.models import from_model_config
+
+        return from_model_config(model.config)
+    return resolve_model(model)
+
+
+def _seq_len(spec: ModelSpec, seq_len: int | None) -> int:
+    if spec.arch == "vit":
+        return spec.n_tokens_per_sample
+    if spec.arch == "resnet":
+        return 1
+    seq = spec.max_seq if seq_len is None else seq_len
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq <= 0:
+        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+    return seq
+
+
+@dataclass
+class Plan:
+    """Everything about a job except its layout and micro-batch; turns those into peak terms."""
+
+    spec: ModelSpec
+    training: Training
+    gpu: GPU
+    seq: int
+    attention: str = "sdpa"
+    dropout: float = 0.0
+    activation_model: str = "ops"
+    device: str = "cuda"
+    keep_logits: bool = True
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+    @property
+    def backend(self) -> str:
+        a = self.attention
+        if a in ("eager", "math"):
+            return "math"
+        if a in ("flash", "efficient", "cpu-flash"):
+            return a
+        if a != "sdpa":
+            raise ValueError(f"unknown attention {a!r}; use sdpa, flash, efficient, cpu-flash, eager")
+        if not self.cuda:
+            return "cpu-flash" if self.dropout == 0 else "math"
+        return "efficient" if self.training.compute_bytes == 4 else "flash"
+
+    def workload(self, layout: Layout, batch: int) -> act.Workload:
+        t = self.training
+        return act.Workload(
+            batch=batch, seq=self.seq, compute=t.compute_bytes,
+            residual=4 if t.autocast else t.compute_bytes, autocast=t.autocast,
+            attention=self.backend, dropout=self.dropout, cuda=self.cuda, tp=layout.tp,
+            sp=layout.sp, keep_logits=self.keep_logits,
+        )  # fmt: skip
+
+    def layer_items(self, layout: Layout, batch: int) -> list[act.Item]:
+        if not self.spec.is_decoder and self.spec.arch != "vit":
+            return []
+        return act.layer_items(self.spec, self.workload(layout, batch))
+
+    def cluster_model_states(self) -> int:
+        """Unique (unsharded, unreplicated) weights + gradients + optimizer state of the job."""
+        tr, spec = self.training, self.spec
+        trainable = self._lora_params(spec.n_layers, 1) if tr.lora_rank else spec.n_params
+        frozen = spec.n_params if tr.lora_rank else 0
+        return int(
+            trainable * (tr.weight_bytes + tr.grad_bytes + tr.optimizer_bytes)
+            + frozen * tr.frozen_weight_bytes
+        )
+
+    def _lora_params(self, n_layers: int, t: int) -> int:
+        """LoRA adapters of rank r on every Linear of a layer: r·(in + out) each."""
+        s, r = self.spec, self.training.lora_rank
+        h, qd, kvd, f = s.hidden, s.n_heads * s.dhead, s.kv_heads * s.dhead, s.ffn
+        per = (h + qd) + 2 * (h + kvd) + (qd + h)
+        per += 3 * (h + f) if s.arch == "llama" else 2 * (h + f)
+        return n_layers * r * per // t
+
+    def stage_layers(self, pp: int) -> list[int]:
+        base, extra = divmod(self.spec.n_layers, pp)
+        return [base + (1 if i < extra else 0) for i in range(pp)]
+
+    def terms(
+        self, layout: Layout, batch: int, recompute: str, grad_accum: int,
+        persistent_grads: bool | None,
+    ) -> list[list[float]]:  # fmt: skip
+        """The peak terms of the first and the last pipeline stage of ``layout``.
+
+        Middle stages never exceed the first: it holds at least as many layers (the remainder
+        of an uneven split goes to the first stages), at least as many in-flight micro-batches,
+        and the embedding; the last stage holds the head and the loss.
+        """
+        spec, tr, t = self.spec, self.training, layout.tp
+        pg = param_groups(spec)
+        a_layer, t_layer, first, last, ce0 = self._act_terms(layout.tp, layout.sp, batch, recompute)
+        # k/v projections replicate across ranks when tp exceeds the KV heads
+        kvp = 2 * spec.hidden * spec.kv_heads * spec.dhead if spec.n_heads else 0
+        layer_tp = (pg.layer_tp - kvp) / t + kvp / min(t, max(spec.kv_heads, 1))
+        out = []
+        pp = layout.pp
+        n_mb = grad_accum
+        interleave = 1 + (pp - 1) / (pp * layout.vpp) if layout.vpp > 1 else 1.0
+        persist = persistent_grads
+        if persist is None:
+            persist = grad_accum > 1 or layout.n_gpus > 1
+        layers = self.stage_layers(pp)
+        for i in sorted({0, pp - 1}):
+            n_l = layers[i]
+            is_first, is_last = i == 0, i == pp - 1
+            dense = n_l * (layer_tp + pg.layer_rep)
+            if is_first:
+                dense += pg.embed_tp / t + pg.embed_rep
+            if is_last:
+                dense += pg.head_tp / t + pg.head_rep
+                if spec.tied_embeddings and pp > 1:
+                    dense += pg.embed_tp / t  # Megatron keeps a copy of tied embeddings at the end
+            expert = n_l * pg.layer_expert / (layout.ep * t)
+            if tr.lora_rank:
+                p_train, p_frozen = self._lora_params(n_l, t), dense
+                p_exp_train, p_exp_frozen = 0.0, expert
+            else:
+                p_train, p_frozen, p_exp_train, p_exp_frozen = dense, 0.0, expert, 0.0
+            trainable = p_train + p_exp_train
+            x = [0.0] * peak.N_TERMS
+            x[peak.P_TRAIN], x[peak.P_FROZEN] = p_train, p_frozen
+            x[peak.P_EXP_TRAIN], x[peak.P_EXP_FROZEN] = p_exp_train, p_exp_frozen
+            x[peak.W_BYTES], x[peak.W_FROZEN_BYTES] = tr.weight_bytes, tr.frozen_weight_bytes
+            x[peak.G_BYTES], x[peak.O_BYTES] = tr.grad_bytes, tr.optimizer_bytes
+            x[peak.N_SHARD] = layout.shard_degree(self.gpu.gpus_per_node)
+            x[peak.N_SHARD_EXP] = layout.shard_degree(self.gpu.gpus_per_node, expert=True)
+            x[peak.STAGE] = layout.stage
+            x[peak.A_LAYER], x[peak.N_LAYERS] = a_layer, n_l
+            x[peak.INFLIGHT] = (min(n_mb, pp - i) if pp > 1 else 1) * interleave
+            x[peak.A_FIRST] = first if is_first else 0.0
+            x[peak.A_LAST] = last if is_last else 0.0
+            x[peak.T_BWD0] = ce0 if is_last else batch * self.seq * spec.hidden * tr.compute_bytes / t
+            x[peak.T_LAYER] = t_layer
+            largest = pg.largest_tensor / t
+            x[peak.T_STEP] = tr.step_temp_bytes(int(trainable / self._opt_shard(layout)), int(largest), self.cuda)
+            layer_params = (layer_tp + pg.layer_rep) + pg.layer_expert / (layout.ep * t)
+            if layout.stage >= 3:  # all-gather of a layer + prefetch of the next, reduce-scatter
+                x[peak.GATHER] = layer_params * (2 * tr.weight_bytes + tr.grad_bytes)
+            elif layout.stage in (1, 2):  # DeepSpeed's reduce and all-gather buckets
+                x[peak.COMM] = min(DEEPSPEED_BUCKET, trainable) * (tr.grad_bytes + tr.weight_bytes)
+            x[peak.G_PERSIST] = 1.0 if persist else 0.0
+            if self.cuda:
+                x[peak.CONTEXT] = self.gpu.context_bytes
+                x[peak.NCCL] = self.gpu.nccl_bytes if layout.n_gpus > 1 else 0
+                x[peak.FRAG] = self.gpu.fragmentation
+            x[peak.OFFLOAD] = 1.0 if tr.offload_optimizer else 0.0
+            out.append(x)
+        return out
+
+    def _act_terms(self, tp: int, sp: bool, batch: int, recompute: str) -> tuple[float, ...]:
+        """(per-layer saved, layer backward transient, first-stage, last-stage, CE backward),
+        cached: the planner asks for the same few combinations thousands of times."""
+        key = (tp, sp, batch, recompute)
+        cache = self.__dict__.setdefault("_acts_cache", {})
+        if key not in cache:
+            w = self.workload(Layout(dp=1, tp=tp, sp=sp), batch)
+            a_layer, t_layer = self._layer_acts(tp, sp, batch, recompute, w)
+            first, last = self._ends(w)
+            ce0 = act.ce_backward_bytes(self.spec, w) if self.spec.is_decoder else 0
+            cache[key] = (a_layer, t_layer, first, last, float(ce0))
+        return cache[key]
+
+    def _opt_shard(self, layout: Layout) -> int:
+        return layout.shard_degree(self.gpu.gpus_per_node) if layout.stage >= 1 else 1
+
+    def _ends(self, w: act.Workload) -> tuple[float, float]:
+        """Activations outside the layers: (first stage: embedding, last stage: head + loss)."""
+        spec = self.spec
+        if spec.arch == "resnet":
+            return float(act.resnet_bytes(spec, w.batch, spec.image_size, w.compute)), 0.0
+        if spec.arch == "vit":  # patch conv input (images) + classifier input; small
+            img = w.batch * spec.channels * spec.image_size**2 * 4
+            return float(img), float(w.batch * spec.hidden * w.compute + w.batch * 8)
+        first = act.sum_items(act.embed_items(spec, w))
+        last = act.sum_items(act.head_items(spec, w))
+        if self.activation_model == "korthikanti":  # Megatron: ids 8sb, output layer + CE 4sbh(1 + v/h)
+            first = 8 * w.tokens
+            last = 4 * w.tokens * (spec.hidden + spec.vocab // w.tp)
+        return float(first), float(last)
+
+    def _layer_acts(self, tp: int, sp: bool, batch: int, recompute: str, w: act.Workload) -> tuple[float, float]:
+        """(saved bytes per layer, backward transient) under the recompute policy."""
+        spec = self.spec
+        if spec.arch == "resnet":
+            return 0.0, 0.0
+        every = _every(recompute)
+        if self.activation_model == "korthikanti":
+            mode = "full" if every else recompute
+            full = act.korthikanti_layer_bytes(spec, batch, self.seq, tp, sp, "none",
+                                               flash=self.backend != "math")  # fmt: skip
+            saved = act.korthikanti_layer_bytes(spec, batch, self.seq, tp, sp, mode,
+                                                flash=self.backend != "math")  # fmt: skip
+            return float(saved / (every or 1)), float(full * (every or 1) if every else 0)
+        items = act.layer_items(spec, w)
+        full = act.sum_items(items)
+        bwd = act.layer_backward_bytes(spec, w)
+        n_in = w.tokens // (w.tp if w.sp else 1) * spec.hidden * w.residual
+        if recompute == "none":
+            return float(full), float(bwd)
+        if recompute == "selective":
+            return float(act.sum_items(items, drop_core=True)), float(bwd)
+        k = every or 1
+        # keep each checkpointed block's input; its k layers come back during its backward
+        return float(n_in / k), float(bwd + k * full)
+
+
+def _every(recompute: str) -> int:
+    if recompute in RECOMPUTE:
+        return 1 if recompute == "full" else 0
+    if recompute.startswith("every-"):
+        try:
+            k = int(recompute[6:])
+        except ValueError:
+            k = 0
+        if k > 0:
+            return k
+    raise ValueError(f"unknown recompute {recompute!r}; use none, selective, full or every-K (K >= 1)")
+
+
+def model_states(n_params: int, training: Training, layout: Layout, gpus_per_node: int = 8) -> dict[str, int]:
+    """Per-GPU weights / gradients / optimizer of ``n_params`` dense parameters under ``layout``
+    (data parallel and ZeRO only; the ZeRO paper's Figure 1 accounting). Same formula as
+    :func:`estimate`, without a model shape."""
+    x = [0.0] * peak.N_TERMS
+    x[peak.P_TRAIN] = n_params / (layout.tp * layout.pp)
+    x[peak.W_BYTES], x[peak.G_BYTES], x[peak.O_BYTES] = (
+        training.weight_bytes, training.grad_bytes, training.optimizer_bytes)  # fmt: skip
+    x[peak.N_SHARD] = x[peak.N_SHARD_EXP] = layout.shard_degree(gpus_per_node)
+    x[peak.STAGE] = layout.stage
+    x[peak.OFFLOAD] = 1.0 if training.offload_optimizer else 0.0
+    return _steady_states(x)

@@ -1,0 +1,477 @@
+"""What a model is, for the estimator: its shape (``ModelSpec``), built-in presets, Hugging Face
+``config.json`` parsing, and exact parameter counts.
+
+A spec describes a decoder transformer (GPT-2 or Llama family, dense or MoE), a ViT, or a ResNet
+(bottleneck). Parameter counts are exact sums over the tensors the reference implementations
+create, so presets reproduce the published counts (Llama-2-70B: 68,976,648,192).
+
+Example:
+    >>> spec = resolve_model("llama-2-70b")
+    >>> spec.n_params
+    68976648192
+    >>> spec = resolve_model("path/to/config.json")   # or a directory holding one
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+Arch = Literal["gpt2", "llama", "vit", "resnet"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a model, enough to count its parameters and what autograd saves.
+
+    Example:
+        >>> ModelSpec(name="tiny", arch="llama", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2,
+        ...           ffn=128, vocab=256).n_params
+    """
+
+    name: str
+    arch: Arch
+    n_layers: int
+    hidden: int = 0
+    n_heads: int = 0
+    n_kv_heads: int | None = None  # None: = n_heads (multi-head attention)
+    head_dim: int | None = None  # None: hidden // n_heads
+    ffn: int = 0  # MLP intermediate size (per expert for MoE)
+    vocab: int = 0
+    max_seq: int = 2048  # learned position table size (gpt2, vit); default context otherwise
+    tied_embeddings: bool = False
+    qkv_bias: bool = False
+    n_experts: int = 0  # 0: dense MLP
+    top_k: int = 0
+    # vision
+    image_size: int = 224
+    patch: int = 16
+    channels: int = 3
+    n_classes: int = 1000
+    blocks: tuple[int, ...] = ()  # resnet bottleneck blocks per stage, e.g. (3, 4, 6, 3)
+    width: int = 64  # resnet stem width
+    source: str = ""  # where the numbers come from (preset citation or config path)
+    published_params: int | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # --- derived shape -------------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def dhead(self) -> int:
+        return self.head_dim or (self.hidden // self.n_heads if self.n_heads else 0)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def is_decoder(self) -> bool:
+        return self.arch in ("gpt2", "llama")
+
+    @property
+    def norm(self) -> str:
+        return "rmsnorm" if self.arch == "llama" else "layernorm"
+
+    @property
+    def n_params(self) -> int:
+        return param_groups(self).total
+
+    @property
+    def n_tokens_per_sample(self) -> int:
+        """Sequence length of a vision transformer (patches + class token)."""
+        return (self.image_size // self.patch) ** 2 + 1
+
+    def replace(self, **changes: Any) -> ModelSpec:
+        return dataclasses.replace(self, **changes)
+
+
+def _validate(s: ModelSpec) -> None:
+    def positive(name: str, value: int) -> None:
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"model {s.name!r}: {name} must be a positive integer, got {value!r}")
+
+    if s.arch not in ("gpt2", "llama", "vit", "resnet"):
+        raise ValueError(f"model {s.name!r}: arch {s.arch!r} is not one of gpt2, llama, vit, resnet")
+    if s.arch == "resnet":
+        if not s.blocks or any(b <= 0 for b in s.blocks):
+            raise ValueError(f"model {s.name!r}: a resnet needs blocks per stage, e.g. (3, 4, 6, 3)")
+        positive("width", s.width)
+        return
+    for name in ("n_layers", "hidden", "n_heads", "ffn"):
+        positive(name, getattr(s, name))
+    if s.arch != "vit":
+        positive("vocab", s.vocab)
+    positive("max_seq", s.max_seq)
+    if s.head_dim is None and s.hidden % s.n_heads:
+        raise ValueError(
+            f"model {s.name!r}: hidden {s.hidden} is not divisible by n_heads {s.n_heads}; "
+            "give head_dim explicitly"
+        )
+    if s.n_heads % s.kv_heads:
+        raise ValueError(
+            f"model {s.name!r}: n_heads {s.n_heads} is not a multiple of n_kv_heads {s.kv_heads}"
+        )
+    if s.n_experts and not 0 < s.top_k <= s.n_experts:
+        raise ValueError(
+            f"model {s.name!r}: top_k must be in 1..n_experts={s.n_experts}, got {s.top_k}"
+        )
+
+
+# --- parameter groups --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParamGroups:
+    """Parameter counts split the way parallelism splits them (Megatron's buckets).
+
+    Per transformer layer: ``layer_tp`` is sharded by tensor parallelism (attention and MLP
+    matrices), ``layer_rep`` replicated (norms, row-parallel biases), ``layer_expert`` the routed
+    experts (sharded by expert parallelism, then by TP). Outside the layers: ``embed`` (input
+    embedding + learned positions, vocab-parallel under TP: ``embed_tp``), ``head`` (final norm and
+    an untied LM head; the head matrix ``head_tp`` is vocab-parallel). ``largest_tensor`` is the
+    largest single parameter, what a non-foreach optimizer step allocates temporaries for.
+    """
+
+    n_layers: int
+    layer_tp: int
+    layer_rep: int
+    layer_expert: int
+    embed_tp: int
+    embed_rep: int
+    head_tp: int
+    head_rep: int
+    largest_tensor: int
+
+    @property
+    def per_layer(self) -> int:
+        return self.layer_tp + self.layer_rep + self.layer_expert
+
+    @property
+    def total(self) -> int:
+        return (
+            self.n_layers * self.per_layer
+            + self.embed_tp
+            + self.embed_rep
+            + self.head_tp
+            + self.head_rep
+        )
+
+
+def param_groups(s: ModelSpec) -> ParamGroups:
+    """Exact parameter counts of the reference implementation of ``s``, in parallelism buckets."""
+    if s.arch == "resnet":
+        return _resnet_groups(s)
+    h, a, g, d, f = s.hidden, s.n_heads, s.kv_heads, s.dhead, s.ffn
+    q, kv = a * d, g * d
+    if s.arch == "llama":  # bias-free projections (Qwen2: biased q/k/v), SwiGLU, 2 RMSNorms
+        attn_tp = h * (q + 2 * kv) + (q + 2 * kv if s.qkv_bias else 0) + q * h
+        mlp_tp, mlp_rep = 3 * h * f, 0
+        rep = 2 * h
+    else:  # gpt2 / vit: biased qkv, out, fc, proj; 2 LayerNorms. Row-parallel biases replicate.
+        attn_tp = h * (q + 2 * kv) + (q + 2 * kv) + q * h
+        mlp_tp, mlp_rep = h * f + f + f * h, h
+        rep = 4 * h + h
+    largest = max(h * (q + 2 * kv), h * f, s.vocab * h)
+    if s.is_moe:  # routed experts (EP-sharded) and a replicated router, as Megatron does
+        tp_layer, expert = attn_tp, s.n_experts * (mlp_tp + mlp_rep)
+        rep += h * s.n_experts
+    else:
+        tp_layer, expert = attn_tp + mlp_tp, 0
+        rep += mlp_rep
+    if s.arch == "llama":
+        embed_tp, embed_rep = s.vocab * h, 0
+        head_rep = h  # final RMSNorm
+        head_tp = 0 if s.tied_embeddings else s.vocab * h
+    elif s.arch == "gpt2":
+        embed_tp, embed_rep = s.vocab * h, s.max_seq * h
+        head_rep = 2 * h
+        head_tp = 0 if s.tied_embeddings else s.vocab * h
+    else:  # vit: conv patch embedding + class token + positions; LN + classifier head
+        embed_tp = 0
+        embed_rep = s.channels * s.patch * s.patch * h + h + h + s.n_tokens_per_sample * h
+        head_rep = 2 * h + h * s.n_classes + s.n_classes
+        head_tp = 0
+        largest = max(h * (q + 2 * kv), h * f, h * s.n_classes)
+    return ParamGroups(
+        n_layers=s.n_layers,
+        layer_tp=tp_layer,
+        layer_rep=rep,
+        layer_expert=expert,
+        embed_tp=embed_tp,
+        embed_rep=embed_rep,
+        head_tp=head_tp,
+        head_rep=head_rep,
+        largest_tensor=largest,
+    )
+
+
+def resnet_stages(s: ModelSpec) -> list[tuple[int, int, int, int]]:
+    """(in_channels, mid_channels, out_channels, stride) of every bottleneck block, in order."""
+    out, cin = [], s.width
+    for i, n in enumerate(s.blocks):
+        mid = s.width * 2**i
+        for j in range(n):
+            out.append((cin, mid, mid * 4, 2 if (j == 0 and i > 0) else 1))
+            cin = mid * 4
+    return out
+
+
+def _resnet_groups(s: ModelSpec) -> ParamGroups:
+    """torchvision's ResNet (v1.5): bias-free convs, BatchNorm weight+bias, fc with bias."""
+    total = s.channels * 49 * s.width + 2 * s.width  # 7x7 stem conv + bn
+    largest = 0
+    for cin, mid, cout, stride in resnet_stages(s):
+        convs = cin * mid + 9 * mid * mid + mid * cout
+        bns = 2 * (mid + mid + cout)
+        if stride != 1 or cin != cout:
+            convs += cin * cout
+            bns += 2 * cout
+        total += convs + bns
+        largest = max(largest, 9 * mid * mid)
+    cfinal = s.width * 2 ** (len(s.blocks) - 1) * 4
+    fc = cfinal * s.n_classes + s.n_classes
+    return ParamGroups(0, 0, 0, 0, 0, total, 0, fc, max(largest, cfinal * s.n_classes))
+
+
+# --- presets -----------------------------------------------------------------------------
+
+_L = "llama"
+
+
+def _llama(name, L, h, a, g, f, v, ctx, published, src, **kw) -> ModelSpec:
+    return ModelSpec(
+        name=name, arch=_L, n_layers=L, hidden=h, n_heads=a, n_kv_heads=g, ffn=f, vocab=v,
+        max_seq=ctx, published_params=published, source=src, **kw,
+    )  # fmt: skip
+
+
+def _gpt2(name, L, h, a, published) -> ModelSpec:
+    return ModelSpec(
+        name=name, arch="gpt2", n_layers=L, hidden=h, n_heads=a, ffn=4 * h, vocab=50257,
+        max_seq=1024, tied_embeddings=True, published_params=published,
+        source="openai-community/gpt2 config.json; HF model card parameter counts",
+    )  # fmt: skip
+
+
+PRESETS: dict[str, ModelSpec] = {
+    s.name: s
+    for s in (
+        _gpt2("gpt2", 12, 768, 12, 124_439_808),
+        _gpt2("gpt2-medium", 24, 1024, 16, 354_823_168),
+        _gpt2("gpt2-large", 36, 1280, 20, 774_030_080),
+        _gpt2("gpt2-xl", 48, 1600, 25, 1_557_611_200),
+        _llama("llama-2-7b", 32, 4096, 32, 32, 11008, 32000, 4096, 6_738_415_616, "meta-llama/Llama-2-7b-hf"),
+        _llama("llama-2-13b", 40, 5120, 40, 40, 13824, 32000, 4096, 13_015_864_320, "meta-llama/Llama-2-13b-hf"),
+        _llama("llama-2-70b", 80, 8192, 64, 8, 28672, 32000, 4096, 68_976_648_192, "meta-llama/Llama-2-70b-hf"),
+        _llama("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, 8_030_261_248, "meta-llama/Meta-Llama-3-8B"),
+        _llama("llama-3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, 70_553_706_496, "meta-llama/Meta-Llama-3-70B"),
+        _llama("llama-3.1-405b", 126, 16384, 128, 8, 53248, 128256, 8192, 405_853_388_800, "meta-llama/Llama-3.1-405B"),
+        _llama("mistral-7b", 32, 4096, 32, 8, 14336, 32000, 8192, 7_241_732_096, "mistralai/Mistral-7B-v0.1"),
+        _llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 8192, 46_702_792_704, "mistralai/Mixtral-8x7B-v0.1", n_experts=8, top_k=2),
+        _llama("qwen2-7b", 28, 3584, 28, 4, 18944, 152064, 8192, 7_615_616_512, "Qwen/Qwen2-7B", qkv_bias=True),
+        _llama("qwen2-72b", 80, 8192, 64, 8, 29568, 152064, 8192, 72_706_203_648, "Qwen/Qwen2-72B", qkv_bias=True),
+        ModelSpec(
+            name="vit-b-16", arch="vit", n_layers=12, hidden=768, n_heads=12, ffn=3072,
+            max_seq=197, published_params=86_567_656, source="torchvision vit_b_16",
+        ),
+        ModelSpec(
+            name="vit-l-16", arch="vit", n_layers=24, hidden=1024, n_heads=16, ffn=4096,
+            max_seq=197, published_params=304_326_632, source="torchvision vit_l_16",
+        ),
+        ModelSpec(
+            name="resnet-50", arch="resnet", n_layers=0, blocks=(3, 4, 6, 3),
+            published_params=25_557_032, source="torchvision resnet50",
+        ),
+        ModelSpec(
+            name="resnet-101", arch="resnet", n_layers=0, blocks=(3, 4, 23, 3),
+            published_params=44_549_160, source="torchvision resnet101",
+        ),
+    )
+}  # fmt: skip
+
+_ALIASES = {"gpt2-small": "gpt2", "gpt2-s": "gpt2", "gpt2-m": "gpt2-medium", "gpt2-l": "gpt2-large",
+            "llama-3-405b": "llama-3.1-405b", "llama-3.1-8b": "llama-3-8b",
+            "llama-3.1-70b": "llama-3-70b", "vit-base": "vit-b-16", "resnet50": "resnet-50",
+            "resnet101": "resnet-101"}  # fmt: skip
+
+
+def _canon(name: str) -> str:
+    return name.strip().lower().replace("_", "-").replace(" ", "-")
+
+
+def preset(name: str) -> ModelSpec:
+    """A built-in model by name, case-insensitive; unknown names get the nearest suggestions."""
+    key = _canon(name)
+    key = _ALIASES.get(key, key)
+    if key in PRESETS:
+        return PRESETS[key]
+    names = sorted([*PRESETS, *_ALIASES])
+    near = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
+    hint = f"did you mean {', '.join(near)}? " if near else ""
+    raise LookupError(
+        f"unknown model {name!r}: {hint}known presets are {', '.join(sorted(PRESETS))}; "
+        "or pass the path of a Hugging Face config.json"
+    )
+
+
+# --- Hugging Face config.json ------------------------------------------------------------
+
+# model_type -> our arch; field names differ between families
+_HF_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "llama",
+            "qwen2_moe": "llama", "gpt2": "gpt2"}  # fmt: skip
+
+
+def from_hf_config(config: dict[str, Any], name: str = "config.json") -> ModelSpec:
+    """A ModelSpec from a Hugging Face ``config.json`` (llama/mistral/mixtral/qwen2/gpt2 names).
+
+    Raises:
+        ValueError: naming the missing or malformed field.
+    """
+    if not isinstance(config, dict):
+        raise ValueError(f"{name}: expected a JSON object, got {type(config).__name__}")
+    mtype = config.get("model_type")
+    if mtype is None:
+        raise ValueError(f"{name}: missing field 'model_type' (one of {', '.join(_HF_ARCH)})")
+    if mtype not in _HF_ARCH:
+        raise ValueError(
+            f"{name}: model_type {mtype!r} is not supported; supported: {', '.join(_HF_ARCH)}"
+        )
+
+    def need(*keys: str) -> int:
+        for k in keys:
+            if k in config:
+                v = config[k]
+                if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                    raise ValueError(f"{name}: field {k!r} must be a positive integer, got {v!r}")
+                return v
+        raise ValueError(f"{name}: missing field {keys[0]!r} (model_type {mtype!r})")
+
+    if _HF_ARCH[mtype] == "gpt2":
+        h = need("n_embd", "hidden_size")
+        inner = config.get("n_inner")
+        return ModelSpec(
+            name=config.get("_name_or_path") or name, arch="gpt2",
+            n_layers=need("n_layer", "num_hidden_layers"), hidden=h,
+            n_heads=need("n_head", "num_attention_heads"), ffn=inner or 4 * h,
+            vocab=need("vocab_size"), max_seq=need("n_positions", "max_position_embeddings"),
+            tied_embeddings=bool(config.get("tie_word_embeddings", True)), source=name,
+        )  # fmt: skip
+    n_experts = config.get("num_local_experts", config.get("num_experts", 0)) or 0
+    return ModelSpec(
+        name=config.get("_name_or_path") or name, arch="llama",
+        n_layers=need("num_hidden_layers"), hidden=need("hidden_size"),
+        n_heads=need("num_attention_heads"),
+        n_kv_heads=config.get("num_key_value_heads") or None,
+        head_dim=config.get("head_dim") or None,
+        ffn=need("moe_intermediate_size", "intermediate_size") if mtype == "qwen2_moe"
+        else need("intermediate_size"),
+        vocab=need("vocab_size"), max_seq=config.get("max_position_embeddings", 4096),
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=mtype.startswith("qwen2") or bool(config.get("attention_bias", False)),
+        n_experts=int(n_experts),
+        top_k=int(config.get("num_experts_per_tok", 0) or 0) if n_experts else 0,
+        source=name,
+    )  # fmt: skip
+
+
+def load_config(path: str | Path) -> ModelSpec:
+    """A ModelSpec from a config.json file or a directory holding one."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"no config.json at {str(path)!r}")
+    try:
+        config = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{p}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    return from_hf_config(config, str(p))
+
+
+def resolve_model(model: Any) -> ModelSpec:
+    """Anything a user may pass as a model -> ModelSpec.
+
+    Accepts a ModelSpec, a preset name, a path to config.json (or its directory), a dict (HF
+    config fields if it has ``model_type``, else ModelSpec fields), or a dataclass of spec fields.
+    An ``nn.Module`` is counted exactly by :func:`module_spec`.
+    """
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, (str, Path)):
+        text = str(model)
+        if Path(text).exists() or text.endswith(".json") or "/" in text:
+            return load_config(text)
+        return preset(text)
+    if isinstance(model, dict):
+        if "model_type" in model:
+            return from_hf_config(model, "dict")
+        return _from_fields(dict(model), "dict")
+    if dataclasses.is_dataclass(model) and not isinstance(model, type):
+        return _from_fields(dataclasses.asdict(model), type(model).__name__)
+    if hasattr(model, "parameters") and hasattr(model, "named_modules"):
+        raise TypeError(
+            "an nn.Module carries no shape the estimator can read: count it with "
+            "gpumem.estimator.module_param_count(model) and pass a ModelSpec (or a preset) "
+            "with the matching shape"
+        )
+    raise TypeError(
+        f"cannot use {type(model).__name__} as a model: pass a preset name, a config.json path, "
+        "a dict, or a ModelSpec"
+    )
+
+
+def _from_fields(fields: dict[str, Any], what: str) -> ModelSpec:
+    known = {f.name for f in dataclasses.fields(ModelSpec)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"{what}: unknown model field(s) {unknown}; known: {sorted(known)}")
+    fields.setdefault("name", what)
+    for required in ("arch", "n_layers"):
+        if required not in fields:
+            raise ValueError(f"{what}: missing field {required!r}")
+    if isinstance(fields.get("blocks"), list):
+        fields["blocks"] = tuple(fields["blocks"])
+    return ModelSpec(**fields)
+
+
+def module_param_count(module: Any) -> tuple[int, int]:
+    """(total, trainable) parameters of an ``nn.Module``, shared (tied) tensors counted once."""
+    seen: set[int] = set()
+    total = trainable = 0
+    for p in module.parameters():
+        key = id(p)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    return total, trainable
+
+
+def from_model_config(cfg: Any) -> ModelSpec:
+    """A ModelSpec from a ``gpumem.models.ModelConfig`` (the built-in models)."""
+    arch = {"gpt2": "gpt2", "llama": "llama", "mixtral": "llama", "vit": "vit", "resnet": "resnet"}
+    if cfg.arch == "resnet":
+        return ModelSpec(
+            name="resnet", arch="resnet", n_layers=0, blocks=tuple(cfg.resnet_blocks),
+            width=cfg.resnet_width, image_size=cfg.image_size, channels=cfg.num_channels,
+            n_classes=cfg.num_classes, source="gpumem.models",
+        )  # fmt: skip
+    return ModelSpec(
+        name=f"gpumem.models.{cfg.arch}", arch=arch[cfg.arch], n_layers=cfg.num_layers,  # type: ignore[arg-type]
+        hidden=cfg.hidden_size, n_heads=cfg.num_heads, n_kv_heads=cfg.num_kv_heads,
+        ffn=cfg.ffn_hidden_size, vocab=cfg.vocab_size if cfg.arch != "vit" else 0,
+        max_seq=cfg.seq_len, tied_embeddings=cfg.tie_word_embeddings,
+        n_experts=cfg.num_experts, top_k=cfg.top_k if cfg.num_experts else 0,
+        image_size=cfg.image_size, patch=cfg.patch_size, channels=cfg.num_channels,
+        n_classes=cfg.num_classes, source="gpumem.models",
+    )  # fmt: skip

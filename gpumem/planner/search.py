@@ -1,0 +1,238 @@
+"""``gpumem.plan``: sweep every layout of a job, keep those that fit, rank them.
+
+The sweep enumerates dp × tp × pp (× ep for MoE) × ZeRO stage × sequence parallel ×
+micro-batch × recompute. Python builds one vector of peak terms per configuration (the
+activation pieces are cached per (tp, sp, micro-batch, recompute), so this is cheap); numba
+evaluates :func:`gpumem.estimator.peak.assemble` — the estimator's own formula, compiled — over
+all of them. Numba is imported on first use, never by ``import gpumem``.
+
+Ranking: a stated throughput proxy, the estimated time of one optimizer step (lower is better):
+
+    step = compute · (1 + recompute) / (1 - bubble) + exposed communication
+
+* compute = 6 · params · tokens_per_step / (GPUs · bf16 peak · 40 % MFU) — the same for every
+  layout of a job; only the factors below tell layouts apart;
+* recompute: selective +5 % (attention core), full +33 % (one more forward), every-K the same;
+* pipeline bubble (1F1B): (pp − 1) / (micro-batches · vpp);
+* communication per step: data-parallel gradient reduce-scatter + all-gather (2·P·bytes, ZeRO-3
+  1.5× that: the ZeRO paper), tensor-parallel all-reduces of the activations (4 per layer per
+  micro-batch), over NVLink inside a node and the network across nodes; half is assumed hidden
+  behind compute.
+
+Example:
+    >>> result = plan("llama-2-70b", gpu="H100-80GB", n_gpus=64, seq_len=4096)
+    >>> print(result.table())
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gpumem.estimator import peak
+from gpumem.estimator.bill import Bill, Plan, estimate
+from gpumem.estimator.gpus import GPU, find_gpu
+from gpumem.estimator.layout import Layout
+from gpumem.estimator.models import ModelSpec, resolve_model
+from gpumem.estimator.states import Training
+
+RECOMPUTE_COST = {"none": 0.0, "selective": 0.05, "full": 1 / 3}
+MFU = 0.4
+EXPOSED_COMM = 0.5
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout that fits, with its peak and its throughput proxy."""
+
+    layout: Layout
+    micro_batch: int
+    recompute: str
+    grad_accum: int
+    total_bytes: int
+    step_seconds: float
+    bubble: float
+    comm_bytes: float
+
+    def describe(self) -> str:
+        return f"{self.layout.describe()} mb{self.micro_batch} ga{self.grad_accum} rc-{self.recompute}"
+
+
+@dataclass
+class PlanResult:
+    """What :func:`plan` found: fitting candidates, best first, and how much it searched."""
+
+    model: ModelSpec
+    gpu: GPU
+    n_gpus: int
+    candidates: list[Candidate]
+    n_configs: int
+    seconds: float
+    kwargs: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.candidates[0] if self.candidates else None
+
+    def bill(self, candidate: Candidate | None = None) -> Bill:
+        """The full estimator bill of a candidate (the best by default)."""
+        c = candidate or self.best
+        if c is None:
+            raise ValueError(f"no layout of {self.model.name} fits {self.n_gpus} x {self.gpu.name}")
+        return estimate(self.model, layout=c.layout, batch_size=c.micro_batch,
+                        recompute=c.recompute, grad_accum=c.grad_accum, gpu=self.gpu, **self.kwargs)  # fmt: skip
+
+    def table(self, top: int = 10) -> str:
+        head = (f"{self.model.name} on {self.n_gpus} x {self.gpu.name}: {len(self.candidates)} of "
+                f"{self.n_configs} configurations fit (searched in {self.seconds * 1e3:.0f} ms)")  # fmt: skip
+        if not self.candidates:
+            return head + "\nnothing fits: add GPUs (--min-gpus), recompute, ZeRO-3, or a shorter seq_len"
+        lines = [head, f"{'rank':<5}{'layout':<44}{'peak GiB':>10}{'step s':>9}{'bubble':>8}"]
+        for i, c in enumerate(self.candidates[:top], 1):
+            lines.append(f"{i:<5}{c.describe():<44}{c.total_bytes / 2**30:>10.2f}"
+                         f"{c.step_seconds:>9.2f}{c.bubble:>8.1%}")  # fmt: skip
+        return "\n".join(lines)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    """Compile (or load from numba's on-disk cache) the sweep kernel on first use."""
+    import numba
+
+    global _assemble_nb
+    _assemble_nb = numba.njit(cache=True)(peak.assemble)
+    return numba.njit(cache=True)(_sweep_py)
+
+
+_assemble_nb = peak.assemble  # replaced by its compiled twin in _kernels()
+
+
+def _sweep_py(terms, owner, n_configs):  # noqa: ANN001, ANN202 - numba kernel
+    """Max over each configuration's stage rows of the assembled total; returns (n, 8)."""
+    out = np.zeros((n_configs, 8), dtype=np.int64)
+    for r in range(terms.shape[0]):
+        res = _assemble_nb(terms[r])
+        c = owner[r]
+        if res[6] > out[c, 6]:
+            for k in range(8):
+                out[c, k] = res[k]
+    return out
+
+
+def sweep(terms: np.ndarray, owner: np.ndarray, n_configs: int) -> np.ndarray:
+    """Peak categories (weights..total, phase) of each configuration, numba-compiled."""
+    return _kernels()(terms, owner, n_configs)
+
+
+def plan(
+    model: Any, *, gpu: str | GPU = "H100-80GB", n_gpus: int = 8, gpu_memory: str | int | None = None,
+    seq_len: int | None = None, global_batch: int | None = None, precision: str = "bf16-mixed",
+    optimizer: str = "adamw", micro_batches: tuple[int, ...] = (1, 2, 4, 8),
+    recompute: tuple[str, ...] = ("none", "selective", "full"), zero: tuple[int, ...] = (0, 1, 2, 3),
+    max_tp: int | None = None, **estimate_kwargs: Any,
+) -> PlanResult:  # fmt: skip
+    """Every layout of ``model`` on ``n_gpus`` that fits, ranked by the throughput proxy.
+
+    Args:
+        global_batch: sequences per optimizer step (default max(n_gpus, 256)); layouts whose
+            dp × micro-batch does not divide it are skipped.
+        max_tp: largest tensor-parallel degree (default: GPUs per node).
+        estimate_kwargs: passed to the estimator (grads, attention, lora_rank, ...).
+    """
+    t0 = time.perf_counter()
+    spec = resolve_model(model)
+    g = gpu if isinstance(gpu, GPU) else find_gpu(gpu, gpu_memory)
+    if not isinstance(n_gpus, int) or n_gpus <= 0:
+        raise ValueError(f"n_gpus must be a positive integer, got {n_gpus!r}")
+    gb = global_batch or max(n_gpus, 256)
+    if gb <= 0:
+        raise ValueError(f"global_batch must be positive, got {gb}")
+    training = Training(precision, optimizer, estimate_kwargs.get("grads", "compute"),
+                        estimate_kwargs.get("offload_optimizer", False),
+                        estimate_kwargs.get("lora_rank", 0), estimate_kwargs.get("base_quant"))  # fmt: skip
+    seq = seq_len or (spec.max_seq if spec.is_decoder else 1)
+    job = Plan(spec, training, g, seq, **{k: v for k, v in estimate_kwargs.items()
+                                          if k in ("attention", "dropout", "keep_logits")})  # fmt: skip
+    bill_kwargs = dict(precision=precision, optimizer=optimizer, seq_len=seq_len, **estimate_kwargs)
+    configs, rows, owner = [], [], []
+    tp_cap = max_tp or g.gpus_per_node
+    for tp, pp in itertools.product(_divisors(n_gpus), repeat=2):
+        if tp > tp_cap or n_gpus % (tp * pp):
+            continue
+        dp = n_gpus // (tp * pp)
+        for ep, z, sp, mb, rc in itertools.product(
+            _divisors(dp) if spec.is_moe else [1], zero, (False, True), micro_batches, recompute
+        ):
+            if (sp and tp == 1) or (z and dp == 1) or gb % (dp * mb):
+                continue
+            try:
+                lay = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=z, sp=sp)
+            except ValueError:
+                continue
+            if lay.errors(spec, seq_len=seq):
+                continue
+            ga = gb // (dp * mb)
+            for x in job.terms(lay, mb, rc, ga, None):
+                rows.append(x)
+                owner.append(len(configs))
+            configs.append((lay, mb, rc, ga))
+    if not configs:
+        return PlanResult(spec, g, n_gpus, [], 0, time.perf_counter() - t0, bill_kwargs)
+    res = sweep(np.asarray(rows, dtype=np.float64), np.asarray(owner, dtype=np.int64), len(configs))
+    cands = []
+    for (lay, mb, rc, ga), r in zip(configs, res):
+        if r[6] <= g.total_bytes:
+            step, bubble, comm = _proxy(spec, g, lay, mb, rc, ga, seq, training)
+            cands.append(Candidate(lay, mb, rc, ga, int(r[6]), step, bubble, comm))
+    cands.sort(key=lambda c: (c.step_seconds, c.total_bytes))
+    return PlanResult(spec, g, n_gpus, cands, len(configs), time.perf_counter() - t0, bill_kwargs)
+
+
+def _proxy(spec: ModelSpec, g: GPU, lay: Layout, mb: int, rc: str, ga: int, seq: int,
+           tr: Training) -> tuple[float, float, float]:  # fmt: skip
+    """(step seconds, bubble fraction, communication bytes per GPU) of the throughput proxy."""
+    tokens = lay.dp * mb * ga * seq
+    compute = 6 * spec.n_params * tokens / (lay.n_gpus * g.bf16_tflops * 1e12 * MFU)
+    rc_cost = RECOMPUTE_COST.get(rc, RECOMPUTE_COST["full"])
+    bubble = (lay.pp - 1) / (ga * lay.vpp) if lay.pp > 1 else 0.0
+    bubble = min(bubble, 0.95)
+    p_rank = spec.n_params / (lay.tp * lay.pp)
+    dp_bytes = 2 * p_rank * tr.grad_bytes * (1.5 if lay.stage >= 3 else 1.0) if lay.dp > 1 else 0.0
+    tp_bytes = 4 * spec.n_layers / lay.pp * ga * mb * seq * spec.hidden * tr.compute_bytes if lay.tp > 1 else 0.0
+    intra = g.intra_gbps * 1e9 or g.inter_gbps * 1e9
+    dp_bw = intra if lay.n_gpus <= g.gpus_per_node else g.inter_gbps * 1e9
+    comm = dp_bytes / dp_bw + tp_bytes / intra
+    step = compute * (1 + rc_cost) / (1 - bubble) + EXPOSED_COMM * comm
+    return step, bubble, dp_bytes + tp_bytes
+
+
+def min_gpus(model: Any, *, gpu: str | GPU = "H100-80GB", max_gpus: int = 4096, **kwargs: Any) -> PlanResult:
+    """The smallest GPU count (powers of two up to ``max_gpus``, then refined over multiples
+    of the node size) with at least one fitting layout."""
+    g = gpu if isinstance(gpu, GPU) else find_gpu(gpu, kwargs.pop("gpu_memory", None))
+    n, last = 1, None
+    while n <= max_gpus:
+        res = plan(model, gpu=g, n_gpus=n, **kwargs)
+        if res.candidates:
+            lo = n // 2 + 1 if n > 1 else 1
+            step = g.gpus_per_node if lo > g.gpus_per_node else 1
+            for m in range(max(lo, step) - (max(lo, step) % step or 0), n, step):
+                if m <= 0 or m < lo:
+                    continue
+                r = plan(model, gpu=g, n_gpus=m, **kwargs)
+                if r.candidates:
+                    return r
+            return res
+        last = res
+        n *= 2
+    assert last is not None
+    return last

@@ -1,0 +1,71 @@
+"""Planner: the numba sweep agrees with the estimator; economics and job scripts."""
+
+import math
+
+import pytest
+
+from gpumem.estimator import Layout, estimate
+from gpumem.planner import economics, k8s_job, min_gpus, plan, realised_loss, sbatch_header, young_daly
+
+
+def test_sweep_matches_estimate():
+    # Reference: the Python estimator, config by config (same formula, compiled vs not).
+    res = plan("llama-2-7b", n_gpus=8, seq_len=2048, micro_batches=(1, 2))
+    assert res.candidates and res.n_configs > len(res.candidates) > 0
+    for c in res.candidates[:: max(1, len(res.candidates) // 12)]:
+        bill = res.bill(c)
+        assert bill.per_gpu["total"] == c.total_bytes
+        assert bill.fits
+
+
+def test_nothing_fits_and_min_gpus():
+    assert plan("llama-2-70b", n_gpus=1, seq_len=1024).candidates == []
+    r = min_gpus("llama-2-70b", seq_len=1024, micro_batches=(1,))
+    assert r.candidates
+    # 16 B/param of 68.98 B params cannot fit below 1.10 TB / 79.6 GiB = 13 GPUs
+    assert r.n_gpus >= math.ceil(16 * 68_976_648_192 / (81559 * 2**20))
+    # above one node the search steps in whole nodes: one node fewer must not fit
+    assert plan("llama-2-70b", n_gpus=r.n_gpus - 8, seq_len=1024, micro_batches=(1,)).candidates == []
+
+
+def test_young_daly_and_motivating_scenario():
+    # Source: Young 1974 / Daly 2006: tau = sqrt(2 C MTBF). Issue #4: 64 H100 x 47 h x $3 = $9,024.
+    assert young_daly(2.0, 3600.0) == pytest.approx(math.sqrt(2 * 2 * 3600))
+    assert realised_loss(n_gpus=64, hours_lost=47, price_per_gpu_hour=3.0) == 9024.0
+    e = economics(n_gpus=64, price_per_gpu_hour=3.0, mtbf_hours=24, stall_s=2, persist_s=30, restart_s=0)
+    assert e.interval_s == pytest.approx(math.sqrt(2 * 2 * 24 * 3600))
+    assert e.loss_per_preemption_with_ckpt == pytest.approx((e.interval_s / 2 + 30) * 64 * 3 / 3600)
+    slow = economics(n_gpus=8, price_per_gpu_hour=3.0, preemption_rate=1.0, stall_s=1, persist_s=600)
+    assert slow.interval_s == 600  # the persist time bounds the interval
+    with pytest.raises(ValueError, match="exactly one"):
+        economics(n_gpus=8, price_per_gpu_hour=3.0)
+
+
+def test_job_scripts():
+    s = sbatch_header(n_gpus=64, gpus_per_node=8, time_limit_min=240, signal_s=300)
+    assert "#SBATCH --nodes=8" in s and "--requeue" in s and "--signal=B:TERM@300" in s and "GraceTime" in s
+    k = k8s_job(n_gpus=16, gpus_per_node=8, grace_s=300)
+    assert "terminationGracePeriodSeconds: 300" in k and "kueue.x-k8s.io/queue-name" in k
+    assert "parallelism: 2" in k
+    with pytest.raises(ValueError, match="multiple"):
+        sbatch_header(n_gpus=12, gpus_per_node=8)
+
+
+def test_cli_never_tracebacks(capsys):
+    from gpumem.cli import main
+
+    assert main(["estimate", "lama-2-70b"]) == 2
+    assert "did you mean llama-2-70b" in capsys.readouterr().err
+    assert main(["estimate", "gpt2", "--gpu", "H1000"]) == 2
+    assert "--gpu-memory" in capsys.readouterr().err
+    assert main(["estimate", "/nonexistent/config.json"]) == 2
+    assert main(["estimate", "llama-2-7b", "--gpus", "8", "--tp", "3"]) == 2
+    assert main(["estimate", "gpt2", "--batch-size", "-1"]) == 2
+    import json
+
+    assert main(["estimate", "llama-2-7b", "--json", "--seq-len", "512"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"n_params", "per_gpu", "fits", "headroom_bytes", "cluster_model_state_bytes"}
+    assert out["per_gpu"] == estimate("llama-2-7b", seq_len=512).per_gpu
+    assert main(["plan", "llama-2-7b", "--gpus", "8", "--seq-len", "1024", "--mtbf-hours", "12", "--k8s"]) == 0
+    assert "terminationGracePeriodSeconds" in capsys.readouterr().out
