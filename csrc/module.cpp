@@ -1,9 +1,235 @@
 // nanobind bindings for gpumem._C. Each concern lives in its own file; this one only binds.
+// Buffers arrive as 1-D uint8 arrays (buffer protocol / DLPack, no torch C++ ABI); the Python
+// modules (gpumem/checksum.py, writer.py, arena.py) turn user objects into those views.
+#include <Python.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "arena.h"
+#include "crc32c.h"
+#include "cuda_api.h"
+#include "parallel.h"
+#include "writer.h"
 
 namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+using Bytes = nb::ndarray<const uint8_t, nb::ndim<1>, nb::device::cpu>;
+using MutBytes = nb::ndarray<uint8_t, nb::ndim<1>, nb::device::cpu>;
+using MutInt64 = nb::ndarray<int64_t, nb::ndim<1>, nb::device::cpu>;
+
+template <typename Array>
+void require_dense(const Array& a, const char* what) {
+  if (a.shape(0) > 1 && a.stride(0) != 1)
+    throw std::invalid_argument(std::string(what) + " must be contiguous (stride " +
+                                std::to_string(a.stride(0)) + "); pass a contiguous copy");
+}
+
+gpumem::crc32c::Impl parse_impl(const std::string& impl) {
+  if (impl == "auto") return gpumem::crc32c::Impl::Auto;
+  if (impl == "table") return gpumem::crc32c::Impl::Table;
+  if (impl == "hardware") return gpumem::crc32c::Impl::Hardware;
+  throw std::invalid_argument("impl must be 'auto', 'table' or 'hardware', got '" + impl + "'");
+}
+
+uint32_t crc_value(int64_t value) {
+  if (value < 0 || value > 0xFFFFFFFFll)
+    throw std::invalid_argument("value must be a CRC32C in [0, 2**32), got " + std::to_string(value));
+  return static_cast<uint32_t>(value);
+}
+
+nb::dict status_dict(const gpumem::cuda::Status& s) {
+  nb::dict d;
+  d["attempted"] = s.attempted;
+  d["available"] = s.available;
+  d["library"] = s.library;
+  d["device_count"] = s.device_count;
+  d["reason"] = s.reason;
+  return d;
+}
+
+}  // namespace
 
 NB_MODULE(_C, m) {
+  using namespace gpumem;
   m.doc() = "gpumem native core (private; use the gpumem Python modules)";
   m.attr("__version__") = "0.1.0";
+  // Arena memory is owned by torch tensors made from it, which the interpreter may still hold at
+  // exit (module globals are not collected in order); that is not a reference leak.
+  nb::set_leak_warnings(false);
+
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const io::SysError& e) {
+      // OSError(errno, text, filename) picks the subclass (PermissionError, ...) and sets .filename.
+      const std::string text = std::string(std::strerror(e.err)) + " (" + e.what() + ")";
+      PyObject* args = Py_BuildValue("(iss)", e.err, text.c_str(), e.path.c_str());
+      if (args) {
+        PyErr_SetObject(PyExc_OSError, args);
+        Py_DECREF(args);
+      }
+    }
+  });
+
+  // ---- threads ----
+  m.def("num_threads", &num_threads, "Threads the native core uses by default.");
+  m.def("set_num_threads", &set_num_threads, "n"_a,
+        "Set the default thread count (<= 0: hardware concurrency).");
+
+  // ---- CRC32C ----
+  m.def(
+      "crc32c",
+      [](Bytes data, int64_t value, const std::string& impl, int threads) {
+        require_dense(data, "data");
+        const auto kind = parse_impl(impl);
+        const uint32_t start = crc_value(value);
+        nb::gil_scoped_release release;
+        return crc32c::extend_parallel(start, data.data(), data.shape(0), threads, kind);
+      },
+      "data"_a.noconvert(), "value"_a = 0, "impl"_a = "auto", "threads"_a = 0,
+      "CRC32C of a 1-D uint8 buffer, extending the running CRC `value`.");
+  m.def(
+      "crc32c_combine",
+      [](int64_t a, int64_t b, int64_t len_b) {
+        if (len_b < 0) throw std::invalid_argument("len_b must be >= 0, got " + std::to_string(len_b));
+        return crc32c::combine(crc_value(a), crc_value(b), static_cast<uint64_t>(len_b));
+      },
+      "crc_a"_a, "crc_b"_a, "len_b"_a, "CRC32C of a + b from crc(a), crc(b) and len(b).");
+  m.def(
+      "chunk_crc32c",
+      [](Bytes data, int64_t chunk_bytes, MutInt64 out, const std::string& impl, int threads) {
+        require_dense(data, "data");
+        require_dense(out, "out");
+        if (chunk_bytes <= 0)
+          throw std::invalid_argument("chunk_bytes must be positive, got " + std::to_string(chunk_bytes));
+        const size_t n = data.shape(0);
+        const size_t chunk = static_cast<size_t>(chunk_bytes);
+        const size_t count = (n + chunk - 1) / chunk;
+        if (out.shape(0) != count)
+          throw std::invalid_argument("out has " + std::to_string(out.shape(0)) + " entries, need " +
+                                      std::to_string(count));
+        const auto kind = parse_impl(impl);
+        nb::gil_scoped_release release;
+        crc32c::chunks(data.data(), n, chunk, out.data(), threads, kind);
+      },
+      "data"_a.noconvert(), "chunk_bytes"_a, "out"_a.noconvert(), "impl"_a = "auto", "threads"_a = 0,
+      "Write one CRC32C per chunk_bytes-sized chunk of data into out (int64).");
+  m.def("crc32c_hardware", &crc32c::hardware_name,
+        "'sse4.2', 'armv8-crc' or 'table': the CRC32C path this CPU uses.");
+
+  // ---- file I/O ----
+  m.def(
+      "write_file",
+      [](const std::string& path, const std::vector<int64_t>& offsets, const std::vector<Bytes>& buffers,
+         int64_t size, int threads, bool fsync, bool direct) {
+        if (offsets.size() != buffers.size())
+          throw std::invalid_argument("got " + std::to_string(offsets.size()) + " offsets but " +
+                                      std::to_string(buffers.size()) + " buffers");
+        std::vector<io::Piece> pieces;
+        pieces.reserve(buffers.size());
+        for (size_t i = 0; i < buffers.size(); ++i) {
+          require_dense(buffers[i], "each buffer");
+          if (offsets[i] < 0)
+            throw std::invalid_argument("piece " + std::to_string(i) + " has a negative file offset " +
+                                        std::to_string(offsets[i]));
+          pieces.push_back({static_cast<uint64_t>(offsets[i]), buffers[i].data(), buffers[i].shape(0)});
+        }
+        io::WriteOptions opts;
+        opts.size = size;
+        opts.threads = threads;
+        opts.fsync = fsync;
+        opts.direct = direct;
+        io::WriteResult r;
+        {
+          nb::gil_scoped_release release;
+          r = io::write_file(path, pieces, opts);
+        }
+        return std::make_tuple(r.bytes, r.direct_bytes);
+      },
+      "path"_a, "offsets"_a, "buffers"_a.noconvert(), "size"_a = -1, "threads"_a = 0, "fsync"_a = true,
+      "direct"_a = false, "Write pieces in parallel; returns (bytes written, bytes via O_DIRECT).");
+  m.def(
+      "fsync_dir",
+      [](const std::string& path) {
+        nb::gil_scoped_release release;
+        io::fsync_dir(path);
+      },
+      "path"_a, "fsync a directory.");
+  m.def(
+      "read_into",
+      [](const std::string& path, int64_t offset, MutBytes out, int threads) {
+        require_dense(out, "out");
+        if (offset < 0) throw std::invalid_argument("offset must be >= 0, got " + std::to_string(offset));
+        nb::gil_scoped_release release;
+        return io::read_into(path, static_cast<uint64_t>(offset), out.data(), out.shape(0), threads);
+      },
+      "path"_a, "offset"_a, "out"_a.noconvert(), "threads"_a = 0,
+      "Read exactly len(out) bytes at offset into out.");
+
+  // ---- CUDA runtime ----
+  m.def(
+      "cuda_load",
+      [](bool disabled, const std::string& library) {
+        const cuda::Status* s;
+        {
+          nb::gil_scoped_release release;  // cudaGetDeviceCount may take a while (driver init)
+          s = &cuda::load(disabled, library);
+        }
+        return status_dict(*s);
+      },
+      "disabled"_a, "library"_a, "Load the CUDA runtime once; returns its status dict.");
+  m.def("cuda_status", [] { return status_dict(cuda::status()); }, "Status of the CUDA runtime.");
+
+  // ---- host arena ----
+  nb::class_<arena::HostBuffer>(m, "HostBuffer", "Page-aligned host memory, optionally pinned.")
+      .def(nb::init<size_t, size_t>(), "nbytes"_a, "alignment"_a = 4096)
+      .def_prop_ro("nbytes", &arena::HostBuffer::size)
+      .def_prop_ro("data_ptr", [](const arena::HostBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
+      .def_prop_ro("pinning", &arena::HostBuffer::pinning)
+      .def_prop_ro("pinned_bytes", &arena::HostBuffer::pinned_bytes)
+      .def(
+          "array",
+          [](nb::object self) {
+            auto& b = nb::cast<arena::HostBuffer&>(self);
+            // The array (and any torch tensor made from it) keeps this HostBuffer alive.
+            return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(b.data(), {b.size()}, self);
+          },
+          "The whole buffer as a writable 1-D uint8 numpy array (no copy).")
+      .def("start_pinning", &arena::HostBuffer::start_pinning,
+           "Register with cudaHostRegister in <= 1 GiB chunks, in a background thread.")
+      .def("wait_pinned", &arena::HostBuffer::wait_pinned, "timeout_s"_a = -1.0,
+           nb::call_guard<nb::gil_scoped_release>(), "Wait for pinning; True when done.")
+      .def(
+          "copy_in",
+          [](arena::HostBuffer& b, const std::vector<Bytes>& sources, const std::vector<int64_t>& offsets,
+             int threads) {
+            std::vector<const uint8_t*> ptrs;
+            std::vector<size_t> sizes;
+            std::vector<uint64_t> offs;
+            for (size_t i = 0; i < sources.size(); ++i) {
+              require_dense(sources[i], "each source");
+              ptrs.push_back(sources[i].data());
+              sizes.push_back(sources[i].shape(0));
+            }
+            for (int64_t o : offsets) {
+              if (o < 0) throw std::invalid_argument("copy_in: negative offset " + std::to_string(o));
+              offs.push_back(static_cast<uint64_t>(o));
+            }
+            nb::gil_scoped_release release;
+            b.copy_in(ptrs, sizes, offs, threads);
+          },
+          "sources"_a.noconvert(), "offsets"_a, "threads"_a = 0,
+          "Copy each 1-D uint8 source into the buffer at its offset, in parallel.");
 }

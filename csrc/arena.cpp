@@ -1,0 +1,142 @@
+// mmap-backed host buffers; pinning runs off the caller's thread because registering tens of GiB
+// takes seconds (the kernel faults in and locks every page).
+#include "arena.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <new>
+#include <stdexcept>
+
+#include "cuda_api.h"
+#include "parallel.h"
+
+namespace gpumem::arena {
+namespace {
+
+constexpr size_t kCopySplit = size_t(4) << 20;  // memcpy task size: a few MiB per thread wake-up
+constexpr size_t kHugePage = size_t(2) << 20;
+
+size_t page_size() {
+  const long p = sysconf(_SC_PAGESIZE);
+  return p > 0 ? static_cast<size_t>(p) : 4096;
+}
+
+}  // namespace
+
+HostBuffer::HostBuffer(size_t nbytes, size_t alignment) {
+  if (nbytes == 0) throw std::invalid_argument("arena size must be positive");
+  if (alignment < 64 || (alignment & (alignment - 1)) != 0)
+    throw std::invalid_argument("alignment must be a power of two >= 64, got " +
+                                std::to_string(alignment));
+  const size_t page = page_size();
+  const size_t align = alignment > page ? alignment : page;
+  // mmap gives page alignment; for a larger alignment map extra and start at the first boundary.
+  const size_t rounded = (nbytes + page - 1) / page * page;
+  mapped_ = rounded + (align > page ? align : 0);
+  void* p = mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw std::bad_alloc();
+  base_ = static_cast<uint8_t*>(p);
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(base_);
+  data_ = reinterpret_cast<uint8_t*>((addr + align - 1) / align * align);
+  size_ = nbytes;
+#ifdef MADV_HUGEPAGE
+  // Fewer TLB misses and page faults for multi-GiB staging copies; a hint only.
+  if (rounded >= 4 * kHugePage) madvise(base_, mapped_, MADV_HUGEPAGE);
+#endif
+}
+
+HostBuffer::~HostBuffer() {
+  pin_cancel_.store(true);
+  if (pin_thread_.joinable()) pin_thread_.join();
+  unpin_all();
+  if (base_) munmap(base_, mapped_);
+}
+
+void HostBuffer::start_pinning() {
+  const cuda::Status st = cuda::status();
+  if (!st.available)
+    throw std::runtime_error("cannot pin host memory: CUDA runtime not available (" +
+                             (st.attempted ? st.reason : std::string("not loaded yet")) + ")");
+  std::lock_guard<std::mutex> lock(pin_mu_);
+  if (pin_started_) return;
+  int device = 0;
+  std::string err;
+  if (cuda::get_device(&device, &err) != 0)
+    throw std::runtime_error("cannot pin host memory: cudaGetDevice failed: " + err);
+  pin_started_ = true;
+  pin_thread_ = std::thread([this, device] { pin_all(device); });
+}
+
+void HostBuffer::pin_all(int device) {
+  std::string err;
+  if (cuda::set_device(device, &err) != 0) {
+    std::lock_guard<std::mutex> lock(pin_mu_);
+    pin_error_ = "cudaSetDevice(" + std::to_string(device) + ") failed: " + err;
+  } else {
+    for (size_t off = 0; off < size_ && !pin_cancel_.load(); off += kPinChunk) {
+      const size_t n = size_ - off < kPinChunk ? size_ - off : kPinChunk;
+      if (cuda::host_register(data_ + off, n, &err) != 0) {
+        std::lock_guard<std::mutex> lock(pin_mu_);
+        pin_error_ = "cudaHostRegister of " + std::to_string(n) + " bytes at arena offset " +
+                     std::to_string(off) + " failed: " + err;
+        break;
+      }
+      {
+        std::lock_guard<std::mutex> lock(pin_mu_);
+        registered_.push_back(data_ + off);
+      }
+      pinned_bytes_.fetch_add(n);
+    }
+  }
+  pin_done_.store(true);
+}
+
+void HostBuffer::unpin_all() {
+  std::string err;
+  for (uint8_t* p : registered_) cuda::host_unregister(p, &err);  // best effort while freeing
+  registered_.clear();
+}
+
+bool HostBuffer::wait_pinned(double timeout_s) {
+  if (!pin_started_) return false;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  while (!pin_done_.load()) {
+    if (timeout_s >= 0 && std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::lock_guard<std::mutex> lock(pin_mu_);
+  if (!pin_error_.empty()) throw std::runtime_error(pin_error_);
+  return true;
+}
+
+void HostBuffer::copy_in(const std::vector<const uint8_t*>& sources, const std::vector<size_t>& sizes,
+                         const std::vector<uint64_t>& offsets, int threads) {
+  if (sources.size() != offsets.size() || sources.size() != sizes.size())
+    throw std::invalid_argument("copy_in: got " + std::to_string(sources.size()) + " sources but " +
+                                std::to_string(offsets.size()) + " offsets");
+  struct Task {
+    uint8_t* dst;
+    const uint8_t* src;
+    size_t n;
+  };
+  std::vector<Task> tasks;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    if (offsets[i] > size_ || sizes[i] > size_ - offsets[i])
+      throw std::invalid_argument("copy_in: source " + std::to_string(i) + " (" +
+                              std::to_string(sizes[i]) + " bytes at offset " +
+                              std::to_string(offsets[i]) + ") does not fit in the arena of " +
+                              std::to_string(size_) + " bytes");
+    for (size_t done = 0; done < sizes[i]; done += kCopySplit) {
+      const size_t n = sizes[i] - done < kCopySplit ? sizes[i] - done : kCopySplit;
+      tasks.push_back({data_ + offsets[i] + done, sources[i] + done, n});
+    }
+  }
+  parallel_for(
+      tasks.size(), [&](size_t i) { std::memcpy(tasks[i].dst, tasks[i].src, tasks[i].n); },
+      threads);
+}
+
+}  // namespace gpumem::arena

@@ -1,0 +1,64 @@
+// Host arena: one page-aligned allocation made once and reused, pinned (cudaHostRegister in chunks
+// of at most 1 GiB, in a background thread) on CUDA machines, plain memory elsewhere.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace gpumem::arena {
+
+constexpr size_t kPinChunk = size_t(1) << 30;  // cudaHostRegister granularity (spec: <= 1 GiB)
+
+class HostBuffer {
+ public:
+  // Allocates `nbytes` (> 0) aligned to `alignment` (a power of two >= 64). Throws std::bad_alloc
+  // when the memory is not there and std::invalid_argument for a bad alignment.
+  HostBuffer(size_t nbytes, size_t alignment);
+  // Waits for pinning, unregisters what was registered and frees the memory.
+  ~HostBuffer();
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+
+  uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+
+  // Starts registering the buffer with the CUDA runtime in a background thread, on the device
+  // current in the calling thread (so no context is created on GPU 0 for a rank using GPU 3).
+  // Throws std::runtime_error when the runtime is not available.
+  void start_pinning();
+  // Waits up to timeout_s (< 0: forever) for pinning; true when finished. Throws std::runtime_error
+  // with the CUDA message if registering failed.
+  bool wait_pinned(double timeout_s);
+  bool pinning() const { return pin_started_; }
+  size_t pinned_bytes() const { return pinned_bytes_.load(); }
+
+  // Multithreaded copy of sources[i] (sizes[i] bytes) to data() + offsets[i]; bounds-checked first
+  // (std::invalid_argument naming the piece). Large pieces are split so all threads share the work.
+  void copy_in(const std::vector<const uint8_t*>& sources, const std::vector<size_t>& sizes,
+               const std::vector<uint64_t>& offsets, int threads);
+
+ private:
+  void pin_all(int device);
+  void unpin_all();
+
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+  size_t mapped_ = 0;  // bytes mapped (size rounded up to the alignment/page)
+  uint8_t* base_ = nullptr;
+
+  bool pin_started_ = false;
+  std::thread pin_thread_;
+  std::mutex pin_mu_;
+  std::atomic<bool> pin_done_{false};
+  std::atomic<bool> pin_cancel_{false};
+  std::atomic<size_t> pinned_bytes_{0};
+  std::vector<uint8_t*> registered_;  // chunk starts registered so far (pin thread, then dtor)
+  std::string pin_error_;
+};
+
+}  // namespace gpumem::arena

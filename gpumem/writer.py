@@ -1,0 +1,133 @@
+"""Parallel file writes and reads through the native core (pwrite/pread on a thread pool).
+
+Checkpoint shards are written as many ``(file offset, buffer)`` pieces into one file: the native
+core splits big pieces into 8 MiB sub-ranges, writes them with ``pwrite`` from several threads with
+the GIL released, continues short writes, then ``fdatasync``s. Every failure surfaces as an
+``OSError`` carrying ``errno`` and ``filename`` (ENOSPC, EFBIG, EIO, EACCES, ...); a failed write
+leaves a partial file behind, so write to a temporary name, then rename and :func:`fsync_dir`.
+
+Example:
+    >>> import torch
+    >>> from gpumem.writer import write_file, read_into, fsync_dir
+    >>> a, b = torch.arange(4, dtype=torch.float32), torch.ones(2, dtype=torch.float64)
+    >>> write_file("/tmp/shard.tmp", [(0, a), (16, b)], size=32)
+    32
+    >>> out = torch.empty(32, dtype=torch.uint8)
+    >>> read_into("/tmp/shard.tmp", 0, out)
+    32
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from gpumem._native import byte_view, load, resolve_threads
+
+__all__ = ["fsync_dir", "read_into", "write_file"]
+
+PathLike = str | os.PathLike
+
+
+def write_file(
+    path: PathLike,
+    pieces: Iterable[tuple[int, Any]],
+    *,
+    size: int | None = None,
+    threads: int | None = None,
+    fsync: bool = True,
+    direct: bool = False,
+) -> int:
+    """Create or truncate ``path`` and write every piece at its offset, in parallel.
+
+    Args:
+        path: the file to write.
+        pieces: ``(file_offset, buffer)`` pairs; a buffer is bytes-like, a numpy array or a
+            contiguous CPU torch tensor (its bytes in memory order). Gaps between pieces read
+            back as zeros.
+        size: if given, the file is truncated/extended to exactly this many bytes afterwards.
+        threads: writer threads (default: GPUMEM_THREADS or the number of cores).
+        fsync: ``fdatasync`` the file before returning (its directory entry needs
+            :func:`fsync_dir`).
+        direct: write through ``O_DIRECT`` (bypassing the page cache) the part of each piece whose
+            buffer address, file offset and length are multiples of 4096 (e.g. buffers from
+            :class:`gpumem.arena.HostArena` at 4096-aligned offsets); unaligned heads and tails
+            go through the page cache. A file system that refuses ``O_DIRECT`` (tmpfs: EINVAL)
+            gets buffered writes instead of an error.
+
+    Returns:
+        Bytes written (the sum of the piece lengths).
+
+    Raises:
+        OSError: with ``errno`` and ``filename`` set, for any failed open/pwrite/ftruncate/
+            fdatasync/close.
+        ValueError: negative offsets or size, non-contiguous or non-CPU buffers.
+    """
+    offsets: list[int] = []
+    buffers: list[Any] = []
+    for i, piece in enumerate(pieces):
+        try:
+            offset, buffer = piece
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"pieces[{i}] must be a (file_offset, buffer) pair, got {piece!r:.80}"
+            ) from None
+        offsets.append(_nonneg(offset, f"pieces[{i}] file offset"))
+        buffers.append(byte_view(buffer, what=f"pieces[{i}] buffer"))
+    total_size = -1 if size is None else _nonneg(size, "size")
+    written, _direct_bytes = load().write_file(
+        _path(path),
+        offsets,
+        buffers,
+        total_size,
+        resolve_threads(threads),
+        bool(fsync),
+        bool(direct),
+    )
+    return written
+
+
+def fsync_dir(path: PathLike) -> None:
+    """``fsync`` a directory so that a file created or renamed in it survives a crash.
+
+    Raises:
+        OSError: with ``errno`` and ``filename`` (e.g. ENOENT, ENOTDIR).
+    """
+    load().fsync_dir(_path(path))
+
+
+def read_into(path: PathLike, offset: int, out: Any, *, threads: int | None = None) -> int:
+    """Read exactly ``len(out)`` bytes of ``path`` starting at ``offset`` into ``out``.
+
+    Large reads are split into 8 MiB ``pread`` calls on the thread pool.
+
+    Args:
+        path: the file to read.
+        offset: byte offset in the file.
+        out: a writable buffer: bytearray, numpy array or contiguous CPU tensor (filled bytewise).
+        threads: reader threads (default: GPUMEM_THREADS or the number of cores).
+
+    Returns:
+        Bytes read (always the size of ``out``).
+
+    Raises:
+        OSError: with ``errno`` and ``filename``; EIO when the file ends before ``out`` is full.
+    """
+    view = byte_view(out, writable=True, what="out")
+    return load().read_into(_path(path), _nonneg(offset, "offset"), view, resolve_threads(threads))
+
+
+def _path(path: PathLike) -> str:
+    return os.fsdecode(os.fspath(path))
+
+
+def _nonneg(value: Any, name: str) -> int:
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if v < 0:
+        raise ValueError(f"{name} must be >= 0, got {v}")
+    return v

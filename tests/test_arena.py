@@ -1,0 +1,164 @@
+"""gpumem.arena.HostArena: aligned allocation, aliasing views, threaded copies, lifetime, pinning."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from gpumem._native import cuda_runtime
+from gpumem.arena import HostArena
+
+
+def rand_bytes(n: int, seed: int = 0) -> bytes:
+    return random.Random(seed * 31 + n).randbytes(n)
+
+
+@pytest.mark.parametrize("alignment", [64, 4096, 2 << 20])
+def test_allocation_is_aligned(alignment):
+    with HostArena(12345, pinned=False, alignment=alignment) as arena:
+        assert arena.nbytes == 12345 and arena.pinned is False
+        assert arena.data_ptr % max(alignment, 4096) == 0
+        assert arena.view(0, 12345).data_ptr() == arena.data_ptr
+
+
+def test_views_alias_the_arena():
+    with HostArena(1 << 16, pinned=False) as arena:
+        a = arena.view(100, 50)
+        a.copy_(torch.arange(50, dtype=torch.uint8))
+        b = arena.view(120, 10)
+        assert b.tolist() == list(range(20, 30))
+        assert a.data_ptr() == arena.data_ptr + 100
+        f = arena.tensor(4096, torch.float32, (4, 8))
+        f.fill_(1.5)
+        assert arena.view(4096, 4).tolist() == list(np.float32(1.5).tobytes())
+        assert arena.tensor(4096, torch.float32, 32).shape == (32,)
+        assert arena.tensor(4096, torch.bfloat16, (0,)).numel() == 0
+
+
+def test_tensor_offset_and_bounds_errors():
+    with HostArena(4096, pinned=False) as arena:
+        with pytest.raises(
+            ValueError, match="offset 2 is not a multiple of the torch.float32 item size 4"
+        ):
+            arena.tensor(2, torch.float32, (4,))
+        with pytest.raises(ValueError, match="outside the arena of 4096 bytes"):
+            arena.tensor(4000, torch.float64, (13,))
+        with pytest.raises(ValueError, match="outside the arena"):
+            arena.view(-1, 10)
+        with pytest.raises(TypeError, match="offset must be an int"):
+            arena.view(1.5, 10)
+
+
+def test_copy_in_many_dtypes_and_buffer_kinds():
+    sources = [
+        torch.randn(100, 7).to(torch.bfloat16),
+        torch.tensor([True, False, True]),
+        torch.randn(9, dtype=torch.complex128),
+        np.arange(1000, dtype=np.int32),
+        rand_bytes(777, 1),
+        bytearray(rand_bytes(5, 2)),
+        torch.empty(0),
+    ]
+    offsets, expected, offset = [], bytearray(), 0
+    for s in sources:
+        raw = (
+            bytes(s.untyped_storage())
+            if isinstance(s, torch.Tensor)
+            else bytes(memoryview(s).cast("B"))
+        )
+        offset += (-offset) % 64  # 64-byte slots, as a stager would lay them out
+        offsets.append(offset)
+        expected[len(expected) :] = b"\0" * (offset - len(expected)) + raw
+        offset += len(raw)
+    with HostArena(len(expected), pinned=False) as arena:
+        arena.view(0, len(expected)).zero_()
+        arena.copy_in(sources, offsets)
+        assert arena.view(0, len(expected)).numpy().tobytes() == bytes(expected)
+
+
+@pytest.mark.parametrize("threads", [None, 1, 2, 5])
+def test_copy_in_large_sources(threads):
+    big = torch.from_numpy(np.frombuffer(rand_bytes((11 << 20) + 3, 3), np.uint8).copy())
+    small = torch.arange(1000, dtype=torch.int64)
+    with HostArena((12 << 20) + 8192, pinned=False) as arena:
+        arena.copy_in([big, small], [5, (11 << 20) + 4096], threads=threads)
+        assert torch.equal(arena.view(5, big.numel()), big)
+        assert torch.equal(arena.tensor((11 << 20) + 4096, torch.int64, 1000), small)
+
+
+def test_copy_in_errors():
+    with HostArena(1000, pinned=False) as arena:
+        with pytest.raises(
+            ValueError,
+            match=r"source 1 \(100 bytes at offset 950\) does not fit in the arena of 1000 bytes",
+        ):
+            arena.copy_in([b"x" * 10, b"y" * 100], [0, 950])
+        with pytest.raises(ValueError, match="2 sources but 1 offsets"):
+            arena.copy_in([b"a", b"b"], [0])
+        with pytest.raises(ValueError, match=r"sources\[0\] is not contiguous"):
+            arena.copy_in([torch.ones(4, 4).t()], [0])
+        with pytest.raises(ValueError, match="negative offset"):
+            arena.copy_in([b"a"], [-1])
+
+
+def test_close_and_view_lifetime():
+    arena = HostArena(1 << 20, pinned=False)
+    keep = arena.tensor(8, torch.int32, (5,))
+    keep.copy_(torch.arange(5, dtype=torch.int32))
+    arena.close()
+    arena.close()  # idempotent
+    assert arena.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        arena.view(0, 1)
+    with pytest.raises(RuntimeError, match="closed"):
+        arena.copy_in([b"a"], [0])
+    gc.collect()
+    assert keep.tolist() == [0, 1, 2, 3, 4]  # a live view keeps the memory valid
+    with HostArena(64, pinned=False) as other:
+        pass
+    assert other.closed
+
+
+def test_bad_construction():
+    with pytest.raises(ValueError, match="nbytes must be positive"):
+        HostArena(0)
+    with pytest.raises(ValueError, match="alignment must be a power of two"):
+        HostArena(100, alignment=100)
+    with pytest.raises(MemoryError):
+        HostArena(1 << 62, pinned=False)
+
+
+def test_default_pinning_follows_cuda_runtime():
+    with HostArena(4096) as arena:
+        assert arena.pinned == cuda_runtime().available
+        if not arena.pinned:
+            assert arena.wait_pinned() is False and arena.pinned_bytes == 0
+
+
+def test_pinned_true_without_cuda_is_a_clear_error():
+    if cuda_runtime().available:
+        pytest.skip("the CUDA runtime is available here")
+    with pytest.raises(
+        RuntimeError,
+        match=r"HostArena\(pinned=True\) needs the CUDA runtime, but CUDA runtime not loaded",
+    ):
+        HostArena(4096, pinned=True)
+
+
+@pytest.mark.gpu
+def test_pinned_arena_on_gpu():
+    n = (1 << 30) + (3 << 20)  # two registration chunks
+    with HostArena(n, pinned=True) as arena:
+        assert arena.pinned
+        assert arena.wait_pinned(timeout=120) is True
+        assert arena.pinned_bytes == n
+        src = torch.randn(1 << 20, device="cuda")
+        dst = arena.tensor((1 << 30) - 4096, torch.float32, src.shape)  # spans both chunks
+        assert dst.is_pinned()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(dst.cuda(), src)
