@@ -1,0 +1,186 @@
+"""The wiring: every hook the profiler installs, and its guaranteed removal.
+
+Phases come from hooks, so users add no markers:
+
+- module forward pre/post hooks (``always_call`` so an exception still pops the frame);
+- per-call multi-grad hooks for each module's backward: the first gradient of any output starts
+  it, the gradients of all inputs end it (modules whose inputs need no grad end with backward);
+- ``saved_tensors_hooks``: which storages autograd keeps for backward (activations);
+- ``register_post_accumulate_grad_hook`` on parameters: when a storage becomes a ``.grad``;
+- the optimizer's step pre/post hooks, and ``zero_grad`` (counted in the optimizer phase);
+- ``torch.utils.checkpoint``'s non-reentrant generator: the inputs it keeps for recomputation are
+  the activations of a checkpointed region (the reentrant variant saves them through autograd,
+  which the saved-tensor hooks already see).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+if TYPE_CHECKING:
+    from gpumem.profiler.session import Profile
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
+
+
+def _grad_tensors(obj: Any) -> list[torch.Tensor]:
+    return [t for t in _tensors(obj) if t.requires_grad]
+
+
+class HookSet:
+    """Installs the hooks for one profile region; ``remove()`` undoes every one of them."""
+
+    def __init__(self, prof: Profile) -> None:
+        self.prof = prof
+        self._undo: list[Callable[[], None]] = []
+        self._saved_hooks: Any = None
+
+    def install(self) -> None:
+        try:
+            self._install_modules()
+            self._install_params()
+            self._install_optimizer()
+            self._install_checkpoint()
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._saved_hooks.__enter__()
+            self._undo.append(lambda: self._saved_hooks.__exit__(None, None, None))
+        except BaseException:
+            self.remove()
+            raise
+
+    def remove(self) -> None:
+        """Undo in reverse order; every step runs even if one fails."""
+        errors = []
+        while self._undo:
+            try:
+                self._undo.pop()()
+            except Exception as exc:  # noqa: BLE001 - keep removing, report the first failure
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    # -- modules -------------------------------------------------------------------------------
+    def _install_modules(self) -> None:
+        prof = self.prof
+        for fqn, mod in prof.model.named_modules(remove_duplicate=False):
+            if id(mod) in prof.fqn_of and prof.fqn_of[id(mod)] != fqn:
+                continue  # a module reachable under two names is reported under the first
+            pre = mod.register_forward_pre_hook(
+                functools.partial(self._fw_pre, fqn), with_kwargs=True
+            )
+            post = mod.register_forward_hook(
+                functools.partial(self._fw_post, fqn), with_kwargs=True, always_call=True
+            )
+            self._undo.append(pre.remove)
+            self._undo.append(post.remove)
+
+    def _fw_pre(self, fqn: str, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        self.prof.forward_enter(fqn, module, args, kwargs)
+
+    def _fw_post(self, fqn: str, module: torch.nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+        frame = self.prof.forward_exit(fqn)
+        if frame is None or frame.in_backward or not torch.is_grad_enabled():
+            return
+        outs = _grad_tensors(out)
+        if not outs:
+            return
+        holder: list[Any] = [None]
+        torch.autograd.graph.register_multi_grad_hook(
+            outs, functools.partial(self._bw_pre, fqn, holder), mode="any"
+        )
+        # leaves are left out: autograd.grad() cannot ask whether it will reach a leaf node, and
+        # a module fed only by leaves ends its backward when the pass ends anyway
+        ins = [t for t in _grad_tensors((args, kwargs)) if t.grad_fn is not None]
+        if ins:
+            torch.autograd.graph.register_multi_grad_hook(
+                ins, functools.partial(self._bw_post, holder)
+            )
+
+    def _bw_pre(self, fqn: str, holder: list[Any], _grads: Any) -> None:
+        holder[0] = self.prof.backward_enter(fqn)
+
+    def _bw_post(self, holder: list[Any], _grads: Any) -> None:
+        if holder[0] is not None:
+            self.prof.backward_exit(holder[0])
+            holder[0] = None
+
+    # -- parameters ----------------------------------------------------------------------------
+    def _install_params(self) -> None:
+        for p, owner in self.prof.param_owner.values():
+            if p.requires_grad:
+                h = p.register_post_accumulate_grad_hook(
+                    functools.partial(self._grad_ready, owner)
+                )
+                self._undo.append(h.remove)
+
+    def _grad_ready(self, owner: str, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self.prof.gradient_ready(p.grad, owner)
+
+    # -- optimizer -----------------------------------------------------------------------------
+    def _install_optimizer(self) -> None:
+        opt = self.prof.optimizer
+        if opt is None:
+            return
+        pre = opt.register_step_pre_hook(lambda *_: self.prof.optimizer_enter())
+        post = opt.register_step_post_hook(lambda *_: self.prof.optimizer_exit())
+        self._undo.append(pre.remove)
+        self._undo.append(post.remove)
+        had_own = "zero_grad" in vars(opt)
+        original = opt.zero_grad
+
+        @functools.wraps(original)
+        def zero_grad(*args: Any, **kwargs: Any) -> Any:
+            with self.prof.optimizer_phase():
+                return original(*args, **kwargs)
+
+        opt.zero_grad = zero_grad
+
+        def restore() -> None:
+            if had_own:
+                opt.zero_grad = original
+            else:
+                del opt.zero_grad
+
+        self._undo.append(restore)
+
+    # -- activation checkpointing --------------------------------------------------------------
+    def _install_checkpoint(self) -> None:
+        import torch.utils.checkpoint as ckpt
+
+        original = getattr(ckpt, "_checkpoint_without_reentrant_generator", None)
+        if original is None:  # pragma: no cover - present in every supported torch (2.5+)
+            return
+        prof = self.prof
+
+        @functools.wraps(original)
+        def generator(fn: Any, *args: Any, **kwargs: Any):
+            prof.checkpoint_inputs(fn, _tensors((args, kwargs)))
+            return (yield from original(fn, *args, **kwargs))
+
+        ckpt._checkpoint_without_reentrant_generator = generator
+        self._undo.append(lambda: setattr(ckpt, "_checkpoint_without_reentrant_generator", original))
+
+    # -- saved tensors -------------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.prof.saved_for_backward(t)
+        # Hand autograd a detached alias, never ``t`` itself: a saved output holding its own
+        # grad_fn would form a reference cycle that outlives the graph. Autograd rebuilds the
+        # grad_fn/leaf metadata on unpack, so double backward is unaffected.
+        tracker = self.prof.tracker
+        tracker.paused = True
+        try:
+            return t.detach()
+        finally:
+            tracker.paused = False
+
+    @staticmethod
+    def _unpack(t: torch.Tensor) -> torch.Tensor:
+        return t

@@ -1,0 +1,118 @@
+"""Pictures of a report: a matplotlib PNG and a Chrome/Perfetto trace (matplotlib imported lazily)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gpumem.profiler.categories import PHASES
+
+if TYPE_CHECKING:
+    from gpumem.profiler.report import Report
+
+_COLORS = {
+    "weights": "#4e79a7", "gradients": "#f28e2b", "optimizer": "#e15759",
+    "activations": "#76b7b2", "temporary": "#edc948", "inputs": "#b07aa1",
+}
+_PHASE_COLORS = {"forward": "#d4e6f1", "backward": "#fadbd8", "optimizer": "#d5f5e3"}
+_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+
+
+def _unit(n: int) -> tuple[str, int]:
+    for name, scale in _UNITS:
+        if n >= scale:
+            return name, scale
+    return "B", 1
+
+
+def _bar_layers(rep: Report, depth: int | None) -> list[str]:
+    """Modules drawn as bars: the top level, with numbered containers (ModuleList, Sequential
+    stacks of blocks) replaced by their blocks; or exactly the modules at ``depth``."""
+    names = [n for n in rep.layers if n]
+    if depth is not None:
+        return [n for n in names if n.count(".") + 1 == depth] or [""]
+    out = []
+    for n in (n for n in names if "." not in n):
+        kids = [k for k in names if k.startswith(n + ".") and k.count(".") == 1]
+        numbered = kids and all(k.rsplit(".", 1)[1].isdigit() for k in kids)
+        out += kids if numbered and len(kids) <= 96 else [n]
+    return out or [""]
+
+
+def plot_report(rep: Report, path: Path, depth: int | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    layers = _bar_layers(rep, depth)
+    cats = ("weights", "gradients", "optimizer", "activations", "temporary")
+    top = max([rep.peak_bytes, *(rep.layers[n].total for n in layers)], default=1)
+    uname, scale = _unit(top)
+    fig, (ax1, ax2) = plt.subplots(
+        1, 2, figsize=(14, max(4.0, 0.28 * len(layers) + 1.5)),
+        gridspec_kw={"width_ratios": [1, 1.4]},
+    )
+    left = [0.0] * len(layers)
+    for c in cats:
+        vals = [getattr(rep.layers[n], c) / scale for n in layers]
+        ax1.barh(range(len(layers)), vals, left=left, color=_COLORS[c], label=c)
+        left = [a + b for a, b in zip(left, vals)]
+    ax1.set_yticks(range(len(layers)), [n or "(model)" for n in layers], fontsize=7)
+    ax1.invert_yaxis()
+    ax1.set_xlabel(f"{uname} (max over steps)")
+    ax1.set_title("per layer")
+    ax1.legend(fontsize=7, loc="lower right")
+
+    tl = rep.timeline
+    if tl.get("t_ns"):
+        t = [x / 1e6 for x in tl["t_ns"]]
+        y = [b / scale for b in tl["bytes"]]
+        start = 0
+        for i in range(1, len(t) + 1):
+            if i == len(t) or tl["phase"][i] != tl["phase"][start] or tl["step"][i] != tl["step"][start]:
+                end = t[i] if i < len(t) else t[-1]
+                ax2.axvspan(t[start], end, color=_PHASE_COLORS[PHASES[tl["phase"][start]]], lw=0)
+                start = i
+        ax2.step(t, y, where="post", color="black", lw=1)
+        ax2.axhline(rep.peak_bytes / scale, color="red", ls="--", lw=0.8,
+                    label=f"peak {rep.peak_bytes / scale:.2f} {uname}")
+        for ph in PHASES:
+            ax2.fill_between([], [], color=_PHASE_COLORS[ph], label=ph)
+        ax2.legend(fontsize=7, loc="upper left")
+    ax2.set_xlabel("time (ms)")
+    ax2.set_ylabel(f"live tensor memory ({uname})")
+    ax2.set_title(f"{rep.model} on {rep.device}" + (" (estimate)" if rep.estimate else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def chrome_trace(rep: Report) -> dict[str, Any]:
+    """Trace events (microseconds): memory counter on pid 0, phases on tid 0, modules on tid 1."""
+    ev: list[dict[str, Any]] = [
+        {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"gpumem {rep.model}"}},
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "phases"}},
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": 1, "args": {"name": "modules (forward)"}},
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": 2, "args": {"name": "modules (backward)"}},
+    ]
+    tl = rep.timeline
+    ts, bs = tl.get("t_ns", []), tl.get("bytes", [])
+    for t, b in zip(ts, bs):
+        ev.append({"name": "live bytes", "ph": "C", "pid": 0, "ts": t / 1e3, "args": {"bytes": b}})
+    start = 0
+    for i in range(1, len(ts) + 1):
+        if i == len(ts) or tl["phase"][i] != tl["phase"][start] or tl["step"][i] != tl["step"][start]:
+            end = ts[i] if i < len(ts) else ts[-1]
+            ev.append({"name": f"step {tl['step'][start]} {PHASES[tl['phase'][start]]}", "ph": "X",
+                       "pid": 0, "tid": 0, "ts": ts[start] / 1e3,
+                       "dur": max(end - ts[start], 0) / 1e3})
+            start = i
+    for s in rep.spans:
+        ev.append({"name": s["module"] or "(model)", "ph": "X", "pid": 0,
+                   "tid": 2 if s["phase"] == "backward" else 1, "ts": s["start_ns"] / 1e3,
+                   "dur": max(s["end_ns"] - s["start_ns"], 0) / 1e3,
+                   "args": {"step": s["step"], "phase": s["phase"]}})
+    return {"traceEvents": ev, "displayTimeUnit": "ms",
+            "otherData": {"peak_bytes": rep.peak_bytes, "schema_version": rep.schema_version}}

@@ -1,0 +1,335 @@
+"""What a profile says, in the forms people read: table, Markdown, JSON, PNG, Chrome trace.
+
+All numbers are integer bytes; only the text renderings convert to binary units (with the unit
+printed). The JSON carries ``schema_version``; bump it when a field changes meaning.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gpumem.profiler.categories import (
+    ACTIVATIONS,
+    BACKWARD,
+    CATEGORIES,
+    FORWARD,
+    GRADIENTS,
+    OPTIMIZER,
+    OPTIMIZER_PHASE,
+    PHASES,
+    TEMPORARY,
+    WEIGHTS,
+)
+from gpumem.units import format_bytes
+
+if TYPE_CHECKING:
+    from gpumem.profiler.session import Profile
+
+SCHEMA_VERSION = 1
+_LAYER_CATS = (WEIGHTS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARY)
+
+
+@dataclass
+class LayerStats:
+    """Bytes of one module, rolled up over its children (the maximum over steps)."""
+
+    weights: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    temporary: int = 0
+    """Largest of ``forward_temporary`` and ``backward_temporary``."""
+    forward_temporary: int = 0
+    backward_temporary: int = 0
+    allocated_peak_delta: int | None = None
+    """CUDA only: allocator allocated-bytes peak above the level at entry (hook resolution)."""
+    reserved_peak_delta: int | None = None
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.temporary
+
+    def _max(self, other: LayerStats) -> None:
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if b is not None and (a is None or b > a):
+                setattr(self, f.name, b)
+
+
+@dataclass
+class StepReport:
+    """One optimizer step (or one forward/backward without an optimizer)."""
+
+    index: int
+    peak: int
+    at_peak: dict[str, int]
+    peak_phase: str
+    forward_peak: int | None
+    backward_peak: int | None
+    optimizer_peak: int | None
+    forwards: int
+    backwards: int
+    layers: dict[str, LayerStats]
+    allocator: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Report:
+    """The result of a ``gpumem.profile`` region.
+
+    Example:
+        >>> rep = prof.report()
+        >>> rep.peak_bytes, rep.at_peak["optimizer"], rep.steps[1].backward_peak
+        >>> rep.layers["layers.0"].activations
+        >>> print(rep.table()); rep.to_json("profile.json"); rep.plot("profile.png")
+    """
+
+    peak_bytes: int
+    at_peak: dict[str, int]
+    peak_step: int
+    peak_phase: str
+    steps: list[StepReport]
+    layers: dict[str, LayerStats]
+    model: str
+    device: str
+    fake: bool
+    estimate: bool
+    assumptions: list[str]
+    error: str | None = None
+    allocator: dict[str, Any] | None = None
+    timeline: dict[str, list[int]] = field(default_factory=dict)
+    spans: list[dict[str, Any]] = field(default_factory=list)
+    rank: int | None = None
+    world_size: int | None = None
+    schema_version: int = SCHEMA_VERSION
+
+    # -- machine-readable ----------------------------------------------------------------------
+    def to_dict(self, timeline: bool = True) -> dict[str, Any]:
+        """Plain JSON-able dict (integer bytes); ``timeline=False`` drops the time series."""
+        d = asdict(self)
+        if not timeline:
+            d["timeline"], d["spans"] = {}, []
+        return d
+
+    def to_json(self, path: str | Path | None = None, timeline: bool = True) -> str:
+        """The JSON text; also written to ``path`` when given."""
+        text = json.dumps(self.to_dict(timeline), indent=1)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Report:
+        """Rebuild a report from ``to_dict``/JSON (plain data only, no code runs)."""
+        if d.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(
+                f"profile JSON has schema_version {d.get('schema_version')!r}, this gpumem reads "
+                f"{SCHEMA_VERSION}; re-run the profile with this version"
+            )
+        d = dict(d)
+        d["layers"] = {k: LayerStats(**v) for k, v in d["layers"].items()}
+        d["steps"] = [
+            StepReport(**{**s, "layers": {k: LayerStats(**v) for k, v in s["layers"].items()}})
+            for s in d["steps"]
+        ]
+        return cls(**d)
+
+    def summary(self) -> dict[str, Any]:
+        """The small per-rank summary (no layers, no timeline) used by distributed gathering."""
+        return {
+            "rank": self.rank,
+            "peak_bytes": self.peak_bytes,
+            "at_peak": dict(self.at_peak),
+            "peak_step": self.peak_step,
+            "peak_phase": self.peak_phase,
+            "steps": [
+                {k: getattr(s, k) for k in ("index", "peak", "forward_peak", "backward_peak",
+                                            "optimizer_peak")}
+                for s in self.steps
+            ],
+            "device": self.device,
+            "allocator": self.allocator,
+        }
+
+    # -- human-readable ------------------------------------------------------------------------
+    def _rows(self, depth: int | None) -> list[tuple[str, LayerStats]]:
+        return [
+            (name, st) for name, st in self.layers.items()
+            if depth is None or (0 if name == "" else name.count(".") + 1) <= depth
+        ]
+
+    def table(self, depth: int | None = 2, unit: str | None = None) -> str:
+        """Text table: one row per module (down to ``depth`` levels), one column per category."""
+        head = self._headline()
+        cols = ["layer", *_LAYER_CATS]
+        rows = [[name or "(model)", *(_fmt(getattr(st, c), unit) for c in _LAYER_CATS)]
+                for name, st in self._rows(depth)]
+        widths = [max(len(str(r[i])) for r in [cols, *rows]) for i in range(len(cols))]
+        line = lambda r: "  ".join(  # noqa: E731
+            str(v).ljust(w) if i == 0 else str(v).rjust(w) for i, (v, w) in enumerate(zip(r, widths))
+        )
+        return "\n".join([*head, "", line(cols), "  ".join("-" * w for w in widths),
+                          *map(line, rows)])
+
+    def _headline(self) -> list[str]:
+        tags = [self.device] + (["estimate"] if self.estimate else [])
+        out = [
+            f"gpumem profile of {self.model} ({', '.join(tags)}): peak {format_bytes(self.peak_bytes)} "
+            f"({self.peak_bytes} B) in step {self.peak_step}, {self.peak_phase}",
+            "at peak: " + ", ".join(f"{c} {format_bytes(v)}" for c, v in self.at_peak.items()),
+        ]
+        for s in self.steps:
+            parts = [f"{p} {format_bytes(v)}" for p, v in
+                     ((FORWARD, s.forward_peak), (BACKWARD, s.backward_peak),
+                      (OPTIMIZER_PHASE, s.optimizer_peak)) if v is not None]
+            out.append(f"step {s.index}: peak {format_bytes(s.peak)} ({'; '.join(parts)})")
+        if self.allocator:
+            a = self.allocator
+            out.append(
+                f"allocator: allocated peak {format_bytes(a['allocated_peak'])}, reserved peak "
+                f"{format_bytes(a['reserved_peak'])}, fragmentation at peak "
+                f"{format_bytes(a['fragmentation_at_peak'])}, outside allocator "
+                + (format_bytes(a["outside_allocator"]) if a.get("outside_allocator") is not None
+                   else "unknown")
+            )
+        out += [f"assumption: {a}" for a in self.assumptions]
+        if self.error:
+            out.append(f"region raised {self.error}; numbers cover the run up to that point")
+        return out
+
+    def to_markdown(self, depth: int | None = 2) -> str:
+        """Markdown for pull requests: headline, categories at the peak, steps, layers."""
+        md = [f"### Memory profile: {self.model}", ""]
+        md += [f"- {line}" for line in self._headline()]
+        md += ["", "| category | bytes at peak | |", "|---|---:|---:|"]
+        md += [f"| {c} | {v} | {format_bytes(v)} |" for c, v in self.at_peak.items()]
+        md += ["", "| step | forward peak | backward peak | optimizer peak | peak |",
+               "|---:|---:|---:|---:|---:|"]
+        for s in self.steps:
+            cells = [_fmt(v) if v is not None else "-" for v in
+                     (s.forward_peak, s.backward_peak, s.optimizer_peak, s.peak)]
+            md.append(f"| {s.index} | " + " | ".join(cells) + " |")
+        md += ["", "| layer | " + " | ".join(_LAYER_CATS) + " |",
+               "|---|" + "---:|" * len(_LAYER_CATS)]
+        for name, st in self._rows(depth):
+            md.append(f"| `{name or '(model)'}` | "
+                      + " | ".join(_fmt(getattr(st, c)) for c in _LAYER_CATS) + " |")
+        return "\n".join(md) + "\n"
+
+    def plot(self, path: str | Path, depth: int | None = None) -> Path:
+        """PNG: stacked per-layer bars (left) and memory over time with phase bands (right)."""
+        from gpumem.profiler.plot import plot_report
+
+        return plot_report(self, Path(path), depth)
+
+    def to_chrome_trace(self, path: str | Path) -> Path:
+        """Chrome/Perfetto trace JSON: a memory counter, phase spans and module spans."""
+        from gpumem.profiler.plot import chrome_trace
+
+        path = Path(path)
+        path.write_text(json.dumps(chrome_trace(self)))
+        return path
+
+
+def _fmt(n: int | None, unit: str | None = None) -> str:
+    return "-" if n is None else format_bytes(n, unit)
+
+
+def _ancestors(name: str) -> list[str]:
+    if name == "":
+        return [""]
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)] + [""]
+
+
+def _rollup(names: list[str], direct: dict[str, int]) -> dict[str, int]:
+    out = dict.fromkeys(names, 0)
+    for k, v in direct.items():
+        for a in _ancestors(k):
+            if a in out:
+                out[a] += v
+    return out
+
+
+def _step_layers(prof: Profile, step) -> dict[str, LayerStats]:
+    names = prof.module_names
+    weights = _rollup(names, prof.weights)
+    grads = _rollup(names, step.gradients)
+    opt = _rollup(names, step.optimizer)
+    acts = _rollup(names, step.activations)
+    alloc = step.allocator.get("layers", {})
+    fwd_t, bwd_t = dict(step.fwd_temp), dict(step.bwd_temp)
+    # containers that are never called themselves (ModuleList) show their busiest child
+    for n in sorted(names, key=lambda k: -k.count(".") if k else 1):
+        if n and n not in fwd_t and n not in bwd_t:
+            kids = [k for k in names if k.startswith(n + ".") and k.count(".") == n.count(".") + 1]
+            fwd_t[n] = max((fwd_t.get(k, 0) for k in kids), default=0)
+            bwd_t[n] = max((bwd_t.get(k, 0) for k in kids), default=0)
+    out = {}
+    for n in names:
+        ft, bt = fwd_t.get(n, 0), bwd_t.get(n, 0)
+        a = alloc.get(n)
+        out[n] = LayerStats(
+            weights=weights[n], gradients=grads[n], optimizer=opt[n], activations=acts[n],
+            temporary=max(ft, bt), forward_temporary=ft, backward_temporary=bt,
+            allocated_peak_delta=a["allocated_peak_delta"] if a else None,
+            reserved_peak_delta=a["reserved_peak_delta"] if a else None,
+        )
+    return out
+
+
+def build_report(prof: Profile) -> Report:
+    """Roll the raw per-step accumulators of a :class:`Profile` up into a :class:`Report`."""
+    from gpumem.profiler.fake import is_fake_model
+
+    steps = []
+    layers: dict[str, LayerStats] = {}
+    for s in prof.steps:
+        sl = _step_layers(prof, s)
+        for n, st in sl.items():
+            if n in layers:
+                layers[n]._max(st)
+            else:
+                layers[n] = LayerStats(**asdict(st))
+        pp = s.phase_peak
+        steps.append(StepReport(
+            index=s.index, peak=s.peak.bytes, at_peak=_ordered(s.peak.at),
+            peak_phase=s.peak.phase, forward_peak=pp[FORWARD], backward_peak=pp[BACKWARD],
+            optimizer_peak=pp[OPTIMIZER_PHASE], forwards=s.forwards, backwards=s.backwards,
+            layers=sl, allocator=dict(s.allocator.get("phases", {})),
+        ))
+    ts, lv, ph, st = prof.timeline
+    t0 = prof.t_start
+    timeline = {"t_ns": [t - t0 for t in ts], "bytes": list(lv), "phase": list(ph), "step": list(st)}
+    spans = [{"module": m, "phase": p, "start_ns": a - t0, "end_ns": b - t0, "step": k}
+             for m, p, a, b, k in prof.spans]
+    fake = is_fake_model(prof.model)
+    devices = sorted(prof.device_types) or ["cpu"]
+    rank, world = _rank()
+    return Report(
+        peak_bytes=prof.peak.bytes, at_peak=_ordered(prof.peak.at), peak_step=prof.peak.step,
+        peak_phase=prof.peak.phase, steps=steps, layers=layers,
+        model=type(prof.model).__name__, device="+".join(devices) + (" (fake)" if fake else ""),
+        fake=fake, estimate=bool(prof.assumptions), assumptions=list(prof.assumptions),
+        error=prof.error,
+        allocator=dict(prof.allocator.summary) if prof.allocator is not None and prof.allocator.summary else None,
+        timeline=timeline, spans=spans, rank=rank, world_size=world,
+    )
+
+
+def _ordered(at: dict[str, int]) -> dict[str, int]:
+    return {c: int(at.get(c, 0)) for c in CATEGORIES}
+
+
+def _rank() -> tuple[int | None, int | None]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return None, None
+
+
+__all__ = ["PHASES", "SCHEMA_VERSION", "LayerStats", "Report", "StepReport", "build_report"]

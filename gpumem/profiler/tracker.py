@@ -1,0 +1,227 @@
+"""Exact tracking of live tensor storages: a TorchDispatchMode plus weakref finalizers.
+
+Every aten op that runs while the mode is active hands us its outputs; each new storage gets an
+``Entry`` (bytes, category, owning module) and a weakref whose callback subtracts its bytes when
+the storage dies. Storages are keyed by their Python object, which PyTorch keeps alive exactly as
+long as the C++ storage (PyObject preservation), so the callback fires when the memory is freed.
+
+What it cannot see: memory a kernel allocates internally and never returns as a tensor (library
+scratch space, e.g. cuBLAS or oneDNN workspaces), and tensors created under ``no_dispatch``. The
+same holds for PyTorch's own tools (MemTracker, the profiler's memory timeline).
+
+Sizes: CPU storages count their exact ``nbytes``; CUDA storages are rounded up to the caching
+allocator's 512-byte granularity, the size the allocator really hands out.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch._guards import active_fake_mode as _active_fake_mode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+
+from gpumem.profiler.categories import CATEGORIES
+
+CUDA_BLOCK = 512  # CUDACachingAllocator kMinBlockSize: every block is a multiple of this
+
+
+def storage_bytes(st: torch.UntypedStorage, device_type: str) -> int:
+    n = st.nbytes()
+    if device_type == "cuda":
+        return -(-n // CUDA_BLOCK) * CUDA_BLOCK
+    return n
+
+
+def storages_of(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    """The untyped storages behind a tensor, looking through traceable wrapper subclasses."""
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        for name in attrs:
+            yield from storages_of(getattr(t, name))
+        return
+    try:
+        yield t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+        return
+
+
+def _data_dependent_errors() -> tuple[type[BaseException], ...]:
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+
+    return DataDependentOutputException, DynamicOutputShapeException
+
+
+class Entry:
+    """One live storage: its size, what it is, and which module it belongs to."""
+
+    __slots__ = ("__weakref__", "born", "category", "device", "died", "module", "nbytes", "ref")
+
+    def __init__(self, nbytes: int, category: str, module: str, device: str, born: int) -> None:
+        self.nbytes = nbytes
+        self.category = category
+        self.module = module
+        self.device = device
+        self.born = born  # event counter at creation
+        self.died: int | None = None  # event counter at free
+        self.ref: weakref.ref | None = None
+
+
+class StorageTracker(TorchDispatchMode):
+    """Live bytes per category, updated on every op and every storage free.
+
+    ``context`` is called once per op that creates storages and returns ``(category, module)``
+    for them; ``after_op`` is called after every op (the session updates its peaks there);
+    ``where`` names the running module for error messages; ``on_new``, when set, receives every
+    new entry.
+
+    Example:
+        >>> tr = StorageTracker(lambda: ("temporary", ""), lambda: None, lambda: "")
+        >>> with tr:
+        ...     y = torch.ones(256)            # tracked: 1024 bytes
+        >>> tr.level
+        1024
+    """
+
+    def __init__(
+        self,
+        context: Callable[[], tuple[str, str]],
+        after_op: Callable[[], None],
+        where: Callable[[], str],
+    ) -> None:
+        super().__init__()
+        self._context = context
+        self._after_op = after_op
+        self._where = where
+        self.on_new: Callable[[Entry], None] | None = None
+        self.paused = False  # our own bookkeeping ops (the saved-tensor detach) are not counted
+        self.entries: dict[int, Entry] = {}
+        self.level = 0
+        self.by_category: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self.events = 0  # bumped on every op and every free: orders snapshots against frees
+        self.by_device: dict[str, int] = {}
+        self._orig_resize: Any = None
+        self._fake_mode: Any = None
+
+    # -- registration -------------------------------------------------------------------------
+    def lookup(self, st: torch.UntypedStorage) -> Entry | None:
+        e = self.entries.get(id(st))
+        if e is not None and e.ref is not None and e.ref() is st:
+            return e
+        return None
+
+    def track(self, t: torch.Tensor, category: str, module: str) -> list[Entry]:
+        """Start counting the storages of ``t`` (no-op for storages already tracked)."""
+        out = []
+        for st in storages_of(t):
+            e = self.lookup(st)
+            if e is None:
+                e = self._add(st, t.device.type, category, module)
+            out.append(e)
+        return out
+
+    def _add(self, st: torch.UntypedStorage, device_type: str, category: str, module: str) -> Entry:
+        n = storage_bytes(st, device_type)
+        e = Entry(n, category, module, device_type, self.events)
+        key = id(st)
+        e.ref = weakref.ref(st, lambda _r, e=e, key=key: self._free(e, key))
+        self.entries[key] = e
+        self.level += n
+        self.by_category[category] += n
+        self.by_device[device_type] = self.by_device.get(device_type, 0) + n
+        if self.on_new is not None:
+            self.on_new(e)
+        return e
+
+    def _free(self, e: Entry, key: int) -> None:
+        if self.entries.get(key) is e:
+            del self.entries[key]
+        self.events += 1
+        e.died = self.events
+        self.level -= e.nbytes
+        self.by_category[e.category] -= e.nbytes
+        self.by_device[e.device] -= e.nbytes
+
+    def reclassify(self, e: Entry, category: str, module: str | None = None) -> None:
+        if e.died is None and e.category != category:
+            self.by_category[e.category] -= e.nbytes
+            self.by_category[category] += e.nbytes
+        e.category = category
+        if module is not None:
+            e.module = module
+
+    def _resized(self, st: torch.UntypedStorage) -> None:
+        e = self.lookup(st)
+        if e is None:
+            return
+        n = storage_bytes(st, e.device)
+        if n != e.nbytes and e.died is None:
+            d = n - e.nbytes
+            e.nbytes = n
+            self.level += d
+            self.by_category[e.category] += d
+            self.by_device[e.device] += d
+
+    # -- the mode ------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        try:
+            out = func(*args, **(kwargs or {}))
+        except _data_dependent_errors() as exc:
+            from gpumem.profiler.session import DataDependentError
+
+            raise DataDependentError(
+                f"{func} in module {self._where()!r} has an output whose size or value depends on "
+                "tensor data, which fake tensors do not have; run this model for real, or make the "
+                "layer follow a stated assumption under fake tensors (see gpumem.models.MoE)"
+            ) from exc
+        if self.paused or _active_fake_mode() is not self._fake_mode:
+            # a fake mode other than the one we started under is tracing (torch.compile,
+            # DTensor sharding propagation): its tensors are not memory of this run
+            return out
+        self.events += 1
+        ctx = None
+        for t in (out,) if type(out) is torch.Tensor else tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            for st in storages_of(t):
+                e = self.lookup(st)
+                if e is None:
+                    if ctx is None:
+                        ctx = self._context()
+                    self._add(st, t.device.type, ctx[0], ctx[1])
+                elif e.nbytes != storage_bytes(st, e.device):  # resize_, set_ and friends
+                    self._resized(st)
+        self._after_op()
+        return out
+
+    def __enter__(self):
+        self._fake_mode = _active_fake_mode()
+        # UntypedStorage.resize_ bypasses the dispatcher (FSDP frees parameters this way)
+        self._orig_resize = orig = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(st, size):
+            r = orig(st, size)
+            tracker._resized(st)
+            tracker._after_op()
+            return r
+
+        torch.UntypedStorage.resize_ = resize_
+        try:
+            return super().__enter__()
+        except BaseException:
+            torch.UntypedStorage.resize_ = orig
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            torch.UntypedStorage.resize_ = self._orig_resize
+

@@ -1,0 +1,79 @@
+"""CUDA path: 512-byte block accounting, allocator peaks per phase and layer, NVML, OOM."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import gpumem
+from gpumem.models import build_model, example_batch
+
+from .conftest import train_steps
+
+pytestmark = pytest.mark.gpu
+
+
+def test_cuda_peak_equals_memtracker_and_allocator_sections():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model = build_model("gpt2", "tiny").cuda()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters())
+    ref_opt = torch.optim.AdamW(ref.parameters())
+    x, y = example_batch(model.config, 4, 64, device="cuda")
+    train_steps(model, opt, x, y)  # warm kernels / cuBLAS workspace outside the region
+    train_steps(ref, ref_opt, x, y)
+    with gpumem.profile(model, opt) as prof:
+        train_steps(model, opt, x, y)
+    mt = MemTracker()
+    mt.track_external(ref, ref_opt, x)
+    with mt:
+        train_steps(ref, ref_opt, x, y)
+    (snap,) = mt.get_tracker_snapshot("peak").values()
+    rep = prof.report()
+    # both round every storage up to the caching allocator's 512-byte blocks
+    assert rep.peak_bytes == snap["Total"]
+    a = rep.allocator
+    assert a is not None and a["allocated_peak"] >= rep.peak_bytes
+    assert a["reserved_peak"] >= a["allocated_peak"]
+    assert a["fragmentation_at_peak"] >= 0 and a["outside_allocator"] is not None
+    phases = rep.steps[0].allocator
+    assert {"forward", "backward", "optimizer"} <= set(phases)
+    assert rep.layers["layers.0"].allocated_peak_delta is not None
+
+
+def test_cuda_bias_rounds_to_512():
+    model = nn.Linear(5, 3).cuda()
+    with gpumem.profile(model) as prof:
+        pass
+    assert prof.report().layers[""].weights == 1024
+
+
+def test_oom_report_survives_and_snapshot_written(tmp_path):
+    model = nn.Linear(1024, 1024).cuda()
+    path = tmp_path / "oom.pickle"
+    free, _ = torch.cuda.mem_get_info()
+    with pytest.raises(torch.OutOfMemoryError):
+        with gpumem.profile(model, snapshot=str(path)) as prof:
+            y = model(torch.randn(64, 1024, device="cuda"))
+            torch.empty(free * 4, dtype=torch.uint8, device="cuda")
+    rep = prof.report()
+    assert rep.error.startswith("OutOfMemoryError")
+    assert rep.peak_bytes >= 64 * 1024 * 4 and rep.allocator["out_of_memory"]
+    assert path.stat().st_size > 0 and rep.allocator["snapshot"] == str(path)
+    del y
+
+
+def test_fake_cuda_matches_real_cuda():
+    torch.manual_seed(0)
+    model = build_model("llama", "tiny").cuda()
+    x, y = example_batch(model.config, 2, 32, device="cuda")
+    with gpumem.profile(model) as real:
+        train_steps(model, None, x, y)
+    with gpumem.fake(device="cuda"):
+        fmodel = build_model("llama", "tiny")
+        fx, fy = example_batch(fmodel.config, 2, 32)
+        with gpumem.profile(fmodel) as fake:
+            train_steps(fmodel, None, fx, fy)
+    assert fake.report().peak_bytes == real.report().peak_bytes
