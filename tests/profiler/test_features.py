@@ -199,3 +199,24 @@ def test_transformers_models(kind):
     blocks = [n for n in rep.layers if n.count(".") == 2 and ".layers." in n or ".h." in n]
     blocks = [n for n in blocks if n.rsplit(".", 1)[1].isdigit()]
     assert len(blocks) == 2 and all(rep.layers[b].activations > 0 for b in blocks)
+
+
+def test_double_backward_gradients_unchanged():
+    """Saved tensors are handed to autograd as detached aliases; autograd rebuilds their graph
+    metadata on unpack, so create_graph=True (a gradient penalty) gives the same gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    x = torch.randn(5, 4, requires_grad=True)
+
+    def penalty_grads():
+        (g,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
+        g.square().sum().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    ref = penalty_grads()
+    with gpumem.profile(model):
+        got = penalty_grads()
+    assert len(got) == len(ref) == 3
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
