@@ -235,16 +235,6 @@ def ce_backward_bytes(spec: ModelSpec, w: Workload) -> int:
     return 2 * lsm
 
 
-def layer_backward_bytes(spec: ModelSpec, w: Workload) -> int:
-    """Transient gradients inside one layer's backward: the MLP's widest step holds the grad of
-    its output, two ffn-wide grads and the grad of its input (a bound, not an op-exact walk)."""
-    n, A, R = w.tokens, w.compute, w.residual
-    f = spec.ffn // w.tp
-    if spec.is_moe:
-        f = f * spec.top_k
-    return 2 * n * f * A + 2 * n * spec.hidden * R
-
-
 def sum_items(items: list[Item], saved_only: bool = False, drop_core: bool = False) -> int:
     return sum(i.nbytes for i in items if (i.saved or not saved_only) and not (drop_core and i.core))
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpumem.estimator import activations as act
+from gpumem.estimator import backward as bwd
 from gpumem.estimator import peak
 from gpumem.estimator.gpus import GPU, find_gpu
 from gpumem.estimator.layout import Layout
@@ -59,6 +60,26 @@ class Bill:
     stage: int
     inputs: dict[str, Any] = field(default_factory=dict)
     items: list[act.Item] = field(default_factory=list, repr=False)
+    held_logits: int = 0
+    """Bytes of ``per_gpu["activations"]`` that are logits the loop holds, not saved by autograd."""
+    input_bytes: int = 0
+    """Bytes of ``per_gpu["activations"]`` that are the model's input (token ids)."""
+
+    def profiler_categories(self) -> dict[str, int]:
+        """The peak in ``gpumem.profile``'s categories, to compare with ``rep.at_peak``.
+
+        The bill follows the issue's convention (logits and inputs under activations); the
+        profiler counts only what autograd saves as activations, the held logits as temporary
+        and the model's input as inputs. Overhead (context, NCCL, fragmentation) is outside
+        the profiler's count and left out of ``total`` here.
+        """
+        p = self.per_gpu
+        out = {c: p[c] for c in ("weights", "gradients", "optimizer")}
+        out["activations"] = p["activations"] - self.held_logits - self.input_bytes
+        out["temporary"] = p["temporary"] + self.held_logits
+        out["inputs"] = self.input_bytes
+        out["total"] = sum(out.values())
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         """Exactly the public keys: n_params, per_gpu, fits, headroom_bytes,
@@ -122,6 +143,7 @@ def estimate(
     keep_logits: bool = True,
     persistent_grads: bool | None = None,
     foreach: bool | None = None,
+    fused: bool = False,
 ) -> Bill:
     """Estimate the per-GPU peak memory of training ``model``.
 
@@ -137,15 +159,17 @@ def estimate(
             ``cpu-flash`` or ``eager``/``math`` (s² scores).
         activation_model: ``ops`` (what autograd saves) or ``korthikanti`` (the paper).
         device: ``cuda``, or ``cpu`` to compare with a CPU run (no context/NCCL reserve).
-        keep_logits: the training loop holds the logits until backward.
+        keep_logits: the training loop holds the logits (``logits = model(x)`` lives until the
+            next forward replaces it: through backward and the optimizer step).
         persistent_grads: gradients stay allocated across steps (default: when distributed or
             accumulating; plain single-GPU ``zero_grad(set_to_none=True)`` frees them).
+        foreach / fused: torch.optim's step implementation (see Training.step_temp_bytes).
 
     Raises:
         ValueError / LookupError: bad sizes, unknown names, invalid layouts, with the reason.
     """
     spec = model if isinstance(model, ModelSpec) else _resolve(model)
-    training = Training(precision, optimizer, grads, offload_optimizer, lora_rank, base_quant, foreach)
+    training = Training(precision, optimizer, grads, offload_optimizer, lora_rank, base_quant, foreach, fused)
     layout = layout or Layout()
     g = gpu if isinstance(gpu, GPU) else find_gpu(gpu, gpu_memory)
     for name, value in (("batch_size", batch_size), ("grad_accum", grad_accum)):
@@ -180,15 +204,30 @@ def estimate(
         inputs={"batch_size": batch_size, "seq_len": seq, "recompute": recompute,
                 "grad_accum": grad_accum, "attention": plan.backend, "device": device},
         items=plan.layer_items(layout, batch_size),
+        **_unsaved(plan, layout, batch_size, best[7], best_stage, x),
     )  # fmt: skip
 
 
-def _steady_states(x) -> dict[str, int]:  # noqa: ANN001
+def _unsaved(plan: Plan, layout: Layout, batch: int, phase: int, stage: int, x) -> dict[str, int]:
+    """The held logits and the token ids inside the peak's activations (decoders, ops model)."""
+    if not plan.spec.is_decoder or plan.activation_model != "ops":
+        return {"held_logits": 0, "input_bytes": 0}
+    w = plan.workload(layout, batch)
+    logits = act.sum_items([i for i in act.head_items(plan.spec, w) if i.name == "logits"])
+    ids = act.sum_items([i for i in act.embed_items(plan.spec, w) if i.name == "embed.ids"])
+    return {
+        "held_logits": logits if stage == layout.pp - 1 else 0,
+        "input_bytes": int(ids * (x[peak.INFLIGHT] if phase == 0 else 1)) if stage == 0 else 0,
+    }
+
+
+def _steady_states(x) -> dict[str, int]:
     """Weights / gradients / optimizer per GPU with every gradient present (the ZeRO paper's
     accounting), independent of which phase peaks."""
     y = list(x)
     y[peak.G_PERSIST] = 1.0
     for k in (peak.A_LAYER, peak.A_FIRST, peak.A_LAST, peak.T_BWD0, peak.T_LAYER, peak.T_STEP,
+              peak.A_END, peak.G_WALK, peak.P_PEND, peak.P_PEND_EXP, peak.HELD, peak.IDS,
               peak.GATHER, peak.CASTS, peak.COMM, peak.CONTEXT, peak.NCCL, peak.FRAG):  # fmt: skip
         y[k] = 0.0
     w, g, o = peak.assemble(y)[:3]
@@ -297,7 +336,8 @@ class Plan:
         """
         spec, tr, t = self.spec, self.training, layout.tp
         pg = param_groups(spec)
-        a_layer, t_layer, first, last, ce0 = self._act_terms(layout.tp, layout.sp, batch, recompute)
+        a_layer, t_end, a_end, g_walk, t_start, first, last, held, ids, ce0 = self._act_terms(
+            layout.tp, layout.sp, batch, recompute)  # fmt: skip
         # k/v projections replicate across ranks when tp exceeds the KV heads
         kvp = 2 * spec.hidden * spec.kv_heads * spec.dhead if spec.n_heads else 0
         layer_tp = (pg.layer_tp - kvp) / t + kvp / min(t, max(spec.kv_heads, 1))
@@ -335,13 +375,33 @@ class Plan:
             x[peak.N_SHARD_EXP] = layout.shard_degree(self.gpu.gpus_per_node, expert=True)
             x[peak.STAGE] = layout.stage
             x[peak.A_LAYER], x[peak.N_LAYERS] = a_layer, n_l
+            x[peak.W_BUFFERS] = spec.buffer_bytes * n_l / max(spec.n_layers, 1)
             x[peak.INFLIGHT] = (min(n_mb, pp - i) if pp > 1 else 1) * interleave
             x[peak.A_FIRST] = first if is_first else 0.0
             x[peak.A_LAST] = last if is_last else 0.0
-            x[peak.T_BWD0] = ce0 if is_last else batch * self.seq * spec.hidden * tr.compute_bytes / t
-            x[peak.T_LAYER] = t_layer
-            largest = pg.largest_tensor / t
-            x[peak.T_STEP] = tr.step_temp_bytes(int(trainable / self._opt_shard(layout)), int(largest), self.cuda)
+            grad_in = ce0 if is_last else batch * self.seq * spec.hidden * tr.compute_bytes / t
+            if is_last and spec.is_decoder:
+                # by the last layer's widest moment the loss and head have run: their saved
+                # tensors are gone (the held logits stay), the head's weight grad exists
+                head = (pg.embed_tp if spec.tied_embeddings else pg.head_tp) / t + pg.head_rep
+                t_start += head * tr.grad_bytes - (last - held)
+            x[peak.T_BWD0] = max(grad_in, t_start)
+            x[peak.T_LAYER] = t_end
+            x[peak.A_END] = a_end
+            x[peak.HELD] = held if is_last else 0.0
+            x[peak.IDS] = ids if is_first else 0.0
+            x[peak.G_WALK] = g_walk
+            # weight grads not yet produced at the end moment (inside the stage's first layer):
+            # that layer's, and an untied embedding's (a tied one waits in autograd's buffer)
+            if self.activation_model == "ops" and n_l and not persist:
+                emb = (0.0 if spec.tied_embeddings else pg.embed_tp / t) + pg.embed_rep
+                if tr.lora_rank:
+                    x[peak.P_PEND] = self._lora_params(1, t)
+                else:
+                    x[peak.P_PEND] = layer_tp + pg.layer_rep + (emb if is_first else 0.0)
+                    x[peak.P_PEND_EXP] = pg.layer_expert / (layout.ep * t)
+            scratch = pg.step_scratch / t
+            x[peak.T_STEP] = tr.step_temp_bytes(int(trainable / self._opt_shard(layout)), int(scratch), self.cuda)
             layer_params = (layer_tp + pg.layer_rep) + pg.layer_expert / (layout.ep * t)
             if layout.stage >= 3:  # all-gather of a layer + prefetch of the next, reduce-scatter
                 x[peak.GATHER] = layer_params * (2 * tr.weight_bytes + tr.grad_bytes)
@@ -357,16 +417,20 @@ class Plan:
         return out
 
     def _act_terms(self, tp: int, sp: bool, batch: int, recompute: str) -> tuple[float, ...]:
-        """(per-layer saved, layer backward transient, first-stage, last-stage, CE backward),
+        """(per-layer saved, end-of-backward temporary / activations / weight grads, start-of-
+        backward transient, first-stage, last-stage, logits held, token ids, CE backward),
         cached: the planner asks for the same few combinations thousands of times."""
         key = (tp, sp, batch, recompute)
         cache = self.__dict__.setdefault("_acts_cache", {})
         if key not in cache:
             w = self.workload(Layout(dp=1, tp=tp, sp=sp), batch)
-            a_layer, t_layer = self._layer_acts(tp, sp, batch, recompute, w)
+            layer = self._layer_acts(tp, sp, batch, recompute, w)
             first, last = self._ends(w)
+            dec = self.spec.is_decoder and self.activation_model == "ops"
+            held = act.sum_items([i for i in act.head_items(self.spec, w) if i.name == "logits"]) if dec else 0
+            ids = act.sum_items([i for i in act.embed_items(self.spec, w) if i.name == "embed.ids"]) if dec else 0
             ce0 = act.ce_backward_bytes(self.spec, w) if self.spec.is_decoder else 0
-            cache[key] = (a_layer, t_layer, first, last, float(ce0))
+            cache[key] = (*layer, first, last, float(held), float(ids), float(ce0))
         return cache[key]
 
     def _opt_shard(self, layout: Layout) -> int:
@@ -387,11 +451,13 @@ class Plan:
             last = 4 * w.tokens * (spec.hidden + spec.vocab // w.tp)
         return float(first), float(last)
 
-    def _layer_acts(self, tp: int, sp: bool, batch: int, recompute: str, w: act.Workload) -> tuple[float, float]:
-        """(saved bytes per layer, backward transient) under the recompute policy."""
+    def _layer_acts(self, tp: int, sp: bool, batch: int, recompute: str, w: act.Workload) -> tuple[float, ...]:
+        """Under the recompute policy: (saved bytes per layer; at the widest moment of the
+        stage's first layer's backward (the end of backward): temporary, activations and weight
+        grads of that layer; the transient of the start of backward)."""
         spec = self.spec
         if spec.arch == "resnet":
-            return 0.0, 0.0
+            return 0.0, 0.0, 0.0, 0.0, 0.0
         every = _every(recompute)
         if self.activation_model == "korthikanti":
             mode = "full" if every else recompute
@@ -399,20 +465,29 @@ class Plan:
                                                flash=self.backend != "math")  # fmt: skip
             saved = act.korthikanti_layer_bytes(spec, batch, self.seq, tp, sp, mode,
                                                 flash=self.backend != "math")  # fmt: skip
-            return float(saved / (every or 1)), float(full * (every or 1) if every else 0)
+            return float(saved / (every or 1)), float(full * (every or 1) if every else 0), 0.0, 0.0, 0.0
         items = act.layer_items(spec, w)
         full = act.sum_items(items)
-        bwd = act.layer_backward_bytes(spec, w)
         n_in = w.tokens // (w.tp if w.sp else 1) * spec.hidden * w.residual
-        if recompute == "none":
-            return float(full), float(bwd)
-        if recompute == "selective":
-            return float(act.sum_items(items, drop_core=True)), float(bwd)
-        k = every or 1
-        # keep each checkpointed block's input; its k layers come back during its backward
-        return float(n_in / k), float(bwd + k * full)
-
-
+        k = every or 0
+        saved = {"none": full, "selective": act.sum_items(items, drop_core=True)}.get(recompute, n_in / (k or 1))
+        m = bwd.layer_moment(spec, w, items, self.training.grad_bytes, recompute)
+        # recomputed activations are temporaries again (the profiler's view); the norm's saved
+        # input is the checkpointed block input itself when it is already fp32 (LayerNorm, or
+        # the fp32 residual stream of RMSNorm)
+        shared = n_in if (spec.norm == "layernorm" or w.residual == 4) else 0
+        if k:
+            # a block of k layers comes back at once: a bound over the block's backward that
+            # keeps all k recomputed layers and one layer's weight grads pending
+            t_end = (k - 1) * full + full - shared + m.temporary - m.freed
+            a_end = n_in
+        elif recompute == "selective":
+            t_end, a_end = m.temporary, saved - m.freed
+        else:
+            t_end, a_end = m.temporary, full - m.freed
+        # backward start: the last layer's widest moment (its recomputation included)
+        t_start = m.excess + (full - shared if k else 0)
+        return float(saved), float(t_end), float(a_end), float(m.grads), float(t_start)
 def _every(recompute: str) -> int:
     if recompute in RECOMPUTE:
         return 1 if recompute == "full" else 0

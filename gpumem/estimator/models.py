@@ -54,6 +54,7 @@ class ModelSpec:
     n_classes: int = 1000
     blocks: tuple[int, ...] = ()  # resnet bottleneck blocks per stage, e.g. (3, 4, 6, 3)
     width: int = 64  # resnet stem width
+    buffer_bytes: int = 0  # non-parameter buffers of the whole model (RoPE caches), as weights
     source: str = ""  # where the numbers come from (preset citation or config path)
     published_params: int | None = field(default=None, compare=False)
 
@@ -138,7 +139,8 @@ class ParamGroups:
     experts (sharded by expert parallelism, then by TP). Outside the layers: ``embed`` (input
     embedding + learned positions, vocab-parallel under TP: ``embed_tp``), ``head`` (final norm and
     an untied LM head; the head matrix ``head_tp`` is vocab-parallel). ``largest_tensor`` is the
-    largest single parameter, what a non-foreach optimizer step allocates temporaries for.
+    largest single parameter; ``step_scratch`` the elements a per-tensor optimizer step holds
+    at once (see :func:`_step_scratch`).
     """
 
     n_layers: int
@@ -150,6 +152,7 @@ class ParamGroups:
     head_tp: int
     head_rep: int
     largest_tensor: int
+    step_scratch: int = 0
 
     @property
     def per_layer(self) -> int:
@@ -211,7 +214,28 @@ def param_groups(s: ModelSpec) -> ParamGroups:
         head_tp=head_tp,
         head_rep=head_rep,
         largest_tensor=largest,
+        step_scratch=_step_scratch(s, largest),
     )
+
+
+def _step_scratch(s: ModelSpec, largest: int) -> int:
+    """Elements torch's per-tensor Adam holds at once: ``sqrt(v)`` and its quotient for one
+    parameter while the Python name ``denom`` still holds the previous parameter's quotient
+    (measured on CPU), so the maximum over consecutive parameters of prev + 2 x current, in the
+    registration order of the reference implementations (separate q/k/v, biases after weights).
+    """
+    h, f, v = s.hidden, s.ffn, s.vocab
+    q, kv = s.n_heads * s.dhead, s.kv_heads * s.dhead
+    if s.arch == "llama":  # q after the norm, k after q, v after k, o after v; gate, up, down
+        c = [h + 2 * h * q, h * q + 2 * h * kv, h * kv + 2 * h * kv, h * kv + 2 * q * h, 3 * h * f, 2 * v * h]
+        c.append(0 if s.tied_embeddings else h + 2 * v * h)
+    elif s.arch == "gpt2":  # each weight follows a bias (or a norm's bias)
+        c = [h + 2 * h * q, q + 2 * h * kv, kv + 2 * h * kv, kv + 2 * q * h, h + 2 * h * f, f + 2 * f * h,
+             2 * v * h, v * h + 2 * s.max_seq * h]
+        c.append(0 if s.tied_embeddings else 2 * h + 2 * v * h)
+    else:  # vision: a bound, the largest tensor after one as large
+        return 3 * largest
+    return max(c)
 
 
 def resnet_stages(s: ModelSpec) -> list[tuple[int, int, int, int]]:
@@ -239,7 +263,8 @@ def _resnet_groups(s: ModelSpec) -> ParamGroups:
         largest = max(largest, 9 * mid * mid)
     cfinal = s.width * 2 ** (len(s.blocks) - 1) * 4
     fc = cfinal * s.n_classes + s.n_classes
-    return ParamGroups(0, 0, 0, 0, 0, total, 0, fc, max(largest, cfinal * s.n_classes))
+    big = max(largest, cfinal * s.n_classes)
+    return ParamGroups(0, 0, 0, 0, 0, total, 0, fc, big, 3 * big)
 
 
 # --- presets -----------------------------------------------------------------------------
@@ -466,6 +491,8 @@ def from_model_config(cfg: Any) -> ModelSpec:
             width=cfg.resnet_width, image_size=cfg.image_size, channels=cfg.num_channels,
             n_classes=cfg.num_classes, source="gpumem.models",
         )  # fmt: skip
+    # gpumem.models' Rotary keeps fp32 cos and sin tables (seq_len x head_dim/2) in every layer
+    rope = cfg.num_layers * 2 * cfg.seq_len * (cfg.head_dim // 2) * 4 if cfg.arch in ("llama", "mixtral") else 0
     return ModelSpec(
         name=f"gpumem.models.{cfg.arch}", arch=arch[cfg.arch], n_layers=cfg.num_layers,  # type: ignore[arg-type]
         hidden=cfg.hidden_size, n_heads=cfg.num_heads, n_kv_heads=cfg.num_kv_heads,
@@ -473,5 +500,5 @@ def from_model_config(cfg: Any) -> ModelSpec:
         max_seq=cfg.seq_len, tied_embeddings=cfg.tie_word_embeddings,
         n_experts=cfg.num_experts, top_k=cfg.top_k if cfg.num_experts else 0,
         image_size=cfg.image_size, patch=cfg.patch_size, channels=cfg.num_channels,
-        n_classes=cfg.num_classes, source="gpumem.models",
+        n_classes=cfg.num_classes, source="gpumem.models", buffer_bytes=rope,
     )  # fmt: skip

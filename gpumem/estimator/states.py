@@ -64,6 +64,7 @@ class Training:
         lora_rank: LoRA adapters of this rank on every Linear of every layer; the base freezes.
         base_quant: ``"nf4"`` stores the frozen base in 4 bits (QLoRA).
         foreach: multi-tensor optimizer step (default on CUDA; CPU runs per tensor).
+        fused: torch's fused Adam/AdamW kernel (``fused=True``): no per-op temporaries.
     """
 
     precision: str = "bf16-mixed"
@@ -73,6 +74,7 @@ class Training:
     lora_rank: int = 0
     base_quant: str | None = None
     foreach: bool | None = None
+    fused: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", _pick(self.precision, PRECISIONS, _PRECISION_ALIASES, "precision"))
@@ -132,24 +134,33 @@ class Training:
             states = n * self._p[4]
         return self.master_bytes + states
 
-    def step_temp_bytes(self, trainable: int, largest: int, cuda: bool) -> int:
+    def step_temp_bytes(self, trainable: int, scratch: int, cuda: bool) -> int:
         """Transient memory of one optimizer step.
 
-        torch's Adam, foreach path (its CUDA default) allocates ``sqrt(exp_avg_sq)`` for every
-        parameter at once; the per-tensor path (CPU default) holds sqrt and its quotient for the
-        largest tensor. Mixed precision (master weights) means a framework optimizer —
-        Megatron/DeepSpeed/apex fused Adam, no per-op temporaries — which upcasts 16-bit grads to
-        fp32 for the master update unless fp32 grads are kept anyway.
+        torch's Adam/AdamW, measured on CPU with gpumem.profile
+        (benchmarks/results/estimator_accuracy.md): the foreach path (torch's CUDA default)
+        allocates ``sqrt(exp_avg_sq)`` for every parameter at once (1 state-size per
+        parameter); the per-tensor path (CPU default) holds ``scratch`` elements at once
+        (``ParamGroups.step_scratch``: sqrt and quotient of one tensor while the previous
+        tensor's quotient is still referenced); ``fused=True`` allocates nothing.
+
+        Mixed precision with fp32 master weights is not a torch.optim recipe but a framework's:
+        Megatron-core's optimizer keeps the 16-bit grad buffer and hands the fp32 master params
+        ``model_grad.float()`` copies of their (ZeRO-sharded) grads for the step, then a fused
+        Adam (Transformer Engine / apex: no per-op temporaries) — hence 4 B per trainable
+        parameter on top of the 2 B grads during the step, unless fp32 grads are kept anyway
+        (``grads="fp32"``: ``.float()`` is then a no-op; DeepSpeed's bf16 optimizer keeps fp32
+        grads, ``grads="compute+fp32"``). This is the CUDA assumption; it cannot be measured
+        with torch.optim on CPU.
         """
         foreach = cuda if self.foreach is None else self.foreach
+        fused = self.fused
         if self.master_bytes and self.foreach is None:
             foreach, fused = False, True
-        else:
-            fused = False
         sb = self._p[4] if not self.master_bytes else 4
         temp = 0
         if self.optimizer in ("adam", "adamw") and not fused:
-            temp = trainable * sb if foreach else 2 * largest * sb
+            temp = trainable * sb if foreach else scratch * sb
         if self.master_bytes and self.grads == "compute":
             temp += trainable * 4
         return int(temp)

@@ -105,27 +105,15 @@ def _divisors(n: int) -> list[int]:
 
 @functools.lru_cache(maxsize=1)
 def _kernels():
-    """Compile (or load from numba's on-disk cache) the sweep kernel on first use."""
+    """Compile (or load from numba's on-disk cache) the sweep kernel on first use.
+
+    The kernel lives in ``peak.py`` next to ``assemble``: numba keys its cache on the source
+    file of the function it compiles, so an edit to the formula invalidates the sweep too.
+    """
     import numba
 
-    global _assemble_nb
-    _assemble_nb = numba.njit(cache=True)(peak.assemble)
-    return numba.njit(cache=True)(_sweep_py)
-
-
-_assemble_nb = peak.assemble  # replaced by its compiled twin in _kernels()
-
-
-def _sweep_py(terms, owner, n_configs):  # noqa: ANN001, ANN202 - numba kernel
-    """Max over each configuration's stage rows of the assembled total; returns (n, 8)."""
-    out = np.zeros((n_configs, 8), dtype=np.int64)
-    for r in range(terms.shape[0]):
-        res = _assemble_nb(terms[r])
-        c = owner[r]
-        if res[6] > out[c, 6]:
-            for k in range(8):
-                out[c, k] = res[k]
-    return out
+    peak._assemble_jit = numba.njit(cache=True)(peak.assemble)
+    return numba.njit(cache=True)(peak.sweep_rows)
 
 
 def sweep(terms: np.ndarray, owner: np.ndarray, n_configs: int) -> np.ndarray:
