@@ -31,6 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     econ.add_argument("--persist-s", type=float, default=60.0, help="time to persist a checkpoint (s)")
     econ.add_argument("--restart-s", type=float, default=300.0, help="restart + reload time (s)")
     econ.add_argument("--run-hours", type=float, default=24.0, help="length of the run (hours)")
+    econ.add_argument("--preempted-at-hours", type=float, default=None,
+                      help="realised loss of a preemption at this hour of the run")  # fmt: skip
     sched = p.add_mutually_exclusive_group()
     sched.add_argument("--slurm", action="store_true", help="print an sbatch header for the best layout")
     sched.add_argument("--k8s", action="store_true", help="print a Kubernetes Job (Kueue) for it")
@@ -41,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.inference:
         return _inference(args)
-    from gpumem.planner import economics, k8s_job, min_gpus, plan, sbatch_header
+    from gpumem.planner import economics, k8s_job, min_gpus, plan, realised_loss, sbatch_header
 
     kw = dict(gpu=args.gpu, gpu_memory=args.gpu_memory, seq_len=args.seq_len,
               global_batch=args.global_batch, precision=args.precision, optimizer=args.optimizer,
@@ -65,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
                       run_hours=args.run_hours)  # fmt: skip
         out["economics"] = e.to_dict()
         text += ["", e.table()]
+    if args.preempted_at_hours is not None:
+        out["realised_loss"] = _realised(args, result.n_gpus, text, realised_loss)
     if args.slurm or args.k8s:
         layout = result.best.describe() if result.best else "none fits"
         per_node = result.gpu.gpus_per_node
@@ -77,6 +81,29 @@ def run(args: argparse.Namespace) -> int:
         text += ["", script]
     print(json.dumps(out, indent=2) if args.json else "\n".join(text))
     return 0
+
+
+def _realised(args: argparse.Namespace, n_gpus: int, text: list[str], realised_loss) -> dict:
+    """What one preemption at hour H costs: all H hours without a checkpoint; with checkpoints
+    at most one interval of work plus the persist and restart times (the interval is Young/Daly's
+    when an MTBF or rate is given, else the persist time, the shortest possible)."""
+    from gpumem.planner import young_daly
+
+    hours = args.preempted_at_hours
+    if args.mtbf_hours is not None or args.preemption_rate is not None:
+        mtbf_s = 3600.0 * (args.mtbf_hours or 1.0 / args.preemption_rate)
+        interval_s = max(young_daly(args.stall_s, mtbf_s), args.persist_s)
+    else:
+        interval_s = args.persist_s
+    at_most_h = min(hours, (interval_s + args.persist_s + args.restart_s) / 3600.0)
+    price = args.price_per_gpu_hour
+    without = realised_loss(n_gpus=n_gpus, hours_lost=hours, price_per_gpu_hour=price)
+    with_ckpt = realised_loss(n_gpus=n_gpus, hours_lost=at_most_h, price_per_gpu_hour=price)
+    text += ["", f"one preemption at hour {hours:g} on {n_gpus} GPUs at ${price:g}/GPU-h: "
+             f"${without:,.0f} lost without a checkpoint ({hours:g} h of work), at most "
+             f"${with_ckpt:,.0f} with one every {interval_s / 60:.1f} min"]  # fmt: skip
+    return {"hours": hours, "without_checkpoint": without, "with_checkpoint_at_most": with_ckpt,
+            "interval_s": interval_s}  # fmt: skip
 
 
 def _inference(args: argparse.Namespace) -> int:

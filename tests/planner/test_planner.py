@@ -69,3 +69,22 @@ def test_cli_never_tracebacks(capsys):
     assert out["per_gpu"] == estimate("llama-2-7b", seq_len=512).per_gpu
     assert main(["plan", "llama-2-7b", "--gpus", "8", "--seq-len", "1024", "--mtbf-hours", "12", "--k8s"]) == 0
     assert "terminationGracePeriodSeconds" in capsys.readouterr().out
+
+
+def test_cli_realised_loss_of_the_motivating_preemption(capsys):
+    """Issue #4: 64 H100 x 47 h on spot at ~$3/GPU-h, preempted at hour 47 with no checkpoint
+    loses 64 * 47 * 3 = $9,024; with checkpoints at most one interval + persist + restart."""
+    import json
+
+    from gpumem.cli import main
+
+    argv = ["plan", "llama-2-70b", "--gpus", "64", "--run-hours", "47", "--preempted-at-hours", "47",
+            "--mtbf-hours", "100", "--stall-s", "2", "--persist-s", "60", "--restart-s", "300"]
+    assert main(argv) == 0
+    assert "$9,024 lost without a checkpoint" in capsys.readouterr().out
+    assert main([*argv, "--json"]) == 0
+    loss = json.loads(capsys.readouterr().out)["realised_loss"]
+    assert loss["without_checkpoint"] == 9024.0
+    interval = (2 * 2 * 100 * 3600) ** 0.5  # Young/Daly sqrt(2 C MTBF) = 1200 s
+    assert loss["interval_s"] == pytest.approx(interval)
+    assert loss["with_checkpoint_at_most"] == pytest.approx(64 * 3 * (interval + 60 + 300) / 3600)
