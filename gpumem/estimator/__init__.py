@@ -6,7 +6,9 @@
 
 Modules: ``models`` (presets, config.json, exact counts), ``gpus`` (catalog and reserve),
 ``layout``, ``states`` (bytes per parameter), ``activations`` (ops and Korthikanti models),
-``peak`` (the one assembly formula), ``bill`` (estimate), ``inference`` (KV cache).
+``peak`` (the one assembly formula), ``bill`` (estimate), ``inference`` (KV cache),
+``module`` / ``module_pass`` / ``module_estimate`` (an ``nn.Module``: exact counts and a
+fake-tensor pass).
 """
 
 from gpumem.estimator.bill import Bill, estimate

@@ -123,7 +123,7 @@ class Bill:
 def estimate(
     model: Any,
     *,
-    batch_size: int = 1,
+    batch_size: int | None = None,
     seq_len: int | None = None,
     precision: str = "bf16-mixed",
     optimizer: str = "adamw",
@@ -144,12 +144,16 @@ def estimate(
     persistent_grads: bool | None = None,
     foreach: bool | None = None,
     fused: bool = False,
+    example_input: Any = None,
+    loss_fn: Any = None,
 ) -> Bill:
     """Estimate the per-GPU peak memory of training ``model``.
 
     Args:
-        model: a preset name, config.json path, dict, ModelSpec, or gpumem.models config.
-        batch_size: micro-batch per GPU. seq_len: tokens per sample (default: model context).
+        model: a preset name, config.json path, dict, ModelSpec, gpumem.models config, or an
+            ``nn.Module`` (real, meta or fake: see below).
+        batch_size: micro-batch per GPU (default 1; for a module: its example's dim 0).
+        seq_len: tokens per sample (default: the model's context; for a module: the example's).
         precision / optimizer / grads / offload_optimizer / lora_rank / base_quant: see Training.
         gpu / gpu_memory: a catalog name, or the memory of a GPU not in the catalog.
         layout: the parallel layout (default: one GPU).
@@ -164,27 +168,75 @@ def estimate(
         persistent_grads: gradients stay allocated across steps (default: when distributed or
             accumulating; plain single-GPU ``zero_grad(set_to_none=True)`` frees them).
         foreach / fused: torch.optim's step implementation (see Training.step_temp_bytes).
+        example_input: for an ``nn.Module``: one micro-batch of its forward's inputs, a
+            tensor, a tuple (positional) or a dict (keyword), real, meta or fake; dim 0 of every
+            tensor is set to ``batch_size`` and dim 1 of integer (token id) tensors to
+            ``seq_len`` when given. Or a function ``(batch_size, seq_len) -> inputs`` (called
+            under fake tensors). Built-in ``gpumem.models`` modules default to their example batch.
+        loss_fn: for an ``nn.Module``: ``output -> scalar loss`` (default: cross-entropy over the
+            output's last dimension against integer targets; a scalar output or ``.loss`` is
+            the loss itself).
+
+    An ``nn.Module`` is never run, moved or changed, and nothing of its size is allocated:
+    parameters are counted exactly (tied tensors once; trainable = ``requires_grad``; the
+    precision sets the weight dtype as ``module.to(dtype)`` would, buffers count as weights),
+    and a copy made of fake tensors runs one forward, loss and backward at the micro-batch under
+    ``gpumem.profile``. Its saved activations per block and its widest backward moment become
+    the peak terms; model states, layouts, the optimizer step and the CUDA reserve use the same
+    formulas as presets. Assumptions (docs/estimator.md, "The nn.Module path"): blocks are the
+    largest group of identical sibling modules; tensor parallelism splits every matrix and every
+    saved tensor except those the size of a block's input (replicated unless ``layout.sp``);
+    ``recompute="full"`` checkpoints every block of the copy (measured); ``"selective"``,
+    ``every-K`` (K > 1), ``ep > 1``, LoRA arguments and the Korthikanti model need a preset or
+    config. The pass runs on fake CUDA tensors when a GPU is present, else on fake CPU tensors
+    (same sizes up to the 512-byte CUDA rounding; SDPA then takes the CPU kernel's shapes).
 
     Raises:
         ValueError / LookupError: bad sizes, unknown names, invalid layouts, with the reason.
     """
-    spec = model if isinstance(model, ModelSpec) else _resolve(model)
+    from gpumem.estimator.module import is_module
+
     training = Training(precision, optimizer, grads, offload_optimizer, lora_rank, base_quant, foreach, fused)
     layout = layout or Layout()
     g = gpu if isinstance(gpu, GPU) else find_gpu(gpu, gpu_memory)
     for name, value in (("batch_size", batch_size), ("grad_accum", grad_accum)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    if is_module(model):
+        from gpumem.estimator.module_estimate import estimate_module
+
+        return estimate_module(
+            model, training=training, layout=layout, gpu=g, batch_size=batch_size, seq_len=seq_len,
+            recompute=recompute, grad_accum=grad_accum, attention=attention, dropout=dropout,
+            activation_model=activation_model, device=device, keep_logits=keep_logits,
+            persistent_grads=persistent_grads, example_input=example_input, loss_fn=loss_fn,
+        )  # fmt: skip
+    if example_input is not None or loss_fn is not None:
+        raise ValueError("example_input and loss_fn apply to an nn.Module model only")
+    batch_size = 1 if batch_size is None else batch_size
+    spec = model if isinstance(model, ModelSpec) else resolve_model(model)
     seq = _seq_len(spec, seq_len)
     layout.check(spec, seq_len=seq)
     if activation_model not in ("ops", "korthikanti"):
         raise ValueError(f"activation_model must be 'ops' or 'korthikanti', got {activation_model!r}")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-    if device not in ("cuda", "cpu"):
-        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     plan = Plan(spec, training, g, seq, attention, dropout, activation_model, device, keep_logits)
     terms_by_stage = plan.terms(layout, batch_size, recompute, grad_accum, persistent_grads)
+    return make_bill(
+        spec, spec.n_params, terms_by_stage, layout=layout, training=training, gpu=g,
+        cluster_model_state_bytes=plan.cluster_model_states(),
+        inputs={"batch_size": batch_size, "seq_len": seq, "recompute": recompute,
+                "grad_accum": grad_accum, "attention": plan.backend, "device": device},
+        items=plan.layer_items(layout, batch_size),
+    )  # fmt: skip
+
+
+def make_bill(model: Any, n_params: int, terms_by_stage: list[list[float]], **fields: Any) -> Bill:
+    """The Bill of the most loaded of the first and last pipeline stages' terms."""
+    layout, gpu = fields["layout"], fields["gpu"]
     best, best_stage = None, 0
     stages = sorted({0, layout.pp - 1})
     for i, terms in zip(stages, terms_by_stage):
@@ -194,31 +246,14 @@ def estimate(
     assert best is not None
     per_gpu = dict(zip(CATEGORIES, best[:7]))
     x = terms_by_stage[stages.index(best_stage)]
-    states = _steady_states(x)
+    # the held logits and the inputs inside the peak's activations (profiler: temporary, inputs)
+    ids = x[peak.IDS] * (x[peak.INFLIGHT] if best[7] == 0 else 1)
     return Bill(
-        model=spec, layout=layout, training=training, gpu=g, n_params=spec.n_params,
-        per_gpu=per_gpu, fits=per_gpu["total"] <= g.total_bytes,
-        headroom_bytes=g.total_bytes - per_gpu["total"],
-        cluster_model_state_bytes=plan.cluster_model_states(),
-        model_states=states, phase=PHASES[best[7]], stage=best_stage,
-        inputs={"batch_size": batch_size, "seq_len": seq, "recompute": recompute,
-                "grad_accum": grad_accum, "attention": plan.backend, "device": device},
-        items=plan.layer_items(layout, batch_size),
-        **_unsaved(plan, layout, batch_size, best[7], best_stage, x),
+        model=model, n_params=n_params, per_gpu=per_gpu, fits=per_gpu["total"] <= gpu.total_bytes,
+        headroom_bytes=gpu.total_bytes - per_gpu["total"], model_states=_steady_states(x),
+        phase=PHASES[best[7]], stage=best_stage, held_logits=int(x[peak.HELD]),
+        input_bytes=int(ids), **fields,
     )  # fmt: skip
-
-
-def _unsaved(plan: Plan, layout: Layout, batch: int, phase: int, stage: int, x) -> dict[str, int]:
-    """The held logits and the token ids inside the peak's activations (decoders, ops model)."""
-    if not plan.spec.is_decoder or plan.activation_model != "ops":
-        return {"held_logits": 0, "input_bytes": 0}
-    w = plan.workload(layout, batch)
-    logits = act.sum_items([i for i in act.head_items(plan.spec, w) if i.name == "logits"])
-    ids = act.sum_items([i for i in act.embed_items(plan.spec, w) if i.name == "embed.ids"])
-    return {
-        "held_logits": logits if stage == layout.pp - 1 else 0,
-        "input_bytes": int(ids * (x[peak.INFLIGHT] if phase == 0 else 1)) if stage == 0 else 0,
-    }
 
 
 def _steady_states(x) -> dict[str, int]:
@@ -234,16 +269,6 @@ def _steady_states(x) -> dict[str, int]:
     return {"weights": w, "gradients": g, "optimizer": o, "total": w + g + o}
 
 
-def _resolve(model: Any) -> ModelSpec:
-    if hasattr(model, "arch") and hasattr(model, "hidden_size"):  # gpumem.models.ModelConfig
-        from gpumem.estimator.models import from_model_config
-
-        return from_model_config(model)
-    if hasattr(model, "config") and hasattr(model, "parameters"):  # a built-in nn.Module
-        from gpumem.estimator.models import from_model_config
-
-        return from_model_config(model.config)
-    return resolve_model(model)
 
 
 def _seq_len(spec: ModelSpec, seq_len: int | None) -> int:
@@ -306,11 +331,7 @@ class Plan:
         """Unique (unsharded, unreplicated) weights + gradients + optimizer state of the job."""
         tr, spec = self.training, self.spec
         trainable = self._lora_params(spec.n_layers, 1) if tr.lora_rank else spec.n_params
-        frozen = spec.n_params if tr.lora_rank else 0
-        return int(
-            trainable * (tr.weight_bytes + tr.grad_bytes + tr.optimizer_bytes)
-            + frozen * tr.frozen_weight_bytes
-        )
+        return cluster_states(tr, trainable, spec.n_params if tr.lora_rank else 0)
 
     def _lora_params(self, n_layers: int, t: int) -> int:
         """LoRA adapters of rank r on every Linear of a layer: r·(in + out) each."""
@@ -321,8 +342,7 @@ class Plan:
         return n_layers * r * per // t
 
     def stage_layers(self, pp: int) -> list[int]:
-        base, extra = divmod(self.spec.n_layers, pp)
-        return [base + (1 if i < extra else 0) for i in range(pp)]
+        return split_layers(self.spec.n_layers, pp)
 
     def terms(
         self, layout: Layout, batch: int, recompute: str, grad_accum: int,
@@ -343,11 +363,7 @@ class Plan:
         layer_tp = (pg.layer_tp - kvp) / t + kvp / min(t, max(spec.kv_heads, 1))
         out = []
         pp = layout.pp
-        n_mb = grad_accum
-        interleave = 1 + (pp - 1) / (pp * layout.vpp) if layout.vpp > 1 else 1.0
-        persist = persistent_grads
-        if persist is None:
-            persist = grad_accum > 1 or layout.n_gpus > 1
+        persist = grads_persist(layout, grad_accum, persistent_grads)
         layers = self.stage_layers(pp)
         for i in sorted({0, pp - 1}):
             n_l = layers[i]
@@ -369,14 +385,9 @@ class Plan:
             x = [0.0] * peak.N_TERMS
             x[peak.P_TRAIN], x[peak.P_FROZEN] = p_train, p_frozen
             x[peak.P_EXP_TRAIN], x[peak.P_EXP_FROZEN] = p_exp_train, p_exp_frozen
-            x[peak.W_BYTES], x[peak.W_FROZEN_BYTES] = tr.weight_bytes, tr.frozen_weight_bytes
-            x[peak.G_BYTES], x[peak.O_BYTES] = tr.grad_bytes, tr.optimizer_bytes
-            x[peak.N_SHARD] = layout.shard_degree(self.gpu.gpus_per_node)
-            x[peak.N_SHARD_EXP] = layout.shard_degree(self.gpu.gpus_per_node, expert=True)
-            x[peak.STAGE] = layout.stage
             x[peak.A_LAYER], x[peak.N_LAYERS] = a_layer, n_l
             x[peak.W_BUFFERS] = spec.buffer_bytes * n_l / max(spec.n_layers, 1)
-            x[peak.INFLIGHT] = (min(n_mb, pp - i) if pp > 1 else 1) * interleave
+            x[peak.INFLIGHT] = inflight(layout, grad_accum, i)
             x[peak.A_FIRST] = first if is_first else 0.0
             x[peak.A_LAST] = last if is_last else 0.0
             grad_in = ce0 if is_last else batch * self.seq * spec.hidden * tr.compute_bytes / t
@@ -400,19 +411,9 @@ class Plan:
                 else:
                     x[peak.P_PEND] = layer_tp + pg.layer_rep + (emb if is_first else 0.0)
                     x[peak.P_PEND_EXP] = pg.layer_expert / (layout.ep * t)
-            scratch = pg.step_scratch / t
-            x[peak.T_STEP] = tr.step_temp_bytes(int(trainable / self._opt_shard(layout)), int(scratch), self.cuda)
             layer_params = (layer_tp + pg.layer_rep) + pg.layer_expert / (layout.ep * t)
-            if layout.stage >= 3:  # all-gather of a layer + prefetch of the next, reduce-scatter
-                x[peak.GATHER] = layer_params * (2 * tr.weight_bytes + tr.grad_bytes)
-            elif layout.stage in (1, 2):  # DeepSpeed's reduce and all-gather buckets
-                x[peak.COMM] = min(DEEPSPEED_BUCKET, trainable) * (tr.grad_bytes + tr.weight_bytes)
-            x[peak.G_PERSIST] = 1.0 if persist else 0.0
-            if self.cuda:
-                x[peak.CONTEXT] = self.gpu.context_bytes
-                x[peak.NCCL] = self.gpu.nccl_bytes if layout.n_gpus > 1 else 0
-                x[peak.FRAG] = self.gpu.fragmentation
-            x[peak.OFFLOAD] = 1.0 if tr.offload_optimizer else 0.0
+            job_terms(x, tr, layout, self.gpu, self.cuda, trainable=trainable,
+                      layer_params=layer_params, scratch=pg.step_scratch / t, persist=persist)  # fmt: skip
             out.append(x)
         return out
 
@@ -432,9 +433,6 @@ class Plan:
             ce0 = act.ce_backward_bytes(self.spec, w) if self.spec.is_decoder else 0
             cache[key] = (*layer, first, last, float(held), float(ids), float(ce0))
         return cache[key]
-
-    def _opt_shard(self, layout: Layout) -> int:
-        return layout.shard_degree(self.gpu.gpus_per_node) if layout.stage >= 1 else 1
 
     def _ends(self, w: act.Workload) -> tuple[float, float]:
         """Activations outside the layers: (first stage: embedding, last stage: head + loss)."""
@@ -488,6 +486,65 @@ class Plan:
         # backward start: the last layer's widest moment (its recomputation included)
         t_start = m.excess + (full - shared if k else 0)
         return float(saved), float(t_end), float(a_end), float(m.grads), float(t_start)
+def split_layers(n_layers: int, pp: int) -> list[int]:
+    """Layers per pipeline stage; the remainder of an uneven split goes to the first stages."""
+    base, extra = divmod(n_layers, pp)
+    return [base + (1 if i < extra else 0) for i in range(pp)]
+
+
+def grads_persist(layout: Layout, grad_accum: int, persistent_grads: bool | None) -> bool:
+    """Whether gradient buffers live across steps: given, or when distributed or accumulating
+    (a plain single-GPU ``zero_grad(set_to_none=True)`` frees them)."""
+    if persistent_grads is None:
+        return grad_accum > 1 or layout.n_gpus > 1
+    return persistent_grads
+
+
+def inflight(layout: Layout, grad_accum: int, stage: int) -> float:
+    """Micro-batches whose activations a pipeline stage holds at the start of backward (1F1B:
+    ``pp - stage``, at most the micro-batches per step; interleaving adds ``(pp-1)/(pp·vpp)``)."""
+    pp = layout.pp
+    interleave = 1 + (pp - 1) / (pp * layout.vpp) if layout.vpp > 1 else 1.0
+    return (min(grad_accum, pp - stage) if pp > 1 else 1) * interleave
+
+
+def job_terms(
+    x: list[float], tr: Training, layout: Layout, gpu: GPU, cuda: bool, *, trainable: float,
+    layer_params: float, scratch: float, persist: bool,
+) -> None:  # fmt: skip
+    """Fill the peak terms every model shares: state bytes and sharding, the optimizer step's
+    temporaries, ZeRO/FSDP communication buffers, and the CUDA reserve.
+
+    Args:
+        trainable: trainable parameters on this rank before ZeRO sharding.
+        layer_params: parameters of one layer (what ZeRO-3/FSDP gathers at once).
+        scratch: elements a per-tensor optimizer step holds at once.
+    """
+    x[peak.W_BYTES], x[peak.W_FROZEN_BYTES] = tr.weight_bytes, tr.frozen_weight_bytes
+    x[peak.G_BYTES], x[peak.O_BYTES] = tr.grad_bytes, tr.optimizer_bytes
+    x[peak.N_SHARD] = layout.shard_degree(gpu.gpus_per_node)
+    x[peak.N_SHARD_EXP] = layout.shard_degree(gpu.gpus_per_node, expert=True)
+    x[peak.STAGE] = layout.stage
+    opt_shard = x[peak.N_SHARD] if layout.stage >= 1 else 1
+    x[peak.T_STEP] = tr.step_temp_bytes(int(trainable / opt_shard), int(scratch), cuda)
+    if layout.stage >= 3:  # all-gather of a layer + prefetch of the next, reduce-scatter
+        x[peak.GATHER] = layer_params * (2 * tr.weight_bytes + tr.grad_bytes)
+    elif layout.stage in (1, 2):  # DeepSpeed's reduce and all-gather buckets
+        x[peak.COMM] = min(DEEPSPEED_BUCKET, trainable) * (tr.grad_bytes + tr.weight_bytes)
+    x[peak.G_PERSIST] = 1.0 if persist else 0.0
+    if cuda:
+        x[peak.CONTEXT] = gpu.context_bytes
+        x[peak.NCCL] = gpu.nccl_bytes if layout.n_gpus > 1 else 0
+        x[peak.FRAG] = gpu.fragmentation
+    x[peak.OFFLOAD] = 1.0 if tr.offload_optimizer else 0.0
+
+
+def cluster_states(tr: Training, trainable: float, frozen: float) -> int:
+    """Unique weights + gradients + optimizer state of a job (no sharding, no replicas)."""
+    return int(trainable * (tr.weight_bytes + tr.grad_bytes + tr.optimizer_bytes)
+               + frozen * tr.frozen_weight_bytes)  # fmt: skip
+
+
 def _every(recompute: str) -> int:
     if recompute in RECOMPUTE:
         return 1 if recompute == "full" else 0

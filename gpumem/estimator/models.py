@@ -426,8 +426,9 @@ def resolve_model(model: Any) -> ModelSpec:
     """Anything a user may pass as a model -> ModelSpec.
 
     Accepts a ModelSpec, a preset name, a path to config.json (or its directory), a dict (HF
-    config fields if it has ``model_type``, else ModelSpec fields), or a dataclass of spec fields.
-    An ``nn.Module`` is counted exactly by :func:`module_spec`.
+    config fields if it has ``model_type``, else ModelSpec fields), a ``gpumem.models``
+    ModelConfig, or a dataclass of spec fields. (``gpumem.estimate`` measures an ``nn.Module``
+    itself, see ``module.py``.)
     """
     if isinstance(model, ModelSpec):
         return model
@@ -440,13 +441,15 @@ def resolve_model(model: Any) -> ModelSpec:
         if "model_type" in model:
             return from_hf_config(model, "dict")
         return _from_fields(dict(model), "dict")
+    if type(model).__module__ == "gpumem.models.config":  # a built-in model's ModelConfig
+        return from_model_config(model)
     if dataclasses.is_dataclass(model) and not isinstance(model, type):
         return _from_fields(dataclasses.asdict(model), type(model).__name__)
     if hasattr(model, "parameters") and hasattr(model, "named_modules"):
         raise TypeError(
-            "an nn.Module carries no shape the estimator can read: count it with "
-            "gpumem.estimator.module_param_count(model) and pass a ModelSpec (or a preset) "
-            "with the matching shape"
+            "an nn.Module needs a fake-tensor pass: call gpumem.estimate(module, "
+            "example_input=...); searches over many layouts (gpumem plan) take a preset, a "
+            "config.json or a ModelSpec"
         )
     raise TypeError(
         f"cannot use {type(model).__name__} as a model: pass a preset name, a config.json path, "
