@@ -1,11 +1,13 @@
 """Overhead of gpumem.profile on a training step, against MemTracker and torch.profiler.
 
-GPT-style model (6 layers, d 512, 8 heads, seq 256, batch 8, AdamW), CPU by default. Each
-configuration runs the same step; the table gives the median step time and its ratio to the plain
-step measured in the same run. Also times the fake-tensor profile of a full Llama-2-70B decoder
-layer (bf16, batch 1, seq 4096).
+GPT-style model (6 layers, d 512, 8 heads, seq 256, batch 8, AdamW), CPU by default. Every
+configuration runs the same step; configurations are interleaved within each round (in a rotated
+order, so none always runs first) and each is compared with the plain step of the same round.
+Wall time and process CPU time are both reported: on a shared machine the wall time of a 2-core
+step swings by 2x with other people's jobs, while CPU time mostly does not. Also times the
+fake-tensor profile of a full Llama-2-70B decoder layer (bf16, batch 1, seq 4096) in both modes.
 
-    python benchmarks/bench_profiler.py [--repeat 5] [--device cpu]
+    python benchmarks/bench_profiler.py [--rounds 9] [--budget-s 540] [--device cpu]
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,24 +24,43 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.nn.functional as F
-from _report import machine_info, median_time, write_results
+from _report import machine_info, write_results
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gpumem
 from gpumem.models import build_model, default_dtype, example_batch, get_config
 
 
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _load() -> str:
+    return " ".join(f"{v:.1f}" for v in os.getloadavg())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=9, help="at most this many rounds")
+    ap.add_argument("--budget-s", type=float, default=540.0,
+                    help="stop starting new rounds after this many seconds (at least 3 rounds)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=256)
     args = ap.parse_args()
-    load = " ".join(f"{v:.1f}" for v in os.getloadavg())
+    load_start = _load()
     torch.manual_seed(0)
     dev = torch.device(args.device)
     model = build_model("gpt2", "tiny", vocab_size=8192, hidden_size=512, num_layers=6,
                         num_heads=8, seq_len=256).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x, y = example_batch(model.config, 8, 256, device=dev)
+    x, y = example_batch(model.config, args.batch_size, args.seq_len, device=dev)
 
     def step():
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -48,12 +70,6 @@ def main() -> None:
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    def inside(make_ctx):
-        def run():
-            with make_ctx():
-                step()
-        return run
-
     def memtracker():
         from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -61,33 +77,54 @@ def main() -> None:
         mt.track_external(model, opt, x)
         return mt
 
-    def torch_profiler():
-        return torch.profiler.profile(profile_memory=True, record_shapes=True)
-
     configs = [
         ("plain step", contextlib.nullcontext),
-        ("gpumem.profile", lambda: gpumem.profile(model, opt)),
-        ("gpumem.profile(timeline=False)", lambda: gpumem.profile(model, opt, timeline=False)),
+        ("gpumem.profile (exact)", lambda: gpumem.profile(model, opt)),
+        ("gpumem.profile (exact, timeline=False)",
+         lambda: gpumem.profile(model, opt, timeline=False)),
+        ("gpumem.profile(mode='light')", lambda: gpumem.profile(model, opt, mode="light")),
         ("MemTracker", memtracker),
-        ("torch.profiler(profile_memory=True)", torch_profiler),
+        ("torch.profiler(profile_memory=True)",
+         lambda: torch.profiler.profile(profile_memory=True, record_shapes=True)),
     ]
     step()  # optimizer state exists before any timing: every configuration times a later step
-    # interleave configurations round by round so machine noise hits all of them alike
-    times: dict[str, list[float]] = {name: [] for name, _ in configs}
-    for _ in range(args.repeat):
-        for name, ctx in configs:
-            times[name].append(median_time(inside(ctx), repeat=1, warmup=0)["median"])
-    base = sorted(times["plain step"])[len(times["plain step"]) // 2]
-    base_min = min(times["plain step"])
+    counter = _OpCounter()
+    with counter:
+        step()
+    wall: dict[str, list[float]] = {name: [] for name, _ in configs}
+    cpu: dict[str, list[float]] = {name: [] for name, _ in configs}
+    t_start = time.perf_counter()
+    rounds = 0
+    while rounds < args.rounds and (rounds < 3 or time.perf_counter() - t_start < args.budget_s):
+        k = rounds % len(configs)
+        for name, make in configs[k:] + configs[:k]:
+            w0, c0 = time.perf_counter(), time.process_time()
+            with make():
+                step()
+            wall[name].append(time.perf_counter() - w0)
+            cpu[name].append(time.process_time() - c0)
+        rounds += 1
+    load_end = _load()
+
+    def ratios(times: dict[str, list[float]], name: str) -> tuple[float, float]:
+        """Median over rounds of (config / plain step of the same round), and min / min."""
+        base = times["plain step"]
+        per_round = [t / b for t, b in zip(times[name], base)]
+        return statistics.median(per_round), min(times[name]) / min(base)
+
     rows = []
     for name, _ in configs:
-        med, best = sorted(times[name])[len(times[name]) // 2], min(times[name])
-        rows.append([name, f"{med * 1e3:.1f}", f"{best * 1e3:.1f}", f"{med / base:.2f}x",
-                     f"{best / base_min:.2f}x"])
+        wr, wm = ratios(wall, name)
+        cr, cm = ratios(cpu, name)
+        rows.append([name, f"{statistics.median(wall[name]) * 1e3:.0f}",
+                     f"{min(wall[name]) * 1e3:.0f}", f"{wr:.3f}x", f"{wm:.3f}x",
+                     f"{statistics.median(cpu[name]) * 1e3:.0f}", f"{cr:.3f}x", f"{cm:.3f}x"])
+    base_cpu = min(cpu["plain step"])
+    per_op_us = (min(cpu["gpumem.profile (exact)"]) - base_cpu) / counter.n * 1e6
 
     cfg = get_config("llama", "70b")
 
-    def fake_layer():
+    def fake_layer(mode: str):
         with gpumem.fake():
             with default_dtype(torch.bfloat16):
                 from gpumem.models.transformer import Block
@@ -95,36 +132,52 @@ def main() -> None:
                 block = Block(cfg)
             o = torch.optim.AdamW(block.parameters())
             xx = torch.randn(1, 4096, cfg.hidden_size, dtype=torch.bfloat16)
-            with gpumem.profile(block, o) as prof:
+            with gpumem.profile(block, o, mode=mode) as prof:
                 block(xx).float().square().mean().backward()
                 o.step()
         return prof.report()
 
-    t0 = time.perf_counter()
-    rep = fake_layer()
-    fake_s = time.perf_counter() - t0
-    rows.append(["fake Llama-2-70B layer: build + profile 1 AdamW step", f"{fake_s * 1e3:.0f}",
-                 "-", f"peak {rep.peak_bytes / 2**30:.2f} GiB", "-"])
+    for mode in ("exact", "light"):
+        t0 = time.perf_counter()
+        rep = fake_layer(mode)
+        fake_s = time.perf_counter() - t0
+        rows.append([f"fake Llama-2-70B layer, {mode}: build + profile 1 AdamW step",
+                     f"{fake_s * 1e3:.0f}", "-", "-", "-", "-", "-",
+                     f"peak {rep.peak_bytes / 2**30:.2f} GiB"])
     notes = f"""
-GPT-style model: 6 layers, d 512, 8 heads, seq 256, batch 8, vocab 8192, AdamW, {args.device};
-{args.repeat} rounds, configurations interleaved within each round; ratios against the plain step's
-median (and min). Entering and leaving each region is part of the timed step. On a shared machine
-(see the load average) the min ratio is the more trustworthy of the two.
+GPT-style model: 6 layers, d 512, 8 heads, seq {args.seq_len}, batch {args.batch_size}, vocab
+8192, AdamW, {args.device}, {torch.get_num_threads()} threads; {rounds} rounds, the
+configurations interleaved in each round in a rotated order. "ratio" columns: the median over
+rounds of the configuration's time over the plain step's time in the same round; "min ratio":
+best time over best plain time. Entering and leaving each region is part of the timed step.
+{counter.n} aten ops per step; the exact tracker's cost over the plain step is
+{per_op_us:.1f} µs of CPU time per op (best times), {per_op_us * counter.n / 1e3:.0f} ms per step,
+{100 * per_op_us * counter.n / 1e6 / base_cpu:.1f}% of the plain step's best CPU time: differences
+below a few percent in the table are noise (ratios below 1 show its size). Load average (1, 5, 15 min) at start
+{load_start}, at end {load_end}, on {os.cpu_count()} cores: other engineers' jobs shared the
+machine, so trust CPU-time ratios and min ratios over median wall-time ratios.
 
-What each mode measures:
-- `gpumem.profile`: every storage the dispatcher sees, exact bytes, categories, per-layer
-  activations/temporaries, phase peaks, the memory-over-time timeline.
-- `gpumem.profile(timeline=False)`: the same numbers without the time series (no plot/trace).
-- MemTracker: the same storage tracking, its own categories, per-module snapshots.
+What each configuration measures:
+- `gpumem.profile` (exact): every storage the dispatcher sees, exact bytes, all six
+  categories, per-layer activations and temporaries, phase peaks, the memory-over-time timeline.
+- `timeline=False`: the same numbers without the time series (no plot or trace).
+- `mode='light'`: no dispatch mode, hooks only. Weights, gradients, optimizer state,
+  activations (per layer) and inputs, equal to exact mode; on CUDA the allocator's true peak and
+  per-layer temporaries from it; on CPU no temporaries (reported as not measured) and the peak
+  of the measured categories only.
+- MemTracker: the same storage tracking as exact mode, its own categories, per-module snapshots.
 - torch.profiler: op events with allocation records (analysis happens afterwards).
-The cost of all three dispatch-mode tools is per op (Python dispatch), so the ratio falls as the
-ops get bigger (larger batch, sequence or hidden size, or a GPU where kernels run asynchronously
-and the hooks overlap with them).
+The dispatch-mode tools pay per op (a Python call), so their ratio falls as ops get bigger
+(larger batch, sequence or hidden size); light mode pays per module call.
 """
     info = machine_info()
-    info["load average at start"] = load
-    write_results("profiler", "gpumem.profile overhead", ["configuration", "median ms", "min ms",
-                  "median ratio", "min ratio"], rows, notes=notes, info=info)
+    info["load average at start / end"] = f"{load_start} / {load_end}"
+    write_results(
+        "profiler", "gpumem.profile overhead",
+        ["configuration", "median wall ms", "min wall ms", "wall ratio", "min wall ratio",
+         "median CPU ms", "CPU ratio", "min CPU ratio"],
+        rows, notes=notes, info=info,
+    )
 
 
 if __name__ == "__main__":

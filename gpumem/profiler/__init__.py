@@ -5,17 +5,69 @@
     rep = prof.report()
 
 Modules: ``tracker`` (dispatch-mode storage tracking), ``hooks`` (phases, saved tensors),
-``session`` (the context manager and its accounting), ``report`` and ``plot`` (outputs),
+``session`` (the context manager and its accounting), ``state`` (its records), ``report`` and
+``plot`` (outputs),
 ``fake`` (fake tensors), ``cuda`` (allocator and driver numbers), ``distributed`` (per-rank
 summaries), ``categories`` (the shared vocabulary).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from gpumem.profiler.categories import CATEGORIES, PHASES
 from gpumem.profiler.fake import fake, note_assumption
 from gpumem.profiler.report import LayerStats, Report, StepReport
-from gpumem.profiler.session import DataDependentError, Profile, profile
+from gpumem.profiler.session import DataDependentError, Profile
+
+if TYPE_CHECKING:
+    import torch
+
+
+def profile(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    snapshot: str | None = None,
+    timeline: bool = True,
+    mode: str = "exact",
+) -> Profile:
+    """Measure the memory of the training steps run inside a ``with`` block.
+
+    Two modes (see docs/profiler.md, "Modes"):
+
+    - ``"exact"`` (default): a TorchDispatchMode sees every op, so every storage created or freed
+      in the region is counted the moment it happens. All six categories, per-layer
+      temporaries, exact peaks (on CUDA in the allocator's 512-byte blocks, plus the allocator's
+      own peaks). Costs a Python call per aten op.
+    - ``"light"``: no dispatch mode, only hooks (module forward/backward, saved tensors,
+      gradient accumulation, optimizer step). Exact, and equal to exact mode, for ``weights``,
+      ``gradients``, ``optimizer`` (per layer and per step), ``activations`` (per layer) and
+      ``inputs``; these are sampled at hook boundaries. Temporaries are measured only on CUDA,
+      from the caching allocator's allocated peak between boundaries (so ``peak_bytes`` is the
+      allocator's true peak less what was allocated at entry and is not the model's). On CPU
+      temporaries are not measured: they are ``None`` in the report, and ``peak_bytes`` is the
+      peak of the measured categories only (a lower bound of the true peak).
+
+    Args:
+        model: the module trained in the region; its forward marks the phases and names layers.
+        optimizer: the optimizer stepping ``model``'s parameters, or ``None`` (forward and
+            backward phases only; a step then ends with each backward pass).
+        snapshot: on CUDA, where to write PyTorch's allocator snapshot if the region raises
+            ``torch.OutOfMemoryError`` (open it at https://pytorch.org/memory_viz).
+        timeline: keep the memory-over-time samples for ``plot`` and ``to_chrome_trace``.
+        mode: ``"exact"`` or ``"light"`` (above).
+
+    Returns:
+        A :class:`Profile`; call ``.report()`` on it during or after the region.
+
+    Example:
+        >>> with gpumem.profile(model, optimizer=opt) as prof:
+        ...     loss = model(x).sum(); loss.backward(); opt.step(); opt.zero_grad()
+        >>> print(prof.report().table())
+    """
+    return Profile(model, optimizer, snapshot=snapshot, timeline=timeline, mode=mode)
+
 
 __all__ = [
     "CATEGORIES", "PHASES", "DataDependentError", "LayerStats", "Profile", "Report",

@@ -24,13 +24,27 @@ if TYPE_CHECKING:
     from gpumem.profiler.session import Frame, Profile
 
 _HISTORY_ENTRIES = 200_000
+# torch.OutOfMemoryError is the device-generic name (2.5+); torch.cuda's is the same class
+OutOfMemoryError: type[BaseException] = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
+def _stats(device: int) -> dict[str, Any]:
+    """The allocator's statistics as a nested dict (``memory_stats`` flattens and sorts the same
+    dict in Python, which costs more than the sampling itself)."""
+    return torch.cuda.memory_stats_as_nested_dict(device)
+
+
+def _stat(stats: dict[str, Any], name: str, kind: str) -> int:
+    return int(stats.get(name, {}).get("all", {}).get(kind, 0))
 
 
 class AllocatorProbe:
-    """Allocator peaks per interval between hook boundaries on the current CUDA device."""
+    """Allocator peaks per interval between hook boundaries on the model's CUDA device."""
 
     @classmethod
-    def maybe(cls, device_types: set[str], snapshot: str | None) -> AllocatorProbe | None:
+    def maybe(
+        cls, model: torch.nn.Module, device_types: set[str], snapshot: str | None
+    ) -> AllocatorProbe | None:
         """A probe when the model lives on a usable CUDA device, else ``None``."""
         if "cuda" not in device_types or not torch.cuda.is_available():
             return None
@@ -38,37 +52,46 @@ class AllocatorProbe:
 
         if active_fake_mode() is not None:  # fake CUDA tensors allocate nothing
             return None
-        return cls(snapshot)
+        device = next(
+            (t.device for t in [*model.parameters(), *model.buffers()] if t.device.type == "cuda"),
+            torch.device("cuda", torch.cuda.current_device()),
+        )
+        return cls(device.index if device.index is not None else torch.cuda.current_device(), snapshot)
 
-    def __init__(self, snapshot: str | None) -> None:
-        self.device = torch.cuda.current_device()
+    def __init__(self, device: int, snapshot: str | None) -> None:
+        self.device = device
         self.snapshot = snapshot
-        stats = torch.cuda.memory_stats(self.device)
-        self.start_allocated = stats.get("allocated_bytes.all.current", 0)
-        self.start_reserved = stats.get("reserved_bytes.all.current", 0)
+        stats = _stats(device)
+        self.start_allocated = _stat(stats, "allocated_bytes", "current")
+        self.start_reserved = _stat(stats, "reserved_bytes", "current")
         self.allocated_peak = self.start_allocated
         self.reserved_peak = self.start_reserved
         self.reserved_at_allocated_peak = self.start_reserved
-        self.num_alloc_retries = stats.get("num_alloc_retries", 0)
-        self.num_ooms = stats.get("num_ooms", 0)
+        self.num_alloc_retries = int(stats.get("num_alloc_retries", 0))
+        self.num_ooms = int(stats.get("num_ooms", 0))
+        self.last = (self.start_allocated, self.start_reserved)  # current values at last sample
         self.summary: dict[str, Any] = {}
-        torch.cuda.reset_peak_memory_stats(self.device)
+        torch.cuda.reset_peak_memory_stats(device)
         if snapshot:
             torch.cuda.memory._record_memory_history(max_entries=_HISTORY_ENTRIES)
 
     def _sample(self) -> tuple[int, int, int, int]:
         """(allocated peak, reserved peak) since the last sample, and the current values."""
-        s = torch.cuda.memory_stats(self.device)
-        ap, rp = s.get("allocated_bytes.all.peak", 0), s.get("reserved_bytes.all.peak", 0)
+        s = _stats(self.device)
+        ap, rp = _stat(s, "allocated_bytes", "peak"), _stat(s, "reserved_bytes", "peak")
+        ac, rc = _stat(s, "allocated_bytes", "current"), _stat(s, "reserved_bytes", "current")
         torch.cuda.reset_peak_memory_stats(self.device)
         if ap > self.allocated_peak:
             self.allocated_peak = ap
             self.reserved_at_allocated_peak = rp
         self.reserved_peak = max(self.reserved_peak, rp)
-        return ap, rp, s.get("allocated_bytes.all.current", 0), s.get("reserved_bytes.all.current", 0)
+        self.last = (ac, rc)
+        return ap, rp, ac, rc
 
-    def boundary(self, prof: Profile, extra: Frame | None = None) -> tuple[int, int]:
-        """Close the current interval: every running frame and the current phase see its peak."""
+    def boundary(self, prof: Profile, extra: Frame | None = None) -> tuple[int, int, int]:
+        """Close the current interval: every running frame and the current phase see its peak.
+
+        Returns the interval's allocated peak and the current allocated and reserved bytes."""
         ap, rp, ac, rc = self._sample()
         frames = [*prof.fwd, *prof.bwd] + ([extra] if extra is not None else [])
         for f in frames:
@@ -79,14 +102,22 @@ class AllocatorProbe:
         cur = phases.setdefault(prof._phase(), {"allocated_peak": 0, "reserved_peak": 0})
         cur["allocated_peak"] = max(cur["allocated_peak"], ap)
         cur["reserved_peak"] = max(cur["reserved_peak"], rp)
-        return ac, rc
+        return ap, ac, rc
 
-    def enter(self, prof: Profile, frame: Frame) -> None:
-        ac, rc = self.boundary(prof)
+    def interval(self, prof: Profile) -> tuple[int, int]:
+        """Light mode: close the interval; (its allocated peak, allocated bytes now)."""
+        ap, ac, _ = self.boundary(prof)
+        return ap, ac
+
+    def enter(self, prof: Profile, frame: Frame, sample: bool = True) -> None:
+        """A module call starts; ``sample=False`` when a boundary was just taken (light mode)."""
+        ac, rc = self.boundary(prof)[1:] if sample else self.last
         frame.alloc = [ac, rc, ac, rc]
 
-    def exit(self, prof: Profile, frame: Frame, phase: str) -> None:
-        self.boundary(prof, extra=frame)
+    def exit(self, prof: Profile, frame: Frame, phase: str, sample: bool = True) -> None:
+        """A module call ends: its allocator peak above the level at entry."""
+        if sample:
+            self.boundary(prof, extra=frame)
         if frame.alloc is None:
             return
         layers = prof.steps[-1].allocator.setdefault("layers", {})
@@ -98,8 +129,8 @@ class AllocatorProbe:
 
     def finish(self, prof: Profile, exc: BaseException | None) -> None:
         self.boundary(prof)
-        stats = torch.cuda.memory_stats(self.device)
-        reserved_now = stats.get("reserved_bytes.all.current", 0)
+        stats = _stats(self.device)
+        reserved_now = _stat(stats, "reserved_bytes", "current")
         outside, source = outside_allocator(self.device, reserved_now)
         self.summary = {
             "device": torch.cuda.get_device_name(self.device),
@@ -108,17 +139,31 @@ class AllocatorProbe:
             "fragmentation_at_peak": max(0, self.reserved_at_allocated_peak - self.allocated_peak),
             "outside_allocator": outside,
             "outside_allocator_source": source,
-            "alloc_retries": stats.get("num_alloc_retries", 0) - self.num_alloc_retries,
-            "ooms": stats.get("num_ooms", 0) - self.num_ooms,
-            "out_of_memory": isinstance(exc, torch.OutOfMemoryError),
+            "alloc_retries": int(stats.get("num_alloc_retries", 0)) - self.num_alloc_retries,
+            "ooms": int(stats.get("num_ooms", 0)) - self.num_ooms,
+            "out_of_memory": isinstance(exc, OutOfMemoryError),
             "snapshot": None,
         }
         if self.snapshot:
             try:
-                torch.cuda.memory._dump_snapshot(self.snapshot)
+                torch.cuda.memory._dump_snapshot(str(self.snapshot))
                 self.summary["snapshot"] = str(self.snapshot)
             finally:
                 torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def _nvml_index(device: int) -> int | None:
+    """NVML's index of torch's CUDA ``device`` (they differ under CUDA_VISIBLE_DEVICES), by
+    UUID; ``None`` when it cannot be matched."""
+    from gpumem.device import query
+
+    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "")).removeprefix("GPU-")
+    if not uuid:
+        return None
+    for gpu in query().gpus:
+        if gpu.uuid.removeprefix("GPU-") == uuid:
+            return gpu.index
+    return None
 
 
 def outside_allocator(device: int, reserved: int) -> tuple[int | None, str]:
@@ -130,10 +175,12 @@ def outside_allocator(device: int, reserved: int) -> tuple[int | None, str]:
     from gpumem.device import process_used_bytes
 
     used = process_used_bytes()
+    value = None
     if len(used) == 1:
         (value,) = used.values()
-    else:
-        value = used.get(device)
+    elif used:
+        index = _nvml_index(device)
+        value = used.get(index) if index is not None else None
     if value is not None:
         return max(0, value - reserved), "nvml process used - reserved"
     free, total = torch.cuda.mem_get_info(device)

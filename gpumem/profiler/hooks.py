@@ -85,9 +85,12 @@ class HookSet:
         self.prof.forward_enter(fqn, module, args, kwargs)
 
     def _fw_post(self, fqn: str, module: torch.nn.Module, args: Any, kwargs: Any, out: Any) -> None:
-        frame = self.prof.forward_exit(fqn)
+        prof = self.prof
+        frame = prof.forward_exit(fqn)
         if frame is None or frame.in_backward or not torch.is_grad_enabled():
             return
+        if fqn and not prof.measures_temporary:
+            return  # light mode on CPU: only the root's backward is needed (to see the pass start)
         outs = _grad_tensors(out)
         if not outs:
             return

@@ -46,7 +46,8 @@ def plot_report(rep: Report, path: Path, depth: int | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     layers = _bar_layers(rep, depth)
-    cats = ("weights", "gradients", "optimizer", "activations", "temporary")
+    cats = [c for c in ("weights", "gradients", "optimizer", "activations", "temporary")
+            if c in rep.measured]  # light mode on CPU has no temporaries to draw
     top = max([rep.peak_bytes, *(rep.layers[n].total for n in layers)], default=1)
     uname, scale = _unit(top)
     fig, (ax1, ax2) = plt.subplots(

@@ -28,7 +28,8 @@ from gpumem.units import format_bytes
 if TYPE_CHECKING:
     from gpumem.profiler.session import Profile
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: ``mode``/``measured``; temporaries are null where not measured
+_READS = (1, 2)
 _LAYER_CATS = (WEIGHTS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARY)
 
 
@@ -40,17 +41,20 @@ class LayerStats:
     gradients: int = 0
     optimizer: int = 0
     activations: int = 0
-    temporary: int = 0
-    """Largest of ``forward_temporary`` and ``backward_temporary``."""
-    forward_temporary: int = 0
-    backward_temporary: int = 0
+    temporary: int | None = 0
+    """Largest of ``forward_temporary`` and ``backward_temporary``; ``None`` where not measured
+    (light mode on CPU)."""
+    forward_temporary: int | None = 0
+    backward_temporary: int | None = 0
     allocated_peak_delta: int | None = None
     """CUDA only: allocator allocated-bytes peak above the level at entry (hook resolution)."""
     reserved_peak_delta: int | None = None
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.temporary
+        """Sum of the measured categories (``temporary`` only where measured)."""
+        return (self.weights + self.gradients + self.optimizer + self.activations
+                + (self.temporary or 0))
 
     def _max(self, other: LayerStats) -> None:
         for f in fields(self):
@@ -65,7 +69,7 @@ class StepReport:
 
     index: int
     peak: int
-    at_peak: dict[str, int]
+    at_peak: dict[str, int | None]
     peak_phase: str
     forward_peak: int | None
     backward_peak: int | None
@@ -88,7 +92,8 @@ class Report:
     """
 
     peak_bytes: int
-    at_peak: dict[str, int]
+    """Peak live bytes. Light mode on CPU: the peak of the measured categories only."""
+    at_peak: dict[str, int | None]
     peak_step: int
     peak_phase: str
     steps: list[StepReport]
@@ -104,6 +109,10 @@ class Report:
     spans: list[dict[str, Any]] = field(default_factory=list)
     rank: int | None = None
     world_size: int | None = None
+    mode: str = "exact"
+    """``"exact"`` (dispatch mode, every op) or ``"light"`` (hook boundaries only)."""
+    measured: list[str] = field(default_factory=lambda: list(CATEGORIES))
+    """The categories measured; the others are ``None`` (light mode on CPU: ``temporary``)."""
     schema_version: int = SCHEMA_VERSION
 
     # -- machine-readable ----------------------------------------------------------------------
@@ -124,12 +133,12 @@ class Report:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Report:
         """Rebuild a report from ``to_dict``/JSON (plain data only, no code runs)."""
-        if d.get("schema_version") != SCHEMA_VERSION:
+        if d.get("schema_version") not in _READS:
             raise ValueError(
                 f"profile JSON has schema_version {d.get('schema_version')!r}, this gpumem reads "
-                f"{SCHEMA_VERSION}; re-run the profile with this version"
+                f"{', '.join(map(str, _READS))}; re-run the profile with this version"
             )
-        d = dict(d)
+        d = {**d, "schema_version": SCHEMA_VERSION}  # version 1 is version 2 in exact mode
         d["layers"] = {k: LayerStats(**v) for k, v in d["layers"].items()}
         d["steps"] = [
             StepReport(**{**s, "layers": {k: LayerStats(**v) for k, v in s["layers"].items()}})
@@ -176,11 +185,17 @@ class Report:
 
     def _headline(self) -> list[str]:
         tags = [self.device] + (["estimate"] if self.estimate else [])
+        if self.mode != "exact":
+            tags.append(f"{self.mode} mode")
+        what = "peak" if TEMPORARY in self.measured else "peak of measured categories"
         out = [
-            f"gpumem profile of {self.model} ({', '.join(tags)}): peak {format_bytes(self.peak_bytes)} "
-            f"({self.peak_bytes} B) in step {self.peak_step}, {self.peak_phase}",
-            "at peak: " + ", ".join(f"{c} {format_bytes(v)}" for c, v in self.at_peak.items()),
+            f"gpumem profile of {self.model} ({', '.join(tags)}): {what} "
+            f"{format_bytes(self.peak_bytes)} ({self.peak_bytes} B) in step {self.peak_step}, "
+            f"{self.peak_phase}",
+            "at peak: " + ", ".join(f"{c} {_fmt(v)}" for c, v in self.at_peak.items()),
         ]
+        if TEMPORARY not in self.measured:
+            out.append("temporaries not measured (light mode on CPU; use mode='exact' for them)")
         for s in self.steps:
             parts = [f"{p} {format_bytes(v)}" for p, v in
                      ((FORWARD, s.forward_peak), (BACKWARD, s.backward_peak),
@@ -205,7 +220,7 @@ class Report:
         md = [f"### Memory profile: {self.model}", ""]
         md += [f"- {line}" for line in self._headline()]
         md += ["", "| category | bytes at peak | |", "|---|---:|---:|"]
-        md += [f"| {c} | {v} | {format_bytes(v)} |" for c, v in self.at_peak.items()]
+        md += [f"| {c} | {'-' if v is None else v} | {_fmt(v)} |" for c, v in self.at_peak.items()]
         md += ["", "| step | forward peak | backward peak | optimizer peak | peak |",
                "|---:|---:|---:|---:|---:|"]
         for s in self.steps:
@@ -261,6 +276,7 @@ def _step_layers(prof: Profile, step) -> dict[str, LayerStats]:
     opt = _rollup(names, step.optimizer)
     acts = _rollup(names, step.activations)
     alloc = step.allocator.get("layers", {})
+    measured = prof.measures_temporary
     fwd_t, bwd_t = dict(step.fwd_temp), dict(step.bwd_temp)
     # containers that are never called themselves (ModuleList) show their busiest child
     for n in sorted(names, key=lambda k: -k.count(".") if k else 1):
@@ -270,11 +286,12 @@ def _step_layers(prof: Profile, step) -> dict[str, LayerStats]:
             bwd_t[n] = max((bwd_t.get(k, 0) for k in kids), default=0)
     out = {}
     for n in names:
-        ft, bt = fwd_t.get(n, 0), bwd_t.get(n, 0)
+        ft, bt = (fwd_t.get(n, 0), bwd_t.get(n, 0)) if measured else (None, None)
         a = alloc.get(n)
         out[n] = LayerStats(
             weights=weights[n], gradients=grads[n], optimizer=opt[n], activations=acts[n],
-            temporary=max(ft, bt), forward_temporary=ft, backward_temporary=bt,
+            temporary=max(ft, bt) if measured else None, forward_temporary=ft,
+            backward_temporary=bt,
             allocated_peak_delta=a["allocated_peak_delta"] if a else None,
             reserved_peak_delta=a["reserved_peak_delta"] if a else None,
         )
@@ -316,12 +333,13 @@ def build_report(prof: Profile) -> Report:
         fake=fake, estimate=bool(prof.assumptions), assumptions=list(prof.assumptions),
         error=prof.error,
         allocator=dict(prof.allocator.summary) if prof.allocator is not None and prof.allocator.summary else None,
-        timeline=timeline, spans=spans, rank=rank, world_size=world,
+        timeline=timeline, spans=spans, rank=rank, world_size=world, mode=prof.mode,
+        measured=prof.measured,
     )
 
 
-def _ordered(at: dict[str, int]) -> dict[str, int]:
-    return {c: int(at.get(c, 0)) for c in CATEGORIES}
+def _ordered(at: dict[str, int | None]) -> dict[str, int | None]:
+    return {c: None if at.get(c, 0) is None else int(at.get(c, 0)) for c in CATEGORIES}
 
 
 def _rank() -> tuple[int | None, int | None]:

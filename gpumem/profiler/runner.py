@@ -60,6 +60,7 @@ def profile_model(
     fake: bool = False,
     device: str = "cpu",
     steps: int = 2,
+    mode: str = "exact",
 ) -> Report:
     """Build ``model``, run ``steps`` training steps inside ``gpumem.profile``, return the report.
 
@@ -70,6 +71,7 @@ def profile_model(
         precision: parameter dtype (``fp32``, ``bf16``, ``fp16``) or fp32 weights under autocast
             (``amp-bf16``, ``amp-fp16``).
         fake: build everything under ``gpumem.fake()``: any size, no memory.
+        mode: ``"exact"`` or ``"light"`` (see :func:`gpumem.profile`).
     """
     from gpumem.models import build_model, example_batch
     from gpumem.profiler import fake as fake_ctx
@@ -108,7 +110,7 @@ def profile_model(
                 x = x.to(dtype)
         net.train()
         opt = _optimizer(optimizer, net.parameters())
-        with profile(net, opt) as prof:
+        with profile(net, opt, mode=mode) as prof:
             for _ in range(steps):
                 with torch.autocast(dev.type, dtype=amp) if amp else contextlib.nullcontext():
                     out = net(x)

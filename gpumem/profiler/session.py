@@ -22,7 +22,6 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,70 +29,28 @@ import torch
 from gpumem.profiler.categories import (
     ACTIVATIONS,
     BACKWARD,
+    CATEGORIES,
     FORWARD,
     GRADIENTS,
     INPUTS,
     OPTIMIZER,
     OPTIMIZER_PHASE,
-    PHASES,
     TEMPORARY,
     WEIGHTS,
 )
 from gpumem.profiler.hooks import HookSet, _tensors
+from gpumem.profiler.state import (  # noqa: F401 - DataDependentError and Frame are imported from here
+    MODES,
+    PHASE_CODE,
+    DataDependentError,
+    Frame,
+    Snapshot,
+    StepAcc,
+)
 from gpumem.profiler.tracker import Entry, StorageTracker, storages_of
 
-_PHASE_CODE = {FORWARD: 0, BACKWARD: 1, OPTIMIZER_PHASE: 2}
 _graph_task_id = torch._C._current_graph_task_id
 _ACTIVE = threading.local()
-
-
-class DataDependentError(RuntimeError):
-    """An op whose output size depends on tensor values ran under ``gpumem.fake()``."""
-
-
-@dataclass
-class Frame:
-    """One running module call (forward or backward)."""
-
-    fqn: str
-    level: int
-    event0: int
-    in_backward: bool
-    t0: int
-    hwm: int = 0
-    kept: int = 0  # bytes created in this call that became activations (backward: gradients)
-    alloc: Any = None  # allocator probe state on CUDA
-
-    def __post_init__(self) -> None:
-        self.hwm = self.level
-
-
-@dataclass
-class Snapshot:
-    bytes: int = 0
-    at: dict[str, int] = field(default_factory=dict)
-    event: int = -1
-    phase: str = FORWARD
-    step: int = 0
-    n_opt_new: int = 0
-
-
-@dataclass
-class StepAcc:
-    """Everything measured in one step (raw, per module without rollup)."""
-
-    index: int
-    phase_peak: dict[str, int | None] = field(default_factory=lambda: dict.fromkeys(PHASES))
-    peak: Snapshot = field(default_factory=Snapshot)
-    forwards: int = 0
-    backwards: int = 0
-    activations: dict[str, int] = field(default_factory=dict)
-    fwd_temp: dict[str, int] = field(default_factory=dict)
-    bwd_temp: dict[str, int] = field(default_factory=dict)
-    gradients: dict[str, int] = field(default_factory=dict)
-    optimizer: dict[str, int] = field(default_factory=dict)
-    opt_new: list[Entry] = field(default_factory=list)
-    allocator: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class Profile:
@@ -118,7 +75,13 @@ class Profile:
         *,
         snapshot: str | None = None,
         timeline: bool = True,
+        mode: str = "exact",
     ) -> None:
+        if mode not in MODES:
+            raise ValueError(
+                f"gpumem.profile(mode={mode!r}) is not a mode; use 'exact' (every storage, every "
+                "op) or 'light' (hook boundaries only, no per-op dispatch)"
+            )
         if not isinstance(model, torch.nn.Module):
             raise TypeError(
                 f"gpumem.profile(model, ...) needs a torch.nn.Module, got {type(model).__name__}; "
@@ -132,6 +95,8 @@ class Profile:
         self.optimizer = optimizer
         self.snapshot_path = snapshot
         self.record_timeline = timeline
+        self.mode = mode
+        self.light = mode == "light"
         self.fqn_of: dict[int, str] = {}
         for fqn, mod in model.named_modules(remove_duplicate=False):
             self.fqn_of.setdefault(id(mod), fqn)
@@ -142,7 +107,10 @@ class Profile:
             for p in mod.parameters(recurse=False):
                 self.param_owner.setdefault(id(p), (p, fqn))
         self._check_optimizer()
-        self.tracker = StorageTracker(self._context, self._after_op, self._where)
+        # exact: the tracker runs as a dispatch mode and calls _after_op after every op; light:
+        # it only keeps the registry of the storages the hooks hand it, sampled at boundaries
+        self._sync = self._boundary if self.light else self._after_op
+        self.tracker = StorageTracker(self._context, self._sync, self._where)
         self.hooks = HookSet(self)
         self.steps: list[StepAcc] = [StepAcc(0)]
         self.peak = Snapshot()
@@ -160,6 +128,16 @@ class Profile:
         self._tail: str | None = None
         self._closed = False
         self._bw_tasks: set[int] = set()
+        # _after_op's memory: the last timeline sample, and the highest level already handed to
+        # the peaks and the running frames in the current phase and step
+        self._tl_level, self._tl_phase, self._tl_step = -1, "", -1
+        self._mark, self._mark_phase, self._mark_step = -1, "", None
+        # light mode on CUDA: allocated bytes that are not the model's (other tensors alive at
+        # entry), the allocator level at the last boundary, the categories there
+        self._baseline = 0
+        self._forwarded = False
+        self._light_level = 0
+        self._cats_prev: dict[str, int] = {}
         self._entered = False
         self._exited = False
         self.t_start = 0
@@ -192,15 +170,22 @@ class Profile:
         self._register_existing()
         from gpumem.profiler import cuda
 
-        self.allocator = cuda.AllocatorProbe.maybe(self.device_types, self.snapshot_path)
+        self.allocator = cuda.AllocatorProbe.maybe(self.model, self.device_types, self.snapshot_path)
+        if self.light and self.allocator is not None:
+            self._baseline = self.allocator.start_allocated - self._cuda_tracked()
+            self._light_level = self.tracker.level
+        self._cats_prev = dict(self.tracker.by_category)
         self.hooks.install()
         try:
-            self.tracker.__enter__()
+            if self.light:
+                self.tracker.patch_resize()
+            else:
+                self.tracker.__enter__()
         except BaseException:
             self.hooks.remove()
             raise
         _ACTIVE.profile = self
-        self._after_op()
+        self._sync()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -208,12 +193,15 @@ class Profile:
         self._exited = True
         self.t_end = time.perf_counter_ns()
         try:
-            self.tracker.__exit__(exc_type, exc, tb)
+            if self.light:
+                self._boundary()
+                self.tracker.unpatch_resize()
+            else:
+                self.tracker.__exit__(exc_type, exc, tb)
         finally:
             self.hooks.remove()
-        for frame in reversed(self.fwd):
-            self._close_forward(frame)
-        self.fwd.clear()
+        frames, self.fwd = self.fwd, []
+        self._close_forwards(frames)
         if self.bwd or self._bw_tasks:  # an exception inside backward
             self._backward_end()
         if self._in_step:  # an exception inside optimizer.step(): resolve what was created
@@ -271,23 +259,41 @@ class Profile:
             return self.fwd[-1].fqn
         return self.bwd[-1].fqn if self.bwd else ""
 
-    def _after_op(self) -> None:
-        tr = self.tracker
-        level = tr.level
-        phase = self._phase()
-        step = self.steps[-1]
-        if phase == BACKWARD:
+    def _after_op(self, level: int | None = None) -> None:
+        """Called after every op (exact mode) or hook boundary (light mode): peaks and timeline.
+
+        Runs once per aten op, so it does as little as it can: the peaks, the step's snapshot and
+        the running frames' high-water marks only change when the level rises above ``_mark``
+        (the highest level already handed to all of them) or the phase or step changes; of the
+        forward frames only the innermost is updated (it hands its mark to its parent on exit).
+        """
+        if level is None:
+            level = self.tracker.level
+        if self._in_step or self._in_zero_grad:
+            phase = OPTIMIZER_PHASE
+        else:
             task = _graph_task_id()
-            if task != -1 and task not in self._bw_tasks:
-                self._backward_start(task)
-        if self.record_timeline:
+            if task != -1:
+                phase = BACKWARD
+                if task not in self._bw_tasks:
+                    self._backward_start(task)
+            else:
+                # after a backward pass or an optimizer step, until the next forward (grad
+                # clipping, zero_grad, logging) belongs to the phase that just ended
+                phase = self._tail or FORWARD
+        step = self.steps[-1]
+        if self.record_timeline and (
+            level != self._tl_level or phase is not self._tl_phase or step.index != self._tl_step
+        ):
+            self._tl_level, self._tl_phase, self._tl_step = level, phase, step.index
             ts, lv, ph, st = self.timeline
-            code = _PHASE_CODE[phase]
-            if not lv or lv[-1] != level or ph[-1] != code or st[-1] != step.index:
-                ts.append(time.perf_counter_ns())
-                lv.append(level)
-                ph.append(code)
-                st.append(step.index)
+            ts.append(time.perf_counter_ns())
+            lv.append(level)
+            ph.append(PHASE_CODE[phase])
+            st.append(step.index)
+        if level <= self._mark and phase is self._mark_phase and step is self._mark_step:
+            return
+        self._mark, self._mark_phase, self._mark_step = level, phase, step
         pp = step.phase_peak[phase]
         if pp is None or level > pp:
             step.phase_peak[phase] = level
@@ -295,16 +301,56 @@ class Profile:
             step.peak = self._snap(level, phase, step)
         if level > self.peak.bytes or self.peak.event < 0:
             self.peak = step.peak
-        for f in self.fwd:
-            f.hwm = max(f.hwm, level)
+        if self.fwd:
+            top = self.fwd[-1]
+            if level > top.hwm:
+                top.hwm = level
         for f in self.bwd:
-            f.hwm = max(f.hwm, level)
+            if level > f.hwm:
+                f.hwm = level
 
     def _snap(self, level: int, phase: str, step: StepAcc) -> Snapshot:
+        at: dict[str, int | None] = dict(self.tracker.by_category)
+        if self.light:
+            if self.allocator is None:
+                at[TEMPORARY] = None  # not measured: nothing sees a temporary without the mode
+            else:
+                # the peak lies between two boundaries: per category, count what was alive at
+                # both (the smaller of the two sums); the rest of the allocator's peak is temporary
+                prev = self._cats_prev
+                at = {c: min(v, prev.get(c, v)) for c, v in at.items()}
+                at[TEMPORARY] = 0
+                at[TEMPORARY] = max(0, level - sum(at.values()))
         return Snapshot(
-            level, dict(self.tracker.by_category), self.tracker.events, phase, step.index,
+            level, at, self.tracker.events, phase, step.index,
             len(step.opt_new) if self._in_step else 0,
         )
+
+    # -- light mode: hook boundaries instead of ops ----------------------------------------------
+    def _cuda_tracked(self) -> int:
+        return self.tracker.by_device.get("cuda", 0)
+
+    def _boundary(self) -> None:
+        """Light mode: bring peaks, frames and the timeline up to date at a hook boundary.
+
+        On CPU the level is the tracked categories (exact at boundaries: they only grow at
+        boundaries). On CUDA it is the caching allocator's peak since the previous boundary,
+        less the bytes that were allocated at entry and are not the model's."""
+        tr = self.tracker
+        tr.events += 1
+        if self.allocator is None:
+            self._after_op()
+        else:
+            peak, now = self.allocator.interval(self)
+            other = tr.level - self._cuda_tracked()  # tracked bytes on other devices
+            self._light_level = now - self._baseline + other
+            self._after_op(max(peak - self._baseline + other, tr.level))
+        self._cats_prev = dict(tr.by_category)
+
+    def _level_now(self) -> int:
+        if self.light and self.allocator is not None:
+            return self._light_level
+        return self.tracker.level
 
     def _reclassify(self, e: Entry, category: str, module: str) -> None:
         """Change an entry's category; snapshots taken at this very event follow it."""
@@ -323,29 +369,39 @@ class Profile:
         in_bw = _graph_task_id() != -1
         if fqn == "" and not self.fwd and not in_bw:
             self._root_forward(args, kwargs)
-        frame = Frame(fqn, self.tracker.level, self.tracker.events, in_bw, time.perf_counter_ns())
-        if self.allocator is not None:
-            self.allocator.enter(self, frame)
+        frame = self._new_frame(fqn, in_bw)
         self.fwd.append(frame)
 
     def forward_exit(self, fqn: str) -> Frame | None:
+        if self.light:
+            self._boundary()
         for i in range(len(self.fwd) - 1, -1, -1):
             if self.fwd[i].fqn == fqn:
                 frames = self.fwd[i:]
                 del self.fwd[i:]
-                for f in reversed(frames):
-                    self._close_forward(f)
+                self._close_forwards(frames)
                 return frames[0]
         return None
 
+    def _close_forwards(self, frames: list[Frame]) -> None:
+        """Close forward frames innermost first; each hands its high-water mark to its parent
+        (``_after_op`` only updates the innermost running frame)."""
+        for i in range(len(frames) - 1, -1, -1):
+            f = frames[i]
+            parent = frames[i - 1] if i else (self.fwd[-1] if self.fwd else None)
+            if parent is not None and f.hwm > parent.hwm:
+                parent.hwm = f.hwm
+            self._close_forward(f)
+
     def _close_forward(self, f: Frame) -> None:
         step = self.steps[-1]
-        temp = max(0, f.hwm - f.level - f.kept)
-        if temp > step.fwd_temp.get(f.fqn, -1):
-            step.fwd_temp[f.fqn] = temp
+        if self.measures_temporary:
+            temp = max(0, f.hwm - f.level - f.kept)
+            if temp > step.fwd_temp.get(f.fqn, -1):
+                step.fwd_temp[f.fqn] = temp
         phase = BACKWARD if f.in_backward else FORWARD
         if self.allocator is not None:
-            self.allocator.exit(self, f, phase)
+            self.allocator.exit(self, f, phase, sample=not self.light)
         if self.record_timeline:
             self.spans.append((f.fqn, phase, f.t0, time.perf_counter_ns(), step.index))
 
@@ -359,31 +415,50 @@ class Profile:
             for st in storages_of(t):
                 e = self.tracker.lookup(st)
                 if e is None:
-                    self.tracker.track(t, INPUTS, "")
+                    new = self.tracker.track(t, INPUTS, "")
+                    if self.light and self.allocator is not None and not self._forwarded:
+                        # inputs of the region's first forward are taken to predate the region:
+                        # their blocks are in the allocator's level at entry, not the baseline
+                        self._baseline -= sum(x.nbytes for x in new if x.device == "cuda")
                     break
                 if e.category == TEMPORARY:
                     self._reclassify(e, INPUTS, "")
-        self._after_op()
+        self._forwarded = True
+        self._sync()
 
     def backward_enter(self, fqn: str) -> Frame:
-        frame = Frame(fqn, self.tracker.level, self.tracker.events, True, time.perf_counter_ns())
-        if self.allocator is not None:
-            self.allocator.enter(self, frame)
+        frame = self._new_frame(fqn, True)
         self.bwd.append(frame)
         return frame
 
+    def _new_frame(self, fqn: str, in_backward: bool) -> Frame:
+        if self.light:
+            self._boundary()  # the interval before the call belongs to the running frames
+        level = self._level_now()
+        frame = Frame(fqn, level, self.tracker.events, in_backward, time.perf_counter_ns())
+        if level < self._mark:  # the new frame has seen only ``level`` so far
+            self._mark = level
+        if self.light:
+            self.tracker.events += 1  # storages registered from now on are born inside the call
+        if self.allocator is not None:
+            self.allocator.enter(self, frame, sample=not self.light)
+        return frame
+
     def backward_exit(self, frame: Frame) -> None:
+        if self.light:
+            self._boundary()
         if frame in self.bwd:
             self.bwd.remove(frame)
             self._close_backward(frame)
 
     def _close_backward(self, f: Frame) -> None:
         step = self.steps[-1]
-        temp = max(0, f.hwm - f.level - f.kept)
-        if temp > step.bwd_temp.get(f.fqn, -1):
-            step.bwd_temp[f.fqn] = temp
+        if self.measures_temporary:
+            temp = max(0, f.hwm - f.level - f.kept)
+            if temp > step.bwd_temp.get(f.fqn, -1):
+                step.bwd_temp[f.fqn] = temp
         if self.allocator is not None:
-            self.allocator.exit(self, f, BACKWARD)
+            self.allocator.exit(self, f, BACKWARD, sample=not self.light)
         if self.record_timeline:
             self.spans.append((f.fqn, BACKWARD, f.t0, time.perf_counter_ns(), step.index))
 
@@ -419,6 +494,8 @@ class Profile:
                 continue
             for st in storages_of(p.grad):
                 e = self.tracker.lookup(st)
+                if e is None and self.light:  # assigned outside autograd: nothing saw it yet
+                    e = self.tracker._add(st, p.grad.device.type, GRADIENTS, owner)
                 if e is not None and id(e) not in seen:
                     seen.add(id(e))
                     per[owner] = per.get(owner, 0) + e.nbytes
@@ -428,9 +505,11 @@ class Profile:
     def gradient_ready(self, grad: torch.Tensor, owner: str) -> None:
         for st in storages_of(grad):
             e = self.tracker.lookup(st)
-            if e is None:  # created outside the dispatcher (e.g. by a C++ extension)
-                e = self.tracker.track(grad, GRADIENTS, owner)[0]
-                self._after_op()
+            if e is None:  # light mode, or created outside the dispatcher (a C++ extension)
+                e = self.tracker._add(st, grad.device.type, GRADIENTS, owner)
+                if self.light:
+                    self._credit(self.bwd, e)
+                self._sync()
             if e.category != GRADIENTS:
                 self._credit(self.bwd, e)
                 self._reclassify(e, GRADIENTS, owner)
@@ -440,6 +519,18 @@ class Profile:
             return  # recomputation in backward stays temporary
         if module is None:
             module = self.fwd[-1].fqn if self.fwd else ""
+        if self.light:
+            # nothing tracks temporaries here: a storage that is no weight, input, gradient,
+            # optimizer state or earlier activation is new, hence an activation
+            new = False
+            for st in storages_of(t):
+                if self.tracker.lookup(st) is None:
+                    e = self.tracker._add(st, t.device.type, ACTIVATIONS, module)
+                    self._mark_activation(e, module)
+                    new = True
+            if new:
+                self._boundary()
+            return
         for st in storages_of(t):
             e = self.tracker.lookup(st)
             if e is not None and e.category == TEMPORARY and e.died is None:
@@ -466,10 +557,13 @@ class Profile:
         self._reclassify(e, ACTIVATIONS, module)
 
     def optimizer_enter(self) -> None:
+        # close the interval before the step under the phase it belongs to
+        if self.light:
+            self._boundary()
+        elif self.allocator is not None:
+            self.allocator.boundary(self)
         self._in_step = True
         self.tracker.on_new = self.steps[-1].opt_new.append
-        if self.allocator is not None:
-            self.allocator.boundary(self)
 
     def optimizer_exit(self) -> None:
         """Sort what the step created into optimizer state and scratch, then close the step."""
@@ -484,7 +578,9 @@ class Profile:
                 for st in storages_of(t):
                     e = self.tracker.lookup(st)
                     if e is None:
-                        continue
+                        if not self.light:
+                            continue
+                        e = self.tracker._add(st, t.device.type, OPTIMIZER, owner)
                     state[id(e)] = owner
                     if id(e) not in seen:
                         seen.add(id(e))
@@ -507,11 +603,13 @@ class Profile:
             if id(e) in state:
                 e.module = state[id(e)]
         step.opt_new.clear()
+        if self.light:
+            self._boundary()  # the new state, and on CUDA the step's peak, in the optimizer phase
+        elif self.allocator is not None:
+            self.allocator.boundary(self)
         self._in_step = False
         self._tail = OPTIMIZER_PHASE
         self._closed = True
-        if self.allocator is not None:
-            self.allocator.boundary(self)
 
     @contextlib.contextmanager
     def optimizer_phase(self) -> Iterator[None]:
@@ -519,8 +617,18 @@ class Profile:
         try:
             yield
         finally:
-            self._after_op()
+            self._sync()
             self._in_zero_grad -= 1
+
+    @property
+    def measures_temporary(self) -> bool:
+        """Exact mode always; light mode only where the allocator's peaks are available (CUDA)."""
+        return not self.light or self.allocator is not None
+
+    @property
+    def measured(self) -> list[str]:
+        """The categories this profile measures (light mode on CPU: all but ``temporary``)."""
+        return [c for c in CATEGORIES if c != TEMPORARY or self.measures_temporary]
 
     def note_assumption(self, text: str) -> None:
         if text not in self.assumptions:
@@ -530,31 +638,3 @@ class Profile:
 def active() -> Profile | None:
     """The profile region active on this thread, if any."""
     return getattr(_ACTIVE, "profile", None)
-
-
-def profile(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    *,
-    snapshot: str | None = None,
-    timeline: bool = True,
-) -> Profile:
-    """Measure the memory of the training steps run inside a ``with`` block.
-
-    Args:
-        model: the module trained in the region; its forward marks the phases and names layers.
-        optimizer: the optimizer stepping ``model``'s parameters, or ``None`` (forward and
-            backward phases only; a step then ends with each backward pass).
-        snapshot: on CUDA, where to write PyTorch's allocator snapshot if the region raises
-            ``torch.OutOfMemoryError`` (open it at https://pytorch.org/memory_viz).
-        timeline: keep the memory-over-time samples for ``plot`` and ``to_chrome_trace``.
-
-    Returns:
-        A :class:`Profile`; call ``.report()`` on it during or after the region.
-
-    Example:
-        >>> with gpumem.profile(model, optimizer=opt) as prof:
-        ...     loss = model(x).sum(); loss.backward(); opt.step(); opt.zero_grad()
-        >>> print(prof.report().table())
-    """
-    return Profile(model, optimizer, snapshot=snapshot, timeline=timeline)

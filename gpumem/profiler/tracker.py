@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch._guards import active_fake_mode as _active_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
@@ -36,17 +37,47 @@ def storage_bytes(st: torch.UntypedStorage, device_type: str) -> int:
     return n
 
 
-def storages_of(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
-    """The untyped storages behind a tensor, looking through traceable wrapper subclasses."""
+def _plain_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The tensors holding memory behind ``t``, looking through traceable wrapper subclasses."""
     if is_traceable_wrapper_subclass(t):
         attrs, _ = t.__tensor_flatten__()
         for name in attrs:
-            yield from storages_of(getattr(t, name))
-        return
-    try:
-        yield t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
-        return
+            yield from _plain_tensors(getattr(t, name))
+    else:
+        yield t
+
+
+def storages_of(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    """The untyped storages behind a tensor, looking through traceable wrapper subclasses."""
+    for inner in _plain_tensors(t):
+        try:
+            yield inner.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+            continue
+
+
+_Tensor = torch.Tensor
+_FakeTensor = FakeTensor
+_FLAT_LEAVES = frozenset({torch.Tensor, FakeTensor, type(None), int, float, bool})
+_RESIZES: dict[Any, bool] = {}
+
+
+def _may_resize(func: Any) -> bool:
+    """Whether an op can change the size of an existing storage: the ``out=`` variants (they
+    resize their output) and the resize/set family. In-place ops keep their storage's size."""
+    m = _RESIZES.get(func)
+    if m is None:
+        try:
+            name = func._schema.name
+            m = any(
+                a.alias_info is not None and a.alias_info.is_write
+                and (a.kwarg_only or "resize" in name or "set_" in name)
+                for a in func._schema.arguments
+            )
+        except AttributeError:  # higher-order operators have no schema: assume they may
+            m = True
+        _RESIZES[func] = m
+    return m
 
 
 def _data_dependent_errors() -> tuple[type[BaseException], ...]:
@@ -61,7 +92,8 @@ def _data_dependent_errors() -> tuple[type[BaseException], ...]:
 class Entry:
     """One live storage: its size, what it is, and which module it belongs to."""
 
-    __slots__ = ("__weakref__", "born", "category", "device", "died", "module", "nbytes", "ref")
+    __slots__ = ("__weakref__", "born", "category", "device", "died", "key", "module", "nbytes",
+                 "ref")
 
     def __init__(self, nbytes: int, category: str, module: str, device: str, born: int) -> None:
         self.nbytes = nbytes
@@ -71,6 +103,7 @@ class Entry:
         self.born = born  # event counter at creation
         self.died: int | None = None  # event counter at free
         self.ref: weakref.ref | None = None
+        self.key = 0  # id() of the storage: the key in StorageTracker.entries
 
 
 class StorageTracker(TorchDispatchMode):
@@ -108,6 +141,10 @@ class StorageTracker(TorchDispatchMode):
         self.by_device: dict[str, int] = {}
         self._orig_resize: Any = None
         self._fake_mode: Any = None
+        # one bound callback for every weakref (no closure per storage: fewer objects for the
+        # garbage collector to track); id(weakref) -> its entry
+        self._by_ref: dict[int, Entry] = {}
+        self._on_free = self._free_ref
 
     # -- registration -------------------------------------------------------------------------
     def lookup(self, st: torch.UntypedStorage) -> Entry | None:
@@ -129,8 +166,9 @@ class StorageTracker(TorchDispatchMode):
     def _add(self, st: torch.UntypedStorage, device_type: str, category: str, module: str) -> Entry:
         n = storage_bytes(st, device_type)
         e = Entry(n, category, module, device_type, self.events)
-        key = id(st)
-        e.ref = weakref.ref(st, lambda _r, e=e, key=key: self._free(e, key))
+        e.key = key = id(st)
+        e.ref = ref = weakref.ref(st, self._on_free)
+        self._by_ref[id(ref)] = e
         self.entries[key] = e
         self.level += n
         self.by_category[category] += n
@@ -139,7 +177,13 @@ class StorageTracker(TorchDispatchMode):
             self.on_new(e)
         return e
 
-    def _free(self, e: Entry, key: int) -> None:
+    def _free_ref(self, ref: weakref.ref) -> None:
+        e = self._by_ref.pop(id(ref), None)
+        if e is not None:
+            self._free(e)
+
+    def _free(self, e: Entry) -> None:
+        key = e.key
         if self.entries.get(key) is e:
             del self.entries[key]
         self.events += 1
@@ -169,6 +213,9 @@ class StorageTracker(TorchDispatchMode):
             self.by_device[e.device] += d
 
     # -- the mode ------------------------------------------------------------------------------
+    # The hot path: one call per aten op. It allocates nothing for ops whose outputs are views of
+    # storages already tracked, compares sizes only after ops that can resize (``out=``
+    # variants, resize_ and set_), and handles plain tensors and fake tensors of our own mode inline.
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         try:
             out = func(*args, **(kwargs or {}))
@@ -180,29 +227,60 @@ class StorageTracker(TorchDispatchMode):
                 "tensor data, which fake tensors do not have; run this model for real, or make the "
                 "layer follow a stated assumption under fake tensors (see gpumem.models.MoE)"
             ) from exc
-        if self.paused or _active_fake_mode() is not self._fake_mode:
-            # a fake mode other than the one we started under is tracing (torch.compile,
-            # DTensor sharding propagation): its tensors are not memory of this run
+        if self.paused:
             return out
         self.events += 1
+        cls = type(out)
+        if cls is _Tensor or cls is _FakeTensor:
+            outs: Any = (out,)
+        elif (cls is tuple or cls is list) and all(type(o) in _FLAT_LEAVES for o in out):
+            outs = out
+        else:
+            outs = tree_leaves(out)
+        entries = self.entries
         ctx = None
-        for t in (out,) if type(out) is torch.Tensor else tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
+        resizes = None
+        for t in outs:
+            cls = type(t)
+            if cls is _Tensor or (cls is _FakeTensor and t.fake_mode is self._fake_mode):
+                try:
+                    st = t.untyped_storage()
+                except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+                    continue
+                e = entries.get(id(st))
+                if e is not None and e.ref() is st:
+                    if resizes is None:
+                        resizes = _RESIZES.get(func)
+                        if resizes is None:
+                            resizes = _may_resize(func)
+                    if resizes and e.nbytes != storage_bytes(st, e.device):
+                        self._resized(st)
+                    continue
+                if ctx is None:
+                    ctx = self._context()
+                self._add(st, t.device.type, ctx[0], ctx[1])
+            elif cls is _FakeTensor or not isinstance(t, _Tensor):
+                # a fake mode other than the one we started under is tracing (torch.compile,
+                # DTensor sharding propagation): its tensors are not memory of this run
                 continue
-            for st in storages_of(t):
-                e = self.lookup(st)
-                if e is None:
-                    if ctx is None:
-                        ctx = self._context()
-                    self._add(st, t.device.type, ctx[0], ctx[1])
-                elif e.nbytes != storage_bytes(st, e.device):  # resize_, set_ and friends
-                    self._resized(st)
+            else:  # tensor subclasses: count the storages of the tensors they are made of
+                for inner in _plain_tensors(t):
+                    if type(inner) is _FakeTensor and inner.fake_mode is not self._fake_mode:
+                        continue
+                    for st in storages_of(inner):
+                        e = self.lookup(st)
+                        if e is None:
+                            if ctx is None:
+                                ctx = self._context()
+                            self._add(st, inner.device.type, ctx[0], ctx[1])
+                        elif e.nbytes != storage_bytes(st, e.device):
+                            self._resized(st)
         self._after_op()
         return out
 
-    def __enter__(self):
-        self._fake_mode = _active_fake_mode()
-        # UntypedStorage.resize_ bypasses the dispatcher (FSDP frees parameters this way)
+    def patch_resize(self) -> None:
+        """``UntypedStorage.resize_`` bypasses the dispatcher (FSDP frees parameters this way):
+        wrap it so resizes of tracked storages are counted."""
         self._orig_resize = orig = torch.UntypedStorage.resize_
         tracker = self
 
@@ -213,15 +291,23 @@ class StorageTracker(TorchDispatchMode):
             return r
 
         torch.UntypedStorage.resize_ = resize_
+
+    def unpatch_resize(self) -> None:
+        if self._orig_resize is not None:
+            torch.UntypedStorage.resize_ = self._orig_resize
+            self._orig_resize = None
+
+    def __enter__(self):
+        self._fake_mode = _active_fake_mode()
+        self.patch_resize()
         try:
             return super().__enter__()
         except BaseException:
-            torch.UntypedStorage.resize_ = orig
+            self.unpatch_resize()
             raise
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            torch.UntypedStorage.resize_ = self._orig_resize
-
+            self.unpatch_resize()

@@ -51,10 +51,12 @@ def test_cuda_bias_rounds_to_512():
 
 
 def test_oom_report_survives_and_snapshot_written(tmp_path):
+    from gpumem.profiler.cuda import OutOfMemoryError
+
     model = nn.Linear(1024, 1024).cuda()
     path = tmp_path / "oom.pickle"
     free, _ = torch.cuda.mem_get_info()
-    with pytest.raises(torch.OutOfMemoryError):
+    with pytest.raises(OutOfMemoryError):
         with gpumem.profile(model, snapshot=str(path)) as prof:
             y = model(torch.randn(64, 1024, device="cuda"))
             torch.empty(free * 4, dtype=torch.uint8, device="cuda")
@@ -77,3 +79,29 @@ def test_fake_cuda_matches_real_cuda():
         with gpumem.profile(fmodel) as fake:
             train_steps(fmodel, None, fx, fy)
     assert fake.report().peak_bytes == real.report().peak_bytes
+
+
+def test_light_mode_cuda_allocator_peaks():
+    """Light mode on CUDA: model-state categories and activations equal exact mode's (both in
+    512-byte blocks); temporaries and the peak come from the allocator, whose blocks are never
+    smaller than the storages they hold, so light's peak is at least exact's and at most the
+    allocator's device-wide peak."""
+    model = build_model("gpt2", "tiny").cuda()
+    ref = copy.deepcopy(model)
+    x, y = example_batch(model.config, 4, 64, device="cuda")
+    reps = {}
+    for mode, m in (("exact", ref), ("light", model)):
+        opt = torch.optim.AdamW(m.parameters())
+        train_steps(m, opt, x, y)  # warm kernels and workspaces outside the region
+        with gpumem.profile(m, opt, mode=mode) as prof:
+            train_steps(m, opt, x, y, steps=2)
+        reps[mode] = prof.report()
+    exact, light = reps["exact"], reps["light"]
+    for name, st in exact.layers.items():
+        for c in ("weights", "gradients", "optimizer", "activations"):
+            assert getattr(light.layers[name], c) == getattr(st, c), (name, c)
+    assert light.measured == exact.measured and light.at_peak["temporary"] is not None
+    assert exact.peak_bytes <= light.peak_bytes <= light.allocator["allocated_peak"]
+    assert light.layers["layers.0"].temporary is not None
+    assert light.layers["layers.0"].allocated_peak_delta is not None
+    assert {"forward", "backward", "optimizer"} <= set(light.steps[1].allocator)
