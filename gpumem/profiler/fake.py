@@ -15,7 +15,9 @@ What follows from having no data:
   dispatch on device in Python (optimizers pick their CUDA foreach paths). Not emulated: the
   caching allocator's reserved memory and fragmentation, workspaces, and the SDPA backend
   choice, which PyTorch makes from the real GPU (on a GPU machine the fake run asks the real
-  device; without one it falls back to the math kernel's shapes).
+  device; without one it falls back to the math kernel's shapes). Without a usable CUDA device
+  only no-grad work is possible: ops that would record autograd are refused with an error,
+  because PyTorch itself would abort the process.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def fake(device: str | torch.device | None = None) -> Iterator[object]:
             stack.enter_context(torch.device(device))
             if torch.device(device).type == "cuda" and not torch.cuda.is_available():
                 stack.enter_context(_NoRandomFill())
+                stack.enter_context(_no_autograd_without_cuda())
         yield mode
 
 
@@ -82,6 +85,52 @@ class _NoRandomFill:
 
     def __exit__(self, *exc):
         return self.mode.__exit__(*exc)
+
+
+def _no_autograd_without_cuda():
+    """Recording autograd on a fake CUDA tensor makes PyTorch ask the device guard of a torch
+    without a usable CUDA device; that throws inside C++ code that cannot propagate it and the
+    process aborts (std::terminate). Refuse such ops with an error naming the way out instead.
+
+    An op with a grad-requiring input, run in grad mode, is first run under no_grad: when it
+    returns tensors the real call would have recorded autograd, so it is refused; metadata
+    queries (``dim``, ``size``) return no tensor and pass."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_flatten
+
+    refused = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+
+    def needs_grad(args, kwargs) -> bool:
+        flat, _ = tree_flatten((args, kwargs))
+        return any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat)
+
+    class NoAutograd(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in refused:
+                self._refuse(func)
+            exempt = getattr(func, "__name__", "") in ("__get__", "__set__") or getattr(
+                func, "__module__", ""
+            ) == "torch.nn.init"  # initialisers run under no_grad themselves
+            if exempt or not torch.is_grad_enabled() or not needs_grad(args, kwargs):
+                return func(*args, **kwargs)
+            with torch.no_grad():
+                out = func(*args, **kwargs)
+            if any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
+                self._refuse(func)
+            return out
+
+        @staticmethod
+        def _refuse(func):
+            name = getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func))
+            raise RuntimeError(
+                f"gpumem.fake(device='cuda'): {name} would record autograd on fake CUDA tensors, "
+                "which needs a torch build with a usable CUDA device (without one PyTorch aborts "
+                "the process). Here, profile training with gpumem.fake() on CPU, or run forward "
+                "passes under torch.no_grad(); or run on a machine with a GPU."
+            )
+
+    return NoAutograd()
 
 
 def note_assumption(text: str) -> None:

@@ -122,3 +122,31 @@ def test_fake_cuda_emulates_block_rounding():
         with gpumem.profile(model) as prof:
             pass
     assert prof.report().layers[""].weights == 512 + 512
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal applies without a usable CUDA device")
+def test_fake_cuda_without_gpu_refuses_autograd_instead_of_aborting():
+    """PyTorch aborts the process (std::terminate) when autograd records on fake CUDA tensors
+    without a usable CUDA device; gpumem refuses those ops with an error, in a subprocess so an
+    abort would show as a signal rather than kill the test run. No-grad profiling still works."""
+    import subprocess
+    import sys
+
+    code = """
+import torch, gpumem
+with gpumem.fake(device="cuda"):
+    m = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    with torch.no_grad(), gpumem.profile(m) as prof:
+        m(x)
+    print("peak", prof.report().peak_bytes)
+    for call in (lambda: m(x), lambda: m(x.requires_grad_()).sum().backward()):
+        try:
+            call()
+        except RuntimeError as e:
+            print("refused", "usable CUDA device" in str(e))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # weights 512 + 512 (8x8 fp32 = 256 B and 8 B bias, each a 512-byte block), input 512, output 512
+    assert out.stdout.split() == ["peak", "2048", "refused", "True", "refused", "True"]
