@@ -11,7 +11,7 @@ import importlib
 import sys
 
 # one module per subcommand, in the order --help lists them
-_SUBCOMMANDS = ("doctor", "profile", "estimate", "plan")
+_SUBCOMMANDS = ("doctor", "profile", "estimate", "plan", "ckpt")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,38 @@
+"""gpumem.checkpoint: near-zero-stall snapshots, background persist, checksummed atomic commits,
+preemption handling and exact resume.
+
+    ckpt = gpumem.Checkpointer("ckpts", keep=3)
+    ckpt.save(step, model=model, optimizer=opt, scheduler=sched, extra={"epoch": e})
+    step = ckpt.restore(model=model, optimizer=opt, scheduler=sched)
+    gpumem.checkpoint.verify("ckpts/step-000000100")
+
+Modules: format (manifests, validation), state (capture / rebuild), snapshot (layout, copies),
+persist (files, commit protocol, retention), job (one save in flight), restore (read + verify),
+checkpointer (the API), preemption (PreemptionGuard).
+"""
+
+from .checkpointer import Checkpointer
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointFallbackWarning,
+    CheckpointIOError,
+    CheckpointStateError,
+)
+from .format import CheckpointInfo
+from .job import SaveStats
+from .preemption import PreemptionGuard
+from .restore import verify
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointFallbackWarning",
+    "CheckpointIOError",
+    "CheckpointInfo",
+    "CheckpointStateError",
+    "Checkpointer",
+    "PreemptionGuard",
+    "SaveStats",
+    "verify",
+]

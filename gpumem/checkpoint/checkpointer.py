@@ -1,0 +1,368 @@
+"""The Checkpointer: near-zero-stall save, background persist, verified restore with fallback.
+
+Overlap mode and what it assumes: parameters and optimizer state are copied *after* save()
+returns, while the next forward/backward runs; a pre-hook on ``optimizer.step()`` waits for the
+copy, so they are never mutated mid-copy. That holds when only the optimizer step mutates them.
+It does not hold for code that updates parameters in place outside ``optimizer.step()`` before the
+next step (an EMA written into the model, manual weight surgery, a second optimizer over the same
+parameters that is not the one passed to save()); use ``Checkpointer(..., overlap=False)`` or
+``save(..., blocking=True)`` there. Buffers (BatchNorm running statistics), RNG states, scheduler,
+scaler, extras and stateful objects are always captured before save() returns.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import os
+import sys
+import threading
+import time
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any
+
+from ._dist import Group
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointFallbackWarning,
+    CheckpointStateError,
+)
+from .format import CheckpointInfo
+from .job import SaveJob, SaveStats, default_versions
+
+_MIN_BUDGET = 64 << 20
+_LIVE: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+def default_staging_bytes() -> int:
+    """GPUMEM_STAGING_BYTES, else a quarter of the memory available now (at least 64 MiB)."""
+    from gpumem._env import env_int
+
+    value = env_int("GPUMEM_STAGING_BYTES")
+    if value is not None:
+        return value
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if avail is None:
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return max(_MIN_BUDGET, avail // 4)
+
+
+class Checkpointer:
+    """Save training state in the background; restore the newest checkpoint that verifies.
+
+    Args:
+        directory: where ``step-<N>`` directories and the ``latest`` pointer live.
+        keep: how many checkpoints to keep (the newest ones); None keeps all.
+        staging_bytes: cap on host staging memory. None: the state's size up to
+            ``default_staging_bytes()``. A larger state streams through the budget in chunks.
+        overlap: copy parameters and optimizer state in the background (see the module docs for
+            the assumption); False always copies before save() returns.
+        chunk_bytes: CRC32C granularity (power of two, >= 4096).
+        segment_bytes: size of each data file when the state fits the budget: file b is written
+            while file b+1 is still being copied, so time to durable ~ copy of one segment + write.
+        direct_io: write data files with O_DIRECT from the page-aligned arena: no second copy
+            into the page cache (less CPU taken from training, no cache pollution). File systems
+            that refuse O_DIRECT get buffered writes.
+
+    Example:
+        >>> ckpt = gpumem.Checkpointer("ckpts", keep=3)                       # doctest: +SKIP
+        >>> start = ckpt.restore(model=model, optimizer=opt) or 0             # doctest: +SKIP
+        >>> for step in range(start, steps):                                  # doctest: +SKIP
+        ...     train_step()
+        ...     if step % 100 == 0:
+        ...         ckpt.save(step, model=model, optimizer=opt)
+        >>> ckpt.close()                                                      # doctest: +SKIP
+    """
+
+    def __init__(self, directory: str | os.PathLike, keep: int | None = 3, staging_bytes: int | None = None,
+                 *, overlap: bool = True, chunk_bytes: int = 1 << 20, alignment: int = 4096, direct_io: bool = True,
+                 segment_bytes: int = 256 << 20):
+        if keep is not None and (not isinstance(keep, int) or keep < 1):
+            raise CheckpointStateError(f"keep={keep!r}: keep at least 1 checkpoint, or None for all")
+        if chunk_bytes < 4096 or chunk_bytes & (chunk_bytes - 1) or alignment > chunk_bytes or alignment & (alignment - 1):
+            raise CheckpointStateError(f"chunk_bytes={chunk_bytes} must be a power of two >= 4096 and >= alignment={alignment}")
+        budget = default_staging_bytes() if staging_bytes is None else int(staging_bytes)
+        if budget < 2 * chunk_bytes:
+            raise CheckpointStateError(f"staging_bytes={budget} is below two chunks ({2 * chunk_bytes} bytes); raise it")
+        self.directory = Path(directory)
+        self.keep, self.staging_bytes, self.overlap = keep, budget, overlap
+        self.chunk_bytes, self.alignment, self.direct_io = chunk_bytes, alignment, direct_io
+        self.segment_bytes = segment_bytes
+        self._group = Group()
+        self._arena: Any = None
+        self._side_stream: Any = None
+        self._job: SaveJob | None = None
+        self._lock = threading.RLock()
+        self._hooked: dict[int, Any] = {}
+        self._last_save: tuple[int, dict[str, Any]] | None = None
+        self._closed = False
+        self.history: collections.deque[SaveStats] = collections.deque(maxlen=256)  # newest last
+        if self._group.rank == 0:
+            from .persist import clean_stale
+
+            self.directory.mkdir(parents=True, exist_ok=True)
+            clean_stale(self.directory)
+        _LIVE.add(self)
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, step: int, *, model: Any = None, optimizer: Any = None, scheduler: Any = None, scaler: Any = None,
+             extra: dict[str, Any] | None = None, stateful: dict[str, Any] | None = None, rng: bool = True,
+             blocking: bool = False) -> SaveStats:
+        """Snapshot the state at ``step`` and persist it in the background.
+
+        Returns once the state is safe from further training (overlap mode: once buffers are
+        copied; parameters and optimizer state follow in the background, fenced by the optimizer
+        pre-step hook). A previous save still in flight is waited for first (back-pressure); its
+        error, if any, is raised here.
+
+        Returns:
+            The SaveStats of this save (filled in as it progresses).
+        """
+        from .snapshot import plan_layout
+        from .state import capture
+
+        t0 = time.perf_counter()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise CheckpointStateError(f"step={step!r} must be a non-negative int")
+        with self._lock:
+            self._check_open()
+            self.wait()
+            kwargs = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler,
+                      "extra": extra, "stateful": stateful, "rng": rng}
+            tree, table = capture(step, **kwargs)
+            plan = plan_layout(table.tensors, table.names, self.staging_bytes, self.alignment, self.chunk_bytes,
+                               self.segment_bytes)
+            if plan.streaming:
+                mode = "streaming"
+            elif self.overlap and not blocking and optimizer is not None:
+                mode = "overlap"
+            else:
+                mode = "blocking"
+            if mode == "overlap":
+                self._hook(optimizer)
+            job = SaveJob(root=self.directory, step=step, tree=tree, table=table, plan=plan,
+                          arena=self._ensure_arena(plan.arena_bytes), mode=mode, chunk=self.chunk_bytes,
+                          alignment=self.alignment, direct=self.direct_io, group=self._group, keep=self.keep,
+                          versions=default_versions(),
+                          side_stream=self._stream_for(table.tensors), t0=t0)
+            self._job = job
+            self._last_save = (step, kwargs)
+            self.history.append(job.stats)
+            job.run_caller()
+            job.stats.save_s = time.perf_counter() - t0
+            if job.caller_failed:  # a failure on this thread is raised here, not later
+                job.done.wait()
+                self._raise_job_error()
+            return job.stats
+
+    def _ensure_arena(self, nbytes: int) -> Any:
+        from ._core import HostArena
+
+        if self._arena is None or self._arena.nbytes < nbytes:
+            if self._arena is not None:
+                self._arena.close()
+                self._arena = None
+            self._arena = HostArena(max(nbytes, 1))
+        return self._arena
+
+    def _stream_for(self, tensors: list[Any]) -> Any:
+        if self._side_stream is None and any(t.device.type == "cuda" for t in tensors):
+            import torch
+
+            self._side_stream = torch.cuda.Stream()
+        return self._side_stream
+
+    def _hook(self, optimizer: Any) -> None:
+        if id(optimizer) in self._hooked:
+            return
+        ref = weakref.ref(self)
+
+        def wait_for_snapshot(opt: Any, args: Any, kwargs: Any) -> None:
+            ckpt = ref()
+            job = ckpt._job if ckpt is not None else None
+            if job is not None and job.mode == "overlap" and not job.staged.is_set():
+                t = time.perf_counter()
+                job.wait_staged()
+                job.stats.hook_wait_s += time.perf_counter() - t
+
+        self._hooked[id(optimizer)] = optimizer.register_step_pre_hook(wait_for_snapshot)
+
+    # ------------------------------------------------------------------ wait / close
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the save in flight is durable. Returns False on timeout.
+
+        Raises:
+            CheckpointError: the background save failed (raised once: here, or by the next save()/close()).
+        """
+        job = self._job
+        if job is not None and not job.done.wait(timeout):
+            return False
+        self._raise_job_error()
+        return True
+
+    def _raise_job_error(self) -> None:
+        job = self._job
+        if job is None:
+            return
+        err = job.take_error()
+        if err is not None:
+            raise err
+
+    def close(self) -> None:
+        """Wait for the save in flight, release hooks and staging memory; raise if it failed."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            for handle in self._hooked.values():
+                handle.remove()
+            self._hooked.clear()
+            if self._arena is not None:
+                self._arena.close()
+                self._arena = None
+            _LIVE.discard(self)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            self.close()
+        else:  # do not hide the original exception behind a save error
+            try:
+                self.close()
+            except CheckpointError as err:
+                print(f"gpumem: checkpoint save failed while handling another error: {err}", file=sys.stderr)
+        return False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed; create a new one")
+
+    # ------------------------------------------------------------------ listing
+
+    def list(self) -> list[CheckpointInfo]:
+        """Committed checkpoints with intact manifests, oldest first (data not read; see verify())."""
+        from .persist import list_checkpoints
+
+        return list_checkpoints(self.directory)
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest committed checkpoint, or None."""
+        infos = self.list()
+        return infos[-1] if infos else None
+
+    @property
+    def last_save(self) -> tuple[int, dict[str, Any]] | None:
+        """(step, objects) of the most recent save(); PreemptionGuard saves the same objects."""
+        return self._last_save
+
+    @property
+    def in_flight(self) -> SaveJob | None:
+        return self._job if self._job is not None and not self._job.done.is_set() else None
+
+    @property
+    def rank(self) -> int:
+        return self._group.rank
+
+    # ------------------------------------------------------------------ restore
+
+    def restore(self, *, model: Any = None, optimizer: Any = None, scheduler: Any = None, scaler: Any = None,
+                stateful: dict[str, Any] | None = None, extra: dict[str, Any] | None = None, rng: bool = True,
+                path: str | os.PathLike | None = None) -> int | None:
+        """Load the newest valid checkpoint into the objects, in place.
+
+        Every byte is verified before any object is touched; a damaged newer checkpoint is skipped
+        with a CheckpointFallbackWarning. ``extra``, if a dict, is updated with the saved extras.
+
+        Returns:
+            The restored step, or None when the directory holds no checkpoint at all.
+
+        Raises:
+            CheckpointCorruptError: every checkpoint (or the one named by ``path``) is damaged.
+            CheckpointStateError: the checkpoint does not fit the objects (keys, shapes, world size).
+        """
+        from .persist import load_info, read_latest, step_dirs
+        from .restore import restore_tree
+        from .state import apply, check_targets
+
+        self._check_open()
+        self.wait()
+        g = self._group
+        candidates = [Path(path)] if path is not None else [p for _, p in step_dirs(self.directory)]
+        if path is None:
+            self._check_pointer(read_latest, load_info)
+        failures = []
+        for cand in candidates:
+            tree, status, err = None, 2, None
+            try:
+                info = load_info(cand)
+                if info.world_size != g.world_size:
+                    raise CheckpointStateError(
+                        f"{cand} was saved by {info.world_size} ranks, this job has {g.world_size}; restore with "
+                        f"the same world size (resharding is not supported)")
+                tree = restore_tree(cand, info, g.rank)
+                check_targets(tree, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, stateful=stateful)
+            except CheckpointCorruptError as exc:
+                status, err = 1, exc
+            except CheckpointStateError as exc:
+                status, err = 0, exc
+            agreed = g.all_reduce(status, "min")
+            if agreed == 0:
+                raise err if err is not None else CheckpointStateError(f"{cand}: another rank cannot restore it")
+            if agreed == 1:
+                failures.append(err or CheckpointCorruptError(f"{cand}: damaged on another rank", path=str(cand)))
+                if path is None:
+                    warnings.warn(f"skipping damaged checkpoint {cand.name}: {failures[-1]}", CheckpointFallbackWarning, stacklevel=2)
+                continue
+            apply(tree, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, stateful=stateful,
+                  extra=extra, rng=rng)
+            return info.step
+        if not failures:
+            return None
+        if len(failures) == 1:
+            raise failures[0]
+        raise CheckpointCorruptError(
+            f"all {len(failures)} checkpoints in {self.directory} are damaged; newest: {failures[0]}",
+            path=str(self.directory))
+
+    def _check_pointer(self, read_latest: Any, load_info: Any) -> None:
+        try:
+            ptr = read_latest(self.directory)
+            if ptr is None:
+                return
+            info = load_info(self.directory / ptr["path"])
+            if info.manifest_crc32c != ptr["manifest_crc32c"] or info.step != ptr["step"]:
+                raise CheckpointCorruptError(f"{self.directory / 'latest'} names {ptr['path']} with another manifest CRC (stale)")
+        except CheckpointCorruptError as exc:
+            warnings.warn(f"ignoring the latest pointer: {exc}; scanning {self.directory}", CheckpointFallbackWarning, stacklevel=3)
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    """Interpreter exit: finish every save in flight; a failed one is reported loudly and the
+    process exits non-zero (an async failure must never look like success)."""
+    failed = False
+    for ckpt in list(_LIVE):
+        try:
+            ckpt.close()
+        except CheckpointError as exc:
+            failed = True
+            print(f"\ngpumem: CHECKPOINT SAVE FAILED at exit: {exc}\n", file=sys.stderr, flush=True)
+    if failed:
+        sys.stdout.flush()
+        os._exit(1)

@@ -1,0 +1,355 @@
+"""The on-disk format: manifests framed with their own CRC32C, and strict validation of every field.
+
+A checkpoint is a directory ``step-<N>`` holding::
+
+    MANIFEST              main manifest: step, world size, versions, one entry per rank's shard
+    manifest-r00000       shard manifest of rank 0: tensor table + non-tensor state as JSON
+    data-r00000-0000.bin  raw tensor bytes of rank 0, each extent aligned, zero padding between
+
+Each manifest is one header line and a JSON body::
+
+    gpumem-checkpoint 1 000000001234 1a2b3c4d\\n{...json...}
+
+version, body length (12 digits) and the CRC32C (hex) of everything before the CRC field plus the
+body, so a flipped byte anywhere in the file is detected before the JSON is parsed. Nothing in the
+format is executed on load: JSON only, tensors are raw bytes whose dtype comes from an allow-list.
+The layout inside data files is canonical (first extent at 0, each next one at the aligned end of
+the previous one, the file ends with the last extent), so there is no room for hidden bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._core import crc32c
+from .errors import CheckpointCorruptError
+
+FORMAT_VERSION = 1
+MAIN_MANIFEST = "MANIFEST"
+LATEST = "latest"
+STEP_DIR = re.compile(r"^step-(\d{1,19})$")
+
+MAX_MANIFEST_BYTES = 1 << 28  # 256 MiB of JSON: far above any real state, bounds a hostile file
+MAX_FILE_BYTES = 1 << 50
+MAX_TENSORS = 1 << 24
+MAX_NDIM = 64
+MAX_NAME = 1024
+MAX_WORLD = 1 << 20
+_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_HEADER = re.compile(rb"^gpumem-checkpoint (\d{1,4}) (\d{12}) ([0-9a-f]{8})\n")
+
+# dtype names the format accepts; anything else in a manifest is rejected, never interpreted
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64", "float32", "float16", "bfloat16", "complex64", "complex128",
+        "int64", "int32", "int16", "int8", "uint8", "bool",
+        "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
+        "float8_e4m3fnuz", "float8_e5m2fnuz",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()}
+
+
+def shard_manifest_name(rank: int) -> str:
+    return f"manifest-r{rank:05d}"
+
+
+def data_file_name(rank: int, batch: int) -> str:
+    return f"data-r{rank:05d}-{batch:04d}.bin"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def align_up(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+# ---------------------------------------------------------------------------------------------
+# framing
+
+
+def encode_manifest(body: dict[str, Any]) -> tuple[bytes, int]:
+    """Serialize a manifest body; returns (file bytes, manifest CRC32C)."""
+    payload = json.dumps(body, separators=(",", ":"), allow_nan=False, sort_keys=False).encode()
+    prefix = f"gpumem-checkpoint {FORMAT_VERSION} {len(payload):012d} ".encode()
+    crc = crc32c(payload, crc32c(prefix))
+    return prefix + f"{crc:08x}\n".encode() + payload, crc
+
+
+def decode_manifest(data: bytes, path: str) -> tuple[dict[str, Any], int]:
+    """Check framing and CRC of manifest bytes, then parse the JSON body; returns (body, CRC)."""
+    m = _HEADER.match(data[:64])
+    if not m:
+        raise CheckpointCorruptError(f"{path}: not a gpumem checkpoint manifest (bad header line)", path=path)
+    length, stored = int(m.group(2)), int(m.group(3), 16)
+    payload = data[m.end() :]
+    if len(payload) != length:
+        raise CheckpointCorruptError(
+            f"{path}: manifest body is {len(payload)} bytes, header says {length} (truncated or damaged)",
+            path=path,
+        )
+    crc = crc32c(payload, crc32c(data[: m.start(3)]))
+    if crc != stored:
+        raise CheckpointCorruptError(
+            f"{path}: manifest CRC32C mismatch (stored {stored:08x}, computed {crc:08x})", path=path
+        )
+    version = int(m.group(1))
+    if version != FORMAT_VERSION:
+        raise CheckpointCorruptError(
+            f"{path}: manifest format version {version}; this gpumem reads version {FORMAT_VERSION}",
+            path=path,
+        )
+    try:
+        body = json.loads(payload, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointCorruptError(f"{path}: manifest JSON is invalid: {exc}", path=path) from None
+    if not isinstance(body, dict):
+        raise CheckpointCorruptError(f"{path}: manifest body is not a JSON object", path=path)
+    return body, crc
+
+
+def read_manifest(path: Path) -> tuple[dict[str, Any], int]:
+    """Read and decode one manifest file (size bounded before reading)."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise CheckpointCorruptError(
+                f"{path}: manifest is {size} bytes, over the {MAX_MANIFEST_BYTES} byte limit", path=str(path)
+            )
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{path}: manifest is missing", path=str(path)) from None
+    except OSError as exc:
+        raise CheckpointCorruptError(f"{path}: cannot read manifest: {exc}", path=str(path)) from None
+    return decode_manifest(data, str(path))
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-finite number {name} is not allowed")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# validated views of manifests
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a shard: where its bytes are and what they must hash to."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    crc32c: tuple[int, ...]  # one per chunk_bytes chunk of the tensor's bytes
+    extents: tuple[tuple[str, int, int], ...]  # (file, offset, length), in tensor byte order
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class ShardManifest:
+    rank: int
+    world_size: int
+    step: int
+    chunk_bytes: int
+    alignment: int
+    files: dict[str, int]
+    tensors: tuple[TensorEntry, ...]
+    state: Any  # tagged JSON tree; tensor references are checked against `tensors` by the decoder
+    crc: int = 0
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    rank: int
+    file: str
+    crc32c: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a checkpoint is, from its main manifest (``verify`` also checked every byte).
+
+    Attributes:
+        step: training step it was saved at.
+        path: the checkpoint directory.
+        nbytes: tensor bytes over all ranks.
+        created: save time, seconds since the epoch.
+        world_size: number of ranks that wrote shards.
+        manifest_crc32c: CRC32C of the main manifest (what ``latest`` carries).
+        versions: gpumem / torch / python versions that wrote it.
+        shards: one reference per rank.
+    """
+
+    step: int
+    path: str
+    nbytes: int
+    created: float
+    world_size: int
+    manifest_crc32c: int
+    versions: dict[str, str] = field(default_factory=dict)
+    shards: tuple[ShardRef, ...] = ()
+
+
+class _Checker:
+    """Field accessors that raise CheckpointCorruptError naming the file and the field."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def fail(self, what: str, tensor: str | None = None) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{self.path}: {what}", path=self.path, tensor=tensor)
+
+    def get(self, obj: Any, key: str, kind: type | tuple[type, ...], where: str = "manifest") -> Any:
+        if not isinstance(obj, dict) or key not in obj:
+            raise self.fail(f"{where} lacks field {key!r}")
+        value = obj[key]
+        if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+            raise self.fail(f"{where} field {key!r} has type {type(value).__name__}")
+        return value
+
+    def int_in(self, obj: Any, key: str, lo: int, hi: int, where: str = "manifest") -> int:
+        value = self.get(obj, key, int, where)
+        if not lo <= value <= hi:
+            raise self.fail(f"{where} field {key!r} = {value} is outside [{lo}, {hi}]")
+        return value
+
+    def file_name(self, name: Any, where: str) -> str:
+        if not isinstance(name, str) or not _FILE_NAME.match(name) or name in (".", ".."):
+            raise self.fail(f"{where}: file name {name!r} is not a plain file name")
+        return name
+
+
+def parse_main(body: dict[str, Any], path: str, crc: int) -> CheckpointInfo:
+    """Validate a main manifest body."""
+    c = _Checker(path)
+    if c.get(body, "format", str) != "gpumem-checkpoint":
+        raise c.fail("manifest is not a gpumem main manifest")
+    step = c.int_in(body, "step", 0, 2**63 - 1)
+    world = c.int_in(body, "world_size", 1, MAX_WORLD)
+    created = c.get(body, "created", (int, float))
+    versions = c.get(body, "versions", dict)
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in versions.items()):
+        raise c.fail("manifest field 'versions' must map names to strings")
+    shards_raw = c.get(body, "shards", list)
+    if len(shards_raw) != world:
+        raise c.fail(f"manifest lists {len(shards_raw)} shards for world size {world}")
+    shards = []
+    for i, s in enumerate(shards_raw):
+        where = f"shard {i}"
+        if c.int_in(s, "rank", 0, MAX_WORLD, where) != i:
+            raise c.fail(f"{where} has rank {s['rank']}")
+        name = c.file_name(c.get(s, "file", str, where), where)
+        shards.append(
+            ShardRef(i, name, c.int_in(s, "crc32c", 0, 2**32 - 1, where), c.int_in(s, "nbytes", 0, MAX_FILE_BYTES, where))
+        )
+    nbytes = sum(s.nbytes for s in shards)
+    return CheckpointInfo(step, str(Path(path).parent), nbytes, float(created), world, crc, dict(versions), tuple(shards))
+
+
+def parse_shard(body: dict[str, Any], path: str, crc: int) -> ShardManifest:
+    """Validate a shard manifest body: every field typed and bounded, the layout canonical."""
+    c = _Checker(path)
+    if c.get(body, "format", str) != "gpumem-checkpoint-shard":
+        raise c.fail("manifest is not a gpumem shard manifest")
+    world = c.int_in(body, "world_size", 1, MAX_WORLD)
+    rank = c.int_in(body, "rank", 0, world - 1)
+    step = c.int_in(body, "step", 0, 2**63 - 1)
+    chunk = c.int_in(body, "chunk_bytes", 4096, 1 << 30)
+    align = c.int_in(body, "alignment", 1, 1 << 20)
+    for value, key in ((chunk, "chunk_bytes"), (align, "alignment")):
+        if value & (value - 1):
+            raise c.fail(f"manifest field {key!r} = {value} is not a power of two")
+    files_raw = c.get(body, "files", dict)
+    files = {}
+    for name, size in files_raw.items():
+        c.file_name(name, "files")
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_FILE_BYTES:
+            raise c.fail(f"file {name!r} has invalid size {size!r}")
+        files[name] = size
+    raw = c.get(body, "tensors", list)
+    if len(raw) > MAX_TENSORS:
+        raise c.fail(f"manifest lists {len(raw)} tensors, over the {MAX_TENSORS} limit")
+    tensors, names = [], set()
+    per_file: dict[str, list[tuple[int, int, str]]] = {f: [] for f in files}
+    for i, t in enumerate(raw):
+        entry = _parse_tensor(c, t, i, chunk, align, files)
+        if entry.name in names:
+            raise c.fail(f"tensor name {entry.name!r} appears twice", entry.name)
+        names.add(entry.name)
+        for f, off, length in entry.extents:
+            per_file[f].append((off, length, entry.name))
+        tensors.append(entry)
+    for f, extents in per_file.items():
+        extents.sort()
+        expected = 0
+        for off, length, name in extents:
+            if off != align_up(expected, align):
+                raise c.fail(f"{f}: tensor {name!r} at offset {off}, the layout puts it at {align_up(expected, align)}", name)
+            expected = off + length
+        if files[f] != expected:
+            raise c.fail(f"{f}: listed as {files[f]} bytes, its extents end at {expected}")
+    return ShardManifest(rank, world, step, chunk, align, files, tuple(tensors), body.get("state"), crc)
+
+
+def _parse_tensor(c: _Checker, t: Any, i: int, chunk: int, align: int, files: dict[str, int]) -> TensorEntry:
+    where = f"tensor #{i}"
+    name = c.get(t, "name", str, where)
+    if not 0 < len(name) <= MAX_NAME or any(ch in name for ch in "/\\\0"):
+        raise c.fail(f"{where}: name {name[:80]!r} is empty, too long or has a path separator")
+    where = f"tensor {name!r}"
+    dtype = c.get(t, "dtype", str, where)
+    if dtype not in DTYPES:
+        raise c.fail(f"{where}: dtype {dtype[:40]!r} is not allowed", name)
+    shape_raw = c.get(t, "shape", list, where)
+    if len(shape_raw) > MAX_NDIM or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_FILE_BYTES for d in shape_raw):
+        raise c.fail(f"{where}: shape {shape_raw[:8]!r} is invalid", name)
+    nbytes = c.int_in(t, "nbytes", 0, MAX_FILE_BYTES, where)
+    if math.prod(shape_raw) * ITEMSIZE[dtype] != nbytes:
+        raise c.fail(f"{where}: shape {shape_raw} x {ITEMSIZE[dtype]} bytes != nbytes {nbytes}", name)
+    crcs = c.get(t, "crc32c", list, where)
+    if len(crcs) != -(-nbytes // chunk) or not all(
+        isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**32 for x in crcs
+    ):
+        raise c.fail(f"{where}: needs {-(-nbytes // chunk)} chunk CRCs in [0, 2^32), has {len(crcs)}", name)
+    extents_raw = c.get(t, "extents", list, where)
+    extents, total = [], 0
+    for j, e in enumerate(extents_raw):
+        if not (isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and e[0] in files and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in e[1:]
+        )):
+            raise c.fail(f"{where}: extent {j} is not [known file, offset, length]", name)
+        f, off, length = e
+        if off < 0 or length <= 0 or off % align or off + length > files[f]:
+            raise c.fail(f"{where}: extent {j} ({off}, {length}) lies outside {f} or is misaligned", name)
+        if j < len(extents_raw) - 1 and length % chunk:
+            raise c.fail(f"{where}: extent {j} length {length} is not a multiple of chunk_bytes", name)
+        extents.append((f, off, length))
+        total += length
+    if total != nbytes:
+        raise c.fail(f"{where}: extents cover {total} bytes, tensor has {nbytes}", name)
+    return TensorEntry(name, dtype, tuple(shape_raw), nbytes, tuple(crcs), tuple(extents))

@@ -1,0 +1,294 @@
+"""One save in flight: the copy into the arena, the background persist and the commit.
+
+Two threads share a job. The caller's thread (inside save()) copies what must be copied before
+save() returns: everything in blocking and streaming mode, only buffers/RNG/extras in overlap mode.
+The persist thread copies the deferred tensors in overlap mode, checksums host-staged bytes,
+writes one data file per batch, then commits. In streaming mode the two form a two-slot pipeline:
+the caller copies batch b+1 while batch b is written; a slot is reused only after its file is
+written. Any failure on either side is recorded, wakes the other side and reaches the caller
+through Checkpointer.wait()/save()/close().
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import persist
+from ._dist import Group
+from .errors import CheckpointError, CheckpointIOError
+from .format import DTYPE_NAMES, MAIN_MANIFEST, data_file_name, shard_manifest_name
+from .snapshot import Plan, checksum_cpu_pieces, copy_pieces, tensor_crcs, zero_padding
+from .state import TensorTable
+
+
+@dataclass
+class SaveStats:
+    """What one save cost. ``stall_s`` is what training lost: save() time plus optimizer-hook waits.
+
+    Attributes:
+        step: the step saved.
+        nbytes: tensor bytes staged.
+        mode: "overlap", "blocking" or "streaming".
+        save_s: time save() blocked the caller (including back-pressure from the previous save).
+        hook_wait_s: time optimizer.step() waited for the background copy (overlap mode).
+        staged_s: from save() entry until every tensor was in host memory.
+        durable_s: from save() entry until the checkpoint was committed.
+    """
+
+    step: int
+    nbytes: int
+    mode: str
+    save_s: float = 0.0
+    hook_wait_s: float = 0.0
+    staged_s: float = 0.0
+    durable_s: float = 0.0
+
+    @property
+    def stall_s(self) -> float:
+        return self.save_s + self.hook_wait_s
+
+
+class SaveJob:
+    def __init__(self, *, root: Path, step: int, tree: dict[str, Any], table: TensorTable, plan: Plan,
+                 arena: Any, mode: str, chunk: int, alignment: int, direct: bool, group: Group, keep: int | None,
+                 versions: dict[str, str], side_stream: Any = None, t0: float):
+        self.root, self.step, self.tree, self.table, self.plan = root, step, tree, table, plan
+        self.arena, self.mode, self.chunk, self.alignment, self.direct = arena, mode, chunk, alignment, direct
+        self.group, self.keep, self.versions, self.side_stream, self.t0 = group, keep, versions, side_stream, t0
+        self.stats = SaveStats(step, sum(p.nbytes for p in plan.pieces), mode)
+        self.error: BaseException | None = None
+        self.reported = False
+        self.caller_failed = False
+        self.committed: Path | None = None
+        self._cond = threading.Condition()
+        self._ready = 0  # batches fully staged
+        self._released = 0  # batches written (their slot may be reused)
+        self._copier: threading.Thread | None = None
+        self._sync_event: Any = None
+        self._save_event: Any = None
+        self.staged = threading.Event()
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._persist_main, name=f"gpumem-ckpt-{step}", daemon=True)
+
+    # ------------------------------------------------------------------ caller side
+
+    def run_caller(self) -> None:
+        """The part of save() that runs on the caller's thread."""
+        plan, deferred = self.plan, self.table.deferred
+        try:
+            if self.mode == "overlap":
+                for b in range(len(plan.batch_sizes)):
+                    zero_padding(self.arena, plan, b)
+                # buffers/RNG on the compute stream: ordered before the next forward mutates them
+                sync = [p for p in plan.pieces if not deferred[p.index]]
+                self._sync_event = copy_pieces(self.arena, plan, sync, self.table.tensors, self.chunk)
+                self._save_event = _record_event(self.table.tensors)
+                self._copier = threading.Thread(target=self._copier_main, name=f"gpumem-ckpt-copy-{self.step}", daemon=True)
+                self._copier.start()
+                self._thread.start()
+                return
+            self._thread.start()
+            self._produce(lambda p: True, None, None, None)
+        except BaseException as exc:  # noqa: BLE001 - recorded, re-raised by save()
+            self.caller_failed = True
+            self._fail(exc)
+            if self._thread.ident is None:  # the persist thread still runs, to tell the other ranks
+                self._thread.start()
+
+    def _produce(self, want: Any, stream: Any, wait_event: Any, sync_event: Any) -> None:
+        """Copy batch after batch (the pieces ``want`` selects), each marked ready once complete,
+        so the persist thread writes batch b while batch b+1 is copied."""
+        plan, tensors = self.plan, self.table.tensors  # the persist thread may drop self.table on failure
+        for b in range(len(plan.batch_sizes)):
+            with self._cond:
+                while b - self._released >= plan.slots and self.error is None:
+                    self._cond.wait()
+                if self.error is not None:
+                    return
+            if self.mode != "overlap":
+                zero_padding(self.arena, plan, b)
+            pieces = [p for p in plan.batch_pieces(b) if want(p)]
+            ev = copy_pieces(self.arena, plan, pieces, tensors, self.chunk, stream=stream, wait_event=wait_event)
+            if ev is not None:  # no hook guards the parameters in blocking mode: the copy must be complete
+                ev.synchronize()
+            if b == 0 and sync_event is not None:
+                sync_event.synchronize()
+            with self._cond:
+                self._ready = b + 1
+                self._cond.notify_all()
+        self._mark_staged()
+
+    def _copier_main(self) -> None:
+        deferred = self.table.deferred
+        try:
+            self._produce(lambda p: deferred[p.index], self.side_stream, self._save_event, self._sync_event)
+        except BaseException as exc:  # noqa: BLE001
+            self._fail(exc)
+
+    def wait_staged(self) -> None:
+        self.staged.wait()
+
+    # ------------------------------------------------------------------ persist thread
+
+    def _persist_main(self) -> None:
+        try:
+            self._persist()
+        except BaseException as exc:  # noqa: BLE001
+            self._fail(exc)
+        finally:
+            if self._copier is not None:
+                self._copier.join()
+            self.staged.set()
+            self.done.set()
+            # drop references to the caller's tensors as soon as they are no longer needed
+            self.table = TensorTable()
+
+    def _persist(self) -> None:
+        g, plan = self.group, self.plan
+        ok, tmp, local_error = 1, persist.tmp_dir(self.root, self.step), None
+        if g.rank == 0:
+            try:
+                persist.prepare_tmp(self.root, self.step)
+            except OSError as exc:
+                local_error, ok = CheckpointIOError.wrap(exc, f"creating {tmp}"), 0
+        if g.all_reduce(ok, "min") == 0:
+            raise local_error or CheckpointIOError(f"rank 0 could not create {tmp}; step {self.step} not saved")
+        files: dict[str, int] = {}
+        # checksums of batch b+1 are computed (GIL released) while batch b is being written
+        crc_done = [threading.Event() for _ in plan.batch_sizes]
+        crc_thread = threading.Thread(target=self._checksum_main, args=(crc_done,), daemon=True,
+                                      name=f"gpumem-ckpt-crc-{self.step}")
+        crc_thread.start()
+        try:
+            for b, size in enumerate(plan.batch_sizes):
+                crc_done[b].wait()
+                if self.error is not None:
+                    raise self.error
+                name = data_file_name(g.rank, b)
+                buf = self.arena.view(plan.slot_base(b), size) if size else None
+                persist.write_file(str(tmp / name), [(0, buf)] if buf is not None else [], size=size, fsync=True,
+                                   direct=self.direct)
+                files[name] = size
+                with self._cond:
+                    self._released = b + 1
+                    self._cond.notify_all()
+            shard_crc = persist.write_manifest(tmp / shard_manifest_name(g.rank), self._shard_body(files))
+        except BaseException as exc:  # noqa: BLE001 - other ranks must still learn of it
+            self._fail(exc)
+            local_error, ok, shard_crc = exc, 0, 0
+        crc_thread.join()
+        gathered = g.all_gather([ok, shard_crc, self.stats.nbytes])
+        bad = [r for r, (flag, _, _) in enumerate(gathered) if not flag]
+        if bad:
+            if g.rank == 0:  # nobody writes any more: free the space a failed save took
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise _as_error(local_error, self.step) if local_error else CheckpointIOError(
+                f"rank(s) {bad} failed to write their shards; step {self.step} was not committed")
+        ok = 1
+        if g.rank == 0:
+            try:
+                self._commit(tmp, gathered)
+            except BaseException as exc:  # noqa: BLE001
+                local_error, ok = exc, 0
+        if g.all_reduce(ok, "min") == 0:
+            raise _as_error(local_error, self.step) if local_error else CheckpointIOError(
+                f"rank 0 failed to commit step {self.step}")
+        self.stats.durable_s = time.perf_counter() - self.t0
+
+    def _checksum_main(self, crc_done: list[threading.Event]) -> None:
+        plan = self.plan
+        try:
+            for b in range(len(plan.batch_sizes)):
+                with self._cond:
+                    while self._ready <= b and self.error is None:
+                        self._cond.wait()
+                if self.error is not None:
+                    return
+                checksum_cpu_pieces(self.arena, plan, plan.batch_pieces(b), self.chunk)
+                crc_done[b].set()
+        except BaseException as exc:  # noqa: BLE001
+            self._fail(exc)
+        finally:
+            for ev in crc_done:
+                ev.set()
+
+    def _shard_body(self, files: dict[str, int]) -> dict[str, Any]:
+        crcs = tensor_crcs(self.plan, len(self.table.tensors))
+        extents: list[list[list[Any]]] = [[] for _ in self.table.tensors]
+        for p in self.plan.pieces:
+            extents[p.index].append([data_file_name(self.group.rank, p.batch), p.offset, p.nbytes])
+        tensors = [
+            {"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+             "nbytes": t.numel() * t.element_size(), "crc32c": crcs[i], "extents": extents[i]}
+            for i, (name, t) in enumerate(zip(self.table.names, self.table.tensors))
+        ]
+        return {"format": "gpumem-checkpoint-shard", "rank": self.group.rank, "world_size": self.group.world_size,
+                "step": self.step, "chunk_bytes": self.chunk, "alignment": self.alignment, "files": files,
+                "tensors": tensors, "state": self.tree}
+
+    def _commit(self, tmp: Path, gathered: list[list[int]]) -> None:
+        body = {
+            "format": "gpumem-checkpoint", "step": self.step, "world_size": self.group.world_size,
+            "created": time.time(), "versions": self.versions,
+            "shards": [{"rank": r, "file": shard_manifest_name(r), "crc32c": crc, "nbytes": n}
+                       for r, (_, crc, n) in enumerate(gathered)],
+        }
+        crc = persist.write_manifest(tmp / MAIN_MANIFEST, body)
+        self.committed = persist.commit(self.root, tmp, self.step, crc)
+        persist.apply_retention(self.root, self.keep, self.committed)
+
+    # ------------------------------------------------------------------ shared
+
+    def _mark_staged(self) -> None:
+        if not self.staged.is_set():
+            self.stats.staged_s = time.perf_counter() - self.t0
+            self.staged.set()
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            if self.error is None:
+                self.error = exc
+            self._cond.notify_all()
+        self.staged.set()
+
+    def take_error(self) -> CheckpointError | None:
+        """The job's failure as a CheckpointError, once (later calls return None)."""
+        if self.error is None or self.reported:
+            return None
+        self.reported = True
+        return _as_error(self.error, self.step)
+
+
+def _as_error(exc: BaseException, step: int) -> CheckpointError:
+    if isinstance(exc, CheckpointError):
+        return exc
+    if isinstance(exc, OSError):
+        return CheckpointIOError.wrap(exc, f"saving step {step}")
+    err = CheckpointError(f"saving step {step} failed: {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
+
+
+def _record_event(tensors: list[torch.Tensor]) -> Any:
+    if any(t.device.type == "cuda" for t in tensors):
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+    return None
+
+
+def default_versions() -> dict[str, str]:
+    import platform
+
+    from gpumem import __version__
+
+    return {"gpumem": __version__, "torch": torch.__version__, "python": platform.python_version(),
+            "pid": str(os.getpid())}

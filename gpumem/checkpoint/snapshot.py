@@ -1,0 +1,190 @@
+"""Staging: where each tensor's bytes go in host memory and in the data files, and the copies.
+
+The layout is planned once per save from tensor sizes alone: tensors are packed into *batches*,
+each extent aligned, a batch being one data file and one slot of the host arena (arena offset =
+file offset, so a batch is written with a single large pwrite). When the state fits the staging
+budget there is one batch; otherwise the arena is split into two slots and contiguous tensors are
+cut into chunk-aligned pieces that stream through them (copy batch b+1 while batch b is written),
+so host memory never exceeds the budget whatever the state size.
+
+Copies: CPU tensors go through the arena's multithreaded memcpy; their CRCs are computed later by
+the persist thread from the staged bytes. CUDA tensors are checksummed on the device (Triton
+kernel) and copied with non_blocking D2H on a side stream that first waits on an event recorded
+on the compute stream at save() time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ._core import as_bytes, chunk_crc32c
+from .errors import CheckpointStateError
+from .format import align_up
+
+
+@dataclass
+class Piece:
+    """A byte range [src_offset, src_offset + nbytes) of tensor ``index``, staged at ``offset`` of batch ``batch``."""
+
+    index: int
+    src_offset: int
+    nbytes: int
+    batch: int
+    offset: int
+    crc: torch.Tensor | None = None  # per-chunk CRCs (int64), set by the copy (CUDA) or the persist thread (CPU)
+
+
+@dataclass
+class Plan:
+    capacity: int  # target bytes per batch (hard limit when streaming)
+    streaming: bool  # False: every batch resident at once; True: two slots reused in turn
+    batch_sizes: list[int] = field(default_factory=list)
+    pieces: list[Piece] = field(default_factory=list)
+    bases: list[int] = field(default_factory=list)  # arena offset of each batch
+
+    @property
+    def slots(self) -> int:
+        """Batches that can be staged before one must be written (back-pressure depth)."""
+        return 2 if self.streaming else max(1, len(self.batch_sizes))
+
+    @property
+    def arena_bytes(self) -> int:
+        if self.streaming:
+            return 2 * self.capacity
+        return max(1, self.bases[-1] + self.batch_sizes[-1]) if self.bases else 1
+
+    def batch_pieces(self, b: int) -> list[Piece]:
+        return [p for p in self.pieces if p.batch == b]
+
+    def slot_base(self, b: int) -> int:
+        return self.bases[b]
+
+
+def plan_layout(tensors: list[torch.Tensor], names: list[str], budget: int, alignment: int, chunk: int,
+                segment: int = 256 << 20) -> Plan:
+    """Pack tensors into batches (data files): ``segment``-sized ones that all stay resident when
+    the state fits ``budget`` (so writing batch b overlaps copying batch b+1), else two slots of
+    ``budget / 2`` that the state streams through."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    segment = max(chunk, segment // chunk * chunk)
+    packed = 0
+    for n in sizes:
+        packed = align_up(packed, alignment) + n
+    if packed + alignment * (packed // segment + 1) <= budget:
+        plan = _pack(Plan(capacity=segment, streaming=False), tensors, names, sizes, alignment, chunk)
+        if plan.arena_bytes <= budget:
+            return plan
+    capacity = budget // 2 // chunk * chunk
+    if capacity < chunk:
+        raise CheckpointStateError(
+            f"staging budget {budget} bytes is below two chunks of {chunk} bytes; raise staging_bytes "
+            "(or GPUMEM_STAGING_BYTES)"
+        )
+    return _pack(Plan(capacity=capacity, streaming=True), tensors, names, sizes, alignment, chunk)
+
+
+def _pack(plan: Plan, tensors, names, sizes, alignment: int, chunk: int) -> Plan:
+    batch, used = 0, 0
+    for i, (t, size) in enumerate(zip(tensors, sizes)):
+        src = 0
+        while src < size:
+            off = align_up(used, alignment)
+            room = plan.capacity - off
+            if size - src <= room:
+                n = size - src
+            elif t.is_contiguous() and room >= chunk:
+                n = room // chunk * chunk
+            elif used == 0 and not plan.streaming:  # resident batches may grow for one such tensor
+                n = size
+            elif used == 0:
+                raise CheckpointStateError(
+                    f"tensor {names[i]!r} ({size} bytes) is not contiguous and larger than a staging slot "
+                    f"({plan.capacity} bytes); raise staging_bytes or make it contiguous"
+                )
+            else:
+                batch, used = batch + 1, 0
+                continue
+            plan.pieces.append(Piece(i, src, n, batch, off))
+            src += n
+            used = off + n
+    last = max((p.batch for p in plan.pieces), default=0)
+    plan.batch_sizes = [0] * (last + 1)
+    for p in plan.pieces:
+        plan.batch_sizes[p.batch] = max(plan.batch_sizes[p.batch], p.offset + p.nbytes)
+    if plan.streaming:
+        plan.bases = [(b % 2) * plan.capacity for b in range(last + 1)]
+    else:
+        base = 0
+        for size in plan.batch_sizes:
+            plan.bases.append(base)
+            base = align_up(base + size, alignment)
+    return plan
+
+
+def zero_padding(arena, plan: Plan, b: int) -> None:
+    """Zero the alignment gaps of batch ``b`` in its slot (the format verifies they are zero)."""
+    base, end = plan.slot_base(b), 0
+    for p in sorted(plan.batch_pieces(b), key=lambda p: p.offset):
+        if p.offset > end:
+            arena.view(base + end, p.offset - end).zero_()
+        end = p.offset + p.nbytes
+
+
+def copy_pieces(arena, plan: Plan, pieces: list[Piece], tensors: list[torch.Tensor], chunk: int,
+                stream=None, wait_event=None) -> object | None:
+    """Copy ``pieces`` into the arena. CPU pieces are copied before returning; CUDA pieces are
+    enqueued (checksummed on the device first) and the returned CUDA event marks their completion."""
+    cpu_src, cpu_off, cuda = [], [], []
+    for p in pieces:
+        t = tensors[p.index]
+        dst = plan.slot_base(p.batch) + p.offset
+        if t.device.type == "cuda":
+            cuda.append((p, t, dst))
+            continue
+        if t.device.type != "cpu":  # other accelerators: through a host copy (rare, correct)
+            t = t.cpu()
+        if t.is_contiguous():
+            cpu_src.append(as_bytes(t)[p.src_offset : p.src_offset + p.nbytes])
+            cpu_off.append(dst)
+        else:  # planned whole (never split): let torch gather the strides into the slot
+            arena.view(dst, p.nbytes).view(t.dtype).view(t.shape).copy_(t)
+    if cpu_src:
+        arena.copy_in(cpu_src, cpu_off)
+    if not cuda:
+        return None
+    with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+        if wait_event is not None:
+            torch.cuda.current_stream().wait_event(wait_event)
+        for p, t, dst in cuda:
+            src = as_bytes(t if t.is_contiguous() else t.contiguous())[p.src_offset : p.src_offset + p.nbytes]
+            p.crc = chunk_crc32c(src, chunk)  # end to end: hashed in HBM before it crosses PCIe
+            arena.view(dst, p.nbytes).copy_(src, non_blocking=True)
+            t.record_stream(torch.cuda.current_stream())
+        done = torch.cuda.Event()
+        done.record()
+    return done
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def checksum_cpu_pieces(arena, plan: Plan, pieces: list[Piece], chunk: int) -> None:
+    """CRCs of pieces staged from host tensors, from the staged copy (off the training thread)."""
+    for p in pieces:
+        if p.crc is None:
+            p.crc = chunk_crc32c(arena.view(plan.slot_base(p.batch) + p.offset, p.nbytes), chunk)
+
+
+def tensor_crcs(plan: Plan, count: int) -> list[list[int]]:
+    """Per-tensor chunk CRC lists, concatenated over each tensor's pieces (pieces are chunk aligned)."""
+    out: list[list[int]] = [[] for _ in range(count)]
+    for p in plan.pieces:
+        out[p.index].extend(int(x) for x in p.crc.cpu().tolist())
+    return out

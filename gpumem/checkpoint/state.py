@@ -1,0 +1,352 @@
+"""Training state <-> (JSON tree, tensor table): capture for save(), checked rebuild for restore().
+
+Non-tensor values become JSON with a few tags for what JSON lacks (tuples, non-string keys,
+non-finite floats, bytes, NumPy arrays); every tensor becomes a reference ``{"__tensor__": name}``
+into the tensor table, whose bytes go to the data files. Decoding builds only plain containers,
+numbers, strings, bytes, tensors and NumPy arrays of allowed dtypes: nothing is imported or called.
+
+Parameters and optimizer state are marked *deferred*: only the optimizer step mutates them, so
+overlap mode may copy them after save() returns. Everything else (buffers such as BatchNorm running
+statistics, RNG states, user extras) is copied before save() returns.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import random
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import CheckpointCorruptError, CheckpointStateError
+from .format import DTYPE_NAMES
+
+_TAGS = frozenset({"__tensor__", "__tuple__", "__dict__", "__float__", "__bytes__", "__ndarray__"})
+_COMPILE_PREFIX = "_orig_mod."
+_NP_DTYPES = frozenset(
+    f"{order}{kind}{size}" for order in "<>|" for kind in "biuf" for size in (1, 2, 4, 8)
+) | frozenset({"<c8", "<c16", ">c8", ">c16"})
+
+
+@dataclass
+class TensorTable:
+    """The tensors of one capture, in save order, with identical views stored once."""
+
+    names: list[str] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    deferred: list[bool] = field(default_factory=list)
+    _seen: dict[tuple, str] = field(default_factory=dict)
+
+    def add(self, t: torch.Tensor, path: str, deferred: bool) -> str:
+        if DTYPE_NAMES.get(t.dtype) is None:
+            raise CheckpointStateError(f"{path}: dtype {t.dtype} cannot be stored; convert the tensor first")
+        if t.is_sparse or t.layout != torch.strided:
+            raise CheckpointStateError(f"{path}: {t.layout} tensors cannot be stored; call .to_dense() first")
+        t = t.detach()
+        key = (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        if t.numel() and key in self._seen:  # tied weights: one copy on disk, two references
+            return self._seen[key]
+        name = re.sub(r"[/\\\0]", "_", path)[:900] or "tensor"
+        if name in self._seen.values():
+            name = f"{name}~{len(self.names)}"
+        self._seen[key] = name
+        self.names.append(name)
+        self.tensors.append(t)
+        self.deferred.append(deferred)
+        return name
+
+
+# ---------------------------------------------------------------------------------------------
+# encoding
+
+
+def encode(value: Any, path: str, table: TensorTable, deferred: bool = False) -> Any:
+    """JSON-able form of ``value``; tensors go to ``table``. Raises CheckpointStateError on types
+    the format cannot hold (naming the key)."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value) if math.isfinite(value) else {"__float__": repr(float(value))}
+    if isinstance(value, torch.Tensor):
+        return {"__tensor__": table.add(value, path, deferred)}
+    if isinstance(value, (bytes, bytearray)):
+        return {"__bytes__": base64.b64encode(bytes(value)).decode()}
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode(v, f"{path}.{i}", table, deferred) for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [encode(v, f"{path}.{i}", table, deferred) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value) and not (len(value) == 1 and next(iter(value)) in _TAGS):
+            return {k: encode(v, f"{path}.{k}", table, deferred) for k, v in value.items()}
+        return {"__dict__": [[_encode_key(k, path), encode(v, f"{path}.{k}", table, deferred)] for k, v in value.items()]}
+    np = _numpy()
+    if np is not None and isinstance(value, np.ndarray):
+        dtype = value.dtype.str
+        if dtype not in _NP_DTYPES:
+            raise CheckpointStateError(f"{path}: NumPy dtype {value.dtype} cannot be stored")
+        raw = torch.from_numpy(np.ascontiguousarray(value).reshape(-1).view(np.uint8).copy())
+        return {"__ndarray__": {"dtype": dtype, "shape": list(value.shape), "tensor": table.add(raw, path, False)}}
+    if np is not None and isinstance(value, np.generic):
+        return encode(value.item(), path, table, deferred)
+    raise CheckpointStateError(
+        f"{path}: a {type(value).__name__} cannot be stored in a checkpoint (JSON values, tuples, "
+        "tensors and NumPy arrays can); convert it, or save it with a stateful object's state_dict()"
+    )
+
+
+def _encode_key(key: Any, path: str) -> Any:
+    if key is None or isinstance(key, (bool, int, float, str)):
+        return encode(key, path, TensorTable())
+    if isinstance(key, tuple):
+        return {"__tuple__": [_encode_key(k, path) for k in key]}
+    raise CheckpointStateError(f"{path}: dict key of type {type(key).__name__} cannot be stored")
+
+
+def decode(node: Any, tensors: dict[str, Any], path: str = "state") -> Any:
+    """Rebuild a value from its JSON form; ``tensors`` maps names to loaded tensors."""
+    try:
+        return _decode(node, tensors, path)
+    except RecursionError:
+        raise CheckpointCorruptError(f"{path}: state is nested too deeply") from None
+
+
+def _decode(node: Any, tensors: dict[str, Any], path: str) -> Any:
+    if node is None or isinstance(node, (bool, int, float, str)):
+        return node
+    if isinstance(node, list):
+        return [_decode(v, tensors, path) for v in node]
+    if not isinstance(node, dict):
+        raise CheckpointCorruptError(f"{path}: unexpected JSON value")
+    if len(node) == 1 and next(iter(node)) in _TAGS:
+        tag, arg = next(iter(node.items()))
+        return _decode_tagged(tag, arg, tensors, path)
+    return {k: _decode(v, tensors, f"{path}.{k}") for k, v in node.items()}
+
+
+def _decode_tagged(tag: str, arg: Any, tensors: dict[str, Any], path: str) -> Any:
+    bad = CheckpointCorruptError(f"{path}: malformed {tag} value")
+    if tag == "__tensor__":
+        if not isinstance(arg, str) or arg not in tensors:
+            raise CheckpointCorruptError(f"{path}: refers to tensor {str(arg)[:80]!r}, which the table lacks")
+        return tensors[arg]
+    if tag == "__tuple__":
+        if not isinstance(arg, list):
+            raise bad
+        return tuple(_decode(v, tensors, path) for v in arg)
+    if tag == "__dict__":
+        if not isinstance(arg, list) or not all(isinstance(p, list) and len(p) == 2 for p in arg):
+            raise bad
+        out = {}
+        for k, v in arg:
+            key = _decode(k, tensors, path)
+            if not _hashable_key(key):
+                raise bad
+            out[key] = _decode(v, tensors, f"{path}.{key}")
+        return out
+    if tag == "__float__":
+        if arg not in ("inf", "-inf", "nan"):
+            raise bad
+        return float(arg)
+    if tag == "__bytes__":
+        try:
+            return base64.b64decode(arg, validate=True) if isinstance(arg, str) else _raise(bad)
+        except ValueError:
+            raise bad from None
+    if tag == "__ndarray__":
+        np = _numpy()
+        if not isinstance(arg, dict) or set(arg) != {"dtype", "shape", "tensor"} or np is None:
+            raise bad
+        if not isinstance(arg["dtype"], str) or arg["dtype"] not in _NP_DTYPES or not isinstance(arg["shape"], list):
+            raise bad
+        raw = _decode_tagged("__tensor__", arg["tensor"], tensors, path)
+        if not isinstance(raw, torch.Tensor):  # structural check only (verify without loading)
+            return None
+        dtype = np.dtype(arg["dtype"])
+        try:
+            return raw.numpy().view(dtype).reshape(arg["shape"]).copy()
+        except (ValueError, TypeError):
+            raise bad from None
+    raise bad
+
+
+def _raise(exc: Exception) -> Any:
+    raise exc
+
+
+def _hashable_key(key: Any) -> bool:
+    if key is None or isinstance(key, (bool, int, float, str)):
+        return True
+    return isinstance(key, tuple) and all(_hashable_key(k) for k in key)
+
+
+def _numpy():
+    try:
+        import numpy
+
+        return numpy
+    except ImportError:  # pragma: no cover - numpy ships with torch wheels
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# capture
+
+
+def canonical_key(key: str) -> str:
+    """Model key without torch.compile's ``_orig_mod.`` components, so wrapped and plain models match."""
+    return key.replace(_COMPILE_PREFIX, "") if _COMPILE_PREFIX in key else key
+
+
+def capture(
+    step: int,
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    extra: dict[str, Any] | None = None,
+    stateful: dict[str, Any] | None = None,
+    rng: bool = True,
+) -> tuple[dict[str, Any], TensorTable]:
+    """The state to save as a JSON tree plus its tensors (not yet copied)."""
+    table = TensorTable()
+    tree: dict[str, Any] = {"step": step}
+    if model is not None:
+        sd = model.state_dict(keep_vars=True)
+        # parameters are deferred (only the optimizer step mutates them); buffers are copied at once
+        tree["model"] = {
+            canonical_key(k): encode(v, f"model.{canonical_key(k)}", table, isinstance(v, torch.nn.Parameter))
+            for k, v in sd.items()
+        }
+    if optimizer is not None:
+        tree["optimizer"] = encode(optimizer.state_dict(), "optimizer", table, deferred=True)
+    for key, obj in (("scheduler", scheduler), ("scaler", scaler)):
+        if obj is not None:
+            tree[key] = encode(_state_dict_of(obj, key), key, table)
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise CheckpointStateError(f"extra must be a dict, got {type(extra).__name__}")
+        tree["extra"] = encode(extra, "extra", table)
+    if stateful:
+        tree["stateful"] = {
+            str(name): encode(_state_dict_of(obj, f"stateful[{name!r}]"), f"stateful.{name}", table)
+            for name, obj in stateful.items()
+        }
+    if rng:
+        tree["rng"] = encode(rng_state(), "rng", table)
+    return tree, table
+
+
+def _state_dict_of(obj: Any, what: str) -> Any:
+    if not callable(getattr(obj, "state_dict", None)):
+        raise CheckpointStateError(f"{what} ({type(obj).__name__}) has no state_dict(); pass objects with state_dict/load_state_dict")
+    return obj.state_dict()
+
+
+def rng_state() -> dict[str, Any]:
+    """RNG states of Python, NumPy (global), torch CPU and every CUDA device."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    np = _numpy()
+    if np is not None:
+        state["numpy"] = np.random.get_state()
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    np = _numpy()
+    if np is not None and "numpy" in state:
+        np.random.set_state(state["numpy"])
+    saved_cuda = state.get("cuda") or []
+    if saved_cuda and torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        if n != len(saved_cuda):
+            warnings.warn(f"checkpoint has RNG states for {len(saved_cuda)} CUDA devices, this process sees {n}; restoring the first {min(n, len(saved_cuda))}", stacklevel=3)
+        for i in range(min(n, len(saved_cuda))):
+            torch.cuda.set_rng_state(saved_cuda[i], i)
+
+
+# ---------------------------------------------------------------------------------------------
+# restore
+
+
+def check_targets(tree: dict[str, Any], *, model=None, optimizer=None, scheduler=None, scaler=None, stateful=None) -> None:
+    """Raise CheckpointStateError if the objects cannot take the saved state; touches nothing."""
+    where = f"checkpoint of step {tree.get('step')}"
+    for key, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
+        if obj is not None and key not in tree:
+            raise CheckpointStateError(f"{where} has no {key} state; do not pass {key}= to restore()")
+        if obj is not None and key != "model" and not callable(getattr(obj, "load_state_dict", None)):
+            raise CheckpointStateError(f"{key} ({type(obj).__name__}) has no load_state_dict()")
+    if model is not None:
+        saved = tree["model"]
+        if not isinstance(saved, dict):
+            raise CheckpointCorruptError(f"{where}: model state is not a mapping")
+        target = {canonical_key(k): v for k, v in model.state_dict().items()}
+        missing, unexpected = sorted(set(target) - set(saved)), sorted(set(saved) - set(target))
+        if missing or unexpected:
+            raise CheckpointStateError(f"{where} does not match the model: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+        for k, t in target.items():
+            s = saved[k]
+            if isinstance(t, torch.Tensor) and (not isinstance(s, torch.Tensor) or tuple(s.shape) != tuple(t.shape)):
+                raise CheckpointStateError(f"{where}: model key {k!r} has shape {tuple(getattr(s, 'shape', ()))}, the model has {tuple(t.shape)}")
+    if optimizer is not None:
+        groups = tree["optimizer"].get("param_groups") if isinstance(tree["optimizer"], dict) else None
+        if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+            raise CheckpointCorruptError(f"{where}: optimizer state has no param_groups")
+        saved_sizes = [len(g["params"]) for g in groups]
+        sizes = [len(g["params"]) for g in optimizer.param_groups]
+        if saved_sizes != sizes:
+            raise CheckpointStateError(f"{where}: optimizer param groups have sizes {saved_sizes}, the optimizer has {sizes}")
+    if "rng" in tree:
+        _check_rng(tree["rng"], where)
+    for name, obj in (stateful or {}).items():
+        if name not in tree.get("stateful", {}):
+            raise CheckpointStateError(f"{where} has no stateful object {name!r} (saved: {sorted(tree.get('stateful', {}))})")
+        if not callable(getattr(obj, "load_state_dict", None)):
+            raise CheckpointStateError(f"stateful[{name!r}] ({type(obj).__name__}) has no load_state_dict()")
+
+
+def _check_rng(state: Any, where: str) -> None:
+    """Load the saved RNG states into throwaway generators, so a bad one fails before anything is touched."""
+    try:
+        random.Random().setstate(state["python"])
+        torch.Generator().set_state(state["torch"])
+        np = _numpy()
+        if np is not None and "numpy" in state:
+            np.random.RandomState().set_state(state["numpy"])
+        cuda = state.get("cuda", [])
+        if not isinstance(cuda, list) or not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda):
+            raise ValueError("CUDA RNG states must be a list of uint8 tensors")
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise CheckpointCorruptError(f"{where}: saved RNG state is invalid: {exc}") from None
+
+
+def apply(tree: dict[str, Any], *, model=None, optimizer=None, scheduler=None, scaler=None,
+          stateful=None, extra=None, rng: bool = True) -> None:
+    """Load a decoded, verified and checked tree into the objects (RNG last, so nothing after it
+    consumes random numbers before training continues)."""
+    if model is not None:
+        names = {canonical_key(k): k for k in model.state_dict()}
+        model.load_state_dict({names[k]: v for k, v in tree["model"].items()}, strict=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(tree["optimizer"])
+    if scheduler is not None:
+        scheduler.load_state_dict(tree["scheduler"])
+    if scaler is not None:
+        scaler.load_state_dict(tree["scaler"])
+    for name, obj in (stateful or {}).items():
+        obj.load_state_dict(tree["stateful"][name])
+    if extra is not None:
+        extra.update(tree.get("extra") or {})
+    if rng and "rng" in tree:
+        set_rng_state(tree["rng"])

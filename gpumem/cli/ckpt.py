@@ -1,0 +1,137 @@
+"""gpumem ckpt: list, verify and inspect checkpoints written by gpumem.Checkpointer."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from pathlib import Path
+
+from gpumem.units import format_bytes
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ckpt", help="list, verify and inspect checkpoints",
+                       description="List, verify and inspect checkpoints written by gpumem.Checkpointer.")
+    cmds = p.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
+    ls = cmds.add_parser("ls", help="list the checkpoints of a directory (manifests checked, data not read)")
+    ls.add_argument("dir", help="checkpoint directory (holds step-<N>/ and latest)")
+    ls.add_argument("--json", action="store_true", help="print JSON")
+    ver = cmds.add_parser("verify", help="check every byte of a checkpoint (or of all in a directory)")
+    ver.add_argument("path", help="a step-<N> directory, or a checkpoint directory to verify them all")
+    ins = cmds.add_parser("inspect", help="show tensors, sizes, step, versions and saved state of a checkpoint")
+    ins.add_argument("path", help="a step-<N> directory, or a checkpoint directory (its newest)")
+    ins.add_argument("--json", action="store_true", help="print JSON")
+    ins.add_argument("--limit", type=int, default=50, help="tensors listed per rank (default 50; 0 = all)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gpumem.checkpoint import CheckpointError
+
+    try:
+        return {"ls": _ls, "verify": _verify, "inspect": _inspect}[args.ckpt_command](args)
+    except CheckpointError as exc:
+        print(f"gpumem ckpt {args.ckpt_command}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _ls(args: argparse.Namespace) -> int:
+    from gpumem.checkpoint import CheckpointError
+    from gpumem.checkpoint.persist import list_checkpoints, read_latest, step_dirs
+
+    root = Path(args.dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root} is not a directory")
+    infos = {i.step: i for i in list_checkpoints(root)}
+    try:
+        ptr = read_latest(root)
+    except CheckpointError as exc:
+        ptr = None
+        print(f"warning: {exc}", file=sys.stderr)
+    rows = []
+    for step, path in sorted(step_dirs(root)):
+        info = infos.get(step)
+        rows.append({"step": step, "path": str(path), "ok": info is not None,
+                     "nbytes": info.nbytes if info else None, "created": info.created if info else None,
+                     "world_size": info.world_size if info else None,
+                     "latest": bool(ptr and ptr["path"] == path.name)})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print(f"no checkpoints in {root}")
+        return 0
+    print(f"{'step':>10}  {'size':>10}  {'ranks':>5}  {'created (UTC)':<19}  name")
+    for r in rows:
+        created = dt.datetime.fromtimestamp(r["created"], dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if r["ok"] else "-"
+        size = format_bytes(r["nbytes"]) if r["ok"] else "DAMAGED MANIFEST"
+        mark = "  <- latest" if r["latest"] else ""
+        print(f"{r['step']:>10}  {size:>10}  {r['world_size'] or '-':>5}  {created:<19}  {Path(r['path']).name}{mark}")
+    return 0
+
+
+def _targets(path: Path) -> list[Path]:
+    from gpumem.checkpoint.persist import step_dirs
+
+    if (path / "MANIFEST").exists() or path.name.startswith("step-"):
+        return [path]
+    found = [p for _, p in sorted(step_dirs(path))]
+    if not found:
+        raise FileNotFoundError(f"{path} holds no checkpoint")
+    return found
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from gpumem.checkpoint import CheckpointCorruptError, verify
+
+    bad = 0
+    for p in _targets(Path(args.path)):
+        try:
+            info = verify(p)
+            print(f"OK       {p.name}: step {info.step}, {format_bytes(info.nbytes)}, {info.world_size} rank(s)")
+        except CheckpointCorruptError as exc:
+            bad += 1
+            print(f"CORRUPT  {p.name}: {exc}")
+    return 1 if bad else 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from gpumem.checkpoint.format import parse_shard, read_manifest
+    from gpumem.checkpoint.persist import load_info
+
+    path = _targets(Path(args.path))[-1]
+    info = load_info(path)
+    ranks = []
+    for ref in info.shards:
+        body, crc = read_manifest(path / ref.file)
+        shard = parse_shard(body, str(path / ref.file), crc)
+        state = shard.state if isinstance(shard.state, dict) else {}
+        ranks.append({
+            "rank": ref.rank, "tensors": len(shard.tensors), "nbytes": ref.nbytes, "files": shard.files,
+            "chunk_bytes": shard.chunk_bytes, "sections": sorted(state),
+            "extra": state.get("extra"),
+            "tensor_list": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes}
+                            for t in shard.tensors[: args.limit or None]],
+        })
+    out = {"path": str(path), "step": info.step, "world_size": info.world_size, "nbytes": info.nbytes,
+           "created": info.created, "manifest_crc32c": f"{info.manifest_crc32c:08x}", "versions": info.versions,
+           "ranks": ranks}
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    created = dt.datetime.fromtimestamp(info.created, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    print(f"{path}\n  step {info.step}, {format_bytes(info.nbytes)} of tensors, {info.world_size} rank(s), "
+          f"created {created}, manifest crc32c {out['manifest_crc32c']}")
+    print("  versions: " + ", ".join(f"{k} {v}" for k, v in info.versions.items()))
+    for r in ranks:
+        print(f"  rank {r['rank']}: {r['tensors']} tensors, {format_bytes(r['nbytes'])} in {len(r['files'])} file(s); "
+              f"state: {', '.join(r['sections'])}")
+        if r["extra"] is not None:
+            print(f"    extra: {json.dumps(r['extra'])[:200]}")
+        for t in r["tensor_list"]:
+            print(f"    {t['name']:<48} {t['dtype']:<9} {tuple(t['shape'])!s:<18} {format_bytes(t['nbytes']):>10}")
+        if args.limit and r["tensors"] > args.limit:
+            print(f"    ... {r['tensors'] - args.limit} more (--limit 0 lists all)")
+    return 0

@@ -1,0 +1,163 @@
+"""Crash consistency: kill -9 during persist, a full disk, failures at interpreter exit."""
+
+import errno
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import gpumem
+from gpumem.checkpoint import CheckpointIOError, verify
+from gpumem.checkpoint.persist import load_info, read_latest, step_dirs
+
+
+def _payload(step: int) -> torch.Tensor:
+    return torch.randn(64 * 1024, generator=torch.Generator().manual_seed(step))  # 256 KiB
+
+
+def _fork(child) -> int:
+    pid = os.fork()
+    if pid == 0:  # child: never return into pytest
+        code = 3
+        try:
+            code = child()
+        except BaseException:  # noqa: BLE001
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    return pid
+
+
+def _saver(root, first_step: int, wfd: int):
+    def child() -> int:
+        torch.set_num_threads(1)
+        ck = gpumem.Checkpointer(root, keep=2, chunk_bytes=65536)
+        step = first_step
+        while True:
+            ck.save(step, extra={"step": step, "t": _payload(step)}, rng=False)
+            ck.wait()
+            os.write(wfd, f"{step}\n".encode())  # reported only once durable
+            step += 1
+
+    return child
+
+
+def _check_directory(root, committed: int | None) -> int:
+    """Every step dir verifies; the pointer is intact and names one; nothing committed was lost."""
+    dirs = step_dirs(root)
+    for _, path in dirs:
+        verify(path)
+    newest = dirs[0][0] if dirs else None
+    if committed is not None:
+        assert newest is not None and newest >= committed, (newest, committed)
+    ptr = read_latest(root)
+    if dirs:
+        assert ptr is not None
+        assert load_info(root / ptr["path"]).manifest_crc32c == ptr["manifest_crc32c"]
+    with gpumem.Checkpointer(root, keep=2) as ck:
+        got: dict = {}
+        step = ck.restore(extra=got, rng=False)
+        assert step == newest
+        if step is not None:
+            assert got["step"] == step and torch.equal(got["t"], _payload(step))
+    return newest if newest is not None else -1
+
+
+def kill_trials(root, trials: int, seed: int, max_delay: float = 0.25) -> dict:
+    """Kill a saving process with SIGKILL at random moments; check the directory after each."""
+    rng = random.Random(seed)
+    committed, killed_mid_save = None, 0
+    next_step = 0
+    for _ in range(trials):
+        rfd, wfd = os.pipe()
+        pid = _fork(_saver(root, next_step, wfd))
+        os.close(wfd)
+        time.sleep(rng.uniform(0.0, max_delay))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        with os.fdopen(rfd) as f:
+            reported = [int(x) for x in f.read().split()]
+        if reported:
+            committed = reported[-1]
+        if any(name.startswith(".tmp-") for name in os.listdir(root)):
+            killed_mid_save += 1
+        newest = _check_directory(root, committed)
+        next_step = max(newest, committed if committed is not None else -1) + 1
+    return {"trials": trials, "killed_mid_save": killed_mid_save, "last_committed": committed}
+
+
+def test_kill_9_during_persist_never_loses_a_checkpoint(tmp_path):
+    result = kill_trials(tmp_path, trials=50, seed=1)
+    # the kills must really land inside saves, not only between them
+    assert result["killed_mid_save"] >= 5 and result["last_committed"] is not None
+
+
+def test_full_disk_raises_in_wait_and_loses_nothing(tmp_path):
+    def child() -> int:
+        ck = gpumem.Checkpointer(tmp_path)
+        ck.save(1, extra={"t": _payload(1)}, rng=False)
+        ck.wait()
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+        ck.save(2, extra={"t": _payload(2)}, rng=False)
+        try:
+            ck.wait()
+            return 1
+        except CheckpointIOError as exc:
+            if exc.errno != errno.EFBIG or "saving step 2" not in str(exc):
+                return 2
+        ck.save(3, extra={"t": _payload(3)}, rng=False)  # fails again: reported by the next save()
+        try:
+            ck.save(4, extra={"small": 1}, rng=False)
+            return 4
+        except CheckpointIOError:
+            pass
+        return 0
+
+    pid = _fork(child)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert [s for s, _ in step_dirs(tmp_path)] == [1]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]  # failed saves cleaned up
+    assert read_latest(tmp_path)["step"] == 1
+    verify(tmp_path / "step-000000001")
+
+
+def test_failed_background_save_at_exit_is_loud_and_nonzero(tmp_path):
+    script = textwrap.dedent(f"""
+        import resource, signal, torch, gpumem
+        ck = gpumem.Checkpointer({str(tmp_path)!r})
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (10_000, resource.RLIM_INFINITY))
+        ck.save(1, extra={{"t": torch.zeros(100_000)}}, rng=False)
+        print("main done")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert "main done" in proc.stdout
+    assert proc.returncode != 0
+    assert "CHECKPOINT SAVE FAILED" in proc.stderr and "saving step 1" in proc.stderr
+
+
+def test_exit_waits_for_an_inflight_save(tmp_path):
+    script = textwrap.dedent(f"""
+        import torch, gpumem
+        ck = gpumem.Checkpointer({str(tmp_path)!r})
+        ck.save(7, extra={{"t": torch.ones(1_000_000)}}, rng=False)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert verify(tmp_path / "step-000000007").step == 7
+
+
+@pytest.mark.slow
+def test_kill_9_200_trials(tmp_path):
+    assert kill_trials(tmp_path, trials=200, seed=2)["killed_mid_save"] >= 40
