@@ -83,6 +83,7 @@ class HostArena:
         if pinned:
             self._buf.start_pinning()
         self.nbytes = nbytes
+        self._locked = False
         self.pinned = bool(pinned)
         self.alignment = alignment
 
@@ -118,6 +119,34 @@ class HostArena:
     @property
     def closed(self) -> bool:
         return self._buf is None
+
+    # ---- residency ----
+
+    def lock(self) -> bool:
+        """Fault in every page now and lock it in RAM (``mlock``) so that memory reclaim (swap,
+        DAMON pageout) cannot take it back while the arena sits idle between uses.
+
+        Locking needs ``RLIMIT_MEMLOCK`` headroom (or CAP_IPC_LOCK). Without it the pages are only
+        pre-faulted (``MADV_POPULATE_WRITE``, else one write per page), which is still off the
+        first copy's path but may be reclaimed later. Pinned (CUDA-registered) memory is locked
+        by the driver anyway.
+
+        Returns:
+            True if the arena is locked, False if it was only pre-faulted.
+        """
+        buf = self._live_buf()
+        ptr, size = int(buf.data_ptr), self.nbytes
+        libc = _libc()
+        if libc is not None:
+            if self._locked or libc.mlock(ptr, size) == 0:
+                self._locked = True
+                return True
+            if libc.madvise(ptr, size, _MADV_POPULATE_WRITE) == 0:
+                return False
+        assert self._bytes is not None
+        touch = self._bytes[::4096]
+        touch.copy_(touch.clone())  # one write per page faults it in; contents are kept
+        return False
 
     # ---- views ----
 
@@ -172,6 +201,13 @@ class HostArena:
 
     def close(self) -> None:
         """Drop the arena's hold on the memory (freed once no view is alive). Idempotent."""
+        if self._locked and self._buf is not None:
+            # unlock now: views may outlive the arena, and memory it no longer owns should not
+            # stay locked (RLIMIT_MEMLOCK is per process)
+            libc = _libc()
+            if libc is not None:
+                libc.munlock(int(self._buf.data_ptr), self.nbytes)
+            self._locked = False
         self._bytes = None
         self._buf = None
 
@@ -199,6 +235,23 @@ class HostArena:
                 f"range of {nbytes} bytes at offset {offset} is outside the arena of {self.nbytes} bytes"
             )
         return offset, nbytes
+
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels return EINVAL and the pages are touched
+
+
+def _libc() -> Any:
+    """libc with mlock/madvise typed, or None where it cannot be loaded (non-POSIX)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 def _int(value: Any, name: str) -> int:

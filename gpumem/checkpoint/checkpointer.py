@@ -68,8 +68,10 @@ class Checkpointer:
         overlap: copy parameters and optimizer state in the background (see the module docs for
             the assumption); False always copies before save() returns.
         chunk_bytes: CRC32C granularity (power of two, >= 4096).
-        segment_bytes: size of each data file when the state fits the budget: file b is written
-            while file b+1 is still being copied, so time to durable ~ copy of one segment + write.
+        segment_bytes: size of each data file when the state fits the budget. The files are
+            written once the whole state is staged (a write beside the copy would slow the copy
+            training waits for), so time to durable ~ copy + write; when streaming, file b is
+            written while batch b+1 is copied.
         direct_io: write data files with O_DIRECT from the page-aligned arena: no second copy
             into the page cache (less CPU taken from training, no cache pollution). File systems
             that refuse O_DIRECT get buffered writes.
@@ -100,6 +102,7 @@ class Checkpointer:
         self.segment_bytes = segment_bytes
         self._group = Group()
         self._arena: Any = None
+        self.staging_locked: bool | None = None  # None until allocated; False: pre-faulted only (RLIMIT_MEMLOCK)
         self._side_stream: Any = None
         self._job: SaveJob | None = None
         self._lock = threading.RLock()
@@ -174,6 +177,10 @@ class Checkpointer:
                 self._arena.close()
                 self._arena = None
             self._arena = HostArena(max(nbytes, 1))
+            # Fault every page in once and lock it: later saves copy into warm memory, as a copy
+            # into preallocated buffers would, instead of re-faulting pages that reclaim took back
+            # while the arena sat idle between saves. Pinned arenas are locked by the driver.
+            self.staging_locked = True if self._arena.pinned else self._arena.lock()
         return self._arena
 
     def _stream_for(self, tensors: list[Any]) -> Any:

@@ -57,13 +57,18 @@ def _check_sizes(path: Path, shard: ShardManifest) -> None:
 
 
 def _read_file(file: Path, extents: list[tuple[int, int, torch.Tensor, str]]) -> None:
-    """Read one data file front to back (kernel read-ahead works best on sequential reads), each
-    extent straight into its tensor's buffer; the padding between extents must be zero."""
+    """Read one data file front to back (with a sequential read-ahead hint), each extent straight
+    into its tensor's buffer; the padding between extents must be zero."""
     try:
         fd = os.open(file, os.O_RDONLY)
     except OSError as exc:
         raise CheckpointCorruptError(f"{file}: data file unreadable: {exc.strerror}", path=str(file)) from None
     try:
+        # Measured on a cold cache (benchmarks/bench_checkpoint.py): one sequential buffered pass
+        # per file beat O_DIRECT reads (no read-ahead; ~1.5x slower even with 4 in flight) and
+        # two files read at once (~1.4x slower).
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         end = 0
         for off, _length, out, name in extents:
             if off > end:

@@ -1,0 +1,222 @@
+"""Staging residency and the order of the background work (what keeps save()'s stall at the floor)."""
+
+import resource
+import threading
+import time
+
+import pytest
+import torch
+
+import gpumem
+import gpumem.arena as arena_mod
+import gpumem.checkpoint.job as job_mod
+import gpumem.checkpoint.persist as persist_mod
+from gpumem.arena import HostArena
+
+
+def _vm_locked_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmLck:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmLck in /proc/self/status")
+
+
+def _model_and_opt(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_lock_keeps_contents_and_is_reported_by_the_kernel():
+    nbytes = 3 << 20
+    with HostArena(nbytes, pinned=False) as a:
+        pattern = torch.arange(nbytes, dtype=torch.int64).remainder(251).to(torch.uint8)
+        a.copy_in([pattern], [0])
+        before = _vm_locked_kib()
+        locked = a.lock()
+        assert torch.equal(a.view(0, nbytes), pattern)
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        if locked:  # the kernel's own count of locked memory grew by the arena's size
+            assert _vm_locked_kib() - before >= nbytes // 1024
+        else:
+            assert soft != resource.RLIM_INFINITY and soft < nbytes
+
+
+class _RefusingLibc:
+    def __init__(self, madvise_ok):
+        self.madvise_ok = madvise_ok
+        self.calls = []
+
+    def mlock(self, ptr, size):
+        self.calls.append("mlock")
+        return -1  # EPERM/ENOMEM: RLIMIT_MEMLOCK exhausted
+
+    def madvise(self, ptr, size, advice):
+        self.calls.append(("madvise", advice))
+        return 0 if self.madvise_ok else -1
+
+
+@pytest.mark.parametrize("libc", ["madvise", "touch", "none"])
+def test_lock_falls_back_to_prefaulting_without_memlock(monkeypatch, libc):
+    fake = None if libc == "none" else _RefusingLibc(madvise_ok=libc == "madvise")
+    monkeypatch.setattr(arena_mod, "_libc", lambda: fake)
+    nbytes = 5 * 4096 + 100
+    with HostArena(nbytes, pinned=False) as a:
+        data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+        a.copy_in([data], [0])
+        assert a.lock() is False
+        assert torch.equal(a.view(0, nbytes), data)  # the page-touch fallback keeps contents
+    if fake is not None:
+        assert fake.calls == ["mlock", ("madvise", 23)]
+
+
+def test_checkpointer_locks_its_staging_arena_once(tmp_path, monkeypatch):
+    calls = []
+    real = HostArena.lock
+
+    def counting_lock(self):
+        calls.append(self.nbytes)
+        return real(self)
+
+    monkeypatch.setattr(HostArena, "lock", counting_lock)
+    model, opt = _model_and_opt()
+    with gpumem.Checkpointer(tmp_path) as ck:
+        assert ck.staging_locked is None
+        for step in range(3):
+            ck.save(step, model=model, optimizer=opt, blocking=True)
+            ck.wait()
+        assert isinstance(ck.staging_locked, bool)
+    assert len(calls) == 1  # allocated and locked by the first save, reused after
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_write_and_checksums_wait_until_the_state_is_staged(tmp_path, monkeypatch, blocking):
+    """Outside streaming, nothing competes with the copy training waits for: every data-file write
+    and every host checksum starts after the whole state is staged."""
+    seen = []
+    real_write, real_crc = persist_mod.write_file, job_mod.checksum_cpu_pieces
+    jobs = []
+
+    def write_file(path, *args, **kwargs):
+        if "data-" in str(path):
+            seen.append(("write", jobs[-1].staged.is_set()))
+        return real_write(path, *args, **kwargs)
+
+    def checksum(*args, **kwargs):
+        seen.append(("crc", jobs[-1].staged.is_set()))
+        return real_crc(*args, **kwargs)
+
+    monkeypatch.setattr(persist_mod, "write_file", write_file)
+    monkeypatch.setattr(job_mod, "checksum_cpu_pieces", checksum)
+    real_run = job_mod.SaveJob.run_caller
+
+    def run_caller(self):
+        jobs.append(self)
+        return real_run(self)
+
+    monkeypatch.setattr(job_mod.SaveJob, "run_caller", run_caller)
+    real_copy = job_mod.copy_pieces
+
+    def slow_copy(*args, **kwargs):  # a copy long enough for an eager writer to start beside it
+        time.sleep(0.02)
+        return real_copy(*args, **kwargs)
+
+    monkeypatch.setattr(job_mod, "copy_pieces", slow_copy)
+    model, opt = _model_and_opt()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    # 4 KiB segments: one data file per tensor piece, so many writes could have overlapped the copy
+    with gpumem.Checkpointer(tmp_path, chunk_bytes=4096, segment_bytes=4096) as ck:
+        st = ck.save(1, model=model, optimizer=opt, blocking=blocking)
+        assert st.mode == ("blocking" if blocking else "overlap")
+        opt.step()
+        ck.wait()
+        writes = [s for kind, s in seen if kind == "write"]
+        assert len(writes) >= 4 and all(writes)
+        assert [s for kind, s in seen if kind == "crc"] and all(s for _, s in seen)
+        model2, opt2 = _model_and_opt(seed=1)
+        assert ck.restore(model=model2, optimizer=opt2) == 1
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, want[k]), k
+
+
+def test_streaming_still_writes_while_copying(tmp_path, monkeypatch):
+    """With a budget below the state, batch b is written while later batches wait for a slot."""
+    real_write = persist_mod.write_file
+    jobs, staged_at_write = [], []
+
+    def write_file(path, *args, **kwargs):
+        if "data-" in str(path):
+            staged_at_write.append(jobs[-1].staged.is_set())
+        return real_write(path, *args, **kwargs)
+
+    real_run = job_mod.SaveJob.run_caller
+
+    def run_caller(self):
+        jobs.append(self)
+        return real_run(self)
+
+    monkeypatch.setattr(persist_mod, "write_file", write_file)
+    monkeypatch.setattr(job_mod.SaveJob, "run_caller", run_caller)
+    model = torch.nn.Linear(256, 256)  # 257 KiB of parameters, 8 KiB slots
+    with gpumem.Checkpointer(tmp_path, staging_bytes=16384, chunk_bytes=4096) as ck:
+        st = ck.save(1, model=model)
+        ck.wait()
+    assert st.mode == "streaming"
+    assert staged_at_write[0] is False  # back-pressure: the first file is written before all is staged
+
+
+def test_durable_time_is_taken_before_retention(tmp_path, monkeypatch):
+    durable_at_retention = []
+    real = persist_mod.apply_retention
+    jobs = []
+    real_run = job_mod.SaveJob.run_caller
+
+    def run_caller(self):
+        jobs.append(self)
+        return real_run(self)
+
+    def retention(*args, **kwargs):
+        durable_at_retention.append(jobs[-1].stats.durable_s)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(job_mod.SaveJob, "run_caller", run_caller)
+    monkeypatch.setattr(persist_mod, "apply_retention", retention)
+    model, opt = _model_and_opt()
+    with gpumem.Checkpointer(tmp_path, keep=1) as ck:
+        for step in range(2):
+            ck.save(step, model=model, optimizer=opt, blocking=True)
+            ck.wait()
+    assert len(durable_at_retention) == 2 and all(d > 0 for d in durable_at_retention)
+    with gpumem.Checkpointer(tmp_path) as ck:
+        assert [i.step for i in ck.list()] == [1]
+
+
+def test_tensor_references_are_dropped_before_the_save_counts_as_done(tmp_path, monkeypatch):
+    """wait() returning may be the last thing before interpreter exit: the persist thread must not
+    still be freeing tensors then (a daemon thread killed inside torch aborts the process)."""
+    tables_at_done = []
+    real_run = job_mod.SaveJob.run_caller
+
+    def run_caller(self):
+        job = self
+
+        class Done(threading.Event):
+            def set(self):
+                tables_at_done.append(len(job.table.tensors))
+                super().set()
+
+        self.done = Done()
+        return real_run(self)
+
+    monkeypatch.setattr(job_mod.SaveJob, "run_caller", run_caller)
+    model, opt = _model_and_opt()
+    with gpumem.Checkpointer(tmp_path) as ck:
+        for step in range(2):
+            ck.save(step, model=model, optimizer=opt, blocking=step == 0)
+            opt.step()
+            ck.wait()
+    assert tables_at_done == [0, 0]
