@@ -102,6 +102,7 @@ class Checkpointer:
         self.segment_bytes = segment_bytes
         self._group = Group()
         self._arena: Any = None
+        self._prep: _Prepare | None = None  # a staging allocation started by prepare()
         self.staging_locked: bool | None = None  # None until allocated; False: pre-faulted only (RLIMIT_MEMLOCK)
         self._side_stream: Any = None
         self._job: SaveJob | None = None
@@ -169,9 +170,110 @@ class Checkpointer:
                 self._raise_job_error()
             return job.stats
 
+    def prepare(self, model: Any = None, optimizer: Any = None, nbytes: int | None = None,
+                background: bool = True) -> int:
+        """Allocate and lock (or pre-fault) the host staging arena ahead of the first save().
+
+        Allocating and faulting in the staging memory costs seconds per GB; without prepare() the
+        first save() pays it on the training loop's critical path. prepare() sizes the arena from
+        ``model`` (parameters and buffers) and ``optimizer`` (its state, as far as it exists now),
+        or from an explicit ``nbytes``, clamped to ``staging_bytes``, and allocates it on a
+        background thread. A later save() reuses it, waiting for the allocation only if it is
+        still running; it never allocates twice, and grows the arena as before if the state
+        became larger than prepared.
+
+        Note: optimizers such as AdamW create their state (``exp_avg``, ``exp_avg_sq``) in their
+        first ``step()``. Before that the optimizer contributes nothing to the size, so call
+        prepare() after the first optimizer step, or pass ``nbytes`` (e.g. 3x the parameter bytes
+        for AdamW), to size the arena right.
+
+        Args:
+            model, optimizer: the objects that will be passed to save().
+            nbytes: explicit staging size in bytes (overrides the objects).
+            background: False allocates before returning.
+
+        Returns:
+            The staging size in bytes that is being prepared (0: the current arena is big enough).
+
+        Raises:
+            CheckpointError: a background failure of a previous save or prepare(); a failure of
+                this allocation is raised by the next save() or wait() (by prepare() itself when
+                ``background=False``).
+        """
+        with self._lock:
+            self._check_open()
+            if nbytes is not None:
+                size = int(nbytes)
+                if size <= 0:
+                    raise CheckpointStateError(f"nbytes={nbytes!r} must be positive")
+            else:
+                if model is None and optimizer is None:
+                    raise CheckpointStateError("prepare() needs a model, an optimizer or nbytes")
+                size = self._state_arena_bytes(model, optimizer)
+            size = min(size, self.staging_bytes)
+            self._join_prepare(None)  # a previous prepare() finishes first; its error is raised here
+            if self._arena is not None and self._arena.nbytes >= size:
+                return 0
+            prep = _Prepare(size)
+            self._prep = prep
+            if background:
+                prep.thread = threading.Thread(target=prep.run, name="gpumem-ckpt-prepare", daemon=True)
+                prep.thread.start()
+            else:
+                prep.run()
+                self._join_prepare(None)
+            return size
+
+    def _state_arena_bytes(self, model: Any, optimizer: Any) -> int:
+        """Arena bytes a save of ``model``/``optimizer`` (plus RNG states) needs, with one chunk
+        of slack for the small extras (scheduler, scaler, user state) save() may add."""
+        from .snapshot import plan_layout
+        from .state import capture
+
+        _, table = capture(0, model=model, optimizer=optimizer, rng=True)
+        plan = plan_layout(table.tensors, table.names, self.staging_bytes, self.alignment, self.chunk_bytes,
+                           self.segment_bytes)
+        return plan.arena_bytes + self.chunk_bytes
+
+    def _join_prepare(self, timeout: float | None) -> bool:
+        """Wait for a prepare() allocation; install its arena; raise its error (once).
+        Returns False on timeout."""
+        prep = self._prep
+        if prep is None:
+            return True
+        if prep.thread is not None:
+            prep.thread.join(timeout)
+            if prep.thread.is_alive():
+                return False
+        self._prep = None
+        if prep.error is not None:
+            err = prep.error
+            if not isinstance(err, CheckpointError):
+                wrapped = CheckpointError(f"allocating {prep.nbytes} bytes of host staging memory in prepare() failed: "
+                                          f"{type(err).__name__}: {err}; lower staging_bytes or free host memory")
+                wrapped.__cause__ = err
+                err = wrapped
+            raise err
+        arena = prep.arena
+        if arena is not None:
+            if self._arena is not None and self._arena.nbytes >= arena.nbytes:
+                arena.close()  # a save grew the arena meanwhile (cannot happen under the lock; be safe)
+            else:
+                job = self._job
+                if self._arena is not None and (job is None or job.done.is_set()):
+                    self._arena.close()
+                    self._arena = None
+                if self._arena is None:
+                    self._arena, self.staging_locked = arena, prep.locked
+                else:  # the in-flight save still uses the old arena: install at the next save()
+                    self._prep = prep
+                    prep.thread = None
+        return True
+
     def _ensure_arena(self, nbytes: int) -> Any:
         from ._core import HostArena
 
+        self._join_prepare(None)  # save() already waited for the previous job, so this installs it
         if self._arena is None or self._arena.nbytes < nbytes:
             if self._arena is not None:
                 self._arena.close()
@@ -217,7 +319,8 @@ class Checkpointer:
         if job is not None and not job.done.wait(timeout):
             return False
         self._raise_job_error()
-        return True
+        with self._lock:
+            return self._join_prepare(timeout)
 
     def _raise_job_error(self) -> None:
         job = self._job
@@ -238,6 +341,12 @@ class Checkpointer:
             for handle in self._hooked.values():
                 handle.remove()
             self._hooked.clear()
+            prep, self._prep = self._prep, None
+            if prep is not None:
+                if prep.thread is not None:
+                    prep.thread.join()
+                if prep.arena is not None:
+                    prep.arena.close()
             if self._arena is not None:
                 self._arena.close()
                 self._arena = None
@@ -357,6 +466,30 @@ class Checkpointer:
                 raise CheckpointCorruptError(f"{self.directory / 'latest'} names {ptr['path']} with another manifest CRC (stale)")
         except CheckpointCorruptError as exc:
             warnings.warn(f"ignoring the latest pointer: {exc}; scanning {self.directory}", CheckpointFallbackWarning, stacklevel=3)
+
+
+class _Prepare:
+    """One staging allocation started by Checkpointer.prepare()."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.thread: threading.Thread | None = None
+        self.arena: Any = None
+        self.locked: bool | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        from ._core import HostArena
+
+        arena = None
+        try:
+            arena = HostArena(max(self.nbytes, 1))
+            self.locked = True if arena.pinned else arena.lock()
+            self.arena = arena
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the next save()/wait()
+            if arena is not None:
+                arena.close()
+            self.error = exc
 
 
 @atexit.register

@@ -220,3 +220,129 @@ def test_tensor_references_are_dropped_before_the_save_counts_as_done(tmp_path, 
             opt.step()
             ck.wait()
     assert tables_at_done == [0, 0]
+
+
+# ---- Checkpointer.prepare(): staging allocated ahead of the first save ----
+
+
+def test_prepare_then_save_reuses_the_prepared_arena(tmp_path, monkeypatch):
+    import gpumem.checkpoint._core as core_mod
+
+    made = []
+    real = core_mod.HostArena
+
+    def counting(*args, **kwargs):
+        a = real(*args, **kwargs)
+        made.append(a)
+        return a
+
+    monkeypatch.setattr(core_mod, "HostArena", counting)
+    model, opt = _model_and_opt()  # after the first AdamW step, so its state exists
+    with gpumem.Checkpointer(tmp_path) as ck:
+        size = ck.prepare(model=model, optimizer=opt)
+        assert size > sum(p.numel() * p.element_size() for p in model.parameters()) * 3
+        assert ck.wait() is True
+        prepared = ck._arena
+        assert prepared is not None and prepared.nbytes == size and isinstance(ck.staging_locked, bool)
+        ptr = prepared.data_ptr
+        for step in range(2):
+            ck.save(step, model=model, optimizer=opt)
+            ck.wait()
+            assert ck._arena is prepared and ck._arena.data_ptr == ptr
+        assert ck.prepare(model=model, optimizer=opt) == 0  # already big enough: nothing allocated
+    assert len(made) == 1  # allocated once, by prepare(), never by save()
+
+
+def test_save_right_after_prepare_waits_for_it_instead_of_allocating(tmp_path, monkeypatch):
+    import gpumem.checkpoint._core as core_mod
+
+    made, gate = [], threading.Event()
+    real = core_mod.HostArena
+
+    def slow(*args, **kwargs):
+        gate.wait(10)  # the allocation is still running when save() starts
+        a = real(*args, **kwargs)
+        made.append(a)
+        return a
+
+    monkeypatch.setattr(core_mod, "HostArena", slow)
+    model, opt = _model_and_opt()
+    with gpumem.Checkpointer(tmp_path) as ck:
+        ck.prepare(model=model, optimizer=opt)
+        assert ck.wait(timeout=0.01) is False  # still allocating
+        threading.Timer(0.05, gate.set).start()
+        ck.save(0, model=model, optimizer=opt)
+        ck.wait()
+        assert len(made) == 1 and ck._arena is made[0]
+
+
+def test_prepare_nbytes_is_clamped_to_the_staging_cap(tmp_path):
+    cap = 8 << 20
+    with gpumem.Checkpointer(tmp_path, staging_bytes=cap, chunk_bytes=1 << 20) as ck:
+        assert ck.prepare(nbytes=10 * cap, background=False) == cap
+        assert ck._arena.nbytes == cap
+        model, opt = _model_and_opt()
+        arena = ck._arena
+        ck.save(0, model=model, optimizer=opt)
+        ck.wait()
+        assert ck._arena is arena  # the capped arena serves every save (streaming if need be)
+
+
+def test_save_grows_the_arena_when_the_state_outgrew_prepare(tmp_path):
+    model, opt = _model_and_opt()
+    with gpumem.Checkpointer(tmp_path) as ck:
+        ck.prepare(nbytes=4096)
+        ck.wait()
+        small = ck._arena
+        assert small.nbytes == 4096
+        ck.save(0, model=model, optimizer=opt)
+        ck.wait()
+        assert ck._arena is not small and ck._arena.nbytes > 4096 and small.closed
+        assert ck.restore(model=model, optimizer=opt) == 0
+
+
+def test_prepare_allocation_failure_surfaces_at_the_next_save(tmp_path, monkeypatch):
+    import gpumem.checkpoint._core as core_mod
+
+    def refuse(*args, **kwargs):
+        raise MemoryError("no host memory for staging")
+
+    model, opt = _model_and_opt()
+    ck = gpumem.Checkpointer(tmp_path)
+    try:
+        monkeypatch.setattr(core_mod, "HostArena", refuse)
+        ck.prepare(model=model, optimizer=opt)
+        with pytest.raises(gpumem.checkpoint.CheckpointError, match="prepare") as info:
+            ck.save(0, model=model, optimizer=opt)
+        assert isinstance(info.value.__cause__, MemoryError)
+        assert ck.list() == []
+        monkeypatch.undo()
+        ck.save(1, model=model, optimizer=opt)  # raised once; the next save allocates as usual
+        ck.wait()
+        assert [i.step for i in ck.list()] == [1]
+    finally:
+        ck.close()
+
+
+def test_prepare_allocation_failure_surfaces_at_wait(tmp_path, monkeypatch):
+    import gpumem.checkpoint._core as core_mod
+
+    def refuse(*args, **kwargs):
+        raise MemoryError("no host memory for staging")
+
+    monkeypatch.setattr(core_mod, "HostArena", refuse)
+    with gpumem.Checkpointer(tmp_path) as ck:
+        ck.prepare(nbytes=1 << 20)
+        with pytest.raises(gpumem.checkpoint.CheckpointError, match="prepare"):
+            ck.wait()
+        assert ck.wait() is True  # raised once
+
+
+def test_save_without_prepare_still_allocates_its_arena(tmp_path):
+    model, opt = _model_and_opt()
+    with gpumem.Checkpointer(tmp_path) as ck:
+        assert ck._arena is None
+        ck.save(0, model=model, optimizer=opt)
+        ck.wait()
+        assert ck._arena is not None and isinstance(ck.staging_locked, bool)
+        assert ck.restore(model=model, optimizer=opt) == 0
