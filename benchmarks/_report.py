@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from gpumem.doctor import cpu_model
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -23,7 +25,7 @@ def machine_info() -> dict[str, str]:
     info = {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "host": platform.node(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": str(os.cpu_count()),
         "memory": _mem_total(),
         "python": platform.python_version(),
@@ -44,16 +46,6 @@ def machine_info() -> dict[str, str]:
     except Exception:  # noqa: BLE001
         info["gpu"] = "unknown"
     return info
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _mem_total() -> str:

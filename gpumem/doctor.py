@@ -107,17 +107,20 @@ def _native(problems: list[str]) -> dict[str, Any]:
         return {"extension": "not built"}
 
 
-def _machine() -> dict[str, Any]:
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    cpu = platform.processor() or platform.machine()
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo on Linux; platform's answer elsewhere)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory": format_bytes(total)}
+    return platform.processor() or platform.machine()
+
+
+def _machine() -> dict[str, Any]:
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "memory": format_bytes(total)}
 
 
 def _best_of(fn, repeat: int = 3) -> float:

@@ -391,14 +391,18 @@ class Profile:
             parent = frames[i - 1] if i else (self.fwd[-1] if self.fwd else None)
             if parent is not None and f.hwm > parent.hwm:
                 parent.hwm = f.hwm
-            self._close_forward(f)
+            self._close_frame(f, backward_call=False)
 
-    def _close_forward(self, f: Frame) -> None:
+    def _close_frame(self, f: Frame, backward_call: bool) -> None:
+        """Record a finished module call: its temporary high-water mark (under the forward or
+        backward call it was), allocator deltas and timeline span. A forward that runs inside
+        backward (checkpoint recompute) counts as a forward call in the backward phase."""
         step = self.steps[-1]
         if self.measures_temporary:
+            temps = step.bwd_temp if backward_call else step.fwd_temp
             temp = max(0, f.hwm - f.level - f.kept)
-            if temp > step.fwd_temp.get(f.fqn, -1):
-                step.fwd_temp[f.fqn] = temp
+            if temp > temps.get(f.fqn, -1):
+                temps[f.fqn] = temp
         phase = BACKWARD if f.in_backward else FORWARD
         if self.allocator is not None:
             self.allocator.exit(self, f, phase, sample=not self.light)
@@ -449,18 +453,7 @@ class Profile:
             self._boundary()
         if frame in self.bwd:
             self.bwd.remove(frame)
-            self._close_backward(frame)
-
-    def _close_backward(self, f: Frame) -> None:
-        step = self.steps[-1]
-        if self.measures_temporary:
-            temp = max(0, f.hwm - f.level - f.kept)
-            if temp > step.bwd_temp.get(f.fqn, -1):
-                step.bwd_temp[f.fqn] = temp
-        if self.allocator is not None:
-            self.allocator.exit(self, f, BACKWARD, sample=not self.light)
-        if self.record_timeline:
-            self.spans.append((f.fqn, BACKWARD, f.t0, time.perf_counter_ns(), step.index))
+            self._close_frame(frame, backward_call=True)
 
     def _backward_start(self, task: int) -> None:
         self._bw_tasks.add(task)
@@ -476,7 +469,7 @@ class Profile:
     def _backward_end(self) -> None:
         """A backward pass finished: close open module frames, read the gradients."""
         for f in reversed(self.bwd):
-            self._close_backward(f)
+            self._close_frame(f, backward_call=True)
         self.bwd.clear()
         self._bw_tasks.clear()
         step = self.steps[-1]
