@@ -178,6 +178,51 @@ NB_MODULE(_C, m) {
       "path"_a, "offset"_a, "out"_a.noconvert(), "threads"_a = 0,
       "Read exactly len(out) bytes at offset into out.");
 
+  m.def(
+      "read_file",
+      [](const std::string& path, const std::vector<int64_t>& offsets, const std::vector<MutBytes>& buffers,
+         const std::vector<int64_t>& crc_index, int64_t chunk_bytes, MutInt64 crc_out, int threads, bool direct) {
+        if (offsets.size() != buffers.size() || crc_index.size() != buffers.size())
+          throw std::invalid_argument("got " + std::to_string(offsets.size()) + " offsets, " +
+                                      std::to_string(buffers.size()) + " buffers and " +
+                                      std::to_string(crc_index.size()) + " CRC indices; they must match");
+        if (chunk_bytes < 0) throw std::invalid_argument("chunk_bytes must be >= 0, got " + std::to_string(chunk_bytes));
+        require_dense(crc_out, "crc_out");
+        const size_t chunk = static_cast<size_t>(chunk_bytes);
+        std::vector<io::ReadPiece> pieces;
+        pieces.reserve(buffers.size());
+        for (size_t i = 0; i < buffers.size(); ++i) {
+          require_dense(buffers[i], "each buffer");
+          if (offsets[i] < 0)
+            throw std::invalid_argument("piece " + std::to_string(i) + " has a negative file offset " +
+                                        std::to_string(offsets[i]));
+          const size_t size = buffers[i].shape(0);
+          if (chunk > 0 && crc_index[i] >= 0) {
+            const size_t need = static_cast<size_t>(crc_index[i]) + (size + chunk - 1) / chunk;
+            if (need > crc_out.shape(0))
+              throw std::invalid_argument("piece " + std::to_string(i) + " needs CRC slots up to " +
+                                          std::to_string(need) + " but crc_out has " +
+                                          std::to_string(crc_out.shape(0)));
+          }
+          pieces.push_back({static_cast<uint64_t>(offsets[i]), buffers[i].data(), size, crc_index[i]});
+        }
+        io::ReadOptions opts;
+        opts.threads = threads;
+        opts.direct = direct;
+        opts.chunk = chunk;
+        opts.crc_out = crc_out.data();
+        io::ReadResult r;
+        {
+          nb::gil_scoped_release release;
+          r = io::read_file(path, pieces, opts);
+        }
+        return std::make_tuple(r.bytes, r.direct_bytes);
+      },
+      "path"_a, "offsets"_a, "buffers"_a.noconvert(), "crc_index"_a, "chunk_bytes"_a, "crc_out"_a.noconvert(),
+      "threads"_a = 0, "direct"_a = false,
+      "Read pieces in parallel (O_DIRECT for aligned middles), optionally CRC32C each chunk; "
+      "returns (bytes read, bytes via O_DIRECT).");
+
   // ---- CUDA runtime ----
   m.def(
       "cuda_load",

@@ -3,6 +3,7 @@
 #include "writer.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -11,6 +12,7 @@
 #include <cstring>
 #include <mutex>
 
+#include "crc32c.h"
 #include "parallel.h"
 
 namespace gpumem::io {
@@ -104,6 +106,38 @@ int pwrite_all(int fd, const uint8_t* data, size_t size, uint64_t offset) {
     offset += static_cast<uint64_t>(n);
   }
   return 0;
+}
+
+// Reads all of [data, data + size) at offset; returns 0 or errno (EIO when the file ends first).
+// EINVAL from an O_DIRECT descriptor is returned as is so the caller can retry buffered.
+int pread_all(int fd, uint8_t* data, size_t size, uint64_t offset) {
+  while (size > 0) {
+    const ssize_t n = ::pread(fd, data, size, static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (n == 0) return EIO;  // the file is shorter than the manifest says
+    data += n;
+    size -= static_cast<size_t>(n);
+    offset += static_cast<uint64_t>(n);
+  }
+  return 0;
+}
+
+// Faults a fresh destination in before an O_DIRECT read lands in it: MADV_POPULATE_WRITE (Linux
+// 5.14+) maps the pages in one call, far cheaper than the page-by-page faults the read would take
+// while pinning them. Best effort: older kernels say EINVAL and the read faults them itself.
+void prefault(uint8_t* data, size_t size) {
+#ifdef __linux__
+  constexpr int kPopulateWrite = 23;  // MADV_POPULATE_WRITE, absent from older headers
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(data) / kAlign * kAlign;
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(data) + size + kAlign - 1) / kAlign * kAlign;
+  ::madvise(reinterpret_cast<void*>(lo), hi - lo, kPopulateWrite);
+#else
+  (void)data;
+  (void)size;
+#endif
 }
 
 int open_checked(const std::string& path, int flags, mode_t mode = 0644) {
@@ -220,6 +254,83 @@ uint64_t read_into(const std::string& path, uint64_t offset, uint8_t* out, size_
   }
   close_checked(fd, path, true);
   return size;
+}
+
+ReadResult read_file(const std::string& path, const std::vector<ReadPiece>& pieces, const ReadOptions& opts) {
+  const int fd = open_checked(path, O_RDONLY);
+  if (fd < 0) throw SysError(errno, path, "open for reading");
+  int dfd = -1;
+  if (opts.direct) {
+#ifdef O_DIRECT
+    dfd = open_checked(path, O_RDONLY | O_DIRECT);  // EINVAL on tmpfs: stay buffered
+#endif
+  }
+  // Tasks never straddle a checksum chunk, so each task hashes whole chunks it has just read (hot
+  // in cache).
+  const size_t step = opts.chunk >= kSplit ? opts.chunk : opts.chunk > 0 ? kSplit / opts.chunk * opts.chunk : kSplit;
+  struct ReadTask {
+    size_t piece;
+    size_t begin, end;  // byte range within the piece
+  };
+  std::vector<ReadTask> tasks;
+  for (size_t i = 0; i < pieces.size(); ++i)
+    for (size_t b = 0; b < pieces[i].size; b += step)
+      tasks.push_back({i, b, b + step < pieces[i].size ? b + step : pieces[i].size});
+  std::atomic<bool> direct_ok{dfd >= 0};
+  std::atomic<uint64_t> direct_bytes{0};
+  FirstError error;
+  auto read_range = [&](uint8_t* data, size_t size, uint64_t offset, bool direct) {
+    if (size == 0 || error.set()) return;
+    if (direct && direct_ok.load(std::memory_order_relaxed)) {
+      prefault(data, size);
+      const int rc = pread_all(dfd, data, size, offset);
+      if (rc == 0) {
+        direct_bytes.fetch_add(size, std::memory_order_relaxed);
+        return;
+      }
+      if (rc != EINVAL) {
+        error.record(rc, describe("pread (O_DIRECT)", size, offset));
+        return;
+      }
+      direct_ok.store(false);  // the file system refuses O_DIRECT here: buffered from now on
+    }
+    const int rc = pread_all(fd, data, size, offset);
+    if (rc == EIO)
+      error.record(EIO, describe("pread", size, offset) + " reached the end of the file (it is shorter than expected)");
+    else if (rc != 0)
+      error.record(rc, describe("pread", size, offset));
+  };
+  parallel_for(
+      tasks.size(),
+      [&](size_t i) {
+        const ReadTask& t = tasks[i];
+        const ReadPiece& p = pieces[t.piece];
+        const uint64_t off = p.offset + t.begin;
+        const uint64_t end = p.offset + t.end;
+        // The buffer and the file offset must be misaligned by the same amount for the middle of
+        // the range to be aligned in both (as in write_file).
+        const bool same_phase = (reinterpret_cast<uintptr_t>(p.data) - p.offset) % kAlign == 0;
+        uint64_t lo = (off + kAlign - 1) / kAlign * kAlign;
+        uint64_t hi = end / kAlign * kAlign;
+        if (dfd < 0 || !same_phase || lo >= hi) lo = hi = end;
+        uint8_t* base = p.data - p.offset;  // base + file offset = destination
+        read_range(base + off, lo - off, off, false);
+        read_range(base + lo, hi - lo, lo, true);
+        read_range(base + hi, end - hi, hi, false);
+        if (opts.chunk == 0 || p.crc_index < 0 || error.set()) return;
+        for (size_t c = t.begin; c < t.end; c += opts.chunk) {
+          const size_t n = c + opts.chunk < p.size ? opts.chunk : p.size - c;
+          opts.crc_out[p.crc_index + c / opts.chunk] = crc32c::extend(0, p.data + c, n);
+        }
+      },
+      opts.threads);
+  ReadResult result;
+  for (const ReadPiece& p : pieces) result.bytes += p.size;
+  result.direct_bytes = direct_bytes.load();
+  close_checked(dfd, path, false);
+  close_checked(fd, path, false);
+  error.raise(path);
+  return result;
 }
 
 }  // namespace gpumem::io

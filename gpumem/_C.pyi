@@ -36,6 +36,9 @@ def write_file(path: str, offsets: Sequence[int], buffers: Sequence[Annotated[ND
 def fsync_dir(path: str) -> None:
     """fsync a directory."""
 
+def read_file(path: str, offsets: Sequence[int], buffers: Sequence[Annotated[NDArray[numpy.uint8], dict(shape=(None,), device='cpu')]], crc_index: Sequence[int], chunk_bytes: int, crc_out: Annotated[NDArray[numpy.int64], dict(shape=(None,), device='cpu')], threads: int = 0, direct: bool = False) -> tuple[int, int]:
+    """Read pieces in parallel (O_DIRECT for aligned middles), optionally CRC32C each chunk; returns (bytes read, bytes via O_DIRECT)."""
+
 def read_into(path: str, offset: int, out: Annotated[NDArray[numpy.uint8], dict(shape=(None,), device='cpu')], threads: int = 0) -> int:
     """Read exactly len(out) bytes at offset into out."""
 

@@ -3,6 +3,7 @@
 | variable                  | meaning                                              | default |
 |---------------------------|------------------------------------------------------|---------|
 | GPUMEM_THREADS            | worker threads of the native core (CRC, copy, write) | all cores |
+| GPUMEM_IO_THREADS         | reads in flight when restoring a checkpoint          | max(4, min(16, cores)) |
 | GPUMEM_DISABLE_CUDA       | 1: never load the CUDA runtime, treat as CPU machine | 0 |
 | GPUMEM_CUDA_LIBRARY       | path of libcudart to dlopen instead of searching     | (search) |
 | GPUMEM_STAGING_BYTES      | default host staging budget of the Checkpointer      | (fraction of RAM) |

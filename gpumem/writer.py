@@ -26,7 +26,7 @@ from typing import Any
 
 from gpumem._native import byte_view, load, resolve_threads
 
-__all__ = ["fsync_dir", "read_into", "write_file"]
+__all__ = ["fsync_dir", "read_file", "read_into", "write_file"]
 
 PathLike = str | os.PathLike
 
@@ -96,6 +96,70 @@ def fsync_dir(path: PathLike) -> None:
         OSError: with ``errno`` and ``filename`` (e.g. ENOENT, ENOTDIR).
     """
     load().fsync_dir(_path(path))
+
+
+def read_file(
+    path: PathLike,
+    pieces: Iterable[tuple[int, Any]],
+    *,
+    threads: int | None = None,
+    direct: bool = False,
+    chunk_bytes: int = 0,
+    crc_index: Iterable[int] | None = None,
+    crc_out: Any = None,
+) -> int:
+    """Fill every ``(file_offset, buffer)`` piece from ``path``, in parallel; optionally checksum.
+
+    The mirror of :func:`write_file`: pieces are split into 8 MiB reads on the thread pool; with
+    ``direct`` the part of a piece whose buffer address and file offset are equally aligned to
+    4096 is read through ``O_DIRECT`` (many large requests in flight, no page-cache copy) and the
+    rest through the page cache; a file system that refuses ``O_DIRECT`` gets buffered reads.
+
+    Args:
+        path: the file to read.
+        pieces: ``(file_offset, buffer)`` pairs; a buffer is a writable bytes-like object, numpy
+            array or contiguous CPU tensor, filled with the bytes at its offset.
+        threads: reader threads (default: GPUMEM_THREADS or the number of cores; reads from a
+            disk want several requests in flight, so more threads than cores can pay).
+        direct: use ``O_DIRECT`` where aligned.
+        chunk_bytes: if > 0, compute the CRC32C of every ``chunk_bytes`` chunk of each piece
+            (relative to the piece start) right after it is read, into ``crc_out``.
+        crc_index: for each piece, its first slot in ``crc_out`` (negative: no checksum).
+        crc_out: int64 numpy array or CPU tensor receiving the chunk CRCs.
+
+    Returns:
+        Bytes read (the sum of the piece lengths).
+
+    Raises:
+        OSError: with ``errno`` and ``filename``; EIO when the file ends before a piece.
+        ValueError: negative offsets, read-only or non-contiguous buffers, CRC slots out of range.
+    """
+    import numpy as np
+
+    offsets: list[int] = []
+    buffers: list[Any] = []
+    for i, piece in enumerate(pieces):
+        try:
+            offset, buffer = piece
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"pieces[{i}] must be a (file_offset, buffer) pair, got {piece!r:.80}"
+            ) from None
+        offsets.append(_nonneg(offset, f"pieces[{i}] file offset"))
+        buffers.append(byte_view(buffer, writable=True, what=f"pieces[{i}] buffer"))
+    chunk = _nonneg(chunk_bytes, "chunk_bytes")
+    index = [-1] * len(buffers) if crc_index is None else [operator.index(i) for i in crc_index]
+    if chunk and crc_out is None:
+        raise ValueError("chunk_bytes > 0 needs crc_out (an int64 array) and crc_index")
+    out = np.empty(0, dtype=np.int64) if crc_out is None else crc_out
+    if hasattr(out, "numpy"):  # a torch tensor
+        out = out.numpy()
+    if not isinstance(out, np.ndarray) or out.dtype != np.int64 or out.ndim != 1:
+        raise ValueError("crc_out must be a 1-D int64 numpy array or CPU tensor")
+    read, _direct_bytes = load().read_file(
+        _path(path), offsets, buffers, index, chunk, out, resolve_threads(threads), bool(direct)
+    )
+    return read
 
 
 def read_into(path: PathLike, offset: int, out: Any, *, threads: int | None = None) -> int:

@@ -31,7 +31,8 @@ from .errors import (
     CheckpointStateError,
 )
 from .format import CheckpointInfo
-from .job import SaveJob, SaveStats, default_versions
+from .job import SaveJob, SaveStats, Worker, default_versions
+from .snapshot import HostViews, PlanCache
 
 _MIN_BUDGET = 64 << 20
 _LIVE: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
@@ -106,9 +107,17 @@ class Checkpointer:
         self.staging_locked: bool | None = None  # None until allocated; False: pre-faulted only (RLIMIT_MEMLOCK)
         self._side_stream: Any = None
         self._job: SaveJob | None = None
+        # background threads of every save (persist, overlap copy), started once: see Worker
+        self._workers = (Worker("gpumem-ckpt-persist"), Worker("gpumem-ckpt-copy"))
+        weakref.finalize(self, _stop_workers, self._workers)
         self._lock = threading.RLock()
         self._hooked: dict[int, Any] = {}
         self._last_save: tuple[int, dict[str, Any]] | None = None
+        self._plans = PlanCache()  # the last save's layout, reused while the tensors keep their sizes
+        # (arena, layout id) whose alignment gaps are known to be zero: only that layout's pieces
+        # were written into that arena since it zeroed them, so a save with the same layout skips it
+        self._zero_gaps: tuple[Any, int] | None = None
+        self._views: HostViews | None = None  # the last save's byte views of CPU tensors (see HostViews)
         self._closed = False
         self.history: collections.deque[SaveStats] = collections.deque(maxlen=256)  # newest last
         if self._group.rank == 0:
@@ -133,7 +142,6 @@ class Checkpointer:
         Returns:
             The SaveStats of this save (filled in as it progresses).
         """
-        from .snapshot import plan_layout
         from .state import capture
 
         t0 = time.perf_counter()
@@ -145,8 +153,8 @@ class Checkpointer:
             kwargs = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler,
                       "extra": extra, "stateful": stateful, "rng": rng}
             tree, table = capture(step, **kwargs)
-            plan = plan_layout(table.tensors, table.names, self.staging_bytes, self.alignment, self.chunk_bytes,
-                               self.segment_bytes)
+            plan = self._plans.plan(table.tensors, table.names, self.staging_bytes, self.alignment,
+                                    self.chunk_bytes, self.segment_bytes)
             if plan.streaming:
                 mode = "streaming"
             elif self.overlap and not blocking and optimizer is not None:
@@ -155,15 +163,22 @@ class Checkpointer:
                 mode = "blocking"
             if mode == "overlap":
                 self._hook(optimizer)
+            arena = self._ensure_arena(plan.arena_bytes)
+            zeroed = self._zero_gaps == (arena, plan.layout_id)  # HostArena compares by identity
+            self._zero_gaps = None  # until this job has zeroed (or kept) the gaps of its layout
+            self._views = HostViews(self._views)
             job = SaveJob(root=self.directory, step=step, tree=tree, table=table, plan=plan,
-                          arena=self._ensure_arena(plan.arena_bytes), mode=mode, chunk=self.chunk_bytes,
+                          arena=arena, mode=mode, chunk=self.chunk_bytes,
                           alignment=self.alignment, direct=self.direct_io, group=self._group, keep=self.keep,
-                          versions=default_versions(),
-                          side_stream=self._stream_for(table.tensors), t0=t0)
+                          versions=default_versions(), workers=self._workers,
+                          side_stream=self._stream_for(table.has_cuda), t0=t0, zero_gaps=not zeroed,
+                          views=self._views)
             self._job = job
             self._last_save = (step, kwargs)
             self.history.append(job.stats)
             job.run_caller()
+            if job.gaps_zero and not job.caller_failed and plan.layout_id:
+                self._zero_gaps = (arena, plan.layout_id)
             job.stats.save_s = time.perf_counter() - t0
             if job.caller_failed:  # a failure on this thread is raised here, not later
                 job.done.wait()
@@ -285,8 +300,8 @@ class Checkpointer:
             self.staging_locked = True if self._arena.pinned else self._arena.lock()
         return self._arena
 
-    def _stream_for(self, tensors: list[Any]) -> Any:
-        if self._side_stream is None and any(t.device.type == "cuda" for t in tensors):
+    def _stream_for(self, has_cuda: bool) -> Any:
+        if self._side_stream is None and has_cuda:
             import torch
 
             self._side_stream = torch.cuda.Stream()
@@ -338,6 +353,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
+            _stop_workers(self._workers)
             for handle in self._hooked.values():
                 handle.remove()
             self._hooked.clear()
@@ -490,6 +506,11 @@ class _Prepare:
             if arena is not None:
                 arena.close()
             self.error = exc
+
+
+def _stop_workers(workers: tuple[Worker, ...]) -> None:
+    for w in workers:
+        w.stop()
 
 
 @atexit.register

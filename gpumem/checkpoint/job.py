@@ -3,9 +3,11 @@
 Two threads share a job. The caller's thread (inside save()) copies what must be copied before
 save() returns: everything in blocking and streaming mode, only buffers/RNG/extras in overlap mode.
 A copier thread copies the deferred tensors in overlap mode. The persist thread writes one data
-file per batch (up to four at once) and commits; a checksum thread hashes host-staged bytes.
-Outside streaming mode writes and checksums start only once the whole state is staged, so they
-never take cores or memory bandwidth from the copy that training waits for. In streaming mode the
+file per batch (up to four at once) and commits; a checksum thread hashes host-staged bytes. The
+copier and persist threads are a Checkpointer's two long-lived Workers, so only its first save()
+waits for threads to start. Outside streaming mode writes and checksums start only once the whole
+state is staged, so they never take cores or memory bandwidth from the copy that training waits
+for. In streaming mode the
 caller and the persist thread form a two-slot pipeline: the caller copies batch b+1 while batch b
 is written and checksummed; a slot is reused only after both. Any failure on either side is recorded, wakes the other side and reaches the caller
 through Checkpointer.wait()/save()/close().
@@ -14,6 +16,7 @@ through Checkpointer.wait()/save()/close().
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import threading
 import time
@@ -27,7 +30,7 @@ from . import persist
 from ._dist import Group
 from .errors import CheckpointError, CheckpointIOError
 from .format import DTYPE_NAMES, MAIN_MANIFEST, data_file_name, shard_manifest_name
-from .snapshot import Plan, checksum_cpu_pieces, copy_pieces, tensor_crcs, zero_padding
+from .snapshot import HostViews, Plan, checksum_cpu_pieces, copy_pieces, tensor_crcs, zero_padding
 from .state import TensorTable
 
 
@@ -61,13 +64,56 @@ class SaveStats:
 _WRITERS = 4  # data files written at once outside streaming mode
 
 
+class Worker:
+    """A daemon thread, started on first use, that runs submitted calls one after another.
+
+    save() hands its background work (persist, overlap copy) to a Checkpointer's workers rather
+    than to new threads: Thread.start() returns only once the new thread has run, and a thread
+    that goes on running Python keeps the GIL from the starter for up to the switch interval
+    (5 ms), which save() would spend waiting. A submitted call must not raise.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Any) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._queue = queue.SimpleQueue()  # each thread its own: a stopping one takes nothing new
+            self._thread = threading.Thread(target=_serve, args=(self._queue,), name=self.name, daemon=True)
+            self._thread.start()
+        self._queue.put(fn)
+
+    def stop(self) -> None:
+        """Let the thread end once the calls submitted so far have run."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread = None
+
+
+def _serve(calls: queue.SimpleQueue) -> None:
+    while (fn := calls.get()) is not None:
+        fn()
+        # Let go of the job at once, while its Checkpointer still holds it: released later, at
+        # stop() say, this could be its last reference, and freeing it here during interpreter
+        # exit is what _persist_main's cleanup guards against.
+        del fn
+
+
 class SaveJob:
     def __init__(self, *, root: Path, step: int, tree: dict[str, Any], table: TensorTable, plan: Plan,
                  arena: Any, mode: str, chunk: int, alignment: int, direct: bool, group: Group, keep: int | None,
-                 versions: dict[str, str], side_stream: Any = None, t0: float):
+                 versions: dict[str, str], workers: tuple[Worker, Worker], side_stream: Any = None, t0: float,
+                 zero_gaps: bool = True, views: HostViews | None = None):
         self.root, self.step, self.tree, self.table, self.plan = root, step, tree, table, plan
         self.arena, self.mode, self.chunk, self.alignment, self.direct = arena, mode, chunk, alignment, direct
         self.group, self.keep, self.versions, self.side_stream, self.t0 = group, keep, versions, side_stream, t0
+        # False: the caller knows this plan's alignment gaps are still zero in this arena (see
+        # Checkpointer.save); streaming reuses slots with other layouts, so it always zeroes
+        self.zero_gaps = zero_gaps or mode == "streaming"
+        self.gaps_zero = False  # set once every batch's gaps are zero in the arena (not streaming)
+        self.views = views if views is not None else HostViews()  # byte views of the CPU tensors
         self.stats = SaveStats(step, sum(p.nbytes for p in plan.pieces), mode)
         self.error: BaseException | None = None
         self.reported = False
@@ -76,12 +122,13 @@ class SaveJob:
         self._cond = threading.Condition()
         self._ready = 0  # batches fully staged
         self._released = 0  # batches written (their slot may be reused)
-        self._copier: threading.Thread | None = None
+        self._persister, self._copier = workers
+        self._persist_started = False
+        self._copied: threading.Event | None = None  # set by the overlap copier when it is finished
         self._sync_event: Any = None
         self._save_event: Any = None
         self.staged = threading.Event()
         self.done = threading.Event()
-        self._thread = threading.Thread(target=self._persist_main, name=f"gpumem-ckpt-{step}", daemon=True)
 
     # ------------------------------------------------------------------ caller side
 
@@ -90,36 +137,43 @@ class SaveJob:
         plan, deferred = self.plan, self.table.deferred
         try:
             if self.mode == "overlap":
-                for b in range(len(plan.batch_sizes)):
-                    zero_padding(self.arena, plan, b)
+                self._zero_all_gaps()
                 # buffers/RNG on the compute stream: ordered before the next forward mutates them
                 sync = [p for p in plan.pieces if not deferred[p.index]]
-                self._sync_event = copy_pieces(self.arena, plan, sync, self.table.tensors, self.chunk)
-                self._save_event = _record_event(self.table.tensors)
-                self._copier = threading.Thread(target=self._copier_main, name=f"gpumem-ckpt-copy-{self.step}", daemon=True)
-                self._copier.start()
-                self._thread.start()
+                self._sync_event = copy_pieces(self.arena, plan, sync, self.table.tensors, self.chunk,
+                                               views=self.views)
+                self._save_event = _record_event() if self.table.has_cuda else None
+                copied = threading.Event()
+                self._copier.submit(lambda: self._copier_main(copied))
+                self._copied = copied  # only once submitted: the persist thread waits for it
+                self._start_persist()
                 return
-            self._thread.start()
-            self._produce(lambda p: True, None, None, None)
+            if self.mode == "streaming":  # the persist thread writes batch b while b+1 is copied
+                self._start_persist()
+            self._produce(None, None, None, None)
+            self._start_persist()  # outside streaming it would only wait for the copy
         except BaseException as exc:  # noqa: BLE001 - recorded, re-raised by save()
             self.caller_failed = True
             self._fail(exc)
-            if self._thread.ident is None:  # the persist thread still runs, to tell the other ranks
-                self._thread.start()
+            self._start_persist()  # the persist thread still runs, to tell the other ranks
+
+    def _start_persist(self) -> None:
+        if not self._persist_started:
+            self._persist_started = True
+            self._persister.submit(self._persist_main)
 
     def _produce(self, want: Any, stream: Any, wait_event: Any, sync_event: Any) -> None:
-        """Copy the pieces ``want`` selects. Streaming: batch after batch, each marked ready once
+        """Copy the pieces ``want`` selects (None: all). Streaming: batch after batch, each marked ready once
         complete, so the persist thread writes batch b while batch b+1 is copied. Otherwise every
         slot is resident and nothing is written before the copy ends, so all batches go in one
         native call (one fan-out over the threads instead of one per batch)."""
         plan, tensors = self.plan, self.table.tensors  # the persist thread may drop self.table on failure
         if self.mode != "streaming":
             if self.mode != "overlap":
-                for b in range(len(plan.batch_sizes)):
-                    zero_padding(self.arena, plan, b)
-            pieces = [p for p in plan.pieces if want(p)]
-            ev = copy_pieces(self.arena, plan, pieces, tensors, self.chunk, stream=stream, wait_event=wait_event)
+                self._zero_all_gaps()
+            pieces = plan.pieces if want is None else [p for p in plan.pieces if want(p)]
+            ev = copy_pieces(self.arena, plan, pieces, tensors, self.chunk, stream=stream,
+                             wait_event=wait_event, views=self.views)
             if ev is not None:  # no hook guards the parameters in blocking mode: the copy must be complete
                 ev.synchronize()
             if sync_event is not None:
@@ -137,8 +191,9 @@ class SaveJob:
                     return
             if self.mode != "overlap":
                 zero_padding(self.arena, plan, b)
-            pieces = [p for p in plan.batch_pieces(b) if want(p)]
-            ev = copy_pieces(self.arena, plan, pieces, tensors, self.chunk, stream=stream, wait_event=wait_event)
+            pieces = [p for p in plan.batch_pieces(b) if want is None or want(p)]
+            ev = copy_pieces(self.arena, plan, pieces, tensors, self.chunk, stream=stream,
+                             wait_event=wait_event, views=self.views)
             if ev is not None:  # no hook guards the parameters in blocking mode: the copy must be complete
                 ev.synchronize()
             if b == 0 and sync_event is not None:
@@ -148,12 +203,21 @@ class SaveJob:
                 self._cond.notify_all()
         self._mark_staged()
 
-    def _copier_main(self) -> None:
+    def _zero_all_gaps(self) -> None:
+        """Zero every batch's alignment gaps unless they are known to be zero already."""
+        if self.zero_gaps:
+            for b in range(len(self.plan.batch_sizes)):
+                zero_padding(self.arena, self.plan, b)
+        self.gaps_zero = True
+
+    def _copier_main(self, copied: threading.Event) -> None:
         deferred = self.table.deferred
         try:
             self._produce(lambda p: deferred[p.index], self.side_stream, self._save_event, self._sync_event)
         except BaseException as exc:  # noqa: BLE001
             self._fail(exc)
+        finally:
+            copied.set()
 
     def wait_staged(self) -> None:
         self.staged.wait()
@@ -166,12 +230,14 @@ class SaveJob:
         except BaseException as exc:  # noqa: BLE001
             self._fail(exc)
         finally:
-            if self._copier is not None:
-                self._copier.join()
+            if self._copied is not None:
+                self._copied.wait()
             # Drop the references to the caller's tensors as soon as they are no longer needed,
             # and before done is set: once wait() returns the interpreter may exit, and a daemon
             # thread still freeing tensors then is killed inside torch (std::terminate, SIGABRT).
             self.table = TensorTable()
+            for p in self.plan.pieces:  # CRC tensors too (in the manifest by now, or not needed)
+                p.crc = None
             self.staged.set()
             self.done.set()
 
@@ -363,12 +429,10 @@ def _as_error(exc: BaseException, step: int) -> CheckpointError:
     return err
 
 
-def _record_event(tensors: list[torch.Tensor]) -> Any:
-    if any(t.device.type == "cuda" for t in tensors):
-        ev = torch.cuda.Event()
-        ev.record()
-        return ev
-    return None
+def _record_event() -> Any:
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
 
 
 def default_versions() -> dict[str, str]:

@@ -92,6 +92,7 @@ class PreemptionGuard:
             self.received_at = time.monotonic()
         deadline = self.received_at + self.grace_s
         t0 = time.monotonic()
+        earlier = ""
         ckpt = self.checkpointer
         last = ckpt.last_save
         objects = state or self.state or (last[1] if last else None)
@@ -100,6 +101,10 @@ class PreemptionGuard:
             if not reused:
                 if objects is None:
                     raise CheckpointStateError("nothing to save: call save() once, or pass state= to PreemptionGuard")
+                try:  # an earlier background failure is reported, and must not stop the final save
+                    ckpt.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except CheckpointError as exc:
+                    earlier = f"an earlier save had failed ({exc}); "
                 ckpt.save(step, **objects)
             try:
                 self.durable = ckpt.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -110,11 +115,11 @@ class PreemptionGuard:
                 self.durable = ckpt.wait(timeout=max(0.0, deadline - time.monotonic()))
             self.saved_step = step
             how = "reused the save of this step" if reused else "saved"
-            self.outcome = (f"{how}; durable in {time.monotonic() - t0:.2f} s" if self.durable else
-                            f"{how}; NOT durable within the {self.grace_s:g} s grace period")
+            self.outcome = earlier + (f"{how}; durable in {time.monotonic() - t0:.2f} s" if self.durable else
+                                      f"{how}; NOT durable within the {self.grace_s:g} s grace period")
         except CheckpointError as exc:
             self.durable = False
-            self.outcome = f"final checkpoint FAILED: {exc}"
+            self.outcome = f"{earlier}final checkpoint FAILED: {exc}"
         name = signal.Signals(self.signum).name if self.signum else "a stop request on another rank"
         print(f"gpumem: {name} -> stopping at step {step}: {self.outcome}; exit code {self.exit_code}",
               file=sys.stderr, flush=True)

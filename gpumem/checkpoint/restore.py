@@ -1,31 +1,40 @@
 """Reading a checkpoint back: every byte verified before anything reaches the caller's objects.
 
-A shard is loaded by reading each data file front to back (sequential reads keep the kernel's
-read-ahead effective), each extent straight into a fresh per-tensor buffer (restored tensors own
-their memory), checking the exact file sizes and that the alignment padding is zero; every
-chunk CRC32C is checked on a thread pool while the next file is read (the native CRC releases the GIL).
-Any mismatch raises CheckpointCorruptError naming the file and the tensor.
+Each tensor is read into a fresh buffer of its own (restored tensors own their memory, and the
+optimizer may keep them), one native call per data file: the file's extents are read on the I/O
+thread pool with several requests in flight, and each chunk's CRC32C is computed by the reading
+thread right after its bytes land, while they are still in cache. The alignment padding between
+extents is read too and must be zero, and the file sizes must match the manifest. Any mismatch
+raises CheckpointCorruptError naming the file and the tensor.
+
+Why buffered reads into torch's allocator: restoring is dominated by faulting in fresh memory
+(first touch costs about as much as the disk read on the VMs we measured), and torch's allocator
+hands back memory the process already faulted in when it has freed some (a job that restores
+after building its model), while O_DIRECT into fresh page-aligned mappings measured slower both
+in a fresh process and in a warm one (benchmarks/bench_checkpoint.py).
 """
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from ._core import chunk_crc32c
+from ._core import read_file
 from .errors import CheckpointCorruptError
 from .format import CheckpointInfo, ShardManifest, TensorEntry, parse_shard, read_manifest
 from .persist import load_info
 
 
-def _threads() -> int:
+
+def _io_threads() -> int:
+    """Reads in flight: a disk (or a virtual one) wants a deeper queue than the core count."""
     from gpumem._env import env_int
 
-    return max(1, env_int("GPUMEM_THREADS", None) or min(8, os.cpu_count() or 1))
+    return max(1, env_int("GPUMEM_IO_THREADS", None) or max(4, min(16, os.cpu_count() or 1)))
 
 
 def load_shard_manifest(path: Path, info: CheckpointInfo, rank: int) -> ShardManifest:
@@ -56,56 +65,44 @@ def _check_sizes(path: Path, shard: ShardManifest) -> None:
                 f"{file}: {actual} bytes on disk, manifest says {size} (truncated or damaged)", path=str(file))
 
 
-def _read_file(file: Path, extents: list[tuple[int, int, torch.Tensor, str]]) -> None:
-    """Read one data file front to back (with a sequential read-ahead hint), each extent straight
-    into its tensor's buffer; the padding between extents must be zero."""
+def _read_file(file: Path, extents: list[tuple[int, torch.Tensor, int]], chunk: int, crcs: np.ndarray) -> None:
+    """Read one data file's extents ``(offset, buffer, first CRC slot)`` and their chunk CRCs into
+    ``crcs``; the padding between extents must be zero."""
+    pieces: list[tuple[int, torch.Tensor]] = []
+    index: list[int] = []
+    gaps: list[tuple[int, torch.Tensor]] = []
+    end = 0
+    for off, buf, slot in sorted(extents, key=lambda x: x[0]):
+        if off > end:
+            gaps.append((end, torch.empty(off - end, dtype=torch.uint8)))
+        pieces.append((off, buf))
+        index.append(slot)
+        end = off + buf.numel()
     try:
-        fd = os.open(file, os.O_RDONLY)
+        read_file(file, pieces + gaps, threads=_io_threads(), direct=False, chunk_bytes=chunk,
+                  crc_index=index + [-1] * len(gaps), crc_out=crcs)
     except OSError as exc:
-        raise CheckpointCorruptError(f"{file}: data file unreadable: {exc.strerror}", path=str(file)) from None
-    try:
-        # Measured on a cold cache (benchmarks/bench_checkpoint.py): one sequential buffered pass
-        # per file beat O_DIRECT reads (no read-ahead; ~1.5x slower even with 4 in flight) and
-        # two files read at once (~1.4x slower).
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        end = 0
-        for off, _length, out, name in extents:
-            if off > end:
-                gap = torch.empty(off - end, dtype=torch.uint8)
-                _pread(fd, file, end, gap, None)
-                if gap.any():
-                    raise CheckpointCorruptError(f"{file}: alignment padding at bytes {end}-{off} is not zero", path=str(file))
-            _pread(fd, file, off, out, name)
-            end = off + out.numel()
-    finally:
-        os.close(fd)
-
-
-def _pread(fd: int, file: Path, offset: int, out: torch.Tensor, tensor: str | None) -> None:
-    view = memoryview(out.numpy()).cast("B")
-    done = 0
-    try:
-        while done < len(view):
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n == 0:
-                raise OSError(5, "file ends early")
-            done += n
-    except OSError as exc:
-        raise CheckpointCorruptError(
-            f"{file}: reading {len(view)} bytes at {offset}" + (f" (tensor {tensor!r})" if tensor else "")
-            + f" failed: {exc.strerror or exc}", path=str(file), tensor=tensor) from None
-
-
-def _verify_tensor(path: Path, shard: ShardManifest, entry: TensorEntry, buf: torch.Tensor) -> None:
-    crcs = chunk_crc32c(buf, shard.chunk_bytes).tolist() if entry.nbytes else []
-    for k, (got, want) in enumerate(zip(crcs, entry.crc32c)):
-        if got != want:
-            lo = k * shard.chunk_bytes
-            file = _file_of(path, entry, lo)
+        raise CheckpointCorruptError(f"{file}: reading its {len(pieces)} tensor extents failed: "
+                                     f"{exc.strerror or exc}", path=str(file)) from None
+    for off, gap in gaps:
+        if gap.any():
             raise CheckpointCorruptError(
-                f"{file}: tensor {entry.name!r} bytes {lo}-{min(lo + shard.chunk_bytes, entry.nbytes)} fail "
-                f"their CRC32C ({got:08x} != {want:08x})", path=str(file), tensor=entry.name)
+                f"{file}: alignment padding at bytes {off}-{off + gap.numel()} is not zero", path=str(file))
+
+
+def _check_crcs(path: Path, shard: ShardManifest, crcs: np.ndarray, base: list[int]) -> None:
+    expected = np.fromiter((c for e in shard.tensors for c in e.crc32c), dtype=np.int64, count=len(crcs))
+    bad = np.flatnonzero(crcs != expected)
+    if not len(bad):
+        return
+    i = int(bad[0])
+    t = int(np.searchsorted(np.asarray(base), i, side="right")) - 1
+    entry, k = shard.tensors[t], i - base[t]
+    lo = k * shard.chunk_bytes
+    raise CheckpointCorruptError(
+        f"{_file_of(path, entry, lo)}: tensor {entry.name!r} bytes {lo}-{min(lo + shard.chunk_bytes, entry.nbytes)} "
+        f"fail their CRC32C ({int(crcs[i]) & 0xFFFFFFFF:08x} != {int(expected[i]):08x})",
+        path=str(_file_of(path, entry, lo)), tensor=entry.name)
 
 
 def _file_of(path: Path, entry: TensorEntry, byte: int) -> Path:
@@ -121,44 +118,42 @@ def load_shard(path: Path, info: CheckpointInfo, rank: int, *, keep: bool = True
     """Verify and (if ``keep``) return every tensor of ``rank``'s shard; raises CheckpointCorruptError.
 
     Each tensor is read into its own fresh buffer (restored tensors own their memory). Without
-    ``keep`` the files are verified a batch at a time, so memory stays bounded by the largest file.
+    ``keep`` each file's buffers are dropped once it is read (its checksums are kept), so memory
+    stays bounded by the largest file.
     """
     shard = load_shard_manifest(path, info, rank)
     _check_sizes(path, shard)
-    by_file: dict[str, list[tuple[int, int, torch.Tensor, str]]] = {f: [] for f in shard.files}
-    buffers: dict[str, torch.Tensor] = {}
-    order = {f: i for i, f in enumerate(sorted(shard.files))}
-    last_file: dict[str, int] = {}
+    base, slots = [], 0  # each tensor's first chunk-CRC slot
     for entry in shard.tensors:
-        buf = torch.empty(entry.nbytes, dtype=torch.uint8)
-        buffers[entry.name] = buf
+        base.append(slots)
+        slots += len(entry.crc32c)
+    crcs = np.zeros(slots, dtype=np.int64)
+    by_file: dict[str, list[tuple[int, int, int, int]]] = {f: [] for f in shard.files}
+    for t, entry in enumerate(shard.tensors):
         pos = 0
         for f, off, length in entry.extents:
-            by_file[f].append((off, length, buf[pos : pos + length], entry.name))
+            by_file[f].append((t, pos, off, length))
             pos += length
-        last_file[entry.name] = max((order[f] for f, _, _ in entry.extents), default=-1)
-    entries = {e.name: e for e in shard.tensors}
-    tensors: dict[str, torch.Tensor] = {}
-    with ThreadPoolExecutor(_threads()) as pool:
-        pending = [pool.submit(_verify_tensor, path, shard, e, buffers[e.name]) for e in shard.tensors
-                   if last_file[e.name] < 0]
-        for f in sorted(shard.files):
-            _read_file(path / f, sorted(by_file[f], key=lambda x: x[0]))
-            by_file[f] = []
-            # tensors complete with this file are checksummed while the next file is read
-            done = [n for n, i in last_file.items() if i == order[f]]
-            pending += [pool.submit(_verify_tensor, path, shard, entries[n], buffers[n]) for n in done]
-            if not keep:
-                for fut in pending:
-                    fut.result()
-                pending = []
-                for n in done:
-                    buffers.pop(n)
-        for fut in pending:
-            fut.result()
-    if keep:
-        tensors = {e.name: buffers[e.name].view(e.torch_dtype).view(e.shape) for e in shard.tensors}
-    return shard, tensors
+    buffers: dict[int, torch.Tensor] = {}
+    remaining = [len(e.extents) for e in shard.tensors]  # extents not read yet, per tensor
+    for f in sorted(shard.files):
+        extents, touched = [], []
+        for t, pos, off, length in by_file.pop(f):
+            if t not in buffers:
+                buffers[t] = torch.empty(shard.tensors[t].nbytes, dtype=torch.uint8)
+            extents.append((off, buffers[t][pos : pos + length], base[t] + pos // shard.chunk_bytes))
+            touched.append(t)
+        _read_file(path / f, extents, shard.chunk_bytes, crcs)
+        del extents
+        for t in touched:
+            remaining[t] -= 1
+            if not keep and not remaining[t]:  # its checksums are taken: the bytes can go
+                del buffers[t]
+    _check_crcs(path, shard, crcs, base)
+    if not keep:
+        return shard, {}
+    return shard, {e.name: buffers[t].view(e.torch_dtype).view(e.shape) if e.nbytes else
+                   torch.empty(e.shape, dtype=e.torch_dtype) for t, e in enumerate(shard.tensors)}
 
 
 def verify(path: str | os.PathLike) -> CheckpointInfo:

@@ -30,60 +30,108 @@ _COMPILE_PREFIX = "_orig_mod."
 _NP_DTYPES = frozenset(
     f"{order}{kind}{size}" for order in "<>|" for kind in "biuf" for size in (1, 2, 4, 8)
 ) | frozenset({"<c8", "<c16", ">c8", ">c16"})
+_UNSAFE_NAME = re.compile(r"[/\\\0]")  # path separators and NUL never reach a tensor name
 
 
 @dataclass
 class TensorTable:
-    """The tensors of one capture, in save order, with identical views stored once."""
+    """The tensors of one capture, in save order, with identical views stored once.
+
+    Attributes:
+        names: unique tensor names (no path separators), in save order.
+        tensors: detached tensors without a lazy conjugate/negative bit.
+        deferred: whether each tensor may be copied after save() returns.
+        has_cuda: whether any tensor is on a CUDA device.
+    """
 
     names: list[str] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
     deferred: list[bool] = field(default_factory=list)
+    has_cuda: bool = False
     _seen: dict[tuple, str] = field(default_factory=dict)
+    _taken: set[str] = field(default_factory=set)
 
     def add(self, t: torch.Tensor, path: str, deferred: bool) -> str:
-        if DTYPE_NAMES.get(t.dtype) is None:
-            raise CheckpointStateError(f"{path}: dtype {t.dtype} cannot be stored; convert the tensor first")
-        if t.is_sparse or t.layout != torch.strided:
+        """Add ``t`` (captured under ``path``) unless an identical view is in already; its name."""
+        dtype = t.dtype
+        if dtype not in DTYPE_NAMES:
+            raise CheckpointStateError(f"{path}: dtype {dtype} cannot be stored; convert the tensor first")
+        if t.layout != torch.strided:
             raise CheckpointStateError(f"{path}: {t.layout} tensors cannot be stored; call .to_dense() first")
         t = t.detach()
-        key = (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
-        if t.numel() and key in self._seen:  # tied weights: one copy on disk, two references
+        if type(t) is not torch.Tensor:  # a subclass: refuse what has no local dense bytes of its own
+            _check_subclass(t, path)
+        conj, neg = t.is_conj(), t.is_neg()
+        # Same device, first byte, dtype, shape and strides (and lazy bits): the same values.
+        # data_ptr() includes the storage offset, so views at different offsets stay apart.
+        key = (t.device, dtype, t.data_ptr(), t.shape, t.stride(), conj, neg) if t.numel() else None
+        if key is not None and key in self._seen:  # tied weights: one copy on disk, two references
             return self._seen[key]
-        name = re.sub(r"[/\\\0]", "_", path)[:900] or "tensor"
-        if name in self._seen.values():
-            name = f"{name}~{len(self.names)}"
-        self._seen[key] = name
+        if conj or neg:  # the format stores plain values; resolve the lazy bit into a copy now
+            t = t.resolve_conj().resolve_neg()
+        if "/" in path or "\\" in path or "\0" in path:  # cheaper than the regex on every name
+            path = _UNSAFE_NAME.sub("_", path)
+        name = path[:900] or "tensor"
+        if name in self._taken:
+            base, n = name, len(self.names)
+            while name in self._taken:
+                name, n = f"{base}~{n}", n + 1
+        if key is not None:
+            self._seen[key] = name
+        self._taken.add(name)
         self.names.append(name)
         self.tensors.append(t)
         self.deferred.append(deferred)
+        self.has_cuda = self.has_cuda or t.is_cuda
         return name
+
+
+def _check_subclass(t: torch.Tensor, path: str) -> None:
+    """DTensor (FSDP2, tensor parallel) and other wrapper subclasses hold no bytes of their own:
+    say so, and what to do, instead of failing deep inside the copy."""
+    if hasattr(t, "_local_tensor") or type(t).__name__ == "DTensor":
+        raise CheckpointStateError(
+            f"{path}: a DTensor (FSDP2 / tensor parallel) cannot be stored: gpumem saves each rank's plain "
+            "tensors and does not reshard. Save torch.distributed.checkpoint state for DTensor models, or pass "
+            "plain tensors (e.g. get_model_state_dict(..., options=StateDictOptions(full_state_dict=True)))")
+    if hasattr(t, "__tensor_flatten__"):
+        raise CheckpointStateError(
+            f"{path}: a {type(t).__name__} tensor subclass wraps other tensors and cannot be stored as raw bytes; "
+            "convert it to a plain tensor first")
 
 
 # ---------------------------------------------------------------------------------------------
 # encoding
 
 
+_PLAIN = frozenset({str, int, bool, type(None)})  # exact types that are JSON as they are
+
+
 def encode(value: Any, path: str, table: TensorTable, deferred: bool = False) -> Any:
     """JSON-able form of ``value``; tensors go to ``table``. Raises CheckpointStateError on types
     the format cannot hold (naming the key)."""
+    # Containers pass plain scalars through without a call (an optimizer's param_groups hold
+    # long lists of ints); exact types only, so that subclasses get the conversions below.
+    if type(value) in _PLAIN:
+        return value
+    if isinstance(value, torch.Tensor):
+        return {"__tensor__": table.add(value, path, deferred)}
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
         return int(value)
     if isinstance(value, float):
         return float(value) if math.isfinite(value) else {"__float__": repr(float(value))}
-    if isinstance(value, torch.Tensor):
-        return {"__tensor__": table.add(value, path, deferred)}
     if isinstance(value, (bytes, bytearray)):
         return {"__bytes__": base64.b64encode(bytes(value)).decode()}
     if isinstance(value, tuple):
-        return {"__tuple__": [encode(v, f"{path}.{i}", table, deferred) for i, v in enumerate(value)]}
+        return {"__tuple__": _encode_items(value, path, table, deferred)}
     if isinstance(value, list):
-        return [encode(v, f"{path}.{i}", table, deferred) for i, v in enumerate(value)]
+        return _encode_items(value, path, table, deferred)
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value) and not (len(value) == 1 and next(iter(value)) in _TAGS):
-            return {k: encode(v, f"{path}.{k}", table, deferred) for k, v in value.items()}
+            return {k: v if type(v) in _PLAIN else encode(v, f"{path}.{k}", table, deferred)
+                    for k, v in value.items()}
         return {"__dict__": [[_encode_key(k, path), encode(v, f"{path}.{k}", table, deferred)] for k, v in value.items()]}
     np = _numpy()
     if np is not None and isinstance(value, np.ndarray):
@@ -100,12 +148,22 @@ def encode(value: Any, path: str, table: TensorTable, deferred: bool = False) ->
     )
 
 
+def _encode_items(values: list | tuple, path: str, table: TensorTable, deferred: bool) -> list:
+    return [v if type(v) in _PLAIN else encode(v, f"{path}.{i}", table, deferred)
+            for i, v in enumerate(values)]
+
+
 def _encode_key(key: Any, path: str) -> Any:
+    if type(key) in _PLAIN:
+        return key
     if key is None or isinstance(key, (bool, int, float, str)):
-        return encode(key, path, TensorTable())
+        return encode(key, path, _NO_TENSORS)
     if isinstance(key, tuple):
         return {"__tuple__": [_encode_key(k, path) for k in key]}
     raise CheckpointStateError(f"{path}: dict key of type {type(key).__name__} cannot be stored")
+
+
+_NO_TENSORS = TensorTable()  # for dict keys, which are scalars or tuples of them: never written
 
 
 def decode(node: Any, tensors: dict[str, Any], path: str = "state") -> Any:

@@ -132,6 +132,36 @@ def test_full_disk_raises_in_wait_and_loses_nothing(tmp_path):
     verify(tmp_path / "step-000000001")
 
 
+def test_guard_final_save_runs_after_an_earlier_background_failure(tmp_path):
+    """A background save that failed before the signal is reported in the outcome; the final
+    save is still attempted (and here succeeds, the disk having room again)."""
+    def child() -> int:
+        ck = gpumem.Checkpointer(tmp_path)
+        m = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        guard = gpumem.PreemptionGuard(ck, signals=("SIGUSR1",), exit_code=7)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+        ck.save(1, model=m, optimizer=opt, extra={"t": _payload(1)}, rng=False)
+        job = ck.in_flight
+        if job is not None:  # let it fail in the background, unobserved
+            job.done.wait()
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        os.kill(os.getpid(), signal.SIGUSR1)
+        if not guard.should_stop(2, model=m, optimizer=opt):
+            return 3
+        if not guard.durable or guard.exit_code != 7 or "an earlier save had failed" not in guard.outcome:
+            return 4
+        ck.close()
+        return 0
+
+    pid = _fork(child)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert [s for s, _ in step_dirs(tmp_path)] == [2]
+    verify(tmp_path / "step-000000002")
+
+
 def test_failed_background_save_at_exit_is_loud_and_nonzero(tmp_path):
     script = textwrap.dedent(f"""
         import resource, signal, torch, gpumem

@@ -1,0 +1,399 @@
+"""The per-save fast paths of Checkpointer.save(): a cached layout, alignment gaps zeroed only when
+they may hold stale bytes, cached host byte views, cheaper tensor naming, long-lived threads.
+
+Each cache is checked against an independent reference: a fresh plan_layout(), the bytes of the
+data files read back and compared by hand (tensor bytes where the manifest puts them, zeros
+everywhere else), verify(), and a restore.
+"""
+
+import threading
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import gpumem
+import gpumem.checkpoint.job as job_mod
+import gpumem.checkpoint.snapshot as snap_mod
+from gpumem.arena import HostArena
+from gpumem.checkpoint import CheckpointCorruptError, CheckpointStateError, verify
+from gpumem.checkpoint.format import read_manifest
+from gpumem.checkpoint.snapshot import HostViews, PlanCache, plan_layout
+from gpumem.checkpoint.state import TensorTable, capture
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    t = t.detach().resolve_conj().resolve_neg().contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def _check_files(path: str, expected: dict[str, torch.Tensor]) -> None:
+    """Read every data file of a checkpoint: each tensor's bytes where its extents say, and zero
+    bytes everywhere else (the alignment padding)."""
+    root = Path(path)
+    shard, _ = read_manifest(root / "manifest-r00000")
+    files = {name: bytearray((root / name).read_bytes()) for name in shard["files"]}
+    covered = {name: np.zeros(len(data), dtype=bool) for name, data in files.items()}
+    assert {t["name"] for t in shard["tensors"]} == set(expected)
+    for entry in shard["tensors"]:
+        got = b"".join(bytes(files[f][off : off + n]) for f, off, n in entry["extents"])
+        assert got == _raw(expected[entry["name"]]), entry["name"]
+        for f, off, n in entry["extents"]:
+            covered[f][off : off + n] = True
+    for name, data in files.items():
+        gaps = np.frombuffer(bytes(data), dtype=np.uint8)[~covered[name]]
+        assert not gaps.any(), f"{name}: non-zero padding"
+
+
+def _counting(monkeypatch, module, name):
+    calls = []
+    real = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def _pieces(plan):
+    return [(p.index, p.src_offset, p.nbytes, p.batch, p.offset) for p in plan.pieces]
+
+
+# ---- PlanCache ----
+
+
+def test_plan_cache_reuses_only_an_identical_layout():
+    ts = [torch.randn(1000), torch.randn(3, 7), torch.tensor(2.0), torch.randn(40, 40)]
+    names = ["a", "b", "c", "d"]
+    args = (1 << 20, 4096, 4096, 8192)
+    cache = PlanCache()
+    first = cache.plan(ts, names, *args)
+    ref = plan_layout(ts, names, *args)
+    assert _pieces(first) == _pieces(ref) and first.bases == ref.bases and first.batch_sizes == ref.batch_sizes
+    first.pieces[0].crc = torch.zeros(1, dtype=torch.int64)  # a save fills in its CRCs...
+    again = cache.plan([t.clone() for t in ts], names, *args)  # same sizes, other tensors
+    assert again.layout_id == first.layout_id and _pieces(again) == _pieces(first)
+    assert again.pieces[0] is not first.pieces[0] and again.pieces[0].crc is None  # ...never into the next one
+
+    def changed(tensors, *a):
+        plan = cache.plan(tensors, names, *a)
+        ref = plan_layout(tensors, names, *a)
+        assert _pieces(plan) == _pieces(ref) and plan.bases == ref.bases and plan.streaming == ref.streaming
+        return plan.layout_id
+
+    ids = {first.layout_id}
+    grown = [torch.randn(1001)] + ts[1:]  # one element more
+    ids.add(changed(grown, *args))
+    transposed = ts[:3] + [ts[3].t()]  # same size, no longer contiguous
+    ids.add(changed(transposed, *args))
+    ids.add(changed(ts[:3], *args))  # a tensor fewer
+    ids.add(changed(ts, 24576, 4096, 4096, 8192))  # a smaller budget: streaming
+    assert len(ids) == 5
+    back = cache.plan(ts, names, *args)  # the first layout again: planned anew, under a new id
+    assert back.layout_id not in ids and _pieces(back) == _pieces(first)
+
+
+def test_plan_cache_keeps_nothing_from_a_failed_plan():
+    cache = PlanCache()
+    ok = [torch.randn(100)]
+    cache.plan(ok, ["a"], 1 << 20, 4096, 4096, 8192)
+    bad = [torch.randn(200, 200).t()]  # non-contiguous and larger than a 32 KiB streaming slot
+    for _ in range(2):
+        with pytest.raises(CheckpointStateError, match="not contiguous and larger than a staging slot"):
+            cache.plan(bad, ["t"], 64 << 10, 4096, 4096, 8192)
+
+
+def test_save_plans_once_until_the_tensors_change(tmp_path, monkeypatch):
+    plans = _counting(monkeypatch, snap_mod, "plan_layout")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with gpumem.Checkpointer(tmp_path, keep=None) as ck:
+        ck.save(0, model=model, optimizer=opt, blocking=True, rng=False)
+        ck.save(1, model=model, optimizer=opt, blocking=True, rng=False)
+        assert len(plans) == 1
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()  # the optimizer gains state: more tensors
+        ck.save(2, model=model, optimizer=opt, blocking=True, rng=False)
+        ck.save(3, model=model, optimizer=opt, blocking=True, rng=False)
+        assert len(plans) == 2
+        with torch.no_grad():  # a parameter changes shape
+            model[1].bias = torch.nn.Parameter(torch.randn(5))
+        ck.save(4, model=model, blocking=True, rng=False)
+        assert len(plans) == 3
+        ck.wait()
+        for info in ck.list():
+            verify(info.path)
+        _check_files(ck.latest().path, {f"model.{k}": v for k, v in model.state_dict().items()})
+
+
+# ---- alignment gaps ----
+
+
+def _tensors(sizes, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {f"t{i}": torch.randint(1, 255, (n,), dtype=torch.uint8, generator=g) for i, n in enumerate(sizes)}
+
+
+# Layout A: t0 at 0 (1000 bytes, gap to 4096), t1 at 4096. Layout B: t0 takes 6000 bytes, so its
+# gap (6000-8192) lies where A staged t1's bytes: stale unless B zeroes it.
+_A, _B = (1000, 5000), (6000, 5000)
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_gaps_are_zeroed_once_per_layout_and_stay_zero(tmp_path, monkeypatch, blocking):
+    zeroed = _counting(monkeypatch, job_mod, "zero_padding")
+    with gpumem.Checkpointer(tmp_path, keep=None, chunk_bytes=4096) as ck:
+        ck.prepare(nbytes=1 << 20, background=False)  # one arena for every save below
+        arena = ck._arena
+        steps = [("A", _A), ("A", _A), ("B", _B), ("B", _B), ("A", _A)]
+        counts = []
+        for step, (_, sizes) in enumerate(steps):
+            state = _tensors(sizes, seed=step)
+            opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)  # overlap needs an optimizer
+            ck.save(step, optimizer=opt, extra=state, rng=False, blocking=blocking)
+            ck.wait()
+            counts.append(len(zeroed))
+            _check_files(ck.latest().path, {f"extra.{k}": v for k, v in state.items()})
+            verify(ck.latest().path)
+        assert ck._arena is arena
+    # one zeroing pass (one batch) per layout change; repeats of a layout skip it
+    assert counts == [1, 1, 2, 2, 3]
+
+
+def test_skipping_the_gaps_wrongly_would_be_caught(tmp_path, monkeypatch):
+    """The check above can fail: with zeroing switched off after layout A, B's stale gap is
+    found by the by-hand read and by verify()."""
+    with gpumem.Checkpointer(tmp_path, keep=None, chunk_bytes=4096) as ck:
+        ck.prepare(nbytes=1 << 20, background=False)
+        ck.save(0, extra=_tensors(_A, 0), rng=False, blocking=True)
+        ck.wait()
+        monkeypatch.setattr(job_mod, "zero_padding", lambda *a: None)
+        state = _tensors(_B, 1)
+        ck.save(1, extra=state, rng=False, blocking=True)
+        ck.wait()
+        with pytest.raises(AssertionError, match="non-zero padding"):
+            _check_files(ck.latest().path, {f"extra.{k}": v for k, v in state.items()})
+        with pytest.raises(CheckpointCorruptError, match="padding"):
+            verify(ck.latest().path)
+
+
+def test_a_new_arena_is_zeroed_even_with_the_same_layout(tmp_path, monkeypatch):
+    zeroed = _counting(monkeypatch, job_mod, "zero_padding")
+    with gpumem.Checkpointer(tmp_path, keep=None, chunk_bytes=4096) as ck:
+        ck.save(0, extra=_tensors(_A, 0), rng=False, blocking=True)
+        ck.wait()
+        ck.prepare(nbytes=1 << 20, background=False)  # installs a larger arena
+        state = _tensors(_A, 1)
+        ck.save(1, extra=state, rng=False, blocking=True)
+        ck.wait()
+        assert len(zeroed) == 2
+        _check_files(ck.latest().path, {f"extra.{k}": v for k, v in state.items()})
+
+
+def test_streaming_always_zeroes_and_padding_stays_zero(tmp_path, monkeypatch):
+    zeroed = _counting(monkeypatch, job_mod, "zero_padding")
+    # 16 KiB budget: two 8 KiB slots that batches of other layouts take in turn
+    with gpumem.Checkpointer(tmp_path, keep=None, staging_bytes=16 << 10, chunk_bytes=4096) as ck:
+        before = 0
+        layouts = [(1000, 5000, 300, 7000), (1000, 5000, 300, 7000), (6000, 100, 5000, 2000)]
+        for step, sizes in enumerate(layouts):
+            state = _tensors(sizes, seed=step)
+            assert ck.save(step, extra=state, rng=False).mode == "streaming"
+            ck.wait()
+            assert len(zeroed) > before  # every streaming save zeroes each batch
+            before = len(zeroed)
+            _check_files(ck.latest().path, {f"extra.{k}": v for k, v in state.items()})
+            verify(ck.latest().path)
+        # back to a state that fits: resident layout, zeroed although the arena was used
+        state = _tensors((500, 700), seed=9)  # its gap (500-4096) held streamed bytes
+        assert ck.save(9, extra=state, rng=False, blocking=True).mode == "blocking"
+        ck.wait()
+        assert len(zeroed) == before + 1
+        _check_files(ck.latest().path, {f"extra.{k}": v for k, v in state.items()})
+
+
+def test_a_failed_save_forgets_the_zeroed_gaps(tmp_path, monkeypatch):
+    zeroed = _counting(monkeypatch, job_mod, "zero_padding")
+    with gpumem.Checkpointer(tmp_path, keep=None, chunk_bytes=4096) as ck:
+        ck.save(0, extra=_tensors(_A, 0), rng=False, blocking=True)
+        ck.wait()
+        real = job_mod.copy_pieces
+
+        def failing(*args, **kwargs):
+            raise RuntimeError("copy failed")
+
+        monkeypatch.setattr(job_mod, "copy_pieces", failing)
+        with pytest.raises(gpumem.checkpoint.CheckpointError, match="copy failed"):
+            ck.save(1, extra=_tensors(_A, 1), rng=False, blocking=True)
+        monkeypatch.setattr(job_mod, "copy_pieces", real)
+        n = len(zeroed)
+        state = _tensors(_A, 2)
+        ck.save(2, extra=state, rng=False, blocking=True)
+        ck.wait()
+        assert len(zeroed) == n + 1
+        _check_files(ck.latest().path, {f"extra.{k}": v for k, v in state.items()})
+
+
+# ---- host byte views ----
+
+
+@pytest.mark.parametrize("t", [
+    torch.randn(3, 5).to(torch.bfloat16), torch.tensor([True, False]), torch.randn(4, dtype=torch.complex64),
+    torch.tensor(7, dtype=torch.int64), torch.randn(2, 1, 3)[:, :, :],
+])
+def test_host_views_show_the_tensor_bytes(t):
+    view = HostViews().get(t)
+    assert view.dtype == np.uint8 and view.ndim == 1 and view.tobytes() == _raw(t)
+
+
+def test_host_views_are_reused_for_one_save_and_hold_no_memory():
+    a, b = torch.randn(100), torch.randn(50)
+    first = HostViews()
+    va, vb = first.get(a), first.get(b)
+    second = HostViews(first)
+    assert second.get(a) is va  # same memory, same size: found again
+    head = second.get(a[:10])  # same address, other size: another view
+    assert head is not va and head.tobytes() == _raw(a[:10])
+    third = HostViews(second)
+    assert third.get(a) is va
+    assert third.get(b) is not vb and third.get(b).tobytes() == _raw(b)  # b skipped a save: made anew
+    gone = torch.randn(1000)
+    ref = weakref.ref(gone)
+    keep = HostViews().get(gone)
+    del gone
+    assert ref() is None and keep is not None  # the view did not keep the tensor alive
+
+
+def test_replaced_parameter_memory_is_read_from_its_new_place(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 32)
+    with gpumem.Checkpointer(tmp_path, keep=None) as ck:
+        ck.save(0, model=model, blocking=True, rng=False)
+        with torch.no_grad():
+            model.weight.data = torch.randn(32, 32)  # same size, new memory
+            model.bias.add_(1.0)  # same memory, new values
+        ck.save(1, model=model, blocking=True, rng=False)
+        ck.wait()
+        _check_files(ck.latest().path, {f"model.{k}": v for k, v in model.state_dict().items()})
+        fresh = torch.nn.Linear(32, 32)
+        assert ck.restore(model=fresh, rng=False) == 1
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+
+
+def test_copy_in_takes_flat_uint8_arrays_as_they_are_and_checks_the_rest():
+    data = np.arange(64, dtype=np.uint8)
+    ro = data.copy()
+    ro.setflags(write=False)
+    with HostArena(4096, pinned=False) as arena:
+        arena.copy_in([data, ro[:8], data[::1]], [0, 100, np.int64(200)])
+        got = arena.view(0, 264).numpy()
+        assert got[:64].tolist() == list(range(64)) and got[100:108].tolist() == list(range(8))
+        assert got[200:264].tolist() == list(range(64))
+        with pytest.raises(ValueError, match=r"sources\[1\] is not C-contiguous"):
+            arena.copy_in([data, data[::2]], [0, 0])
+        with pytest.raises(TypeError, match=r"offsets\[0\] must be an int"):
+            arena.copy_in([data], [1.0])
+        with pytest.raises(ValueError, match="does not fit"):
+            arena.copy_in([data], [4090])
+
+
+# ---- tensor table ----
+
+
+def test_names_are_sanitized_and_unique():
+    table = TensorTable()
+    ts = [torch.randn(2) for _ in range(6)]
+    assert table.add(ts[0], "a/b", False) == "a_b"
+    assert table.add(ts[1], "a\\b", False) == "a_b~1"
+    assert table.add(ts[2], "a_b~2", False) == "a_b~2"
+    assert table.add(ts[3], "a_b", False) == "a_b~3"  # the first free suffix from the position on
+    assert table.add(ts[4], "x\0" + "y" * 1000, True) == "x_" + "y" * 898
+    assert table.add(ts[5], "", False) == "tensor"
+    assert table.names == ["a_b", "a_b~1", "a_b~2", "a_b~3", "x_" + "y" * 898, "tensor"]
+    assert table.deferred == [False, False, False, False, True, False] and not table.has_cuda
+
+
+def test_clashing_suffix_is_skipped():
+    table = TensorTable()
+    assert table.add(torch.randn(1), "n", False) == "n"
+    assert table.add(torch.randn(1), "n~2", False) == "n~2"
+    assert table.add(torch.randn(1), "n", False) == "n~3"  # "n~2" is taken: next free suffix
+
+
+def test_views_are_stored_once_only_when_identical():
+    x = torch.arange(10.0)
+    c = torch.randn(4, dtype=torch.complex64)
+    table = TensorTable()
+    names = [table.add(t, p, False) for t, p in [
+        (x, "x"), (x.view(10), "same"), (x[0:5], "lo"), (x[5:10], "hi"), (x.view(2, 5), "reshaped"),
+        (c, "c"), (c.conj(), "c_conj"), (torch.empty(0), "e1"), (torch.empty(0), "e2"),
+    ]]
+    assert names == ["x", "x", "lo", "hi", "reshaped", "c", "c_conj", "e1", "e2"]
+    conj = table.tensors[table.names.index("c_conj")]
+    assert not conj.is_conj() and torch.equal(conj, c.conj().resolve_conj())
+
+
+def test_conjugate_and_negative_views_round_trip(tmp_path):
+    c = torch.randn(3, 4, dtype=torch.complex64)
+    extra = {"c": c, "conj": c.conj(), "neg_imag": c.conj().imag, "bf16": torch.randn(5).to(torch.bfloat16)}
+    with gpumem.Checkpointer(tmp_path) as ck:
+        ck.save(0, extra=extra, rng=False, blocking=True)
+        ck.wait()
+        got: dict = {}
+        ck.restore(extra=got, rng=False)
+    for k, v in extra.items():
+        assert torch.equal(got[k], v.resolve_conj().resolve_neg()), k
+    assert torch.equal(got["conj"], c.conj().resolve_conj())
+
+
+def test_capture_marks_cuda_presence():
+    model = torch.nn.Linear(2, 2)
+    _, table = capture(0, model=model, rng=False)
+    assert not table.has_cuda and table.deferred == [True, True]
+
+
+# ---- threads ----
+
+
+def test_saves_reuse_two_threads_which_end_at_close(tmp_path, monkeypatch):
+    served = {"persist": [], "copy": []}
+    real_persist, real_copy = job_mod.SaveJob._persist_main, job_mod.SaveJob._copier_main
+
+    def persist_main(self):
+        served["persist"].append(threading.current_thread())
+        return real_persist(self)
+
+    def copier_main(self, copied):
+        served["copy"].append(threading.current_thread())
+        return real_copy(self, copied)
+
+    monkeypatch.setattr(job_mod.SaveJob, "_persist_main", persist_main)
+    monkeypatch.setattr(job_mod.SaveJob, "_copier_main", copier_main)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    ck = gpumem.Checkpointer(tmp_path, keep=2)
+    for step in range(4):
+        ck.save(step, model=model, optimizer=opt, blocking=step % 2 == 0)
+        want = model.weight.detach().clone()
+        opt.step()  # waits for an overlap copy (pre-step hook)
+        ck.wait()
+    assert len(served["persist"]) == 4 and len(set(served["persist"])) == 1  # one thread served every save
+    assert len(served["copy"]) == 2 and len(set(served["copy"])) == 1  # the two overlap saves
+    threads = [served["persist"][0], served["copy"][0]]
+    assert threading.current_thread() not in threads and all(t.is_alive() for t in threads)
+    ck.close()
+    for t in threads:
+        t.join(timeout=10)
+        assert not t.is_alive()
+    fresh = torch.nn.Linear(16, 16)
+    with gpumem.Checkpointer(tmp_path) as ck2:
+        assert ck2.restore(model=fresh) == 3
+    assert torch.equal(fresh.weight, want)
