@@ -38,6 +38,7 @@ from .format import (
 )
 
 _LATEST_MAX = 4096
+_REPLACED = ".replaced-"  # prefix of a committed step moved aside by a save of the same step
 
 
 def tmp_dir(root: Path, step: int) -> Path:
@@ -73,7 +74,8 @@ def commit(root: Path, tmp: Path, step: int, manifest_crc: int) -> Path:
     final = root / step_dir_name(step)
     trash = None
     if final.exists():  # the same step saved again (e.g. after a resume): replace it
-        trash = root / f".trash-{final.name}-{time.time_ns()}"
+        # moved aside under a name clean_stale() puts back if the rename below never happened
+        trash = root / f"{_REPLACED}{final.name}-{time.time_ns()}"
         os.rename(final, trash)
     os.rename(tmp, final)
     fsync_dir(str(root))
@@ -171,11 +173,27 @@ def apply_retention(root: Path, keep: int | None, committed: Path) -> list[Path]
 
 
 def clean_stale(root: Path) -> None:
-    """Remove what crashed saves left behind (temporary and trash directories, pointer temps)."""
+    """Remove what crashed saves left behind (temporary and trash directories, pointer temps).
+
+    A committed step moved aside to be replaced by a new save of the same step
+    (``.replaced-step-<N>-*``) is complete: if the crash came before the new ``step-<N>`` took its
+    place, it is renamed back instead of deleted."""
     try:
         entries = list(os.scandir(root))
     except FileNotFoundError:
         return
+    replaced = sorted((e for e in entries if e.name.startswith(_REPLACED) and e.is_dir(follow_symlinks=False)),
+                      key=lambda e: e.name, reverse=True)  # newest first (same step: the ns suffix decides)
+    restored = False
+    for e in replaced:
+        final = root / e.name[len(_REPLACED) :].rsplit("-", 1)[0]
+        if STEP_DIR.match(final.name) and not final.exists():
+            os.rename(e.path, final)
+            restored = True
+        else:
+            shutil.rmtree(e.path, ignore_errors=True)
+    if restored:
+        fsync_dir(str(root))
     for e in entries:
         if e.name.startswith((".tmp-step-", ".trash-step-")) and e.is_dir(follow_symlinks=False):
             shutil.rmtree(e.path, ignore_errors=True)

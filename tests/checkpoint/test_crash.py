@@ -191,3 +191,34 @@ def test_exit_waits_for_an_inflight_save(tmp_path):
 @pytest.mark.slow
 def test_kill_9_200_trials(tmp_path):
     assert kill_trials(tmp_path, trials=200, seed=2)["killed_mid_save"] >= 40
+
+
+def test_resave_of_a_step_survives_a_crash_between_the_renames(tmp_path):
+    """Saving step N again moves the committed step-N aside before the new one takes its place;
+    a crash between the two renames leaves the old copy aside and the new one in .tmp: the next
+    start puts the old, complete copy back instead of deleting both (keep=1 would lose all)."""
+    m = torch.nn.Linear(8, 8)
+    with gpumem.Checkpointer(tmp_path, keep=1) as ck:
+        ck.save(5, model=m, rng=False)
+    committed = tmp_path / "step-000000005"
+    before = load_info(committed).manifest_crc32c
+    # the crash state: step-N renamed aside, the new save complete in its temporary directory
+    os.rename(committed, tmp_path / ".replaced-step-000000005-1700000000000000000")
+    (tmp_path / ".tmp-step-000000005").mkdir()
+    (tmp_path / ".tmp-step-000000005" / "MANIFEST").write_bytes(b"partial")
+    with gpumem.Checkpointer(tmp_path, keep=1) as ck:
+        assert [i.step for i in ck.list()] == [5]
+        assert load_info(committed).manifest_crc32c == before
+        verify(committed)
+        m2 = torch.nn.Linear(8, 8)
+        assert ck.restore(model=m2, rng=False) == 5
+        assert torch.equal(m2.weight, m.weight)
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith(".")) == []
+    # and a crash after the second rename: the new step-N stays, the moved-aside copy goes
+    with gpumem.Checkpointer(tmp_path, keep=1) as ck:
+        ck.save(5, model=m2, rng=False)
+    os.makedirs(tmp_path / ".replaced-step-000000005-1700000000000000001")
+    with gpumem.Checkpointer(tmp_path, keep=1) as ck:
+        assert [i.step for i in ck.list()] == [5]
+        verify(committed)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".replaced-")]
