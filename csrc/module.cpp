@@ -36,6 +36,14 @@ void require_dense(const Array& a, const char* what) {
                                 std::to_string(a.stride(0)) + "); pass a contiguous copy");
 }
 
+// One (buffer, file offset) piece of write_file/read_file: dense, at a non-negative offset.
+template <typename Array>
+void check_piece(const Array& buffer, int64_t offset, size_t i) {
+  require_dense(buffer, "each buffer");
+  if (offset < 0)
+    throw std::invalid_argument("piece " + std::to_string(i) + " has a negative file offset " + std::to_string(offset));
+}
+
 gpumem::crc32c::Impl parse_impl(const std::string& impl) {
   if (impl == "auto") return gpumem::crc32c::Impl::Auto;
   if (impl == "table") return gpumem::crc32c::Impl::Table;
@@ -140,10 +148,7 @@ NB_MODULE(_C, m) {
         std::vector<io::Piece> pieces;
         pieces.reserve(buffers.size());
         for (size_t i = 0; i < buffers.size(); ++i) {
-          require_dense(buffers[i], "each buffer");
-          if (offsets[i] < 0)
-            throw std::invalid_argument("piece " + std::to_string(i) + " has a negative file offset " +
-                                        std::to_string(offsets[i]));
+          check_piece(buffers[i], offsets[i], i);
           pieces.push_back({static_cast<uint64_t>(offsets[i]), buffers[i].data(), buffers[i].shape(0)});
         }
         io::WriteOptions opts;
@@ -192,10 +197,7 @@ NB_MODULE(_C, m) {
         std::vector<io::ReadPiece> pieces;
         pieces.reserve(buffers.size());
         for (size_t i = 0; i < buffers.size(); ++i) {
-          require_dense(buffers[i], "each buffer");
-          if (offsets[i] < 0)
-            throw std::invalid_argument("piece " + std::to_string(i) + " has a negative file offset " +
-                                        std::to_string(offsets[i]));
+          check_piece(buffers[i], offsets[i], i);
           const size_t size = buffers[i].shape(0);
           if (chunk > 0 && crc_index[i] >= 0) {
             const size_t need = static_cast<size_t>(crc_index[i]) + (size + chunk - 1) / chunk;

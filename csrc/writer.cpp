@@ -147,6 +147,18 @@ int open_checked(const std::string& path, int flags, mode_t mode = 0644) {
   }
 }
 
+// A second descriptor with O_DIRECT for the aligned parts, or -1 where there is none (the file
+// system refuses it, as tmpfs did before Linux 6.6): the caller then stays buffered.
+int open_direct(const std::string& path, int flags) {
+#ifdef O_DIRECT
+  return open_checked(path, flags | O_DIRECT);
+#else
+  (void)path;
+  (void)flags;
+  return -1;
+#endif
+}
+
 void close_checked(int fd, const std::string& path, bool report) {
   if (fd < 0) return;
   if (::close(fd) != 0 && report) throw SysError(errno, path, "close");
@@ -158,12 +170,7 @@ WriteResult write_file(const std::string& path, const std::vector<Piece>& pieces
                        const WriteOptions& opts) {
   const int fd = open_checked(path, O_WRONLY | O_CREAT | O_TRUNC);
   if (fd < 0) throw SysError(errno, path, "open for writing");
-  int dfd = -1;
-  if (opts.direct) {
-#ifdef O_DIRECT
-    dfd = open_checked(path, O_WRONLY | O_DIRECT);  // EINVAL on tmpfs: stay buffered
-#endif
-  }
+  const int dfd = opts.direct ? open_direct(path, O_WRONLY) : -1;
   std::atomic<bool> direct_ok{dfd >= 0};
   std::atomic<uint64_t> direct_bytes{0};
   const std::vector<Task> tasks = plan(pieces, dfd >= 0);
@@ -259,12 +266,7 @@ uint64_t read_into(const std::string& path, uint64_t offset, uint8_t* out, size_
 ReadResult read_file(const std::string& path, const std::vector<ReadPiece>& pieces, const ReadOptions& opts) {
   const int fd = open_checked(path, O_RDONLY);
   if (fd < 0) throw SysError(errno, path, "open for reading");
-  int dfd = -1;
-  if (opts.direct) {
-#ifdef O_DIRECT
-    dfd = open_checked(path, O_RDONLY | O_DIRECT);  // EINVAL on tmpfs: stay buffered
-#endif
-  }
+  const int dfd = opts.direct ? open_direct(path, O_RDONLY) : -1;
   // Tasks never straddle a checksum chunk, so each task hashes whole chunks it has just read (hot
   // in cache).
   const size_t step = opts.chunk >= kSplit ? opts.chunk : opts.chunk > 0 ? kSplit / opts.chunk * opts.chunk : kSplit;

@@ -65,17 +65,7 @@ def write_file(
             fdatasync/close.
         ValueError: negative offsets or size, non-contiguous or non-CPU buffers.
     """
-    offsets: list[int] = []
-    buffers: list[Any] = []
-    for i, piece in enumerate(pieces):
-        try:
-            offset, buffer = piece
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"pieces[{i}] must be a (file_offset, buffer) pair, got {piece!r:.80}"
-            ) from None
-        offsets.append(_nonneg(offset, f"pieces[{i}] file offset"))
-        buffers.append(byte_view(buffer, what=f"pieces[{i}] buffer"))
+    offsets, buffers = _split_pieces(pieces, writable=False)
     total_size = -1 if size is None else _nonneg(size, "size")
     written, _direct_bytes = load().write_file(
         _path(path),
@@ -136,17 +126,7 @@ def read_file(
     """
     import numpy as np
 
-    offsets: list[int] = []
-    buffers: list[Any] = []
-    for i, piece in enumerate(pieces):
-        try:
-            offset, buffer = piece
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"pieces[{i}] must be a (file_offset, buffer) pair, got {piece!r:.80}"
-            ) from None
-        offsets.append(_nonneg(offset, f"pieces[{i}] file offset"))
-        buffers.append(byte_view(buffer, writable=True, what=f"pieces[{i}] buffer"))
+    offsets, buffers = _split_pieces(pieces, writable=True)
     chunk = _nonneg(chunk_bytes, "chunk_bytes")
     index = [-1] * len(buffers) if crc_index is None else [operator.index(i) for i in crc_index]
     if chunk and crc_out is None:
@@ -181,6 +161,22 @@ def read_into(path: PathLike, offset: int, out: Any, *, threads: int | None = No
     """
     view = byte_view(out, writable=True, what="out")
     return load().read_into(_path(path), _nonneg(offset, "offset"), view, resolve_threads(threads))
+
+
+def _split_pieces(pieces: Iterable[tuple[int, Any]], *, writable: bool) -> tuple[list[int], list[Any]]:
+    """File offsets and byte views of ``(file_offset, buffer)`` pairs, each checked."""
+    offsets: list[int] = []
+    buffers: list[Any] = []
+    for i, piece in enumerate(pieces):
+        try:
+            offset, buffer = piece
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"pieces[{i}] must be a (file_offset, buffer) pair, got {piece!r:.80}"
+            ) from None
+        offsets.append(_nonneg(offset, f"pieces[{i}] file offset"))
+        buffers.append(byte_view(buffer, writable=writable, what=f"pieces[{i}] buffer"))
+    return offsets, buffers
 
 
 def _path(path: PathLike) -> str:
