@@ -256,6 +256,20 @@ def _numpy():
 # capture
 
 
+def unwrap_model(model: Any) -> Any:
+    """The module inside DistributedDataParallel / DataParallel wrappers: they add a ``module.``
+    prefix to every key but hold the same replicated state, so wrapped and plain models save and
+    restore the same checkpoint (as torch.compile'd and plain ones do through canonical_key)."""
+    wrappers = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+    while True:
+        if isinstance(model, wrappers):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod  # torch.compile(DDP(model)): look through both
+        else:
+            return model
+
+
 def canonical_key(key: str) -> str:
     """Model key without torch.compile's ``_orig_mod.`` components, so wrapped and plain models match."""
     return key.replace(_COMPILE_PREFIX, "") if _COMPILE_PREFIX in key else key
@@ -276,7 +290,7 @@ def capture(
     table = TensorTable()
     tree: dict[str, Any] = {"step": step}
     if model is not None:
-        sd = model.state_dict(keep_vars=True)
+        sd = unwrap_model(model).state_dict(keep_vars=True)
         # parameters are deferred (only the optimizer step mutates them); buffers are copied at once
         tree["model"] = {
             canonical_key(k): encode(v, f"model.{canonical_key(k)}", table, isinstance(v, torch.nn.Parameter))
@@ -349,7 +363,7 @@ def check_targets(tree: dict[str, Any], *, model=None, optimizer=None, scheduler
         saved = tree["model"]
         if not isinstance(saved, dict):
             raise CheckpointCorruptError(f"{where}: model state is not a mapping")
-        target = {canonical_key(k): v for k, v in model.state_dict().items()}
+        target = {canonical_key(k): v for k, v in unwrap_model(model).state_dict().items()}
         missing, unexpected = sorted(set(target) - set(saved)), sorted(set(saved) - set(target))
         if missing or unexpected:
             raise CheckpointStateError(f"{where} does not match the model: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
@@ -394,6 +408,7 @@ def apply(tree: dict[str, Any], *, model=None, optimizer=None, scheduler=None, s
     """Load a decoded, verified and checked tree into the objects (RNG last, so nothing after it
     consumes random numbers before training continues)."""
     if model is not None:
+        model = unwrap_model(model)
         names = {canonical_key(k): k for k in model.state_dict()}
         model.load_state_dict({names[k]: v for k, v in tree["model"].items()}, strict=True)
     if optimizer is not None:

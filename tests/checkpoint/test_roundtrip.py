@@ -259,6 +259,32 @@ def test_compiled_and_plain_models_restore_from_each_other(tmp_path):
     assert torch.equal(compiled._orig_mod[0].weight, torch.zeros(4, 4))
 
 
+def test_data_parallel_wrapped_and_plain_models_restore_from_each_other(tmp_path):
+    """DataParallel / DDP add a ``module.`` prefix to every key; the checkpoint stores the plain
+    keys, so wrapped, compiled-and-wrapped and plain models share checkpoints."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    wrapped = torch.nn.DataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
+    assert all(k.startswith("module.") for k in wrapped.state_dict())
+    with gpumem.Checkpointer(tmp_path / "a") as ck:
+        ck.save(1, model=wrapped)
+        ck.wait()
+        info = ck.latest()
+        names = [t["name"] for t in read_manifest(Path(info.path) / "manifest-r00000")[0]["tensors"]]
+        assert names and not any(n.startswith("model.module.") for n in names)
+        assert ck.restore(model=plain) == 1
+    for (_, p), (_, w) in zip(plain.state_dict().items(), wrapped.state_dict().items()):
+        assert torch.equal(p, w)
+    torch.nn.init.zeros_(plain[0].weight)
+    both = torch.compile(torch.nn.DataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))),
+                         backend="eager")
+    with gpumem.Checkpointer(tmp_path / "b") as ck:
+        ck.save(1, model=plain)
+        ck.wait()
+        assert ck.restore(model=both) == 1
+    assert torch.equal(both._orig_mod.module[0].weight, torch.zeros(4, 4))
+
+
 def test_verify_public_and_lazy_names(tmp_path):
     with gpumem.Checkpointer(tmp_path) as ck:
         ck.save(3, extra={"x": torch.ones(3)})
