@@ -415,11 +415,14 @@ class Checkpointer:
 
     def restore(self, *, model: Any = None, optimizer: Any = None, scheduler: Any = None, scaler: Any = None,
                 stateful: dict[str, Any] | None = None, extra: dict[str, Any] | None = None, rng: bool = True,
-                path: str | os.PathLike | None = None) -> int | None:
+                path: str | os.PathLike | None = None, verify_loaded: bool = False) -> int | None:
         """Load the newest valid checkpoint into the objects, in place.
 
         Every byte is verified before any object is touched; a damaged newer checkpoint is skipped
         with a CheckpointFallbackWarning. ``extra``, if a dict, is updated with the saved extras.
+        ``verify_loaded`` also checks the tensors after they are loaded, where they now live (on a
+        GPU with the Triton CRC32C kernel): damage in the host-to-device copy or device memory is
+        then caught too, at the cost of one more read of the state.
 
         Returns:
             The restored step, or None when the directory holds no checkpoint at all.
@@ -430,7 +433,8 @@ class Checkpointer:
         """
         from .persist import load_info, read_latest, step_dirs
         from .restore import restore_tree
-        from .state import apply, check_targets
+        from .restore import verify_loaded as check_loaded
+        from .state import apply, capture, check_targets
 
         self._check_open()
         self.wait()
@@ -440,14 +444,14 @@ class Checkpointer:
             self._check_pointer(read_latest, load_info)
         failures = []
         for cand in candidates:
-            tree, status, err = None, 2, None
+            tree, shard, status, err = None, None, 2, None
             try:
                 info = load_info(cand)
                 if info.world_size != g.world_size:
                     raise CheckpointStateError(
                         f"{cand} was saved by {info.world_size} ranks, this job has {g.world_size}; restore with "
                         f"the same world size (resharding is not supported)")
-                tree = restore_tree(cand, info, g.rank)
+                tree, shard = restore_tree(cand, info, g.rank)
                 check_targets(tree, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, stateful=stateful)
             except CheckpointCorruptError as exc:
                 status, err = 1, exc
@@ -463,6 +467,10 @@ class Checkpointer:
                 continue
             apply(tree, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, stateful=stateful,
                   extra=extra, rng=rng)
+            if verify_loaded:
+                _, table = capture(info.step, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                                   stateful=stateful, rng=False)
+                check_loaded(cand, shard, table)
             return info.step
         if not failures:
             return None

@@ -29,7 +29,6 @@ from .format import CheckpointInfo, ShardManifest, TensorEntry, parse_shard, rea
 from .persist import load_info
 
 
-
 def _io_threads() -> int:
     """Reads in flight: a disk (or a virtual one) wants a deeper queue than the core count."""
     from gpumem._env import env_int
@@ -180,12 +179,45 @@ def verify(path: str | os.PathLike) -> CheckpointInfo:
     return info
 
 
-def restore_tree(path: Path, info: CheckpointInfo, rank: int) -> dict[str, Any]:
-    """The verified, decoded state tree of ``rank`` (tensors loaded into fresh host memory)."""
+def restore_tree(path: Path, info: CheckpointInfo, rank: int) -> tuple[dict[str, Any], ShardManifest]:
+    """The verified, decoded state tree of ``rank`` (tensors loaded into fresh host memory) and
+    its shard manifest."""
     from .state import decode
 
     shard, tensors = load_shard(path, info, rank)
     tree = decode(shard.state, tensors, f"{path.name}.rank{rank}")
     if not isinstance(tree, dict) or tree.get("step") != info.step:
         raise CheckpointCorruptError(f"{path}: rank {rank} state does not record step {info.step}", path=str(path))
-    return tree
+    return tree, shard
+
+
+def verify_loaded(path: Path, shard: ShardManifest, table: Any) -> int:
+    """Check the tensors now held by the restored objects (``table``: a capture of them) against
+    the manifest's chunk CRC32Cs, where they live: CUDA tensors with the Triton kernel on the
+    device, host tensors natively. Catches damage in the host-to-device copy or device memory.
+
+    Returns:
+        How many tensors were checked (those whose name and size match a manifest entry).
+
+    Raises:
+        CheckpointCorruptError: naming the tensor; the objects hold the damaged values.
+    """
+    from ._core import as_bytes, chunk_crc32c
+
+    entries = {e.name: e for e in shard.tensors}
+    checked = 0
+    for name, t in zip(table.names, table.tensors):
+        entry = entries.get(name)
+        if entry is None or entry.nbytes != t.numel() * t.element_size() or not entry.nbytes:
+            continue
+        got = chunk_crc32c(as_bytes(t.contiguous()), shard.chunk_bytes).tolist()
+        bad = next((k for k, (a, b) in enumerate(zip(got, entry.crc32c)) if a != b), None)
+        if bad is not None:
+            lo = bad * shard.chunk_bytes
+            raise CheckpointCorruptError(
+                f"{path}: after loading, tensor {name!r} on {t.device} holds bytes {lo}-"
+                f"{min(lo + shard.chunk_bytes, entry.nbytes)} that fail their CRC32C (damaged in the copy to "
+                "its device or in its memory); the objects now hold these values: restore again",
+                path=str(path), tensor=name)
+        checked += 1
+    return checked

@@ -54,3 +54,29 @@ def test_cuda_rng_states_round_trip(tmp_path):
         ck.restore(extra=got)
     assert torch.equal(torch.rand(4, device="cuda"), want)
     assert torch.equal(got["t"], torch.arange(10))
+
+
+def test_cuda_restore_verifies_the_loaded_bytes_on_the_device(tmp_path, monkeypatch):
+    """verify_loaded re-checks the state after the host-to-device copy with the Triton kernel:
+    a clean restore passes, a byte damaged on the device is named."""
+    from gpumem.checkpoint import CheckpointCorruptError
+    from gpumem.checkpoint import state as state_mod
+
+    x = torch.randn(64, 256, device="cuda")
+    model, opt = _setup(0)
+    _train(model, opt, 2, x)
+    with gpumem.Checkpointer(tmp_path, chunk_bytes=65536) as ck:
+        ck.save(2, model=model, optimizer=opt)
+        ck.wait()
+        model2, opt2 = _setup(1)
+        assert ck.restore(model=model2, optimizer=opt2, verify_loaded=True) == 2
+        real_apply = state_mod.apply
+
+        def damaging_apply(tree, **kw):
+            real_apply(tree, **kw)
+            with torch.no_grad():
+                kw["model"][2].weight.view(-1)[5] += 1.0
+
+        monkeypatch.setattr(state_mod, "apply", damaging_apply)
+        with pytest.raises(CheckpointCorruptError, match=r"model\.2\.weight' on cuda"):
+            ck.restore(model=model2, optimizer=opt2, verify_loaded=True)

@@ -285,6 +285,43 @@ def test_data_parallel_wrapped_and_plain_models_restore_from_each_other(tmp_path
     assert torch.equal(both._orig_mod.module[0].weight, torch.zeros(4, 4))
 
 
+def test_verify_loaded_checks_every_restored_tensor_and_names_damage(tmp_path, monkeypatch):
+    """restore(verify_loaded=True) re-checks the tensors where they live after loading (host
+    here: the native CRC; on a GPU the Triton kernel, tests/checkpoint/test_gpu.py)."""
+    from gpumem.checkpoint import state as state_mod
+    from gpumem.checkpoint.persist import load_info
+    from gpumem.checkpoint.restore import restore_tree, verify_loaded
+    from gpumem.checkpoint.state import capture
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 64)).sum().backward()
+    opt.step()
+    with gpumem.Checkpointer(tmp_path, chunk_bytes=4096) as ck:
+        ck.save(1, model=model, optimizer=opt, rng=False)
+        ck.wait()
+        model2 = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 4))
+        opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+        assert ck.restore(model=model2, optimizer=opt2, verify_loaded=True, rng=False) == 1
+        # every tensor of the model and the optimizer state was checked (the 0-d AdamW steps too)
+        path = ck.latest().path
+        _, shard = restore_tree(Path(path), load_info(Path(path)), 0)
+        _, table = capture(1, model=model2, optimizer=opt2, rng=False)
+        assert verify_loaded(Path(path), shard, table) == len(shard.tensors) == len(table.names)
+        real_apply = state_mod.apply
+
+        def damaging_apply(tree, **kw):
+            real_apply(tree, **kw)
+            with torch.no_grad():
+                kw["optimizer"].state[kw["model"][0].weight]["exp_avg_sq"].view(-1)[7] += 1.0
+
+        monkeypatch.setattr(state_mod, "apply", damaging_apply)
+        with pytest.raises(CheckpointCorruptError, match=r"optimizer\.state\.0\.exp_avg_sq' on cpu holds bytes 0-4096"):
+            ck.restore(model=model2, optimizer=opt2, verify_loaded=True, rng=False)
+        ck.restore(model=model2, optimizer=opt2, rng=False)  # off by default: nothing re-checked
+
+
 def test_verify_public_and_lazy_names(tmp_path):
     with gpumem.Checkpointer(tmp_path) as ck:
         ck.save(3, extra={"x": torch.ones(3)})
