@@ -79,6 +79,7 @@ def main() -> None:
 
     configs = [
         ("plain step", contextlib.nullcontext),
+        ("empty TorchDispatchMode (the floor of any dispatch-mode tracker)", _OpCounter),
         ("gpumem.profile (exact)", lambda: gpumem.profile(model, opt)),
         ("gpumem.profile (exact, timeline=False)",
          lambda: gpumem.profile(model, opt, timeline=False)),
@@ -165,6 +166,9 @@ What each configuration measures:
   activations (per layer) and inputs, equal to exact mode; on CUDA the allocator's true peak and
   per-layer temporaries from it; on CPU no temporaries (reported as not measured) and the peak
   of the measured categories only.
+- empty TorchDispatchMode: a mode that only re-dispatches every op, the cost any tracker built
+  on a dispatch mode (exact mode, MemTracker) pays before doing anything: exact mode's own work is
+  its ratio over this one.
 - MemTracker: the same storage tracking as exact mode, its own categories, per-module snapshots.
 - torch.profiler: op events with allocation records (analysis happens afterwards).
 The dispatch-mode tools pay per op (a Python call), so their ratio falls as ops get bigger
