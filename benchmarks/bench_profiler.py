@@ -153,10 +153,11 @@ rounds of the configuration's time over the plain step's time in the same round;
 best time over best plain time. Entering and leaving each region is part of the timed step.
 {counter.n} aten ops per step; the exact tracker's cost over the plain step is
 {per_op_us:.1f} µs of CPU time per op (best times), {per_op_us * counter.n / 1e3:.0f} ms per step,
-{100 * per_op_us * counter.n / 1e6 / base_cpu:.1f}% of the plain step's best CPU time: differences
-below a few percent in the table are noise (ratios below 1 show its size). Load average (1, 5, 15 min) at start
-{load_start}, at end {load_end}, on {os.cpu_count()} cores: other engineers' jobs shared the
-machine, so trust CPU-time ratios and min ratios over median wall-time ratios.
+{100 * per_op_us * counter.n / 1e6 / base_cpu:.1f}% of the plain step's best CPU time (negative: below
+the noise): differences below a few percent in the table are noise (ratios below 1 show its size).
+Load average (1, 5, 15 min) at start {load_start}, at end {load_end}, on {os.cpu_count()} cores (the
+benchmark itself keeps about 1-2 busy; more means other jobs shared the machine), so trust CPU-time
+ratios and min ratios over median wall-time ratios.
 
 What each configuration measures:
 - `gpumem.profile` (exact): every storage the dispatcher sees, exact bytes, all six
