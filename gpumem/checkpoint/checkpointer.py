@@ -32,6 +32,7 @@ from .errors import (
 )
 from .format import CheckpointInfo
 from .job import SaveJob, SaveStats, Worker, default_versions
+from .lock import DirLock
 from .snapshot import HostViews, PlanCache
 
 _MIN_BUDGET = 64 << 20
@@ -73,6 +74,9 @@ class Checkpointer:
             written once the whole state is staged (a write beside the copy would slow the copy
             training waits for), so time to durable ~ copy + write; when streaming, file b is
             written while batch b+1 is copied.
+        lock_timeout_s: rank 0 holds a lock on ``directory`` while the Checkpointer is open, so two
+            jobs never write it at once; a new job waits this long for an old one (e.g. a preempted
+            pod still flushing its final save) to release it, then raises CheckpointStateError.
         direct_io: write data files with O_DIRECT from the page-aligned arena: no second copy
             into the page cache (less CPU taken from training, no cache pollution). File systems
             that refuse O_DIRECT get buffered writes.
@@ -89,7 +93,7 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, keep: int | None = 3, staging_bytes: int | None = None,
                  *, overlap: bool = True, chunk_bytes: int = 1 << 20, alignment: int = 4096, direct_io: bool = True,
-                 segment_bytes: int = 256 << 20):
+                 segment_bytes: int = 256 << 20, lock_timeout_s: float = 120.0):
         if keep is not None and (not isinstance(keep, int) or keep < 1):
             raise CheckpointStateError(f"keep={keep!r}: keep at least 1 checkpoint, or None for all")
         if chunk_bytes < 4096 or chunk_bytes & (chunk_bytes - 1) or alignment > chunk_bytes or alignment & (alignment - 1):
@@ -120,10 +124,13 @@ class Checkpointer:
         self._views: HostViews | None = None  # the last save's byte views of CPU tensors (see HostViews)
         self._closed = False
         self.history: collections.deque[SaveStats] = collections.deque(maxlen=256)  # newest last
+        self._dir_lock: DirLock | None = None
         if self._group.rank == 0:
             from .persist import clean_stale
 
             self.directory.mkdir(parents=True, exist_ok=True)
+            self._dir_lock = DirLock(self.directory, lock_timeout_s)  # before cleaning: a live job's saves stay
+            weakref.finalize(self, self._dir_lock.release)
             clean_stale(self.directory)
         _LIVE.add(self)
 
@@ -366,6 +373,8 @@ class Checkpointer:
             if self._arena is not None:
                 self._arena.close()
                 self._arena = None
+            if self._dir_lock is not None:
+                self._dir_lock.release()
             _LIVE.discard(self)
 
     def __enter__(self) -> Checkpointer:

@@ -213,7 +213,7 @@ def test_resave_of_a_step_survives_a_crash_between_the_renames(tmp_path):
         m2 = torch.nn.Linear(8, 8)
         assert ck.restore(model=m2, rng=False) == 5
         assert torch.equal(m2.weight, m.weight)
-    assert sorted(n for n in os.listdir(tmp_path) if n.startswith(".")) == []
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith(".")) == [".lock"]
     # and a crash after the second rename: the new step-N stays, the moved-aside copy goes
     with gpumem.Checkpointer(tmp_path, keep=1) as ck:
         ck.save(5, model=m2, rng=False)
@@ -222,3 +222,55 @@ def test_resave_of_a_step_survives_a_crash_between_the_renames(tmp_path):
         assert [i.step for i in ck.list()] == [5]
         verify(committed)
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".replaced-")]
+
+
+def test_one_job_per_directory_new_job_waits_for_the_old_ones_final_save(tmp_path):
+    """A second job on the same directory waits for the first to release it (a preempted pod
+    still flushing), then restores what it committed; within one process a second open
+    Checkpointer is refused at once; a holder that never lets go makes the waiter fail clearly."""
+    m = torch.nn.Linear(16, 16)
+    r, w = os.pipe()
+
+    def old_job() -> int:  # holds the directory, saves step 7 slowly, then exits
+        os.close(r)
+        ck = gpumem.Checkpointer(tmp_path, keep=1)
+        os.write(w, b"locked")
+        time.sleep(1.0)
+        ck.save(7, model=m, rng=False)
+        ck.close()
+        return 0
+
+    pid = _fork(old_job)
+    os.close(w)
+    assert os.read(r, 16) == b"locked"
+    os.close(r)
+    t0 = time.monotonic()
+    with gpumem.Checkpointer(tmp_path, keep=1, lock_timeout_s=60) as ck:  # waits for the old job
+        waited = time.monotonic() - t0
+        m2 = torch.nn.Linear(16, 16)
+        assert ck.restore(model=m2, rng=False) == 7  # the old job's final save, committed before we went on
+        assert torch.equal(m2.weight, m.weight)
+        with pytest.raises(gpumem.checkpoint.CheckpointStateError, match="another open Checkpointer of this process"):
+            gpumem.Checkpointer(tmp_path)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and waited > 0.5
+
+    def holder() -> int:
+        ck = gpumem.Checkpointer(tmp_path)
+        time.sleep(30)
+        ck.close()
+        return 0
+
+    pid = _fork(holder)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and f'"pid": {pid},'.encode() not in (tmp_path / ".lock").read_bytes():
+            time.sleep(0.05)
+        with pytest.raises(gpumem.checkpoint.CheckpointStateError,
+                           match=rf"in use by another job \(pid {pid} on .*\) and was not released within 0.3 s"):
+            gpumem.Checkpointer(tmp_path, lock_timeout_s=0.3)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    with gpumem.Checkpointer(tmp_path, lock_timeout_s=5):  # a killed holder leaves no stale lock
+        pass

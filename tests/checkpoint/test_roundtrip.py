@@ -146,7 +146,7 @@ def test_retention_keeps_newest_and_list_latest(tmp_path):
         ck.wait()
         assert [i.step for i in ck.list()] == [3, 4]
         assert ck.latest().step == 4 and ck.latest().nbytes > 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000000003", "step-000000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", "step-000000003", "step-000000004"]
 
 
 def test_saving_the_same_step_again_replaces_it(tmp_path):
