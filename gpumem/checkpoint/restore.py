@@ -11,7 +11,8 @@ Why buffered reads into torch's allocator: restoring is dominated by faulting in
 (first touch costs about as much as the disk read on the VMs we measured), and torch's allocator
 hands back memory the process already faulted in when it has freed some (a job that restores
 after building its model), while O_DIRECT into fresh page-aligned mappings measured slower both
-in a fresh process and in a warm one (benchmarks/bench_checkpoint.py).
+in a fresh process and in a warm one (a 2-vCPU VM, 865 MiB of state; read_file keeps the
+``direct`` switch for hosts where that differs).
 """
 
 from __future__ import annotations
