@@ -1,8 +1,6 @@
 """torch.distributed (gloo, 2 processes): each rank profiles itself, rank 0 gathers summaries."""
 
 import json
-import os
-import socket
 
 import pytest
 import torch
@@ -13,15 +11,9 @@ from torch import nn
 import gpumem
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank, world, store, out):
+    # a file rendezvous: a TCP one on a "free" port can lose a race for that port to another process
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         from gpumem.profiler.distributed import gather_summaries
 
@@ -48,7 +40,7 @@ def _worker(rank, world, port, out):
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
 def test_gloo_two_ranks_gather(tmp_path):
     out = str(tmp_path / "gathered.json")
-    mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), out), nprocs=2, join=True)
     gathered = json.loads(open(out).read())["gathered"]
     own = [json.loads(open(f"{out}.{r}").read()) for r in range(2)]
     assert [g["rank"] for g in gathered] == [0, 1]
