@@ -41,8 +41,8 @@ def _worker(rank, world, store, out):
 def test_gloo_two_ranks_gather(tmp_path):
     out = str(tmp_path / "gathered.json")
     mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), out), nprocs=2, join=True)
-    gathered = json.loads(open(out).read())["gathered"]
-    own = [json.loads(open(f"{out}.{r}").read()) for r in range(2)]
+    gathered = json.loads((tmp_path / "gathered.json").read_text())["gathered"]
+    own = [json.loads((tmp_path / f"gathered.json.{r}").read_text()) for r in range(2)]
     assert [g["rank"] for g in gathered] == [0, 1]
     assert [g["peak_bytes"] for g in gathered] == [o["peak_bytes"] for o in own]
     assert own[0]["rank"] == 0 and own[1]["rank"] == 1
