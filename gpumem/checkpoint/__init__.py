@@ -7,7 +7,7 @@ preemption handling and exact resume.
     gpumem.checkpoint.verify("ckpts/step-000000100")
 
 Modules: format (manifests, validation), state (capture / rebuild), snapshot (layout, copies),
-persist (files, commit protocol, retention), job (one save in flight), restore (read + verify),
+persist (files, commit protocol, retention), lock (one job per directory), job (one save in flight), restore (read + verify),
 checkpointer (the API), preemption (PreemptionGuard).
 """
 
