@@ -25,6 +25,17 @@ def _allocated(bill) -> int:
     return bill.per_gpu["total"] - bill.per_gpu["overhead"]
 
 
+def _profile_two_steps(model, opt, x, y):
+    """The report of two profiled training steps (cross-entropy over the vocabulary)."""
+    with gpumem.profile(model, optimizer=opt) as prof:
+        for _ in range(2):
+            out = model(x)
+            F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return prof.report()
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -230,13 +241,7 @@ def test_other_builtin_modules_match_real_profile(arch):
     model = build_model(cfg).train()
     x, y = example_batch(cfg, 4, 32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with gpumem.profile(model, optimizer=opt) as prof:
-        for _ in range(2):
-            out = model(x)
-            F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    rep = prof.report()
+    rep = _profile_two_steps(model, opt, x, y)
     bill = gpumem.estimate(model, batch_size=4, seq_len=32 if arch == "mixtral" else None,
                            precision="fp32", **CPU)  # fmt: skip
     est = bill.profiler_categories()
@@ -254,13 +259,7 @@ def test_module_on_cuda_matches_real_cuda_profile():
     model = build_model(cfg).cuda().train()
     ids, targets = example_batch(cfg, 2, 64, device="cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with gpumem.profile(model, optimizer=opt) as prof:
-        for _ in range(2):
-            logits = model(ids)
-            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    rep = prof.report()
+    rep = _profile_two_steps(model, opt, ids, targets)
     bill = gpumem.estimate(model, batch_size=2, seq_len=64, precision="fp32", device="cuda",
                            persistent_grads=False, gpu_memory=2**40)  # fmt: skip
     est = bill.profiler_categories()
