@@ -33,6 +33,9 @@ def _worker(rank, world, store, out):
                 json.dump({"gathered": got}, f)
         with open(f"{out}.{rank}", "w") as f:
             json.dump(rep.summary(), f)
+        # no rank tears its gloo pairs down while a peer may still have the last all_gather in
+        # flight: CI once saw rank 1 abort ("terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
