@@ -28,6 +28,7 @@ _LAZY_ATTRS: dict[str, tuple[str, str]] = {
     "CheckpointIOError": ("gpumem.checkpoint", "CheckpointIOError"),
     "CheckpointStateError": ("gpumem.checkpoint", "CheckpointStateError"),
     "CheckpointFallbackWarning": ("gpumem.checkpoint", "CheckpointFallbackWarning"),
+    "CheckpointBranchWarning": ("gpumem.checkpoint", "CheckpointBranchWarning"),
     "estimate": ("gpumem.estimator", "estimate"), "Layout": ("gpumem.estimator", "Layout"),
     "ModelSpec": ("gpumem.estimator", "ModelSpec"), "GPU": ("gpumem.estimator", "GPU"),
     "plan": ("gpumem.planner", "plan"),

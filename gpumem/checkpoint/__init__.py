@@ -13,6 +13,7 @@ checkpointer (the API), preemption (PreemptionGuard).
 
 from .checkpointer import Checkpointer
 from .errors import (
+    CheckpointBranchWarning,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointFallbackWarning,
@@ -25,6 +26,7 @@ from .preemption import PreemptionGuard
 from .restore import verify
 
 __all__ = [
+    "CheckpointBranchWarning",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointFallbackWarning",

@@ -57,3 +57,7 @@ class CheckpointStateError(CheckpointError):
 
 class CheckpointFallbackWarning(UserWarning):
     """restore() skipped a damaged checkpoint (or a stale ``latest`` pointer) and used an older one."""
+
+
+class CheckpointBranchWarning(UserWarning):
+    """A save of a step lower than committed ones moved those to ``abandoned/`` (training went back)."""

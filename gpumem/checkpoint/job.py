@@ -20,6 +20,7 @@ import queue
 import shutil
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ import torch
 
 from . import persist
 from ._dist import Group
-from .errors import CheckpointError, CheckpointIOError
+from .errors import CheckpointBranchWarning, CheckpointError, CheckpointIOError
 from .format import DTYPE_NAMES, MAIN_MANIFEST, data_file_name, shard_manifest_name
 from .snapshot import HostViews, Plan, checksum_cpu_pieces, copy_pieces, tensor_crcs, zero_padding
 from .state import TensorTable
@@ -46,6 +47,8 @@ class SaveStats:
         hook_wait_s: time optimizer.step() waited for the background copy (overlap mode).
         staged_s: from save() entry until every tensor was in host memory.
         durable_s: from save() entry until the checkpoint was committed.
+        set_aside: checkpoints of an abandoned branch this save moved to ``abandoned/`` (it
+            saved a step lower than committed ones; see ``persist.set_aside_newer``).
     """
 
     step: int
@@ -55,6 +58,7 @@ class SaveStats:
     hook_wait_s: float = 0.0
     staged_s: float = 0.0
     durable_s: float = 0.0
+    set_aside: tuple[str, ...] = ()
 
     @property
     def stall_s(self) -> float:
@@ -393,8 +397,15 @@ class SaveJob:
                        for r, (_, crc, n) in enumerate(gathered)],
         }
         crc = persist.write_manifest(tmp / MAIN_MANIFEST, body)
-        self.committed = persist.commit(self.root, tmp, self.step, crc)
+        self.committed, moved = persist.commit(self.root, tmp, self.step, crc)
         self.stats.durable_s = time.perf_counter() - self.t0  # retention below is cleanup, not durability
+        if moved:
+            self.stats.set_aside = tuple(str(p) for p in moved)
+            warnings.warn(
+                f"step {self.step} is lower than committed checkpoints, so training went back (a rollback, or a new "
+                f"run in an old run's directory): moved {', '.join(p.name for p in moved)} to {moved[0].parent} so "
+                "that restore() and retention follow the new branch. If your step counter restarts (per epoch), pass a "
+                "global step to save() instead.", CheckpointBranchWarning, stacklevel=1)
         persist.apply_retention(self.root, self.keep, self.committed)
 
     # ------------------------------------------------------------------ shared

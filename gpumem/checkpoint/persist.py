@@ -38,6 +38,7 @@ from .format import (
 )
 
 _LATEST_MAX = 4096
+ABANDONED = "abandoned"  # holds the checkpoints of abandoned branches (set_aside_newer)
 _REPLACED = ".replaced-"  # prefix of a committed step moved aside by a save of the same step
 
 
@@ -68,9 +69,14 @@ def write_manifest(path: Path, body: dict[str, Any]) -> int:
     return crc
 
 
-def commit(root: Path, tmp: Path, step: int, manifest_crc: int) -> Path:
-    """Make the fully written ``tmp`` visible as ``step-<N>`` and point ``latest`` at it."""
+def commit(root: Path, tmp: Path, step: int, manifest_crc: int) -> tuple[Path, list[Path]]:
+    """Make the fully written ``tmp`` visible as ``step-<N>`` and point ``latest`` at it.
+
+    Returns the committed directory and where :func:`set_aside_newer` moved the checkpoints of
+    an abandoned branch (empty unless a step lower than existing ones was saved)."""
     fsync_dir(str(tmp))
+    # before the rename: a crash in between then leaves the new branch's history, not the old one
+    moved = set_aside_newer(root, step)
     final = root / step_dir_name(step)
     trash = None
     if final.exists():  # the same step saved again (e.g. after a resume): replace it
@@ -82,7 +88,33 @@ def commit(root: Path, tmp: Path, step: int, manifest_crc: int) -> Path:
     write_latest(root, step, final.name, manifest_crc)
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
-    return final
+    return final, moved
+
+
+def set_aside_newer(root: Path, step: int) -> list[Path]:
+    """Move committed checkpoints of an abandoned branch out of the way of a save of ``step``.
+
+    Saving a step lower than a committed one means training went back: a rollback (restore of an
+    older step, say after a loss spike) or a new run in an old run's directory. Left in place,
+    the higher steps would win every restore and outrank the new branch in retention, which
+    would delete the new saves as they come. They are moved, not deleted: every step >= ``step``
+    goes into ``abandoned/<UTC time>-before-step-<step>/`` under its own name, where restore,
+    retention and listing no longer see it (move it back to use it again).
+    """
+    found = step_dirs(root)
+    if not any(s > step for s, _ in found):
+        return []  # at most the same step again: commit() replaces it, same lineage
+    now = time.time_ns()
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now // 10**9)) + f".{now % 10**9:09d}Z"
+    dest = root / ABANDONED / f"{stamp}-before-step-{step}"
+    dest.mkdir(parents=True)
+    moved = []
+    for _, path in sorted(p for p in found if p[0] >= step):
+        os.rename(path, dest / path.name)
+        moved.append(dest / path.name)
+    for d in (dest, dest.parent, root):
+        fsync_dir(str(d))
+    return moved
 
 
 def write_latest(root: Path, step: int, name: str, manifest_crc: int) -> None:

@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _ls(args: argparse.Namespace) -> int:
     from gpumem.checkpoint import CheckpointError
-    from gpumem.checkpoint.persist import list_checkpoints, read_latest, step_dirs
+    from gpumem.checkpoint.persist import ABANDONED, list_checkpoints, read_latest, step_dirs
 
     root = Path(args.dir)
     if not root.is_dir():
@@ -69,6 +69,10 @@ def _ls(args: argparse.Namespace) -> int:
         size = format_bytes(r["nbytes"]) if r["ok"] else "DAMAGED MANIFEST"
         mark = "  <- latest" if r["latest"] else ""
         print(f"{r['step']:>10}  {size:>10}  {r['world_size'] or '-':>5}  {created:<19}  {Path(r['path']).name}{mark}")
+    aside = sorted((root / ABANDONED).glob("*/step-*"))
+    if aside:
+        print(f"\n{len(aside)} checkpoint(s) of abandoned branches in {root / ABANDONED} (set aside when training "
+              "went back; not restored, not counted by keep): delete them when no longer needed")
     return 0
 
 
