@@ -452,7 +452,8 @@ def main_cuda(args: argparse.Namespace) -> int:
     notes = (
         "Ceiling: one pinned.copy_(gpu_tensor, non_blocking=True) of the state's byte count into page-locked\n"
         "memory, synchronized. Snapshot: blocking save() from entry until every tensor is in the pinned\n"
-        "staging arena (device-side CRC32C of each tensor + non_blocking D2H on a side stream); the arena is\n"
+        "staging arena (device-side CRC32C of each tensor + non_blocking D2H on the compute stream; overlap\n"
+        "mode runs the same on a side stream); the arena is\n"
         "allocated and pinned by two warm-up saves first. Overlap stall: wall time of a training step\n"
         "that calls save() minus a plain step (measured back to back), or save() + optimizer-hook wait if larger."
     )

@@ -173,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-write", action="store_true", help="skip the writer rows")
     parser.add_argument("--name", default="native", help="results file name (results/<name>.md)")
+    parser.add_argument(
+        "--no-triton",
+        action="store_true",
+        help="skip the Triton rows on a CUDA machine (bench_triton_crc32c.py measures them alone)",
+    )
     args = parser.parse_args(argv)
 
     size = parse_size(args.size)
@@ -194,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{Path(tmp).parent}, file removed before each run; the disk, not the CPU, bounds "
                 "both buffered writers. O_DIRECT skips the page-cache copy."
             )
-    triton_rows, why = bench_triton()
+    triton_rows, why = ([], "Triton CRC32C: skipped (--no-triton).") if args.no_triton else bench_triton()
     rows += triton_rows
     if why:
         notes.append(why)

@@ -55,16 +55,15 @@ HostBuffer::~HostBuffer() {
   if (base_) munmap(base_, mapped_);
 }
 
-void HostBuffer::start_pinning() {
+void HostBuffer::start_pinning(int device) {
   const cuda::Status st = cuda::status();
   if (!st.available)
     throw std::runtime_error("cannot pin host memory: CUDA runtime not available (" +
                              (st.attempted ? st.reason : std::string("not loaded yet")) + ")");
   std::lock_guard<std::mutex> lock(pin_mu_);
   if (pin_started_) return;
-  int device = 0;
   std::string err;
-  if (cuda::get_device(&device, &err) != 0)
+  if (device < 0 && cuda::get_device(&device, &err) != 0)
     throw std::runtime_error("cannot pin host memory: cudaGetDevice failed: " + err);
   pin_started_ = true;
   pin_thread_ = std::thread([this, device] { pin_all(device); });

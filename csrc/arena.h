@@ -12,7 +12,11 @@
 
 namespace gpumem::arena {
 
-constexpr size_t kPinChunk = size_t(1) << 30;  // cudaHostRegister granularity (spec: <= 1 GiB)
+// cudaHostRegister granularity (spec: <= 1 GiB). Each chunk is a separate registration, and one
+// CUDA copy must not span two of them (or a registered and an unregistered range while pinning
+// runs): the driver rejects such a copy with cudaErrorInvalidValue. Copies split at multiples of
+// this from data() (HostArena.copy_from_device).
+constexpr size_t kPinChunk = size_t(1) << 30;
 
 class HostBuffer {
  public:
@@ -27,10 +31,12 @@ class HostBuffer {
   uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
 
-  // Starts registering the buffer with the CUDA runtime in a background thread, on the device
-  // current in the calling thread (so no context is created on GPU 0 for a rank using GPU 3).
-  // Throws std::runtime_error when the runtime is not available.
-  void start_pinning();
+  // Starts registering the buffer with the CUDA runtime in a background thread, on `device`, or
+  // (device < 0) on the device current in the calling thread, so that no context is created on
+  // GPU 0 for a rank using GPU 3. A caller on a worker thread (whose current device is 0) passes
+  // the device of the thread it works for. Throws std::runtime_error when the runtime is not
+  // available.
+  void start_pinning(int device = -1);
   // Waits up to timeout_s (< 0: forever) for pinning; true when finished. Throws std::runtime_error
   // with the CUDA message if registering failed.
   bool wait_pinned(double timeout_s);

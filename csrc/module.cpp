@@ -238,8 +238,17 @@ NB_MODULE(_C, m) {
       },
       "disabled"_a, "library"_a, "Load the CUDA runtime once; returns its status dict.");
   m.def("cuda_status", [] { return status_dict(cuda::status()); }, "Status of the CUDA runtime.");
+  m.def(
+      "cuda_get_device",
+      [] {
+        int device = -1;
+        std::string err;
+        return cuda::get_device(&device, &err) == 0 ? device : -1;
+      },
+      "The calling thread's current CUDA device (cudaGetDevice); -1 without a usable runtime.");
 
   // ---- host arena ----
+  m.attr("PIN_CHUNK_BYTES") = arena::kPinChunk;
   nb::class_<arena::HostBuffer>(m, "HostBuffer", "Page-aligned host memory, optionally pinned.")
       .def(nb::init<size_t, size_t>(), "nbytes"_a, "alignment"_a = 4096)
       .def_prop_ro("nbytes", &arena::HostBuffer::size)
@@ -254,8 +263,9 @@ NB_MODULE(_C, m) {
             return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(b.data(), {b.size()}, self);
           },
           "The whole buffer as a writable 1-D uint8 numpy array (no copy).")
-      .def("start_pinning", &arena::HostBuffer::start_pinning,
-           "Register with cudaHostRegister in <= 1 GiB chunks, in a background thread.")
+      .def("start_pinning", &arena::HostBuffer::start_pinning, "device"_a = -1,
+           "Register with cudaHostRegister in PIN_CHUNK_BYTES chunks, in a background thread, on "
+           "`device` (< 0: the calling thread's current device).")
       .def("wait_pinned", &arena::HostBuffer::wait_pinned, "timeout_s"_a = -1.0,
            nb::call_guard<nb::gil_scoped_release>(), "Wait for pinning; True when done.")
       .def(

@@ -48,6 +48,13 @@ def cuda_load(disabled: bool, library: str) -> dict:
 def cuda_status() -> dict:
     """Status of the CUDA runtime."""
 
+def cuda_get_device() -> int:
+    """
+    The calling thread's current CUDA device (cudaGetDevice); -1 without a usable runtime.
+    """
+
+PIN_CHUNK_BYTES: int = 1073741824
+
 class HostBuffer:
     """Page-aligned host memory, optionally pinned."""
 
@@ -68,9 +75,9 @@ class HostBuffer:
     def array(self) -> Annotated[NDArray[numpy.uint8], dict(shape=(None,))]:
         """The whole buffer as a writable 1-D uint8 numpy array (no copy)."""
 
-    def start_pinning(self) -> None:
+    def start_pinning(self, device: int = -1) -> None:
         """
-        Register with cudaHostRegister in <= 1 GiB chunks, in a background thread.
+        Register with cudaHostRegister in PIN_CHUNK_BYTES chunks, in a background thread, on `device` (< 0: the calling thread's current device).
         """
 
     def wait_pinned(self, timeout_s: float = -1.0) -> bool:

@@ -4,7 +4,8 @@ Checkpoint staging copies GPU tensors into host memory; pinned (page-locked) mem
 copies run asynchronously at full PCIe/NVLink-C2C speed. ``HostArena`` makes one allocation up
 front, registers it with ``cudaHostRegister`` in chunks of at most 1 GiB in a background thread
 (registering tens of GiB takes seconds, so it is kept off the critical path), and hands out torch
-tensors that alias it without copies.
+tensors that alias it without copies. Device-to-host copies go through :meth:`HostArena.copy_from_device`,
+which never lets one CUDA copy span two registration chunks (see there).
 
 Example:
     >>> import torch
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     import torch
     from typing_extensions import Self
 
-__all__ = ["HostArena"]
+__all__ = ["HostArena", "current_cuda_device"]
 
 
 class HostArena:
@@ -48,7 +49,9 @@ class HostArena:
         alignment: alignment of the start of the arena in bytes.
     """
 
-    def __init__(self, nbytes: int, *, pinned: bool | None = None, alignment: int = 4096) -> None:
+    def __init__(
+        self, nbytes: int, *, pinned: bool | None = None, alignment: int = 4096, device: int | None = None
+    ) -> None:
         """Allocate the arena.
 
         Args:
@@ -56,9 +59,13 @@ class HostArena:
             pinned: ``None``: pin iff the CUDA runtime is available; ``True``: pin, or raise
                 ``RuntimeError`` naming what is missing; ``False``: plain memory.
             alignment: power of two >= 64 (default a 4096-byte page, what O_DIRECT needs).
+            device: CUDA device whose context registers the memory. ``None``: the calling
+                thread's current device. A worker thread (current device 0) allocating for a
+                rank on another GPU passes that rank's device (see :func:`current_cuda_device`),
+                or it would create a context on GPU 0.
 
         Raises:
-            ValueError: bad size or alignment. MemoryError: the allocation failed.
+            ValueError: bad size, alignment or device. MemoryError: the allocation failed.
             RuntimeError: ``pinned=True`` without a usable CUDA runtime.
         """
         import torch
@@ -69,6 +76,8 @@ class HostArena:
         alignment = _int(alignment, "alignment")
         if alignment < 64 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two >= 64, got {alignment}")
+        if device is not None and _int(device, "device") < 0:
+            raise ValueError(f"device must be a CUDA device index >= 0 or None, got {device}")
         if pinned is None:
             pinned = cuda_runtime().available
         elif pinned:
@@ -78,10 +87,12 @@ class HostArena:
                     f"HostArena(pinned=True) needs the CUDA runtime, but {runtime.message}. "
                     "Use pinned=None (pin only where CUDA is available) or pinned=False."
                 )
-        self._buf: Any = load().HostBuffer(nbytes, alignment)
+        C = load()
+        self._buf: Any = C.HostBuffer(nbytes, alignment)
         self._bytes: torch.Tensor | None = torch.from_numpy(self._buf.array())
+        self._pin_chunk = int(C.PIN_CHUNK_BYTES)  # registration granularity (copy_from_device)
         if pinned:
-            self._buf.start_pinning()
+            self._buf.start_pinning(-1 if device is None else int(device))
         self.nbytes = nbytes
         self._locked = False
         self.pinned = bool(pinned)
@@ -205,6 +216,37 @@ class HostArena:
             raise ValueError(f"copy_in got {len(views)} sources but {len(offs)} offsets")
         buf.copy_in(views, offs, resolve_threads(threads))
 
+    def copy_from_device(self, src: torch.Tensor, offset: int) -> None:
+        """Enqueue a copy of ``src``'s bytes into the arena at ``offset``, non-blocking on the
+        current CUDA stream (synchronous for a CPU ``src``).
+
+        A pinned arena is registered in chunks (:attr:`pin_chunk` bytes from its start), each a
+        separate registration, and the CUDA driver rejects one copy that spans two of them, or a
+        registered and a not-yet-registered range while pinning still runs, with
+        ``cudaErrorInvalidValue`` ("memory regions spanning over allocations ... are not
+        supported"). The copy is therefore issued as one copy per chunk it touches. The caller
+        keeps ``src`` alive and unchanged until the stream has run the copies.
+
+        Args:
+            src: a contiguous tensor of any dtype (its bytes in memory order are copied).
+            offset: arena byte offset of the first byte.
+
+        Raises:
+            ValueError: ``src`` is not contiguous, or does not fit at ``offset``.
+        """
+        from gpumem._native import tensor_bytes
+
+        data = tensor_bytes(src, "src")
+        offset, nbytes = self._range(offset, data.numel())
+        step = self._pin_chunk if self.pinned else 0
+        for lo, n in _split(offset, nbytes, step):
+            self.view(lo, n).copy_(data[lo - offset : lo - offset + n], non_blocking=True)
+
+    @property
+    def pin_chunk(self) -> int:
+        """Bytes per CUDA registration (the last one may be shorter); see :meth:`copy_from_device`."""
+        return self._pin_chunk
+
     # ---- lifetime ----
 
     def close(self) -> None:
@@ -243,6 +285,29 @@ class HostArena:
                 f"range of {nbytes} bytes at offset {offset} is outside the arena of {self.nbytes} bytes"
             )
         return offset, nbytes
+
+
+def current_cuda_device() -> int | None:
+    """The calling thread's current CUDA device, as the runtime that pins arenas sees it (the
+    libcudart torch loaded, so ``torch.cuda.set_device`` shows here), or None without a usable
+    runtime. Read it on the thread that trains, and pass it as ``HostArena(device=...)`` when the
+    arena is made on another thread."""
+    if not cuda_runtime().available:
+        return None
+    device = int(load().cuda_get_device())
+    return device if device >= 0 else None
+
+
+def _split(offset: int, nbytes: int, step: int) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` cut at the multiples of ``step`` (0: not cut) into ``(start, size)``
+    pieces; an empty range gives no piece."""
+    pieces = []
+    end = offset + nbytes
+    while offset < end:
+        n = end - offset if step <= 0 else min(end, (offset // step + 1) * step) - offset
+        pieces.append((offset, n))
+        offset += n
+    return pieces
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels return EINVAL and the pages are touched

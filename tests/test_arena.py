@@ -149,16 +149,50 @@ def test_pinned_true_without_cuda_is_a_clear_error():
         HostArena(4096, pinned=True)
 
 
+def test_copy_from_device_never_crosses_a_pinning_chunk(monkeypatch):
+    """One copy per registration chunk it touches, bytes intact (CPU source, small chunks)."""
+    with HostArena(5 * 4096, pinned=False) as arena:
+        assert arena.pin_chunk == 1 << 30  # the native core's registration granularity
+        arena.pinned, arena._pin_chunk = True, 4096  # as if pinned in 4 KiB registrations
+        seen = []
+        real_view = arena.view
+        monkeypatch.setattr(arena, "view", lambda o, n: seen.append((o, n)) or real_view(o, n))
+        src = torch.arange(3000, dtype=torch.int32)  # 12000 bytes at 4000: touches chunks 0-3
+        arena.copy_from_device(src, 4000)
+        assert seen == [(4000, 96), (4096, 4096), (8192, 4096), (12288, 3712)]
+        assert torch.equal(real_view(4000, 12000).view(torch.int32), src)
+        seen.clear()
+        arena.copy_from_device(src[:1024], 8192)  # exactly one chunk: one copy
+        assert seen == [(8192, 4096)]
+        arena.pinned = False  # plain memory has no registrations: one copy
+        seen.clear()
+        arena.copy_from_device(src, 4000)
+        assert seen == [(4000, 12000)]
+        with pytest.raises(ValueError, match="outside the arena"):
+            arena.copy_from_device(src, 5 * 4096 - 100)
+        with pytest.raises(ValueError, match="not contiguous"):
+            arena.copy_from_device(src[::2], 0)
+
+
 @pytest.mark.gpu
 def test_pinned_arena_on_gpu():
-    n = (1 << 30) + (3 << 20)  # two registration chunks
+    n = (2 << 30) + (3 << 20)  # three registration chunks
     with HostArena(n, pinned=True) as arena:
-        assert arena.pinned
+        assert arena.pinned and arena.pin_chunk == 1 << 30
+        src = torch.randn(1 << 20, device="cuda")
+        # While pinning runs, a copy across a chunk boundary may meet one registered and one
+        # unregistered chunk, which the driver rejects unless the copy is split (copy_from_device).
+        # Results are compared on the host: a host-to-device read of the same span would be such
+        # a spanning copy itself.
+        for at in ((1 << 30) - 4096, (2 << 30) - 8192):
+            arena.copy_from_device(src, at)
+            torch.cuda.synchronize()
+            assert torch.equal(arena.tensor(at, torch.float32, src.shape), src.cpu())
         assert arena.wait_pinned(timeout=120) is True
         assert arena.pinned_bytes == n
-        src = torch.randn(1 << 20, device="cuda")
-        dst = arena.tensor((1 << 30) - 4096, torch.float32, src.shape)  # spans both chunks
-        assert dst.is_pinned()
-        dst.copy_(src, non_blocking=True)
+        dst = arena.tensor((1 << 30) - 4096, torch.float32, src.shape)  # spans chunks 0 and 1
+        assert dst.is_pinned()  # torch sees the registration (cudaPointerGetAttributes)
+        src2 = src * 2
+        arena.copy_from_device(src2, (1 << 30) - 4096)
         torch.cuda.synchronize()
-        assert torch.equal(dst.cuda(), src)
+        assert torch.equal(dst, src2.cpu())

@@ -236,7 +236,10 @@ class Checkpointer:
             self._join_prepare(None)  # a previous prepare() finishes first; its error is raised here
             if self._arena is not None and self._arena.nbytes >= size:
                 return 0
-            prep = _Prepare(size)
+            from gpumem.arena import current_cuda_device
+
+            # pinned on this thread's GPU: the worker thread's current device is always 0
+            prep = _Prepare(size, current_cuda_device())
             self._prep = prep
             if background:
                 prep.thread = threading.Thread(target=prep.run, name="gpumem-ckpt-prepare", daemon=True)
@@ -504,8 +507,8 @@ class Checkpointer:
 class _Prepare:
     """One staging allocation started by Checkpointer.prepare()."""
 
-    def __init__(self, nbytes: int):
-        self.nbytes = nbytes
+    def __init__(self, nbytes: int, device: int | None = None):
+        self.nbytes, self.device = nbytes, device
         self.thread: threading.Thread | None = None
         self.arena: Any = None
         self.locked: bool | None = None
@@ -516,7 +519,7 @@ class _Prepare:
 
         arena = None
         try:
-            arena = HostArena(max(self.nbytes, 1))
+            arena = HostArena(max(self.nbytes, 1), device=self.device)
             self.locked = True if arena.pinned else arena.lock()
             self.arena = arena
         except BaseException as exc:  # noqa: BLE001 - surfaced by the next save()/wait()

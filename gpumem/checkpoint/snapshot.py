@@ -207,7 +207,7 @@ def copy_pieces(arena, plan: Plan, pieces: list[Piece], tensors: list[torch.Tens
         for p, t, dst in cuda:
             src = as_bytes(t if t.is_contiguous() else t.contiguous())[p.src_offset : p.src_offset + p.nbytes]
             p.crc = chunk_crc32c(src, chunk)  # end to end: hashed in HBM before it crosses PCIe
-            arena.view(dst, p.nbytes).copy_(src, non_blocking=True)
+            arena.copy_from_device(src, dst)  # split at the arena's pinning chunks (see there)
             t.record_stream(torch.cuda.current_stream())
         done = torch.cuda.Event()
         done.record()

@@ -399,6 +399,13 @@ def _check_rng(state: Any, where: str) -> None:
         cuda = state.get("cuda", [])
         if not isinstance(cuda, list) or not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda):
             raise ValueError("CUDA RNG states must be a list of uint8 tensors")
+        if cuda and torch.cuda.is_available():
+            # torch.cuda.set_rng_state checks the size only when it runs, after the model and
+            # optimizer were loaded (or, before CUDA is initialized, later still): check it now
+            for i, t in enumerate(cuda[: torch.cuda.device_count()]):
+                want = torch.cuda.get_rng_state(i).numel()
+                if t.numel() != want:
+                    raise ValueError(f"CUDA RNG state {i} has {t.numel()} bytes, this torch's has {want}")
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         raise CheckpointCorruptError(f"{where}: saved RNG state is invalid: {exc}") from None
 

@@ -8,9 +8,16 @@ import gpumem
 pytestmark = pytest.mark.gpu
 
 
-def _setup(seed):
+# staging budget -> the mode save() must pick for _setup's state (~830 KiB with AdamW state):
+# None fits (overlap); 256 KiB streams through two 128 KiB slots, splitting the 256 KiB weight.
+# tests/checkpoint/test_cuda_cpu.py checks these on CPU tensors of the same sizes.
+BUDGET_MODES = {None: "overlap", 1 << 18: "streaming"}
+CHUNK = 65536
+
+
+def _setup(seed, device="cuda"):
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.BatchNorm1d(256), torch.nn.Linear(256, 8)).cuda()
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.BatchNorm1d(256), torch.nn.Linear(256, 8)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return model, opt
 
@@ -23,16 +30,16 @@ def _train(model, opt, steps, x):
         opt.step()
 
 
-@pytest.mark.parametrize("budget", [None, 1 << 20])  # fits / streams through 512 KiB slots
+@pytest.mark.parametrize("budget", list(BUDGET_MODES))
 def test_cuda_round_trip_overlap_and_streaming(tmp_path, budget):
     x = torch.randn(64, 256, device="cuda")
     model, opt = _setup(0)
     _train(model, opt, 3, x)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     exp_avg = {i: s["exp_avg"].clone() for i, s in opt.state_dict()["state"].items()}
-    with gpumem.Checkpointer(tmp_path, staging_bytes=budget, chunk_bytes=65536) as ck:
+    with gpumem.Checkpointer(tmp_path, staging_bytes=budget, chunk_bytes=CHUNK) as ck:
         stats = ck.save(3, model=model, optimizer=opt)
-        assert stats.mode == ("overlap" if budget is None else "streaming")
+        assert stats.mode == BUDGET_MODES[budget]
         _train(model, opt, 2, x)  # mutates parameters right after save(): the hook must fence it
         ck.wait()
         model2, opt2 = _setup(1)
@@ -65,7 +72,7 @@ def test_cuda_restore_verifies_the_loaded_bytes_on_the_device(tmp_path, monkeypa
     x = torch.randn(64, 256, device="cuda")
     model, opt = _setup(0)
     _train(model, opt, 2, x)
-    with gpumem.Checkpointer(tmp_path, chunk_bytes=65536) as ck:
+    with gpumem.Checkpointer(tmp_path, chunk_bytes=CHUNK) as ck:
         ck.save(2, model=model, optimizer=opt)
         ck.wait()
         model2, opt2 = _setup(1)

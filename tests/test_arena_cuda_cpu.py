@@ -1,0 +1,196 @@
+"""The native CUDA runtime loader and the pinning thread, against a fake libcudart on the CPU.
+
+The fake (C, compiled here) implements the seven entry points csrc/cuda_api.cpp resolves and logs
+every call with the calling thread's current device, so the real dlopen path, the chunked
+registration, its error path and the device the pinning thread works on are all checked without
+a GPU. Each case runs in a fresh interpreter: the runtime is loaded once per process.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FAKE_CUDART = r"""
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+static __thread int current = 0;
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static int registers = 0;
+
+static void logf(const char* what, unsigned long long a, unsigned long long b, unsigned long long c) {
+  pthread_mutex_lock(&mu);
+  FILE* f = fopen(getenv("FAKE_CUDART_LOG"), "a");
+  if (f) {
+    fprintf(f, "%s %llu %llu %llu %d\n", what, a, b, c, current);
+    fclose(f);
+  }
+  pthread_mutex_unlock(&mu);
+}
+
+static int env_int(const char* name, int dflt) {
+  const char* v = getenv(name);
+  return v ? atoi(v) : dflt;
+}
+
+int cudaGetDeviceCount(int* n) {
+  int devices = env_int("FAKE_CUDART_DEVICES", 4);
+  if (devices < 0) return 100; /* cudaErrorNoDevice */
+  *n = devices;
+  return 0;
+}
+int cudaGetDevice(int* d) { *d = current; return 0; }
+int cudaSetDevice(int d) { current = d; logf("set_device", d, 0, 0); return 0; }
+int cudaHostRegister(void* p, size_t n, unsigned flags) {
+  pthread_mutex_lock(&mu);
+  int k = ++registers;
+  pthread_mutex_unlock(&mu);
+  if (k == env_int("FAKE_CUDART_FAIL_REGISTER", 0)) { logf("register_failed", (size_t)p, n, flags); return 2; }
+  logf("register", (size_t)p, n, flags);
+  return 0;
+}
+int cudaHostUnregister(void* p) { logf("unregister", (size_t)p, 0, 0); return 0; }
+const char* cudaGetErrorString(int e) { return e == 2 ? "fake: out of memory" : e == 100 ? "fake: no device" : "fake: other"; }
+int cudaGetLastError(void) { logf("get_last_error", 0, 0, 0); return 0; }
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_cudart(tmp_path_factory) -> Path:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the fake libcudart")
+    d = tmp_path_factory.mktemp("fakecudart")
+    (d / "fake.c").write_text(FAKE_CUDART)
+    lib = d / "libfakecudart.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(d / "fake.c"), "-lpthread"], check=True)
+    return lib
+
+
+def run_probe(code: str, lib: Path | str, tmp_path: Path, **env: str) -> tuple[dict, list[tuple]]:
+    """Run ``code`` (which prints one JSON line) against ``lib``; its output and the fake's log."""
+    log = tmp_path / "cudart.log"
+    log.unlink(missing_ok=True)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("GPUMEM_", "FAKE_CUDART_"))}
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**base, "GPUMEM_CUDA_LIBRARY": str(lib), "FAKE_CUDART_LOG": str(log), "GPUMEM_THREADS": "2", **env},
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    entries = []
+    if log.exists():
+        for line in log.read_text().splitlines():
+            what, *nums = line.split()
+            entries.append((what, *map(int, nums)))
+    return json.loads(proc.stdout.strip().splitlines()[-1]), entries
+
+
+PIN = """
+import ctypes, gc, json, os
+from gpumem._native import cuda_runtime
+from gpumem.arena import HostArena, current_cuda_device
+lib = ctypes.CDLL(os.environ["GPUMEM_CUDA_LIBRARY"])  # the copy the native core loaded
+rt = cuda_runtime()
+lib.cudaSetDevice(2)  # what torch.cuda.set_device(2) does in this thread
+out = {"available": rt.available, "count": rt.device_count, "library": rt.library,
+       "current": current_cuda_device()}
+arena = HostArena((2 << 30) + 12345, pinned=None)  # 2 GiB of address space, never touched
+out["pinned"] = arena.pinned
+try:
+    out["done"] = arena.wait_pinned(60)
+except RuntimeError as e:
+    out["error"] = str(e)
+out.update(pinned_bytes=arena.pinned_bytes, ptr=arena.data_ptr, n=arena.nbytes)
+other = HostArena(4096, pinned=True, device=1)  # explicit device, whatever this thread's is
+other.wait_pinned(60)
+out["other"] = other.data_ptr
+arena.close(); other.close(); del arena, other; gc.collect()
+print(json.dumps(out))
+"""
+
+
+def test_pinning_registers_in_chunks_on_the_callers_device(fake_cudart, tmp_path):
+    out, log = run_probe(PIN, fake_cudart, tmp_path)
+    assert out["available"] and out["count"] == 4 and out["library"] == str(fake_cudart)
+    assert out["current"] == 2 and out["pinned"] and out["done"] is True
+    ptr, n, gib = out["ptr"], out["n"], 1 << 30
+    assert out["pinned_bytes"] == n
+    regs = [e[1:] for e in log if e[0] == "register"]
+    # (address, bytes, flags, device of the registering thread): 1 GiB pieces tiling the arena,
+    # cudaHostRegisterPortable, on device 2 (the caller's), never on the pin thread's default 0
+    assert regs == [(ptr, gib, 1, 2), (ptr + gib, gib, 1, 2), (ptr + 2 * gib, 12345, 1, 2),
+                    (out["other"], 4096, 1, 1)]
+    assert sorted(e[1] for e in log if e[0] == "unregister") == sorted(r[0] for r in regs)
+    assert ("set_device", 0, 0, 0, 0) not in log  # no context was made on GPU 0
+
+
+def test_a_failed_registration_is_reported_and_only_the_registered_part_released(fake_cudart, tmp_path):
+    out, log = run_probe(PIN, fake_cudart, tmp_path, FAKE_CUDART_FAIL_REGISTER="2")
+    gib = 1 << 30
+    assert out["error"] == (f"cudaHostRegister of {gib} bytes at arena offset {gib} failed: "
+                            "fake: out of memory (cudaError 2)")
+    assert out["pinned_bytes"] == gib  # the first chunk stays pinned; copies split per chunk
+    names = [e[0] for e in log]
+    assert names.index("get_last_error") == names.index("register_failed") + 1  # error slot cleared
+    assert "register" not in names[names.index("register_failed"):names.index("get_last_error") + 1]
+    unreg = sorted(e[1] for e in log if e[0] == "unregister")
+    assert unreg == sorted([out["ptr"], out["other"]])  # never the chunk that failed
+
+
+PREPARE = """
+import ctypes, json, os
+import gpumem
+lib = ctypes.CDLL(os.environ["GPUMEM_CUDA_LIBRARY"])
+lib.cudaSetDevice(3)  # this rank trains on GPU 3
+ck = gpumem.Checkpointer(os.environ["CKPT_DIR"], staging_bytes=64 << 20)
+ck.prepare(nbytes=1 << 20)  # allocates and pins on a worker thread
+ck.wait()
+arena = ck._arena
+print(json.dumps({"pinned": arena.pinned, "ptr": arena.data_ptr, "done": arena.wait_pinned(60)}))
+ck.close()
+"""
+
+
+def test_prepare_pins_on_the_trainers_device_not_the_worker_threads(fake_cudart, tmp_path):
+    out, log = run_probe(PREPARE, fake_cudart, tmp_path, CKPT_DIR=str(tmp_path / "ck"))
+    assert out["pinned"] and out["done"]
+    regs = [e[1:] for e in log if e[0] == "register"]
+    assert regs == [(out["ptr"], 1 << 20, 1, 3)]  # registered from a thread on device 3
+    assert [e[1] for e in log if e[0] == "set_device"] == [3, 3]  # the trainer's, then the pin thread's
+
+
+LOAD = """
+import json
+from gpumem._native import cuda_runtime
+from gpumem.arena import HostArena, current_cuda_device
+rt = cuda_runtime()
+with HostArena(4096) as arena:
+    pinned = arena.pinned
+print(json.dumps({"available": rt.available, "message": rt.message, "pinned": pinned,
+                  "device": current_cuda_device()}))
+"""
+
+
+@pytest.mark.parametrize(
+    "lib,env,reason",
+    [
+        ("fake", {"FAKE_CUDART_DEVICES": "0"}, "no CUDA device is visible"),
+        ("fake", {"FAKE_CUDART_DEVICES": "-1"}, "cudaGetDeviceCount failed: fake: no device (cudaError 100)"),
+        (ctypes.util.find_library("m") or "libm.so.6", {}, "libcudart lacks the symbol cudaHostRegister"),
+    ],
+)
+def test_an_unusable_runtime_turns_only_the_cuda_paths_off(fake_cudart, tmp_path, lib, env, reason):
+    out, log = run_probe(LOAD, fake_cudart if lib == "fake" else lib, tmp_path, **env)
+    assert out["available"] is False and out["pinned"] is False and out["device"] is None
+    assert out["message"].startswith(f"CUDA runtime not loaded: {reason}")
+    assert not [e for e in log if e[0] in ("register", "set_device")]
