@@ -79,15 +79,30 @@ def _decode(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _errors(nvml) -> tuple[type[BaseException], ...]:
+    """What an NVML call can raise: its errors, and the bindings' library-mismatch error, which
+    is not an ``NVMLError`` (nvidia-ml-py raises it where the driver lacks a versioned call)."""
+    mismatch = getattr(nvml, "NVMLLibraryMismatchError", None)
+    return (nvml.NVMLError, AttributeError) + ((mismatch,) if mismatch is not None else ())
+
+
+def _running(nvml, handle, getter: str) -> list[Any]:
+    """The processes one getter lists. nvidia-ml-py's unversioned getters call the ``_v3`` API,
+    which drivers before R510 lack; those still answer the ``_v2`` call."""
+    for name in (getter, getter + "_v2"):
+        try:
+            return list(getattr(nvml, name)(handle))
+        except _errors(nvml):
+            continue
+    return []
+
+
 def _processes(nvml, handle) -> tuple[GPUProcess, ...]:
     procs: dict[int, GPUProcess] = {}
     for getter in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
-        try:
-            for p in getattr(nvml, getter)(handle):
-                used = getattr(p, "usedGpuMemory", None)
-                procs[int(p.pid)] = GPUProcess(int(p.pid), int(used) if used is not None else None)
-        except (nvml.NVMLError, AttributeError):
-            continue
+        for p in _running(nvml, handle, getter):
+            used = getattr(p, "usedGpuMemory", None)
+            procs[int(p.pid)] = GPUProcess(int(p.pid), int(used) if used is not None else None)
     return tuple(sorted(procs.values(), key=lambda p: p.pid))
 
 
@@ -126,24 +141,30 @@ def query(cross_check: bool = False) -> DeviceInfo:
         nvml = _nvml()
     except RuntimeError as exc:
         return DeviceInfo(has_gpu=False, reason=f"{exc}; {_torch_cuda_reason()}")
+    errors = _errors(nvml)
+    notes: list[str] = []
+    gpus: list[GPU] = []
+    driver = cuda_s = nvml_v = None
     try:
-        count = nvml.nvmlDeviceGetCount()
-        gpus = [_gpu(nvml, i) for i in range(count)]
-        driver = _decode(nvml.nvmlSystemGetDriverVersion())
         try:
-            cuda = nvml.nvmlSystemGetCudaDriverVersion()
-            cuda_s = f"{cuda // 1000}.{cuda % 1000 // 10}"
-        except nvml.NVMLError:
-            cuda_s = None
-        try:
-            nvml_v = _decode(nvml.nvmlSystemGetNVMLVersion())
-        except nvml.NVMLError:
-            nvml_v = None
+            count = nvml.nvmlDeviceGetCount()
+        except errors as exc:
+            reason = f"NVML: cannot count GPUs ({_nvml_reason(exc)})"
+            return DeviceInfo(has_gpu=False, reason=reason)
+        for i in range(count):
+            try:  # a GPU this container may not open (no permission, fallen off the bus)
+                gpus.append(_gpu(nvml, i))
+            except errors as exc:
+                notes.append(f"GPU {i}: NVML cannot read it ({_nvml_reason(exc)})")
+        driver = _call(nvml, "nvmlSystemGetDriverVersion", errors)
+        cuda = _call(nvml, "nvmlSystemGetCudaDriverVersion", errors)
+        cuda_s = f"{int(cuda) // 1000}.{int(cuda) % 1000 // 10}" if cuda is not None else None
+        nvml_v = _call(nvml, "nvmlSystemGetNVMLVersion", errors)
     finally:
         nvml.nvmlShutdown()
-    notes: list[str] = []
     if cross_check and gpus:
-        gpus, notes = _cross_check(gpus)
+        gpus, more = _cross_check(gpus)
+        notes += more
     return DeviceInfo(
         has_gpu=bool(gpus),
         gpus=tuple(gpus),
@@ -153,6 +174,15 @@ def query(cross_check: bool = False) -> DeviceInfo:
         reason="" if gpus else "NVML reports no GPU",
         notes=tuple(notes),
     )
+
+
+def _call(nvml, name: str, errors: tuple[type[BaseException], ...]) -> Any:
+    """A system-level NVML query, decoded to str where it returns text; None if it fails."""
+    try:
+        value = getattr(nvml, name)()
+    except errors:
+        return None
+    return _decode(value) if isinstance(value, (bytes, str)) else value
 
 
 def _torch_cuda_reason() -> str:
@@ -209,12 +239,19 @@ def process_used_bytes(pid: int | None = None) -> dict[int, int | None]:
         nvml = _nvml()
     except RuntimeError:
         return {}
+    errors = _errors(nvml)
+    out: dict[int, int | None] = {}
     try:
-        out: dict[int, int | None] = {}
         for i in range(nvml.nvmlDeviceGetCount()):
-            for p in _processes(nvml, nvml.nvmlDeviceGetHandleByIndex(i)):
+            try:
+                handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            except errors:
+                continue
+            for p in _processes(nvml, handle):
                 if p.pid == pid:
                     out[i] = p.used_bytes
-        return out
+    except errors:
+        pass  # what was read so far stands; the caller falls back where this GPU is missing
     finally:
         nvml.nvmlShutdown()
+    return out

@@ -177,16 +177,19 @@ def run_doctor(measure: bool = True, nbytes: int = 256 << 20, directory: str | N
     )
     if measure:
         report.bandwidth = _bandwidth(nbytes, directory, problems)
-        if report.gpus.get("has_gpu"):
-            report.bandwidth += _gpu_bandwidth(nbytes, problems)
+        # asked of torch even when NVML sees no GPU: nvidia-ml-py may be missing where CUDA works
+        report.bandwidth += _gpu_bandwidth(nbytes, problems)
     return report
 
 
 def _gpu_bandwidth(nbytes: int, problems: list[str]) -> list[Bandwidth]:
-    """Device copies and the Triton CRC32C on GPU 0, timed with CUDA events."""
+    """Device copies and the Triton CRC32C on GPU 0, timed with CUDA events (none without a
+    usable CUDA device)."""
     try:
         import torch
-
+    except ImportError:
+        return []
+    try:
         if not torch.cuda.is_available():
             return []
         dev = torch.device("cuda", 0)

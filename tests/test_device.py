@@ -90,9 +90,12 @@ def test_real_gpu_matches_torch():
     import torch
 
     info = device.query(cross_check=True)
-    assert info.has_gpu
+    assert info.has_gpu, info.reason
     assert len(info.gpus) >= torch.cuda.device_count()
     g = info.gpus[0]
-    assert g.torch_free_total is not None
-    assert g.torch_free_total[1] == g.total_bytes
-    assert g.name
+    assert g.torch_free_total is not None and g.name
+    # NVML's total is the memory on the card; cudaMemGetInfo's can leave out what the driver
+    # reserves for itself (hundreds of MiB): close, not necessarily equal; a note says so
+    nvml_total, torch_total = g.total_bytes, g.torch_free_total[1]
+    assert abs(torch_total - nvml_total) <= 0.03 * nvml_total, (nvml_total, torch_total)
+    assert (torch_total == nvml_total) == (not any("torch.cuda total" in n for n in info.notes))

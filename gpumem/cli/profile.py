@@ -22,7 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--precision", default="fp32", help="fp32 | bf16 | fp16 | amp-bf16 | amp-fp16")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
     p.add_argument("--fake", action="store_true", help="fake tensors: any size, no memory used")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (with --fake: emulated)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu or cuda (with --fake: fake CUDA tensors of any size; training them "
+                   "needs a usable GPU)")
     p.add_argument("--steps", type=int, default=2, help="training steps (default 2)")
     p.add_argument("--mode", default="exact", choices=("exact", "light"),
                    help="exact: every op (default); light: hooks only, no temporaries on CPU")

@@ -11,11 +11,13 @@ boundaries (say, the loss computed outside the model) lands in the interval that
 
 On ``torch.OutOfMemoryError`` the region's report survives; with ``snapshot=path`` the allocator
 history (``torch.cuda.memory._record_memory_history``) is dumped to ``path`` on exit, which opens
-in https://pytorch.org/memory_viz.
+in https://pytorch.org/memory_viz. The history keeps Python stacks only: C++ frames are
+symbolized when the snapshot is dumped, which takes minutes on a real training job.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,7 +52,9 @@ class AllocatorProbe:
             return None
         from torch._guards import active_fake_mode
 
-        if active_fake_mode() is not None:  # fake CUDA tensors allocate nothing
+        from gpumem.profiler.fake import is_fake_model
+
+        if active_fake_mode() is not None or is_fake_model(model):  # fake tensors allocate nothing
             return None
         device = next(
             (t.device for t in [*model.parameters(), *model.buffers()] if t.device.type == "cuda"),
@@ -73,7 +77,14 @@ class AllocatorProbe:
         self.summary: dict[str, Any] = {}
         torch.cuda.reset_peak_memory_stats(device)
         if snapshot:
-            torch.cuda.memory._record_memory_history(max_entries=_HISTORY_ENTRIES)
+            torch.cuda.memory._record_memory_history(
+                "all", context="all", stacks="python", max_entries=_HISTORY_ENTRIES
+            )
+
+    def close(self) -> None:
+        """Stop recording the allocator history (the region failed to start)."""
+        if self.snapshot:
+            torch.cuda.memory._record_memory_history(enabled=None)
 
     def _sample(self) -> tuple[int, int, int, int]:
         """(allocated peak, reserved peak) since the last sample, and the current values."""
@@ -128,10 +139,15 @@ class AllocatorProbe:
         rec["reserved_peak_delta"] = max(rec["reserved_peak_delta"], frame.alloc[3] - frame.alloc[1])
 
     def finish(self, prof: Profile, exc: BaseException | None) -> None:
+        """The region's summary. Never raises: it runs in ``__exit__``, where an error here would
+        replace the exception the region is propagating (an OOM) and lose the report."""
         self.boundary(prof)
         stats = _stats(self.device)
         reserved_now = _stat(stats, "reserved_bytes", "current")
-        outside, source = outside_allocator(self.device, reserved_now)
+        try:
+            outside, source = outside_allocator(self.device, reserved_now)
+        except Exception as e:  # noqa: BLE001 - a driver query must not cost the report
+            outside, source = None, f"unavailable ({type(e).__name__}: {e})"
         self.summary = {
             "device": torch.cuda.get_device_name(self.device),
             "allocated_peak": self.allocated_peak,
@@ -143,11 +159,20 @@ class AllocatorProbe:
             "ooms": int(stats.get("num_ooms", 0)) - self.num_ooms,
             "out_of_memory": isinstance(exc, OutOfMemoryError),
             "snapshot": None,
+            "snapshot_error": None,
         }
         if self.snapshot:
             try:
                 torch.cuda.memory._dump_snapshot(str(self.snapshot))
                 self.summary["snapshot"] = str(self.snapshot)
+            except Exception as e:  # noqa: BLE001 - see the docstring
+                self.summary["snapshot_error"] = f"{type(e).__name__}: {e}"
+                warnings.warn(
+                    f"gpumem.profile: the memory snapshot could not be written to "
+                    f"{self.snapshot}: {self.summary['snapshot_error']}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
             finally:
                 torch.cuda.memory._record_memory_history(enabled=None)
 
@@ -171,6 +196,9 @@ def outside_allocator(device: int, reserved: int) -> tuple[int | None, str]:
 
     NVML's per-process figure when the driver reports it; otherwise the device-wide used memory
     from ``cudaMemGetInfo``, which also includes other processes on the same GPU (labelled).
+    NVML finds no entry for this process when the container's PID namespace hides its host PID,
+    and some drivers (vGPU, MIG, WDDM) report no or partial usage: a figure below the
+    allocator's own reservation cannot be the process's total and is not used.
     """
     from gpumem.device import process_used_bytes
 
@@ -181,7 +209,7 @@ def outside_allocator(device: int, reserved: int) -> tuple[int | None, str]:
     elif used:
         index = _nvml_index(device)
         value = used.get(index) if index is not None else None
-    if value is not None:
-        return max(0, value - reserved), "nvml process used - reserved"
+    if value is not None and value >= reserved:
+        return value - reserved, "nvml process used - reserved"
     free, total = torch.cuda.mem_get_info(device)
     return max(0, total - free - reserved), "device used (cudaMemGetInfo, all processes) - reserved"

@@ -11,8 +11,11 @@ What follows from having no data:
   layers may instead follow a stated assumption and call :func:`note_assumption`, which labels
   the report as an estimate (the built-in MoE assumes uniform top-k routing);
 - ``device="cuda"`` builds fake CUDA tensors even on a machine without a GPU. Emulated: CUDA
-  storages are counted in the allocator's 512-byte blocks, CUDA dtype rules, and the ops that
-  dispatch on device in Python (optimizers pick their CUDA foreach paths). Not emulated: the
+  storages are counted in the allocator's 512-byte blocks, CUDA dtype rules, the code that picks
+  a path by device in Python (optimizers take their CUDA default, the foreach path, and keep
+  their step counters on the host), and where eager CUDA puts the RNG seed and offset that
+  memory-efficient attention saves for backward (on the host; the meta kernels say device; the
+  same for flash attention before torch moved its RNG state to the device). Not emulated: the
   caching allocator's reserved memory and fragmentation, workspaces, and the SDPA backend
   choice, which PyTorch makes from the real GPU (on a GPU machine the fake run asks the real
   device; without one it falls back to the math kernel's shapes). Without a usable CUDA device
@@ -23,6 +26,7 @@ What follows from having no data:
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -46,17 +50,116 @@ def fake(device: str | torch.device | None = None) -> Iterator[object]:
         ...         model(ids).float().mean().backward(); opt.step()
         >>> prof.report().peak_bytes
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    mode = _fake_mode_class()(allow_non_fake_inputs=False)
     with contextlib.ExitStack() as stack:
         stack.enter_context(mode)
+        stack.enter_context(_optimizer_defaults_by_device())
         if device is not None:
-            stack.enter_context(torch.device(device))
+            stack.enter_context(_default_device(device))
             if torch.device(device).type == "cuda" and not torch.cuda.is_available():
                 stack.enter_context(_NoRandomFill())
                 stack.enter_context(_no_autograd_without_cuda())
         yield mode
+
+
+# Fused-attention outputs that eager CUDA creates as 0-dim int64 host tensors (the philox seed
+# and offset; ``Note [Seed and Offset Device]`` in PyTorch's attention.cu), by output position.
+# Flash attention's newer (2,) uint64 RNG state lives on the device, as its meta kernel says.
+_HOST_RNG_OUTPUTS = {
+    "_scaled_dot_product_efficient_attention": (2, 3),
+    "_efficient_attention_forward": (2, 3),
+    "_scaled_dot_product_flash_attention": (6, 7),
+    "_flash_attention_forward": (2, 3),
+}
+_MODE_CLASS: list[type] = []
+
+
+def _fake_mode_class() -> type:
+    """``FakeTensorMode`` that places fused-attention RNG state where eager CUDA does."""
+    if _MODE_CLASS:
+        return _MODE_CLASS[0]
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    host_outputs = {}
+    for name, slots in _HOST_RNG_OUTPUTS.items():
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None and hasattr(packet, "default"):
+            host_outputs[packet.default] = slots
+
+    class CudaFaithfulFakeTensorMode(FakeTensorMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            slots = host_outputs.get(func)
+            if slots is None:
+                return out
+            out = list(out)
+            for i in slots:
+                t = out[i]
+                if (
+                    isinstance(t, torch.Tensor)
+                    and t.device.type == "cuda"
+                    and t.dim() == 0
+                    and t.dtype == torch.int64
+                ):
+                    out[i] = self.from_tensor(torch.empty((), dtype=torch.int64, device="cpu"))
+            return tuple(out)
+
+    _MODE_CLASS.append(CudaFaithfulFakeTensorMode)
+    return CudaFaithfulFakeTensorMode
+
+
+@contextlib.contextmanager
+def _optimizer_defaults_by_device() -> Iterator[None]:
+    """Optimizers pick their default implementation (foreach on CUDA) only for plain tensors and
+    parameters; a fake parameter would always take the per-tensor loop, whose scratch memory is
+    a single tensor's instead of the whole list's. Inside the block they choose by device, as
+    real tensors do."""
+    import torch.optim.optimizer as optimizer_module
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    supported = getattr(optimizer_module, "_foreach_supported_types", None)
+    if not isinstance(supported, list) or FakeTensor in supported:
+        yield
+        return
+    supported.append(FakeTensor)
+    try:
+        yield
+    finally:
+        supported.remove(FakeTensor)
+
+
+_DISPATCH_MODULES = ("torch.overrides", "torch.utils._device")
+
+
+def _default_device(device: str | torch.device) -> object:
+    """``torch.device(device)`` as a context, except for tensors ``torch.optim`` creates itself.
+
+    An eager run has no default device: optimizers of every torch version keep their step
+    counters on the host (older versions by creating them without a device) and read them with
+    ``.item()``, which a fake CUDA counter cannot answer. Their factory calls keep torch's own
+    default here, so fake runs place those counters where real runs do.
+    """
+    from torch.utils._device import DeviceContext, _device_constructors
+
+    factories = _device_constructors()
+
+    def from_optim() -> bool:
+        # the Python code that called the factory (a C function), past the function modes
+        f = sys._getframe(2)
+        while f is not None and (
+            f.f_code.co_name == "__torch_function__"
+            or f.f_globals.get("__name__", "").startswith(_DISPATCH_MODULES)
+        ):
+            f = f.f_back
+        return f is not None and f.f_globals.get("__name__", "").startswith("torch.optim")
+
+    class FakeBlockDevice(DeviceContext):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in factories and from_optim():
+                return func(*args, **(kwargs or {}))
+            return super().__torch_function__(func, types, args, kwargs)
+
+    return FakeBlockDevice(device)
 
 
 _RANDOM_FILLS = ("uniform_", "normal_", "bernoulli_", "random_", "exponential_", "geometric_",

@@ -86,8 +86,16 @@ def profile_model(
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     amp = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(precision)
     dev = torch.device(device)
-    if dev.type == "cuda" and not fake and not torch.cuda.is_available():
-        raise ValueError("--device cuda needs a CUDA GPU; add --fake to emulate one")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        # fake CUDA tensors cannot record autograd without a usable CUDA device either (fake.py)
+        what = "--device cuda"
+        if fake:
+            what = "--fake --device cuda trains on fake CUDA tensors, which"
+        raise ValueError(
+            f"{what} needs a torch build with a usable CUDA device; on this machine use --fake "
+            "without --device (fake CPU tensors of any size: the same storages without the "
+            "512-byte CUDA rounding)"
+        )
     outer = fake_ctx(device=device if dev.type != "cpu" else None) if fake else contextlib.nullcontext()
     with outer:
         path = Path(model)

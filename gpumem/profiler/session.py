@@ -19,6 +19,7 @@ Definitions (issue #3):
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -91,6 +92,8 @@ class Profile:
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
             )
+        if snapshot is not None:
+            _check_snapshot_path(snapshot)
         self.model = model
         self.optimizer = optimizer
         self.snapshot_path = snapshot
@@ -175,14 +178,16 @@ class Profile:
             self._baseline = self.allocator.start_allocated - self._cuda_tracked()
             self._light_level = self.tracker.level
         self._cats_prev = dict(self.tracker.by_category)
-        self.hooks.install()
         try:
+            self.hooks.install()
             if self.light:
                 self.tracker.patch_resize()
             else:
                 self.tracker.__enter__()
         except BaseException:
             self.hooks.remove()
+            if self.allocator is not None:
+                self.allocator.close()
             raise
         _ACTIVE.profile = self
         self._sync()
@@ -392,6 +397,11 @@ class Profile:
             if parent is not None and f.hwm > parent.hwm:
                 parent.hwm = f.hwm
             self._close_frame(f, backward_call=False)
+            if parent is not None and f.alloc is not None and parent.alloc is not None:
+                # closing f took the last interval's allocator peak; a parent closed in the same
+                # batch (after a BaseException) is no longer running and must get it from f
+                parent.alloc[2] = max(parent.alloc[2], f.alloc[2])
+                parent.alloc[3] = max(parent.alloc[3], f.alloc[3])
 
     def _close_frame(self, f: Frame, backward_call: bool) -> None:
         """Record a finished module call: its temporary high-water mark (under the forward or
@@ -626,6 +636,25 @@ class Profile:
     def note_assumption(self, text: str) -> None:
         if text not in self.assumptions:
             self.assumptions.append(text)
+
+
+def _check_snapshot_path(path: str) -> None:
+    """Refuse a snapshot path that cannot be written before the region starts: the snapshot is
+    written on exit, often while an OOM propagates, when it is too late to ask again."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"snapshot must be a file path (str or os.PathLike), got {type(path).__name__}"
+        )
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(
+            f"snapshot={str(path)!r} is a directory; give a file path such as 'oom.pickle'"
+        )
+    if not os.path.isdir(parent):
+        raise ValueError(
+            f"snapshot={str(path)!r}: directory {parent} does not exist; create it first or "
+            "choose a path in an existing directory"
+        )
 
 
 def active() -> Profile | None:
