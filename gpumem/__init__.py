@@ -32,10 +32,11 @@ _LAZY_ATTRS: dict[str, tuple[str, str]] = {
     "estimate": ("gpumem.estimator", "estimate"), "Layout": ("gpumem.estimator", "Layout"),
     "ModelSpec": ("gpumem.estimator", "ModelSpec"), "GPU": ("gpumem.estimator", "GPU"),
     "plan": ("gpumem.planner", "plan"),
+    "Calibration": ("gpumem.calibrate", "Calibration"), "CalibrationError": ("gpumem.calibrate", "CalibrationError"),
 }
 
 # submodules reachable as attributes (gpumem.checksum.crc32c(...)) without an explicit import
-_LAZY_MODULES = ("checksum", "device", "writer", "arena", "checkpoint")
+_LAZY_MODULES = ("checksum", "device", "writer", "arena", "checkpoint", "calibrate")
 
 __all__ = ["__version__", *_LAZY_MODULES]
 

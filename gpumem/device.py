@@ -17,6 +17,9 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+# outside_allocator's label when it is NVML's per-process figure (profiler.cuda, calibrate)
+NVML_PROCESS_SOURCE = "nvml process used - reserved"
+
 
 @dataclass(frozen=True)
 class GPUProcess:

@@ -178,13 +178,13 @@ def run_doctor(measure: bool = True, nbytes: int = 256 << 20, directory: str | N
     if measure:
         report.bandwidth = _bandwidth(nbytes, directory, problems)
         # asked of torch even when NVML sees no GPU: nvidia-ml-py may be missing where CUDA works
-        report.bandwidth += _gpu_bandwidth(nbytes, problems)
+        report.bandwidth += gpu_bandwidth(nbytes, problems)
     return report
 
 
-def _gpu_bandwidth(nbytes: int, problems: list[str]) -> list[Bandwidth]:
-    """Device copies and the Triton CRC32C on GPU 0, timed with CUDA events (none without a
-    usable CUDA device)."""
+def gpu_bandwidth(nbytes: int, problems: list[str], device: int = 0) -> list[Bandwidth]:
+    """Device copies, pinned host copies and the Triton CRC32C on ``device``, timed with CUDA
+    events (none without a usable CUDA device; failures are appended to ``problems``)."""
     try:
         import torch
     except ImportError:
@@ -192,7 +192,7 @@ def _gpu_bandwidth(nbytes: int, problems: list[str]) -> list[Bandwidth]:
     try:
         if not torch.cuda.is_available():
             return []
-        dev = torch.device("cuda", 0)
+        dev = torch.device("cuda", device)
         src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
         dst = torch.empty_like(src)
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

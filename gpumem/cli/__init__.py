@@ -11,7 +11,7 @@ import importlib
 import sys
 
 # one module per subcommand, in the order --help lists them
-_SUBCOMMANDS = ("doctor", "profile", "estimate", "plan", "ckpt")
+_SUBCOMMANDS = ("doctor", "profile", "estimate", "plan", "ckpt", "calibrate")
 
 
 def build_parser() -> argparse.ArgumentParser:

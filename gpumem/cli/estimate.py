@@ -20,6 +20,8 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory", default=None, help="memory of a GPU not in the catalog, e.g. 80GiB")
     p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank only")
     p.add_argument("--qlora", action="store_true", help="4-bit (NF4) frozen base; needs --lora-rank")
+    p.add_argument("--calibration", metavar="FILE", default=None,
+                   help="calibration.json from `gpumem calibrate`: measured GPU reserve (plan: checkpoint times)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -66,18 +68,24 @@ def layout_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from gpumem.cli.calibrate import calibrated_gpu, load_calibration, reserve_lines
+
+    cal = load_calibration(args)
+    gpu = calibrated_gpu(args, cal)
+    if cal is not None and not args.json:
+        print("\n".join(reserve_lines(args, cal, gpu)))
     if args.inference:
         from gpumem.estimator.inference import estimate_inference
 
         bill = estimate_inference(args.model, batch_size=args.batch_size, context=args.seq_len,
-                                  gpu=args.gpu, gpu_memory=args.gpu_memory, tp=args.tp or 1)  # fmt: skip
+                                  gpu=gpu, gpu_memory=args.gpu_memory, tp=args.tp or 1)  # fmt: skip
         print(json.dumps(bill.to_dict(), indent=2) if args.json else bill.table())
         return 0
     from gpumem.estimator import estimate
 
     bill = estimate(
         args.model, batch_size=args.batch_size, seq_len=args.seq_len, precision=args.precision,
-        optimizer=args.optimizer, grads=args.grads, gpu=args.gpu, gpu_memory=args.gpu_memory,
+        optimizer=args.optimizer, grads=args.grads, gpu=gpu, gpu_memory=args.gpu_memory,
         layout=layout_from_args(args), recompute=args.recompute, grad_accum=args.grad_accum,
         attention=args.attention, activation_model=args.activation_model,
         offload_optimizer=args.offload_optimizer, lora_rank=args.lora_rank,

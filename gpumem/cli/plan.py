@@ -27,9 +27,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     rate.add_argument("--mtbf-hours", type=float, default=None, help="mean time between preemptions")
     rate.add_argument("--preemption-rate", type=float, default=None, help="preemptions per hour")
     econ.add_argument("--price-per-gpu-hour", type=float, default=3.0, help="dollars (default 3)")
-    econ.add_argument("--stall-s", type=float, default=1.0, help="training stall per checkpoint (s)")
-    econ.add_argument("--persist-s", type=float, default=60.0, help="time to persist a checkpoint (s)")
-    econ.add_argument("--restart-s", type=float, default=300.0, help="restart + reload time (s)")
+    econ.add_argument("--stall-s", type=float, default=None,
+                      help="training stall per checkpoint (s; default: measured with --calibration, else 1)")
+    econ.add_argument("--persist-s", type=float, default=None,
+                      help="time to persist a checkpoint (s; default: measured with --calibration, else 60)")
+    econ.add_argument("--restart-s", type=float, default=None,
+                      help="restart + reload time (s; default: measured restore + --startup-s, else 300)")
+    econ.add_argument("--startup-s", type=float, default=None,
+                      help="with --calibration: restart time besides the measured restore (default 300)")
     econ.add_argument("--run-hours", type=float, default=24.0, help="length of the run (hours)")
     econ.add_argument("--preempted-at-hours", type=float, default=None,
                       help="realised loss of a preemption at this hour of the run")  # fmt: skip
@@ -41,11 +46,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gpumem.cli.calibrate import calibrated_gpu, load_calibration, reserve_lines, resolve_checkpoint_times
+
+    cal = load_calibration(args)
+    gpu = calibrated_gpu(args, cal)
     if args.inference:
-        return _inference(args)
+        return _inference(args, gpu)
     from gpumem.planner import economics, k8s_job, min_gpus, plan, realised_loss, sbatch_header
 
-    kw = dict(gpu=args.gpu, gpu_memory=args.gpu_memory, seq_len=args.seq_len,
+    kw = dict(gpu=gpu, gpu_memory=args.gpu_memory, seq_len=args.seq_len,
               global_batch=args.global_batch, precision=args.precision, optimizer=args.optimizer,
               grads=args.grads, lora_rank=args.lora_rank, base_quant="nf4" if args.qlora else None)  # fmt: skip
     if args.min_gpus:
@@ -56,10 +65,15 @@ def run(args: argparse.Namespace) -> int:
                  "fitting": [dict(layout=c.describe(), peak_bytes=c.total_bytes, step_s=c.step_seconds)
                              for c in result.candidates[: args.top]]}  # fmt: skip
     text = [result.table(args.top)]
+    bill = None
     if result.best is not None:
         bill = result.bill()
         out["bill"] = bill.to_dict()
         text += ["", "best layout:", bill.table()]
+    record, lines = resolve_checkpoint_times(args, cal, bill)  # sets args.stall_s / persist_s / restart_s
+    if record is not None:
+        out["calibration"] = record
+        text += ["", *reserve_lines(args, cal, gpu), *lines]
     if args.mtbf_hours is not None or args.preemption_rate is not None:
         e = economics(n_gpus=result.n_gpus, price_per_gpu_hour=args.price_per_gpu_hour,
                       mtbf_hours=args.mtbf_hours, preemption_rate=args.preemption_rate,
@@ -106,12 +120,12 @@ def _realised(args: argparse.Namespace, n_gpus: int, text: list[str], realised_l
             "interval_s": interval_s}  # fmt: skip
 
 
-def _inference(args: argparse.Namespace) -> int:
+def _inference(args: argparse.Namespace, gpu) -> int:
     from gpumem.estimator.inference import max_batch
 
     rows = []
     for ctx in (1024, 2048, 4096, 8192, 16384, 32768):
-        rows.append((ctx, max_batch(args.model, context=ctx, gpu=args.gpu, gpu_memory=args.gpu_memory)))
+        rows.append((ctx, max_batch(args.model, context=ctx, gpu=gpu, gpu_memory=args.gpu_memory)))
     if args.json:
         print(json.dumps({"max_batch_by_context": dict(rows)}, indent=2))
     else:

@@ -12,7 +12,9 @@ reports a little less (81559 MiB). We store the vendor's statement with its unit
 * Fragmentation of the caching allocator: ``fragmentation`` = 5 % of the allocated peak (the
   "reserve 5 %" rule from vllm-project/compressed-tensors PR #587).
 
-These are documented defaults until calibration (a later issue) measures them per machine.
+These are documented defaults; ``gpumem calibrate`` measures the context bytes (and, from a CUDA
+profile of the user's step, the fragmentation) per machine, and ``Calibration.apply_to(gpu)``
+returns the GPU with them (``--calibration FILE`` in ``gpumem estimate`` / ``plan``).
 
 Example:
     >>> gpu = find_gpu("h100-80gb")

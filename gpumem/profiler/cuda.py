@@ -200,7 +200,7 @@ def outside_allocator(device: int, reserved: int) -> tuple[int | None, str]:
     and some drivers (vGPU, MIG, WDDM) report no or partial usage: a figure below the
     allocator's own reservation cannot be the process's total and is not used.
     """
-    from gpumem.device import process_used_bytes
+    from gpumem.device import NVML_PROCESS_SOURCE, process_used_bytes
 
     used = process_used_bytes()
     value = None
@@ -210,6 +210,6 @@ def outside_allocator(device: int, reserved: int) -> tuple[int | None, str]:
         index = _nvml_index(device)
         value = used.get(index) if index is not None else None
     if value is not None and value >= reserved:
-        return value - reserved, "nvml process used - reserved"
+        return value - reserved, NVML_PROCESS_SOURCE
     free, total = torch.cuda.mem_get_info(device)
     return max(0, total - free - reserved), "device used (cudaMemGetInfo, all processes) - reserved"

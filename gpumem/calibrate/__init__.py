@@ -1,0 +1,44 @@
+"""Calibrate: measure this machine and its checkpoint storage, for the estimator and the planner.
+
+The step between measuring and estimating (measure → report → **calibrate** → estimate → plan):
+
+    cal = gpumem.calibrate.measure("/ckpts", sizes=[64 << 20, 256 << 20], device="cuda")
+    cal.save("calibration.json")                     # or: gpumem calibrate --dir /ckpts
+    cal = gpumem.calibrate.load("calibration.json")
+    stall_s, persist_s, restore_s = cal.checkpoint_times(nbytes)   # feeds planner economics
+    gpu = cal.apply_to(gpumem.estimator.find_gpu("H100-80GB"))      # feeds the estimator's reserve
+
+Modules: ``fit`` (closed-form cost lines), ``checkpoint_cost`` (save / durable / restore times
+with the real Checkpointer), ``reserve`` (CUDA context and copy bandwidth; fragmentation from a
+profile report), ``calibration`` (the file format and its consumers). Importing this package
+imports neither torch nor numba; the measurements do.
+"""
+
+from gpumem.calibrate._schema import CalibrationError
+from gpumem.calibrate.calibration import Calibration, Machine, load, measure
+from gpumem.calibrate.checkpoint_cost import (
+           CheckpointCost,
+           CheckpointPoint,
+           measure_checkpoint,
+           synthetic_state,
+)
+from gpumem.calibrate.fit import LinearFit, fit_line
+from gpumem.calibrate.reserve import GpuReserve, ReportReserve, from_report, measure_gpu_reserve
+
+__all__ = [
+           "Calibration",
+           "CalibrationError",
+           "CheckpointCost",
+           "CheckpointPoint",
+           "GpuReserve",
+           "LinearFit",
+           "Machine",
+           "ReportReserve",
+           "fit_line",
+           "from_report",
+           "load",
+           "measure",
+           "measure_checkpoint",
+           "measure_gpu_reserve",
+           "synthetic_state",
+]  # fmt: skip

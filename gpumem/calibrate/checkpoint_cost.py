@@ -1,0 +1,356 @@
+"""What a checkpoint costs on this machine and this storage, measured with the real Checkpointer.
+
+For each size a synthetic training state is built (fp32 parameters in a few hundred tensors
+plus AdamW's ``exp_avg`` and ``exp_avg_sq``: 12 bytes per parameter, like a model and its
+optimizer) and saved by :class:`gpumem.Checkpointer` into a temporary directory under the one
+given, after ``prepare()`` (so the staging allocation is not timed, as in a job that prepares).
+Each repeat measures, from the real code path's own ``SaveStats``:
+
+* ``blocking_stall_s``: ``save(..., blocking=True)``: every tensor copied before it returns;
+* ``overlap_stall_s``: the default mode, ``save()`` plus the wait of the optimizer pre-step hook
+  when ``optimizer.step()`` is called right after it. That is overlap mode's *worst case*: in a
+  real loop the forward and backward between save() and the step hide some or all of the copy;
+* ``durable_s``: ``save()`` entry until the checkpoint is committed (``wait()`` returns), of
+  the overlap save: the persist time P of the planner;
+* ``restore_s``: ``restore()`` into the same model and optimizer, page cache of the
+  checkpoint's files dropped first (``posix_fadvise(DONTNEED)``), as on a freshly started node.
+
+Rounds go round-robin over the sizes (every size's state and Checkpointer exist at once: host
+memory for about twice the sum of the sizes, plus one restored copy at a time), so that load
+from other processes falls on all sizes alike. The medians over repeats are fitted per quantity
+with :func:`fit_line`. The temporary directory is removed afterwards, also on error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpumem.calibrate._schema import CalibrationError, Fields, check_float
+from gpumem.calibrate.fit import LinearFit, fit_line
+
+QUANTITIES = ("blocking_stall_s", "overlap_stall_s", "durable_s", "restore_s")
+MODES = ("blocking", "overlap", "streaming")
+BYTES_PER_PARAM = 12  # fp32 weight + AdamW exp_avg + exp_avg_sq
+MIN_SIZE = 1 << 20  # below this only fixed costs would be measured
+MAX_POINTS, MAX_REPEAT = 64, 1000
+
+
+@dataclass(frozen=True)
+class CheckpointPoint:
+    """The measurements at one size.
+
+    Attributes:
+        target_bytes: the state size asked for (parameters + optimizer state).
+        nbytes: tensor bytes the save staged (``SaveStats.nbytes``: the target plus AdamW step
+            counters and RNG states); the fits use this.
+        tensors: tensors in the saved state.
+        blocking_mode / overlap_mode: ``SaveStats.mode`` of the two kinds of save (``streaming``
+            when the state exceeded the staging budget).
+        samples: every repeat's seconds, per quantity in :data:`QUANTITIES`.
+    """
+
+    target_bytes: int
+    nbytes: int
+    tensors: int
+    blocking_mode: str
+    overlap_mode: str
+    samples: dict[str, tuple[float, ...]]
+
+    def median(self, quantity: str) -> float:
+        return statistics.median(self.samples[quantity])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"target_bytes": self.target_bytes, "nbytes": self.nbytes, "tensors": self.tensors,
+                "blocking_mode": self.blocking_mode, "overlap_mode": self.overlap_mode,
+                "samples": {q: list(self.samples[q]) for q in QUANTITIES}}  # fmt: skip
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> CheckpointPoint:
+        s = f.obj("samples")
+        assert s is not None
+        samples = {}
+        for q in QUANTITIES:
+            values = s.list(q, MAX_REPEAT)
+            if not values:
+                raise CalibrationError(f"{s.path(q)}: no samples; re-run `gpumem calibrate`")
+            samples[q] = tuple(check_float(v, f"{s.path(q)}[{i}]") for i, v in enumerate(values))
+        s.done()
+        out = cls(target_bytes=f.int("target_bytes", minimum=1), nbytes=f.int("nbytes", minimum=1),
+                  tensors=f.int("tensors", minimum=1), blocking_mode=f.str("blocking_mode", choices=MODES),
+                  overlap_mode=f.str("overlap_mode", choices=MODES), samples=samples)  # fmt: skip
+        f.done()
+        return out
+
+
+@dataclass(frozen=True)
+class CheckpointCost:
+    """Checkpoint cost lines of one directory (file system) and device.
+
+    Attributes:
+        directory: the directory measured (absolute).
+        filesystem: its file-system type from ``/proc/self/mountinfo`` (None where unknown).
+        device: ``cpu`` or ``cuda``: where the saved tensors lived.
+        repeat: repeats per size (medians are fitted).
+        points: the raw measurements, smallest size first.
+        fits: per quantity, ``seconds = a + b · bytes``.
+    """
+
+    directory: str
+    filesystem: str | None
+    device: str
+    repeat: int
+    points: tuple[CheckpointPoint, ...]
+    fits: dict[str, LinearFit] = field(default_factory=dict)
+
+    def predict(self, nbytes: int) -> dict[str, float]:
+        """Seconds of each quantity for a state of ``nbytes`` tensor bytes."""
+        return {q: self.fits[q].predict(nbytes) for q in QUANTITIES}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"directory": self.directory, "filesystem": self.filesystem, "device": self.device,
+                "repeat": self.repeat, "fits": {q: self.fits[q].to_dict() for q in QUANTITIES},
+                "points": [p.to_dict() for p in self.points]}  # fmt: skip
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> CheckpointCost:
+        fits_f = f.obj("fits")
+        assert fits_f is not None
+        fits = {}
+        for q in QUANTITIES:
+            sub = fits_f.obj(q)
+            assert sub is not None
+            fits[q] = LinearFit.from_fields(sub)
+        fits_f.done()
+        raw = f.list("points", MAX_POINTS)
+        points = tuple(CheckpointPoint.from_fields(Fields(p, f"{f.path('points')}[{i}]")) for i, p in enumerate(raw))
+        if len({p.nbytes for p in points}) < 2:
+            raise CalibrationError(
+                f"{f.path('points')}: {len(points)} point(s) of {len({p.nbytes for p in points})} distinct size(s); "
+                "a cost line needs two sizes or more: re-run `gpumem calibrate --sizes 64MiB,256MiB`"
+            )
+        out = cls(directory=f.str("directory"), filesystem=f.str("filesystem", optional=True),
+                  device=f.str("device", choices=("cpu", "cuda")), repeat=f.int("repeat", minimum=1),
+                  points=points, fits=fits)  # fmt: skip
+        f.done()
+        return out
+
+
+def measure_checkpoint(
+    directory: str | os.PathLike, sizes: Sequence[int] = (64 << 20, 256 << 20), *, device: str = "cpu",
+    repeat: int = 5, tensors: int = 96, warmup: int = 1, staging_bytes: int | None = None,
+    drop_cache: bool = True,
+) -> CheckpointCost:  # fmt: skip
+    """Measure save stalls, time to durable and restore at each size; fit a line per quantity.
+
+    Args:
+        directory: where the job's checkpoints will live (an existing directory); a temporary
+            ``.gpumem-calibrate-*`` subdirectory is used and removed afterwards.
+        sizes: state sizes in bytes (parameters + AdamW state), at least two different ones.
+        device: ``cpu`` or ``cuda`` (the state on the current CUDA device).
+        repeat: measured rounds per size (the median is fitted).
+        tensors: parameter tensors in the synthetic model (3× as many tensors are saved, plus
+            AdamW's step counters).
+        warmup: untimed rounds first (thread start-up, first-touch of files).
+        staging_bytes: the Checkpointer's staging cap (default: as a job's, see
+            ``gpumem.checkpoint.checkpointer.default_staging_bytes``).
+        drop_cache: drop the checkpoint files' page cache before each restore.
+
+    Raises:
+        CalibrationError: bad arguments, a missing directory, or no CUDA device for ``cuda``.
+        gpumem.CheckpointError: the Checkpointer itself failed (disk full, permissions).
+    """
+    sizes = _check_args(directory, sizes, device, repeat, tensors, warmup)
+    root_dir = Path(directory).resolve()
+    root = Path(tempfile.mkdtemp(prefix=".gpumem-calibrate-", dir=root_dir))
+    try:
+        with contextlib.ExitStack() as stack:
+            runs = [_SizeRun(stack, root / f"size-{i}", size, device, tensors, staging_bytes)
+                    for i, size in enumerate(sizes)]  # fmt: skip
+            # rounds go round-robin over the sizes: a burst of load from other processes then
+            # lands on every size alike instead of skewing one size's whole sample (the slope)
+            for r in range(warmup + repeat):
+                for run in runs:
+                    run.round(device, drop_cache, keep=r >= warmup)
+            points = [run.point() for run in runs]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    xs = [p.nbytes for p in points]
+    fits = {q: fit_line(xs, [p.median(q) for p in points]) for q in QUANTITIES}
+    return CheckpointCost(directory=str(root_dir), filesystem=filesystem_type(root_dir), device=device,
+                          repeat=repeat, points=tuple(points), fits=fits)  # fmt: skip
+
+
+def _check_args(directory, sizes, device, repeat, tensors, warmup) -> list[int]:
+    d = Path(directory)
+    if not d.is_dir():
+        raise CalibrationError(f"{d} is not a directory: pass the existing directory your checkpoints will live in")
+    if device not in ("cpu", "cuda"):
+        raise CalibrationError(f"device={device!r}: use 'cpu' or 'cuda'")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CalibrationError("device='cuda' but torch sees no CUDA device; use device='cpu'")
+    for name, v, lo, hi in (("repeat", repeat, 1, MAX_REPEAT), ("tensors", tensors, 1, 100_000),
+                            ("warmup", warmup, 0, 100)):  # fmt: skip
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            raise CalibrationError(f"{name}={v!r} must be an integer in [{lo}, {hi}]")
+    out = sorted({int(s) for s in sizes})
+    if len(out) < 2 or len(out) > MAX_POINTS:
+        raise CalibrationError(
+            f"sizes={list(sizes)!r}: give 2 to {MAX_POINTS} different sizes (e.g. 64MiB,256MiB); a cost "
+            "line a + b*bytes needs two"
+        )
+    floor = max(MIN_SIZE, BYTES_PER_PARAM * 2 * tensors)
+    if out[0] < floor:
+        raise CalibrationError(f"size {out[0]} bytes is below {floor} bytes ({MIN_SIZE >> 20} MiB): "
+                               "smaller states measure only fixed costs; use larger sizes")  # fmt: skip
+    return out
+
+
+def split_elements(elements: int, tensors: int) -> list[int]:
+    """Element counts of ``tensors`` parameters summing to ``elements``: a third are small
+    vectors (biases, norms) of ``elements // (256 · tensors)`` elements, the rest share the
+    remainder as evenly as integers allow (the larger ones first)."""
+    n_small = tensors // 3
+    small = max(1, elements // (256 * tensors)) if n_small else 0
+    rest = elements - n_small * small
+    n_big = tensors - n_small
+    if rest < n_big:
+        raise CalibrationError(f"{elements} elements cannot fill {tensors} tensors; use fewer tensors")
+    q, r = divmod(rest, n_big)
+    return [q + 1] * r + [q] * (n_big - r) + [small] * n_small
+
+
+def synthetic_state(nbytes: int, tensors: int = 96, device: str = "cpu", seed: int = 0) -> tuple[Any, Any]:
+    """A model of fp32 parameters and an AdamW optimizer after one step: ``nbytes`` of state.
+
+    The values are random (uniform), so no copy is made cheaper by zero pages. Returns
+    ``(model, optimizer)``; gradients are dropped again (a checkpoint does not hold them).
+    """
+    import torch
+
+    sizes = split_elements(nbytes // BYTES_PER_PARAM, tensors)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    model = torch.nn.Module()
+    model.params = torch.nn.ParameterList(
+        torch.nn.Parameter(torch.empty(n, device=device).uniform_(-1, 1, generator=gen)) for n in sizes
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    for p in model.parameters():
+        p.grad = torch.empty_like(p).uniform_(-1, 1, generator=gen)
+    opt.step()  # creates exp_avg and exp_avg_sq, with values
+    for p in model.parameters():
+        p.grad = None
+    return model, opt
+
+
+class _SizeRun:
+    """One size's synthetic state, its prepared Checkpointer (closed by ``stack``), its samples."""
+
+    def __init__(self, stack: contextlib.ExitStack, path: Path, size: int, device: str, tensors: int,
+                 staging_bytes: int | None):  # fmt: skip
+        from gpumem.checkpoint import Checkpointer
+
+        self.size = size
+        self.model, self.opt = synthetic_state(size, tensors, device)
+        # entered through the stack: closed on the way out, and its __exit__ never hides an error
+        self.ckpt = stack.enter_context(Checkpointer(path, keep=1, staging_bytes=staging_bytes))
+        self.ckpt.prepare(self.model, self.opt, background=False)
+        self.samples: dict[str, list[float]] = {q: [] for q in QUANTITIES}
+        self.modes: dict[str, str] = {}
+        self.nbytes, self.step = 0, 0
+
+    def round(self, device: str, drop_cache: bool, keep: bool) -> None:
+        row, self.modes, self.nbytes = _round(self.ckpt, self.model, self.opt, self.step, device, drop_cache)
+        self.step += 2
+        if keep:
+            for q in QUANTITIES:
+                self.samples[q].append(row[q])
+
+    def point(self) -> CheckpointPoint:
+        n_tensors = len(self.model.state_dict()) + sum(len(s) for s in self.opt.state.values())
+        return CheckpointPoint(target_bytes=self.size, nbytes=self.nbytes, tensors=n_tensors,
+                               blocking_mode=self.modes["blocking"], overlap_mode=self.modes["overlap"],
+                               samples={q: tuple(v) for q, v in self.samples.items()})  # fmt: skip
+
+
+def _round(ckpt: Any, model: Any, opt: Any, step: int, device: str, drop_cache: bool):
+    """One blocking save, one overlap save (worst case) and one restore."""
+    import torch
+
+    ckpt.wait()
+    blocking = ckpt.save(step, model=model, optimizer=opt, blocking=True)
+    ckpt.wait()
+    overlap = ckpt.save(step + 1, model=model, optimizer=opt)
+    opt.step()  # no gradients: updates nothing, but its pre-hook waits for the background copy
+    ckpt.wait()
+    if drop_cache:
+        info = ckpt.latest()
+        if info is not None:
+            drop_page_cache(Path(info.path))
+    t0 = time.perf_counter()
+    restored = ckpt.restore(model=model, optimizer=opt)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    restore_s = time.perf_counter() - t0
+    if restored != step + 1:
+        raise CalibrationError(f"restore() returned step {restored}, expected {step + 1}: the measurement is void")
+    row = {"blocking_stall_s": blocking.save_s, "overlap_stall_s": overlap.stall_s,
+           "durable_s": overlap.durable_s, "restore_s": restore_s}  # fmt: skip
+    return row, {"blocking": blocking.mode, "overlap": overlap.mode}, overlap.nbytes
+
+
+def drop_page_cache(path: Path) -> None:
+    """Ask the kernel to drop the cached pages of every file under ``path`` (a hint: network
+    file systems may keep client caches; where posix_fadvise is missing nothing happens)."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for p in path.rglob("*"):
+        if not p.is_file():
+            continue
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def filesystem_type(path: str | os.PathLike) -> str | None:
+    """The type of the file system holding ``path`` (``ext4``, ``xfs``, ``nfs4``, ``lustre``,
+    ``tmpfs`` ...), from the longest matching mount point in ``/proc/self/mountinfo``."""
+    target = os.path.realpath(path)
+    best, best_len = None, -1
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, sep, right = line.partition(" - ")
+                parts = left.split()
+                if not sep or len(parts) < 5 or not right.split():
+                    continue
+                mount = _unescape(parts[4])
+                inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) > best_len:
+                    best, best_len = right.split()[0], len(mount)
+    except OSError:
+        return None
+    return best
+
+
+def _unescape(field: str) -> str:
+    """mountinfo escapes space, tab, newline and backslash as octal (``\\040``)."""
+    for code, ch in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, ch)
+    return field
