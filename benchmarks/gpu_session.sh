@@ -92,6 +92,8 @@ EOF
 
   step bench_checkpoint_gpu 100 $PY benchmarks/bench_checkpoint.py --device cuda --sizes 1GB
   step bench_triton_crc32c 75 $PY benchmarks/bench_triton_crc32c.py --size 1G
+  step calibrate_gpu 45 $PY -m gpumem calibrate --device cuda --sizes 256MiB,1GiB --repeat 3 \
+    --dir /tmp --out "$LOGS/calibration_gpu.json"
   step doctor 25 $PY -m gpumem doctor
   step bench_native 25 $PY benchmarks/bench_native.py --size 256M --no-write --no-triton --name native_gpu_box
 else
@@ -100,13 +102,14 @@ fi
 
 # What comes back (8 files at most): the tables, the test log, the probe, the summary, all logs.
 for f in triton_crc32c checkpoint_gpu native_gpu_box; do  # written by this run, not a committed one
-  [ "benchmarks/results/$f.md" -nt "$LOGS/gpu.txt" ] && cp "benchmarks/results/$f.md" "$LOGS/" "$OUT/"
+  [ "benchmarks/results/$f.md" -nt "$LOGS/gpu.txt" ] && cp "benchmarks/results/$f.md" "$OUT/"
 done
 [ -f "$LOGS/gpu_tests.log" ] && cp "$LOGS/gpu_tests.log" "$OUT/"
 [ -f "$LOGS/probe.log" ] && cp "$LOGS/probe.log" "$OUT/"
 {  # the results tables last: the device tool returns the end of the output
   echo "== machine =="; cat "$LOGS/gpu.txt"
   echo "== probe =="; cat "$LOGS/probe.log" 2>/dev/null
+  echo "== calibrate --device cuda =="; cat "$LOGS/calibrate_gpu.log" 2>/dev/null
   echo "== gpu tests =="; tail -n 25 "$LOGS/gpu_tests.log" 2>/dev/null
   echo "== steps =="; printf '%s\n' "${status[@]}" | { column -t -s '|' 2>/dev/null || tr '|' ' '; }
   echo "== results tables =="

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpumem import _strict_json as strict_json
 from gpumem.calibrate._schema import REDO, CalibrationError, Fields, check_int, utc_now
 from gpumem.calibrate.checkpoint_cost import QUANTITIES as _QUANTS
 from gpumem.calibrate.checkpoint_cost import CheckpointCost, measure_checkpoint
@@ -205,25 +206,10 @@ class Calibration:
     @classmethod
     def from_json(cls, text: str | bytes) -> Calibration:
         try:
-            data = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
-        except CalibrationError:
-            raise
-        except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, nesting
+            data = strict_json.loads(text)
+        except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, duplicate keys, NaN, nesting
             raise CalibrationError(f"not valid JSON: {str(exc)[:200]}; {REDO}") from None
         return cls.from_dict(data)
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise CalibrationError(f"duplicate key {k!r}: the file was edited or damaged; {REDO}")
-        out[k] = v
-    return out
-
-
-def _no_constant(name: str) -> Any:
-    raise CalibrationError(f"{name} is not a number a calibration can hold; {REDO}")
 
 
 def load(path: str | os.PathLike) -> Calibration:

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from gpumem import _strict_json as strict_json
+
 from ._core import crc32c
 from .errors import CheckpointCorruptError
 
@@ -112,7 +114,7 @@ def decode_manifest(data: bytes, path: str) -> tuple[dict[str, Any], int]:
             path=path,
         )
     try:
-        body = json.loads(payload, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+        body = strict_json.loads(payload)
     except (ValueError, RecursionError) as exc:
         raise CheckpointCorruptError(f"{path}: manifest JSON is invalid: {exc}", path=path) from None
     if not isinstance(body, dict):
@@ -134,19 +136,6 @@ def read_manifest(path: Path) -> tuple[dict[str, Any], int]:
     except OSError as exc:
         raise CheckpointCorruptError(f"{path}: cannot read manifest: {exc}", path=str(path)) from None
     return decode_manifest(data, str(path))
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"non-finite number {name} is not allowed")
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
