@@ -427,7 +427,7 @@ class Checkpointer:
 
     def restore(self, *, model: Any = None, optimizer: Any = None, scheduler: Any = None, scaler: Any = None,
                 stateful: dict[str, Any] | None = None, extra: dict[str, Any] | None = None, rng: bool = True,
-                path: str | os.PathLike | None = None, verify_loaded: bool = False) -> int | None:
+                path: str | os.PathLike | None = None, verify_loaded: bool = False, elastic: bool = False) -> int | None:
         """Load the newest valid checkpoint into the objects, in place.
 
         Every byte is verified before any object is touched; a damaged newer checkpoint is skipped
@@ -435,6 +435,13 @@ class Checkpointer:
         ``verify_loaded`` also checks the tensors after they are loaded, where they now live (on a
         GPU with the Triton CRC32C kernel): damage in the host-to-device copy or device memory is
         then caught too, at the cost of one more read of the state.
+
+        ``elastic`` restores a checkpoint saved by another number of ranks, when its model,
+        optimizer, scheduler and scaler state is replicated (DDP: checked against every rank's
+        manifest first): rank r loads saved rank r mod N. The rank's own parts (RNG states,
+        ``stateful``, ``extra``) come from that saved rank too: a sampler partitioned by rank
+        must re-partition itself, and ranks mapped to one saved rank draw the same random
+        numbers unless reseeded (or pass ``rng=False``).
 
         Returns:
             The restored step, or None when the directory holds no checkpoint at all.
@@ -444,7 +451,7 @@ class Checkpointer:
             CheckpointStateError: the checkpoint does not fit the objects (keys, shapes, world size).
         """
         from .persist import load_info, read_latest, step_dirs
-        from .restore import restore_tree
+        from .restore import check_replicated, restore_tree
         from .restore import verify_loaded as check_loaded
         from .state import apply, capture, check_targets
 
@@ -459,11 +466,16 @@ class Checkpointer:
             tree, shard, status, err = None, None, 2, None
             try:
                 info = load_info(cand)
+                src = g.rank
                 if info.world_size != g.world_size:
-                    raise CheckpointStateError(
-                        f"{cand} was saved by {info.world_size} ranks, this job has {g.world_size}; restore with "
-                        f"the same world size (resharding is not supported)")
-                tree, shard = restore_tree(cand, info, g.rank)
+                    if not elastic:
+                        raise CheckpointStateError(
+                            f"{cand} was saved by {info.world_size} ranks, this job has {g.world_size}; restore with the "
+                            "same world size, or pass elastic=True for replicated (DDP) state (resharding of "
+                            "sharded state is not supported)")
+                    check_replicated(cand, info)
+                    src = g.rank % info.world_size
+                tree, shard = restore_tree(cand, info, src)
                 check_targets(tree, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, stateful=stateful)
             except CheckpointCorruptError as exc:
                 status, err = 1, exc

@@ -180,6 +180,44 @@ def verify(path: str | os.PathLike) -> CheckpointInfo:
     return info
 
 
+# the parts of a state tree every data-parallel replica holds alike; the rest is the rank's own
+REPLICATED_KEYS = ("model", "optimizer", "scheduler", "scaler")
+
+
+def check_replicated(path: Path, info: CheckpointInfo) -> None:
+    """Check from the shard manifests alone (no data read) that every rank saved the same
+    model, optimizer, scheduler and scaler state: the same tree and, tensor by tensor, the
+    same dtype, shape and chunk CRC32Cs. Then any rank's shard can seed a job of another size.
+
+    Raises:
+        CheckpointStateError: a rank's state differs (sharded state, FSDP or ZeRO, or replicas
+            that diverged), naming the first difference.
+        CheckpointCorruptError: a shard manifest is damaged.
+    """
+    from .errors import CheckpointStateError
+
+    def replicated(shard: ShardManifest) -> tuple[dict[str, Any], dict[str, Any]]:
+        state = shard.state if isinstance(shard.state, dict) else {}
+        tree = {k: state.get(k) for k in REPLICATED_KEYS}
+        tensors = {t.name: (t.dtype, t.shape, t.crc32c) for t in shard.tensors
+                   if t.name.split(".", 1)[0] in REPLICATED_KEYS}
+        return tree, tensors
+
+    ref_tree, ref_tensors = replicated(load_shard_manifest(path, info, 0))
+    for rank in range(1, info.world_size):
+        tree, tensors = replicated(load_shard_manifest(path, info, rank))
+        diff = next((k for k in REPLICATED_KEYS if tree[k] != ref_tree[k]), None)
+        if diff is None and tensors != ref_tensors:
+            names = sorted(set(tensors) ^ set(ref_tensors)) or sorted(
+                n for n in tensors if tensors[n] != ref_tensors[n])
+            diff = f"tensor {names[0]!r}"
+        if diff is not None:
+            raise CheckpointStateError(
+                f"{path}: rank {rank} saved another {diff} than rank 0, so its state is sharded (FSDP, ZeRO, "
+                "tensor or pipeline parallel) or its replicas diverged; only replicated (DDP) state restores "
+                f"on another world size: restore with {info.world_size} ranks")
+
+
 def restore_tree(path: Path, info: CheckpointInfo, rank: int) -> tuple[dict[str, Any], ShardManifest]:
     """The verified, decoded state tree of ``rank`` (tensors loaded into fresh host memory) and
     its shard manifest."""
