@@ -112,7 +112,7 @@ def resolve_checkpoint_times(args: argparse.Namespace, cal: Any, bill: Any) -> t
     best layout, the times predicted for the checkpoint that layout's ranks write: the weights
     and optimizer state of one GPU (``bill.model_states``; gradients are not saved; fp32 master
     weights are part of the optimizer state), with R = restore + ``--startup-s``; else the
-    planner's defaults. Returns the JSON record and text lines (None and [] without --calibration).
+    planner's defaults. Returns the JSON record (None without --calibration) and text lines.
     """
     given = {k: getattr(args, k) for k in ("stall_s", "persist_s", "restart_s")}
     startup = getattr(args, "startup_s", None)
@@ -143,6 +143,11 @@ def resolve_checkpoint_times(args: argparse.Namespace, cal: Any, bill: Any) -> t
                           extrapolated=fit.extrapolates(nbytes), directory=cal.checkpoint.directory,
                           checkpoint_device=cal.checkpoint.device)  # fmt: skip
             lines.append(_size_line(nbytes, cal, args.calibration, fit))
+    guessed = [k for k, v in given.items() if v is None]
+    if cal is None and guessed:
+        names = ", ".join(f"--{k.replace('_', '-')} {values[k][0]:g}" for k in guessed)
+        lines.append(f"checkpoint times are guesses ({names}): measure them on the job's storage with "
+                     "`gpumem calibrate --dir CKPT_DIR` and pass --calibration FILE")
     for key, value in given.items():
         if value is not None:
             values[key] = (value, f"--{key.replace('_', '-')}")

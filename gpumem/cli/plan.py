@@ -71,9 +71,12 @@ def run(args: argparse.Namespace) -> int:
         out["bill"] = bill.to_dict()
         text += ["", "best layout:", bill.table()]
     record, lines = resolve_checkpoint_times(args, cal, bill)  # sets args.stall_s / persist_s / restart_s
+    priced = args.mtbf_hours is not None or args.preemption_rate is not None or args.preempted_at_hours is not None
     if record is not None:
         out["calibration"] = record
         text += ["", *reserve_lines(args, cal, gpu), *lines]
+    elif lines and priced:  # say that C, P and R were guessed, and how to measure them
+        text += ["", *lines]
     if args.mtbf_hours is not None or args.preemption_rate is not None:
         e = economics(n_gpus=result.n_gpus, price_per_gpu_hour=args.price_per_gpu_hour,
                       mtbf_hours=args.mtbf_hours, preemption_rate=args.preemption_rate,

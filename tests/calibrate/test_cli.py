@@ -170,6 +170,15 @@ def test_bad_calibration_file_is_one_line(valid, tmp_path, capsys, cmd):
     assert "re-run `gpumem calibrate`" in err and err.count("\n") == 1
 
 
+def test_plan_says_which_checkpoint_times_are_guesses(capsys):
+    assert main(["plan", "gpt2", "--gpus", "8", "--mtbf-hours", "24", "--stall-s", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint times are guesses (--persist-s 60, --restart-s 300)" in out
+    assert "gpumem calibrate --dir CKPT_DIR" in out
+    assert main(["plan", "gpt2", "--gpus", "8"]) == 0  # no economics asked for: no such line
+    assert "guesses" not in capsys.readouterr().out
+
+
 def test_startup_needs_a_calibration(capsys):
     assert main(["plan", "gpt2", "--gpus", "8", "--mtbf-hours", "24", "--startup-s", "10"]) == 2
     assert "--startup-s adds to the restore time a calibration measured" in capsys.readouterr().err
