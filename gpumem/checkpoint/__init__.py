@@ -8,7 +8,7 @@ preemption handling and exact resume.
 
 Modules: format (manifests, validation), state (capture / rebuild), snapshot (layout, copies),
 persist (files, commit protocol, retention), lock (one job per directory), job (one save in flight), restore (read + verify),
-checkpointer (the API), preemption (PreemptionGuard).
+replicated (DDP state written once: owners, cross-rank checks), checkpointer (the API), preemption (PreemptionGuard).
 """
 
 from .checkpointer import Checkpointer

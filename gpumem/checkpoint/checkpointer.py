@@ -8,6 +8,10 @@ next step (an EMA written into the model, manual weight surgery, a second optimi
 parameters that is not the one passed to save()); use ``Checkpointer(..., overlap=False)`` or
 ``save(..., blocking=True)`` there. Buffers (BatchNorm running statistics), RNG states, scheduler,
 scaler, extras and stateful objects are always captured before save() returns.
+
+Replicated mode (``replicated=True``, for DDP): the model, optimizer, scheduler and scaler state
+every rank holds alike is written once in total, each tensor by one owner rank (see
+``replicated.py``); each rank copies, checksums and writes only what it owns plus its own state.
 """
 
 from __future__ import annotations
@@ -80,6 +84,17 @@ class Checkpointer:
         direct_io: write data files with O_DIRECT from the page-aligned arena: no second copy
             into the page cache (less CPU taken from training, no cache pollution). File systems
             that refuse O_DIRECT get buffered writes.
+        replicated: the model, optimizer, scheduler and scaler state is the same on every rank
+            (DDP): write each of its tensors once in total instead of once per rank. Every rank
+            computes the same owner for each tensor (largest first, to the rank with the fewest
+            bytes so far) and stages, checksums and writes only the tensors it owns plus its own
+            RNG states, ``extra`` and ``stateful`` objects: storage and per-rank write time drop
+            about world-size times, and so does the copy in blocking mode. In overlap mode the
+            optimizer hook waits only on ranks that still copy something they own. The save
+            checks that every rank captured the same structure (a mismatch fails it on every
+            rank with CheckpointStateError); values are taken from the owner, not compared. Any
+            Checkpointer restores such a checkpoint, on any world size with ``elastic=True``.
+            Not for sharded state (FSDP, ZeRO, tensor parallel).
 
     Example:
         >>> ckpt = gpumem.Checkpointer("ckpts", keep=3)                       # doctest: +SKIP
@@ -93,7 +108,7 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, keep: int | None = 3, staging_bytes: int | None = None,
                  *, overlap: bool = True, chunk_bytes: int = 1 << 20, alignment: int = 4096, direct_io: bool = True,
-                 segment_bytes: int = 256 << 20, lock_timeout_s: float = 120.0):
+                 segment_bytes: int = 256 << 20, lock_timeout_s: float = 120.0, replicated: bool = False):
         if keep is not None and (not isinstance(keep, int) or keep < 1):
             raise CheckpointStateError(f"keep={keep!r}: keep at least 1 checkpoint, or None for all")
         if chunk_bytes < 4096 or chunk_bytes & (chunk_bytes - 1) or alignment > chunk_bytes or alignment & (alignment - 1):
@@ -105,6 +120,9 @@ class Checkpointer:
         self.keep, self.staging_bytes, self.overlap = keep, budget, overlap
         self.chunk_bytes, self.alignment, self.direct_io = chunk_bytes, alignment, direct_io
         self.segment_bytes = segment_bytes
+        if not isinstance(replicated, bool):
+            raise CheckpointStateError(f"replicated={replicated!r} must be True or False")
+        self.replicated = replicated
         self._group = Group()
         self._arena: Any = None
         self._prep: _Prepare | None = None  # a staging allocation started by prepare()
@@ -160,6 +178,7 @@ class Checkpointer:
             kwargs = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler,
                       "extra": extra, "stateful": stateful, "rng": rng}
             tree, table = capture(step, **kwargs)
+            table, replication = self._share(table)
             plan = self._plans.plan(table.tensors, table.names, self.staging_bytes, self.alignment,
                                     self.chunk_bytes, self.segment_bytes)
             if plan.streaming:
@@ -179,7 +198,7 @@ class Checkpointer:
                           alignment=self.alignment, direct=self.direct_io, group=self._group, keep=self.keep,
                           versions=default_versions(), workers=self._workers,
                           side_stream=self._stream_for(table.has_cuda), t0=t0, zero_gaps=not zeroed,
-                          views=self._views)
+                          views=self._views, replication=replication)
             self._job = job
             self._last_save = (step, kwargs)
             self.history.append(job.stats)
@@ -191,6 +210,14 @@ class Checkpointer:
                 job.done.wait()
                 self._raise_job_error()
             return job.stats
+
+    def _share(self, table: Any) -> tuple[Any, Any]:
+        """(the tensors this rank writes, its Replication or None): all of them unless replicated."""
+        if not self.replicated:
+            return table, None
+        from .replicated import split
+
+        return split(table, self._group.rank, self._group.world_size)
 
     def prepare(self, model: Any = None, optimizer: Any = None, nbytes: int | None = None,
                 background: bool = True) -> int:
@@ -256,6 +283,7 @@ class Checkpointer:
         from .state import capture
 
         _, table = capture(0, model=model, optimizer=optimizer, rng=True)
+        table, _ = self._share(table)  # replicated: this rank's share
         plan = plan_layout(table.tensors, table.names, self.staging_bytes, self.alignment, self.chunk_bytes,
                            self.segment_bytes)
         return plan.arena_bytes + self.chunk_bytes
@@ -325,7 +353,7 @@ class Checkpointer:
         def wait_for_snapshot(opt: Any, args: Any, kwargs: Any) -> None:
             ckpt = ref()
             job = ckpt._job if ckpt is not None else None
-            if job is not None and job.mode == "overlap" and not job.staged.is_set():
+            if job is not None and job.defers and not job.staged.is_set():
                 t = time.perf_counter()
                 job.wait_staged()
                 job.stats.hook_wait_s += time.perf_counter() - t
@@ -437,11 +465,14 @@ class Checkpointer:
         then caught too, at the cost of one more read of the state.
 
         ``elastic`` restores a checkpoint saved by another number of ranks, when its model,
-        optimizer, scheduler and scaler state is replicated (DDP: checked against every rank's
-        manifest first): rank r loads saved rank r mod N. The rank's own parts (RNG states,
-        ``stateful``, ``extra``) come from that saved rank too: a sampler partitioned by rank
-        must re-partition itself, and ranks mapped to one saved rank draw the same random
-        numbers unless reseeded (or pass ``rng=False``).
+        optimizer, scheduler and scaler state is replicated: saved with ``replicated=True``
+        (declared at save time, so nothing more is checked), or else checked against every
+        rank's manifest first (DDP saves every rank's full copy). Rank r takes saved rank
+        r mod N's state; the replicated tensors of a ``replicated=True`` checkpoint come from
+        the shards that hold them. The rank's own parts (RNG states, ``stateful``, ``extra``)
+        come from that saved rank too: a sampler partitioned by rank must re-partition itself,
+        and ranks mapped to one saved rank draw the same random numbers unless reseeded (or
+        pass ``rng=False``).
 
         Returns:
             The restored step, or None when the directory holds no checkpoint at all.
@@ -473,7 +504,8 @@ class Checkpointer:
                             f"{cand} was saved by {info.world_size} ranks, this job has {g.world_size}; restore with the "
                             "same world size, or pass elastic=True for replicated (DDP) state (resharding of "
                             "sharded state is not supported)")
-                    check_replicated(cand, info)
+                    if not info.replicated:  # replicated=True declared it at save time
+                        check_replicated(cand, info)
                     src = g.rank % info.world_size
                 tree, shard = restore_tree(cand, info, src)
                 check_targets(tree, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, stateful=stateful)

@@ -15,6 +15,12 @@ body, so a flipped byte anywhere in the file is detected before the JSON is pars
 format is executed on load: JSON only, tensors are raw bytes whose dtype comes from an allow-list.
 The layout inside data files is canonical (first extent at 0, each next one at the aligned end of
 the previous one, the file ends with the last extent), so there is no room for hidden bytes.
+
+A *replicated* checkpoint (``Checkpointer(..., replicated=True)``) stores each tensor of the
+replicated sections (``REPLICATED_KEYS``) in one shard only: every manifest carries
+``"replicated": true`` and every shard manifest an ``owners`` map from each such tensor to the
+rank whose shard holds it. Its manifests are framed as version 2, so a reader that predates the
+field refuses them by version instead of reporting missing tensors; version 1 is still read.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ from gpumem import _strict_json as strict_json
 from ._core import crc32c
 from .errors import CheckpointCorruptError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # written for every checkpoint that is not replicated
+REPLICATED_VERSION = 2  # written for replicated ones: adds the "replicated" and "owners" fields
+READ_VERSIONS = (FORMAT_VERSION, REPLICATED_VERSION)
 MAIN_MANIFEST = "MANIFEST"
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step-(\d{1,19})$")
@@ -62,6 +70,10 @@ DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()}
 
 
+# the parts of a state tree every data-parallel replica holds alike; the rest is the rank's own
+REPLICATED_KEYS = ("model", "optimizer", "scheduler", "scaler")
+
+
 def shard_manifest_name(rank: int) -> str:
     return f"manifest-r{rank:05d}"
 
@@ -83,9 +95,11 @@ def align_up(n: int, alignment: int) -> int:
 
 
 def encode_manifest(body: dict[str, Any]) -> tuple[bytes, int]:
-    """Serialize a manifest body; returns (file bytes, manifest CRC32C)."""
+    """Serialize a manifest body; returns (file bytes, manifest CRC32C). A replicated
+    checkpoint's manifests are framed as version 2 (see the module docs)."""
     payload = json.dumps(body, separators=(",", ":"), allow_nan=False, sort_keys=False).encode()
-    prefix = f"gpumem-checkpoint {FORMAT_VERSION} {len(payload):012d} ".encode()
+    version = REPLICATED_VERSION if isinstance(body, dict) and body.get("replicated") is True else FORMAT_VERSION
+    prefix = f"gpumem-checkpoint {version} {len(payload):012d} ".encode()
     crc = crc32c(payload, crc32c(prefix))
     return prefix + f"{crc:08x}\n".encode() + payload, crc
 
@@ -108,9 +122,10 @@ def decode_manifest(data: bytes, path: str) -> tuple[dict[str, Any], int]:
             f"{path}: manifest CRC32C mismatch (stored {stored:08x}, computed {crc:08x})", path=path
         )
     version = int(m.group(1))
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         raise CheckpointCorruptError(
-            f"{path}: manifest format version {version}; this gpumem reads version {FORMAT_VERSION}",
+            f"{path}: manifest format version {version}; this gpumem reads versions "
+            f"{', '.join(map(str, READ_VERSIONS))}",
             path=path,
         )
     try:
@@ -169,6 +184,10 @@ class ShardManifest:
     tensors: tuple[TensorEntry, ...]
     state: Any  # tagged JSON tree; tensor references are checked against `tensors` by the decoder
     crc: int = 0
+    replicated: bool = False  # part of a replicated checkpoint: see `owners`
+    # replicated checkpoints: every replicated tensor -> the rank whose shard holds it (the same
+    # map in every shard); the tensors listed here are exactly those it maps to this rank
+    owners: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -192,6 +211,7 @@ class CheckpointInfo:
         manifest_crc32c: CRC32C of the main manifest (what ``latest`` carries).
         versions: gpumem / torch / python versions that wrote it.
         shards: one reference per rank.
+        replicated: the replicated state was written once, spread over the shards.
     """
 
     step: int
@@ -202,6 +222,7 @@ class CheckpointInfo:
     manifest_crc32c: int
     versions: dict[str, str] = field(default_factory=dict)
     shards: tuple[ShardRef, ...] = ()
+    replicated: bool = False
 
 
 class _Checker:
@@ -257,7 +278,9 @@ def parse_main(body: dict[str, Any], path: str, crc: int) -> CheckpointInfo:
             ShardRef(i, name, c.int_in(s, "crc32c", 0, 2**32 - 1, where), c.int_in(s, "nbytes", 0, MAX_FILE_BYTES, where))
         )
     nbytes = sum(s.nbytes for s in shards)
-    return CheckpointInfo(step, str(Path(path).parent), nbytes, float(created), world, crc, dict(versions), tuple(shards))
+    replicated = c.get(body, "replicated", bool) if "replicated" in body else False
+    return CheckpointInfo(step, str(Path(path).parent), nbytes, float(created), world, crc, dict(versions),
+                          tuple(shards), replicated)
 
 
 def parse_shard(body: dict[str, Any], path: str, crc: int) -> ShardManifest:
@@ -302,14 +325,48 @@ def parse_shard(body: dict[str, Any], path: str, crc: int) -> ShardManifest:
             expected = off + length
         if files[f] != expected:
             raise c.fail(f"{f}: listed as {files[f]} bytes, its extents end at {expected}")
-    return ShardManifest(rank, world, step, chunk, align, files, tuple(tensors), body.get("state"), crc)
+    replicated, owners = _parse_owners(c, body, rank, world, names)
+    return ShardManifest(rank, world, step, chunk, align, files, tuple(tensors), body.get("state"), crc,
+                         replicated, owners)
+
+
+def _parse_owners(c: _Checker, body: dict[str, Any], rank: int, world: int,
+                  names: set[str]) -> tuple[bool, dict[str, int]]:
+    """The optional replicated fields: ``"replicated": true`` and ``owners``, which must map each
+    replicated tensor to a rank of this world, and list here exactly the tensors it maps to this
+    rank (so, with the same map in every shard, each is stored exactly once)."""
+    replicated = c.get(body, "replicated", bool) if "replicated" in body else False
+    if not replicated:
+        if "owners" in body:
+            raise c.fail("manifest has field 'owners' but is not marked replicated")
+        return False, {}
+    raw = c.get(body, "owners", dict)
+    if len(raw) > MAX_TENSORS:
+        raise c.fail(f"manifest lists {len(raw)} tensor owners, over the {MAX_TENSORS} limit")
+    owners: dict[str, int] = {}
+    for name, owner in raw.items():
+        _check_name(c, name, "owners")
+        where = f"owner of tensor {name!r}"
+        if isinstance(owner, bool) or not isinstance(owner, int) or not 0 <= owner < world:
+            raise c.fail(f"{where} is {owner!r}, not a rank in [0, {world - 1}]", name)
+        if owner == rank and name not in names:
+            raise c.fail(f"tensor {name!r} is owned by this shard (rank {rank}) but missing from its tensors", name)
+        if owner != rank and name in names:
+            raise c.fail(f"tensor {name!r} is listed here (rank {rank}) but owned by rank {owner}: a replicated "
+                         "tensor is stored in exactly one shard", name)
+        owners[name] = owner
+    return True, owners
+
+
+def _check_name(c: _Checker, name: str, where: str) -> None:
+    if not 0 < len(name) <= MAX_NAME or any(ch in name for ch in "/\\\0"):
+        raise c.fail(f"{where}: name {name[:80]!r} is empty, too long or has a path separator")
 
 
 def _parse_tensor(c: _Checker, t: Any, i: int, chunk: int, align: int, files: dict[str, int]) -> TensorEntry:
     where = f"tensor #{i}"
     name = c.get(t, "name", str, where)
-    if not 0 < len(name) <= MAX_NAME or any(ch in name for ch in "/\\\0"):
-        raise c.fail(f"{where}: name {name[:80]!r} is empty, too long or has a path separator")
+    _check_name(c, name, where)
     where = f"tensor {name!r}"
     dtype = c.get(t, "dtype", str, where)
     if dtype not in DTYPES:

@@ -31,6 +31,7 @@ from . import persist
 from ._dist import Group
 from .errors import CheckpointBranchWarning, CheckpointError, CheckpointIOError
 from .format import DTYPE_NAMES, MAIN_MANIFEST, data_file_name, shard_manifest_name
+from .replicated import Replication, check_signatures, signature
 from .snapshot import HostViews, Plan, checksum_cpu_pieces, copy_pieces, tensor_crcs, zero_padding
 from .state import TensorTable
 
@@ -41,7 +42,7 @@ class SaveStats:
 
     Attributes:
         step: the step saved.
-        nbytes: tensor bytes staged.
+        nbytes: tensor bytes this rank staged (with replicated=True, its share).
         mode: "overlap", "blocking" or "streaming".
         save_s: time save() blocked the caller (including back-pressure from the previous save).
         hook_wait_s: time optimizer.step() waited for the background copy (overlap mode).
@@ -109,8 +110,9 @@ class SaveJob:
     def __init__(self, *, root: Path, step: int, tree: dict[str, Any], table: TensorTable, plan: Plan,
                  arena: Any, mode: str, chunk: int, alignment: int, direct: bool, group: Group, keep: int | None,
                  versions: dict[str, str], workers: tuple[Worker, Worker], side_stream: Any = None, t0: float,
-                 zero_gaps: bool = True, views: HostViews | None = None):
+                 zero_gaps: bool = True, views: HostViews | None = None, replication: Replication | None = None):
         self.root, self.step, self.tree, self.table, self.plan = root, step, tree, table, plan
+        self.replication = replication  # replicated save: what this rank owns and records (see replicated.py)
         self.arena, self.mode, self.chunk, self.alignment, self.direct = arena, mode, chunk, alignment, direct
         self.group, self.keep, self.versions, self.side_stream, self.t0 = group, keep, versions, side_stream, t0
         # False: the caller knows this plan's alignment gaps are still zero in this arena (see
@@ -119,6 +121,10 @@ class SaveJob:
         self.gaps_zero = False  # set once every batch's gaps are zero in the arena (not streaming)
         self.views = views if views is not None else HostViews()  # byte views of the CPU tensors
         self.stats = SaveStats(step, sum(p.nbytes for p in plan.pieces), mode)
+        # overlap mode: whether this rank copies tensors after save() returns, i.e. whether the
+        # optimizer hook must wait (a replicated save's rank that owns no parameter or optimizer
+        # state has nothing to copy later and never waits)
+        self.defers = mode == "overlap" and any(table.deferred[p.index] for p in plan.pieces)
         self.error: BaseException | None = None
         self.reported = False
         self.caller_failed = False
@@ -253,8 +259,25 @@ class SaveJob:
                 persist.prepare_tmp(self.root, self.step)
             except OSError as exc:
                 local_error, ok = CheckpointIOError.wrap(exc, f"creating {tmp}"), 0
-        if g.all_reduce(ok, "min") == 0:
-            raise local_error or CheckpointIOError(f"rank 0 could not create {tmp}; step {self.step} not saved")
+        # One collective tells every rank whether rank 0 created the directory and whether all
+        # ranks declared the same replicated state, before anything is written.
+        try:
+            sig = signature(self.tree, self.replication, self.chunk)
+        except Exception as exc:  # noqa: BLE001 - this rank must still join the collective
+            local_error, ok, sig = exc, 0, signature(self.tree, None, self.chunk)
+        gathered = g.all_gather([ok, *sig])
+        bad = [r for r, row in enumerate(gathered) if not row[0]]
+        if bad:
+            if g.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise local_error or CheckpointIOError(
+                f"rank(s) {bad} failed before writing (rank 0 creates {tmp}); step {self.step} was not saved")
+        try:
+            check_signatures([row[1:] for row in gathered])
+        except CheckpointError:
+            if g.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         files: dict[str, int] = {}
         # Batch b is written as soon as it is staged; its checksums are computed beside the write
         # (the disk is the bottleneck there), never beside the caller's copy (see _checksum_main).
@@ -385,9 +408,13 @@ class SaveJob:
              "nbytes": t.numel() * t.element_size(), "crc32c": crcs[i], "extents": extents[i]}
             for i, (name, t) in enumerate(zip(self.table.names, self.table.tensors))
         ]
-        return {"format": "gpumem-checkpoint-shard", "rank": self.group.rank, "world_size": self.group.world_size,
+        body = {"format": "gpumem-checkpoint-shard", "rank": self.group.rank, "world_size": self.group.world_size,
                 "step": self.step, "chunk_bytes": self.chunk, "alignment": self.alignment, "files": files,
-                "tensors": tensors, "state": self.tree}
+                "tensors": tensors}
+        if self.replication is not None:
+            body.update(replicated=True, owners=self.replication.owners)
+        body["state"] = self.tree  # last (the large part), after the fields that describe the shard
+        return body
 
     def _commit(self, tmp: Path, gathered: list[list[int]]) -> None:
         body = {
@@ -396,6 +423,8 @@ class SaveJob:
             "shards": [{"rank": r, "file": shard_manifest_name(r), "crc32c": crc, "nbytes": n}
                        for r, (_, crc, n) in enumerate(gathered)],
         }
+        if self.replication is not None:
+            body["replicated"] = True
         crc = persist.write_manifest(tmp / MAIN_MANIFEST, body)
         self.committed, moved = persist.commit(self.root, tmp, self.step, crc)
         self.stats.durable_s = time.perf_counter() - self.t0  # retention below is cleanup, not durability

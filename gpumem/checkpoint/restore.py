@@ -7,6 +7,10 @@ thread right after its bytes land, while they are still in cache. The alignment 
 extents is read too and must be zero, and the file sizes must match the manifest. Any mismatch
 raises CheckpointCorruptError naming the file and the tensor.
 
+A replicated checkpoint (``Checkpointer(..., replicated=True)``) holds each replicated tensor in
+one shard: a rank reads its own shard whole, then from each other shard only the extents of the
+replicated tensors it holds (``read_tensors``), each verified by its chunk CRC32Cs.
+
 Why buffered reads into torch's allocator: restoring is dominated by faulting in fresh memory
 (first touch costs about as much as the disk read on the VMs we measured), and torch's allocator
 hands back memory the process already faulted in when it has freed some (a job that restores
@@ -17,6 +21,7 @@ in a fresh process and in a warm one (a 2-vCPU VM, 865 MiB of state; read_file k
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -26,7 +31,15 @@ import torch
 
 from ._core import read_file
 from .errors import CheckpointCorruptError
-from .format import CheckpointInfo, ShardManifest, TensorEntry, parse_shard, read_manifest
+from .format import (
+    REPLICATED_KEYS,
+    CheckpointInfo,
+    ShardManifest,
+    TensorEntry,
+    parse_shard,
+    read_manifest,
+    shard_manifest_name,
+)
 from .persist import load_info
 
 
@@ -48,6 +61,9 @@ def load_shard_manifest(path: Path, info: CheckpointInfo, rank: int) -> ShardMan
     shard = parse_shard(body, str(file), crc)
     if shard.rank != rank or shard.world_size != info.world_size or shard.step != info.step:
         raise CheckpointCorruptError(f"{file}: rank/world size/step disagree with the main manifest", path=str(file))
+    if shard.replicated != info.replicated:
+        raise CheckpointCorruptError(f"{file}: marked replicated={shard.replicated}, the main manifest "
+                                     f"replicated={info.replicated}", path=str(file))
     if sum(t.nbytes for t in shard.tensors) != ref.nbytes:
         raise CheckpointCorruptError(f"{file}: tensor bytes differ from the main manifest", path=str(file))
     return shard
@@ -65,15 +81,16 @@ def _check_sizes(path: Path, shard: ShardManifest) -> None:
                 f"{file}: {actual} bytes on disk, manifest says {size} (truncated or damaged)", path=str(file))
 
 
-def _read_file(file: Path, extents: list[tuple[int, torch.Tensor, int]], chunk: int, crcs: np.ndarray) -> None:
+def _read_file(file: Path, extents: list[tuple[int, torch.Tensor, int]], chunk: int, crcs: np.ndarray,
+               padding: bool = True) -> None:
     """Read one data file's extents ``(offset, buffer, first CRC slot)`` and their chunk CRCs into
-    ``crcs``; the padding between extents must be zero."""
+    ``crcs``; with ``padding`` (the file's every extent) the bytes between them must be zero."""
     pieces: list[tuple[int, torch.Tensor]] = []
     index: list[int] = []
     gaps: list[tuple[int, torch.Tensor]] = []
     end = 0
     for off, buf, slot in sorted(extents, key=lambda x: x[0]):
-        if off > end:
+        if padding and off > end:
             gaps.append((end, torch.empty(off - end, dtype=torch.uint8)))
         pieces.append((off, buf))
         index.append(slot)
@@ -90,17 +107,17 @@ def _read_file(file: Path, extents: list[tuple[int, torch.Tensor, int]], chunk: 
                 f"{file}: alignment padding at bytes {off}-{off + gap.numel()} is not zero", path=str(file))
 
 
-def _check_crcs(path: Path, shard: ShardManifest, crcs: np.ndarray, base: list[int]) -> None:
-    expected = np.fromiter((c for e in shard.tensors for c in e.crc32c), dtype=np.int64, count=len(crcs))
+def _check_crcs(path: Path, entries: list[TensorEntry], chunk: int, crcs: np.ndarray, base: list[int]) -> None:
+    expected = np.fromiter((c for e in entries for c in e.crc32c), dtype=np.int64, count=len(crcs))
     bad = np.flatnonzero(crcs != expected)
     if not len(bad):
         return
     i = int(bad[0])
     t = int(np.searchsorted(np.asarray(base), i, side="right")) - 1
-    entry, k = shard.tensors[t], i - base[t]
-    lo = k * shard.chunk_bytes
+    entry, k = entries[t], i - base[t]
+    lo = k * chunk
     raise CheckpointCorruptError(
-        f"{_file_of(path, entry, lo)}: tensor {entry.name!r} bytes {lo}-{min(lo + shard.chunk_bytes, entry.nbytes)} "
+        f"{_file_of(path, entry, lo)}: tensor {entry.name!r} bytes {lo}-{min(lo + chunk, entry.nbytes)} "
         f"fail their CRC32C ({int(crcs[i]) & 0xFFFFFFFF:08x} != {int(expected[i]):08x})",
         path=str(_file_of(path, entry, lo)), tensor=entry.name)
 
@@ -122,38 +139,86 @@ def load_shard(path: Path, info: CheckpointInfo, rank: int, *, keep: bool = True
     stays bounded by the largest file.
     """
     shard = load_shard_manifest(path, info, rank)
+    return shard, read_tensors(path, shard, keep=keep)
+
+
+def read_tensors(path: Path, shard: ShardManifest, names: list[str] | None = None, *,
+                 keep: bool = True) -> dict[str, torch.Tensor]:
+    """Read and verify tensors of a shard whose manifest is loaded: all of them (``names``
+    None: every byte of its data files, the zero padding too) or only those named (only their
+    extents are read). Every chunk's CRC32C is checked; sizes of the shard's files too.
+
+    Returns:
+        name -> tensor (empty without ``keep``: then each file's buffers are dropped once read).
+
+    Raises:
+        CheckpointCorruptError: naming the file and the tensor.
+    """
     _check_sizes(path, shard)
+    if names is None:
+        entries = list(shard.tensors)
+    else:
+        held = {e.name: e for e in shard.tensors}
+        missing = [n for n in names if n not in held]
+        if missing:
+            raise CheckpointCorruptError(f"{path / shard_manifest_name(shard.rank)}: lacks tensor {missing[0]!r}",
+                                         path=str(path), tensor=missing[0])
+        entries = [held[n] for n in names]
+    chunk = shard.chunk_bytes
     base, slots = [], 0  # each tensor's first chunk-CRC slot
-    for entry in shard.tensors:
+    for entry in entries:
         base.append(slots)
         slots += len(entry.crc32c)
     crcs = np.zeros(slots, dtype=np.int64)
-    by_file: dict[str, list[tuple[int, int, int, int]]] = {f: [] for f in shard.files}
-    for t, entry in enumerate(shard.tensors):
+    by_file: dict[str, list[tuple[int, int, int, int]]] = {}
+    for t, entry in enumerate(entries):
         pos = 0
         for f, off, length in entry.extents:
-            by_file[f].append((t, pos, off, length))
+            by_file.setdefault(f, []).append((t, pos, off, length))
             pos += length
     buffers: dict[int, torch.Tensor] = {}
-    remaining = [len(e.extents) for e in shard.tensors]  # extents not read yet, per tensor
-    for f in sorted(shard.files):
+    remaining = [len(e.extents) for e in entries]  # extents not read yet, per tensor
+    # the whole shard: every file, empty ones included (their padding is checked, trivially)
+    files = sorted(shard.files) if names is None else sorted(by_file)
+    for f in files:
         extents, touched = [], []
-        for t, pos, off, length in by_file.pop(f):
+        for t, pos, off, length in by_file.pop(f, []):
             if t not in buffers:
-                buffers[t] = torch.empty(shard.tensors[t].nbytes, dtype=torch.uint8)
-            extents.append((off, buffers[t][pos : pos + length], base[t] + pos // shard.chunk_bytes))
+                buffers[t] = torch.empty(entries[t].nbytes, dtype=torch.uint8)
+            extents.append((off, buffers[t][pos : pos + length], base[t] + pos // chunk))
             touched.append(t)
-        _read_file(path / f, extents, shard.chunk_bytes, crcs)
+        _read_file(path / f, extents, chunk, crcs, padding=names is None)
         del extents
         for t in touched:
             remaining[t] -= 1
             if not keep and not remaining[t]:  # its checksums are taken: the bytes can go
                 del buffers[t]
-    _check_crcs(path, shard, crcs, base)
+    _check_crcs(path, entries, chunk, crcs, base)
     if not keep:
-        return shard, {}
-    return shard, {e.name: buffers[t].view(e.torch_dtype).view(e.shape) if e.nbytes else
-                   torch.empty(e.shape, dtype=e.torch_dtype) for t, e in enumerate(shard.tensors)}
+        return {}
+    return {e.name: buffers[t].view(e.torch_dtype).view(e.shape) if e.nbytes else
+            torch.empty(e.shape, dtype=e.torch_dtype) for t, e in enumerate(entries)}
+
+
+def read_replicated(path: Path, info: CheckpointInfo, shard: ShardManifest,
+                    out: dict[str, torch.Tensor]) -> tuple[TensorEntry, ...]:
+    """Add to ``out`` the replicated tensors ``shard`` refers to that other shards hold, each
+    read and verified from its owner's shard, whose manifest must agree with ``shard``'s
+    (``replicated.check_same``). Returns their manifest entries."""
+    from .replicated import check_same
+
+    wanted: dict[int, list[str]] = {}
+    for name, owner in shard.owners.items():
+        if owner != shard.rank:
+            wanted.setdefault(owner, []).append(name)
+    entries: list[TensorEntry] = []
+    for owner, names in sorted(wanted.items()):
+        other = load_shard_manifest(path, info, owner)
+        check_same(shard, other, path)
+        out.update(read_tensors(path, other, names))
+        held = {e.name: e for e in other.tensors}
+        entries.extend(held[n] for n in names)
+    return tuple(entries)
 
 
 def verify(path: str | os.PathLike) -> CheckpointInfo:
@@ -171,17 +236,21 @@ def verify(path: str | os.PathLike) -> CheckpointInfo:
     p = Path(path)
     if not p.is_dir():
         raise CheckpointCorruptError(f"{p}: not a checkpoint directory", path=str(p))
+    from .replicated import check_same
+    from .state import decode
+
     info = load_info(p)
-    for rank in range(info.world_size):
-        shard, _ = load_shard(p, info, rank, keep=False)
-        from .state import decode
-
-        decode(shard.state, {t.name: t for t in shard.tensors}, f"{p.name}.rank{rank}")
+    shards = [load_shard(p, info, rank, keep=False)[0] for rank in range(info.world_size)]
+    if info.replicated:  # one owners map in every shard, and each shard holds what it maps there
+        for shard in shards[1:]:
+            check_same(shards[0], shard, p)
+    held = [{t.name: t for t in shard.tensors} for shard in shards]
+    for shard in shards:
+        tensors = dict(held[shard.rank])
+        # the union: each replicated tensor from the one shard that holds it
+        tensors.update((name, held[owner][name]) for name, owner in shard.owners.items())
+        decode(shard.state, tensors, f"{p.name}.rank{shard.rank}")
     return info
-
-
-# the parts of a state tree every data-parallel replica holds alike; the rest is the rank's own
-REPLICATED_KEYS = ("model", "optimizer", "scheduler", "scaler")
 
 
 def check_replicated(path: Path, info: CheckpointInfo) -> None:
@@ -220,10 +289,15 @@ def check_replicated(path: Path, info: CheckpointInfo) -> None:
 
 def restore_tree(path: Path, info: CheckpointInfo, rank: int) -> tuple[dict[str, Any], ShardManifest]:
     """The verified, decoded state tree of ``rank`` (tensors loaded into fresh host memory) and
-    its shard manifest."""
+    its shard manifest. For a replicated checkpoint, the replicated tensors other shards hold
+    are read from them, and the returned manifest's ``tensors`` also lists their entries (every
+    tensor the tree holds, for ``verify_loaded``)."""
     from .state import decode
 
     shard, tensors = load_shard(path, info, rank)
+    if shard.replicated:
+        foreign = read_replicated(path, info, shard, tensors)
+        shard = dataclasses.replace(shard, tensors=shard.tensors + foreign)
     tree = decode(shard.state, tensors, f"{path.name}.rank{rank}")
     if not isinstance(tree, dict) or tree.get("step") != info.step:
         raise CheckpointCorruptError(f"{path}: rank {rank} state does not record step {info.step}", path=str(path))

@@ -42,12 +42,16 @@ class TensorTable:
         tensors: detached tensors without a lazy conjugate/negative bit.
         deferred: whether each tensor may be copied after save() returns.
         has_cuda: whether any tensor is on a CUDA device.
+        replicated_count: how many leading tensors came from the replicated sections (model,
+            optimizer, scheduler, scaler: ``format.REPLICATED_KEYS``), which capture() encodes
+            first; a tensor the rank's own state shares with them is one of those.
     """
 
     names: list[str] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
     deferred: list[bool] = field(default_factory=list)
     has_cuda: bool = False
+    replicated_count: int = 0
     _seen: dict[tuple, str] = field(default_factory=dict)
     _taken: set[str] = field(default_factory=set)
 
@@ -84,6 +88,13 @@ class TensorTable:
         self.deferred.append(deferred)
         self.has_cuda = self.has_cuda or t.is_cuda
         return name
+
+    def subset(self, indices: list[int]) -> TensorTable:
+        """The tensors at ``indices`` (in that order) as a table of their own, for writing only:
+        it cannot take more tensors (views already seen are not tracked)."""
+        tensors = [self.tensors[i] for i in indices]
+        return TensorTable(names=[self.names[i] for i in indices], tensors=tensors,
+                           deferred=[self.deferred[i] for i in indices], has_cuda=any(t.is_cuda for t in tensors))
 
 
 def _check_subclass(t: torch.Tensor, path: str) -> None:
@@ -301,6 +312,7 @@ def capture(
     for key, obj in (("scheduler", scheduler), ("scaler", scaler)):
         if obj is not None:
             tree[key] = encode(_state_dict_of(obj, key), key, table)
+    table.replicated_count = len(table.names)  # REPLICATED_KEYS come first; the rank's own state follows
     if extra is not None:
         if not isinstance(extra, dict):
             raise CheckpointStateError(f"extra must be a dict, got {type(extra).__name__}")

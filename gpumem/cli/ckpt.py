@@ -94,7 +94,8 @@ def _verify(args: argparse.Namespace) -> int:
     for p in _targets(Path(args.path)):
         try:
             info = verify(p)
-            print(f"OK       {p.name}: step {info.step}, {format_bytes(info.nbytes)}, {info.world_size} rank(s)")
+            kind = ", replicated state written once" if info.replicated else ""
+            print(f"OK       {p.name}: step {info.step}, {format_bytes(info.nbytes)}, {info.world_size} rank(s){kind}")
         except CheckpointCorruptError as exc:
             bad += 1
             print(f"CORRUPT  {p.name}: {exc}")
@@ -112,8 +113,10 @@ def _inspect(args: argparse.Namespace) -> int:
         body, crc = read_manifest(path / ref.file)
         shard = parse_shard(body, str(path / ref.file), crc)
         state = shard.state if isinstance(shard.state, dict) else {}
+        owned = [t for t in shard.tensors if t.name in shard.owners]  # replicated tensors this shard holds
         ranks.append({
             "rank": ref.rank, "tensors": len(shard.tensors), "nbytes": ref.nbytes, "files": shard.files,
+            "replicated_tensors": len(owned), "replicated_nbytes": sum(t.nbytes for t in owned),
             "chunk_bytes": shard.chunk_bytes, "sections": sorted(state),
             "extra": state.get("extra"),
             "tensor_list": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes}
@@ -121,7 +124,7 @@ def _inspect(args: argparse.Namespace) -> int:
         })
     out = {"path": str(path), "step": info.step, "world_size": info.world_size, "nbytes": info.nbytes,
            "created": info.created, "manifest_crc32c": f"{info.manifest_crc32c:08x}", "versions": info.versions,
-           "ranks": ranks}
+           "replicated": info.replicated, "ranks": ranks}
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -129,9 +132,15 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"{path}\n  step {info.step}, {format_bytes(info.nbytes)} of tensors, {info.world_size} rank(s), "
           f"created {created}, manifest crc32c {out['manifest_crc32c']}")
     print("  versions: " + ", ".join(f"{k} {v}" for k, v in info.versions.items()))
+    if info.replicated:
+        print(f"  replicated: model/optimizer/scheduler/scaler tensors written once "
+              f"({sum(r['replicated_tensors'] for r in ranks)} tensors, "
+              f"{format_bytes(sum(r['replicated_nbytes'] for r in ranks))}), spread over the ranks")
     for r in ranks:
-        print(f"  rank {r['rank']}: {r['tensors']} tensors, {format_bytes(r['nbytes'])} in {len(r['files'])} file(s); "
-              f"state: {', '.join(r['sections'])}")
+        held = (f" ({r['replicated_tensors']} replicated, {format_bytes(r['replicated_nbytes'])})"
+                if info.replicated else "")
+        print(f"  rank {r['rank']}: {r['tensors']} tensors{held}, {format_bytes(r['nbytes'])} in {len(r['files'])} "
+              f"file(s); state: {', '.join(r['sections'])}")
         if r["extra"] is not None:
             print(f"    extra: {json.dumps(r['extra'])[:200]}")
         for t in r["tensor_list"]:
