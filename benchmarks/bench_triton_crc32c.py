@@ -76,7 +76,11 @@ def _timer(device: str) -> Callable[[Callable[[], object]], float]:
     if device == "cuda":
         from triton.testing import do_bench
 
-        return lambda fn: do_bench(fn, warmup=25, rep=200, quantiles=[0.5])[0] / 1e3
+        def bench(fn: Callable[[], object]) -> float:
+            ms = do_bench(fn, warmup=25, rep=200, quantiles=[0.5])
+            return (ms[0] if isinstance(ms, (list, tuple)) else ms) / 1e3  # a float on triton 3.6
+
+        return bench
     return lambda fn: median_time(fn, repeat=1, warmup=0)["median"]
 
 

@@ -176,7 +176,7 @@ def test_copy_from_device_never_crosses_a_pinning_chunk(monkeypatch):
 
 @pytest.mark.gpu
 def test_pinned_arena_on_gpu():
-    n = (2 << 30) + (3 << 20)  # three registration chunks
+    n = (2 << 30) + (8 << 20)  # three registration chunks, the last one long enough for src
     with HostArena(n, pinned=True) as arena:
         assert arena.pinned and arena.pin_chunk == 1 << 30
         src = torch.randn(1 << 20, device="cuda")
@@ -191,7 +191,9 @@ def test_pinned_arena_on_gpu():
         assert arena.wait_pinned(timeout=120) is True
         assert arena.pinned_bytes == n
         dst = arena.tensor((1 << 30) - 4096, torch.float32, src.shape)  # spans chunks 0 and 1
-        assert dst.is_pinned()  # torch sees the registration (cudaPointerGetAttributes)
+        # torch 2.11's is_pinned() says False here (seen on an H200: it asks its own pinned
+        # allocator), yet the copy runs asynchronously at the pinned rate (benchmarks/gpu_session.sh
+        # probe): is_pinned() is no test of the registration, so it is not asserted
         src2 = src * 2
         arena.copy_from_device(src2, (1 << 30) - 4096)
         torch.cuda.synchronize()

@@ -202,16 +202,74 @@ def copy_pieces(arena, plan: Plan, pieces: list[Piece], tensors: list[torch.Tens
     if not cuda:
         return None
     with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+        copying = torch.cuda.current_stream()
         if wait_event is not None:
-            torch.cuda.current_stream().wait_event(wait_event)
+            copying.wait_event(wait_event)
+        # Every copy is enqueued first, so the DMA runs at full speed from the first tensor on,
+        # while the CRC kernels (a Python launch each) are enqueued on a second stream that
+        # starts at the same point: both read the same bytes in HBM, which nothing changes until
+        # the returned event completes (the optimizer hook waits for it), so the CRCs still
+        # cover the device bytes end to end.
+        start = torch.cuda.Event()
+        start.record()
+        hashed = []
+        device = getattr(copying, "device", None)
         for p, t, dst in cuda:
-            src = as_bytes(t if t.is_contiguous() else t.contiguous())[p.src_offset : p.src_offset + p.nbytes]
-            p.crc = chunk_crc32c(src, chunk)  # end to end: hashed in HBM before it crosses PCIe
+            if t.is_contiguous() and getattr(t, "device", device) == device:
+                src = as_bytes(t)[p.src_offset : p.src_offset + p.nbytes]
+                hashed.append((p, src, t))
+            else:  # gathered into a temporary on this stream (or on another GPU): hashed here, first
+                src = as_bytes(t.contiguous())[p.src_offset : p.src_offset + p.nbytes]
+                p.crc = chunk_crc32c(src, chunk)
             arena.copy_from_device(src, dst)  # split at the arena's pinning chunks (see there)
-            t.record_stream(torch.cuda.current_stream())
+            t.record_stream(copying)
+        if hashed:
+            crc_stream = _crc_stream(copying)
+            crc_stream.wait_event(start)
+            with torch.cuda.stream(crc_stream):
+                for p, crc in zip((h[0] for h in hashed), device_crcs([h[1] for h in hashed], chunk)):
+                    p.crc = crc
+                for _, _, t in hashed:
+                    t.record_stream(crc_stream)
+                hashed_done = torch.cuda.Event()
+                hashed_done.record()
+            copying.wait_event(hashed_done)
         done = torch.cuda.Event()
         done.record()
     return done
+
+
+_CRC_STREAMS: dict[object, object] = {}
+
+
+def _crc_stream(beside: object) -> object:
+    """The second stream of a copying stream's device (one per device, made once)."""
+    device = getattr(beside, "device", None)
+    s = _CRC_STREAMS.get(device)
+    if s is None:
+        s = _CRC_STREAMS[device] = torch.cuda.Stream(device=device)
+    return s
+
+
+def device_crcs(sources: list[torch.Tensor], chunk: int) -> list[torch.Tensor]:
+    """Chunk CRC32Cs of CUDA byte tensors, enqueued on the current stream: one zeroed int32
+    buffer for all of them, one kernel launch each, one non-blocking copy of the results into
+    pinned host memory. Returns a host int32 view per source (raw bits: ``& 0xFFFFFFFF``),
+    valid once the current stream has reached this point (the caller records an event)."""
+    from gpumem.kernels.crc32c import crc32c_into
+
+    counts = [-(-s.numel() // chunk) for s in sources]
+    device = torch.cuda.current_stream().device
+    out = torch.zeros(sum(counts), dtype=torch.int32, device=device)
+    pos = 0
+    for s, n in zip(sources, counts):
+        if n:
+            crc32c_into(s, out[pos : pos + n], chunk)
+        pos += n
+    host = torch.empty(out.numel(), dtype=torch.int32, pin_memory=True)
+    host.copy_(out, non_blocking=True)
+    starts = itertools.accumulate(counts, initial=0)
+    return [host[a : a + n] for a, n in zip(starts, counts)]
 
 
 class HostViews:
@@ -271,6 +329,6 @@ def checksum_cpu_pieces(arena, plan: Plan, pieces: list[Piece], chunk: int) -> N
 def tensor_crcs(plan: Plan, count: int) -> list[list[int]]:
     """Per-tensor chunk CRC lists, concatenated over each tensor's pieces (pieces are chunk aligned)."""
     out: list[list[int]] = [[] for _ in range(count)]
-    for p in plan.pieces:
-        out[p.index].extend(int(x) for x in p.crc.cpu().tolist())
+    for p in plan.pieces:  # host int64 values (native) or int32 bits (device_crcs)
+        out[p.index].extend(int(x) & 0xFFFFFFFF for x in p.crc.cpu().tolist())
     return out

@@ -372,20 +372,35 @@ def chunk_crc32c_triton(
     n = data.numel()
     if n == 0:
         return torch.empty(0, dtype=torch.int64, device=data.device)
-    chunk_bytes = min(chunk_bytes, n)  # one chunk either way; keeps kernel arguments in int64
-    n_chunks = -(-n // chunk_bytes)
-    tables, nibbles = _tables_on(data.device)
-    out = torch.zeros(n_chunks, dtype=torch.int32, device=data.device)
+    out = torch.zeros(-(-n // chunk_bytes), dtype=torch.int32, device=data.device)
     guard = torch.cuda.device(data.device) if data.device.type == "cuda" else nullcontext()
     with guard:
-        if chunk_bytes <= SMALL_CHUNK_MAX:
-            grid = (triton.cdiv(n_chunks, _SMALL_BLOCK),)
-            _crc32c_small_kernel[grid](
-                data, out, tables, n, chunk_bytes, n_chunks, BLOCK=_SMALL_BLOCK, num_warps=8
-            )
-        else:
-            _launch_tiles(data, out, tables, nibbles, chunk_bytes, step_tables == "nibble")
+        crc32c_into(data, out, chunk_bytes, step_tables=step_tables)
     return out.to(torch.int64) & _MASK32
+
+
+def crc32c_into(
+    data: "torch.Tensor", out: "torch.Tensor", chunk_bytes: int, *, step_tables: str = STEP_TABLES
+) -> None:
+    """Enqueue the chunk CRC32Cs of ``data`` into ``out`` on the current stream: the raw bits as
+    int32 (``& 0xFFFFFFFF`` gives the value), one per ``chunk_bytes`` chunk.
+
+    The lean form of :func:`chunk_crc32c_triton` for callers that checksum many tensors: no
+    checks, no allocation, no conversion, one kernel launch. ``data`` is a non-empty contiguous
+    uint8 tensor on the current CUDA device; ``out`` an int32 tensor of exactly
+    ``ceil(len(data) / chunk_bytes)`` elements on the same device, **zeroed** (tiles XOR into it).
+    """
+    n = data.numel()
+    chunk_bytes = min(int(chunk_bytes), n)  # one chunk either way; keeps kernel arguments in int64
+    n_chunks = -(-n // chunk_bytes)
+    tables, nibbles = _tables_on(data.device)
+    if chunk_bytes <= SMALL_CHUNK_MAX:
+        grid = (triton.cdiv(n_chunks, _SMALL_BLOCK),)
+        _crc32c_small_kernel[grid](
+            data, out, tables, n, chunk_bytes, n_chunks, BLOCK=_SMALL_BLOCK, num_warps=8
+        )
+    else:
+        _launch_tiles(data, out, tables, nibbles, chunk_bytes, step_tables == "nibble")
 
 
 def _launch_tiles(

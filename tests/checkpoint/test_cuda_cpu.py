@@ -121,6 +121,14 @@ def fake_cuda(monkeypatch):
         return real_crc(data, chunk)
 
     monkeypatch.setattr(snap, "chunk_crc32c", crc)
+    crc_stream = FakeStream("crc", log)
+    monkeypatch.setattr(snap, "_crc_stream", lambda beside: crc_stream)
+
+    def device_crcs(sources, chunk):  # the batched device CRCs: logged, computed natively
+        log.append(("device_crcs", [s.numel() for s in sources], cuda.current.name))
+        return [real_crc(s, chunk) for s in sources]
+
+    monkeypatch.setattr(snap, "device_crcs", device_crcs)
     return cuda
 
 
@@ -171,15 +179,21 @@ def test_side_stream_waits_copies_and_records_its_event_after_the_copies(fake_cu
         _check_bytes(arena, tensors, plan.pieces)
     assert cuda.current is cuda.compute  # the side stream is current only inside copy_pieces
     assert done.stream == "side"
+    start, hashed = (e[1] for e in cuda.log if e[0] == "record" and e[1] != done.name)
     assert cuda.log == [
         ("wait_event", "side", save_event.name),  # before the first read of a parameter
-        ("crc", 12000, "side"),  # hashed before the copy, on the stream that copies
-        ("copy", 0, 12000, "side"),
+        ("record", start, "side"),  # where the CRC stream starts: after that wait
+        ("copy", 0, 12000, "side"),  # the DMA is enqueued at once
         ("record_stream", "a", "side"),  # the allocator must not reuse it before the side stream ran
         ("contiguous", "b", "side"),  # the gathered copy is made (and freed) on the side stream
-        ("crc", 4800, "side"),
+        ("crc", 4800, "side"),  # ... and hashed there, before its copy
         ("copy", 12288, 4800, "side"),
         ("record_stream", "b", "side"),
+        ("wait_event", "crc", start),  # the CRCs read the same bytes, from the same point on
+        ("device_crcs", [12000], "crc"),
+        ("record_stream", "a", "crc"),
+        ("record", hashed, "crc"),
+        ("wait_event", "side", hashed),  # the returned event covers the CRCs too
         ("record", done.name, "side"),  # after every copy, on the stream that ran them
     ]
 
@@ -191,8 +205,10 @@ def test_without_a_side_stream_everything_runs_on_the_current_stream(fake_cuda):
         done = snap.copy_pieces(_logging_arena(arena, cuda), plan, plan.pieces, tensors, CHUNK)
         _check_bytes(arena, tensors, plan.pieces)
     assert done.stream == "compute"
-    assert not [e for e in cuda.log if e[0] == "wait_event"]
-    assert {e[-1] for e in cuda.log if e[0] in ("crc", "copy", "record_stream", "record")} == {"compute"}
+    assert [e for e in cuda.log if e[0] == "wait_event"] == [  # only the CRC stream's, both ways
+        ("wait_event", "crc", cuda.log[0][1]), ("wait_event", "compute", cuda.log[-3][1])]
+    assert {e[-1] for e in cuda.log if e[0] in ("crc", "copy", "record_stream", "record")} == {"compute", "crc"}
+    assert {e[-1] for e in cuda.log if e[0] == "copy"} == {"compute"}
     assert cuda.log[-1] == ("record", done.name, "compute")
 
 
@@ -228,7 +244,7 @@ def test_the_copy_event_is_synchronized_before_the_state_counts_as_staged(tmp_pa
         assert job.staged.is_set()
         _check_bytes(arena, tensors, [p for p in plan.pieces if mode == "blocking" or table.deferred[p.index]])
     syncs = [e for e in cuda.log if e[0] == "synchronize"]
-    records = [e for e in cuda.log if e[0] == "record"]
+    records = [e for e in cuda.log if e[0] == "record"][2:]  # after the CRC stream's start and end
     assert len(records) == 1 and records[0][2] == ("side" if mode == "overlap" else "compute")
     # the copy event, and in overlap mode the event of the buffers copied by save(), both waited
     # for while staged was still clear
