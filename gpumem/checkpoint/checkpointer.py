@@ -342,7 +342,7 @@ class Checkpointer:
         if self._side_stream is None and has_cuda:
             import torch
 
-            self._side_stream = torch.cuda.Stream()
+            self._side_stream = torch.cuda.Stream(priority=-1)  # ahead of training kernels (see snapshot._crc_stream)
         return self._side_stream
 
     def _hook(self, optimizer: Any) -> None:

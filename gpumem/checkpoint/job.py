@@ -47,6 +47,9 @@ class SaveStats:
         save_s: time save() blocked the caller (including back-pressure from the previous save).
         hook_wait_s: time optimizer.step() waited for the background copy (overlap mode).
         staged_s: from save() entry until every tensor was in host memory.
+        d2h_s: of that, the time from enqueuing the first device-to-host copy until the copies
+            and the device CRCs completed (0 without CUDA tensors); ``nbytes / d2h_s`` is the
+            snapshot's D2H throughput.
         durable_s: from save() entry until the checkpoint was committed.
         set_aside: checkpoints of an abandoned branch this save moved to ``abandoned/`` (it
             saved a step lower than committed ones; see ``persist.set_aside_newer``).
@@ -58,6 +61,7 @@ class SaveStats:
     save_s: float = 0.0
     hook_wait_s: float = 0.0
     staged_s: float = 0.0
+    d2h_s: float = 0.0
     durable_s: float = 0.0
     set_aside: tuple[str, ...] = ()
 
@@ -182,10 +186,12 @@ class SaveJob:
             if self.mode != "overlap":
                 self._zero_all_gaps()
             pieces = plan.pieces if want is None else [p for p in plan.pieces if want(p)]
+            t = time.perf_counter()
             ev = copy_pieces(self.arena, plan, pieces, tensors, self.chunk, stream=stream,
                              wait_event=wait_event, views=self.views)
             if ev is not None:  # no hook guards the parameters in blocking mode: the copy must be complete
                 ev.synchronize()
+                self.stats.d2h_s += time.perf_counter() - t
             if sync_event is not None:
                 sync_event.synchronize()
             with self._cond:
@@ -202,10 +208,12 @@ class SaveJob:
             if self.mode != "overlap":
                 zero_padding(self.arena, plan, b)
             pieces = [p for p in plan.batch_pieces(b) if want is None or want(p)]
+            t = time.perf_counter()
             ev = copy_pieces(self.arena, plan, pieces, tensors, self.chunk, stream=stream,
                              wait_event=wait_event, views=self.views)
             if ev is not None:  # no hook guards the parameters in blocking mode: the copy must be complete
                 ev.synchronize()
+                self.stats.d2h_s += time.perf_counter() - t
             if b == 0 and sync_event is not None:
                 sync_event.synchronize()
             with self._cond:
