@@ -91,6 +91,7 @@ except RuntimeError as exc:
 EOF
 
   step bench_checkpoint_gpu 100 $PY benchmarks/bench_checkpoint.py --device cuda --sizes 1GB
+  step diagnose_snapshot 40 $PY benchmarks/diagnose_snapshot_gpu.py
   step bench_triton_crc32c 75 $PY benchmarks/bench_triton_crc32c.py --size 1G
   step calibrate_gpu 45 $PY -m gpumem calibrate --device cuda --sizes 256MiB,1GiB --repeat 3 \
     --dir /tmp --out "$LOGS/calibration_gpu.json"
@@ -110,6 +111,7 @@ done
   echo "== machine =="; cat "$LOGS/gpu.txt"
   echo "== probe =="; cat "$LOGS/probe.log" 2>/dev/null
   echo "== calibrate --device cuda =="; cat "$LOGS/calibrate_gpu.log" 2>/dev/null
+  echo "== where the snapshot's D2H time goes =="; cat "$LOGS/diagnose_snapshot.log" 2>/dev/null
   echo "== gpu tests =="; tail -n 25 "$LOGS/gpu_tests.log" 2>/dev/null
   echo "== steps =="; printf '%s\n' "${status[@]}" | { column -t -s '|' 2>/dev/null || tr '|' ' '; }
   echo "== results tables =="

@@ -38,7 +38,9 @@ class Piece:
     nbytes: int
     batch: int
     offset: int
-    crc: torch.Tensor | None = None  # per-chunk CRCs (int64), set by the copy (CUDA) or the persist thread (CPU)
+    # per-chunk CRCs, set by the copy (CUDA: int32 bits in pinned memory, device_crcs) or by the
+    # persist thread (CPU: int64 values); tensor_crcs reads both
+    crc: torch.Tensor | None = None
 
 
 @dataclass
