@@ -28,11 +28,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_checkpoint import make_state  # noqa: E402
+from bench_checkpoint import make_state
 
-from gpumem.arena import HostArena  # noqa: E402
-from gpumem.checkpoint import snapshot  # noqa: E402
-from gpumem.checkpoint.snapshot import Piece, Plan  # noqa: E402
+from gpumem.arena import HostArena
+from gpumem.checkpoint import snapshot
+from gpumem.checkpoint.snapshot import Piece, Plan
 
 CHUNK = 4 << 20  # the Checkpointer's default chunk_bytes
 
