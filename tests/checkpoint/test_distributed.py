@@ -1,7 +1,6 @@
 """Two gloo ranks on CPU: per-rank shards, commit only when every rank is durable, agreed restore."""
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -14,14 +13,8 @@ from gpumem.checkpoint import CheckpointStateError
 HERE = os.path.dirname(__file__)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_ranks_gloo(tmp_path):
-    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env = dict(os.environ, WORLD_SIZE="2", INIT=f"file://{tmp_path.parent / (tmp_path.name + '.rendezvous')}")
     procs = [
         subprocess.Popen([sys.executable, os.path.join(HERE, "dist_worker.py"), str(tmp_path)],
                          env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

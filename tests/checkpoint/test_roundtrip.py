@@ -363,10 +363,9 @@ def test_dtensor_is_refused_with_a_clear_message(tmp_path):
     import textwrap
 
     code = textwrap.dedent(f"""
-        import os, socket, torch, torch.distributed as dist
-        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo", init_method={"file://" + str(tmp_path.parent / (tmp_path.name + ".rdzv"))!r},
+                                rank=0, world_size=1)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
         import gpumem
