@@ -8,8 +8,9 @@ host takes to enqueue it and when the GPU has finished it (median of ``--repeat`
 - one pinned copy of all the bytes (the ceiling);
 - the per-tensor copies into the arena alone (``HostArena.copy_from_device``, as the snapshot
   issues them);
-- the per-tensor device CRCs alone (``snapshot.device_crcs``: one launch per tensor);
-- ``snapshot.copy_pieces``, which does both (copies first, CRCs on a second stream).
+- the device CRCs alone (``snapshot.device_crcs``), one launch per tensor and one for all;
+- ``snapshot.copy_pieces``, which does both (copies first, CRCs on a second stream), with the
+  CRCs launched per tensor (the default) and in one launch (``GPUMEM_CRC_ONE_LAUNCH=1``).
 
 If the enqueue time of a part approaches its finish time, the host (Python per tensor, Triton's
 launch overhead) is the limit, not the GPU or the link. It prints a Markdown table; nothing is
@@ -19,6 +20,7 @@ asserted (benchmarks/gpu_session.sh runs it).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -82,10 +84,16 @@ def main() -> int:
     rows = [
         ("one pinned copy of all bytes (ceiling)", timed(lambda: pinned.copy_(flat, non_blocking=True), args.repeat)),
         (f"{len(srcs)} copies into the arena", timed(copies, args.repeat)),
-        (f"{len(srcs)} device CRCs (device_crcs)", timed(lambda: snapshot.device_crcs(srcs, CHUNK), args.repeat)),
+        (f"{len(srcs)} device CRCs, a launch each", timed(lambda: snapshot.device_crcs(srcs, CHUNK, one_launch=False),
+                                                          args.repeat)),
+        (f"{len(srcs)} device CRCs, one launch", timed(lambda: snapshot.device_crcs(srcs, CHUNK, one_launch=True),
+                                                       args.repeat)),
         ("both: snapshot.copy_pieces", timed(lambda: snapshot.copy_pieces(arena, plan, pieces, tensors, CHUNK),
                                              args.repeat)),
     ]
+    os.environ["GPUMEM_CRC_ONE_LAUNCH"] = "1"
+    rows.append(("both, GPUMEM_CRC_ONE_LAUNCH=1", timed(lambda: snapshot.copy_pieces(arena, plan, pieces, tensors,
+                                                                                      CHUNK), args.repeat)))
     ceiling = rows[0][1][1]
     print(f"state {total / 2**20:.2f} MiB in {len(srcs)} tensors on {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}, chunk {CHUNK >> 20} MiB")

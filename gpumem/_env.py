@@ -7,6 +7,7 @@
 | GPUMEM_DISABLE_CUDA       | 1: never load the CUDA runtime, treat as CPU machine | 0 |
 | GPUMEM_CUDA_LIBRARY       | path of libcudart to dlopen instead of searching     | (search) |
 | GPUMEM_STAGING_BYTES      | default host staging budget of the Checkpointer      | (fraction of RAM) |
+| GPUMEM_CRC_ONE_LAUNCH     | 1: a snapshot's device CRCs in one kernel launch     | 0 (one per tensor) |
 """
 
 from __future__ import annotations

@@ -237,6 +237,40 @@ def test_random_sizes_chunks_and_offsets(size, chunk, offset, seed):
     assert _triton(data, chunk) == _reference(data, chunk)
 
 
+@needs_triton
+@pytest.mark.parametrize("chunk", [1024, 4096, 12288])
+def test_one_launch_for_many_tensors(chunk):
+    """crc32c_many_into: one launch over tensors scattered in memory (offsets from the lowest
+    address, either order), short and multi-chunk, equal to google-crc32c per chunk; tensors it
+    cannot take (odd lengths, unaligned, empty) are handed back, in order, untouched."""
+    sizes = [8, chunk, chunk + 4, 3 * chunk + 1024, 20, 7, 0, 2 * chunk]
+    srcs = [_random_bytes(n + 4, seed)[4:].to(DEVICE) for seed, n in enumerate(sizes)]
+    srcs.append(_random_bytes(4 * chunk + 9, 99).to(DEVICE)[1 : 4 * chunk + 1])  # address not word aligned
+    srcs.reverse()  # the lowest address need not come first
+    counts = [-(-s.numel() // chunk) for s in srcs]
+    starts = [sum(counts[:i]) for i in range(len(srcs))]
+    out = torch.zeros(sum(counts), dtype=torch.int32, device=DEVICE)
+    left = K.crc32c_many_into(srcs, out, starts, chunk)
+    want_left = [i for i, s in enumerate(srcs) if s.numel() % 4 or not s.numel() or s.data_ptr() % 4]
+    assert left == want_left and len(left) == 3
+    got = (out.to(torch.int64) & 0xFFFFFFFF).cpu().tolist()
+    for i, (s, a, n) in enumerate(zip(srcs, starts, counts)):
+        if i in left:
+            assert got[a : a + n] == [0] * n  # not touched: the caller hashes these one by one
+        else:
+            assert got[a : a + n] == _reference(s, chunk), (i, s.numel())
+    again = torch.zeros_like(out)  # a second save of the same tensors reuses the cached table
+    K.crc32c_many_into(srcs, again, starts, chunk)
+    assert torch.equal(again, out)
+
+
+def test_one_launch_needs_the_tiled_kernel():
+    srcs = [torch.zeros(64, dtype=torch.uint8)]
+    out = torch.zeros(1, dtype=torch.int32)
+    assert K.crc32c_many_into(srcs, out, [0], K.SMALL_CHUNK_MAX) == [0]  # small chunks: per tensor
+    assert K.crc32c_many_into(srcs, out, [0], 4098) == [0]  # chunk not a multiple of 4
+
+
 # ---- lowering for a Hopper GPU, without one ------------------------------------------------
 
 _LOWER_SM90 = r"""
@@ -282,6 +316,12 @@ for words, nibbles, lanes in ((True, True, 1024), (True, False, 1024), (False, T
     ptx = lower(K._crc32c_tiles_kernel, sig, ce, max(1, min(8, lanes // 128)))
     assert "atom.global" in ptx and ".xor.b32" in ptx
     assert ("ld.global.cg.b32" if words else "ld.global.cg.b8") in ptx
+sig = {"X_ptr": "*i32", "OUT_ptr": "*i32", "TAB_ptr": "*i32", "NIB_ptr": "*i32", "PROG_ptr": "*i64",
+       "chunk_bytes": "i64", "tile_bytes": "i32", "tiles_per_chunk": "i32", "init_full": "i32",
+       "nbits": "i32", "LANES": "constexpr", "LOG2_LANES": "constexpr", "WORDS": "constexpr",
+       "NIBBLES": "constexpr"}
+ptx = lower(K._crc32c_multi_kernel, sig, {"LANES": 1024, "LOG2_LANES": 10, "WORDS": True, "NIBBLES": True}, 8)
+assert "atom.global" in ptx and "ld.global.cg.b32" in ptx and "ld.global.b64" in ptx
 sig = {"X_ptr": "*u8", "OUT_ptr": "*i32", "TAB_ptr": "*i32", "n_bytes": "i64",
        "chunk_bytes": "i32", "n_chunks": "i32", "BLOCK": "constexpr"}
 assert "st.global" in lower(K._crc32c_small_kernel, sig, {"BLOCK": 256}, 8)

@@ -256,24 +256,29 @@ def _crc_stream(beside: object) -> object:
     return s
 
 
-def device_crcs(sources: list[torch.Tensor], chunk: int) -> list[torch.Tensor]:
+def device_crcs(sources: list[torch.Tensor], chunk: int, one_launch: bool | None = None) -> list[torch.Tensor]:
     """Chunk CRC32Cs of CUDA byte tensors, enqueued on the current stream: one zeroed int32
-    buffer for all of them, one kernel launch each, one non-blocking copy of the results into
-    pinned host memory. Returns a host int32 view per source (raw bits: ``& 0xFFFFFFFF``),
-    valid once the current stream has reached this point (the caller records an event)."""
-    from gpumem.kernels.crc32c import crc32c_into
+    buffer for all of them, one kernel launch each (or, with ``one_launch``, one for all the
+    word-aligned ones: ``GPUMEM_CRC_ONE_LAUNCH``, off until measured faster on a GPU), one
+    non-blocking copy of the results into pinned host memory. Returns a host int32 view per
+    source (raw bits: ``& 0xFFFFFFFF``), valid once the current stream has reached this point
+    (the caller records an event)."""
+    from gpumem._env import env_flag
+    from gpumem.kernels.crc32c import crc32c_into, crc32c_many_into
 
     counts = [-(-s.numel() // chunk) for s in sources]
+    starts = list(itertools.accumulate(counts, initial=0))
     device = torch.cuda.current_stream().device
-    out = torch.zeros(sum(counts), dtype=torch.int32, device=device)
-    pos = 0
-    for s, n in zip(sources, counts):
-        if n:
-            crc32c_into(s, out[pos : pos + n], chunk)
-        pos += n
+    out = torch.zeros(starts[-1], dtype=torch.int32, device=device)
+    if one_launch if one_launch is not None else env_flag("GPUMEM_CRC_ONE_LAUNCH"):
+        rest = crc32c_many_into(sources, out, starts, chunk)
+    else:
+        rest = range(len(sources))
+    for i in rest:
+        if counts[i]:
+            crc32c_into(sources[i], out[starts[i] : starts[i + 1]], chunk)
     host = torch.empty(out.numel(), dtype=torch.int32, pin_memory=True)
     host.copy_(out, non_blocking=True)
-    starts = itertools.accumulate(counts, initial=0)
     return [host[a : a + n] for a, n in zip(starts, counts)]
 
 

@@ -217,26 +217,73 @@ def _crc32c_tiles_kernel(
     WORDS: tl.constexpr,
     NIBBLES: tl.constexpr,
 ):
-    """XOR one tile's contribution into OUT[chunk] (int32 bits of the chunk's CRC32C).
+    """XOR one tile's contribution into OUT[chunk] (int32 bits of the chunk's CRC32C); see
+    ``_tile_crc``. X_ptr points to int32 words (WORDS: 4-aligned start, chunk and length) or to
+    uint8 bytes."""
+    pid = tl.program_id(0).to(tl.int64)
+    chunk = pid // tiles_per_chunk
+    tile = pid - chunk * tiles_per_chunk
+    _tile_crc(X_ptr, OUT_ptr, TAB_ptr, NIB_ptr, 0, n_bytes, chunk, tile, chunk_bytes, tile_bytes,
+              init_full, init_last, nbits, LANES, LOG2_LANES, WORDS, NIBBLES)
+
+
+@triton.jit
+def _crc32c_multi_kernel(
+    X_ptr,
+    OUT_ptr,
+    TAB_ptr,
+    NIB_ptr,
+    PROG_ptr,
+    chunk_bytes,
+    tile_bytes,
+    tiles_per_chunk,
+    init_full,
+    nbits,
+    LANES: tl.constexpr,
+    LOG2_LANES: tl.constexpr,
+    WORDS: tl.constexpr,
+    NIBBLES: tl.constexpr,
+):
+    """The tiles kernel over many tensors in one launch. Program p reads row p of PROG (int64:
+    the tensor's byte offset from X_ptr, its length, the OUT index of its first chunk, the
+    tile's index within the tensor) and XORs that tile's contribution into OUT. A short last
+    chunk's init term is computed here (it differs per tensor)."""
+    row = PROG_ptr + tl.program_id(0).to(tl.int64) * 4
+    x_off = tl.load(row)
+    n_bytes = tl.load(row + 1)
+    out0 = tl.load(row + 2)
+    t = tl.load(row + 3)
+    chunk = t // tiles_per_chunk
+    tile = t - chunk * tiles_per_chunk
+    chunk_len = tl.minimum(n_bytes - chunk * chunk_bytes, chunk_bytes)
+    init_last = _shift(TAB_ptr, tl.full((), -1, tl.int32), chunk_len, nbits) ^ -1
+    _tile_crc(X_ptr, OUT_ptr + out0, TAB_ptr, NIB_ptr, x_off, n_bytes, chunk, tile, chunk_bytes,
+              tile_bytes, init_full, init_last, nbits, LANES, LOG2_LANES, WORDS, NIBBLES)
+
+
+@triton.jit
+def _tile_crc(
+    X_ptr, OUT_ptr, TAB_ptr, NIB_ptr, x_off, n_bytes, chunk, tile, chunk_bytes, tile_bytes,
+    init_full, init_last, nbits, LANES: tl.constexpr, LOG2_LANES: tl.constexpr,
+    WORDS: tl.constexpr, NIBBLES: tl.constexpr,
+):
+    """XOR tile ``tile`` of chunk ``chunk``'s contribution into OUT[chunk]; the message starts
+    ``x_off`` bytes (a multiple of 4 with WORDS) after X_ptr's first byte.
 
     The tile is front-padded with zero bytes to K steps of 4*LANES bytes (leading zeros leave a
     raw CRC unchanged). Lane l sees words w_{k*LANES+l}, k < K, and ends with
     r_l = XOR_k Z^(4*LANES*(K-1-k))(w_{k*LANES+l}), so
     raw(tile) = Z^4(XOR_l Z^(4*(LANES-1-l))(r_l)), the inner XOR being the tree below.
-    X_ptr points to int32 words (WORDS: 4-aligned start, chunk and length) or to uint8 bytes.
     NIBBLES: the per-step operator uses nibble tables (8 lookups/word, each in one cache line)
     instead of byte tables (4 lookups/word, each spread over up to 8 lines).
     """
-    pid = tl.program_id(0).to(tl.int64)
-    chunk = pid // tiles_per_chunk
-    tile = pid - chunk * tiles_per_chunk
     chunk_start = chunk * chunk_bytes
     chunk_len = tl.minimum(n_bytes - chunk_start, chunk_bytes)
     tile_start = tile * tile_bytes
     tile_len = tl.minimum(chunk_len - tile_start, tile_bytes)
     steps = tl.cdiv(tile_len, 4 * LANES)
     pad = steps * (4 * LANES) - tile_len  # zero bytes in front of the tile
-    base = chunk_start + tile_start - pad  # byte offset of the padded tile's first byte
+    base = x_off + chunk_start + tile_start - pad  # byte offset of the padded tile's first byte
     lane = tl.arange(0, LANES)
     r = tl.zeros([LANES], dtype=tl.int32)
     for k in range(steps):
@@ -401,6 +448,82 @@ def crc32c_into(
         )
     else:
         _launch_tiles(data, out, tables, nibbles, chunk_bytes, step_tables == "nibble")
+
+
+_MULTI_TABLES: dict[tuple, "torch.Tensor"] = {}  # (device, chunk, addresses, lengths) -> PROG
+
+
+def crc32c_many_into(
+    sources: "list[torch.Tensor]", out: "torch.Tensor", starts: list[int], chunk_bytes: int,
+    *, step_tables: str = STEP_TABLES,
+) -> list[int]:
+    """Enqueue the chunk CRC32Cs of many tensors in ONE kernel launch on the current stream.
+
+    Source ``i`` (a contiguous uint8 tensor on the current CUDA device) gets its CRCs at
+    ``out[starts[i]:]`` (int32 bits, ``out`` zeroed, as in :func:`crc32c_into`). One launch
+    replaces one per tensor: with hundreds of tensors (a model and its optimizer state) the
+    per-launch host cost, not the GPU, bounds the per-tensor path. The kernel reaches every
+    source through byte offsets from the lowest-addressed one, from a table of
+    (offset, length, first CRC slot, tile) per program, cached per set of addresses (a
+    training job's tensors stay where they are from one checkpoint to the next).
+
+    Only word-aligned sources go in (address and length multiples of 4, ``chunk_bytes`` a
+    multiple of 4 above ``SMALL_CHUNK_MAX``); returns the indices of those left out, for
+    :func:`crc32c_into`.
+    """
+    import torch
+
+    chunk = int(chunk_bytes)
+    if chunk <= SMALL_CHUNK_MAX or chunk % 4:
+        return list(range(len(sources)))
+    take = [i for i, s in enumerate(sources) if s.numel() and s.numel() % 4 == 0 and s.data_ptr() % 4 == 0]
+    left = sorted(set(range(len(sources))) - set(take))
+    if not take:
+        return left
+    lanes = tile_lanes(chunk)
+    step = 4 * lanes
+    tile = min(step * _STEPS_PER_TILE, -(-chunk // step) * step)
+    tiles_per_chunk = -(-chunk // tile)
+    ptrs = [sources[i].data_ptr() for i in take]
+    lens = [sources[i].numel() for i in take]
+    device = sources[take[0]].device
+    key = (str(device), chunk, tuple(ptrs), tuple(lens), tuple(starts[i] for i in take))
+    prog = _MULTI_TABLES.get(key)
+    if prog is None:
+        n = np.asarray(lens, dtype=np.int64)
+        n_chunks = -(-n // chunk)
+        last = n - (n_chunks - 1) * chunk
+        counts = (n_chunks - 1) * tiles_per_chunk + -(-last // tile)
+        first = np.repeat(np.cumsum(counts) - counts, counts)
+        rows = np.empty((int(counts.sum()), 4), dtype=np.int64)
+        rows[:, 0] = np.repeat(np.asarray(ptrs, dtype=np.int64) - min(ptrs), counts)
+        rows[:, 1] = np.repeat(n, counts)
+        rows[:, 2] = np.repeat(np.asarray([starts[i] for i in take], dtype=np.int64), counts)
+        rows[:, 3] = np.arange(len(rows), dtype=np.int64) - first
+        prog = torch.from_numpy(rows).to(device)
+        if len(_MULTI_TABLES) >= 8:
+            _MULTI_TABLES.pop(next(iter(_MULTI_TABLES)))
+        _MULTI_TABLES[key] = prog
+    base = sources[take[ptrs.index(min(ptrs))]]
+    tables, nibbles = _tables_on(device)
+    _crc32c_multi_kernel[(prog.shape[0],)](
+        base.view(torch.int32),
+        out,
+        tables,
+        nibbles,
+        prog,
+        chunk,
+        tile,
+        tiles_per_chunk,
+        _as_i32(init_term(chunk)),
+        (chunk + 4).bit_length(),
+        LANES=lanes,
+        LOG2_LANES=int(math.log2(lanes)),
+        WORDS=True,
+        NIBBLES=step_tables == "nibble",
+        num_warps=max(1, min(8, lanes // 128)),
+    )
+    return left
 
 
 def _launch_tiles(

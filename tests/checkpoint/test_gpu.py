@@ -89,16 +89,19 @@ def test_cuda_restore_verifies_the_loaded_bytes_on_the_device(tmp_path, monkeypa
             ck.restore(model=model2, optimizer=opt2, verify_loaded=True)
 
 
-def test_device_crcs_match_the_native_crcs():
-    """The batched device CRCs (one buffer, one launch per tensor, one copy to pinned memory):
-    raw int32 bits per chunk, equal to the native CRC32C of the same bytes."""
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_device_crcs_match_the_native_crcs(one_launch):
+    """The batched device CRCs (one buffer, a launch per tensor or one for all, one copy to
+    pinned memory): raw int32 bits per chunk, equal to the native CRC32C of the same bytes."""
     from gpumem.checkpoint.snapshot import device_crcs
     from gpumem.checksum import chunk_crc32c
 
     g = torch.Generator().manual_seed(3)
-    hosts = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in (0, 1, 255, 4096, 70_001, 3 << 20)]
-    got = device_crcs([h.cuda() for h in hosts], CHUNK)
-    torch.cuda.current_stream().synchronize()
-    for h, crc in zip(hosts, got):
-        assert crc.device.type == "cpu" and crc.dtype == torch.int32
-        assert [x & 0xFFFFFFFF for x in crc.tolist()] == chunk_crc32c(h, CHUNK).tolist()
+    sizes = (0, 1, 255, 4096, 70_001, 70_004, 3 << 20, (3 << 20) + 12)
+    hosts = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+    for _ in range(2):  # the second time, the one-launch table comes from its cache
+        got = device_crcs([h.cuda() for h in hosts], CHUNK, one_launch=one_launch)
+        torch.cuda.current_stream().synchronize()
+        for h, crc in zip(hosts, got):
+            assert crc.device.type == "cpu" and crc.dtype == torch.int32
+            assert [x & 0xFFFFFFFF for x in crc.tolist()] == chunk_crc32c(h, CHUNK).tolist()
