@@ -129,6 +129,12 @@ class SaveJob:
         # optimizer hook must wait (a replicated save's rank that owns no parameter or optimizer
         # state has nothing to copy later and never waits)
         self.defers = mode == "overlap" and any(table.deferred[p.index] for p in plan.pieces)
+        # the one CUDA device of the deferred tensors (None: none, or several), for fence()
+        devices = {table.tensors[p.index].device for p in plan.pieces if table.deferred[p.index]}
+        one = next(iter(devices)) if len(devices) == 1 else None
+        self.fence_device = one.index if one is not None and one.type == "cuda" else None
+        self.copy_event: Any = None  # the background copy's completion event, once enqueued
+        self.enqueued = threading.Event()  # set once the background copy is enqueued (or failed)
         self.error: BaseException | None = None
         self.reported = False
         self.caller_failed = False
@@ -189,6 +195,8 @@ class SaveJob:
             t = time.perf_counter()
             ev = copy_pieces(self.arena, plan, pieces, tensors, self.chunk, stream=stream,
                              wait_event=wait_event, views=self.views)
+            self.copy_event = ev  # host pieces are copied by now; the device ones are ordered before ev
+            self.enqueued.set()
             if ev is not None:  # no hook guards the parameters in blocking mode: the copy must be complete
                 ev.synchronize()
                 self.stats.d2h_s += time.perf_counter() - t
@@ -239,6 +247,26 @@ class SaveJob:
 
     def wait_staged(self) -> None:
         self.staged.wait()
+
+    def fence(self) -> bool:
+        """For the optimizer pre-step hook: order the calling thread's CUDA stream after the
+        background copy instead of blocking the CPU until the copy completes. The optimizer's
+        kernels queue behind it, so no parameter changes before it was read (the device CRCs
+        included), while the host goes on enqueueing. Waits on the CPU only until the copy is
+        enqueued (host pieces are copied by then). False when it cannot: the deferred tensors
+        live on several devices or the host only, or on a device that is not the caller's
+        current one, or the copy failed; the caller then waits for ``staged``."""
+        if self.fence_device is None:
+            return False
+        self.enqueued.wait()
+        ev = self.copy_event
+        if ev is None or self.error is not None or torch.cuda.current_device() != self.fence_device:
+            return False
+        stream = torch.cuda.current_stream()
+        if self._sync_event is not None:  # buffers copied by save() itself, on its stream
+            stream.wait_event(self._sync_event)
+        stream.wait_event(ev)
+        return True
 
     # ------------------------------------------------------------------ persist thread
 
@@ -457,6 +485,7 @@ class SaveJob:
             if self.error is None:
                 self.error = exc
             self._cond.notify_all()
+        self.enqueued.set()
         self.staged.set()
 
     def take_error(self) -> CheckpointError | None:

@@ -27,6 +27,8 @@ CHUNK = 4096
 
 
 class FakeStream:
+    device = torch.device("cuda", 0)
+
     def __init__(self, name: str, log: list):
         self.name, self.log = name, log
 
@@ -85,6 +87,7 @@ class FakeCudaTensor:
     """A CPU tensor that says it lives on a CUDA device and logs what the snapshot asks of it."""
 
     is_cuda, is_cpu = True, False
+    device = torch.device("cuda", 0)
 
     def __init__(self, real: torch.Tensor, cuda: FakeCuda, name: str):
         self.real, self.cuda, self.name = real, cuda, name
@@ -281,3 +284,62 @@ def test_a_cuda_rng_state_of_the_wrong_size_is_refused_before_anything_is_loaded
     check_targets({"step": 1, "rng": {**state, "cuda": good + [torch.zeros(3, dtype=torch.uint8)]}})  # 3rd: no device
     with pytest.raises(CheckpointCorruptError, match="CUDA RNG state 1 has 20 bytes, this torch's has 16"):
         check_targets({"step": 1, "rng": {**state, "cuda": [good[0], torch.zeros(20, dtype=torch.uint8)]}})
+
+
+def _overlap_job(tmp_path, cuda: FakeCuda, tensors, plan, deferred):
+    table = TensorTable(names=[f"t{i}" for i in range(len(tensors))], tensors=tensors, deferred=deferred,
+                        has_cuda=True)
+    arena = HostArena(32768, pinned=False)
+    job = SaveJob(root=tmp_path, step=1, tree={"step": 1}, table=table, plan=plan, arena=arena, mode="overlap",
+                  chunk=CHUNK, alignment=4096, direct=False, group=gpumem.checkpoint._dist.Group(), keep=None,
+                  versions={}, workers=(Worker("p"), Worker("c")), side_stream=FakeStream("side", cuda.log), t0=0.0)
+    return job, arena
+
+
+@pytest.mark.parametrize("current", [0, 1])
+def test_the_optimizer_hook_fences_its_stream_instead_of_waiting(tmp_path, fake_cuda, monkeypatch, current):
+    """Overlap mode on one CUDA device: the pre-step hook orders the optimizer's stream after
+    the background copy (its kernels queue behind it) rather than blocking the CPU until the copy
+    is done; on another current device it cannot, and the caller must wait for staged."""
+    cuda = fake_cuda
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    tensors, plan = _state(cuda)
+    job, arena = _overlap_job(tmp_path, cuda, tensors, plan, [True, True, False])
+    with arena:
+        assert job.fence_device == 0
+        job._sync_event = cuda.event()  # the buffers save() copied on the compute stream
+        job._sync_event.record()
+        job._produce(lambda p: job.table.deferred[p.index], FakeStream("side", cuda.log), None, job._sync_event)
+        assert job.enqueued.is_set() and job.copy_event is not None
+        cuda.log.clear()
+        assert job.fence() is (current == 0)
+    if current == 0:  # on the caller's (compute) stream: after the buffers' event and the copy's
+        assert cuda.log == [("wait_event", "compute", job._sync_event.name),
+                            ("wait_event", "compute", job.copy_event.name)]
+    else:
+        assert cuda.log == []
+
+
+def test_no_fence_for_host_only_or_mixed_devices(tmp_path, fake_cuda):
+    cuda = fake_cuda
+    tensors, plan = _state(cuda)
+    job, arena = _overlap_job(tmp_path, cuda, tensors, plan, [False, False, True])  # only the host tensor defers
+    with arena:
+        assert job.fence_device is None and job.fence() is False
+    other = FakeCudaTensor(torch.zeros(1000), cuda, "other")
+    other.device = torch.device("cuda", 1)
+    tensors[1] = other
+    job, arena = _overlap_job(tmp_path, cuda, tensors, plan, [True, True, False])  # two devices
+    with arena:
+        assert job.fence_device is None and job.fence() is False
+
+
+def test_a_failed_copy_releases_the_fence(tmp_path, fake_cuda, monkeypatch):
+    """A copy that fails before it is enqueued must not leave the optimizer hook waiting."""
+    cuda = fake_cuda
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    tensors, plan = _state(cuda)
+    job, arena = _overlap_job(tmp_path, cuda, tensors, plan, [True, True, False])
+    with arena:
+        job._fail(RuntimeError("copy failed"))
+        assert job.enqueued.is_set() and job.fence() is False and job.staged.is_set()

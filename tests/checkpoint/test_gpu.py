@@ -105,3 +105,25 @@ def test_device_crcs_match_the_native_crcs(one_launch):
         for h, crc in zip(hosts, got):
             assert crc.device.type == "cpu" and crc.dtype == torch.int32
             assert [x & 0xFFFFFFFF for x in crc.tolist()] == chunk_crc32c(h, CHUNK).tolist()
+
+
+def test_overlap_fence_keeps_the_step_behind_a_long_copy(tmp_path):
+    """A 512 MiB parameter takes ~10 ms to copy out; optimizer.step() right after save() must
+    still not change it before the copy and its CRCs have read it. The pre-step hook fences the
+    optimizer's stream (its kernels queue behind the copy) instead of blocking the host: the
+    restored values are the pre-step ones."""
+    model = torch.nn.Module()
+    model.p = torch.nn.Parameter(torch.randn(128 << 20, device="cuda"))
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model.p.grad = torch.ones_like(model.p)
+    before = model.p.detach().clone()
+    with gpumem.Checkpointer(tmp_path, chunk_bytes=4 << 20) as ck:
+        ck.prepare(nbytes=(512 << 20) + (64 << 20), background=False)
+        assert ck.save(1, model=model, optimizer=opt, rng=False).mode == "overlap"
+        opt.step()  # p -= 1, enqueued behind the fence
+        ck.wait()
+        assert torch.equal(model.p, before - 1)
+        model2 = torch.nn.Module()
+        model2.p = torch.nn.Parameter(torch.zeros_like(before))
+        assert ck.restore(model=model2, optimizer=torch.optim.SGD(model2.parameters(), lr=1.0)) == 1
+    assert torch.equal(model2.p, before)
