@@ -130,9 +130,11 @@ class SaveJob:
         # state has nothing to copy later and never waits)
         self.defers = mode == "overlap" and any(table.deferred[p.index] for p in plan.pieces)
         # the one CUDA device of the deferred tensors (None: none, or several), for fence()
-        devices = {table.tensors[p.index].device for p in plan.pieces if table.deferred[p.index]}
-        one = next(iter(devices)) if len(devices) == 1 else None
-        self.fence_device = one.index if one is not None and one.type == "cuda" else None
+        self.fence_device: int | None = None
+        if self.defers and table.has_cuda:
+            devices = {table.tensors[p.index].device for p in plan.pieces if table.deferred[p.index]}
+            one = next(iter(devices)) if len(devices) == 1 else None
+            self.fence_device = one.index if one is not None and one.type == "cuda" else None
         self.copy_event: Any = None  # the background copy's completion event, once enqueued
         self.enqueued = threading.Event()  # set once the background copy is enqueued (or failed)
         self.error: BaseException | None = None
