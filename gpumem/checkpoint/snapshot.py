@@ -210,8 +210,8 @@ def copy_pieces(arena, plan: Plan, pieces: list[Piece], tensors: list[torch.Tens
         # Every copy is enqueued first, so the DMA runs at full speed from the first tensor on,
         # while the CRC kernels (a Python launch each) are enqueued on a second stream that
         # starts at the same point: both read the same bytes in HBM, which nothing changes until
-        # the returned event completes (the optimizer hook waits for it), so the CRCs still
-        # cover the device bytes end to end.
+        # the returned event completes (the optimizer hook waits for it, or queues the step's
+        # kernels behind it), so the CRCs still cover the device bytes end to end.
         start = torch.cuda.Event()
         start.record()
         hashed = []
