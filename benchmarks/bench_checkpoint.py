@@ -41,7 +41,7 @@ from _report import machine_info, write_results
 import gpumem
 from gpumem.arena import HostArena
 from gpumem.units import format_bytes, parse_bytes
-from gpumem.writer import read_file, write_file
+from gpumem.writer import drop_page_cache, read_file, write_file
 
 
 class GPTish(torch.nn.Module):
@@ -75,16 +75,6 @@ def make_state(nbytes: int, d: int = 1024, device: str = "cpu"):
     for s in opt.state.values():
         tensors += [v for v in s.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
     return model, opt, tensors
-
-
-def drop_cache(paths) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def files_under(path: Path) -> list[Path]:
@@ -145,7 +135,7 @@ def bench_size(nbytes: int, root: Path, repeat: int) -> tuple[list[list[object]]
     r["raw_read_buffered"], r["raw_read_direct"] = [], []
     for _ in range(repeat):
         for direct in (False, True):
-            drop_cache([raw])
+            drop_page_cache([raw])
             t0 = time.perf_counter()
             if direct:
                 read_file(str(raw), [(0, out)], direct=True, threads=max(4, os.cpu_count() or 1))
@@ -200,7 +190,7 @@ def bench_size(nbytes: int, root: Path, repeat: int) -> tuple[list[list[object]]
     torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, ts_path)
     for i in range(repeat + 1):
         for key, files in (("restore", files_under(ck_dir)), ("torch_load", [ts_path])):
-            drop_cache(files)
+            drop_page_cache(files)
             elapsed = restore_in_child(key, ck_dir if key == "restore" else ts_path, nbytes)
             if i:
                 r[key].append(elapsed)
@@ -438,8 +428,8 @@ def bench_cuda(nbytes: int, root: Path, repeat: int, tokens: int = 8192) -> list
         [label, "training step (forward/backward/AdamW), no save", f"{m_base * 1e3:.1f} ms", "", f"{tokens} tokens"],
         [label, "overlap mode: stall of the step that saves", f"{m_stall * 1e3:.2f} ms",
          f"{m_stall / m_ceil * 100:.1f} % of D2H time",
-         f"max(step slowdown, save() + hook wait); target <= 5 %; copy finished {med(d2h_overlap) * 1e3:.1f} ms after "
-         f"save(); save() {med(save_call) * 1e3:.2f} ms, hook wait {med(hook_wait) * 1e3:.2f} ms"],
+         (f"max(step slowdown, save() + hook wait); target <= 5 %; copy finished {med(d2h_overlap) * 1e3:.1f} ms "
+          f"after save(); save() {med(save_call) * 1e3:.2f} ms, hook wait {med(hook_wait) * 1e3:.2f} ms")],
     ]
 
 

@@ -353,3 +353,16 @@ def test_dev_full_is_enospc():
     with pytest.raises(OSError) as info:
         write_file("/dev/full", [(0, b"x" * 10_000)], fsync=False)
     assert info.value.errno == errno.ENOSPC and info.value.filename == "/dev/full"
+
+
+def test_drop_page_cache_walks_directories_and_keeps_the_bytes(tmp_path):
+    from gpumem.writer import drop_page_cache
+
+    (tmp_path / "d").mkdir()
+    files = {tmp_path / "a.bin": b"x" * 10000, tmp_path / "d" / "b.bin": b"y" * 5000}
+    for f, data in files.items():
+        f.write_bytes(data)
+    drop_page_cache([tmp_path / "a.bin", tmp_path / "d"])  # a file, and a directory walked
+    assert all(f.read_bytes() == data for f, data in files.items())
+    with pytest.raises(FileNotFoundError):
+        drop_page_cache([tmp_path / "missing.bin"])

@@ -297,7 +297,9 @@ def _round(ckpt: Any, model: Any, opt: Any, step: int, device: str, drop_cache: 
     if drop_cache:
         info = ckpt.latest()
         if info is not None:
-            drop_page_cache(Path(info.path))
+            from gpumem.writer import drop_page_cache
+
+            drop_page_cache([info.path])
     t0 = time.perf_counter()
     restored = ckpt.restore(model=model, optimizer=opt)
     if device == "cuda":
@@ -308,24 +310,6 @@ def _round(ckpt: Any, model: Any, opt: Any, step: int, device: str, drop_cache: 
     row = {"blocking_stall_s": blocking.save_s, "overlap_stall_s": overlap.stall_s,
            "durable_s": overlap.durable_s, "restore_s": restore_s}  # fmt: skip
     return row, {"blocking": blocking.mode, "overlap": overlap.mode}, overlap.nbytes
-
-
-def drop_page_cache(path: Path) -> None:
-    """Ask the kernel to drop the cached pages of every file under ``path`` (a hint: network
-    file systems may keep client caches; where posix_fadvise is missing nothing happens)."""
-    if not hasattr(os, "posix_fadvise"):
-        return
-    for p in path.rglob("*"):
-        if not p.is_file():
-            continue
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
 
 
 def filesystem_type(path: str | os.PathLike) -> str | None:
