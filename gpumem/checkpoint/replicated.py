@@ -110,6 +110,12 @@ def check_signatures(gathered: list[list[int]]) -> None:
             "pipeline parallel) with replicated=False, or find where the replicas diverged")
 
 
+def replicated_trees(shard: ShardManifest) -> dict[str, Any]:
+    """The JSON trees of a shard's ``REPLICATED_KEYS`` sections (None where absent)."""
+    state = shard.state if isinstance(shard.state, dict) else {}
+    return {k: state.get(k) for k in REPLICATED_KEYS}
+
+
 def check_same(own: ShardManifest, other: ShardManifest, path: Path) -> None:
     """Two shards of one replicated checkpoint must record the same owners, chunk size and
     replicated trees (the save checked this; a difference means the files do not belong together).
@@ -128,10 +134,9 @@ def check_same(own: ShardManifest, other: ShardManifest, path: Path) -> None:
     if other.chunk_bytes != own.chunk_bytes:
         raise CheckpointCorruptError(
             f"{where} record chunk_bytes {other.chunk_bytes} and {own.chunk_bytes}", path=str(path))
-    mine = own.state if isinstance(own.state, dict) else {}
-    theirs = other.state if isinstance(other.state, dict) else {}
+    mine, theirs = replicated_trees(own), replicated_trees(other)
     for key in REPLICATED_KEYS:
-        if mine.get(key) != theirs.get(key):
+        if mine[key] != theirs[key]:
             raise CheckpointCorruptError(
                 f"{where} record different {key} state, though the checkpoint is replicated (written once, "
                 "spread over the shards): its shards do not belong together", path=str(path))

@@ -264,10 +264,10 @@ def check_replicated(path: Path, info: CheckpointInfo) -> None:
         CheckpointCorruptError: a shard manifest is damaged.
     """
     from .errors import CheckpointStateError
+    from .replicated import replicated_trees
 
     def replicated(shard: ShardManifest) -> tuple[dict[str, Any], dict[str, Any]]:
-        state = shard.state if isinstance(shard.state, dict) else {}
-        tree = {k: state.get(k) for k in REPLICATED_KEYS}
+        tree = replicated_trees(shard)
         tensors = {t.name: (t.dtype, t.shape, t.crc32c) for t in shard.tensors
                    if t.name.split(".", 1)[0] in REPLICATED_KEYS}
         return tree, tensors
