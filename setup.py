@@ -47,7 +47,9 @@ class CMakeBuild(build_ext):
         args += shlex.split(os.environ.get("GPUMEM_CMAKE_ARGS", ""))
         jobs = os.environ.get("GPUMEM_BUILD_JOBS", str(os.cpu_count() or 1))
         subprocess.run(["cmake", *args], check=True)
-        subprocess.run(["cmake", "--build", str(build_dir), "--config", cfg, "-j", jobs], check=True)
+        subprocess.run(
+            ["cmake", "--build", str(build_dir), "--config", cfg, "-j", jobs], check=True
+        )
 
 
 setup(ext_modules=[CMakeExtension("gpumem._C")], cmdclass={"build_ext": CMakeBuild})

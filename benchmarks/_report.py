@@ -33,7 +33,7 @@ def machine_info() -> dict[str, str]:
     for mod in ("torch", "triton", "numba", "numpy"):
         try:
             info[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - a missing optional package is reported, not fatal
+        except Exception:
             info[mod] = "not installed"
     try:
         import torch
@@ -43,7 +43,7 @@ def machine_info() -> dict[str, str]:
             info["cuda"] = str(torch.version.cuda)
         else:
             info["gpu"] = "none"
-    except Exception:  # noqa: BLE001
+    except Exception:
         info["gpu"] = "unknown"
     return info
 
@@ -93,7 +93,14 @@ def write_results(
     info = info or machine_info()
     header = "\n".join(f"- **{k}**: {v}" for k, v in info.items())
     table = markdown_table(columns, rows)
-    text = f"# {title}\n\n{header}\n- **command**: `{' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}`\n\n{table}\n"
+    text = (
+        f"# {title}\n"
+        "\n"
+        f"{header}\n"
+        f"- **command**: `{' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}`\n"
+        "\n"
+        f"{table}\n"
+    )
     if notes:
         text += f"\n{notes.strip()}\n"
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -6,8 +6,9 @@ larger third, measure the third in the same run, and report predicted vs measure
 
 Every size is measured by ``gpumem.calibrate.measure_checkpoint`` (the real Checkpointer: blocking
 save, overlap save in its worst case, time to durable, restore with the page cache dropped), in
-one call whose rounds go round-robin over the three sizes. The calibration line of each quantity is ``fit_line`` over the medians
-of the two calibration sizes only; the third size's medians are what it must predict. Baseline
+one call whose rounds go round-robin over the three sizes. The calibration line of each quantity
+is ``fit_line`` over the medians of the two calibration sizes only; the third size's medians are
+what it must predict. Baseline
 in the same run: proportional scaling of the largest calibration size (``t(s2) * s3 / s2``),
 the estimate a user makes without a fixed-cost term.
 """
@@ -26,8 +27,12 @@ from gpumem.calibrate import fit_line, measure_checkpoint
 from gpumem.calibrate.checkpoint_cost import QUANTITIES
 from gpumem.units import format_bytes, parse_bytes
 
-LABELS = {"blocking_stall_s": "save() stall, blocking", "overlap_stall_s": "save() + hook wait, overlap (worst case)",
-          "durable_s": "time to durable", "restore_s": "restore (page cache dropped)"}  # fmt: skip
+LABELS = {
+    "blocking_stall_s": "save() stall, blocking",
+    "overlap_stall_s": "save() + hook wait, overlap (worst case)",
+    "durable_s": "time to durable",
+    "restore_s": "restore (page cache dropped)",
+}
 
 
 def _err(pred: float, meas: float) -> str:
@@ -36,12 +41,22 @@ def _err(pred: float, meas: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="64MiB,256MiB", help="the two calibration sizes (default 64MiB,256MiB)")
-    ap.add_argument("--test-size", default=None, help="the size to predict (default 4x the largest)")
-    ap.add_argument("--repeat", type=int, default=5, help="measured rounds per size (median; default 5)")
+    ap.add_argument(
+        "--sizes", default="64MiB,256MiB", help="the two calibration sizes (default 64MiB,256MiB)"
+    )
+    ap.add_argument(
+        "--test-size", default=None, help="the size to predict (default 4x the largest)"
+    )
+    ap.add_argument(
+        "--repeat", type=int, default=5, help="measured rounds per size (median; default 5)"
+    )
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--dir", default=None, help="directory to measure in (default: the temporary directory)")
-    ap.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results alone")
+    ap.add_argument(
+        "--dir", default=None, help="directory to measure in (default: the temporary directory)"
+    )
+    ap.add_argument(
+        "--no-write", action="store_true", help="print only; leave benchmarks/results alone"
+    )
     args = ap.parse_args(argv)
     sizes = sorted(parse_bytes(s) for s in args.sizes.split(","))
     if len(sizes) != 2:
@@ -57,24 +72,58 @@ def main(argv: list[str] | None = None) -> int:
         pred, meas = fit.predict(test_pt.nbytes), test_pt.median(q)
         prop = cal_pts[1].median(q) * test_pt.nbytes / cal_pts[1].nbytes
         spread = f"{min(test_pt.samples[q]):.3f}-{max(test_pt.samples[q]):.3f}"
-        rows.append([LABELS[q], f"{fit.intercept_s:.4f} + {fit.seconds_per_byte * 2**30:.4f}/GiB",
-                     f"{pred:.3f}", f"{meas:.3f} ({spread})", _err(pred, meas), f"{prop:.3f}", _err(prop, meas)])  # fmt: skip
-    columns = ["quantity", "fit a (s) + b (s/GiB)", "predicted (s)", "measured (s), median (min-max)", "error",
-               "proportional (s)", "its error"]  # fmt: skip
-    points = "; ".join(f"{format_bytes(p.nbytes)}: " + ", ".join(f"{q} {p.median(q):.3f} s" for q in QUANTITIES)
-                       for p in cal_pts)  # fmt: skip
+        rows.append(
+            [
+                LABELS[q],
+                f"{fit.intercept_s:.4f} + {fit.seconds_per_byte * 2**30:.4f}/GiB",
+                f"{pred:.3f}",
+                f"{meas:.3f} ({spread})",
+                _err(pred, meas),
+                f"{prop:.3f}",
+                _err(prop, meas),
+            ]
+        )
+    columns = [
+        "quantity",
+        "fit a (s) + b (s/GiB)",
+        "predicted (s)",
+        "measured (s), median (min-max)",
+        "error",
+        "proportional (s)",
+        "its error",
+    ]
+    points = "; ".join(
+        f"{format_bytes(p.nbytes)}: " + ", ".join(f"{q} {p.median(q):.3f} s" for q in QUANTITIES)
+        for p in cal_pts
+    )
     where = f"tensors on {cost.device}, in {cost.directory} ({cost.filesystem})"
-    modes = ", ".join(f"{format_bytes(p.nbytes)} {p.blocking_mode}/{p.overlap_mode}" for p in cost.points)
-    sizes_line = (f"Calibrated at {format_bytes(xs[0])} and {format_bytes(xs[1])} of staged tensor bytes; "
-                  f"predicted {format_bytes(test_pt.nbytes)} ({test_pt.nbytes / xs[1]:.1f}x the largest); {where}; "
-                  f"median of {cost.repeat} rounds after one untimed round, round-robin over the three sizes.")
-    notes = "\n".join([
-        sizes_line,
-        f"Calibration medians: {points}.",
-        "Error = (predicted - measured) / measured. 'Proportional' scales the largest calibration size's time by",
-        f"bytes (no fixed cost): the baseline a fit with an intercept has to beat. Modes: {modes}.",
-        "A shared 2-vCPU VM with a virtual disk: the min-max spread of the measured size shows its noise.",
-    ])
+    modes = ", ".join(
+        f"{format_bytes(p.nbytes)} {p.blocking_mode}/{p.overlap_mode}" for p in cost.points
+    )
+    sizes_line = (
+        f"Calibrated at {format_bytes(xs[0])} and {format_bytes(xs[1])} of staged "
+        f"tensor bytes; predicted {format_bytes(test_pt.nbytes)} "
+        f"({test_pt.nbytes / xs[1]:.1f}x the largest); {where}; median of {cost.repeat} "
+        "rounds after one untimed round, round-robin over the three sizes."
+    )
+    notes = "\n".join(
+        [
+            sizes_line,
+            f"Calibration medians: {points}.",
+            (
+                "Error = (predicted - measured) / measured. 'Proportional' "
+                "scales the largest calibration size's time by"
+            ),
+            (
+                "bytes (no fixed cost): the baseline a fit with "
+                f"an intercept has to beat. Modes: {modes}."
+            ),
+            (
+                "A shared 2-vCPU VM with a virtual disk: the min-max "
+                "spread of the measured size shows its noise."
+            ),
+        ]
+    )
     title = "Calibration: predicted vs measured checkpoint times of an unseen size"
     if args.no_write:
         print(markdown_table(columns, rows))

@@ -51,11 +51,17 @@ class GPTish(torch.nn.Module):
         blocks = max(1, params // per_block)
         self.blocks = torch.nn.ModuleList()
         for _ in range(blocks):
-            self.blocks.append(torch.nn.ModuleDict({
-                "qkv": torch.nn.Linear(d, 3 * d), "proj": torch.nn.Linear(d, d),
-                "up": torch.nn.Linear(d, 4 * d), "down": torch.nn.Linear(4 * d, d),
-                "ln": torch.nn.LayerNorm(d),
-            }))
+            self.blocks.append(
+                torch.nn.ModuleDict(
+                    {
+                        "qkv": torch.nn.Linear(d, 3 * d),
+                        "proj": torch.nn.Linear(d, d),
+                        "up": torch.nn.Linear(d, 4 * d),
+                        "down": torch.nn.Linear(4 * d, d),
+                        "ln": torch.nn.LayerNorm(d),
+                    }
+                )
+            )
 
     def forward(self, x):
         for b in self.blocks:
@@ -71,7 +77,7 @@ def make_state(nbytes: int, d: int = 1024, device: str = "cpu"):
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()  # creates exp_avg / exp_avg_sq
-    tensors = [t for t in model.state_dict().values()]
+    tensors = list(model.state_dict().values())
     for s in opt.state.values():
         tensors += [v for v in s.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
     return model, opt, tensors
@@ -90,16 +96,29 @@ def bench_size(nbytes: int, root: Path, repeat: int) -> tuple[list[list[object]]
     total = sum(t.numel() * t.element_size() for t in tensors)
     label = format_bytes(total)
     print(f"state {label}: {len(tensors)} tensors", flush=True)
-    r: dict[str, list[float]] = {k: [] for k in (
-        "floor_torch", "floor_arena", "blocking", "overlap", "torch_save", "dcp", "durable", "raw_write",
-        "restore", "torch_load", "raw_read")}
+    r: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "floor_torch",
+            "floor_arena",
+            "blocking",
+            "overlap",
+            "torch_save",
+            "dcp",
+            "durable",
+            "raw_write",
+            "restore",
+            "torch_load",
+            "raw_read",
+        )
+    }
 
     # (a) floor: the same tensors into preallocated host buffers (torch copy_ and the native
     # arena), warm: back to back, right after a warm-up copy
     dst = [torch.empty_like(t) for t in tensors]
     for _ in range(repeat + 1):
         t0 = time.perf_counter()
-        for d_, s_ in zip(dst, tensors):
+        for d_, s_ in zip(dst, tensors, strict=True):
             d_.copy_(s_)
         r["floor_torch"].append(time.perf_counter() - t0)
     del dst
@@ -124,7 +143,9 @@ def bench_size(nbytes: int, root: Path, repeat: int) -> tuple[list[list[object]]
         for _ in range(repeat):
             raw.unlink(missing_ok=True)
             t0 = time.perf_counter()
-            write_file(str(raw), [(0, floor_arena.view(0, off))], size=off, fsync=True, direct=direct)
+            write_file(
+                str(raw), [(0, floor_arena.view(0, off))], size=off, fsync=True, direct=direct
+            )
             times.append(time.perf_counter() - t0)
         r["raw_write_direct" if direct else "raw_write_buffered"] = times
     r["raw_write"] = min(r["raw_write_direct"], r["raw_write_buffered"], key=med)
@@ -155,7 +176,9 @@ def bench_size(nbytes: int, root: Path, repeat: int) -> tuple[list[list[object]]
     ck_dir = root / "gpumem"
     # a budget that holds the whole state: the steady state of a job that checkpoints repeatedly
     ck = gpumem.Checkpointer(ck_dir, keep=1, staging_bytes=off + (64 << 20))
-    first = ck.save(0, model=model, optimizer=opt, rng=False, blocking=True)  # allocates + locks the arena
+    first = ck.save(
+        0, model=model, optimizer=opt, rng=False, blocking=True
+    )  # allocates + locks the arena
     ck.wait()
     first_save, locked = first.save_s, ck.staging_locked
     # each blocking save is paired with a floor copy right before it, so both copy after the same
@@ -242,25 +265,114 @@ def bench_size(nbytes: int, root: Path, repeat: int) -> tuple[list[list[object]]
         return f"runs {min(r[k]) * 1e3:.0f}-{max(r[k]) * 1e3:.0f} ms"
 
     rows = [
-        [label, "floor: copy into preallocated buffers, warm (back to back)", f"{floor * 1e3:.0f} ms", "1.00x",
-         f"{gbps / floor:.1f} GB/s; torch copy_ {m['floor_torch'] * 1e3:.0f} ms, native copy_in {m['floor_arena'] * 1e3:.0f} ms"],
-        [label, "floor, interleaved: copied right before each save", f"{m['floor_after_idle'] * 1e3:.0f} ms",
-         f"{m['floor_after_idle'] / floor:.2f}x", "same idle history and machine load as the save it precedes"],
-        [label, "gpumem save(), blocking", f"{m['blocking'] * 1e3:.0f} ms", f"{m['blocking'] / floor:.2f}x",
-         f"target <= 1.2x floor; {m['pair_ratio']:.2f}x the interleaved floor (median of per-pair ratios); {spread('blocking')}"],
-        [label, "gpumem save(), overlap, worst case", f"{m['overlap'] * 1e3:.0f} ms", f"{m['overlap'] / floor:.2f}x", "save() + hook wait, no compute to hide behind"],
-        [label, "torch.save", f"{m['torch_save'] * 1e3:.0f} ms", f"{m['torch_save'] / floor:.2f}x", ""],
-        [label, "dcp.async_save (until it returns)", f"{m['dcp'] * 1e3:.0f} ms", f"{m['dcp'] / floor:.2f}x", ""],
-        [label, "raw write + fdatasync (best of buffered / O_DIRECT)", f"{m['raw_write'] * 1e3:.0f} ms", "1.00x",
-         f"{gbps / m['raw_write']:.2f} GB/s; buffered {m['raw_write_buffered'] * 1e3:.0f} ms, O_DIRECT {m['raw_write_direct'] * 1e3:.0f} ms"],
-        [label, "gpumem time to durable", f"{m['durable'] * 1e3:.0f} ms", f"{m['durable'] / m['raw_write']:.2f}x",
-         f"target <= 1.2x raw; save() entry to committed; {spread('durable')}"],
-        [label, "gpumem streaming, budget = 1/4 state: stall", f"{m['stream_stall'] * 1e3:.0f} ms", f"{m['stream_stall'] / floor:.2f}x", "save() streams through the budget while writing"],
-        [label, "gpumem streaming, budget = 1/4 state: durable", f"{m['stream_durable'] * 1e3:.0f} ms", f"{m['stream_durable'] / m['raw_write']:.2f}x", "vs raw write + fdatasync"],
-        [label, "raw read into a warm buffer (best of buffered / O_DIRECT)", f"{m['raw_read'] * 1e3:.0f} ms", "1.00x",
-         f"{gbps / m['raw_read']:.2f} GB/s; buffered {m['raw_read_buffered'] * 1e3:.0f} ms, O_DIRECT {m['raw_read_direct'] * 1e3:.0f} ms"],
-        [label, "gpumem restore (verify + load), fresh process", f"{m['restore'] * 1e3:.0f} ms", f"{m['restore'] / m['raw_read']:.2f}x", f"torch.load time / this = {m['torch_load'] / m['restore']:.2f} (target > 1); {spread('restore')}"],
-        [label, "torch.load(weights_only) + load_state_dict", f"{m['torch_load'] * 1e3:.0f} ms", f"{m['torch_load'] / m['raw_read']:.2f}x", spread("torch_load")],
+        [
+            label,
+            "floor: copy into preallocated buffers, warm (back to back)",
+            f"{floor * 1e3:.0f} ms",
+            "1.00x",
+            (
+                f"{gbps / floor:.1f} GB/s; torch copy_ {m['floor_torch'] * 1e3:.0f} ms, "
+                f"native copy_in {m['floor_arena'] * 1e3:.0f} ms"
+            ),
+        ],
+        [
+            label,
+            "floor, interleaved: copied right before each save",
+            f"{m['floor_after_idle'] * 1e3:.0f} ms",
+            f"{m['floor_after_idle'] / floor:.2f}x",
+            "same idle history and machine load as the save it precedes",
+        ],
+        [
+            label,
+            "gpumem save(), blocking",
+            f"{m['blocking'] * 1e3:.0f} ms",
+            f"{m['blocking'] / floor:.2f}x",
+            (
+                f"target <= 1.2x floor; {m['pair_ratio']:.2f}x the interleaved "
+                f"floor (median of per-pair ratios); {spread('blocking')}"
+            ),
+        ],
+        [
+            label,
+            "gpumem save(), overlap, worst case",
+            f"{m['overlap'] * 1e3:.0f} ms",
+            f"{m['overlap'] / floor:.2f}x",
+            "save() + hook wait, no compute to hide behind",
+        ],
+        [
+            label,
+            "torch.save",
+            f"{m['torch_save'] * 1e3:.0f} ms",
+            f"{m['torch_save'] / floor:.2f}x",
+            "",
+        ],
+        [
+            label,
+            "dcp.async_save (until it returns)",
+            f"{m['dcp'] * 1e3:.0f} ms",
+            f"{m['dcp'] / floor:.2f}x",
+            "",
+        ],
+        [
+            label,
+            "raw write + fdatasync (best of buffered / O_DIRECT)",
+            f"{m['raw_write'] * 1e3:.0f} ms",
+            "1.00x",
+            (
+                f"{gbps / m['raw_write']:.2f} GB/s; "
+                f"buffered {m['raw_write_buffered'] * 1e3:.0f} ms, "
+                f"O_DIRECT {m['raw_write_direct'] * 1e3:.0f} ms"
+            ),
+        ],
+        [
+            label,
+            "gpumem time to durable",
+            f"{m['durable'] * 1e3:.0f} ms",
+            f"{m['durable'] / m['raw_write']:.2f}x",
+            f"target <= 1.2x raw; save() entry to committed; {spread('durable')}",
+        ],
+        [
+            label,
+            "gpumem streaming, budget = 1/4 state: stall",
+            f"{m['stream_stall'] * 1e3:.0f} ms",
+            f"{m['stream_stall'] / floor:.2f}x",
+            "save() streams through the budget while writing",
+        ],
+        [
+            label,
+            "gpumem streaming, budget = 1/4 state: durable",
+            f"{m['stream_durable'] * 1e3:.0f} ms",
+            f"{m['stream_durable'] / m['raw_write']:.2f}x",
+            "vs raw write + fdatasync",
+        ],
+        [
+            label,
+            "raw read into a warm buffer (best of buffered / O_DIRECT)",
+            f"{m['raw_read'] * 1e3:.0f} ms",
+            "1.00x",
+            (
+                f"{gbps / m['raw_read']:.2f} GB/s; "
+                f"buffered {m['raw_read_buffered'] * 1e3:.0f} ms, "
+                f"O_DIRECT {m['raw_read_direct'] * 1e3:.0f} ms"
+            ),
+        ],
+        [
+            label,
+            "gpumem restore (verify + load), fresh process",
+            f"{m['restore'] * 1e3:.0f} ms",
+            f"{m['restore'] / m['raw_read']:.2f}x",
+            (
+                f"torch.load time / this = {m['torch_load'] / m['restore']:.2f} "
+                f"(target > 1); {spread('restore')}"
+            ),
+        ],
+        [
+            label,
+            "torch.load(weights_only) + load_state_dict",
+            f"{m['torch_load'] * 1e3:.0f} ms",
+            f"{m['torch_load'] / m['raw_read']:.2f}x",
+            spread("torch_load"),
+        ],
     ]
     extra = {"first_save_s": first_save, "floor_s": floor, "locked": locked}
     del model, opt, tensors, flat
@@ -270,8 +382,12 @@ def bench_size(nbytes: int, root: Path, repeat: int) -> tuple[list[list[object]]
 
 def restore_in_child(kind: str, path: Path, nbytes: int) -> float:
     """Seconds a fresh process takes to load ``path`` into a just-built model and optimizer."""
-    out = subprocess.run([sys.executable, __file__, "--restore-child", kind, str(path), str(nbytes)],
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [sys.executable, __file__, "--restore-child", kind, str(path), str(nbytes)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if out.returncode:
         raise RuntimeError(f"restore child ({kind}) failed:\n{out.stderr[-3000:]}")
     return float(out.stdout.strip().splitlines()[-1])
@@ -291,7 +407,9 @@ def restore_child(kind: str, path: str, nbytes: int) -> None:
     print(f"{time.perf_counter() - t0:.6f}")
 
 
-def bench_loop(root: Path, every: int, steps: int, d: int = 512, batch: int = 64) -> list[list[object]]:
+def bench_loop(
+    root: Path, every: int, steps: int, d: int = 512, batch: int = 64
+) -> list[list[object]]:
     """Mean step time of a small training loop without checkpoints and with overlap-mode saves."""
     torch.manual_seed(0)
     model = GPTish(40_000_000 // 12 * 3, d)  # ~40 MB of parameters, ~120 MB of state
@@ -319,18 +437,22 @@ def bench_loop(root: Path, every: int, steps: int, d: int = 512, batch: int = 64
                 t0 = time.perf_counter()
                 step()
                 if label != labels[0] and i % every == 0:
-                    stalls[label].append(ck.save(block * 100 + i, model=model, optimizer=opt, rng=False))
+                    stalls[label].append(
+                        ck.save(block * 100 + i, model=model, optimizer=opt, rng=False)
+                    )
                 ts[label].append(time.perf_counter() - t0)
             ck.wait()
     ck.close()
     shutil.rmtree(root / "loop")
     # the floor of this state: its tensors copied into preallocated buffers
-    tensors = list(model.parameters()) + [v for s in opt.state.values() for v in s.values() if v.numel() > 1]
+    tensors = list(model.parameters()) + [
+        v for s in opt.state.values() for v in s.values() if v.numel() > 1
+    ]
     dst = [torch.empty_like(t) for t in tensors]
     floor = []
     for _ in range(5):
         t0 = time.perf_counter()
-        for d_, s_ in zip(dst, tensors):
+        for d_, s_ in zip(dst, tensors, strict=True):
             d_.copy_(s_)
         floor.append(time.perf_counter() - t0)
     floor_ms = statistics.median(floor) * 1e3
@@ -342,10 +464,21 @@ def bench_loop(root: Path, every: int, steps: int, d: int = 512, batch: int = 64
         if stalls:
             stall = statistics.median(s.stall_s for s in stalls) * 1e3
             per_save = (t - base) * every * 1e3
-            note = (f"median stall per save {stall:.1f} ms; all steps together lose {per_save:.0f} ms per save "
-                    f"= {per_save / floor_ms:.1f}x the floor copy ({floor_ms:.1f} ms): the background copy, "
-                    "checksum and write share the 2 cores with training")
-        rows.append([format_bytes(state), f"training loop: {label}", f"{t * 1e3:.1f} ms/step", f"{t / base:.3f}x", note])
+            note = (
+                f"median stall per save {stall:.1f} ms; all steps together "
+                f"lose {per_save:.0f} ms per save = {per_save / floor_ms:.1f}x "
+                f"the floor copy ({floor_ms:.1f} ms): the background copy, "
+                "checksum and write share the 2 cores with training"
+            )
+        rows.append(
+            [
+                format_bytes(state),
+                f"training loop: {label}",
+                f"{t * 1e3:.1f} ms/step",
+                f"{t / base:.3f}x",
+                note,
+            ]
+        )
     return rows
 
 
@@ -390,7 +523,9 @@ def bench_cuda(nbytes: int, root: Path, repeat: int, tokens: int = 8192) -> list
     snap, d2h, stall, base, d2h_overlap, save_call, hook_wait = [], [], [], [], [], [], []
     for i in range(repeat):
         st = ck.save(10 + i, model=model, optimizer=opt, rng=False, blocking=True)
-        snap.append(st.staged_s)  # save() entry until every byte is in host memory (device CRC included)
+        snap.append(
+            st.staged_s
+        )  # save() entry until every byte is in host memory (device CRC included)
         d2h.append(st.d2h_s)  # first copy enqueued until copies and device CRCs completed
         ck.wait()
     for i in range(repeat + 1):
@@ -419,24 +554,54 @@ def bench_cuda(nbytes: int, root: Path, repeat: int, tokens: int = 8192) -> list
     m_ceil, m_snap, m_d2h = med(ceiling), med(snap), med(d2h)
     m_stall, m_base = med(stall), med(base)
     return [
-        [label, "pinned-copy ceiling: one pinned.copy_(gpu, non_blocking=True)", f"{m_ceil * 1e3:.1f} ms", "1.00x",
-         f"{total / m_ceil / 1e9:.1f} GB/s"],
-        [label, "gpumem snapshot D2H phase (copies + device CRC on a second stream)", f"{m_d2h * 1e3:.1f} ms",
-         f"{m_ceil / m_d2h * 100:.0f} % of ceiling", f"{total / m_d2h / 1e9:.1f} GB/s; target >= 90 %"],
-        [label, "blocking save() entry to staged (state capture + D2H phase)", f"{m_snap * 1e3:.1f} ms",
-         f"{m_ceil / m_snap * 100:.0f} % of ceiling", f"{total / m_snap / 1e9:.1f} GB/s"],
-        [label, "training step (forward/backward/AdamW), no save", f"{m_base * 1e3:.1f} ms", "", f"{tokens} tokens"],
-        [label, "overlap mode: stall of the step that saves", f"{m_stall * 1e3:.2f} ms",
-         f"{m_stall / m_ceil * 100:.1f} % of D2H time",
-         (f"max(step slowdown, save() + hook wait); target <= 5 %; copy finished {med(d2h_overlap) * 1e3:.1f} ms "
-          f"after save(); save() {med(save_call) * 1e3:.2f} ms, hook wait {med(hook_wait) * 1e3:.2f} ms")],
+        [
+            label,
+            "pinned-copy ceiling: one pinned.copy_(gpu, non_blocking=True)",
+            f"{m_ceil * 1e3:.1f} ms",
+            "1.00x",
+            f"{total / m_ceil / 1e9:.1f} GB/s",
+        ],
+        [
+            label,
+            "gpumem snapshot D2H phase (copies + device CRC on a second stream)",
+            f"{m_d2h * 1e3:.1f} ms",
+            f"{m_ceil / m_d2h * 100:.0f} % of ceiling",
+            f"{total / m_d2h / 1e9:.1f} GB/s; target >= 90 %",
+        ],
+        [
+            label,
+            "blocking save() entry to staged (state capture + D2H phase)",
+            f"{m_snap * 1e3:.1f} ms",
+            f"{m_ceil / m_snap * 100:.0f} % of ceiling",
+            f"{total / m_snap / 1e9:.1f} GB/s",
+        ],
+        [
+            label,
+            "training step (forward/backward/AdamW), no save",
+            f"{m_base * 1e3:.1f} ms",
+            "",
+            f"{tokens} tokens",
+        ],
+        [
+            label,
+            "overlap mode: stall of the step that saves",
+            f"{m_stall * 1e3:.2f} ms",
+            f"{m_stall / m_ceil * 100:.1f} % of D2H time",
+            (
+                "max(step slowdown, save() + hook wait); target <= 5 %; copy finished "
+                f"{med(d2h_overlap) * 1e3:.1f} ms after save(); save() "
+                f"{med(save_call) * 1e3:.2f} ms, hook wait {med(hook_wait) * 1e3:.2f} ms"
+            ),
+        ],
     ]
 
 
 def main_cuda(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
-        print("bench_checkpoint.py --device cuda needs a CUDA GPU (torch.cuda.is_available() is False); "
-              "nothing measured, results/checkpoint_gpu.md left as it is.")
+        print(
+            "bench_checkpoint.py --device cuda needs a CUDA GPU (torch.cuda.is_available() "
+            "is False); nothing measured, results/checkpoint_gpu.md left as it is."
+        )
         return 0
     root = Path(tempfile.mkdtemp(prefix="gpumem-bench-", dir=args.dir))
     rows: list[list[object]] = []
@@ -446,12 +611,17 @@ def main_cuda(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     notes = (
-        "Ceiling: one pinned.copy_(gpu_tensor, non_blocking=True) of the state's byte count into page-locked\n"
-        "memory, synchronized. Snapshot: blocking save() from entry until every tensor is in the pinned\n"
-        "staging arena (device-side CRC32C of each tensor + non_blocking D2H on the compute stream; overlap\n"
+        "Ceiling: one pinned.copy_(gpu_tensor, non_blocking=True) "
+        "of the state's byte count into page-locked\n"
+        "memory, synchronized. Snapshot: blocking save() "
+        "from entry until every tensor is in the pinned\n"
+        "staging arena (device-side CRC32C of each tensor + "
+        "non_blocking D2H on the compute stream; overlap\n"
         "mode runs the same on a side stream); the arena is\n"
-        "allocated and pinned by two warm-up saves first. Overlap stall: wall time of a training step\n"
-        "that calls save() minus a plain step (measured back to back), or save() + optimizer-hook wait if larger."
+        "allocated and pinned by two warm-up saves first. "
+        "Overlap stall: wall time of a training step\n"
+        "that calls save() minus a plain step (measured back "
+        "to back), or save() + optimizer-hook wait if larger."
     )
     columns = ["state", "measurement", "time (median)", "ratio", "note"]
     if args.no_write:
@@ -459,22 +629,44 @@ def main_cuda(args: argparse.Namespace) -> int:
 
         print(markdown_table(columns, rows))
     else:
-        write_results("checkpoint_gpu", "Checkpoint on CUDA: D2H throughput and overlap stall", columns, rows,
-                      notes=notes, info=machine_info())
+        write_results(
+            "checkpoint_gpu",
+            "Checkpoint on CUDA: D2H throughput and overlap stall",
+            columns,
+            rows,
+            notes=notes,
+            info=machine_info(),
+        )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="1GB,4GB", help="comma-separated state sizes (default 1GB,4GB)")
-    ap.add_argument("--repeat", type=int, default=3, help="timed repetitions per measurement (median)")
+    ap.add_argument(
+        "--sizes", default="1GB,4GB", help="comma-separated state sizes (default 1GB,4GB)"
+    )
+    ap.add_argument(
+        "--repeat", type=int, default=3, help="timed repetitions per measurement (median)"
+    )
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    ap.add_argument("--every", type=int, default=5, help="checkpoint interval of the training-loop test")
+    ap.add_argument(
+        "--every", type=int, default=5, help="checkpoint interval of the training-loop test"
+    )
     ap.add_argument("--steps", type=int, default=40, help="steps of the training-loop test")
-    ap.add_argument("--no-write", action="store_true", help="do not write benchmarks/results/checkpoint.md")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                    help="cpu: the CPU table; cuda: D2H throughput and overlap stall (results/checkpoint_gpu.md)")
-    ap.add_argument("--restore-child", nargs=3, metavar=("KIND", "PATH", "NBYTES"), help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--no-write", action="store_true", help="do not write benchmarks/results/checkpoint.md"
+    )
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help=(
+            "cpu: the CPU table; cuda: D2H throughput and overlap stall (results/checkpoint_gpu.md)"
+        ),
+    )
+    ap.add_argument(
+        "--restore-child", nargs=3, metavar=("KIND", "PATH", "NBYTES"), help=argparse.SUPPRESS
+    )
     args = ap.parse_args(argv)
     if args.restore_child:
         kind, path, nbytes = args.restore_child
@@ -488,37 +680,98 @@ def main(argv: list[str] | None = None) -> int:
         for size in args.sizes.split(","):
             size_rows, extra = bench_size(parse_bytes(size), root, args.repeat)
             rows += size_rows
-            lock = "locked (mlock)" if extra["locked"] else "pre-faulted only (mlock refused: RLIMIT_MEMLOCK)"
-            notes.append(f"- {size_rows[0][0]}: the first save() also allocates the staging arena, {lock}: "
-                         f"{extra['first_save_s'] * 1e3:.0f} ms (once per Checkpointer; later saves reuse it).")
+            lock = (
+                "locked (mlock)"
+                if extra["locked"]
+                else "pre-faulted only (mlock refused: RLIMIT_MEMLOCK)"
+            )
+            notes.append(
+                f"- {size_rows[0][0]}: the first save() also allocates the staging arena, "
+                f"{lock}: {extra['first_save_s'] * 1e3:.0f} ms "
+                "(once per Checkpointer; later saves reuse it)."
+            )
         rows += bench_loop(root, args.every, args.steps)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     columns = ["state", "measurement", "time (median)", "ratio", "note"]
-    text = "\n".join([
-        "Ratios: stall rows against the warm floor; durable against raw write + fdatasync; restore rows",
-        "against the raw read. Files read back had their page cache dropped first (posix_fadvise DONTNEED).",
-        "How each side is measured: the warm floor copies back to back into buffers it has just written",
-        "(the strictest baseline); the interleaved floor copies right before each blocking save, so each",
-        "(floor, save) pair shares idle history and machine load, and the median of the per-pair ratios",
-        "is the figure least moved by this VM's noise. gpumem's arena is allocated, faulted in and",
-        "mlock'ed once (by prepare() or the first save(), reported below, not in the rows), so later",
-        "saves copy into warm memory that reclaim (this VM runs DAMON pageout) cannot take. Time to",
-        "durable runs from save() entry until the `latest` pointer is durable; deleting the previous",
-        "checkpoint (retention) happens after that, as deleting the previous raw file happens outside",
-        "the raw write's timing. Restore and torch.load(weights_only) + load_state_dict each run in a",
-        "fresh process that has just built the model and optimizer (a resuming job), alternated, after",
-        "one untimed warm-up each; both fault in fresh memory for every byte, which on this VM costs",
-        "about as much as the disk read. This is a shared 2-vCPU VM with a noisy virtual disk: the",
-        "'runs' notes give the spread. CUDA figures: `--device cuda` writes results/checkpoint_gpu.md.",
-        *notes,
-    ])
+    text = "\n".join(
+        [
+            (
+                "Ratios: stall rows against the warm floor; durable "
+                "against raw write + fdatasync; restore rows"
+            ),
+            (
+                "against the raw read. Files read back had their "
+                "page cache dropped first (posix_fadvise DONTNEED)."
+            ),
+            (
+                "How each side is measured: the warm floor copies "
+                "back to back into buffers it has just written"
+            ),
+            (
+                "(the strictest baseline); the interleaved floor "
+                "copies right before each blocking save, so each"
+            ),
+            (
+                "(floor, save) pair shares idle history and machine "
+                "load, and the median of the per-pair ratios"
+            ),
+            (
+                "is the figure least moved by this VM's noise. "
+                "gpumem's arena is allocated, faulted in and"
+            ),
+            (
+                "mlock'ed once (by prepare() or the first save(), "
+                "reported below, not in the rows), so later"
+            ),
+            (
+                "saves copy into warm memory that reclaim (this "
+                "VM runs DAMON pageout) cannot take. Time to"
+            ),
+            (
+                "durable runs from save() entry until the `latest` "
+                "pointer is durable; deleting the previous"
+            ),
+            (
+                "checkpoint (retention) happens after that, as "
+                "deleting the previous raw file happens outside"
+            ),
+            (
+                "the raw write's timing. Restore and "
+                "torch.load(weights_only) + load_state_dict each run in a"
+            ),
+            (
+                "fresh process that has just built the model and "
+                "optimizer (a resuming job), alternated, after"
+            ),
+            (
+                "one untimed warm-up each; both fault in fresh "
+                "memory for every byte, which on this VM costs"
+            ),
+            (
+                "about as much as the disk read. This is a "
+                "shared 2-vCPU VM with a noisy virtual disk: the"
+            ),
+            (
+                "'runs' notes give the spread. CUDA figures: "
+                "`--device cuda` writes results/checkpoint_gpu.md."
+            ),
+            *notes,
+        ]
+    )
     if args.no_write:
         from _report import markdown_table
 
         print(markdown_table(columns, rows))
     else:
-        write_results("checkpoint", "Checkpoint: stall, durability, restore", columns, rows, notes=text, info=machine_info())
+        write_results(
+            "checkpoint",
+            "Checkpoint: stall, durability, restore",
+            columns,
+            rows,
+            notes=text,
+            info=machine_info(),
+        )
     return 0
 
 

@@ -9,7 +9,7 @@ Two tables:
 2. optimizer-step temporaries of torch.optim.AdamW (per-tensor / foreach / fused, fp32 and bf16
    parameters), measured vs ``Training.step_temp_bytes``.
 
-    python benchmarks/bench_estimator_accuracy.py     # writes benchmarks/results/estimator_accuracy.md
+    python benchmarks/bench_estimator_accuracy.py  # writes benchmarks/results/estimator_accuracy.md
 """
 
 from __future__ import annotations
@@ -25,19 +25,58 @@ LLAMA = dict(GPT, num_kv_heads=2, ffn_hidden_size=688)
 MOE = dict(LLAMA, ffn_hidden_size=256, num_experts=4, top_k=2)
 CASES = [
     Case("gpt2 fp32 adamw", "gpt2", GPT, batch=2, seq=256),
-    Case("gpt2 bf16-autocast sgd recompute", "gpt2", GPT, batch=2, seq=256, optimizer="sgd",
-         autocast=True, recompute=True),
-    Case("gpt2 fp32 adamw (optimizer-step peak)", "gpt2", dict(GPT, vocab_size=256), batch=1, seq=32),
+    Case(
+        "gpt2 bf16-autocast sgd recompute",
+        "gpt2",
+        GPT,
+        batch=2,
+        seq=256,
+        optimizer="sgd",
+        autocast=True,
+        recompute=True,
+    ),
+    Case(
+        "gpt2 fp32 adamw (optimizer-step peak)", "gpt2", dict(GPT, vocab_size=256), batch=1, seq=32
+    ),
     Case("llama-gqa fp32 adamw recompute", "llama", LLAMA, batch=2, seq=256, recompute=True),
     Case("llama-gqa bf16-autocast adamw", "llama", LLAMA, batch=2, seq=256, autocast=True),
-    Case("llama-gqa fp32 sgd-momentum foreach", "llama", LLAMA, batch=1, seq=64,
-         optimizer="sgd-momentum", foreach=True),
-    Case("llama-gqa bf16-autocast adamw foreach recompute", "llama", LLAMA, batch=2, seq=128,
-         autocast=True, recompute=True, foreach=True),
-    Case("moe (4 experts, top-2) bf16-autocast adamw", "mixtral", MOE, batch=2, seq=128, autocast=True),
-    Case("moe (4 experts, top-2) fp32 sgd recompute", "mixtral", MOE, batch=2, seq=128, optimizer="sgd",
-         recompute=True),
-]  # fmt: skip
+    Case(
+        "llama-gqa fp32 sgd-momentum foreach",
+        "llama",
+        LLAMA,
+        batch=1,
+        seq=64,
+        optimizer="sgd-momentum",
+        foreach=True,
+    ),
+    Case(
+        "llama-gqa bf16-autocast adamw foreach recompute",
+        "llama",
+        LLAMA,
+        batch=2,
+        seq=128,
+        autocast=True,
+        recompute=True,
+        foreach=True,
+    ),
+    Case(
+        "moe (4 experts, top-2) bf16-autocast adamw",
+        "mixtral",
+        MOE,
+        batch=2,
+        seq=128,
+        autocast=True,
+    ),
+    Case(
+        "moe (4 experts, top-2) fp32 sgd recompute",
+        "mixtral",
+        MOE,
+        batch=2,
+        seq=128,
+        optimizer="sgd",
+        recompute=True,
+    ),
+]
 
 
 def _mib(n: int) -> str:
@@ -50,14 +89,21 @@ def accuracy_rows() -> tuple[list[list[object]], list[str]]:
         t0 = time.perf_counter()
         c = compare(case)
         m, e = c.measured, c.estimated
-        rows.append([
-            case.name, c.measured_peak, e["total"], f"{c.error_pct:+.2f} %",
-            f"{c.measured_phase} (step {c.measured_step}) / {c.bill.phase}",
-            *(f"{_mib(m[k])} / {_mib(e[k])}" for k in PROFILER_CATEGORIES),
-            f"{c.routing_imbalance:.3f}" if c.routing_imbalance is not None else "-",
-        ])  # fmt: skip
+        rows.append(
+            [
+                case.name,
+                c.measured_peak,
+                e["total"],
+                f"{c.error_pct:+.2f} %",
+                f"{c.measured_phase} (step {c.measured_step}) / {c.bill.phase}",
+                *(f"{_mib(m[k])} / {_mib(e[k])}" for k in PROFILER_CATEGORIES),
+                f"{c.routing_imbalance:.3f}" if c.routing_imbalance is not None else "-",
+            ]
+        )
         details.append(f"{case.name}: {time.perf_counter() - t0:.1f} s; {case}")
-        print(f"{case.name}: measured {c.measured_peak} estimated {e['total']} ({c.error_pct:+.2f} %)")
+        print(
+            f"{case.name}: measured {c.measured_peak} estimated {e['total']} ({c.error_pct:+.2f} %)"
+        )
     return rows, details
 
 
@@ -67,7 +113,7 @@ def step_rows() -> list[list[object]]:
     import torch.nn.functional as F
 
     import gpumem
-    from gpumem.estimator.models import from_model_config, param_groups
+    from gpumem.estimator.specs import from_model_config, param_groups
     from gpumem.estimator.states import Training
     from gpumem.models import build_model, example_batch, get_config
 
@@ -82,7 +128,9 @@ def step_rows() -> list[list[object]]:
             ids, tg = example_batch(cfg, 1, 8)
             with gpumem.profile(model, optimizer=opt) as prof:
                 for _ in range(2):  # the loop keeps no logits: the step's scratch stands alone
-                    F.cross_entropy(model(ids).reshape(-1, cfg.vocab_size), tg.reshape(-1)).backward()
+                    F.cross_entropy(
+                        model(ids).reshape(-1, cfg.vocab_size), tg.reshape(-1)
+                    ).backward()
                     opt.step()
                     opt.zero_grad(set_to_none=True)
             rep = prof.report()
@@ -101,8 +149,15 @@ def step_rows() -> list[list[object]]:
 def main() -> None:
     info = machine_info()
     rows, details = accuracy_rows()
-    cols = ["configuration", "measured peak (B)", "estimated peak (B)", "error", "phase (measured / estimated)",
-            *(f"{k} MiB (meas / est)" for k in PROFILER_CATEGORIES), "MoE routing max/mean"]  # fmt: skip
+    cols = [
+        "configuration",
+        "measured peak (B)",
+        "estimated peak (B)",
+        "error",
+        "phase (measured / estimated)",
+        *(f"{k} MiB (meas / est)" for k in PROFILER_CATEGORIES),
+        "MoE routing max/mean",
+    ]
     steps = step_rows()
     notes = f"""
 Estimated categories are the bill's, mapped to the profiler's definitions
@@ -136,7 +191,9 @@ CUDA-framework assumption, not measurable with torch.optim on CPU.
 Run details:
 
 """ + "\n".join(f"- {d}" for d in details)
-    write_results("estimator_accuracy", "Estimator vs profiler (CPU, measured)", cols, rows, notes, info)
+    write_results(
+        "estimator_accuracy", "Estimator vs profiler (CPU, measured)", cols, rows, notes, info
+    )
 
 
 if __name__ == "__main__":

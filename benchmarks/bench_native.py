@@ -199,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{Path(tmp).parent}, file removed before each run; the disk, not the CPU, bounds "
                 "both buffered writers. O_DIRECT skips the page-cache copy."
             )
-    triton_rows, why = ([], "Triton CRC32C: skipped (--no-triton).") if args.no_triton else bench_triton()
+    triton_rows, why = (
+        ([], "Triton CRC32C: skipped (--no-triton).") if args.no_triton else bench_triton()
+    )
     rows += triton_rows
     if why:
         notes.append(why)

@@ -7,8 +7,8 @@ pure-Python evaluation of the same formula, and a warm 70B plan from 8 to 1024 G
 from __future__ import annotations
 
 import numpy as np
-
 from _report import machine_info, median_time, write_results
+
 from gpumem.estimator import peak
 from gpumem.planner import plan
 from gpumem.planner.search import sweep
@@ -19,32 +19,56 @@ def main() -> None:
     rows = []
     # 1. kernel: real term vectors of a 70B plan, tiled to 1M configurations
     base = plan("llama-2-70b", n_gpus=64, seq_len=4096)  # warm-up: compiles or loads the cache
-    from gpumem.estimator.bill import Plan
     from gpumem.estimator.gpus import find_gpu
     from gpumem.estimator.layout import Layout
-    from gpumem.estimator.models import resolve_model
+    from gpumem.estimator.preset import PresetTerms
+    from gpumem.estimator.specs import resolve_model
     from gpumem.estimator.states import Training
 
-    job = Plan(resolve_model("llama-2-70b"), Training(), find_gpu("H100-80GB"), 4096)
-    terms = np.asarray(job.terms(Layout(dp=8, tp=8, zero=1), 1, "selective", 8, None), dtype=np.float64)
+    job = PresetTerms(resolve_model("llama-2-70b"), Training(), find_gpu("H100-80GB"), 4096)
+    terms = np.asarray(
+        job.terms(Layout(dp=8, tp=8, zero=1), 1, "selective", 8, None), dtype=np.float64
+    )
     n = 1_000_000
     big = np.tile(terms, (n // len(terms), 1))
     owner = np.arange(len(big), dtype=np.int64)
     t_nb = median_time(lambda: sweep(big, owner, len(big)), repeat=5)["median"]
     small = big[:20_000]
-    t_py = median_time(lambda: [peak.assemble(x) for x in small], repeat=3)["median"] * len(big) / len(small)
-    rows.append(("numba sweep kernel", f"{len(big):,}", f"{t_nb * 1e3:.1f} ms", f"{len(big) / t_nb:,.0f}",
-                 f"{t_py / t_nb:.0f}x vs pure Python ({len(big) / t_py:,.0f}/s)"))  # fmt: skip
+    t_py = (
+        median_time(lambda: [peak.assemble(x) for x in small], repeat=3)["median"]
+        * len(big)
+        / len(small)
+    )
+    rows.append(
+        (
+            "numba sweep kernel",
+            f"{len(big):,}",
+            f"{t_nb * 1e3:.1f} ms",
+            f"{len(big) / t_nb:,.0f}",
+            f"{t_py / t_nb:.0f}x vs pure Python ({len(big) / t_py:,.0f}/s)",
+        )
+    )
     # 2. end to end, warm: enumerate layouts, build terms, sweep, rank
     for n_gpus in (8, 64, 256, 1024):
         res = plan("llama-2-70b", n_gpus=n_gpus, seq_len=4096)
-        t = median_time(lambda: plan("llama-2-70b", n_gpus=n_gpus, seq_len=4096), repeat=3)["median"]
-        rows.append((f"plan llama-2-70b on {n_gpus} x H100-80GB", f"{res.n_configs:,}", f"{t * 1e3:.0f} ms",
-                     f"{res.n_configs / t:,.0f}", f"{len(res.candidates)} fit; < 1 s: {'yes' if t < 1 else 'NO'}"))  # fmt: skip
+        t = median_time(lambda n=n_gpus: plan("llama-2-70b", n_gpus=n, seq_len=4096), repeat=3)[
+            "median"
+        ]
+        rows.append(
+            (
+                f"plan llama-2-70b on {n_gpus} x H100-80GB",
+                f"{res.n_configs:,}",
+                f"{t * 1e3:.0f} ms",
+                f"{res.n_configs / t:,.0f}",
+                f"{len(res.candidates)} fit; < 1 s: {'yes' if t < 1 else 'NO'}",
+            )
+        )
     del base
     write_results(
-        "planner", "Planner speed (gpumem.plan)",
-        ["what", "configurations", "median time", "configs/s", "note"], rows,
+        "planner",
+        "Planner speed (gpumem.plan)",
+        ["what", "configurations", "median time", "configs/s", "note"],
+        rows,
         notes="Kernel row: gpumem.estimator.peak.assemble compiled by numba (cache=True) over 1M "
         "term vectors, against the same function in pure Python measured in the same run. Plan "
         "rows: warm (numba cache loaded), everything from layout enumeration to the ranked list; "

@@ -48,8 +48,12 @@ def _load() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=9, help="at most this many rounds")
-    ap.add_argument("--budget-s", type=float, default=540.0,
-                    help="stop starting new rounds after this many seconds (at least 3 rounds)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=540.0,
+        help="stop starting new rounds after this many seconds (at least 3 rounds)",
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
@@ -57,8 +61,9 @@ def main() -> None:
     load_start = _load()
     torch.manual_seed(0)
     dev = torch.device(args.device)
-    model = build_model("gpt2", "tiny", vocab_size=8192, hidden_size=512, num_layers=6,
-                        num_heads=8, seq_len=256).to(dev)
+    model = build_model(
+        "gpt2", "tiny", vocab_size=8192, hidden_size=512, num_layers=6, num_heads=8, seq_len=256
+    ).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x, y = example_batch(model.config, args.batch_size, args.seq_len, device=dev)
 
@@ -81,12 +86,16 @@ def main() -> None:
         ("plain step", contextlib.nullcontext),
         ("empty TorchDispatchMode (the floor of any dispatch-mode tracker)", _OpCounter),
         ("gpumem.profile (exact)", lambda: gpumem.profile(model, opt)),
-        ("gpumem.profile (exact, timeline=False)",
-         lambda: gpumem.profile(model, opt, timeline=False)),
+        (
+            "gpumem.profile (exact, timeline=False)",
+            lambda: gpumem.profile(model, opt, timeline=False),
+        ),
         ("gpumem.profile(mode='light')", lambda: gpumem.profile(model, opt, mode="light")),
         ("MemTracker", memtracker),
-        ("torch.profiler(profile_memory=True)",
-         lambda: torch.profiler.profile(profile_memory=True, record_shapes=True)),
+        (
+            "torch.profiler(profile_memory=True)",
+            lambda: torch.profiler.profile(profile_memory=True, record_shapes=True),
+        ),
     ]
     step()  # optimizer state exists before any timing: every configuration times a later step
     counter = _OpCounter()
@@ -110,16 +119,25 @@ def main() -> None:
     def ratios(times: dict[str, list[float]], name: str) -> tuple[float, float]:
         """Median over rounds of (config / plain step of the same round), and min / min."""
         base = times["plain step"]
-        per_round = [t / b for t, b in zip(times[name], base)]
+        per_round = [t / b for t, b in zip(times[name], base, strict=True)]
         return statistics.median(per_round), min(times[name]) / min(base)
 
     rows = []
     for name, _ in configs:
         wr, wm = ratios(wall, name)
         cr, cm = ratios(cpu, name)
-        rows.append([name, f"{statistics.median(wall[name]) * 1e3:.0f}",
-                     f"{min(wall[name]) * 1e3:.0f}", f"{wr:.3f}x", f"{wm:.3f}x",
-                     f"{statistics.median(cpu[name]) * 1e3:.0f}", f"{cr:.3f}x", f"{cm:.3f}x"])
+        rows.append(
+            [
+                name,
+                f"{statistics.median(wall[name]) * 1e3:.0f}",
+                f"{min(wall[name]) * 1e3:.0f}",
+                f"{wr:.3f}x",
+                f"{wm:.3f}x",
+                f"{statistics.median(cpu[name]) * 1e3:.0f}",
+                f"{cr:.3f}x",
+                f"{cm:.3f}x",
+            ]
+        )
     base_cpu = min(cpu["plain step"])
     per_op_us = (min(cpu["gpumem.profile (exact)"]) - base_cpu) / counter.n * 1e6
 
@@ -142,9 +160,19 @@ def main() -> None:
         t0 = time.perf_counter()
         rep = fake_layer(mode)
         fake_s = time.perf_counter() - t0
-        rows.append([f"fake Llama-2-70B layer, {mode}: build + profile 1 AdamW step",
-                     f"{fake_s * 1e3:.0f}", "-", "-", "-", "-", "-",
-                     f"peak {rep.peak_bytes / 2**30:.2f} GiB"])
+        rows.append(
+            [
+                f"fake Llama-2-70B layer, {mode}: build + profile 1 AdamW step",
+                f"{fake_s * 1e3:.0f}",
+                "-",
+                "-",
+                "-",
+                "-",
+                "-",
+                f"peak {rep.peak_bytes / 2**30:.2f} GiB",
+            ]
+        )
+    op_share = 100 * per_op_us * counter.n / 1e6 / base_cpu
     notes = f"""
 GPT-style model: 6 layers, d 512, 8 heads, seq {args.seq_len}, batch {args.batch_size}, vocab
 8192, AdamW, {args.device}, {torch.get_num_threads()} threads; {rounds} rounds, the
@@ -153,7 +181,7 @@ rounds of the configuration's time over the plain step's time in the same round;
 best time over best plain time. Entering and leaving each region is part of the timed step.
 {counter.n} aten ops per step; the exact tracker's cost over the plain step is
 {per_op_us:.1f} µs of CPU time per op (best times), {per_op_us * counter.n / 1e3:.0f} ms per step,
-{100 * per_op_us * counter.n / 1e6 / base_cpu:.1f}% of the plain step's best CPU time (negative: below
+{op_share:.1f}% of the plain step's best CPU time (negative: below
 the noise): differences below a few percent in the table are noise (ratios below 1 show its size).
 Load average (1, 5, 15 min) at start {load_start}, at end {load_end}, on {os.cpu_count()} cores (the
 benchmark itself keeps about 1-2 busy; more means other jobs shared the machine), so trust CPU-time
@@ -178,10 +206,21 @@ The dispatch-mode tools pay per op (a Python call), so their ratio falls as ops 
     info = machine_info()
     info["load average at start / end"] = f"{load_start} / {load_end}"
     write_results(
-        "profiler", "gpumem.profile overhead",
-        ["configuration", "median wall ms", "min wall ms", "wall ratio", "min wall ratio",
-         "median CPU ms", "CPU ratio", "min CPU ratio"],
-        rows, notes=notes, info=info,
+        "profiler",
+        "gpumem.profile overhead",
+        [
+            "configuration",
+            "median wall ms",
+            "min wall ms",
+            "wall ratio",
+            "min wall ratio",
+            "median CPU ms",
+            "CPU ratio",
+            "min CPU ratio",
+        ],
+        rows,
+        notes=notes,
+        info=info,
     )
 
 

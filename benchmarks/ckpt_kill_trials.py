@@ -26,7 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=200)
-    ap.add_argument("--max-delay", type=float, default=0.25, help="longest random delay before the kill (s)")
+    ap.add_argument(
+        "--max-delay", type=float, default=0.25, help="longest random delay before the kill (s)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = ap.parse_args(argv)
@@ -39,9 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         result = kill_trials(root, args.trials, args.seed, args.max_delay)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"{result['trials']} kill -9 trials in {time.perf_counter() - t0:.0f} s: "
-          f"{result['killed_mid_save']} landed inside a save, last reported durable step "
-          f"{result['last_committed']}; every check passed")
+    print(
+        f"{result['trials']} kill -9 trials in {time.perf_counter() - t0:.0f} s: "
+        f"{result['killed_mid_save']} landed inside a save, last reported durable step "
+        f"{result['last_committed']}; every check passed"
+    )
     return 0
 
 

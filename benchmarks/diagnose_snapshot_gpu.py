@@ -34,7 +34,7 @@ from bench_checkpoint import make_state
 
 from gpumem.arena import HostArena
 from gpumem.checkpoint import snapshot
-from gpumem.checkpoint.snapshot import Piece, Plan
+from gpumem.checkpoint.snapshot import ArenaLayout, Piece
 
 CHUNK = 4 << 20  # the Checkpointer's default chunk_bytes
 
@@ -57,7 +57,9 @@ def timed(fn, repeat: int) -> tuple[float, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bytes", type=int, default=1 << 30, help="state size (default 1 GiB, as the benchmark)")
+    ap.add_argument(
+        "--bytes", type=int, default=1 << 30, help="state size (default 1 GiB, as the benchmark)"
+    )
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -74,33 +76,53 @@ def main() -> int:
     arena.wait_pinned()
     flat = torch.empty(total, dtype=torch.uint8, device="cuda")
     pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-    pieces = [Piece(i, 0, s.numel(), 0, off) for i, (s, off) in enumerate(zip(srcs, offsets))]
-    plan = Plan(capacity=pos, streaming=False, batch_sizes=[pos], bases=[0], pieces=pieces)
+    pieces = [
+        Piece(i, 0, s.numel(), 0, off) for i, (s, off) in enumerate(zip(srcs, offsets, strict=True))
+    ]
+    plan = ArenaLayout(capacity=pos, streaming=False, batch_sizes=[pos], bases=[0], pieces=pieces)
 
     def copies() -> None:
-        for s, off in zip(srcs, offsets):
+        for s, off in zip(srcs, offsets, strict=True):
             arena.copy_from_device(s, off)
 
     rows = [
-        ("one pinned copy of all bytes (ceiling)", timed(lambda: pinned.copy_(flat, non_blocking=True), args.repeat)),
+        (
+            "one pinned copy of all bytes (ceiling)",
+            timed(lambda: pinned.copy_(flat, non_blocking=True), args.repeat),
+        ),
         (f"{len(srcs)} copies into the arena", timed(copies, args.repeat)),
-        (f"{len(srcs)} device CRCs, a launch each", timed(lambda: snapshot.device_crcs(srcs, CHUNK, one_launch=False),
-                                                          args.repeat)),
-        (f"{len(srcs)} device CRCs, one launch", timed(lambda: snapshot.device_crcs(srcs, CHUNK, one_launch=True),
-                                                       args.repeat)),
-        ("both: snapshot.copy_pieces", timed(lambda: snapshot.copy_pieces(arena, plan, pieces, tensors, CHUNK),
-                                             args.repeat)),
+        (
+            f"{len(srcs)} device CRCs, a launch each",
+            timed(lambda: snapshot.device_crcs(srcs, CHUNK, one_launch=False), args.repeat),
+        ),
+        (
+            f"{len(srcs)} device CRCs, one launch",
+            timed(lambda: snapshot.device_crcs(srcs, CHUNK, one_launch=True), args.repeat),
+        ),
+        (
+            "both: snapshot.copy_pieces",
+            timed(lambda: snapshot.copy_pieces(arena, plan, pieces, tensors, CHUNK), args.repeat),
+        ),
     ]
     os.environ["GPUMEM_CRC_ONE_LAUNCH"] = "1"
-    rows.append(("both, GPUMEM_CRC_ONE_LAUNCH=1", timed(lambda: snapshot.copy_pieces(arena, plan, pieces, tensors,
-                                                                                      CHUNK), args.repeat)))
+    rows.append(
+        (
+            "both, GPUMEM_CRC_ONE_LAUNCH=1",
+            timed(lambda: snapshot.copy_pieces(arena, plan, pieces, tensors, CHUNK), args.repeat),
+        )
+    )
     ceiling = rows[0][1][1]
-    print(f"state {total / 2**20:.2f} MiB in {len(srcs)} tensors on {torch.cuda.get_device_name()}, "
-          f"torch {torch.__version__}, chunk {CHUNK >> 20} MiB")
+    print(
+        f"state {total / 2**20:.2f} MiB in {len(srcs)} tensors on {torch.cuda.get_device_name()}, "
+        f"torch {torch.__version__}, chunk {CHUNK >> 20} MiB"
+    )
     print("| part | host enqueue (ms) | finished (ms) | GB/s | vs ceiling |")
     print("|---|---|---|---|---|")
     for name, (enq, done) in rows:
-        print(f"| {name} | {enq * 1e3:.2f} | {done * 1e3:.2f} | {total / done / 1e9:.1f} | {ceiling / done:.0%} |")
+        print(
+            f"| {name} | {enq * 1e3:.2f} | {done * 1e3:.2f} | "
+            f"{total / done / 1e9:.1f} | {ceiling / done:.0%} |"
+        )
     arena.close()
     return 0
 

@@ -1,6 +1,5 @@
-# Generated with `python -m nanobind.stubgen -m gpumem._C -o gpumem/_C.pyi` (then __version__ added);
-# regenerate after changing csrc/module.cpp.
-# ruff: noqa: C408, N999
+# Generated with `python -m nanobind.stubgen -m gpumem._C -o gpumem/_C.pyi`
+# (then __version__ added); regenerate after changing csrc/module.cpp.
 """gpumem native core (private; use the gpumem Python modules)"""
 
 from collections.abc import Sequence
@@ -11,35 +10,70 @@ from numpy.typing import NDArray
 
 __version__: str
 
-
 def num_threads() -> int:
     """Threads the native core uses by default."""
 
 def set_num_threads(n: int) -> None:
     """Set the default thread count (<= 0: hardware concurrency)."""
 
-def crc32c(data: Annotated[NDArray[numpy.uint8], dict(shape=(None,), device='cpu', writable=False)], value: int = 0, impl: str = 'auto', threads: int = 0) -> int:
+def crc32c(
+    data: Annotated[NDArray[numpy.uint8], dict(shape=(None,), device="cpu", writable=False)],
+    value: int = 0,
+    impl: str = "auto",
+    threads: int = 0,
+) -> int:
     """CRC32C of a 1-D uint8 buffer, extending the running CRC `value`."""
 
 def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     """CRC32C of a + b from crc(a), crc(b) and len(b)."""
 
-def chunk_crc32c(data: Annotated[NDArray[numpy.uint8], dict(shape=(None,), device='cpu', writable=False)], chunk_bytes: int, out: Annotated[NDArray[numpy.int64], dict(shape=(None,), device='cpu')], impl: str = 'auto', threads: int = 0) -> None:
+def chunk_crc32c(
+    data: Annotated[NDArray[numpy.uint8], dict(shape=(None,), device="cpu", writable=False)],
+    chunk_bytes: int,
+    out: Annotated[NDArray[numpy.int64], dict(shape=(None,), device="cpu")],
+    impl: str = "auto",
+    threads: int = 0,
+) -> None:
     """Write one CRC32C per chunk_bytes-sized chunk of data into out (int64)."""
 
 def crc32c_hardware() -> str:
     """'sse4.2', 'armv8-crc' or 'table': the CRC32C path this CPU uses."""
 
-def write_file(path: str, offsets: Sequence[int], buffers: Sequence[Annotated[NDArray[numpy.uint8], dict(shape=(None,), device='cpu', writable=False)]], size: int = -1, threads: int = 0, fsync: bool = True, direct: bool = False) -> tuple[int, int]:
+def write_file(
+    path: str,
+    offsets: Sequence[int],
+    buffers: Sequence[
+        Annotated[NDArray[numpy.uint8], dict(shape=(None,), device="cpu", writable=False)]
+    ],
+    size: int = -1,
+    threads: int = 0,
+    fsync: bool = True,
+    direct: bool = False,
+) -> tuple[int, int]:
     """Write pieces in parallel; returns (bytes written, bytes via O_DIRECT)."""
 
 def fsync_dir(path: str) -> None:
     """fsync a directory."""
 
-def read_file(path: str, offsets: Sequence[int], buffers: Sequence[Annotated[NDArray[numpy.uint8], dict(shape=(None,), device='cpu')]], crc_index: Sequence[int], chunk_bytes: int, crc_out: Annotated[NDArray[numpy.int64], dict(shape=(None,), device='cpu')], threads: int = 0, direct: bool = False) -> tuple[int, int]:
-    """Read pieces in parallel (O_DIRECT for aligned middles), optionally CRC32C each chunk; returns (bytes read, bytes via O_DIRECT)."""
+def read_file(
+    path: str,
+    offsets: Sequence[int],
+    buffers: Sequence[Annotated[NDArray[numpy.uint8], dict(shape=(None,), device="cpu")]],
+    crc_index: Sequence[int],
+    chunk_bytes: int,
+    crc_out: Annotated[NDArray[numpy.int64], dict(shape=(None,), device="cpu")],
+    threads: int = 0,
+    direct: bool = False,
+) -> tuple[int, int]:
+    """Read pieces in parallel (O_DIRECT for aligned middles), optionally CRC32C each chunk;
+    returns (bytes read, bytes via O_DIRECT)."""
 
-def read_into(path: str, offset: int, out: Annotated[NDArray[numpy.uint8], dict(shape=(None,), device='cpu')], threads: int = 0) -> int:
+def read_into(
+    path: str,
+    offset: int,
+    out: Annotated[NDArray[numpy.uint8], dict(shape=(None,), device="cpu")],
+    threads: int = 0,
+) -> int:
     """Read exactly len(out) bytes at offset into out."""
 
 def cuda_load(disabled: bool, library: str) -> dict:
@@ -59,29 +93,32 @@ class HostBuffer:
     """Page-aligned host memory, optionally pinned."""
 
     def __init__(self, nbytes: int, alignment: int = 4096) -> None: ...
-
     @property
     def nbytes(self) -> int: ...
-
     @property
     def data_ptr(self) -> int: ...
-
     @property
     def pinning(self) -> bool: ...
-
     @property
     def pinned_bytes(self) -> int: ...
-
     def array(self) -> Annotated[NDArray[numpy.uint8], dict(shape=(None,))]:
         """The whole buffer as a writable 1-D uint8 numpy array (no copy)."""
 
     def start_pinning(self, device: int = -1) -> None:
         """
-        Register with cudaHostRegister in PIN_CHUNK_BYTES chunks, in a background thread, on `device` (< 0: the calling thread's current device).
+        Register with cudaHostRegister in PIN_CHUNK_BYTES chunks, in a background thread, on
+        `device` (< 0: the calling thread's current device).
         """
 
     def wait_pinned(self, timeout_s: float = -1.0) -> bool:
         """Wait for pinning; True when done."""
 
-    def copy_in(self, sources: Sequence[Annotated[NDArray[numpy.uint8], dict(shape=(None,), device='cpu', writable=False)]], offsets: Sequence[int], threads: int = 0) -> None:
+    def copy_in(
+        self,
+        sources: Sequence[
+            Annotated[NDArray[numpy.uint8], dict(shape=(None,), device="cpu", writable=False)]
+        ],
+        offsets: Sequence[int],
+        threads: int = 0,
+    ) -> None:
         """Copy each 1-D uint8 source into the buffer at its offset, in parallel."""

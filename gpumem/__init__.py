@@ -12,16 +12,38 @@ neither torch, triton nor numba and creates no CUDA context until a feature is u
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # what a type checker sees; at run time the names resolve lazily below
+    from gpumem import arena, calibrate, checkpoint, checksum, device, units, writer
+    from gpumem.calibrate import Calibration, CalibrationError
+    from gpumem.checkpoint import (
+        CheckpointBranchWarning,
+        CheckpointCorruptError,
+        Checkpointer,
+        CheckpointError,
+        CheckpointFallbackWarning,
+        CheckpointInfo,
+        CheckpointIOError,
+        CheckpointStateError,
+        PreemptionGuard,
+        SaveStats,
+    )
+    from gpumem.estimator import GPU, Bill, Layout, ModelSpec, estimate
+    from gpumem.planner import PlanResult, plan
+    from gpumem.profiler import Profile, Report, fake, profile
 
 # public name -> (module, attribute); resolved on first access
 _LAZY_ATTRS: dict[str, tuple[str, str]] = {
     "profile": ("gpumem.profiler", "profile"),
     "fake": ("gpumem.profiler", "fake"),
+    "Profile": ("gpumem.profiler", "Profile"),
+    "Report": ("gpumem.profiler", "Report"),
     "Checkpointer": ("gpumem.checkpoint", "Checkpointer"),
     "PreemptionGuard": ("gpumem.checkpoint", "PreemptionGuard"),
+    "SaveStats": ("gpumem.checkpoint", "SaveStats"),
     "CheckpointInfo": ("gpumem.checkpoint", "CheckpointInfo"),
     "CheckpointError": ("gpumem.checkpoint", "CheckpointError"),
     "CheckpointCorruptError": ("gpumem.checkpoint", "CheckpointCorruptError"),
@@ -29,16 +51,54 @@ _LAZY_ATTRS: dict[str, tuple[str, str]] = {
     "CheckpointStateError": ("gpumem.checkpoint", "CheckpointStateError"),
     "CheckpointFallbackWarning": ("gpumem.checkpoint", "CheckpointFallbackWarning"),
     "CheckpointBranchWarning": ("gpumem.checkpoint", "CheckpointBranchWarning"),
-    "estimate": ("gpumem.estimator", "estimate"), "Layout": ("gpumem.estimator", "Layout"),
-    "ModelSpec": ("gpumem.estimator", "ModelSpec"), "GPU": ("gpumem.estimator", "GPU"),
+    "estimate": ("gpumem.estimator", "estimate"),
+    "Bill": ("gpumem.estimator", "Bill"),
+    "Layout": ("gpumem.estimator", "Layout"),
+    "ModelSpec": ("gpumem.estimator", "ModelSpec"),
+    "GPU": ("gpumem.estimator", "GPU"),
     "plan": ("gpumem.planner", "plan"),
-    "Calibration": ("gpumem.calibrate", "Calibration"), "CalibrationError": ("gpumem.calibrate", "CalibrationError"),
+    "PlanResult": ("gpumem.planner", "PlanResult"),
+    "Calibration": ("gpumem.calibrate", "Calibration"),
+    "CalibrationError": ("gpumem.calibrate", "CalibrationError"),
 }
 
 # submodules reachable as attributes (gpumem.checksum.crc32c(...)) without an explicit import
-_LAZY_MODULES = ("checksum", "device", "writer", "arena", "checkpoint", "calibrate")
+_LAZY_MODULES = ("arena", "calibrate", "checkpoint", "checksum", "device", "units", "writer")
 
-__all__ = ["__version__", *_LAZY_MODULES]
+# the literal list is what type checkers and `from gpumem import *` read; a test keeps it in step
+__all__ = [
+    "GPU",
+    "Bill",
+    "Calibration",
+    "CalibrationError",
+    "CheckpointBranchWarning",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointFallbackWarning",
+    "CheckpointIOError",
+    "CheckpointInfo",
+    "CheckpointStateError",
+    "Checkpointer",
+    "Layout",
+    "ModelSpec",
+    "PlanResult",
+    "PreemptionGuard",
+    "Profile",
+    "Report",
+    "SaveStats",
+    "__version__",
+    "arena",
+    "calibrate",
+    "checkpoint",
+    "checksum",
+    "device",
+    "estimate",
+    "fake",
+    "plan",
+    "profile",
+    "units",
+    "writer",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,13 +1,15 @@
 """Every GPUMEM_* environment switch, parsed in one place.
 
-| variable                  | meaning                                              | default |
-|---------------------------|------------------------------------------------------|---------|
-| GPUMEM_THREADS            | worker threads of the native core (CRC, copy, write) | all cores |
-| GPUMEM_IO_THREADS         | reads in flight when restoring a checkpoint          | max(4, min(16, cores)) |
-| GPUMEM_DISABLE_CUDA       | 1: never load the CUDA runtime, treat as CPU machine | 0 |
-| GPUMEM_CUDA_LIBRARY       | path of libcudart to dlopen instead of searching     | (search) |
-| GPUMEM_STAGING_BYTES      | default host staging budget of the Checkpointer      | (fraction of RAM) |
-| GPUMEM_CRC_ONE_LAUNCH     | 1: a snapshot's device CRCs in one kernel launch     | 0 (one per tensor) |
+| variable              | meaning                                          | default            |
+|-----------------------|--------------------------------------------------|--------------------|
+| GPUMEM_THREADS        | worker threads of the native core (CRC, copies)  | all cores          |
+| GPUMEM_IO_THREADS     | reads in flight when restoring a checkpoint      | max(4, min(16, n)) |
+| GPUMEM_DISABLE_CUDA   | 1: never load the CUDA runtime (a CPU machine)   | 0                  |
+| GPUMEM_CUDA_LIBRARY   | path of libcudart to dlopen instead of searching | (search)           |
+| GPUMEM_STAGING_BYTES  | default host staging budget of the Checkpointer  | (share of RAM)     |
+| GPUMEM_CRC_ONE_LAUNCH | 1: a snapshot's device CRCs in one kernel launch | 0 (one per tensor) |
+
+(n: the machine's cores.)
 """
 
 from __future__ import annotations

@@ -121,8 +121,8 @@ def tensor_bytes(tensor: Any, what: str = "tensor") -> Any:
         raise ValueError(f"{what} is a meta tensor and has no data")
     if not tensor.is_contiguous():
         raise ValueError(
-            f"{what} is not contiguous (shape {tuple(tensor.shape)}, stride {tuple(tensor.stride())}); "
-            "pass tensor.contiguous()"
+            f"{what} is not contiguous (shape {tuple(tensor.shape)}, "
+            f"stride {tuple(tensor.stride())}); pass tensor.contiguous()"
         )
     if tensor.is_conj() or tensor.is_neg():
         raise ValueError(
@@ -156,7 +156,8 @@ def byte_view(obj: Any, *, writable: bool = False, what: str = "data") -> Any:
         view = memoryview(obj)
     except TypeError:
         raise TypeError(
-            f"{what} must be bytes-like, a numpy array or a CPU torch tensor, got {type(obj).__name__}"
+            f"{what} must be bytes-like, a numpy array or "
+            f"a CPU torch tensor, got {type(obj).__name__}"
         ) from None
     if not view.c_contiguous:
         raise ValueError(f"{what} is not C-contiguous; pass a contiguous copy")

@@ -4,8 +4,9 @@ Checkpoint staging copies GPU tensors into host memory; pinned (page-locked) mem
 copies run asynchronously at full PCIe/NVLink-C2C speed. ``HostArena`` makes one allocation up
 front, registers it with ``cudaHostRegister`` in chunks of at most 1 GiB in a background thread
 (registering tens of GiB takes seconds, so it is kept off the critical path), and hands out torch
-tensors that alias it without copies. Device-to-host copies go through :meth:`HostArena.copy_from_device`,
-which never lets one CUDA copy span two registration chunks (see there).
+tensors that alias it without copies. Device-to-host copies go through
+:meth:`HostArena.copy_from_device`, which never lets one CUDA copy span two registration chunks
+(see there).
 
 Example:
     >>> import torch
@@ -50,7 +51,12 @@ class HostArena:
     """
 
     def __init__(
-        self, nbytes: int, *, pinned: bool | None = None, alignment: int = 4096, device: int | None = None
+        self,
+        nbytes: int,
+        *,
+        pinned: bool | None = None,
+        alignment: int = 4096,
+        device: int | None = None,
     ) -> None:
         """Allocate the arena.
 
@@ -207,7 +213,11 @@ class HostArena:
         # Flat contiguous uint8 NumPy arrays are what byte_view would hand over; taking them as
         # they are keeps a copy of hundreds of tensors from spending milliseconds on re-checks.
         views = [
-            s if type(s) is np.ndarray and s.dtype == np.uint8 and s.ndim == 1 and s.flags.c_contiguous
+            s
+            if type(s) is np.ndarray
+            and s.dtype == np.uint8
+            and s.ndim == 1
+            and s.flags.c_contiguous
             else byte_view(s, what=f"sources[{i}]")
             for i, s in enumerate(sources)
         ]
@@ -244,7 +254,8 @@ class HostArena:
 
     @property
     def pin_chunk(self) -> int:
-        """Bytes per CUDA registration (the last one may be shorter); see :meth:`copy_from_device`."""
+        """Bytes per CUDA registration (the last one may be shorter); see
+        :meth:`copy_from_device`."""
         return self._pin_chunk
 
     # ---- lifetime ----
@@ -282,7 +293,8 @@ class HostArena:
         offset, nbytes = _int(offset, "offset"), _int(nbytes, "nbytes")
         if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
             raise ValueError(
-                f"range of {nbytes} bytes at offset {offset} is outside the arena of {self.nbytes} bytes"
+                f"range of {nbytes} bytes at offset {offset} is "
+                f"outside the arena of {self.nbytes} bytes"
             )
         return offset, nbytes
 

@@ -61,7 +61,9 @@ def _nvml():
     try:
         import pynvml
     except ImportError:
-        raise RuntimeError("NVML: the nvidia-ml-py package is not installed (pip install nvidia-ml-py)")
+        raise RuntimeError(
+            "NVML: the nvidia-ml-py package is not installed (pip install nvidia-ml-py)"
+        ) from None
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as exc:

@@ -144,9 +144,13 @@ def _bandwidth(nbytes: int, directory: str | None, problems: list[str]) -> list[
 
         native = _native.load()
         out.append(
-            Bandwidth("crc32c (1 thread)", nbytes, _best_of(lambda: native.crc32c(src, 0, threads=1)))
+            Bandwidth(
+                "crc32c (1 thread)", nbytes, _best_of(lambda: native.crc32c(src, 0, threads=1))
+            )
         )
-        out.append(Bandwidth("crc32c (all threads)", nbytes, _best_of(lambda: checksum.crc32c(src))))
+        out.append(
+            Bandwidth("crc32c (all threads)", nbytes, _best_of(lambda: checksum.crc32c(src)))
+        )
         with tempfile.TemporaryDirectory(dir=directory, prefix="gpumem-doctor-") as tmp:
             path = os.path.join(tmp, "probe.bin")
             out.append(
@@ -163,7 +167,9 @@ def _bandwidth(nbytes: int, directory: str | None, problems: list[str]) -> list[
     return out
 
 
-def run_doctor(measure: bool = True, nbytes: int = 256 << 20, directory: str | None = None) -> DoctorReport:
+def run_doctor(
+    measure: bool = True, nbytes: int = 256 << 20, directory: str | None = None
+) -> DoctorReport:
     """Collect the report. ``measure=False`` skips the bandwidth probes (a second or so each)."""
     from gpumem import device
 
@@ -213,11 +219,22 @@ def gpu_bandwidth(nbytes: int, problems: list[str], device: int = 0) -> list[Ban
 
         return [
             Bandwidth("GPU device-to-device copy", 2 * nbytes, timed(lambda: dst.copy_(src))),
-            Bandwidth("GPU device-to-host (pinned)", nbytes, timed(lambda: host.copy_(src, non_blocking=True))),
-            Bandwidth("GPU host-to-device (pinned)", nbytes, timed(lambda: src.copy_(host, non_blocking=True))),
-            Bandwidth("GPU crc32c (Triton)", nbytes,
-                      timed(lambda: checksum.chunk_crc32c(src, 1 << 20, backend="triton"))),
+            Bandwidth(
+                "GPU device-to-host (pinned)",
+                nbytes,
+                timed(lambda: host.copy_(src, non_blocking=True)),
+            ),
+            Bandwidth(
+                "GPU host-to-device (pinned)",
+                nbytes,
+                timed(lambda: src.copy_(host, non_blocking=True)),
+            ),
+            Bandwidth(
+                "GPU crc32c (Triton)",
+                nbytes,
+                timed(lambda: checksum.chunk_crc32c(src, 1 << 20, backend="triton")),
+            ),
         ]
-    except Exception as exc:  # noqa: BLE001 - doctor reports every failure instead of dying on it
+    except Exception as exc:
         problems.append(f"GPU bandwidth probe failed: {type(exc).__name__}: {exc}")
         return []

@@ -6,10 +6,22 @@ from __future__ import annotations
 import re
 
 _UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,  # bare letters: binary, as in `ulimit`/`dd`
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "pb": 10**15,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "pib": 2**50,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,  # bare letters: binary, as in `ulimit`/`dd`
 }
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -30,7 +42,7 @@ def parse_bytes(text: str | int) -> int:
             f"cannot read {text!r} as a size: use a number with a unit such as 80GiB, 141GB, 512MiB"
         )
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    return int(round(value))
+    return round(value)
 
 
 def format_bytes(n: int | float, unit: str | None = None, digits: int = 2) -> str:

@@ -185,7 +185,9 @@ def read_into(path: PathLike, offset: int, out: Any, *, threads: int | None = No
     return load().read_into(_path(path), _nonneg(offset, "offset"), view, resolve_threads(threads))
 
 
-def _split_pieces(pieces: Iterable[tuple[int, Any]], *, writable: bool) -> tuple[list[int], list[Any]]:
+def _split_pieces(
+    pieces: Iterable[tuple[int, Any]], *, writable: bool
+) -> tuple[list[int], list[Any]]:
     """File offsets and byte views of ``(file_offset, buffer)`` pairs, each checked."""
     offsets: list[int] = []
     buffers: list[Any] = []

@@ -1,4 +1,5 @@
-"""gpumem.arena.HostArena: aligned allocation, aliasing views, threaded copies, lifetime, pinning."""
+"""gpumem.arena.HostArena: aligned allocation, aliasing views, threaded copies, lifetime,
+pinning."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def test_views_alias_the_arena():
 def test_tensor_offset_and_bounds_errors():
     with HostArena(4096, pinned=False) as arena:
         with pytest.raises(
-            ValueError, match="offset 2 is not a multiple of the torch.float32 item size 4"
+            ValueError, match=r"offset 2 is not a multiple of the torch.float32 item size 4"
         ):
             arena.tensor(2, torch.float32, (4,))
         with pytest.raises(ValueError, match="outside the arena of 4096 bytes"):

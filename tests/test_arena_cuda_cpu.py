@@ -27,7 +27,8 @@ static __thread int current = 0;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static int registers = 0;
 
-static void logf(const char* what, unsigned long long a, unsigned long long b, unsigned long long c) {
+static void logf(const char* what, unsigned long long a, unsigned long long b,
+                 unsigned long long c) {
   pthread_mutex_lock(&mu);
   FILE* f = fopen(getenv("FAKE_CUDART_LOG"), "a");
   if (f) {
@@ -54,12 +55,17 @@ int cudaHostRegister(void* p, size_t n, unsigned flags) {
   pthread_mutex_lock(&mu);
   int k = ++registers;
   pthread_mutex_unlock(&mu);
-  if (k == env_int("FAKE_CUDART_FAIL_REGISTER", 0)) { logf("register_failed", (size_t)p, n, flags); return 2; }
+  if (k == env_int("FAKE_CUDART_FAIL_REGISTER", 0)) {
+    logf("register_failed", (size_t)p, n, flags);
+    return 2;
+  }
   logf("register", (size_t)p, n, flags);
   return 0;
 }
 int cudaHostUnregister(void* p) { logf("unregister", (size_t)p, 0, 0); return 0; }
-const char* cudaGetErrorString(int e) { return e == 2 ? "fake: out of memory" : e == 100 ? "fake: no device" : "fake: other"; }
+const char* cudaGetErrorString(int e) {
+  return e == 2 ? "fake: out of memory" : e == 100 ? "fake: no device" : "fake: other";
+}
 int cudaGetLastError(void) { logf("get_last_error", 0, 0, 0); return 0; }
 """
 
@@ -72,7 +78,9 @@ def fake_cudart(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("fakecudart")
     (d / "fake.c").write_text(FAKE_CUDART)
     lib = d / "libfakecudart.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(d / "fake.c"), "-lpthread"], check=True)
+    subprocess.run(
+        [cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(d / "fake.c"), "-lpthread"], check=True
+    )
     return lib
 
 
@@ -83,8 +91,17 @@ def run_probe(code: str, lib: Path | str, tmp_path: Path, **env: str) -> tuple[d
     base = {k: v for k, v in os.environ.items() if not k.startswith(("GPUMEM_", "FAKE_CUDART_"))}
     proc = subprocess.run(
         [sys.executable, "-c", code],
-        env={**base, "GPUMEM_CUDA_LIBRARY": str(lib), "FAKE_CUDART_LOG": str(log), "GPUMEM_THREADS": "2", **env},
-        capture_output=True, text=True, timeout=120, check=False,
+        env={
+            **base,
+            "GPUMEM_CUDA_LIBRARY": str(lib),
+            "FAKE_CUDART_LOG": str(log),
+            "GPUMEM_THREADS": "2",
+            **env,
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     entries = []
@@ -128,21 +145,31 @@ def test_pinning_registers_in_chunks_on_the_callers_device(fake_cudart, tmp_path
     regs = [e[1:] for e in log if e[0] == "register"]
     # (address, bytes, flags, device of the registering thread): 1 GiB pieces tiling the arena,
     # cudaHostRegisterPortable, on device 2 (the caller's), never on the pin thread's default 0
-    assert regs == [(ptr, gib, 1, 2), (ptr + gib, gib, 1, 2), (ptr + 2 * gib, 12345, 1, 2),
-                    (out["other"], 4096, 1, 1)]
+    assert regs == [
+        (ptr, gib, 1, 2),
+        (ptr + gib, gib, 1, 2),
+        (ptr + 2 * gib, 12345, 1, 2),
+        (out["other"], 4096, 1, 1),
+    ]
     assert sorted(e[1] for e in log if e[0] == "unregister") == sorted(r[0] for r in regs)
     assert ("set_device", 0, 0, 0, 0) not in log  # no context was made on GPU 0
 
 
-def test_a_failed_registration_is_reported_and_only_the_registered_part_released(fake_cudart, tmp_path):
+def test_a_failed_registration_is_reported_and_only_the_registered_part_released(
+    fake_cudart, tmp_path
+):
     out, log = run_probe(PIN, fake_cudart, tmp_path, FAKE_CUDART_FAIL_REGISTER="2")
     gib = 1 << 30
-    assert out["error"] == (f"cudaHostRegister of {gib} bytes at arena offset {gib} failed: "
-                            "fake: out of memory (cudaError 2)")
+    assert out["error"] == (
+        f"cudaHostRegister of {gib} bytes at arena offset {gib} failed: "
+        "fake: out of memory (cudaError 2)"
+    )
     assert out["pinned_bytes"] == gib  # the first chunk stays pinned; copies split per chunk
     names = [e[0] for e in log]
     assert names.index("get_last_error") == names.index("register_failed") + 1  # error slot cleared
-    assert "register" not in names[names.index("register_failed"):names.index("get_last_error") + 1]
+    assert (
+        "register" not in names[names.index("register_failed") : names.index("get_last_error") + 1]
+    )
     unreg = sorted(e[1] for e in log if e[0] == "unregister")
     assert unreg == sorted([out["ptr"], out["other"]])  # never the chunk that failed
 
@@ -166,7 +193,10 @@ def test_prepare_pins_on_the_trainers_device_not_the_worker_threads(fake_cudart,
     assert out["pinned"] and out["done"]
     regs = [e[1:] for e in log if e[0] == "register"]
     assert regs == [(out["ptr"], 1 << 20, 1, 3)]  # registered from a thread on device 3
-    assert [e[1] for e in log if e[0] == "set_device"] == [3, 3]  # the trainer's, then the pin thread's
+    assert [e[1] for e in log if e[0] == "set_device"] == [
+        3,
+        3,
+    ]  # the trainer's, then the pin thread's
 
 
 LOAD = """
@@ -185,8 +215,16 @@ print(json.dumps({"available": rt.available, "message": rt.message, "pinned": pi
     "lib,env,reason",
     [
         ("fake", {"FAKE_CUDART_DEVICES": "0"}, "no CUDA device is visible"),
-        ("fake", {"FAKE_CUDART_DEVICES": "-1"}, "cudaGetDeviceCount failed: fake: no device (cudaError 100)"),
-        (ctypes.util.find_library("m") or "libm.so.6", {}, "libcudart lacks the symbol cudaHostRegister"),
+        (
+            "fake",
+            {"FAKE_CUDART_DEVICES": "-1"},
+            "cudaGetDeviceCount failed: fake: no device (cudaError 100)",
+        ),
+        (
+            ctypes.util.find_library("m") or "libm.so.6",
+            {},
+            "libcudart lacks the symbol cudaHostRegister",
+        ),
     ],
 )
 def test_an_unusable_runtime_turns_only_the_cuda_paths_off(fake_cudart, tmp_path, lib, env, reason):

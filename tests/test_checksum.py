@@ -236,7 +236,7 @@ def test_empty_tensor_gives_empty_result():
 
 def test_non_contiguous_is_a_clear_error():
     t = torch.arange(100, dtype=torch.float32).reshape(10, 10).t()
-    with pytest.raises(ValueError, match="not contiguous.*contiguous\\(\\)"):
+    with pytest.raises(ValueError, match=r"not contiguous.*contiguous\(\)"):
         chunk_crc32c(t, 16)
     with pytest.raises(ValueError, match="not contiguous"):
         crc32c(t)
@@ -256,7 +256,7 @@ def test_chunk_bytes_must_be_positive(bad):
 def test_bad_arguments():
     with pytest.raises(ValueError, match="backend must be one of"):
         chunk_crc32c(torch.ones(4), 4, backend="cuda")
-    with pytest.raises(TypeError, match="takes a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"takes a torch.Tensor"):
         chunk_crc32c(b"abc", 4)
     with pytest.raises(ValueError, match=r"value must be a CRC32C value in \[0, 2\*\*32\)"):
         crc32c(b"x", 2**32)

@@ -245,16 +245,20 @@ def test_one_launch_for_many_tensors(chunk):
     cannot take (odd lengths, unaligned, empty) are handed back, in order, untouched."""
     sizes = [8, chunk, chunk + 4, 3 * chunk + 1024, 20, 7, 0, 2 * chunk]
     srcs = [_random_bytes(n + 4, seed)[4:].to(DEVICE) for seed, n in enumerate(sizes)]
-    srcs.append(_random_bytes(4 * chunk + 9, 99).to(DEVICE)[1 : 4 * chunk + 1])  # address not word aligned
+    srcs.append(
+        _random_bytes(4 * chunk + 9, 99).to(DEVICE)[1 : 4 * chunk + 1]
+    )  # address not word aligned
     srcs.reverse()  # the lowest address need not come first
     counts = [-(-s.numel() // chunk) for s in srcs]
     starts = [sum(counts[:i]) for i in range(len(srcs))]
     out = torch.zeros(sum(counts), dtype=torch.int32, device=DEVICE)
     left = K.crc32c_many_into(srcs, out, starts, chunk)
-    want_left = [i for i, s in enumerate(srcs) if s.numel() % 4 or not s.numel() or s.data_ptr() % 4]
+    want_left = [
+        i for i, s in enumerate(srcs) if s.numel() % 4 or not s.numel() or s.data_ptr() % 4
+    ]
     assert left == want_left and len(left) == 3
     got = (out.to(torch.int64) & 0xFFFFFFFF).cpu().tolist()
-    for i, (s, a, n) in enumerate(zip(srcs, starts, counts)):
+    for i, (s, a, n) in enumerate(zip(srcs, starts, counts, strict=True)):
         if i in left:
             assert got[a : a + n] == [0] * n  # not touched: the caller hashes these one by one
         else:
@@ -320,7 +324,8 @@ sig = {"X_ptr": "*i32", "OUT_ptr": "*i32", "TAB_ptr": "*i32", "NIB_ptr": "*i32",
        "chunk_bytes": "i64", "tile_bytes": "i32", "tiles_per_chunk": "i32", "init_full": "i32",
        "nbits": "i32", "LANES": "constexpr", "LOG2_LANES": "constexpr", "WORDS": "constexpr",
        "NIBBLES": "constexpr"}
-ptx = lower(K._crc32c_multi_kernel, sig, {"LANES": 1024, "LOG2_LANES": 10, "WORDS": True, "NIBBLES": True}, 8)
+ptx = lower(K._crc32c_multi_kernel, sig,
+            {"LANES": 1024, "LOG2_LANES": 10, "WORDS": True, "NIBBLES": True}, 8)
 assert "atom.global" in ptx and "ld.global.cg.b32" in ptx and "ld.global.b64" in ptx
 sig = {"X_ptr": "*u8", "OUT_ptr": "*i32", "TAB_ptr": "*i32", "n_bytes": "i64",
        "chunk_bytes": "i32", "n_chunks": "i32", "BLOCK": "constexpr"}

@@ -1,4 +1,5 @@
-"""gpumem.device: NVML parsing against a stand-in NVML, the clean CPU answer, and the real GPU tier."""
+"""gpumem.device: NVML parsing against a stand-in NVML, the clean CPU answer, and the real GPU
+tier."""
 
 import sys
 import types

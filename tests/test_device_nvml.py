@@ -22,8 +22,10 @@ def _nvml(*, has_v3: bool = True, broken_gpu: int | None = None, count_error: bo
     class NVMLLibraryMismatchError(Exception):  # deliberately not an NVMLError, as in pynvml
         pass
 
-    procs = {0: [types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=700 << 20)],
-             1: [types.SimpleNamespace(pid=12345, usedGpuMemory=None)]}  # fmt: skip
+    procs = {
+        0: [types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=700 << 20)],
+        1: [types.SimpleNamespace(pid=12345, usedGpuMemory=None)],
+    }
 
     def unversioned(h):
         if not has_v3:
@@ -51,7 +53,8 @@ def _nvml(*, has_v3: bool = True, broken_gpu: int | None = None, count_error: bo
         nvmlDeviceGetCount=count,
         nvmlDeviceGetHandleByIndex=handle,
         nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(
-            total=H200_TOTAL, used=1 << 30, free=H200_TOTAL - (1 << 30)),
+            total=H200_TOTAL, used=1 << 30, free=H200_TOTAL - (1 << 30)
+        ),
         nvmlDeviceGetName=lambda h: b"NVIDIA H200",
         nvmlDeviceGetUUID=lambda h: f"GPU-0000-{h}",
         nvmlDeviceGetCudaComputeCapability=lambda h: (9, 0),
@@ -63,7 +66,7 @@ def _nvml(*, has_v3: bool = True, broken_gpu: int | None = None, count_error: bo
         nvmlSystemGetDriverVersion=lambda: "470.256.02",
         nvmlSystemGetCudaDriverVersion=lambda: 11040,
         nvmlSystemGetNVMLVersion=lambda: b"11.470.256.02",
-    )  # fmt: skip
+    )
 
 
 def test_old_driver_without_v3_process_calls_falls_back_to_v2(monkeypatch):

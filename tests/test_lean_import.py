@@ -1,4 +1,5 @@
-"""`import gpumem` stays lean: no torch, triton or numba, no CUDA context, until a feature needs them."""
+"""`import gpumem` stays lean: no torch, triton or numba, no CUDA context, until a feature needs
+them."""
 
 import json
 import subprocess
@@ -22,8 +23,9 @@ def test_import_gpumem_imports_no_heavy_module():
 
 def test_public_names_resolve_lazily():
     res = _run(
-        "import sys, json, gpumem; gpumem.units.parse_bytes if hasattr(gpumem, 'units') else None; "
-        "d = dir(gpumem); print(json.dumps({'dir': 'checksum' in d, 'triton': 'triton' in sys.modules}))"
+        "import sys, json, gpumem; gpumem.units.parse_bytes if hasattr(gpumem, "
+        "'units') else None; d = dir(gpumem); print(json.dumps({'dir': "
+        "'checksum' in d, 'triton': 'triton' in sys.modules}))"
     )
     assert res == {"dir": True, "triton": False}
 

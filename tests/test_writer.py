@@ -40,7 +40,8 @@ def run_py(code: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def mixed_pieces(seed: int, count: int) -> tuple[list[tuple[int, object]], bytearray]:
-    """Pieces of several buffer kinds at random offsets with gaps, and the file they must produce."""
+    """Pieces of several buffer kinds at random offsets with gaps, and the file they must
+    produce."""
     rng = random.Random(seed)
     pieces, expected, offset = [], bytearray(), 0
     for i in range(count):
@@ -185,14 +186,25 @@ def test_read_file_pieces_and_chunk_crcs(tmp_path, threads, chunk):
     second = (sizes[0] + 4095) // 4096 * 4096  # same alignment phase in the file and the arena
     offsets = [0, second, second + 8192 + 1]
     with HostArena(sum(sizes) + 3 * 4096, pinned=False) as arena:
-        outs = [arena.view(0, sizes[0]), arena.view(second, sizes[1]), torch.empty(sizes[2], dtype=torch.uint8)]
+        outs = [
+            arena.view(0, sizes[0]),
+            arena.view(second, sizes[1]),
+            torch.empty(sizes[2], dtype=torch.uint8),
+        ]
         counts = [(n + chunk - 1) // chunk for n in sizes]
         index = [0, counts[0], counts[0] + counts[1]]
         crcs = np.full(sum(counts) + 2, -1, dtype=np.int64)
-        got = read_file(path, list(zip(offsets, outs)), threads=threads, direct=True, chunk_bytes=chunk,
-                        crc_index=index, crc_out=crcs)
+        got = read_file(
+            path,
+            list(zip(offsets, outs, strict=True)),
+            threads=threads,
+            direct=True,
+            chunk_bytes=chunk,
+            crc_index=index,
+            crc_out=crcs,
+        )
         assert got == sum(sizes)
-        for off, out, n, first in zip(offsets, outs, sizes, index):
+        for off, out, n, first in zip(offsets, outs, sizes, index, strict=True):
             data = raw[off : off + n]
             assert out.numpy().tobytes() == data
             want = [google_crc32c.value(data[k : k + chunk]) for k in range(0, n, chunk)]
@@ -206,11 +218,15 @@ def test_read_file_uses_o_direct_for_aligned_middles(tmp_path):
     path.write_bytes(raw)
     with HostArena(len(raw) + 4096, pinned=False) as arena:
         out = arena.view(0, len(raw))
-        nbytes, direct_bytes = C.read_file(str(path), [0], [out.numpy()], [-1], 0, np.empty(0, np.int64), 0, True)
+        nbytes, direct_bytes = C.read_file(
+            str(path), [0], [out.numpy()], [-1], 0, np.empty(0, np.int64), 0, True
+        )
         assert nbytes == len(raw) and out.numpy().tobytes() == raw
         if direct_bytes == 0:
             pytest.skip(f"{tmp_path} refuses O_DIRECT (read buffered instead, content verified)")
-        assert direct_bytes == len(raw) // 4096 * 4096  # the unaligned tail came through the page cache
+        assert (
+            direct_bytes == len(raw) // 4096 * 4096
+        )  # the unaligned tail came through the page cache
 
 
 def test_read_file_errors(tmp_path):
@@ -221,7 +237,13 @@ def test_read_file_errors(tmp_path):
     assert info.value.errno == errno.EIO and info.value.filename == str(path)
     assert "shorter than expected" in str(info.value)
     with pytest.raises(ValueError, match="needs CRC slots up to 2 but crc_out has 1"):
-        read_file(path, [(0, bytearray(100))], chunk_bytes=64, crc_index=[0], crc_out=np.zeros(1, np.int64))
+        read_file(
+            path,
+            [(0, bytearray(100))],
+            chunk_bytes=64,
+            crc_index=[0],
+            crc_out=np.zeros(1, np.int64),
+        )
     with pytest.raises(ValueError, match="needs crc_out"):
         read_file(path, [(0, bytearray(10))], chunk_bytes=64)
     with pytest.raises(ValueError, match="read-only"):
@@ -275,7 +297,8 @@ try:
     write_file({str(target)!r}, [(0, b"data")])
     print(json.dumps({{"ok": True}}))
 except OSError as e:
-    print(json.dumps({{"type": type(e).__name__, "errno": e.errno, "filename": e.filename, "msg": str(e)}}))
+    print(json.dumps({{"type": type(e).__name__, "errno": e.errno, "filename": e.filename,
+                      "msg": str(e)}}))
 """
         proc = run_py(code)
         assert proc.returncode == 0, proc.stderr

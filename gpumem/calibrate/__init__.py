@@ -17,28 +17,28 @@ imports neither torch nor numba; the measurements do.
 from gpumem.calibrate._schema import CalibrationError
 from gpumem.calibrate.calibration import Calibration, Machine, load, measure
 from gpumem.calibrate.checkpoint_cost import (
-           CheckpointCost,
-           CheckpointPoint,
-           measure_checkpoint,
-           synthetic_state,
+    CheckpointCost,
+    CheckpointPoint,
+    measure_checkpoint,
+    synthetic_state,
 )
 from gpumem.calibrate.fit import LinearFit, fit_line
 from gpumem.calibrate.reserve import GpuReserve, ReportReserve, from_report, measure_gpu_reserve
 
 __all__ = [
-           "Calibration",
-           "CalibrationError",
-           "CheckpointCost",
-           "CheckpointPoint",
-           "GpuReserve",
-           "LinearFit",
-           "Machine",
-           "ReportReserve",
-           "fit_line",
-           "from_report",
-           "load",
-           "measure",
-           "measure_checkpoint",
-           "measure_gpu_reserve",
-           "synthetic_state",
-]  # fmt: skip
+    "Calibration",
+    "CalibrationError",
+    "CheckpointCost",
+    "CheckpointPoint",
+    "GpuReserve",
+    "LinearFit",
+    "Machine",
+    "ReportReserve",
+    "fit_line",
+    "from_report",
+    "load",
+    "measure",
+    "measure_checkpoint",
+    "measure_gpu_reserve",
+    "synthetic_state",
+]

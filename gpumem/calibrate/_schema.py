@@ -69,16 +69,22 @@ class Fields:
             return None
         return check_float(v, self.path(name), minimum)
 
-    def str(self, name: str, optional: bool = False, choices: tuple[str, ...] | None = None) -> str | None:
+    def str(
+        self, name: str, optional: bool = False, choices: tuple[str, ...] | None = None
+    ) -> str | None:
         v = self._get(name, optional)
         if v is None and optional:
             return None
         if not isinstance(v, str):
             raise CalibrationError(f"{self.path(name)}: expected a string, got {_kind(v)}; {REDO}")
         if len(v) > MAX_TEXT or "\x00" in v:
-            raise CalibrationError(f"{self.path(name)}: string longer than {MAX_TEXT} characters or with NUL; {REDO}")
+            raise CalibrationError(
+                f"{self.path(name)}: string longer than {MAX_TEXT} characters or with NUL; {REDO}"
+            )
         if choices is not None and v not in choices:
-            raise CalibrationError(f"{self.path(name)}: {v!r} is not one of {', '.join(choices)}; {REDO}")
+            raise CalibrationError(
+                f"{self.path(name)}: {v!r} is not one of {', '.join(choices)}; {REDO}"
+            )
         return v
 
     def timestamp(self, name: str) -> str:
@@ -101,9 +107,13 @@ class Fields:
     def list(self, name: str, max_len: int) -> list[Any]:
         v = self._get(name, False)
         if not isinstance(v, list):
-            raise CalibrationError(f"{self.path(name)}: expected a JSON array, got {_kind(v)}; {REDO}")
+            raise CalibrationError(
+                f"{self.path(name)}: expected a JSON array, got {_kind(v)}; {REDO}"
+            )
         if len(v) > max_len:
-            raise CalibrationError(f"{self.path(name)}: {len(v)} entries, at most {max_len} allowed; {REDO}")
+            raise CalibrationError(
+                f"{self.path(name)}: {len(v)} entries, at most {max_len} allowed; {REDO}"
+            )
         return v
 
     def str_map(self, name: str) -> dict[str, str]:
@@ -150,5 +160,10 @@ def _kind(v: Any) -> str:
         return "null"
     if isinstance(v, bool):
         return "a boolean"
-    return {dict: "an object", list: "an array", str: "a string", int: "an integer",
-            float: "a number"}.get(type(v), type(v).__name__)  # fmt: skip
+    return {
+        dict: "an object",
+        list: "an array",
+        str: "a string",
+        int: "an integer",
+        float: "a number",
+    }.get(type(v), type(v).__name__)

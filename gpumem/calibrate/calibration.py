@@ -1,4 +1,5 @@
-"""``calibration.json``: what was measured on a machine, and the two ways the rest of gpumem uses it.
+"""``calibration.json``: what was measured on a machine, and the two ways the rest of gpumem uses
+it.
 
 The estimator and the planner never read this file themselves (the estimator stays a pure
 function of its inputs): the planner asks :meth:`Calibration.checkpoint_times` for a checkpoint
@@ -62,13 +63,23 @@ class Machine:
             gpus = query().gpus
             gpu = gpus[0].name if gpus else None
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return cls(host=platform.node(), cpu=cpu_model(), cpu_count=os.cpu_count() or 1, memory_bytes=int(mem),
-                   gpu=gpu)  # fmt: skip
+        return cls(
+            host=platform.node(),
+            cpu=cpu_model(),
+            cpu_count=os.cpu_count() or 1,
+            memory_bytes=int(mem),
+            gpu=gpu,
+        )
 
     @classmethod
     def from_fields(cls, f: Fields) -> Machine:
-        out = cls(host=f.str("host"), cpu=f.str("cpu"), cpu_count=f.int("cpu_count", minimum=1),
-                  memory_bytes=f.int("memory_bytes", minimum=1), gpu=f.str("gpu", optional=True))  # fmt: skip
+        out = cls(
+            host=f.str("host"),
+            cpu=f.str("cpu"),
+            cpu_count=f.int("cpu_count", minimum=1),
+            memory_bytes=f.int("memory_bytes", minimum=1),
+            gpu=f.str("gpu", optional=True),
+        )
         f.done()
         return out
 
@@ -108,7 +119,9 @@ class Calibration:
             CalibrationError: no checkpoint measurement in this calibration, or bad arguments.
         """
         if self.checkpoint is None:
-            raise CalibrationError("this calibration has no checkpoint measurement: run `gpumem calibrate --dir DIR`")
+            raise CalibrationError(
+                "this calibration has no checkpoint measurement: run `gpumem calibrate --dir DIR`"
+            )
         n = check_int(nbytes, "nbytes")
         if mode not in STALL_MODES:
             raise CalibrationError(f"mode={mode!r}: use 'overlap' or 'blocking'")
@@ -140,7 +153,8 @@ class Calibration:
         return dataclasses.replace(gpu, **changes) if changes else gpu
 
     def with_report(self, report: Any) -> Calibration:
-        """A copy holding :func:`from_report` of ``report`` (a Report, its dict, or its JSON path)."""
+        """A copy holding :func:`from_report` of ``report`` (a Report, its dict, or its JSON
+        path)."""
         return dataclasses.replace(self, report=from_report(report))
 
     def table(self) -> str:
@@ -150,12 +164,15 @@ class Calibration:
     # -- file format ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {
-            "format": FORMAT, "schema_version": self.schema_version, "created_utc": self.created_utc,
-            "machine": dataclasses.asdict(self.machine), "versions": dict(self.versions),
+            "format": FORMAT,
+            "schema_version": self.schema_version,
+            "created_utc": self.created_utc,
+            "machine": dataclasses.asdict(self.machine),
+            "versions": dict(self.versions),
             "checkpoint": self.checkpoint.to_dict() if self.checkpoint else None,
             "gpu_reserve": self.gpu_reserve.to_dict() if self.gpu_reserve else None,
             "report": self.report.to_dict() if self.report else None,
-        }  # fmt: skip
+        }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n"
@@ -178,36 +195,55 @@ class Calibration:
     def from_dict(cls, data: Any) -> Calibration:
         """Validate and build; every problem is a CalibrationError naming the field."""
         if not isinstance(data, dict):
-            raise CalibrationError(f"not a calibration file: expected a JSON object at the top; {REDO}")
+            raise CalibrationError(
+                f"not a calibration file: expected a JSON object at the top; {REDO}"
+            )
         f = Fields(data, "")
         if data.get("format") != FORMAT:
-            raise CalibrationError(f"format: {data.get('format')!r} is not {FORMAT!r}: not a gpumem calibration "
-                                   f"file; {REDO}")  # fmt: skip
+            raise CalibrationError(
+                f"format: {data.get('format')!r} is not {FORMAT!r}: not a gpumem calibration "
+                f"file; {REDO}"
+            )
         f.str("format")
         version = data.get("schema_version")
         if version != SCHEMA_VERSION or isinstance(version, bool):
-            raise CalibrationError(f"schema_version: {version!r}; this gpumem reads {SCHEMA_VERSION}: {REDO}")
+            raise CalibrationError(
+                f"schema_version: {version!r}; this gpumem reads {SCHEMA_VERSION}: {REDO}"
+            )
         f.int("schema_version")
         created = f.timestamp("created_utc")
         machine = Machine.from_fields(f.obj("machine"))  # type: ignore[arg-type]
         versions = f.str_map("versions")
-        parts = {name: f.obj(name, optional=True) for name in ("checkpoint", "gpu_reserve", "report")}
+        parts = {
+            name: f.obj(name, optional=True) for name in ("checkpoint", "gpu_reserve", "report")
+        }
         f.done()
         out = cls(
-            created_utc=created, machine=machine, versions=versions,
-            checkpoint=CheckpointCost.from_fields(parts["checkpoint"]) if parts["checkpoint"] else None,
-            gpu_reserve=GpuReserve.from_fields(parts["gpu_reserve"]) if parts["gpu_reserve"] else None,
+            created_utc=created,
+            machine=machine,
+            versions=versions,
+            checkpoint=CheckpointCost.from_fields(parts["checkpoint"])
+            if parts["checkpoint"]
+            else None,
+            gpu_reserve=GpuReserve.from_fields(parts["gpu_reserve"])
+            if parts["gpu_reserve"]
+            else None,
             report=ReportReserve.from_fields(parts["report"]) if parts["report"] else None,
-        )  # fmt: skip
+        )
         if out.checkpoint is None and out.gpu_reserve is None and out.report is None:
-            raise CalibrationError(f"the file holds no measurement (checkpoint, gpu_reserve, report: null); {REDO}")
+            raise CalibrationError(
+                f"the file holds no measurement (checkpoint, gpu_reserve, report: null); {REDO}"
+            )
         return out
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Calibration:
         try:
             data = strict_json.loads(text)
-        except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, duplicate keys, NaN, nesting
+        except (
+            ValueError,
+            RecursionError,
+        ) as exc:  # bad JSON or UTF-8, duplicate keys, NaN, nesting
             raise CalibrationError(f"not valid JSON: {str(exc)[:200]}; {REDO}") from None
         return cls.from_dict(data)
 
@@ -223,13 +259,17 @@ def load(path: str | os.PathLike) -> Calibration:
     try:
         size = p.stat().st_size
         if size > MAX_FILE_BYTES:
-            raise CalibrationError(f"{size} bytes, more than a calibration file holds ({MAX_FILE_BYTES}); {REDO}")
+            raise CalibrationError(
+                f"{size} bytes, more than a calibration file holds ({MAX_FILE_BYTES}); {REDO}"
+            )
         raw = p.read_bytes()
     except CalibrationError as exc:
         raise CalibrationError(f"{p}: {exc}") from None
     except OSError as exc:
-        raise CalibrationError(f"{p}: cannot read the calibration file ({exc.strerror or exc}); "
-                               "write one with `gpumem calibrate --out FILE`") from None  # fmt: skip
+        raise CalibrationError(
+            f"{p}: cannot read the calibration file ({exc.strerror or exc}); "
+            "write one with `gpumem calibrate --out FILE`"
+        ) from None
     try:
         return Calibration.from_json(raw)
     except CalibrationError as exc:
@@ -250,23 +290,43 @@ def versions() -> dict[str, str]:
 
 
 def measure(
-    directory: str | os.PathLike = ".", sizes: Any = (64 << 20, 256 << 20), *, device: str = "cpu",
-    repeat: int = 5, gpu_reserve: bool | None = None, report: Any = None, **checkpoint_kwargs: Any,
-) -> Calibration:  # fmt: skip
+    directory: str | os.PathLike = ".",
+    sizes: Any = (64 << 20, 256 << 20),
+    *,
+    device: str = "cpu",
+    repeat: int = 5,
+    gpu_reserve: bool | None = None,
+    report: Any = None,
+    **checkpoint_kwargs: Any,
+) -> Calibration:
     """Measure this machine: the GPU reserve first (CUDA, before anything else loads), then the
     checkpoint cost in ``directory``; optionally read a profile report.
 
     Args:
         directory / sizes / device / repeat: see :func:`measure_checkpoint`.
         gpu_reserve: measure the GPU reserve (default: when ``device="cuda"``).
-        report: a CUDA ``gpumem.profile`` report (object, dict or JSON path): see :func:`from_report`.
-        checkpoint_kwargs: passed to :func:`measure_checkpoint` (tensors, warmup, staging_bytes, ...).
+        report: a CUDA ``gpumem.profile`` report (object, dict or JSON path): see
+            :func:`from_report`.
+        checkpoint_kwargs: passed to :func:`measure_checkpoint` (tensors, warmup, staging_bytes,
+            ...).
     """
-    rep = from_report(report) if report is not None else None  # bad input fails before minutes of work
-    reserve = measure_gpu_reserve() if (device == "cuda" if gpu_reserve is None else gpu_reserve) else None
+    rep = (
+        from_report(report) if report is not None else None
+    )  # bad input fails before minutes of work
+    reserve = (
+        measure_gpu_reserve()
+        if (device == "cuda" if gpu_reserve is None else gpu_reserve)
+        else None
+    )
     cost = measure_checkpoint(directory, sizes, device=device, repeat=repeat, **checkpoint_kwargs)
-    return Calibration(created_utc=utc_now(), machine=Machine.this(reserve.device_name if reserve else None),
-                       versions=versions(), checkpoint=cost, gpu_reserve=reserve, report=rep)  # fmt: skip
+    return Calibration(
+        created_utc=utc_now(),
+        machine=Machine.this(reserve.device_name if reserve else None),
+        versions=versions(),
+        checkpoint=cost,
+        gpu_reserve=reserve,
+        report=rep,
+    )
 
 
 def table(cal: Calibration) -> str:
@@ -274,9 +334,11 @@ def table(cal: Calibration) -> str:
     from gpumem.units import format_bytes
 
     m = cal.machine
-    head = (f"calibration {cal.created_utc} on {m.host} ({m.cpu}, {m.cpu_count} cores, "
-            f"{format_bytes(m.memory_bytes)} RAM, {m.gpu or 'no GPU'}); "
-            + ", ".join(f"{k} {val}" for k, val in cal.versions.items()))  # fmt: skip
+    head = (
+        f"calibration {cal.created_utc} on {m.host} ({m.cpu}, {m.cpu_count} cores, "
+        f"{format_bytes(m.memory_bytes)} RAM, {m.gpu or 'no GPU'}); "
+        + ", ".join(f"{k} {val}" for k, val in cal.versions.items())
+    )
     lines = [head]
     if cal.checkpoint is not None:
         lines += ["", *_checkpoint_lines(cal.checkpoint)]
@@ -285,19 +347,33 @@ def table(cal: Calibration) -> str:
         rates = (("pinned D2H", r.d2h_gb_per_s), ("H2D", r.h2d_gb_per_s))
         bw = "".join(f"; {k} {x:.2f} GB/s" for k, x in rates if x is not None)
         ctx = f"context {format_bytes(r.context_bytes)} ({r.context_source})"
-        lines += ["", f"GPU reserve ({r.device_name}): {ctx}{bw}", *(f"  note: {n}" for n in r.notes)]
+        lines += [
+            "",
+            f"GPU reserve ({r.device_name}): {ctx}{bw}",
+            *(f"  note: {n}" for n in r.notes),
+        ]
     rep = cal.report
     if rep is not None:
-        out = "unknown" if rep.outside_allocator_bytes is None else format_bytes(rep.outside_allocator_bytes)
-        frag = (f"fragmentation {rep.fragmentation:.2%} ({format_bytes(rep.fragmentation_bytes)} over an "
-                f"allocated peak of {format_bytes(rep.allocated_peak_bytes)})")  # fmt: skip
+        out = (
+            "unknown"
+            if rep.outside_allocator_bytes is None
+            else format_bytes(rep.outside_allocator_bytes)
+        )
+        frag = (
+            f"fragmentation {rep.fragmentation:.2%} ({format_bytes(rep.fragmentation_bytes)} "
+            f"over an allocated peak of {format_bytes(rep.allocated_peak_bytes)})"
+        )
         outside = f"outside the allocator {out} ({rep.outside_allocator_source})"
         lines += ["", f"profile report ({rep.device}): {frag}; {outside}"]
     return "\n".join(lines)
 
 
-_LABELS = {"blocking_stall_s": "blocking stall", "overlap_stall_s": "overlap stall*", "durable_s": "durable",
-           "restore_s": "restore"}  # fmt: skip
+_LABELS = {
+    "blocking_stall_s": "blocking stall",
+    "overlap_stall_s": "overlap stall*",
+    "durable_s": "durable",
+    "restore_s": "restore",
+}
 
 
 def _checkpoint_lines(c: CheckpointCost) -> list[str]:
@@ -305,19 +381,31 @@ def _checkpoint_lines(c: CheckpointCost) -> list[str]:
 
     widths = (16, 16, 10, 10)
     where = f"{c.directory} ({c.filesystem or 'file system unknown'})"
-    lines = [f"checkpoint cost in {where}, tensors on {c.device}, median of {c.repeat}",
-             f"  {'state':>12}{'tensors':>9}" + "".join(f"{_LABELS[q]:>{w}}" for q, w in zip(_QUANTS, widths))]
+    lines = [
+        f"checkpoint cost in {where}, tensors on {c.device}, median of {c.repeat}",
+        f"  {'state':>12}{'tensors':>9}"
+        + "".join(f"{_LABELS[q]:>{w}}" for q, w in zip(_QUANTS, widths, strict=True)),
+    ]
     for p in c.points:
-        cells = "".join(f"{p.median(q):>{w - 2}.3f} s" for q, w in zip(_QUANTS, widths))
+        cells = "".join(
+            f"{p.median(q):>{w - 2}.3f} s" for q, w in zip(_QUANTS, widths, strict=True)
+        )
         modes = (p.blocking_mode, p.overlap_mode)
         note = "" if modes == ("blocking", "overlap") else f"  (modes: {', '.join(modes)})"
         lines.append(f"  {format_bytes(p.nbytes):>12}{p.tensors:>9}{cells}{note}")
-    lines.append(f"  {'fit: seconds = a + b * bytes':<30}{'a (s)':>10}{'b (s/GiB)':>12}{'GB/s':>9}{'rms (s)':>10}")
+    lines.append(
+        f"  {'fit: seconds = a + b * bytes':<30}{'a (s)':>10}{'b (s/GiB)':>12}"
+        f"{'GB/s':>9}{'rms (s)':>10}"
+    )
     for q in _QUANTS:
         f = c.fits[q]
         gbps = f"{f.gb_per_s:.2f}" if f.gb_per_s else "-"
-        lines.append(f"  {_LABELS[q]:<30}{f.intercept_s:>10.4f}{f.seconds_per_byte * 2**30:>12.4f}{gbps:>9}"
-                     f"{f.rms_residual_s:>10.4f}")  # fmt: skip
-    lines.append("  * overlap: save() plus the optimizer pre-step hook's wait with optimizer.step() right after "
-                 "save(), its worst case; a real forward/backward hides part of it")  # fmt: skip
+        lines.append(
+            f"  {_LABELS[q]:<30}{f.intercept_s:>10.4f}{f.seconds_per_byte * 2**30:>12.4f}{gbps:>9}"
+            f"{f.rms_residual_s:>10.4f}"
+        )
+    lines.append(
+        "  * overlap: save() plus the optimizer pre-step hook's wait with optimizer.step() "
+        "right after save(), its worst case; a real forward/backward hides part of it"
+    )
     return lines

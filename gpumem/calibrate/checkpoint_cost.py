@@ -69,9 +69,14 @@ class CheckpointPoint:
         return statistics.median(self.samples[quantity])
 
     def to_dict(self) -> dict[str, Any]:
-        return {"target_bytes": self.target_bytes, "nbytes": self.nbytes, "tensors": self.tensors,
-                "blocking_mode": self.blocking_mode, "overlap_mode": self.overlap_mode,
-                "samples": {q: list(self.samples[q]) for q in QUANTITIES}}  # fmt: skip
+        return {
+            "target_bytes": self.target_bytes,
+            "nbytes": self.nbytes,
+            "tensors": self.tensors,
+            "blocking_mode": self.blocking_mode,
+            "overlap_mode": self.overlap_mode,
+            "samples": {q: list(self.samples[q]) for q in QUANTITIES},
+        }
 
     @classmethod
     def from_fields(cls, f: Fields) -> CheckpointPoint:
@@ -84,9 +89,14 @@ class CheckpointPoint:
                 raise CalibrationError(f"{s.path(q)}: no samples; re-run `gpumem calibrate`")
             samples[q] = tuple(check_float(v, f"{s.path(q)}[{i}]") for i, v in enumerate(values))
         s.done()
-        out = cls(target_bytes=f.int("target_bytes", minimum=1), nbytes=f.int("nbytes", minimum=1),
-                  tensors=f.int("tensors", minimum=1), blocking_mode=f.str("blocking_mode", choices=MODES),
-                  overlap_mode=f.str("overlap_mode", choices=MODES), samples=samples)  # fmt: skip
+        out = cls(
+            target_bytes=f.int("target_bytes", minimum=1),
+            nbytes=f.int("nbytes", minimum=1),
+            tensors=f.int("tensors", minimum=1),
+            blocking_mode=f.str("blocking_mode", choices=MODES),
+            overlap_mode=f.str("overlap_mode", choices=MODES),
+            samples=samples,
+        )
         f.done()
         return out
 
@@ -116,9 +126,14 @@ class CheckpointCost:
         return {q: self.fits[q].predict(nbytes) for q in QUANTITIES}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"directory": self.directory, "filesystem": self.filesystem, "device": self.device,
-                "repeat": self.repeat, "fits": {q: self.fits[q].to_dict() for q in QUANTITIES},
-                "points": [p.to_dict() for p in self.points]}  # fmt: skip
+        return {
+            "directory": self.directory,
+            "filesystem": self.filesystem,
+            "device": self.device,
+            "repeat": self.repeat,
+            "fits": {q: self.fits[q].to_dict() for q in QUANTITIES},
+            "points": [p.to_dict() for p in self.points],
+        }
 
     @classmethod
     def from_fields(cls, f: Fields) -> CheckpointCost:
@@ -131,24 +146,39 @@ class CheckpointCost:
             fits[q] = LinearFit.from_fields(sub)
         fits_f.done()
         raw = f.list("points", MAX_POINTS)
-        points = tuple(CheckpointPoint.from_fields(Fields(p, f"{f.path('points')}[{i}]")) for i, p in enumerate(raw))
+        points = tuple(
+            CheckpointPoint.from_fields(Fields(p, f"{f.path('points')}[{i}]"))
+            for i, p in enumerate(raw)
+        )
         if len({p.nbytes for p in points}) < 2:
             raise CalibrationError(
-                f"{f.path('points')}: {len(points)} point(s) of {len({p.nbytes for p in points})} distinct size(s); "
-                "a cost line needs two sizes or more: re-run `gpumem calibrate --sizes 64MiB,256MiB`"
+                f"{f.path('points')}: {len(points)} point(s) of "
+                f"{len({p.nbytes for p in points})} distinct size(s); a cost line needs "
+                "two sizes or more: re-run `gpumem calibrate --sizes 64MiB,256MiB`"
             )
-        out = cls(directory=f.str("directory"), filesystem=f.str("filesystem", optional=True),
-                  device=f.str("device", choices=("cpu", "cuda")), repeat=f.int("repeat", minimum=1),
-                  points=points, fits=fits)  # fmt: skip
+        out = cls(
+            directory=f.str("directory"),
+            filesystem=f.str("filesystem", optional=True),
+            device=f.str("device", choices=("cpu", "cuda")),
+            repeat=f.int("repeat", minimum=1),
+            points=points,
+            fits=fits,
+        )
         f.done()
         return out
 
 
 def measure_checkpoint(
-    directory: str | os.PathLike, sizes: Sequence[int] = (64 << 20, 256 << 20), *, device: str = "cpu",
-    repeat: int = 5, tensors: int = 96, warmup: int = 1, staging_bytes: int | None = None,
+    directory: str | os.PathLike,
+    sizes: Sequence[int] = (64 << 20, 256 << 20),
+    *,
+    device: str = "cpu",
+    repeat: int = 5,
+    tensors: int = 96,
+    warmup: int = 1,
+    staging_bytes: int | None = None,
     drop_cache: bool = True,
-) -> CheckpointCost:  # fmt: skip
+) -> CheckpointCost:
     """Measure save stalls, time to durable and restore at each size; fit a line per quantity.
 
     Args:
@@ -173,8 +203,10 @@ def measure_checkpoint(
     root = Path(tempfile.mkdtemp(prefix=".gpumem-calibrate-", dir=root_dir))
     try:
         with contextlib.ExitStack() as stack:
-            runs = [_SizeRun(stack, root / f"size-{i}", size, device, tensors, staging_bytes)
-                    for i, size in enumerate(sizes)]  # fmt: skip
+            runs = [
+                _SizeRun(stack, root / f"size-{i}", size, device, tensors, staging_bytes)
+                for i, size in enumerate(sizes)
+            ]
             # rounds go round-robin over the sizes: a burst of load from other processes then
             # lands on every size alike instead of skewing one size's whole sample (the slope)
             for r in range(warmup + repeat):
@@ -185,14 +217,22 @@ def measure_checkpoint(
         shutil.rmtree(root, ignore_errors=True)
     xs = [p.nbytes for p in points]
     fits = {q: fit_line(xs, [p.median(q) for p in points]) for q in QUANTITIES}
-    return CheckpointCost(directory=str(root_dir), filesystem=filesystem_type(root_dir), device=device,
-                          repeat=repeat, points=tuple(points), fits=fits)  # fmt: skip
+    return CheckpointCost(
+        directory=str(root_dir),
+        filesystem=filesystem_type(root_dir),
+        device=device,
+        repeat=repeat,
+        points=tuple(points),
+        fits=fits,
+    )
 
 
 def _check_args(directory, sizes, device, repeat, tensors, warmup) -> list[int]:
     d = Path(directory)
     if not d.is_dir():
-        raise CalibrationError(f"{d} is not a directory: pass the existing directory your checkpoints will live in")
+        raise CalibrationError(
+            f"{d} is not a directory: pass the existing directory your checkpoints will live in"
+        )
     if device not in ("cpu", "cuda"):
         raise CalibrationError(f"device={device!r}: use 'cpu' or 'cuda'")
     if device == "cuda":
@@ -200,20 +240,25 @@ def _check_args(directory, sizes, device, repeat, tensors, warmup) -> list[int]:
 
         if not torch.cuda.is_available():
             raise CalibrationError("device='cuda' but torch sees no CUDA device; use device='cpu'")
-    for name, v, lo, hi in (("repeat", repeat, 1, MAX_REPEAT), ("tensors", tensors, 1, 100_000),
-                            ("warmup", warmup, 0, 100)):  # fmt: skip
+    for name, v, lo, hi in (
+        ("repeat", repeat, 1, MAX_REPEAT),
+        ("tensors", tensors, 1, 100_000),
+        ("warmup", warmup, 0, 100),
+    ):
         if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
             raise CalibrationError(f"{name}={v!r} must be an integer in [{lo}, {hi}]")
     out = sorted({int(s) for s in sizes})
     if len(out) < 2 or len(out) > MAX_POINTS:
         raise CalibrationError(
-            f"sizes={list(sizes)!r}: give 2 to {MAX_POINTS} different sizes (e.g. 64MiB,256MiB); a cost "
-            "line a + b*bytes needs two"
+            f"sizes={list(sizes)!r}: give 2 to {MAX_POINTS} different "
+            "sizes (e.g. 64MiB,256MiB); a cost line a + b*bytes needs two"
         )
     floor = max(MIN_SIZE, BYTES_PER_PARAM * 2 * tensors)
     if out[0] < floor:
-        raise CalibrationError(f"size {out[0]} bytes is below {floor} bytes ({MIN_SIZE >> 20} MiB): "
-                               "smaller states measure only fixed costs; use larger sizes")  # fmt: skip
+        raise CalibrationError(
+            f"size {out[0]} bytes is below {floor} bytes ({MIN_SIZE >> 20} MiB): "
+            "smaller states measure only fixed costs; use larger sizes"
+        )
     return out
 
 
@@ -226,12 +271,16 @@ def split_elements(elements: int, tensors: int) -> list[int]:
     rest = elements - n_small * small
     n_big = tensors - n_small
     if rest < n_big:
-        raise CalibrationError(f"{elements} elements cannot fill {tensors} tensors; use fewer tensors")
+        raise CalibrationError(
+            f"{elements} elements cannot fill {tensors} tensors; use fewer tensors"
+        )
     q, r = divmod(rest, n_big)
     return [q + 1] * r + [q] * (n_big - r) + [small] * n_small
 
 
-def synthetic_state(nbytes: int, tensors: int = 96, device: str = "cpu", seed: int = 0) -> tuple[Any, Any]:
+def synthetic_state(
+    nbytes: int, tensors: int = 96, device: str = "cpu", seed: int = 0
+) -> tuple[Any, Any]:
     """A model of fp32 parameters and an AdamW optimizer after one step: ``nbytes`` of state.
 
     The values are random (uniform), so no copy is made cheaper by zero pages. Returns
@@ -243,7 +292,8 @@ def synthetic_state(nbytes: int, tensors: int = 96, device: str = "cpu", seed: i
     gen = torch.Generator(device=device).manual_seed(seed)
     model = torch.nn.Module()
     model.params = torch.nn.ParameterList(
-        torch.nn.Parameter(torch.empty(n, device=device).uniform_(-1, 1, generator=gen)) for n in sizes
+        torch.nn.Parameter(torch.empty(n, device=device).uniform_(-1, 1, generator=gen))
+        for n in sizes
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     for p in model.parameters():
@@ -257,8 +307,15 @@ def synthetic_state(nbytes: int, tensors: int = 96, device: str = "cpu", seed: i
 class _SizeRun:
     """One size's synthetic state, its prepared Checkpointer (closed by ``stack``), its samples."""
 
-    def __init__(self, stack: contextlib.ExitStack, path: Path, size: int, device: str, tensors: int,
-                 staging_bytes: int | None):  # fmt: skip
+    def __init__(
+        self,
+        stack: contextlib.ExitStack,
+        path: Path,
+        size: int,
+        device: str,
+        tensors: int,
+        staging_bytes: int | None,
+    ):
         from gpumem.checkpoint import Checkpointer
 
         self.size = size
@@ -271,7 +328,9 @@ class _SizeRun:
         self.nbytes, self.step = 0, 0
 
     def round(self, device: str, drop_cache: bool, keep: bool) -> None:
-        row, self.modes, self.nbytes = _round(self.ckpt, self.model, self.opt, self.step, device, drop_cache)
+        row, self.modes, self.nbytes = _round(
+            self.ckpt, self.model, self.opt, self.step, device, drop_cache
+        )
         self.step += 2
         if keep:
             for q in QUANTITIES:
@@ -279,9 +338,14 @@ class _SizeRun:
 
     def point(self) -> CheckpointPoint:
         n_tensors = len(self.model.state_dict()) + sum(len(s) for s in self.opt.state.values())
-        return CheckpointPoint(target_bytes=self.size, nbytes=self.nbytes, tensors=n_tensors,
-                               blocking_mode=self.modes["blocking"], overlap_mode=self.modes["overlap"],
-                               samples={q: tuple(v) for q, v in self.samples.items()})  # fmt: skip
+        return CheckpointPoint(
+            target_bytes=self.size,
+            nbytes=self.nbytes,
+            tensors=n_tensors,
+            blocking_mode=self.modes["blocking"],
+            overlap_mode=self.modes["overlap"],
+            samples={q: tuple(v) for q, v in self.samples.items()},
+        )
 
 
 def _round(ckpt: Any, model: Any, opt: Any, step: int, device: str, drop_cache: bool):
@@ -306,9 +370,15 @@ def _round(ckpt: Any, model: Any, opt: Any, step: int, device: str, drop_cache: 
         torch.cuda.synchronize()
     restore_s = time.perf_counter() - t0
     if restored != step + 1:
-        raise CalibrationError(f"restore() returned step {restored}, expected {step + 1}: the measurement is void")
-    row = {"blocking_stall_s": blocking.save_s, "overlap_stall_s": overlap.stall_s,
-           "durable_s": overlap.durable_s, "restore_s": restore_s}  # fmt: skip
+        raise CalibrationError(
+            f"restore() returned step {restored}, expected {step + 1}: the measurement is void"
+        )
+    row = {
+        "blocking_stall_s": blocking.save_s,
+        "overlap_stall_s": overlap.stall_s,
+        "durable_s": overlap.durable_s,
+        "restore_s": restore_s,
+    }
     return row, {"blocking": blocking.mode, "overlap": overlap.mode}, overlap.nbytes
 
 

@@ -68,22 +68,31 @@ class LinearFit:
         return 1e-9 / self.seconds_per_byte if self.seconds_per_byte > 0 else None
 
     def to_dict(self) -> dict:
-        return {"intercept_s": self.intercept_s, "seconds_per_byte": self.seconds_per_byte,
-                "n_points": self.n_points, "min_bytes": self.min_bytes, "max_bytes": self.max_bytes,
-                "rms_residual_s": self.rms_residual_s}  # fmt: skip
+        return {
+            "intercept_s": self.intercept_s,
+            "seconds_per_byte": self.seconds_per_byte,
+            "n_points": self.n_points,
+            "min_bytes": self.min_bytes,
+            "max_bytes": self.max_bytes,
+            "rms_residual_s": self.rms_residual_s,
+        }
 
     @classmethod
     def from_fields(cls, f: Fields) -> LinearFit:
         out = cls(
-            intercept_s=f.float("intercept_s"), seconds_per_byte=f.float("seconds_per_byte"),
-            n_points=f.int("n_points", minimum=2), min_bytes=f.int("min_bytes", minimum=1),
-            max_bytes=f.int("max_bytes", minimum=1), rms_residual_s=f.float("rms_residual_s"),
-        )  # fmt: skip
+            intercept_s=f.float("intercept_s"),
+            seconds_per_byte=f.float("seconds_per_byte"),
+            n_points=f.int("n_points", minimum=2),
+            min_bytes=f.int("min_bytes", minimum=1),
+            max_bytes=f.int("max_bytes", minimum=1),
+            rms_residual_s=f.float("rms_residual_s"),
+        )
         f.done()
         if out.max_bytes <= out.min_bytes:
             raise CalibrationError(
-                f"{f.where}: max_bytes {out.max_bytes} must exceed min_bytes {out.min_bytes} "
-                "(a line needs two different sizes); re-run `gpumem calibrate` with two sizes or more"
+                f"{f.where}: max_bytes {out.max_bytes} must exceed "
+                f"min_bytes {out.min_bytes} (a line needs two different "
+                "sizes); re-run `gpumem calibrate` with two sizes or more"
             )
         return out
 
@@ -100,28 +109,40 @@ def fit_line(nbytes: Sequence[int], seconds: Sequence[float]) -> LinearFit:
     """
     xs, ys = [int(x) for x in nbytes], [float(y) for y in seconds]
     if len(xs) != len(ys):
-        raise CalibrationError(f"fit_line: {len(xs)} sizes but {len(ys)} times; give one time per size")
+        raise CalibrationError(
+            f"fit_line: {len(xs)} sizes but {len(ys)} times; give one time per size"
+        )
     if any(x <= 0 for x in xs) or any(not math.isfinite(y) or y < 0 for y in ys):
         raise CalibrationError("fit_line: sizes must be positive and times finite and >= 0")
     if len(set(xs)) < 2:
         raise CalibrationError(
-            f"fit_line: {len(set(xs))} distinct size(s); a line needs at least two (e.g. --sizes 64MiB,256MiB)"
+            f"fit_line: {len(set(xs))} distinct size(s); a line "
+            "needs at least two (e.g. --sizes 64MiB,256MiB)"
         )
     n = len(xs)
     # centre the sizes first: sums of squares of ~1e9-byte values lose digits otherwise
     mx, my = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mx) ** 2 for x in xs)
-    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
     b, a = sxy / sxx, my - sxy / sxx * mx
     if a < 0 or b < 0:
         # the optimum lies on an edge of the quadrant: the better of a = 0 and b = 0
-        through_origin = (0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs))
+        through_origin = (
+            0.0,
+            sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs),
+        )
         constant = (my, 0.0)
         a, b = min(through_origin, constant, key=lambda ab: _sse(xs, ys, *ab))
     rms = math.sqrt(_sse(xs, ys, a, b) / n)
-    return LinearFit(intercept_s=a, seconds_per_byte=b, n_points=n, min_bytes=min(xs), max_bytes=max(xs),
-                     rms_residual_s=rms)  # fmt: skip
+    return LinearFit(
+        intercept_s=a,
+        seconds_per_byte=b,
+        n_points=n,
+        min_bytes=min(xs),
+        max_bytes=max(xs),
+        rms_residual_s=rms,
+    )
 
 
 def _sse(xs: list[int], ys: list[float], a: float, b: float) -> float:
-    return sum((y - a - b * x) ** 2 for x, y in zip(xs, ys))
+    return sum((y - a - b * x) ** 2 for x, y in zip(xs, ys, strict=True))

@@ -60,11 +60,15 @@ class GpuReserve:
     def from_fields(cls, f: Fields) -> GpuReserve:
         notes = tuple(_note(v, f, i) for i, v in enumerate(f.list("notes", 64)))
         out = cls(
-            device_name=f.str("device_name"), total_bytes=f.int("total_bytes", minimum=1),
-            context_bytes=f.int("context_bytes"), context_source=f.str("context_source"),
-            reserved_bytes=f.int("reserved_bytes"), d2h_gb_per_s=f.float("d2h_gb_per_s", optional=True),
-            h2d_gb_per_s=f.float("h2d_gb_per_s", optional=True), notes=notes,
-        )  # fmt: skip
+            device_name=f.str("device_name"),
+            total_bytes=f.int("total_bytes", minimum=1),
+            context_bytes=f.int("context_bytes"),
+            context_source=f.str("context_source"),
+            reserved_bytes=f.int("reserved_bytes"),
+            d2h_gb_per_s=f.float("d2h_gb_per_s", optional=True),
+            h2d_gb_per_s=f.float("h2d_gb_per_s", optional=True),
+            notes=notes,
+        )
         f.done()
         return out
 
@@ -109,23 +113,29 @@ class ReportReserve:
     @classmethod
     def from_fields(cls, f: Fields) -> ReportReserve:
         out = cls(
-            device=f.str("device"), allocated_peak_bytes=f.int("allocated_peak_bytes", minimum=1),
-            reserved_peak_bytes=f.int("reserved_peak_bytes"), fragmentation_bytes=f.int("fragmentation_bytes"),
+            device=f.str("device"),
+            allocated_peak_bytes=f.int("allocated_peak_bytes", minimum=1),
+            reserved_peak_bytes=f.int("reserved_peak_bytes"),
+            fragmentation_bytes=f.int("fragmentation_bytes"),
             fragmentation=f.float("fragmentation"),
             outside_allocator_bytes=f.int("outside_allocator_bytes", optional=True),
             outside_allocator_source=f.str("outside_allocator_source"),
             world_size=f.int("world_size", minimum=1, optional=True),
-        )  # fmt: skip
+        )
         f.done()
         if out.fragmentation > 100:
-            raise CalibrationError(f"{f.where}.fragmentation: {out.fragmentation} (over 100x the allocated peak) "
-                                   "is not plausible; profile the training step again")  # fmt: skip
+            raise CalibrationError(
+                f"{f.where}.fragmentation: {out.fragmentation} (over 100x the allocated peak) "
+                "is not plausible; profile the training step again"
+            )
         return out
 
 
 def _note(v: Any, f: Fields, i: int) -> str:
     if not isinstance(v, str) or len(v) > 4096:
-        raise CalibrationError(f"{f.path('notes')}[{i}]: expected a string; re-run `gpumem calibrate`")
+        raise CalibrationError(
+            f"{f.path('notes')}[{i}]: expected a string; re-run `gpumem calibrate`"
+        )
     return v
 
 
@@ -145,8 +155,10 @@ def measure_gpu_reserve(device: int | None = None, nbytes: int = 256 << 20) -> G
     import torch
 
     if not torch.cuda.is_available():
-        raise CalibrationError("measuring the GPU reserve needs a CUDA device and torch sees none; "
-                               "run `gpumem calibrate --device cuda` on the GPU machine")  # fmt: skip
+        raise CalibrationError(
+            "measuring the GPU reserve needs a CUDA device and torch sees none; "
+            "run `gpumem calibrate --device cuda` on the GPU machine"
+        )
     from gpumem.doctor import gpu_bandwidth
     from gpumem.profiler.cuda import outside_allocator
 
@@ -166,11 +178,20 @@ def measure_gpu_reserve(device: int | None = None, nbytes: int = 256 << 20) -> G
     if context is None:
         raise CalibrationError(f"could not read the memory of this process on GPU {dev} ({source})")
     problems: list[str] = []
-    rates = {b.what: b.gb_per_s for b in gpu_bandwidth(nbytes, problems, dev)}  # gpumem doctor's probe
+    rates = {
+        b.what: b.gb_per_s for b in gpu_bandwidth(nbytes, problems, dev)
+    }  # gpumem doctor's probe
     notes = list(problems)
-    return GpuReserve(device_name=name, total_bytes=total, context_bytes=int(context), context_source=source,
-                      reserved_bytes=reserved, d2h_gb_per_s=rates.get("GPU device-to-host (pinned)"),
-                      h2d_gb_per_s=rates.get("GPU host-to-device (pinned)"), notes=tuple(notes))  # fmt: skip
+    return GpuReserve(
+        device_name=name,
+        total_bytes=total,
+        context_bytes=int(context),
+        context_source=source,
+        reserved_bytes=reserved,
+        d2h_gb_per_s=rates.get("GPU device-to-host (pinned)"),
+        h2d_gb_per_s=rates.get("GPU host-to-device (pinned)"),
+        notes=tuple(notes),
+    )
 
 
 def from_report(report: Any) -> ReportReserve:
@@ -201,22 +222,30 @@ def from_report(report: Any) -> ReportReserve:
     alloc = data.get("allocator")
     if not alloc:
         raise CalibrationError(
-            f"{where}: no CUDA allocator data (device {data.get('device')!r}); fragmentation is measured only "
-            "by profiling the training step on a CUDA device: gpumem.profile(model, optimizer) around it, there"
+            f"{where}: no CUDA allocator data (device {data.get('device')!r}); "
+            "fragmentation is measured only by profiling the training step on "
+            "a CUDA device: gpumem.profile(model, optimizer) around it, there"
         )
     f = Fields(alloc, f"{where}.allocator")
     peak = f.int("allocated_peak", minimum=0)
     assert peak is not None
     if peak <= 0:
-        raise CalibrationError(f"{f.path('allocated_peak')}: 0 bytes: the profiled region allocated nothing")
+        raise CalibrationError(
+            f"{f.path('allocated_peak')}: 0 bytes: the profiled region allocated nothing"
+        )
     frag = f.int("fragmentation_at_peak")
     assert frag is not None
     outside = alloc.get("outside_allocator")
     world = data.get("world_size")
     return ReportReserve(
-        device=str(alloc.get("device") or data.get("device") or "cuda"), allocated_peak_bytes=peak,
-        reserved_peak_bytes=f.int("reserved_peak") or 0, fragmentation_bytes=frag, fragmentation=frag / peak,
+        device=str(alloc.get("device") or data.get("device") or "cuda"),
+        allocated_peak_bytes=peak,
+        reserved_peak_bytes=f.int("reserved_peak") or 0,
+        fragmentation_bytes=frag,
+        fragmentation=frag / peak,
         outside_allocator_bytes=None if outside is None else f.int("outside_allocator"),
         outside_allocator_source=str(alloc.get("outside_allocator_source") or "unknown"),
-        world_size=world if isinstance(world, int) and not isinstance(world, bool) and world >= 1 else None,
-    )  # fmt: skip
+        world_size=world
+        if isinstance(world, int) and not isinstance(world, bool) and world >= 1
+        else None,
+    )

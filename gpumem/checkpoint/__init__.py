@@ -7,8 +7,9 @@ preemption handling and exact resume.
     gpumem.checkpoint.verify("ckpts/step-000000100")
 
 Modules: format (manifests, validation), state (capture / rebuild), snapshot (layout, copies),
-persist (files, commit protocol, retention), lock (one job per directory), job (one save in flight), restore (read + verify),
-replicated (DDP state written once: owners, cross-rank checks), checkpointer (the API), preemption (PreemptionGuard).
+persist (files, commit protocol, retention), lock (one job per directory), job (one save in
+flight), restore (read + verify), replicated (DDP state written once: owners, cross-rank checks),
+checkpointer (the API), preemption (PreemptionGuard).
 """
 
 from .checkpointer import Checkpointer

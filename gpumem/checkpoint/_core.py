@@ -9,7 +9,16 @@ from gpumem.arena import HostArena
 from gpumem.checksum import chunk_crc32c, crc32c
 from gpumem.writer import fsync_dir, read_file, read_into, write_file
 
-__all__ = ["HostArena", "as_bytes", "chunk_crc32c", "crc32c", "fsync_dir", "read_file", "read_into", "write_file"]
+__all__ = [
+    "HostArena",
+    "as_bytes",
+    "chunk_crc32c",
+    "crc32c",
+    "fsync_dir",
+    "read_file",
+    "read_into",
+    "write_file",
+]
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

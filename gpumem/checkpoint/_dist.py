@@ -27,7 +27,9 @@ class Group:
             return value
         dist = _dist()
         t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, group=self.pg)
+        dist.all_reduce(
+            t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, group=self.pg
+        )
         return int(t.item())
 
     def all_gather(self, values: list[int]) -> list[list[int]]:

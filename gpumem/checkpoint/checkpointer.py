@@ -37,7 +37,7 @@ from .errors import (
 from .format import CheckpointInfo
 from .job import SaveJob, SaveStats, Worker, default_versions
 from .lock import DirLock
-from .snapshot import HostViews, PlanCache
+from .snapshot import HostViews, LayoutCache
 
 _MIN_BUDGET = 64 << 20
 _LIVE: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
@@ -106,16 +106,39 @@ class Checkpointer:
         >>> ckpt.close()                                                      # doctest: +SKIP
     """
 
-    def __init__(self, directory: str | os.PathLike, keep: int | None = 3, staging_bytes: int | None = None,
-                 *, overlap: bool = True, chunk_bytes: int = 1 << 20, alignment: int = 4096, direct_io: bool = True,
-                 segment_bytes: int = 256 << 20, lock_timeout_s: float = 120.0, replicated: bool = False):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        keep: int | None = 3,
+        staging_bytes: int | None = None,
+        *,
+        overlap: bool = True,
+        chunk_bytes: int = 1 << 20,
+        alignment: int = 4096,
+        direct_io: bool = True,
+        segment_bytes: int = 256 << 20,
+        lock_timeout_s: float = 120.0,
+        replicated: bool = False,
+    ):
         if keep is not None and (not isinstance(keep, int) or keep < 1):
-            raise CheckpointStateError(f"keep={keep!r}: keep at least 1 checkpoint, or None for all")
-        if chunk_bytes < 4096 or chunk_bytes & (chunk_bytes - 1) or alignment > chunk_bytes or alignment & (alignment - 1):
-            raise CheckpointStateError(f"chunk_bytes={chunk_bytes} must be a power of two >= 4096 and >= alignment={alignment}")
+            raise CheckpointStateError(
+                f"keep={keep!r}: keep at least 1 checkpoint, or None for all"
+            )
+        if (
+            chunk_bytes < 4096
+            or chunk_bytes & (chunk_bytes - 1)
+            or alignment > chunk_bytes
+            or alignment & (alignment - 1)
+        ):
+            raise CheckpointStateError(
+                f"chunk_bytes={chunk_bytes} must be a power "
+                f"of two >= 4096 and >= alignment={alignment}"
+            )
         budget = default_staging_bytes() if staging_bytes is None else int(staging_bytes)
         if budget < 2 * chunk_bytes:
-            raise CheckpointStateError(f"staging_bytes={budget} is below two chunks ({2 * chunk_bytes} bytes); raise it")
+            raise CheckpointStateError(
+                f"staging_bytes={budget} is below two chunks ({2 * chunk_bytes} bytes); raise it"
+            )
         self.directory = Path(directory)
         self.keep, self.staging_bytes, self.overlap = keep, budget, overlap
         self.chunk_bytes, self.alignment, self.direct_io = chunk_bytes, alignment, direct_io
@@ -126,7 +149,9 @@ class Checkpointer:
         self._group = Group()
         self._arena: Any = None
         self._prep: _Prepare | None = None  # a staging allocation started by prepare()
-        self.staging_locked: bool | None = None  # None until allocated; False: pre-faulted only (RLIMIT_MEMLOCK)
+        self.staging_locked: bool | None = (
+            None  # None until allocated; False: pre-faulted only (RLIMIT_MEMLOCK)
+        )
         self._side_stream: Any = None
         self._job: SaveJob | None = None
         # background threads of every save (persist, overlap copy), started once: see Worker
@@ -135,11 +160,15 @@ class Checkpointer:
         self._lock = threading.RLock()
         self._hooked: dict[int, Any] = {}
         self._last_save: tuple[int, dict[str, Any]] | None = None
-        self._plans = PlanCache()  # the last save's layout, reused while the tensors keep their sizes
+        self._plans = (
+            LayoutCache()
+        )  # the last save's layout, reused while the tensors keep their sizes
         # (arena, layout id) whose alignment gaps are known to be zero: only that layout's pieces
         # were written into that arena since it zeroed them, so a save with the same layout skips it
         self._zero_gaps: tuple[Any, int] | None = None
-        self._views: HostViews | None = None  # the last save's byte views of CPU tensors (see HostViews)
+        self._views: HostViews | None = (
+            None  # the last save's byte views of CPU tensors (see HostViews)
+        )
         self._closed = False
         self.history: collections.deque[SaveStats] = collections.deque(maxlen=256)  # newest last
         self._dir_lock: DirLock | None = None
@@ -147,16 +176,28 @@ class Checkpointer:
             from .persist import clean_stale
 
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._dir_lock = DirLock(self.directory, lock_timeout_s)  # before cleaning: a live job's saves stay
+            self._dir_lock = DirLock(
+                self.directory, lock_timeout_s
+            )  # before cleaning: a live job's saves stay
             weakref.finalize(self, self._dir_lock.release)
             clean_stale(self.directory)
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ save
 
-    def save(self, step: int, *, model: Any = None, optimizer: Any = None, scheduler: Any = None, scaler: Any = None,
-             extra: dict[str, Any] | None = None, stateful: dict[str, Any] | None = None, rng: bool = True,
-             blocking: bool = False) -> SaveStats:
+    def save(
+        self,
+        step: int,
+        *,
+        model: Any = None,
+        optimizer: Any = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        extra: dict[str, Any] | None = None,
+        stateful: dict[str, Any] | None = None,
+        rng: bool = True,
+        blocking: bool = False,
+    ) -> SaveStats:
         """Snapshot the state at ``step`` and persist it in the background.
 
         Returns once the state is safe from further training (overlap mode: once buffers are
@@ -175,12 +216,25 @@ class Checkpointer:
         with self._lock:
             self._check_open()
             self.wait()
-            kwargs = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler,
-                      "extra": extra, "stateful": stateful, "rng": rng}
+            kwargs = {
+                "model": model,
+                "optimizer": optimizer,
+                "scheduler": scheduler,
+                "scaler": scaler,
+                "extra": extra,
+                "stateful": stateful,
+                "rng": rng,
+            }
             tree, table = capture(step, **kwargs)
             table, replication = self._share(table)
-            plan = self._plans.plan(table.tensors, table.names, self.staging_bytes, self.alignment,
-                                    self.chunk_bytes, self.segment_bytes)
+            plan = self._plans.plan(
+                table.tensors,
+                table.names,
+                self.staging_bytes,
+                self.alignment,
+                self.chunk_bytes,
+                self.segment_bytes,
+            )
             if plan.streaming:
                 mode = "streaming"
             elif self.overlap and not blocking and optimizer is not None:
@@ -193,12 +247,27 @@ class Checkpointer:
             zeroed = self._zero_gaps == (arena, plan.layout_id)  # HostArena compares by identity
             self._zero_gaps = None  # until this job has zeroed (or kept) the gaps of its layout
             self._views = HostViews(self._views)
-            job = SaveJob(root=self.directory, step=step, tree=tree, table=table, plan=plan,
-                          arena=arena, mode=mode, chunk=self.chunk_bytes,
-                          alignment=self.alignment, direct=self.direct_io, group=self._group, keep=self.keep,
-                          versions=default_versions(), workers=self._workers,
-                          side_stream=self._stream_for(table.has_cuda), t0=t0, zero_gaps=not zeroed,
-                          views=self._views, replication=replication)
+            job = SaveJob(
+                root=self.directory,
+                step=step,
+                tree=tree,
+                table=table,
+                plan=plan,
+                arena=arena,
+                mode=mode,
+                chunk=self.chunk_bytes,
+                alignment=self.alignment,
+                direct=self.direct_io,
+                group=self._group,
+                keep=self.keep,
+                versions=default_versions(),
+                workers=self._workers,
+                side_stream=self._stream_for(table.has_cuda),
+                t0=t0,
+                zero_gaps=not zeroed,
+                views=self._views,
+                replication=replication,
+            )
             self._job = job
             self._last_save = (step, kwargs)
             self.history.append(job.stats)
@@ -212,15 +281,21 @@ class Checkpointer:
             return job.stats
 
     def _share(self, table: Any) -> tuple[Any, Any]:
-        """(the tensors this rank writes, its Replication or None): all of them unless replicated."""
+        """(the tensors this rank writes, its Replication or None): all of them unless
+        replicated."""
         if not self.replicated:
             return table, None
         from .replicated import split
 
         return split(table, self._group.rank, self._group.world_size)
 
-    def prepare(self, model: Any = None, optimizer: Any = None, nbytes: int | None = None,
-                background: bool = True) -> int:
+    def prepare(
+        self,
+        model: Any = None,
+        optimizer: Any = None,
+        nbytes: int | None = None,
+        background: bool = True,
+    ) -> int:
         """Allocate and lock (or pre-fault) the host staging arena ahead of the first save().
 
         Allocating and faulting in the staging memory costs seconds per GB; without prepare() the
@@ -260,7 +335,9 @@ class Checkpointer:
                     raise CheckpointStateError("prepare() needs a model, an optimizer or nbytes")
                 size = self._state_arena_bytes(model, optimizer)
             size = min(size, self.staging_bytes)
-            self._join_prepare(None)  # a previous prepare() finishes first; its error is raised here
+            self._join_prepare(
+                None
+            )  # a previous prepare() finishes first; its error is raised here
             if self._arena is not None and self._arena.nbytes >= size:
                 return 0
             from gpumem.arena import current_cuda_device
@@ -269,7 +346,9 @@ class Checkpointer:
             prep = _Prepare(size, current_cuda_device())
             self._prep = prep
             if background:
-                prep.thread = threading.Thread(target=prep.run, name="gpumem-ckpt-prepare", daemon=True)
+                prep.thread = threading.Thread(
+                    target=prep.run, name="gpumem-ckpt-prepare", daemon=True
+                )
                 prep.thread.start()
             else:
                 prep.run()
@@ -284,8 +363,14 @@ class Checkpointer:
 
         _, table = capture(0, model=model, optimizer=optimizer, rng=True)
         table, _ = self._share(table)  # replicated: this rank's share
-        plan = plan_layout(table.tensors, table.names, self.staging_bytes, self.alignment, self.chunk_bytes,
-                           self.segment_bytes)
+        plan = plan_layout(
+            table.tensors,
+            table.names,
+            self.staging_bytes,
+            self.alignment,
+            self.chunk_bytes,
+            self.segment_bytes,
+        )
         return plan.arena_bytes + self.chunk_bytes
 
     def _join_prepare(self, timeout: float | None) -> bool:
@@ -302,15 +387,18 @@ class Checkpointer:
         if prep.error is not None:
             err = prep.error
             if not isinstance(err, CheckpointError):
-                wrapped = CheckpointError(f"allocating {prep.nbytes} bytes of host staging memory in prepare() failed: "
-                                          f"{type(err).__name__}: {err}; lower staging_bytes or free host memory")
+                wrapped = CheckpointError(
+                    f"allocating {prep.nbytes} bytes of host staging memory in prepare() failed: "
+                    f"{type(err).__name__}: {err}; lower staging_bytes or free host memory"
+                )
                 wrapped.__cause__ = err
                 err = wrapped
             raise err
         arena = prep.arena
         if arena is not None:
             if self._arena is not None and self._arena.nbytes >= arena.nbytes:
-                arena.close()  # a save grew the arena meanwhile (cannot happen under the lock; be safe)
+                # a save grew the arena meanwhile (cannot happen under the lock; be safe)
+                arena.close()
             else:
                 job = self._job
                 if self._arena is not None and (job is None or job.done.is_set()):
@@ -342,7 +430,9 @@ class Checkpointer:
         if self._side_stream is None and has_cuda:
             import torch
 
-            self._side_stream = torch.cuda.Stream(priority=-1)  # ahead of training kernels (see snapshot._crc_stream)
+            self._side_stream = torch.cuda.Stream(
+                priority=-1
+            )  # ahead of training kernels (see snapshot._crc_stream)
         return self._side_stream
 
     def _hook(self, optimizer: Any) -> None:
@@ -367,7 +457,8 @@ class Checkpointer:
         """Block until the save in flight is durable. Returns False on timeout.
 
         Raises:
-            CheckpointError: the background save failed (raised once: here, or by the next save()/close()).
+            CheckpointError: the background save failed (raised once: here, or by the next
+                save()/close()).
         """
         job = self._job
         if job is not None and not job.done.wait(timeout):
@@ -419,7 +510,10 @@ class Checkpointer:
             try:
                 self.close()
             except CheckpointError as err:
-                print(f"gpumem: checkpoint save failed while handling another error: {err}", file=sys.stderr)
+                print(
+                    f"gpumem: checkpoint save failed while handling another error: {err}",
+                    file=sys.stderr,
+                )
         return False
 
     def _check_open(self) -> None:
@@ -429,7 +523,8 @@ class Checkpointer:
     # ------------------------------------------------------------------ listing
 
     def list(self) -> list[CheckpointInfo]:
-        """Committed checkpoints with intact manifests, oldest first (data not read; see verify())."""
+        """Committed checkpoints with intact manifests, oldest first (data not read; see
+        verify())."""
         from .persist import list_checkpoints
 
         return list_checkpoints(self.directory)
@@ -454,9 +549,20 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ restore
 
-    def restore(self, *, model: Any = None, optimizer: Any = None, scheduler: Any = None, scaler: Any = None,
-                stateful: dict[str, Any] | None = None, extra: dict[str, Any] | None = None, rng: bool = True,
-                path: str | os.PathLike | None = None, verify_loaded: bool = False, elastic: bool = False) -> int | None:
+    def restore(
+        self,
+        *,
+        model: Any = None,
+        optimizer: Any = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        stateful: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+        rng: bool = True,
+        path: str | os.PathLike | None = None,
+        verify_loaded: bool = False,
+        elastic: bool = False,
+    ) -> int | None:
         """Load the newest valid checkpoint into the objects, in place.
 
         Every byte is verified before any object is touched; a damaged newer checkpoint is skipped
@@ -480,7 +586,8 @@ class Checkpointer:
 
         Raises:
             CheckpointCorruptError: every checkpoint (or the one named by ``path``) is damaged.
-            CheckpointStateError: the checkpoint does not fit the objects (keys, shapes, world size).
+            CheckpointStateError: the checkpoint does not fit the objects (keys, shapes, world
+                size).
         """
         from .persist import load_info, read_latest, step_dirs
         from .restore import check_replicated, restore_tree
@@ -502,31 +609,66 @@ class Checkpointer:
                 if info.world_size != g.world_size:
                     if not elastic:
                         raise CheckpointStateError(
-                            f"{cand} was saved by {info.world_size} ranks, this job has {g.world_size}; restore with the "
-                            "same world size, or pass elastic=True for replicated (DDP) state (resharding of "
-                            "sharded state is not supported)")
+                            f"{cand} was saved by {info.world_size} ranks, this "
+                            f"job has {g.world_size}; restore with the same world "
+                            "size, or pass elastic=True for replicated (DDP) "
+                            "state (resharding of sharded state is not supported)"
+                        )
                     if not info.replicated:  # replicated=True declared it at save time
                         check_replicated(cand, info)
                     src = g.rank % info.world_size
                 tree, shard = restore_tree(cand, info, src)
-                check_targets(tree, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, stateful=stateful)
+                check_targets(
+                    tree,
+                    model=model,
+                    optimizer=optimizer,
+                    scheduler=scheduler,
+                    scaler=scaler,
+                    stateful=stateful,
+                )
             except CheckpointCorruptError as exc:
                 status, err = 1, exc
             except CheckpointStateError as exc:
                 status, err = 0, exc
             agreed = g.all_reduce(status, "min")
             if agreed == 0:
-                raise err if err is not None else CheckpointStateError(f"{cand}: another rank cannot restore it")
+                raise (
+                    err
+                    if err is not None
+                    else CheckpointStateError(f"{cand}: another rank cannot restore it")
+                )
             if agreed == 1:
-                failures.append(err or CheckpointCorruptError(f"{cand}: damaged on another rank", path=str(cand)))
+                failures.append(
+                    err
+                    or CheckpointCorruptError(f"{cand}: damaged on another rank", path=str(cand))
+                )
                 if path is None:
-                    warnings.warn(f"skipping damaged checkpoint {cand.name}: {failures[-1]}", CheckpointFallbackWarning, stacklevel=2)
+                    warnings.warn(
+                        f"skipping damaged checkpoint {cand.name}: {failures[-1]}",
+                        CheckpointFallbackWarning,
+                        stacklevel=2,
+                    )
                 continue
-            apply(tree, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, stateful=stateful,
-                  extra=extra, rng=rng)
+            apply(
+                tree,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                scaler=scaler,
+                stateful=stateful,
+                extra=extra,
+                rng=rng,
+            )
             if verify_loaded:
-                _, table = capture(info.step, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                                   stateful=stateful, rng=False)
+                _, table = capture(
+                    info.step,
+                    model=model,
+                    optimizer=optimizer,
+                    scheduler=scheduler,
+                    scaler=scaler,
+                    stateful=stateful,
+                    rng=False,
+                )
                 check_loaded(cand, shard, table)
             return info.step
         if not failures:
@@ -534,8 +676,10 @@ class Checkpointer:
         if len(failures) == 1:
             raise failures[0]
         raise CheckpointCorruptError(
-            f"all {len(failures)} checkpoints in {self.directory} are damaged; newest: {failures[0]}",
-            path=str(self.directory))
+            f"all {len(failures)} checkpoints in "
+            f"{self.directory} are damaged; newest: {failures[0]}",
+            path=str(self.directory),
+        )
 
     def _check_pointer(self, read_latest: Any, load_info: Any) -> None:
         try:
@@ -544,9 +688,16 @@ class Checkpointer:
                 return
             info = load_info(self.directory / ptr["path"])
             if info.manifest_crc32c != ptr["manifest_crc32c"] or info.step != ptr["step"]:
-                raise CheckpointCorruptError(f"{self.directory / 'latest'} names {ptr['path']} with another manifest CRC (stale)")
+                raise CheckpointCorruptError(
+                    f"{self.directory / 'latest'} names "
+                    f"{ptr['path']} with another manifest CRC (stale)"
+                )
         except CheckpointCorruptError as exc:
-            warnings.warn(f"ignoring the latest pointer: {exc}; scanning {self.directory}", CheckpointFallbackWarning, stacklevel=3)
+            warnings.warn(
+                f"ignoring the latest pointer: {exc}; scanning {self.directory}",
+                CheckpointFallbackWarning,
+                stacklevel=3,
+            )
 
 
 class _Prepare:
@@ -567,7 +718,7 @@ class _Prepare:
             arena = HostArena(max(self.nbytes, 1), device=self.device)
             self.locked = True if arena.pinned else arena.lock()
             self.arena = arena
-        except BaseException as exc:  # noqa: BLE001 - surfaced by the next save()/wait()
+        except BaseException as exc:
             if arena is not None:
                 arena.close()
             self.error = exc

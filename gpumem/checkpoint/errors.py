@@ -26,7 +26,8 @@ class CheckpointCorruptError(CheckpointError):
 
 
 class CheckpointIOError(CheckpointError, OSError):
-    """Writing or reading a checkpoint failed at the operating-system level (disk full, permissions).
+    """Writing or reading a checkpoint failed at the operating-system level (disk full,
+    permissions).
 
     It is also an ``OSError`` carrying the original ``errno`` and ``filename``.
     """
@@ -56,8 +57,10 @@ class CheckpointStateError(CheckpointError):
 
 
 class CheckpointFallbackWarning(UserWarning):
-    """restore() skipped a damaged checkpoint (or a stale ``latest`` pointer) and used an older one."""
+    """restore() skipped a damaged checkpoint (or a stale ``latest`` pointer) and used an older
+    one."""
 
 
 class CheckpointBranchWarning(UserWarning):
-    """A save of a step lower than committed ones moved those to ``abandoned/`` (training went back)."""
+    """A save of a step lower than committed ones moved those to ``abandoned/`` (training went
+    back)."""

@@ -59,10 +59,25 @@ _HEADER = re.compile(rb"^gpumem-checkpoint (\d{1,4}) (\d{12}) ([0-9a-f]{8})\n")
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in (
-        "float64", "float32", "float16", "bfloat16", "complex64", "complex128",
-        "int64", "int32", "int16", "int8", "uint8", "bool",
-        "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
-        "float8_e4m3fnuz", "float8_e5m2fnuz",
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "complex64",
+        "complex128",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
     )
     if isinstance(getattr(torch, name, None), torch.dtype)
 }
@@ -98,7 +113,11 @@ def encode_manifest(body: dict[str, Any]) -> tuple[bytes, int]:
     """Serialize a manifest body; returns (file bytes, manifest CRC32C). A replicated
     checkpoint's manifests are framed as version 2 (see the module docs)."""
     payload = json.dumps(body, separators=(",", ":"), allow_nan=False, sort_keys=False).encode()
-    version = REPLICATED_VERSION if isinstance(body, dict) and body.get("replicated") is True else FORMAT_VERSION
+    version = (
+        REPLICATED_VERSION
+        if isinstance(body, dict) and body.get("replicated") is True
+        else FORMAT_VERSION
+    )
     prefix = f"gpumem-checkpoint {version} {len(payload):012d} ".encode()
     crc = crc32c(payload, crc32c(prefix))
     return prefix + f"{crc:08x}\n".encode() + payload, crc
@@ -108,12 +127,15 @@ def decode_manifest(data: bytes, path: str) -> tuple[dict[str, Any], int]:
     """Check framing and CRC of manifest bytes, then parse the JSON body; returns (body, CRC)."""
     m = _HEADER.match(data[:64])
     if not m:
-        raise CheckpointCorruptError(f"{path}: not a gpumem checkpoint manifest (bad header line)", path=path)
+        raise CheckpointCorruptError(
+            f"{path}: not a gpumem checkpoint manifest (bad header line)", path=path
+        )
     length, stored = int(m.group(2)), int(m.group(3), 16)
     payload = data[m.end() :]
     if len(payload) != length:
         raise CheckpointCorruptError(
-            f"{path}: manifest body is {len(payload)} bytes, header says {length} (truncated or damaged)",
+            f"{path}: manifest body is {len(payload)} bytes, "
+            f"header says {length} (truncated or damaged)",
             path=path,
         )
     crc = crc32c(payload, crc32c(data[: m.start(3)]))
@@ -131,7 +153,9 @@ def decode_manifest(data: bytes, path: str) -> tuple[dict[str, Any], int]:
     try:
         body = strict_json.loads(payload)
     except (ValueError, RecursionError) as exc:
-        raise CheckpointCorruptError(f"{path}: manifest JSON is invalid: {exc}", path=path) from None
+        raise CheckpointCorruptError(
+            f"{path}: manifest JSON is invalid: {exc}", path=path
+        ) from None
     if not isinstance(body, dict):
         raise CheckpointCorruptError(f"{path}: manifest body is not a JSON object", path=path)
     return body, crc
@@ -143,13 +167,16 @@ def read_manifest(path: Path) -> tuple[dict[str, Any], int]:
         size = path.stat().st_size
         if size > MAX_MANIFEST_BYTES:
             raise CheckpointCorruptError(
-                f"{path}: manifest is {size} bytes, over the {MAX_MANIFEST_BYTES} byte limit", path=str(path)
+                f"{path}: manifest is {size} bytes, over the {MAX_MANIFEST_BYTES} byte limit",
+                path=str(path),
             )
         data = path.read_bytes()
     except FileNotFoundError:
         raise CheckpointCorruptError(f"{path}: manifest is missing", path=str(path)) from None
     except OSError as exc:
-        raise CheckpointCorruptError(f"{path}: cannot read manifest: {exc}", path=str(path)) from None
+        raise CheckpointCorruptError(
+            f"{path}: cannot read manifest: {exc}", path=str(path)
+        ) from None
     return decode_manifest(data, str(path))
 
 
@@ -234,11 +261,13 @@ class _Checker:
     def fail(self, what: str, tensor: str | None = None) -> CheckpointCorruptError:
         return CheckpointCorruptError(f"{self.path}: {what}", path=self.path, tensor=tensor)
 
-    def get(self, obj: Any, key: str, kind: type | tuple[type, ...], where: str = "manifest") -> Any:
+    def get(
+        self, obj: Any, key: str, kind: type | tuple[type, ...], where: str = "manifest"
+    ) -> Any:
         if not isinstance(obj, dict) or key not in obj:
             raise self.fail(f"{where} lacks field {key!r}")
         value = obj[key]
-        if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+        if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
             raise self.fail(f"{where} field {key!r} has type {type(value).__name__}")
         return value
 
@@ -275,12 +304,26 @@ def parse_main(body: dict[str, Any], path: str, crc: int) -> CheckpointInfo:
             raise c.fail(f"{where} has rank {s['rank']}")
         name = c.file_name(c.get(s, "file", str, where), where)
         shards.append(
-            ShardRef(i, name, c.int_in(s, "crc32c", 0, 2**32 - 1, where), c.int_in(s, "nbytes", 0, MAX_FILE_BYTES, where))
+            ShardRef(
+                i,
+                name,
+                c.int_in(s, "crc32c", 0, 2**32 - 1, where),
+                c.int_in(s, "nbytes", 0, MAX_FILE_BYTES, where),
+            )
         )
     nbytes = sum(s.nbytes for s in shards)
     replicated = c.get(body, "replicated", bool) if "replicated" in body else False
-    return CheckpointInfo(step, str(Path(path).parent), nbytes, float(created), world, crc, dict(versions),
-                          tuple(shards), replicated)
+    return CheckpointInfo(
+        step,
+        str(Path(path).parent),
+        nbytes,
+        float(created),
+        world,
+        crc,
+        dict(versions),
+        tuple(shards),
+        replicated,
+    )
 
 
 def parse_shard(body: dict[str, Any], path: str, crc: int) -> ShardManifest:
@@ -321,17 +364,33 @@ def parse_shard(body: dict[str, Any], path: str, crc: int) -> ShardManifest:
         expected = 0
         for off, length, name in extents:
             if off != align_up(expected, align):
-                raise c.fail(f"{f}: tensor {name!r} at offset {off}, the layout puts it at {align_up(expected, align)}", name)
+                raise c.fail(
+                    f"{f}: tensor {name!r} at offset {off}, the "
+                    f"layout puts it at {align_up(expected, align)}",
+                    name,
+                )
             expected = off + length
         if files[f] != expected:
             raise c.fail(f"{f}: listed as {files[f]} bytes, its extents end at {expected}")
     replicated, owners = _parse_owners(c, body, rank, world, names)
-    return ShardManifest(rank, world, step, chunk, align, files, tuple(tensors), body.get("state"), crc,
-                         replicated, owners)
+    return ShardManifest(
+        rank,
+        world,
+        step,
+        chunk,
+        align,
+        files,
+        tuple(tensors),
+        body.get("state"),
+        crc,
+        replicated,
+        owners,
+    )
 
 
-def _parse_owners(c: _Checker, body: dict[str, Any], rank: int, world: int,
-                  names: set[str]) -> tuple[bool, dict[str, int]]:
+def _parse_owners(
+    c: _Checker, body: dict[str, Any], rank: int, world: int, names: set[str]
+) -> tuple[bool, dict[str, int]]:
     """The optional replicated fields: ``"replicated": true`` and ``owners``, which must map each
     replicated tensor to a rank of this world, and list here exactly the tensors it maps to this
     rank (so, with the same map in every shard, each is stored exactly once)."""
@@ -350,10 +409,17 @@ def _parse_owners(c: _Checker, body: dict[str, Any], rank: int, world: int,
         if isinstance(owner, bool) or not isinstance(owner, int) or not 0 <= owner < world:
             raise c.fail(f"{where} is {owner!r}, not a rank in [0, {world - 1}]", name)
         if owner == rank and name not in names:
-            raise c.fail(f"tensor {name!r} is owned by this shard (rank {rank}) but missing from its tensors", name)
+            raise c.fail(
+                f"tensor {name!r} is owned by this shard "
+                f"(rank {rank}) but missing from its tensors",
+                name,
+            )
         if owner != rank and name in names:
-            raise c.fail(f"tensor {name!r} is listed here (rank {rank}) but owned by rank {owner}: a replicated "
-                         "tensor is stored in exactly one shard", name)
+            raise c.fail(
+                f"tensor {name!r} is listed here (rank {rank}) but owned by rank "
+                f"{owner}: a replicated tensor is stored in exactly one shard",
+                name,
+            )
         owners[name] = owner
     return True, owners
 
@@ -363,7 +429,9 @@ def _check_name(c: _Checker, name: str, where: str) -> None:
         raise c.fail(f"{where}: name {name[:80]!r} is empty, too long or has a path separator")
 
 
-def _parse_tensor(c: _Checker, t: Any, i: int, chunk: int, align: int, files: dict[str, int]) -> TensorEntry:
+def _parse_tensor(
+    c: _Checker, t: Any, i: int, chunk: int, align: int, files: dict[str, int]
+) -> TensorEntry:
     where = f"tensor #{i}"
     name = c.get(t, "name", str, where)
     _check_name(c, name, where)
@@ -372,28 +440,43 @@ def _parse_tensor(c: _Checker, t: Any, i: int, chunk: int, align: int, files: di
     if dtype not in DTYPES:
         raise c.fail(f"{where}: dtype {dtype[:40]!r} is not allowed", name)
     shape_raw = c.get(t, "shape", list, where)
-    if len(shape_raw) > MAX_NDIM or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_FILE_BYTES for d in shape_raw):
+    if len(shape_raw) > MAX_NDIM or not all(
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_FILE_BYTES
+        for d in shape_raw
+    ):
         raise c.fail(f"{where}: shape {shape_raw[:8]!r} is invalid", name)
     nbytes = c.int_in(t, "nbytes", 0, MAX_FILE_BYTES, where)
     if math.prod(shape_raw) * ITEMSIZE[dtype] != nbytes:
-        raise c.fail(f"{where}: shape {shape_raw} x {ITEMSIZE[dtype]} bytes != nbytes {nbytes}", name)
+        raise c.fail(
+            f"{where}: shape {shape_raw} x {ITEMSIZE[dtype]} bytes != nbytes {nbytes}", name
+        )
     crcs = c.get(t, "crc32c", list, where)
     if len(crcs) != -(-nbytes // chunk) or not all(
         isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**32 for x in crcs
     ):
-        raise c.fail(f"{where}: needs {-(-nbytes // chunk)} chunk CRCs in [0, 2^32), has {len(crcs)}", name)
+        raise c.fail(
+            f"{where}: needs {-(-nbytes // chunk)} chunk CRCs in [0, 2^32), has {len(crcs)}", name
+        )
     extents_raw = c.get(t, "extents", list, where)
     extents, total = [], 0
     for j, e in enumerate(extents_raw):
-        if not (isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and e[0] in files and all(
-            isinstance(x, int) and not isinstance(x, bool) for x in e[1:]
-        )):
+        if not (
+            isinstance(e, list)
+            and len(e) == 3
+            and isinstance(e[0], str)
+            and e[0] in files
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in e[1:])
+        ):
             raise c.fail(f"{where}: extent {j} is not [known file, offset, length]", name)
         f, off, length = e
         if off < 0 or length <= 0 or off % align or off + length > files[f]:
-            raise c.fail(f"{where}: extent {j} ({off}, {length}) lies outside {f} or is misaligned", name)
+            raise c.fail(
+                f"{where}: extent {j} ({off}, {length}) lies outside {f} or is misaligned", name
+            )
         if j < len(extents_raw) - 1 and length % chunk:
-            raise c.fail(f"{where}: extent {j} length {length} is not a multiple of chunk_bytes", name)
+            raise c.fail(
+                f"{where}: extent {j} length {length} is not a multiple of chunk_bytes", name
+            )
         extents.append((f, off, length))
         total += length
     if total != nbytes:

@@ -7,10 +7,10 @@ file per batch (up to four at once) and commits; a checksum thread hashes host-s
 copier and persist threads are a Checkpointer's two long-lived Workers, so only its first save()
 waits for threads to start. Outside streaming mode writes and checksums start only once the whole
 state is staged, so they never take cores or memory bandwidth from the copy that training waits
-for. In streaming mode the
-caller and the persist thread form a two-slot pipeline: the caller copies batch b+1 while batch b
-is written and checksummed; a slot is reused only after both. Any failure on either side is recorded, wakes the other side and reaches the caller
-through Checkpointer.wait()/save()/close().
+for. In streaming mode the caller and the persist thread form a two-slot pipeline: the caller
+copies batch b+1 while batch b is written and checksummed; a slot is reused only after both. Any
+failure on either side is recorded, wakes the other side and reaches the caller through
+Checkpointer.wait()/save()/close().
 """
 
 from __future__ import annotations
@@ -32,7 +32,14 @@ from ._dist import Group
 from .errors import CheckpointBranchWarning, CheckpointError, CheckpointIOError
 from .format import DTYPE_NAMES, MAIN_MANIFEST, data_file_name, shard_manifest_name
 from .replicated import Replication, check_signatures, signature
-from .snapshot import HostViews, Plan, checksum_cpu_pieces, copy_pieces, tensor_crcs, zero_padding
+from .snapshot import (
+    ArenaLayout,
+    HostViews,
+    checksum_cpu_pieces,
+    copy_pieces,
+    tensor_crcs,
+    zero_padding,
+)
 from .state import TensorTable
 
 
@@ -89,8 +96,12 @@ class Worker:
 
     def submit(self, fn: Any) -> None:
         if self._thread is None or not self._thread.is_alive():
-            self._queue = queue.SimpleQueue()  # each thread its own: a stopping one takes nothing new
-            self._thread = threading.Thread(target=_serve, args=(self._queue,), name=self.name, daemon=True)
+            self._queue = (
+                queue.SimpleQueue()
+            )  # each thread its own: a stopping one takes nothing new
+            self._thread = threading.Thread(
+                target=_serve, args=(self._queue,), name=self.name, daemon=True
+            )
             self._thread.start()
         self._queue.put(fn)
 
@@ -111,14 +122,47 @@ def _serve(calls: queue.SimpleQueue) -> None:
 
 
 class SaveJob:
-    def __init__(self, *, root: Path, step: int, tree: dict[str, Any], table: TensorTable, plan: Plan,
-                 arena: Any, mode: str, chunk: int, alignment: int, direct: bool, group: Group, keep: int | None,
-                 versions: dict[str, str], workers: tuple[Worker, Worker], side_stream: Any = None, t0: float,
-                 zero_gaps: bool = True, views: HostViews | None = None, replication: Replication | None = None):
+    def __init__(
+        self,
+        *,
+        root: Path,
+        step: int,
+        tree: dict[str, Any],
+        table: TensorTable,
+        plan: ArenaLayout,
+        arena: Any,
+        mode: str,
+        chunk: int,
+        alignment: int,
+        direct: bool,
+        group: Group,
+        keep: int | None,
+        versions: dict[str, str],
+        workers: tuple[Worker, Worker],
+        side_stream: Any = None,
+        t0: float,
+        zero_gaps: bool = True,
+        views: HostViews | None = None,
+        replication: Replication | None = None,
+    ):
         self.root, self.step, self.tree, self.table, self.plan = root, step, tree, table, plan
-        self.replication = replication  # replicated save: what this rank owns and records (see replicated.py)
-        self.arena, self.mode, self.chunk, self.alignment, self.direct = arena, mode, chunk, alignment, direct
-        self.group, self.keep, self.versions, self.side_stream, self.t0 = group, keep, versions, side_stream, t0
+        self.replication = (
+            replication  # replicated save: what this rank owns and records (see replicated.py)
+        )
+        self.arena, self.mode, self.chunk, self.alignment, self.direct = (
+            arena,
+            mode,
+            chunk,
+            alignment,
+            direct,
+        )
+        self.group, self.keep, self.versions, self.side_stream, self.t0 = (
+            group,
+            keep,
+            versions,
+            side_stream,
+            t0,
+        )
         # False: the caller knows this plan's alignment gaps are still zero in this arena (see
         # Checkpointer.save); streaming reuses slots with other layouts, so it always zeroes
         self.zero_gaps = zero_gaps or mode == "streaming"
@@ -132,7 +176,9 @@ class SaveJob:
         # the one CUDA device of the deferred tensors (None: none, or several), for fence()
         self.fence_device: int | None = None
         if self.defers and table.has_cuda:
-            devices = {table.tensors[p.index].device for p in plan.pieces if table.deferred[p.index]}
+            devices = {
+                table.tensors[p.index].device for p in plan.pieces if table.deferred[p.index]
+            }
             one = next(iter(devices)) if len(devices) == 1 else None
             self.fence_device = one.index if one is not None and one.type == "cuda" else None
         self.copy_event: Any = None  # the background copy's completion event, once enqueued
@@ -162,8 +208,9 @@ class SaveJob:
                 self._zero_all_gaps()
                 # buffers/RNG on the compute stream: ordered before the next forward mutates them
                 sync = [p for p in plan.pieces if not deferred[p.index]]
-                self._sync_event = copy_pieces(self.arena, plan, sync, self.table.tensors, self.chunk,
-                                               views=self.views)
+                self._sync_event = copy_pieces(
+                    self.arena, plan, sync, self.table.tensors, self.chunk, views=self.views
+                )
                 self._save_event = _record_event() if self.table.has_cuda else None
                 copied = threading.Event()
                 self._copier.submit(lambda: self._copier_main(copied))
@@ -174,7 +221,7 @@ class SaveJob:
                 self._start_persist()
             self._produce(None, None, None, None)
             self._start_persist()  # outside streaming it would only wait for the copy
-        except BaseException as exc:  # noqa: BLE001 - recorded, re-raised by save()
+        except BaseException as exc:
             self.caller_failed = True
             self._fail(exc)
             self._start_persist()  # the persist thread still runs, to tell the other ranks
@@ -185,21 +232,36 @@ class SaveJob:
             self._persister.submit(self._persist_main)
 
     def _produce(self, want: Any, stream: Any, wait_event: Any, sync_event: Any) -> None:
-        """Copy the pieces ``want`` selects (None: all). Streaming: batch after batch, each marked ready once
-        complete, so the persist thread writes batch b while batch b+1 is copied. Otherwise every
-        slot is resident and nothing is written before the copy ends, so all batches go in one
-        native call (one fan-out over the threads instead of one per batch)."""
-        plan, tensors = self.plan, self.table.tensors  # the persist thread may drop self.table on failure
+        """Copy the pieces ``want`` selects (None: all). Streaming: batch after batch, each marked
+        ready once complete, so the persist thread writes batch b while batch b+1 is copied.
+        Otherwise every slot is resident and nothing is written before the copy ends, so all
+        batches go in one native call (one fan-out over the threads instead of one per batch)."""
+        plan, tensors = (
+            self.plan,
+            self.table.tensors,
+        )  # the persist thread may drop self.table on failure
         if self.mode != "streaming":
             if self.mode != "overlap":
                 self._zero_all_gaps()
             pieces = plan.pieces if want is None else [p for p in plan.pieces if want(p)]
             t = time.perf_counter()
-            ev = copy_pieces(self.arena, plan, pieces, tensors, self.chunk, stream=stream,
-                             wait_event=wait_event, views=self.views)
-            self.copy_event = ev  # host pieces are copied by now; the device ones are ordered before ev
+            ev = copy_pieces(
+                self.arena,
+                plan,
+                pieces,
+                tensors,
+                self.chunk,
+                stream=stream,
+                wait_event=wait_event,
+                views=self.views,
+            )
+            self.copy_event = (
+                ev  # host pieces are copied by now; the device ones are ordered before ev
+            )
             self.enqueued.set()
-            if ev is not None:  # no hook guards the parameters in blocking mode: the copy must be complete
+            if (
+                ev is not None
+            ):  # no hook guards the parameters in blocking mode: the copy must be complete
                 ev.synchronize()
                 self.stats.d2h_s += time.perf_counter() - t
             if sync_event is not None:
@@ -219,9 +281,19 @@ class SaveJob:
                 zero_padding(self.arena, plan, b)
             pieces = [p for p in plan.batch_pieces(b) if want is None or want(p)]
             t = time.perf_counter()
-            ev = copy_pieces(self.arena, plan, pieces, tensors, self.chunk, stream=stream,
-                             wait_event=wait_event, views=self.views)
-            if ev is not None:  # no hook guards the parameters in blocking mode: the copy must be complete
+            ev = copy_pieces(
+                self.arena,
+                plan,
+                pieces,
+                tensors,
+                self.chunk,
+                stream=stream,
+                wait_event=wait_event,
+                views=self.views,
+            )
+            if (
+                ev is not None
+            ):  # no hook guards the parameters in blocking mode: the copy must be complete
                 ev.synchronize()
                 self.stats.d2h_s += time.perf_counter() - t
             if b == 0 and sync_event is not None:
@@ -241,8 +313,10 @@ class SaveJob:
     def _copier_main(self, copied: threading.Event) -> None:
         deferred = self.table.deferred
         try:
-            self._produce(lambda p: deferred[p.index], self.side_stream, self._save_event, self._sync_event)
-        except BaseException as exc:  # noqa: BLE001
+            self._produce(
+                lambda p: deferred[p.index], self.side_stream, self._save_event, self._sync_event
+            )
+        except BaseException as exc:
             self._fail(exc)
         finally:
             copied.set()
@@ -275,7 +349,7 @@ class SaveJob:
     def _persist_main(self) -> None:
         try:
             self._persist()
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             self._fail(exc)
         finally:
             if self._copied is not None:
@@ -301,7 +375,7 @@ class SaveJob:
         # ranks declared the same replicated state, before anything is written.
         try:
             sig = signature(self.tree, self.replication, self.chunk)
-        except Exception as exc:  # noqa: BLE001 - this rank must still join the collective
+        except Exception as exc:
             local_error, ok, sig = exc, 0, signature(self.tree, None, self.chunk)
         gathered = g.all_gather([ok, *sig])
         bad = [r for r, row in enumerate(gathered) if not row[0]]
@@ -309,7 +383,9 @@ class SaveJob:
             if g.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise local_error or CheckpointIOError(
-                f"rank(s) {bad} failed before writing (rank 0 creates {tmp}); step {self.step} was not saved")
+                f"rank(s) {bad} failed before writing (rank 0 "
+                f"creates {tmp}); step {self.step} was not saved"
+            )
         try:
             check_signatures([row[1:] for row in gathered])
         except CheckpointError:
@@ -320,8 +396,12 @@ class SaveJob:
         # Batch b is written as soon as it is staged; its checksums are computed beside the write
         # (the disk is the bottleneck there), never beside the caller's copy (see _checksum_main).
         crc_done = [threading.Event() for _ in plan.batch_sizes]
-        crc_thread = threading.Thread(target=self._checksum_main, args=(crc_done,), daemon=True,
-                                      name=f"gpumem-ckpt-crc-{self.step}")
+        crc_thread = threading.Thread(
+            target=self._checksum_main,
+            args=(crc_done,),
+            daemon=True,
+            name=f"gpumem-ckpt-crc-{self.step}",
+        )
         crc_thread.start()
         try:
             if self.mode != "streaming":
@@ -351,8 +431,10 @@ class SaveJob:
                 with self._cond:
                     self._released = b + 1
                     self._cond.notify_all()
-            shard_crc = persist.write_manifest(tmp / shard_manifest_name(g.rank), self._shard_body(files))
-        except BaseException as exc:  # noqa: BLE001 - other ranks must still learn of it
+            shard_crc = persist.write_manifest(
+                tmp / shard_manifest_name(g.rank), self._shard_body(files)
+            )
+        except BaseException as exc:
             self._fail(exc)
             local_error, ok, shard_crc = exc, 0, 0
         crc_thread.join()
@@ -361,17 +443,26 @@ class SaveJob:
         if bad:
             if g.rank == 0:  # nobody writes any more: free the space a failed save took
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise _as_error(local_error, self.step) if local_error else CheckpointIOError(
-                f"rank(s) {bad} failed to write their shards; step {self.step} was not committed")
+            raise (
+                _as_error(local_error, self.step)
+                if local_error
+                else CheckpointIOError(
+                    f"rank(s) {bad} failed to write their "
+                    f"shards; step {self.step} was not committed"
+                )
+            )
         ok = 1
         if g.rank == 0:
             try:
                 self._commit(tmp, gathered)
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 local_error, ok = exc, 0
         if g.all_reduce(ok, "min") == 0:
-            raise _as_error(local_error, self.step) if local_error else CheckpointIOError(
-                f"rank 0 failed to commit step {self.step}")
+            raise (
+                _as_error(local_error, self.step)
+                if local_error
+                else CheckpointIOError(f"rank 0 failed to commit step {self.step}")
+            )
         if not self.stats.durable_s:  # ranks other than 0: durable once rank 0 committed
             self.stats.durable_s = time.perf_counter() - self.t0
 
@@ -379,8 +470,13 @@ class SaveJob:
         """Write batch b's slot as data file b (fdatasync'ed); returns (file name, size)."""
         name, size = data_file_name(self.group.rank, b), self.plan.batch_sizes[b]
         buf = self.arena.view(self.plan.slot_base(b), size) if size else None
-        persist.write_file(str(tmp / name), [(0, buf)] if buf is not None else [], size=size, fsync=True,
-                           direct=self.direct)
+        persist.write_file(
+            str(tmp / name),
+            [(0, buf)] if buf is not None else [],
+            size=size,
+            fsync=True,
+            direct=self.direct,
+        )
         return name, size
 
     def _write_all(self, tmp: Path) -> list[tuple[str, int]]:
@@ -400,11 +496,13 @@ class SaveJob:
                     return
                 try:
                     results[b] = self._write_batch(tmp, b)
-                except BaseException as exc:  # noqa: BLE001 - re-raised below
+                except BaseException as exc:
                     errors.append(exc)
 
-        threads = [threading.Thread(target=worker, name=f"gpumem-ckpt-write-{self.step}", daemon=True)
-                   for _ in range(max(1, min(n, _WRITERS)))]
+        threads = [
+            threading.Thread(target=worker, name=f"gpumem-ckpt-write-{self.step}", daemon=True)
+            for _ in range(max(1, min(n, _WRITERS)))
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -430,7 +528,7 @@ class SaveJob:
                     return
                 checksum_cpu_pieces(self.arena, plan, plan.batch_pieces(b), self.chunk)
                 crc_done[b].set()
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             self._fail(exc)
         finally:
             for ev in crc_done:
@@ -442,13 +540,26 @@ class SaveJob:
         for p in self.plan.pieces:
             extents[p.index].append([data_file_name(self.group.rank, p.batch), p.offset, p.nbytes])
         tensors = [
-            {"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
-             "nbytes": t.numel() * t.element_size(), "crc32c": crcs[i], "extents": extents[i]}
-            for i, (name, t) in enumerate(zip(self.table.names, self.table.tensors))
+            {
+                "name": name,
+                "dtype": DTYPE_NAMES[t.dtype],
+                "shape": list(t.shape),
+                "nbytes": t.numel() * t.element_size(),
+                "crc32c": crcs[i],
+                "extents": extents[i],
+            }
+            for i, (name, t) in enumerate(zip(self.table.names, self.table.tensors, strict=True))
         ]
-        body = {"format": "gpumem-checkpoint-shard", "rank": self.group.rank, "world_size": self.group.world_size,
-                "step": self.step, "chunk_bytes": self.chunk, "alignment": self.alignment, "files": files,
-                "tensors": tensors}
+        body = {
+            "format": "gpumem-checkpoint-shard",
+            "rank": self.group.rank,
+            "world_size": self.group.world_size,
+            "step": self.step,
+            "chunk_bytes": self.chunk,
+            "alignment": self.alignment,
+            "files": files,
+            "tensors": tensors,
+        }
         if self.replication is not None:
             body.update(replicated=True, owners=self.replication.owners)
         body["state"] = self.tree  # last (the large part), after the fields that describe the shard
@@ -456,23 +567,34 @@ class SaveJob:
 
     def _commit(self, tmp: Path, gathered: list[list[int]]) -> None:
         body = {
-            "format": "gpumem-checkpoint", "step": self.step, "world_size": self.group.world_size,
-            "created": time.time(), "versions": self.versions,
-            "shards": [{"rank": r, "file": shard_manifest_name(r), "crc32c": crc, "nbytes": n}
-                       for r, (_, crc, n) in enumerate(gathered)],
+            "format": "gpumem-checkpoint",
+            "step": self.step,
+            "world_size": self.group.world_size,
+            "created": time.time(),
+            "versions": self.versions,
+            "shards": [
+                {"rank": r, "file": shard_manifest_name(r), "crc32c": crc, "nbytes": n}
+                for r, (_, crc, n) in enumerate(gathered)
+            ],
         }
         if self.replication is not None:
             body["replicated"] = True
         crc = persist.write_manifest(tmp / MAIN_MANIFEST, body)
         self.committed, moved = persist.commit(self.root, tmp, self.step, crc)
-        self.stats.durable_s = time.perf_counter() - self.t0  # retention below is cleanup, not durability
+        self.stats.durable_s = (
+            time.perf_counter() - self.t0
+        )  # retention below is cleanup, not durability
         if moved:
             self.stats.set_aside = tuple(str(p) for p in moved)
             warnings.warn(
-                f"step {self.step} is lower than committed checkpoints, so training went back (a rollback, or a new "
-                f"run in an old run's directory): moved {', '.join(p.name for p in moved)} to {moved[0].parent} so "
-                "that restore() and retention follow the new branch. If your step counter restarts (per epoch), pass a "
-                "global step to save() instead.", CheckpointBranchWarning, stacklevel=1)
+                f"step {self.step} is lower than committed checkpoints, so training "
+                "went back (a rollback, or a new run in an old run's directory): "
+                f"moved {', '.join(p.name for p in moved)} to {moved[0].parent} so "
+                "that restore() and retention follow the new branch. If your step "
+                "counter restarts (per epoch), pass a global step to save() instead.",
+                CheckpointBranchWarning,
+                stacklevel=1,
+            )
         persist.apply_retention(self.root, self.keep, self.committed)
 
     # ------------------------------------------------------------------ shared
@@ -519,5 +641,9 @@ def default_versions() -> dict[str, str]:
 
     from gpumem import __version__
 
-    return {"gpumem": __version__, "torch": torch.__version__, "python": platform.python_version(),
-            "pid": str(os.getpid())}
+    return {
+        "gpumem": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "pid": str(os.getpid()),
+    }

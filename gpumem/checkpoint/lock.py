@@ -1,4 +1,5 @@
-"""One job per checkpoint directory: an advisory lock that rank 0 holds while a Checkpointer is open.
+"""One job per checkpoint directory: an advisory lock that rank 0 holds while a Checkpointer is
+open.
 
 Two jobs writing one directory would delete each other's saves in flight (each start removes stale
 ``.tmp-*`` directories) and race on ``latest``. The usual way it happens: a rescheduled job (a new
@@ -23,7 +24,9 @@ from pathlib import Path
 from .errors import CheckpointStateError
 
 LOCK_FILE = ".lock"
-_HELD: set[str] = set()  # directories a Checkpointer of this process holds (waiting on them would never end)
+_HELD: set[str] = (
+    set()
+)  # directories a Checkpointer of this process holds (waiting on them would never end)
 
 
 class DirLock:
@@ -33,8 +36,9 @@ class DirLock:
         self.key = os.path.realpath(directory)
         if self.key in _HELD:
             raise CheckpointStateError(
-                f"{directory} is already used by another open Checkpointer of this process; close() it first "
-                "(two writers would delete each other's saves)")
+                f"{directory} is already used by another open Checkpointer of this "
+                "process; close() it first (two writers would delete each other's saves)"
+            )
         path = directory / LOCK_FILE
         self.fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         deadline = time.monotonic() + max(0.0, timeout_s)
@@ -45,8 +49,12 @@ class DirLock:
                     break
                 except OSError as exc:
                     if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
-                        warnings.warn(f"{directory}: the file system does not support locks ({exc.strerror}); "
-                                      "make sure only one job writes this directory", RuntimeWarning, stacklevel=3)
+                        warnings.warn(
+                            f"{directory}: the file system does not support locks "
+                            f"({exc.strerror}); make sure only one job writes this directory",
+                            RuntimeWarning,
+                            stacklevel=3,
+                        )
                         os.close(self.fd)
                         self.fd = None
                         return
@@ -54,9 +62,11 @@ class DirLock:
                         raise
                 if time.monotonic() >= deadline:
                     raise CheckpointStateError(
-                        f"{directory} is in use by another job ({_holder(self.fd)}) and was not released within "
-                        f"{timeout_s:g} s; stop that job, wait for it to finish its final save, or use another "
-                        "directory (Checkpointer(..., lock_timeout_s=...) waits longer)")
+                        f"{directory} is in use by another job ({_holder(self.fd)}) "
+                        f"and was not released within {timeout_s:g} s; stop that job, "
+                        "wait for it to finish its final save, or use another "
+                        "directory (Checkpointer(..., lock_timeout_s=...) waits longer)"
+                    )
                 time.sleep(0.1)
         except BaseException:
             if self.fd is not None:
@@ -64,8 +74,14 @@ class DirLock:
                 self.fd = None
             raise
         os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                       "since": time.time()}).encode() + b"\n", 0)
+        os.pwrite(
+            self.fd,
+            json.dumps(
+                {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+            ).encode()
+            + b"\n",
+            0,
+        )
         _HELD.add(self.key)
 
     def release(self) -> None:

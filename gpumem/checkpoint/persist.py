@@ -15,6 +15,7 @@ never removes the checkpoint just committed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -118,7 +119,9 @@ def set_aside_newer(root: Path, step: int) -> list[Path]:
 
 
 def write_latest(root: Path, step: int, name: str, manifest_crc: int) -> None:
-    data = json.dumps({"step": step, "path": name, "manifest_crc32c": manifest_crc}).encode() + b"\n"
+    data = (
+        json.dumps({"step": step, "path": name, "manifest_crc32c": manifest_crc}).encode() + b"\n"
+    )
     tmp = root / f".latest.tmp-{os.getpid()}"
     write_bytes(tmp, data)
     os.replace(tmp, root / LATEST)
@@ -126,7 +129,8 @@ def write_latest(root: Path, step: int, name: str, manifest_crc: int) -> None:
 
 
 def read_latest(root: Path) -> dict[str, Any] | None:
-    """The ``latest`` pointer, strictly parsed; None if there is none; CheckpointCorruptError if damaged."""
+    """The ``latest`` pointer, strictly parsed; None if there is none; CheckpointCorruptError if
+    damaged."""
     path = root / LATEST
     try:
         raw = path.read_bytes()[: _LATEST_MAX + 1]
@@ -172,7 +176,9 @@ def load_info(path: Path) -> CheckpointInfo:
     info = parse_main(body, str(manifest), crc)
     m = STEP_DIR.match(path.name)
     if m and int(m.group(1)) != info.step:
-        raise CheckpointCorruptError(f"{manifest}: records step {info.step} but lives in {path.name}", path=str(manifest))
+        raise CheckpointCorruptError(
+            f"{manifest}: records step {info.step} but lives in {path.name}", path=str(manifest)
+        )
     return info
 
 
@@ -188,7 +194,8 @@ def list_checkpoints(root: Path) -> list[CheckpointInfo]:
 
 
 def apply_retention(root: Path, keep: int | None, committed: Path) -> list[Path]:
-    """Delete all but the ``keep`` newest checkpoints, never ``committed``; returns what was removed."""
+    """Delete all but the ``keep`` newest checkpoints, never ``committed``; returns what was
+    removed."""
     if keep is None:
         return []
     removed = []
@@ -214,8 +221,11 @@ def clean_stale(root: Path) -> None:
         entries = list(os.scandir(root))
     except FileNotFoundError:
         return
-    replaced = sorted((e for e in entries if e.name.startswith(_REPLACED) and e.is_dir(follow_symlinks=False)),
-                      key=lambda e: e.name, reverse=True)  # newest first (same step: the ns suffix decides)
+    replaced = sorted(
+        (e for e in entries if e.name.startswith(_REPLACED) and e.is_dir(follow_symlinks=False)),
+        key=lambda e: e.name,
+        reverse=True,
+    )  # newest first (same step: the ns suffix decides)
     restored = False
     for e in replaced:
         final = root / e.name[len(_REPLACED) :].rsplit("-", 1)[0]
@@ -230,7 +240,5 @@ def clean_stale(root: Path) -> None:
         if e.name.startswith((".tmp-step-", ".trash-step-")) and e.is_dir(follow_symlinks=False):
             shutil.rmtree(e.path, ignore_errors=True)
         elif e.name.startswith(".latest.tmp-"):
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(e.path)
-            except OSError:
-                pass

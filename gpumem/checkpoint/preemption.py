@@ -32,7 +32,8 @@ class PreemptionGuard:
         exit_code: the code to exit with after a durable final checkpoint (143 = 128 + SIGTERM;
             set what your scheduler requeues on).
         failure_exit_code: the code when the final checkpoint did not become durable in time.
-        state: the objects to save (model=..., optimizer=..., ...); default: those of the last save().
+        state: the objects to save (model=..., optimizer=..., ...); default: those of the last
+            save().
 
     Example:
         >>> guard = gpumem.PreemptionGuard(ckpt, grace_s=30)                   # doctest: +SKIP
@@ -42,10 +43,19 @@ class PreemptionGuard:
         ...         sys.exit(guard.exit_code)
     """
 
-    def __init__(self, checkpointer: Any, signals: tuple[str | int, ...] = ("SIGTERM", "SIGUSR1"), grace_s: float = 30.0,
-                 exit_code: int = 143, failure_exit_code: int = 1, state: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        checkpointer: Any,
+        signals: tuple[str | int, ...] = ("SIGTERM", "SIGUSR1"),
+        grace_s: float = 30.0,
+        exit_code: int = 143,
+        failure_exit_code: int = 1,
+        state: dict[str, Any] | None = None,
+    ):
         if threading.current_thread() is not threading.main_thread():
-            raise CheckpointStateError("PreemptionGuard must be created on the main thread (Python delivers signals there)")
+            raise CheckpointStateError(
+                "PreemptionGuard must be created on the main thread (Python delivers signals there)"
+            )
         self.checkpointer = checkpointer
         self.grace_s = float(grace_s)
         self._exit_code, self.failure_exit_code = int(exit_code), int(failure_exit_code)
@@ -100,7 +110,9 @@ class PreemptionGuard:
             reused = last is not None and last[0] == step and not state
             if not reused:
                 if objects is None:
-                    raise CheckpointStateError("nothing to save: call save() once, or pass state= to PreemptionGuard")
+                    raise CheckpointStateError(
+                        "nothing to save: call save() once, or pass state= to PreemptionGuard"
+                    )
                 try:  # an earlier background failure is reported, and must not stop the final save
                     ckpt.wait(timeout=max(0.0, deadline - time.monotonic()))
                 except CheckpointError as exc:
@@ -115,14 +127,21 @@ class PreemptionGuard:
                 self.durable = ckpt.wait(timeout=max(0.0, deadline - time.monotonic()))
             self.saved_step = step
             how = "reused the save of this step" if reused else "saved"
-            self.outcome = earlier + (f"{how}; durable in {time.monotonic() - t0:.2f} s" if self.durable else
-                                      f"{how}; NOT durable within the {self.grace_s:g} s grace period")
+            self.outcome = earlier + (
+                f"{how}; durable in {time.monotonic() - t0:.2f} s"
+                if self.durable
+                else f"{how}; NOT durable within the {self.grace_s:g} s grace period"
+            )
         except CheckpointError as exc:
             self.durable = False
             self.outcome = f"{earlier}final checkpoint FAILED: {exc}"
         name = signal.Signals(self.signum).name if self.signum else "a stop request on another rank"
-        print(f"gpumem: {name} -> stopping at step {step}: {self.outcome}; exit code {self.exit_code}",
-              file=sys.stderr, flush=True)
+        print(
+            f"gpumem: {name} -> stopping at step {step}: "
+            f"{self.outcome}; exit code {self.exit_code}",
+            file=sys.stderr,
+            flush=True,
+        )
         return True
 
     def close(self) -> None:

@@ -54,7 +54,9 @@ def assign_owners(sizes: list[int], world: int) -> list[int]:
     """
     if world < 1:
         raise ValueError(f"world size {world} must be at least 1")
-    loads = [(0, r) for r in range(world)]  # a heap of (bytes so far, rank): the least loaded on top
+    loads = [
+        (0, r) for r in range(world)
+    ]  # a heap of (bytes so far, rank): the least loaded on top
     owners = [0] * len(sizes)
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
         load, rank = heapq.heappop(loads)
@@ -69,9 +71,14 @@ def split(table: TensorTable, rank: int, world: int) -> tuple[TensorTable, Repli
     count = table.replicated_count
     shared = table.tensors[:count]
     owners = assign_owners([t.numel() * t.element_size() for t in shared], world)
-    keep = [i for i, owner in enumerate(owners) if owner == rank] + list(range(count, len(table.tensors)))
-    meta = tuple((name, DTYPE_NAMES[t.dtype], tuple(t.shape)) for name, t in zip(table.names, shared))
-    return table.subset(keep), Replication(dict(zip(table.names, owners)), meta)
+    keep = [i for i, owner in enumerate(owners) if owner == rank] + list(
+        range(count, len(table.tensors))
+    )
+    meta = tuple(
+        (name, DTYPE_NAMES[t.dtype], tuple(t.shape))
+        for name, t in zip(table.names, shared, strict=False)
+    )
+    return table.subset(keep), Replication(dict(zip(table.names, owners, strict=False)), meta)
 
 
 def signature(tree: dict[str, Any], replication: Replication | None, chunk: int) -> list[int]:
@@ -84,30 +91,38 @@ def signature(tree: dict[str, Any], replication: Replication | None, chunk: int)
     out = [1, chunk]
     for key in REPLICATED_KEYS:
         tensors = [[n, d, list(s)] for n, d, s in replication.meta if n.split(".", 1)[0] == key]
-        blob = json.dumps([tree.get(key), tensors], sort_keys=True, separators=(",", ":"), allow_nan=False)
+        blob = json.dumps(
+            [tree.get(key), tensors], sort_keys=True, separators=(",", ":"), allow_nan=False
+        )
         out.append(crc32c(blob.encode()))
     return out
 
 
 def check_signatures(gathered: list[list[int]]) -> None:
-    """Raise CheckpointStateError naming the first rank whose ``signature`` differs from rank 0's."""
+    """Raise CheckpointStateError naming the first rank whose ``signature`` differs from rank
+    0's."""
     ref = gathered[0]
     for rank, sig in enumerate(gathered[1:], start=1):
         if sig == ref:
             continue
         if sig[0] != ref[0]:
             raise CheckpointStateError(
-                f"rank {rank} saves with replicated={bool(sig[0])}, rank 0 with replicated={bool(ref[0])}: create "
-                "every rank's Checkpointer with the same replicated= argument")
+                f"rank {rank} saves with replicated={bool(sig[0])}, "
+                f"rank 0 with replicated={bool(ref[0])}: create every "
+                "rank's Checkpointer with the same replicated= argument"
+            )
         if sig[1] != ref[1]:
             raise CheckpointStateError(
-                f"rank {rank} uses chunk_bytes={sig[1]}, rank 0 chunk_bytes={ref[1]}: a replicated checkpoint needs "
-                "the same chunk_bytes on every rank")
-        key = next(k for k, a, b in zip(REPLICATED_KEYS, sig[2:], ref[2:]) if a != b)
+                f"rank {rank} uses chunk_bytes={sig[1]}, rank 0 chunk_bytes={ref[1]}: "
+                "a replicated checkpoint needs the same chunk_bytes on every rank"
+            )
+        key = next(k for k, a, b in zip(REPLICATED_KEYS, sig[2:], ref[2:], strict=True) if a != b)
         raise CheckpointStateError(
-            f"replicated=True, but rank {rank}'s {key} state differs from rank 0's (its structure, non-tensor values "
-            "or tensor names, dtypes and shapes), so it is not replicated: save sharded state (FSDP, ZeRO, tensor or "
-            "pipeline parallel) with replicated=False, or find where the replicas diverged")
+            f"replicated=True, but rank {rank}'s {key} state differs from rank 0's "
+            "(its structure, non-tensor values or tensor names, dtypes and shapes), so "
+            "it is not replicated: save sharded state (FSDP, ZeRO, tensor or pipeline "
+            "parallel) with replicated=False, or find where the replicas diverged"
+        )
 
 
 def replicated_trees(shard: ShardManifest) -> dict[str, Any]:
@@ -127,16 +142,28 @@ def check_same(own: ShardManifest, other: ShardManifest, path: Path) -> None:
     if not other.replicated:
         raise CheckpointCorruptError(f"{where}: only one is marked replicated", path=str(path))
     if other.owners != own.owners:
-        name = next((n for n in sorted(set(own.owners) | set(other.owners))
-                     if own.owners.get(n) != other.owners.get(n)), "?")
-        raise CheckpointCorruptError(f"{where} record other owners of the replicated tensor {name!r}",
-                                     path=str(path), tensor=name)
+        name = next(
+            (
+                n
+                for n in sorted(set(own.owners) | set(other.owners))
+                if own.owners.get(n) != other.owners.get(n)
+            ),
+            "?",
+        )
+        raise CheckpointCorruptError(
+            f"{where} record other owners of the replicated tensor {name!r}",
+            path=str(path),
+            tensor=name,
+        )
     if other.chunk_bytes != own.chunk_bytes:
         raise CheckpointCorruptError(
-            f"{where} record chunk_bytes {other.chunk_bytes} and {own.chunk_bytes}", path=str(path))
+            f"{where} record chunk_bytes {other.chunk_bytes} and {own.chunk_bytes}", path=str(path)
+        )
     mine, theirs = replicated_trees(own), replicated_trees(other)
     for key in REPLICATED_KEYS:
         if mine[key] != theirs[key]:
             raise CheckpointCorruptError(
-                f"{where} record different {key} state, though the checkpoint is replicated (written once, "
-                "spread over the shards): its shards do not belong together", path=str(path))
+                f"{where} record different {key} state, though the checkpoint is replicated "
+                "(written once, spread over the shards): its shards do not belong together",
+                path=str(path),
+            )

@@ -57,15 +57,24 @@ def load_shard_manifest(path: Path, info: CheckpointInfo, rank: int) -> ShardMan
     if crc != ref.crc32c:
         raise CheckpointCorruptError(
             f"{file}: CRC32C {crc:08x} differs from {ref.crc32c:08x} recorded in the main manifest "
-            "(a shard from another save)", path=str(file))
+            "(a shard from another save)",
+            path=str(file),
+        )
     shard = parse_shard(body, str(file), crc)
     if shard.rank != rank or shard.world_size != info.world_size or shard.step != info.step:
-        raise CheckpointCorruptError(f"{file}: rank/world size/step disagree with the main manifest", path=str(file))
+        raise CheckpointCorruptError(
+            f"{file}: rank/world size/step disagree with the main manifest", path=str(file)
+        )
     if shard.replicated != info.replicated:
-        raise CheckpointCorruptError(f"{file}: marked replicated={shard.replicated}, the main manifest "
-                                     f"replicated={info.replicated}", path=str(file))
+        raise CheckpointCorruptError(
+            f"{file}: marked replicated={shard.replicated}, the main manifest "
+            f"replicated={info.replicated}",
+            path=str(file),
+        )
     if sum(t.nbytes for t in shard.tensors) != ref.nbytes:
-        raise CheckpointCorruptError(f"{file}: tensor bytes differ from the main manifest", path=str(file))
+        raise CheckpointCorruptError(
+            f"{file}: tensor bytes differ from the main manifest", path=str(file)
+        )
     return shard
 
 
@@ -75,14 +84,23 @@ def _check_sizes(path: Path, shard: ShardManifest) -> None:
         try:
             actual = os.stat(file).st_size
         except OSError as exc:
-            raise CheckpointCorruptError(f"{file}: data file unreadable: {exc.strerror}", path=str(file)) from None
+            raise CheckpointCorruptError(
+                f"{file}: data file unreadable: {exc.strerror}", path=str(file)
+            ) from None
         if actual != size:
             raise CheckpointCorruptError(
-                f"{file}: {actual} bytes on disk, manifest says {size} (truncated or damaged)", path=str(file))
+                f"{file}: {actual} bytes on disk, manifest says {size} (truncated or damaged)",
+                path=str(file),
+            )
 
 
-def _read_file(file: Path, extents: list[tuple[int, torch.Tensor, int]], chunk: int, crcs: np.ndarray,
-               padding: bool = True) -> None:
+def _read_file(
+    file: Path,
+    extents: list[tuple[int, torch.Tensor, int]],
+    chunk: int,
+    crcs: np.ndarray,
+    padding: bool = True,
+) -> None:
     """Read one data file's extents ``(offset, buffer, first CRC slot)`` and their chunk CRCs into
     ``crcs``; with ``padding`` (the file's every extent) the bytes between them must be zero."""
     pieces: list[tuple[int, torch.Tensor]] = []
@@ -96,18 +114,31 @@ def _read_file(file: Path, extents: list[tuple[int, torch.Tensor, int]], chunk: 
         index.append(slot)
         end = off + buf.numel()
     try:
-        read_file(file, pieces + gaps, threads=_io_threads(), direct=False, chunk_bytes=chunk,
-                  crc_index=index + [-1] * len(gaps), crc_out=crcs)
+        read_file(
+            file,
+            pieces + gaps,
+            threads=_io_threads(),
+            direct=False,
+            chunk_bytes=chunk,
+            crc_index=index + [-1] * len(gaps),
+            crc_out=crcs,
+        )
     except OSError as exc:
-        raise CheckpointCorruptError(f"{file}: reading its {len(pieces)} tensor extents failed: "
-                                     f"{exc.strerror or exc}", path=str(file)) from None
+        raise CheckpointCorruptError(
+            f"{file}: reading its {len(pieces)} tensor extents failed: {exc.strerror or exc}",
+            path=str(file),
+        ) from None
     for off, gap in gaps:
         if gap.any():
             raise CheckpointCorruptError(
-                f"{file}: alignment padding at bytes {off}-{off + gap.numel()} is not zero", path=str(file))
+                f"{file}: alignment padding at bytes {off}-{off + gap.numel()} is not zero",
+                path=str(file),
+            )
 
 
-def _check_crcs(path: Path, entries: list[TensorEntry], chunk: int, crcs: np.ndarray, base: list[int]) -> None:
+def _check_crcs(
+    path: Path, entries: list[TensorEntry], chunk: int, crcs: np.ndarray, base: list[int]
+) -> None:
     expected = np.fromiter((c for e in entries for c in e.crc32c), dtype=np.int64, count=len(crcs))
     bad = np.flatnonzero(crcs != expected)
     if not len(bad):
@@ -117,9 +148,12 @@ def _check_crcs(path: Path, entries: list[TensorEntry], chunk: int, crcs: np.nda
     entry, k = entries[t], i - base[t]
     lo = k * chunk
     raise CheckpointCorruptError(
-        f"{_file_of(path, entry, lo)}: tensor {entry.name!r} bytes {lo}-{min(lo + chunk, entry.nbytes)} "
-        f"fail their CRC32C ({int(crcs[i]) & 0xFFFFFFFF:08x} != {int(expected[i]):08x})",
-        path=str(_file_of(path, entry, lo)), tensor=entry.name)
+        f"{_file_of(path, entry, lo)}: tensor {entry.name!r} bytes "
+        f"{lo}-{min(lo + chunk, entry.nbytes)} fail their CRC32C "
+        f"({int(crcs[i]) & 0xFFFFFFFF:08x} != {int(expected[i]):08x})",
+        path=str(_file_of(path, entry, lo)),
+        tensor=entry.name,
+    )
 
 
 def _file_of(path: Path, entry: TensorEntry, byte: int) -> Path:
@@ -131,8 +165,11 @@ def _file_of(path: Path, entry: TensorEntry, byte: int) -> Path:
     return path / entry.extents[-1][0]
 
 
-def load_shard(path: Path, info: CheckpointInfo, rank: int, *, keep: bool = True) -> tuple[ShardManifest, dict[str, torch.Tensor]]:
-    """Verify and (if ``keep``) return every tensor of ``rank``'s shard; raises CheckpointCorruptError.
+def load_shard(
+    path: Path, info: CheckpointInfo, rank: int, *, keep: bool = True
+) -> tuple[ShardManifest, dict[str, torch.Tensor]]:
+    """Verify and (if ``keep``) return every tensor of ``rank``'s shard; raises
+    CheckpointCorruptError.
 
     Each tensor is read into its own fresh buffer (restored tensors own their memory). Without
     ``keep`` each file's buffers are dropped once it is read (its checksums are kept), so memory
@@ -142,8 +179,9 @@ def load_shard(path: Path, info: CheckpointInfo, rank: int, *, keep: bool = True
     return shard, read_tensors(path, shard, keep=keep)
 
 
-def read_tensors(path: Path, shard: ShardManifest, names: list[str] | None = None, *,
-                 keep: bool = True) -> dict[str, torch.Tensor]:
+def read_tensors(
+    path: Path, shard: ShardManifest, names: list[str] | None = None, *, keep: bool = True
+) -> dict[str, torch.Tensor]:
     """Read and verify tensors of a shard whose manifest is loaded: all of them (``names``
     None: every byte of its data files, the zero padding too) or only those named (only their
     extents are read). Every chunk's CRC32C is checked; sizes of the shard's files too.
@@ -161,8 +199,11 @@ def read_tensors(path: Path, shard: ShardManifest, names: list[str] | None = Non
         held = {e.name: e for e in shard.tensors}
         missing = [n for n in names if n not in held]
         if missing:
-            raise CheckpointCorruptError(f"{path / shard_manifest_name(shard.rank)}: lacks tensor {missing[0]!r}",
-                                         path=str(path), tensor=missing[0])
+            raise CheckpointCorruptError(
+                f"{path / shard_manifest_name(shard.rank)}: lacks tensor {missing[0]!r}",
+                path=str(path),
+                tensor=missing[0],
+            )
         entries = [held[n] for n in names]
     chunk = shard.chunk_bytes
     base, slots = [], 0  # each tensor's first chunk-CRC slot
@@ -196,12 +237,17 @@ def read_tensors(path: Path, shard: ShardManifest, names: list[str] | None = Non
     _check_crcs(path, entries, chunk, crcs, base)
     if not keep:
         return {}
-    return {e.name: buffers[t].view(e.torch_dtype).view(e.shape) if e.nbytes else
-            torch.empty(e.shape, dtype=e.torch_dtype) for t, e in enumerate(entries)}
+    return {
+        e.name: buffers[t].view(e.torch_dtype).view(e.shape)
+        if e.nbytes
+        else torch.empty(e.shape, dtype=e.torch_dtype)
+        for t, e in enumerate(entries)
+    }
 
 
-def read_replicated(path: Path, info: CheckpointInfo, shard: ShardManifest,
-                    out: dict[str, torch.Tensor]) -> tuple[TensorEntry, ...]:
+def read_replicated(
+    path: Path, info: CheckpointInfo, shard: ShardManifest, out: dict[str, torch.Tensor]
+) -> tuple[TensorEntry, ...]:
     """Add to ``out`` the replicated tensors ``shard`` refers to that other shards hold, each
     read and verified from its owner's shard, whose manifest must agree with ``shard``'s
     (``replicated.check_same``). Returns their manifest entries."""
@@ -268,8 +314,11 @@ def check_replicated(path: Path, info: CheckpointInfo) -> None:
 
     def replicated(shard: ShardManifest) -> tuple[dict[str, Any], dict[str, Any]]:
         tree = replicated_trees(shard)
-        tensors = {t.name: (t.dtype, t.shape, t.crc32c) for t in shard.tensors
-                   if t.name.split(".", 1)[0] in REPLICATED_KEYS}
+        tensors = {
+            t.name: (t.dtype, t.shape, t.crc32c)
+            for t in shard.tensors
+            if t.name.split(".", 1)[0] in REPLICATED_KEYS
+        }
         return tree, tensors
 
     ref_tree, ref_tensors = replicated(load_shard_manifest(path, info, 0))
@@ -278,16 +327,21 @@ def check_replicated(path: Path, info: CheckpointInfo) -> None:
         diff = next((k for k in REPLICATED_KEYS if tree[k] != ref_tree[k]), None)
         if diff is None and tensors != ref_tensors:
             names = sorted(set(tensors) ^ set(ref_tensors)) or sorted(
-                n for n in tensors if tensors[n] != ref_tensors[n])
+                n for n in tensors if tensors[n] != ref_tensors[n]
+            )
             diff = f"tensor {names[0]!r}"
         if diff is not None:
             raise CheckpointStateError(
-                f"{path}: rank {rank} saved another {diff} than rank 0, so its state is sharded (FSDP, ZeRO, "
-                "tensor or pipeline parallel) or its replicas diverged; only replicated (DDP) state restores "
-                f"on another world size: restore with {info.world_size} ranks")
+                f"{path}: rank {rank} saved another {diff} than rank 0, so its "
+                "state is sharded (FSDP, ZeRO, tensor or pipeline parallel) or "
+                "its replicas diverged; only replicated (DDP) state restores "
+                f"on another world size: restore with {info.world_size} ranks"
+            )
 
 
-def restore_tree(path: Path, info: CheckpointInfo, rank: int) -> tuple[dict[str, Any], ShardManifest]:
+def restore_tree(
+    path: Path, info: CheckpointInfo, rank: int
+) -> tuple[dict[str, Any], ShardManifest]:
     """The verified, decoded state tree of ``rank`` (tensors loaded into fresh host memory) and
     its shard manifest. For a replicated checkpoint, the replicated tensors other shards hold
     are read from them, and the returned manifest's ``tensors`` also lists their entries (every
@@ -300,7 +354,9 @@ def restore_tree(path: Path, info: CheckpointInfo, rank: int) -> tuple[dict[str,
         shard = dataclasses.replace(shard, tensors=shard.tensors + foreign)
     tree = decode(shard.state, tensors, f"{path.name}.rank{rank}")
     if not isinstance(tree, dict) or tree.get("step") != info.step:
-        raise CheckpointCorruptError(f"{path}: rank {rank} state does not record step {info.step}", path=str(path))
+        raise CheckpointCorruptError(
+            f"{path}: rank {rank} state does not record step {info.step}", path=str(path)
+        )
     return tree, shard
 
 
@@ -319,18 +375,23 @@ def verify_loaded(path: Path, shard: ShardManifest, table: Any) -> int:
 
     entries = {e.name: e for e in shard.tensors}
     checked = 0
-    for name, t in zip(table.names, table.tensors):
+    for name, t in zip(table.names, table.tensors, strict=True):
         entry = entries.get(name)
         if entry is None or entry.nbytes != t.numel() * t.element_size() or not entry.nbytes:
             continue
         got = chunk_crc32c(as_bytes(t.contiguous()), shard.chunk_bytes).tolist()
-        bad = next((k for k, (a, b) in enumerate(zip(got, entry.crc32c)) if a != b), None)
+        bad = next(
+            (k for k, (a, b) in enumerate(zip(got, entry.crc32c, strict=True)) if a != b), None
+        )
         if bad is not None:
             lo = bad * shard.chunk_bytes
             raise CheckpointCorruptError(
-                f"{path}: after loading, tensor {name!r} on {t.device} holds bytes {lo}-"
-                f"{min(lo + shard.chunk_bytes, entry.nbytes)} that fail their CRC32C (damaged in the copy to "
-                "its device or in its memory); the objects now hold these values: restore again",
-                path=str(path), tensor=name)
+                f"{path}: after loading, tensor {name!r} on {t.device} holds "
+                f"bytes {lo}-{min(lo + shard.chunk_bytes, entry.nbytes)} that "
+                "fail their CRC32C (damaged in the copy to its device or in "
+                "its memory); the objects now hold these values: restore again",
+                path=str(path),
+                tensor=name,
+            )
         checked += 1
     return checked

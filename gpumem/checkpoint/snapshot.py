@@ -5,7 +5,7 @@ each extent aligned, a batch being one data file and one slot of the host arena 
 file offset, so a batch is written with a single large pwrite). When the state fits the staging
 budget there is one batch; otherwise the arena is split into two slots and contiguous tensors are
 cut into chunk-aligned pieces that stream through them (copy batch b+1 while batch b is written),
-so host memory never exceeds the budget whatever the state size. ``PlanCache`` reuses the previous
+so host memory never exceeds the budget whatever the state size. ``LayoutCache`` reuses the previous
 save's layout while the tensors keep their sizes and contiguity (the common case: the same model
 and optimizer saved again), and gives each layout an id, so the caller can tell when the alignment
 gaps it zeroed in the arena are still in place.
@@ -18,6 +18,7 @@ on the compute stream at save() time.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass, field
 
@@ -31,7 +32,8 @@ from .format import align_up
 
 @dataclass(slots=True)
 class Piece:
-    """A byte range [src_offset, src_offset + nbytes) of tensor ``index``, staged at ``offset`` of batch ``batch``."""
+    """A byte range [src_offset, src_offset + nbytes) of tensor ``index``, staged at ``offset`` of
+    batch ``batch``."""
 
     index: int
     src_offset: int
@@ -44,13 +46,15 @@ class Piece:
 
 
 @dataclass
-class Plan:
+class ArenaLayout:
+    """Where each tensor of a save lies in the host arena: batches, their bases, the pieces."""
+
     capacity: int  # target bytes per batch (hard limit when streaming)
     streaming: bool  # False: every batch resident at once; True: two slots reused in turn
     batch_sizes: list[int] = field(default_factory=list)
     pieces: list[Piece] = field(default_factory=list)
     bases: list[int] = field(default_factory=list)  # arena offset of each batch
-    layout_id: int = 0  # equal ids: identical pieces (set by PlanCache; 0: not tracked)
+    layout_id: int = 0  # equal ids: identical pieces (set by LayoutCache; 0: not tracked)
 
     @property
     def slots(self) -> int:
@@ -69,14 +73,19 @@ class Plan:
     def slot_base(self, b: int) -> int:
         return self.bases[b]
 
-    def copy(self) -> Plan:
+    def copy(self) -> ArenaLayout:
         """The same layout with fresh pieces (no CRCs yet): each save fills in its own."""
-        return Plan(self.capacity, self.streaming, list(self.batch_sizes),
-                    [Piece(p.index, p.src_offset, p.nbytes, p.batch, p.offset) for p in self.pieces],
-                    list(self.bases), self.layout_id)
+        return ArenaLayout(
+            self.capacity,
+            self.streaming,
+            list(self.batch_sizes),
+            [Piece(p.index, p.src_offset, p.nbytes, p.batch, p.offset) for p in self.pieces],
+            list(self.bases),
+            self.layout_id,
+        )
 
 
-class PlanCache:
+class LayoutCache:
     """The last layout planned, reused while a save's tensors have the same sizes and contiguity
     and the settings are unchanged (``plan_layout`` depends on nothing else; names only appear
     in its errors). Each new layout gets a new ``layout_id``."""
@@ -85,13 +94,26 @@ class PlanCache:
 
     def __init__(self) -> None:
         self._key: tuple | None = None
-        self._plan: Plan | None = None
+        self._plan: ArenaLayout | None = None
 
-    def plan(self, tensors: list[torch.Tensor], names: list[str], budget: int, alignment: int, chunk: int,
-             segment: int) -> Plan:
+    def plan(
+        self,
+        tensors: list[torch.Tensor],
+        names: list[str],
+        budget: int,
+        alignment: int,
+        chunk: int,
+        segment: int,
+    ) -> ArenaLayout:
         """``plan_layout(...)`` of these arguments, as a fresh copy."""
-        key = (budget, alignment, chunk, segment, tuple([t.numel() * t.element_size() for t in tensors]),
-               tuple([t.is_contiguous() for t in tensors]))
+        key = (
+            budget,
+            alignment,
+            chunk,
+            segment,
+            tuple([t.numel() * t.element_size() for t in tensors]),
+            tuple([t.is_contiguous() for t in tensors]),
+        )
         if self._plan is None or key != self._key:
             self._key, self._plan = None, None  # a failed plan_layout leaves nothing cached
             plan = plan_layout(tensors, names, budget, alignment, chunk, segment)
@@ -100,8 +122,14 @@ class PlanCache:
         return self._plan.copy()
 
 
-def plan_layout(tensors: list[torch.Tensor], names: list[str], budget: int, alignment: int, chunk: int,
-                segment: int = 256 << 20) -> Plan:
+def plan_layout(
+    tensors: list[torch.Tensor],
+    names: list[str],
+    budget: int,
+    alignment: int,
+    chunk: int,
+    segment: int = 256 << 20,
+) -> ArenaLayout:
     """Pack tensors into batches (data files): ``segment``-sized ones that all stay resident when
     the state fits ``budget`` (so writing batch b overlaps copying batch b+1), else two slots of
     ``budget / 2`` that the state streams through."""
@@ -111,21 +139,25 @@ def plan_layout(tensors: list[torch.Tensor], names: list[str], budget: int, alig
     for n in sizes:
         packed = align_up(packed, alignment) + n
     if packed + alignment * (packed // segment + 1) <= budget:
-        plan = _pack(Plan(capacity=segment, streaming=False), tensors, names, sizes, alignment, chunk)
+        plan = _pack(
+            ArenaLayout(capacity=segment, streaming=False), tensors, names, sizes, alignment, chunk
+        )
         if plan.arena_bytes <= budget:
             return plan
     capacity = budget // 2 // chunk * chunk
     if capacity < chunk:
         raise CheckpointStateError(
-            f"staging budget {budget} bytes is below two chunks of {chunk} bytes; raise staging_bytes "
-            "(or GPUMEM_STAGING_BYTES)"
+            f"staging budget {budget} bytes is below two chunks of "
+            f"{chunk} bytes; raise staging_bytes (or GPUMEM_STAGING_BYTES)"
         )
-    return _pack(Plan(capacity=capacity, streaming=True), tensors, names, sizes, alignment, chunk)
+    return _pack(
+        ArenaLayout(capacity=capacity, streaming=True), tensors, names, sizes, alignment, chunk
+    )
 
 
-def _pack(plan: Plan, tensors, names, sizes, alignment: int, chunk: int) -> Plan:
+def _pack(plan: ArenaLayout, tensors, names, sizes, alignment: int, chunk: int) -> ArenaLayout:
     batch, used = 0, 0
-    for i, (t, size) in enumerate(zip(tensors, sizes)):
+    for i, (t, size) in enumerate(zip(tensors, sizes, strict=True)):
         src = 0
         while src < size:
             off = align_up(used, alignment)
@@ -138,8 +170,9 @@ def _pack(plan: Plan, tensors, names, sizes, alignment: int, chunk: int) -> Plan
                 n = size
             elif used == 0:
                 raise CheckpointStateError(
-                    f"tensor {names[i]!r} ({size} bytes) is not contiguous and larger than a staging slot "
-                    f"({plan.capacity} bytes); raise staging_bytes or make it contiguous"
+                    f"tensor {names[i]!r} ({size} bytes) is not contiguous and larger than "
+                    f"a staging slot ({plan.capacity} bytes); raise staging_bytes or make it "
+                    "contiguous"
                 )
             else:
                 batch, used = batch + 1, 0
@@ -161,7 +194,7 @@ def _pack(plan: Plan, tensors, names, sizes, alignment: int, chunk: int) -> Plan
     return plan
 
 
-def zero_padding(arena, plan: Plan, b: int) -> None:
+def zero_padding(arena, plan: ArenaLayout, b: int) -> None:
     """Zero the alignment gaps of batch ``b`` in its slot (the format verifies they are zero)."""
     base, end = plan.slot_base(b), 0
     for p in sorted(plan.batch_pieces(b), key=lambda p: p.offset):
@@ -170,8 +203,16 @@ def zero_padding(arena, plan: Plan, b: int) -> None:
         end = p.offset + p.nbytes
 
 
-def copy_pieces(arena, plan: Plan, pieces: list[Piece], tensors: list[torch.Tensor], chunk: int,
-                stream=None, wait_event=None, views: HostViews | None = None) -> object | None:
+def copy_pieces(
+    arena,
+    plan: ArenaLayout,
+    pieces: list[Piece],
+    tensors: list[torch.Tensor],
+    chunk: int,
+    stream=None,
+    wait_event=None,
+    views: HostViews | None = None,
+) -> object | None:
     """Copy ``pieces`` of ``tensors`` (as TensorTable holds them: detached, strided, no lazy
     conjugate/negative bit) into the arena. CPU pieces are copied before returning, contiguous
     ones in one native call (``views`` supplies their byte views); CUDA pieces are enqueued
@@ -193,8 +234,11 @@ def copy_pieces(arena, plan: Plan, pieces: list[Piece], tensors: list[torch.Tens
         if t.is_contiguous():
             if p.index != last:
                 last, flat = p.index, views.get(t)
-            cpu_src.append(flat if p.src_offset == 0 and p.nbytes == flat.shape[0]
-                           else flat[p.src_offset : p.src_offset + p.nbytes])
+            cpu_src.append(
+                flat
+                if p.src_offset == 0 and p.nbytes == flat.shape[0]
+                else flat[p.src_offset : p.src_offset + p.nbytes]
+            )
             cpu_off.append(dst)
         else:  # planned whole (never split): let torch gather the strides into the slot
             arena.view(dst, p.nbytes).view(t.dtype).view(t.shape).copy_(t)
@@ -203,7 +247,7 @@ def copy_pieces(arena, plan: Plan, pieces: list[Piece], tensors: list[torch.Tens
     del staged
     if not cuda:
         return None
-    with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         copying = torch.cuda.current_stream()
         if wait_event is not None:
             copying.wait_event(wait_event)
@@ -220,7 +264,8 @@ def copy_pieces(arena, plan: Plan, pieces: list[Piece], tensors: list[torch.Tens
             if t.is_contiguous() and getattr(t, "device", device) == device:
                 src = as_bytes(t)[p.src_offset : p.src_offset + p.nbytes]
                 hashed.append((p, src, t))
-            else:  # gathered into a temporary on this stream (or on another GPU): hashed here, first
+            else:
+                # gathered into a temporary on this stream (or on another GPU): hashed here, first
                 src = as_bytes(t.contiguous())[p.src_offset : p.src_offset + p.nbytes]
                 p.crc = chunk_crc32c(src, chunk)
             arena.copy_from_device(src, dst)  # split at the arena's pinning chunks (see there)
@@ -229,7 +274,9 @@ def copy_pieces(arena, plan: Plan, pieces: list[Piece], tensors: list[torch.Tens
             crc_stream = _crc_stream(copying)
             crc_stream.wait_event(start)
             with torch.cuda.stream(crc_stream):
-                for p, crc in zip((h[0] for h in hashed), device_crcs([h[1] for h in hashed], chunk)):
+                for p, crc in zip(
+                    (h[0] for h in hashed), device_crcs([h[1] for h in hashed], chunk), strict=True
+                ):
                     p.crc = crc
                 for _, _, t in hashed:
                     t.record_stream(crc_stream)
@@ -256,7 +303,9 @@ def _crc_stream(beside: object) -> object:
     return s
 
 
-def device_crcs(sources: list[torch.Tensor], chunk: int, one_launch: bool | None = None) -> list[torch.Tensor]:
+def device_crcs(
+    sources: list[torch.Tensor], chunk: int, one_launch: bool | None = None
+) -> list[torch.Tensor]:
     """Chunk CRC32Cs of CUDA byte tensors, enqueued on the current stream: one zeroed int32
     buffer for all of them, one kernel launch each (or, with ``one_launch``, one for all the
     word-aligned ones: ``GPUMEM_CRC_ONE_LAUNCH``, off until measured faster on a GPU), one
@@ -279,7 +328,7 @@ def device_crcs(sources: list[torch.Tensor], chunk: int, one_launch: bool | None
             crc32c_into(sources[i], out[starts[i] : starts[i + 1]], chunk)
     host = torch.empty(out.numel(), dtype=torch.int32, pin_memory=True)
     host.copy_(out, non_blocking=True)
-    return [host[a : a + n] for a, n in zip(starts, counts)]
+    return [host[a : a + n] for a, n in zip(starts, counts, strict=False)]
 
 
 class HostViews:
@@ -317,27 +366,25 @@ class _ArrayInterface:
 
 def _raw_bytes(address: int, nbytes: int) -> np.ndarray:
     box = _ArrayInterface()
-    box.__array_interface__ = {"data": (address, True), "shape": (nbytes,), "typestr": "|u1", "version": 3}
+    box.__array_interface__ = {
+        "data": (address, True),
+        "shape": (nbytes,),
+        "typestr": "|u1",
+        "version": 3,
+    }
     return np.asarray(box)
 
 
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-def checksum_cpu_pieces(arena, plan: Plan, pieces: list[Piece], chunk: int) -> None:
+def checksum_cpu_pieces(arena, plan: ArenaLayout, pieces: list[Piece], chunk: int) -> None:
     """CRCs of pieces staged from host tensors, from the staged copy (off the training thread)."""
     for p in pieces:
         if p.crc is None:
             p.crc = chunk_crc32c(arena.view(plan.slot_base(p.batch) + p.offset, p.nbytes), chunk)
 
 
-def tensor_crcs(plan: Plan, count: int) -> list[list[int]]:
-    """Per-tensor chunk CRC lists, concatenated over each tensor's pieces (pieces are chunk aligned)."""
+def tensor_crcs(plan: ArenaLayout, count: int) -> list[list[int]]:
+    """Per-tensor chunk CRC lists, concatenated over each tensor's pieces (pieces are chunk
+    aligned)."""
     out: list[list[int]] = [[] for _ in range(count)]
     for p in plan.pieces:  # host int64 values (native) or int32 bits (device_crcs)
         out[p.index].extend(int(x) & 0xFFFFFFFF for x in p.crc.cpu().tolist())

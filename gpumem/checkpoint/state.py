@@ -59,11 +59,17 @@ class TensorTable:
         """Add ``t`` (captured under ``path``) unless an identical view is in already; its name."""
         dtype = t.dtype
         if dtype not in DTYPE_NAMES:
-            raise CheckpointStateError(f"{path}: dtype {dtype} cannot be stored; convert the tensor first")
+            raise CheckpointStateError(
+                f"{path}: dtype {dtype} cannot be stored; convert the tensor first"
+            )
         if t.layout != torch.strided:
-            raise CheckpointStateError(f"{path}: {t.layout} tensors cannot be stored; call .to_dense() first")
+            raise CheckpointStateError(
+                f"{path}: {t.layout} tensors cannot be stored; call .to_dense() first"
+            )
         t = t.detach()
-        if type(t) is not torch.Tensor:  # a subclass: refuse what has no local dense bytes of its own
+        if (
+            type(t) is not torch.Tensor
+        ):  # a subclass: refuse what has no local dense bytes of its own
             _check_subclass(t, path)
         conj, neg = t.is_conj(), t.is_neg()
         # Same device, first byte, dtype, shape and strides (and lazy bits): the same values.
@@ -93,8 +99,12 @@ class TensorTable:
         """The tensors at ``indices`` (in that order) as a table of their own, for writing only:
         it cannot take more tensors (views already seen are not tracked)."""
         tensors = [self.tensors[i] for i in indices]
-        return TensorTable(names=[self.names[i] for i in indices], tensors=tensors,
-                           deferred=[self.deferred[i] for i in indices], has_cuda=any(t.is_cuda for t in tensors))
+        return TensorTable(
+            names=[self.names[i] for i in indices],
+            tensors=tensors,
+            deferred=[self.deferred[i] for i in indices],
+            has_cuda=any(t.is_cuda for t in tensors),
+        )
 
 
 def _check_subclass(t: torch.Tensor, path: str) -> None:
@@ -102,13 +112,16 @@ def _check_subclass(t: torch.Tensor, path: str) -> None:
     say so, and what to do, instead of failing deep inside the copy."""
     if hasattr(t, "_local_tensor") or type(t).__name__ == "DTensor":
         raise CheckpointStateError(
-            f"{path}: a DTensor (FSDP2 / tensor parallel) cannot be stored: gpumem saves each rank's plain "
-            "tensors and does not reshard. Save torch.distributed.checkpoint state for DTensor models, or pass "
-            "plain tensors (e.g. get_model_state_dict(..., options=StateDictOptions(full_state_dict=True)))")
+            f"{path}: a DTensor (FSDP2 / tensor parallel) cannot be stored: gpumem saves "
+            "each rank's plain tensors and does not reshard. Save "
+            "torch.distributed.checkpoint state for DTensor models, or pass plain tensors "
+            "(e.g. get_model_state_dict(..., options=StateDictOptions(full_state_dict=True)))"
+        )
     if hasattr(t, "__tensor_flatten__"):
         raise CheckpointStateError(
-            f"{path}: a {type(t).__name__} tensor subclass wraps other tensors and cannot be stored as raw bytes; "
-            "convert it to a plain tensor first")
+            f"{path}: a {type(t).__name__} tensor subclass wraps other tensors "
+            "and cannot be stored as raw bytes; convert it to a plain tensor first"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,28 +153,46 @@ def encode(value: Any, path: str, table: TensorTable, deferred: bool = False) ->
     if isinstance(value, list):
         return _encode_items(value, path, table, deferred)
     if isinstance(value, dict):
-        if all(isinstance(k, str) for k in value) and not (len(value) == 1 and next(iter(value)) in _TAGS):
-            return {k: v if type(v) in _PLAIN else encode(v, f"{path}.{k}", table, deferred)
-                    for k, v in value.items()}
-        return {"__dict__": [[_encode_key(k, path), encode(v, f"{path}.{k}", table, deferred)] for k, v in value.items()]}
+        if all(isinstance(k, str) for k in value) and not (
+            len(value) == 1 and next(iter(value)) in _TAGS
+        ):
+            return {
+                k: v if type(v) in _PLAIN else encode(v, f"{path}.{k}", table, deferred)
+                for k, v in value.items()
+            }
+        return {
+            "__dict__": [
+                [_encode_key(k, path), encode(v, f"{path}.{k}", table, deferred)]
+                for k, v in value.items()
+            ]
+        }
     np = _numpy()
     if np is not None and isinstance(value, np.ndarray):
         dtype = value.dtype.str
         if dtype not in _NP_DTYPES:
             raise CheckpointStateError(f"{path}: NumPy dtype {value.dtype} cannot be stored")
         raw = torch.from_numpy(np.ascontiguousarray(value).reshape(-1).view(np.uint8).copy())
-        return {"__ndarray__": {"dtype": dtype, "shape": list(value.shape), "tensor": table.add(raw, path, False)}}
+        return {
+            "__ndarray__": {
+                "dtype": dtype,
+                "shape": list(value.shape),
+                "tensor": table.add(raw, path, False),
+            }
+        }
     if np is not None and isinstance(value, np.generic):
         return encode(value.item(), path, table, deferred)
     raise CheckpointStateError(
-        f"{path}: a {type(value).__name__} cannot be stored in a checkpoint (JSON values, tuples, "
-        "tensors and NumPy arrays can); convert it, or save it with a stateful object's state_dict()"
+        f"{path}: a {type(value).__name__} cannot be stored in a "
+        "checkpoint (JSON values, tuples, tensors and NumPy arrays can); "
+        "convert it, or save it with a stateful object's state_dict()"
     )
 
 
 def _encode_items(values: list | tuple, path: str, table: TensorTable, deferred: bool) -> list:
-    return [v if type(v) in _PLAIN else encode(v, f"{path}.{i}", table, deferred)
-            for i, v in enumerate(values)]
+    return [
+        v if type(v) in _PLAIN else encode(v, f"{path}.{i}", table, deferred)
+        for i, v in enumerate(values)
+    ]
 
 
 def _encode_key(key: Any, path: str) -> Any:
@@ -202,7 +233,9 @@ def _decode_tagged(tag: str, arg: Any, tensors: dict[str, Any], path: str) -> An
     bad = CheckpointCorruptError(f"{path}: malformed {tag} value")
     if tag == "__tensor__":
         if not isinstance(arg, str) or arg not in tensors:
-            raise CheckpointCorruptError(f"{path}: refers to tensor {str(arg)[:80]!r}, which the table lacks")
+            raise CheckpointCorruptError(
+                f"{path}: refers to tensor {str(arg)[:80]!r}, which the table lacks"
+            )
         return tensors[arg]
     if tag == "__tuple__":
         if not isinstance(arg, list):
@@ -231,7 +264,11 @@ def _decode_tagged(tag: str, arg: Any, tensors: dict[str, Any], path: str) -> An
         np = _numpy()
         if not isinstance(arg, dict) or set(arg) != {"dtype", "shape", "tensor"} or np is None:
             raise bad
-        if not isinstance(arg["dtype"], str) or arg["dtype"] not in _NP_DTYPES or not isinstance(arg["shape"], list):
+        if (
+            not isinstance(arg["dtype"], str)
+            or arg["dtype"] not in _NP_DTYPES
+            or not isinstance(arg["shape"], list)
+        ):
             raise bad
         raw = _decode_tagged("__tensor__", arg["tensor"], tensors, path)
         if not isinstance(raw, torch.Tensor):  # structural check only (verify without loading)
@@ -275,14 +312,17 @@ def unwrap_model(model: Any) -> Any:
     while True:
         if isinstance(model, wrappers):
             model = model.module
-        elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+        elif type(model).__name__ == "OptimizedModule" and isinstance(
+            getattr(model, "_orig_mod", None), torch.nn.Module
+        ):
             model = model._orig_mod  # torch.compile(DDP(model)): look through both
         else:
             return model
 
 
 def canonical_key(key: str) -> str:
-    """Model key without torch.compile's ``_orig_mod.`` components, so wrapped and plain models match."""
+    """Model key without torch.compile's ``_orig_mod.`` components, so wrapped and plain models
+    match."""
     return key.replace(_COMPILE_PREFIX, "") if _COMPILE_PREFIX in key else key
 
 
@@ -304,7 +344,9 @@ def capture(
         sd = unwrap_model(model).state_dict(keep_vars=True)
         # parameters are deferred (only the optimizer step mutates them); buffers are copied at once
         tree["model"] = {
-            canonical_key(k): encode(v, f"model.{canonical_key(k)}", table, isinstance(v, torch.nn.Parameter))
+            canonical_key(k): encode(
+                v, f"model.{canonical_key(k)}", table, isinstance(v, torch.nn.Parameter)
+            )
             for k, v in sd.items()
         }
     if optimizer is not None:
@@ -312,7 +354,9 @@ def capture(
     for key, obj in (("scheduler", scheduler), ("scaler", scaler)):
         if obj is not None:
             tree[key] = encode(_state_dict_of(obj, key), key, table)
-    table.replicated_count = len(table.names)  # REPLICATED_KEYS come first; the rank's own state follows
+    table.replicated_count = len(
+        table.names
+    )  # REPLICATED_KEYS come first; the rank's own state follows
     if extra is not None:
         if not isinstance(extra, dict):
             raise CheckpointStateError(f"extra must be a dict, got {type(extra).__name__}")
@@ -329,7 +373,10 @@ def capture(
 
 def _state_dict_of(obj: Any, what: str) -> Any:
     if not callable(getattr(obj, "state_dict", None)):
-        raise CheckpointStateError(f"{what} ({type(obj).__name__}) has no state_dict(); pass objects with state_dict/load_state_dict")
+        raise CheckpointStateError(
+            f"{what} ({type(obj).__name__}) has no state_dict(); "
+            "pass objects with state_dict/load_state_dict"
+        )
     return obj.state_dict()
 
 
@@ -354,7 +401,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
     if saved_cuda and torch.cuda.is_available():
         n = torch.cuda.device_count()
         if n != len(saved_cuda):
-            warnings.warn(f"checkpoint has RNG states for {len(saved_cuda)} CUDA devices, this process sees {n}; restoring the first {min(n, len(saved_cuda))}", stacklevel=3)
+            warnings.warn(
+                f"checkpoint has RNG states for {len(saved_cuda)} CUDA devices, this "
+                f"process sees {n}; restoring the first {min(n, len(saved_cuda))}",
+                stacklevel=3,
+            )
         for i in range(min(n, len(saved_cuda))):
             torch.cuda.set_rng_state(saved_cuda[i], i)
 
@@ -363,13 +414,26 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # restore
 
 
-def check_targets(tree: dict[str, Any], *, model=None, optimizer=None, scheduler=None, scaler=None, stateful=None) -> None:
+def check_targets(
+    tree: dict[str, Any], *, model=None, optimizer=None, scheduler=None, scaler=None, stateful=None
+) -> None:
     """Raise CheckpointStateError if the objects cannot take the saved state; touches nothing."""
     where = f"checkpoint of step {tree.get('step')}"
-    for key, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
+    for key, obj in (
+        ("model", model),
+        ("optimizer", optimizer),
+        ("scheduler", scheduler),
+        ("scaler", scaler),
+    ):
         if obj is not None and key not in tree:
-            raise CheckpointStateError(f"{where} has no {key} state; do not pass {key}= to restore()")
-        if obj is not None and key != "model" and not callable(getattr(obj, "load_state_dict", None)):
+            raise CheckpointStateError(
+                f"{where} has no {key} state; do not pass {key}= to restore()"
+            )
+        if (
+            obj is not None
+            and key != "model"
+            and not callable(getattr(obj, "load_state_dict", None))
+        ):
             raise CheckpointStateError(f"{key} ({type(obj).__name__}) has no load_state_dict()")
     if model is not None:
         saved = tree["model"]
@@ -378,30 +442,51 @@ def check_targets(tree: dict[str, Any], *, model=None, optimizer=None, scheduler
         target = {canonical_key(k): v for k, v in unwrap_model(model).state_dict().items()}
         missing, unexpected = sorted(set(target) - set(saved)), sorted(set(saved) - set(target))
         if missing or unexpected:
-            raise CheckpointStateError(f"{where} does not match the model: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+            raise CheckpointStateError(
+                f"{where} does not match the model: missing keys "
+                f"{missing[:5]}, unexpected keys {unexpected[:5]}"
+            )
         for k, t in target.items():
             s = saved[k]
-            if isinstance(t, torch.Tensor) and (not isinstance(s, torch.Tensor) or tuple(s.shape) != tuple(t.shape)):
-                raise CheckpointStateError(f"{where}: model key {k!r} has shape {tuple(getattr(s, 'shape', ()))}, the model has {tuple(t.shape)}")
+            if isinstance(t, torch.Tensor) and (
+                not isinstance(s, torch.Tensor) or tuple(s.shape) != tuple(t.shape)
+            ):
+                raise CheckpointStateError(
+                    f"{where}: model key {k!r} has shape "
+                    f"{tuple(getattr(s, 'shape', ()))}, the model has {tuple(t.shape)}"
+                )
     if optimizer is not None:
-        groups = tree["optimizer"].get("param_groups") if isinstance(tree["optimizer"], dict) else None
-        if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        groups = (
+            tree["optimizer"].get("param_groups") if isinstance(tree["optimizer"], dict) else None
+        )
+        if not isinstance(groups, list) or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
+        ):
             raise CheckpointCorruptError(f"{where}: optimizer state has no param_groups")
         saved_sizes = [len(g["params"]) for g in groups]
         sizes = [len(g["params"]) for g in optimizer.param_groups]
         if saved_sizes != sizes:
-            raise CheckpointStateError(f"{where}: optimizer param groups have sizes {saved_sizes}, the optimizer has {sizes}")
+            raise CheckpointStateError(
+                f"{where}: optimizer param groups have sizes "
+                f"{saved_sizes}, the optimizer has {sizes}"
+            )
     if "rng" in tree:
         _check_rng(tree["rng"], where)
     for name, obj in (stateful or {}).items():
         if name not in tree.get("stateful", {}):
-            raise CheckpointStateError(f"{where} has no stateful object {name!r} (saved: {sorted(tree.get('stateful', {}))})")
+            raise CheckpointStateError(
+                f"{where} has no stateful object {name!r} (saved: "
+                f"{sorted(tree.get('stateful', {}))})"
+            )
         if not callable(getattr(obj, "load_state_dict", None)):
-            raise CheckpointStateError(f"stateful[{name!r}] ({type(obj).__name__}) has no load_state_dict()")
+            raise CheckpointStateError(
+                f"stateful[{name!r}] ({type(obj).__name__}) has no load_state_dict()"
+            )
 
 
 def _check_rng(state: Any, where: str) -> None:
-    """Load the saved RNG states into throwaway generators, so a bad one fails before anything is touched."""
+    """Load the saved RNG states into throwaway generators, so a bad one fails before anything is
+    touched."""
     try:
         random.Random().setstate(state["python"])
         torch.Generator().set_state(state["torch"])
@@ -409,7 +494,9 @@ def _check_rng(state: Any, where: str) -> None:
         if np is not None and "numpy" in state:
             np.random.RandomState().set_state(state["numpy"])
         cuda = state.get("cuda", [])
-        if not isinstance(cuda, list) or not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda):
+        if not isinstance(cuda, list) or not all(
+            isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda
+        ):
             raise ValueError("CUDA RNG states must be a list of uint8 tensors")
         if cuda and torch.cuda.is_available():
             # torch.cuda.set_rng_state checks the size only when it runs, after the model and
@@ -417,13 +504,24 @@ def _check_rng(state: Any, where: str) -> None:
             for i, t in enumerate(cuda[: torch.cuda.device_count()]):
                 want = torch.cuda.get_rng_state(i).numel()
                 if t.numel() != want:
-                    raise ValueError(f"CUDA RNG state {i} has {t.numel()} bytes, this torch's has {want}")
+                    raise ValueError(
+                        f"CUDA RNG state {i} has {t.numel()} bytes, this torch's has {want}"
+                    )
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         raise CheckpointCorruptError(f"{where}: saved RNG state is invalid: {exc}") from None
 
 
-def apply(tree: dict[str, Any], *, model=None, optimizer=None, scheduler=None, scaler=None,
-          stateful=None, extra=None, rng: bool = True) -> None:
+def apply(
+    tree: dict[str, Any],
+    *,
+    model=None,
+    optimizer=None,
+    scheduler=None,
+    scaler=None,
+    stateful=None,
+    extra=None,
+    rng: bool = True,
+) -> None:
     """Load a decoded, verified and checked tree into the objects (RNG last, so nothing after it
     consumes random numbers before training continues)."""
     if model is not None:

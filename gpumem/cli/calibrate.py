@@ -25,16 +25,39 @@ def register(sub: argparse._SubParsersAction) -> None:
         "afterwards), fit seconds = a + b*bytes per quantity, measure the CUDA context and pinned "
         "copy bandwidth with --device cuda, and write the results for `gpumem plan --calibration` "
         "and `gpumem estimate --calibration`. Run it on the machine and the storage the job uses.",
-    )  # fmt: skip
-    p.add_argument("--dir", default=".", help="where the job's checkpoints will live (default: current directory)")
-    p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"state sizes, comma-separated (default {DEFAULT_SIZES})")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                   help="where the saved tensors live (default: cuda when available, else cpu)")
-    p.add_argument("--repeat", type=int, default=5, help="measured rounds per size; medians are fitted (default 5)")
-    p.add_argument("--report", metavar="PROFILE_JSON", default=None,
-                   help="a CUDA profile of your training step (gpumem profile --json FILE, or rep.to_json): "
-                   "adds its fragmentation and memory outside the allocator")  # fmt: skip
-    p.add_argument("--out", default="calibration.json", help="file to write (default: calibration.json here)")
+    )
+    p.add_argument(
+        "--dir",
+        default=".",
+        help="where the job's checkpoints will live (default: current directory)",
+    )
+    p.add_argument(
+        "--sizes",
+        default=DEFAULT_SIZES,
+        help=f"state sizes, comma-separated (default {DEFAULT_SIZES})",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="where the saved tensors live (default: cuda when available, else cpu)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=5,
+        help="measured rounds per size; medians are fitted (default 5)",
+    )
+    p.add_argument(
+        "--report",
+        metavar="PROFILE_JSON",
+        default=None,
+        help="a CUDA profile of your training step (gpumem profile --json FILE, or rep.to_json): "
+        "adds its fragmentation and memory outside the allocator",
+    )
+    p.add_argument(
+        "--out", default="calibration.json", help="file to write (default: calibration.json here)"
+    )
     p.add_argument("--json", action="store_true", help="print the file's JSON instead of the table")
     p.set_defaults(func=run)
 
@@ -46,9 +69,14 @@ def run(args: argparse.Namespace) -> int:
     sizes = [parse_bytes(s) for s in args.sizes.split(",") if s.strip()]
     out = Path(args.out)
     if not out.parent.is_dir():
-        raise ValueError(f"--out {args.out}: directory {out.parent} does not exist; create it or write elsewhere")
+        raise ValueError(
+            f"--out {args.out}: directory {out.parent} does not exist; create it or write elsewhere"
+        )
     if not Path(args.dir).is_dir():
-        raise ValueError(f"--dir {args.dir} is not a directory: pass the existing directory the checkpoints go to")
+        raise ValueError(
+            f"--dir {args.dir} is not a directory: pass "
+            "the existing directory the checkpoints go to"
+        )
     device = args.device
     if device == "auto":
         import torch
@@ -100,12 +128,17 @@ def reserve_lines(args: argparse.Namespace, cal: Any, gpu: Any) -> list[str]:
     ctx, source = cal.context_bytes()
     ctx_src = f"measured: {source}" if ctx is not None else "default"
     frag_src = "measured: profile report" if cal.report else "default"
-    parts = (f"context {format_bytes(gpu.context_bytes)} ({ctx_src})",
-             f"fragmentation {gpu.fragmentation:.2%} ({frag_src})", f"NCCL {format_bytes(gpu.nccl_bytes)} (default)")
+    parts = (
+        f"context {format_bytes(gpu.context_bytes)} ({ctx_src})",
+        f"fragmentation {gpu.fragmentation:.2%} ({frag_src})",
+        f"NCCL {format_bytes(gpu.nccl_bytes)} (default)",
+    )
     return [f"GPU reserve of {gpu.name} from {_origin(cal, args.calibration)}: " + ", ".join(parts)]
 
 
-def resolve_checkpoint_times(args: argparse.Namespace, cal: Any, bill: Any) -> tuple[dict | None, list[str]]:
+def resolve_checkpoint_times(
+    args: argparse.Namespace, cal: Any, bill: Any
+) -> tuple[dict | None, list[str]]:
     """Settle the stall C, persist P and restart R the economics use, in place on ``args``.
 
     Explicit ``--stall-s`` / ``--persist-s`` / ``--restart-s`` win; else, with a calibration and a
@@ -117,37 +150,60 @@ def resolve_checkpoint_times(args: argparse.Namespace, cal: Any, bill: Any) -> t
     given = {k: getattr(args, k) for k in ("stall_s", "persist_s", "restart_s")}
     startup = getattr(args, "startup_s", None)
     if cal is None and startup is not None:
-        raise ValueError("--startup-s adds to the restore time a calibration measured: give --calibration FILE, "
-                         "or --restart-s for the whole restart time")  # fmt: skip
-    values = {"stall_s": (DEFAULT_STALL_S, "default guess"), "persist_s": (DEFAULT_PERSIST_S, "default guess"),
-              "restart_s": (DEFAULT_RESTART_S, "default guess")}  # fmt: skip
+        raise ValueError(
+            "--startup-s adds to the restore time a calibration measured: give --calibration FILE, "
+            "or --restart-s for the whole restart time"
+        )
+    values = {
+        "stall_s": (DEFAULT_STALL_S, "default guess"),
+        "persist_s": (DEFAULT_PERSIST_S, "default guess"),
+        "restart_s": (DEFAULT_RESTART_S, "default guess"),
+    }
     record: dict[str, Any] | None = None
     lines: list[str] = []
     if cal is not None:
-        record = {"file": str(args.calibration), "created_utc": cal.created_utc, "host": cal.machine.host}
+        record = {
+            "file": str(args.calibration),
+            "created_utc": cal.created_utc,
+            "host": cal.machine.host,
+        }
         if cal.checkpoint is None:
-            lines.append(f"checkpoint times: {args.calibration} holds no checkpoint measurement; defaults used")
+            lines.append(
+                f"checkpoint times: {args.calibration} holds "
+                "no checkpoint measurement; defaults used"
+            )
         elif bill is None:
-            lines.append("checkpoint times: nothing fits, so no checkpoint size to predict; defaults used")
+            lines.append(
+                "checkpoint times: nothing fits, so no checkpoint size to predict; defaults used"
+            )
         else:
             nbytes = int(bill.model_states["weights"] + bill.model_states["optimizer"])
             stall, persist, restore = cal.checkpoint_times(nbytes)
             start = DEFAULT_STARTUP_S if startup is None else startup
             start_src = "--startup-s" if startup is not None else "default guess; set --startup-s"
             restart_src = f"measured restore {restore:.3g} s + startup {start:g} s ({start_src})"
-            values = {"stall_s": (stall, "measured: overlap save, worst case"),
-                      "persist_s": (persist, "measured: time to durable"),
-                      "restart_s": (restore + start, restart_src)}  # fmt: skip
+            values = {
+                "stall_s": (stall, "measured: overlap save, worst case"),
+                "persist_s": (persist, "measured: time to durable"),
+                "restart_s": (restore + start, restart_src),
+            }
             fit = cal.checkpoint.fits["durable_s"]
-            record.update(checkpoint_bytes=nbytes, restore_s=restore, startup_s=start,
-                          extrapolated=fit.extrapolates(nbytes), directory=cal.checkpoint.directory,
-                          checkpoint_device=cal.checkpoint.device)  # fmt: skip
+            record.update(
+                checkpoint_bytes=nbytes,
+                restore_s=restore,
+                startup_s=start,
+                extrapolated=fit.extrapolates(nbytes),
+                directory=cal.checkpoint.directory,
+                checkpoint_device=cal.checkpoint.device,
+            )
             lines.append(_size_line(nbytes, cal, args.calibration, fit))
     guessed = [k for k, v in given.items() if v is None]
     if cal is None and guessed:
         names = ", ".join(f"--{k.replace('_', '-')} {values[k][0]:g}" for k in guessed)
-        lines.append(f"checkpoint times are guesses ({names}): measure them on the job's storage with "
-                     "`gpumem calibrate --dir CKPT_DIR` and pass --calibration FILE")
+        lines.append(
+            f"checkpoint times are guesses ({names}): measure them on the job's storage with "
+            "`gpumem calibrate --dir CKPT_DIR` and pass --calibration FILE"
+        )
     for key, value in given.items():
         if value is not None:
             values[key] = (value, f"--{key.replace('_', '-')}")
@@ -156,7 +212,10 @@ def resolve_checkpoint_times(args: argparse.Namespace, cal: Any, bill: Any) -> t
         for key, (value, source) in values.items():
             record[key] = {"value": value, "source": source}
         names = {"stall_s": "stall C", "persist_s": "persist P", "restart_s": "restart R"}
-        lines += [f"  {names[key]:<11}{value:>10.3f} s  {source}" for key, (value, source) in values.items()]
+        lines += [
+            f"  {names[key]:<11}{value:>10.3f} s  {source}"
+            for key, (value, source) in values.items()
+        ]
     return record, lines
 
 
@@ -165,13 +224,19 @@ def _size_line(nbytes: int, cal: Any, path: str, fit: Any) -> str:
 
     c = cal.checkpoint
     where = f"{c.directory} ({c.filesystem or 'file system unknown'}), tensors on {c.device}"
-    line = (f"checkpoint times for {format_bytes(nbytes)} per GPU (weights + optimizer state of the best "
-            f"layout), from {_origin(cal, path)}, {where}")  # fmt: skip
+    line = (
+        f"checkpoint times for {format_bytes(nbytes)} per GPU (weights + "
+        f"optimizer state of the best layout), from {_origin(cal, path)}, {where}"
+    )
     if fit.extrapolates(nbytes):
-        line += (f"; extrapolated beyond the sizes measured ({format_bytes(fit.min_bytes)} to "
-                 f"{format_bytes(fit.max_bytes)}): calibrate nearer this size for a firmer number")  # fmt: skip
+        line += (
+            f"; extrapolated beyond the sizes measured ({format_bytes(fit.min_bytes)} to "
+            f"{format_bytes(fit.max_bytes)}): calibrate nearer this size for a firmer number"
+        )
     bounded = [k for k, f in cal.checkpoint.fits.items() if f.bounded_above(nbytes)]
     if bounded:
-        line += (f"; {', '.join(bounded)}: no growth with size was measured, so the largest size's time is "
-                 "scaled in proportion (an upper bound)")  # fmt: skip
+        line += (
+            f"; {', '.join(bounded)}: no growth with size was measured, so "
+            "the largest size's time is scaled in proportion (an upper bound)"
+        )
     return line

@@ -12,18 +12,31 @@ from gpumem.units import format_bytes
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("ckpt", help="list, verify and inspect checkpoints",
-                       description="List, verify and inspect checkpoints written by gpumem.Checkpointer.")
+    p = sub.add_parser(
+        "ckpt",
+        help="list, verify and inspect checkpoints",
+        description="List, verify and inspect checkpoints written by gpumem.Checkpointer.",
+    )
     cmds = p.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
-    ls = cmds.add_parser("ls", help="list the checkpoints of a directory (manifests checked, data not read)")
+    ls = cmds.add_parser(
+        "ls", help="list the checkpoints of a directory (manifests checked, data not read)"
+    )
     ls.add_argument("dir", help="checkpoint directory (holds step-<N>/ and latest)")
     ls.add_argument("--json", action="store_true", help="print JSON")
-    ver = cmds.add_parser("verify", help="check every byte of a checkpoint (or of all in a directory)")
-    ver.add_argument("path", help="a step-<N> directory, or a checkpoint directory to verify them all")
-    ins = cmds.add_parser("inspect", help="show tensors, sizes, step, versions and saved state of a checkpoint")
+    ver = cmds.add_parser(
+        "verify", help="check every byte of a checkpoint (or of all in a directory)"
+    )
+    ver.add_argument(
+        "path", help="a step-<N> directory, or a checkpoint directory to verify them all"
+    )
+    ins = cmds.add_parser(
+        "inspect", help="show tensors, sizes, step, versions and saved state of a checkpoint"
+    )
     ins.add_argument("path", help="a step-<N> directory, or a checkpoint directory (its newest)")
     ins.add_argument("--json", action="store_true", help="print JSON")
-    ins.add_argument("--limit", type=int, default=50, help="tensors listed per rank (default 50; 0 = all)")
+    ins.add_argument(
+        "--limit", type=int, default=50, help="tensors listed per rank (default 50; 0 = all)"
+    )
     p.set_defaults(func=run)
 
 
@@ -53,10 +66,17 @@ def _ls(args: argparse.Namespace) -> int:
     rows = []
     for step, path in sorted(step_dirs(root)):
         info = infos.get(step)
-        rows.append({"step": step, "path": str(path), "ok": info is not None,
-                     "nbytes": info.nbytes if info else None, "created": info.created if info else None,
-                     "world_size": info.world_size if info else None,
-                     "latest": bool(ptr and ptr["path"] == path.name)})
+        rows.append(
+            {
+                "step": step,
+                "path": str(path),
+                "ok": info is not None,
+                "nbytes": info.nbytes if info else None,
+                "created": info.created if info else None,
+                "world_size": info.world_size if info else None,
+                "latest": bool(ptr and ptr["path"] == path.name),
+            }
+        )
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -65,14 +85,25 @@ def _ls(args: argparse.Namespace) -> int:
         return 0
     print(f"{'step':>10}  {'size':>10}  {'ranks':>5}  {'created (UTC)':<19}  name")
     for r in rows:
-        created = dt.datetime.fromtimestamp(r["created"], dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if r["ok"] else "-"
+        created = (
+            dt.datetime.fromtimestamp(r["created"], dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+            if r["ok"]
+            else "-"
+        )
         size = format_bytes(r["nbytes"]) if r["ok"] else "DAMAGED MANIFEST"
         mark = "  <- latest" if r["latest"] else ""
-        print(f"{r['step']:>10}  {size:>10}  {r['world_size'] or '-':>5}  {created:<19}  {Path(r['path']).name}{mark}")
+        print(
+            f"{r['step']:>10}  {size:>10}  {r['world_size'] or '-':>5} "
+            f" {created:<19}  {Path(r['path']).name}{mark}"
+        )
     aside = sorted((root / ABANDONED).glob("*/step-*"))
     if aside:
-        print(f"\n{len(aside)} checkpoint(s) of abandoned branches in {root / ABANDONED} (set aside when training "
-              "went back; not restored, not counted by keep): delete them when no longer needed")
+        print(
+            "\n"
+            f"{len(aside)} checkpoint(s) of abandoned branches in "
+            f"{root / ABANDONED} (set aside when training went back; not "
+            "restored, not counted by keep): delete them when no longer needed"
+        )
     return 0
 
 
@@ -95,7 +126,10 @@ def _verify(args: argparse.Namespace) -> int:
         try:
             info = verify(p)
             kind = ", replicated state written once" if info.replicated else ""
-            print(f"OK       {p.name}: step {info.step}, {format_bytes(info.nbytes)}, {info.world_size} rank(s){kind}")
+            print(
+                f"OK       {p.name}: step {info.step}, "
+                f"{format_bytes(info.nbytes)}, {info.world_size} rank(s){kind}"
+            )
         except CheckpointCorruptError as exc:
             bad += 1
             print(f"CORRUPT  {p.name}: {exc}")
@@ -113,38 +147,72 @@ def _inspect(args: argparse.Namespace) -> int:
         body, crc = read_manifest(path / ref.file)
         shard = parse_shard(body, str(path / ref.file), crc)
         state = shard.state if isinstance(shard.state, dict) else {}
-        owned = [t for t in shard.tensors if t.name in shard.owners]  # replicated tensors this shard holds
-        ranks.append({
-            "rank": ref.rank, "tensors": len(shard.tensors), "nbytes": ref.nbytes, "files": shard.files,
-            "replicated_tensors": len(owned), "replicated_nbytes": sum(t.nbytes for t in owned),
-            "chunk_bytes": shard.chunk_bytes, "sections": sorted(state),
-            "extra": state.get("extra"),
-            "tensor_list": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes}
-                            for t in shard.tensors[: args.limit or None]],
-        })
-    out = {"path": str(path), "step": info.step, "world_size": info.world_size, "nbytes": info.nbytes,
-           "created": info.created, "manifest_crc32c": f"{info.manifest_crc32c:08x}", "versions": info.versions,
-           "replicated": info.replicated, "ranks": ranks}
+        owned = [
+            t for t in shard.tensors if t.name in shard.owners
+        ]  # replicated tensors this shard holds
+        ranks.append(
+            {
+                "rank": ref.rank,
+                "tensors": len(shard.tensors),
+                "nbytes": ref.nbytes,
+                "files": shard.files,
+                "replicated_tensors": len(owned),
+                "replicated_nbytes": sum(t.nbytes for t in owned),
+                "chunk_bytes": shard.chunk_bytes,
+                "sections": sorted(state),
+                "extra": state.get("extra"),
+                "tensor_list": [
+                    {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes}
+                    for t in shard.tensors[: args.limit or None]
+                ],
+            }
+        )
+    out = {
+        "path": str(path),
+        "step": info.step,
+        "world_size": info.world_size,
+        "nbytes": info.nbytes,
+        "created": info.created,
+        "manifest_crc32c": f"{info.manifest_crc32c:08x}",
+        "versions": info.versions,
+        "replicated": info.replicated,
+        "ranks": ranks,
+    }
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    created = dt.datetime.fromtimestamp(info.created, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-    print(f"{path}\n  step {info.step}, {format_bytes(info.nbytes)} of tensors, {info.world_size} rank(s), "
-          f"created {created}, manifest crc32c {out['manifest_crc32c']}")
+    created = dt.datetime.fromtimestamp(info.created, dt.timezone.utc).strftime(
+        "%Y-%m-%d %H:%M:%S UTC"
+    )
+    print(
+        f"{path}\n"
+        f"  step {info.step}, {format_bytes(info.nbytes)} of tensors, {info.world_size} "
+        f"rank(s), created {created}, manifest crc32c {out['manifest_crc32c']}"
+    )
     print("  versions: " + ", ".join(f"{k} {v}" for k, v in info.versions.items()))
     if info.replicated:
-        print(f"  replicated: model/optimizer/scheduler/scaler tensors written once "
-              f"({sum(r['replicated_tensors'] for r in ranks)} tensors, "
-              f"{format_bytes(sum(r['replicated_nbytes'] for r in ranks))}), spread over the ranks")
+        print(
+            f"  replicated: model/optimizer/scheduler/scaler tensors written once "
+            f"({sum(r['replicated_tensors'] for r in ranks)} tensors, "
+            f"{format_bytes(sum(r['replicated_nbytes'] for r in ranks))}), spread over the ranks"
+        )
     for r in ranks:
-        held = (f" ({r['replicated_tensors']} replicated, {format_bytes(r['replicated_nbytes'])})"
-                if info.replicated else "")
-        print(f"  rank {r['rank']}: {r['tensors']} tensors{held}, {format_bytes(r['nbytes'])} in {len(r['files'])} "
-              f"file(s); state: {', '.join(r['sections'])}")
+        held = (
+            f" ({r['replicated_tensors']} replicated, {format_bytes(r['replicated_nbytes'])})"
+            if info.replicated
+            else ""
+        )
+        print(
+            f"  rank {r['rank']}: {r['tensors']} tensors{held}, {format_bytes(r['nbytes'])} "
+            f"in {len(r['files'])} file(s); state: {', '.join(r['sections'])}"
+        )
         if r["extra"] is not None:
             print(f"    extra: {json.dumps(r['extra'])[:200]}")
         for t in r["tensor_list"]:
-            print(f"    {t['name']:<48} {t['dtype']:<9} {tuple(t['shape'])!s:<18} {format_bytes(t['nbytes']):>10}")
+            print(
+                f"    {t['name']:<48} {t['dtype']:<9} "
+                f"{tuple(t['shape'])!s:<18} {format_bytes(t['nbytes']):>10}"
+            )
         if args.limit and r["tensors"] > args.limit:
             print(f"    ... {r['tensors'] - args.limit} more (--limit 0 lists all)")
     return 0

@@ -25,6 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from gpumem.doctor import run_doctor
 
-    report = run_doctor(measure=not args.no_measure, nbytes=parse_bytes(args.size), directory=args.dir)
+    report = run_doctor(
+        measure=not args.no_measure, nbytes=parse_bytes(args.size), directory=args.dir
+    )
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.text())
     return 0

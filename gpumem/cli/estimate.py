@@ -8,20 +8,45 @@ import json
 
 def add_job_arguments(p: argparse.ArgumentParser) -> None:
     """Model, precision, optimizer and GPU flags shared by `estimate` and `plan`."""
-    p.add_argument("model", help="preset name (case-insensitive), config.json, or a directory holding one")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: model context)")
-    p.add_argument("--precision", default="bf16-mixed",
-                   help="fp32, bf16-mixed, fp16-mixed, bf16-autocast, bf16 (default bf16-mixed)")
-    p.add_argument("--optimizer", default="adamw",
-                   help="sgd, sgd-momentum, adam, adamw, adafactor, adam8bit (default adamw)")
-    p.add_argument("--grads", default="compute", choices=("compute", "fp32", "compute+fp32"),
-                   help="gradient storage: compute dtype (ZeRO paper), fp32 (Megatron), both (DeepSpeed)")
+    p.add_argument(
+        "model", help="preset name (case-insensitive), config.json, or a directory holding one"
+    )
+    p.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per sample (default: model context)"
+    )
+    p.add_argument(
+        "--precision",
+        default="bf16-mixed",
+        help="fp32, bf16-mixed, fp16-mixed, bf16-autocast, bf16 (default bf16-mixed)",
+    )
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        help="sgd, sgd-momentum, adam, adamw, adafactor, adam8bit (default adamw)",
+    )
+    p.add_argument(
+        "--grads",
+        default="compute",
+        choices=("compute", "fp32", "compute+fp32"),
+        help="gradient storage: compute dtype (ZeRO paper), fp32 (Megatron), both (DeepSpeed)",
+    )
     p.add_argument("--gpu", default="H100-80GB", help="catalog GPU (default H100-80GB)")
-    p.add_argument("--gpu-memory", default=None, help="memory of a GPU not in the catalog, e.g. 80GiB")
+    p.add_argument(
+        "--gpu-memory", default=None, help="memory of a GPU not in the catalog, e.g. 80GiB"
+    )
     p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank only")
-    p.add_argument("--qlora", action="store_true", help="4-bit (NF4) frozen base; needs --lora-rank")
-    p.add_argument("--calibration", metavar="FILE", default=None,
-                   help="calibration.json from `gpumem calibrate`: measured GPU reserve (plan: checkpoint times)")
+    p.add_argument(
+        "--qlora", action="store_true", help="4-bit (NF4) frozen base; needs --lora-rank"
+    )
+    p.add_argument(
+        "--calibration",
+        metavar="FILE",
+        default=None,
+        help=(
+            "calibration.json from `gpumem calibrate`: "
+            "measured GPU reserve (plan: checkpoint times)"
+        ),
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="estimate the per-GPU memory of a training job and whether it fits",
         description="Estimate the per-GPU memory bill (weights, gradients, optimizer, "
         "activations, temporary, overhead) of training MODEL, on the most loaded GPU.",
-    )  # fmt: skip
+    )
     add_job_arguments(p)
     p.add_argument("--batch-size", type=int, default=1, help="micro-batch per GPU (default 1)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
@@ -45,7 +70,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention", default="sdpa", help="sdpa, flash, efficient, eager")
     p.add_argument("--activation-model", default="ops", choices=("ops", "korthikanti"))
     p.add_argument("--offload-optimizer", action="store_true", help="optimizer state in CPU memory")
-    p.add_argument("--inference", action="store_true", help="weights + KV cache instead of training")
+    p.add_argument(
+        "--inference", action="store_true", help="weights + KV cache instead of training"
+    )
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the bill as JSON")
     out.add_argument("--markdown", action="store_true", help="print the bill as a Markdown table")
@@ -64,7 +91,9 @@ def layout_from_args(args: argparse.Namespace):
     dp = args.dp or args.gpus // (tp * pp)
     if dp * tp * pp != args.gpus:
         raise ValueError(f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp}, but --gpus is {args.gpus}")
-    return Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=args.zero, fsdp=args.fsdp, sp=args.sp, vpp=args.vpp)
+    return Layout(
+        dp=dp, tp=tp, pp=pp, ep=ep, zero=args.zero, fsdp=args.fsdp, sp=args.sp, vpp=args.vpp
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,20 +106,36 @@ def run(args: argparse.Namespace) -> int:
     if args.inference:
         from gpumem.estimator.inference import estimate_inference
 
-        bill = estimate_inference(args.model, batch_size=args.batch_size, context=args.seq_len,
-                                  gpu=gpu, gpu_memory=args.gpu_memory, tp=args.tp or 1)  # fmt: skip
+        bill = estimate_inference(
+            args.model,
+            batch_size=args.batch_size,
+            context=args.seq_len,
+            gpu=gpu,
+            gpu_memory=args.gpu_memory,
+            tp=args.tp or 1,
+        )
         print(json.dumps(bill.to_dict(), indent=2) if args.json else bill.table())
         return 0
     from gpumem.estimator import estimate
 
     bill = estimate(
-        args.model, batch_size=args.batch_size, seq_len=args.seq_len, precision=args.precision,
-        optimizer=args.optimizer, grads=args.grads, gpu=gpu, gpu_memory=args.gpu_memory,
-        layout=layout_from_args(args), recompute=args.recompute, grad_accum=args.grad_accum,
-        attention=args.attention, activation_model=args.activation_model,
-        offload_optimizer=args.offload_optimizer, lora_rank=args.lora_rank,
+        args.model,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        grads=args.grads,
+        gpu=gpu,
+        gpu_memory=args.gpu_memory,
+        layout=layout_from_args(args),
+        recompute=args.recompute,
+        grad_accum=args.grad_accum,
+        attention=args.attention,
+        activation_model=args.activation_model,
+        offload_optimizer=args.offload_optimizer,
+        lora_rank=args.lora_rank,
         base_quant="nf4" if args.qlora else None,
-    )  # fmt: skip
+    )
     if args.json:
         print(bill.to_json())
     else:

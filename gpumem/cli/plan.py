@@ -15,7 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Search dp x tp x pp (x ep) x ZeRO x micro-batch x recompute for MODEL on "
         "--gpus GPUs, list the layouts that fit ranked by a throughput proxy, and optionally "
         "the checkpoint economics and a Slurm/Kubernetes job header.",
-    )  # fmt: skip
+    )
     add_job_arguments(p)
     p.add_argument("--gpus", type=int, default=8, help="number of GPUs (default 8)")
     p.add_argument("--min-gpus", action="store_true", help="find the smallest GPU count that fits")
@@ -24,29 +24,58 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--inference", action="store_true", help="largest batch x context for serving")
     econ = p.add_argument_group("preemption economics")
     rate = econ.add_mutually_exclusive_group()
-    rate.add_argument("--mtbf-hours", type=float, default=None, help="mean time between preemptions")
+    rate.add_argument(
+        "--mtbf-hours", type=float, default=None, help="mean time between preemptions"
+    )
     rate.add_argument("--preemption-rate", type=float, default=None, help="preemptions per hour")
     econ.add_argument("--price-per-gpu-hour", type=float, default=3.0, help="dollars (default 3)")
-    econ.add_argument("--stall-s", type=float, default=None,
-                      help="training stall per checkpoint (s; default: measured with --calibration, else 1)")
-    econ.add_argument("--persist-s", type=float, default=None,
-                      help="time to persist a checkpoint (s; default: measured with --calibration, else 60)")
-    econ.add_argument("--restart-s", type=float, default=None,
-                      help="restart + reload time (s; default: measured restore + --startup-s, else 300)")
-    econ.add_argument("--startup-s", type=float, default=None,
-                      help="with --calibration: restart time besides the measured restore (default 300)")
+    econ.add_argument(
+        "--stall-s",
+        type=float,
+        default=None,
+        help="training stall per checkpoint (s; default: measured with --calibration, else 1)",
+    )
+    econ.add_argument(
+        "--persist-s",
+        type=float,
+        default=None,
+        help="time to persist a checkpoint (s; default: measured with --calibration, else 60)",
+    )
+    econ.add_argument(
+        "--restart-s",
+        type=float,
+        default=None,
+        help="restart + reload time (s; default: measured restore + --startup-s, else 300)",
+    )
+    econ.add_argument(
+        "--startup-s",
+        type=float,
+        default=None,
+        help="with --calibration: restart time besides the measured restore (default 300)",
+    )
     econ.add_argument("--run-hours", type=float, default=24.0, help="length of the run (hours)")
-    econ.add_argument("--preempted-at-hours", type=float, default=None,
-                      help="realised loss of a preemption at this hour of the run")  # fmt: skip
+    econ.add_argument(
+        "--preempted-at-hours",
+        type=float,
+        default=None,
+        help="realised loss of a preemption at this hour of the run",
+    )
     sched = p.add_mutually_exclusive_group()
-    sched.add_argument("--slurm", action="store_true", help="print an sbatch header for the best layout")
+    sched.add_argument(
+        "--slurm", action="store_true", help="print an sbatch header for the best layout"
+    )
     sched.add_argument("--k8s", action="store_true", help="print a Kubernetes Job (Kueue) for it")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpumem.cli.calibrate import calibrated_gpu, load_calibration, reserve_lines, resolve_checkpoint_times
+    from gpumem.cli.calibrate import (
+        calibrated_gpu,
+        load_calibration,
+        reserve_lines,
+        resolve_checkpoint_times,
+    )
 
     cal = load_calibration(args)
     gpu = calibrated_gpu(args, cal)
@@ -54,34 +83,59 @@ def run(args: argparse.Namespace) -> int:
         return _inference(args, gpu)
     from gpumem.planner import economics, k8s_job, min_gpus, plan, realised_loss, sbatch_header
 
-    kw = dict(gpu=gpu, gpu_memory=args.gpu_memory, seq_len=args.seq_len,
-              global_batch=args.global_batch, precision=args.precision, optimizer=args.optimizer,
-              grads=args.grads, lora_rank=args.lora_rank, base_quant="nf4" if args.qlora else None)  # fmt: skip
+    kw = {
+        "gpu": gpu,
+        "gpu_memory": args.gpu_memory,
+        "seq_len": args.seq_len,
+        "global_batch": args.global_batch,
+        "precision": args.precision,
+        "optimizer": args.optimizer,
+        "grads": args.grads,
+        "lora_rank": args.lora_rank,
+        "base_quant": "nf4" if args.qlora else None,
+    }
     if args.min_gpus:
         result = min_gpus(args.model, **kw)
     else:
         result = plan(args.model, n_gpus=args.gpus, **kw)
-    out: dict = {"n_gpus": result.n_gpus, "n_configs": result.n_configs,
-                 "fitting": [dict(layout=c.describe(), peak_bytes=c.total_bytes, step_s=c.step_seconds)
-                             for c in result.candidates[: args.top]]}  # fmt: skip
+    out: dict = {
+        "n_gpus": result.n_gpus,
+        "n_configs": result.n_configs,
+        "fitting": [
+            {"layout": c.describe(), "peak_bytes": c.total_bytes, "step_s": c.step_seconds}
+            for c in result.candidates[: args.top]
+        ],
+    }
     text = [result.table(args.top)]
     bill = None
     if result.best is not None:
         bill = result.bill()
         out["bill"] = bill.to_dict()
         text += ["", "best layout:", bill.table()]
-    record, lines = resolve_checkpoint_times(args, cal, bill)  # sets args.stall_s / persist_s / restart_s
-    priced = args.mtbf_hours is not None or args.preemption_rate is not None or args.preempted_at_hours is not None
+    record, lines = resolve_checkpoint_times(
+        args, cal, bill
+    )  # sets args.stall_s / persist_s / restart_s
+    priced = (
+        args.mtbf_hours is not None
+        or args.preemption_rate is not None
+        or args.preempted_at_hours is not None
+    )
     if record is not None:
         out["calibration"] = record
         text += ["", *reserve_lines(args, cal, gpu), *lines]
     elif lines and priced:  # say that C, P and R were guessed, and how to measure them
         text += ["", *lines]
     if args.mtbf_hours is not None or args.preemption_rate is not None:
-        e = economics(n_gpus=result.n_gpus, price_per_gpu_hour=args.price_per_gpu_hour,
-                      mtbf_hours=args.mtbf_hours, preemption_rate=args.preemption_rate,
-                      stall_s=args.stall_s, persist_s=args.persist_s, restart_s=args.restart_s,
-                      run_hours=args.run_hours)  # fmt: skip
+        e = economics(
+            n_gpus=result.n_gpus,
+            price_per_gpu_hour=args.price_per_gpu_hour,
+            mtbf_hours=args.mtbf_hours,
+            preemption_rate=args.preemption_rate,
+            stall_s=args.stall_s,
+            persist_s=args.persist_s,
+            restart_s=args.restart_s,
+            run_hours=args.run_hours,
+        )
         out["economics"] = e.to_dict()
         text += ["", e.table()]
     if args.preempted_at_hours is not None:
@@ -89,11 +143,21 @@ def run(args: argparse.Namespace) -> int:
     if args.slurm or args.k8s:
         layout = result.best.describe() if result.best else "none fits"
         per_node = result.gpu.gpus_per_node
-        script = (sbatch_header(n_gpus=result.n_gpus, gpus_per_node=per_node, layout=layout,
-                                signal_s=max(60, int(args.persist_s * 2)))
-                  if args.slurm else
-                  k8s_job(n_gpus=result.n_gpus, gpus_per_node=per_node, layout=layout,
-                          grace_s=max(60, int(args.persist_s * 2))))  # fmt: skip
+        script = (
+            sbatch_header(
+                n_gpus=result.n_gpus,
+                gpus_per_node=per_node,
+                layout=layout,
+                signal_s=max(60, int(args.persist_s * 2)),
+            )
+            if args.slurm
+            else k8s_job(
+                n_gpus=result.n_gpus,
+                gpus_per_node=per_node,
+                layout=layout,
+                grace_s=max(60, int(args.persist_s * 2)),
+            )
+        )
         out["script"] = script
         text += ["", script]
     print(json.dumps(out, indent=2) if args.json else "\n".join(text))
@@ -116,11 +180,18 @@ def _realised(args: argparse.Namespace, n_gpus: int, text: list[str], realised_l
     price = args.price_per_gpu_hour
     without = realised_loss(n_gpus=n_gpus, hours_lost=hours, price_per_gpu_hour=price)
     with_ckpt = realised_loss(n_gpus=n_gpus, hours_lost=at_most_h, price_per_gpu_hour=price)
-    text += ["", f"one preemption at hour {hours:g} on {n_gpus} GPUs at ${price:g}/GPU-h: "
-             f"${without:,.0f} lost without a checkpoint ({hours:g} h of work), at most "
-             f"${with_ckpt:,.0f} with one every {interval_s / 60:.1f} min"]  # fmt: skip
-    return {"hours": hours, "without_checkpoint": without, "with_checkpoint_at_most": with_ckpt,
-            "interval_s": interval_s}  # fmt: skip
+    text += [
+        "",
+        f"one preemption at hour {hours:g} on {n_gpus} GPUs at ${price:g}/GPU-h: "
+        f"${without:,.0f} lost without a checkpoint ({hours:g} h of work), at most "
+        f"${with_ckpt:,.0f} with one every {interval_s / 60:.1f} min",
+    ]
+    return {
+        "hours": hours,
+        "without_checkpoint": without,
+        "with_checkpoint_at_most": with_ckpt,
+        "interval_s": interval_s,
+    }
 
 
 def _inference(args: argparse.Namespace, gpu) -> int:

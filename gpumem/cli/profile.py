@@ -20,14 +20,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (LMs)")
     p.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd | none")
     p.add_argument("--precision", default="fp32", help="fp32 | bf16 | fp16 | amp-bf16 | amp-fp16")
-    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
+    p.add_argument(
+        "--checkpointing", action="store_true", help="activation checkpointing per block"
+    )
     p.add_argument("--fake", action="store_true", help="fake tensors: any size, no memory used")
-    p.add_argument("--device", default="cpu",
-                   help="cpu or cuda (with --fake: fake CUDA tensors of any size; training them "
-                   "needs a usable GPU)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu or cuda (with --fake: fake CUDA tensors of any size; training them "
+        "needs a usable GPU)",
+    )
     p.add_argument("--steps", type=int, default=2, help="training steps (default 2)")
-    p.add_argument("--mode", default="exact", choices=("exact", "light"),
-                   help="exact: every op (default); light: hooks only, no temporaries on CPU")
+    p.add_argument(
+        "--mode",
+        default="exact",
+        choices=("exact", "light"),
+        help="exact: every op (default); light: hooks only, no temporaries on CPU",
+    )
     p.add_argument("--depth", type=int, default=2, help="module depth shown in the table")
     p.add_argument("--json", metavar="FILE", help="write the JSON report ('-' for stdout)")
     p.add_argument("--markdown", action="store_true", help="print Markdown instead of the table")
@@ -40,9 +49,17 @@ def run(args: argparse.Namespace) -> int:
     from gpumem.profiler.runner import profile_model
 
     rep = profile_model(
-        args.model, size=args.size, batch_size=args.batch_size, seq_len=args.seq_len,
-        optimizer=args.optimizer, precision=args.precision, checkpointing=args.checkpointing,
-        fake=args.fake, device=args.device, steps=args.steps, mode=args.mode,
+        args.model,
+        size=args.size,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        optimizer=args.optimizer,
+        precision=args.precision,
+        checkpointing=args.checkpointing,
+        fake=args.fake,
+        device=args.device,
+        steps=args.steps,
+        mode=args.mode,
     )
     if args.json == "-":
         print(rep.to_json(timeline=False))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpumem.estimator.models import ModelSpec, resnet_stages
+from gpumem.estimator.specs import ModelSpec, resnet_stages
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -77,7 +77,11 @@ def _norm_items(spec: ModelSpec, w: Workload, tag: str, n: int) -> list[Item]:
     """A pre-norm: LayerNorm (input, fp32 mean, rstd) or the float32 RMSNorm of gpumem.models."""
     h, R = spec.hidden, w.residual
     if spec.norm == "layernorm":
-        return [Item(f"{tag}.input", n * h * R), Item(f"{tag}.mean", n * 4), Item(f"{tag}.rstd", n * 4)]
+        return [
+            Item(f"{tag}.input", n * h * R),
+            Item(f"{tag}.mean", n * 4),
+            Item(f"{tag}.rstd", n * 4),
+        ]
     return [
         Item(f"{tag}.input_fp32", n * h * 4),  # x.float() (x itself when fp32)
         Item(f"{tag}.rstd", n * 4),
@@ -90,7 +94,9 @@ def _norm_out_bytes(spec: ModelSpec, w: Workload) -> int:
     return w.residual if spec.norm == "rmsnorm" or not w.autocast else 4
 
 
-def _linear_inputs(w: Workload, tag: str, n_consumers: int, numel: int, norm_out: int) -> list[Item]:
+def _linear_inputs(
+    w: Workload, tag: str, n_consumers: int, numel: int, norm_out: int
+) -> list[Item]:
     """What the Linears reading one tensor save: under autocast one 16-bit cast per Linear (the
     cache only holds leaves), else the (shared) input itself."""
     if w.autocast and norm_out != w.compute:
@@ -98,7 +104,9 @@ def _linear_inputs(w: Workload, tag: str, n_consumers: int, numel: int, norm_out
     return [Item(f"{tag}.input", numel * norm_out)]
 
 
-def _proj_inputs(w: Workload, tag: str, consumers: int, n: int, n_sp: int, h: int, nout: int) -> list[Item]:
+def _proj_inputs(
+    w: Workload, tag: str, consumers: int, n: int, n_sp: int, h: int, nout: int
+) -> list[Item]:
     """Inputs saved by the Linears after a norm. Under SP, Megatron saves the sequence shard
     and all-gathers it again in backward."""
     if w.sp:
@@ -123,18 +131,29 @@ def layer_items(spec: ModelSpec, w: Workload) -> list[Item]:
     if w.attention == "math":
         M = A if w.cuda else 4  # on CPU the math backend upcasts 16-bit inputs to fp32
         qm = n * a * d * M
-        items += [Item("attn.q_scaled", qm, core=True), Item("attn.k_scaled", qm, core=True),
-                  Item("attn.v", qm), Item("attn.softmax", b * a * s * s * M, core=True)]  # fmt: skip
+        items += [
+            Item("attn.q_scaled", qm, core=True),
+            Item("attn.k_scaled", qm, core=True),
+            Item("attn.v", qm),
+            Item("attn.softmax", b * a * s * s * M, core=True),
+        ]
         if w.dropout > 0:
             mask = b * a * s * s * (1 if w.cuda else M)  # bool on CUDA, float noise on CPU
-            items += [Item("attn.dropout_mask", mask, core=True),
-                      Item("attn.dropout_out", b * a * s * s * M, core=True)]  # fmt: skip
+            items += [
+                Item("attn.dropout_mask", mask, core=True),
+                Item("attn.dropout_out", b * a * s * s * M, core=True),
+            ]
         o_copy = True  # math output is (b, a, s, d): transpose + reshape copies
     else:
         lse = b * a * (s if w.attention != "efficient" else -(-s // 32) * 32) * 4
         # k and v carry `a` heads: repeated (GQA), rotated (new tensor), or views of MHA proj
-        items += [Item("attn.q", q), Item("attn.k", q), Item("attn.v", q),
-                  Item("attn.out", q, core=True), Item("attn.lse", lse, core=True)]  # fmt: skip
+        items += [
+            Item("attn.q", q),
+            Item("attn.k", q),
+            Item("attn.v", q),
+            Item("attn.out", q, core=True),
+            Item("attn.lse", lse, core=True),
+        ]
         o_copy = w.attention == "cpu-flash" and rotary  # CPU output follows q's (contiguous) layout
     if o_copy:
         items.append(Item("o_proj.input", q))
@@ -145,15 +164,21 @@ def layer_items(spec: ModelSpec, w: Workload) -> list[Item]:
         f = spec.ffn // t
         if spec.arch == "llama":
             items += _proj_inputs(w, "gate_up", 2, n, n_sp, h, nout)
-            items += [Item("mlp.gate_out", n * f * A), Item("mlp.silu_out", n * f * A),
-                      Item("mlp.up_out", n * f * A), Item("mlp.down_input", n * f * A)]  # fmt: skip
+            items += [
+                Item("mlp.gate_out", n * f * A),
+                Item("mlp.silu_out", n * f * A),
+                Item("mlp.up_out", n * f * A),
+                Item("mlp.down_input", n * f * A),
+            ]
         else:
             items += _proj_inputs(w, "fc", 1, n, n_sp, h, nout)
             items += [Item("mlp.fc_out", n * f * A), Item("mlp.gelu_out", n * f * A)]
     if w.autocast:  # cached 16-bit copies of this layer's Linear weights (saved by mm) and biases
         weights, biases = _layer_linear_params(spec, t)
-        items += [Item("autocast.weight_casts", weights * A),
-                  Item("autocast.bias_casts", biases * A, saved=False)]  # fmt: skip
+        items += [
+            Item("autocast.weight_casts", weights * A),
+            Item("autocast.bias_casts", biases * A, saved=False),
+        ]
     return items
 
 
@@ -167,16 +192,25 @@ def _moe_items(spec: ModelSpec, w: Workload, n: int, nout: int) -> list[Item]:
     f = spec.ffn // w.tp
     nk = n * k
     items = _proj_inputs(w, "router", 1, n, n // w.tp if w.sp else n, h, nout)
-    items += [Item("moe.probs_fp32", n * E * 4), Item("moe.topk_indices", nk * 8),
-              Item("moe.topk_weights", nk * 4), Item("moe.weight_sum", n * 4)]  # fmt: skip
+    items += [
+        Item("moe.probs_fp32", n * E * 4),
+        Item("moe.topk_indices", nk * 8),
+        Item("moe.topk_weights", nk * 4),
+        Item("moe.weight_sum", n * 4),
+    ]
     wdt = nout  # routing weights are cast to x.dtype
     items += [Item("moe.token_indices", nk * 8), Item("moe.slot_indices", nk * 8)]
     items += _linear_inputs(w, "expert_in", 2, nk * h, nout)
-    items += [Item("moe.gate_out", nk * f * A), Item("moe.silu_out", nk * f * A),
-              Item("moe.up_out", nk * f * A), Item("moe.down_input", nk * f * A),
-              Item("moe.expert_out", nk * h * A), Item("moe.route_weight", nk * wdt),
-              # index_add_'s derivative names `source` (expand_as), so the weighted output is kept
-              Item("moe.weighted_out", nk * h * max(A, wdt))]  # fmt: skip
+    items += [
+        Item("moe.gate_out", nk * f * A),
+        Item("moe.silu_out", nk * f * A),
+        Item("moe.up_out", nk * f * A),
+        Item("moe.down_input", nk * f * A),
+        Item("moe.expert_out", nk * h * A),
+        Item("moe.route_weight", nk * wdt),
+        # index_add_'s derivative names `source` (expand_as), so the weighted output is kept
+        Item("moe.weighted_out", nk * h * max(A, wdt)),
+    ]
     return items
 
 
@@ -220,9 +254,14 @@ def head_items(spec: ModelSpec, w: Workload) -> list[Item]:
     logit_bytes = w.compute if (w.autocast or w.compute == w.residual) else w.residual
     if w.keep_logits:
         items.append(Item("logits", n * v * logit_bytes, saved=False))
-    lsm = 4 if (w.autocast or logit_bytes == 4) else logit_bytes  # cross_entropy is fp32 under autocast
-    items += [Item("loss.log_softmax", n * v * lsm), Item("loss.targets", n * 8),
-              Item("loss.total_weight", 4)]  # fmt: skip
+    lsm = (
+        4 if (w.autocast or logit_bytes == 4) else logit_bytes
+    )  # cross_entropy is fp32 under autocast
+    items += [
+        Item("loss.log_softmax", n * v * lsm),
+        Item("loss.targets", n * 8),
+        Item("loss.total_weight", 4),
+    ]
     if w.autocast:
         items.append(Item("autocast.lm_head_cast", spec.vocab * spec.hidden // t * w.compute))
     return items
@@ -236,7 +275,9 @@ def ce_backward_bytes(spec: ModelSpec, w: Workload) -> int:
 
 
 def sum_items(items: list[Item], saved_only: bool = False, drop_core: bool = False) -> int:
-    return sum(i.nbytes for i in items if (i.saved or not saved_only) and not (drop_core and i.core))
+    return sum(
+        i.nbytes for i in items if (i.saved or not saved_only) and not (drop_core and i.core)
+    )
 
 
 # --- vision ------------------------------------------------------------------------------
@@ -267,9 +308,14 @@ def resnet_bytes(spec: ModelSpec, batch: int, image: int, A: int) -> int:
 
 
 def korthikanti_layer_bytes(
-    spec: ModelSpec, batch: int, seq: int, tp: int = 1, sp: bool = False,
-    recompute: str = "none", flash: bool = False,
-) -> int:  # fmt: skip
+    spec: ModelSpec,
+    batch: int,
+    seq: int,
+    tp: int = 1,
+    sp: bool = False,
+    recompute: str = "none",
+    flash: bool = False,
+) -> int:
     """Per-layer activation bytes from Korthikanti et al. 2022, Table 2 (16-bit activations,
     1-byte dropout masks, GPT layer with f = 4h). ``flash`` drops the 5as/h attention term
     (FlashAttention keeps no s² matrix).

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpumem.estimator.models import ModelSpec
+from gpumem.estimator.specs import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,18 @@ class _Walk:
         self.t -= t
         self.a += a
 
-    def linear(self, n: int, fin: int, fout: int, bias: bool, A: int, grad_bytes: int, cast: bool,
-               saved: int, consumed: int) -> None:  # fmt: skip
+    def linear(
+        self,
+        n: int,
+        fin: int,
+        fout: int,
+        bias: bool,
+        A: int,
+        grad_bytes: int,
+        cast: bool,
+        saved: int,
+        consumed: int,
+    ) -> None:
         """A Linear's backward: grad of its input and of its weight, then its saved input and
         the incoming gradient go; under autocast the 16-bit weight grad is cast to the fp32
         parameter by the next node."""
@@ -89,7 +99,7 @@ def mlp_moment(spec: ModelSpec, s: Shape, ffn: int) -> Moment:
     # the layer's output gradient (residual dtype); under autocast the branch's 16-bit output
     # needs its own cast copy of it
     wk = _Walk(s.tokens_sp * h * s.residual)
-    copy = n * h * A if s.autocast and A != s.residual else 0
+    copy = n * h * A if s.autocast and s.residual != A else 0
     wk.alloc(t=copy)
     cast = s.autocast
     in_cast = n * h * A if s.autocast else 0  # the per-Linear 16-bit copy of the norm output
@@ -147,8 +157,17 @@ def _moe(spec: ModelSpec, s: Shape, ffn: int, wk: _Walk, copy: int, in_cast: int
     return wk.best
 
 
-def attention_moment(spec: ModelSpec, s: Shape, mlp_saved: int, mlp_params: int, heads: int,
-                     seq: int, batch: int, backend: str, math_bytes: int) -> Moment:  # fmt: skip
+def attention_moment(
+    spec: ModelSpec,
+    s: Shape,
+    mlp_saved: int,
+    mlp_params: int,
+    heads: int,
+    seq: int,
+    batch: int,
+    backend: str,
+    math_bytes: int,
+) -> Moment:
     """The attention core's backward, after the MLP's: the MLP's activations are gone and its
     weight gradients (and the output projection's) exist; in flight are the residual gradient,
     the gradient of the attention output, and the backend's own: q/k/v gradients (fused
@@ -164,8 +183,14 @@ def layer_moment(spec: ModelSpec, w, items, grad_bytes: int, recompute: str = "n
     """The widest moment of one layer's backward: the MLP's replay or the attention core's,
     whichever holds more. ``w`` is an activations.Workload, ``items`` its layer items."""
     t = w.tp
-    s = Shape(tokens=w.tokens, tokens_sp=w.tokens // t if w.sp else w.tokens, compute=w.compute,
-              residual=w.residual, autocast=w.autocast, grad_bytes=grad_bytes)  # fmt: skip
+    s = Shape(
+        tokens=w.tokens,
+        tokens_sp=w.tokens // t if w.sp else w.tokens,
+        compute=w.compute,
+        residual=w.residual,
+        autocast=w.autocast,
+        grad_bytes=grad_bytes,
+    )
     f = spec.ffn // t
     mlp = mlp_moment(spec, s, f)
     # the MLP half of the layer's items: everything from its pre-norm on (autocast's cached
@@ -176,8 +201,17 @@ def layer_moment(spec: ModelSpec, w, items, grad_bytes: int, recompute: str = "n
     h, qd = spec.hidden, spec.n_heads * spec.dhead // t
     per_mlp = (3 if spec.arch == "llama" else 2) * h * f + (0 if spec.arch == "llama" else f + h)
     mlp_params = per_mlp * max(spec.n_experts, 1) + h * spec.n_experts + qd * h + 2 * h
-    att = attention_moment(spec, s, mlp_saved, mlp_params, spec.n_heads // t, w.seq, w.batch,
-                           w.attention, w.compute if w.cuda else 4)  # fmt: skip
+    att = attention_moment(
+        spec,
+        s,
+        mlp_saved,
+        mlp_params,
+        spec.n_heads // t,
+        w.seq,
+        w.batch,
+        w.attention,
+        w.compute if w.cuda else 4,
+    )
     if recompute == "selective":  # the attention core comes back before its backward
         core = sum(i.nbytes for i in items if i.core)
         att = Moment(att.temporary + core, att.grads, att.freed)

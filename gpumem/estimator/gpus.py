@@ -72,37 +72,177 @@ class GPU:
 
 
 def _g(name, stated, stated_bytes, total_mib, **kw) -> GPU:
-    return GPU(name=name, stated=stated, stated_bytes=stated_bytes, total_bytes=total_mib * MiB, **kw)
+    return GPU(
+        name=name, stated=stated, stated_bytes=stated_bytes, total_bytes=total_mib * MiB, **kw
+    )
 
 
 # total_mib: the driver's "total" (nvidia-smi, MiB) where we know it; else the stated capacity.
 CATALOG: dict[str, GPU] = {
     g.name.lower(): g
     for g in (
-        _g("H100-80GB", "80GB", 80 * GiB, 81559, bf16_tflops=989, intra_gbps=450, note="H100 SXM5, HBM3"),
-        _g("H100-80GB-PCIE", "80GB", 80 * GiB, 81559, bf16_tflops=756, intra_gbps=64, note="H100 PCIe, HBM2e"),
-        _g("H100-94GB-NVL", "94GB", 94 * GiB, 95830, bf16_tflops=835, intra_gbps=300, note="H100 NVL"),
-        _g("H200-141GB", "141GB", 141 * GiB, 143771, bf16_tflops=989, intra_gbps=450, note="H200 SXM, HBM3e"),
-        _g("B200-192GB", "192GB", 192 * GiB, 183359, bf16_tflops=2250, intra_gbps=900, note="B200 HGX; driver exposes ~179 GiB"),
-        _g("A100-80GB", "80GB", 80 * GiB, 81920, bf16_tflops=312, intra_gbps=300, note="A100 SXM4 80GB"),
-        _g("A100-40GB", "40GB", 40 * GiB, 40960, bf16_tflops=312, intra_gbps=300, note="A100 SXM4 40GB"),
-        _g("L40S-48GB", "48GB", 48 * GiB, 46068, bf16_tflops=362, intra_gbps=32, note="GDDR6 with ECC"),
-        _g("RTX-4090-24GB", "24GB", 24 * GiB, 24564, gpus_per_node=1, bf16_tflops=165, intra_gbps=32, note="GDDR6X"),
-        _g("MI300X-192GB", "192GB", 192 * GiB, 196592, bf16_tflops=1307, intra_gbps=448, note="AMD; rocm-smi total"),
+        _g(
+            "H100-80GB",
+            "80GB",
+            80 * GiB,
+            81559,
+            bf16_tflops=989,
+            intra_gbps=450,
+            note="H100 SXM5, HBM3",
+        ),
+        _g(
+            "H100-80GB-PCIE",
+            "80GB",
+            80 * GiB,
+            81559,
+            bf16_tflops=756,
+            intra_gbps=64,
+            note="H100 PCIe, HBM2e",
+        ),
+        _g(
+            "H100-94GB-NVL",
+            "94GB",
+            94 * GiB,
+            95830,
+            bf16_tflops=835,
+            intra_gbps=300,
+            note="H100 NVL",
+        ),
+        _g(
+            "H200-141GB",
+            "141GB",
+            141 * GiB,
+            143771,
+            bf16_tflops=989,
+            intra_gbps=450,
+            note="H200 SXM, HBM3e",
+        ),
+        _g(
+            "B200-192GB",
+            "192GB",
+            192 * GiB,
+            183359,
+            bf16_tflops=2250,
+            intra_gbps=900,
+            note="B200 HGX; driver exposes ~179 GiB",
+        ),
+        _g(
+            "A100-80GB",
+            "80GB",
+            80 * GiB,
+            81920,
+            bf16_tflops=312,
+            intra_gbps=300,
+            note="A100 SXM4 80GB",
+        ),
+        _g(
+            "A100-40GB",
+            "40GB",
+            40 * GiB,
+            40960,
+            bf16_tflops=312,
+            intra_gbps=300,
+            note="A100 SXM4 40GB",
+        ),
+        _g(
+            "L40S-48GB",
+            "48GB",
+            48 * GiB,
+            46068,
+            bf16_tflops=362,
+            intra_gbps=32,
+            note="GDDR6 with ECC",
+        ),
+        _g(
+            "RTX-4090-24GB",
+            "24GB",
+            24 * GiB,
+            24564,
+            gpus_per_node=1,
+            bf16_tflops=165,
+            intra_gbps=32,
+            note="GDDR6X",
+        ),
+        _g(
+            "MI300X-192GB",
+            "192GB",
+            192 * GiB,
+            196592,
+            bf16_tflops=1307,
+            intra_gbps=448,
+            note="AMD; rocm-smi total",
+        ),
         # MIG slices: the profile name states the size; the driver exposes slightly less.
-        _g("H100-1g.10gb", "10GB", 10 * GiB, 9856, gpus_per_node=7, bf16_tflops=989 / 7, note="MIG 1/7 of H100-80GB"),
-        _g("H100-2g.20gb", "20GB", 20 * GiB, 19968, gpus_per_node=3, bf16_tflops=989 * 2 / 7, note="MIG 2/7"),
-        _g("H100-3g.40gb", "40GB", 40 * GiB, 40192, gpus_per_node=2, bf16_tflops=989 * 3 / 7, note="MIG 3/7"),
-        _g("H100-7g.80gb", "80GB", 80 * GiB, 80896, gpus_per_node=1, bf16_tflops=989, note="MIG full"),
-        _g("A100-1g.10gb", "10GB", 10 * GiB, 9728, gpus_per_node=7, bf16_tflops=312 / 7, note="MIG 1/7 of A100-80GB"),
-        _g("A100-3g.40gb", "40GB", 40 * GiB, 39936, gpus_per_node=2, bf16_tflops=312 * 3 / 7, note="MIG 3/7"),
+        _g(
+            "H100-1g.10gb",
+            "10GB",
+            10 * GiB,
+            9856,
+            gpus_per_node=7,
+            bf16_tflops=989 / 7,
+            note="MIG 1/7 of H100-80GB",
+        ),
+        _g(
+            "H100-2g.20gb",
+            "20GB",
+            20 * GiB,
+            19968,
+            gpus_per_node=3,
+            bf16_tflops=989 * 2 / 7,
+            note="MIG 2/7",
+        ),
+        _g(
+            "H100-3g.40gb",
+            "40GB",
+            40 * GiB,
+            40192,
+            gpus_per_node=2,
+            bf16_tflops=989 * 3 / 7,
+            note="MIG 3/7",
+        ),
+        _g(
+            "H100-7g.80gb",
+            "80GB",
+            80 * GiB,
+            80896,
+            gpus_per_node=1,
+            bf16_tflops=989,
+            note="MIG full",
+        ),
+        _g(
+            "A100-1g.10gb",
+            "10GB",
+            10 * GiB,
+            9728,
+            gpus_per_node=7,
+            bf16_tflops=312 / 7,
+            note="MIG 1/7 of A100-80GB",
+        ),
+        _g(
+            "A100-3g.40gb",
+            "40GB",
+            40 * GiB,
+            39936,
+            gpus_per_node=2,
+            bf16_tflops=312 * 3 / 7,
+            note="MIG 3/7",
+        ),
     )
-}  # fmt: skip
+}
 
-_ALIASES = {"h100": "h100-80gb", "h100-sxm": "h100-80gb", "h100-pcie": "h100-80gb-pcie",
-            "h200": "h200-141gb", "b200": "b200-192gb", "a100": "a100-80gb",
-            "l40s": "l40s-48gb", "rtx-4090": "rtx-4090-24gb", "4090": "rtx-4090-24gb",
-            "mi300x": "mi300x-192gb", "h100-1g.10gb": "h100-1g.10gb"}  # fmt: skip
+_ALIASES = {
+    "h100": "h100-80gb",
+    "h100-sxm": "h100-80gb",
+    "h100-pcie": "h100-80gb-pcie",
+    "h200": "h200-141gb",
+    "b200": "b200-192gb",
+    "a100": "a100-80gb",
+    "l40s": "l40s-48gb",
+    "rtx-4090": "rtx-4090-24gb",
+    "4090": "rtx-4090-24gb",
+    "mi300x": "mi300x-192gb",
+    "h100-1g.10gb": "h100-1g.10gb",
+}
 
 
 def find_gpu(name: str | None = None, memory: str | int | None = None) -> GPU:
@@ -121,8 +261,15 @@ def find_gpu(name: str | None = None, memory: str | int | None = None) -> GPU:
         if total <= 0:
             raise ValueError(f"GPU memory must be positive, got {memory!r}")
         base = find_gpu(name) if name else GPU("custom", str(memory), total, total)
-        return GPU(**{**base.__dict__, "name": f"{base.name}({memory})", "total_bytes": total,
-                      "stated": str(memory), "stated_bytes": total})  # fmt: skip
+        return GPU(
+            **{
+                **base.__dict__,
+                "name": f"{base.name}({memory})",
+                "total_bytes": total,
+                "stated": str(memory),
+                "stated_bytes": total,
+            }
+        )
     if not name:
         raise ValueError("give a GPU name (e.g. H100-80GB) or its memory (e.g. 80GiB)")
     key = name.strip().lower().replace("_", "-").replace(" ", "-")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpumem.estimator.gpus import GPU, find_gpu
-from gpumem.estimator.models import ModelSpec, resolve_model
+from gpumem.estimator.specs import ModelSpec, resolve_model
 
 WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "fp8": 1.0, "nf4": 0.5 + 1 / 64}
 CATEGORIES = ("weights", "kv_cache", "activations", "overhead", "total")
@@ -39,15 +39,28 @@ class InferenceBill:
     kv_bytes_per_token: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"n_params": self.model.n_params, "per_gpu": dict(self.per_gpu), "fits": self.fits,
-                "headroom_bytes": self.headroom_bytes, "batch_size": self.batch_size,
-                "context": self.context, "kv_bytes_per_token": self.kv_bytes_per_token}  # fmt: skip
+        return {
+            "n_params": self.model.n_params,
+            "per_gpu": dict(self.per_gpu),
+            "fits": self.fits,
+            "headroom_bytes": self.headroom_bytes,
+            "batch_size": self.batch_size,
+            "context": self.context,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+        }
 
     def table(self) -> str:
-        lines = [f"{self.model.name} inference, batch {self.batch_size} x context {self.context}, "
-                 f"tp{self.tp} on {self.gpu.name}"]  # fmt: skip
-        lines += [f"{c:<12}{self.per_gpu[c]:>18,}{self.per_gpu[c] / 2**30:>10.2f} GiB" for c in CATEGORIES]
-        lines.append(f"{'fits' if self.fits else 'does NOT fit'}: headroom {self.headroom_bytes / 2**30:.2f} GiB")
+        lines = [
+            f"{self.model.name} inference, batch {self.batch_size} x context {self.context}, "
+            f"tp{self.tp} on {self.gpu.name}"
+        ]
+        lines += [
+            f"{c:<12}{self.per_gpu[c]:>18,}{self.per_gpu[c] / 2**30:>10.2f} GiB" for c in CATEGORIES
+        ]
+        lines.append(
+            f"{'fits' if self.fits else 'does NOT fit'}: "
+            f"headroom {self.headroom_bytes / 2**30:.2f} GiB"
+        )
         return "\n".join(lines)
 
 
@@ -60,10 +73,16 @@ def kv_bytes_per_token(spec: ModelSpec, kv_bytes: int = 2, tp: int = 1) -> int:
 
 
 def estimate_inference(
-    model: Any, *, batch_size: int = 1, context: int | None = None, precision: str = "bf16",
-    kv_precision: str = "bf16", gpu: str | GPU | None = "H100-80GB", gpu_memory: str | int | None = None,
+    model: Any,
+    *,
+    batch_size: int = 1,
+    context: int | None = None,
+    precision: str = "bf16",
+    kv_precision: str = "bf16",
+    gpu: str | GPU | None = "H100-80GB",
+    gpu_memory: str | int | None = None,
     tp: int = 1,
-) -> InferenceBill:  # fmt: skip
+) -> InferenceBill:
     """Memory of serving ``batch_size`` sequences of ``context`` tokens.
 
     The activation workspace is one prefill chunk of the whole batch: the residual stream and
@@ -91,9 +110,18 @@ def estimate_inference(
     allocated = weights + kv + acts
     overhead = g.reserve_bytes(allocated, tp)
     total = allocated + overhead
-    per_gpu = dict(zip(CATEGORIES, (weights, kv, acts, overhead, total)))
-    return InferenceBill(spec, g, batch_size, ctx, tp, per_gpu, total <= g.total_bytes,
-                         g.total_bytes - total, per_tok)  # fmt: skip
+    per_gpu = dict(zip(CATEGORIES, (weights, kv, acts, overhead, total), strict=True))
+    return InferenceBill(
+        spec,
+        g,
+        batch_size,
+        ctx,
+        tp,
+        per_gpu,
+        total <= g.total_bytes,
+        g.total_bytes - total,
+        per_tok,
+    )
 
 
 def max_batch(model: Any, *, context: int, **kwargs: Any) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpumem.estimator.models import ModelSpec
+from gpumem.estimator.specs import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -78,24 +78,34 @@ class Layout:
         if self.fsdp not in (None, "full", "hybrid"):
             out.append(f"fsdp must be None, 'full' or 'hybrid', got {self.fsdp!r}")
         if self.fsdp and self.zero not in (0, 3):
-            out.append(f"fsdp={self.fsdp!r} already shards everything (ZeRO-3); drop zero={self.zero}")
+            out.append(
+                f"fsdp={self.fsdp!r} already shards everything (ZeRO-3); drop zero={self.zero}"
+            )
         if self.dp % self.ep:
-            out.append(f"ep={self.ep} must divide dp={self.dp} (experts shard over data-parallel ranks)")
+            out.append(
+                f"ep={self.ep} must divide dp={self.dp} (experts shard over data-parallel ranks)"
+            )
         if self.sp and self.tp == 1:
             out.append("sequence parallelism (sp) needs tp > 1")
         if self.vpp > 1 and self.pp == 1:
             out.append(f"vpp={self.vpp} (interleaved pipeline) needs pp > 1")
         return out
 
-    def errors(self, model: ModelSpec, n_gpus: int | None = None, seq_len: int | None = None) -> list[str]:
+    def errors(
+        self, model: ModelSpec, n_gpus: int | None = None, seq_len: int | None = None
+    ) -> list[str]:
         """Every reason this layout cannot run ``model`` (empty when it can)."""
         out = []
         if n_gpus is not None and self.n_gpus != n_gpus:
-            out.append(f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.n_gpus}, not {n_gpus} GPUs")
+            out.append(
+                f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.n_gpus}, not {n_gpus} GPUs"
+            )
         m, t = model, self.tp
         if m.arch == "resnet":
             if t > 1 or self.pp > 1 or self.ep > 1:
-                out.append(f"{m.name}: only data parallelism (with ZeRO/FSDP) is modelled for a ResNet")
+                out.append(
+                    f"{m.name}: only data parallelism (with ZeRO/FSDP) is modelled for a ResNet"
+                )
             return out
         if m.n_heads % t:
             out.append(f"attention heads {m.n_heads} not divisible by tp={t}")
@@ -117,11 +127,15 @@ class Layout:
             out.append(f"sequence parallelism splits seq_len {seq_len}, not divisible by tp={t}")
         return out
 
-    def check(self, model: ModelSpec, n_gpus: int | None = None, seq_len: int | None = None) -> None:
+    def check(
+        self, model: ModelSpec, n_gpus: int | None = None, seq_len: int | None = None
+    ) -> None:
         """Raise ValueError listing every reason this layout cannot run ``model``."""
         bad = self.errors(model, n_gpus, seq_len)
         if bad:
-            raise ValueError(f"layout {self.describe()} is invalid for {model.name}: " + "; ".join(bad))
+            raise ValueError(
+                f"layout {self.describe()} is invalid for {model.name}: " + "; ".join(bad)
+            )
 
     def describe(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]

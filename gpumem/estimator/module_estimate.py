@@ -1,26 +1,75 @@
-"""``gpumem.estimate(nn.Module)``: checks the arguments, measures the module (``module_pass``)
-and assembles its bill with the same peak formula as presets."""
+"""The estimate of an ``nn.Module``: exact parameter counts, and activations measured by one
+fake-tensor training pass of a copy of the module.
+
+The module itself is never run, moved or changed. A copy whose parameters and buffers are
+``FakeTensor``s (shape and dtype, no data: nothing of the model's size is allocated, so a 70B
+module built on the ``meta`` device is fine) runs one forward, loss and backward at the real
+micro-batch under ``gpumem.fake()`` and ``gpumem.profile``. From that profile come the terms the
+estimator's peak assembly (``peak.assemble``) needs; model states, layout sharding, the optimizer
+step and the CUDA reserve come from the same formulas as for presets.
+
+What is measured, and how it maps onto the three moments of ``peak.py``:
+
+- **blocks**: the largest group of structurally identical sibling modules (same class and
+  parameter shapes, e.g. the layers of a ``ModuleList``) are the model's blocks; pipeline stages
+  split them. Modules that run before the first block are the first stage's, after the last the
+  last stage's, and so are their saved tensors.
+- **activations**: storages autograd saved, per module (the profiler's ``activations``);
+  ``A_LAYER`` is the blocks' mean, ``A_FIRST`` what runs before them plus the model's inputs,
+  ``A_LAST`` what runs after them (head, loss) plus the output the loop holds (``keep_logits``).
+- **the widest moment of backward**: the profile's peak. With no parameter gradient yet it is the
+  start of backward: ``T_BWD0`` is its excess over every saved activation. Otherwise it is an
+  end-of-backward moment: ``P_PEND`` the parameters without a gradient yet, ``A_END`` the saved
+  activations still alive beyond the first stage's, ``T_LAYER`` the temporaries (held output
+  aside). At one GPU and the measured micro-batch the assembly reproduces the measured peak.
+- **recompute**: ``"full"`` wraps every block of the copy in ``torch.utils.checkpoint`` and
+  measures that; checkpointing inside the module is measured as it is.
+- **tensor parallelism** (Megatron-style, a stated assumption): matrices (parameters of two or
+  more dimensions) are split over ``tp``, vectors replicate; a saved tensor with as many
+  elements as a block's input (the residual stream: norm inputs, inputs of column-parallel
+  linears, dropout masks) replicates unless ``sp``, every other saved tensor and the temporaries
+  split (a second fake forward classifies them).
+
+Example:
+    >>> with torch.device("meta"):
+    ...     net = build_model("llama", "7b")
+    >>> bill = gpumem.estimate(net, batch_size=1, seq_len=4096, layout=gpumem.Layout(dp=8, zero=1))
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from gpumem.estimator.bill import RECOMPUTE, Bill, cluster_states, make_bill
+from gpumem.estimator.bill import Bill, make_bill
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
+from gpumem.estimator.module_inputs import resolve_batch
+from gpumem.estimator.module_pass import measure, module_terms
+from gpumem.estimator.module_structure import find_blocks
 from gpumem.estimator.states import Training
+from gpumem.estimator.terms import RECOMPUTE, cluster_states
 
 
 def estimate_module(
-    module: Any, *, training: Training, layout: Layout, gpu: GPU, batch_size: int | None,
-    seq_len: int | None, recompute: str, grad_accum: int, attention: str, dropout: float,
-    activation_model: str, device: str, keep_logits: bool, persistent_grads: bool | None,
-    example_input: Any, loss_fn: Any,
-) -> Bill:  # fmt: skip
-    """The bill of training ``module`` (see ``gpumem.estimate`` and ``module.py``)."""
-    from gpumem.estimator.module import find_blocks, resolve_batch
-    from gpumem.estimator.module_pass import measure, module_terms
-
+    module: Any,
+    *,
+    training: Training,
+    layout: Layout,
+    gpu: GPU,
+    batch_size: int | None,
+    seq_len: int | None,
+    recompute: str,
+    grad_accum: int,
+    attention: str,
+    dropout: float,
+    activation_model: str,
+    device: str,
+    keep_logits: bool,
+    persistent_grads: bool | None,
+    example_input: Any,
+    loss_fn: Any,
+) -> Bill:
+    """The bill of training ``module`` (see ``gpumem.estimate`` and above)."""
     _check(module, training, layout, recompute, attention, dropout, activation_model, seq_len)
     blocks = find_blocks(module)
     if (layout.pp > 1 or layout.tp > 1) and not blocks:
@@ -30,27 +79,54 @@ def estimate_module(
             "(no two sibling submodules with the same class and parameter shapes)"
         )
     if layout.pp > len(blocks) and blocks:
-        raise ValueError(f"layout {layout.describe()}: pp={layout.pp} exceeds the {len(blocks)} blocks")
+        raise ValueError(
+            f"layout {layout.describe()}: pp={layout.pp} exceeds the {len(blocks)} blocks"
+        )
     if layout.tp > 1:
         _check_tp(module, layout.tp)
     batch = resolve_batch(module, example_input, batch_size)
-    ms = measure(module, training, example_input=example_input, batch=batch, seq=seq_len,
-                 device=device, recompute=recompute, keep_logits=keep_logits, loss_fn=loss_fn)  # fmt: skip
+    ms = measure(
+        module,
+        training,
+        example_input=example_input,
+        batch=batch,
+        seq=seq_len,
+        device=device,
+        recompute=recompute,
+        keep_logits=keep_logits,
+        loss_fn=loss_fn,
+    )
     terms = module_terms(ms, training, layout, gpu, device == "cuda", grad_accum, persistent_grads)
     return make_bill(
-        ms, ms.n_params, terms, layout=layout, training=training, gpu=gpu,
-        cluster_model_state_bytes=cluster_states(training, ms.n_trainable, ms.n_params - ms.n_trainable),
-        inputs={"batch_size": batch, "seq_len": seq_len, "recompute": recompute,
-                "grad_accum": grad_accum, "device": device, "blocks": len(ms.blocks),
-                "measured_moment": f"{ms.moment} of backward"},
-    )  # fmt: skip
+        ms,
+        ms.n_params,
+        terms,
+        layout=layout,
+        training=training,
+        gpu=gpu,
+        cluster_model_state_bytes=cluster_states(
+            training, ms.n_trainable, ms.n_params - ms.n_trainable
+        ),
+        inputs={
+            "batch_size": batch,
+            "seq_len": seq_len,
+            "recompute": recompute,
+            "grad_accum": grad_accum,
+            "device": device,
+            "blocks": len(ms.blocks),
+            "measured_moment": f"{ms.moment} of backward",
+        },
+    )
 
 
-def _check(module, training, layout, recompute, attention, dropout, activation_model, seq_len) -> None:
+def _check(
+    module, training, layout, recompute, attention, dropout, activation_model, seq_len
+) -> None:
     name = type(module).__name__
     if activation_model != "ops":
         raise ValueError(
-            f"activation_model={activation_model!r} needs a transformer shape (presets, config.json, "
+            f"activation_model={activation_model!r} needs a transformer shape (presets, "
+            "config.json, "
             f"ModelSpec); {name} is measured, which is the 'ops' model"
         )
     if attention != "sdpa" or dropout:
@@ -79,16 +155,19 @@ def _check(module, training, layout, recompute, attention, dropout, activation_m
             f"ep={layout.ep}: expert parallelism is modelled for MoE presets/configs only; "
             f"estimate {name} with ep=1"
         )
-    if seq_len is not None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0):
+    if seq_len is not None and (
+        not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0
+    ):
         raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
 
 
 def _check_tp(module: Any, tp: int) -> None:
     """Every matrix must split over tp along some dimension (Megatron splits rows or columns)."""
     bad = [
-        f"{n} {tuple(p.shape)}" for n, p in module.named_parameters()
+        f"{n} {tuple(p.shape)}"
+        for n, p in module.named_parameters()
         if p.dim() >= 2 and not any(d % tp == 0 for d in p.shape)
-    ]  # fmt: skip
+    ]
     if bad:
         raise ValueError(
             f"tp={tp} cannot split {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}: no "

@@ -1,6 +1,7 @@
 """The fake-tensor pass behind ``gpumem.estimate(nn.Module)``, and the peak terms it yields.
 
-Two passes run on a fake copy of the module (``module.fake_copy``), both at the real micro-batch
+Two passes run on a fake copy of the module (``module_inputs.fake_copy``), both at the real
+micro-batch
 (fake tensors cost no memory, so there is nothing to extrapolate):
 
 1. a *structure* forward (no profile): which modules run before, inside and after the blocks,
@@ -9,7 +10,7 @@ Two passes run on a fake copy of the module (``module.fake_copy``), both at the 
 2. a *profiled* forward, loss and backward under ``gpumem.profile``: saved activations per
    module and the widest moment of the pass with its categories.
 
-See ``module.py`` for what each measured number becomes.
+See ``module_estimate.py`` for what each measured number becomes.
 """
 
 from __future__ import annotations
@@ -21,22 +22,20 @@ import torch
 import torch.nn.functional as F
 
 from gpumem.estimator import peak
-from gpumem.estimator.bill import grads_persist, inflight, job_terms, split_layers
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
-from gpumem.estimator.module import (
+from gpumem.estimator.module_inputs import fake_copy, make_inputs, weight_dtype
+from gpumem.estimator.module_structure import (
     BLOCK,
     POST,
     PRE,
     ModuleSpec,
     count_params,
-    fake_copy,
     find_blocks,
-    make_inputs,
     step_scratch,
-    weight_dtype,
 )
 from gpumem.estimator.states import Training
+from gpumem.estimator.terms import grads_persist, inflight, job_terms, split_layers
 
 _CUDA_BLOCK = 512  # the caching allocator's granularity, as the profiler counts CUDA storages
 
@@ -142,6 +141,7 @@ def _structure(net, blocks, args, kwargs, run: str, autocast, loss_fn, keep_logi
                 t = _first_tensor(a) if a else _first_tensor(tuple((k or {}).values()))
                 if t is not None and "resid" not in io:
                     io["resid"] = t.numel()
+
         return hook
 
     def post_hook(name):
@@ -151,6 +151,7 @@ def _structure(net, blocks, args, kwargs, run: str, autocast, loss_fn, keep_logi
                 t = _first_tensor(out)
                 if t is not None and "out" not in io:
                     io["out"] = _nbytes(t, run)
+
         return hook
 
     def pack(t):
@@ -196,9 +197,17 @@ def _leaves(obj: Any) -> list[torch.Tensor]:
 
 
 def measure(
-    module: torch.nn.Module, training: Training, *, example_input: Any, batch: int,
-    seq: int | None, device: str, recompute: str, keep_logits: bool, loss_fn: Any,
-) -> ModuleSpec:  # fmt: skip
+    module: torch.nn.Module,
+    training: Training,
+    *,
+    example_input: Any,
+    batch: int,
+    seq: int | None,
+    device: str,
+    recompute: str,
+    keep_logits: bool,
+    loss_fn: Any,
+) -> ModuleSpec:
     """Count ``module``'s parameters and measure one fake training pass of a copy of it.
 
     The pass runs on fake CUDA tensors where a GPU is present and on fake CPU tensors otherwise
@@ -223,8 +232,9 @@ def measure(
     with gpumem.fake(device=run if run == "cuda" else None):
         net = fake_copy(module, run, dtype)
         args, kwargs = make_inputs(module, example_input, batch, seq, run)
-        order, io, saved, held, target = _structure(net, blocks, args, kwargs, run, autocast,
-                                                    loss_fn, keep_logits)  # fmt: skip
+        order, io, saved, held, target = _structure(
+            net, blocks, args, kwargs, run, autocast, loss_fn, keep_logits
+        )
         if recompute in ("full", "every-1"):
             for name in blocks:
                 parent, _, child = name.rpartition(".")
@@ -242,18 +252,25 @@ def measure(
 
 
 def _spec(module, training, blocks, order, io, saved, held, rep) -> ModuleSpec:
-    """Turn the two passes into a ModuleSpec (see ``module.py`` for the mapping)."""
+    """Turn the two passes into a ModuleSpec (see ``module_estimate.py`` for the mapping)."""
     block_pos = [order[b] for b in blocks if b in order]
     first = min(block_pos) if block_pos else -1
-    last = max((order[n] for n in order if any(n == b or n.startswith(b + ".") for b in blocks)),
-               default=-1)  # fmt: skip
+    last = max(
+        (order[n] for n in order if any(n == b or n.startswith(b + ".") for b in blocks)),
+        default=-1,
+    )
     if not blocks:  # no repeated blocks: everything is the first stage's
         first = last = max(order.values(), default=0) + 1
     regions, n_params, n_train, tied, largest = count_params(module, blocks, order, first, last)
     layers = rep.layers
-    act = lambda name: layers[name].activations if name in layers else 0  # noqa: E731
+
+    def act(name: str) -> int:
+        return layers[name].activations if name in layers else 0
+
+    def in_block(name: str) -> bool:
+        return any(name == b or name.startswith(b + ".") for b in blocks)
+
     acts = {PRE: 0.0, BLOCK: 0.0, POST: 0.0}
-    in_block = lambda n: any(n == b or n.startswith(b + ".") for b in blocks)  # noqa: E731
     for name, mod in module.named_modules():
         if in_block(name):
             continue
@@ -264,15 +281,27 @@ def _spec(module, training, blocks, order, io, saved, held, rep) -> ModuleSpec:
             acts[PRE] += direct
     acts[BLOCK] = sum(act(b) for b in blocks) / max(len(blocks), 1)
     at = rep.at_peak
-    w, g, a, t, i = (at.get(k) or 0 for k in ("weights", "gradients", "activations", "temporary", "inputs"))
+    w, g, a, t, i = (
+        at.get(k) or 0 for k in ("weights", "gradients", "activations", "temporary", "inputs")
+    )
     a_all = act("")
     spec = ModuleSpec(
-        name=type(module).__name__, n_params=n_params, n_trainable=n_train, blocks=blocks,
-        regions=regions, acts=acts, inputs=i, held=held, block_out=io.get("out", 0),
-        peak_bytes=rep.peak_bytes, residual_elems=io.get("resid", 0), tied_pre_post=tied,
-        scratch=step_scratch(module), block_params=largest,
+        name=type(module).__name__,
+        n_params=n_params,
+        n_trainable=n_train,
+        blocks=blocks,
+        regions=regions,
+        acts=acts,
+        inputs=i,
+        held=held,
+        block_out=io.get("out", 0),
+        peak_bytes=rep.peak_bytes,
+        residual_elems=io.get("resid", 0),
+        tied_pre_post=tied,
+        scratch=step_scratch(module),
+        block_params=largest,
         tp_split={r: (1.0 - s[1] / s[0]) if s[0] else 1.0 for r, s in saved.items()},
-    )  # fmt: skip
+    )
     total = [sum(s[k] for s in saved.values()) for k in (0, 1)]
     spec.tp_split["all"] = 1.0 - total[1] / total[0] if total[0] else 1.0
     if g == 0:  # no parameter gradient yet: the start of backward (or the forward)
@@ -287,9 +316,14 @@ def _spec(module, training, blocks, order, io, saved, held, rep) -> ModuleSpec:
 
 
 def module_terms(
-    ms: ModuleSpec, tr: Training, layout: Layout, gpu: GPU, cuda: bool, grad_accum: int,
+    ms: ModuleSpec,
+    tr: Training,
+    layout: Layout,
+    gpu: GPU,
+    cuda: bool,
+    grad_accum: int,
     persistent_grads: bool | None,
-) -> list[list[float]]:  # fmt: skip
+) -> list[list[float]]:
     """Peak terms of the first and the last pipeline stage (as ``Plan.terms`` for presets)."""
     t, sp, pp = layout.tp, layout.sp, layout.pp
     persist = grads_persist(layout, grad_accum, persistent_grads)
@@ -330,8 +364,16 @@ def module_terms(
             x[peak.A_END] = ms.a_end * f_all
             if not persist:
                 x[peak.P_PEND] = min(ms.pend_params * tp_ratio, p_train)
-        job_terms(x, tr, layout, gpu, cuda, trainable=p_train,
-                  layer_params=ms.block_params / t, scratch=ms.scratch / t,
-                  persist=persist)  # fmt: skip
+        job_terms(
+            x,
+            tr,
+            layout,
+            gpu,
+            cuda,
+            trainable=p_train,
+            layer_params=ms.block_params / t,
+            scratch=ms.scratch / t,
+            persist=persist,
+        )
         out.append(x)
     return out

@@ -47,11 +47,15 @@ def assemble(x):
     nge = x[N_SHARD_EXP] if stage >= 2 else 1.0
     no = x[N_SHARD] if stage >= 1 else 1.0
     noe = x[N_SHARD_EXP] if stage >= 1 else 1.0
-    weights = (x[P_TRAIN] * x[W_BYTES] + x[P_FROZEN] * x[W_FROZEN_BYTES]) / nw + (
-        x[P_EXP_TRAIN] * x[W_BYTES] + x[P_EXP_FROZEN] * x[W_FROZEN_BYTES]
-    ) / nwe + x[W_BUFFERS]
+    weights = (
+        (x[P_TRAIN] * x[W_BYTES] + x[P_FROZEN] * x[W_FROZEN_BYTES]) / nw
+        + (x[P_EXP_TRAIN] * x[W_BYTES] + x[P_EXP_FROZEN] * x[W_FROZEN_BYTES]) / nwe
+        + x[W_BUFFERS]
+    )
     grads = x[P_TRAIN] * x[G_BYTES] / ng + x[P_EXP_TRAIN] * x[G_BYTES] / nge
-    optim = 0.0 if x[OFFLOAD] > 0 else x[P_TRAIN] * x[O_BYTES] / no + x[P_EXP_TRAIN] * x[O_BYTES] / noe
+    optim = (
+        0.0 if x[OFFLOAD] > 0 else x[P_TRAIN] * x[O_BYTES] / no + x[P_EXP_TRAIN] * x[O_BYTES] / noe
+    )
     acts = x[INFLIGHT] * (x[N_LAYERS] * x[A_LAYER] + x[A_FIRST]) + x[A_LAST] + x[CASTS]
     g_keep = grads if x[G_PERSIST] > 0 else 0.0
     base = weights + optim + x[COMM]

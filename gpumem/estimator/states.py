@@ -31,14 +31,25 @@ PRECISIONS = {
     "fp16-autocast": (4, 2, False, True, 4),
     "bf16": (2, 2, False, False, 2),  # pure bf16: params, grads and states in bf16
 }
-_PRECISION_ALIASES = {"mixed": "bf16-mixed", "amp": "bf16-autocast", "amp-bf16": "bf16-autocast",
-                      "amp-fp16": "fp16-autocast", "float32": "fp32", "fp16": "fp16-mixed",
-                      "bfloat16": "bf16"}  # fmt: skip
+_PRECISION_ALIASES = {
+    "mixed": "bf16-mixed",
+    "amp": "bf16-autocast",
+    "amp-bf16": "bf16-autocast",
+    "amp-fp16": "fp16-autocast",
+    "float32": "fp32",
+    "fp16": "fp16-mixed",
+    "bfloat16": "bf16",
+}
 
 # optimizer: number of fp32-sized state tensors per parameter (state dtype scales them)
 OPTIMIZERS = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2, "adafactor": -1, "adam8bit": -2}
-_OPTIMIZER_ALIASES = {"momentum": "sgd-momentum", "adam-8bit": "adam8bit", "adamw8bit": "adam8bit",
-                      "8bit-adam": "adam8bit", "adamw-8bit": "adam8bit"}  # fmt: skip
+_OPTIMIZER_ALIASES = {
+    "momentum": "sgd-momentum",
+    "adam-8bit": "adam8bit",
+    "adamw8bit": "adam8bit",
+    "8bit-adam": "adam8bit",
+    "adamw-8bit": "adam8bit",
+}
 GRADS = ("compute", "fp32", "compute+fp32")
 
 
@@ -77,8 +88,12 @@ class Training:
     fused: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "precision", _pick(self.precision, PRECISIONS, _PRECISION_ALIASES, "precision"))
-        object.__setattr__(self, "optimizer", _pick(self.optimizer, OPTIMIZERS, _OPTIMIZER_ALIASES, "optimizer"))
+        object.__setattr__(
+            self, "precision", _pick(self.precision, PRECISIONS, _PRECISION_ALIASES, "precision")
+        )
+        object.__setattr__(
+            self, "optimizer", _pick(self.optimizer, OPTIMIZERS, _OPTIMIZER_ALIASES, "optimizer")
+        )
         if self.grads not in GRADS:
             raise ValueError(f"unknown grads {self.grads!r}; choose one of {', '.join(GRADS)}")
         if self.lora_rank < 0:

@@ -21,8 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumem.estimator.bill import Bill, estimate
-from gpumem.estimator.models import from_model_config
+from gpumem.estimator.api import estimate
+from gpumem.estimator.bill import Bill
+from gpumem.estimator.specs import from_model_config
 
 PROFILER_CATEGORIES = ("weights", "gradients", "optimizer", "activations", "temporary", "inputs")
 
@@ -85,11 +86,19 @@ def estimate_case(case: Case) -> Bill:
 
     cfg = get_config(case.arch, "tiny", **case.overrides)
     return estimate(
-        from_model_config(cfg), batch_size=case.batch, seq_len=case.seq, precision=case.precision,
-        optimizer=case.optimizer, device="cpu", attention="sdpa", keep_logits=True,
-        persistent_grads=False, recompute="full" if case.recompute else "none",
-        gpu_memory=2**40, foreach=case.foreach,
-    )  # fmt: skip
+        from_model_config(cfg),
+        batch_size=case.batch,
+        seq_len=case.seq,
+        precision=case.precision,
+        optimizer=case.optimizer,
+        device="cpu",
+        attention="sdpa",
+        keep_logits=True,
+        persistent_grads=False,
+        recompute="full" if case.recompute else "none",
+        gpu_memory=2**40,
+        foreach=case.foreach,
+    )
 
 
 def compare(case: Case, seed: int = 0) -> Comparison:
@@ -120,11 +129,16 @@ def compare(case: Case, seed: int = 0) -> Comparison:
         imbalance = max(imbalance or 0.0, _routing_imbalance(model, ids))
     bill = estimate_case(case)
     return Comparison(
-        case=case, measured_peak=rep.peak_bytes, measured=dict(rep.at_peak),
-        measured_phase=rep.peak_phase, measured_step=rep.peak_step, bill=bill,
-        estimated=bill.profiler_categories(), routing_imbalance=imbalance,
+        case=case,
+        measured_peak=rep.peak_bytes,
+        measured=dict(rep.at_peak),
+        measured_phase=rep.peak_phase,
+        measured_step=rep.peak_step,
+        bill=bill,
+        estimated=bill.profiler_categories(),
+        routing_imbalance=imbalance,
         assumptions=list(rep.assumptions),
-    )  # fmt: skip
+    )
 
 
 def _optimizer(case: Case, params: Any) -> Any:

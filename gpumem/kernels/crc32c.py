@@ -223,8 +223,25 @@ def _crc32c_tiles_kernel(
     pid = tl.program_id(0).to(tl.int64)
     chunk = pid // tiles_per_chunk
     tile = pid - chunk * tiles_per_chunk
-    _tile_crc(X_ptr, OUT_ptr, TAB_ptr, NIB_ptr, 0, n_bytes, chunk, tile, chunk_bytes, tile_bytes,
-              init_full, init_last, nbits, LANES, LOG2_LANES, WORDS, NIBBLES)
+    _tile_crc(
+        X_ptr,
+        OUT_ptr,
+        TAB_ptr,
+        NIB_ptr,
+        0,
+        n_bytes,
+        chunk,
+        tile,
+        chunk_bytes,
+        tile_bytes,
+        init_full,
+        init_last,
+        nbits,
+        LANES,
+        LOG2_LANES,
+        WORDS,
+        NIBBLES,
+    )
 
 
 @triton.jit
@@ -257,15 +274,46 @@ def _crc32c_multi_kernel(
     tile = t - chunk * tiles_per_chunk
     chunk_len = tl.minimum(n_bytes - chunk * chunk_bytes, chunk_bytes)
     init_last = _shift(TAB_ptr, tl.full((), -1, tl.int32), chunk_len, nbits) ^ -1
-    _tile_crc(X_ptr, OUT_ptr + out0, TAB_ptr, NIB_ptr, x_off, n_bytes, chunk, tile, chunk_bytes,
-              tile_bytes, init_full, init_last, nbits, LANES, LOG2_LANES, WORDS, NIBBLES)
+    _tile_crc(
+        X_ptr,
+        OUT_ptr + out0,
+        TAB_ptr,
+        NIB_ptr,
+        x_off,
+        n_bytes,
+        chunk,
+        tile,
+        chunk_bytes,
+        tile_bytes,
+        init_full,
+        init_last,
+        nbits,
+        LANES,
+        LOG2_LANES,
+        WORDS,
+        NIBBLES,
+    )
 
 
 @triton.jit
 def _tile_crc(
-    X_ptr, OUT_ptr, TAB_ptr, NIB_ptr, x_off, n_bytes, chunk, tile, chunk_bytes, tile_bytes,
-    init_full, init_last, nbits, LANES: tl.constexpr, LOG2_LANES: tl.constexpr,
-    WORDS: tl.constexpr, NIBBLES: tl.constexpr,
+    X_ptr,
+    OUT_ptr,
+    TAB_ptr,
+    NIB_ptr,
+    x_off,
+    n_bytes,
+    chunk,
+    tile,
+    chunk_bytes,
+    tile_bytes,
+    init_full,
+    init_last,
+    nbits,
+    LANES: tl.constexpr,
+    LOG2_LANES: tl.constexpr,
+    WORDS: tl.constexpr,
+    NIBBLES: tl.constexpr,
 ):
     """XOR tile ``tile`` of chunk ``chunk``'s contribution into OUT[chunk]; the message starts
     ``x_off`` bytes (a multiple of 4 with WORDS) after X_ptr's first byte.
@@ -454,8 +502,12 @@ _MULTI_TABLES: dict[tuple, "torch.Tensor"] = {}  # (device, chunk, addresses, le
 
 
 def crc32c_many_into(
-    sources: "list[torch.Tensor]", out: "torch.Tensor", starts: list[int], chunk_bytes: int,
-    *, step_tables: str = STEP_TABLES,
+    sources: "list[torch.Tensor]",
+    out: "torch.Tensor",
+    starts: list[int],
+    chunk_bytes: int,
+    *,
+    step_tables: str = STEP_TABLES,
 ) -> list[int]:
     """Enqueue the chunk CRC32Cs of many tensors in ONE kernel launch on the current stream.
 
@@ -476,7 +528,11 @@ def crc32c_many_into(
     chunk = int(chunk_bytes)
     if chunk <= SMALL_CHUNK_MAX or chunk % 4:
         return list(range(len(sources)))
-    take = [i for i, s in enumerate(sources) if s.numel() and s.numel() % 4 == 0 and s.data_ptr() % 4 == 0]
+    take = [
+        i
+        for i, s in enumerate(sources)
+        if s.numel() and s.numel() % 4 == 0 and s.data_ptr() % 4 == 0
+    ]
     left = sorted(set(range(len(sources))) - set(take))
     if not take:
         return left

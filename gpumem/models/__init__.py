@@ -68,7 +68,9 @@ def example_batch(cfg: ModelConfig, batch_size: int, seq_len: int | None = None,
     import torch
 
     if cfg.arch in ("vit", "resnet"):
-        images = torch.randn(batch_size, cfg.num_channels, cfg.image_size, cfg.image_size, device=device)
+        images = torch.randn(
+            batch_size, cfg.num_channels, cfg.image_size, cfg.image_size, device=device
+        )
         return images, torch.randint(0, cfg.num_classes, (batch_size,), device=device)
     seq_len = seq_len or cfg.seq_len
     if seq_len > cfg.seq_len:

@@ -34,7 +34,8 @@ class ModelConfig:
     num_kv_heads: int | None = None
     """Key/value heads for grouped-query attention; ``None`` means ``num_heads`` (plain MHA)."""
     ffn_hidden_size: int | None = None
-    """Inner MLP width; ``None`` means 4 × hidden (gpt2, vit) or the Llama 8/3 rule rounded to 256."""
+    """Inner MLP width; ``None`` means 4 × hidden (gpt2, vit) or the Llama 8/3 rule rounded to
+    256."""
     seq_len: int = 1024
     """Maximum sequence length (position table / RoPE cache size)."""
     num_experts: int = 0
@@ -95,40 +96,111 @@ class ModelConfig:
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "gpt2": {
-        "tiny": dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, seq_len=128),
-        "small": dict(hidden_size=768, num_layers=12, num_heads=12, tie_word_embeddings=True),
-        "medium": dict(hidden_size=1024, num_layers=24, num_heads=16, tie_word_embeddings=True),
-        "large": dict(hidden_size=1280, num_layers=36, num_heads=20, tie_word_embeddings=True),
-        "xl": dict(hidden_size=1600, num_layers=48, num_heads=25, tie_word_embeddings=True),
+        "tiny": {
+            "vocab_size": 512,
+            "hidden_size": 64,
+            "num_layers": 2,
+            "num_heads": 4,
+            "seq_len": 128,
+        },
+        "small": {
+            "hidden_size": 768,
+            "num_layers": 12,
+            "num_heads": 12,
+            "tie_word_embeddings": True,
+        },
+        "medium": {
+            "hidden_size": 1024,
+            "num_layers": 24,
+            "num_heads": 16,
+            "tie_word_embeddings": True,
+        },
+        "large": {
+            "hidden_size": 1280,
+            "num_layers": 36,
+            "num_heads": 20,
+            "tie_word_embeddings": True,
+        },
+        "xl": {"hidden_size": 1600, "num_layers": 48, "num_heads": 25, "tie_word_embeddings": True},
     },
     "llama": {
-        "tiny": dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                     ffn_hidden_size=176, seq_len=128),
-        "7b": dict(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
-                   ffn_hidden_size=11008, seq_len=4096),
-        "13b": dict(vocab_size=32000, hidden_size=5120, num_layers=40, num_heads=40,
-                    ffn_hidden_size=13824, seq_len=4096),
-        "70b": dict(vocab_size=32000, hidden_size=8192, num_layers=80, num_heads=64,
-                    num_kv_heads=8, ffn_hidden_size=28672, seq_len=4096),
+        "tiny": {
+            "vocab_size": 512,
+            "hidden_size": 64,
+            "num_layers": 2,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "ffn_hidden_size": 176,
+            "seq_len": 128,
+        },
+        "7b": {
+            "vocab_size": 32000,
+            "hidden_size": 4096,
+            "num_layers": 32,
+            "num_heads": 32,
+            "ffn_hidden_size": 11008,
+            "seq_len": 4096,
+        },
+        "13b": {
+            "vocab_size": 32000,
+            "hidden_size": 5120,
+            "num_layers": 40,
+            "num_heads": 40,
+            "ffn_hidden_size": 13824,
+            "seq_len": 4096,
+        },
+        "70b": {
+            "vocab_size": 32000,
+            "hidden_size": 8192,
+            "num_layers": 80,
+            "num_heads": 64,
+            "num_kv_heads": 8,
+            "ffn_hidden_size": 28672,
+            "seq_len": 4096,
+        },
     },
     "mixtral": {
-        "tiny": dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                     ffn_hidden_size=128, seq_len=128, num_experts=4, top_k=2),
-        "8x7b": dict(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
-                     num_kv_heads=8, ffn_hidden_size=14336, seq_len=4096, num_experts=8,
-                     top_k=2, rope_theta=1e6),
+        "tiny": {
+            "vocab_size": 512,
+            "hidden_size": 64,
+            "num_layers": 2,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "ffn_hidden_size": 128,
+            "seq_len": 128,
+            "num_experts": 4,
+            "top_k": 2,
+        },
+        "8x7b": {
+            "vocab_size": 32000,
+            "hidden_size": 4096,
+            "num_layers": 32,
+            "num_heads": 32,
+            "num_kv_heads": 8,
+            "ffn_hidden_size": 14336,
+            "seq_len": 4096,
+            "num_experts": 8,
+            "top_k": 2,
+            "rope_theta": 1e6,
+        },
     },
     "vit": {
-        "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, image_size=32, patch_size=8,
-                     num_classes=10),
-        "base": dict(hidden_size=768, num_layers=12, num_heads=12),
-        "large": dict(hidden_size=1024, num_layers=24, num_heads=16),
+        "tiny": {
+            "hidden_size": 64,
+            "num_layers": 2,
+            "num_heads": 4,
+            "image_size": 32,
+            "patch_size": 8,
+            "num_classes": 10,
+        },
+        "base": {"hidden_size": 768, "num_layers": 12, "num_heads": 12},
+        "large": {"hidden_size": 1024, "num_layers": 24, "num_heads": 16},
     },
     "resnet": {
-        "tiny": dict(resnet_blocks=(1, 1), resnet_width=8, image_size=32, num_classes=10),
-        "18": dict(resnet_blocks=(2, 2, 2, 2)),
-        "34": dict(resnet_blocks=(3, 4, 6, 3)),
-        "50": dict(resnet_blocks=(3, 4, 6, 3), resnet_bottleneck=True),
+        "tiny": {"resnet_blocks": (1, 1), "resnet_width": 8, "image_size": 32, "num_classes": 10},
+        "18": {"resnet_blocks": (2, 2, 2, 2)},
+        "34": {"resnet_blocks": (3, 4, 6, 3)},
+        "50": {"resnet_blocks": (3, 4, 6, 3), "resnet_bottleneck": True},
     },
 }
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpumem._assumptions import note_assumption
 from gpumem.models.config import ModelConfig
 
 
@@ -67,7 +68,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=bias)
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=bias)
-        self.rotary = Rotary(d, cfg.seq_len, cfg.rope_theta) if cfg.arch in ("llama", "mixtral") else None
+        self.rotary = (
+            Rotary(d, cfg.seq_len, cfg.rope_theta) if cfg.arch in ("llama", "mixtral") else None
+        )
         self.causal = causal
         self.dropout = cfg.dropout
 
@@ -140,9 +143,9 @@ class MoE(nn.Module):
         out = torch.zeros_like(x)
         fake = _is_fake(x)
         if fake:
-            from gpumem.profiler.fake import note_assumption
-
-            note_assumption("MoE routing assumed uniform: each expert gets tokens*top_k/num_experts")
+            note_assumption(
+                "MoE routing assumed uniform: each expert gets tokens*top_k/num_experts"
+            )
         n_tokens, n_exp = x.shape[0], len(self.experts)
         for e, expert in enumerate(self.experts):
             if fake:
@@ -231,7 +234,9 @@ class ViT(nn.Module):
             )
         self.config = cfg
         n = (cfg.image_size // cfg.patch_size) ** 2
-        self.patch_embed = nn.Conv2d(cfg.num_channels, cfg.hidden_size, cfg.patch_size, cfg.patch_size)
+        self.patch_embed = nn.Conv2d(
+            cfg.num_channels, cfg.hidden_size, cfg.patch_size, cfg.patch_size
+        )
         self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.hidden_size))
         self.pos_embed = nn.Parameter(torch.zeros(1, n + 1, cfg.hidden_size))
         self.layers = nn.ModuleList(Block(cfg, causal=False) for _ in range(cfg.num_layers))

@@ -12,5 +12,15 @@ from gpumem.planner.economics import Economics, economics, realised_loss, young_
 from gpumem.planner.schedulers import k8s_job, sbatch_header
 from gpumem.planner.search import Candidate, PlanResult, min_gpus, plan
 
-__all__ = ["Economics", "economics", "realised_loss", "young_daly", "k8s_job", "sbatch_header",
-           "Candidate", "PlanResult", "min_gpus", "plan"]  # fmt: skip
+__all__ = [
+    "Candidate",
+    "Economics",
+    "PlanResult",
+    "economics",
+    "k8s_job",
+    "min_gpus",
+    "plan",
+    "realised_loss",
+    "sbatch_header",
+    "young_daly",
+]

@@ -49,16 +49,28 @@ class Economics:
     def table(self) -> str:
         gph = self.n_gpus * self.price_per_gpu_hour
         lines = [
-            f"checkpoint every {self.interval_s / 60:.1f} min (Young/Daly sqrt(2*C*MTBF) = "
-            f"{self.young_daly_s / 60:.1f} min; C = {self.stall_s:g} s stall, persist {self.persist_s:g} s, "
-            f"MTBF {self.mtbf_s / 3600:.1f} h)",
-            f"expected time wasted: {self.waste_fraction:.2%} (= ${self.waste_fraction * self.run_hours * gph:,.0f} "
-            f"over a {self.run_hours:g} h run on {self.n_gpus} GPUs at ${self.price_per_gpu_hour:g}/GPU-h)",
-            f"loss per preemption: ${self.loss_per_preemption_no_ckpt:,.0f} without checkpoints "
-            f"(half the run on average) vs ${self.loss_per_preemption_with_ckpt:,.0f} with them",
-            f"expected preemption cost of the run: ${self.expected_cost_no_ckpt:,.0f} without vs "
-            f"${self.expected_cost_with_ckpt:,.0f} with (stalls included)",
-        ]  # fmt: skip
+            (
+                f"checkpoint every {self.interval_s / 60:.1f} min (Young/Daly "
+                f"sqrt(2*C*MTBF) = {self.young_daly_s / 60:.1f} min; "
+                f"C = {self.stall_s:g} s stall, persist {self.persist_s:g} s, "
+                f"MTBF {self.mtbf_s / 3600:.1f} h)"
+            ),
+            (
+                f"expected time wasted: {self.waste_fraction:.2%} "
+                f"(= ${self.waste_fraction * self.run_hours * gph:,.0f} "
+                f"over a {self.run_hours:g} h run on {self.n_gpus} GPUs "
+                f"at ${self.price_per_gpu_hour:g}/GPU-h)"
+            ),
+            (
+                f"loss per preemption: ${self.loss_per_preemption_no_ckpt:,.0f} "
+                "without checkpoints (half the run on average) "
+                f"vs ${self.loss_per_preemption_with_ckpt:,.0f} with them"
+            ),
+            (
+                f"expected preemption cost of the run: ${self.expected_cost_no_ckpt:,.0f} "
+                f"without vs ${self.expected_cost_with_ckpt:,.0f} with (stalls included)"
+            ),
+        ]
         return "\n".join(lines)
 
 
@@ -70,10 +82,16 @@ def young_daly(stall_s: float, mtbf_s: float) -> float:
 
 
 def economics(
-    *, n_gpus: int, price_per_gpu_hour: float, mtbf_hours: float | None = None,
-    preemption_rate: float | None = None, stall_s: float = 1.0, persist_s: float = 60.0,
-    restart_s: float = 300.0, run_hours: float = 24.0,
-) -> Economics:  # fmt: skip
+    *,
+    n_gpus: int,
+    price_per_gpu_hour: float,
+    mtbf_hours: float | None = None,
+    preemption_rate: float | None = None,
+    stall_s: float = 1.0,
+    persist_s: float = 60.0,
+    restart_s: float = 300.0,
+    run_hours: float = 24.0,
+) -> Economics:
     """Checkpoint interval and costs for a job on preemptible capacity.
 
     Args:
@@ -93,8 +111,12 @@ def economics(
             raise ValueError(f"preemption_rate must be > 0 per hour, got {preemption_rate}")
         mtbf_hours = 1.0 / preemption_rate
     assert mtbf_hours is not None
-    for name, v in (("mtbf_hours", mtbf_hours), ("run_hours", run_hours),
-                    ("price_per_gpu_hour", price_per_gpu_hour), ("n_gpus", n_gpus)):  # fmt: skip
+    for name, v in (
+        ("mtbf_hours", mtbf_hours),
+        ("run_hours", run_hours),
+        ("price_per_gpu_hour", price_per_gpu_hour),
+        ("n_gpus", n_gpus),
+    ):
         if v <= 0:
             raise ValueError(f"{name} must be positive, got {v}")
     for name, v in (("stall_s", stall_s), ("persist_s", persist_s), ("restart_s", restart_s)):
@@ -111,10 +133,26 @@ def economics(
     n_preempt = run_s / mtbf
     # without checkpoints every preemption throws away the progress so far: expected half a
     # run each time, capped by the run itself; with them, the waste fraction of the run
-    cost_no = min(n_preempt, 1.0) * loss_no + max(0.0, n_preempt - 1.0) * min(mtbf / 2, run_s / 2) * rate
+    cost_no = (
+        min(n_preempt, 1.0) * loss_no + max(0.0, n_preempt - 1.0) * min(mtbf / 2, run_s / 2) * rate
+    )
     cost_with = waste * run_s * rate
-    return Economics(mtbf, stall_s, persist_s, restart_s, tau, yd, waste, loss_no, loss_with,
-                     cost_no, cost_with, run_hours, n_gpus, price_per_gpu_hour)  # fmt: skip
+    return Economics(
+        mtbf,
+        stall_s,
+        persist_s,
+        restart_s,
+        tau,
+        yd,
+        waste,
+        loss_no,
+        loss_with,
+        cost_no,
+        cost_with,
+        run_hours,
+        n_gpus,
+        price_per_gpu_hour,
+    )
 
 
 def realised_loss(*, n_gpus: int, hours_lost: float, price_per_gpu_hour: float) -> float:

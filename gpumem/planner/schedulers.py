@@ -25,14 +25,22 @@ def _nodes(n_gpus: int, gpus_per_node: int) -> int:
 
 
 def sbatch_header(
-    *, n_gpus: int, gpus_per_node: int = 8, time_limit_min: int = 240, signal_s: int = 300,
-    job_name: str = "gpumem-train", partition: str | None = None, layout: str = "",
-) -> str:  # fmt: skip
+    *,
+    n_gpus: int,
+    gpus_per_node: int = 8,
+    time_limit_min: int = 240,
+    signal_s: int = 300,
+    job_name: str = "gpumem-train",
+    partition: str | None = None,
+    layout: str = "",
+) -> str:
     """An sbatch header: nodes, GPUs per node, requeue, SIGTERM ``signal_s`` before the limit."""
     if signal_s <= 0 or time_limit_min <= 0:
         raise ValueError("signal_s and time_limit_min must be positive")
     if signal_s >= time_limit_min * 60:
-        raise ValueError(f"signal {signal_s} s ahead of a {time_limit_min} min limit leaves no run time")
+        raise ValueError(
+            f"signal {signal_s} s ahead of a {time_limit_min} min limit leaves no run time"
+        )
     nodes = _nodes(n_gpus, gpus_per_node)
     per_node = min(n_gpus, gpus_per_node)
     h, m = divmod(time_limit_min, 60)
@@ -51,8 +59,14 @@ def sbatch_header(
         lines.append(f"#SBATCH --partition={partition}")
     lines += [
         f"# layout: {layout}" if layout else "# layout: (not given)",
-        f"# SIGTERM reaches the batch shell {signal_s} s before the time limit: trap it and forward",
-        "# it to the trainer (srun ... & wait). On preemption Slurm waits the partition's GraceTime",
+        (
+            f"# SIGTERM reaches the batch shell {signal_s} s "
+            "before the time limit: trap it and forward"
+        ),
+        (
+            "# it to the trainer (srun ... & wait). On "
+            "preemption Slurm waits the partition's GraceTime"
+        ),
         "# (scontrol show partition <name> | grep GraceTime) before SIGKILL: the final checkpoint",
         "# must persist within it.",
         "trap 'kill -TERM $TRAINER_PID 2>/dev/null; wait $TRAINER_PID' TERM",
@@ -61,9 +75,15 @@ def sbatch_header(
 
 
 def k8s_job(
-    *, n_gpus: int, gpus_per_node: int = 8, grace_s: int = 300, name: str = "gpumem-train",
-    image: str = "REPLACE_WITH_IMAGE", queue: str = "default", layout: str = "",
-) -> str:  # fmt: skip
+    *,
+    n_gpus: int,
+    gpus_per_node: int = 8,
+    grace_s: int = 300,
+    name: str = "gpumem-train",
+    image: str = "REPLACE_WITH_IMAGE",
+    queue: str = "default",
+    layout: str = "",
+) -> str:
     """A Kubernetes (indexed) Job YAML, one pod per node, gang-admitted by Kueue."""
     if grace_s <= 0:
         raise ValueError(f"grace_s must be positive, got {grace_s}")
@@ -94,7 +114,8 @@ spec:
         kueue.x-k8s.io/pod-group-total-count: "{nodes}"
     spec:
       restartPolicy: Never
-      terminationGracePeriodSeconds: {grace_s}   # SIGTERM -> SIGKILL: checkpoint must persist within it
+      terminationGracePeriodSeconds: {grace_s}   # SIGTERM -> SIGKILL: \
+checkpoint must persist within it
       containers:
       - name: trainer
         image: {image}

@@ -35,10 +35,12 @@ from typing import Any
 import numpy as np
 
 from gpumem.estimator import peak
-from gpumem.estimator.bill import Bill, Plan, estimate
+from gpumem.estimator.api import estimate
+from gpumem.estimator.bill import Bill
 from gpumem.estimator.gpus import GPU, find_gpu
 from gpumem.estimator.layout import Layout
-from gpumem.estimator.models import ModelSpec, resolve_model
+from gpumem.estimator.preset import PresetTerms
+from gpumem.estimator.specs import ModelSpec, resolve_model
 from gpumem.estimator.states import Training
 
 RECOMPUTE_COST = {"none": 0.0, "selective": 0.05, "full": 1 / 3}
@@ -60,7 +62,9 @@ class Candidate:
     comm_bytes: float
 
     def describe(self) -> str:
-        return f"{self.layout.describe()} mb{self.micro_batch} ga{self.grad_accum} rc-{self.recompute}"
+        return (
+            f"{self.layout.describe()} mb{self.micro_batch} ga{self.grad_accum} rc-{self.recompute}"
+        )
 
 
 @dataclass
@@ -84,18 +88,32 @@ class PlanResult:
         c = candidate or self.best
         if c is None:
             raise ValueError(f"no layout of {self.model.name} fits {self.n_gpus} x {self.gpu.name}")
-        return estimate(self.model, layout=c.layout, batch_size=c.micro_batch,
-                        recompute=c.recompute, grad_accum=c.grad_accum, gpu=self.gpu, **self.kwargs)  # fmt: skip
+        return estimate(
+            self.model,
+            layout=c.layout,
+            batch_size=c.micro_batch,
+            recompute=c.recompute,
+            grad_accum=c.grad_accum,
+            gpu=self.gpu,
+            **self.kwargs,
+        )
 
     def table(self, top: int = 10) -> str:
-        head = (f"{self.model.name} on {self.n_gpus} x {self.gpu.name}: {len(self.candidates)} of "
-                f"{self.n_configs} configurations fit (searched in {self.seconds * 1e3:.0f} ms)")  # fmt: skip
+        head = (
+            f"{self.model.name} on {self.n_gpus} x {self.gpu.name}: {len(self.candidates)} of "
+            f"{self.n_configs} configurations fit (searched in {self.seconds * 1e3:.0f} ms)"
+        )
         if not self.candidates:
-            return head + "\nnothing fits: add GPUs (--min-gpus), recompute, ZeRO-3, or a shorter seq_len"
+            return (
+                head
+                + "\nnothing fits: add GPUs (--min-gpus), recompute, ZeRO-3, or a shorter seq_len"
+            )
         lines = [head, f"{'rank':<5}{'layout':<44}{'peak GiB':>10}{'step s':>9}{'bubble':>8}"]
         for i, c in enumerate(self.candidates[:top], 1):
-            lines.append(f"{i:<5}{c.describe():<44}{c.total_bytes / 2**30:>10.2f}"
-                         f"{c.step_seconds:>9.2f}{c.bubble:>8.1%}")  # fmt: skip
+            lines.append(
+                f"{i:<5}{c.describe():<44}{c.total_bytes / 2**30:>10.2f}"
+                f"{c.step_seconds:>9.2f}{c.bubble:>8.1%}"
+            )
         return "\n".join(lines)
 
 
@@ -122,12 +140,21 @@ def sweep(terms: np.ndarray, owner: np.ndarray, n_configs: int) -> np.ndarray:
 
 
 def plan(
-    model: Any, *, gpu: str | GPU = "H100-80GB", n_gpus: int = 8, gpu_memory: str | int | None = None,
-    seq_len: int | None = None, global_batch: int | None = None, precision: str = "bf16-mixed",
-    optimizer: str = "adamw", micro_batches: tuple[int, ...] = (1, 2, 4, 8),
-    recompute: tuple[str, ...] = ("none", "selective", "full"), zero: tuple[int, ...] = (0, 1, 2, 3),
-    max_tp: int | None = None, **estimate_kwargs: Any,
-) -> PlanResult:  # fmt: skip
+    model: Any,
+    *,
+    gpu: str | GPU = "H100-80GB",
+    n_gpus: int = 8,
+    gpu_memory: str | int | None = None,
+    seq_len: int | None = None,
+    global_batch: int | None = None,
+    precision: str = "bf16-mixed",
+    optimizer: str = "adamw",
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8),
+    recompute: tuple[str, ...] = ("none", "selective", "full"),
+    zero: tuple[int, ...] = (0, 1, 2, 3),
+    max_tp: int | None = None,
+    **estimate_kwargs: Any,
+) -> PlanResult:
     """Every layout of ``model`` on ``n_gpus`` that fits, ranked by the throughput proxy.
 
     Args:
@@ -144,12 +171,24 @@ def plan(
     gb = global_batch or max(n_gpus, 256)
     if gb <= 0:
         raise ValueError(f"global_batch must be positive, got {gb}")
-    training = Training(precision, optimizer, estimate_kwargs.get("grads", "compute"),
-                        estimate_kwargs.get("offload_optimizer", False),
-                        estimate_kwargs.get("lora_rank", 0), estimate_kwargs.get("base_quant"))  # fmt: skip
+    training = Training(
+        precision,
+        optimizer,
+        estimate_kwargs.get("grads", "compute"),
+        estimate_kwargs.get("offload_optimizer", False),
+        estimate_kwargs.get("lora_rank", 0),
+        estimate_kwargs.get("base_quant"),
+    )
     seq = seq_len or (spec.max_seq if spec.is_decoder else 1)
-    job = Plan(spec, training, g, seq, **{k: v for k, v in estimate_kwargs.items()
-                                          if k in ("attention", "dropout", "keep_logits")})  # fmt: skip
+    job = PresetTerms(
+        spec,
+        training,
+        g,
+        seq,
+        **{
+            k: v for k, v in estimate_kwargs.items() if k in ("attention", "dropout", "keep_logits")
+        },
+    )
     bill_kwargs = dict(precision=precision, optimizer=optimizer, seq_len=seq_len, **estimate_kwargs)
     configs, rows, owner = [], [], []
     tp_cap = max_tp or g.gpus_per_node
@@ -177,7 +216,7 @@ def plan(
         return PlanResult(spec, g, n_gpus, [], 0, time.perf_counter() - t0, bill_kwargs)
     res = sweep(np.asarray(rows, dtype=np.float64), np.asarray(owner, dtype=np.int64), len(configs))
     cands = []
-    for (lay, mb, rc, ga), r in zip(configs, res):
+    for (lay, mb, rc, ga), r in zip(configs, res, strict=True):
         if r[6] <= g.total_bytes:
             step, bubble, comm = _proxy(spec, g, lay, mb, rc, ga, seq, training)
             cands.append(Candidate(lay, mb, rc, ga, int(r[6]), step, bubble, comm))
@@ -185,8 +224,9 @@ def plan(
     return PlanResult(spec, g, n_gpus, cands, len(configs), time.perf_counter() - t0, bill_kwargs)
 
 
-def _proxy(spec: ModelSpec, g: GPU, lay: Layout, mb: int, rc: str, ga: int, seq: int,
-           tr: Training) -> tuple[float, float, float]:  # fmt: skip
+def _proxy(
+    spec: ModelSpec, g: GPU, lay: Layout, mb: int, rc: str, ga: int, seq: int, tr: Training
+) -> tuple[float, float, float]:
     """(step seconds, bubble fraction, communication bytes per GPU) of the throughput proxy."""
     tokens = lay.dp * mb * ga * seq
     compute = 6 * spec.n_params * tokens / (lay.n_gpus * g.bf16_tflops * 1e12 * MFU)
@@ -195,7 +235,11 @@ def _proxy(spec: ModelSpec, g: GPU, lay: Layout, mb: int, rc: str, ga: int, seq:
     bubble = min(bubble, 0.95)
     p_rank = spec.n_params / (lay.tp * lay.pp)
     dp_bytes = 2 * p_rank * tr.grad_bytes * (1.5 if lay.stage >= 3 else 1.0) if lay.dp > 1 else 0.0
-    tp_bytes = 4 * spec.n_layers / lay.pp * ga * mb * seq * spec.hidden * tr.compute_bytes if lay.tp > 1 else 0.0
+    tp_bytes = (
+        4 * spec.n_layers / lay.pp * ga * mb * seq * spec.hidden * tr.compute_bytes
+        if lay.tp > 1
+        else 0.0
+    )
     intra = g.intra_gbps * 1e9 or g.inter_gbps * 1e9
     dp_bw = intra if lay.n_gpus <= g.gpus_per_node else g.inter_gbps * 1e9
     comm = dp_bytes / dp_bw + tp_bytes / intra
@@ -203,7 +247,9 @@ def _proxy(spec: ModelSpec, g: GPU, lay: Layout, mb: int, rc: str, ga: int, seq:
     return step, bubble, dp_bytes + tp_bytes
 
 
-def min_gpus(model: Any, *, gpu: str | GPU = "H100-80GB", max_gpus: int = 4096, **kwargs: Any) -> PlanResult:
+def min_gpus(
+    model: Any, *, gpu: str | GPU = "H100-80GB", max_gpus: int = 4096, **kwargs: Any
+) -> PlanResult:
     """The smallest GPU count (powers of two up to ``max_gpus``, then refined over multiples
     of the node size) with at least one fitting layout."""
     g = gpu if isinstance(gpu, GPU) else find_gpu(gpu, kwargs.pop("gpu_memory", None))

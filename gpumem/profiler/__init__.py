@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from gpumem._assumptions import note_assumption
 from gpumem.profiler.categories import CATEGORIES, PHASES
-from gpumem.profiler.fake import fake, note_assumption
+from gpumem.profiler.fake import fake
 from gpumem.profiler.report import LayerStats, Report, StepReport
-from gpumem.profiler.session import DataDependentError, Profile
+from gpumem.profiler.session import Profile
+from gpumem.profiler.state import DataDependentError
 
 if TYPE_CHECKING:
     import torch
@@ -70,6 +72,14 @@ def profile(
 
 
 __all__ = [
-    "CATEGORIES", "PHASES", "DataDependentError", "LayerStats", "Profile", "Report",
-    "StepReport", "fake", "note_assumption", "profile",
+    "CATEGORIES",
+    "PHASES",
+    "DataDependentError",
+    "LayerStats",
+    "Profile",
+    "Report",
+    "StepReport",
+    "fake",
+    "note_assumption",
+    "profile",
 ]

@@ -29,8 +29,3 @@ BACKWARD = "backward"
 OPTIMIZER_PHASE = "optimizer"
 
 PHASES: tuple[str, ...] = (FORWARD, BACKWARD, OPTIMIZER_PHASE)
-
-
-def empty_counts() -> dict[str, int]:
-    """Zero bytes in every category, in the canonical order."""
-    return dict.fromkeys(CATEGORIES, 0)

@@ -22,12 +22,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gpumem.profiler.fake import is_fake_model
+
 if TYPE_CHECKING:
-    from gpumem.profiler.session import Frame, Profile
+    from gpumem.profiler.state import Frame, ProbeView
 
 _HISTORY_ENTRIES = 200_000
 # torch.OutOfMemoryError is the device-generic name (2.5+); torch.cuda's is the same class
-OutOfMemoryError: type[BaseException] = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+OutOfMemoryError: type[BaseException] = getattr(
+    torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError
+)
 
 
 def _stats(device: int) -> dict[str, Any]:
@@ -52,15 +56,15 @@ class AllocatorProbe:
             return None
         from torch._guards import active_fake_mode
 
-        from gpumem.profiler.fake import is_fake_model
-
         if active_fake_mode() is not None or is_fake_model(model):  # fake tensors allocate nothing
             return None
         device = next(
             (t.device for t in [*model.parameters(), *model.buffers()] if t.device.type == "cuda"),
             torch.device("cuda", torch.cuda.current_device()),
         )
-        return cls(device.index if device.index is not None else torch.cuda.current_device(), snapshot)
+        return cls(
+            device.index if device.index is not None else torch.cuda.current_device(), snapshot
+        )
 
     def __init__(self, device: int, snapshot: str | None) -> None:
         self.device = device
@@ -99,54 +103,56 @@ class AllocatorProbe:
         self.last = (ac, rc)
         return ap, rp, ac, rc
 
-    def boundary(self, prof: Profile, extra: Frame | None = None) -> tuple[int, int, int]:
+    def boundary(self, view: ProbeView, extra: Frame | None = None) -> tuple[int, int, int]:
         """Close the current interval: every running frame and the current phase see its peak.
 
         Returns the interval's allocated peak and the current allocated and reserved bytes."""
         ap, rp, ac, rc = self._sample()
-        frames = [*prof.fwd, *prof.bwd] + ([extra] if extra is not None else [])
+        frames = view.frames + ([extra] if extra is not None else [])
         for f in frames:
             if f.alloc is not None:
                 f.alloc[2] = max(f.alloc[2], ap)
                 f.alloc[3] = max(f.alloc[3], rp)
-        phases = prof.steps[-1].allocator.setdefault("phases", {})
-        cur = phases.setdefault(prof._phase(), {"allocated_peak": 0, "reserved_peak": 0})
+        phases = view.step.allocator.setdefault("phases", {})
+        cur = phases.setdefault(view.phase, {"allocated_peak": 0, "reserved_peak": 0})
         cur["allocated_peak"] = max(cur["allocated_peak"], ap)
         cur["reserved_peak"] = max(cur["reserved_peak"], rp)
         return ap, ac, rc
 
-    def interval(self, prof: Profile) -> tuple[int, int]:
+    def interval(self, view: ProbeView) -> tuple[int, int]:
         """Light mode: close the interval; (its allocated peak, allocated bytes now)."""
-        ap, ac, _ = self.boundary(prof)
+        ap, ac, _ = self.boundary(view)
         return ap, ac
 
-    def enter(self, prof: Profile, frame: Frame, sample: bool = True) -> None:
+    def enter(self, view: ProbeView, frame: Frame, sample: bool = True) -> None:
         """A module call starts; ``sample=False`` when a boundary was just taken (light mode)."""
-        ac, rc = self.boundary(prof)[1:] if sample else self.last
+        ac, rc = self.boundary(view)[1:] if sample else self.last
         frame.alloc = [ac, rc, ac, rc]
 
-    def exit(self, prof: Profile, frame: Frame, phase: str, sample: bool = True) -> None:
+    def exit(self, view: ProbeView, frame: Frame, sample: bool = True) -> None:
         """A module call ends: its allocator peak above the level at entry."""
         if sample:
-            self.boundary(prof, extra=frame)
+            self.boundary(view, extra=frame)
         if frame.alloc is None:
             return
-        layers = prof.steps[-1].allocator.setdefault("layers", {})
-        rec = layers.setdefault(
-            frame.fqn, {"allocated_peak_delta": 0, "reserved_peak_delta": 0}
+        layers = view.step.allocator.setdefault("layers", {})
+        rec = layers.setdefault(frame.fqn, {"allocated_peak_delta": 0, "reserved_peak_delta": 0})
+        rec["allocated_peak_delta"] = max(
+            rec["allocated_peak_delta"], frame.alloc[2] - frame.alloc[0]
         )
-        rec["allocated_peak_delta"] = max(rec["allocated_peak_delta"], frame.alloc[2] - frame.alloc[0])
-        rec["reserved_peak_delta"] = max(rec["reserved_peak_delta"], frame.alloc[3] - frame.alloc[1])
+        rec["reserved_peak_delta"] = max(
+            rec["reserved_peak_delta"], frame.alloc[3] - frame.alloc[1]
+        )
 
-    def finish(self, prof: Profile, exc: BaseException | None) -> None:
+    def finish(self, view: ProbeView, exc: BaseException | None) -> None:
         """The region's summary. Never raises: it runs in ``__exit__``, where an error here would
         replace the exception the region is propagating (an OOM) and lose the report."""
-        self.boundary(prof)
+        self.boundary(view)
         stats = _stats(self.device)
         reserved_now = _stat(stats, "reserved_bytes", "current")
         try:
             outside, source = outside_allocator(self.device, reserved_now)
-        except Exception as e:  # noqa: BLE001 - a driver query must not cost the report
+        except Exception as e:
             outside, source = None, f"unavailable ({type(e).__name__}: {e})"
         self.summary = {
             "device": torch.cuda.get_device_name(self.device),
@@ -165,7 +171,7 @@ class AllocatorProbe:
             try:
                 torch.cuda.memory._dump_snapshot(str(self.snapshot))
                 self.summary["snapshot"] = str(self.snapshot)
-            except Exception as e:  # noqa: BLE001 - see the docstring
+            except Exception as e:
                 self.summary["snapshot_error"] = f"{type(e).__name__}: {e}"
                 warnings.warn(
                     f"gpumem.profile: the memory snapshot could not be written to "

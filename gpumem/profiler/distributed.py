@@ -21,7 +21,9 @@ import torch.distributed as dist
 from gpumem.profiler.report import Report
 
 
-def gather_summaries(report: Report, dst: int = 0, group: Any = None) -> list[dict[str, Any]] | None:
+def gather_summaries(
+    report: Report, dst: int = 0, group: Any = None
+) -> list[dict[str, Any]] | None:
     """Collect every rank's ``report.summary()`` on rank ``dst`` (ordered by rank).
 
     Collective: every rank of ``group`` must call it. Returns ``None`` on the other ranks.
@@ -49,7 +51,10 @@ def gather_summaries(report: Report, dst: int = 0, group: Any = None) -> list[di
     dist.all_gather(bufs, buf, group=group)
     if rank != dst:
         return None
-    return [json.loads(bytes(b[: int(n.item())].cpu().tolist())) for b, n in zip(bufs, sizes)]
+    return [
+        json.loads(bytes(b[: int(n.item())].cpu().tolist()))
+        for b, n in zip(bufs, sizes, strict=True)
+    ]
 
 
 def _device_for(group: Any) -> torch.device:

@@ -8,8 +8,9 @@ What follows from having no data:
 
 - ops whose output size depends on values (``nonzero``, boolean masking, ``.item()`` used for
   control flow) raise :class:`gpumem.profiler.DataDependentError` naming the op and the module;
-  layers may instead follow a stated assumption and call :func:`note_assumption`, which labels
-  the report as an estimate (the built-in MoE assumes uniform top-k routing);
+  layers may instead follow a stated assumption and call
+  :func:`gpumem.profiler.note_assumption`, which labels the report as an estimate (the built-in
+  MoE assumes uniform top-k routing);
 - ``device="cuda"`` builds fake CUDA tensors even on a machine without a GPU. Emulated: CUDA
   storages are counted in the allocator's 512-byte blocks, CUDA dtype rules, the code that picks
   a path by device in Python (optimizers take their CUDA default, the foreach path, and keep
@@ -162,8 +163,16 @@ def _default_device(device: str | torch.device) -> object:
     return FakeBlockDevice(device)
 
 
-_RANDOM_FILLS = ("uniform_", "normal_", "bernoulli_", "random_", "exponential_", "geometric_",
-                 "cauchy_", "log_normal_")
+_RANDOM_FILLS = (
+    "uniform_",
+    "normal_",
+    "bernoulli_",
+    "random_",
+    "exponential_",
+    "geometric_",
+    "cauchy_",
+    "log_normal_",
+)
 
 
 def _no_random_fill_mode():
@@ -212,9 +221,10 @@ def _no_autograd_without_cuda():
             kwargs = kwargs or {}
             if func in refused:
                 self._refuse(func)
-            exempt = getattr(func, "__name__", "") in ("__get__", "__set__") or getattr(
-                func, "__module__", ""
-            ) == "torch.nn.init"  # initialisers run under no_grad themselves
+            exempt = (
+                getattr(func, "__name__", "") in ("__get__", "__set__")
+                or getattr(func, "__module__", "") == "torch.nn.init"
+            )  # initialisers run under no_grad themselves
             if exempt or not torch.is_grad_enabled() or not needs_grad(args, kwargs):
                 return func(*args, **kwargs)
             with torch.no_grad():
@@ -234,15 +244,6 @@ def _no_autograd_without_cuda():
             )
 
     return NoAutograd()
-
-
-def note_assumption(text: str) -> None:
-    """Record that the running code followed an assumption instead of data (report = estimate)."""
-    from gpumem.profiler.session import active
-
-    prof = active()
-    if prof is not None:
-        prof.note_assumption(text)
 
 
 def is_fake_model(model: torch.nn.Module) -> bool:

@@ -20,18 +20,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_leaves
+
+from gpumem.profiler.tracker import tensors_in
 
 if TYPE_CHECKING:
     from gpumem.profiler.session import Profile
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
-
-
-def _grad_tensors(obj: Any) -> list[torch.Tensor]:
-    return [t for t in _tensors(obj) if t.requires_grad]
+def _gradtensors_in(obj: Any) -> list[torch.Tensor]:
+    return [t for t in tensors_in(obj) if t.requires_grad]
 
 
 class HookSet:
@@ -61,7 +58,7 @@ class HookSet:
         while self._undo:
             try:
                 self._undo.pop()()
-            except Exception as exc:  # noqa: BLE001 - keep removing, report the first failure
+            except Exception as exc:
                 errors.append(exc)
         if errors:
             raise errors[0]
@@ -91,7 +88,7 @@ class HookSet:
             return
         if fqn and not prof.measures_temporary:
             return  # light mode on CPU: only the root's backward is needed (to see the pass start)
-        outs = _grad_tensors(out)
+        outs = _gradtensors_in(out)
         if not outs:
             return
         holder: list[Any] = [None]
@@ -100,7 +97,7 @@ class HookSet:
         )
         # leaves are left out: autograd.grad() cannot ask whether it will reach a leaf node, and
         # a module fed only by leaves ends its backward when the pass ends anyway
-        ins = [t for t in _grad_tensors((args, kwargs)) if t.grad_fn is not None]
+        ins = [t for t in _gradtensors_in((args, kwargs)) if t.grad_fn is not None]
         if ins:
             torch.autograd.graph.register_multi_grad_hook(
                 ins, functools.partial(self._bw_post, holder)
@@ -118,9 +115,7 @@ class HookSet:
     def _install_params(self) -> None:
         for p, owner in self.prof.param_owner.values():
             if p.requires_grad:
-                h = p.register_post_accumulate_grad_hook(
-                    functools.partial(self._grad_ready, owner)
-                )
+                h = p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, owner))
                 self._undo.append(h.remove)
 
     def _grad_ready(self, owner: str, p: torch.Tensor) -> None:
@@ -165,11 +160,13 @@ class HookSet:
 
         @functools.wraps(original)
         def generator(fn: Any, *args: Any, **kwargs: Any):
-            prof.checkpoint_inputs(fn, _tensors((args, kwargs)))
+            prof.checkpoint_inputs(fn, tensors_in((args, kwargs)))
             return (yield from original(fn, *args, **kwargs))
 
         ckpt._checkpoint_without_reentrant_generator = generator
-        self._undo.append(lambda: setattr(ckpt, "_checkpoint_without_reentrant_generator", original))
+        self._undo.append(
+            lambda: setattr(ckpt, "_checkpoint_without_reentrant_generator", original)
+        )
 
     # -- saved tensors -------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> torch.Tensor:

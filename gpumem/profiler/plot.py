@@ -1,4 +1,6 @@
-"""Pictures of a report: a matplotlib PNG and a Chrome/Perfetto trace (matplotlib imported lazily)."""
+"""Pictures of a report: a matplotlib PNG and a Chrome/Perfetto trace.
+
+matplotlib is imported when a picture is drawn, not with the module."""
 
 from __future__ import annotations
 
@@ -11,8 +13,12 @@ if TYPE_CHECKING:
     from gpumem.profiler.report import Report
 
 _COLORS = {
-    "weights": "#4e79a7", "gradients": "#f28e2b", "optimizer": "#e15759",
-    "activations": "#76b7b2", "temporary": "#edc948", "inputs": "#b07aa1",
+    "weights": "#4e79a7",
+    "gradients": "#f28e2b",
+    "optimizer": "#e15759",
+    "activations": "#76b7b2",
+    "temporary": "#edc948",
+    "inputs": "#b07aa1",
 }
 _PHASE_COLORS = {"forward": "#d4e6f1", "backward": "#fadbd8", "optimizer": "#d5f5e3"}
 _UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
@@ -46,19 +52,24 @@ def plot_report(rep: Report, path: Path, depth: int | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     layers = _bar_layers(rep, depth)
-    cats = [c for c in ("weights", "gradients", "optimizer", "activations", "temporary")
-            if c in rep.measured]  # light mode on CPU has no temporaries to draw
+    cats = [
+        c
+        for c in ("weights", "gradients", "optimizer", "activations", "temporary")
+        if c in rep.measured
+    ]  # light mode on CPU has no temporaries to draw
     top = max([rep.peak_bytes, *(rep.layers[n].total for n in layers)], default=1)
     uname, scale = _unit(top)
     fig, (ax1, ax2) = plt.subplots(
-        1, 2, figsize=(14, max(4.0, 0.28 * len(layers) + 1.5)),
+        1,
+        2,
+        figsize=(14, max(4.0, 0.28 * len(layers) + 1.5)),
         gridspec_kw={"width_ratios": [1, 1.4]},
     )
     left = [0.0] * len(layers)
     for c in cats:
         vals = [getattr(rep.layers[n], c) / scale for n in layers]
         ax1.barh(range(len(layers)), vals, left=left, color=_COLORS[c], label=c)
-        left = [a + b for a, b in zip(left, vals)]
+        left = [a + b for a, b in zip(left, vals, strict=True)]
     ax1.set_yticks(range(len(layers)), [n or "(model)" for n in layers], fontsize=7)
     ax1.invert_yaxis()
     ax1.set_xlabel(f"{uname} (max over steps)")
@@ -71,13 +82,22 @@ def plot_report(rep: Report, path: Path, depth: int | None = None) -> Path:
         y = [b / scale for b in tl["bytes"]]
         start = 0
         for i in range(1, len(t) + 1):
-            if i == len(t) or tl["phase"][i] != tl["phase"][start] or tl["step"][i] != tl["step"][start]:
+            if (
+                i == len(t)
+                or tl["phase"][i] != tl["phase"][start]
+                or tl["step"][i] != tl["step"][start]
+            ):
                 end = t[i] if i < len(t) else t[-1]
                 ax2.axvspan(t[start], end, color=_PHASE_COLORS[PHASES[tl["phase"][start]]], lw=0)
                 start = i
         ax2.step(t, y, where="post", color="black", lw=1)
-        ax2.axhline(rep.peak_bytes / scale, color="red", ls="--", lw=0.8,
-                    label=f"peak {rep.peak_bytes / scale:.2f} {uname}")
+        ax2.axhline(
+            rep.peak_bytes / scale,
+            color="red",
+            ls="--",
+            lw=0.8,
+            label=f"peak {rep.peak_bytes / scale:.2f} {uname}",
+        )
         for ph in PHASES:
             ax2.fill_between([], [], color=_PHASE_COLORS[ph], label=ph)
         ax2.legend(fontsize=7, loc="upper left")
@@ -95,25 +115,58 @@ def chrome_trace(rep: Report) -> dict[str, Any]:
     ev: list[dict[str, Any]] = [
         {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"gpumem {rep.model}"}},
         {"name": "thread_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "phases"}},
-        {"name": "thread_name", "ph": "M", "pid": 0, "tid": 1, "args": {"name": "modules (forward)"}},
-        {"name": "thread_name", "ph": "M", "pid": 0, "tid": 2, "args": {"name": "modules (backward)"}},
+        {
+            "name": "thread_name",
+            "ph": "M",
+            "pid": 0,
+            "tid": 1,
+            "args": {"name": "modules (forward)"},
+        },
+        {
+            "name": "thread_name",
+            "ph": "M",
+            "pid": 0,
+            "tid": 2,
+            "args": {"name": "modules (backward)"},
+        },
     ]
     tl = rep.timeline
     ts, bs = tl.get("t_ns", []), tl.get("bytes", [])
-    for t, b in zip(ts, bs):
+    for t, b in zip(ts, bs, strict=True):
         ev.append({"name": "live bytes", "ph": "C", "pid": 0, "ts": t / 1e3, "args": {"bytes": b}})
     start = 0
     for i in range(1, len(ts) + 1):
-        if i == len(ts) or tl["phase"][i] != tl["phase"][start] or tl["step"][i] != tl["step"][start]:
+        if (
+            i == len(ts)
+            or tl["phase"][i] != tl["phase"][start]
+            or tl["step"][i] != tl["step"][start]
+        ):
             end = ts[i] if i < len(ts) else ts[-1]
-            ev.append({"name": f"step {tl['step'][start]} {PHASES[tl['phase'][start]]}", "ph": "X",
-                       "pid": 0, "tid": 0, "ts": ts[start] / 1e3,
-                       "dur": max(end - ts[start], 0) / 1e3})
+            ev.append(
+                {
+                    "name": f"step {tl['step'][start]} {PHASES[tl['phase'][start]]}",
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": 0,
+                    "ts": ts[start] / 1e3,
+                    "dur": max(end - ts[start], 0) / 1e3,
+                }
+            )
             start = i
     for s in rep.spans:
-        ev.append({"name": s["module"] or "(model)", "ph": "X", "pid": 0,
-                   "tid": 2 if s["phase"] == "backward" else 1, "ts": s["start_ns"] / 1e3,
-                   "dur": max(s["end_ns"] - s["start_ns"], 0) / 1e3,
-                   "args": {"step": s["step"], "phase": s["phase"]}})
-    return {"traceEvents": ev, "displayTimeUnit": "ms",
-            "otherData": {"peak_bytes": rep.peak_bytes, "schema_version": rep.schema_version}}
+        ev.append(
+            {
+                "name": s["module"] or "(model)",
+                "ph": "X",
+                "pid": 0,
+                "tid": 2 if s["phase"] == "backward" else 1,
+                "ts": s["start_ns"] / 1e3,
+                "dur": max(s["end_ns"] - s["start_ns"], 0) / 1e3,
+                "args": {"step": s["step"], "phase": s["phase"]},
+            }
+        )
+    return {
+        "traceEvents": ev,
+        "displayTimeUnit": "ms",
+        "otherData": {"peak_bytes": rep.peak_bytes, "schema_version": rep.schema_version},
+    }

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gpumem.profiler.categories import (
     ACTIVATIONS,
@@ -23,10 +23,8 @@ from gpumem.profiler.categories import (
     TEMPORARY,
     WEIGHTS,
 )
+from gpumem.profiler.state import ProfileRecord, StepAcc
 from gpumem.units import format_bytes
-
-if TYPE_CHECKING:
-    from gpumem.profiler.session import Profile
 
 SCHEMA_VERSION = 2  # 2: ``mode``/``measured``; temporaries are null where not measured
 _READS = (1, 2)
@@ -53,8 +51,13 @@ class LayerStats:
     @property
     def total(self) -> int:
         """Sum of the measured categories (``temporary`` only where measured)."""
-        return (self.weights + self.gradients + self.optimizer + self.activations
-                + (self.temporary or 0))
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer
+            + self.activations
+            + (self.temporary or 0)
+        )
 
     def _max(self, other: LayerStats) -> None:
         for f in fields(self):
@@ -155,8 +158,10 @@ class Report:
             "peak_step": self.peak_step,
             "peak_phase": self.peak_phase,
             "steps": [
-                {k: getattr(s, k) for k in ("index", "peak", "forward_peak", "backward_peak",
-                                            "optimizer_peak")}
+                {
+                    k: getattr(s, k)
+                    for k in ("index", "peak", "forward_peak", "backward_peak", "optimizer_peak")
+                }
                 for s in self.steps
             ],
             "device": self.device,
@@ -166,7 +171,8 @@ class Report:
     # -- human-readable ------------------------------------------------------------------------
     def _rows(self, depth: int | None) -> list[tuple[str, LayerStats]]:
         return [
-            (name, st) for name, st in self.layers.items()
+            (name, st)
+            for name, st in self.layers.items()
             if depth is None or (0 if name == "" else name.count(".") + 1) <= depth
         ]
 
@@ -174,14 +180,21 @@ class Report:
         """Text table: one row per module (down to ``depth`` levels), one column per category."""
         head = self._headline()
         cols = ["layer", *_LAYER_CATS]
-        rows = [[name or "(model)", *(_fmt(getattr(st, c), unit) for c in _LAYER_CATS)]
-                for name, st in self._rows(depth)]
+        rows = [
+            [name or "(model)", *(_fmt(getattr(st, c), unit) for c in _LAYER_CATS)]
+            for name, st in self._rows(depth)
+        ]
         widths = [max(len(str(r[i])) for r in [cols, *rows]) for i in range(len(cols))]
-        line = lambda r: "  ".join(  # noqa: E731
-            str(v).ljust(w) if i == 0 else str(v).rjust(w) for i, (v, w) in enumerate(zip(r, widths))
+
+        def line(r: list[Any] | tuple[Any, ...]) -> str:
+            return "  ".join(
+                str(v).ljust(w) if i == 0 else str(v).rjust(w)
+                for i, (v, w) in enumerate(zip(r, widths, strict=True))
+            )
+
+        return "\n".join(
+            [*head, "", line(cols), "  ".join("-" * w for w in widths), *map(line, rows)]
         )
-        return "\n".join([*head, "", line(cols), "  ".join("-" * w for w in widths),
-                          *map(line, rows)])
 
     def _headline(self) -> list[str]:
         tags = [self.device] + (["estimate"] if self.estimate else [])
@@ -197,9 +210,15 @@ class Report:
         if TEMPORARY not in self.measured:
             out.append("temporaries not measured (light mode on CPU; use mode='exact' for them)")
         for s in self.steps:
-            parts = [f"{p} {format_bytes(v)}" for p, v in
-                     ((FORWARD, s.forward_peak), (BACKWARD, s.backward_peak),
-                      (OPTIMIZER_PHASE, s.optimizer_peak)) if v is not None]
+            parts = [
+                f"{p} {format_bytes(v)}"
+                for p, v in (
+                    (FORWARD, s.forward_peak),
+                    (BACKWARD, s.backward_peak),
+                    (OPTIMIZER_PHASE, s.optimizer_peak),
+                )
+                if v is not None
+            ]
             out.append(f"step {s.index}: peak {format_bytes(s.peak)} ({'; '.join(parts)})")
         if self.allocator:
             a = self.allocator
@@ -207,8 +226,11 @@ class Report:
                 f"allocator: allocated peak {format_bytes(a['allocated_peak'])}, reserved peak "
                 f"{format_bytes(a['reserved_peak'])}, fragmentation at peak "
                 f"{format_bytes(a['fragmentation_at_peak'])}, outside allocator "
-                + (format_bytes(a["outside_allocator"]) if a.get("outside_allocator") is not None
-                   else "unknown")
+                + (
+                    format_bytes(a["outside_allocator"])
+                    if a.get("outside_allocator") is not None
+                    else "unknown"
+                )
             )
         out += [f"assumption: {a}" for a in self.assumptions]
         if self.error:
@@ -221,17 +243,28 @@ class Report:
         md += [f"- {line}" for line in self._headline()]
         md += ["", "| category | bytes at peak | |", "|---|---:|---:|"]
         md += [f"| {c} | {'-' if v is None else v} | {_fmt(v)} |" for c, v in self.at_peak.items()]
-        md += ["", "| step | forward peak | backward peak | optimizer peak | peak |",
-               "|---:|---:|---:|---:|---:|"]
+        md += [
+            "",
+            "| step | forward peak | backward peak | optimizer peak | peak |",
+            "|---:|---:|---:|---:|---:|",
+        ]
         for s in self.steps:
-            cells = [_fmt(v) if v is not None else "-" for v in
-                     (s.forward_peak, s.backward_peak, s.optimizer_peak, s.peak)]
+            cells = [
+                _fmt(v) if v is not None else "-"
+                for v in (s.forward_peak, s.backward_peak, s.optimizer_peak, s.peak)
+            ]
             md.append(f"| {s.index} | " + " | ".join(cells) + " |")
-        md += ["", "| layer | " + " | ".join(_LAYER_CATS) + " |",
-               "|---|" + "---:|" * len(_LAYER_CATS)]
+        md += [
+            "",
+            "| layer | " + " | ".join(_LAYER_CATS) + " |",
+            "|---|" + "---:|" * len(_LAYER_CATS),
+        ]
         for name, st in self._rows(depth):
-            md.append(f"| `{name or '(model)'}` | "
-                      + " | ".join(_fmt(getattr(st, c)) for c in _LAYER_CATS) + " |")
+            md.append(
+                f"| `{name or '(model)'}` | "
+                + " | ".join(_fmt(getattr(st, c)) for c in _LAYER_CATS)
+                + " |"
+            )
         return "\n".join(md) + "\n"
 
     def plot(self, path: str | Path, depth: int | None = None) -> Path:
@@ -269,7 +302,7 @@ def _rollup(names: list[str], direct: dict[str, int]) -> dict[str, int]:
     return out
 
 
-def _step_layers(prof: Profile, step) -> dict[str, LayerStats]:
+def _step_layers(prof: ProfileRecord, step: StepAcc) -> dict[str, LayerStats]:
     names = prof.module_names
     weights = _rollup(names, prof.weights)
     grads = _rollup(names, step.gradients)
@@ -289,8 +322,12 @@ def _step_layers(prof: Profile, step) -> dict[str, LayerStats]:
         ft, bt = (fwd_t.get(n, 0), bwd_t.get(n, 0)) if measured else (None, None)
         a = alloc.get(n)
         out[n] = LayerStats(
-            weights=weights[n], gradients=grads[n], optimizer=opt[n], activations=acts[n],
-            temporary=max(ft, bt) if measured else None, forward_temporary=ft,
+            weights=weights[n],
+            gradients=grads[n],
+            optimizer=opt[n],
+            activations=acts[n],
+            temporary=max(ft, bt) if measured else None,
+            forward_temporary=ft,
             backward_temporary=bt,
             allocated_peak_delta=a["allocated_peak_delta"] if a else None,
             reserved_peak_delta=a["reserved_peak_delta"] if a else None,
@@ -298,10 +335,8 @@ def _step_layers(prof: Profile, step) -> dict[str, LayerStats]:
     return out
 
 
-def build_report(prof: Profile) -> Report:
-    """Roll the raw per-step accumulators of a :class:`Profile` up into a :class:`Report`."""
-    from gpumem.profiler.fake import is_fake_model
-
+def build_report(prof: ProfileRecord) -> Report:
+    """Roll a profile's raw per-step record up into a :class:`Report`."""
     steps = []
     layers: dict[str, LayerStats] = {}
     for s in prof.steps:
@@ -312,28 +347,55 @@ def build_report(prof: Profile) -> Report:
             else:
                 layers[n] = LayerStats(**asdict(st))
         pp = s.phase_peak
-        steps.append(StepReport(
-            index=s.index, peak=s.peak.bytes, at_peak=_ordered(s.peak.at),
-            peak_phase=s.peak.phase, forward_peak=pp[FORWARD], backward_peak=pp[BACKWARD],
-            optimizer_peak=pp[OPTIMIZER_PHASE], forwards=s.forwards, backwards=s.backwards,
-            layers=sl, allocator=dict(s.allocator.get("phases", {})),
-        ))
+        steps.append(
+            StepReport(
+                index=s.index,
+                peak=s.peak.bytes,
+                at_peak=_ordered(s.peak.at),
+                peak_phase=s.peak.phase,
+                forward_peak=pp[FORWARD],
+                backward_peak=pp[BACKWARD],
+                optimizer_peak=pp[OPTIMIZER_PHASE],
+                forwards=s.forwards,
+                backwards=s.backwards,
+                layers=sl,
+                allocator=dict(s.allocator.get("phases", {})),
+            )
+        )
     ts, lv, ph, st = prof.timeline
     t0 = prof.t_start
-    timeline = {"t_ns": [t - t0 for t in ts], "bytes": list(lv), "phase": list(ph), "step": list(st)}
-    spans = [{"module": m, "phase": p, "start_ns": a - t0, "end_ns": b - t0, "step": k}
-             for m, p, a, b, k in prof.spans]
-    fake = is_fake_model(prof.model)
-    devices = sorted(prof.device_types) or ["cpu"]
+    timeline = {
+        "t_ns": [t - t0 for t in ts],
+        "bytes": list(lv),
+        "phase": list(ph),
+        "step": list(st),
+    }
+    spans = [
+        {"module": m, "phase": p, "start_ns": a - t0, "end_ns": b - t0, "step": k}
+        for m, p, a, b, k in prof.spans
+    ]
+    fake = prof.fake
+    devices = prof.device_types or ["cpu"]
     rank, world = _rank()
     return Report(
-        peak_bytes=prof.peak.bytes, at_peak=_ordered(prof.peak.at), peak_step=prof.peak.step,
-        peak_phase=prof.peak.phase, steps=steps, layers=layers,
-        model=type(prof.model).__name__, device="+".join(devices) + (" (fake)" if fake else ""),
-        fake=fake, estimate=bool(prof.assumptions), assumptions=list(prof.assumptions),
+        peak_bytes=prof.peak.bytes,
+        at_peak=_ordered(prof.peak.at),
+        peak_step=prof.peak.step,
+        peak_phase=prof.peak.phase,
+        steps=steps,
+        layers=layers,
+        model=prof.model_name,
+        device="+".join(devices) + (" (fake)" if fake else ""),
+        fake=fake,
+        estimate=bool(prof.assumptions),
+        assumptions=list(prof.assumptions),
         error=prof.error,
-        allocator=dict(prof.allocator.summary) if prof.allocator is not None and prof.allocator.summary else None,
-        timeline=timeline, spans=spans, rank=rank, world_size=world, mode=prof.mode,
+        allocator=prof.allocator,
+        timeline=timeline,
+        spans=spans,
+        rank=rank,
+        world_size=world,
+        mode=prof.mode,
         measured=prof.measured,
     )
 

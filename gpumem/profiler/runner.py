@@ -96,7 +96,9 @@ def profile_model(
             "without --device (fake CPU tensors of any size: the same storages without the "
             "512-byte CUDA rounding)"
         )
-    outer = fake_ctx(device=device if dev.type != "cpu" else None) if fake else contextlib.nullcontext()
+    outer = (
+        fake_ctx(device=device if dev.type != "cpu" else None) if fake else contextlib.nullcontext()
+    )
     with outer:
         path = Path(model)
         if path.suffix == ".json" or path.is_file():
@@ -123,7 +125,9 @@ def profile_model(
                 with torch.autocast(dev.type, dtype=amp) if amp else contextlib.nullcontext():
                     out = net(x)
                     logits = out.logits if hasattr(out, "logits") else out
-                    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+                    loss = F.cross_entropy(
+                        logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)
+                    )
                 loss.backward()
                 if opt is not None:
                     opt.step()

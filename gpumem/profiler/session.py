@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from gpumem._assumptions import listen, unlisten
+from gpumem.profiler import cuda
 from gpumem.profiler.categories import (
     ACTIVATIONS,
     BACKWARD,
@@ -39,16 +41,19 @@ from gpumem.profiler.categories import (
     TEMPORARY,
     WEIGHTS,
 )
-from gpumem.profiler.hooks import HookSet, _tensors
-from gpumem.profiler.state import (  # noqa: F401 - DataDependentError and Frame are imported from here
+from gpumem.profiler.fake import is_fake_model
+from gpumem.profiler.hooks import HookSet
+from gpumem.profiler.report import Report, build_report
+from gpumem.profiler.state import (
     MODES,
     PHASE_CODE,
-    DataDependentError,
     Frame,
+    ProbeView,
+    ProfileRecord,
     Snapshot,
     StepAcc,
 )
-from gpumem.profiler.tracker import Entry, StorageTracker, storages_of
+from gpumem.profiler.tracker import Entry, StorageTracker, storages_of, tensors_in
 
 _graph_task_id = torch._C._current_graph_task_id
 _ACTIVE = threading.local()
@@ -171,9 +176,9 @@ class Profile:
         self._entered = True
         self.t_start = time.perf_counter_ns()
         self._register_existing()
-        from gpumem.profiler import cuda
-
-        self.allocator = cuda.AllocatorProbe.maybe(self.model, self.device_types, self.snapshot_path)
+        self.allocator = cuda.AllocatorProbe.maybe(
+            self.model, self.device_types, self.snapshot_path
+        )
         if self.light and self.allocator is not None:
             self._baseline = self.allocator.start_allocated - self._cuda_tracked()
             self._light_level = self.tracker.level
@@ -190,11 +195,13 @@ class Profile:
                 self.allocator.close()
             raise
         _ACTIVE.profile = self
+        listen(self.note_assumption)
         self._sync()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         _ACTIVE.profile = None
+        unlisten(self.note_assumption)
         self._exited = True
         self.t_end = time.perf_counter_ns()
         try:
@@ -214,14 +221,39 @@ class Profile:
         if exc is not None:
             self.error = f"{exc_type.__name__}: {exc}"
         if self.allocator is not None:
-            self.allocator.finish(self, exc)
+            self.allocator.finish(self.probe_view(), exc)
         return False  # never swallow the exception
 
-    def report(self):
+    def report(self) -> Report:
         """The :class:`~gpumem.profiler.report.Report` of everything measured so far."""
-        from gpumem.profiler.report import build_report
+        return build_report(self.record())
 
-        return build_report(self)
+    def record(self) -> ProfileRecord:
+        """Everything measured so far as plain data (the report is built from it)."""
+        return ProfileRecord(
+            mode=self.mode,
+            model_name=type(self.model).__name__,
+            fake=is_fake_model(self.model),
+            device_types=sorted(self.device_types),
+            module_names=self.module_names,
+            weights=self.weights,
+            steps=self.steps,
+            peak=self.peak,
+            measured=self.measured,
+            measures_temporary=self.measures_temporary,
+            timeline=self.timeline,
+            t_start=self.t_start,
+            spans=self.spans,
+            assumptions=list(self.assumptions),
+            error=self.error,
+            allocator=dict(self.allocator.summary)
+            if self.allocator is not None and self.allocator.summary
+            else None,
+        )
+
+    def probe_view(self) -> ProbeView:
+        """What the CUDA allocator probe reads at a boundary: running frames, phase, step."""
+        return ProbeView([*self.fwd, *self.bwd], self._phase(), self.steps[-1])
 
     # -- state at entry ------------------------------------------------------------------------
     def _register_existing(self) -> None:
@@ -243,7 +275,7 @@ class Profile:
         if self.optimizer is not None:
             for p, state in self.optimizer.state.items():
                 owner = self.param_owner.get(id(p), (None, ""))[1]
-                for t in _tensors(state):
+                for t in tensors_in(state):
                     tr.track(t, OPTIMIZER, owner)
 
     # -- tracker callbacks ---------------------------------------------------------------------
@@ -327,7 +359,11 @@ class Profile:
                 at[TEMPORARY] = 0
                 at[TEMPORARY] = max(0, level - sum(at.values()))
         return Snapshot(
-            level, at, self.tracker.events, phase, step.index,
+            level,
+            at,
+            self.tracker.events,
+            phase,
+            step.index,
             len(step.opt_new) if self._in_step else 0,
         )
 
@@ -346,7 +382,7 @@ class Profile:
         if self.allocator is None:
             self._after_op()
         else:
-            peak, now = self.allocator.interval(self)
+            peak, now = self.allocator.interval(self.probe_view())
             other = tr.level - self._cuda_tracked()  # tracked bytes on other devices
             self._light_level = now - self._baseline + other
             self._after_op(max(peak - self._baseline + other, tr.level))
@@ -415,7 +451,7 @@ class Profile:
                 temps[f.fqn] = temp
         phase = BACKWARD if f.in_backward else FORWARD
         if self.allocator is not None:
-            self.allocator.exit(self, f, phase, sample=not self.light)
+            self.allocator.exit(self.probe_view(), f, sample=not self.light)
         if self.record_timeline:
             self.spans.append((f.fqn, phase, f.t0, time.perf_counter_ns(), step.index))
 
@@ -425,7 +461,7 @@ class Profile:
             self._closed = False
         self.steps[-1].forwards += 1
         self._tail = None
-        for t in _tensors((args, kwargs)):
+        for t in tensors_in((args, kwargs)):
             for st in storages_of(t):
                 e = self.tracker.lookup(st)
                 if e is None:
@@ -455,7 +491,7 @@ class Profile:
         if self.light:
             self.tracker.events += 1  # storages registered from now on are born inside the call
         if self.allocator is not None:
-            self.allocator.enter(self, frame, sample=not self.light)
+            self.allocator.enter(self.probe_view(), frame, sample=not self.light)
         return frame
 
     def backward_exit(self, frame: Frame) -> None:
@@ -498,7 +534,7 @@ class Profile:
             for st in storages_of(p.grad):
                 e = self.tracker.lookup(st)
                 if e is None and self.light:  # assigned outside autograd: nothing saw it yet
-                    e = self.tracker._add(st, p.grad.device.type, GRADIENTS, owner)
+                    e = self.tracker.add(st, p.grad.device.type, GRADIENTS, owner)
                 if e is not None and id(e) not in seen:
                     seen.add(id(e))
                     per[owner] = per.get(owner, 0) + e.nbytes
@@ -509,7 +545,7 @@ class Profile:
         for st in storages_of(grad):
             e = self.tracker.lookup(st)
             if e is None:  # light mode, or created outside the dispatcher (a C++ extension)
-                e = self.tracker._add(st, grad.device.type, GRADIENTS, owner)
+                e = self.tracker.add(st, grad.device.type, GRADIENTS, owner)
                 if self.light:
                     self._credit(self.bwd, e)
                 self._sync()
@@ -528,7 +564,7 @@ class Profile:
             new = False
             for st in storages_of(t):
                 if self.tracker.lookup(st) is None:
-                    e = self.tracker._add(st, t.device.type, ACTIVATIONS, module)
+                    e = self.tracker.add(st, t.device.type, ACTIVATIONS, module)
                     self._mark_activation(e, module)
                     new = True
             if new:
@@ -564,7 +600,7 @@ class Profile:
         if self.light:
             self._boundary()
         elif self.allocator is not None:
-            self.allocator.boundary(self)
+            self.allocator.boundary(self.probe_view())
         self._in_step = True
         self.tracker.on_new = self.steps[-1].opt_new.append
 
@@ -577,13 +613,13 @@ class Profile:
         seen: set[int] = set()
         for p, s in self.optimizer.state.items():
             owner = self.param_owner.get(id(p), (None, ""))[1]
-            for t in _tensors(s):
+            for t in tensors_in(s):
                 for st in storages_of(t):
                     e = self.tracker.lookup(st)
                     if e is None:
                         if not self.light:
                             continue
-                        e = self.tracker._add(st, t.device.type, OPTIMIZER, owner)
+                        e = self.tracker.add(st, t.device.type, OPTIMIZER, owner)
                     state[id(e)] = owner
                     if id(e) not in seen:
                         seen.add(id(e))
@@ -609,7 +645,7 @@ class Profile:
         if self.light:
             self._boundary()  # the new state, and on CUDA the step's peak, in the optimizer phase
         elif self.allocator is not None:
-            self.allocator.boundary(self)
+            self.allocator.boundary(self.probe_view())
         self._in_step = False
         self._tail = OPTIMIZER_PHASE
         self._closed = True

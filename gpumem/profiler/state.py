@@ -1,12 +1,14 @@
 """The records a profile keeps while it runs: module call frames, peak snapshots, steps.
 
-Plain data; ``session.py`` fills them, ``report.py`` and ``cuda.py`` read them.
+Plain data: ``session.py`` fills them; ``cuda.py`` reads and extends the frames and the step's
+``allocator`` record it is handed (a ``ProbeView``); ``report.py`` rolls a finished
+``ProfileRecord`` up into a ``Report``. Nobody else reaches into the session.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gpumem.profiler.categories import BACKWARD, FORWARD, OPTIMIZER_PHASE, PHASES
 
@@ -64,3 +66,49 @@ class StepAcc:
     optimizer: dict[str, int] = field(default_factory=dict)
     opt_new: list[Entry] = field(default_factory=list)
     allocator: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+class ProbeView(NamedTuple):
+    """What the CUDA allocator probe needs at a hook boundary."""
+
+    frames: list[Frame]
+    """The module calls running now (forward, then backward), outermost first."""
+    phase: str
+    """The training phase the interval that ends belongs to."""
+    step: StepAcc
+    """The running step; the probe records its per-phase and per-layer peaks in ``allocator``."""
+
+
+@dataclass
+class ProfileRecord:
+    """Everything a profile measured, as plain data: what ``report.build_report`` rolls up.
+
+    Per-module dicts are keyed by fully qualified module name (``""`` is the model itself).
+    """
+
+    mode: str
+    """``"exact"`` or ``"light"``."""
+    model_name: str
+    fake: bool
+    """The model's parameters are fake tensors (the numbers are an estimate of a real run)."""
+    device_types: list[str]
+    module_names: list[str]
+    """Every module of the model, in ``named_modules`` order."""
+    weights: dict[str, int]
+    """Bytes of each module's own parameters and buffers."""
+    steps: list[StepAcc]
+    peak: Snapshot
+    """The region's highest moment (one of the steps' peaks)."""
+    measured: list[str]
+    """The categories measured (light mode on CPU leaves out ``temporary``)."""
+    measures_temporary: bool
+    timeline: tuple[list[int], list[int], list[int], list[int]]
+    """Samples (perf_counter ns, bytes, phase code, step index), each one list."""
+    t_start: int
+    """perf_counter ns at the region's entry: the timeline's zero."""
+    spans: list[tuple[str, str, int, int, int]]
+    """Module calls: (module, phase, start ns, end ns, step index)."""
+    assumptions: list[str]
+    error: str | None
+    allocator: dict[str, Any] | None
+    """The CUDA allocator's and driver's summary, when the model runs on CUDA."""

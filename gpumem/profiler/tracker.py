@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 from gpumem.profiler.categories import CATEGORIES
+from gpumem.profiler.state import DataDependentError
 
 CUDA_BLOCK = 512  # CUDACachingAllocator kMinBlockSize: every block is a multiple of this
 
@@ -45,6 +46,11 @@ def _plain_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
             yield from _plain_tensors(getattr(t, name))
     else:
         yield t
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in a nested structure of containers (args, kwargs, optimizer state)."""
+    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
 
 
 def storages_of(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
@@ -70,7 +76,8 @@ def _may_resize(func: Any) -> bool:
         try:
             name = func._schema.name
             m = any(
-                a.alias_info is not None and a.alias_info.is_write
+                a.alias_info is not None
+                and a.alias_info.is_write
                 and (a.kwarg_only or "resize" in name or "set_" in name)
                 for a in func._schema.arguments
             )
@@ -92,8 +99,17 @@ def _data_dependent_errors() -> tuple[type[BaseException], ...]:
 class Entry:
     """One live storage: its size, what it is, and which module it belongs to."""
 
-    __slots__ = ("__weakref__", "born", "category", "device", "died", "key", "module", "nbytes",
-                 "ref")
+    __slots__ = (
+        "__weakref__",
+        "born",
+        "category",
+        "device",
+        "died",
+        "key",
+        "module",
+        "nbytes",
+        "ref",
+    )
 
     def __init__(self, nbytes: int, category: str, module: str, device: str, born: int) -> None:
         self.nbytes = nbytes
@@ -159,11 +175,11 @@ class StorageTracker(TorchDispatchMode):
         for st in storages_of(t):
             e = self.lookup(st)
             if e is None:
-                e = self._add(st, t.device.type, category, module)
+                e = self.add(st, t.device.type, category, module)
             out.append(e)
         return out
 
-    def _add(self, st: torch.UntypedStorage, device_type: str, category: str, module: str) -> Entry:
+    def add(self, st: torch.UntypedStorage, device_type: str, category: str, module: str) -> Entry:
         n = storage_bytes(st, device_type)
         e = Entry(n, category, module, device_type, self.events)
         e.key = key = id(st)
@@ -215,13 +231,12 @@ class StorageTracker(TorchDispatchMode):
     # -- the mode ------------------------------------------------------------------------------
     # The hot path: one call per aten op. It allocates nothing for ops whose outputs are views of
     # storages already tracked, compares sizes only after ops that can resize (``out=``
-    # variants, resize_ and set_), and handles plain tensors and fake tensors of our own mode inline.
+    # variants, resize_ and set_), and handles plain tensors and fake tensors of our own mode
+    # inline.
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         try:
             out = func(*args, **(kwargs or {}))
         except _data_dependent_errors() as exc:
-            from gpumem.profiler.session import DataDependentError
-
             raise DataDependentError(
                 f"{func} in module {self._where()!r} has an output whose size or value depends on "
                 "tensor data, which fake tensors do not have; run this model for real, or make the "
@@ -258,7 +273,7 @@ class StorageTracker(TorchDispatchMode):
                     continue
                 if ctx is None:
                     ctx = self._context()
-                self._add(st, t.device.type, ctx[0], ctx[1])
+                self.add(st, t.device.type, ctx[0], ctx[1])
             elif cls is _FakeTensor or not isinstance(t, _Tensor):
                 # a fake mode other than the one we started under is tracing (torch.compile,
                 # DTensor sharding propagation): its tensors are not memory of this run
@@ -272,7 +287,7 @@ class StorageTracker(TorchDispatchMode):
                         if e is None:
                             if ctx is None:
                                 ctx = self._context()
-                            self._add(st, inner.device.type, ctx[0], ctx[1])
+                            self.add(st, inner.device.type, ctx[0], ctx[1])
                         elif e.nbytes != storage_bytes(st, e.device):
                             self._resized(st)
         self._after_op()

@@ -20,7 +20,17 @@ def test_calibrate_end_to_end(tmp_path, capsys, monkeypatch):
     ckpts = tmp_path / "ckpts"
     ckpts.mkdir()
     monkeypatch.chdir(tmp_path)
-    argv = ["calibrate", "--dir", str(ckpts), "--sizes", "2MiB,5MiB", "--repeat", "1", "--device", "cpu"]
+    argv = [
+        "calibrate",
+        "--dir",
+        str(ckpts),
+        "--sizes",
+        "2MiB,5MiB",
+        "--repeat",
+        "1",
+        "--device",
+        "cpu",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "wrote calibration.json (in the current directory)" in out
@@ -35,28 +45,60 @@ def test_calibrate_end_to_end(tmp_path, capsys, monkeypatch):
 
 def test_calibrate_json_with_a_profile_report(tmp_path, capsys):
     # the allocator summary a CUDA profile writes (gpumem.profiler.cuda.AllocatorProbe.finish)
-    alloc = {"device": "NVIDIA H100 80GB HBM3", "allocated_peak": 8 * GiB, "reserved_peak": 9 * GiB,
-             "fragmentation_at_peak": GiB // 2, "outside_allocator": 640 * MiB,
-             "outside_allocator_source": "nvml process used - reserved"}  # fmt: skip
+    alloc = {
+        "device": "NVIDIA H100 80GB HBM3",
+        "allocated_peak": 8 * GiB,
+        "reserved_peak": 9 * GiB,
+        "fragmentation_at_peak": GiB // 2,
+        "outside_allocator": 640 * MiB,
+        "outside_allocator_source": "nvml process used - reserved",
+    }
     report = tmp_path / "profile.json"
     report.write_text(json.dumps({"device": "cuda:0", "world_size": None, "allocator": alloc}))
     out_file = tmp_path / "cal.json"
-    argv = ["calibrate", "--dir", str(tmp_path), "--sizes", "2MiB,4MiB", "--repeat", "1", "--device", "cpu",
-            "--out", str(out_file), "--json", "--report", str(report)]  # fmt: skip
+    argv = [
+        "calibrate",
+        "--dir",
+        str(tmp_path),
+        "--sizes",
+        "2MiB,4MiB",
+        "--repeat",
+        "1",
+        "--device",
+        "cpu",
+        "--out",
+        str(out_file),
+        "--json",
+        "--report",
+        str(report),
+    ]
     assert main(argv) == 0
     captured = capsys.readouterr()
     data = json.loads(captured.out)
     assert data == json.loads(out_file.read_text())
     assert f"wrote {out_file}" in captured.err
-    assert all(isinstance(p["nbytes"], int) for p in data["checkpoint"]["points"])  # integer bytes in JSON
-    assert data["report"]["fragmentation"] == 1 / 16 and data["report"]["outside_allocator_bytes"] == 640 * MiB
+    assert all(
+        isinstance(p["nbytes"], int) for p in data["checkpoint"]["points"]
+    )  # integer bytes in JSON
+    assert (
+        data["report"]["fragmentation"] == 1 / 16
+        and data["report"]["outside_allocator_bytes"] == 640 * MiB
+    )
     gpu = load(out_file).apply_to(find_gpu("H100-80GB"))
     assert (gpu.context_bytes, gpu.fragmentation) == (640 * MiB, 1 / 16)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer of a machine without CUDA")
 def test_calibrate_cuda_without_a_gpu(tmp_path, capsys):
-    argv = ["calibrate", "--dir", str(tmp_path), "--out", str(tmp_path / "c.json"), "--device", "cuda"]
+    argv = [
+        "calibrate",
+        "--dir",
+        str(tmp_path),
+        "--out",
+        str(tmp_path / "c.json"),
+        "--device",
+        "cuda",
+    ]
     assert main(argv) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
@@ -73,7 +115,16 @@ def test_calibrate_cuda_without_a_gpu(tmp_path, capsys):
     ],
 )
 def test_calibrate_bad_input(tmp_path, capsys, extra, match):
-    argv = ["calibrate", "--dir", str(tmp_path), "--out", str(tmp_path / "c.json"), "--device", "cpu", *extra]
+    argv = [
+        "calibrate",
+        "--dir",
+        str(tmp_path),
+        "--out",
+        str(tmp_path / "c.json"),
+        "--device",
+        "cpu",
+        *extra,
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("gpumem calibrate: error:") and re.search(match, err), err
@@ -99,27 +150,59 @@ def _checkpoint_bytes(layout: str) -> int:
 
 def test_plan_uses_the_measured_times(valid, tmp_path, capsys):
     path = _write(tmp_path, valid)
-    argv = ["plan", "gpt2", "--gpus", "8", "--mtbf-hours", "24", "--startup-s", "100", "--calibration", path, "--json"]
+    argv = [
+        "plan",
+        "gpt2",
+        "--gpus",
+        "8",
+        "--mtbf-hours",
+        "24",
+        "--startup-s",
+        "100",
+        "--calibration",
+        path,
+        "--json",
+    ]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     n = _checkpoint_bytes(out["fitting"][0]["layout"])
     cal = out["calibration"]
-    assert cal["checkpoint_bytes"] == n and cal["extrapolated"] is True  # 415 MiB: beyond the 64-256 MiB measured
+    assert (
+        cal["checkpoint_bytes"] == n and cal["extrapolated"] is True
+    )  # 415 MiB: beyond the 64-256 MiB measured
     stall, persist, restart = 0.5 + 1e-9 * n, 2.0 + 4e-9 * n, 1.0 + 3e-9 * n + 100
     e = out["economics"]
-    assert (e["stall_s"], e["persist_s"], e["restart_s"]) == pytest.approx((stall, persist, restart), rel=1e-9)
+    assert (e["stall_s"], e["persist_s"], e["restart_s"]) == pytest.approx(
+        (stall, persist, restart), rel=1e-9
+    )
     mtbf = 24 * 3600.0
     tau = max(math.sqrt(2 * stall * mtbf), persist)
     assert e["interval_s"] == pytest.approx(tau, rel=1e-12)
-    assert e["waste_fraction"] == pytest.approx(stall / tau + (tau / 2 + persist + restart) / mtbf, rel=1e-12)
-    assert cal["stall_s"]["source"].startswith("measured") and cal["restart_s"]["value"] == pytest.approx(restart)
+    assert e["waste_fraction"] == pytest.approx(
+        stall / tau + (tau / 2 + persist + restart) / mtbf, rel=1e-12
+    )
+    assert cal["stall_s"]["source"].startswith("measured") and cal["restart_s"][
+        "value"
+    ] == pytest.approx(restart)
     assert cal["created_utc"] == "2026-01-31T12:00:00Z" and cal["host"] == "node-7"
 
 
 def test_plan_explicit_flags_win(valid, tmp_path, capsys):
     path = _write(tmp_path, valid)
-    argv = ["plan", "gpt2", "--gpus", "8", "--mtbf-hours", "24", "--calibration", path, "--stall-s", "3",
-            "--restart-s", "42"]
+    argv = [
+        "plan",
+        "gpt2",
+        "--gpus",
+        "8",
+        "--mtbf-hours",
+        "24",
+        "--calibration",
+        path,
+        "--stall-s",
+        "3",
+        "--restart-s",
+        "42",
+    ]
     assert main(argv) == 0
     text = capsys.readouterr().out
     out_line = next(line for line in text.splitlines() if line.startswith("checkpoint times for"))
@@ -129,7 +212,10 @@ def test_plan_explicit_flags_win(valid, tmp_path, capsys):
     assert re.search(r"persist P\s+[\d.]+ s\s+measured: time to durable", text)
     assert re.search(r"restart R\s+42\.000 s\s+--restart-s", text)
     assert "C = 3 s stall" in text
-    assert "context 900.00 MiB (measured: profile report" in text and "fragmentation 10.00% (measured" in text
+    assert (
+        "context 900.00 MiB (measured: profile report" in text
+        and "fragmentation 10.00% (measured" in text
+    )
 
 
 def test_plan_reserve_is_applied(valid, tmp_path, capsys):
@@ -137,14 +223,20 @@ def test_plan_reserve_is_applied(valid, tmp_path, capsys):
     assert main(["plan", "gpt2", "--gpus", "8", "--calibration", path, "--json"]) == 0
     p = json.loads(capsys.readouterr().out)["bill"]["per_gpu"]
     allocated = sum(p[c] for c in ("weights", "gradients", "optimizer", "activations", "temporary"))
-    assert p["overhead"] == int(900 * MiB + GiB + allocated * 0.1)  # measured context, default NCCL, measured frag
+    assert p["overhead"] == int(
+        900 * MiB + GiB + allocated * 0.1
+    )  # measured context, default NCCL, measured frag
 
 
 def test_plan_without_calibration_is_unchanged(capsys):
     assert main(["plan", "gpt2", "--gpus", "8", "--mtbf-hours", "24", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert "calibration" not in out
-    assert (out["economics"]["stall_s"], out["economics"]["persist_s"], out["economics"]["restart_s"]) == (1.0, 60.0, 300.0)
+    assert (
+        out["economics"]["stall_s"],
+        out["economics"]["persist_s"],
+        out["economics"]["restart_s"],
+    ) == (1.0, 60.0, 300.0)
 
 
 def test_estimate_with_calibration(valid, tmp_path, capsys):
@@ -153,7 +245,9 @@ def test_estimate_with_calibration(valid, tmp_path, capsys):
     assert main(["estimate", "gpt2", "--calibration", path, "--json"]) == 0
     p = json.loads(capsys.readouterr().out)["per_gpu"]
     allocated = sum(p[c] for c in ("weights", "gradients", "optimizer", "activations", "temporary"))
-    assert p["overhead"] == int(512 * MiB + allocated * 0.05)  # probe's context; default fragmentation
+    assert p["overhead"] == int(
+        512 * MiB + allocated * 0.05
+    )  # probe's context; default fragmentation
     assert main(["estimate", "gpt2", "--calibration", path]) == 0
     text = capsys.readouterr().out
     assert "context 512.00 MiB (measured: probe on NVIDIA H100 80GB HBM3)" in text

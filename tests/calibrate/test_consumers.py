@@ -44,7 +44,10 @@ def test_apply_to_prefers_the_single_process_report(valid):
     assert out.context_bytes == 900 * MiB  # the report's outside-allocator bytes (per-process NVML)
     assert out.fragmentation == 0.1
     assert out.nccl_bytes == NCCL_BYTES  # never measured: untouched
-    assert dataclasses.replace(out, context_bytes=gpu.context_bytes, fragmentation=gpu.fragmentation) == gpu
+    assert (
+        dataclasses.replace(out, context_bytes=gpu.context_bytes, fragmentation=gpu.fragmentation)
+        == gpu
+    )
     assert gpu.context_bytes == CONTEXT_BYTES  # the catalog entry itself is not modified
 
 
@@ -53,14 +56,20 @@ def test_apply_to_uses_the_probe_for_a_distributed_report(valid):
     out = Calibration.from_dict(valid).apply_to(find_gpu("H100-80GB"))
     assert (out.context_bytes, out.fragmentation) == (512 * MiB, 0.1)
     valid["report"]["world_size"] = None
-    valid["report"]["outside_allocator_source"] = "device used (cudaMemGetInfo, all processes) - reserved"
+    valid["report"]["outside_allocator_source"] = (
+        "device used (cudaMemGetInfo, all processes) - reserved"
+    )
     assert Calibration.from_dict(valid).apply_to(find_gpu("H100-80GB")).context_bytes == 512 * MiB
 
 
 def test_apply_to_leaves_unmeasured_fields(valid):
     valid["report"] = None
     out = Calibration.from_dict(valid).apply_to(find_gpu("A100-40GB"))
-    assert (out.context_bytes, out.fragmentation, out.name) == (512 * MiB, FRAGMENTATION, "A100-40GB")
+    assert (out.context_bytes, out.fragmentation, out.name) == (
+        512 * MiB,
+        FRAGMENTATION,
+        "A100-40GB",
+    )
     valid["gpu_reserve"] = None
     gpu = find_gpu("A100-40GB")
     assert Calibration.from_dict(valid).apply_to(gpu) is gpu
@@ -76,10 +85,18 @@ def test_estimate_with_a_calibrated_gpu_uses_the_measured_reserve(valid):
     assert default["overhead"] == int(CONTEXT_BYTES + allocated * FRAGMENTATION)
 
 
-ALLOC = {"device": "NVIDIA H100 80GB HBM3", "allocated_peak": 10 * GiB, "reserved_peak": 12 * GiB,
-         "fragmentation_at_peak": 1536 * MiB, "outside_allocator": 700 * MiB,
-         "outside_allocator_source": "nvml process used - reserved", "alloc_retries": 0, "ooms": 0,
-         "out_of_memory": False, "snapshot": None}  # fmt: skip
+ALLOC = {
+    "device": "NVIDIA H100 80GB HBM3",
+    "allocated_peak": 10 * GiB,
+    "reserved_peak": 12 * GiB,
+    "fragmentation_at_peak": 1536 * MiB,
+    "outside_allocator": 700 * MiB,
+    "outside_allocator_source": "nvml process used - reserved",
+    "alloc_retries": 0,
+    "ooms": 0,
+    "out_of_memory": False,
+    "snapshot": None,
+}
 
 
 def _cpu_report():
@@ -94,7 +111,7 @@ def _cpu_report():
 
 def test_from_report_reads_a_profile_json(tmp_path):
     rep = _cpu_report()
-    with pytest.raises(CalibrationError, match="no CUDA allocator data .* on a CUDA device"):
+    with pytest.raises(CalibrationError, match=r"no CUDA allocator data .* on a CUDA device"):
         from_report(rep)  # a CPU profile has no allocator view
     # the real report format, with the allocator summary a CUDA run writes
     rep.allocator = dict(ALLOC)
@@ -103,13 +120,19 @@ def test_from_report_reads_a_profile_json(tmp_path):
     for source in (rep, rep.to_dict(), path, str(path)):
         r = from_report(source)
         assert r.fragmentation == 1536 / 10240
-        assert (r.allocated_peak_bytes, r.reserved_peak_bytes, r.fragmentation_bytes) == (10 * GiB, 12 * GiB, 1536 * MiB)
+        assert (r.allocated_peak_bytes, r.reserved_peak_bytes, r.fragmentation_bytes) == (
+            10 * GiB,
+            12 * GiB,
+            1536 * MiB,
+        )
         assert r.context_bytes == 700 * MiB and r.world_size is None
 
 
 def test_with_report_round_trips(valid, tmp_path):
     valid["report"] = None
-    cal = Calibration.from_dict(valid).with_report({"device": "cuda:0", "world_size": 2, "allocator": dict(ALLOC)})
+    cal = Calibration.from_dict(valid).with_report(
+        {"device": "cuda:0", "world_size": 2, "allocator": dict(ALLOC)}
+    )
     assert cal.report.world_size == 2 and cal.report.context_bytes is None
     again = Calibration.from_json(cal.to_json())
     assert again == cal
@@ -121,7 +144,10 @@ def test_with_report_round_trips(valid, tmp_path):
         ({**ALLOC, "allocated_peak": 0}, "allocated nothing"),
         ({**ALLOC, "fragmentation_at_peak": -5}, "fragmentation_at_peak: -5 is below 0"),
         ({**ALLOC, "allocated_peak": "10"}, "allocated_peak: expected an integer"),
-        ({k: v for k, v in ALLOC.items() if k != "fragmentation_at_peak"}, "fragmentation_at_peak: missing"),
+        (
+            {k: v for k, v in ALLOC.items() if k != "fragmentation_at_peak"},
+            "fragmentation_at_peak: missing",
+        ),
     ],
 )
 def test_from_report_rejects_bad_numbers(alloc, match):

@@ -64,16 +64,47 @@ _DELETE = object()
         (("machine", "host"), _DELETE, "machine.host: missing"),
         (("versions", "torch"), 2, "versions.torch: expected a string"),
         (("checkpoint", "device"), "tpu", "checkpoint.device: 'tpu' is not one of cpu, cuda"),
-        (("checkpoint", "fits", "durable_s", "seconds_per_byte"), -1e-9,
-         "checkpoint.fits.durable_s.seconds_per_byte: -1e-09 is below 0"),
-        (("checkpoint", "fits", "restore_s", "intercept_s"), "1.0", "checkpoint.fits.restore_s.intercept_s: expected a number"),
-        (("checkpoint", "fits", "restore_s", "max_bytes"), 64 << 20, "max_bytes .* must exceed min_bytes"),
-        (("checkpoint", "fits", "overlap_stall_s"), _DELETE, "checkpoint.fits.overlap_stall_s: missing"),
-        (("checkpoint", "fits", "overlap_stall_s"), [], "checkpoint.fits.overlap_stall_s: expected a JSON object"),
+        (
+            ("checkpoint", "fits", "durable_s", "seconds_per_byte"),
+            -1e-9,
+            "checkpoint.fits.durable_s.seconds_per_byte: -1e-09 is below 0",
+        ),
+        (
+            ("checkpoint", "fits", "restore_s", "intercept_s"),
+            "1.0",
+            "checkpoint.fits.restore_s.intercept_s: expected a number",
+        ),
+        (
+            ("checkpoint", "fits", "restore_s", "max_bytes"),
+            64 << 20,
+            "max_bytes .* must exceed min_bytes",
+        ),
+        (
+            ("checkpoint", "fits", "overlap_stall_s"),
+            _DELETE,
+            "checkpoint.fits.overlap_stall_s: missing",
+        ),
+        (
+            ("checkpoint", "fits", "overlap_stall_s"),
+            [],
+            "checkpoint.fits.overlap_stall_s: expected a JSON object",
+        ),
         (("checkpoint", "points"), {}, "checkpoint.points: expected a JSON array"),
-        (("checkpoint", "points", 1, "samples", "durable_s"), [], r"checkpoint.points\[1\].samples.durable_s: no samples"),
-        (("checkpoint", "points", 0, "samples", "durable_s", 0), -0.5, r"checkpoint.points\[0\].samples.durable_s\[0\]"),
-        (("checkpoint", "points", 0, "overlap_mode"), "lazy", r"checkpoint.points\[0\].overlap_mode"),
+        (
+            ("checkpoint", "points", 1, "samples", "durable_s"),
+            [],
+            r"checkpoint.points\[1\].samples.durable_s: no samples",
+        ),
+        (
+            ("checkpoint", "points", 0, "samples", "durable_s", 0),
+            -0.5,
+            r"checkpoint.points\[0\].samples.durable_s\[0\]",
+        ),
+        (
+            ("checkpoint", "points", 0, "overlap_mode"),
+            "lazy",
+            r"checkpoint.points\[0\].overlap_mode",
+        ),
         (("checkpoint", "points", 0, "secret"), 1, r"unknown field\(s\) 'secret'"),
         (("gpu_reserve", "context_bytes"), -1, "gpu_reserve.context_bytes: -1 is below 0"),
         (("gpu_reserve", "context_bytes"), 2**70, "implausibly large"),
@@ -114,7 +145,9 @@ def test_not_a_calibration(text, match):
 
 def test_float_overflow_is_not_finite(valid):
     text = json.dumps(valid).replace('"intercept_s": 2.0', '"intercept_s": 1e999')
-    with pytest.raises(CalibrationError, match="checkpoint.fits.durable_s.intercept_s: inf is not finite"):
+    with pytest.raises(
+        CalibrationError, match=r"checkpoint.fits.durable_s.intercept_s: inf is not finite"
+    ):
         Calibration.from_json(text)
 
 
@@ -144,15 +177,23 @@ def _leaves(d, prefix=()):
 
 
 _JUNK = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**80), 2**80), st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=20), st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**80), 2**80),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=20),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
 )
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
 def test_hostile_edits_raise_only_calibration_errors(valid, data):
-    """Replace, delete or add any field with any JSON value: a valid result or a CalibrationError."""
+    """Replace, delete or add any field with any JSON value: a valid result or a
+    CalibrationError."""
     d = copy.deepcopy(valid)
     paths = [p for p in _leaves(d) if p]
     for _ in range(data.draw(st.integers(1, 3))):
@@ -189,7 +230,12 @@ def test_reading_a_calibration_imports_no_torch(valid, tmp_path):
 
     path = tmp_path / "c.json"
     path.write_text(json.dumps(valid))
-    code = ("import sys, gpumem.calibrate as c; cal = c.load(sys.argv[1]); cal.checkpoint_times(1 << 30); "
-            "print(sorted(m for m in ('torch', 'numba', 'pynvml', 'triton') if m in sys.modules))")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
+    code = (
+        "import sys, gpumem.calibrate as c; cal = c.load(sys.argv[1]); "
+        "cal.checkpoint_times(1 << 30); print(sorted(m for m in "
+        "('torch', 'numba', 'pynvml', 'triton') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip() == "[]"

@@ -81,7 +81,8 @@ def test_bad_input(xs, ys, match):
 
 points = st.lists(
     st.tuples(st.integers(1, 2**40), st.floats(0, 1e4, allow_nan=False, allow_infinity=False)),
-    min_size=2, max_size=12,
+    min_size=2,
+    max_size=12,
 ).filter(lambda p: len({x for x, _ in p}) >= 2)
 
 

@@ -26,7 +26,9 @@ print(json.dumps(r.to_dict()))
 
 
 def test_gpu_reserve_probe_in_a_fresh_process():
-    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300, check=False
+    )
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout.strip().splitlines()[-1])
     # a CUDA context with cuBLAS loaded is tens to thousands of MiB; never zero, never the whole GPU

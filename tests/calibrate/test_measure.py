@@ -26,14 +26,18 @@ def test_points_hold_every_repeat(measured):
     assert [p.target_bytes for p in cost.points] == list(SIZES)
     for p in cost.points:
         assert (p.blocking_mode, p.overlap_mode) == ("blocking", "overlap")
-        assert p.tensors == 24 * 3 + 24  # parameters, exp_avg, exp_avg_sq, and AdamW's step counters
+        assert (
+            p.tensors == 24 * 3 + 24
+        )  # parameters, exp_avg, exp_avg_sq, and AdamW's step counters
         # staged bytes: the state, 4 B per step counter, and RNG states (a few KiB)
         assert p.target_bytes + 24 * 4 < p.nbytes < p.target_bytes + 64 * 1024
         for q in QUANTITIES:
             assert len(p.samples[q]) == 2
             assert all(math.isfinite(s) and s > 0 for s in p.samples[q])
         # an order of events, not a speed: the commit comes after the copy that training waited for
-        assert all(d > s for d, s in zip(p.samples["durable_s"], p.samples["overlap_stall_s"]))
+        assert all(
+            d > s for d, s in zip(p.samples["durable_s"], p.samples["overlap_stall_s"], strict=True)
+        )
 
 
 def test_fits_are_the_fits_of_the_medians(measured):
@@ -72,9 +76,18 @@ def test_temporary_directory_removed_on_error(tmp_path, monkeypatch):
 
 def test_streaming_is_recorded(tmp_path):
     # a staging cap below the state makes every save stream; the point says so
-    cost = measure_checkpoint(tmp_path, (3 * MiB, 5 * MiB), repeat=1, warmup=0, tensors=6,
-                              staging_bytes=2 * MiB, drop_cache=False)  # fmt: skip
-    assert [(p.blocking_mode, p.overlap_mode) for p in cost.points] == [("streaming", "streaming")] * 2
+    cost = measure_checkpoint(
+        tmp_path,
+        (3 * MiB, 5 * MiB),
+        repeat=1,
+        warmup=0,
+        tensors=6,
+        staging_bytes=2 * MiB,
+        drop_cache=False,
+    )
+    assert [(p.blocking_mode, p.overlap_mode) for p in cost.points] == [
+        ("streaming", "streaming")
+    ] * 2
 
 
 def test_synthetic_state_has_the_size_asked_for():
@@ -86,7 +99,9 @@ def test_synthetic_state_has_the_size_asked_for():
     state = [t for s in opt.state.values() for k, t in s.items() if k != "step"]
     assert sum(t.numel() * t.element_size() for t in state) == 8 * n  # exp_avg + exp_avg_sq
     assert all(p.grad is None for p in params)
-    assert all(bool(s["exp_avg"].abs().sum() > 0) for s in opt.state.values())  # real values, not zero pages
+    assert all(
+        bool(s["exp_avg"].abs().sum() > 0) for s in opt.state.values()
+    )  # real values, not zero pages
 
 
 @pytest.mark.parametrize("elements, tensors", [(1000, 1), (1000, 3), (524_288, 96), (97, 96)])

@@ -1,6 +1,6 @@
 """One rank of the distributed checkpoint test (gloo, CPU). Launched twice by test_distributed.py.
 
-    RANK=r WORLD_SIZE=2 INIT=file:///tmp/rendezvous python dist_worker.py CKPT_DIR
+RANK=r WORLD_SIZE=2 INIT=file:///tmp/rendezvous python dist_worker.py CKPT_DIR
 """
 
 import os
@@ -27,8 +27,12 @@ def main() -> None:
     root = sys.argv[1]
     torch.set_num_threads(1)
     # a file rendezvous: a TCP one on a "free" port can lose a race for that port to another process
-    dist.init_process_group("gloo", init_method=os.environ["INIT"], rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(
+        "gloo",
+        init_method=os.environ["INIT"],
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
     rank = dist.get_rank()
     seed_all(rank)
     s = Setup(init_seed=rank, data_seed=100 + rank)

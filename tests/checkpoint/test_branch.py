@@ -1,4 +1,5 @@
-"""Training that goes back (a rollback, or a new run in an old run's directory): the new branch wins.
+"""Training that goes back (a rollback, or a new run in an old run's directory): the new branch
+wins.
 
 Before: restore() took the highest step and retention kept the highest steps, so after a rollback
 from step 5 to step 3 the abandoned step 5 won every restore and retention deleted the new
@@ -39,12 +40,17 @@ def test_rollback_then_save_sets_the_abandoned_branch_aside(tmp_path):
         with pytest.warns(CheckpointBranchWarning, match=r"step-000000004, step-000000005"):
             stats = ck.save(4, model=_model(40.0))  # the new branch's step 4
             ck.wait()
-        assert [p.rsplit("/", 1)[-1] for p in stats.set_aside] == ["step-000000004", "step-000000005"]
+        assert [p.rsplit("/", 1)[-1] for p in stats.set_aside] == [
+            "step-000000004",
+            "step-000000005",
+        ]
         got = _model(0)
         assert ck.restore(model=got) == 4  # before: the abandoned step 5
         assert torch.equal(got.weight, torch.full((2, 3), 40.0))
         with warnings.catch_warnings():
-            warnings.simplefilter("error", CheckpointBranchWarning)  # going forward again: no warning
+            warnings.simplefilter(
+                "error", CheckpointBranchWarning
+            )  # going forward again: no warning
             ck.save(5, model=_model(50.0))
             ck.save(6, model=_model(60.0))
             ck.wait()

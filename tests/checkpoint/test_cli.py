@@ -45,5 +45,9 @@ def test_verify_reports_corruption(tmp_path, capsys):
     data.write_bytes(bytes(raw))
     assert main(["ckpt", "verify", str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    assert "OK       step-000000001" in out and "CORRUPT  step-000000002" in out and "model.weight" in out
+    assert (
+        "OK       step-000000001" in out
+        and "CORRUPT  step-000000002" in out
+        and "model.weight" in out
+    )
     assert main(["ckpt", "ls", str(tmp_path / "missing")]) == 2

@@ -28,7 +28,7 @@ def _fork(child) -> int:
         code = 3
         try:
             code = child()
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             import traceback
 
             traceback.print_exc()
@@ -59,9 +59,10 @@ def _check_directory(root, committed: int | None) -> int:
     newest = dirs[0][0] if dirs else None
     if committed is not None:
         assert newest is not None and newest >= committed, (newest, committed)
+    # a step is committed when its directory is renamed into place; the pointer follows, so a
+    # kill between the two leaves the newest step without a pointer (restore scans the dirs)
     ptr = read_latest(root)
-    if dirs:
-        assert ptr is not None
+    if ptr is not None:
         assert load_info(root / ptr["path"]).manifest_crc32c == ptr["manifest_crc32c"]
     with gpumem.Checkpointer(root, keep=2) as ck:
         got: dict = {}
@@ -135,6 +136,7 @@ def test_full_disk_raises_in_wait_and_loses_nothing(tmp_path):
 def test_guard_final_save_runs_after_an_earlier_background_failure(tmp_path):
     """A background save that failed before the signal is reported in the outcome; the final
     save is still attempted (and here succeeds, the disk having room again)."""
+
     def child() -> int:
         ck = gpumem.Checkpointer(tmp_path)
         m = torch.nn.Linear(4, 4)
@@ -150,7 +152,11 @@ def test_guard_final_save_runs_after_an_earlier_background_failure(tmp_path):
         os.kill(os.getpid(), signal.SIGUSR1)
         if not guard.should_stop(2, model=m, optimizer=opt):
             return 3
-        if not guard.durable or guard.exit_code != 7 or "an earlier save had failed" not in guard.outcome:
+        if (
+            not guard.durable
+            or guard.exit_code != 7
+            or "an earlier save had failed" not in guard.outcome
+        ):
             return 4
         ck.close()
         return 0
@@ -171,7 +177,9 @@ def test_failed_background_save_at_exit_is_loud_and_nonzero(tmp_path):
         ck.save(1, extra={{"t": torch.zeros(100_000)}}, rng=False)
         print("main done")
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
     assert "main done" in proc.stdout
     assert proc.returncode != 0
     assert "CHECKPOINT SAVE FAILED" in proc.stderr and "saving step 1" in proc.stderr
@@ -183,7 +191,9 @@ def test_exit_waits_for_an_inflight_save(tmp_path):
         ck = gpumem.Checkpointer({str(tmp_path)!r})
         ck.save(7, extra={{"t": torch.ones(1_000_000)}}, rng=False)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
     assert proc.returncode == 0, proc.stderr
     assert verify(tmp_path / "step-000000007").step == 7
 
@@ -248,9 +258,14 @@ def test_one_job_per_directory_new_job_waits_for_the_old_ones_final_save(tmp_pat
     with gpumem.Checkpointer(tmp_path, keep=1, lock_timeout_s=60) as ck:  # waits for the old job
         waited = time.monotonic() - t0
         m2 = torch.nn.Linear(16, 16)
-        assert ck.restore(model=m2, rng=False) == 7  # the old job's final save, committed before we went on
+        assert (
+            ck.restore(model=m2, rng=False) == 7
+        )  # the old job's final save, committed before we went on
         assert torch.equal(m2.weight, m.weight)
-        with pytest.raises(gpumem.checkpoint.CheckpointStateError, match="another open Checkpointer of this process"):
+        with pytest.raises(
+            gpumem.checkpoint.CheckpointStateError,
+            match="another open Checkpointer of this process",
+        ):
             gpumem.Checkpointer(tmp_path)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0 and waited > 0.5
@@ -264,10 +279,15 @@ def test_one_job_per_directory_new_job_waits_for_the_old_ones_final_save(tmp_pat
     pid = _fork(holder)
     try:
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and f'"pid": {pid},'.encode() not in (tmp_path / ".lock").read_bytes():
+        while (
+            time.monotonic() < deadline
+            and f'"pid": {pid},'.encode() not in (tmp_path / ".lock").read_bytes()
+        ):
             time.sleep(0.05)
-        with pytest.raises(gpumem.checkpoint.CheckpointStateError,
-                           match=rf"in use by another job \(pid {pid} on .*\) and was not released within 0.3 s"):
+        with pytest.raises(
+            gpumem.checkpoint.CheckpointStateError,
+            match=rf"in use by another job \(pid {pid} on .*\) and was not released within 0.3 s",
+        ):
             gpumem.Checkpointer(tmp_path, lock_timeout_s=0.3)
     finally:
         os.kill(pid, signal.SIGKILL)

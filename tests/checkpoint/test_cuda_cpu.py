@@ -19,7 +19,7 @@ import gpumem
 import gpumem.checkpoint.snapshot as snap
 from gpumem.arena import HostArena
 from gpumem.checkpoint.job import SaveJob, Worker
-from gpumem.checkpoint.snapshot import Piece, Plan
+from gpumem.checkpoint.snapshot import ArenaLayout, Piece
 from gpumem.checkpoint.state import TensorTable
 from gpumem.checksum import chunk_crc32c
 
@@ -117,7 +117,9 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", cuda.current_stream)
     monkeypatch.setattr(torch.cuda, "Event", cuda.event)
     real_as_bytes, real_crc = snap.as_bytes, snap.chunk_crc32c
-    monkeypatch.setattr(snap, "as_bytes", lambda t: real_as_bytes(t.real if isinstance(t, FakeCudaTensor) else t))
+    monkeypatch.setattr(
+        snap, "as_bytes", lambda t: real_as_bytes(t.real if isinstance(t, FakeCudaTensor) else t)
+    )
 
     def crc(data, chunk):
         log.append(("crc", data.numel(), cuda.current.name))
@@ -152,8 +154,13 @@ def _state(cuda: FakeCuda):
     b = torch.randn(40, 30, generator=g).t()  # not contiguous: gathered on the copying stream
     c = torch.arange(10, dtype=torch.int64)  # a host tensor among them
     tensors = [FakeCudaTensor(a, cuda, "a"), FakeCudaTensor(b, cuda, "b"), c]
-    plan = Plan(capacity=1 << 20, streaming=False, batch_sizes=[32768], bases=[0],
-                pieces=[Piece(0, 0, 12000, 0, 0), Piece(1, 0, 4800, 0, 12288), Piece(2, 0, 80, 0, 20480)])
+    plan = ArenaLayout(
+        capacity=1 << 20,
+        streaming=False,
+        batch_sizes=[32768],
+        bases=[0],
+        pieces=[Piece(0, 0, 12000, 0, 0), Piece(1, 0, 4800, 0, 12288), Piece(2, 0, 80, 0, 20480)],
+    )
     return tensors, plan
 
 
@@ -177,8 +184,15 @@ def test_side_stream_waits_copies_and_records_its_event_after_the_copies(fake_cu
     cuda.log.clear()
     tensors, plan = _state(cuda)
     with HostArena(32768, pinned=False) as arena:
-        done = snap.copy_pieces(_logging_arena(arena, cuda), plan, plan.pieces, tensors, CHUNK,
-                                stream=side, wait_event=save_event)
+        done = snap.copy_pieces(
+            _logging_arena(arena, cuda),
+            plan,
+            plan.pieces,
+            tensors,
+            CHUNK,
+            stream=side,
+            wait_event=save_event,
+        )
         _check_bytes(arena, tensors, plan.pieces)
     assert cuda.current is cuda.compute  # the side stream is current only inside copy_pieces
     assert done.stream == "side"
@@ -187,7 +201,11 @@ def test_side_stream_waits_copies_and_records_its_event_after_the_copies(fake_cu
         ("wait_event", "side", save_event.name),  # before the first read of a parameter
         ("record", start, "side"),  # where the CRC stream starts: after that wait
         ("copy", 0, 12000, "side"),  # the DMA is enqueued at once
-        ("record_stream", "a", "side"),  # the allocator must not reuse it before the side stream ran
+        (
+            "record_stream",
+            "a",
+            "side",
+        ),  # the allocator must not reuse it before the side stream ran
         ("contiguous", "b", "side"),  # the gathered copy is made (and freed) on the side stream
         ("crc", 4800, "side"),  # ... and hashed there, before its copy
         ("copy", 12288, 4800, "side"),
@@ -209,34 +227,70 @@ def test_without_a_side_stream_everything_runs_on_the_current_stream(fake_cuda):
         _check_bytes(arena, tensors, plan.pieces)
     assert done.stream == "compute"
     assert [e for e in cuda.log if e[0] == "wait_event"] == [  # only the CRC stream's, both ways
-        ("wait_event", "crc", cuda.log[0][1]), ("wait_event", "compute", cuda.log[-3][1])]
-    assert {e[-1] for e in cuda.log if e[0] in ("crc", "copy", "record_stream", "record")} == {"compute", "crc"}
+        ("wait_event", "crc", cuda.log[0][1]),
+        ("wait_event", "compute", cuda.log[-3][1]),
+    ]
+    assert {e[-1] for e in cuda.log if e[0] in ("crc", "copy", "record_stream", "record")} == {
+        "compute",
+        "crc",
+    }
     assert {e[-1] for e in cuda.log if e[0] == "copy"} == {"compute"}
     assert cuda.log[-1] == ("record", done.name, "compute")
 
 
 def test_host_tensors_alone_need_no_event(fake_cuda):
     c = torch.arange(10, dtype=torch.int64)
-    plan = Plan(capacity=4096, streaming=False, batch_sizes=[80], bases=[0], pieces=[Piece(0, 0, 80, 0, 0)])
+    plan = ArenaLayout(
+        capacity=4096, streaming=False, batch_sizes=[80], bases=[0], pieces=[Piece(0, 0, 80, 0, 0)]
+    )
     with HostArena(4096, pinned=False) as arena:
-        assert snap.copy_pieces(arena, plan, plan.pieces, [c], CHUNK, stream=FakeStream("side", []),
-                                wait_event=fake_cuda.event()) is None
+        assert (
+            snap.copy_pieces(
+                arena,
+                plan,
+                plan.pieces,
+                [c],
+                CHUNK,
+                stream=FakeStream("side", []),
+                wait_event=fake_cuda.event(),
+            )
+            is None
+        )
         assert torch.equal(arena.view(0, 80), c.view(torch.uint8))
     assert fake_cuda.log == []  # no stream switch, no wait, no event for host-only pieces
 
 
 @pytest.mark.parametrize("mode", ["overlap", "blocking"])
-def test_the_copy_event_is_synchronized_before_the_state_counts_as_staged(tmp_path, fake_cuda, mode):
+def test_the_copy_event_is_synchronized_before_the_state_counts_as_staged(
+    tmp_path, fake_cuda, mode
+):
     """staged releases the optimizer pre-step hook (overlap) and save() (blocking): the D2H copies
     must be complete by then, not merely enqueued."""
     cuda = fake_cuda
     tensors, plan = _state(cuda)
-    table = TensorTable(names=["a", "b", "c"], tensors=tensors, deferred=[True, True, False], has_cuda=True)
+    table = TensorTable(
+        names=["a", "b", "c"], tensors=tensors, deferred=[True, True, False], has_cuda=True
+    )
     side = FakeStream("side", cuda.log)
     with HostArena(32768, pinned=False) as arena:
-        job = SaveJob(root=tmp_path, step=1, tree={"step": 1}, table=table, plan=plan, arena=arena, mode=mode,
-                      chunk=CHUNK, alignment=4096, direct=False, group=gpumem.checkpoint._dist.Group(), keep=None,
-                      versions={}, workers=(Worker("p"), Worker("c")), side_stream=side, t0=0.0)
+        job = SaveJob(
+            root=tmp_path,
+            step=1,
+            tree={"step": 1},
+            table=table,
+            plan=plan,
+            arena=arena,
+            mode=mode,
+            chunk=CHUNK,
+            alignment=4096,
+            direct=False,
+            group=gpumem.checkpoint._dist.Group(),
+            keep=None,
+            versions={},
+            workers=(Worker("p"), Worker("c")),
+            side_stream=side,
+            t0=0.0,
+        )
         cuda.staged_probe = job.staged.is_set
         sync_event = cuda.event()
         save_event = cuda.event()
@@ -245,7 +299,11 @@ def test_the_copy_event_is_synchronized_before_the_state_counts_as_staged(tmp_pa
         else:  # blocking: everything on the caller's stream
             job._produce(None, None, None, None)
         assert job.staged.is_set() and job.stats.d2h_s > 0  # the D2H phase is timed
-        _check_bytes(arena, tensors, [p for p in plan.pieces if mode == "blocking" or table.deferred[p.index]])
+        _check_bytes(
+            arena,
+            tensors,
+            [p for p in plan.pieces if mode == "blocking" or table.deferred[p.index]],
+        )
     syncs = [e for e in cuda.log if e[0] == "synchronize"]
     records = [e for e in cuda.log if e[0] == "record"][2:]  # after the CRC stream's start and end
     assert len(records) == 1 and records[0][2] == ("side" if mode == "overlap" else "compute")
@@ -265,7 +323,9 @@ def test_gpu_test_budgets_pick_the_modes_they_claim(tmp_path):
     for budget, mode in test_gpu.BUDGET_MODES.items():
         model, opt = test_gpu._setup(0, device="cpu")
         test_gpu._train(model, opt, 3, torch.randn(64, 256))
-        with gpumem.Checkpointer(tmp_path / str(budget), staging_bytes=budget, chunk_bytes=test_gpu.CHUNK) as ck:
+        with gpumem.Checkpointer(
+            tmp_path / str(budget), staging_bytes=budget, chunk_bytes=test_gpu.CHUNK
+        ) as ck:
             assert ck.save(3, model=model, optimizer=opt).mode == mode
 
 
@@ -281,23 +341,50 @@ def test_a_cuda_rng_state_of_the_wrong_size_is_refused_before_anything_is_loaded
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda i=0: torch.zeros(16, dtype=torch.uint8))
     good = [torch.zeros(16, dtype=torch.uint8), torch.ones(16, dtype=torch.uint8)]
     check_targets({"step": 1, "rng": {**state, "cuda": good}})
-    check_targets({"step": 1, "rng": {**state, "cuda": good + [torch.zeros(3, dtype=torch.uint8)]}})  # 3rd: no device
-    with pytest.raises(CheckpointCorruptError, match="CUDA RNG state 1 has 20 bytes, this torch's has 16"):
-        check_targets({"step": 1, "rng": {**state, "cuda": [good[0], torch.zeros(20, dtype=torch.uint8)]}})
+    check_targets(
+        {"step": 1, "rng": {**state, "cuda": [*good, torch.zeros(3, dtype=torch.uint8)]}}
+    )  # 3rd: no device
+    with pytest.raises(
+        CheckpointCorruptError, match="CUDA RNG state 1 has 20 bytes, this torch's has 16"
+    ):
+        check_targets(
+            {"step": 1, "rng": {**state, "cuda": [good[0], torch.zeros(20, dtype=torch.uint8)]}}
+        )
 
 
 def _overlap_job(tmp_path, cuda: FakeCuda, tensors, plan, deferred):
-    table = TensorTable(names=[f"t{i}" for i in range(len(tensors))], tensors=tensors, deferred=deferred,
-                        has_cuda=True)
+    table = TensorTable(
+        names=[f"t{i}" for i in range(len(tensors))],
+        tensors=tensors,
+        deferred=deferred,
+        has_cuda=True,
+    )
     arena = HostArena(32768, pinned=False)
-    job = SaveJob(root=tmp_path, step=1, tree={"step": 1}, table=table, plan=plan, arena=arena, mode="overlap",
-                  chunk=CHUNK, alignment=4096, direct=False, group=gpumem.checkpoint._dist.Group(), keep=None,
-                  versions={}, workers=(Worker("p"), Worker("c")), side_stream=FakeStream("side", cuda.log), t0=0.0)
+    job = SaveJob(
+        root=tmp_path,
+        step=1,
+        tree={"step": 1},
+        table=table,
+        plan=plan,
+        arena=arena,
+        mode="overlap",
+        chunk=CHUNK,
+        alignment=4096,
+        direct=False,
+        group=gpumem.checkpoint._dist.Group(),
+        keep=None,
+        versions={},
+        workers=(Worker("p"), Worker("c")),
+        side_stream=FakeStream("side", cuda.log),
+        t0=0.0,
+    )
     return job, arena
 
 
 @pytest.mark.parametrize("current", [0, 1])
-def test_the_optimizer_hook_fences_its_stream_instead_of_waiting(tmp_path, fake_cuda, monkeypatch, current):
+def test_the_optimizer_hook_fences_its_stream_instead_of_waiting(
+    tmp_path, fake_cuda, monkeypatch, current
+):
     """Overlap mode on one CUDA device: the pre-step hook orders the optimizer's stream after
     the background copy (its kernels queue behind it) rather than blocking the CPU until the copy
     is done; on another current device it cannot, and the caller must wait for staged."""
@@ -309,13 +396,20 @@ def test_the_optimizer_hook_fences_its_stream_instead_of_waiting(tmp_path, fake_
         assert job.fence_device == 0
         job._sync_event = cuda.event()  # the buffers save() copied on the compute stream
         job._sync_event.record()
-        job._produce(lambda p: job.table.deferred[p.index], FakeStream("side", cuda.log), None, job._sync_event)
+        job._produce(
+            lambda p: job.table.deferred[p.index],
+            FakeStream("side", cuda.log),
+            None,
+            job._sync_event,
+        )
         assert job.enqueued.is_set() and job.copy_event is not None
         cuda.log.clear()
         assert job.fence() is (current == 0)
     if current == 0:  # on the caller's (compute) stream: after the buffers' event and the copy's
-        assert cuda.log == [("wait_event", "compute", job._sync_event.name),
-                            ("wait_event", "compute", job.copy_event.name)]
+        assert cuda.log == [
+            ("wait_event", "compute", job._sync_event.name),
+            ("wait_event", "compute", job.copy_event.name),
+        ]
     else:
         assert cuda.log == []
 
@@ -323,7 +417,9 @@ def test_the_optimizer_hook_fences_its_stream_instead_of_waiting(tmp_path, fake_
 def test_no_fence_for_host_only_or_mixed_devices(tmp_path, fake_cuda):
     cuda = fake_cuda
     tensors, plan = _state(cuda)
-    job, arena = _overlap_job(tmp_path, cuda, tensors, plan, [False, False, True])  # only the host tensor defers
+    job, arena = _overlap_job(
+        tmp_path, cuda, tensors, plan, [False, False, True]
+    )  # only the host tensor defers
     with arena:
         assert job.fence_device is None and job.fence() is False
     other = FakeCudaTensor(torch.zeros(1000), cuda, "other")

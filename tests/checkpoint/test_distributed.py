@@ -1,4 +1,5 @@
-"""Two gloo ranks on CPU: per-rank shards, commit only when every rank is durable, agreed restore."""
+"""Two gloo ranks on CPU: per-rank shards, commit only when every rank is durable, agreed
+restore."""
 
 import os
 import subprocess
@@ -14,19 +15,37 @@ HERE = os.path.dirname(__file__)
 
 
 def test_two_ranks_gloo(tmp_path):
-    env = dict(os.environ, WORLD_SIZE="2", INIT=f"file://{tmp_path.parent / (tmp_path.name + '.rendezvous')}")
+    env = dict(
+        os.environ,
+        WORLD_SIZE="2",
+        INIT=f"file://{tmp_path.parent / (tmp_path.name + '.rendezvous')}",
+    )
     procs = [
-        subprocess.Popen([sys.executable, os.path.join(HERE, "dist_worker.py"), str(tmp_path)],
-                         env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "dist_worker.py"), str(tmp_path)],
+            env={**env, "RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for r in range(2)
     ]
     outs = [p.communicate(timeout=300)[0] for p in procs]
-    for r, (p, out) in enumerate(zip(procs, outs)):
+    for r, (p, out) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0, out
         assert f"rank {r} OK" in out and "rank(s) [1] failed" in outs[0]
     names = sorted(os.listdir(tmp_path / "step-000000007"))
-    assert names == ["MANIFEST", "data-r00000-0000.bin", "data-r00001-0000.bin", "manifest-r00000", "manifest-r00001"]
+    assert names == [
+        "MANIFEST",
+        "data-r00000-0000.bin",
+        "data-r00001-0000.bin",
+        "manifest-r00000",
+        "manifest-r00001",
+    ]
     # a single process cannot take a 2-rank checkpoint: said clearly, nothing touched
     model = torch.nn.Linear(2, 2)
-    with gpumem.Checkpointer(tmp_path) as ck, pytest.raises(CheckpointStateError, match="saved by 2 ranks, this job has 1"):
+    with (
+        gpumem.Checkpointer(tmp_path) as ck,
+        pytest.raises(CheckpointStateError, match="saved by 2 ranks, this job has 1"),
+    ):
         ck.restore(model=model)

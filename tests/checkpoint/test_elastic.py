@@ -1,4 +1,5 @@
-"""Elastic restore: replicated (DDP) state saved by N ranks resumes on M ranks; sharded state is refused.
+"""Elastic restore: replicated (DDP) state saved by N ranks resumes on M ranks; sharded state is
+refused.
 
 One spawn of two gloo ranks does three things: save a replicated checkpoint (both ranks hold the
 same model and optimizer, as DDP keeps them), save one whose rank 1 differs (what sharded state
@@ -34,7 +35,9 @@ def _flat(model: nn.Module) -> list[float]:
 
 
 def _worker(rank: int, world: int, root: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=world
+    )
     try:
         torch.set_num_threads(1)
         with gpumem.Checkpointer(f"{root}/replicated") as ck:
@@ -49,8 +52,15 @@ def _worker(rank: int, world: int, root: str) -> None:
             got: dict = {}
             step = ck.restore(model=model, optimizer=opt, extra=got, elastic=True)
             with open(f"{root}/grown.{rank}.json", "w") as f:
-                json.dump({"step": step, "params": _flat(model), "extra": got,
-                           "opt_step": float(opt.state_dict()["state"][0]["step"])}, f)
+                json.dump(
+                    {
+                        "step": step,
+                        "params": _flat(model),
+                        "extra": got,
+                        "opt_step": float(opt.state_dict()["state"][0]["step"]),
+                    },
+                    f,
+                )
         dist.barrier()  # no rank tears its gloo pairs down while a peer still talks
     finally:
         dist.destroy_process_group()
@@ -73,18 +83,24 @@ def test_elastic_restore_across_world_sizes(tmp_path):
     model, opt = _setup(42)
     before = _flat(model)
     with gpumem.Checkpointer(tmp_path / "replicated") as ck:
-        with pytest.raises(CheckpointStateError, match=r"saved by 2 ranks, this job has 1.*elastic=True"):
+        with pytest.raises(
+            CheckpointStateError, match=r"saved by 2 ranks, this job has 1.*elastic=True"
+        ):
             ck.restore(model=model, optimizer=opt)
         assert _flat(model) == before
         got: dict = {}
         assert ck.restore(model=model, optimizer=opt, extra=got, elastic=True) == 3
     ref_model, ref_opt = _setup(0)
     assert _flat(model) == _flat(ref_model) and got == {"rank": 0}  # saved rank 0 seeds rank 0
-    for a, b in zip(opt.state_dict()["state"].values(), ref_opt.state_dict()["state"].values()):
+    for a, b in zip(
+        opt.state_dict()["state"].values(), ref_opt.state_dict()["state"].values(), strict=True
+    ):
         assert all(torch.equal(a[k], b[k]) for k in a)
 
     # sharded (rank 1 differs): refused before anything is loaded, naming the first difference
-    with gpumem.Checkpointer(tmp_path / "sharded") as ck:
-        with pytest.raises(CheckpointStateError, match=r"rank 1 saved another tensor 'model\.0\.bias'"):
-            ck.restore(model=model, optimizer=opt, elastic=True)
+    with (
+        gpumem.Checkpointer(tmp_path / "sharded") as ck,
+        pytest.raises(CheckpointStateError, match=r"rank 1 saved another tensor 'model\.0\.bias'"),
+    ):
+        ck.restore(model=model, optimizer=opt, elastic=True)
     assert _flat(model) == _flat(ref_model)

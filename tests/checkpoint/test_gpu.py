@@ -17,7 +17,9 @@ CHUNK = 65536
 
 def _setup(seed, device="cuda"):
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.BatchNorm1d(256), torch.nn.Linear(256, 8)).to(device)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 256), torch.nn.BatchNorm1d(256), torch.nn.Linear(256, 8)
+    ).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return model, opt
 
@@ -102,7 +104,7 @@ def test_device_crcs_match_the_native_crcs(one_launch):
     for _ in range(2):  # the second time, the one-launch table comes from its cache
         got = device_crcs([h.cuda() for h in hosts], CHUNK, one_launch=one_launch)
         torch.cuda.current_stream().synchronize()
-        for h, crc in zip(hosts, got):
+        for h, crc in zip(hosts, got, strict=True):
             assert crc.device.type == "cpu" and crc.dtype == torch.int32
             assert [x & 0xFFFFFFFF for x in crc.tolist()] == chunk_crc32c(h, CHUNK).tolist()
 

@@ -40,8 +40,13 @@ def test_resume_is_bit_identical(tmp_path):
 
 
 def _run(root, total, **kw):
-    return subprocess.Popen([sys.executable, os.path.join(HERE, "sigterm_train.py"), str(root), str(total)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "sigterm_train.py"), str(root), str(total)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
 def _losses(lines):
@@ -91,7 +96,9 @@ def test_guard_flag_only_and_reuse_of_fresh_save(tmp_path):
         ck.save(5, model=m, optimizer=opt)
         ck.wait()
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert guard.requested and [i.step for i in ck.list()] == [5]  # the handler itself saved nothing
+        assert guard.requested and [i.step for i in ck.list()] == [
+            5
+        ]  # the handler itself saved nothing
         assert guard.should_stop(5)
         assert "reused the save of this step" in guard.outcome and guard.exit_code == 7
         assert [i.step for i in ck.list()] == [5]

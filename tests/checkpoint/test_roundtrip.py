@@ -21,7 +21,9 @@ from gpumem.checkpoint.format import read_manifest
 
 
 def _state_equal(a: Setup, b: Setup) -> None:
-    for (ka, va), (kb, vb) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
+    for (ka, va), (kb, vb) in zip(
+        a.model.state_dict().items(), b.model.state_dict().items(), strict=True
+    ):
         assert ka == kb and torch.equal(va, vb), ka
     sa, sb = a.opt.state_dict(), b.opt.state_dict()
     assert sa["param_groups"] == sb["param_groups"]
@@ -33,17 +35,34 @@ def _state_equal(a: Setup, b: Setup) -> None:
     assert a.sampler.state_dict() == b.sampler.state_dict()
 
 
-@pytest.mark.parametrize("mode, segment", [("overlap", 256 << 20), ("overlap", 8192), ("blocking", 8192), ("streaming", 256 << 20)])
+@pytest.mark.parametrize(
+    "mode, segment",
+    [("overlap", 256 << 20), ("overlap", 8192), ("blocking", 8192), ("streaming", 256 << 20)],
+)
 def test_round_trip_every_kind_of_state(tmp_path, mode, segment):
     seed_all(0)
     a = Setup(init_seed=0)
     for _ in range(5):
         a.step()
-    budget = 64 << 10 if mode == "streaming" else None  # 64 KiB: the ~40 KiB state streams in 16 KiB slots
-    ck = gpumem.Checkpointer(tmp_path, staging_bytes=budget, chunk_bytes=8192, overlap=(mode == "overlap"),
-                             segment_bytes=segment)
-    extra = {"epoch": 3, "tuple": (1, 2.5), "inf": float("-inf"), "ids": {7: "x", (1, 2): None},
-             "blob": b"\x00\xff", "arr": np.arange(5, dtype=np.int32), "t": torch.arange(4.0)}
+    budget = (
+        64 << 10 if mode == "streaming" else None
+    )  # 64 KiB: the ~40 KiB state streams in 16 KiB slots
+    ck = gpumem.Checkpointer(
+        tmp_path,
+        staging_bytes=budget,
+        chunk_bytes=8192,
+        overlap=(mode == "overlap"),
+        segment_bytes=segment,
+    )
+    extra = {
+        "epoch": 3,
+        "tuple": (1, 2.5),
+        "inf": float("-inf"),
+        "ids": {7: "x", (1, 2): None},
+        "blob": b"\x00\xff",
+        "arr": np.arange(5, dtype=np.int32),
+        "t": torch.arange(4.0),
+    }
     seed_all(0)
     rng_before = (random.random(), np.random.rand(), torch.rand(3))  # what the saved RNGs draw next
     seed_all(0)
@@ -83,10 +102,15 @@ def test_restored_tensors_own_their_memory(tmp_path):
 def test_awkward_tensors(tmp_path):
     base = torch.arange(24, dtype=torch.float64).reshape(4, 6)
     tensors = {
-        "bf16": torch.randn(3, 5).to(torch.bfloat16), "bool": torch.tensor([True, False, True]),
-        "i8": torch.arange(-3, 4, dtype=torch.int8), "c64": torch.randn(2, 2, dtype=torch.complex64),
-        "scalar": torch.tensor(3.5), "empty": torch.empty(0, 4), "transposed": base.t(),
-        "sliced": base[:, 1:4], "big": torch.randn(5000),  # spans chunks of 8 KiB
+        "bf16": torch.randn(3, 5).to(torch.bfloat16),
+        "bool": torch.tensor([True, False, True]),
+        "i8": torch.arange(-3, 4, dtype=torch.int8),
+        "c64": torch.randn(2, 2, dtype=torch.complex64),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "transposed": base.t(),
+        "sliced": base[:, 1:4],
+        "big": torch.randn(5000),  # spans chunks of 8 KiB
     }
     tied = torch.randn(10)
     tensors["tied_a"] = tied
@@ -122,8 +146,9 @@ def test_streaming_splits_one_large_tensor(tmp_path):
 
 def test_non_contiguous_tensor_larger_than_a_slot_is_refused(tmp_path):
     t = torch.randn(200, 200).t()
-    with gpumem.Checkpointer(tmp_path, staging_bytes=64 << 10, chunk_bytes=4096) as ck, pytest.raises(
-        CheckpointStateError, match="not contiguous and larger than a staging slot"
+    with (
+        gpumem.Checkpointer(tmp_path, staging_bytes=64 << 10, chunk_bytes=4096) as ck,
+        pytest.raises(CheckpointStateError, match="not contiguous and larger than a staging slot"),
     ):
         ck.save(1, extra={"t": t})
 
@@ -146,7 +171,12 @@ def test_retention_keeps_newest_and_list_latest(tmp_path):
         ck.wait()
         assert [i.step for i in ck.list()] == [3, 4]
         assert ck.latest().step == 4 and ck.latest().nbytes > 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", "step-000000003", "step-000000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".lock",
+        "latest",
+        "step-000000003",
+        "step-000000004",
+    ]
 
 
 def test_saving_the_same_step_again_replaces_it(tmp_path):
@@ -213,7 +243,9 @@ def test_all_corrupt_raises_and_leaves_objects_untouched(tmp_path):
     for i, s in b.opt.state_dict()["state"].items():
         for k, v in s.items():
             assert torch.equal(v, opt_before[i][k])
-    assert torch.equal(torch.get_rng_state(), rng_before) and b.sampler.state_dict() == sampler_before
+    assert (
+        torch.equal(torch.get_rng_state(), rng_before) and b.sampler.state_dict() == sampler_before
+    )
 
 
 def test_mismatched_model_is_refused_before_touching_anything(tmp_path):
@@ -233,7 +265,9 @@ def test_damaged_latest_pointer_warns_and_scans(tmp_path):
     with gpumem.Checkpointer(tmp_path) as ck:
         ck.save(1, extra={"v": 1})
         ck.wait()
-        (tmp_path / "latest").write_text('{"step": 1, "path": "step-000000001", "manifest_crc32c": 1}')
+        (tmp_path / "latest").write_text(
+            '{"step": 1, "path": "step-000000001", "manifest_crc32c": 1}'
+        )
         with pytest.warns(CheckpointFallbackWarning, match="stale"):
             assert ck.restore() == 1
         (tmp_path / "latest").write_text("garbage")
@@ -243,13 +277,17 @@ def test_damaged_latest_pointer_warns_and_scans(tmp_path):
 
 def test_compiled_and_plain_models_restore_from_each_other(tmp_path):
     plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    compiled = torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)), backend="eager")
+    compiled = torch.compile(
+        torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)), backend="eager"
+    )
     assert any(k.startswith("_orig_mod.") for k in compiled.state_dict())
     with gpumem.Checkpointer(tmp_path / "a") as ck:
         ck.save(1, model=compiled)
         ck.wait()
         ck.restore(model=plain)
-    for (_, p), (_, c) in zip(plain.state_dict().items(), compiled.state_dict().items()):
+    for (_, p), (_, c) in zip(
+        plain.state_dict().items(), compiled.state_dict().items(), strict=True
+    ):
         assert torch.equal(p, c)
     torch.nn.init.zeros_(plain[0].weight)
     with gpumem.Checkpointer(tmp_path / "b") as ck:
@@ -264,20 +302,28 @@ def test_data_parallel_wrapped_and_plain_models_restore_from_each_other(tmp_path
     keys, so wrapped, compiled-and-wrapped and plain models share checkpoints."""
     torch.manual_seed(0)
     plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
-    wrapped = torch.nn.DataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
+    wrapped = torch.nn.DataParallel(
+        torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    )
     assert all(k.startswith("module.") for k in wrapped.state_dict())
     with gpumem.Checkpointer(tmp_path / "a") as ck:
         ck.save(1, model=wrapped)
         ck.wait()
         info = ck.latest()
-        names = [t["name"] for t in read_manifest(Path(info.path) / "manifest-r00000")[0]["tensors"]]
+        names = [
+            t["name"] for t in read_manifest(Path(info.path) / "manifest-r00000")[0]["tensors"]
+        ]
         assert names and not any(n.startswith("model.module.") for n in names)
         assert ck.restore(model=plain) == 1
-    for (_, p), (_, w) in zip(plain.state_dict().items(), wrapped.state_dict().items()):
+    for (_, p), (_, w) in zip(
+        plain.state_dict().items(), wrapped.state_dict().items(), strict=True
+    ):
         assert torch.equal(p, w)
     torch.nn.init.zeros_(plain[0].weight)
-    both = torch.compile(torch.nn.DataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))),
-                         backend="eager")
+    both = torch.compile(
+        torch.nn.DataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))),
+        backend="eager",
+    )
     with gpumem.Checkpointer(tmp_path / "b") as ck:
         ck.save(1, model=plain)
         ck.wait()
@@ -294,14 +340,18 @@ def test_verify_loaded_checks_every_restored_tensor_and_names_damage(tmp_path, m
     from gpumem.checkpoint.state import capture
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 4)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(8, 64)).sum().backward()
     opt.step()
     with gpumem.Checkpointer(tmp_path, chunk_bytes=4096) as ck:
         ck.save(1, model=model, optimizer=opt, rng=False)
         ck.wait()
-        model2 = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 4))
+        model2 = torch.nn.Sequential(
+            torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 4)
+        )
         opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
         assert ck.restore(model=model2, optimizer=opt2, verify_loaded=True, rng=False) == 1
         # every tensor of the model and the optimizer state was checked (the 0-d AdamW steps too)
@@ -317,7 +367,10 @@ def test_verify_loaded_checks_every_restored_tensor_and_names_damage(tmp_path, m
                 kw["optimizer"].state[kw["model"][0].weight]["exp_avg_sq"].view(-1)[7] += 1.0
 
         monkeypatch.setattr(state_mod, "apply", damaging_apply)
-        with pytest.raises(CheckpointCorruptError, match=r"optimizer\.state\.0\.exp_avg_sq' on cpu holds bytes 0-4096"):
+        with pytest.raises(
+            CheckpointCorruptError,
+            match=r"optimizer\.state\.0\.exp_avg_sq' on cpu holds bytes 0-4096",
+        ):
             ck.restore(model=model2, optimizer=opt2, verify_loaded=True, rng=False)
         ck.restore(model=model2, optimizer=opt2, rng=False)  # off by default: nothing re-checked
 
@@ -346,7 +399,9 @@ def test_back_to_back_saves_are_queued_never_dropped(tmp_path):
         for step in range(5):
             t += 1
             saved.append(t.clone())
-            ck.save(step, extra={"t": t}, rng=False)  # each waits for the previous one (back-pressure)
+            ck.save(
+                step, extra={"t": t}, rng=False
+            )  # each waits for the previous one (back-pressure)
         assert ck.in_flight is None or ck.in_flight.step == 4
         ck.wait()
         assert [i.step for i in ck.list()] == [0, 1, 2, 3, 4]
@@ -362,10 +417,10 @@ def test_dtensor_is_refused_with_a_clear_message(tmp_path):
     import sys
     import textwrap
 
+    rdzv = "file://" + str(tmp_path.parent / (tmp_path.name + ".rdzv"))
     code = textwrap.dedent(f"""
         import torch, torch.distributed as dist
-        dist.init_process_group("gloo", init_method={"file://" + str(tmp_path.parent / (tmp_path.name + ".rdzv"))!r},
-                                rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method={rdzv!r}, rank=0, world_size=1)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
         import gpumem

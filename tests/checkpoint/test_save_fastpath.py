@@ -20,7 +20,7 @@ import gpumem.checkpoint.snapshot as snap_mod
 from gpumem.arena import HostArena
 from gpumem.checkpoint import CheckpointCorruptError, CheckpointStateError, verify
 from gpumem.checkpoint.format import read_manifest
-from gpumem.checkpoint.snapshot import HostViews, PlanCache, plan_layout
+from gpumem.checkpoint.snapshot import HostViews, LayoutCache, plan_layout
 from gpumem.checkpoint.state import TensorTable, capture
 
 
@@ -63,32 +63,42 @@ def _pieces(plan):
     return [(p.index, p.src_offset, p.nbytes, p.batch, p.offset) for p in plan.pieces]
 
 
-# ---- PlanCache ----
+# ---- LayoutCache ----
 
 
 def test_plan_cache_reuses_only_an_identical_layout():
     ts = [torch.randn(1000), torch.randn(3, 7), torch.tensor(2.0), torch.randn(40, 40)]
     names = ["a", "b", "c", "d"]
     args = (1 << 20, 4096, 4096, 8192)
-    cache = PlanCache()
+    cache = LayoutCache()
     first = cache.plan(ts, names, *args)
     ref = plan_layout(ts, names, *args)
-    assert _pieces(first) == _pieces(ref) and first.bases == ref.bases and first.batch_sizes == ref.batch_sizes
+    assert (
+        _pieces(first) == _pieces(ref)
+        and first.bases == ref.bases
+        and first.batch_sizes == ref.batch_sizes
+    )
     first.pieces[0].crc = torch.zeros(1, dtype=torch.int64)  # a save fills in its CRCs...
     again = cache.plan([t.clone() for t in ts], names, *args)  # same sizes, other tensors
     assert again.layout_id == first.layout_id and _pieces(again) == _pieces(first)
-    assert again.pieces[0] is not first.pieces[0] and again.pieces[0].crc is None  # ...never into the next one
+    assert (
+        again.pieces[0] is not first.pieces[0] and again.pieces[0].crc is None
+    )  # ...never into the next one
 
     def changed(tensors, *a):
         plan = cache.plan(tensors, names, *a)
         ref = plan_layout(tensors, names, *a)
-        assert _pieces(plan) == _pieces(ref) and plan.bases == ref.bases and plan.streaming == ref.streaming
+        assert (
+            _pieces(plan) == _pieces(ref)
+            and plan.bases == ref.bases
+            and plan.streaming == ref.streaming
+        )
         return plan.layout_id
 
     ids = {first.layout_id}
-    grown = [torch.randn(1001)] + ts[1:]  # one element more
+    grown = [torch.randn(1001), *ts[1:]]  # one element more
     ids.add(changed(grown, *args))
-    transposed = ts[:3] + [ts[3].t()]  # same size, no longer contiguous
+    transposed = [*ts[:3], ts[3].t()]  # same size, no longer contiguous
     ids.add(changed(transposed, *args))
     ids.add(changed(ts[:3], *args))  # a tensor fewer
     ids.add(changed(ts, 24576, 4096, 4096, 8192))  # a smaller budget: streaming
@@ -98,12 +108,14 @@ def test_plan_cache_reuses_only_an_identical_layout():
 
 
 def test_plan_cache_keeps_nothing_from_a_failed_plan():
-    cache = PlanCache()
+    cache = LayoutCache()
     ok = [torch.randn(100)]
     cache.plan(ok, ["a"], 1 << 20, 4096, 4096, 8192)
     bad = [torch.randn(200, 200).t()]  # non-contiguous and larger than a 32 KiB streaming slot
     for _ in range(2):
-        with pytest.raises(CheckpointStateError, match="not contiguous and larger than a staging slot"):
+        with pytest.raises(
+            CheckpointStateError, match="not contiguous and larger than a staging slot"
+        ):
             cache.plan(bad, ["t"], 64 << 10, 4096, 4096, 8192)
 
 
@@ -136,7 +148,10 @@ def test_save_plans_once_until_the_tensors_change(tmp_path, monkeypatch):
 
 def _tensors(sizes, seed):
     g = torch.Generator().manual_seed(seed)
-    return {f"t{i}": torch.randint(1, 255, (n,), dtype=torch.uint8, generator=g) for i, n in enumerate(sizes)}
+    return {
+        f"t{i}": torch.randint(1, 255, (n,), dtype=torch.uint8, generator=g)
+        for i, n in enumerate(sizes)
+    }
 
 
 # Layout A: t0 at 0 (1000 bytes, gap to 4096), t1 at 4096. Layout B: t0 takes 6000 bytes, so its
@@ -154,7 +169,9 @@ def test_gaps_are_zeroed_once_per_layout_and_stay_zero(tmp_path, monkeypatch, bl
         counts = []
         for step, (_, sizes) in enumerate(steps):
             state = _tensors(sizes, seed=step)
-            opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)  # overlap needs an optimizer
+            opt = torch.optim.SGD(
+                [torch.nn.Parameter(torch.zeros(1))], lr=0.1
+            )  # overlap needs an optimizer
             ck.save(step, optimizer=opt, extra=state, rng=False, blocking=blocking)
             ck.wait()
             counts.append(len(zeroed))
@@ -242,10 +259,16 @@ def test_a_failed_save_forgets_the_zeroed_gaps(tmp_path, monkeypatch):
 # ---- host byte views ----
 
 
-@pytest.mark.parametrize("t", [
-    torch.randn(3, 5).to(torch.bfloat16), torch.tensor([True, False]), torch.randn(4, dtype=torch.complex64),
-    torch.tensor(7, dtype=torch.int64), torch.randn(2, 1, 3)[:, :, :],
-])
+@pytest.mark.parametrize(
+    "t",
+    [
+        torch.randn(3, 5).to(torch.bfloat16),
+        torch.tensor([True, False]),
+        torch.randn(4, dtype=torch.complex64),
+        torch.tensor(7, dtype=torch.int64),
+        torch.randn(2, 1, 3)[:, :, :],
+    ],
+)
 def test_host_views_show_the_tensor_bytes(t):
     view = HostViews().get(t)
     assert view.dtype == np.uint8 and view.ndim == 1 and view.tobytes() == _raw(t)
@@ -261,7 +284,9 @@ def test_host_views_are_reused_for_one_save_and_hold_no_memory():
     assert head is not va and head.tobytes() == _raw(a[:10])
     third = HostViews(second)
     assert third.get(a) is va
-    assert third.get(b) is not vb and third.get(b).tobytes() == _raw(b)  # b skipped a save: made anew
+    assert third.get(b) is not vb and third.get(b).tobytes() == _raw(
+        b
+    )  # b skipped a save: made anew
     gone = torch.randn(1000)
     ref = weakref.ref(gone)
     keep = HostViews().get(gone)
@@ -329,10 +354,20 @@ def test_views_are_stored_once_only_when_identical():
     x = torch.arange(10.0)
     c = torch.randn(4, dtype=torch.complex64)
     table = TensorTable()
-    names = [table.add(t, p, False) for t, p in [
-        (x, "x"), (x.view(10), "same"), (x[0:5], "lo"), (x[5:10], "hi"), (x.view(2, 5), "reshaped"),
-        (c, "c"), (c.conj(), "c_conj"), (torch.empty(0), "e1"), (torch.empty(0), "e2"),
-    ]]
+    names = [
+        table.add(t, p, False)
+        for t, p in [
+            (x, "x"),
+            (x.view(10), "same"),
+            (x[0:5], "lo"),
+            (x[5:10], "hi"),
+            (x.view(2, 5), "reshaped"),
+            (c, "c"),
+            (c.conj(), "c_conj"),
+            (torch.empty(0), "e1"),
+            (torch.empty(0), "e2"),
+        ]
+    ]
     assert names == ["x", "x", "lo", "hi", "reshaped", "c", "c_conj", "e1", "e2"]
     conj = table.tensors[table.names.index("c_conj")]
     assert not conj.is_conj() and torch.equal(conj, c.conj().resolve_conj())
@@ -340,7 +375,12 @@ def test_views_are_stored_once_only_when_identical():
 
 def test_conjugate_and_negative_views_round_trip(tmp_path):
     c = torch.randn(3, 4, dtype=torch.complex64)
-    extra = {"c": c, "conj": c.conj(), "neg_imag": c.conj().imag, "bf16": torch.randn(5).to(torch.bfloat16)}
+    extra = {
+        "c": c,
+        "conj": c.conj(),
+        "neg_imag": c.conj().imag,
+        "bf16": torch.randn(5).to(torch.bfloat16),
+    }
     with gpumem.Checkpointer(tmp_path) as ck:
         ck.save(0, extra=extra, rng=False, blocking=True)
         ck.wait()
@@ -385,7 +425,9 @@ def test_saves_reuse_two_threads_which_end_at_close(tmp_path, monkeypatch):
         want = model.weight.detach().clone()
         opt.step()  # waits for an overlap copy (pre-step hook)
         ck.wait()
-    assert len(served["persist"]) == 4 and len(set(served["persist"])) == 1  # one thread served every save
+    assert (
+        len(served["persist"]) == 4 and len(set(served["persist"])) == 1
+    )  # one thread served every save
     assert len(served["copy"]) == 2 and len(set(served["copy"])) == 1  # the two overlap saves
     threads = [served["persist"][0], served["copy"][0]]
     assert threading.current_thread() not in threads and all(t.is_alive() for t in threads)

@@ -1,4 +1,5 @@
-"""Staging residency and the order of the background work (what keeps save()'s stall at the floor)."""
+"""Staging residency and the order of the background work (what keeps save()'s stall at the
+floor)."""
 
 import resource
 import threading
@@ -166,7 +167,9 @@ def test_streaming_still_writes_while_copying(tmp_path, monkeypatch):
         st = ck.save(1, model=model)
         ck.wait()
     assert st.mode == "streaming"
-    assert staged_at_write[0] is False  # back-pressure: the first file is written before all is staged
+    assert (
+        staged_at_write[0] is False
+    )  # back-pressure: the first file is written before all is staged
 
 
 def test_durable_time_is_taken_before_retention(tmp_path, monkeypatch):
@@ -243,7 +246,9 @@ def test_prepare_then_save_reuses_the_prepared_arena(tmp_path, monkeypatch):
         assert size > sum(p.numel() * p.element_size() for p in model.parameters()) * 3
         assert ck.wait() is True
         prepared = ck._arena
-        assert prepared is not None and prepared.nbytes == size and isinstance(ck.staging_locked, bool)
+        assert (
+            prepared is not None and prepared.nbytes == size and isinstance(ck.staging_locked, bool)
+        )
         ptr = prepared.data_ptr
         for step in range(2):
             ck.save(step, model=model, optimizer=opt)

@@ -57,11 +57,21 @@ class ScalerLike:
 
 
 class Setup:
-    def __init__(self, init_seed: int = 0, data_seed: int = 1234, n: int = 96, dim: int = 16, hidden: int = 32):
+    def __init__(
+        self,
+        init_seed: int = 0,
+        data_seed: int = 1234,
+        n: int = 96,
+        dim: int = 16,
+        hidden: int = 32,
+    ):
         torch.manual_seed(init_seed)
         self.model = torch.nn.Sequential(
-            torch.nn.Linear(dim, hidden), torch.nn.BatchNorm1d(hidden), torch.nn.ReLU(),
-            torch.nn.Dropout(0.2), torch.nn.Linear(hidden, 1),
+            torch.nn.Linear(dim, hidden),
+            torch.nn.BatchNorm1d(hidden),
+            torch.nn.ReLU(),
+            torch.nn.Dropout(0.2),
+            torch.nn.Linear(hidden, 1),
         )
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.01)
         self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, T_max=50)
@@ -71,15 +81,23 @@ class Setup:
         self.y = torch.randn(n, 1, generator=g)
         self.sampler = ResumableSampler(n, seed=data_seed)
         self.loader = torch.utils.data.DataLoader(
-            torch.utils.data.TensorDataset(self.x, self.y), batch_size=8, sampler=self.sampler,
-            # each new iterator draws a base seed; from its own generator it leaves the global RNG alone
+            torch.utils.data.TensorDataset(self.x, self.y),
+            batch_size=8,
+            sampler=self.sampler,
+            # each new iterator draws a base seed; from its own generator it leaves the global
+            # RNG alone
             generator=torch.Generator().manual_seed(0),
         )
         self._it = None
 
     def objects(self):
-        return {"model": self.model, "optimizer": self.opt, "scheduler": self.sched, "scaler": self.scaler,
-                "stateful": {"data": self.sampler}}
+        return {
+            "model": self.model,
+            "optimizer": self.opt,
+            "scheduler": self.sched,
+            "scaler": self.scaler,
+            "stateful": {"data": self.sampler},
+        }
 
     def step(self) -> float:
         if self._it is None:

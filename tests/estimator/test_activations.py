@@ -9,20 +9,25 @@ import torch.nn.functional as F
 
 from gpumem.estimator import activations as act
 from gpumem.estimator import estimate
-from gpumem.estimator.models import ModelSpec, from_model_config
+from gpumem.estimator.specs import ModelSpec, from_model_config
 
-GPT = ModelSpec(name="gpt-22b-like", arch="gpt2", n_layers=1, hidden=6144, n_heads=64, ffn=4 * 6144, vocab=51200)
+GPT = ModelSpec(
+    name="gpt-22b-like", arch="gpt2", n_layers=1, hidden=6144, n_heads=64, ffn=4 * 6144, vocab=51200
+)
 
 
-@pytest.mark.parametrize("t,sp,rc,expected", [
-    # Source: Korthikanti et al. 2022, Table 2 (s=2048, b=1, h=6144, a=64), computed by hand.
-    (1, False, "none", lambda s, b, h, a, t: s * b * h * (34 + 5 * a * s / h)),
-    (8, False, "none", lambda s, b, h, a, t: s * b * h * (10 + 24 / t + 5 * a * s / (h * t))),
-    (8, True, "none", lambda s, b, h, a, t: s * b * h / t * (34 + 5 * a * s / h)),
-    (8, False, "selective", lambda s, b, h, a, t: s * b * h * (10 + 24 / t)),
-    (8, True, "selective", lambda s, b, h, a, t: 34 * s * b * h / t),
-    (1, False, "full", lambda s, b, h, a, t: 2 * s * b * h),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "t,sp,rc,expected",
+    [
+        # Source: Korthikanti et al. 2022, Table 2 (s=2048, b=1, h=6144, a=64), computed by hand.
+        (1, False, "none", lambda s, b, h, a, t: s * b * h * (34 + 5 * a * s / h)),
+        (8, False, "none", lambda s, b, h, a, t: s * b * h * (10 + 24 / t + 5 * a * s / (h * t))),
+        (8, True, "none", lambda s, b, h, a, t: s * b * h / t * (34 + 5 * a * s / h)),
+        (8, False, "selective", lambda s, b, h, a, t: s * b * h * (10 + 24 / t)),
+        (8, True, "selective", lambda s, b, h, a, t: 34 * s * b * h / t),
+        (1, False, "full", lambda s, b, h, a, t: 2 * s * b * h),
+    ],
+)
 def test_korthikanti_table_2(t, sp, rc, expected):
     s, b = 2048, 1
     got = act.korthikanti_layer_bytes(GPT, b, s, tp=t, sp=sp, recompute=rc)
@@ -45,8 +50,14 @@ def test_korthikanti_through_estimate():
     # Megatron's non-layer terms: input ids 8sb, output layer + CE 4sbh(1 + v/h)
     spec = GPT.replace(n_layers=4, vocab=128)
     s, b, h = 2048, 8, 6144
-    bill = estimate(spec, batch_size=b, seq_len=s, activation_model="korthikanti", attention="eager",
-                    gpu_memory="1TB")  # fmt: skip
+    bill = estimate(
+        spec,
+        batch_size=b,
+        seq_len=s,
+        activation_model="korthikanti",
+        attention="eager",
+        gpu_memory="1TB",
+    )
     per_layer = s * b * h * (34 * h + 5 * 64 * s) // h
     assert bill.inputs["attention"] == "math" and bill.phase == "backward start"
     assert bill.per_gpu["activations"] == 4 * per_layer + 8 * s * b + 4 * s * b * (h + 128)
@@ -63,10 +74,12 @@ def _saved_bytes(model, ids, targets, autocast: bool) -> int:
             seen.setdefault(st.data_ptr(), st.nbytes())
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            logits = model(ids)
-            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast),
+    ):
+        logits = model(ids)
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
     return sum(seen.values())
 
 
@@ -98,8 +111,19 @@ def test_ops_model_matches_saved_tensors(arch, ov, autocast, backend, dropout):
     with ctx:
         measured = _saved_bytes(model, ids, tg, autocast)
     spec = from_model_config(cfg)
-    w = act.Workload(b, s, compute=2 if autocast else 4, residual=4, autocast=autocast,
-                     attention=backend, dropout=dropout, cuda=False)  # fmt: skip
-    est = (spec.n_layers * act.sum_items(act.layer_items(spec, w), saved_only=True)
-           + act.sum_items(act.embed_items(spec, w), True) + act.sum_items(act.head_items(spec, w), True))  # fmt: skip
+    w = act.Workload(
+        b,
+        s,
+        compute=2 if autocast else 4,
+        residual=4,
+        autocast=autocast,
+        attention=backend,
+        dropout=dropout,
+        cuda=False,
+    )
+    est = (
+        spec.n_layers * act.sum_items(act.layer_items(spec, w), saved_only=True)
+        + act.sum_items(act.embed_items(spec, w), True)
+        + act.sum_items(act.head_items(spec, w), True)
+    )
     assert est == measured

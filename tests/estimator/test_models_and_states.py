@@ -5,8 +5,8 @@ import json
 import pytest
 
 from gpumem.estimator import Layout, Training, estimate, resolve_model
-from gpumem.estimator.bill import model_states
-from gpumem.estimator.models import PRESETS, from_model_config, module_param_count, preset
+from gpumem.estimator.specs import PRESETS, from_model_config, module_param_count, preset
+from gpumem.estimator.terms import model_states
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -39,10 +39,17 @@ def test_70b_wall():
 @pytest.mark.parametrize("zero,gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
 def test_zero_paper_figure_1(zero, gb):
     # Source: Rajbhandari et al. 2020 (ZeRO), Figure 1: Psi = 7.5 B, N_d = 64, K = 12,
-    # fp16 grads: 120 / 31.4 / 16.6 / 1.9 GB per GPU. Hand: 16Psi, 4Psi+12Psi/N, 2Psi+14Psi/N, 16Psi/N.
-    exact = {0: 16 * 7.5e9, 1: 4 * 7.5e9 + 12 * 7.5e9 / 64, 2: 2 * 7.5e9 + 14 * 7.5e9 / 64,
-             3: 16 * 7.5e9 / 64}[zero]  # fmt: skip
-    got = model_states(7_500_000_000, Training("fp16-mixed", "adam"), Layout(dp=64, zero=zero))["total"]
+    # fp16 grads: 120 / 31.4 / 16.6 / 1.9 GB per GPU.
+    # Hand: 16Psi, 4Psi+12Psi/N, 2Psi+14Psi/N, 16Psi/N.
+    exact = {
+        0: 16 * 7.5e9,
+        1: 4 * 7.5e9 + 12 * 7.5e9 / 64,
+        2: 2 * 7.5e9 + 14 * 7.5e9 / 64,
+        3: 16 * 7.5e9 / 64,
+    }[zero]
+    got = model_states(7_500_000_000, Training("fp16-mixed", "adam"), Layout(dp=64, zero=zero))[
+        "total"
+    ]
     assert got == int(exact)
     assert round(got / 1e9, 1) == gb
 
@@ -55,14 +62,22 @@ def test_fp32_grad_accumulation_options():
     ds = model_states(psi, Training(grads="compute+fp32"), Layout(dp=8, zero=2))["total"]
     assert ds == 2 * psi + 18 * psi // 8
     # Megatron distributed optimizer: 6 + 12/DP (bf16 weights, fp32 grads, sharded master+Adam)
-    assert model_states(psi, Training(grads="fp32"), Layout(dp=8, zero=1))["total"] == 6 * psi + 12 * psi // 8
+    assert (
+        model_states(psi, Training(grads="fp32"), Layout(dp=8, zero=1))["total"]
+        == 6 * psi + 12 * psi // 8
+    )
 
 
 def test_optimizers_and_precisions():
-    # Source: Transformer Math 101: SGD-momentum 8 (master 4 + momentum 4), 8-bit Adam 6 (4 + 1 + 1).
+    # Source: Transformer Math 101: SGD-momentum 8 (master 4 + momentum 4),
+    # 8-bit Adam 6 (4 + 1 + 1).
     assert Training(optimizer="sgd-momentum").optimizer_bytes == 8
     assert Training(optimizer="adam8bit").optimizer_bytes == pytest.approx(6, abs=0.01)
-    assert (Training("fp32").weight_bytes, Training("fp32").grad_bytes, Training("fp32").optimizer_bytes) == (4, 4, 8)
+    assert (
+        Training("fp32").weight_bytes,
+        Training("fp32").grad_bytes,
+        Training("fp32").optimizer_bytes,
+    ) == (4, 4, 8)
     assert Training("bf16", "adamw").optimizer_bytes == 4
     with pytest.raises(ValueError, match="unknown optimizer 'adamm'"):
         Training(optimizer="adamm")
@@ -83,9 +98,16 @@ def test_unknown_preset_suggests(tmp_path):
 
 
 def test_hf_config(tmp_path):
-    cfg = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
-           "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
-           "vocab_size": 32000, "max_position_embeddings": 8192}  # fmt: skip
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 32000,
+        "max_position_embeddings": 8192,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert resolve_model(str(tmp_path)).n_params == PRESETS["mistral-7b"].n_params
     del cfg["intermediate_size"]
@@ -95,20 +117,29 @@ def test_hf_config(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         resolve_model(str(tmp_path))
-    gpt = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257,
-           "n_positions": 1024}  # fmt: skip
+    gpt = {
+        "model_type": "gpt2",
+        "n_embd": 768,
+        "n_layer": 12,
+        "n_head": 12,
+        "vocab_size": 50257,
+        "n_positions": 1024,
+    }
     assert resolve_model(gpt).n_params == 124_439_808
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(batch_size=0), "batch_size must be a positive integer"),
-    (dict(seq_len=-4), "seq_len must be a positive integer"),
-    (dict(gpu="H1000"), "did you mean H100"),
-    (dict(gpu_memory="-3GiB"), "cannot read|positive"),
-    (dict(layout=Layout(dp=1, tp=3)), "heads 32 not divisible by tp=3"),
-    (dict(layout=Layout(dp=1, pp=64)), "pp=64 exceeds the 32 layers"),
-    (dict(layout=Layout(dp=2, ep=2)), "has no experts"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"batch_size": 0}, "batch_size must be a positive integer"),
+        ({"seq_len": -4}, "seq_len must be a positive integer"),
+        ({"gpu": "H1000"}, "did you mean H100"),
+        ({"gpu_memory": "-3GiB"}, "cannot read|positive"),
+        ({"layout": Layout(dp=1, tp=3)}, "heads 32 not divisible by tp=3"),
+        ({"layout": Layout(dp=1, pp=64)}, "pp=64 exceeds the 32 layers"),
+        ({"layout": Layout(dp=2, ep=2)}, "has no experts"),
+    ],
+)
 def test_bad_input(kwargs, match):
     with pytest.raises((ValueError, LookupError), match=match):
         estimate("llama-2-7b", **kwargs)

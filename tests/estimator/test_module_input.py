@@ -12,12 +12,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import gpumem
-from gpumem.estimator.models import PRESETS, from_model_config
+from gpumem.estimator.specs import PRESETS, from_model_config
 from gpumem.estimator.validate import Case, compare
 from gpumem.models import build_model, get_config
 
 SMALL = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "vocab_size": 512, "seq_len": 128}
-CPU = dict(device="cpu", persistent_grads=False, gpu_memory=2**40)
+CPU = {"device": "cpu", "persistent_grads": False, "gpu_memory": 2**40}
 STATES = ("weights", "gradients", "optimizer")
 
 
@@ -40,19 +40,31 @@ def _profile_two_steps(model, opt, x, y):
     "case",
     [
         Case("gpt2-adamw-fp32", "gpt2", SMALL, batch=2, seq=64),
-        Case("llama-gqa-autocast-recompute", "llama", dict(SMALL, num_kv_heads=2), batch=2, seq=64,
-             autocast=True, recompute=True),
+        Case(
+            "llama-gqa-autocast-recompute",
+            "llama",
+            dict(SMALL, num_kv_heads=2),
+            batch=2,
+            seq=64,
+            autocast=True,
+            recompute=True,
+        ),
         Case("gpt2-sgd-momentum", "gpt2", SMALL, batch=2, seq=32, optimizer="sgd-momentum"),
     ],
     ids=lambda c: c.name,
-)  # fmt: skip
+)
 def test_builtin_module_matches_real_profile_and_spec_path(case):
     c = compare(case)  # the real CPU run (measured) and the spec path's bill
     net = build_model(get_config(case.arch, "tiny", **case.overrides))
     bill = gpumem.estimate(
-        net, batch_size=case.batch, seq_len=case.seq, precision=case.precision,
-        optimizer=case.optimizer, recompute="full" if case.recompute else "none", **CPU,
-    )  # fmt: skip
+        net,
+        batch_size=case.batch,
+        seq_len=case.seq,
+        precision=case.precision,
+        optimizer=case.optimizer,
+        recompute="full" if case.recompute else "none",
+        **CPU,
+    )
     est = bill.profiler_categories()
     assert abs(est["total"] - c.measured_peak) / c.measured_peak < 0.05, (est, c.measured)
     assert est["weights"] == c.measured["weights"]
@@ -68,14 +80,21 @@ def test_builtin_module_matches_real_profile_and_spec_path(case):
 
 def _mlp() -> nn.Module:
     return nn.Sequential(
-        nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256),
-        nn.ReLU(), nn.Linear(256, 10),
-    )  # fmt: skip
+        nn.Linear(128, 256),
+        nn.ReLU(),
+        nn.Linear(256, 256),
+        nn.ReLU(),
+        nn.Linear(256, 256),
+        nn.ReLU(),
+        nn.Linear(256, 10),
+    )
 
 
 def _profile_real(model, x, y, optimizer, autocast=False):
-    opt = {"adamw": lambda p: torch.optim.AdamW(p, lr=1e-3),
-           "sgd": lambda p: torch.optim.SGD(p, lr=1e-3)}[optimizer](model.parameters())  # fmt: skip
+    opt = {
+        "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3),
+        "sgd": lambda p: torch.optim.SGD(p, lr=1e-3),
+    }[optimizer](model.parameters())
     with gpumem.profile(model, optimizer=opt) as prof:
         for _ in range(2):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -89,9 +108,12 @@ def _profile_real(model, x, y, optimizer, autocast=False):
 
 @pytest.mark.parametrize(
     "optimizer, precision, phase",
-    [("adamw", "fp32", "optimizer step"), ("sgd", "fp32", "backward end"),
-     ("adamw", "bf16-autocast", "optimizer step")],
-)  # fmt: skip
+    [
+        ("adamw", "fp32", "optimizer step"),
+        ("sgd", "fp32", "backward end"),
+        ("adamw", "bf16-autocast", "optimizer step"),
+    ],
+)
 def test_plain_mlp_matches_real_profile(optimizer, precision, phase):
     torch.manual_seed(0)
     model = _mlp()
@@ -115,11 +137,16 @@ def test_module_is_untouched():
     model[0].weight.requires_grad_(False)
     before = [(id(p), p.data_ptr(), p.device, p.dtype, p.requires_grad) for p in model.parameters()]
     values = [p.detach().clone() for p in model.parameters()]
-    gpumem.estimate(model, example_input=torch.randn(4, 128), precision="bf16-mixed", recompute="full",
-                    layout=gpumem.Layout(dp=2, zero=1))  # fmt: skip
+    gpumem.estimate(
+        model,
+        example_input=torch.randn(4, 128),
+        precision="bf16-mixed",
+        recompute="full",
+        layout=gpumem.Layout(dp=2, zero=1),
+    )
     after = [(id(p), p.data_ptr(), p.device, p.dtype, p.requires_grad) for p in model.parameters()]
     assert before == after
-    assert all(torch.equal(a, p) for a, p in zip(values, model.parameters()))
+    assert all(torch.equal(a, p) for a, p in zip(values, model.parameters(), strict=True))
     assert all(p.grad is None for p in model.parameters())
     assert not model.training
     assert isinstance(model[2], nn.Linear)  # the recompute wrapper went to the copy only
@@ -129,7 +156,12 @@ def test_module_is_untouched():
 def test_meta_llama2_7b_counts_and_agrees_with_spec():
     with torch.device("meta"):
         net = build_model("llama", "7b")
-    kw = dict(batch_size=1, seq_len=1024, precision="bf16-mixed", layout=gpumem.Layout(dp=8, zero=1))
+    kw = {
+        "batch_size": 1,
+        "seq_len": 1024,
+        "precision": "bf16-mixed",
+        "layout": gpumem.Layout(dp=8, zero=1),
+    }
     bill = gpumem.estimate(net, **kw)
     assert bill.n_params == PRESETS["llama-2-7b"].n_params == 6_738_415_616
     spec = gpumem.estimate(from_model_config(net.config), **kw)
@@ -152,10 +184,16 @@ def test_meta_llama2_7b_counts_and_agrees_with_spec():
         (gpumem.Layout(tp=2), 0.10),
     ],
     ids=lambda v: v.describe() if isinstance(v, gpumem.Layout) else str(v),
-)  # fmt: skip
+)
 def test_layouts_agree_with_spec_path(layout, tol):
     cfg = get_config("llama", "tiny", num_layers=4)
-    kw = dict(batch_size=2, seq_len=64, precision="bf16-mixed", layout=layout, grad_accum=4)
+    kw = {
+        "batch_size": 2,
+        "seq_len": 64,
+        "precision": "bf16-mixed",
+        "layout": layout,
+        "grad_accum": 4,
+    }
     bill, spec = gpumem.estimate(build_model(cfg), **kw), gpumem.estimate(cfg, **kw)
     for k in STATES:
         assert bill.per_gpu[k] == spec.per_gpu[k], k
@@ -168,8 +206,13 @@ def test_frozen_parameters_carry_no_gradients_or_optimizer_state():
         p.requires_grad_(False)
     frozen = 128 * 256 + 256
     trainable = sum(p.numel() for p in model.parameters()) - frozen
-    bill = gpumem.estimate(model, example_input=torch.randn(8, 128), precision="bf16-mixed",
-                           optimizer="adamw", gpu="H100-80GB")  # fmt: skip
+    bill = gpumem.estimate(
+        model,
+        example_input=torch.randn(8, 128),
+        precision="bf16-mixed",
+        optimizer="adamw",
+        gpu="H100-80GB",
+    )
     # ZeRO paper convention: 2 (bf16 weights) + 2 (grads) + 12 (fp32 master + Adam) per trainable
     assert bill.cluster_model_state_bytes == 16 * trainable + 2 * frozen
     assert bill.model_states["gradients"] == 2 * trainable
@@ -182,7 +225,9 @@ def test_example_input_batch_and_factory():
     x = torch.randn(32, 128)
     a = gpumem.estimate(model, example_input=x, batch_size=8, **CPU)
     b = gpumem.estimate(model, example_input=x[:8], **CPU)
-    c = gpumem.estimate(model, example_input=lambda batch, seq: torch.randn(batch, 128), batch_size=8, **CPU)
+    c = gpumem.estimate(
+        model, example_input=lambda batch, seq: torch.randn(batch, 128), batch_size=8, **CPU
+    )
     assert a.per_gpu == b.per_gpu == c.per_gpu
     assert a.inputs["batch_size"] == 8
     d = gpumem.estimate(model, example_input=x, **CPU)  # the example's own batch
@@ -198,23 +243,36 @@ def test_keyword_inputs_and_custom_loss():
         def forward(self, *, features):
             return self.b(torch.relu(self.a(features)))
 
-    bill = gpumem.estimate(Regressor(), example_input={"features": torch.randn(4, 16)},
-                           loss_fn=lambda out: out.pow(2).mean(), **CPU)  # fmt: skip
+    bill = gpumem.estimate(
+        Regressor(),
+        example_input={"features": torch.randn(4, 16)},
+        loss_fn=lambda out: out.pow(2).mean(),
+        **CPU,
+    )
     assert bill.n_params == 2 * (16 * 16 + 16)
 
 
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(), "forward needs input: pass example_input="),
-        (dict(example_input=torch.randn(2, 128), recompute="selective"), "selective"),
-        (dict(example_input=torch.randn(2, 128), layout=gpumem.Layout(dp=1, pp=4)), "pp=4 exceeds the 2 blocks"),
-        (dict(example_input=torch.randn(2, 128), attention="eager"), "set them in the module"),
-        (dict(example_input=torch.randn(2, 128), activation_model="korthikanti"), "transformer shape"),
-        (dict(example_input=torch.randn(2, 128), lora_rank=8), "freeze the base yourself"),
-        (dict(example_input=torch.randn(2, 128), layout=gpumem.Layout(tp=3)), "no dimension divisible"),
+        ({}, "forward needs input: pass example_input="),
+        ({"example_input": torch.randn(2, 128), "recompute": "selective"}, "selective"),
+        (
+            {"example_input": torch.randn(2, 128), "layout": gpumem.Layout(dp=1, pp=4)},
+            "pp=4 exceeds the 2 blocks",
+        ),
+        ({"example_input": torch.randn(2, 128), "attention": "eager"}, "set them in the module"),
+        (
+            {"example_input": torch.randn(2, 128), "activation_model": "korthikanti"},
+            "transformer shape",
+        ),
+        ({"example_input": torch.randn(2, 128), "lora_rank": 8}, "freeze the base yourself"),
+        (
+            {"example_input": torch.randn(2, 128), "layout": gpumem.Layout(tp=3)},
+            "no dimension divisible",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_input_is_a_clear_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
         gpumem.estimate(_mlp(), **kwargs)
@@ -226,7 +284,7 @@ def test_module_without_parameters_or_repeats():
     distinct = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     with pytest.raises(ValueError, match="repeats none"):
         gpumem.estimate(distinct, example_input=torch.randn(2, 8), layout=gpumem.Layout(tp=2))
-    with pytest.raises(ValueError, match="nn.Module model only"):
+    with pytest.raises(ValueError, match=r"nn.Module model only"):
         gpumem.estimate("gpt2", example_input=torch.randn(2, 8))
 
 
@@ -242,8 +300,9 @@ def test_other_builtin_modules_match_real_profile(arch):
     x, y = example_batch(cfg, 4, 32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     rep = _profile_two_steps(model, opt, x, y)
-    bill = gpumem.estimate(model, batch_size=4, seq_len=32 if arch == "mixtral" else None,
-                           precision="fp32", **CPU)  # fmt: skip
+    bill = gpumem.estimate(
+        model, batch_size=4, seq_len=32 if arch == "mixtral" else None, precision="fp32", **CPU
+    )
     est = bill.profiler_categories()
     assert abs(est["total"] - rep.peak_bytes) / rep.peak_bytes < 0.05
     assert est["weights"] == rep.at_peak["weights"]
@@ -260,8 +319,15 @@ def test_module_on_cuda_matches_real_cuda_profile():
     ids, targets = example_batch(cfg, 2, 64, device="cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     rep = _profile_two_steps(model, opt, ids, targets)
-    bill = gpumem.estimate(model, batch_size=2, seq_len=64, precision="fp32", device="cuda",
-                           persistent_grads=False, gpu_memory=2**40)  # fmt: skip
+    bill = gpumem.estimate(
+        model,
+        batch_size=2,
+        seq_len=64,
+        precision="fp32",
+        device="cuda",
+        persistent_grads=False,
+        gpu_memory=2**40,
+    )
     est = bill.profiler_categories()
     assert abs(est["total"] - rep.peak_bytes) / rep.peak_bytes < 0.05, (est, rep.at_peak)
     assert all(p.device.type == "cuda" and p.grad is None for p in model.parameters())

@@ -15,14 +15,34 @@ CASES = [
     # peak at the start of backward (saved activations + the loss's backward)
     Case("gpt2-adamw-fp32", "gpt2", SMALL, batch=2, seq=64),
     # peak inside the first layer's backward: recomputed layer, grads mostly present
-    Case("llama-gqa-autocast-recompute", "llama", dict(SMALL, num_kv_heads=2), batch=2, seq=64,
-         autocast=True, recompute=True),
+    Case(
+        "llama-gqa-autocast-recompute",
+        "llama",
+        dict(SMALL, num_kv_heads=2),
+        batch=2,
+        seq=64,
+        autocast=True,
+        recompute=True,
+    ),
     # MoE: balanced routing assumed by the estimate; the total is routing-independent
-    Case("moe-sgd-fp32", "mixtral", dict(SMALL, num_kv_heads=2, num_experts=4, top_k=2, ffn_hidden_size=128),
-         batch=2, seq=64, optimizer="sgd"),
+    Case(
+        "moe-sgd-fp32",
+        "mixtral",
+        dict(SMALL, num_kv_heads=2, num_experts=4, top_k=2, ffn_hidden_size=128),
+        batch=2,
+        seq=64,
+        optimizer="sgd",
+    ),
     # peak in the optimizer step: torch's foreach AdamW allocates sqrt(v) for every parameter
-    Case("gpt2-adamw-foreach-step", "gpt2", dict(SMALL, vocab_size=128), batch=1, seq=16, foreach=True),
-]  # fmt: skip
+    Case(
+        "gpt2-adamw-foreach-step",
+        "gpt2",
+        dict(SMALL, vocab_size=128),
+        batch=1,
+        seq=16,
+        foreach=True,
+    ),
+]
 PHASE = {"backward start": "backward", "backward end": "backward", "optimizer step": "optimizer"}
 
 

@@ -4,8 +4,16 @@ import math
 
 import pytest
 
-from gpumem.estimator import Layout, estimate
-from gpumem.planner import economics, k8s_job, min_gpus, plan, realised_loss, sbatch_header, young_daly
+from gpumem.estimator import estimate
+from gpumem.planner import (
+    economics,
+    k8s_job,
+    min_gpus,
+    plan,
+    realised_loss,
+    sbatch_header,
+    young_daly,
+)
 
 
 def test_sweep_matches_estimate():
@@ -25,17 +33,23 @@ def test_nothing_fits_and_min_gpus():
     # 16 B/param of 68.98 B params cannot fit below 1.10 TB / 79.6 GiB = 13 GPUs
     assert r.n_gpus >= math.ceil(16 * 68_976_648_192 / (81559 * 2**20))
     # above one node the search steps in whole nodes: one node fewer must not fit
-    assert plan("llama-2-70b", n_gpus=r.n_gpus - 8, seq_len=1024, micro_batches=(1,)).candidates == []
+    assert (
+        plan("llama-2-70b", n_gpus=r.n_gpus - 8, seq_len=1024, micro_batches=(1,)).candidates == []
+    )
 
 
 def test_young_daly_and_motivating_scenario():
     # Source: Young 1974 / Daly 2006: tau = sqrt(2 C MTBF). Issue #4: 64 H100 x 47 h x $3 = $9,024.
     assert young_daly(2.0, 3600.0) == pytest.approx(math.sqrt(2 * 2 * 3600))
     assert realised_loss(n_gpus=64, hours_lost=47, price_per_gpu_hour=3.0) == 9024.0
-    e = economics(n_gpus=64, price_per_gpu_hour=3.0, mtbf_hours=24, stall_s=2, persist_s=30, restart_s=0)
+    e = economics(
+        n_gpus=64, price_per_gpu_hour=3.0, mtbf_hours=24, stall_s=2, persist_s=30, restart_s=0
+    )
     assert e.interval_s == pytest.approx(math.sqrt(2 * 2 * 24 * 3600))
     assert e.loss_per_preemption_with_ckpt == pytest.approx((e.interval_s / 2 + 30) * 64 * 3 / 3600)
-    slow = economics(n_gpus=8, price_per_gpu_hour=3.0, preemption_rate=1.0, stall_s=1, persist_s=600)
+    slow = economics(
+        n_gpus=8, price_per_gpu_hour=3.0, preemption_rate=1.0, stall_s=1, persist_s=600
+    )
     assert slow.interval_s == 600  # the persist time bounds the interval
     with pytest.raises(ValueError, match="exactly one"):
         economics(n_gpus=8, price_per_gpu_hour=3.0)
@@ -43,7 +57,12 @@ def test_young_daly_and_motivating_scenario():
 
 def test_job_scripts():
     s = sbatch_header(n_gpus=64, gpus_per_node=8, time_limit_min=240, signal_s=300)
-    assert "#SBATCH --nodes=8" in s and "--requeue" in s and "--signal=B:TERM@300" in s and "GraceTime" in s
+    assert (
+        "#SBATCH --nodes=8" in s
+        and "--requeue" in s
+        and "--signal=B:TERM@300" in s
+        and "GraceTime" in s
+    )
     k = k8s_job(n_gpus=16, gpus_per_node=8, grace_s=300)
     assert "terminationGracePeriodSeconds: 300" in k and "kueue.x-k8s.io/queue-name" in k
     assert "parallelism: 2" in k
@@ -65,9 +84,30 @@ def test_cli_never_tracebacks(capsys):
 
     assert main(["estimate", "llama-2-7b", "--json", "--seq-len", "512"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"n_params", "per_gpu", "fits", "headroom_bytes", "cluster_model_state_bytes"}
+    assert set(out) == {
+        "n_params",
+        "per_gpu",
+        "fits",
+        "headroom_bytes",
+        "cluster_model_state_bytes",
+    }
     assert out["per_gpu"] == estimate("llama-2-7b", seq_len=512).per_gpu
-    assert main(["plan", "llama-2-7b", "--gpus", "8", "--seq-len", "1024", "--mtbf-hours", "12", "--k8s"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "llama-2-7b",
+                "--gpus",
+                "8",
+                "--seq-len",
+                "1024",
+                "--mtbf-hours",
+                "12",
+                "--k8s",
+            ]
+        )
+        == 0
+    )
     assert "terminationGracePeriodSeconds" in capsys.readouterr().out
 
 
@@ -78,8 +118,24 @@ def test_cli_realised_loss_of_the_motivating_preemption(capsys):
 
     from gpumem.cli import main
 
-    argv = ["plan", "llama-2-70b", "--gpus", "64", "--run-hours", "47", "--preempted-at-hours", "47",
-            "--mtbf-hours", "100", "--stall-s", "2", "--persist-s", "60", "--restart-s", "300"]
+    argv = [
+        "plan",
+        "llama-2-70b",
+        "--gpus",
+        "64",
+        "--run-hours",
+        "47",
+        "--preempted-at-hours",
+        "47",
+        "--mtbf-hours",
+        "100",
+        "--stall-s",
+        "2",
+        "--persist-s",
+        "60",
+        "--restart-s",
+        "300",
+    ]
     assert main(argv) == 0
     assert "$9,024 lost without a checkpoint" in capsys.readouterr().out
     assert main([*argv, "--json"]) == 0

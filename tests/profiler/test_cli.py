@@ -8,9 +8,24 @@ from gpumem.cli import main
 
 
 def test_profile_builtin_table_json_plot(tmp_path, capsys):
-    rc = main(["profile", "gpt2", "--batch-size", "2", "--seq-len", "16", "--steps", "2",
-               "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png"),
-               "--trace", str(tmp_path / "t.json")])
+    rc = main(
+        [
+            "profile",
+            "gpt2",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--steps",
+            "2",
+            "--json",
+            str(tmp_path / "r.json"),
+            "--plot",
+            str(tmp_path / "r.png"),
+            "--trace",
+            str(tmp_path / "t.json"),
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert out.startswith("gpumem profile of CausalLM (cpu)") and "layers.1" in out
@@ -30,8 +45,25 @@ def test_profile_fake_json_stdout_matches_real(capsys):
 
 
 def test_profile_markdown_checkpointing_bf16(capsys):
-    assert main(["profile", "llama", "--seq-len", "16", "--precision", "bf16", "--steps", "1",
-                 "--checkpointing", "--markdown", "--optimizer", "sgd"]) == 0
+    assert (
+        main(
+            [
+                "profile",
+                "llama",
+                "--seq-len",
+                "16",
+                "--precision",
+                "bf16",
+                "--steps",
+                "1",
+                "--checkpointing",
+                "--markdown",
+                "--optimizer",
+                "sgd",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.startswith("### Memory profile: CausalLM")
 
 
@@ -46,8 +78,15 @@ def test_profile_bad_input(capsys):
 
 def test_profile_hf_config(tmp_path, capsys):
     pytest.importorskip("transformers")
-    cfg = {"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
-           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    cfg = {
+        "model_type": "llama",
+        "vocab_size": 128,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert main(["profile", str(tmp_path / "config.json"), "--seq-len", "16", "--steps", "1"]) == 0
     assert "LlamaForCausalLM" in capsys.readouterr().out

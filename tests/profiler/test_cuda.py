@@ -48,7 +48,8 @@ def test_cuda_peak_matches_memtracker_and_allocator_sections():
     # the CUDA context alone holds hundreds of MiB outside the allocator
     assert isinstance(a["outside_allocator"], int) and a["outside_allocator"] > 0, a
     assert a["outside_allocator_source"] in (
-        "nvml process used - reserved", "device used (cudaMemGetInfo, all processes) - reserved"
+        "nvml process used - reserved",
+        "device used (cudaMemGetInfo, all processes) - reserved",
     )
     assert a["snapshot"] is None and a["ooms"] == 0
     phases = rep.steps[0].allocator
@@ -71,10 +72,9 @@ def test_oom_report_survives_and_snapshot_written(tmp_path):
     model = nn.Linear(1024, 1024).cuda()
     path = tmp_path / "oom.pickle"
     free, _ = torch.cuda.mem_get_info()
-    with pytest.raises(OutOfMemoryError):
-        with gpumem.profile(model, snapshot=str(path)) as prof:
-            y = model(torch.randn(64, 1024, device="cuda"))
-            torch.empty(free * 4, dtype=torch.uint8, device="cuda")
+    with pytest.raises(OutOfMemoryError), gpumem.profile(model, snapshot=str(path)) as prof:
+        y = model(torch.randn(64, 1024, device="cuda"))
+        torch.empty(free * 4, dtype=torch.uint8, device="cuda")
     rep = prof.report()
     assert rep.error.startswith("OutOfMemoryError")
     assert rep.peak_bytes >= 64 * 1024 * 4 and rep.allocator["out_of_memory"]
@@ -137,7 +137,10 @@ def test_light_mode_cuda_allocator_peaks():
     # Light's peak is the allocator's, less a baseline, at hook resolution; exact's is the sum of
     # storages at op resolution, in another run. They agree to a few blocks: on an H200 (torch
     # 2.11) light was 2048 bytes (0.03 %) below exact, so the bound is 0.1 %, not exact <= light.
-    assert abs(light.peak_bytes - exact.peak_bytes) <= exact.peak_bytes // 1000, (exact.at_peak, light.at_peak)
+    assert abs(light.peak_bytes - exact.peak_bytes) <= exact.peak_bytes // 1000, (
+        exact.at_peak,
+        light.at_peak,
+    )
     assert light.peak_bytes <= light.allocator["allocated_peak"]
     assert light.layers["layers.0"].temporary is not None
     assert light.layers["layers.0"].allocated_peak_delta is not None

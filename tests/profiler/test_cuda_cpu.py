@@ -102,8 +102,9 @@ def alloc(monkeypatch):
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", a.reset_peaks)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Stand-in GPU")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (100 * MiB, 1024 * MiB))
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda d=None: types.SimpleNamespace(uuid="0000-0"))  # fmt: skip
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d=None: types.SimpleNamespace(uuid="0000-0")
+    )
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", a.record_history)
     monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", a.dump)
     # the model below lives on the CPU: hand the profile a probe of the stand-in device 0
@@ -152,8 +153,9 @@ def test_allocator_peaks_per_layer_phase_and_fragmentation(alloc):
     assert rep.layers["0.0"].reserved_peak_delta == 2 * MiB
     assert rep.layers["0.1"].reserved_peak_delta == 0
     assert rep.layers[""].reserved_peak_delta == 2 * MiB
-    assert rep.steps[0].allocator == {"forward": {"allocated_peak": 10_000 + 3 * MiB,
-                                                  "reserved_peak": 4 * MiB}}  # fmt: skip
+    assert rep.steps[0].allocator == {
+        "forward": {"allocated_peak": 10_000 + 3 * MiB, "reserved_peak": 4 * MiB}
+    }
     assert a["ooms"] == 0 and a["out_of_memory"] is False and a["snapshot"] is None
     assert alloc.calls == []  # no snapshot asked for: no history recorded
     # no NVML entry for this process: device-wide used memory minus reserved (labelled)
@@ -252,12 +254,12 @@ def test_outside_allocator_from_nvml_process_figure(alloc, monkeypatch):
 @pytest.mark.parametrize(
     "procs",
     [
-        [[_proc(os.getpid(), None)]],      # driver does not report per-process usage
-        [[_proc(os.getpid(), 0)]],         # reports 0: below the reservation, not a total
+        [[_proc(os.getpid(), None)]],  # driver does not report per-process usage
+        [[_proc(os.getpid(), 0)]],  # reports 0: below the reservation, not a total
         [[_proc(os.getpid() + 1, 900 * MiB)]],  # container: NVML lists host PIDs only
     ],
     ids=["used-none", "used-below-reserved", "pid-not-visible"],
-)  # fmt: skip
+)
 def test_outside_allocator_falls_back_to_device_used(alloc, monkeypatch, procs):
     monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml(procs))
     value, source = cuda.outside_allocator(0, 100 * MiB)
@@ -349,7 +351,7 @@ def test_fake_cuda_optimizer_step_counters_stay_on_host():
     old_adam = {"__name__": "torch.optim.adam", "torch": torch}
     # a function whose globals say it is torch.optim code, doing what older AdamW does
     source = "def init_step():\n    return torch.tensor(0.0, dtype=torch.float32)\n"
-    exec(source, old_adam)  # noqa: S102
+    exec(source, old_adam)
     with gpumem.fake(device="cuda"):
         assert torch.zeros(()).device.type == "cuda"  # the block's default device stands
         step = old_adam["init_step"]()
@@ -364,8 +366,9 @@ def test_fake_cuda_optimizer_step_counters_stay_on_host():
         opt.step()
         opt.step()
         states = list(opt.state.values())
-        assert all(s["step"].device.type == "cpu" and s["exp_avg"].device.type == "cuda"
-                   for s in states)  # fmt: skip
+        assert all(
+            s["step"].device.type == "cpu" and s["exp_avg"].device.type == "cuda" for s in states
+        )
 
 
 def _fake_cuda_adamw_peak(foreach: bool | None) -> int:
@@ -395,7 +398,7 @@ def test_fake_cuda_training_without_gpu_is_refused_in_one_line(capsys):
 
     with pytest.raises(ValueError, match="use --fake without --device"):
         profile_model("gpt2", fake=True, device="cuda")
-    with pytest.raises(ValueError, match="^--device cuda needs a torch build with a usable CUDA"):
+    with pytest.raises(ValueError, match=r"^--device cuda needs a torch build with a usable CUDA"):
         profile_model("gpt2", device="cuda")
     assert main(["profile", "gpt2", "--fake", "--device", "cuda"]) == 2
     err = capsys.readouterr().err

@@ -53,9 +53,12 @@ def test_linear_stack_peak_matches_hand_derivation():
     assert rep.peak_phase == "backward"
     # at the peak grad_w2 has not been accumulated yet: it is still a temporary
     assert rep.at_peak == {
-        "weights": W, "gradients": F32 * D2 * D3, "optimizer": 0,
+        "weights": W,
+        "gradients": F32 * D2 * D3,
+        "optimizer": 0,
         "activations": F32 * B * D1,
-        "temporary": F32 * B * D1 + F32 * B * D2 + F32 * D1 * D2 + 8, "inputs": X,
+        "temporary": F32 * B * D1 + F32 * B * D2 + F32 * D1 * D2 + 8,
+        "inputs": X,
     }
     assert sum(rep.at_peak.values()) == rep.peak_bytes
     # forward peak: W + X + h1 + h2 + out + loss
@@ -89,7 +92,9 @@ def test_linear_stack_memtracker_agrees_with_hand_derivation():
         opt.zero_grad()
     (snap,) = mt.get_tracker_snapshot("peak").values()
     W = F32 * (D0 * D1 + D1 * D2 + D2 * D3)
-    assert snap["Total"] == W + F32 * B * D0 + 8 * B * D1 + 4 * B * D2 + 4 * D2 * D3 + 4 * D1 * D2 + 8
+    assert (
+        snap["Total"] == W + F32 * B * D0 + 8 * B * D1 + 4 * B * D2 + 4 * D2 * D3 + 4 * D1 * D2 + 8
+    )
 
 
 def _copy(model):
@@ -97,13 +102,21 @@ def _copy(model):
 
 
 def _mlp():
-    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)
+    )
 
 
 CASES = {
     "mlp": lambda: (_mlp(), torch.randn(16, 32), torch.randint(0, 10, (16,))),
-    "gpt2": lambda: (build_model("gpt2", "tiny"), *example_batch(build_model("gpt2", "tiny").config, 2, 32)),
-    "resnet-bn": lambda: (build_model("resnet", "tiny"), *example_batch(build_model("resnet", "tiny").config, 4)),
+    "gpt2": lambda: (
+        build_model("gpt2", "tiny"),
+        *example_batch(build_model("gpt2", "tiny").config, 2, 32),
+    ),
+    "resnet-bn": lambda: (
+        build_model("resnet", "tiny"),
+        *example_batch(build_model("resnet", "tiny").config, 4),
+    ),
 }
 
 

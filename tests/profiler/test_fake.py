@@ -60,9 +60,13 @@ def test_data_dependent_op_names_op_and_layer():
     with gpumem.fake():
         model = nn.Sequential(nn.Linear(8, 8), _Masked())
         x = torch.randn(4, 8)
-        with pytest.raises(gpumem.profiler.DataDependentError, match=r"aten.index.Tensor in module '1'"):
-            with gpumem.profile(model) as prof:
-                model(x).sum().backward()
+        with (
+            pytest.raises(
+                gpumem.profiler.DataDependentError, match=r"aten.index.Tensor in module '1'"
+            ),
+            gpumem.profile(model) as prof,
+        ):
+            model(x).sum().backward()
     assert prof.report().error.startswith("DataDependentError")
 
 
@@ -74,9 +78,11 @@ def test_item_under_fake_names_op():
     with gpumem.fake():
         model = nn.Sequential(Item())
         x = torch.randn(4, requires_grad=True)
-        with pytest.raises(gpumem.profiler.DataDependentError, match=r"_local_scalar_dense.*'0'"):
-            with gpumem.profile(model):
-                model(x)
+        with (
+            pytest.raises(gpumem.profiler.DataDependentError, match=r"_local_scalar_dense.*'0'"),
+            gpumem.profile(model),
+        ):
+            model(x)
 
 
 def test_llama2_70b_layer_profiles_under_fake():
@@ -124,7 +130,9 @@ def test_fake_cuda_emulates_block_rounding():
     assert prof.report().layers[""].weights == 512 + 512
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal applies without a usable CUDA device")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the refusal applies without a usable CUDA device"
+)
 def test_fake_cuda_without_gpu_refuses_autograd_instead_of_aborting():
     """PyTorch aborts the process (std::terminate) when autograd records on fake CUDA tensors
     without a usable CUDA device; gpumem refuses those ops with an error, in a subprocess so an
@@ -148,5 +156,6 @@ with gpumem.fake(device="cuda"):
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    # weights 512 + 512 (8x8 fp32 = 256 B and 8 B bias, each a 512-byte block), input 512, output 512
+    # weights 512 + 512 (8x8 fp32 = 256 B and 8 B bias, each a 512-byte block), input 512,
+    # output 512
     assert out.stdout.split() == ["peak", "2048", "refused", "True", "refused", "True"]

@@ -36,7 +36,10 @@ def test_checkpointing_inputs_are_activations_and_recompute_is_temporary():
         assert rc.layers[f"layers.{i}"].activations == B * S * h * 4
         assert rp.layers[f"layers.{i}"].activations > 4 * B * S * h * 4
         # the recomputation in backward is temporary, so the block's backward temporary grows
-        assert rc.layers[f"layers.{i}"].backward_temporary > rp.layers[f"layers.{i}"].backward_temporary
+        assert (
+            rc.layers[f"layers.{i}"].backward_temporary
+            > rp.layers[f"layers.{i}"].backward_temporary
+        )
     assert rc.layers[""].activations < rp.layers[""].activations
     assert rc.peak_bytes < rp.peak_bytes
 
@@ -46,7 +49,9 @@ def test_checkpointing_peak_equals_memtracker(reentrant, monkeypatch):
     import torch.utils.checkpoint as ckpt_mod
 
     orig = ckpt_mod.checkpoint
-    monkeypatch.setattr(ckpt_mod, "checkpoint", lambda f, *a, use_reentrant: orig(f, *a, use_reentrant=reentrant))
+    monkeypatch.setattr(
+        ckpt_mod, "checkpoint", lambda f, *a, use_reentrant: orig(f, *a, use_reentrant=reentrant)
+    )
     model = _gpt(True)
     ref = copy.deepcopy(model)
     x, y = example_batch(model.config, B, S)
@@ -99,6 +104,7 @@ def test_sdpa_attention_saves_qkv_output_and_logsumexp():
     """F.scaled_dot_product_attention on CPU saves q, k, v, the output and the float32
     logsumexp (B, heads, S); the attention module's own activations are exactly those
     (q, k, v are views of the projections' outputs, created inside the module)."""
+
     class Attn(nn.Module):
         def __init__(self):
             super().__init__()
@@ -169,15 +175,23 @@ transformers = pytest.importorskip("transformers")
 
 def _hf(kind):
     t = transformers
-    common = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, intermediate_size=128,
-                  num_hidden_layers=2, max_position_embeddings=64)
+    common = {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "max_position_embeddings": 64,
+    }
     if kind == "gpt2":
-        return t.GPT2LMHeadModel(t.GPT2Config(vocab_size=256, n_embd=64, n_head=4, n_layer=2,
-                                               n_positions=64))
+        return t.GPT2LMHeadModel(
+            t.GPT2Config(vocab_size=256, n_embd=64, n_head=4, n_layer=2, n_positions=64)
+        )
     if kind == "llama":
         return t.LlamaForCausalLM(t.LlamaConfig(num_key_value_heads=2, **common))
-    return t.MixtralForCausalLM(t.MixtralConfig(num_key_value_heads=2, num_local_experts=4,
-                                                num_experts_per_tok=2, **common))
+    return t.MixtralForCausalLM(
+        t.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **common)
+    )
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "mixtral"])
@@ -196,7 +210,7 @@ def test_transformers_models(kind):
     (snap,) = mt.get_tracker_snapshot("peak").values()
     rep = prof.report()
     assert rep.peak_bytes == snap["Total"]
-    blocks = [n for n in rep.layers if n.count(".") == 2 and ".layers." in n or ".h." in n]
+    blocks = [n for n in rep.layers if (n.count(".") == 2 and ".layers." in n) or ".h." in n]
     blocks = [n for n in blocks if n.rsplit(".", 1)[1].isdigit()]
     assert len(blocks) == 2 and all(rep.layers[b].activations > 0 for b in blocks)
 
@@ -219,4 +233,4 @@ def test_double_backward_gradients_unchanged():
     with gpumem.profile(model):
         got = penalty_grads()
     assert len(got) == len(ref) == 3
-    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))

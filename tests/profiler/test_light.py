@@ -40,7 +40,7 @@ def _assert_same_measured(exact, light):
     for name, st in exact.layers.items():
         for c in MEASURED:
             assert getattr(light.layers[name], c) == getattr(st, c), (name, c)
-    for se, sl in zip(exact.steps, light.steps):
+    for se, sl in zip(exact.steps, light.steps, strict=True):
         assert (se.forwards, se.backwards) == (sl.forwards, sl.backwards)
         for name, st in se.layers.items():
             for c in MEASURED:
@@ -65,19 +65,34 @@ def test_linear_stack_light_equals_exact_and_hand_derivation():
     W = F32 * (D0 * D1 + D1 * D2 + D2 * D3)
     X = F32 * B * D0
     assert (W, X) == (10752, 512)
-    assert light.mode == "light" and light.measured == ["weights", "gradients", "optimizer",
-                                                        "activations", "inputs"]
+    assert light.mode == "light" and light.measured == [
+        "weights",
+        "gradients",
+        "optimizer",
+        "activations",
+        "inputs",
+    ]
     assert light.steps[0].forward_peak == W + X + F32 * B * (D1 + D2)
     assert light.peak_bytes == 2 * W + X and light.peak_phase == "backward"
-    assert light.at_peak == {"weights": W, "gradients": W, "optimizer": 0, "activations": 0,
-                             "temporary": None, "inputs": X}
+    assert light.at_peak == {
+        "weights": W,
+        "gradients": W,
+        "optimizer": 0,
+        "activations": 0,
+        "temporary": None,
+        "inputs": X,
+    }
     assert light.layers["1"].activations == F32 * B * D1 == exact.layers["1"].activations
     for st in light.layers.values():
         assert st.temporary is None and st.forward_temporary is None
         assert st.backward_temporary is None
     # exact mode's peak (test_exact's derivation) is higher: it sees the temporaries too
     assert exact.peak_bytes == W + X + 8 * B * D1 + 4 * B * D2 + 4 * D2 * D3 + 4 * D1 * D2 + 8
-    assert exact.peak_bytes - light.peak_bytes == 8 * B * D1 + 4 * B * D2 + 4 * D2 * D3 + 4 * D1 * D2 + 8 - W == 8200
+    assert (
+        exact.peak_bytes - light.peak_bytes
+        == 8 * B * D1 + 4 * B * D2 + 4 * D2 * D3 + 4 * D1 * D2 + 8 - W
+        == 8200
+    )
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -132,8 +147,11 @@ def test_light_without_optimizer_closes_steps_at_backward():
     assert [(s.forwards, s.backwards) for s in rep.steps] == [(1, 1), (1, 1)]
     assert all(s.optimizer_peak is None for s in rep.steps)
     # step 1 starts with step 0's gradients alive (no zero_grad): they are the same storages
-    assert rep.steps[1].layers[""].gradients == rep.steps[0].layers[""].gradients == (
-        F32 * (D0 * D1 + D1 * D2 + D2 * D3))
+    assert (
+        rep.steps[1].layers[""].gradients
+        == rep.steps[0].layers[""].gradients
+        == (F32 * (D0 * D1 + D1 * D2 + D2 * D3))
+    )
 
 
 def test_light_fake_equals_light_real():
@@ -152,7 +170,8 @@ def test_light_fake_equals_light_real():
     real, fake = run(False), run(True)
     assert fake.peak_bytes == real.peak_bytes and fake.at_peak == real.at_peak
     assert {k: v.activations for k, v in fake.layers.items()} == {
-        k: v.activations for k, v in real.layers.items()}
+        k: v.activations for k, v in real.layers.items()
+    }
 
 
 def test_light_report_formats_say_what_is_not_measured(tmp_path):
@@ -199,7 +218,13 @@ def test_light_torch_compile_matches_eager():
     # log_softmax saves its output (8·4·4) and nll_loss its 4-byte total weight and the targets
     # (8 int64), which stay alive and registered after step 0: step 1 does not count them again
     assert e.steps[1].layers["1"].activations == e.steps[1].layers["2"].activations == 1024
-    assert c.steps[1].layers[""].activations == e.steps[1].layers[""].activations == (
-        1024 + 1024 + 128 + 4)
-    assert c.steps[0].layers[""].activations == e.steps[0].layers[""].activations == (
-        1024 + 1024 + 128 + 4 + 64)
+    assert (
+        c.steps[1].layers[""].activations
+        == e.steps[1].layers[""].activations
+        == (1024 + 1024 + 128 + 4)
+    )
+    assert (
+        c.steps[0].layers[""].activations
+        == e.steps[0].layers[""].activations
+        == (1024 + 1024 + 128 + 4 + 64)
+    )

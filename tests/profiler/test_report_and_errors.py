@@ -79,7 +79,10 @@ def test_json_roundtrip_markdown_table_trace_and_plot(tmp_path):
     trace = json.loads(rep.to_chrome_trace(tmp_path / "t.json").read_text())
     names = {e["name"] for e in trace["traceEvents"]}
     assert {"live bytes", "step 0 forward", "step 1 optimizer", "0", "(model)"} <= names
-    assert max(e["args"]["bytes"] for e in trace["traceEvents"] if e["name"] == "live bytes") == rep.peak_bytes
+    assert (
+        max(e["args"]["bytes"] for e in trace["traceEvents"] if e["name"] == "live bytes")
+        == rep.peak_bytes
+    )
     png = rep.plot(tmp_path / "p.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -92,23 +95,24 @@ def test_per_layer_rollup_sums_children():
 
 
 def test_not_a_module():
-    with pytest.raises(TypeError, match="needs a torch.nn.Module, got function"):
+    with pytest.raises(TypeError, match=r"needs a torch.nn.Module, got function"):
         gpumem.profile(lambda x: x)
 
 
 def test_optimizer_of_another_model():
     model, other = _mlp(), _mlp()
     opt = torch.optim.SGD(other.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] \(shape \(32, 16\)\)"):
+    with pytest.raises(
+        ValueError, match=r"param_groups\[0\]\['params'\]\[0\] \(shape \(32, 16\)\)"
+    ):
         gpumem.profile(model, opt)
 
 
 def test_nested_regions_rejected_and_outer_unaffected():
     model = _mlp()
     with gpumem.profile(model) as outer:
-        with pytest.raises(RuntimeError, match="cannot be nested"):
-            with gpumem.profile(model):
-                pass
+        with pytest.raises(RuntimeError, match="cannot be nested"), gpumem.profile(model):
+            pass
         model(torch.randn(2, 16)).sum().backward()
     assert outer.report().steps[0].backwards == 1
 
@@ -126,10 +130,9 @@ def test_exception_propagates_report_survives_hooks_removed():
     gen = ckpt._checkpoint_without_reentrant_generator
     resize = torch.UntypedStorage.resize_
     before = _hook_counts(model)
-    with pytest.raises(ZeroDivisionError):
-        with gpumem.profile(model, opt) as prof:
-            model(torch.randn(4, 16)).sum().backward()
-            1 / 0
+    with pytest.raises(ZeroDivisionError), gpumem.profile(model, opt) as prof:
+        model(torch.randn(4, 16)).sum().backward()
+        raise ZeroDivisionError("division by zero")
     rep = prof.report()
     assert rep.error.startswith("ZeroDivisionError") and rep.steps[0].backwards == 1
     assert _hook_counts(model) == before
@@ -149,8 +152,7 @@ def test_exception_inside_forward_and_optimizer():
             raise RuntimeError("boom")
 
     model = nn.Sequential(nn.Linear(4, 4), Boom())
-    with pytest.raises(RuntimeError, match="boom"):
-        with gpumem.profile(model) as prof:
-            model(torch.randn(2, 4))
+    with pytest.raises(RuntimeError, match="boom"), gpumem.profile(model) as prof:
+        model(torch.randn(2, 4))
     assert prof.report().peak_bytes > 0 and not prof.fwd
     assert _hook_counts(model) == 0

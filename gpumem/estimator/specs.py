@@ -101,10 +101,14 @@ def _validate(s: ModelSpec) -> None:
             raise ValueError(f"model {s.name!r}: {name} must be a positive integer, got {value!r}")
 
     if s.arch not in ("gpt2", "llama", "vit", "resnet"):
-        raise ValueError(f"model {s.name!r}: arch {s.arch!r} is not one of gpt2, llama, vit, resnet")
+        raise ValueError(
+            f"model {s.name!r}: arch {s.arch!r} is not one of gpt2, llama, vit, resnet"
+        )
     if s.arch == "resnet":
         if not s.blocks or any(b <= 0 for b in s.blocks):
-            raise ValueError(f"model {s.name!r}: a resnet needs blocks per stage, e.g. (3, 4, 6, 3)")
+            raise ValueError(
+                f"model {s.name!r}: a resnet needs blocks per stage, e.g. (3, 4, 6, 3)"
+            )
         positive("width", s.width)
         return
     for name in ("n_layers", "hidden", "n_heads", "ffn"):
@@ -227,11 +231,26 @@ def _step_scratch(s: ModelSpec, largest: int) -> int:
     h, f, v = s.hidden, s.ffn, s.vocab
     q, kv = s.n_heads * s.dhead, s.kv_heads * s.dhead
     if s.arch == "llama":  # q after the norm, k after q, v after k, o after v; gate, up, down
-        c = [h + 2 * h * q, h * q + 2 * h * kv, h * kv + 2 * h * kv, h * kv + 2 * q * h, 3 * h * f, 2 * v * h]
+        c = [
+            h + 2 * h * q,
+            h * q + 2 * h * kv,
+            h * kv + 2 * h * kv,
+            h * kv + 2 * q * h,
+            3 * h * f,
+            2 * v * h,
+        ]
         c.append(0 if s.tied_embeddings else h + 2 * v * h)
     elif s.arch == "gpt2":  # each weight follows a bias (or a norm's bias)
-        c = [h + 2 * h * q, q + 2 * h * kv, kv + 2 * h * kv, kv + 2 * q * h, h + 2 * h * f, f + 2 * f * h,
-             2 * v * h, v * h + 2 * s.max_seq * h]
+        c = [
+            h + 2 * h * q,
+            q + 2 * h * kv,
+            kv + 2 * h * kv,
+            kv + 2 * q * h,
+            h + 2 * h * f,
+            f + 2 * f * h,
+            2 * v * h,
+            v * h + 2 * s.max_seq * h,
+        ]
         c.append(0 if s.tied_embeddings else 2 * h + 2 * v * h)
     else:  # vision: a bound, the largest tensor after one as large
         return 3 * largest
@@ -274,17 +293,35 @@ _L = "llama"
 
 def _llama(name, L, h, a, g, f, v, ctx, published, src, **kw) -> ModelSpec:
     return ModelSpec(
-        name=name, arch=_L, n_layers=L, hidden=h, n_heads=a, n_kv_heads=g, ffn=f, vocab=v,
-        max_seq=ctx, published_params=published, source=src, **kw,
-    )  # fmt: skip
+        name=name,
+        arch=_L,
+        n_layers=L,
+        hidden=h,
+        n_heads=a,
+        n_kv_heads=g,
+        ffn=f,
+        vocab=v,
+        max_seq=ctx,
+        published_params=published,
+        source=src,
+        **kw,
+    )
 
 
 def _gpt2(name, L, h, a, published) -> ModelSpec:
     return ModelSpec(
-        name=name, arch="gpt2", n_layers=L, hidden=h, n_heads=a, ffn=4 * h, vocab=50257,
-        max_seq=1024, tied_embeddings=True, published_params=published,
+        name=name,
+        arch="gpt2",
+        n_layers=L,
+        hidden=h,
+        n_heads=a,
+        ffn=4 * h,
+        vocab=50257,
+        max_seq=1024,
+        tied_embeddings=True,
+        published_params=published,
         source="openai-community/gpt2 config.json; HF model card parameter counts",
-    )  # fmt: skip
+    )
 
 
 PRESETS: dict[str, ModelSpec] = {
@@ -294,39 +331,183 @@ PRESETS: dict[str, ModelSpec] = {
         _gpt2("gpt2-medium", 24, 1024, 16, 354_823_168),
         _gpt2("gpt2-large", 36, 1280, 20, 774_030_080),
         _gpt2("gpt2-xl", 48, 1600, 25, 1_557_611_200),
-        _llama("llama-2-7b", 32, 4096, 32, 32, 11008, 32000, 4096, 6_738_415_616, "meta-llama/Llama-2-7b-hf"),
-        _llama("llama-2-13b", 40, 5120, 40, 40, 13824, 32000, 4096, 13_015_864_320, "meta-llama/Llama-2-13b-hf"),
-        _llama("llama-2-70b", 80, 8192, 64, 8, 28672, 32000, 4096, 68_976_648_192, "meta-llama/Llama-2-70b-hf"),
-        _llama("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, 8_030_261_248, "meta-llama/Meta-Llama-3-8B"),
-        _llama("llama-3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, 70_553_706_496, "meta-llama/Meta-Llama-3-70B"),
-        _llama("llama-3.1-405b", 126, 16384, 128, 8, 53248, 128256, 8192, 405_853_388_800, "meta-llama/Llama-3.1-405B"),
-        _llama("mistral-7b", 32, 4096, 32, 8, 14336, 32000, 8192, 7_241_732_096, "mistralai/Mistral-7B-v0.1"),
-        _llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 8192, 46_702_792_704, "mistralai/Mixtral-8x7B-v0.1", n_experts=8, top_k=2),
-        _llama("qwen2-7b", 28, 3584, 28, 4, 18944, 152064, 8192, 7_615_616_512, "Qwen/Qwen2-7B", qkv_bias=True),
-        _llama("qwen2-72b", 80, 8192, 64, 8, 29568, 152064, 8192, 72_706_203_648, "Qwen/Qwen2-72B", qkv_bias=True),
-        ModelSpec(
-            name="vit-b-16", arch="vit", n_layers=12, hidden=768, n_heads=12, ffn=3072,
-            max_seq=197, published_params=86_567_656, source="torchvision vit_b_16",
+        _llama(
+            "llama-2-7b",
+            32,
+            4096,
+            32,
+            32,
+            11008,
+            32000,
+            4096,
+            6_738_415_616,
+            "meta-llama/Llama-2-7b-hf",
+        ),
+        _llama(
+            "llama-2-13b",
+            40,
+            5120,
+            40,
+            40,
+            13824,
+            32000,
+            4096,
+            13_015_864_320,
+            "meta-llama/Llama-2-13b-hf",
+        ),
+        _llama(
+            "llama-2-70b",
+            80,
+            8192,
+            64,
+            8,
+            28672,
+            32000,
+            4096,
+            68_976_648_192,
+            "meta-llama/Llama-2-70b-hf",
+        ),
+        _llama(
+            "llama-3-8b",
+            32,
+            4096,
+            32,
+            8,
+            14336,
+            128256,
+            8192,
+            8_030_261_248,
+            "meta-llama/Meta-Llama-3-8B",
+        ),
+        _llama(
+            "llama-3-70b",
+            80,
+            8192,
+            64,
+            8,
+            28672,
+            128256,
+            8192,
+            70_553_706_496,
+            "meta-llama/Meta-Llama-3-70B",
+        ),
+        _llama(
+            "llama-3.1-405b",
+            126,
+            16384,
+            128,
+            8,
+            53248,
+            128256,
+            8192,
+            405_853_388_800,
+            "meta-llama/Llama-3.1-405B",
+        ),
+        _llama(
+            "mistral-7b",
+            32,
+            4096,
+            32,
+            8,
+            14336,
+            32000,
+            8192,
+            7_241_732_096,
+            "mistralai/Mistral-7B-v0.1",
+        ),
+        _llama(
+            "mixtral-8x7b",
+            32,
+            4096,
+            32,
+            8,
+            14336,
+            32000,
+            8192,
+            46_702_792_704,
+            "mistralai/Mixtral-8x7B-v0.1",
+            n_experts=8,
+            top_k=2,
+        ),
+        _llama(
+            "qwen2-7b",
+            28,
+            3584,
+            28,
+            4,
+            18944,
+            152064,
+            8192,
+            7_615_616_512,
+            "Qwen/Qwen2-7B",
+            qkv_bias=True,
+        ),
+        _llama(
+            "qwen2-72b",
+            80,
+            8192,
+            64,
+            8,
+            29568,
+            152064,
+            8192,
+            72_706_203_648,
+            "Qwen/Qwen2-72B",
+            qkv_bias=True,
         ),
         ModelSpec(
-            name="vit-l-16", arch="vit", n_layers=24, hidden=1024, n_heads=16, ffn=4096,
-            max_seq=197, published_params=304_326_632, source="torchvision vit_l_16",
+            name="vit-b-16",
+            arch="vit",
+            n_layers=12,
+            hidden=768,
+            n_heads=12,
+            ffn=3072,
+            max_seq=197,
+            published_params=86_567_656,
+            source="torchvision vit_b_16",
         ),
         ModelSpec(
-            name="resnet-50", arch="resnet", n_layers=0, blocks=(3, 4, 6, 3),
-            published_params=25_557_032, source="torchvision resnet50",
+            name="vit-l-16",
+            arch="vit",
+            n_layers=24,
+            hidden=1024,
+            n_heads=16,
+            ffn=4096,
+            max_seq=197,
+            published_params=304_326_632,
+            source="torchvision vit_l_16",
         ),
         ModelSpec(
-            name="resnet-101", arch="resnet", n_layers=0, blocks=(3, 4, 23, 3),
-            published_params=44_549_160, source="torchvision resnet101",
+            name="resnet-50",
+            arch="resnet",
+            n_layers=0,
+            blocks=(3, 4, 6, 3),
+            published_params=25_557_032,
+            source="torchvision resnet50",
+        ),
+        ModelSpec(
+            name="resnet-101",
+            arch="resnet",
+            n_layers=0,
+            blocks=(3, 4, 23, 3),
+            published_params=44_549_160,
+            source="torchvision resnet101",
         ),
     )
-}  # fmt: skip
+}
 
-_ALIASES = {"gpt2-small": "gpt2", "gpt2-s": "gpt2", "gpt2-m": "gpt2-medium", "gpt2-l": "gpt2-large",
-            "llama-3-405b": "llama-3.1-405b", "llama-3.1-8b": "llama-3-8b",
-            "llama-3.1-70b": "llama-3-70b", "vit-base": "vit-b-16", "resnet50": "resnet-50",
-            "resnet101": "resnet-101"}  # fmt: skip
+_ALIASES = {
+    "gpt2-small": "gpt2",
+    "gpt2-s": "gpt2",
+    "gpt2-m": "gpt2-medium",
+    "gpt2-l": "gpt2-large",
+    "llama-3-405b": "llama-3.1-405b",
+    "llama-3.1-8b": "llama-3-8b",
+    "llama-3.1-70b": "llama-3-70b",
+    "vit-base": "vit-b-16",
+    "resnet50": "resnet-50",
+    "resnet101": "resnet-101",
+}
 
 
 def _canon(name: str) -> str:
@@ -351,8 +532,14 @@ def preset(name: str) -> ModelSpec:
 # --- Hugging Face config.json ------------------------------------------------------------
 
 # model_type -> our arch; field names differ between families
-_HF_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "llama",
-            "qwen2_moe": "llama", "gpt2": "gpt2"}  # fmt: skip
+_HF_ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "mixtral": "llama",
+    "qwen2": "llama",
+    "qwen2_moe": "llama",
+    "gpt2": "gpt2",
+}
 
 
 def from_hf_config(config: dict[str, Any], name: str = "config.json") -> ModelSpec:
@@ -384,28 +571,37 @@ def from_hf_config(config: dict[str, Any], name: str = "config.json") -> ModelSp
         h = need("n_embd", "hidden_size")
         inner = config.get("n_inner")
         return ModelSpec(
-            name=config.get("_name_or_path") or name, arch="gpt2",
-            n_layers=need("n_layer", "num_hidden_layers"), hidden=h,
-            n_heads=need("n_head", "num_attention_heads"), ffn=inner or 4 * h,
-            vocab=need("vocab_size"), max_seq=need("n_positions", "max_position_embeddings"),
-            tied_embeddings=bool(config.get("tie_word_embeddings", True)), source=name,
-        )  # fmt: skip
+            name=config.get("_name_or_path") or name,
+            arch="gpt2",
+            n_layers=need("n_layer", "num_hidden_layers"),
+            hidden=h,
+            n_heads=need("n_head", "num_attention_heads"),
+            ffn=inner or 4 * h,
+            vocab=need("vocab_size"),
+            max_seq=need("n_positions", "max_position_embeddings"),
+            tied_embeddings=bool(config.get("tie_word_embeddings", True)),
+            source=name,
+        )
     n_experts = config.get("num_local_experts", config.get("num_experts", 0)) or 0
     return ModelSpec(
-        name=config.get("_name_or_path") or name, arch="llama",
-        n_layers=need("num_hidden_layers"), hidden=need("hidden_size"),
+        name=config.get("_name_or_path") or name,
+        arch="llama",
+        n_layers=need("num_hidden_layers"),
+        hidden=need("hidden_size"),
         n_heads=need("num_attention_heads"),
         n_kv_heads=config.get("num_key_value_heads") or None,
         head_dim=config.get("head_dim") or None,
-        ffn=need("moe_intermediate_size", "intermediate_size") if mtype == "qwen2_moe"
+        ffn=need("moe_intermediate_size", "intermediate_size")
+        if mtype == "qwen2_moe"
         else need("intermediate_size"),
-        vocab=need("vocab_size"), max_seq=config.get("max_position_embeddings", 4096),
+        vocab=need("vocab_size"),
+        max_seq=config.get("max_position_embeddings", 4096),
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=mtype.startswith("qwen2") or bool(config.get("attention_bias", False)),
         n_experts=int(n_experts),
         top_k=int(config.get("num_experts_per_tok", 0) or 0) if n_experts else 0,
         source=name,
-    )  # fmt: skip
+    )
 
 
 def load_config(path: str | Path) -> ModelSpec:
@@ -428,7 +624,7 @@ def resolve_model(model: Any) -> ModelSpec:
     Accepts a ModelSpec, a preset name, a path to config.json (or its directory), a dict (HF
     config fields if it has ``model_type``, else ModelSpec fields), a ``gpumem.models``
     ModelConfig, or a dataclass of spec fields. (``gpumem.estimate`` measures an ``nn.Module``
-    itself, see ``module.py``.)
+    itself, see ``module_estimate.py``.)
     """
     if isinstance(model, ModelSpec):
         return model
@@ -490,18 +686,39 @@ def from_model_config(cfg: Any) -> ModelSpec:
     arch = {"gpt2": "gpt2", "llama": "llama", "mixtral": "llama", "vit": "vit", "resnet": "resnet"}
     if cfg.arch == "resnet":
         return ModelSpec(
-            name="resnet", arch="resnet", n_layers=0, blocks=tuple(cfg.resnet_blocks),
-            width=cfg.resnet_width, image_size=cfg.image_size, channels=cfg.num_channels,
-            n_classes=cfg.num_classes, source="gpumem.models",
-        )  # fmt: skip
+            name="resnet",
+            arch="resnet",
+            n_layers=0,
+            blocks=tuple(cfg.resnet_blocks),
+            width=cfg.resnet_width,
+            image_size=cfg.image_size,
+            channels=cfg.num_channels,
+            n_classes=cfg.num_classes,
+            source="gpumem.models",
+        )
     # gpumem.models' Rotary keeps fp32 cos and sin tables (seq_len x head_dim/2) in every layer
-    rope = cfg.num_layers * 2 * cfg.seq_len * (cfg.head_dim // 2) * 4 if cfg.arch in ("llama", "mixtral") else 0
+    rope = (
+        cfg.num_layers * 2 * cfg.seq_len * (cfg.head_dim // 2) * 4
+        if cfg.arch in ("llama", "mixtral")
+        else 0
+    )
     return ModelSpec(
-        name=f"gpumem.models.{cfg.arch}", arch=arch[cfg.arch], n_layers=cfg.num_layers,  # type: ignore[arg-type]
-        hidden=cfg.hidden_size, n_heads=cfg.num_heads, n_kv_heads=cfg.num_kv_heads,
-        ffn=cfg.ffn_hidden_size, vocab=cfg.vocab_size if cfg.arch != "vit" else 0,
-        max_seq=cfg.seq_len, tied_embeddings=cfg.tie_word_embeddings,
-        n_experts=cfg.num_experts, top_k=cfg.top_k if cfg.num_experts else 0,
-        image_size=cfg.image_size, patch=cfg.patch_size, channels=cfg.num_channels,
-        n_classes=cfg.num_classes, source="gpumem.models", buffer_bytes=rope,
-    )  # fmt: skip
+        name=f"gpumem.models.{cfg.arch}",
+        arch=arch[cfg.arch],
+        n_layers=cfg.num_layers,  # type: ignore[arg-type]
+        hidden=cfg.hidden_size,
+        n_heads=cfg.num_heads,
+        n_kv_heads=cfg.num_kv_heads,
+        ffn=cfg.ffn_hidden_size,
+        vocab=cfg.vocab_size if cfg.arch != "vit" else 0,
+        max_seq=cfg.seq_len,
+        tied_embeddings=cfg.tie_word_embeddings,
+        n_experts=cfg.num_experts,
+        top_k=cfg.top_k if cfg.num_experts else 0,
+        image_size=cfg.image_size,
+        patch=cfg.patch_size,
+        channels=cfg.num_channels,
+        n_classes=cfg.num_classes,
+        source="gpumem.models",
+        buffer_bytes=rope,
+    )

@@ -1,0 +1,147 @@
+"""``gpumem.estimate``: the front door of the estimator.
+
+It checks the arguments every model shares and hands the job to one of two paths, which meet
+again in ``bill.make_bill``:
+
+- a described model (preset name, ``config.json``, dict, ``ModelSpec``): ``preset.py``;
+- an ``nn.Module``: ``module_estimate.py`` (exact counts and a fake-tensor pass; needs torch).
+
+Example:
+    >>> import gpumem
+    >>> bill = gpumem.estimate("llama-2-70b", batch_size=1, seq_len=4096, precision="bf16-mixed",
+    ...                        optimizer="adamw", gpu="H100-80GB", recompute="selective",
+    ...                        layout=gpumem.Layout(dp=8, tp=8, pp=1, zero=1))
+    >>> bill.fits, bill.per_gpu["total"]
+    >>> print(bill.table())
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from gpumem.estimator.bill import Bill
+from gpumem.estimator.gpus import GPU, find_gpu
+from gpumem.estimator.layout import Layout
+from gpumem.estimator.preset import estimate_preset
+from gpumem.estimator.specs import ModelSpec, resolve_model
+from gpumem.estimator.states import Training
+
+
+def estimate(
+    model: Any,
+    *,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    precision: str = "bf16-mixed",
+    optimizer: str = "adamw",
+    gpu: str | GPU | None = "H100-80GB",
+    gpu_memory: str | int | None = None,
+    layout: Layout | None = None,
+    recompute: str = "none",
+    grad_accum: int = 1,
+    attention: str = "sdpa",
+    dropout: float = 0.0,
+    grads: str = "compute",
+    offload_optimizer: bool = False,
+    lora_rank: int = 0,
+    base_quant: str | None = None,
+    activation_model: str = "ops",
+    device: str = "cuda",
+    keep_logits: bool = True,
+    persistent_grads: bool | None = None,
+    foreach: bool | None = None,
+    fused: bool = False,
+    example_input: Any = None,
+    loss_fn: Any = None,
+) -> Bill:
+    """Estimate the per-GPU peak memory of training ``model``.
+
+    Args:
+        model: a preset name, config.json path, dict, ModelSpec, gpumem.models config, or an
+            ``nn.Module`` (real, meta or fake: see below).
+        batch_size: micro-batch per GPU (default 1; for a module: its example's dim 0).
+        seq_len: tokens per sample (default: the model's context; for a module: the example's).
+        precision / optimizer / grads / offload_optimizer / lora_rank / base_quant: see Training.
+        gpu / gpu_memory: a catalog name, or the memory of a GPU not in the catalog.
+        layout: the parallel layout (default: one GPU).
+        recompute: ``none``, ``selective``, ``full`` or ``every-K`` (checkpoint K layers at once).
+        grad_accum: micro-batches per step (also the pipeline's micro-batch count).
+        attention: ``sdpa`` (the backend PyTorch picks), ``flash``, ``efficient``,
+            ``cpu-flash`` or ``eager``/``math`` (s² scores).
+        activation_model: ``ops`` (what autograd saves) or ``korthikanti`` (the paper).
+        device: ``cuda``, or ``cpu`` to compare with a CPU run (no context/NCCL reserve).
+        keep_logits: the training loop holds the logits (``logits = model(x)`` lives until the
+            next forward replaces it: through backward and the optimizer step).
+        persistent_grads: gradients stay allocated across steps (default: when distributed or
+            accumulating; plain single-GPU ``zero_grad(set_to_none=True)`` frees them).
+        foreach / fused: torch.optim's step implementation (see Training.step_temp_bytes).
+        example_input: for an ``nn.Module``: one micro-batch of its forward's inputs, a
+            tensor, a tuple (positional) or a dict (keyword), real, meta or fake; dim 0 of every
+            tensor is set to ``batch_size`` and dim 1 of integer (token id) tensors to
+            ``seq_len`` when given. Or a function ``(batch_size, seq_len) -> inputs`` (called
+            under fake tensors). Built-in ``gpumem.models`` modules default to their example batch.
+        loss_fn: for an ``nn.Module``: ``output -> scalar loss`` (default: cross-entropy over the
+            output's last dimension against integer targets; a scalar output or ``.loss`` is
+            the loss itself).
+
+    An ``nn.Module`` is never run, moved or changed, and nothing of its size is allocated:
+    parameters are counted exactly (tied tensors once; trainable = ``requires_grad``; the
+    precision sets the weight dtype as ``module.to(dtype)`` would, buffers count as weights),
+    and a copy made of fake tensors runs one forward, loss and backward at the micro-batch under
+    ``gpumem.profile``. Its saved activations per block and its widest backward moment become
+    the peak terms; model states, layouts, the optimizer step and the CUDA reserve use the same
+    formulas as presets. Assumptions (docs/estimator.md, "The nn.Module path"): blocks are the
+    largest group of identical sibling modules; tensor parallelism splits every matrix and every
+    saved tensor except those the size of a block's input (replicated unless ``layout.sp``);
+    ``recompute="full"`` checkpoints every block of the copy (measured); ``"selective"``,
+    ``every-K`` (K > 1), ``ep > 1``, LoRA arguments and the Korthikanti model need a preset or
+    config. The pass runs on fake CUDA tensors when a GPU is present, else on fake CPU tensors
+    (same sizes up to the 512-byte CUDA rounding; SDPA then takes the CPU kernel's shapes).
+
+    Raises:
+        ValueError / LookupError: bad sizes, unknown names, invalid layouts, with the reason.
+    """
+    training = Training(
+        precision, optimizer, grads, offload_optimizer, lora_rank, base_quant, foreach, fused
+    )
+    layout = layout or Layout()
+    g = gpu if isinstance(gpu, GPU) else find_gpu(gpu, gpu_memory)
+    for name, value in (("batch_size", batch_size), ("grad_accum", grad_accum)):
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value <= 0
+        ):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    common = {
+        "training": training,
+        "layout": layout,
+        "gpu": g,
+        "seq_len": seq_len,
+        "recompute": recompute,
+        "grad_accum": grad_accum,
+        "attention": attention,
+        "dropout": dropout,
+        "activation_model": activation_model,
+        "device": device,
+        "keep_logits": keep_logits,
+        "persistent_grads": persistent_grads,
+    }
+    if is_module(model):
+        # imported here, not above: the module path needs torch, presets and configs do not
+        from gpumem.estimator.module_estimate import estimate_module
+
+        return estimate_module(
+            model, batch_size=batch_size, example_input=example_input, loss_fn=loss_fn, **common
+        )
+    if example_input is not None or loss_fn is not None:
+        raise ValueError("example_input and loss_fn apply to an nn.Module model only")
+    spec = model if isinstance(model, ModelSpec) else resolve_model(model)
+    return estimate_preset(spec, batch_size=1 if batch_size is None else batch_size, **common)
+
+
+def is_module(obj: Any) -> bool:
+    """True for a ``torch.nn.Module`` (without importing torch when nothing did yet)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.nn.Module)

@@ -1,0 +1,154 @@
+"""No import circles in gpumem/: the modules form layers, each importing only those below.
+
+An edge is an ``import`` statement; ``if TYPE_CHECKING:`` blocks do not count.
+``from package import name`` is an edge to ``package.name`` when that is a module, otherwise to
+the package itself (its ``__init__``). The graph is read from the source with ``ast``, so the
+test imports nothing of gpumem and sees every module, whether or not it is used.
+
+Two graphs must be acyclic: the module-level imports (what runs at import time), and the same
+with the imports inside functions added. A function-level import is there to defer a heavy
+dependency (torch for a preset estimate, matplotlib for a plot), never to dodge a circle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG_ROOT = Path(__file__).resolve().parents[1] / "gpumem"
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG_ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.Module, functions: bool) -> list[ast.Import | ast.ImportFrom]:
+    """Imports that run when the module is imported (top level, also inside if/try/with), and
+    with ``functions`` those inside function and class bodies too."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    stack: list[ast.stmt] = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            if functions or isinstance(node, ast.ClassDef):
+                stack.extend(node.body)
+        elif isinstance(node, ast.If):
+            if not _is_type_checking(node.test):
+                stack.extend(node.body)
+            stack.extend(node.orelse)
+        elif isinstance(node, ast.Try):
+            for block in (node.body, node.orelse, node.finalbody):
+                stack.extend(block)
+            for handler in node.handlers:
+                stack.extend(handler.body)
+        elif isinstance(node, ast.With | ast.For | ast.While):
+            stack.extend(node.body)
+            stack.extend(getattr(node, "orelse", []))
+    return found
+
+
+def import_graph(functions: bool = False) -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in PKG_ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in files}
+    for name, path in files.items():
+        is_pkg = path.name == "__init__.py"
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in _imports(tree, functions):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                if node.level:
+                    base = name.split(".") if is_pkg else name.split(".")[:-1]
+                    base = base[: len(base) - (node.level - 1)]
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    mod = node.module or ""
+                targets = []
+                for alias in node.names:
+                    sub = f"{mod}.{alias.name}"
+                    targets.append(sub if sub in files else mod)
+            for target in targets:
+                # `import a.b.c` imports a, a.b and a.b.c; the innermost known module is the edge
+                while target and target not in files:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected component with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    out: list[list[str]] = []
+    counter = 0
+
+    def visit(v: str) -> None:
+        nonlocal counter
+        index[v] = low[v] = counter
+        counter += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_graph_is_read():
+    graph = import_graph()
+    # a known edge of each kind, so an empty graph cannot pass the cycle tests below
+    assert "gpumem._native" in graph["gpumem.checksum"]  # absolute
+    assert "gpumem.checkpoint.errors" in graph["gpumem.checkpoint.format"]  # relative
+    assert "gpumem.estimator.module_estimate" not in graph["gpumem.estimator.api"]
+    assert "gpumem.estimator.module_estimate" in import_graph(True)["gpumem.estimator.api"]
+
+
+def _describe(cycles: list[list[str]]) -> str:
+    return "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_no_import_cycles():
+    cycles = find_cycles(import_graph())
+    assert cycles == [], "import cycles in gpumem/: " + _describe(cycles)
+
+
+def test_no_cycles_hidden_in_function_level_imports():
+    cycles = find_cycles(import_graph(functions=True))
+    assert cycles == [], "import cycles through function-level imports: " + _describe(cycles)
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []

@@ -1,0 +1,36 @@
+"""Type-checked by mypy (tests/test_house.py), never run: the public face is typed, not ``Any``.
+
+``assert_type`` fails on ``Any``, so each line proves that the lazy ``gpumem`` name resolves to
+its real type for a type checker.
+"""
+
+from __future__ import annotations
+
+from typing_extensions import assert_type
+
+import gpumem
+from gpumem.checkpoint import Checkpointer, SaveStats
+from gpumem.estimator import Bill, Layout
+from gpumem.planner import PlanResult
+from gpumem.profiler import Profile, Report
+
+
+def public_api(model: object, optimizer: object) -> None:
+    assert_type(gpumem.__version__, str)
+    layout = gpumem.Layout(dp=8, tp=8, zero=1)
+    assert_type(layout, Layout)
+    bill = gpumem.estimate("llama-2-70b", seq_len=4096, layout=layout)
+    assert_type(bill, Bill)
+    assert_type(bill.fits, bool)
+    assert_type(bill.per_gpu, dict[str, int])
+    assert_type(gpumem.plan("llama-2-70b", n_gpus=64), PlanResult)
+    prof = gpumem.profile(model, optimizer)
+    assert_type(prof, Profile)
+    assert_type(prof.report(), Report)
+    assert_type(prof.report().peak_bytes, int)
+    ckpt = gpumem.Checkpointer("ckpts", keep=3)
+    assert_type(ckpt, Checkpointer)
+    assert_type(ckpt.restore(), int | None)
+    assert_type(ckpt.save(1), SaveStats)
+    assert_type(gpumem.checksum.crc32c(b"abc"), int)
+    assert_type(gpumem.units.parse_bytes("1GiB"), int)
