@@ -3,23 +3,52 @@
 Background saves and preemption checks run collectives from other threads than the training
 loop's; sharing its process group would interleave them with training collectives and deadlock
 (the KempnerForge#104 failure). Each user of collectives therefore gets its own gloo group,
-created collectively when the object is built. Without torch.distributed every call is local.
+created collectively when the object is built, with ``timeout_s`` as its deadline, and a roll
+call (``collective.RollCall``) that names the ranks missing from a collective. Without
+torch.distributed every call is local.
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
+
+from .collective import RollCall, default_store
+from .errors import CheckpointStateError
 
 
 class Group:
     """rank / world size and int collectives; trivial when not running distributed."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float = 60.0) -> None:
         self.rank, self.world_size, self.pg = 0, 1, None
+        self.roll: RollCall | None = None
         dist = _dist()
         if dist is not None and dist.is_initialized() and dist.get_world_size() > 1:
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-            self.pg = dist.new_group(backend="gloo")
+            self.pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            store = default_store()
+            if store is not None:
+                self.roll = RollCall(store, self.rank, self.world_size, timeout_s)
+
+    def join(self, what: str) -> None:
+        """Wait until every rank has reached this collective (see ``collective.RollCall``)."""
+        if self.roll is not None:
+            self.roll.join(what)
+
+    def publish(self, name: str, value: str) -> None:
+        if self.roll is not None:
+            self.roll.publish(name, value)
+
+    def await_value(self, name: str, timeout_s: float, what: str) -> str:
+        """What rank 0 published under ``name``; CheckpointStateError after ``timeout_s``."""
+        if self.roll is None:
+            return ""
+        value = self.roll.await_value(name, timeout_s)
+        if value is None:
+            raise CheckpointStateError(f"rank 0 did not report {what} within {timeout_s:g} s")
+        return value
 
     def all_reduce(self, value: int, op: str) -> int:
         """``op`` in {"min", "max"} over every rank."""
@@ -41,6 +70,21 @@ class Group:
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(out, mine, group=self.pg)
         return [t.tolist() for t in out]
+
+    def broadcast_text(self, text: str, src: int) -> str:
+        """``src``'s ``text`` on every rank (UTF-8 bytes in a tensor: no pickle)."""
+        if self.pg is None:
+            return text
+        dist = _dist()
+        data = text.encode()[:65536] if self.rank == src else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        dist.broadcast(size, src=src, group=self.pg)
+        buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+        if self.rank == src and data:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        if buf.numel():
+            dist.broadcast(buf, src=src, group=self.pg)
+        return bytes(buf.tolist()).decode(errors="replace")
 
 
 def _dist():

@@ -93,8 +93,18 @@ class Checkpointer:
             optimizer hook waits only on ranks that still copy something they own. The save
             checks that every rank captured the same structure (a mismatch fails it on every
             rank with CheckpointStateError); values are taken from the owner, not compared. Any
-            Checkpointer restores such a checkpoint, on any world size with ``elastic=True``.
-            Not for sharded state (FSDP, ZeRO, tensor parallel).
+            Checkpointer restores such a checkpoint, on any world size. DTensor state (FSDP2,
+            tensor parallel) is written once per block anyway and is not affected by it.
+        collective_timeout_s: save() and restore() are collectives; a rank that does not join
+            one within this many seconds (save() called on rank 0 only, say) makes it raise
+            CheckpointStateError on every rank that did, naming the missing ranks. It also
+            bounds every later collective of the save. Rank 0's wait for the directory lock
+            (``lock_timeout_s``) does not count: the other ranks wait for its result first.
+
+    Sharded state (FSDP2 ``fully_shard``, tensor parallel, 2-D meshes): pass the wrapped model and
+    its optimizer as they are. Each rank writes the blocks of its local shards (a replicated
+    block by one rank); restore reshards to whatever layout the objects have now, on any world
+    size (see ``targets`` and docs/checkpoint.md, "Sharded training").
 
     Example:
         >>> ckpt = gpumem.Checkpointer("ckpts", keep=3)                       # doctest: +SKIP
@@ -119,6 +129,7 @@ class Checkpointer:
         segment_bytes: int = 256 << 20,
         lock_timeout_s: float = 120.0,
         replicated: bool = False,
+        collective_timeout_s: float = 60.0,
     ):
         if keep is not None and (not isinstance(keep, int) or keep < 1):
             raise CheckpointStateError(
@@ -146,7 +157,11 @@ class Checkpointer:
         if not isinstance(replicated, bool):
             raise CheckpointStateError(f"replicated={replicated!r} must be True or False")
         self.replicated = replicated
-        self._group = Group()
+        if not collective_timeout_s > 0:
+            raise CheckpointStateError(
+                f"collective_timeout_s={collective_timeout_s!r} must be positive (seconds)"
+            )
+        self._group = Group(float(collective_timeout_s))
         self._arena: Any = None
         self._prep: _Prepare | None = None  # a staging allocation started by prepare()
         self.staging_locked: bool | None = (
@@ -170,17 +185,28 @@ class Checkpointer:
             None  # the last save's byte views of CPU tensors (see HostViews)
         )
         self._closed = False
+        self.last_restore: Any = None  # the last sharded restore (bytes_read, bytes_needed)
         self.history: collections.deque[SaveStats] = collections.deque(maxlen=256)  # newest last
         self._dir_lock: DirLock | None = None
         if self._group.rank == 0:
             from .persist import clean_stale
 
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._dir_lock = DirLock(
-                self.directory, lock_timeout_s
-            )  # before cleaning: a live job's saves stay
-            weakref.finalize(self, self._dir_lock.release)
-            clean_stale(self.directory)
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                # before cleaning: a live job's saves stay
+                self._dir_lock = DirLock(self.directory, lock_timeout_s)
+                weakref.finalize(self, self._dir_lock.release)
+                clean_stale(self.directory)
+            except BaseException as exc:
+                self._group.publish("lock", f"error: {exc}")
+                raise
+            self._group.publish("lock", "ok")
+        else:  # rank 0 may wait lock_timeout_s for a job being replaced: no collective deadline
+            result = self._group.await_value(
+                "lock", lock_timeout_s + collective_timeout_s, f"whether it locked {directory}"
+            )
+            if result.startswith("error: "):
+                raise CheckpointStateError(f"rank 0 could not open {directory}: {result[7:]}")
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ save
@@ -561,7 +587,7 @@ class Checkpointer:
         rng: bool = True,
         path: str | os.PathLike | None = None,
         verify_loaded: bool = False,
-        elastic: bool = False,
+        elastic: bool | None = None,
     ) -> int | None:
         """Load the newest valid checkpoint into the objects, in place.
 
@@ -571,15 +597,18 @@ class Checkpointer:
         GPU with the Triton CRC32C kernel): damage in the host-to-device copy or device memory is
         then caught too, at the cost of one more read of the state.
 
-        ``elastic`` restores a checkpoint saved by another number of ranks, when its model,
-        optimizer, scheduler and scaler state is replicated: saved with ``replicated=True``
-        (declared at save time, so nothing more is checked), or else checked against every
+        A checkpoint restores on any world size and layout (resharding is the default; the
+        ``elastic`` argument is deprecated and has no effect). DTensor state (FSDP2, tensor
+        parallel) is read block by block into whatever layout the objects have now: each rank
+        reads only the chunks overlapping its own shards and verifies each one's CRC32C, into
+        host staging, and copies into the objects only once every rank has verified its part.
+        Plain model and optimizer state saved by another number of ranks must be replicated:
+        saved with ``replicated=True`` (declared at save time), or else checked against every
         rank's manifest first (DDP saves every rank's full copy). Rank r takes saved rank
-        r mod N's state; the replicated tensors of a ``replicated=True`` checkpoint come from
-        the shards that hold them. The rank's own parts (RNG states, ``stateful``, ``extra``)
-        come from that saved rank too: a sampler partitioned by rank must re-partition itself,
-        and ranks mapped to one saved rank draw the same random numbers unless reseeded (or
-        pass ``rng=False``).
+        r mod N's tree and plain state (for pipeline stages, the next saved rank with the same
+        model keys). The rank's own parts (RNG states, ``stateful``, ``extra``) come from that
+        saved rank too: a sampler partitioned by rank must re-partition itself, and ranks mapped
+        to one saved rank draw the same random numbers unless reseeded (or pass ``rng=False``).
 
         Returns:
             The restored step, or None when the directory holds no checkpoint at all.
@@ -593,39 +622,47 @@ class Checkpointer:
         from .restore import check_replicated, restore_tree
         from .restore import verify_loaded as check_loaded
         from .state import apply, capture, check_targets
+        from .targets import ShardedRestore, has_dtensors
 
+        if elastic is not None:
+            warnings.warn(
+                "restore(elastic=...) is deprecated and has no effect: restore reshards to any "
+                "world size by default",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         self._check_open()
         self.wait()
         g = self._group
+        g.join("restore()")
+        objects = {
+            "model": model,
+            "optimizer": optimizer,
+            "scheduler": scheduler,
+            "scaler": scaler,
+            "stateful": stateful,
+        }
+        dtensors = has_dtensors(model, optimizer)
         candidates = [Path(path)] if path is not None else [p for _, p in step_dirs(self.directory)]
         if path is None:
             self._check_pointer(read_latest, load_info)
         failures = []
         for cand in candidates:
-            tree, shard, status, err = None, None, 2, None
+            tree, shard, sharded, status, err = None, None, None, 2, None
             try:
                 info = load_info(cand)
-                src = g.rank
-                if info.world_size != g.world_size:
-                    if not elastic:
-                        raise CheckpointStateError(
-                            f"{cand} was saved by {info.world_size} ranks, this "
-                            f"job has {g.world_size}; restore with the same world "
-                            "size, or pass elastic=True for replicated (DDP) "
-                            "state (resharding of sharded state is not supported)"
-                        )
-                    if not info.replicated:  # replicated=True declared it at save time
-                        check_replicated(cand, info)
-                    src = g.rank % info.world_size
-                tree, shard = restore_tree(cand, info, src)
-                check_targets(
-                    tree,
-                    model=model,
-                    optimizer=optimizer,
-                    scheduler=scheduler,
-                    scaler=scaler,
-                    stateful=stateful,
-                )
+                if info.sharded or dtensors:  # block by block into the objects' layout
+                    sharded = ShardedRestore(
+                        cand, info, g.rank, g.world_size, self._restore_staging, **objects
+                    ).prepare()
+                else:
+                    src = g.rank
+                    if info.world_size != g.world_size:
+                        if not info.replicated:  # replicated=True declared it at save time
+                            check_replicated(cand, info, g.world_size)
+                        src = g.rank % info.world_size
+                    tree, shard = restore_tree(cand, info, src)
+                    check_targets(tree, **objects)
             except CheckpointCorruptError as exc:
                 status, err = 1, exc
             except CheckpointStateError as exc:
@@ -649,16 +686,13 @@ class Checkpointer:
                         stacklevel=2,
                     )
                 continue
-            apply(
-                tree,
-                model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                scaler=scaler,
-                stateful=stateful,
-                extra=extra,
-                rng=rng,
-            )
+            if sharded is not None:
+                sharded.apply(extra=extra, rng=rng)
+                self.last_restore = sharded
+                if verify_loaded:
+                    sharded.verify_loaded()
+                return info.step
+            apply(tree, **objects, extra=extra, rng=rng)
             if verify_loaded:
                 _, table = capture(
                     info.step,
@@ -680,6 +714,11 @@ class Checkpointer:
             f"{self.directory} are damaged; newest: {failures[0]}",
             path=str(self.directory),
         )
+
+    def _restore_staging(self, nbytes: int) -> Any:
+        """Host staging for a sharded restore: the save arena (pinned on CUDA machines), which
+        the next save() reuses."""
+        return self._ensure_arena(nbytes).view(0, nbytes)
 
     def _check_pointer(self, read_latest: Any, load_info: Any) -> None:
         try:

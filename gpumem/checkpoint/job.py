@@ -29,7 +29,13 @@ import torch
 
 from . import persist
 from ._dist import Group
-from .errors import CheckpointBranchWarning, CheckpointError, CheckpointIOError
+from .consistency import check_agreement, check_complete, global_fields, sections
+from .errors import (
+    CheckpointBranchWarning,
+    CheckpointError,
+    CheckpointIOError,
+    CheckpointStateError,
+)
 from .format import DTYPE_NAMES, MAIN_MANIFEST, data_file_name, shard_manifest_name
 from .replicated import Replication, check_signatures, signature
 from .snapshot import (
@@ -371,13 +377,21 @@ class SaveJob:
                 persist.prepare_tmp(self.root, self.step)
             except OSError as exc:
                 local_error, ok = CheckpointIOError.wrap(exc, f"creating {tmp}"), 0
-        # One collective tells every rank whether rank 0 created the directory and whether all
-        # ranks declared the same replicated state, before anything is written.
+        # One collective tells every rank whether rank 0 created the directory, whether all ranks
+        # save the same step and sections and declared the same replicated state, before anything
+        # is written. Rank 0 created the directory already: a rank that never joins (save() called
+        # on some ranks only) makes join() raise on every rank that did, naming it.
         try:
             sig = signature(self.tree, self.replication, self.chunk)
         except Exception as exc:
             local_error, ok, sig = exc, 0, signature(self.tree, None, self.chunk)
-        gathered = g.all_gather([ok, *sig])
+        try:
+            g.join(f"save(step={self.step})")
+            gathered = g.all_gather([ok, self.step, sections(self.tree), *sig])
+        except CheckpointError:
+            if g.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         bad = [r for r, row in enumerate(gathered) if not row[0]]
         if bad:
             if g.rank == 0:
@@ -387,7 +401,8 @@ class SaveJob:
                 f"creates {tmp}); step {self.step} was not saved"
             )
         try:
-            check_signatures([row[1:] for row in gathered])
+            check_agreement([row[1:3] for row in gathered])
+            check_signatures([row[3:] for row in gathered])
         except CheckpointError:
             if g.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -438,8 +453,8 @@ class SaveJob:
             self._fail(exc)
             local_error, ok, shard_crc = exc, 0, 0
         crc_thread.join()
-        gathered = g.all_gather([ok, shard_crc, self.stats.nbytes])
-        bad = [r for r, (flag, _, _) in enumerate(gathered) if not flag]
+        gathered = g.all_gather([ok, shard_crc, self.stats.nbytes, int(self.table.sharded)])
+        bad = [r for r, row in enumerate(gathered) if not row[0]]
         if bad:
             if g.rank == 0:  # nobody writes any more: free the space a failed save took
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -458,11 +473,17 @@ class SaveJob:
             except BaseException as exc:
                 local_error, ok = exc, 0
         if g.all_reduce(ok, "min") == 0:
-            raise (
-                _as_error(local_error, self.step)
-                if local_error
-                else CheckpointIOError(f"rank 0 failed to commit step {self.step}")
-            )
+            # every rank raises rank 0's reason (a sharded save it found incomplete, say)
+            text = ""
+            if local_error is not None:
+                state = isinstance(local_error, CheckpointStateError)
+                text = (_STATE if state else "") + str(local_error)
+            reason = g.broadcast_text(text, 0)
+            if local_error is not None:
+                raise _as_error(local_error, self.step)
+            if reason.startswith(_STATE):
+                raise CheckpointStateError(reason[len(_STATE) :])
+            raise CheckpointIOError(f"rank 0 failed to commit step {self.step}: {reason}")
         if not self.stats.durable_s:  # ranks other than 0: durable once rank 0 committed
             self.stats.durable_s = time.perf_counter() - self.t0
 
@@ -562,11 +583,13 @@ class SaveJob:
         }
         if self.replication is not None:
             body.update(replicated=True, owners=self.replication.owners)
+        if self.table.sharded:
+            body["meshes"] = global_fields(self.table, tensors)
         body["state"] = self.tree  # last (the large part), after the fields that describe the shard
         return body
 
     def _commit(self, tmp: Path, gathered: list[list[int]]) -> None:
-        body = {
+        body: dict[str, Any] = {
             "format": "gpumem-checkpoint",
             "step": self.step,
             "world_size": self.group.world_size,
@@ -574,11 +597,14 @@ class SaveJob:
             "versions": self.versions,
             "shards": [
                 {"rank": r, "file": shard_manifest_name(r), "crc32c": crc, "nbytes": n}
-                for r, (_, crc, n) in enumerate(gathered)
+                for r, (_, crc, n, _) in enumerate(gathered)
             ],
         }
         if self.replication is not None:
             body["replicated"] = True
+        if any(row[3] for row in gathered):
+            body["sharded"] = True
+            check_complete(tmp, [row[1] for row in gathered])
         crc = persist.write_manifest(tmp / MAIN_MANIFEST, body)
         self.committed, moved = persist.commit(self.root, tmp, self.step, crc)
         self.stats.durable_s = (
@@ -618,6 +644,9 @@ class SaveJob:
             return None
         self.reported = True
         return _as_error(self.error, self.step)
+
+
+_STATE = "CheckpointStateError: "  # how broadcast_text marks a state error (vs. an I/O one)
 
 
 def _as_error(exc: BaseException, step: int) -> CheckpointError:

@@ -299,7 +299,7 @@ def verify(path: str | os.PathLike) -> CheckpointInfo:
     return info
 
 
-def check_replicated(path: Path, info: CheckpointInfo) -> None:
+def check_replicated(path: Path, info: CheckpointInfo, world_size: int) -> None:
     """Check from the shard manifests alone (no data read) that every rank saved the same
     model, optimizer, scheduler and scaler state: the same tree and, tensor by tensor, the
     same dtype, shape and chunk CRC32Cs. Then any rank's shard can seed a job of another size.
@@ -332,10 +332,11 @@ def check_replicated(path: Path, info: CheckpointInfo) -> None:
             diff = f"tensor {names[0]!r}"
         if diff is not None:
             raise CheckpointStateError(
-                f"{path}: rank {rank} saved another {diff} than rank 0, so its "
-                "state is sharded (FSDP, ZeRO, tensor or pipeline parallel) or "
-                "its replicas diverged; only replicated (DDP) state restores "
-                f"on another world size: restore with {info.world_size} ranks"
+                f"{path} was saved by {info.world_size} ranks, this job has {world_size}, and "
+                f"rank {rank} saved another {diff} than rank 0: plain (non-DTensor) state that "
+                "differs between ranks (sharded by hand, pipeline stages, or diverged replicas) "
+                f"cannot be resharded. Restore with {info.world_size} ranks, or save sharded "
+                "state as DTensors (FSDP2 / tensor parallel)"
             )
 
 

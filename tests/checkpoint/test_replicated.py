@@ -425,13 +425,13 @@ def test_elastic_restore_on_one_rank(run):
         with gpumem.Checkpointer(root / "blocking") as ck:
             with pytest.raises(CheckpointStateError, match="saved by 2 ranks, this job has 1"):
                 _restore_fresh(ck)
-            step, snap, got = _restore_fresh(ck, elastic=True)
+            step, snap, got = _restore_fresh(ck)
             assert _rng() == ranks[0]["rng"]  # rank 0's own state: saved rank 0 seeds rank 0
         assert step == 2 and snap == ranks[0]["saved"] and got["rank"] == 0
         # the damaged step 2 of "flip": this process reads rank 1's tensor itself and falls back
         damaged = pytest.warns(gpumem.CheckpointFallbackWarning, match="model.2.weight")
         with gpumem.Checkpointer(root / "flip") as ck, damaged:
-            assert _restore_fresh(ck, elastic=True)[0] == 1
+            assert _restore_fresh(ck)[0] == 1
         with pytest.raises(
             CheckpointCorruptError, match=r"tensor 'model.2.weight' bytes 0-128 fail their CRC32C"
         ):
@@ -449,7 +449,7 @@ def _elastic_worker(rank: int, world: int, root: str) -> None:
     try:
         torch.set_num_threads(1)
         with gpumem.Checkpointer(f"{root}/overlap") as ck:
-            step, snap, got = _restore_fresh(ck, elastic=True)
+            step, snap, got = _restore_fresh(ck)
         Path(root, f"grown{rank}.json").write_text(
             json.dumps({"step": step, "restored": snap, "rank": got["rank"], "rng": _rng()})
         )
@@ -579,7 +579,7 @@ def test_hostile_replicated_manifests(run, tmp_path, edit, match):
             gpumem.Checkpointer(tmp_path) as ck,
             pytest.raises(CheckpointCorruptError, match="rank 1"),
         ):
-            ck.restore(model=_setup(1)[0], path=forged, elastic=True, rng=False)
+            ck.restore(model=_setup(1)[0], path=forged, rng=False)
 
 
 json_values = st.recursive(
