@@ -291,11 +291,18 @@ def verify(path: str | os.PathLike) -> CheckpointInfo:
         for shard in shards[1:]:
             check_same(shards[0], shard, p)
     held = [{t.name: t for t in shard.tensors} for shard in shards]
+    blocks: dict[str, Any] = {}
+    if info.sharded:  # every global tensor's blocks agree and tile it
+        from .reshard import GlobalIndex
+
+        index = GlobalIndex(p, shards)
+        index.check_all()
+        blocks = index.blocks
     for shard in shards:
         tensors = dict(held[shard.rank])
         # the union: each replicated tensor from the one shard that holds it
         tensors.update((name, held[owner][name]) for name, owner in shard.owners.items())
-        decode(shard.state, tensors, f"{p.name}.rank{shard.rank}")
+        decode(shard.state, tensors, f"{p.name}.rank{shard.rank}", dtensors=blocks)
     return info
 
 
