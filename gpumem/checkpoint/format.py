@@ -205,8 +205,9 @@ class TensorEntry:
     extents: tuple[tuple[str, int, int], ...]  # (file, offset, length), in tensor byte order
     # a block of a global tensor (sharded checkpoints): where it lies, on which mesh, how placed
     box: Box | None = None
-    mesh: int = -1  # index into the shard manifest's meshes
+    mesh: int = -1  # index into the shard manifest's meshes (-1: unknown, written through DCP)
     placements: tuple[str, ...] = ()
+    tensor: str = ""  # the global tensor this block belongs to (its name; usually ``name``)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -447,9 +448,11 @@ def _is_int(x: Any) -> bool:
 
 def _parse_global(
     c: _Checker, g: Any, name: str, shape: tuple[int, ...], meshes: tuple[Mesh, ...]
-) -> tuple[Box, int, tuple[str, ...]]:
+) -> tuple[Box, int, tuple[str, ...], str]:
     """A tensor entry's ``global`` field: the block ``shape`` lies at ``offsets`` inside a global
-    tensor of shape ``shape`` (field), on mesh ``mesh`` with ``placements``."""
+    tensor of shape ``shape`` (field), on mesh ``mesh`` with ``placements`` (both absent for
+    blocks written through DCP), optionally naming the global tensor (``tensor``; default: the
+    entry's name)."""
     where = f"tensor {name!r} global"
     gshape = c.get(g, "shape", list, where)
     offsets = c.get(g, "offsets", list, where)
@@ -466,6 +469,12 @@ def _parse_global(
                 f"outside the global shape {gshape[:8]}",
                 name,
             )
+    tensor = name
+    if "tensor" in g:  # the global tensor's name, where a shard holds several blocks of it
+        tensor = c.get(g, "tensor", str, where)
+        _check_name(c, tensor, where)
+    if "mesh" not in g and "placements" not in g:  # written through DCP: the layout is unknown
+        return Box(tuple(gshape), tuple(offsets), shape), -1, (), tensor
     mesh = c.get(g, "mesh", int, where)
     if not 0 <= mesh < len(meshes):
         raise c.fail(f"{where}: mesh {mesh} is not one of the manifest's {len(meshes)}", name)
@@ -474,7 +483,7 @@ def _parse_global(
         isinstance(p, str) and _PLACEMENT.match(p) for p in placements
     ):
         raise c.fail(f"{where}: placements {placements[:8]!r} do not fit mesh {mesh}", name)
-    return Box(tuple(gshape), tuple(offsets), shape), mesh, tuple(placements)
+    return Box(tuple(gshape), tuple(offsets), shape), mesh, tuple(placements), tensor
 
 
 def _parse_owners(
@@ -578,7 +587,16 @@ def _parse_tensor(
         raise c.fail(f"{where}: extents cover {total} bytes, tensor has {nbytes}", name)
     if "global" not in t:
         return TensorEntry(name, dtype, tuple(shape_raw), nbytes, tuple(crcs), tuple(extents))
-    box, mesh, placements = _parse_global(c, t["global"], name, tuple(shape_raw), meshes)
+    box, mesh, placements, tensor = _parse_global(c, t["global"], name, tuple(shape_raw), meshes)
     return TensorEntry(
-        name, dtype, tuple(shape_raw), nbytes, tuple(crcs), tuple(extents), box, mesh, placements
+        name,
+        dtype,
+        tuple(shape_raw),
+        nbytes,
+        tuple(crcs),
+        tuple(extents),
+        box,
+        mesh,
+        placements,
+        tensor,
     )

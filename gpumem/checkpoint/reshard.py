@@ -51,7 +51,7 @@ class GlobalIndex:
         for shard in shards:
             for e in shard.tensors:
                 if e.box is not None:
-                    self.blocks.setdefault(e.name, []).append(
+                    self.blocks.setdefault(e.tensor, []).append(
                         Block(shard.rank, e, e.box, shard.chunk_bytes)
                     )
 

@@ -1,0 +1,381 @@
+"""DCP's items in a gpumem checkpoint: what ``gpumem.dcp`` writes and reads, without pickle.
+
+Each rank's shard manifest lists its tensor chunks as blocks of their global tensors (``global``
+field without a mesh: DCP does not say how the chunks were placed) and its byte items (what DCP's
+planners ``torch.save``: ``param_groups``, counters, objects) as opaque uint8 entries, each with
+its chunk CRC32Cs like any tensor. Its state tree is ``{"step": N, "dcp": {"items": [...]}}``,
+one ``{"fqn", "data"}`` per item, ``data`` a reference to the entry (``__dtensor__`` for a tensor
+chunk, ``__tensor__`` with ``"bytes": true`` for a byte item). The main manifest adds
+``"dcp": {"version", "planner_data"}``: DCP's metadata version and the default planner's key
+mappings (JSON: key -> list of path components). DCP's ``Metadata`` is rebuilt from these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import persist
+from ._core import as_bytes, chunk_crc32c, write_file
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointStateError
+from .format import (
+    DTYPE_NAMES,
+    MAIN_MANIFEST,
+    STEP_DIR,
+    align_up,
+    data_file_name,
+    parse_shard,
+    read_manifest,
+    shard_manifest_name,
+)
+from .reshard import Block, GlobalIndex, Reader
+from .restore import _io_threads, load_shard_manifest
+from .sharding import Box
+
+DCP_KEY = "dcp"
+_ALIGN = 4096
+_UNSAFE = re.compile(r"[/\\\0]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Located:
+    """Where one DCP item lies: rank ``rank``'s entry ``name`` of step ``step``. DCP keeps these in
+    its in-memory ``Metadata.storage_data``; on disk there are only the manifests."""
+
+    step: int
+    rank: int
+    name: str
+    nbytes: int
+
+
+def parse_checkpoint_id(path: Any, step: int | None) -> tuple[Path, int | None]:
+    """(checkpoint directory, step): a ``step-<N>`` path names its step, else ``step``."""
+    p = Path(path)
+    m = STEP_DIR.match(p.name)
+    if m:
+        return p.parent, int(m.group(1))
+    return p, step
+
+
+def next_step(root: Path) -> int:
+    """One more than the newest committed step, 0 in an empty directory."""
+    found = persist.step_dirs(root)
+    return found[0][0] + 1 if found else 0
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    base = _UNSAFE.sub("_", name)[:900] or "item"
+    out, n = base, 1
+    while out in taken:
+        out, n = f"{base}~{n}", n + 1
+    taken.add(out)
+    return out
+
+
+def write_shard(
+    root: Path,
+    step: int,
+    rank: int,
+    world: int,
+    items: list[tuple[Any, torch.Tensor]],
+    *,
+    chunk_bytes: int,
+    direct: bool,
+) -> list[Located]:
+    """Write one rank's DCP items into the step's temporary directory: one data file (native
+    parallel writer, fdatasync'ed), then the shard manifest. ``items`` are (WriteItem, tensor),
+    a byte item's tensor being its uint8 bytes."""
+    tmp = persist.tmp_dir(root, step)
+    taken: set[str] = set()
+    entries, refs, pieces, out = [], [], [], []
+    pos = 0
+    file = data_file_name(rank, 0)
+    for item, data in items:
+        t = data.detach()
+        if not t.is_cpu:
+            t = t.cpu()
+        t = t.contiguous()
+        if t.dtype not in DTYPE_NAMES:
+            raise CheckpointStateError(
+                f"{item.index.fqn}: dtype {t.dtype} cannot be stored; convert the tensor first"
+            )
+        fqn = item.index.fqn
+        name = _unique(fqn, taken)
+        nbytes = t.numel() * t.element_size()
+        offset = align_up(pos, _ALIGN)
+        entry: dict[str, Any] = {
+            "name": name,
+            "dtype": DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "nbytes": nbytes,
+            "crc32c": [int(x) for x in chunk_crc32c(as_bytes(t), chunk_bytes).tolist()],
+            "extents": [[file, offset, nbytes]] if nbytes else [],
+        }
+        ref: dict[str, Any] = {"fqn": fqn}
+        if item.tensor_data is not None:
+            chunk = item.tensor_data.chunk
+            if list(chunk.sizes) != list(t.shape):
+                raise CheckpointStateError(
+                    f"{fqn}: DCP planned a chunk of {list(chunk.sizes)}, the data is "
+                    f"{list(t.shape)}"
+                )
+            entry["global"] = {
+                "shape": list(item.tensor_data.size),
+                "offsets": list(chunk.offsets),
+                "tensor": _UNSAFE.sub("_", fqn)[:900] or "item",
+            }
+            ref["data"] = {"__dtensor__": entry["global"]["tensor"]}
+        else:
+            ref["data"], ref["bytes"] = {"__tensor__": name}, True
+        if nbytes:
+            pieces.append((offset, as_bytes(t)))
+            pos = offset + nbytes
+        entries.append(entry)
+        refs.append(ref)
+        out.append(Located(step, rank, name, nbytes))
+    write_file(str(tmp / file), pieces, size=pos, fsync=True, direct=direct)
+    body = {
+        "format": "gpumem-checkpoint-shard",
+        "rank": rank,
+        "world_size": world,
+        "step": step,
+        "chunk_bytes": chunk_bytes,
+        "alignment": _ALIGN,
+        "files": {file: pos},
+        "meshes": [],
+        "tensors": entries,
+        "state": {"step": step, DCP_KEY: {"items": refs}},
+    }
+    persist.write_manifest(tmp / shard_manifest_name(rank), body)
+    return out
+
+
+def commit(root: Path, step: int, world: int, metadata: Any, keep: int | None) -> Path:
+    """The coordinator, once every rank has written: the main manifest (each shard manifest's
+    CRC and size as read back), the rename, ``latest`` and retention."""
+    from gpumem.checkpoint.job import default_versions
+
+    tmp = persist.tmp_dir(root, step)
+    shards = []
+    for rank in range(world):
+        path = tmp / shard_manifest_name(rank)
+        body, crc = read_manifest(path)
+        shard = parse_shard(body, str(path), crc)
+        shards.append(
+            {
+                "rank": rank,
+                "file": path.name,
+                "crc32c": crc,
+                "nbytes": sum(t.nbytes for t in shard.tensors),
+            }
+        )
+    body = {
+        "format": "gpumem-checkpoint",
+        "step": step,
+        "world_size": world,
+        "created": time.time(),
+        "versions": default_versions(),
+        "shards": shards,
+        "sharded": True,
+        DCP_KEY: {
+            "version": str(getattr(metadata, "version", None) or "1.0.0"),
+            "planner_data": _planner_json(getattr(metadata, "planner_data", None)),
+        },
+    }
+    crc = persist.write_manifest(tmp / MAIN_MANIFEST, body)
+    final, _ = persist.commit(root, tmp, step, crc)
+    persist.apply_retention(root, keep, final)
+    return final
+
+
+def _planner_json(data: Any) -> Any:
+    """DCP's default planner data (flattened key -> path tuple) as JSON; None stays None."""
+    if data is None:
+        return None
+    if isinstance(data, dict) and all(
+        isinstance(k, str)
+        and isinstance(v, (tuple, list))
+        and all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in v)
+        for k, v in data.items()
+    ):
+        return [[k, list(v)] for k, v in data.items()]
+    raise CheckpointStateError(
+        f"the planner's metadata (a {type(data).__name__}) is not the default planner's key "
+        "mapping; gpumem stores metadata as JSON only: use DCP's default planners"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+@dataclasses.dataclass
+class Item:
+    fqn: str
+    is_bytes: bool
+    dtype: torch.dtype
+    global_shape: tuple[int, ...]
+    blocks: list[Any]  # _Chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunk:
+    located: Located
+    block: Block
+
+    @property
+    def box(self) -> Box:
+        return self.block.box
+
+
+@dataclasses.dataclass
+class Layout:
+    path: Path
+    step: int
+    items: dict[str, Item]
+    planner_data: Any
+    version: str
+    shards: list[Any]
+    files: dict[str, int]
+
+
+def resolve_step_dir(path: Path) -> Path:
+    """A ``step-<N>`` directory, or a checkpoint directory's newest one whose main manifest
+    reads (``latest`` first)."""
+    if (path / MAIN_MANIFEST).exists() or STEP_DIR.match(path.name):
+        return path
+    try:
+        ptr = persist.read_latest(path)
+    except CheckpointCorruptError:
+        ptr = None
+    if ptr is not None and (path / ptr["path"] / MAIN_MANIFEST).exists():
+        return path / ptr["path"]
+    for _, cand in persist.step_dirs(path):
+        try:
+            persist.load_info(cand)
+            return cand
+        except CheckpointError:
+            continue
+    raise CheckpointCorruptError(f"{path} holds no readable checkpoint", path=str(path))
+
+
+def load_layout(path: Path) -> Layout:
+    """Every DCP item of a checkpoint written by ``gpumem.dcp.StorageWriter``, from the
+    manifests (no data read; each chunk is verified when read).
+
+    Raises:
+        CheckpointCorruptError: damaged manifests, or not written through DCP.
+    """
+    step_dir = resolve_step_dir(Path(path))
+    info = persist.load_info(step_dir)
+    body, _ = read_manifest(step_dir / MAIN_MANIFEST)
+    meta = body.get(DCP_KEY)
+    if not isinstance(meta, dict):
+        raise CheckpointCorruptError(
+            f"{step_dir}: not written through gpumem.dcp (no DCP metadata); restore it with "
+            "gpumem.Checkpointer",
+            path=str(step_dir),
+        )
+    shards = [load_shard_manifest(step_dir, info, r) for r in range(info.world_size)]
+    index = GlobalIndex(step_dir, shards)
+    items: dict[str, Item] = {}
+    files: dict[str, int] = {}
+    for shard in shards:
+        files.update(shard.files)
+        state = shard.state if isinstance(shard.state, dict) else {}
+        refs = state.get(DCP_KEY, {}).get("items") if isinstance(state.get(DCP_KEY), dict) else None
+        if not isinstance(refs, list):
+            raise CheckpointCorruptError(f"{step_dir}: rank {shard.rank} lists no DCP items")
+        held = {e.name: e for e in shard.tensors}
+        for ref in refs:
+            _add_item(items, ref, shard, held, index, step_dir, info.step)
+    return Layout(
+        step_dir,
+        info.step,
+        items,
+        _planner_data(meta.get("planner_data"), step_dir),
+        str(meta.get("version") or "1.0.0")[:32],
+        shards,
+        files,
+    )
+
+
+def _add_item(items, ref, shard, held, index, step_dir, step) -> None:
+    bad = CheckpointCorruptError(
+        f"{step_dir}: rank {shard.rank}: malformed DCP item {str(ref)[:80]}"
+    )
+    if (
+        not isinstance(ref, dict)
+        or not isinstance(ref.get("fqn"), str)
+        or not isinstance(ref.get("data"), dict)
+    ):
+        raise bad
+    fqn, data = ref["fqn"], ref["data"]
+    if ref.get("bytes") is True:
+        name = data.get("__tensor__")
+        entry = held.get(name)
+        if entry is None or entry.box is not None or entry.dtype != "uint8" or fqn in items:
+            raise bad
+        block = Block(shard.rank, entry, Box.full(entry.shape), shard.chunk_bytes)
+        loc = Located(step, shard.rank, entry.name, entry.nbytes)
+        items[fqn] = Item(fqn, True, torch.uint8, entry.shape, [_Chunk(loc, block)])
+        return
+    tensor = data.get("__dtensor__")
+    if tensor not in index:
+        raise bad
+    if fqn in items:
+        return  # another rank's chunk of the same tensor listed it already
+    blocks = index.check(tensor)
+    chunks = [_Chunk(Located(step, b.rank, b.entry.name, b.entry.nbytes), b) for b in blocks]
+    items[fqn] = Item(fqn, False, blocks[0].entry.torch_dtype, blocks[0].box.global_shape, chunks)
+
+
+def _planner_data(raw: Any, step_dir: Path) -> Any:
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not all(
+        isinstance(p, list)
+        and len(p) == 2
+        and isinstance(p[0], str)
+        and isinstance(p[1], list)
+        and all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in p[1])
+        for p in raw
+    ):
+        raise CheckpointCorruptError(f"{step_dir}: malformed DCP planner data", path=str(step_dir))
+    return {k: tuple(v) for k, v in raw}
+
+
+def read_items(
+    layout: Layout, requests: list[tuple[Located, Any, Any, bool]]
+) -> list[torch.Tensor]:
+    """Read (and verify) each request: (located chunk, offsets within it, lengths, is_bytes).
+    Returns host tensors: the requested part of each chunk, a byte item's whole bytes."""
+    by_key: dict[tuple[int, str], Block] = {}
+    for item in layout.items.values():
+        for c in item.blocks:
+            by_key[(c.located.rank, c.located.name)] = c.block
+    reader = Reader(layout.path)
+    out = []
+    for loc, offsets, lengths, is_bytes in requests:
+        block = by_key.get((loc.rank, loc.name))
+        if block is None:
+            raise CheckpointCorruptError(
+                f"{layout.path}: DCP asks for rank {loc.rank}'s {loc.name!r}, which it lacks",
+                path=str(layout.path),
+            )
+        if is_bytes:
+            buf = torch.empty(block.entry.nbytes, dtype=torch.uint8)
+            box = Box.full(block.box.shape)
+        else:
+            start = tuple(o + s for o, s in zip(block.box.offsets, offsets, strict=True))
+            box = Box(block.box.global_shape, start, tuple(int(x) for x in lengths))
+            buf = torch.empty(box.shape, dtype=block.entry.torch_dtype)
+        reader.add(loc.name, buf, box, [block])
+        out.append(buf)
+    reader.run(layout.files, _io_threads())
+    return out
