@@ -32,6 +32,7 @@ import dataclasses
 import io
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -133,29 +134,32 @@ class StorageWriter(_StorageWriter):
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        from gpumem.checkpoint.dcp_layout import write_shard
+        from gpumem.checkpoint.dcp_layout import Chunk, write_shard
 
         info: _Plan = plan.storage_data
-        items = []
-        for item in plan.items:
-            data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                raw = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
-                items.append((item, torch.frombuffer(bytearray(raw), dtype=torch.uint8)))
-            else:
-                items.append((item, data.detach()))
+
+        def chunks() -> Iterator[Chunk]:  # resolved one by one: DCP may allocate for each
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    raw = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
+                    yield Chunk(item.index.fqn, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+                else:
+                    td = item.tensor_data
+                    yield Chunk(item.index.fqn, data, tuple(td.size), tuple(td.chunk.offsets))
+
         located = write_shard(
             self.root,
             info.step,
             info.rank,
             info.world_size,
-            items,
+            chunks(),
             chunk_bytes=self.chunk_bytes,
             direct=self.direct_io,
         )
         results = [
             WriteResult(index=item.index, size_in_bytes=loc.nbytes, storage_data=loc)
-            for (item, _), loc in zip(items, located, strict=True)
+            for item, loc in zip(plan.items, located, strict=True)
         ]
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)

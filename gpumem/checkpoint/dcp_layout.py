@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -77,37 +78,61 @@ def _unique(name: str, taken: set[str]) -> str:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One item to write: a tensor chunk (its global shape and offsets) or a byte item (both
+    None, ``data`` its uint8 bytes)."""
+
+    fqn: str
+    data: torch.Tensor
+    global_shape: tuple[int, ...] | None = None
+    offsets: tuple[int, ...] | None = None
+
+
 def write_shard(
     root: Path,
     step: int,
     rank: int,
     world: int,
-    items: list[tuple[Any, torch.Tensor]],
+    items: Iterable[Chunk],
     *,
     chunk_bytes: int,
     direct: bool,
+    segment_bytes: int = 256 << 20,
 ) -> list[Located]:
-    """Write one rank's DCP items into the step's temporary directory: one data file (native
-    parallel writer, fdatasync'ed), then the shard manifest. ``items`` are (WriteItem, tensor),
-    a byte item's tensor being its uint8 bytes."""
+    """Write one rank's items into the step's temporary directory: data files of about
+    ``segment_bytes`` each (native parallel writer, fdatasync'ed; an item is dropped once its
+    file is written, so memory stays near one segment), then the shard manifest."""
     tmp = persist.tmp_dir(root, step)
     taken: set[str] = set()
-    entries, refs, pieces, out = [], [], [], []
-    pos = 0
-    file = data_file_name(rank, 0)
-    for item, data in items:
-        t = data.detach()
+    entries, refs, out = [], [], []
+    files: dict[str, int] = {}
+    pending: list[tuple[int, torch.Tensor]] = []
+    pos, batch = 0, 0
+
+    def flush() -> None:
+        nonlocal pos, batch, pending
+        if pos or not files:
+            name = data_file_name(rank, batch)
+            write_file(str(tmp / name), pending, size=pos, fsync=True, direct=direct)
+            files[name] = pos
+            batch, pos, pending = batch + 1, 0, []
+
+    for item in items:
+        t = item.data.detach()
         if not t.is_cpu:
             t = t.cpu()
         t = t.contiguous()
         if t.dtype not in DTYPE_NAMES:
             raise CheckpointStateError(
-                f"{item.index.fqn}: dtype {t.dtype} cannot be stored; convert the tensor first"
+                f"{item.fqn}: dtype {t.dtype} cannot be stored; convert the tensor first"
             )
-        fqn = item.index.fqn
-        name = _unique(fqn, taken)
+        if pos >= segment_bytes:
+            flush()
+        name = _unique(item.fqn, taken)
         nbytes = t.numel() * t.element_size()
         offset = align_up(pos, _ALIGN)
+        file = data_file_name(rank, batch)
         entry: dict[str, Any] = {
             "name": name,
             "dtype": DTYPE_NAMES[t.dtype],
@@ -116,29 +141,23 @@ def write_shard(
             "crc32c": [int(x) for x in chunk_crc32c(as_bytes(t), chunk_bytes).tolist()],
             "extents": [[file, offset, nbytes]] if nbytes else [],
         }
-        ref: dict[str, Any] = {"fqn": fqn}
-        if item.tensor_data is not None:
-            chunk = item.tensor_data.chunk
-            if list(chunk.sizes) != list(t.shape):
-                raise CheckpointStateError(
-                    f"{fqn}: DCP planned a chunk of {list(chunk.sizes)}, the data is "
-                    f"{list(t.shape)}"
-                )
+        ref: dict[str, Any] = {"fqn": item.fqn}
+        if item.global_shape is not None:
             entry["global"] = {
-                "shape": list(item.tensor_data.size),
-                "offsets": list(chunk.offsets),
-                "tensor": _UNSAFE.sub("_", fqn)[:900] or "item",
+                "shape": list(item.global_shape),
+                "offsets": list(item.offsets or ()),
+                "tensor": _UNSAFE.sub("_", item.fqn)[:900] or "item",
             }
             ref["data"] = {"__dtensor__": entry["global"]["tensor"]}
         else:
             ref["data"], ref["bytes"] = {"__tensor__": name}, True
         if nbytes:
-            pieces.append((offset, as_bytes(t)))
+            pending.append((offset, as_bytes(t)))
             pos = offset + nbytes
         entries.append(entry)
         refs.append(ref)
         out.append(Located(step, rank, name, nbytes))
-    write_file(str(tmp / file), pieces, size=pos, fsync=True, direct=direct)
+    flush()
     body = {
         "format": "gpumem-checkpoint-shard",
         "rank": rank,
@@ -146,7 +165,7 @@ def write_shard(
         "step": step,
         "chunk_bytes": chunk_bytes,
         "alignment": _ALIGN,
-        "files": {file: pos},
+        "files": files,
         "meshes": [],
         "tensors": entries,
         "state": {"step": step, DCP_KEY: {"items": refs}},

@@ -1,4 +1,4 @@
-"""gpumem ckpt: list, verify and inspect checkpoints written by gpumem.Checkpointer."""
+"""gpumem ckpt: list, verify, inspect, export and import checkpoints (gpumem's own and DCP's)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "verify", help="check every byte of a checkpoint (or of all in a directory)"
     )
     ver.add_argument(
-        "path", help="a step-<N> directory, or a checkpoint directory to verify them all"
+        "path",
+        help="a step-<N> directory, a checkpoint directory to verify them all, or a plain "
+        "torch.distributed.checkpoint directory (with .metadata)",
+    )
+    ver.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="read a plain DCP directory's .metadata with plain pickle (runs code: only for "
+        "directories you trust) when the restricted reader refuses a class",
     )
     ins = cmds.add_parser(
         "inspect", help="show tensors, sizes, step, versions and saved state of a checkpoint"
@@ -37,6 +45,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     ins.add_argument(
         "--limit", type=int, default=50, help="tensors listed per rank (default 50; 0 = all)"
     )
+    exp = cmds.add_parser(
+        "export", help="write a checkpoint's model weights as sharded safetensors with an index"
+    )
+    exp.add_argument("dir", help="a checkpoint directory (its newest) or a step-<N> directory")
+    exp.add_argument("--format", choices=["safetensors"], default="safetensors")
+    exp.add_argument("--out", required=True, help="output directory")
+    exp.add_argument(
+        "--config", help="a config.json to copy beside the weights (for from_pretrained)"
+    )
+    exp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating weights")
+    exp.add_argument(
+        "--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)"
+    )
+    imp = cmds.add_parser(
+        "import", help="convert a plain torch.distributed.checkpoint directory into gpumem's"
+    )
+    imp.add_argument("dcp_dir", help="a DCP directory (FileSystemWriter: .metadata, *.distcp)")
+    imp.add_argument("out", help="the gpumem checkpoint directory to create step-<N> in")
+    imp.add_argument("--step", type=int, default=0, help="the step to record (default 0)")
+    imp.add_argument("--trust-pickle", action="store_true", help="as for verify")
     p.set_defaults(func=run)
 
 
@@ -44,7 +72,14 @@ def run(args: argparse.Namespace) -> int:
     from gpumem.checkpoint import CheckpointError
 
     try:
-        return {"ls": _ls, "verify": _verify, "inspect": _inspect}[args.ckpt_command](args)
+        commands = {
+            "ls": _ls,
+            "verify": _verify,
+            "inspect": _inspect,
+            "export": _export,
+            "import": _import,
+        }
+        return commands[args.ckpt_command](args)
     except CheckpointError as exc:
         print(f"gpumem ckpt {args.ckpt_command}: {exc}", file=sys.stderr)
         return 1
@@ -120,7 +155,25 @@ def _targets(path: Path) -> list[Path]:
 
 def _verify(args: argparse.Namespace) -> int:
     from gpumem.checkpoint import CheckpointCorruptError, verify
+    from gpumem.checkpoint.dcp_plain import is_plain_dcp, verify_plain
 
+    if is_plain_dcp(Path(args.path)):
+        try:
+            r = verify_plain(Path(args.path), trust_pickle=args.trust_pickle)
+        except CheckpointCorruptError as exc:
+            print(f"CORRUPT  {args.path}: {exc}")
+            return 1
+        print(
+            f"OK       {args.path}: plain DCP directory, {r.tensors} tensors in {r.chunks} "
+            f"chunks and {r.bytes_items} pickled items, {format_bytes(r.nbytes)}\n"
+            "         checked: metadata (restricted unpickler), every item's file, offset and "
+            "length, tensor records against the metadata (dtype, shape), chunks tiling each "
+            "tensor, zip CRC-32 of every record\n"
+            "         not checked: DCP stores no checksum of its own (a record rewritten with "
+            "its CRC-32), and the pickled items' content (never unpickled here); `gpumem ckpt "
+            "import` converts it into a checksummed gpumem checkpoint"
+        )
+        return 0
     bad = 0
     for p in _targets(Path(args.path)):
         try:
@@ -215,4 +268,29 @@ def _inspect(args: argparse.Namespace) -> int:
             )
         if args.limit and r["tensors"] > args.limit:
             print(f"    ... {r['tensors'] - args.limit} more (--limit 0 lists all)")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from gpumem.checkpoint.export import export_safetensors
+    from gpumem.units import parse_bytes
+
+    files = export_safetensors(
+        args.dir,
+        args.out,
+        config=args.config,
+        dtype=args.dtype,
+        max_shard_bytes=parse_bytes(args.max_shard_size),
+    )
+    for f in files:
+        print(f)
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from gpumem.checkpoint.dcp_plain import import_plain
+
+    if args.step < 0:
+        raise ValueError(f"--step {args.step} must be >= 0")
+    print(import_plain(Path(args.dcp_dir), Path(args.out), args.step, args.trust_pickle))
     return 0
