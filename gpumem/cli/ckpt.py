@@ -214,10 +214,7 @@ def _inspect(args: argparse.Namespace) -> int:
                 "chunk_bytes": shard.chunk_bytes,
                 "sections": sorted(state),
                 "extra": state.get("extra"),
-                "tensor_list": [
-                    {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes}
-                    for t in shard.tensors[: args.limit or None]
-                ],
+                "tensor_list": [_tensor_json(t) for t in shard.tensors[: args.limit or None]],
             }
         )
     out = {
@@ -229,6 +226,7 @@ def _inspect(args: argparse.Namespace) -> int:
         "manifest_crc32c": f"{info.manifest_crc32c:08x}",
         "versions": info.versions,
         "replicated": info.replicated,
+        "sharded": info.sharded,
         "ranks": ranks,
     }
     if args.json:
@@ -262,9 +260,17 @@ def _inspect(args: argparse.Namespace) -> int:
         if r["extra"] is not None:
             print(f"    extra: {json.dumps(r['extra'])[:200]}")
         for t in r["tensor_list"]:
+            block = ""
+            if "global" in t:  # a block of a global tensor: where it lies, how it was placed
+                g = t["global"]
+                spans = ", ".join(
+                    f"{o}:{o + n}" for o, n in zip(g["offsets"], t["shape"], strict=True)
+                )
+                placed = f" ({', '.join(g['placements'])})" if g["placements"] else ""
+                block = f"  [{spans}] of {tuple(g['shape'])}{placed}"
             print(
                 f"    {t['name']:<48} {t['dtype']:<9} "
-                f"{tuple(t['shape'])!s:<18} {format_bytes(t['nbytes']):>10}"
+                f"{tuple(t['shape'])!s:<18} {format_bytes(t['nbytes']):>10}{block}"
             )
         if args.limit and r["tensors"] > args.limit:
             print(f"    ... {r['tensors'] - args.limit} more (--limit 0 lists all)")
@@ -294,3 +300,14 @@ def _import(args: argparse.Namespace) -> int:
         raise ValueError(f"--step {args.step} must be >= 0")
     print(import_plain(Path(args.dcp_dir), Path(args.out), args.step, args.trust_pickle))
     return 0
+
+
+def _tensor_json(t) -> dict:
+    out = {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes}
+    if t.box is not None:
+        out["global"] = {
+            "shape": list(t.box.global_shape),
+            "offsets": list(t.box.offsets),
+            "placements": list(t.placements),
+        }
+    return out

@@ -372,3 +372,26 @@ def test_a_damaged_block_falls_back_for_every_reader(run, tmp_path):
     ):
         ck.restore(model=model, optimizer=opt, path=dst / "step-000000002")
     assert differences(before, full_state(model, opt)) == []
+
+
+def test_export_and_inspect_a_sharded_checkpoint(run, tmp_path, capsys):
+    """The 2-D checkpoint's weights assembled from four ranks' blocks into safetensors; inspect
+    shows where each block lies."""
+    from safetensors.torch import load_file
+
+    from gpumem.cli import main
+
+    root, _ = run
+    out = tmp_path / "st"
+    assert main(["ckpt", "export", str(root / "twod"), "--out", str(out)]) == 0
+    got = {}
+    for f in out.glob("*.safetensors"):
+        got.update(load_file(f))
+    ref = torch.load(root / "twod.pt")
+    want = {k[len("model.") :]: v for k, v in ref.items() if k.startswith("model.")}
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    capsys.readouterr()
+    assert main(["ckpt", "inspect", str(root / "tp"), "--limit", "0"]) == 0
+    out_text = capsys.readouterr().out
+    assert "[48:96, 0:64] of (96, 64) (S(0))" in out_text
+    assert "[0:7, 48:96] of (7, 96) (S(1))" in out_text
