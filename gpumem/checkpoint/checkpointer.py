@@ -40,6 +40,7 @@ from .lock import DirLock
 from .snapshot import HostViews, LayoutCache
 
 _MIN_BUDGET = 64 << 20
+DEFAULT_CHUNK = 1 << 20  # CRC32C granularity unless chunk_bytes says otherwise
 _LIVE: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
 
@@ -73,7 +74,10 @@ class Checkpointer:
             ``default_staging_bytes()``. A larger state streams through the budget in chunks.
         overlap: copy parameters and optimizer state in the background (see the module docs for
             the assumption); False always copies before save() returns.
-        chunk_bytes: CRC32C granularity (power of two, >= 4096).
+        chunk_bytes: CRC32C granularity (power of two, >= 4096). None: 1 MiB, or for DTensor
+            state a 256th of the byte-weighted median block size (between 4 KiB and 1 MiB): a
+            resharding restore reads whole chunks, so at most one partial chunk at each end of
+            each overlap is read beyond what it needs.
         segment_bytes: size of each data file when the state fits the budget. The files are
             written once the whole state is staged (a write beside the copy would slow the copy
             training waits for), so time to durable ~ copy + write; when streaming, file b is
@@ -123,7 +127,7 @@ class Checkpointer:
         staging_bytes: int | None = None,
         *,
         overlap: bool = True,
-        chunk_bytes: int = 1 << 20,
+        chunk_bytes: int | None = None,
         alignment: int = 4096,
         direct_io: bool = True,
         segment_bytes: int = 256 << 20,
@@ -135,10 +139,12 @@ class Checkpointer:
             raise CheckpointStateError(
                 f"keep={keep!r}: keep at least 1 checkpoint, or None for all"
             )
+        largest = DEFAULT_CHUNK if chunk_bytes is None else chunk_bytes
+        smallest = 4096 if chunk_bytes is None else chunk_bytes  # the automatic chunk's floor
         if (
-            chunk_bytes < 4096
-            or chunk_bytes & (chunk_bytes - 1)
-            or alignment > chunk_bytes
+            largest < 4096
+            or largest & (largest - 1)
+            or alignment > smallest
             or alignment & (alignment - 1)
         ):
             raise CheckpointStateError(
@@ -146,9 +152,9 @@ class Checkpointer:
                 f"of two >= 4096 and >= alignment={alignment}"
             )
         budget = default_staging_bytes() if staging_bytes is None else int(staging_bytes)
-        if budget < 2 * chunk_bytes:
+        if budget < 2 * largest:
             raise CheckpointStateError(
-                f"staging_bytes={budget} is below two chunks ({2 * chunk_bytes} bytes); raise it"
+                f"staging_bytes={budget} is below two chunks ({2 * largest} bytes); raise it"
             )
         self.directory = Path(directory)
         self.keep, self.staging_bytes, self.overlap = keep, budget, overlap
@@ -253,12 +259,13 @@ class Checkpointer:
             }
             tree, table = capture(step, **kwargs)
             table, replication = self._share(table)
+            chunk = self._chunk_for(table)
             plan = self._plans.plan(
                 table.tensors,
                 table.names,
                 self.staging_bytes,
                 self.alignment,
-                self.chunk_bytes,
+                chunk,
                 self.segment_bytes,
             )
             if plan.streaming:
@@ -281,7 +288,7 @@ class Checkpointer:
                 plan=plan,
                 arena=arena,
                 mode=mode,
-                chunk=self.chunk_bytes,
+                chunk=chunk,
                 alignment=self.alignment,
                 direct=self.direct_io,
                 group=self._group,
@@ -305,6 +312,30 @@ class Checkpointer:
                 job.done.wait()
                 self._raise_job_error()
             return job.stats
+
+    def _chunk_for(self, table: Any) -> int:
+        """The CRC32C chunk of a save: ``chunk_bytes``, or by default 1 MiB, and for DTensor
+        blocks a 256th of their byte-weighted median size, a power of two between 4 KiB and
+        1 MiB (replicated saves keep 1 MiB: every rank must use the same)."""
+        if self.chunk_bytes is not None:
+            return self.chunk_bytes
+        if not table.sharded or self.replicated:
+            return DEFAULT_CHUNK
+        sizes = sorted(
+            t.numel() * t.element_size()
+            for t, layout in zip(table.tensors, table.layouts, strict=True)
+            if layout is not None
+        )
+        half, acc, median = sum(sizes) / 2, 0, sizes[-1]
+        for n in sizes:
+            acc += n
+            if acc >= half:
+                median = n
+                break
+        chunk = 4096
+        while chunk * 2 <= median // 256 and chunk < DEFAULT_CHUNK:
+            chunk *= 2
+        return chunk
 
     def _share(self, table: Any) -> tuple[Any, Any]:
         """(the tensors this rank writes, its Replication or None): all of them unless
@@ -394,10 +425,10 @@ class Checkpointer:
             table.names,
             self.staging_bytes,
             self.alignment,
-            self.chunk_bytes,
+            self._chunk_for(table),
             self.segment_bytes,
         )
-        return plan.arena_bytes + self.chunk_bytes
+        return plan.arena_bytes + DEFAULT_CHUNK
 
     def _join_prepare(self, timeout: float | None) -> bool:
         """Wait for a prepare() allocation; install its arena; raise its error (once).
@@ -716,9 +747,16 @@ class Checkpointer:
         )
 
     def _restore_staging(self, nbytes: int) -> Any:
-        """Host staging for a sharded restore: the save arena (pinned on CUDA machines), which
-        the next save() reuses."""
-        return self._ensure_arena(nbytes).view(0, nbytes)
+        """Host staging for a sharded restore: the staging arena when one is allocated and
+        large enough (pinned on CUDA machines: prepare() before restore() gets that), else
+        fresh host memory, faulted in by the reads themselves (allocating and locking an arena
+        here would fault it in first, a pass over memory the reads do anyway)."""
+        self._join_prepare(None)
+        if self._arena is not None and self._arena.nbytes >= nbytes:
+            return self._arena.view(0, nbytes)
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8)
 
     def _check_pointer(self, read_latest: Any, load_info: Any) -> None:
         try:

@@ -144,10 +144,31 @@ def describe(t: torch.Tensor, path: str) -> Layout:
             DTensor's mesh.
     """
     require_sharding(path)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     mesh = t.device_mesh
     placements = tuple(t.placements)
+    global_shape = tuple(int(d) for d in t.shape)
+    # a save or restore asks this for every tensor, and torch computes a mesh's rank table
+    # anew on each access (~1 ms): the answer depends only on these, so it is computed once
+    key = (mesh, placements, global_shape)
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        layout = _LAYOUTS[key] = _layout(mesh, placements, global_shape, path)
+    local = t._local_tensor
+    if tuple(local.shape) != layout.box.shape:
+        raise CheckpointStateError(
+            f"{path}: the local shard has shape {tuple(local.shape)}, its placements "
+            f"({', '.join(layout.placements)}) give {layout.box.shape}; this DTensor layout "
+            "is not supported"
+        )
+    return layout
+
+
+_LAYOUTS: dict[tuple, Layout] = {}
+
+
+def _layout(mesh: Any, placements: tuple, global_shape: tuple[int, ...], path: str) -> Layout:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     names = tuple(placement_name(p) for p in placements)
     if any(n.startswith("P(") for n in names):
         raise CheckpointStateError(
@@ -157,22 +178,16 @@ def describe(t: torch.Tensor, path: str) -> Layout:
     coord = mesh.get_coordinate()
     if coord is None:
         raise CheckpointStateError(f"{path}: this rank is not on the DTensor's device mesh")
-    global_shape = tuple(int(d) for d in t.shape)
     shape, offsets = compute_local_shape_and_global_offset(global_shape, mesh, placements)
-    local = t._local_tensor
-    if tuple(local.shape) != tuple(shape):
-        raise CheckpointStateError(
-            f"{path}: the local shard has shape {tuple(local.shape)}, its placements "
-            f"({', '.join(names)}) give {tuple(shape)}; this DTensor layout is not supported"
-        )
     writer = all(c == 0 for c, n in zip(coord, names, strict=True) if n == "R")
     dim_names = mesh.mesh_dim_names
+    table = mesh.mesh
     return Layout(
         Box(global_shape, tuple(int(o) for o in offsets), tuple(int(s) for s in shape)),
         Mesh(
-            tuple(int(s) for s in mesh.mesh.shape),
+            tuple(int(s) for s in table.shape),
             tuple(str(n) for n in dim_names) if dim_names else None,
-            tuple(int(r) for r in mesh.mesh.flatten().tolist()),
+            tuple(int(r) for r in table.flatten().tolist()),
         ),
         names,
         writer,
