@@ -10,12 +10,14 @@ torch.distributed every call is local.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
 
 from .collective import RollCall, default_store
-from .errors import CheckpointStateError
+from .errors import CheckpointError, CheckpointStateError
 
 
 class Group:
@@ -56,9 +58,10 @@ class Group:
             return value
         dist = _dist()
         t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(
-            t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, group=self.pg
-        )
+        with _peers_gone():
+            dist.all_reduce(
+                t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, group=self.pg
+            )
         return int(t.item())
 
     def all_gather(self, values: list[int]) -> list[list[int]]:
@@ -68,7 +71,8 @@ class Group:
         dist = _dist()
         mine = torch.tensor(values, dtype=torch.int64)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(out, mine, group=self.pg)
+        with _peers_gone():
+            dist.all_gather(out, mine, group=self.pg)
         return [t.tolist() for t in out]
 
     def broadcast_text(self, text: str, src: int) -> str:
@@ -78,13 +82,27 @@ class Group:
         dist = _dist()
         data = text.encode()[:65536] if self.rank == src else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
-        dist.broadcast(size, src=src, group=self.pg)
-        buf = torch.zeros(int(size.item()), dtype=torch.uint8)
-        if self.rank == src and data:
-            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        if buf.numel():
-            dist.broadcast(buf, src=src, group=self.pg)
+        with _peers_gone():
+            dist.broadcast(size, src=src, group=self.pg)
+            buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+            if self.rank == src and data:
+                buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            if buf.numel():
+                dist.broadcast(buf, src=src, group=self.pg)
         return bytes(buf.tolist()).decode(errors="replace")
+
+
+@contextlib.contextmanager
+def _peers_gone() -> Iterator[None]:
+    """A gloo error mid-collective (a peer's connection closed or timed out) as a
+    CheckpointError that says what it means for the checkpoint."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise CheckpointError(
+            "a collective with the other ranks failed: a rank died, left, or is stuck past "
+            f"collective_timeout_s; nothing was committed ({str(exc)[:300]})"
+        ) from exc
 
 
 def _dist():

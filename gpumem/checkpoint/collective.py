@@ -63,9 +63,9 @@ class RollCall:
             self.broken = f"rank(s) {missing} did not join {what}"
             raise CheckpointStateError(
                 f"{what}: rank(s) {missing} of {self.world_size} did not join within "
-                f"{self.timeout_s:g} s (collective_timeout_s). save() and restore() are "
-                "collectives: call them on every rank at the same point, also from "
-                "checkpoint hooks that run on the main process only"
+                f"{self.timeout_s:g} s (collective_timeout_s): they died, or do not call it. "
+                "save() and restore() are collectives: call them on every rank at the same "
+                "point, also from checkpoint hooks that run on the main process only"
             ) from None
         self._tidy()
 
