@@ -121,9 +121,10 @@ def encode_manifest(body: dict[str, Any]) -> tuple[bytes, int]:
     """Serialize a manifest body; returns (file bytes, manifest CRC32C). A replicated
     checkpoint's manifests are framed as version 2, a sharded one's as 3 (see the module docs)."""
     payload = json.dumps(body, separators=(",", ":"), allow_nan=False, sort_keys=False).encode()
-    if body.get("sharded") is True or "meshes" in body:
+    fields = body if isinstance(body, dict) else {}
+    if fields.get("sharded") is True or "meshes" in fields:
         version = SHARDED_VERSION
-    elif body.get("replicated") is True:
+    elif fields.get("replicated") is True:
         version = REPLICATED_VERSION
     else:
         version = FORMAT_VERSION

@@ -278,9 +278,9 @@ def _decode_tagged(tag: str, arg: Any, tensors: _Refs, path: str) -> Any:
     if tag in ("__tensor__", "__dtensor__"):
         table = tensors[tag == "__dtensor__"]
         if not isinstance(arg, str) or arg not in table:
-            what = "global tensor" if tag == "__dtensor__" else "tensor"
+            where = "no shard holds" if tag == "__dtensor__" else "the table lacks"
             raise CheckpointCorruptError(
-                f"{path}: refers to {what} {str(arg)[:80]!r}, which the checkpoint lacks"
+                f"{path}: refers to tensor {str(arg)[:80]!r}, which {where}"
             )
         return table[arg]
     if tag == "__tuple__":
