@@ -33,6 +33,7 @@ from .format import (
     parse_shard,
     read_manifest,
     shard_manifest_name,
+    step_dir_name,
 )
 from .reshard import Block, GlobalIndex, Reader
 from .restore import _io_threads, load_shard_manifest
@@ -55,7 +56,9 @@ class Located:
 
 
 def parse_checkpoint_id(path: Any, step: int | None) -> tuple[Path, int | None]:
-    """(checkpoint directory, step): a ``step-<N>`` path names its step, else ``step``."""
+    """(checkpoint directory, step): a ``step-<N>`` path names its step (written as gpumem's
+    ``step-<9 digits>``, however many digits it has: torchtitan's ``step-100`` is ``step 100``),
+    else ``step``."""
     p = Path(path)
     m = STEP_DIR.match(p.name)
     if m:
@@ -266,8 +269,11 @@ class Layout:
 def resolve_step_dir(path: Path) -> Path:
     """A ``step-<N>`` directory, or a checkpoint directory's newest one whose main manifest
     reads (``latest`` first)."""
-    if (path / MAIN_MANIFEST).exists() or STEP_DIR.match(path.name):
+    m = STEP_DIR.match(path.name)
+    if (path / MAIN_MANIFEST).exists():
         return path
+    if m:  # the step named, as gpumem names its directory (step-100 -> step-000000100)
+        return path.parent / step_dir_name(int(m.group(1)))
     try:
         ptr = persist.read_latest(path)
     except CheckpointCorruptError:
