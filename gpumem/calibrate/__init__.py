@@ -15,7 +15,7 @@ imports neither torch nor numba; the measurements do.
 """
 
 from gpumem.calibrate._schema import CalibrationError
-from gpumem.calibrate.calibration import Calibration, Machine, load, measure
+from gpumem.calibrate.calibration import Calibration, Machine, as_calibration, load, measure
 from gpumem.calibrate.checkpoint_cost import (
     CheckpointCost,
     CheckpointPoint,
@@ -33,6 +33,7 @@ __all__ = [
     "GpuReserve",
     "LinearFit",
     "Machine",
+    "as_calibration",
     "ReportReserve",
     "fit_line",
     "from_report",
