@@ -29,7 +29,7 @@ def bounded_int(lo: int, hi: int = MAX_COUNT, what: str = "") -> type[int]:
     def check(text: str) -> int:
         v = _int(text)
         if not lo <= v <= hi:
-            rule = f"at least {lo}" if hi == MAX_COUNT else f"in {lo}..{hi}"
+            rule = f">= {lo}" if hi == MAX_COUNT else f"in {lo}..{hi}"
             raise argparse.ArgumentTypeError(f"{what or 'must be'} {rule}, got {v}")
         return v
 

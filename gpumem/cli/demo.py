@@ -23,9 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="gpumem-demo",
         help="directory for the charts, calibration.json and checkpoints (default gpumem-demo)",
     )
-    p.add_argument(
-        "--quick", action="store_true", help="fewer steps and smaller measurements (CI)"
-    )
+    p.add_argument("--quick", action="store_true", help="fewer steps and smaller measurements (CI)")
     p.set_defaults(func=run)
 
 

@@ -165,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
             hours=args.preempted_at_hours,
             n_gpus=result.n_gpus,
             price_per_gpu_hour=args.price_per_gpu_hour,
-            mtbf_hours=args.mtbf_hours or (1 / args.preemption_rate if args.preemption_rate else None),
+            mtbf_hours=args.mtbf_hours
+            or (1 / args.preemption_rate if args.preemption_rate else None),
             **times.values(),
         )
         out["realised_loss"] = loss.to_dict()

@@ -50,9 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="cpu or cuda (with --fake: fake CUDA tensors of any size; training them "
         "needs a usable GPU)",
     )
-    p.add_argument(
-        "--steps", type=_args.step_count, default=2, help="training steps (default 2)"
-    )
+    p.add_argument("--steps", type=_args.step_count, default=2, help="training steps (default 2)")
     p.add_argument(
         "--mode",
         default="exact",

@@ -249,9 +249,10 @@ def _preemption(result: DemoResult, sizes: _Sizes, echo: Echo, bar: Bar) -> None
     times = res.checkpoint_times()
     result.stall_s, result.persist_s = times.stall_s, times.persist_s
     echo("")
+    best = res.best.describe() if res.best else "-"
     echo(
-        f"The fitted lines predict the checkpoint of one GPU of {res.best.describe() if res.best else '-'}"
-        f" ({format_bytes(res.checkpoint_bytes() or 0)}: its weights and optimizer state):"
+        f"The fitted lines predict the checkpoint of one GPU of {best} "
+        f"({format_bytes(res.checkpoint_bytes() or 0)}: its weights and optimizer state):"
     )
     for line in times.lines():
         echo(f"    {line.strip()}")

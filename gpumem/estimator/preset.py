@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 from gpumem.estimator import activations as act
 from gpumem.estimator import backward as bwd
-from gpumem.estimator import inputs
-from gpumem.estimator import peak
+from gpumem.estimator import inputs, peak
 from gpumem.estimator.bill import Bill, make_bill
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout

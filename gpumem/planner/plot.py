@@ -44,7 +44,9 @@ def best_layouts(bill: Bill, n_gpus: int, top: int = 4) -> list[tuple[str, Bill]
         lora_rank=t.lora_rank,
         base_quant=t.base_quant,
     )
-    return [(f"#{i} {c.describe()}", result.bill(c)) for i, c in enumerate(result.candidates[:top], 1)]
+    return [
+        (f"#{i} {c.describe()}", result.bill(c)) for i, c in enumerate(result.candidates[:top], 1)
+    ]
 
 
 def bills_figure(bills: list[tuple[str, Bill]], title: str = "") -> Any:

@@ -44,13 +44,13 @@ from gpumem.estimator.layout import Layout
 from gpumem.estimator.preset import PresetTerms
 from gpumem.estimator.specs import ModelSpec, resolve_model
 from gpumem.estimator.states import Training
+from gpumem.planner.checkpoint_times import CheckpointTimes, checkpoint_times
 from gpumem.planner.economics import (
     DEFAULT_PRICE_PER_GPU_HOUR,
     DEFAULT_RUN_HOURS,
     Economics,
     economics,
 )
-from gpumem.planner.checkpoint_times import CheckpointTimes, checkpoint_times
 
 RECOMPUTE_COST = {"none": 0.0, "selective": 0.05, "full": 1 / 3}
 MFU = 0.4

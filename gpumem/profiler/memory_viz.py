@@ -55,9 +55,7 @@ def memory_snapshot(rep: Report) -> dict[str, Any]:
             }
         )
 
-    for t, level, phase, step in zip(
-        tl["t_ns"], tl["bytes"], tl["phase"], tl["step"], strict=True
-    ):
+    for t, level, phase, step in zip(tl["t_ns"], tl["bytes"], tl["phase"], tl["step"], strict=True):
         delta = level - prev
         prev = level
         if delta > 0:
