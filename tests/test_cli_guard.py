@@ -134,7 +134,7 @@ def test_profile_in_python_only_warns(monkeypatch):
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.AdamW(model.parameters())
     # needs: gradients (64*64+64)*4 B, AdamW moments twice that
-    with pytest.warns(gpumem.profiler.ProfileMemoryWarning, match="at least 48.75 KiB more"):
-        with gpumem.profile(model, opt):
-            model(torch.ones(2, 64)).sum().backward()
-            opt.step()
+    warning = pytest.warns(gpumem.profiler.ProfileMemoryWarning, match="at least 48.75 KiB more")
+    with warning, gpumem.profile(model, opt):
+        model(torch.ones(2, 64)).sum().backward()
+        opt.step()

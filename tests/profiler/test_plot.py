@@ -76,7 +76,7 @@ def test_estimate_plot_draws_the_layout_beside_the_planners_best(tmp_path):
         for cat, bars in zip(CATEGORIES, ax.containers, strict=True):
             heights = [b.get_height() for b in bars]
             assert heights == pytest.approx([b.per_gpu[cat] / 2**30 for _, b in bills])
-        assert [t.get_text() for t in ax.get_xticklabels()][0] == "asked"
+        assert ax.get_xticklabels()[0].get_text() == "asked"
     finally:
         plt.close(fig)
     out = tmp_path / "bill.png"
