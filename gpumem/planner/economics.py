@@ -147,8 +147,8 @@ class Economics:
             f"{rate}, preempted at random with MTBF {self.mtbf_s / 3600:.3g} h",
             f"  checkpoint every {_minutes(self.interval_s)} (Young/Daly sqrt(2*C*MTBF) = "
             f"{_minutes(self.young_daly_s)}, at least the persist time; stall C "
-            f"{self.stall_s:.3g} s, persist P {self.persist_s:.3g} s, restart R "
-            f"{self.restart_s:.3g} s)",
+            f"{_minutes(self.stall_s)}, persist P {_minutes(self.persist_s)}, restart R "
+            f"{_minutes(self.restart_s)})",
             f"  {'':<21}{'failure-free':>14}{'preemptions':>13}{'lost each':>12}"
             f"{'expected time':>15}{'expected cost':>15}",
             self._row(
