@@ -192,7 +192,8 @@ def machine_info() -> dict[str, str]:
 
 
 def git_commit() -> str:
-    """HEAD of the checkout the benchmark runs from, "+dirty" when tracked files differ from it.
+    """HEAD of the checkout the benchmark runs from, "+dirty" when tracked files other than the
+    results themselves (benchmarks/results/, rewritten by every run) differ from it.
 
     A copy without .git (a lent GPU machine gets the working tree only) reports "unknown" unless
     BENCH_GIT_COMMIT names the commit.
@@ -209,7 +210,17 @@ def git_commit() -> str:
             check=True,
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+            [
+                "git",
+                "-C",
+                str(ROOT),
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                ":(exclude)benchmarks/results",
+            ],
             capture_output=True,
             text=True,
             timeout=10,
