@@ -25,7 +25,7 @@ class HostBuffer {
   // cannot be mapped at all (over PTRDIFF_MAX, or whose rounding to pages plus the alignment
   // padding overflows size_t).
   HostBuffer(size_t nbytes, size_t alignment);
-  // close().
+  // Calls close().
   ~HostBuffer();
   HostBuffer(const HostBuffer&) = delete;
   HostBuffer& operator=(const HostBuffer&) = delete;
