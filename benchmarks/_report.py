@@ -55,7 +55,7 @@ class Figure:
         name: unique within its results file; compare.py matches figures by name.
         unit: "s", "ms", "GB/s", "x" (a ratio), "%", "B", ...
         p20, p50, p80: percentiles of the samples (all equal for a single value).
-        n: samples behind the percentiles.
+        n: samples behind the percentiles (0: not known, e.g. quantiles from triton's do_bench).
         better: "lower" or "higher".
         tolerance: a change smaller than this (in ``unit``) never counts as a regression, for
             figures that do not vary between runs (an estimator's error) where any change is real

@@ -69,6 +69,14 @@ def test_figures_by_hand():
         report.Figure("x", "s", 2, 1, 3, 1)
 
 
+def test_triton_rates_come_from_do_bench_quantiles():
+    # do_bench gives the time's p20/p50/p80; the rate's p20 is the time's p80, not a percentile
+    # of the three numbers taken as samples
+    triton_bench = _module("bench_triton_crc32c")
+    f = triton_bench._rate("crc", 2.0, [0.5, 1.0, 4.0])
+    assert (f.p20, f.p50, f.p80, f.n, f.better) == (0.5, 2.0, 4.0, 0, "higher")
+
+
 def test_median_time_keeps_every_sample():
     calls = []
     out = report.median_time(lambda: calls.append(1), repeat=4, warmup=2)
