@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+from gpumem.cli import _args
+from gpumem.cli._progress import progress_bar
 from gpumem.units import format_bytes
 
 
@@ -21,13 +23,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls = cmds.add_parser(
         "ls", help="list the checkpoints of a directory (manifests checked, data not read)"
     )
-    ls.add_argument("dir", help="checkpoint directory (holds step-<N>/ and latest)")
+    ls.add_argument(
+        "dir", type=_args.existing_dir, help="checkpoint directory (holds step-<N>/ and latest)"
+    )
     ls.add_argument("--json", action="store_true", help="print JSON")
     ver = cmds.add_parser(
         "verify", help="check every byte of a checkpoint (or of all in a directory)"
     )
     ver.add_argument(
         "path",
+        type=_args.existing_dir,
         help="a step-<N> directory, a checkpoint directory to verify them all, or a plain "
         "torch.distributed.checkpoint directory (with .metadata)",
     )
@@ -40,30 +45,58 @@ def register(sub: argparse._SubParsersAction) -> None:
     ins = cmds.add_parser(
         "inspect", help="show tensors, sizes, step, versions and saved state of a checkpoint"
     )
-    ins.add_argument("path", help="a step-<N> directory, or a checkpoint directory (its newest)")
+    ins.add_argument(
+        "path",
+        type=_args.existing_dir,
+        help="a step-<N> directory, or a checkpoint directory (its newest)",
+    )
     ins.add_argument("--json", action="store_true", help="print JSON")
     ins.add_argument(
-        "--limit", type=int, default=50, help="tensors listed per rank (default 50; 0 = all)"
+        "--limit",
+        type=_args.non_negative_int,
+        default=50,
+        help="tensors listed per rank (default 50; 0 = all)",
     )
     exp = cmds.add_parser(
         "export", help="write a checkpoint's model weights as sharded safetensors with an index"
     )
-    exp.add_argument("dir", help="a checkpoint directory (its newest) or a step-<N> directory")
-    exp.add_argument("--format", choices=["safetensors"], default="safetensors")
-    exp.add_argument("--out", required=True, help="output directory")
     exp.add_argument(
-        "--config", help="a config.json to copy beside the weights (for from_pretrained)"
+        "dir",
+        type=_args.existing_dir,
+        help="a checkpoint directory (its newest) or a step-<N> directory",
+    )
+    exp.add_argument("--format", choices=["safetensors"], default="safetensors")
+    exp.add_argument(
+        "--out", required=True, type=_args.new_or_existing_dir, help="output directory"
+    )
+    exp.add_argument(
+        "--config",
+        type=_args.existing_path,
+        help="a config.json to copy beside the weights (for from_pretrained)",
     )
     exp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating weights")
     exp.add_argument(
-        "--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)"
+        "--max-shard-size",
+        type=_args.size,
+        default="5GB",
+        help="largest safetensors file (default 5GB)",
     )
     imp = cmds.add_parser(
         "import", help="convert a plain torch.distributed.checkpoint directory into gpumem's"
     )
-    imp.add_argument("dcp_dir", help="a DCP directory (FileSystemWriter: .metadata, *.distcp)")
-    imp.add_argument("out", help="the gpumem checkpoint directory to create step-<N> in")
-    imp.add_argument("--step", type=int, default=0, help="the step to record (default 0)")
+    imp.add_argument(
+        "dcp_dir",
+        type=_args.existing_dir,
+        help="a DCP directory (FileSystemWriter: .metadata, *.distcp)",
+    )
+    imp.add_argument(
+        "out",
+        type=_args.new_or_existing_dir,
+        help="the gpumem checkpoint directory to create step-<N> in",
+    )
+    imp.add_argument(
+        "--step", type=_args.non_negative_int, default=0, help="the step to record (default 0)"
+    )
     imp.add_argument("--trust-pickle", action="store_true", help="as for verify")
     p.set_defaults(func=run)
 
@@ -175,15 +208,23 @@ def _verify(args: argparse.Namespace) -> int:
         )
         return 0
     bad = 0
-    for p in _targets(Path(args.path)):
-        try:
-            info = verify(p)
+    targets = _targets(Path(args.path))
+    with progress_bar("verifying checkpoints") as bar:
+        results = []
+        for i, p in enumerate(targets):
+            bar(i, len(targets))
+            try:
+                results.append((p, verify(p), None))
+            except CheckpointCorruptError as exc:
+                results.append((p, None, exc))
+    for p, info, exc in results:
+        if info is not None:
             kind = ", replicated state written once" if info.replicated else ""
             print(
                 f"OK       {p.name}: step {info.step}, "
                 f"{format_bytes(info.nbytes)}, {info.world_size} rank(s){kind}"
             )
-        except CheckpointCorruptError as exc:
+        else:
             bad += 1
             print(f"CORRUPT  {p.name}: {exc}")
     return 1 if bad else 0
@@ -279,14 +320,13 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from gpumem.checkpoint.export import export_safetensors
-    from gpumem.units import parse_bytes
 
     files = export_safetensors(
         args.dir,
         args.out,
         config=args.config,
         dtype=args.dtype,
-        max_shard_bytes=parse_bytes(args.max_shard_size),
+        max_shard_bytes=args.max_shard_size,
     )
     for f in files:
         print(f)
@@ -296,8 +336,6 @@ def _export(args: argparse.Namespace) -> int:
 def _import(args: argparse.Namespace) -> int:
     from gpumem.checkpoint.dcp_plain import import_plain
 
-    if args.step < 0:
-        raise ValueError(f"--step {args.step} must be >= 0")
     print(import_plain(Path(args.dcp_dir), Path(args.out), args.step, args.trust_pickle))
     return 0
 
