@@ -62,14 +62,16 @@ class Block(torch.nn.Module):
 
 
 def _model(nbytes: int, seed: int):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)
     per_block = 12 * D * D + 13 * D
     model = torch.nn.Sequential(*[Block() for _ in range(max(1, nbytes // 12 // per_block))])
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # explicit: a GPU box would pick cuda
     for block in model:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)

@@ -15,18 +15,23 @@ import torch
 from torch import nn
 
 
-def build(layout: str, seed: int = 0, dp: int | None = None):
-    """The model and its AdamW in ``layout`` (needs an initialized process group unless
-    plain)."""
+def build(layout: str, seed: int = 0, dp: int | None = None, device: str = "cpu"):
+    """The model and its AdamW in ``layout`` on ``device`` ("cpu" or "cuda"; needs an
+    initialized process group unless plain). Meshes are explicit: on a machine with a GPU,
+    fully_shard would otherwise put a CPU test's model on it."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 7), nn.LayerNorm(7))
+    model.to(device)
     if layout in ("fsdp", "offload"):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+        mesh = init_device_mesh(device, (dist.get_world_size(),))
         policy = CPUOffloadPolicy(pin_memory=False) if layout == "offload" else OffloadPolicy()
-        fully_shard(model[0], offload_policy=policy)
-        fully_shard(model[2], offload_policy=policy)
-        fully_shard(model, reshard_after_forward=False, offload_policy=policy)
+        fully_shard(model[0], mesh=mesh, offload_policy=policy)
+        fully_shard(model[2], mesh=mesh, offload_policy=policy)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False, offload_policy=policy)
     elif layout in ("tp", "2d"):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -38,9 +43,9 @@ def build(layout: str, seed: int = 0, dp: int | None = None):
 
         world = dist.get_world_size()
         if layout == "tp":
-            tp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+            tp_mesh = init_device_mesh(device, (world,), mesh_dim_names=("tp",))
         else:
-            mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
+            mesh = init_device_mesh(device, (dp, world // dp), mesh_dim_names=("dp", "tp"))
             tp_mesh = mesh["tp"]
         parallelize_module(model, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
         if layout == "2d":
@@ -53,10 +58,10 @@ def build(layout: str, seed: int = 0, dp: int | None = None):
     return model, opt
 
 
-def train(model, opt, steps: int, start: int = 0) -> None:
+def train(model, opt, steps: int, start: int = 0, device: str = "cpu") -> None:
     """The same batches on every rank (batch i from seed i)."""
     for i in range(start, start + steps):
-        x = torch.randn(5, 64, generator=torch.Generator().manual_seed(i))
+        x = torch.randn(5, 64, generator=torch.Generator().manual_seed(i)).to(device)
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
@@ -66,7 +71,7 @@ def full_state(model, opt) -> dict[str, torch.Tensor]:
     """Every model and optimizer tensor as a full plain tensor (a collective for DTensors)."""
 
     def full(t):
-        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
 
     out = {f"model.{k}": full(v) for k, v in model.state_dict().items()}
     for pid, st in opt.state_dict()["state"].items():
