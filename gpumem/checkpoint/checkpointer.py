@@ -75,7 +75,7 @@ class Checkpointer:
         overlap: copy parameters and optimizer state in the background (see the module docs for
             the assumption); False always copies before save() returns.
         chunk_bytes: CRC32C granularity (power of two, >= 4096). None: 1 MiB, or for DTensor
-            state a 256th of the byte-weighted median block size (between 4 KiB and 1 MiB): a
+            state a 64th of the byte-weighted median block size (between 4 KiB and 1 MiB): a
             resharding restore reads whole chunks, so at most one partial chunk at each end of
             each overlap is read beyond what it needs.
         segment_bytes: size of each data file when the state fits the budget. The files are
@@ -315,7 +315,7 @@ class Checkpointer:
 
     def _chunk_for(self, table: Any) -> int:
         """The CRC32C chunk of a save: ``chunk_bytes``, or by default 1 MiB, and for DTensor
-        blocks a 256th of their byte-weighted median size, a power of two between 4 KiB and
+        blocks a 64th of their byte-weighted median size, a power of two between 4 KiB and
         1 MiB (replicated saves keep 1 MiB: every rank must use the same)."""
         if self.chunk_bytes is not None:
             return self.chunk_bytes
@@ -333,7 +333,7 @@ class Checkpointer:
                 median = n
                 break
         chunk = 4096
-        while chunk * 2 <= median // 256 and chunk < DEFAULT_CHUNK:
+        while chunk * 2 <= median // 64 and chunk < DEFAULT_CHUNK:
             chunk *= 2
         return chunk
 

@@ -486,6 +486,9 @@ class SaveJob:
             raise CheckpointIOError(f"rank 0 failed to commit step {self.step}: {reason}")
         if not self.stats.durable_s:  # ranks other than 0: durable once rank 0 committed
             self.stats.durable_s = time.perf_counter() - self.t0
+        if g.rank == 0 and self.committed is not None:
+            # cleanup, after the other ranks know the step is committed: they do not wait for it
+            persist.apply_retention(self.root, self.keep, self.committed)
 
     def _write_batch(self, tmp: Path, b: int) -> tuple[str, int]:
         """Write batch b's slot as data file b (fdatasync'ed); returns (file name, size)."""
@@ -621,7 +624,6 @@ class SaveJob:
                 CheckpointBranchWarning,
                 stacklevel=1,
             )
-        persist.apply_retention(self.root, self.keep, self.committed)
 
     # ------------------------------------------------------------------ shared
 
