@@ -1,12 +1,14 @@
 """One rank of the transformers Trainer test (DDP, gloo, CPU). Launched per rank by
 test_integrations.py:
 
-RANK=r WORLD_SIZE=2 INIT=file:///tmp/rdzv python hf_train.py CKPT_DIR OUT_JSON MAX_STEPS [STOP_AT]
+RANK=r WORLD_SIZE=2 INIT=file:///tmp/rdzv \
+    python hf_train.py [--straight CK OUT N] CK OUT N [STOP_AT]
 
 Trains a tiny regressor with the real Trainer and gpumem's CheckpointCallback (saves every 2
 steps, PreemptionGuard installed), resuming from CKPT_DIR when it holds a checkpoint. With
 STOP_AT, rank 0 sends itself SIGTERM after that step. Writes the final weights (rank 0) and
-exits with the callback's exit code.
+exits with the callback's exit code. With --straight, an uninterrupted run to N in another
+directory comes first (the reference the test compares with).
 """
 
 import json
@@ -67,9 +69,8 @@ class StopAt(TrainerCallback):
             os.kill(os.getpid(), signal.SIGTERM)  # handled by the guard at the next boundary
 
 
-def main():
-    ckdir, out, max_steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    stop_at = int(sys.argv[4]) if len(sys.argv) > 4 else None
+def run(ckdir: str, out: str, max_steps: int, stop_at: int | None) -> int:
+    """One training run with the callback; returns the callback's exit code."""
     torch.manual_seed(0)
     args = TrainingArguments(
         output_dir=os.path.join(ckdir, "hf"),
@@ -95,8 +96,17 @@ def main():
             json.dump({"step": trainer.state.global_step, "resumed": resume is not None,
                        "weights": weights}, f)  # fmt: skip
     dist.barrier()
+    return cb.exit_code
+
+
+def main():
+    argv = sys.argv[1:]
+    if argv[0] == "--straight":  # an uninterrupted run first, in the same processes
+        run(argv[1], argv[2], int(argv[3]), None)
+        argv = argv[4:]
+    code = run(argv[0], argv[1], int(argv[2]), int(argv[3]) if len(argv) > 3 else None)
     dist.destroy_process_group()
-    sys.exit(cb.exit_code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

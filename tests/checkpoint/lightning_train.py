@@ -1,7 +1,8 @@
 """One rank of the Lightning Trainer test (DDP, gloo, CPU). Launched per rank by
 test_integrations.py:
 
-RANK=r WORLD_SIZE=2 INIT=file:///tmp/rdzv python lightning_train.py CKPT OUT MAX_STEPS [STOP_AT]
+RANK=r WORLD_SIZE=2 INIT=file:///tmp/rdzv \
+    python lightning_train.py [--straight CK OUT N] CK OUT N [STOP_AT]
 
 Trains a tiny regressor with Lightning's DDP strategy and gpumem's CheckpointCallback (saves
 every 2 steps, PreemptionGuard installed), resuming from CKPT_DIR. With STOP_AT, rank 0 sends
@@ -65,14 +66,13 @@ class StopAt(pl.Callback):
             os.kill(os.getpid(), signal.SIGTERM)  # handled by the guard at the next batch end
 
 
-def main():
-    ckdir, out, max_steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    stop_at = int(sys.argv[4]) if len(sys.argv) > 4 else None
+def run(ckdir: str, out: str, max_steps: int, stop_at: int | None) -> int:
+    """One training run with the callback; returns the callback's exit code."""
     pl.seed_everything(0)
     cb = CheckpointCallback(ckdir, every_n_train_steps=2, preemption=True)
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=int(os.environ["WORLD_SIZE"]),
+        devices=dist.get_world_size(),  # Lightning drops WORLD_SIZE from the env at teardown
         strategy="ddp",
         max_steps=max_steps,
         callbacks=[cb] + ([StopAt(stop_at)] if stop_at else []),
@@ -89,8 +89,17 @@ def main():
             json.dump({"step": trainer.global_step, "restored": cb.restored_step,
                        "weights": weights}, f)  # fmt: skip
     dist.barrier()
+    return cb.exit_code
+
+
+def main():
+    argv = sys.argv[1:]
+    if argv[0] == "--straight":  # an uninterrupted run first, in the same processes
+        run(argv[1], argv[2], int(argv[3]), None)
+        argv = argv[4:]
+    code = run(argv[0], argv[1], int(argv[2]), int(argv[3]) if len(argv) > 3 else None)
     dist.destroy_process_group()
-    sys.exit(cb.exit_code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
