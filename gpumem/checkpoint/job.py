@@ -5,10 +5,13 @@ save() returns: everything in blocking and streaming mode, only buffers/RNG/extr
 A copier thread copies the deferred tensors in overlap mode. The persist thread writes one data
 file per batch (up to four at once) and commits; a checksum thread hashes host-staged bytes. The
 copier and persist threads are a Checkpointer's two long-lived Workers, so only its first save()
-waits for threads to start. Outside streaming mode writes and checksums start only once the whole
-state is staged, so they never take cores or memory bandwidth from the copy that training waits
+waits for threads to start. In blocking mode writes and checksums start only once the whole
+state is staged, so they never take cores or memory bandwidth from the copy the caller waits
 for. In streaming mode the caller and the persist thread form a two-slot pipeline: the caller
-copies batch b+1 while batch b is written and checksummed; a slot is reused only after both. Any
+copies batch b+1 while batch b is written and checksummed; a slot is reused only after both.
+Overlap mode over host tensors with several batches pipelines the same way, every batch
+resident: nobody waits for its copy, so writing batch b beside the copy of b+1 only makes the
+checkpoint durable sooner. Any
 failure on either side is recorded, wakes the other side and reaches the caller through
 Checkpointer.wait()/save()/close().
 """
@@ -172,6 +175,13 @@ class SaveJob:
         # False: the caller knows this plan's alignment gaps are still zero in this arena (see
         # Checkpointer.save); streaming reuses slots with other layouts, so it always zeroes
         self.zero_gaps = zero_gaps or mode == "streaming"
+        # batch by batch, each written as soon as it is staged: streaming mode, and overlap mode
+        # over host tensors with several batches, whose copy no caller waits for (unless the
+        # next optimizer step comes first): its write then hides the copy instead of following
+        # it. Blocking mode keeps the copy alone, as the caller waits for it.
+        self.batched = mode == "streaming" or (
+            mode == "overlap" and not table.has_cuda and len(plan.batch_sizes) > 1
+        )
         self.gaps_zero = False  # set once every batch's gaps are zero in the arena (not streaming)
         self.views = views if views is not None else HostViews()  # byte views of the CPU tensors
         self.stats = SaveStats(step, sum(p.nbytes for p in plan.pieces), mode)
@@ -246,7 +256,7 @@ class SaveJob:
             self.plan,
             self.table.tensors,
         )  # the persist thread may drop self.table on failure
-        if self.mode != "streaming":
+        if not self.batched:
             if self.mode != "overlap":
                 self._zero_all_gaps()
             pieces = plan.pieces if want is None else [p for p in plan.pieces if want(p)]
@@ -419,7 +429,7 @@ class SaveJob:
         )
         crc_thread.start()
         try:
-            if self.mode != "streaming":
+            if not self.batched:
                 # Writing beside the copy takes memory bandwidth from it (~10-30 % on a small
                 # host), and the copy is what training waits for; the write starts once it ends.
                 # Then the files are written concurrently: the disk queue never drains while one
@@ -432,7 +442,7 @@ class SaveJob:
                     ev.wait()
                 if self.error is not None:
                     raise self.error
-            for b in range(len(plan.batch_sizes) if self.mode == "streaming" else 0):
+            for b in range(len(plan.batch_sizes) if self.batched else 0):
                 with self._cond:
                     while self._ready <= b and self.error is None:
                         self._cond.wait()
@@ -542,7 +552,7 @@ class SaveJob:
         beside the disk write, which is slower than both."""
         plan = self.plan
         try:
-            if self.mode != "streaming":
+            if not self.batched:
                 self.staged.wait()
             for b in range(len(plan.batch_sizes)):
                 with self._cond:
