@@ -41,6 +41,7 @@ from .snapshot import HostViews, LayoutCache
 
 _MIN_BUDGET = 64 << 20
 DEFAULT_CHUNK = 1 << 20  # CRC32C granularity unless chunk_bytes says otherwise
+_PIPELINE_SEGMENT = 16 << 20  # smallest data file an overlap save splits its state into
 _LIVE: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
 
@@ -78,10 +79,12 @@ class Checkpointer:
             state a 64th of the byte-weighted median block size (between 4 KiB and 1 MiB): a
             resharding restore reads whole chunks, so at most one partial chunk at each end of
             each overlap is read beyond what it needs.
-        segment_bytes: size of each data file when the state fits the budget. The files are
-            written once the whole state is staged (a write beside the copy would slow the copy
-            training waits for), so time to durable ~ copy + write; when streaming, file b is
-            written while batch b+1 is copied.
+        segment_bytes: size of each data file when the state fits the budget. A blocking save
+            writes the files once the whole state is staged (a write beside the copy would slow
+            the copy the caller waits for), so time to durable ~ copy + write; an overlap save
+            of host tensors writes file b while it copies batch b+1, in files of at most an
+            eighth of the state (at least 16 MiB); when streaming, file b is written while batch
+            b+1 is copied.
         lock_timeout_s: rank 0 holds a lock on ``directory`` while the Checkpointer is open, so two
             jobs never write it at once; a new job waits this long for an old one (e.g. a preempted
             pod still flushing its final save) to release it, then raises CheckpointStateError.
@@ -260,13 +263,19 @@ class Checkpointer:
             tree, table = capture(step, **kwargs)
             table, replication = self._share(table)
             chunk = self._chunk_for(table)
+            segment = self.segment_bytes
+            if self.overlap and not blocking and optimizer is not None and not table.has_cuda:
+                # overlap mode over host tensors writes each data file beside the copy of the
+                # next (job.py): eight or more files make the copy before the first write short
+                total = sum(t.numel() * t.element_size() for t in table.tensors)
+                segment = min(segment, max(_PIPELINE_SEGMENT, total // 8 // chunk * chunk))
             plan = self._plans.plan(
                 table.tensors,
                 table.names,
                 self.staging_bytes,
                 self.alignment,
                 chunk,
-                self.segment_bytes,
+                segment,
             )
             if plan.streaming:
                 mode = "streaming"

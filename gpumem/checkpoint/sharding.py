@@ -15,6 +15,7 @@ refused with that message.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +87,7 @@ def torch_version() -> tuple[int, int]:
     return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 
+@functools.cache
 def sharding_supported() -> bool:
     return torch_version() >= MIN_TORCH
 
