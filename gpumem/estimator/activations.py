@@ -54,6 +54,13 @@ class Workload:
         cuda: a CUDA device (dropout masks are bool; on CPU they are float).
         tp, sp: tensor-parallel degree and sequence parallelism.
         keep_logits: the caller holds the logits until backward (a model returning logits).
+        cp: context-parallel degree (each rank holds ``seq / cp`` tokens of every sequence).
+        dense: price an MoE model's dense layer (its first-k dense MLP) instead of an MoE one.
+        ep, etp: expert-parallel and expert-tensor-parallel degrees.
+        moe_imbalance: tokens of the most loaded expert-parallel rank over the mean (applies
+            only when experts are spread over ranks, ep > 1).
+        grouped_gemm: experts run as one grouped GEMM over all routed tokens (Megatron's
+            TEGroupedMLP, transformers' ``grouped_mm``) rather than a loop over experts.
     """
 
     batch: int
@@ -67,10 +74,21 @@ class Workload:
     tp: int = 1
     sp: bool = False
     keep_logits: bool = True
+    cp: int = 1
+    dense: bool = False
+    ep: int = 1
+    etp: int = 1
+    moe_imbalance: float = 1.0
+    grouped_gemm: bool = False
 
     @property
     def tokens(self) -> int:
-        return self.batch * self.seq
+        """Tokens of one micro-batch on this rank (context parallelism splits the sequence)."""
+        return self.batch * self.seq // self.cp
+
+    @property
+    def local_seq(self) -> int:
+        return self.seq // self.cp
 
 
 def _norm_items(spec: ModelSpec, w: Workload, tag: str, n: int) -> list[Item]:
@@ -121,6 +139,7 @@ def layer_items(spec: ModelSpec, w: Workload) -> list[Item]:
     h, d = spec.hidden, spec.dhead
     a = spec.n_heads // t
     rotary, b, s = spec.arch == "llama", w.batch, w.seq
+    sq = w.local_seq  # queries on this rank (keys: the whole sequence, exchanged under cp)
     nout = _norm_out_bytes(spec, w)
     items = _norm_items(spec, w, "attn_norm", n_sp)
     # q, k, v projections read the gathered norm output (n tokens under SP as well)
@@ -135,17 +154,17 @@ def layer_items(spec: ModelSpec, w: Workload) -> list[Item]:
             Item("attn.q_scaled", qm, core=True),
             Item("attn.k_scaled", qm, core=True),
             Item("attn.v", qm),
-            Item("attn.softmax", b * a * s * s * M, core=True),
+            Item("attn.softmax", b * a * sq * s * M, core=True),
         ]
         if w.dropout > 0:
-            mask = b * a * s * s * (1 if w.cuda else M)  # bool on CUDA, float noise on CPU
+            mask = b * a * sq * s * (1 if w.cuda else M)  # bool on CUDA, float noise on CPU
             items += [
                 Item("attn.dropout_mask", mask, core=True),
-                Item("attn.dropout_out", b * a * s * s * M, core=True),
+                Item("attn.dropout_out", b * a * sq * s * M, core=True),
             ]
         o_copy = True  # math output is (b, a, s, d): transpose + reshape copies
     else:
-        lse = b * a * (s if w.attention != "efficient" else -(-s // 32) * 32) * 4
+        lse = b * a * (sq if w.attention != "efficient" else -(-sq // 32) * 32) * 4
         # k and v carry `a` heads: repeated (GQA), rotated (new tensor), or views of MHA proj
         items += [
             Item("attn.q", q),
@@ -158,10 +177,10 @@ def layer_items(spec: ModelSpec, w: Workload) -> list[Item]:
     if o_copy:
         items.append(Item("o_proj.input", q))
     items += _norm_items(spec, w, "mlp_norm", n_sp)
-    if spec.is_moe:
+    if spec.is_moe and not w.dense:
         items += _moe_items(spec, w, n, nout)
     else:
-        f = spec.ffn // t
+        f = spec.dense_layer_ffn // t
         if spec.arch == "llama":
             items += _proj_inputs(w, "gate_up", 2, n, n_sp, h, nout)
             items += [
@@ -182,20 +201,30 @@ def layer_items(spec: ModelSpec, w: Workload) -> list[Item]:
     return items
 
 
+def expert_tokens(spec: ModelSpec, w: Workload, n: int) -> int:
+    """Token copies the local experts of this rank process: ``n · top_k`` on one rank (whatever
+    the routing); under expert parallelism the most loaded rank receives ``moe_imbalance``
+    times the mean, which is again ``n · top_k`` (every rank sends its n·k copies out and
+    receives its share of everyone's)."""
+    nk = n * spec.top_k
+    return int(nk * w.moe_imbalance) if w.ep > 1 else nk
+
+
 def _moe_items(spec: ModelSpec, w: Workload, n: int, nout: int) -> list[Item]:
     """gpumem.models.MoE: router, fp32 softmax, top-k, and each expert's tokens (sum = n·k).
 
     The sum over experts is n·top_k tokens whatever the routing, so the total is exact for a
-    single device; per-rank expert imbalance (EP) is not modelled (balanced routing assumed).
+    single device; under expert parallelism the most loaded rank's share is scaled by
+    ``moe_imbalance`` (``expert_tokens``).
     """
     h, E, k, A = spec.hidden, spec.n_experts, spec.top_k, w.compute
-    f = spec.ffn // w.tp
-    nk = n * k
+    f = spec.ffn // w.etp
+    nk = expert_tokens(spec, w, n)
     items = _proj_inputs(w, "router", 1, n, n // w.tp if w.sp else n, h, nout)
     items += [
         Item("moe.probs_fp32", n * E * 4),
-        Item("moe.topk_indices", nk * 8),
-        Item("moe.topk_weights", nk * 4),
+        Item("moe.topk_indices", n * k * 8),
+        Item("moe.topk_weights", n * k * 4),
         Item("moe.weight_sum", n * 4),
     ]
     wdt = nout  # routing weights are cast to x.dtype
@@ -239,7 +268,7 @@ def embed_items(spec: ModelSpec, w: Workload) -> list[Item]:
     """Token ids (int64, saved by the embedding) and gpt2's position ids."""
     items = [Item("embed.ids", w.tokens * 8)]
     if spec.arch == "gpt2":
-        items.append(Item("pos_embed.ids", w.seq * 8))
+        items.append(Item("pos_embed.ids", w.local_seq * 8))
     return items
 
 

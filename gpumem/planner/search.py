@@ -37,6 +37,7 @@ import numpy as np
 from gpumem.estimator import peak
 from gpumem.estimator.api import estimate
 from gpumem.estimator.bill import Bill
+from gpumem.estimator.frameworks import default_grads, resolve_framework
 from gpumem.estimator.gpus import GPU, find_gpu
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.preset import PresetTerms
@@ -139,6 +140,9 @@ def sweep(terms: np.ndarray, owner: np.ndarray, n_configs: int) -> np.ndarray:
     return _kernels()(terms, owner, n_configs)
 
 
+LONG_CONTEXT = 32768  # from this many tokens per sample on, the sweep adds context parallelism
+
+
 def plan(
     model: Any,
     *,
@@ -153,6 +157,9 @@ def plan(
     recompute: tuple[str, ...] = ("none", "selective", "full"),
     zero: tuple[int, ...] = (0, 1, 2, 3),
     max_tp: int | None = None,
+    framework: str | None = None,
+    context_parallel: tuple[int, ...] | None = None,
+    calibration: Any = None,
     **estimate_kwargs: Any,
 ) -> PlanResult:
     """Every layout of ``model`` on ``n_gpus`` that fits, ranked by the throughput proxy.
@@ -161,67 +168,112 @@ def plan(
         global_batch: sequences per optimizer step (default max(n_gpus, 256)); layouts whose
             dp × micro-batch does not divide it are skipped.
         max_tp: largest tensor-parallel degree (default: GPUs per node).
+        framework: whose buffer conventions (default: each layout's, see
+            ``gpumem.estimate``); layouts the framework cannot run are skipped.
+        context_parallel: cp degrees to try (default: 1, and for sequences of at least 32k
+            tokens also 2, 4, 8, 16 where they divide the GPUs: long contexts run that way).
+        calibration: a calibration file with a ``memory`` section (``gpumem calibrate
+            --memory``): the best layout's bill is calibrated (``PlanResult.bill``), and the
+            sweep scales each category by the fitted coefficients.
         estimate_kwargs: passed to the estimator (grads, attention, lora_rank, ...).
     """
     t0 = time.perf_counter()
     spec = resolve_model(model)
     g = gpu if isinstance(gpu, GPU) else find_gpu(gpu, gpu_memory)
-    if not isinstance(n_gpus, int) or n_gpus <= 0:
+    if not isinstance(n_gpus, int) or isinstance(n_gpus, bool) or n_gpus <= 0:
         raise ValueError(f"n_gpus must be a positive integer, got {n_gpus!r}")
     gb = global_batch or max(n_gpus, 256)
-    if gb <= 0:
-        raise ValueError(f"global_batch must be positive, got {gb}")
-    training = Training(
-        precision,
-        optimizer,
-        estimate_kwargs.get("grads", "compute"),
-        estimate_kwargs.get("offload_optimizer", False),
-        estimate_kwargs.get("lora_rank", 0),
-        estimate_kwargs.get("base_quant"),
-    )
+    if not isinstance(gb, int) or gb <= 0:
+        raise ValueError(f"global_batch must be a positive integer, got {gb!r}")
+    if framework is not None:
+        resolve_framework(framework, Layout())  # an unknown name fails here, once
     seq = seq_len or (spec.max_seq if spec.is_decoder else 1)
-    job = PresetTerms(
-        spec,
-        training,
-        g,
-        seq,
-        **{
-            k: v for k, v in estimate_kwargs.items() if k in ("attention", "dropout", "keep_logits")
-        },
+    if context_parallel is None:
+        context_parallel = (1, 2, 4, 8, 16) if spec.is_decoder and seq >= LONG_CONTEXT else (1,)
+    scale = None
+    if calibration is not None:
+        from gpumem.calibrate.memory import category_scales
+
+        scale = category_scales(calibration, spec, "cuda")
+    job_kw = {k: v for k, v in estimate_kwargs.items() if k in ("attention", "dropout", "keep_logits")}
+    jobs: dict[str, PresetTerms] = {}
+
+    def job_for(fw: str) -> PresetTerms:
+        if fw not in jobs:
+            grads = estimate_kwargs.get("grads") or default_grads(
+                fw, Training(precision).master_bytes > 0
+            )
+            training = Training(
+                precision,
+                optimizer,
+                grads,
+                estimate_kwargs.get("offload_optimizer", False),
+                estimate_kwargs.get("lora_rank", 0),
+                estimate_kwargs.get("base_quant"),
+            )
+            jobs[fw] = PresetTerms(spec, training, g, seq, framework=fw, **job_kw)
+        return jobs[fw]
+
+    bill_kwargs = dict(
+        precision=precision,
+        optimizer=optimizer,
+        seq_len=seq_len,
+        framework=framework,
+        calibration=calibration,
+        **estimate_kwargs,
     )
-    bill_kwargs = dict(precision=precision, optimizer=optimizer, seq_len=seq_len, **estimate_kwargs)
     configs, rows, owner = [], [], []
     tp_cap = max_tp or g.gpus_per_node
-    for tp, pp in itertools.product(_divisors(n_gpus), repeat=2):
-        if tp > tp_cap or n_gpus % (tp * pp):
+    for tp, pp, cp in itertools.product(_divisors(n_gpus), _divisors(n_gpus), context_parallel):
+        if tp > tp_cap or n_gpus % (tp * pp * cp):
             continue
-        dp = n_gpus // (tp * pp)
+        dp = n_gpus // (tp * pp * cp)
+        eps = [e for e in _divisors(dp * cp * tp) if e <= spec.n_experts] if spec.is_moe else [1]
         for ep, z, sp, mb, rc in itertools.product(
-            _divisors(dp) if spec.is_moe else [1], zero, (False, True), micro_batches, recompute
+            eps, zero, (False, True), micro_batches, recompute
         ):
-            if (sp and tp == 1) or (z and dp == 1) or gb % (dp * mb):
+            if (sp and tp == 1) or (z and dp * cp == 1) or gb % (dp * mb):
                 continue
             try:
-                lay = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=z, sp=sp)
+                lay = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=z, sp=sp, cp=cp)
+                fw = resolve_framework(framework, lay)
             except ValueError:
                 continue
             if lay.errors(spec, seq_len=seq):
                 continue
             ga = gb // (dp * mb)
-            for x in job.terms(lay, mb, rc, ga, None):
+            for x in job_for(fw).terms(lay, mb, rc, ga, None):
                 rows.append(x)
                 owner.append(len(configs))
             configs.append((lay, mb, rc, ga))
     if not configs:
         return PlanResult(spec, g, n_gpus, [], 0, time.perf_counter() - t0, bill_kwargs)
     res = sweep(np.asarray(rows, dtype=np.float64), np.asarray(owner, dtype=np.int64), len(configs))
+    if scale is not None:
+        res = scaled_totals(res, scale)
+    training = job_for(resolve_framework(framework, Layout())).training
     cands = []
     for (lay, mb, rc, ga), r in zip(configs, res, strict=True):
-        if r[6] <= g.total_bytes:
+        total = int(r[peak.OUT_TOTAL])
+        if total <= g.total_bytes:
             step, bubble, comm = _proxy(spec, g, lay, mb, rc, ga, seq, training)
-            cands.append(Candidate(lay, mb, rc, ga, int(r[6]), step, bubble, comm))
+            cands.append(Candidate(lay, mb, rc, ga, total, step, bubble, comm))
     cands.sort(key=lambda c: (c.step_seconds, c.total_bytes))
     return PlanResult(spec, g, n_gpus, cands, len(configs), time.perf_counter() - t0, bill_kwargs)
+
+
+def scaled_totals(res: np.ndarray, scale: dict[str, float]) -> np.ndarray:
+    """The sweep's rows with each category scaled by a calibration's coefficients (the total
+    recomputed; overhead kept)."""
+    out = res.copy()
+    cats = ("weights", "gradients", "optimizer", "activations", "communication", "temporary")
+    total = out[:, peak.OUT_OVERHEAD].astype(np.float64)
+    for k, c in enumerate(cats):
+        col = np.minimum(out[:, k] * scale.get(c, 1.0), peak.LIMIT)
+        out[:, k] = col.astype(np.int64)
+        total += out[:, k]
+    out[:, peak.OUT_TOTAL] = np.minimum(total, peak.LIMIT * 8).astype(np.int64)
+    return out
 
 
 def _proxy(
