@@ -634,12 +634,33 @@ _HF_ARCH = {
     "mixtral": "llama",
     "qwen2": "llama",
     "qwen2_moe": "llama",
+    "qwen3": "llama",
+    "qwen3_moe": "llama",
+    "phi3": "llama",
+    "gemma": "llama",
+    "gemma2": "llama",
+    "gemma3_text": "llama",
+    "deepseek_v2": "llama",
+    "deepseek_v3": "llama",
     "gpt2": "gpt2",
 }
+# the fields that say how tokens are routed, per MoE family
+_ROUTER_FIELDS = {
+    "mixtral": ("num_local_experts", "num_experts_per_tok"),
+    "qwen2_moe": ("num_experts", "num_experts_per_tok"),
+    "qwen3_moe": ("num_experts", "num_experts_per_tok"),
+    "deepseek_v2": ("n_routed_experts", "num_experts_per_tok"),
+    "deepseek_v3": ("n_routed_experts", "num_experts_per_tok"),
+}
+# defaults of the transformers config classes for fields a config.json may leave out
+_TIED_DEFAULT = {"gemma": True, "gemma2": True, "gemma3_text": True}
 
 
 def from_hf_config(config: dict[str, Any], name: str = "config.json") -> ModelSpec:
-    """A ModelSpec from a Hugging Face ``config.json`` (llama/mistral/mixtral/qwen2/gpt2 names).
+    """A ModelSpec from a Hugging Face ``config.json``: Llama, Mistral, Qwen2/3, Phi-3,
+    Gemma/Gemma2/Gemma3, GPT-2, and the MoE families Mixtral, Qwen2-MoE/Qwen3-MoE and
+    DeepSeek-V2/V3 (dense first layers, shared experts, multi-head latent attention). The spec
+    follows transformers' implementation (``impl="hf"``, see ``hf_ops.py``).
 
     Raises:
         ValueError: naming the missing or malformed field.
@@ -656,18 +677,27 @@ def from_hf_config(config: dict[str, Any], name: str = "config.json") -> ModelSp
 
     def need(*keys: str) -> int:
         for k in keys:
-            if k in config:
+            if k in config and config[k] is not None:
                 v = config[k]
                 if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                     raise ValueError(f"{name}: field {k!r} must be a positive integer, got {v!r}")
                 return v
         raise ValueError(f"{name}: missing field {keys[0]!r} (model_type {mtype!r})")
 
+    def opt(key: str, default: int = 0) -> int:
+        v = config.get(key)
+        if v is None:
+            return default
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{name}: field {key!r} must be a non-negative integer, got {v!r}")
+        return v
+
+    label = config.get("_name_or_path") or name
     if _HF_ARCH[mtype] == "gpt2":
         h = need("n_embd", "hidden_size")
         inner = config.get("n_inner")
         return ModelSpec(
-            name=config.get("_name_or_path") or name,
+            name=label,
             arch="gpt2",
             n_layers=need("n_layer", "num_hidden_layers"),
             hidden=h,
@@ -678,25 +708,69 @@ def from_hf_config(config: dict[str, Any], name: str = "config.json") -> ModelSp
             tied_embeddings=bool(config.get("tie_word_embeddings", True)),
             source=name,
         )
-    n_experts = config.get("num_local_experts", config.get("num_experts", 0)) or 0
+    moe = {}
+    if mtype in _ROUTER_FIELDS:
+        experts_key, topk_key = _ROUTER_FIELDS[mtype]
+        missing = [k for k in (experts_key, topk_key) if not config.get(k)]
+        if missing:
+            raise ValueError(
+                f"{name}: model_type {mtype!r} is a mixture of experts but the router field(s) "
+                f"{', '.join(map(repr, missing))} are missing or 0: give the number of experts "
+                f"({experts_key!r}) and the experts per token ({topk_key!r})"
+            )
+        moe["n_experts"] = need(experts_key)
+        moe["top_k"] = need(topk_key)
+        if mtype.startswith("deepseek"):
+            moe["first_k_dense"] = opt("first_k_dense_replace")
+            moe["dense_ffn"] = need("intermediate_size")
+            n_shared = opt("n_shared_experts")
+            moe["n_shared_experts"] = n_shared
+            moe["shared_ffn"] = n_shared * need("moe_intermediate_size")
+        elif mtype == "qwen2_moe":
+            shared = opt("shared_expert_intermediate_size")
+            moe["n_shared_experts"] = 1 if shared else 0
+            moe["shared_ffn"] = shared
+            moe["shared_gate"] = bool(shared)
+        step, only = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers") or []
+        if step not in (None, 1) or only:
+            raise ValueError(
+                f"{name}: decoder_sparse_step={step!r} / mlp_only_layers={only!r}: interleaved "
+                "dense and MoE layers are not modelled (only the first k layers dense)"
+            )
+    ffn = need("moe_intermediate_size") if mtype in ("qwen2_moe", "qwen3_moe") else None
+    if mtype.startswith("deepseek"):
+        ffn = need("moe_intermediate_size")
+    mla = {}
+    if mtype.startswith("deepseek") and config.get("kv_lora_rank"):
+        mla = {
+            "q_lora_rank": opt("q_lora_rank"),
+            "kv_lora_rank": need("kv_lora_rank"),
+            "qk_nope_dim": need("qk_nope_head_dim"),
+            "qk_rope_dim": need("qk_rope_head_dim"),
+            "v_head_dim": need("v_head_dim"),
+        }
+    gemma = mtype.startswith("gemma")
     return ModelSpec(
-        name=config.get("_name_or_path") or name,
+        name=label,
         arch="llama",
         n_layers=need("num_hidden_layers"),
         hidden=need("hidden_size"),
         n_heads=need("num_attention_heads"),
         n_kv_heads=config.get("num_key_value_heads") or None,
         head_dim=config.get("head_dim") or None,
-        ffn=need("moe_intermediate_size", "intermediate_size")
-        if mtype == "qwen2_moe"
-        else need("intermediate_size"),
+        ffn=ffn or need("intermediate_size"),
         vocab=need("vocab_size"),
-        max_seq=config.get("max_position_embeddings", 4096),
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=mtype.startswith("qwen2") or bool(config.get("attention_bias", False)),
-        n_experts=int(n_experts),
-        top_k=int(config.get("num_experts_per_tok", 0) or 0) if n_experts else 0,
+        max_seq=config.get("max_position_embeddings") or 4096,
+        tied_embeddings=bool(config.get("tie_word_embeddings", _TIED_DEFAULT.get(mtype, False))),
+        qkv_bias=mtype in ("qwen2", "qwen2_moe") or bool(config.get("attention_bias", False)),
         source=name,
+        impl="hf",
+        family=mtype,
+        norms_per_layer=4 if mtype in ("gemma2", "gemma3_text") else 2,
+        qk_norm=mtype in ("qwen3", "qwen3_moe", "gemma3_text"),
+        mlp_act="geglu" if gemma else "",
+        **moe,
+        **mla,
     )
 
 
