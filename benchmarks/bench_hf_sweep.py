@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from _report import machine_info, markdown_table, write_results
+from _report import machine_info, write_results
 
 from gpumem.estimator.validate import (
     HF_PRECISIONS,
@@ -62,8 +62,14 @@ def rows() -> tuple[list[list[object]], int, int]:
 def main() -> None:
     info = machine_info()
     table, ok, total = rows()
-    cols = ["configuration", "profiled peak (B)", "estimated (B)", "total error",
-            "worst category (estimate - profile)", "within 3 % / 64 KiB"]
+    cols = [
+        "configuration",
+        "profiled peak (B)",
+        "estimated (B)",
+        "total error",
+        "worst category (estimate - profile)",
+        "within 3 % / 64 KiB",
+    ]
     notes = f"""
 {ok} of {total} configurations have every category within the bound. The model is built by
 transformers from the config dict under `gpumem.fake()`, trained two AdamW steps with the loop
@@ -72,8 +78,14 @@ tokens, SDPA, experts as `grouped_mm`; the estimate reads the same dict
 (`gpumem.estimate(config, device="cpu")`). Categories are the profiler's
 (`Bill.profiler_categories()`).
 """
-    write_results("hf_sweep", "Estimator vs fake-tensor profile of transformers models",
-                  cols, table, notes, info)
+    write_results(
+        "hf_sweep",
+        "Estimator vs fake-tensor profile of transformers models",
+        cols,
+        table,
+        notes,
+        info,
+    )
 
 
 if __name__ == "__main__":

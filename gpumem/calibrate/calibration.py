@@ -286,6 +286,25 @@ def load(path: str | os.PathLike) -> Calibration:
         raise CalibrationError(f"{p}: {exc}") from None
 
 
+def memory_section(calibration: Any) -> MemoryCalibration:
+    """The memory section of a calibration: a file path, a :class:`Calibration`, or the
+    section itself.
+
+    Raises:
+        CalibrationError: an unreadable file, or one without a memory section (naming the
+            command that writes one).
+    """
+    if isinstance(calibration, MemoryCalibration):
+        return calibration
+    cal = calibration if isinstance(calibration, Calibration) else load(calibration)
+    if cal.memory is None:
+        raise CalibrationError(
+            "this calibration has no memory section: run `gpumem calibrate --memory --arch "
+            "FAMILY` (or --config config.json) to fit the estimator's coefficients"
+        )
+    return cal.memory
+
+
 def versions() -> dict[str, str]:
     """python, torch and gpumem versions (torch's from its metadata unless already imported)."""
     from gpumem import __version__

@@ -9,9 +9,9 @@ the root-mean-square of ``measured − c · estimated`` over the mean measured b
 On CUDA the section also carries the allocator's fragmentation (reserved over allocated at the
 peak) measured on the proxies.
 
-The estimator reads this section only through :func:`apply_memory_calibration` /
-:func:`category_scales` (measure → report → calibrate → estimate: it never imports the fitting,
-``memory_fit.py``).
+The estimator reads this section only through ``calibration.memory_section`` (the file
+format), :func:`apply_memory_calibration` and :func:`category_scales` (measure → report →
+calibrate → estimate: it never imports the fitting, ``memory_fit.py``).
 
 Example:
     >>> bill = gpumem.estimate("config.json", calibration="calibration.json")  # doctest: +SKIP
@@ -103,7 +103,9 @@ class MemoryCalibration:
             g.done()
         fits_f.done()
         frag = f.float("fragmentation", optional=True)
-        points = tuple(_point(p, f.path(f"points[{i}]")) for i, p in enumerate(f.list("points", MAX_POINTS)))
+        points = tuple(
+            _point(p, f.path(f"points[{i}]")) for i, p in enumerate(f.list("points", MAX_POINTS))
+        )
         f.done()
         return cls(arch or "", device or "cpu", mode or "fake", fits, frag, points)
 
@@ -150,30 +152,9 @@ def arch_key(spec: Any) -> str:
     return f"{impl}/{family}"
 
 
-def memory_section(calibration: Any) -> MemoryCalibration:
-    """The memory section of a calibration (a path, a ``Calibration``, or the section itself).
-
-    Raises:
-        CalibrationError: no memory section (with the command that writes one).
-    """
-    if isinstance(calibration, MemoryCalibration):
-        return calibration
-    if not hasattr(calibration, "memory"):
-        from gpumem.calibrate.calibration import load
-
-        calibration = load(calibration)
-    if calibration.memory is None:
-        raise CalibrationError(
-            "this calibration has no memory section: run `gpumem calibrate --memory --arch "
-            "FAMILY` (or --config config.json) to fit the estimator's coefficients"
-        )
-    return calibration.memory
-
-
-def category_scales(calibration: Any, spec: Any, device: str) -> dict[str, float]:
+def category_scales(mem: MemoryCalibration, spec: Any, device: str) -> dict[str, float]:
     """The per-category coefficients to apply to ``spec`` on ``device``, warning (never
     silently) when the file was fitted for another architecture or device."""
-    mem = memory_section(calibration)
     _warn_mismatch(mem, arch_key(spec), device)
     return mem.scales()
 
@@ -193,11 +174,10 @@ def _warn_mismatch(mem: MemoryCalibration, arch: str, device: str) -> None:
         )
 
 
-def apply_memory_calibration(bill: Any, calibration: Any) -> Any:
+def apply_memory_calibration(bill: Any, mem: MemoryCalibration) -> Any:
     """``bill`` with each category scaled by the fitted coefficient (every pipeline rank), the
     total, ``fits`` and headroom recomputed, and ``bill.calibration`` recording per category
     the calibrated and uncalibrated bytes and the fit's residual."""
-    mem = memory_section(calibration)
     _warn_mismatch(mem, arch_key(bill.model), bill.inputs.get("device", "cuda"))
     ranks = [_scaled(r, mem) for r in (bill.pipeline_ranks or [bill])]
     worst = max(ranks, key=lambda b: (b.per_gpu["total"], -b.stage))

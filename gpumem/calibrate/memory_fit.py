@@ -116,9 +116,7 @@ def fit_memory(
     if cfg is None and arch not in BUILTIN:
         cfg = next((dict(c) for c in HF_SWEEP.values() if c["model_type"] == arch), None)
         if cfg is None:
-            raise CalibrationError(
-                f"unknown architecture {arch!r}; known: {', '.join(families())}"
-            )
+            raise CalibrationError(f"unknown architecture {arch!r}; known: {', '.join(families())}")
     cases = _proxy_cases(arch, cfg)
     points, measured, estimated, frags = [], [], [], []
     for case in cases:

@@ -173,9 +173,10 @@ def estimate(
         **common,
     )
     if calibration is not None:
+        from gpumem.calibrate.calibration import memory_section
         from gpumem.calibrate.memory import apply_memory_calibration
 
-        bill = apply_memory_calibration(bill, calibration)
+        bill = apply_memory_calibration(bill, memory_section(calibration))
     return bill
 
 

@@ -167,7 +167,6 @@ class Bill:
     def __str__(self) -> str:
         return self.table()
 
-
     def pipeline_table(self) -> str:
         """The bill of every pipeline rank side by side (GiB), the worst marked."""
         ranks = self.pipeline_ranks or [self]
@@ -179,9 +178,7 @@ class Bill:
             head,
         ]
         for c in CATEGORIES:
-            lines.append(
-                f"{c:<14}" + "".join(f"{r.per_gpu[c] / 2**30:>{width}.2f}" for r in ranks)
-            )
+            lines.append(f"{c:<14}" + "".join(f"{r.per_gpu[c] / 2**30:>{width}.2f}" for r in ranks))
         lines.append(f"{'phase':<14}" + "".join(f"{r.phase:>{width}}" for r in ranks))
         lines.append(
             f"{'fits':<14}" + "".join(f"{'yes' if r.fits else 'NO':>{width}}" for r in ranks)

@@ -116,7 +116,11 @@ def _norm(spec: ModelSpec, w: Workload, tag: str, n: int, width: int, x_bytes: i
         Item(f"{tag}.rstd", n * 4),
     ]
     if spec.family in GEMMA:  # (x * rstd) stays fp32; (1 + w) is a new fp32 tensor per call
-        return [*items, Item(f"{tag}.normalized", n * width * 4), Item(f"{tag}.one_plus_w", width * 4)]
+        return [
+            *items,
+            Item(f"{tag}.normalized", n * width * 4),
+            Item(f"{tag}.one_plus_w", width * 4),
+        ]
     return [*items, Item(f"{tag}.normalized", n * width * x_bytes)]
 
 

@@ -154,7 +154,9 @@ class PresetTerms:
         pg = param_groups(spec)
         persist = grads_persist(layout, grad_accum, persistent_grads)
         # k/v projections replicate across ranks when tp exceeds the KV heads
-        kvp = 2 * spec.hidden * spec.kv_heads * spec.dhead if spec.n_heads and not spec.is_mla else 0
+        kvp = (
+            2 * spec.hidden * spec.kv_heads * spec.dhead if spec.n_heads and not spec.is_mla else 0
+        )
         kv_rep = kvp / min(t, max(spec.kv_heads, 1)) - kvp / t
         moe_tp, dense_tp = pg.layer_tp / t + kv_rep, pg.dense_tp / t + kv_rep
         expert_layer = pg.layer_expert / (layout.ep * layout.expert_tp)
@@ -174,9 +176,8 @@ class PresetTerms:
             first_kind = "dense" if (not spec.is_moe or (ids and ids[0] < pg.n_dense)) else "moe"
             last_kind = "dense" if (not spec.is_moe or (ids and ids[-1] < pg.n_dense)) else "moe"
             a_first_layer, a_last_layer = acts[first_kind], acts[last_kind]
-            dense = n_dense * (dense_tp + pg.dense_rep / 1) if spec.is_moe else 0.0
             if spec.is_moe:
-                dense += n_moe * (moe_tp + pg.layer_rep)
+                dense = n_dense * (dense_tp + pg.dense_rep) + n_moe * (moe_tp + pg.layer_rep)
             else:
                 dense = n_l * (moe_tp + pg.layer_rep)
             first, last, held, ids_b, ce0 = acts["dense"][5:10]
@@ -203,7 +204,11 @@ class PresetTerms:
             x[peak.A_FIRST] = first if is_first else 0.0
             x[peak.A_LAST] = last if is_last else 0.0
             t_start = a_last_layer[4]
-            grad_in = ce0 if is_last else batch * self.seq // layout.cp * spec.hidden * tr.compute_bytes / t
+            grad_in = (
+                ce0
+                if is_last
+                else batch * self.seq // layout.cp * spec.hidden * tr.compute_bytes / t
+            )
             if is_last and spec.is_decoder:
                 # by the last layer's widest moment the loss and head have run: their saved
                 # tensors are gone (the held logits stay), the head's weight grad exists

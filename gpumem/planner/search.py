@@ -192,10 +192,13 @@ def plan(
         context_parallel = (1, 2, 4, 8, 16) if spec.is_decoder and seq >= LONG_CONTEXT else (1,)
     scale = None
     if calibration is not None:
+        from gpumem.calibrate.calibration import memory_section
         from gpumem.calibrate.memory import category_scales
 
-        scale = category_scales(calibration, spec, "cuda")
-    job_kw = {k: v for k, v in estimate_kwargs.items() if k in ("attention", "dropout", "keep_logits")}
+        scale = category_scales(memory_section(calibration), spec, "cuda")
+    job_kw = {
+        k: v for k, v in estimate_kwargs.items() if k in ("attention", "dropout", "keep_logits")
+    }
     jobs: dict[str, PresetTerms] = {}
 
     def job_for(fw: str) -> PresetTerms:
