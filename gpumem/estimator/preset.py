@@ -24,7 +24,7 @@ from gpumem.estimator.terms import (
     inflight,
     job_terms,
     recompute_every,
-    stage_layer_ids,
+    stage_chunks,
 )
 
 MOE_IMBALANCE = 1.25
@@ -160,21 +160,25 @@ class PresetTerms:
         kv_rep = kvp / min(t, max(spec.kv_heads, 1)) - kvp / t
         moe_tp, dense_tp = pg.layer_tp / t + kv_rep, pg.dense_tp / t + kv_rep
         expert_layer = pg.layer_expert / (layout.ep * layout.expert_tp)
-        ids_by_stage = stage_layer_ids(spec.n_layers, pp, layout.vpp)
+        chunks_by_stage = stage_chunks(spec.n_layers, pp, layout.vpp)
         acts = {
             kind: self._act_terms(layout, batch, recompute, kind == "dense")
             for kind in ("dense", "moe")
         }
         out = []
         for i in stages:
-            ids = ids_by_stage[i]
-            n_l = len(ids)
-            n_dense = sum(1 for j in ids if j < pg.n_dense or not spec.is_moe)
+            chunks = [c for c in chunks_by_stage[i] if len(c)]
+            n_l = sum(len(c) for c in chunks)
+            n_dense = (
+                sum(len(c) - len(c[pg.n_dense :]) for c in chunks) if spec.is_moe else n_l
+            )
             n_moe = n_l - n_dense
             is_first, is_last = i == 0, i == pp - 1
             # backward ends in the stage's first layer and starts in its last
-            first_kind = "dense" if (not spec.is_moe or (ids and ids[0] < pg.n_dense)) else "moe"
-            last_kind = "dense" if (not spec.is_moe or (ids and ids[-1] < pg.n_dense)) else "moe"
+            dense_first = not spec.is_moe or (bool(chunks) and chunks[0][0] < pg.n_dense)
+            dense_last = not spec.is_moe or (bool(chunks) and chunks[-1][-1] < pg.n_dense)
+            first_kind = "dense" if dense_first else "moe"
+            last_kind = "dense" if dense_last else "moe"
             a_first_layer, a_last_layer = acts[first_kind], acts[last_kind]
             if spec.is_moe:
                 dense = n_dense * (dense_tp + pg.dense_rep) + n_moe * (moe_tp + pg.layer_rep)

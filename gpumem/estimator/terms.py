@@ -24,20 +24,19 @@ def split_layers(n_layers: int, pp: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(pp)]
 
 
-def stage_layer_ids(n_layers: int, pp: int, vpp: int = 1) -> list[list[int]]:
-    """The layer indices each pipeline rank holds: contiguous blocks (``split_layers``), or
-    under interleaving ``vpp`` chunks per rank assigned round robin (rank r holds chunks
-    r, r + pp, ...), as Megatron does."""
+def stage_chunks(n_layers: int, pp: int, vpp: int = 1) -> list[list[range]]:
+    """The layers each pipeline rank holds, as ranges of layer indices (lazy: a billion layers
+    cost nothing): one contiguous block per rank (``split_layers``), or under interleaving
+    ``vpp`` chunks per rank assigned round robin (rank r holds chunks r, r + pp, ...), as
+    Megatron does."""
     if vpp == 1:
         out, start = [], 0
         for n in split_layers(n_layers, pp):
-            out.append(list(range(start, start + n)))
+            out.append([range(start, start + n)])
             start += n
         return out
     chunk = n_layers // (pp * vpp)
-    return [
-        [c * chunk + j for c in range(r, pp * vpp, pp) for j in range(chunk)] for r in range(pp)
-    ]
+    return [[range(c * chunk, (c + 1) * chunk) for c in range(r, pp * vpp, pp)] for r in range(pp)]
 
 
 def grads_persist(layout: Layout, grad_accum: int, persistent_grads: bool | None) -> bool:
