@@ -60,7 +60,7 @@ def layer_items(spec: ModelSpec, w: Workload) -> list[Item]:
     if spec.norms_per_layer == 4:
         items += _norm(spec, w, "post_mlp_norm", n_sp, h, A)
     if w.autocast:  # cached 16-bit copies of the layer's Linear weights (saved by mm)
-        items.append(Item("autocast.weight_casts", _linear_weights(spec, t) * A))
+        items.append(Item("autocast.weight_casts", _linear_weights(spec, t, w.dense) * A))
     return items
 
 
@@ -217,25 +217,35 @@ def _moe(spec: ModelSpec, w: Workload, n: int) -> list[Item]:
         if spec.family == "mixtral" or spec.family == "qwen3_moe":
             items += [Item("router.topk_weights", n * k * 4), Item("router.sum", n * 4)]
     f = spec.moe_ffn // w.etp
+    # grouped_mm is not autocast-enabled: transformers casts the tokens to the experts' weight
+    # dtype, so under autocast the experts run in fp32 (the residual stream's dtype)
+    E_A = w.residual
     items += [
-        Item("experts.gathered", nk * h * A),
-        Item("experts.gate_up_out", nk * 2 * f * A),
-        Item("experts.act_out", nk * f * A),
-        Item("experts.down_input", nk * f * A),
-        Item("experts.down_out", nk * h * A),
+        Item("experts.gathered", nk * h * E_A),
+        Item("experts.gate_up_out", nk * 2 * f * E_A),
+        Item("experts.act_out", nk * f * E_A),
+        Item("experts.down_input", nk * f * E_A),
+        Item("experts.down_out", nk * h * E_A),
         Item("experts.routing_weights", nk * 4),
         Item("experts.indices", 3 * nk * 8),
     ]
     if spec.n_shared_experts:
+        if w.autocast and w.residual != A and not w.sp:  # each Linear casts the fp32 input
+            n_linears = 2 + (1 if spec.shared_gate else 0)
+            items += [Item(f"shared.cast{i}", n * h * A) for i in range(n_linears)]
         items += _gated_mlp(w, "shared", n, spec.shared_ffn // w.tp)
         if spec.shared_gate:
-            items += [Item("shared.gate_sigmoid", n * 4), Item("shared.out", n * h * A)]
+            items += [Item("shared.gate_sigmoid", n * A), Item("shared.out", n * h * A)]
     return items
 
 
-def _linear_weights(spec: ModelSpec, t: int) -> int:
-    """Elements of one layer's Linear weights on a TP rank (what autocast caches in 16 bits)."""
+def _linear_weights(spec: ModelSpec, t: int, dense: bool) -> int:
+    """Elements of one layer's Linear weights on a TP rank (what autocast caches in 16 bits):
+    attention, and the dense MLP, or the router and shared experts (grouped experts are not
+    autocast)."""
     h, d, a, g = spec.hidden, spec.dhead, spec.n_heads, spec.kv_heads
     qd, kvd = a * d // t, 2 * g * d // min(t, g)
-    f = spec.dense_layer_ffn // t
-    return h * (qd + kvd) + qd * h + 3 * h * f
+    out = h * (qd + kvd) + qd * h
+    if not spec.is_moe or dense:
+        return out + 3 * h * spec.dense_layer_ffn // t
+    return out + h * spec.n_experts + 3 * h * spec.shared_ffn // t + (h if spec.shared_gate else 0)

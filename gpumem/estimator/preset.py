@@ -169,9 +169,7 @@ class PresetTerms:
         for i in stages:
             chunks = [c for c in chunks_by_stage[i] if len(c)]
             n_l = sum(len(c) for c in chunks)
-            n_dense = (
-                sum(len(c) - len(c[pg.n_dense :]) for c in chunks) if spec.is_moe else n_l
-            )
+            n_dense = sum(len(c) - len(c[pg.n_dense :]) for c in chunks) if spec.is_moe else n_l
             n_moe = n_l - n_dense
             is_first, is_last = i == 0, i == pp - 1
             # backward ends in the stage's first layer and starts in its last

@@ -164,7 +164,7 @@ def test_moe_imbalance_and_dispatch_only_with_expert_parallelism():
     n, k, h = 512, spec.top_k, spec.hidden
     # all-to-all: the n*k permuted copies sent and n*k*imbalance received, 2 B each
     assert a.per_gpu["communication"] in (0, (n * k + n * k) * h * 2)
-    with pytest.raises(ValueError, match="moe_imbalance .* >= 1"):
+    with pytest.raises(ValueError, match=r"moe_imbalance .* >= 1"):
         estimate(spec, moe_imbalance=0.5)
     with pytest.raises(ValueError, match="moe_dispatcher"):
         estimate(spec, moe_dispatcher="ring")
@@ -208,7 +208,7 @@ def test_moe_configs_dense_first_layers_and_shared_experts():
     moe = attn + 4 * 3 * h * 32 + h * 4 + 3 * h * 32  # experts, router, shared expert
     assert spec.n_params == dense + 2 * moe + 2 * 256 * h + h
     bad = {k: v for k, v in cfg.items() if k != "num_experts_per_tok"}
-    with pytest.raises(ValueError, match="router field.*'num_experts_per_tok'"):
+    with pytest.raises(ValueError, match=r"router field.*'num_experts_per_tok'"):
         resolve_model(bad)
 
 
