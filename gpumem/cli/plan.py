@@ -21,7 +21,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-gpus", action="store_true", help="find the smallest GPU count that fits")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
     p.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
-    p.add_argument("--inference", action="store_true", help="largest batch x context for serving")
+    p.add_argument(
+        "--inference",
+        action="store_true",
+        help="serving: largest batch x context per layout (honours --gpus, --min-gpus, --tp, "
+        "--pp, --precision, --kv-dtype, --engine)",
+    )
+    p.add_argument("--tp", type=int, default=None, help="inference: tensor-parallel degree")
+    p.add_argument("--pp", type=int, default=None, help="inference: pipeline-parallel degree")
     econ = p.add_argument_group("preemption economics")
     rate = econ.add_mutually_exclusive_group()
     rate.add_argument(
@@ -93,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
         "grads": args.grads,
         "lora_rank": args.lora_rank,
         "base_quant": "nf4" if args.qlora else None,
+        "framework": args.framework,
+        "calibration": cal if cal is not None and cal.memory is not None else None,
     }
     if args.min_gpus:
         result = min_gpus(args.model, **kw)
@@ -195,14 +204,31 @@ def _realised(args: argparse.Namespace, n_gpus: int, text: list[str], realised_l
 
 
 def _inference(args: argparse.Namespace, gpu) -> int:
-    from gpumem.estimator.inference import max_batch
+    """Serving: every tp x pp layout of --gpus (or --tp/--pp), the largest batch per context
+    (capped at the model's maximum), KV bytes per token and the engine's reserve; --min-gpus:
+    the fewest GPUs (powers of two) with a layout that holds one sequence of the model's
+    context."""
+    from gpumem.cli.estimate import inference_precision
+    from gpumem.estimator.inference import plan_inference
 
-    rows = []
-    for ctx in (1024, 2048, 4096, 8192, 16384, 32768):
-        rows.append((ctx, max_batch(args.model, context=ctx, gpu=gpu, gpu_memory=args.gpu_memory)))
-    if args.json:
-        print(json.dumps({"max_batch_by_context": dict(rows)}, indent=2))
+    kw = {
+        "gpu": gpu,
+        "gpu_memory": args.gpu_memory,
+        "tp": args.tp,
+        "pp": args.pp,
+        "precision": inference_precision(args.precision),
+        "kv_dtype": args.kv_dtype,
+        "engine": args.engine,
+    }
+    n = args.gpus
+    if args.min_gpus:
+        n = 1
+        while True:
+            res = plan_inference(args.model, n_gpus=n, **kw)
+            if any(x.max_batch.get(res.contexts[-1], 0) for x in res.layouts) or n >= 4096:
+                break
+            n *= 2
     else:
-        print(f"{args.model} inference on one {args.gpu}: largest batch per context")
-        print("\n".join(f"  context {c:>6}: batch {b}" for c, b in rows))
+        res = plan_inference(args.model, n_gpus=n, **kw)
+    print(json.dumps(res.to_dict(), indent=2) if args.json else res.table(args.top))
     return 0

@@ -297,7 +297,7 @@ class InferencePlan:
             ],
         }
 
-    def table(self) -> str:
+    def table(self, top: int = 10) -> str:
         head = (
             f"{self.model.name} serving on {self.n_gpus} x {self.gpu.name}: weights "
             f"{self.precision}, KV {self.kv_dtype}, {self.engine} conventions; largest batch "
@@ -308,7 +308,7 @@ class InferencePlan:
             head,
             f"{'layout':<14}{'weights/GPU':>13}{'KV B/token':>12}{'KV tokens':>12}{cols}",
         ]
-        for x in self.layouts:
+        for x in self.layouts[:top]:
             row = "".join(f"{x.max_batch[c]:>9}" for c in self.contexts)
             lines.append(
                 f"{x.describe():<14}{x.weights_per_gpu / 2**30:>10.2f} GiB"
@@ -354,7 +354,14 @@ def plan_inference(
                         f"at most the {spec.n_layers} layers"
                     )
                 continue
-            kw = dict(precision=precision, kv_dtype=kv_dtype, gpu=g, tp=t, pp=p, engine=engine)
+            kw: dict[str, Any] = {
+                "precision": precision,
+                "kv_dtype": kv_dtype,
+                "gpu": g,
+                "tp": t,
+                "pp": p,
+                "engine": engine,
+            }
             one = estimate_inference(spec, batch_size=1, context=1, **kw)
             free = one.headroom_bytes + one.per_gpu["kv_cache"]
             kv_tokens = max(0, free // one.kv_bytes_per_token)
