@@ -16,7 +16,7 @@ from gpumem.estimator.bill import Bill, make_bill
 from gpumem.estimator.frameworks import cp_exchange_bytes
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
-from gpumem.estimator.specs import ModelSpec, param_groups
+from gpumem.estimator.specs import ModelSpec, ParamGroups, param_groups
 from gpumem.estimator.states import Training
 from gpumem.estimator.terms import (
     cluster_states,
@@ -63,6 +63,13 @@ class PresetTerms:
     moe_imbalance: float = MOE_IMBALANCE
     moe_dispatcher: str = "alltoall"
     moe_grouped_gemm: bool | None = None
+
+    @property
+    def param_groups(self) -> ParamGroups:
+        """The spec's parameter groups, computed once (the planner asks per layout)."""
+        if "_pg" not in self.__dict__:
+            self.__dict__["_pg"] = param_groups(self.spec)
+        return self.__dict__["_pg"]
 
     @property
     def grouped_gemm(self) -> bool:
@@ -151,7 +158,7 @@ class PresetTerms:
         pp = layout.pp
         if stages is None:
             stages = sorted({0, min(1, pp - 1), pp - 1})
-        pg = param_groups(spec)
+        pg = self.param_groups
         persist = grads_persist(layout, grad_accum, persistent_grads)
         # k/v projections replicate across ranks when tp exceeds the KV heads
         kvp = (

@@ -9,6 +9,8 @@ CUDA reserve. ``peak.assemble`` turns the terms into the bill's categories.
 
 from __future__ import annotations
 
+import functools
+
 from gpumem.estimator import peak
 from gpumem.estimator.frameworks import communication_bytes
 from gpumem.estimator.gpus import GPU
@@ -24,6 +26,7 @@ def split_layers(n_layers: int, pp: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(pp)]
 
 
+@functools.lru_cache(maxsize=256)
 def stage_chunks(n_layers: int, pp: int, vpp: int = 1) -> list[list[range]]:
     """The layers each pipeline rank holds, as ranges of layer indices (lazy: a billion layers
     cost nothing): one contiguous block per rank (``split_layers``), or under interleaving

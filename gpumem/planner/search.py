@@ -140,6 +140,29 @@ def sweep(terms: np.ndarray, owner: np.ndarray, n_configs: int) -> np.ndarray:
     return _kernels()(terms, owner, n_configs)
 
 
+NUMBA_FROM_ROWS = 50_000
+"""Below this many term rows the pure-Python ``assemble`` (tens of thousands of rows per
+second) finishes before numba would have loaded its cached kernel (~1 s of imports and
+registry set-up in a fresh process): a single `gpumem plan` stays well under a second."""
+
+
+def evaluate(rows: list[list[float]], owner: list[int], n_configs: int) -> np.ndarray:
+    """``sweep`` of the rows: the numba kernel for large sweeps, the same function in Python
+    for small ones (identical results: one formula)."""
+    if len(rows) >= NUMBA_FROM_ROWS:
+        return sweep(
+            np.asarray(rows, dtype=np.float64), np.asarray(owner, dtype=np.int64), n_configs
+        )
+    out = np.zeros((n_configs, peak.N_OUT), dtype=np.int64)
+    best = [-1] * n_configs
+    for x, c in zip(rows, owner, strict=True):
+        res = peak.assemble(x)
+        if res[peak.OUT_TOTAL] > best[c]:
+            best[c] = res[peak.OUT_TOTAL]
+            out[c] = res
+    return out
+
+
 LONG_CONTEXT = 32768  # from this many tokens per sample on, the sweep adds context parallelism
 
 
@@ -251,7 +274,7 @@ def plan(
             configs.append((lay, mb, rc, ga))
     if not configs:
         return PlanResult(spec, g, n_gpus, [], 0, time.perf_counter() - t0, bill_kwargs)
-    res = sweep(np.asarray(rows, dtype=np.float64), np.asarray(owner, dtype=np.int64), len(configs))
+    res = evaluate(rows, owner, len(configs))
     if scale is not None:
         res = scaled_totals(res, scale)
     training = job_for(resolve_framework(framework, Layout())).training
