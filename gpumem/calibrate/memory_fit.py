@@ -120,7 +120,9 @@ def fit_memory(
     cases = _proxy_cases(arch, cfg)
     points, measured, estimated, frags = [], [], [], []
     for case in cases:
-        c = compare_hf(case) if isinstance(case, HFCase) else compare(case)
+        if device == "cuda":
+            _reset_cuda_peak()
+        c = compare_hf(case, device) if isinstance(case, HFCase) else compare(case, device=device)
         m = dict(c.measured)
         e = c.estimated
         m_row = {k: int(m.get(k, 0)) for k in PROFILER_CATEGORIES}
@@ -140,7 +142,7 @@ def fit_memory(
     return MemoryCalibration(
         arch=arch_key(spec),
         device=device,
-        mode="fake" if isinstance(cases[0], HFCase) else "real",
+        mode="fake" if isinstance(cases[0], HFCase) and device == "cpu" else "real",
         fits=fits,
         fragmentation=max(frags) if frags else None,
         points=tuple(points),
@@ -170,11 +172,17 @@ def _read_config(config: str | Path | dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+def _reset_cuda_peak() -> None:
+    import torch
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
 def _cuda_fragmentation() -> float:
-    """Reserved over allocated at the allocator's peak, minus one (the last run's)."""
+    """Reserved over allocated at the allocator's peak, minus one (the last proxy's)."""
     import torch
 
     alloc = torch.cuda.max_memory_allocated()
     reserved = torch.cuda.max_memory_reserved()
-    torch.cuda.reset_peak_memory_stats()
     return max(0.0, reserved / alloc - 1.0) if alloc else 0.0

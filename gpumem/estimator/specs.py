@@ -891,4 +891,5 @@ def from_model_config(cfg: Any) -> ModelSpec:
         n_classes=cfg.num_classes,
         source="gpumem.models",
         buffer_bytes=rope,
+        family=cfg.arch,
     )

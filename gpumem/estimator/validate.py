@@ -80,8 +80,8 @@ class Comparison:
         return 100.0 * (self.estimated["total"] - self.measured_peak) / self.measured_peak
 
 
-def estimate_case(case: Case) -> Bill:
-    """The estimator's bill for ``case`` on the CPU (no CUDA context, allocator or NCCL)."""
+def estimate_case(case: Case, device: str = "cpu") -> Bill:
+    """The estimator's bill for ``case`` (on the CPU: no CUDA context, allocator or NCCL)."""
     from gpumem.models import get_config
 
     cfg = get_config(case.arch, "tiny", **case.overrides)
@@ -91,7 +91,7 @@ def estimate_case(case: Case) -> Bill:
         seq_len=case.seq,
         precision=case.precision,
         optimizer=case.optimizer,
-        device="cpu",
+        device=device,
         attention="sdpa",
         keep_logits=True,
         persistent_grads=False,
@@ -101,8 +101,9 @@ def estimate_case(case: Case) -> Bill:
     )
 
 
-def compare(case: Case, seed: int = 0) -> Comparison:
-    """Train ``case`` for real on the CPU under ``gpumem.profile`` and estimate it."""
+def compare(case: Case, seed: int = 0, device: str = "cpu") -> Comparison:
+    """Train ``case`` for real (on the CPU, or ``device="cuda"``) under ``gpumem.profile`` and
+    estimate it."""
     import torch
     import torch.nn.functional as F
 
@@ -111,14 +112,14 @@ def compare(case: Case, seed: int = 0) -> Comparison:
 
     torch.manual_seed(seed)
     cfg = get_config(case.arch, "tiny", **case.overrides)
-    model = build_model(cfg).train()
+    model = build_model(cfg).train().to(device)
     model.gradient_checkpointing = case.recompute
     opt = _optimizer(case, model.parameters())
-    ids, targets = example_batch(cfg, case.batch, case.seq)
+    ids, targets = (t.to(device) for t in example_batch(cfg, case.batch, case.seq))
     imbalance = _routing_imbalance(model, ids) if cfg.num_experts else None
     with gpumem.profile(model, optimizer=opt) as prof:
         for _ in range(case.steps):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.autocast):
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=case.autocast):
                 logits = model(ids)
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
             loss.backward()
@@ -127,7 +128,7 @@ def compare(case: Case, seed: int = 0) -> Comparison:
     rep = prof.report()
     if cfg.num_experts:  # routing after the steps too: report the worse of the two
         imbalance = max(imbalance or 0.0, _routing_imbalance(model, ids))
-    bill = estimate_case(case)
+    bill = estimate_case(case, device)
     return Comparison(
         case=case,
         measured_peak=rep.peak_bytes,
@@ -268,15 +269,15 @@ class HFCase:
     seq: int = 64
 
 
-def estimate_hf_case(case: HFCase) -> Bill:
-    """The estimator's bill for ``case`` on the CPU, from the config dict alone."""
+def estimate_hf_case(case: HFCase, device: str = "cpu") -> Bill:
+    """The estimator's bill for ``case``, from the config dict alone."""
     return estimate(
         dict(case.config),
         batch_size=case.batch,
         seq_len=case.seq,
         precision=case.precision,
         optimizer="adamw",
-        device="cpu",
+        device=device,
         attention="sdpa",
         keep_logits=True,
         persistent_grads=False,
@@ -285,9 +286,12 @@ def estimate_hf_case(case: HFCase) -> Bill:
     )
 
 
-def compare_hf(case: HFCase) -> Comparison:
-    """Build ``case``'s transformers model under fake tensors, profile two AdamW steps of the
-    loop above, and estimate the same job from the config."""
+def compare_hf(case: HFCase, device: str = "cpu") -> Comparison:
+    """Build ``case``'s transformers model under fake tensors (for real with
+    ``device="cuda"``), profile two AdamW steps of the loop above, and estimate the same job
+    from the config."""
+    import contextlib
+
     import torch
     import torch.nn.functional as F
     import transformers
@@ -300,24 +304,25 @@ def compare_hf(case: HFCase) -> Comparison:
     config._attn_implementation = "sdpa"
     kwargs = {"experts_implementation": "grouped_mm"} if _is_moe_config(mtype) else {}
     dtype = torch.bfloat16 if case.precision == "bf16" else torch.float32
-    with gpumem.fake(), _grouped_mm_any_dtype():
+    fake = gpumem.fake() if device == "cpu" else contextlib.nullcontext()
+    with fake, _grouped_mm_any_dtype():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
-        model.train()
+        model = model.to(device).train()
         if case.recompute:
             model.gradient_checkpointing_enable({"use_reentrant": False})
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        ids = torch.randint(0, config.vocab_size, (case.batch, case.seq))
+        ids = torch.randint(0, config.vocab_size, (case.batch, case.seq), device=device)
         autocast = case.precision == "bf16-autocast"
         with gpumem.profile(model, optimizer=opt) as prof:
             for _ in range(2):
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
                     logits = model(ids).logits
                     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1))
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         rep = prof.report()
-    bill = estimate_hf_case(case)
+    bill = estimate_hf_case(case, device)
     return Comparison(
         case=case,  # type: ignore[arg-type]
         measured_peak=rep.peak_bytes,
