@@ -307,7 +307,9 @@ def compare_hf(case: HFCase, device: str = "cpu") -> Comparison:
     fake = gpumem.fake() if device == "cpu" else contextlib.nullcontext()
     with fake, _grouped_mm_any_dtype():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
-        model = model.to(device).train()
+        if device != "cpu":
+            model = model.to(device)
+        model.train()
         if case.recompute:
             model.gradient_checkpointing_enable({"use_reentrant": False})
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
