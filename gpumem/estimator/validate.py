@@ -267,6 +267,10 @@ class HFCase:
     recompute: bool = False
     batch: int = 2
     seq: int = 64
+    reference: str = "fake"
+    """``fake``: profiled under fake tensors; ``real``: trained for real on the CPU (the same
+    numbers, except where a fake kernel's decomposition allocates what the real kernel does
+    not: SDPA's CPU backward, see benchmarks/results/hf_sweep.md)."""
 
 
 def estimate_hf_case(case: HFCase, device: str = "cpu") -> Bill:
@@ -304,7 +308,9 @@ def compare_hf(case: HFCase, device: str = "cpu") -> Comparison:
     config._attn_implementation = "sdpa"
     kwargs = {"experts_implementation": "grouped_mm"} if _is_moe_config(mtype) else {}
     dtype = torch.bfloat16 if case.precision == "bf16" else torch.float32
-    fake = gpumem.fake() if device == "cpu" else contextlib.nullcontext()
+    use_fake = device == "cpu" and case.reference == "fake"
+    fake = gpumem.fake() if use_fake else contextlib.nullcontext()
+    torch.manual_seed(0)
     with fake, _grouped_mm_any_dtype():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
         if device != "cpu":
