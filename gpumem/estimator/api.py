@@ -20,6 +20,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from gpumem.calibrate.calibration import as_calibration
+from gpumem.calibrate.memory import MemoryCalibration, apply_memory_calibration
 from gpumem.estimator.bill import Bill
 from gpumem.estimator.frameworks import default_grads, resolve_framework
 from gpumem.estimator.gpus import GPU, find_gpu
@@ -99,11 +101,12 @@ def estimate(
         moe_dispatcher: ``alltoall`` or ``allgather`` token dispatch under expert parallelism.
         moe_grouped_gemm: experts as one grouped GEMM (default for config.json models and
             Megatron) or a loop over experts (gpumem.models).
-        calibration: a calibration file (or ``gpumem.calibrate.Calibration``) with a
-            ``memory`` section from ``gpumem calibrate --memory``: its fitted coefficients
-            scale the categories, and ``bill.calibration`` records per category the
-            uncalibrated bytes and the fit's residual (a file for another architecture or
-            device is used with a warning naming the mismatch).
+        calibration: a ``gpumem.Calibration`` or the path of a calibration.json: the GPU gets
+            the reserve measured there (``Calibration.apply_to``), and with a ``memory``
+            section (``gpumem calibrate --memory``) its fitted coefficients scale the
+            categories; ``bill.calibration`` then records per category the uncalibrated bytes
+            and the fit's residual (a file fitted for another architecture or device is used
+            with a warning naming the mismatch).
 
     An ``nn.Module`` is never run, moved or changed, and nothing of its size is allocated:
     parameters are counted exactly (tied tensors once; trainable = ``requires_grad``; the
@@ -132,6 +135,12 @@ def estimate(
         precision, optimizer, grads, offload_optimizer, lora_rank, base_quant, foreach, fused
     )
     g = gpu if isinstance(gpu, GPU) else find_gpu(gpu, gpu_memory)
+    # a memory section alone (a fit in hand), or a whole calibration: reserve and memory fit
+    mem = calibration if isinstance(calibration, MemoryCalibration) else None
+    cal = None if mem is not None else as_calibration(calibration)
+    if cal is not None:
+        g = cal.apply_to(g)
+        mem = cal.memory
     for name, value in (("batch_size", batch_size), ("grad_accum", grad_accum)):
         if value is not None and (
             not isinstance(value, int) or isinstance(value, bool) or value <= 0
@@ -172,11 +181,8 @@ def estimate(
         moe_grouped_gemm=moe_grouped_gemm,
         **common,
     )
-    if calibration is not None:
-        from gpumem.calibrate.calibration import memory_section
-        from gpumem.calibrate.memory import apply_memory_calibration
-
-        bill = apply_memory_calibration(bill, memory_section(calibration))
+    if mem is not None:
+        bill = apply_memory_calibration(bill, mem)
     return bill
 
 

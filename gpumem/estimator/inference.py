@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpumem.calibrate.calibration import as_calibration
 from gpumem.estimator.gpus import GPU, find_gpu
 from gpumem.estimator.specs import ModelSpec, param_groups, resolve_model
 from gpumem.estimator.terms import split_layers
@@ -137,6 +138,7 @@ def estimate_inference(
     pp: int = 1,
     engine: str = "vllm",
     kv_dtype: str | None = None,
+    calibration: Any = None,
 ) -> InferenceBill:
     """Memory of serving ``batch_size`` sequences of ``context`` tokens on one rank of a
     ``tp`` × ``pp`` layout.
@@ -146,6 +148,7 @@ def estimate_inference(
         kv_dtype: the KV cache's dtype (default: the weights' for 16/32-bit weights, else
             bf16); ``kv_precision`` is its older name.
         engine: vllm, sglang or hf (see the module doc).
+        calibration: a Calibration or its path: the GPU gets the measured reserve.
 
     The activation workspace is one prefill chunk (vLLM / SGLang: 8192 tokens; transformers:
     the whole batch × context): the residual stream and norm output (2·h), the MLP's widest
@@ -157,6 +160,9 @@ def estimate_inference(
     """
     spec = resolve_model(model)
     g = gpu if isinstance(gpu, GPU) else find_gpu(gpu, gpu_memory)
+    cal = as_calibration(calibration)
+    if cal is not None:
+        g = cal.apply_to(g)
     ctx = spec.max_seq if context is None else context
     for name, v in (("batch_size", batch_size), ("context", ctx), ("tp", tp), ("pp", pp)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -331,12 +337,16 @@ def plan_inference(
     kv_dtype: str | None = None,
     engine: str = "vllm",
     contexts: tuple[int, ...] = CONTEXTS,
+    calibration: Any = None,
 ) -> InferencePlan:
     """Every tp × pp layout of ``n_gpus`` (or the one given), the largest batch per context for
     each (contexts above the model's maximum are dropped), KV bytes per token and the tokens
     of KV cache that fit; fitting layouts first, most KV tokens first."""
     spec = resolve_model(model)
     g = gpu if isinstance(gpu, GPU) else find_gpu(gpu, gpu_memory)
+    cal = as_calibration(calibration)
+    if cal is not None:
+        g = cal.apply_to(g)
     if not isinstance(n_gpus, int) or isinstance(n_gpus, bool) or n_gpus <= 0:
         raise ValueError(f"n_gpus must be a positive integer, got {n_gpus!r}")
     ctxs = tuple(c for c in contexts if c <= spec.max_seq)

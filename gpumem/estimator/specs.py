@@ -654,6 +654,7 @@ _ROUTER_FIELDS = {
 }
 # defaults of the transformers config classes for fields a config.json may leave out
 _TIED_DEFAULT = {"gemma": True, "gemma2": True, "gemma3_text": True}
+HF_FAMILIES = tuple(_HF_ARCH)  # the config.json model_types this module reads
 
 
 def from_hf_config(config: dict[str, Any], name: str = "config.json") -> ModelSpec:
