@@ -326,6 +326,17 @@ def memory_section(calibration: Any) -> MemoryCalibration:
     return cal.memory
 
 
+def split_calibration(
+    calibration: Any,
+) -> tuple[Calibration | None, MemoryCalibration | None]:
+    """(the whole calibration, its memory section) from a Calibration, a path, a memory
+    section alone (a fit in hand: no reserve, no checkpoint times), or None."""
+    if isinstance(calibration, MemoryCalibration):
+        return None, calibration
+    cal = as_calibration(calibration)
+    return cal, cal.memory if cal is not None else None
+
+
 def as_calibration(calibration: Calibration | str | os.PathLike | None) -> Calibration | None:
     """A Calibration from itself, a file path (:func:`load`), or None."""
     if calibration is None or isinstance(calibration, Calibration):

@@ -20,8 +20,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from gpumem.calibrate.calibration import as_calibration
-from gpumem.calibrate.memory import MemoryCalibration, apply_memory_calibration
+from gpumem.calibrate.calibration import split_calibration
+from gpumem.calibrate.memory import apply_memory_calibration
 from gpumem.estimator.bill import Bill
 from gpumem.estimator.frameworks import default_grads, resolve_framework
 from gpumem.estimator.gpus import GPU, find_gpu
@@ -135,12 +135,9 @@ def estimate(
         precision, optimizer, grads, offload_optimizer, lora_rank, base_quant, foreach, fused
     )
     g = gpu if isinstance(gpu, GPU) else find_gpu(gpu, gpu_memory)
-    # a memory section alone (a fit in hand), or a whole calibration: reserve and memory fit
-    mem = calibration if isinstance(calibration, MemoryCalibration) else None
-    cal = None if mem is not None else as_calibration(calibration)
+    cal, mem = split_calibration(calibration)
     if cal is not None:
         g = cal.apply_to(g)
-        mem = cal.memory
     for name, value in (("batch_size", batch_size), ("grad_accum", grad_accum)):
         if value is not None and (
             not isinstance(value, int) or isinstance(value, bool) or value <= 0

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from gpumem.calibrate.calibration import Calibration, as_calibration
+from gpumem.calibrate.calibration import Calibration, split_calibration
 from gpumem.calibrate.memory import category_scales
 from gpumem.estimator import inputs as job_inputs
 from gpumem.estimator import peak
@@ -293,7 +293,7 @@ def plan(
     """
     t0 = time.perf_counter()
     spec = resolve_model(model)
-    cal = as_calibration(calibration)
+    cal, mem = split_calibration(calibration)
     g = gpu if isinstance(gpu, GPU) else find_gpu(gpu, gpu_memory)
     if cal is not None:
         g = cal.apply_to(g)
@@ -307,7 +307,6 @@ def plan(
     seq, seq_source = job_inputs.seq_len(spec, seq_len)
     if context_parallel is None:
         context_parallel = (1, 2, 4, 8, 16) if spec.is_decoder and seq >= LONG_CONTEXT else (1,)
-    mem = cal.memory if cal is not None else None
     scale = category_scales(mem, spec, "cuda") if mem is not None else None
     job_kw = {
         k: v for k, v in estimate_kwargs.items() if k in ("attention", "dropout", "keep_logits")
