@@ -142,17 +142,20 @@ class PresetTerms:
         persistent_grads: bool | None,
         stages: list[int] | None = None,
     ) -> list[list[float]]:
-        """The peak terms of the pipeline ranks ``stages`` (default: first, second, last).
+        """The peak terms of the pipeline ranks ``stages`` (default: those that can be the
+        worst).
 
-        The first, second and last ranks bound every other: a middle rank never exceeds the
-        second (it holds at most as many layers and in-flight micro-batches, and neither the
-        embedding nor the head), which the planner relies on.
+        Of identical layers, the first, second and last ranks bound every other: a middle rank
+        never exceeds the second (it holds at most as many layers and in-flight micro-batches,
+        and neither the embedding nor the head), which the planner relies on. An MoE with
+        dense first layers breaks the symmetry (a later rank of all-MoE layers can exceed the
+        second): then every rank is a candidate.
         """
         spec, tr, t = self.spec, self.training, layout.tp
         pp = layout.pp
-        if stages is None:
-            stages = sorted({0, min(1, pp - 1), pp - 1})
         pg = self.param_groups
+        if stages is None:
+            stages = list(range(pp)) if pg.n_dense else sorted({0, min(1, pp - 1), pp - 1})
         persist = grads_persist(layout, grad_accum, persistent_grads)
         # k/v projections replicate across ranks when tp exceeds the KV heads
         kvp = (
@@ -170,7 +173,12 @@ class PresetTerms:
         for i in stages:
             chunks = [c for c in chunks_by_stage[i] if len(c)]
             n_l = sum(len(c) for c in chunks)
-            n_dense = sum(len(c) - len(c[pg.n_dense :]) for c in chunks) if spec.is_moe else n_l
+            # layers below n_dense (an MoE's dense first layers) among the rank's ranges
+            n_dense = (
+                sum(max(0, min(c.stop, pg.n_dense) - c.start) for c in chunks)
+                if spec.is_moe
+                else n_l
+            )
             n_moe = n_l - n_dense
             is_first, is_last = i == 0, i == pp - 1
             # backward ends in the stage's first layer and starts in its last
