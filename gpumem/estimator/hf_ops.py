@@ -43,6 +43,8 @@ def layer_items(spec: ModelSpec, w: Workload) -> list[Item]:
     """Everything one layer keeps for backward, by the spec's implementation."""
     if not spec.is_hf:
         return act.layer_items(spec, w)
+    if spec.arch == "gpt2":
+        return _gpt2_layer(spec, w)
     t, n, A, R = w.tp, w.tokens, w.compute, w.residual
     n_sp = n // t if w.sp else n
     h = spec.hidden
@@ -236,6 +238,34 @@ def _moe(spec: ModelSpec, w: Workload, n: int) -> list[Item]:
         items += _gated_mlp(w, "shared", n, spec.shared_ffn // w.tp)
         if spec.shared_gate:
             items += [Item("shared.gate_sigmoid", n * A), Item("shared.out", n * h * A)]
+    return items
+
+
+def _gpt2_layer(spec: ModelSpec, w: Workload) -> list[Item]:
+    """transformers' GPT-2 block (Conv1D = addmm, SDPA, ``gelu_new`` written as Python ops):
+    LayerNorms save input, mean and rstd; attention saves ``c_attn``'s input, its fused q/k/v
+    output (k and v view it), two head-shaped copies, the output (``c_proj`` reads it without a
+    copy) and the log-sum-exp; ``gelu_new`` = 0.5·x·(1 + tanh(√(2/π)(x + 0.044715·x³))) saves
+    x (for pow), tanh's output, 0.5·x and 1 + tanh, and ``c_proj`` its product: 5 ffn-wide
+    tensors per token, in the compute dtype under autocast too."""
+    t, n, A = w.tp, w.tokens, w.compute
+    n_sp = n // t if w.sp else n
+    h, f = spec.hidden, spec.ffn // t
+    a = spec.n_heads // t
+    hq = a * spec.dhead
+    items = act._norm_items(spec, w, "attn_norm", n_sp)
+    items += _proj_inputs(w, "c_attn", 1, n, n_sp, h)
+    items.append(Item("attn.qkv", n * 3 * hq * A))
+    items += _sdpa(w, a, n * hq * A, n * hq * A, 0, n * hq * A)
+    if w.autocast:  # the attention c_proj's autocast input is a copy of the output
+        items.append(Item("attn.c_proj_input", n * hq * A))
+    items += act._norm_items(spec, w, "mlp_norm", n_sp)
+    items += _proj_inputs(w, "c_fc", 1, n, n_sp, h)
+    items += [Item(f"gelu.{k}", n * f * A) for k in ("x", "tanh", "half_x", "one_plus_tanh")]
+    items.append(Item("c_proj.input", n * f * A))
+    if w.autocast:
+        weights = h * 3 * hq + hq * h + 2 * h * f
+        items.append(Item("autocast.weight_casts", weights * A))
     return items
 
 

@@ -708,6 +708,8 @@ def from_hf_config(config: dict[str, Any], name: str = "config.json") -> ModelSp
             max_seq=need("n_positions", "max_position_embeddings"),
             tied_embeddings=bool(config.get("tie_word_embeddings", True)),
             source=name,
+            impl="hf",
+            family="gpt2",
         )
     moe = {}
     if mtype in _ROUTER_FIELDS:

@@ -27,7 +27,6 @@ from gpumem.estimator.validate import (
 )
 
 GAPS = {
-    ("gpt2", "fp32", False): "transformers' GPT-2 (Conv1D, gelu_new as Python ops) not modelled",
     ("gemma2", "fp32", False): "transformers refuses SDPA for Gemma2; eager attention not modelled",
     ("deepseek-v3", "fp32", False): "MLA with unequal q/v head dims takes CPU SDPA's math path",
 }
