@@ -85,10 +85,10 @@ Llama here the fake profile's widest moment holds 73,728 B, the bf16 one 40,960 
 temporaries than the real run; everywhere else fake and real agree to the byte:
 `tests/estimator/test_hf_sweep.py::test_fake_equals_real`).
 
-Not modelled yet (the rows marked NO): GPT-2's Conv1D/`gelu_new` activations, Gemma2's eager
-attention (transformers refuses SDPA for it), DeepSeek's MLA where CPU SDPA takes its math path
-(unequal q/v head dims), the bf16 `torch._grouped_mm` kernel (its saved tensors are counted as
-temporary), Gemma's and Qwen2-MoE's shared expert's widest moment under recompute.
+Not modelled yet (the rows marked NO): Gemma2's eager attention (transformers refuses SDPA for
+it), DeepSeek's MLA where CPU SDPA takes its math path (unequal q/v head dims), the bf16
+`torch._grouped_mm` kernel (its saved tensors are counted as temporary), and the widest backward
+moment under recompute of Gemma's norms and of shared experts.
 """
     write_results(
         "hf_sweep",
