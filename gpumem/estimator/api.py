@@ -61,6 +61,7 @@ def estimate(
     moe_imbalance: float = MOE_IMBALANCE,
     moe_dispatcher: str = "alltoall",
     moe_grouped_gemm: bool | None = None,
+    fused_ops: tuple[str, ...] | None = None,
     calibration: Any = None,
 ) -> Bill:
     """Estimate the per-GPU peak memory of training ``model``.
@@ -101,6 +102,9 @@ def estimate(
         moe_dispatcher: ``alltoall`` or ``allgather`` token dispatch under expert parallelism.
         moe_grouped_gemm: experts as one grouped GEMM (default for config.json models and
             Megatron) or a loop over experts (gpumem.models).
+        fused_ops: which of ``norm``, ``swiglu``, ``rope``, ``ce`` run as fused kernels
+            (Transformer Engine, Apex, Liger; default: the framework's, Megatron fuses the
+            first three, the others none).
         calibration: a ``gpumem.Calibration`` or the path of a calibration.json: the GPU gets
             the reserve measured there (``Calibration.apply_to``), and with a ``memory``
             section (``gpumem calibrate --memory``) its fitted coefficients scale the
@@ -176,6 +180,7 @@ def estimate(
         moe_imbalance=moe_imbalance,
         moe_dispatcher=moe_dispatcher,
         moe_grouped_gemm=moe_grouped_gemm,
+        fused_ops=fused_ops,
         **common,
     )
     if mem is not None:

@@ -235,8 +235,7 @@ def layer_moment(spec: ModelSpec, w, items, grad_bytes: int, recompute: str = "n
     mlp = mlp_moment(spec, s, f)
     # the MLP half of the layer's items: everything from its pre-norm on (autocast's cached
     # weight copies stay until their own matmul's backward)
-    names = [i.name for i in items]
-    cut = names.index("mlp_norm.input" if spec.norm == "layernorm" else "mlp_norm.input_fp32")
+    cut = next(k for k, i in enumerate(items) if i.name.startswith("mlp_norm."))
     mlp_saved = sum(i.nbytes for i in items[cut:] if not i.name.startswith("autocast."))
     h, qd = spec.hidden, spec.n_heads * spec.dhead // t
     per_mlp = (3 if spec.arch == "llama" else 2) * h * f + (0 if spec.arch == "llama" else f + h)

@@ -81,6 +81,13 @@ def resolve_framework(framework: str | None, layout: Layout) -> str:
     return fw
 
 
+def default_fused_ops(framework: str) -> tuple[str, ...]:
+    """The fused kernels a framework runs by default: Megatron-core with Transformer Engine
+    fuses the norms, SwiGLU (``bias_swiglu_fusion``) and RoPE (``apply_rope_fusion``); its
+    cross-entropy fusion is off by default. The others run PyTorch's unfused ops."""
+    return ("norm", "swiglu", "rope") if framework == "megatron" else ()
+
+
 def default_grads(framework: str, master_weights: bool) -> str:
     """The gradient storage a framework keeps under mixed precision (see ``states.GRADS``):
     Megatron's fp32 main-grad buffer; DeepSpeed's and torch's 16-bit ``.grad``."""

@@ -72,7 +72,8 @@ def embed_items(spec: ModelSpec, w: Workload) -> list[Item]:
     if spec.is_hf and spec.arch == "llama":
         rope = spec.qk_rope_dim if spec.is_mla else spec.dhead
         # position_ids are (1, s): cos and sin are (1, s, rope) in the hidden states' dtype
-        items.append(Item("rope.cos_sin", 2 * w.local_seq * rope * w.residual))
+        if "rope" not in w.fused:
+            items.append(Item("rope.cos_sin", 2 * w.local_seq * rope * w.residual))
     return items
 
 
@@ -113,6 +114,8 @@ def dispatch_bytes(spec: ModelSpec, w: Workload, dispatcher: str) -> float:
 
 def _norm(spec: ModelSpec, w: Workload, tag: str, n: int, width: int, x_bytes: int) -> list[Item]:
     """An RMSNorm over ``n`` rows of ``width`` whose input has ``x_bytes`` per element."""
+    if "norm" in w.fused:  # Liger / TE: the input and rstd
+        return [Item(f"{tag}.input", n * width * x_bytes), Item(f"{tag}.rstd", n * 4)]
     items = [
         Item(f"{tag}.input_fp32", n * width * 4),  # x.float(): x itself when fp32
         Item(f"{tag}.rstd", n * 4),
@@ -190,13 +193,7 @@ def _mla(spec: ModelSpec, w: Workload, n: int) -> list[Item]:
 
 
 def _gated_mlp(w: Workload, tag: str, n: int, f: int) -> list[Item]:
-    A = w.compute
-    return [
-        Item(f"{tag}.gate_out", n * f * A),
-        Item(f"{tag}.act_out", n * f * A),
-        Item(f"{tag}.up_out", n * f * A),
-        Item(f"{tag}.down_input", n * f * A),
-    ]
+    return act.swiglu_items(w, tag, n, f)
 
 
 def _moe(spec: ModelSpec, w: Workload, n: int) -> list[Item]:

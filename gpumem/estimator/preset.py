@@ -8,12 +8,13 @@ two into peak terms; the planner's sweep asks it for thousands of layouts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from gpumem.estimator import activations as act
 from gpumem.estimator import backward as bwd
 from gpumem.estimator import hf_ops, inputs, peak
 from gpumem.estimator.bill import Bill, make_bill
-from gpumem.estimator.frameworks import cp_exchange_bytes
+from gpumem.estimator.frameworks import cp_exchange_bytes, default_fused_ops
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.specs import ModelSpec, ParamGroups, param_groups
@@ -57,6 +58,13 @@ class PresetTerms:
     moe_imbalance: float = MOE_IMBALANCE
     moe_dispatcher: str = "alltoall"
     moe_grouped_gemm: bool | None = None
+    fused_ops: tuple[str, ...] | None = None
+
+    @property
+    def fused(self) -> frozenset[str]:
+        """The fused kernels (default: the framework's, ``frameworks.default_fused_ops``)."""
+        ops = default_fused_ops(self.framework) if self.fused_ops is None else self.fused_ops
+        return frozenset(ops)
 
     @property
     def param_groups(self) -> ParamGroups:
@@ -112,6 +120,7 @@ class PresetTerms:
             etp=layout.expert_tp,
             moe_imbalance=self.moe_imbalance,
             grouped_gemm=self.grouped_gemm,
+            fused=self.fused,
         )
 
     def layer_items(self, layout: Layout, batch: int, dense: bool = False) -> list[act.Item]:
@@ -374,6 +383,21 @@ class PresetTerms:
         return float(saved), float(t_end), float(a_end), float(m.grads), float(t_start)
 
 
+def check_fused_ops(fused_ops: Any) -> None:
+    """``fused_ops`` is None or a tuple of known kernel names."""
+    if fused_ops is None:
+        return
+    if isinstance(fused_ops, str) or not all(isinstance(o, str) for o in fused_ops):
+        raise ValueError(
+            f"fused_ops must be a tuple of names from {', '.join(act.FUSED_OPS)}, got {fused_ops!r}"
+        )
+    bad = [o for o in fused_ops if o not in act.FUSED_OPS]
+    if bad:
+        raise ValueError(
+            f"unknown fused op(s) {', '.join(map(repr, bad))}; known: {', '.join(act.FUSED_OPS)}"
+        )
+
+
 def check_moe_args(
     spec: ModelSpec, moe_imbalance: float, moe_dispatcher: str, moe_grouped_gemm: bool | None
 ) -> None:
@@ -413,6 +437,7 @@ def estimate_preset(
     moe_imbalance: float = MOE_IMBALANCE,
     moe_dispatcher: str = "alltoall",
     moe_grouped_gemm: bool | None = None,
+    fused_ops: tuple[str, ...] | None = None,
 ) -> Bill:
     """The bill of training a described model (see ``gpumem.estimate``)."""
     seq, seq_source = inputs.seq_len(spec, seq_len)
@@ -424,6 +449,7 @@ def estimate_preset(
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
     check_moe_args(spec, moe_imbalance, moe_dispatcher, moe_grouped_gemm)
+    check_fused_ops(fused_ops)
     terms = PresetTerms(
         spec,
         training,
@@ -438,6 +464,7 @@ def estimate_preset(
         moe_imbalance,
         moe_dispatcher,
         moe_grouped_gemm,
+        None if fused_ops is None else tuple(fused_ops),
     )
     stages = list(range(layout.pp))
     return make_bill(
@@ -460,6 +487,7 @@ def estimate_preset(
             "precision": training.precision,
             "optimizer": training.optimizer,
             "framework": framework,
+            "fused_ops": tuple(sorted(terms.fused)),
             **(
                 {"moe_imbalance": moe_imbalance, "moe_dispatcher": moe_dispatcher}
                 if spec.is_moe

@@ -112,7 +112,7 @@ def test_context_parallel_divides_activations_along_the_sequence():
     from gpumem.estimator.preset import PresetTerms
     from gpumem.estimator.states import Training
 
-    quarter = PresetTerms(spec, Training(), find_gpu("H100-80GB"), 256).terms(
+    quarter = PresetTerms(spec, Training(), find_gpu("H100-80GB"), 256, framework="megatron").terms(
         Layout(dp=1), 1, "none", 1, None, [0]
     )[0]
     assert x_cp[peak.A_LAYER] == quarter[peak.A_LAYER]
@@ -268,3 +268,33 @@ def test_no_overflow_for_absurd_jobs():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert plan(huge, seq_len=1, n_gpus=1024, micro_batches=(1,)).candidates == []
+
+
+# --- fused kernels ---------------------------------------------------------------------------
+
+
+def test_fused_kernels_save_what_they_keep():
+    """bf16 Llama layer, by hand: an unfused RMSNorm keeps x.float() (4 B) and the normalised
+    x (2 B) where a fused one keeps x (2 B): 4·s·h less per norm, two norms; fused SwiGLU keeps
+    the gate/up output (2·f) and the product (f) instead of four f-wide tensors: 2·s·f less.
+    Fused cross-entropy keeps a per-token log-sum-exp instead of s·v fp32 log-probabilities
+    (bf16-mixed logits: the log-softmax is bf16 there, 2 B)."""
+    from gpumem.estimator.activations import sum_items
+
+    spec = resolve_model("llama-2-7b")
+    s, h, f, v = 2048, spec.hidden, spec.ffn, spec.vocab
+    plain = estimate(spec, seq_len=s, framework="torch")
+    fused = estimate(spec, seq_len=s, fused_ops=("norm", "swiglu"))
+    assert sum_items(plain.items) - sum_items(fused.items) == 2 * 4 * s * h + 2 * s * f
+    meg = estimate(spec, seq_len=s, layout=Layout(dp=2, zero=1), framework="megatron")
+    assert meg.inputs["fused_ops"] == ("norm", "rope", "swiglu")
+    x_plain = _terms(spec, Layout(dp=1))
+    from gpumem.estimator.gpus import find_gpu
+    from gpumem.estimator.preset import PresetTerms
+    from gpumem.estimator.states import Training
+
+    job = PresetTerms(spec, Training(), find_gpu("H100-80GB"), 1024, fused_ops=("ce",))
+    x_ce = job.terms(Layout(dp=1), 1, "none", 1, None, [0])[0]
+    assert x_plain[peak.A_LAST] - x_ce[peak.A_LAST] == 1024 * v * 2 - 1024 * 4
+    with pytest.raises(ValueError, match="unknown fused op"):
+        estimate(spec, fused_ops=("norm", "attention"))
