@@ -148,7 +148,15 @@ def calibration_rows() -> list[list[object]]:
             ]
         )
         print(f"{case.name}: before {c.error_pct:+.2f} % after {err_after:+.2f} %")
+        CAL_FIGURES.append(_after_figure(case.name, err_after))
     return rows
+
+
+CAL_FIGURES: list[Figure] = []
+
+
+def _after_figure(name: str, err_pct: float) -> Figure:
+    return value_figure(f"{name}: error after calibration", "%", abs(err_pct), tolerance=0.05)
 
 
 HF_HELD_OUT = {  # larger than the fit's proxies (hidden 64, 2 layers), trained for real
@@ -190,6 +198,15 @@ def hf_calibration_rows() -> list[list[object]]:
                 ]
             )
             print(f"{case.name}: before {c.error_pct:+.2f} % after {err_after:+.2f} %")
+            CAL_FIGURES.append(_after_figure(f"config.json {case.name}", err_after))
+            CAL_FIGURES.append(
+                value_figure(
+                    f"config.json {case.name}: error before calibration",
+                    "%",
+                    abs(c.error_pct),
+                    tolerance=0.05,
+                )
+            )
     return rows
 
 
@@ -307,7 +324,7 @@ Run details:
         rows,
         notes,
         info,
-        figures=figures + step_figures,
+        figures=figures + step_figures + CAL_FIGURES,
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from _report import machine_info, write_results
+from _report import Figure, machine_info, value_figure, write_results
 
 from gpumem.estimator.validate import (
     HF_PRECISIONS,
@@ -20,6 +20,8 @@ from gpumem.estimator.validate import (
     compare_hf,
     within_tolerance,
 )
+
+FIGURES: list[Figure] = []
 
 
 def rows() -> tuple[list[list[object]], int, int]:
@@ -46,6 +48,9 @@ def rows() -> tuple[list[list[object]], int, int]:
                 ok += passed
                 total += 1
                 pct = 100 * errs[worst] / m[worst] if m.get(worst) else 0.0
+                FIGURES.append(
+                    value_figure(f"{label}: total error", "%", abs(c.error_pct), tolerance=0.05)
+                )
                 out.append(
                     [
                         label,
