@@ -95,6 +95,10 @@ it), DeepSeek's MLA where CPU SDPA takes its math path (unequal q/v head dims), 
 `torch._grouped_mm` kernel (its saved tensors are counted as temporary), and the widest backward
 moment under recompute of Gemma's norms and of shared experts.
 """
+    figures = [
+        value_figure("configurations within the bound", "count", ok, better="higher"),
+        *FIGURES,
+    ]
     write_results(
         "hf_sweep",
         "Estimator vs fake-tensor profile of transformers models",
@@ -102,6 +106,7 @@ moment under recompute of Gemma's norms and of shared experts.
         table,
         notes,
         info,
+        figures=figures,
     )
 
 
