@@ -437,17 +437,29 @@ def _proxy(
     bubble = (lay.pp - 1) / (ga * lay.vpp) if lay.pp > 1 else 0.0
     bubble = min(bubble, 0.95)
     p_rank = spec.n_params / (lay.tp * lay.pp)
-    dp_bytes = 2 * p_rank * tr.grad_bytes * (1.5 if lay.stage >= 3 else 1.0) if lay.dp > 1 else 0.0
+    replicas = lay.dp * lay.cp  # context-parallel ranks reduce gradients too
+    dp_bytes = (
+        2 * p_rank * tr.grad_bytes * (1.5 if lay.stage >= 3 else 1.0) if replicas > 1 else 0.0
+    )
     tp_bytes = (
         4 * spec.n_layers / lay.pp * ga * mb * seq * spec.hidden * tr.compute_bytes
         if lay.tp > 1
         else 0.0
     )
+    # context parallelism: every rank's K/V chunk travels the ring cp - 1 times forward, and
+    # again with dK/dV in backward (~3 passes), per layer and micro-batch
+    kv = 2 * spec.kv_heads * spec.dhead // min(lay.tp, max(spec.kv_heads, 1))
+    cp_bytes = (
+        3 * (lay.cp - 1) * spec.n_layers / lay.pp * ga * mb * seq / lay.cp * kv * tr.compute_bytes
+        if lay.cp > 1
+        else 0.0
+    )
     intra = g.intra_gbps * 1e9 or g.inter_gbps * 1e9
     dp_bw = intra if lay.n_gpus <= g.gpus_per_node else g.inter_gbps * 1e9
-    comm = dp_bytes / dp_bw + tp_bytes / intra
+    cp_bw = intra if lay.tp * lay.cp <= g.gpus_per_node else g.inter_gbps * 1e9
+    comm = dp_bytes / dp_bw + tp_bytes / intra + cp_bytes / cp_bw
     step = compute * (1 + rc_cost) / (1 - bubble) + EXPOSED_COMM * comm
-    return step, bubble, dp_bytes + tp_bytes
+    return step, bubble, dp_bytes + tp_bytes + cp_bytes
 
 
 def min_gpus(
