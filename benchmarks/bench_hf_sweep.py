@@ -91,7 +91,8 @@ temporaries than the real run; everywhere else fake and real agree to the byte:
 `tests/estimator/test_hf_sweep.py::test_fake_equals_real`).
 
 Not modelled yet (the rows marked NO): Gemma2's eager attention (transformers refuses SDPA for
-it), DeepSeek's MLA where CPU SDPA takes its math path (unequal q/v head dims), the bf16
+it), DeepSeek-V3 under autocast and recompute (its math-path MLA is modelled in fp32 and pure
+bf16), the bf16
 `torch._grouped_mm` kernel (its saved tensors are counted as temporary), and the widest backward
 moment under recompute of Gemma's norms and of shared experts.
 """

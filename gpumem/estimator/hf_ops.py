@@ -27,7 +27,8 @@ against ``gpumem.profile`` under fake tensors (tests/estimator/test_hf_sweep.py)
   shared expert is a dense MLP (Qwen2-MoE scales it by a saved sigmoid gate).
 - **MLA** (DeepSeek-V2/V3): the down projections' input, their norms (llama RMSNorm), the up
   projections' inputs, q and k of ``nope + rope`` width, the ``kv_b_proj`` output that v views,
-  the attention output and the ``o_proj`` copy of it.
+  the attention output and the ``o_proj`` copy of it; on the CPU, whose flash kernel needs one
+  head dim for q, k and v, SDPA's math path instead (fp32 scaled q, k, the s × s softmax, v).
 """
 
 from __future__ import annotations
@@ -181,12 +182,27 @@ def _mla(spec: ModelSpec, w: Workload, n: int) -> list[Item]:
         Item("kv_a_norm.rstd", n * 4),
         Item("kv_a_norm.normalized", n * kvr * A),
         Item("kv_b.input", n * kvr * A),
-        Item("attn.q", n * a * qk * A),
-        Item("attn.k", n * a * qk * A),
-        Item("attn.v", n * a * (spec.qk_nope_dim + spec.v_head_dim) * A),  # kv_b's output
-        Item("attn.out", n * a * spec.v_head_dim * A, core=True),
-        Item("o_proj.input", n * a * spec.v_head_dim * A),
     ]
+    if w.attention == "cpu-flash" and qk != spec.v_head_dim:
+        # CPU SDPA's flash kernel needs one head dim for q, k and v: the math path runs, in
+        # fp32 (16-bit inputs upcast): scaled q, k, the s x s softmax, v, and o_proj reads a
+        # copy of the output
+        M, sq = 4, w.local_seq
+        items += [
+            Item("attn.q_scaled", n * a * qk * M, core=True),
+            Item("attn.k", n * a * qk * M, core=True),
+            Item("attn.softmax", w.batch * a * sq * w.seq * M, core=True),
+            Item("attn.v", n * a * spec.v_head_dim * M),
+            Item("o_proj.input", n * a * spec.v_head_dim * A),
+        ]
+    else:
+        items += [
+            Item("attn.q", n * a * qk * A),
+            Item("attn.k", n * a * qk * A),
+            Item("attn.v", n * a * (spec.qk_nope_dim + spec.v_head_dim) * A),  # kv_b's output
+            Item("attn.out", n * a * spec.v_head_dim * A, core=True),
+            Item("o_proj.input", n * a * spec.v_head_dim * A),
+        ]
     if A != 4:  # the latent norm's fp32 input copy
         items.append(Item("kv_a_norm.input_fp32", n * kvr * 4))
     return items

@@ -28,7 +28,6 @@ from gpumem.estimator.validate import (
 
 GAPS = {
     ("gemma2", "fp32", False): "transformers refuses SDPA for Gemma2; eager attention not modelled",
-    ("deepseek-v3", "fp32", False): "MLA with unequal q/v head dims takes CPU SDPA's math path",
 }
 CASES = [(name, "fp32", False) for name in HF_SWEEP]
 CASES += [("llama", p, rc) for p in ("fp32", "bf16-autocast", "bf16") for rc in (False, True)]
