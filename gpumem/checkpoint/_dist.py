@@ -3,16 +3,18 @@
 Background saves and preemption checks run collectives from other threads than the training
 loop's; sharing its process group would interleave them with training collectives and deadlock
 (the KempnerForge#104 failure). Each user of collectives therefore gets its own gloo group,
-created collectively when the object is built, with ``timeout_s`` as its deadline, and a roll
-call (``collective.RollCall``) that names the ranks missing from a collective. Without
-torch.distributed every call is local.
+created collectively when the object is built, and a roll call (``collective.RollCall``) that
+names the ranks missing from a collective after ``timeout_s``. The gloo group itself keeps
+torch's default timeout: once every rank has joined, a later collective of a save waits for the
+slowest rank's writes, which can take longer than the roll call's deadline on slow storage (a
+rank that dies closes its connections, and the others fail at once). Without torch.distributed
+every call is local.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from datetime import timedelta
 
 import torch
 
@@ -29,7 +31,7 @@ class Group:
         dist = _dist()
         if dist is not None and dist.is_initialized() and dist.get_world_size() > 1:
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-            self.pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            self.pg = dist.new_group(backend="gloo")
             store = default_store()
             if store is not None:
                 self.roll = RollCall(store, self.rank, self.world_size, timeout_s)

@@ -104,9 +104,9 @@ class Checkpointer:
             tensor parallel) is written once per block anyway and is not affected by it.
         collective_timeout_s: save() and restore() are collectives; a rank that does not join
             one within this many seconds (save() called on rank 0 only, say) makes it raise
-            CheckpointStateError on every rank that did, naming the missing ranks. It also
-            bounds every later collective of the save. Rank 0's wait for the directory lock
-            (``lock_timeout_s``) does not count: the other ranks wait for its result first.
+            CheckpointStateError on every rank that did, naming the missing ranks. Rank 0's
+            wait for the directory lock (``lock_timeout_s``) does not count: the other ranks
+            wait for its result first.
 
     Sharded state (FSDP2 ``fully_shard``, tensor parallel, 2-D meshes): pass the wrapped model and
     its optimizer as they are. Each rank writes the blocks of its local shards (a replicated
