@@ -1,5 +1,6 @@
-"""The native core (issue #2) as the checkpoint code uses it: CRC32C, the parallel writer and the
-host arena. One import point, so the rest of the package never reaches into ``gpumem._C``."""
+"""The native core (issue #2) as the checkpoint code uses it: CRC32C, the parallel writer and
+reader, and the host arena. One import point, so the rest of the package never reaches into
+``gpumem._C``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import torch
 
 from gpumem.arena import HostArena
 from gpumem.checksum import chunk_crc32c, crc32c
-from gpumem.writer import fsync_dir, read_file, read_into, write_file
+from gpumem.reader import read_file
+from gpumem.writer import fsync_dir, write_file
 
 __all__ = [
     "HostArena",
@@ -16,7 +18,6 @@ __all__ = [
     "crc32c",
     "fsync_dir",
     "read_file",
-    "read_into",
     "write_file",
 ]
 

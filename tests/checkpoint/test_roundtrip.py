@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from ckpt_files import read_manifest
 from trainlib import Setup, seed_all
 
 import gpumem
@@ -17,7 +18,6 @@ from gpumem.checkpoint import (
     CheckpointStateError,
     verify,
 )
-from gpumem.checkpoint.format import read_manifest
 
 
 def _state_equal(a: Setup, b: Setup) -> None:
@@ -337,6 +337,7 @@ def test_verify_loaded_checks_every_restored_tensor_and_names_damage(tmp_path, m
     from gpumem.checkpoint import state as state_mod
     from gpumem.checkpoint.persist import load_info
     from gpumem.checkpoint.restore import restore_tree, verify_loaded
+    from gpumem.checkpoint.safe_fs import Dir
     from gpumem.checkpoint.state import capture
 
     torch.manual_seed(0)
@@ -356,7 +357,8 @@ def test_verify_loaded_checks_every_restored_tensor_and_names_damage(tmp_path, m
         assert ck.restore(model=model2, optimizer=opt2, verify_loaded=True, rng=False) == 1
         # every tensor of the model and the optimizer state was checked (the 0-d AdamW steps too)
         path = ck.latest().path
-        _, shard = restore_tree(Path(path), load_info(Path(path)), 0)
+        with Dir.open(path) as step:
+            _, shard = restore_tree(step, load_info(step), 0)
         _, table = capture(1, model=model2, optimizer=opt2, rng=False)
         assert verify_loaded(Path(path), shard, table) == len(shard.tensors) == len(table.names)
         real_apply = state_mod.apply
