@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import stat
 
 import numpy as np
 import pytest
@@ -143,3 +144,82 @@ def test_drop_page_cache_walks_directories_and_keeps_the_bytes(tmp_path):
 def test_read_only_buffer_is_refused(tmp_path):
     with pytest.raises(ValueError, match="out is read-only"):
         read_into(tmp_path / "x", 0, b"abc")
+
+
+# ---- strict mode: only the regular file of the size asked for (issue #14) ----
+
+
+def _strict(path, size, **kw):
+    buf = bytearray(max(size, 0))
+    return read_file(path, [(0, buf)] if size else [], expect_size=size, **kw), bytes(buf)
+
+
+def test_strict_read_of_the_expected_file(tmp_path):
+    (tmp_path / "f").write_bytes(b"0123456789")
+    assert _strict(tmp_path / "f", 10) == (10, b"0123456789")
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:  # relative to a directory descriptor, as the checkpoint reader uses it
+        assert _strict("f", 10, dir_fd=fd) == (10, b"0123456789")
+    finally:
+        os.close(fd)
+
+
+def test_strict_read_refuses_what_is_not_the_expected_file(tmp_path, in_child):
+    """A symlink (even to the right bytes), a FIFO, a device, a directory or another size: an
+    UnexpectedFileError (an OSError) naming the file, and nothing read. The FIFO would block
+    an open for reading forever, so the cases run in a child with a time limit."""
+    from gpumem.reader import UnexpectedFileError
+
+    (tmp_path / "f").write_bytes(b"0123456789")
+    (tmp_path / "link").symlink_to(tmp_path / "f")
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "dir").mkdir()
+    cases = {
+        "link": (10, "symbolic link"),
+        "fifo": (0, "a FIFO"),
+        "dir": (0, "a directory"),
+        "f": (11, "is 10 bytes, expected 11"),
+    }
+    try:
+        os.mknod(tmp_path / "dev", stat.S_IFCHR | 0o644, os.makedev(1, 5))  # as /dev/zero
+        cases["dev"] = (0, "a character device")
+    except OSError:
+        pass  # no CAP_MKNOD here: the other cases still run
+
+    def case():
+        for name, (size, match) in cases.items():
+            with pytest.raises(UnexpectedFileError, match=match) as info:
+                _strict(tmp_path / name, size)
+            assert info.value.filename == str(tmp_path / name), name
+        # without expect_size the reader reads what the caller points it at
+        assert read_file(tmp_path / "link", [(0, bytearray(10))]) == 10
+
+    in_child(case)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_no_descriptor_leaks_when_a_read_fails_after_opening(tmp_path):
+    """Descriptors are owned by a guard in the native core: the failures after the open (a file
+    shorter than its pieces, read through both descriptors with direct=True) close them."""
+    (tmp_path / "short").write_bytes(b"x" * 100)
+    before = _open_fds()
+    for _ in range(200):
+        with pytest.raises(OSError, match="shorter than expected"):
+            read_file(tmp_path / "short", [(0, bytearray(4096 * 3))], direct=True, expect_size=100)
+    assert _open_fds() == before
+
+
+def test_non_utf8_paths(tmp_path):
+    path = os.path.join(os.fsencode(tmp_path), b"r-\xff.bin")
+    with open(path, "wb") as f:
+        f.write(b"abcdef")
+    assert _strict(path, 6) == (6, b"abcdef")
+    out = bytearray(3)
+    assert read_into(os.fsdecode(path), 2, out) == 3 and bytes(out) == b"cde"
+    with pytest.raises(FileNotFoundError) as info:
+        read_into(path + b"-missing", 0, bytearray(1))
+    assert os.fsencode(info.value.filename) == path + b"-missing"

@@ -267,3 +267,40 @@ def test_dev_full_is_enospc():
     with pytest.raises(OSError) as info:
         write_file("/dev/full", [(0, b"x" * 10_000)], fsync=False)
     assert info.value.errno == errno.ENOSPC and info.value.filename == "/dev/full"
+
+
+def test_exclusive_creates_only_a_new_file_never_through_a_link(tmp_path):
+    canary = tmp_path / "canary"
+    canary.write_bytes(b"someone's")
+    (tmp_path / "link").symlink_to(canary)
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    for name in ("canary", "link", "dangling"):
+        with pytest.raises(FileExistsError):
+            write_file(tmp_path / name, [(0, b"new")], exclusive=True)
+    assert canary.read_bytes() == b"someone's" and not (tmp_path / "nowhere").exists()
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert write_file("new", [(0, b"abc")], dir_fd=fd, exclusive=True, direct=True) == 3
+    finally:
+        os.close(fd)
+    assert (tmp_path / "new").read_bytes() == b"abc"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_no_descriptor_leaks_when_planning_throws_after_the_open(tmp_path):
+    """A piece that ends past the largest file offset is refused while planning, which runs
+    after the file was opened (descriptors are owned by a guard, not closed by hand)."""
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(200):
+        with pytest.raises(ValueError, match="ends past the largest file offset"):
+            write_file(tmp_path / "x", [(2**63 - 4, b"0123456789")], direct=True)
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_non_utf8_paths(tmp_path):
+    path = os.path.join(os.fsencode(tmp_path), b"w-\xff.bin")
+    assert write_file(path, [(0, b"abc")]) == 3
+    assert write_file(os.fsdecode(path) + "2", [(0, b"de")]) == 2
+    with open(path, "rb") as f:
+        assert f.read() == b"abc"
+    fsync_dir(os.fsencode(tmp_path))

@@ -440,6 +440,8 @@ HOSTILE_VALUES = {
     ),
     "an int where the optimizer state dict belongs": _set("optimizer", value=7),
     "an int where the model's mapping belongs": _set("model", value=7),
+    "an int where the stateful objects' mapping belongs": _set("stateful", value=7),
+    "a str where a stateful object's counter belongs": _set("stateful", "data", "pos", value="x"),
     "a list where extra's dict belongs": _set("extra", value=[1, 2]),
     "optimizer betas of the wrong type": _set("optimizer", "param_groups", 0, "betas", value="abc"),
     "optimizer lr as a list": _set("optimizer", "param_groups", 0, "lr", value=[1e-3]),
@@ -450,12 +452,27 @@ HOSTILE_VALUES = {
 }
 
 
+class Cursor:
+    """A data position, restored through a stateful object's own load_state_dict."""
+
+    def __init__(self, pos: int = 0):
+        self.pos = pos
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.pos = sd["pos"] + 0  # a str fails here, in the object's own code
+
+
 def _two_steps_with_extra(root: Path) -> dict[int, list]:
     want = {}
     with gpumem.Checkpointer(root, keep=None) as ck:
         for step in (1, 2):
             model, opt = _objects(step)
-            ck.save(step, model=model, optimizer=opt, extra={"e": step})
+            ck.save(
+                step, model=model, optimizer=opt, extra={"e": step}, stateful={"data": Cursor(step)}
+            )
             ck.wait()
             want[step] = _snapshot(model, opt)
     return want
@@ -470,16 +487,23 @@ def test_hostile_values_fall_back_and_touch_nothing(tmp_path, in_child, case_nam
 
     def case():
         extra: dict = {}
-        step, got, fallbacks = _restore(root, extra=extra)
-        assert step == 1 and got == want[1] and extra == {"e": 1}
+        cursor = Cursor()
+        step, got, fallbacks = _restore(root, extra=extra, stateful={"data": cursor})
+        assert step == 1 and got == want[1] and extra == {"e": 1} and cursor.pos == 1
         assert fallbacks[0].startswith(f"skipping damaged checkpoint {STEP2}")
         # without fallback (path=): the error names the step, and nothing was touched
         model, opt = _objects(42)
         before = _snapshot(model, opt)
-        extra = {"mine": 0}
+        extra, cursor = {"mine": 0}, Cursor(5)
         with gpumem.Checkpointer(root) as ck, pytest.raises(CheckpointCorruptError):
-            ck.restore(model=model, optimizer=opt, extra=extra, path=root / STEP2)
-        assert _snapshot(model, opt) == before and extra == {"mine": 0}
+            ck.restore(
+                model=model,
+                optimizer=opt,
+                extra=extra,
+                stateful={"data": cursor},
+                path=root / STEP2,
+            )
+        assert _snapshot(model, opt) == before and extra == {"mine": 0} and cursor.pos == 5
 
     in_child(case)
 
