@@ -40,8 +40,8 @@ from _report import machine_info, write_results
 
 import gpumem
 from gpumem.arena import HostArena
-from gpumem.units import format_bytes, parse_bytes
 from gpumem.reader import drop_page_cache, read_file
+from gpumem.units import format_bytes, parse_bytes
 from gpumem.writer import write_file
 
 
