@@ -9,14 +9,13 @@ import torch
 from gpumem.arena import HostArena
 from gpumem.checksum import chunk_crc32c, crc32c
 from gpumem.reader import read_file
-from gpumem.writer import fsync_dir, write_file
+from gpumem.writer import write_file
 
 __all__ = [
     "HostArena",
     "as_bytes",
     "chunk_crc32c",
     "crc32c",
-    "fsync_dir",
     "read_file",
     "write_file",
 ]

@@ -628,7 +628,13 @@ class Checkpointer:
         verify())."""
         from .persist import list_checkpoints
 
-        return list_checkpoints(self._root_dir())
+        try:
+            root = self._root_dir()
+        except CheckpointIOError as exc:
+            if exc.errno != errno.ENOENT:  # a rank started before rank 0 created it
+                raise
+            return []
+        return list_checkpoints(root)
 
     def latest(self) -> CheckpointInfo | None:
         """The newest committed checkpoint, or None."""
