@@ -117,10 +117,10 @@ class DirLock:
 def _open_lock(root: Dir, path: os.PathLike) -> int:
     """The lock file's descriptor: created if missing, opened only if it is a regular file with
     one link (checked before opening, so no FIFO or device is opened, and after)."""
-    before = root.lstat(LOCK_FILE)
-    if before is not None:
-        _check_lock_file(before, path)
     try:
+        before = root.lstat(LOCK_FILE)
+        if before is not None:
+            _check_lock_file(before, path)
         fd = os.open(LOCK_FILE, _FLAGS, 0o644, dir_fd=root.fd)
     except OSError as exc:
         raise read_error(exc, path, "opening the directory lock") from None

@@ -27,7 +27,7 @@ from typing import Any
 
 from gpumem import _strict_json
 
-from .errors import CheckpointCorruptError
+from .errors import CheckpointCorruptError, CheckpointStateError
 from .format import (
     LATEST,
     MAIN_MANIFEST,
@@ -39,7 +39,7 @@ from .format import (
     parse_main,
     step_dir_name,
 )
-from .safe_fs import Dir, read_error
+from .safe_fs import Dir, io_error, read_error
 
 _LATEST_MAX = 4096
 ABANDONED = "abandoned"  # holds the checkpoints of abandoned branches (set_aside_newer)
@@ -59,8 +59,19 @@ def prepare_tmp(root: Dir, step: int) -> Dir:
 
 
 def write_manifest(d: Dir, name: str, body: dict[str, Any]) -> int:
-    """Write a manifest durably as a new file; returns its CRC32C."""
+    """Write a manifest durably as a new file; returns its CRC32C.
+
+    Raises:
+        CheckpointStateError: the manifest would be larger than any reader accepts (the state
+            saved beside the tensors is too large: store big values as tensors).
+    """
     data, crc = encode_manifest(body)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CheckpointStateError(
+            f"{d.path / name}: the manifest would be {len(data)} bytes, over the "
+            f"{MAX_MANIFEST_BYTES} byte limit readers enforce; store large values (lists of "
+            "numbers, long strings) as tensors or NumPy arrays"
+        )
     d.write_new(name, data)
     return crc
 
@@ -150,8 +161,11 @@ def write_latest(root: Dir, step: int, name: str, manifest_crc: int) -> None:
 def read_latest(root: Dir) -> dict[str, Any] | None:
     """The ``latest`` pointer, strictly parsed; None if there is none; CheckpointCorruptError if
     damaged (or not a small regular file)."""
-    if root.lstat(LATEST) is None:
-        return None
+    try:
+        if root.lstat(LATEST) is None:
+            return None
+    except OSError as exc:
+        raise read_error(exc, root.path / LATEST, "reading") from None
     raw = root.read_small(LATEST, _LATEST_MAX, "the latest pointer")
     try:
         data = _strict_json.loads(raw)
@@ -174,8 +188,12 @@ def read_latest(root: Dir) -> dict[str, Any] | None:
 def step_dirs(root: Dir) -> list[tuple[int, str]]:
     """Committed checkpoint directories (real ones: a link named ``step-*`` is not one), newest
     step first, as (step, name)."""
+    try:
+        entries = root.entries()
+    except OSError as exc:
+        raise io_error(exc, root.path, "listing") from None
     found = []
-    for e in root.entries():
+    for e in entries:
         m = STEP_DIR.match(e.name)
         if m and e.is_dir(follow_symlinks=False):
             found.append((int(m.group(1)), e.name))
@@ -240,7 +258,10 @@ def clean_stale(root: Dir) -> None:
     A committed step moved aside to be replaced by a new save of the same step
     (``.replaced-step-<N>-*``) is complete: if the crash came before the new ``step-<N>`` took its
     place, it is renamed back instead of deleted."""
-    entries = root.entries()
+    try:
+        entries = root.entries()
+    except OSError:
+        return  # best effort: the next save or start tries again
     replaced = sorted(
         (e for e in entries if e.name.startswith(_REPLACED)), key=lambda e: e.name, reverse=True
     )  # newest first (same step: the ns suffix decides)

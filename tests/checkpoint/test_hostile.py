@@ -725,16 +725,24 @@ def test_values_that_cannot_be_stored_raise_from_save(tmp_path, what):
 # ------------------------------------------------------------------ read-only storage
 
 
-def test_read_only_true_takes_no_lock_and_refuses_save(tmp_path):
-    _two_steps(tmp_path)
-    with gpumem.Checkpointer(tmp_path) as writer:  # holds the lock
-        with gpumem.Checkpointer(tmp_path, read_only=True, lock_timeout_s=0) as ro:
-            assert ro.read_only
-            model, opt = _objects(0)
-            assert ro.restore(model=model, optimizer=opt) == 2
-            with pytest.raises(CheckpointStateError, match="read_only=True"):
-                ro.save(3, model=model)
-        writer.save(3, extra={"x": 1})
+def test_read_only_true_takes_no_lock_and_refuses_save(tmp_path, in_child):
+    want = _two_steps(tmp_path)
+    (tmp_path / ".tmp-step-000000009").mkdir()  # a crashed save's leftover: left alone
+
+    def case():
+        with gpumem.Checkpointer(tmp_path) as writer:  # holds the lock
+            (tmp_path / ".tmp-step-000000009").mkdir()
+            with gpumem.Checkpointer(tmp_path, read_only=True, lock_timeout_s=0) as ro:
+                assert ro.read_only
+                model, opt = _objects(0)
+                assert ro.restore(model=model, optimizer=opt) == 2
+                assert _snapshot(model, opt) == want[2]
+                with pytest.raises(CheckpointStateError, match="read_only=True"):
+                    ro.save(3, model=model)
+            assert (tmp_path / ".tmp-step-000000009").is_dir()
+            writer.save(3, extra={"x": 1})
+
+    in_child(case)
 
 
 def _nobody_can_enter(path: Path) -> None:
