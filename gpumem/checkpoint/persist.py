@@ -19,6 +19,7 @@ descriptors: nothing is created through, renamed into or removed behind a symbol
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -268,17 +269,17 @@ def clean_stale(root: Dir) -> None:
     restored = False
     for e in replaced:
         final = e.name[len(_REPLACED) :].rsplit("-", 1)[0]
-        complete = e.is_dir(follow_symlinks=False) and STEP_DIR.match(final)
-        if complete and root.lstat(final) is None:
-            try:
+        try:
+            if e.is_dir(follow_symlinks=False) and STEP_DIR.match(final) and not root.lstat(final):
                 root.rename(e.name, root, final)
                 restored = True
                 continue
-            except OSError:
-                pass
+        except OSError:
+            pass
         root.discard_tree(e.name)
     for e in entries:
         if e.name.startswith(_STALE):
             root.discard_tree(e.name)
     if restored:
-        root.fsync()
+        with contextlib.suppress(OSError):  # the rename stands; only its durability is at stake
+            root.fsync()

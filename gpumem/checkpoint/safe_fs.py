@@ -140,7 +140,8 @@ class Dir:
             self.fd = -1
 
     def __del__(self) -> None:
-        with contextlib.suppress(OSError):
+        # also at interpreter exit, when module globals (os) may be gone already
+        with contextlib.suppress(Exception):
             self.close()
 
     def __enter__(self) -> Dir:
