@@ -789,6 +789,37 @@ def test_a_directory_without_write_permission_restores_read_only(in_child):
         shutil.rmtree(root, ignore_errors=True)
 
 
+def test_an_os_error_while_reading_is_raised_not_skipped(in_child):
+    """EACCES on a data file of the newest step is the operating system's error, not damage:
+    CheckpointIOError with errno and path, no silent fallback to the older step, nothing
+    touched (it used to be CheckpointCorruptError, and restore took step 1 with a warning)."""
+    root = Path(tempfile.mkdtemp(prefix="gpumem-eacces-", dir="/tmp"))
+    try:
+        _nobody_can_enter(root)
+        _two_steps(root)
+        for p in [root, *root.rglob("*")]:
+            p.chmod(0o777 if p.is_dir() else 0o666)
+        (root / STEP2 / DATA).chmod(0o000)
+
+        def case():
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            model, opt = _objects(9)
+            before = _snapshot(model, opt)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", CheckpointFallbackWarning)
+                with gpumem.Checkpointer(root) as ck, pytest.raises(CheckpointIOError) as info:
+                    ck.restore(model=model, optimizer=opt)
+            assert info.value.errno == errno.EACCES
+            assert info.value.filename == str(root / STEP2 / DATA)
+            assert _snapshot(model, opt) == before
+
+        in_child(case)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def test_a_read_only_mount_restores_read_only(tmp_path):
     """EROFS, for real: the directory bind-mounted read-only in a private mount namespace."""
     if shutil.which("unshare") is None:
