@@ -52,9 +52,7 @@ MAX_TENSORS = 1 << 24
 MAX_NDIM = 64
 MAX_NAME = 1024
 MAX_WORLD = 1 << 20
-MAX_CREATED = (
-    1 << 40
-)  # seconds since the epoch: some 34,000 years; bounds a hostile 400-digit value
+MAX_CREATED = 253402300799  # seconds since the epoch at the end of year 9999: what dates can show
 _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HEADER = re.compile(rb"^gpumem-checkpoint (\d{1,4}) (\d{12}) ([0-9a-f]{8})\n")
 

@@ -508,7 +508,7 @@ def test_hostile_values_fall_back_and_touch_nothing(tmp_path, in_child, case_nam
     in_child(case)
 
 
-@pytest.mark.parametrize("created", [b"1e400", b"1" * 400, b"-1"])
+@pytest.mark.parametrize("created", [b"1e400", b"1" * 400, b"-1", b"253402300800"])
 def test_hostile_created_time_breaks_nothing(tmp_path, in_child, capsys, created):
     root = tmp_path / "ck"
     _two_steps(root)
