@@ -99,6 +99,35 @@ def test_restored_tensors_own_their_memory(tmp_path):
     assert exp_avg.untyped_storage().nbytes() == exp_avg.numel() * 4
 
 
+def test_large_restored_tensors_own_page_aligned_memory(tmp_path):
+    """From 1 MiB on, a tensor is read with O_DIRECT into memory of its own that starts on a page
+    (its storage is at most a page larger than the tensor); it still owns it."""
+    from gpumem.checkpoint.restore import DIRECT_MIN_BYTES
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 512)  # a 2 MiB weight, a 2 KiB bias
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 1024)).sum().backward()
+    opt.step()
+    with gpumem.Checkpointer(tmp_path) as ck:
+        ck.save(1, model=model, optimizer=opt, rng=False)
+        ck.wait()
+        model2 = torch.nn.Linear(1024, 512)
+        opt2 = torch.optim.AdamW(model2.parameters())
+        assert ck.restore(model=model2, optimizer=opt2) == 1
+    state = opt2.state_dict()["state"]
+    big = [state[0]["exp_avg"], state[0]["exp_avg_sq"]]
+    assert all(t.numel() * 4 >= DIRECT_MIN_BYTES for t in big)
+        t.data_ptr() - t.storage_offset() * 4 for t in big
+    }
+    for t in big:
+        assert t.data_ptr() % 4096 == 0
+        assert t.numel() * 4 <= t.untyped_storage().nbytes() < t.numel() * 4 + 4096
+    assert len({t.untyped_storage().data_ptr() for t in big}) == 2  # one storage each
+    assert torch.equal(big[0], opt.state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(model2.weight, model.weight)
+
+
 def test_awkward_tensors(tmp_path):
     base = torch.arange(24, dtype=torch.float64).reshape(4, 6)
     tensors = {
