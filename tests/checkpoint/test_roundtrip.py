@@ -118,8 +118,6 @@ def test_large_restored_tensors_own_page_aligned_memory(tmp_path):
     state = opt2.state_dict()["state"]
     big = [state[0]["exp_avg"], state[0]["exp_avg_sq"]]
     assert all(t.numel() * 4 >= DIRECT_MIN_BYTES for t in big)
-        t.data_ptr() - t.storage_offset() * 4 for t in big
-    }
     for t in big:
         assert t.data_ptr() % 4096 == 0
         assert t.numel() * 4 <= t.untyped_storage().nbytes() < t.numel() * 4 + 4096
