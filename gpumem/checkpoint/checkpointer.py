@@ -220,14 +220,28 @@ class Checkpointer:
         self._read_only_errno: int | None = None  # why it cannot be written (None: asked for)
         # why save() is refused (None: it is not): the directory is opened read-only
         self.read_only: str | None = "opened with read_only=True" if read_only else None
+        failure: Exception | None = None
         if self._group.rank == 0:
-            self._open_root(lock_timeout_s)
-        if self._group.world_size > 1:  # every rank refuses save() alike, or a save would hang
-            code = -1 if self.read_only is None else (self._read_only_errno or 0)
+            try:
+                self._open_root(lock_timeout_s)
+            except Exception as exc:  # raised below, once every rank has heard of it
+                failure = exc
+        if self._group.world_size > 1:
+            # every rank fails alike, and refuses save() alike, or a later collective would hang
+            code = _FAILED if failure is not None else _WRITABLE
+            if failure is None and self.read_only is not None:
+                code = self._read_only_errno or 0
             code = self._group.all_gather([code])[0][0]
-            if code >= 0 and self.read_only is None:
+            if code == _FAILED and failure is None:
+                failure = CheckpointError(
+                    f"rank 0 could not open {self.directory} (its error is raised there)"
+                )
+            elif code >= 0 and self.read_only is None:
                 self.read_only = "opened read-only by rank 0"
                 self._read_only_errno = code or None
+        if failure is not None:
+            _stop_workers(self._workers)
+            raise failure
         _LIVE.add(self)
 
     def _open_root(self, lock_timeout_s: float) -> None:
@@ -825,6 +839,10 @@ class Checkpointer:
                 stacklevel=3,
             )
 
+
+# what rank 0 tells the others after opening the directory (else: the errno that made it
+# read-only, 0 for read_only=True)
+_FAILED, _WRITABLE = -2, -1
 
 # restore()'s per-candidate outcome, agreed over the ranks with a MIN: the worst one wins
 _RAISE, _DAMAGED, _OK = 0, 1, 2
