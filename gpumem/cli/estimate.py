@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+
+from gpumem.cli import _args
 
 
 def add_job_arguments(p: argparse.ArgumentParser) -> None:
@@ -12,12 +15,16 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
         "model", help="preset name (case-insensitive), config.json, or a directory holding one"
     )
     p.add_argument(
-        "--seq-len", type=int, default=None, help="tokens per sample (default: model context)"
+        "--seq-len",
+        type=_args.positive_int,
+        default=None,
+        help="tokens per sample (default: the model's context; printed with the result)",
     )
     p.add_argument(
         "--precision",
         default="bf16-mixed",
-        help="fp32, bf16-mixed, fp16-mixed, bf16-autocast, bf16 (default bf16-mixed)",
+        help="fp32, bf16-mixed, fp16-mixed, bf16-autocast, bf16 (default bf16-mixed); with "
+        "--inference the weights: fp32, bf16, fp16, fp8, int8, int4, nf4",
     )
     p.add_argument(
         "--optimizer",
@@ -26,26 +33,52 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--grads",
-        default="compute",
+        default=None,
         choices=("compute", "fp32", "compute+fp32"),
-        help="gradient storage: compute dtype (ZeRO paper), fp32 (Megatron), both (DeepSpeed)",
+        help="gradient storage: compute dtype (ZeRO paper), fp32 (Megatron), both (DeepSpeed); "
+        "default: the framework's",
+    )
+    p.add_argument(
+        "--framework",
+        default=None,
+        choices=("megatron", "deepspeed", "fsdp2", "torch"),
+        help="whose buffer conventions (default: fsdp2 with --fsdp, deepspeed with --zero, "
+        "else torch)",
     )
     p.add_argument("--gpu", default="H100-80GB", help="catalog GPU (default H100-80GB)")
     p.add_argument(
-        "--gpu-memory", default=None, help="memory of a GPU not in the catalog, e.g. 80GiB"
+        "--gpu-memory", type=_args.size, default=None, help="memory of a GPU not in the catalog"
     )
-    p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank only")
+    p.add_argument(
+        "--lora-rank",
+        type=_args.non_negative_int,
+        default=0,
+        help="train LoRA adapters of this rank only",
+    )
     p.add_argument(
         "--qlora", action="store_true", help="4-bit (NF4) frozen base; needs --lora-rank"
     )
     p.add_argument(
         "--calibration",
         metavar="FILE",
+        type=_args.existing_path,
         default=None,
         help=(
-            "calibration.json from `gpumem calibrate`: "
-            "measured GPU reserve (plan: checkpoint times)"
+            "calibration.json from `gpumem calibrate`: measured GPU reserve, the estimator's "
+            "fitted memory coefficients (--memory), and (plan) checkpoint times"
         ),
+    )
+    p.add_argument(
+        "--kv-dtype",
+        default=None,
+        choices=("fp32", "bf16", "fp16", "fp8", "int8"),
+        help="inference: the KV cache's dtype (default: the weights', bf16 for 8/4-bit weights)",
+    )
+    p.add_argument(
+        "--engine",
+        default="vllm",
+        choices=("vllm", "sglang", "hf"),
+        help="inference: the serving engine's memory conventions (default vllm: 0.9 of the GPU)",
     )
 
 
@@ -57,12 +90,31 @@ def register(sub: argparse._SubParsersAction) -> None:
         "activations, temporary, overhead) of training MODEL, on the most loaded GPU.",
     )
     add_job_arguments(p)
-    p.add_argument("--batch-size", type=int, default=1, help="micro-batch per GPU (default 1)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
-    p.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
-    for flag in ("dp", "tp", "pp", "ep"):
-        p.add_argument(f"--{flag}", type=int, default=None, help=f"{flag.upper()} degree")
-    p.add_argument("--vpp", type=int, default=1, help="virtual pipeline stages (interleaved 1F1B)")
+    p.add_argument(
+        "--batch-size", type=_args.positive_int, default=1, help="micro-batch per GPU (default 1)"
+    )
+    p.add_argument(
+        "--grad-accum", type=_args.positive_int, default=1, help="micro-batches per step"
+    )
+    p.add_argument("--gpus", type=_args.gpu_count, default=1, help="number of GPUs (default 1)")
+    for flag in ("dp", "tp", "pp", "ep", "cp", "etp"):
+        p.add_argument(
+            f"--{flag}", type=_args.gpu_count, default=None, help=f"{flag.upper()} degree"
+        )
+    p.add_argument(
+        "--moe-imbalance",
+        type=float,
+        default=None,
+        help="MoE: most loaded expert-parallel rank's tokens over the mean (default 1.25)",
+    )
+    p.add_argument(
+        "--pipeline-ranks",
+        action="store_true",
+        help="print the bill of every pipeline rank side by side",
+    )
+    p.add_argument(
+        "--vpp", type=_args.positive_int, default=1, help="virtual pipeline stages (interleaved)"
+    )
     p.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage")
     p.add_argument("--fsdp", default=None, choices=("full", "hybrid"), help="FSDP sharding")
@@ -73,6 +125,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--inference", action="store_true", help="weights + KV cache instead of training"
     )
+    p.add_argument(
+        "--plot",
+        metavar="FILE",
+        type=_args.png_file,
+        default=None,
+        help="write a PNG: this layout's bill by category beside the planner's best layouts",
+    )
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the bill as JSON")
     out.add_argument("--markdown", action="store_true", help="print the bill as a Markdown table")
@@ -80,44 +139,87 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def layout_from_args(args: argparse.Namespace):
-    """A Layout from --gpus/--dp/--tp/--pp/--ep; dp defaults to what the others leave."""
+    """A Layout from --gpus/--dp/--tp/--pp/--cp/--ep/--etp; dp defaults to what the others
+    leave."""
     from gpumem.estimator import Layout
 
-    if args.gpus is None or args.gpus <= 0:
-        raise ValueError(f"--gpus must be a positive integer, got {args.gpus}")
-    tp, pp, ep = args.tp or 1, args.pp or 1, args.ep or 1
-    if args.gpus % (tp * pp):
-        raise ValueError(f"--gpus {args.gpus} is not divisible by tp*pp = {tp * pp}")
-    dp = args.dp or args.gpus // (tp * pp)
-    if dp * tp * pp != args.gpus:
-        raise ValueError(f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp}, but --gpus is {args.gpus}")
+    tp, pp, ep, cp = args.tp or 1, args.pp or 1, args.ep or 1, args.cp or 1
+    if args.gpus % (tp * pp * cp):
+        raise ValueError(f"--gpus {args.gpus} is not divisible by tp*pp*cp = {tp * pp * cp}")
+    dp = args.dp or args.gpus // (tp * pp * cp)
+    if dp * tp * pp * cp != args.gpus:
+        raise ValueError(
+            f"dp*tp*pp*cp = {dp}*{tp}*{pp}*{cp} = {dp * tp * pp * cp}, but --gpus is {args.gpus}"
+        )
     return Layout(
-        dp=dp, tp=tp, pp=pp, ep=ep, zero=args.zero, fsdp=args.fsdp, sp=args.sp, vpp=args.vpp
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        zero=args.zero,
+        fsdp=args.fsdp,
+        sp=args.sp,
+        vpp=args.vpp,
+        cp=cp,
+        etp=args.etp,
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    from gpumem.cli.calibrate import calibrated_gpu, load_calibration, reserve_lines
+def inference_layout(args: argparse.Namespace) -> tuple[int, int, str]:
+    """(tp, pp, note) for serving on --gpus: the given --tp/--pp, else all GPUs as tensor
+    parallelism; never silently one GPU's worth when more were asked for."""
+    gpus = args.gpus or 1
+    tp, pp = args.tp, args.pp
+    if tp is None and pp is None:
+        tp, pp = gpus, 1
+        note = f"tp{tp} (all {gpus} GPUs; give --tp/--pp for another split)" if gpus > 1 else ""
+    else:
+        tp, pp = tp or max(1, gpus // (pp or 1)), pp or max(1, gpus // (tp or 1))
+        note = ""
+    if tp * pp != gpus:
+        raise ValueError(
+            f"--inference: tp*pp = {tp}*{pp} = {tp * pp} but --gpus is {gpus}; one model "
+            "replica spans the GPUs given (use `gpumem plan --inference` for replicas)"
+        )
+    return tp, pp, note
 
-    cal = load_calibration(args)
-    gpu = calibrated_gpu(args, cal)
-    if cal is not None and not args.json:
-        print("\n".join(reserve_lines(args, cal, gpu)))
+
+def inference_precision(precision: str) -> str:
+    """A training precision name read as the weights' dtype for serving (bf16-mixed -> bf16)."""
+    p = precision.lower()
+    for train, serve in (("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32")):
+        if p.startswith(train):
+            return serve
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
     if args.inference:
+        if args.plot:
+            raise ValueError("--plot draws a training bill; leave it out with --inference")
         from gpumem.estimator.inference import estimate_inference
 
+        tp, pp, note = inference_layout(args)
         bill = estimate_inference(
             args.model,
             batch_size=args.batch_size,
             context=args.seq_len,
-            gpu=gpu,
+            precision=inference_precision(args.precision),
+            kv_dtype=args.kv_dtype,
+            gpu=args.gpu,
             gpu_memory=args.gpu_memory,
-            tp=args.tp or 1,
+            tp=tp,
+            pp=pp,
+            engine=args.engine,
+            calibration=args.calibration,
         )
+        if note and not args.json:
+            print(f"layout: {note}")
         print(json.dumps(bill.to_dict(), indent=2) if args.json else bill.table())
         return 0
     from gpumem.estimator import estimate
 
+    layout = layout_from_args(args)
     bill = estimate(
         args.model,
         batch_size=args.batch_size,
@@ -125,9 +227,9 @@ def run(args: argparse.Namespace) -> int:
         precision=args.precision,
         optimizer=args.optimizer,
         grads=args.grads,
-        gpu=gpu,
+        gpu=args.gpu,
         gpu_memory=args.gpu_memory,
-        layout=layout_from_args(args),
+        layout=layout,
         recompute=args.recompute,
         grad_accum=args.grad_accum,
         attention=args.attention,
@@ -135,9 +237,28 @@ def run(args: argparse.Namespace) -> int:
         offload_optimizer=args.offload_optimizer,
         lora_rank=args.lora_rank,
         base_quant="nf4" if args.qlora else None,
+        calibration=args.calibration,
+        framework=args.framework,
+        **({"moe_imbalance": args.moe_imbalance} if args.moe_imbalance is not None else {}),
     )
     if args.json:
         print(bill.to_json())
     else:
+        if args.calibration is not None:
+            from gpumem.calibrate import load
+
+            print(load(args.calibration).reserve_line(bill.gpu))
         print(bill.table(markdown=args.markdown))
+        if args.pipeline_ranks:
+            print()
+            print(bill.pipeline_table())
+        if bill.calibration:
+            from gpumem.calibrate.memory import calibration_lines
+
+            print("\n".join(["", *calibration_lines(bill)]))
+    if args.plot:
+        from gpumem.planner.plot import plot_layouts
+
+        plot_layouts(bill, args.plot, n_gpus=args.gpus)
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0

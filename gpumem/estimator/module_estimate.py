@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpumem.estimator import inputs
 from gpumem.estimator.bill import Bill, make_bill
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
@@ -68,6 +69,7 @@ def estimate_module(
     persistent_grads: bool | None,
     example_input: Any,
     loss_fn: Any,
+    framework: str = "torch",
 ) -> Bill:
     """The bill of training ``module`` (see ``gpumem.estimate`` and above)."""
     _check(module, training, layout, recompute, attention, dropout, activation_model, seq_len)
@@ -96,14 +98,18 @@ def estimate_module(
         keep_logits=keep_logits,
         loss_fn=loss_fn,
     )
-    terms = module_terms(ms, training, layout, gpu, device == "cuda", grad_accum, persistent_grads)
+    terms = module_terms(
+        ms, training, layout, gpu, device == "cuda", grad_accum, persistent_grads, framework
+    )
     return make_bill(
         ms,
         ms.n_params,
         terms,
+        list(range(layout.pp)),
         layout=layout,
         training=training,
         gpu=gpu,
+        framework=framework,
         cluster_model_state_bytes=cluster_states(
             training, ms.n_trainable, ms.n_params - ms.n_trainable
         ),
@@ -115,6 +121,18 @@ def estimate_module(
             "device": device,
             "blocks": len(ms.blocks),
             "measured_moment": f"{ms.moment} of backward",
+            "precision": training.precision,
+            "optimizer": training.optimizer,
+        },
+        sources={
+            **inputs.sources(
+                seq_source="given" if seq_len is not None else "the example input's",
+                batch_size=batch_size,
+                grad_accum=grad_accum,
+                recompute=recompute,
+                training=training,
+            ),
+            **({} if batch_size is not None else {"batch_size": "the example input's"}),
         },
     )
 
@@ -150,7 +168,12 @@ def _check(
             "recompute='selective' drops the attention core, which a generic module does not "
             "name: use 'none' or 'full', or checkpoint the attention inside your module (measured)"
         )
-    if layout.ep > 1:
+    if layout.cp > 1:
+        raise ValueError(
+            f"cp={layout.cp}: context parallelism is modelled for presets/configs only; "
+            f"estimate {name} with cp=1"
+        )
+    if layout.ep > 1 or layout.etp is not None:
         raise ValueError(
             f"ep={layout.ep}: expert parallelism is modelled for MoE presets/configs only; "
             f"estimate {name} with ep=1"

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from gpumem._assumptions import note_assumption
 from gpumem.profiler.categories import CATEGORIES, PHASES
 from gpumem.profiler.fake import fake
+from gpumem.profiler.headroom import ProfileMemoryWarning
 from gpumem.profiler.report import LayerStats, Report, StepReport
 from gpumem.profiler.session import Profile
 from gpumem.profiler.state import DataDependentError
@@ -77,6 +78,7 @@ __all__ = [
     "DataDependentError",
     "LayerStats",
     "Profile",
+    "ProfileMemoryWarning",
     "Report",
     "StepReport",
     "fake",
