@@ -123,7 +123,7 @@ class StorageWriter(_StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        from gpumem.checkpoint.persist import prepare_tmp
+        from gpumem.checkpoint.dcp_layout import prepare_tmp
 
         step = self.step if self.step is not None else next_step(self.root)
         prepare_tmp(self.root, step)

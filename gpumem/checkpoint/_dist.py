@@ -54,6 +54,17 @@ class Group:
             raise CheckpointStateError(f"rank 0 did not report {what} within {timeout_s:g} s")
         return value
 
+    def from_rank0(self, name: str, value: int, timeout_s: float, what: str) -> int:
+        """Rank 0's ``value`` on every rank. Through the store where there is one: the other
+        ranks wait ``timeout_s`` for it (CheckpointStateError after that) rather than in a
+        collective; else an all-gather."""
+        if self.roll is not None:
+            if self.rank == 0:
+                self.roll.publish(name, str(value))
+                return value
+            return int(self.await_value(name, timeout_s, what))
+        return self.all_gather([value])[0][0]
+
     def all_reduce(self, value: int, op: str) -> int:
         """``op`` in {"min", "max"} over every rank."""
         if self.pg is None:

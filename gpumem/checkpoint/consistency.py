@@ -11,13 +11,14 @@ checkpoint that cannot be restored.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
+from .codec import TensorTable
 from .errors import CheckpointCorruptError, CheckpointStateError
-from .format import REPLICATED_KEYS, parse_shard, read_manifest, shard_manifest_name
+from .format import REPLICATED_KEYS, parse_shard, shard_manifest_name
+from .persist import read_manifest
 from .reshard import GlobalIndex
-from .state import TensorTable
+from .safe_fs import Dir
 
 
 def sections(tree: dict[str, Any]) -> int:
@@ -66,7 +67,7 @@ def global_fields(table: TensorTable, tensors: list[dict[str, Any]]) -> list[dic
     return [m.as_json() for m in meshes]
 
 
-def check_complete(tmp: Path, crcs: list[int]) -> None:
+def check_complete(tmp: Dir, crcs: list[int]) -> None:
     """Rank 0, before committing a sharded save: every shard manifest as written (its CRC as its
     rank reported) and every global tensor's blocks agreeing and tiling it.
 
@@ -76,13 +77,13 @@ def check_complete(tmp: Path, crcs: list[int]) -> None:
     """
     shards = []
     for rank, crc in enumerate(crcs):
-        path = tmp / shard_manifest_name(rank)
-        body, got = read_manifest(path)
+        path = tmp.path / shard_manifest_name(rank)
+        body, got = read_manifest(tmp, shard_manifest_name(rank))
         if got != crc:
             raise CheckpointStateError(f"{path} changed after rank {rank} wrote it")
         shards.append(parse_shard(body, str(path), got))
     try:
-        GlobalIndex(tmp, shards).check_all()
+        GlobalIndex(tmp.path, shards).check_all()
     except CheckpointCorruptError as exc:
         raise CheckpointStateError(
             f"the ranks' DTensor blocks do not fit together: {exc}. Every rank must save the "

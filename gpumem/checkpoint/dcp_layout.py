@@ -8,13 +8,19 @@ one ``{"fqn", "data"}`` per item, ``data`` a reference to the entry (``__dtensor
 chunk, ``__tensor__`` with ``"bytes": true`` for a byte item). The main manifest adds
 ``"dcp": {"version", "planner_data"}``: DCP's metadata version and the default planner's key
 mappings (JSON: key -> list of path components). DCP's ``Metadata`` is rebuilt from these.
+
+Everything inside the checkpoint directory is created, read and renamed through ``safe_fs``
+descriptors, as ``Checkpointer`` does: reading never follows a symbolic link or opens a FIFO, and
+the byte ranges the manifests name must lie inside their files.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import re
 import time
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -22,8 +28,13 @@ from typing import Any
 import torch
 
 from . import persist
-from ._core import as_bytes, chunk_crc32c, write_file
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointStateError
+from ._core import as_bytes, chunk_crc32c
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointIOError,
+    CheckpointPointerWarning,
+    CheckpointStateError,
+)
 from .format import (
     DTYPE_NAMES,
     MAIN_MANIFEST,
@@ -31,12 +42,12 @@ from .format import (
     align_up,
     data_file_name,
     parse_shard,
-    read_manifest,
     shard_manifest_name,
     step_dir_name,
 )
-from .reshard import Block, GlobalIndex, Reader
-from .restore import _io_threads, load_shard_manifest
+from .reshard import Block, GlobalIndex, Reader, data_files
+from .restore import _io_threads, load_shard_manifest, open_checkpoint
+from .safe_fs import Dir
 from .sharding import Box
 
 DCP_KEY = "dcp"
@@ -67,9 +78,31 @@ def parse_checkpoint_id(path: Any, step: int | None) -> tuple[Path, int | None]:
 
 
 def next_step(root: Path) -> int:
-    """One more than the newest committed step, 0 in an empty directory."""
-    found = persist.step_dirs(root)
+    """One more than the newest committed step, 0 in an empty or missing directory."""
+    try:
+        d = Dir.open(root)
+    except CheckpointIOError as exc:
+        if exc.errno == errno.ENOENT:
+            return 0
+        raise
+    with d:
+        found = persist.step_dirs(d)
     return found[0][0] + 1 if found else 0
+
+
+def prepare_tmp(root: Path, step: int) -> None:
+    """The coordinator, before any rank writes: a fresh temporary directory for ``step``."""
+    with Dir.open(root, create=True) as d:
+        persist.prepare_tmp(d, step).close()
+
+
+def _open_tmp(root: Path, step: int) -> tuple[Dir, Dir]:
+    d = Dir.open(root)
+    try:
+        return d, d.sub(persist.tmp_name(step))
+    except BaseException:
+        d.close()
+        raise
 
 
 def _unique(name: str, taken: set[str]) -> str:
@@ -106,7 +139,21 @@ def write_shard(
     """Write one rank's items into the step's temporary directory: data files of about
     ``segment_bytes`` each (native parallel writer, fdatasync'ed; an item is dropped once its
     file is written, so memory stays near one segment), then the shard manifest."""
-    tmp = persist.tmp_dir(root, step)
+    rootd, tmp = _open_tmp(root, step)
+    with rootd, tmp:
+        return _write_shard(tmp, step, rank, world, items, chunk_bytes, direct, segment_bytes)
+
+
+def _write_shard(
+    tmp: Dir,
+    step: int,
+    rank: int,
+    world: int,
+    items: Iterable[Chunk],
+    chunk_bytes: int,
+    direct: bool,
+    segment_bytes: int,
+) -> list[Located]:
     taken: set[str] = set()
     entries, refs, out = [], [], []
     files: dict[str, int] = {}
@@ -117,7 +164,7 @@ def write_shard(
         nonlocal pos, batch, pending
         if pos or not files:
             name = data_file_name(rank, batch)
-            write_file(str(tmp / name), pending, size=pos, fsync=True, direct=direct)
+            tmp.write_pieces(name, pending, pos, direct)
             files[name] = pos
             batch, pos, pending = batch + 1, 0, []
 
@@ -173,25 +220,31 @@ def write_shard(
         "tensors": entries,
         "state": {"step": step, DCP_KEY: {"items": refs}},
     }
-    persist.write_manifest(tmp / shard_manifest_name(rank), body)
+    persist.write_manifest(tmp, shard_manifest_name(rank), body)
     return out
 
 
 def commit(root: Path, step: int, world: int, metadata: Any, keep: int | None) -> Path:
     """The coordinator, once every rank has written: the main manifest (each shard manifest's
     CRC and size as read back), the rename, ``latest`` and retention."""
+
+    rootd, tmp = _open_tmp(root, step)
+    with rootd, tmp:
+        return _commit(rootd, tmp, step, world, metadata, keep)
+
+
+def _commit(rootd: Dir, tmp: Dir, step: int, world: int, metadata: Any, keep: int | None) -> Path:
     from gpumem.checkpoint.job import default_versions
 
-    tmp = persist.tmp_dir(root, step)
     shards = []
     for rank in range(world):
-        path = tmp / shard_manifest_name(rank)
-        body, crc = read_manifest(path)
-        shard = parse_shard(body, str(path), crc)
+        name = shard_manifest_name(rank)
+        body, crc = persist.read_manifest(tmp, name)
+        shard = parse_shard(body, str(tmp.path / name), crc)
         shards.append(
             {
                 "rank": rank,
-                "file": path.name,
+                "file": name,
                 "crc32c": crc,
                 "nbytes": sum(t.nbytes for t in shard.tensors),
             }
@@ -209,10 +262,18 @@ def commit(root: Path, step: int, world: int, metadata: Any, keep: int | None) -
             "planner_data": _planner_json(getattr(metadata, "planner_data", None)),
         },
     }
-    crc = persist.write_manifest(tmp / MAIN_MANIFEST, body)
-    final, _ = persist.commit(root, tmp, step, crc)
-    persist.apply_retention(root, keep, final)
-    return final
+    crc = persist.write_manifest(tmp, MAIN_MANIFEST, body)
+    done = persist.commit(rootd, tmp, step, crc)
+    if done.pointer_error is not None:
+        err = done.pointer_error
+        warnings.warn(
+            f"step {step} is committed, but the latest pointer was not updated: "
+            f"{err.strerror or err}; readers take the newest step that verifies",
+            CheckpointPointerWarning,
+            stacklevel=3,
+        )
+    persist.apply_retention(rootd, keep, done.name)
+    return rootd.path / done.name
 
 
 def _planner_json(data: Any) -> Any:
@@ -257,6 +318,7 @@ class _Chunk:
 
 @dataclasses.dataclass
 class Layout:
+    dir: Dir  # the step directory, open: every data file is read through it
     path: Path
     step: int
     items: dict[str, Item]
@@ -266,26 +328,41 @@ class Layout:
     files: dict[str, int]
 
 
-def resolve_step_dir(path: Path) -> Path:
+def open_step_dir(path: Path) -> Dir:
     """A ``step-<N>`` directory, or a checkpoint directory's newest one whose main manifest
-    reads (``latest`` first)."""
+    reads (``latest`` first), opened; inside the directory the caller named, no symbolic link is
+    followed.
+
+    Raises:
+        CheckpointCorruptError: nothing readable there.
+        CheckpointIOError: the operating system refused (errno and path kept).
+    """
+    d = open_checkpoint(path)
+    if d.lstat(MAIN_MANIFEST) is not None:
+        return d
     m = STEP_DIR.match(path.name)
-    if (path / MAIN_MANIFEST).exists():
-        return path
     if m:  # the step named, as gpumem names its directory (step-100 -> step-000000100)
-        return path.parent / step_dir_name(int(m.group(1)))
-    try:
-        ptr = persist.read_latest(path)
-    except CheckpointCorruptError:
-        ptr = None
-    if ptr is not None and (path / ptr["path"] / MAIN_MANIFEST).exists():
-        return path / ptr["path"]
-    for _, cand in persist.step_dirs(path):
+        d.close()
+        with open_checkpoint(path.parent) as parent:
+            return persist.open_step(parent, step_dir_name(int(m.group(1))))
+    with d:
         try:
-            persist.load_info(cand)
-            return cand
-        except CheckpointError:
-            continue
+            ptr = persist.read_latest(d)
+        except CheckpointCorruptError:
+            ptr = None
+        names = [n for _, n in persist.step_dirs(d)]
+        if ptr is not None and ptr["path"] in names:
+            names.insert(0, ptr["path"])
+        for name in names:
+            try:
+                step = persist.open_step(d, name)
+            except CheckpointCorruptError:
+                continue
+            try:
+                persist.load_info(step)
+                return step
+            except CheckpointCorruptError:
+                step.close()
     raise CheckpointCorruptError(f"{path} holds no readable checkpoint", path=str(path))
 
 
@@ -296,9 +373,10 @@ def load_layout(path: Path) -> Layout:
     Raises:
         CheckpointCorruptError: damaged manifests, or not written through DCP.
     """
-    step_dir = resolve_step_dir(Path(path))
-    info = persist.load_info(step_dir)
-    body, _ = read_manifest(step_dir / MAIN_MANIFEST)
+    step = open_step_dir(Path(path))
+    step_dir = step.path
+    info = persist.load_info(step)
+    body, _ = persist.read_manifest(step, MAIN_MANIFEST)
     meta = body.get(DCP_KEY)
     if not isinstance(meta, dict):
         raise CheckpointCorruptError(
@@ -306,12 +384,11 @@ def load_layout(path: Path) -> Layout:
             "gpumem.Checkpointer",
             path=str(step_dir),
         )
-    shards = [load_shard_manifest(step_dir, info, r) for r in range(info.world_size)]
+    shards = [load_shard_manifest(step, info, r) for r in range(info.world_size)]
     index = GlobalIndex(step_dir, shards)
     items: dict[str, Item] = {}
-    files: dict[str, int] = {}
+    files = data_files(step_dir, shards)
     for shard in shards:
-        files.update(shard.files)
         state = shard.state if isinstance(shard.state, dict) else {}
         refs = state.get(DCP_KEY, {}).get("items") if isinstance(state.get(DCP_KEY), dict) else None
         if not isinstance(refs, list):
@@ -320,6 +397,7 @@ def load_layout(path: Path) -> Layout:
         for ref in refs:
             _add_item(items, ref, shard, held, index, step_dir, info.step)
     return Layout(
+        step,
         step_dir,
         info.step,
         items,
@@ -343,7 +421,7 @@ def _add_item(items, ref, shard, held, index, step_dir, step) -> None:
     fqn, data = ref["fqn"], ref["data"]
     if ref.get("bytes") is True:
         name = data.get("__tensor__")
-        entry = held.get(name)
+        entry = held.get(name) if isinstance(name, str) else None
         if entry is None or entry.box is not None or entry.dtype != "uint8" or fqn in items:
             raise bad
         block = Block(shard.rank, entry, Box.full(entry.shape), shard.chunk_bytes)
@@ -351,7 +429,7 @@ def _add_item(items, ref, shard, held, index, step_dir, step) -> None:
         items[fqn] = Item(fqn, True, torch.uint8, entry.shape, [_Chunk(loc, block)])
         return
     tensor = data.get("__dtensor__")
-    if tensor not in index:
+    if not isinstance(tensor, str) or tensor not in index:
         raise bad
     if fqn in items:
         return  # another rank's chunk of the same tensor listed it already
@@ -384,7 +462,7 @@ def read_items(
     for item in layout.items.values():
         for c in item.blocks:
             by_key[(c.located.rank, c.located.name)] = c.block
-    reader = Reader(layout.path)
+    reader = Reader(layout.dir)
     out = []
     for loc, offsets, lengths, is_bytes in requests:
         block = by_key.get((loc.rank, loc.name))

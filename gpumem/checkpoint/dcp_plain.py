@@ -25,15 +25,20 @@ import io
 import math
 import os
 import pickle
+import stat
 import zipfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from ._core import read_file
 from .errors import CheckpointCorruptError
 from .format import DTYPES
 from .reshard import overlaps
+from .restore import open_checkpoint
+from .safe_fs import Dir, describe, read_error
 from .sharding import Box
 
 METADATA = ".metadata"
@@ -69,6 +74,11 @@ _STORAGES = {
 
 def is_plain_dcp(path: Path) -> bool:
     return (Path(path) / METADATA).is_file()
+
+
+def _open(path: Path) -> Dir:
+    """The DCP directory the caller named; inside it nothing is reached through a link."""
+    return open_checkpoint(path)
 
 
 def _path_str(*parts: Any) -> str:
@@ -107,15 +117,8 @@ def read_metadata(path: Path, trust_pickle: bool = False) -> Any:
             classes outside DCP's metadata, naming it.
     """
     file = Path(path) / METADATA
-    try:
-        size = file.stat().st_size
-        if size > MAX_METADATA_BYTES:
-            raise CheckpointCorruptError(f"{file}: {size} bytes, over the 1 GiB limit")
-        data = file.read_bytes()
-    except OSError as exc:
-        raise CheckpointCorruptError(
-            f"{file}: unreadable: {exc.strerror}", path=str(file)
-        ) from None
+    with _open(Path(path)) as d:  # a regular file under the size cap, never through a link
+        data = d.read_small(METADATA, MAX_METADATA_BYTES, "DCP metadata")
     try:
         meta = pickle.loads(data) if trust_pickle else _MetadataUnpickler(io.BytesIO(data)).load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
@@ -212,19 +215,24 @@ def _slice(path: Path, info: Any) -> tuple[bytes, str]:
             "(compression), which gpumem does not read"
         )
     file = path / rel
-    try:
-        with open(file, "rb") as f:
-            f.seek(offset)
-            blob = f.read(length)
-    except OSError as exc:
-        raise CheckpointCorruptError(
-            f"{file}: unreadable: {exc.strerror}", path=str(file)
-        ) from None
-    if len(blob) != length:
-        raise CheckpointCorruptError(
-            f"{file}: ends before bytes {offset}-{offset + length} (truncated)", path=str(file)
-        )
-    return blob, f"{file} bytes {offset}-{offset + length}"
+    with _open(path) as d:
+        try:
+            st = d.lstat(rel)
+        except OSError as exc:
+            raise read_error(exc, file, "reading") from None
+        if st is None or not stat.S_ISREG(st.st_mode):
+            what = "missing" if st is None else f"{describe(st.st_mode)}, not a regular file"
+            raise CheckpointCorruptError(f"{file}: {what}: refused", path=str(file))
+        if offset + length > st.st_size:
+            raise CheckpointCorruptError(
+                f"{file}: ends before bytes {offset}-{offset + length} (truncated)", path=str(file)
+            )
+        buf = np.empty(length, dtype=np.uint8)
+        try:  # checked again once open: a regular file of that size, not a link
+            read_file(rel, [(offset, buf)], threads=1, dir_fd=d.fd, expect_size=st.st_size)
+        except OSError as exc:
+            raise read_error(exc, file, "reading") from None
+    return buf.tobytes(), f"{file} bytes {offset}-{offset + length}"
 
 
 def read_tensor(path: Path, info: Any) -> torch.Tensor:
@@ -325,8 +333,7 @@ def import_plain(
     """
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from . import persist
-    from .dcp_layout import Chunk, commit, write_shard
+    from .dcp_layout import Chunk, commit, prepare_tmp, write_shard
 
     src = Path(src)
     meta = read_metadata(src, trust_pickle)
@@ -342,6 +349,6 @@ def import_plain(
                 t = read_tensor(src, info)
                 yield Chunk(index.fqn, t, tuple(int(d) for d in md.size), tuple(index.offset))
 
-    persist.prepare_tmp(Path(out), step)
+    prepare_tmp(Path(out), step)
     write_shard(Path(out), step, 0, 1, chunks(), chunk_bytes=chunk_bytes, direct=False)
     return commit(Path(out), step, 1, meta, keep=None)

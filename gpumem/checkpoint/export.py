@@ -26,9 +26,10 @@ import torch
 
 from . import persist
 from .errors import CheckpointCorruptError, CheckpointStateError
-from .format import MAIN_MANIFEST, read_manifest
-from .reshard import Block, GlobalIndex, Reader
+from .format import MAIN_MANIFEST
+from .reshard import Block, GlobalIndex, Reader, data_files
 from .restore import _io_threads, load_shard_manifest
+from .safe_fs import Dir
 from .sharding import Box
 
 _WRAPPERS = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
@@ -87,13 +88,14 @@ class Weight:
         return n
 
 
-def model_weights(src: str | os.PathLike) -> tuple[Path, list[Weight], dict[str, int]]:
-    """The step directory read, its model tensors in saved order, and the sizes of its data
-    files (from the manifests; no data read)."""
-    from .dcp_layout import DCP_KEY, load_layout, resolve_step_dir
+def model_weights(src: str | os.PathLike) -> tuple[Dir, list[Weight], dict[str, int]]:
+    """The step directory read (open), its model tensors in saved order, and the sizes of its
+    data files (from the manifests; no data read)."""
+    from .dcp_layout import DCP_KEY, load_layout, open_step_dir
 
-    step_dir = resolve_step_dir(Path(src))
-    body, _ = read_manifest(step_dir / MAIN_MANIFEST)
+    step = open_step_dir(Path(src))
+    step_dir = step.path
+    body, _ = persist.read_manifest(step, MAIN_MANIFEST)
     if DCP_KEY in body:
         layout = load_layout(step_dir)
         fqns = [f for f, item in layout.items.items() if not item.is_bytes]
@@ -112,9 +114,9 @@ def model_weights(src: str | os.PathLike) -> tuple[Path, list[Weight], dict[str,
             )
             for f in model
         ]
-        return step_dir, _cleaned(weights, step_dir), layout.files
-    info = persist.load_info(step_dir)
-    shards = [load_shard_manifest(step_dir, info, r) for r in range(info.world_size)]
+        return layout.dir, _cleaned(weights, step_dir), layout.files
+    info = persist.load_info(step)
+    shards = [load_shard_manifest(step, info, r) for r in range(info.world_size)]
     index = GlobalIndex(step_dir, shards)
     state = shards[0].state if isinstance(shards[0].state, dict) else {}
     tree = state.get("model")
@@ -125,6 +127,8 @@ def model_weights(src: str | os.PathLike) -> tuple[Path, list[Weight], dict[str,
         if not isinstance(node, dict) or len(node) != 1:
             continue  # a non-tensor value (a module's extra state): not a weight
         tag, name = next(iter(node.items()))
+        if not isinstance(name, str):
+            raise CheckpointCorruptError(f"{step_dir}: model key {key!r} is malformed")
         if tag == "__dtensor__" and name in index:
             blocks = index.check(name)
         elif tag == "__tensor__":
@@ -136,10 +140,7 @@ def model_weights(src: str | os.PathLike) -> tuple[Path, list[Weight], dict[str,
         else:
             continue
         weights.append(Weight(key, blocks[0].entry.torch_dtype, blocks[0].box.global_shape, blocks))
-    files: dict[str, int] = {}
-    for shard in shards:
-        files.update(shard.files)
-    return step_dir, _cleaned(weights, step_dir), files
+    return step, _cleaned(weights, step_dir), data_files(step_dir, shards)
 
 
 def _cleaned(weights: list[Weight], step_dir: Path) -> list[Weight]:
@@ -178,7 +179,7 @@ def export_safetensors(
         if dtype not in DTYPES:
             raise CheckpointStateError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")
         cast = DTYPES[dtype]
-    step_dir, weights, data_files = model_weights(src)
+    step, weights, sizes = model_weights(src)
     for w in weights:
         w.out_dtype = cast if cast is not None and w.dtype.is_floating_point else w.dtype
         if w.out_dtype not in _ST_DTYPES:
@@ -210,7 +211,7 @@ def export_safetensors(
         for name, group in zip(names, groups, strict=True):
             tmp = out / f".{name}.tmp"
             files[name] = tmp
-            total += _write_file(tmp, group, step_dir, data_files)
+            total += _write_file(tmp, group, step, sizes)
             weight_map.update((w.key, name) for w in group)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         files[INDEX] = out / f".{INDEX}.tmp"
@@ -229,7 +230,7 @@ def export_safetensors(
                 tmp.unlink()
 
 
-def _write_file(path: Path, group: list[Weight], step_dir: Path, data_files: dict[str, int]) -> int:
+def _write_file(path: Path, group: list[Weight], step: Dir, sizes: dict[str, int]) -> int:
     """One safetensors file: the header, then each tensor read, verified and cast in turn."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     pos = 0
@@ -248,9 +249,9 @@ def _write_file(path: Path, group: list[Weight], step_dir: Path, data_files: dic
         f.write(raw)
         for w in group:
             buf = torch.empty(w.shape, dtype=w.dtype)
-            reader = Reader(step_dir)
+            reader = Reader(step)
             reader.add(w.key, buf, Box.full(w.shape), w.blocks)
-            reader.run(data_files, _io_threads())
+            reader.run(sizes, _io_threads())
             out = buf.to(w.out_dtype) if w.out_dtype not in (None, w.dtype) else buf
             if out.numel():
                 f.write(memoryview(out.contiguous().view(-1).view(torch.uint8).numpy()))

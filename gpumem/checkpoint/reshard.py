@@ -14,11 +14,16 @@ buffer and only the two partial chunks at its ends go through small temporaries;
 chunks spanning the needed part are read into a temporary and the elements copied out of it. So a
 rank reads at most one chunk more than it needs at each end of each overlap, and never holds more
 than its own buffers plus those temporaries.
+
+Files are opened as ``restore`` opens them (``safe_fs``): relative to the checkpoint directory's
+descriptor, only if they are regular files of the size the manifests record (no symbolic link
+followed, no FIFO or device opened), and every range read must lie inside its file by the
+manifests before anything is read. Damage is CheckpointCorruptError; an operating-system error
+(EACCES, EIO) is CheckpointIOError with errno and path.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +33,7 @@ import torch
 from ._core import read_file
 from .errors import CheckpointCorruptError, CheckpointStateError
 from .format import ShardManifest, TensorEntry
+from .safe_fs import Dir, read_error
 from .sharding import Box, intersect, is_contiguous_block, linear, overlaps
 
 
@@ -124,6 +130,24 @@ class GlobalIndex:
             self.check(name)
 
 
+def data_files(path: Path, shards: list[ShardManifest]) -> dict[str, int]:
+    """Every data file the shard manifests list, with its recorded size.
+
+    Raises:
+        CheckpointCorruptError: two shards list one file with different sizes.
+    """
+    files: dict[str, int] = {}
+    for shard in shards:
+        for name, size in shard.files.items():
+            if files.setdefault(name, size) != size:
+                raise CheckpointCorruptError(
+                    f"{path / name}: the shard manifests record it as {files[name]} and {size} "
+                    "bytes",
+                    path=str(path / name),
+                )
+    return files
+
+
 @dataclass
 class _Copy:
     """After verification: copy ``src`` (a view of a temporary) into ``dst`` (a view of the
@@ -143,13 +167,13 @@ class Reader:
     """Collects box requests, then reads and verifies them in one pass per data file.
 
     Example:
-        >>> reader = Reader(Path("ckpts/step-000000100"))                   # doctest: +SKIP
+        >>> reader = Reader(step)  # a safe_fs.Dir of the checkpoint          # doctest: +SKIP
         >>> reader.add("model.w", buf, box, index.check("model.w"))          # doctest: +SKIP
-        >>> reader.run()                                                     # doctest: +SKIP
+        >>> reader.run(files, threads=4)                                     # doctest: +SKIP
     """
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, step: Dir):
+        self.step, self.path = step, step.path
         self._files: dict[tuple[str, int], _FileReads] = {}  # (file, chunk) -> reads
         self._expected: list[int] = []
         self._where: list[tuple[str, int, int]] = []  # per CRC slot: tensor, first byte, file
@@ -268,39 +292,38 @@ class Reader:
             threads: reads in flight per file.
 
         Raises:
-            CheckpointCorruptError: a file of the wrong size, unreadable, or a chunk that fails
-                its CRC32C (naming the file, the tensor and the bytes).
+            CheckpointCorruptError: a file that is missing, not a regular file (a symbolic link,
+                a FIFO, a device) or of the wrong size, a range outside its file, or a chunk
+                that fails its CRC32C (naming the file, the tensor and the bytes).
+            CheckpointIOError: the operating system failed a read (errno and path kept).
         """
         crcs = np.zeros(len(self._expected), dtype=np.int64)
+        for (f, _), reads in self._files.items():  # every range inside its file, before a read
+            size = files.get(f)
+            end = max((off + buf.numel() for off, buf in reads.pieces), default=0)
+            if size is None or end > size:
+                raise CheckpointCorruptError(
+                    f"{self.path / f}: the manifests place bytes up to {end} in a data file of "
+                    f"{size if size is not None else 'no recorded'} size",
+                    path=str(self.path / f),
+                )
         for (f, chunk), reads in sorted(self._files.items(), key=lambda x: x[0]):
             file = self.path / f
             try:
-                actual = os.stat(file).st_size
-            except OSError as exc:
-                raise CheckpointCorruptError(
-                    f"{file}: data file unreadable: {exc.strerror}", path=str(file)
-                ) from None
-            if actual != files.get(f, actual):
-                raise CheckpointCorruptError(
-                    f"{file}: {actual} bytes on disk, manifest says {files[f]} (truncated or "
-                    "damaged)",
-                    path=str(file),
-                )
-            try:
+                # a regular file of the recorded size, never through a link, never a FIFO
                 read_file(
-                    file,
+                    f,
                     reads.pieces,
                     threads=threads,
                     direct=False,
                     chunk_bytes=chunk,
                     crc_index=reads.slots,
                     crc_out=crcs,
+                    dir_fd=self.step.fd,
+                    expect_size=files[f],
                 )
             except OSError as exc:
-                raise CheckpointCorruptError(
-                    f"{file}: reading {len(reads.pieces)} ranges failed: {exc.strerror or exc}",
-                    path=str(file),
-                ) from None
+                raise read_error(exc, file, f"reading {len(reads.pieces)} ranges of") from None
         expected = np.asarray(self._expected, dtype=np.int64)
         bad = np.flatnonzero(crcs != expected)
         if len(bad):

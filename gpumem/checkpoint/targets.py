@@ -14,10 +14,23 @@ parallel), whatever the world sizes and meshes on either side. For each rank:
    parameter is. Dtypes, global shapes and coverage are checked here, before anything is read;
 3. every target is read into host staging memory (the Checkpointer's arena; fresh host memory
    for tensors that will stay on the host and have no storage yet) and every chunk's CRC32C
-   verified (``reshard.Reader``); the other sections are read from the source shard as before;
-4. only after all ranks agree, ``apply`` copies the staged bytes into the existing parameter and
-   optimizer storage (a DTensor's local shard in place), creating storage once, on its final
-   device, where none exists; then scheduler, scaler, stateful objects, extras, RNG.
+   verified (``reshard.Reader``, files opened through ``safe_fs`` only); the other sections are
+   read from the source shard as before; storage that does not exist yet (optimizer state of a
+   fresh optimizer) is created, once, on its final device, from the staged bytes;
+4. the whole tree is validated against the objects as an unsharded restore is
+   (``validate.check_targets``, each target standing in as an empty tensor of its global shape),
+   so what the objects' own loading code would refuse fails here, before anything changed;
+5. ``apply`` is ``state.apply``'s transaction: scheduler, scaler, stateful objects and the
+   optimizer (whose state then refers to the existing storage) are loaded, rolled back if any
+   of them refuses on any rank; only once every rank agreed are the staged bytes copied into
+   the existing parameter and optimizer storage (a DTensor's local shard in place); then
+   extras, RNG.
+
+A restore therefore raises or falls back with every object as it was, by ``checkpointer``'s one
+rule: damage (anything the content makes fail) is CheckpointCorruptError and falls back to an
+older checkpoint; a checkpoint that does not fit the objects (keys, dtypes, global shapes,
+placements that cannot be covered) is CheckpointStateError; an operating-system error is
+CheckpointIOError.
 
 Peak memory of a restore per rank: host, the staging of this rank's share of model and optimizer
 (its local shards) plus at most two chunks per overlapping saved block; device, nothing beyond
@@ -28,18 +41,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import sharding
+from .codec import decode
 from .errors import CheckpointCorruptError, CheckpointStateError
 from .format import REPLICATED_KEYS, CheckpointInfo, ShardManifest
-from .reshard import Block, GlobalIndex, Reader
+from .reshard import Block, GlobalIndex, Reader, data_files
 from .restore import _io_threads, load_shard_manifest, read_tensors
+from .safe_fs import Dir
 from .sharding import Box
-from .state import apply, canonical_key, check_targets, decode, unwrap_model
+from .state import apply, canonical_key, unwrap_model
+from .validate import check_targets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +100,8 @@ class _Target:
     staged: torch.Tensor
     live: torch.Tensor | None  # storage to copy into (a DTensor's local shard, a plain tensor)
     make: Callable[[torch.Tensor], torch.Tensor] | None = None  # storage to create instead
+    created: torch.Tensor | None = None  # what ``make`` created (in prepare)
+    slot: tuple[Any, str] | None = None  # optimizer state: (parameter, key)
 
 
 def has_dtensors(model: Any, optimizer: Any) -> bool:
@@ -104,7 +121,8 @@ class ShardedRestore:
     """One checkpoint staged for this rank: ``prepare()`` reads and verifies, ``apply()`` loads.
 
     Args:
-        path, info: the checkpoint directory and its main manifest.
+        step, info: the checkpoint directory (open: every file is read through it) and its main
+            manifest.
         rank, world_size: this rank in the restoring job.
         stage: allocates ``n`` bytes of host staging memory (a uint8 tensor).
         objects: model=, optimizer=, scheduler=, scaler=, stateful= as given to restore().
@@ -112,14 +130,15 @@ class ShardedRestore:
 
     def __init__(
         self,
-        path: Path,
+        step: Dir,
         info: CheckpointInfo,
         rank: int,
         world_size: int,
         stage: Callable[[int], torch.Tensor],
         **objects: Any,
     ):
-        self.path, self.info, self.rank, self.world_size = path, info, rank, world_size
+        self.step, self.path = step, step.path
+        self.info, self.rank, self.world_size = info, rank, world_size
         self._stage = stage
         self.objects = objects
         self.tree: dict[str, Any] = {}
@@ -129,15 +148,17 @@ class ShardedRestore:
 
     # ------------------------------------------------------------------ prepare
 
-    def prepare(self) -> ShardedRestore:
-        """Read, verify and stage everything this rank needs; touch no object.
+    def prepare(self, *, extra: Any = None, rng: bool = True) -> ShardedRestore:
+        """Read, verify, stage and validate everything this rank needs; touch no object.
 
         Raises:
-            CheckpointCorruptError: damage anywhere this rank reads.
+            CheckpointCorruptError: damage anywhere this rank reads, or saved values the objects
+                cannot take.
             CheckpointStateError: the checkpoint does not fit the objects (keys, dtypes, global
-                shapes, coverage), naming the tensor.
+                shapes, coverage, classes), naming the tensor.
+            CheckpointIOError: the operating system failed a read.
         """
-        shards = [load_shard_manifest(self.path, self.info, r) for r in range(self.info.world_size)]
+        shards = [load_shard_manifest(self.step, self.info, r) for r in range(self.info.world_size)]
         self.index = GlobalIndex(self.path, shards)
         model, optimizer = self.objects.get("model"), self.objects.get("optimizer")
         src = _source_rank(shards, self.rank, model)
@@ -169,12 +190,19 @@ class ShardedRestore:
             f"{self.path.name}.rank{src}",
             dtensors=_Refs(self.index.blocks, True, loaded_global),
         )
-        check_targets(
-            self.tree,
-            scheduler=self.objects.get("scheduler"),
-            scaler=self.objects.get("scaler"),
-            stateful=self.objects.get("stateful"),
-        )
+        for targets in self.targets.values():  # storage that does not exist yet, made once
+            for t in targets:
+                if t.make is not None:
+                    t.created = t.make(t.staged)
+        # every target stands in as an empty tensor of its global shape: the objects' state is
+        # checked as for an unsharded restore, nothing read twice
+        stand_ins = {
+            ref: torch.empty(
+                self._saved_shape(ref), dtype=self._blocks(ref)[0].entry.torch_dtype, device="meta"
+            )
+            for ref in self.targets
+        }
+        check_targets(_resolve(self.tree, stand_ins), **self.objects, extra=extra, rng=rng)
         return self
 
     def _blocks(self, ref: Ref) -> list[Block]:
@@ -182,7 +210,13 @@ class ShardedRestore:
             return self.index.check(ref.name)
         owner = self.source.owners.get(ref.name, self.source.rank)
         shard = self._shards[owner]
-        entry = next(e for e in shard.tensors if e.name == ref.name)
+        entry = next((e for e in shard.tensors if e.name == ref.name), None)
+        if entry is None:
+            raise CheckpointCorruptError(
+                f"{self.path}: rank {owner}'s shard lacks tensor {ref.name!r}",
+                path=str(self.path),
+                tensor=ref.name,
+            )
         return [Block(owner, entry, Box.full(entry.shape), shard.chunk_bytes)]
 
     def _saved_shape(self, ref: Ref) -> tuple[int, ...]:
@@ -260,7 +294,7 @@ class ShardedRestore:
                 if isinstance(live, torch.Tensor):
                     box, _ = sharding.target_box(live)
                     self._check_shape(value, box, live, what)
-                    plans.append((value, box, live, None))
+                    plans.append((value, box, live, (param, key)))
                 elif sharding.is_dtensor(param) and shape == tuple(param.shape):
                     layout = sharding.describe(param, what)
                     plans.append((value, layout.box, None, _as_dtensor_of(param)))
@@ -299,7 +333,7 @@ class ShardedRestore:
             if arena:
                 total += -(-size // 64) * 64
         arena = self._stage(total) if total else None
-        reader = Reader(self.path)
+        reader = Reader(self.step)
         for (ref, box, live, make), dtype, size, off in zip(
             plans, dtypes, sizes, offsets, strict=True
         ):
@@ -309,12 +343,12 @@ class ShardedRestore:
                 staged = torch.empty(box.shape, dtype=dtype)
             blocks = self._blocks(ref)
             reader.add(ref.name, staged, box, blocks)
-            t = _Target(ref, box, blocks, staged, live, None if make is _KEEP_ON_HOST else make)
+            if live is not None:  # ``make`` holds the optimizer slot, or None for the model
+                t = _Target(ref, box, blocks, staged, live, slot=make)
+            else:
+                t = _Target(ref, box, blocks, staged, None, None if make is _KEEP_ON_HOST else make)
             self.targets.setdefault(ref, []).append(t)
-        files: dict[str, int] = {}
-        for shard in self._shards:
-            files.update(shard.files)
-        reader.run(files, _io_threads())
+        reader.run(data_files(self.path, self._shards), _io_threads())
         self.bytes_read, self.bytes_needed = reader.bytes_read, reader.bytes_needed
 
     def _read_rest(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -325,8 +359,7 @@ class ShardedRestore:
             r: None for r in self._used if r not in self.targets
         }
         by_rank: dict[int, list[str]] = {}
-        reader = Reader(self.path)
-        files: dict[str, int] = {}
+        reader = Reader(self.step)
         for ref in rest:
             if ref.is_global:  # a DTensor outside model/optimizer: restored whole, as a tensor
                 blocks = self.index.check(ref.name)
@@ -337,12 +370,10 @@ class ShardedRestore:
                 by_rank.setdefault(self.source.owners.get(ref.name, self.source.rank), []).append(
                     ref.name
                 )
-        for shard in self._shards:
-            files.update(shard.files)
-        reader.run(files, _io_threads())
+        reader.run(data_files(self.path, self._shards), _io_threads())
         local: dict[str, torch.Tensor] = {}
         for owner, names in by_rank.items():
-            local.update(read_tensors(self.path, self._shards[owner], names))
+            local.update(read_tensors(self.step, self._shards[owner], names))
         glob = {ref.name: t for ref, t in rest.items() if ref.is_global and t is not None}
         return local, glob
 
@@ -369,47 +400,75 @@ class ShardedRestore:
 
     # ------------------------------------------------------------------ apply
 
-    def apply(self, *, extra: dict[str, Any] | None = None, rng: bool = True) -> None:
-        """Copy the staged state into the objects (after every rank verified its part)."""
+    def apply(
+        self,
+        *,
+        extra: dict[str, Any] | None = None,
+        rng: bool = True,
+        agree: Callable[[bool], bool] | None = None,
+    ) -> None:
+        """Load the staged state into the objects, all or nothing (see the module docs).
+
+        Args:
+            agree: as for ``state.apply``: whether every rank loaded the objects that may
+                refuse their state; on False every rank rolls back.
+
+        Raises:
+            CheckpointCorruptError: an object refused the saved state (here or on another rank);
+                every object is as it was.
+        """
         model, optimizer = self.objects.get("model"), self.objects.get("optimizer")
         final: dict[Ref, torch.Tensor] = {}
-        self._loaded: dict[Ref, list[tuple[Box, torch.Tensor]]] = {}
-        sync = False
-        with torch.no_grad():
-            for ref, targets in self.targets.items():
-                for t in targets:
-                    if t.live is not None:
-                        dst = sharding.local_tensor(t.live)
-                        dst.copy_(t.staged, non_blocking=dst.is_cuda)
-                        final[ref] = t.live
-                    elif t.make is not None:
-                        final[ref] = t.make(t.staged)
-                    else:
-                        final[ref] = t.staged
-                    local = sharding.local_tensor(final[ref])
-                    sync = sync or local.is_cuda
-                    self._loaded.setdefault(ref, []).append((t.box, local))
-        if sync:
-            torch.cuda.synchronize()  # the staging is released below
+        for ref, targets in self.targets.items():
+            for t in targets:
+                if t.live is not None:
+                    final[ref] = t.live
+                elif t.created is not None:
+                    final[ref] = t.created
+                else:
+                    final[ref] = t.staged
         tree = _resolve(self.tree, final)
-        if model is not None:
-            values = tree["model"]
-            if any(not isinstance(v, torch.Tensor) for v in values.values()):
-                m = unwrap_model(model)
-                names = {canonical_key(k): k for k in m.state_dict()}
-                m.load_state_dict({names[k]: v for k, v in values.items()}, strict=True)
-        if optimizer is not None:
-            optimizer.load_state_dict(tree["optimizer"])
-        rest = {k: v for k, v in tree.items() if k not in ("model", "optimizer")}
+        # the model is loaded by copying into its storage; its own load_state_dict runs only for
+        # values that are not tensors (a module's extra state)
+        load_model = model is not None and any(
+            not isinstance(v, torch.Tensor) for v in tree["model"].values()
+        )
+        self._loaded: dict[Ref, list[tuple[Box, torch.Tensor]]] = {}
         apply(
-            rest,
+            tree,
+            model=model if load_model else None,
+            optimizer=optimizer,
             scheduler=self.objects.get("scheduler"),
             scaler=self.objects.get("scaler"),
             stateful=self.objects.get("stateful"),
             extra=extra,
             rng=rng,
+            agree=agree,
+            commit=lambda: self._copy_in(final, optimizer),
         )
         self.targets.clear()
+
+    def _copy_in(self, final: dict[Ref, torch.Tensor], optimizer: Any) -> None:
+        """Every rank agreed: copy the staged bytes into the objects' storage (for optimizer state,
+        the tensor the optimizer holds now, should its loading have replaced ours)."""
+        sync = False
+        with torch.no_grad():
+            for ref, targets in self.targets.items():
+                for t in targets:
+                    dst = final[ref] if t.live is None else t.live
+                    if t.live is not None:
+                        if t.slot is not None:
+                            param, key = t.slot
+                            held = optimizer.state.get(param, {}).get(key)
+                            if isinstance(held, torch.Tensor) and held.shape == t.live.shape:
+                                dst = held
+                        local = sharding.local_tensor(dst)
+                        local.copy_(t.staged, non_blocking=local.is_cuda)
+                    local = sharding.local_tensor(dst)
+                    sync = sync or local.is_cuda
+                    self._loaded.setdefault(ref, []).append((t.box, local))
+        if sync:
+            torch.cuda.synchronize()  # the staging is released after this
 
     def verify_loaded(self) -> int:
         """CRC32C of the loaded tensors whose box is exactly one saved block, where they live.

@@ -173,12 +173,14 @@ def _is_ddp(trainer: Any) -> bool:
 def _newest(directory: Path, ckpt: Checkpointer) -> tuple[Path, str] | None:
     """The newest checkpoint whose main manifest reads and whose shard for this rank holds a
     TrainerState, with that state's JSON."""
-    from gpumem.checkpoint.format import read_manifest
+    from gpumem.checkpoint.persist import read_manifest
+    from gpumem.checkpoint.restore import open_checkpoint
 
     for info in reversed(ckpt.list()):
         shard = info.shards[ckpt.rank % info.world_size]
         try:
-            body, _ = read_manifest(Path(info.path) / shard.file)
+            with open_checkpoint(info.path) as step:  # never through a link inside it
+                body, _ = read_manifest(step, shard.file)
         except CheckpointError:  # a damaged shard manifest: restore() would skip it as well
             continue
         extra = body.get("state", {}).get("extra") if isinstance(body.get("state"), dict) else None

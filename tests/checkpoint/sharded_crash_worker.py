@@ -44,11 +44,11 @@ def main() -> None:
     train(model, opt, 1, start=2)
     real = persist.write_manifest
 
-    def slow(path, body):  # data files of step 2 written, its shard manifest held back: the
+    def slow(d, name, body):  # data files of step 2 written, its shard manifest held back: the
         if body.get("step") == 2:  # test kills a rank now
             print("saving 2", flush=True)
             time.sleep(3)
-        return real(path, body)
+        return real(d, name, body)
 
     persist.write_manifest = slow
     ck.save(2, model=model, optimizer=opt)

@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from ckpt_files import read_manifest
 from sharded_lib import build, differences, full_state, train
 
 import gpumem.dcp
 from gpumem.checkpoint.dcp_plain import read_metadata, verify_plain
 from gpumem.checkpoint.errors import CheckpointCorruptError
-from gpumem.checkpoint.format import read_manifest
 from gpumem.checkpoint.sharding import sharding_supported
 from gpumem.cli import main
 
@@ -232,3 +232,32 @@ def test_export_from_a_dcp_written_checkpoint(run, tmp_path):
     want = {k[len("model.") :]: v for k, v in ref.items() if k.startswith("model.")}
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_symlinked_data_file_or_plain_metadata_is_refused(run, tmp_path):
+    """Hostile directories (issue #14) through DCP: a data file that is a symbolic link to an
+    outside copy of the very same bytes (every CRC matches) is refused by gpumem.dcp's reader,
+    and a plain DCP directory whose ``.metadata`` is a link is not read through it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    dst = tmp_path / "g"
+    shutil.copytree(run / "g" / "step-000000001", dst / "step-000000001")
+    data = dst / "step-000000001" / "data-r00000-0000.bin"
+    outside = tmp_path / "outside.bin"
+    shutil.copyfile(data, outside)
+    data.unlink()
+    data.symlink_to(outside)
+    with pytest.raises(CheckpointException) as caught:
+        _load_plain(gpumem.dcp.StorageReader(dst / "step-000000001"))
+    error = caught.value.failures[0][0]
+    assert isinstance(error, CheckpointCorruptError) and "symbolic link" in str(error)
+    assert main(["ckpt", "verify", str(dst)]) == 1
+
+    plain = tmp_path / "plain"
+    shutil.copytree(run / "plain", plain)
+    meta = plain / ".metadata"
+    shutil.copyfile(meta, tmp_path / "outside.metadata")
+    meta.unlink()
+    meta.symlink_to(tmp_path / "outside.metadata")
+    with pytest.raises(CheckpointCorruptError, match="symbolic link"):
+        read_metadata(plain)

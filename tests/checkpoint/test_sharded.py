@@ -32,11 +32,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ckpt_files import read_manifest
 from sharded_lib import build, differences, full_state, train
 
 import gpumem
 from gpumem.checkpoint import CheckpointError, CheckpointStateError, verify
-from gpumem.checkpoint.format import read_manifest
 from gpumem.checkpoint.sharding import sharding_supported
 
 pytestmark = pytest.mark.skipif(
@@ -396,3 +396,70 @@ def test_export_and_inspect_a_sharded_checkpoint(run, tmp_path, capsys):
     out_text = capsys.readouterr().out
     assert "[48:96, 0:64] of (96, 64) (S(0))" in out_text
     assert "[0:7, 48:96] of (7, 96) (S(1))" in out_text
+
+
+def _two_steps(root: Path, dst: Path) -> None:
+    """f4's step 2 and fsdp's step 4 (the same model) in one directory."""
+    import shutil
+
+    shutil.copytree(root / "f4" / "step-000000002", dst / "step-000000002")
+    shutil.copytree(root / "fsdp" / "step-000000004", dst / "step-000000004")
+
+
+def test_a_symlinked_block_file_falls_back_with_every_object_untouched(run, tmp_path):
+    """Hostile directories (issue #14) on the sharded path: step 4's rank-1 data file is a
+    symbolic link to an outside copy of the same bytes (every CRC matches). The resharding reader
+    refuses it as damage, restore falls back to step 2 with a warning, and until then nothing
+    was loaded."""
+    import shutil
+
+    from gpumem.checkpoint import CheckpointCorruptError, CheckpointFallbackWarning
+
+    root, _ = run
+    dst = tmp_path / "ck"
+    _two_steps(root, dst)
+    data = dst / "step-000000004" / "data-r00001-0000.bin"
+    shutil.copyfile(data, tmp_path / "outside.bin")
+    data.unlink()
+    data.symlink_to(tmp_path / "outside.bin")
+    model, opt = build("plain", seed=5)
+    before = full_state(model, opt)
+    with gpumem.Checkpointer(dst, keep=None) as ck:
+        with pytest.raises(CheckpointCorruptError, match="symbolic link"):
+            ck.restore(model=model, optimizer=opt, path=dst / "step-000000004")
+        assert differences(before, full_state(model, opt)) == []
+        with pytest.warns(CheckpointFallbackWarning, match="step-000000004.*symbolic link"):
+            assert ck.restore(model=model, optimizer=opt) == 2
+    assert differences(torch.load(root / "f4.pt"), full_state(model, opt)) == []
+
+
+def test_a_tensor_placed_in_another_ranks_file_is_damage_not_a_read(run, tmp_path):
+    """Rank 0's shard manifest (CRCs recomputed: only the values are hostile) moves its last
+    tensor into rank 1's data file, recording that file with another size than rank 1's manifest
+    and the disk do (each shard's own layout checks pass). Damage, found before the bytes are
+    used, and restore falls back to the older step with every object untouched until then."""
+    from hostile_lib import forge
+
+    from gpumem.checkpoint import CheckpointFallbackWarning
+
+    root, _ = run
+    dst = tmp_path / "ck"
+    _two_steps(root, dst)
+    step = dst / "step-000000004"
+    other = "data-r00001-0000.bin"
+
+    def mutate(body):
+        entry = body["tensors"][-1]
+        ((mine, offset, _),) = entry["extents"]
+        entry["extents"] = [[other, 0, entry["nbytes"]]]
+        body["files"][other] = entry["nbytes"]
+        body["files"][mine] = offset  # its own file now ends where the tensor began
+
+    forge(step, mutate)
+    model, opt = build("plain", seed=5)
+    with (
+        gpumem.Checkpointer(dst, keep=None) as ck,
+        pytest.warns(CheckpointFallbackWarning, match="step-000000004.*data-r0000"),
+    ):
+        assert ck.restore(model=model, optimizer=opt) == 2
+    assert differences(torch.load(root / "f4.pt"), full_state(model, opt)) == []
