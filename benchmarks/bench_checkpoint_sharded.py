@@ -195,7 +195,7 @@ def _restore_worker(rank: int, world: int, root: str, nbytes: int, src: int, rep
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     import gpumem
-    from gpumem.writer import drop_page_cache
+    from gpumem.reader import drop_page_cache
 
     _init(rank, world, root, f"restore{src}to{world}")
     model, opt = _model(nbytes, 7)
