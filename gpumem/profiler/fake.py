@@ -32,6 +32,8 @@ from collections.abc import Iterator
 
 import torch
 
+from gpumem.profiler.tracker import views_of
+
 
 @contextlib.contextmanager
 def fake(device: str | torch.device | None = None) -> Iterator[object]:
@@ -247,7 +249,8 @@ def _no_autograd_without_cuda():
 
 
 def is_fake_model(model: torch.nn.Module) -> bool:
-    """True when the model's parameters are fake tensors (built under :func:`fake`)."""
+    """True when the model's parameters are fake tensors (built under :func:`fake`), also when
+    sharding made them DTensors around fake local tensors."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    return any(isinstance(p, FakeTensor) for p in model.parameters())
+    return any(isinstance(view, FakeTensor) for p in model.parameters() for view, _ in views_of(p))

@@ -13,7 +13,8 @@ Phases come from hooks, so users add no markers:
   which the saved-tensor hooks already see);
 - FSDP2: each unit's parameter group's gather, reshard and reduce calls, and the ``allocate`` of
   its gather and reduce-scatter buffers (instance attributes: FSDP calls them through the
-  instance, and removing ours brings back the class's).
+  instance, and removing ours brings back the class's);
+- DTensor's sharding propagation, whose fake tensors are no memory of the run.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class HookSet:
             self._install_optimizer()
             self._install_checkpoint()
             self._install_fsdp()
+            self._install_dtensor()
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_hooks.__enter__()
             self._undo.append(lambda: self._saved_hooks.__exit__(None, None, None))
@@ -157,6 +159,23 @@ class HookSet:
             for comm in sharding.comm_allocators(group):
                 self._wrap(comm, "allocate", functools.partial(self._fsdp_allocate, fqn))
 
+    def _install_dtensor(self) -> None:
+        propagator = sharding.dtensor_propagator()
+        if propagator is not None:
+            self._wrap(propagator, sharding.PROPAGATES, self._untracked)
+
+    def _untracked(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        tracker = self.prof.tracker
+
+        def untracked(*args: Any, **kwargs: Any) -> Any:
+            paused, tracker.paused = tracker.paused, True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                tracker.paused = paused
+
+        return untracked
+
     def _wrap(self, obj: Any, name: str, make: Callable[[Callable[..., Any]], Any]) -> None:
         """Replace ``obj.name`` by ``make(original)`` on the instance; undone on removal."""
         had_own = name in vars(obj)
@@ -238,11 +257,11 @@ class HookSet:
         # grad_fn would form a reference cycle that outlives the graph. Autograd rebuilds the
         # grad_fn/leaf metadata on unpack, so double backward is unaffected.
         tracker = self.prof.tracker
-        tracker.paused = True
+        paused, tracker.paused = tracker.paused, True
         try:
             return t.detach()
         finally:
-            tracker.paused = False
+            tracker.paused = paused
 
     @staticmethod
     def _unpack(t: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,8 @@ from gpumem.profiler.categories import (
 from gpumem.profiler.state import ProfileRecord, StepAcc, ancestors
 from gpumem.units import format_bytes
 
-# 2: ``mode``/``measured``; temporaries are null where not measured. 3: ``communication``
+# 2: ``mode``/``measured``; temporaries are null where not measured. 3: ``communication`` (a
+# category, a layer column and a timeline series)
 SCHEMA_VERSION = 3
 _READS = (1, 2, 3)
 _LAYER_CATS = (WEIGHTS, GRADIENTS, OPTIMIZER, ACTIVATIONS, COMMUNICATION, TEMPORARY)
@@ -352,13 +353,14 @@ def build_report(prof: ProfileRecord) -> Report:
                 allocator=dict(s.allocator.get("phases", {})),
             )
         )
-    ts, lv, ph, st = prof.timeline
+    ts, lv, ph, st, cm = prof.timeline
     t0 = prof.t_start
     timeline = {
         "t_ns": [t - t0 for t in ts],
         "bytes": list(lv),
         "phase": list(ph),
         "step": list(st),
+        "communication": list(cm),
     }
     spans = [
         {"module": m, "phase": p, "start_ns": a - t0, "end_ns": b - t0, "step": k}

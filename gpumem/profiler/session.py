@@ -61,7 +61,7 @@ from gpumem.profiler.state import (
     StepAcc,
     ancestors,
 )
-from gpumem.profiler.tracker import Entry, StorageTracker, storages_of, tensors_in
+from gpumem.profiler.tracker import Entry, StorageTracker, storages_of, tensors_in, views_of
 
 _graph_task_id = torch._C._current_graph_task_id
 _ACTIVE = threading.local()
@@ -147,7 +147,13 @@ class Profile:
         self.fwd: list[Frame] = []
         self.bwd: list[Frame] = []
         self.spans: list[tuple[str, str, int, int, int]] = []  # (fqn, phase, t0, t1, step)
-        self.timeline: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
+        self.timeline: tuple[list[int], list[int], list[int], list[int], list[int]] = (
+            [],
+            [],
+            [],
+            [],
+            [],
+        )
         self._in_step = False
         self._in_zero_grad = 0
         self._tail: str | None = None
@@ -350,11 +356,12 @@ class Profile:
             level != self._tl_level or phase is not self._tl_phase or step.index != self._tl_step
         ):
             self._tl_level, self._tl_phase, self._tl_step = level, phase, step.index
-            ts, lv, ph, st = self.timeline
+            ts, lv, ph, st, cm = self.timeline
             ts.append(time.perf_counter_ns())
             lv.append(level)
             ph.append(PHASE_CODE[phase])
             st.append(step.index)
+            cm.append(self._comm_total)
         work = level - self._comm_total
         if work > self._fmark:
             self._fmark = work
@@ -568,18 +575,28 @@ class Profile:
             self._closed = True
 
     def _record_gradients(self, step: StepAcc) -> None:
-        seen: set[int] = set()
-        per: dict[str, int] = {}
+        # storage -> the parameters whose gradients view it, with the bytes of their views
+        shares: dict[int, tuple[Entry, list[tuple[str, int]]]] = {}
         for p, owner in self.param_owner.values():
             if p.grad is None:
                 continue
-            for st in storages_of(p.grad):
+            for view, st in views_of(p.grad):
                 e = self.tracker.lookup(st)
                 if e is None and self.light:  # assigned outside autograd: nothing saw it yet
                     e = self.tracker.add(st, p.grad.device.type, GRADIENTS, owner)
-                if e is not None and id(e) not in seen:
-                    seen.add(id(e))
-                    per[owner] = per.get(owner, 0) + e.nbytes
+                if e is not None:
+                    n = view.numel() * view.element_size()
+                    shares.setdefault(id(e), (e, []))[1].append((owner, n))
+        per: dict[str, int] = {}
+        for e, owners in shares.values():
+            # FSDP2 makes a unit's sharded gradients views of one reduce-scatter output: each
+            # parameter's module gets its view, the first also what no view covers (padding)
+            rest = e.nbytes
+            for owner, n in owners[1:]:
+                n = min(n, rest)
+                per[owner] = per.get(owner, 0) + n
+                rest -= n
+            per[owners[0][0]] = per.get(owners[0][0], 0) + rest
         for k, v in per.items():
             step.gradients[k] = max(v, step.gradients.get(k, 0))
 

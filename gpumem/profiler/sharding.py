@@ -106,6 +106,18 @@ def comm_allocators(group: Any) -> list[Any]:
     return [c for c in (group._all_gather_comm, group._reduce_scatter_comm) if c is not None]
 
 
+PROPAGATES = "_propagate_tensor_meta_non_cached"
+"""The ``ShardingPropagator`` method that runs an op on fake tensors to learn a DTensor op's
+output shapes. In a real run they belong to a fake mode of their own and no tracker counts them;
+under ``gpumem.fake()`` DTensor borrows the active fake mode, so they must be left out."""
+
+
+def dtensor_propagator() -> Any | None:
+    """DTensor's sharding propagator (one per process), when DTensor is loaded."""
+    api = sys.modules.get(_DTENSOR_MODULE)
+    return None if api is None else api.DTensor._op_dispatcher.sharding_propagator
+
+
 _COLLECTIVE: dict[Any, bool] = {}
 
 

@@ -113,8 +113,9 @@ class ProfileRecord:
     measured: list[str]
     """The categories measured (light mode on CPU leaves out ``temporary``)."""
     measures_temporary: bool
-    timeline: tuple[list[int], list[int], list[int], list[int]]
-    """Samples (perf_counter ns, bytes, phase code, step index), each one list."""
+    timeline: tuple[list[int], list[int], list[int], list[int], list[int]]
+    """Samples (perf_counter ns, bytes, phase code, step index, communication bytes), each one
+    list."""
     t_start: int
     """perf_counter ns at the region's entry: the timeline's zero."""
     spans: list[tuple[str, str, int, int, int]]

@@ -59,13 +59,20 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
 
 
-def storages_of(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
-    """The untyped storages behind a tensor, looking through traceable wrapper subclasses."""
+def views_of(t: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.UntypedStorage]]:
+    """``(plain tensor, its untyped storage)`` behind a tensor, looking through traceable
+    wrapper subclasses."""
     for inner in _plain_tensors(t):
         try:
-            yield inner.untyped_storage()
+            yield inner, inner.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
             continue
+
+
+def storages_of(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    """The untyped storages behind a tensor, looking through traceable wrapper subclasses."""
+    for _, st in views_of(t):
+        yield st
 
 
 _Tensor = torch.Tensor
@@ -158,7 +165,9 @@ class StorageTracker(TorchDispatchMode):
         self._where = where
         self.on_new: Callable[[Entry], None] | None = None
         self.on_comm: Callable[[Entry, int], None] | None = None
-        self.paused = False  # our own bookkeeping ops (the saved-tensor detach) are not counted
+        # not counted while set: our own bookkeeping ops (the saved-tensor detach), and DTensor's
+        # sharding propagation (shape inference on fake tensors, of our own mode under fake())
+        self.paused = False
         self.entries: dict[int, Entry] = {}
         self.level = 0
         self.by_category: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
