@@ -1,5 +1,3 @@
-import sys
+from gpumem.cli import console_main
 
-from gpumem.cli import main
-
-sys.exit(main())
+console_main()

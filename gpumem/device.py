@@ -260,3 +260,45 @@ def process_used_bytes(pid: int | None = None) -> dict[int, int | None]:
     finally:
         nvml.nvmlShutdown()
     return out
+
+
+def host_available_bytes() -> int:
+    """Memory a new allocation can get on this host: ``MemAvailable`` of ``/proc/meminfo`` (free
+    plus reclaimable page cache), lowered to a cgroup's ``memory.max`` less its usage where a
+    container sets one; ``SC_AVPHYS_PAGES`` (free pages only) where /proc is absent."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if avail is None:
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    try:  # cgroup v2: the container's limit binds before the host runs out
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                used = int(f.read().strip())
+            avail = min(avail, max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return int(avail)
+
+
+def available_bytes(device: str = "cpu") -> tuple[int, str]:
+    """``(bytes, where)``: what a new allocation can get on ``device`` (``cpu`` or ``cuda[:i]``)
+    and a description of the figure. CUDA asks torch (free device memory, which creates a
+    context); without a usable device it raises ``ValueError``."""
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"{device}: torch sees no usable CUDA device")
+        index = torch.device(device).index or 0
+        free, _ = torch.cuda.mem_get_info(index)
+        return int(free), f"free on cuda:{index}"
+    return host_available_bytes(), "available host memory (MemAvailable)"

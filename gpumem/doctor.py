@@ -170,9 +170,16 @@ def _bandwidth(nbytes: int, directory: str | None, problems: list[str]) -> list[
 def run_doctor(
     measure: bool = True, nbytes: int = 256 << 20, directory: str | None = None
 ) -> DoctorReport:
-    """Collect the report. ``measure=False`` skips the bandwidth probes (a second or so each)."""
+    """Collect the report. ``measure=False`` skips the bandwidth probes (a second or so each).
+
+    Raises:
+        ValueError: a probe size that is not positive or that this machine's memory cannot
+            hold (the probes keep a source and a destination buffer of ``nbytes`` each).
+    """
     from gpumem import device
 
+    if measure:
+        check_probe_size(nbytes)
     problems: list[str] = []
     report = DoctorReport(
         versions=_versions(),
@@ -186,6 +193,21 @@ def run_doctor(
         # asked of torch even when NVML sees no GPU: nvidia-ml-py may be missing where CUDA works
         report.bandwidth += gpu_bandwidth(nbytes, problems)
     return report
+
+
+def check_probe_size(nbytes: int) -> None:
+    """The probes hold two buffers of ``nbytes``: refuse sizes this host cannot hold."""
+    from gpumem.device import host_available_bytes
+
+    if not isinstance(nbytes, int) or nbytes <= 0:
+        raise ValueError(f"probe size must be a positive number of bytes, got {nbytes!r}")
+    avail = host_available_bytes()
+    if 2 * nbytes > avail:
+        raise ValueError(
+            f"probe size {format_bytes(nbytes)} needs {format_bytes(2 * nbytes)} of memory (a "
+            f"source and a destination buffer) but {format_bytes(avail)} is available; use "
+            f"--size {format_bytes(max(1 << 20, avail // 8)).replace(' ', '')} or less"
+        )
 
 
 def gpu_bandwidth(nbytes: int, problems: list[str], device: int = 0) -> list[Bandwidth]:

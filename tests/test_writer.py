@@ -284,15 +284,20 @@ def test_bad_arguments(tmp_path):
 
 def test_read_only_directory_is_eacces():
     # Root ignores permission bits, so a root run drops to uid 65534 (nobody) in a child process.
+    # The child loads everything it needs (gpumem._C included) *before* it drops: the checkout
+    # may sit where only root can read (a private clone), and nobody could not import it there.
     parent = Path(tempfile.mkdtemp(prefix="gpumem-ro-", dir="/tmp"))
     try:
         parent.chmod(0o555)
         target = parent / "shard.bin"
         code = f"""
 import json, os
+from gpumem import _native
 from gpumem.writer import write_file
+_native.load()
 if os.geteuid() == 0:
-    os.setgid(65534); os.setuid(65534)
+    os.chdir("/")
+    os.setgroups([]); os.setgid(65534); os.setuid(65534)
 try:
     write_file({str(target)!r}, [(0, b"data")])
     print(json.dumps({{"ok": True}}))

@@ -15,7 +15,7 @@ imports neither torch nor numba; the measurements do.
 """
 
 from gpumem.calibrate._schema import CalibrationError
-from gpumem.calibrate.calibration import Calibration, Machine, load, measure
+from gpumem.calibrate.calibration import Calibration, Machine, as_calibration, load, measure
 from gpumem.calibrate.checkpoint_cost import (
     CheckpointCost,
     CheckpointPoint,
@@ -34,6 +34,7 @@ __all__ = [
     "LinearFit",
     "Machine",
     "ReportReserve",
+    "as_calibration",
     "fit_line",
     "from_report",
     "load",

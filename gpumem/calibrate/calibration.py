@@ -26,7 +26,7 @@ import json
 import os
 import platform
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +105,8 @@ class Calibration:
     gpu_reserve: GpuReserve | None = None
     report: ReportReserve | None = None
     schema_version: int = SCHEMA_VERSION
+    path: str | None = field(default=None, compare=False)
+    """The file it was loaded from (None when measured in this process); not part of it."""
 
     # -- consumers -----------------------------------------------------------------------------
     def checkpoint_times(self, nbytes: int, mode: str = "overlap") -> tuple[float, float, float]:
@@ -151,6 +153,25 @@ class Calibration:
         if self.report is not None:
             changes["fragmentation"] = self.report.fragmentation
         return dataclasses.replace(gpu, **changes) if changes else gpu
+
+    def origin(self) -> str:
+        """Where the numbers come from, for messages: ``FILE (measured DATE on HOST)``."""
+        where = self.path or "calibration"
+        return f"{where} (measured {self.created_utc} on {self.machine.host})"
+
+    def reserve_line(self, gpu: Any) -> str:
+        """Which reserve numbers of ``gpu`` (as :meth:`apply_to` made it) were measured."""
+        from gpumem.units import format_bytes
+
+        ctx, source = self.context_bytes()
+        ctx_src = f"measured: {source}" if ctx is not None else "default"
+        frag_src = "measured: profile report" if self.report else "default"
+        parts = (
+            f"context {format_bytes(gpu.context_bytes)} ({ctx_src})",
+            f"fragmentation {gpu.fragmentation:.2%} ({frag_src})",
+            f"NCCL {format_bytes(gpu.nccl_bytes)} (default)",
+        )
+        return f"GPU reserve of {gpu.name} from {self.origin()}: " + ", ".join(parts)
 
     def with_report(self, report: Any) -> Calibration:
         """A copy holding :func:`from_report` of ``report`` (a Report, its dict, or its JSON
@@ -271,9 +292,21 @@ def load(path: str | os.PathLike) -> Calibration:
             "write one with `gpumem calibrate --out FILE`"
         ) from None
     try:
-        return Calibration.from_json(raw)
+        return dataclasses.replace(Calibration.from_json(raw), path=str(p))
     except CalibrationError as exc:
         raise CalibrationError(f"{p}: {exc}") from None
+
+
+def as_calibration(calibration: Calibration | str | os.PathLike | None) -> Calibration | None:
+    """A Calibration from itself, a file path (:func:`load`), or None."""
+    if calibration is None or isinstance(calibration, Calibration):
+        return calibration
+    if isinstance(calibration, (str, os.PathLike)):
+        return load(calibration)
+    raise TypeError(
+        f"calibration must be a Calibration or the path of a calibration.json, got "
+        f"{type(calibration).__name__}"
+    )
 
 
 def versions() -> dict[str, str]:

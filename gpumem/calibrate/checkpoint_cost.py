@@ -178,6 +178,7 @@ def measure_checkpoint(
     warmup: int = 1,
     staging_bytes: int | None = None,
     drop_cache: bool = True,
+    progress: Any = None,
 ) -> CheckpointCost:
     """Measure save stalls, time to durable and restore at each size; fit a line per quantity.
 
@@ -193,9 +194,11 @@ def measure_checkpoint(
         staging_bytes: the Checkpointer's staging cap (default: as a job's, see
             ``gpumem.checkpoint.checkpointer.default_staging_bytes``).
         drop_cache: drop the checkpoint files' page cache before each restore.
+        progress: called as ``progress(done, total)`` after each size's round (a CLI bar).
 
     Raises:
-        CalibrationError: bad arguments, a missing directory, or no CUDA device for ``cuda``.
+        CalibrationError: bad arguments, a missing directory, sizes this host's memory or the
+            directory's free space cannot hold, or no CUDA device for ``cuda``.
         gpumem.CheckpointError: the Checkpointer itself failed (disk full, permissions).
     """
     sizes = _check_args(directory, sizes, device, repeat, tensors, warmup)
@@ -209,9 +212,13 @@ def measure_checkpoint(
             ]
             # rounds go round-robin over the sizes: a burst of load from other processes then
             # lands on every size alike instead of skewing one size's whole sample (the slope)
+            total, done = (warmup + repeat) * len(runs), 0
             for r in range(warmup + repeat):
                 for run in runs:
                     run.round(device, drop_cache, keep=r >= warmup)
+                    done += 1
+                    if progress is not None:
+                        progress(done, total)
             points = [run.point() for run in runs]
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -259,7 +266,33 @@ def _check_args(directory, sizes, device, repeat, tensors, warmup) -> list[int]:
             f"size {out[0]} bytes is below {floor} bytes ({MIN_SIZE >> 20} MiB): "
             "smaller states measure only fixed costs; use larger sizes"
         )
+    _check_room(d, out)
     return out
+
+
+def _check_room(directory: Path, sizes: list[int]) -> None:
+    """Every size's state and staging copy live at once, plus one restored state; each size
+    keeps one checkpoint and writes the next beside it. Refuse what cannot fit, before any."""
+    from gpumem.device import host_available_bytes
+    from gpumem.units import format_bytes
+
+    memory = 2 * sum(sizes) + max(sizes)
+    avail = host_available_bytes()
+    fix = "use smaller --sizes (e.g. 64MiB,256MiB)"
+    if memory > avail:
+        raise CalibrationError(
+            f"sizes {', '.join(format_bytes(s) for s in sizes)} need about "
+            f"{format_bytes(memory)} of host memory (each state and its staging copy, plus one "
+            f"restore) but {format_bytes(avail)} is available; {fix}"
+        )
+    disk = 2 * sum(sizes)
+    free = shutil.disk_usage(directory).free
+    if disk > free:
+        raise CalibrationError(
+            f"sizes {', '.join(format_bytes(s) for s in sizes)} need about {format_bytes(disk)} "
+            f"free in {directory} (two checkpoints per size at a time) but "
+            f"{format_bytes(free)} is free; {fix}, or calibrate on a larger file system"
+        )
 
 
 def split_elements(elements: int, tensors: int) -> list[int]:

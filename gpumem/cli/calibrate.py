@@ -1,19 +1,20 @@
-"""gpumem calibrate: measure this machine and its checkpoint storage; and how `plan` and
-`estimate` read the file (``--calibration FILE``)."""
+"""gpumem calibrate: measure this machine and its checkpoint storage, write calibration.json.
+
+`gpumem plan` and `gpumem estimate` read the file with ``--calibration FILE``; what they take
+from it is decided by the library (``gpumem.plan(..., calibration=)``,
+``gpumem.estimate(..., calibration=)``), not here.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+
+from gpumem.cli import _args
+from gpumem.cli._progress import progress_bar
 
 DEFAULT_SIZES = "64MiB,256MiB"
-# what `gpumem plan` assumes where nothing better is known (the planner's documented guesses)
-DEFAULT_STALL_S, DEFAULT_PERSIST_S, DEFAULT_RESTART_S = 1.0, 60.0, 300.0
-# the part of a restart a calibration cannot measure: requeue, container start, imports, model
-# build, process-group set-up; the same guess as the whole restart had before, stated as such
-DEFAULT_STARTUP_S = 300.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,11 +29,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--dir",
+        type=_args.existing_dir,
         default=".",
         help="where the job's checkpoints will live (default: current directory)",
     )
     p.add_argument(
         "--sizes",
+        type=_args.size_list,
         default=DEFAULT_SIZES,
         help=f"state sizes, comma-separated (default {DEFAULT_SIZES})",
     )
@@ -44,19 +47,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--repeat",
-        type=int,
+        type=_args.bounded_int(1, 1000),
         default=5,
         help="measured rounds per size; medians are fitted (default 5)",
     )
     p.add_argument(
         "--report",
         metavar="PROFILE_JSON",
+        type=_args.existing_path,
         default=None,
         help="a CUDA profile of your training step (gpumem profile --json FILE, or rep.to_json): "
         "adds its fragmentation and memory outside the allocator",
     )
     p.add_argument(
-        "--out", default="calibration.json", help="file to write (default: calibration.json here)"
+        "--out",
+        type=_args.output_file,
+        default="calibration.json",
+        help="file to write (default: calibration.json here)",
     )
     p.add_argument("--json", action="store_true", help="print the file's JSON instead of the table")
     p.set_defaults(func=run)
@@ -64,25 +71,22 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gpumem.calibrate import measure
-    from gpumem.units import parse_bytes
 
-    sizes = [parse_bytes(s) for s in args.sizes.split(",") if s.strip()]
     out = Path(args.out)
-    if not out.parent.is_dir():
-        raise ValueError(
-            f"--out {args.out}: directory {out.parent} does not exist; create it or write elsewhere"
-        )
-    if not Path(args.dir).is_dir():
-        raise ValueError(
-            f"--dir {args.dir} is not a directory: pass "
-            "the existing directory the checkpoints go to"
-        )
     device = args.device
     if device == "auto":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    cal = measure(args.dir, sizes, device=device, repeat=args.repeat, report=args.report)
+    with progress_bar("calibrating checkpoint rounds", enabled=not args.json) as bar:
+        cal = measure(
+            args.dir,
+            args.sizes,
+            device=device,
+            repeat=args.repeat,
+            report=args.report,
+            progress=bar,
+        )
     path = cal.save(out)
     here = out.parent == Path(".") and not out.is_absolute()
     where = "in the current directory" if here else f"at {path.resolve()}"
@@ -93,150 +97,3 @@ def run(args: argparse.Namespace) -> int:
         print(cal.table())
         print(f"\nwrote {path} ({where}); use it with `gpumem plan ... --calibration {path}`")
     return 0
-
-
-# -- `plan` and `estimate` ---------------------------------------------------------------------
-
-
-def load_calibration(args: argparse.Namespace) -> Any:
-    """The Calibration named by ``--calibration``, or None."""
-    path = getattr(args, "calibration", None)
-    if path is None:
-        return None
-    from gpumem.calibrate import load
-
-    return load(path)
-
-
-def calibrated_gpu(args: argparse.Namespace, cal: Any) -> Any:
-    """``--gpu`` as given, or the catalog GPU with the calibration's measured reserve."""
-    if cal is None:
-        return args.gpu
-    from gpumem.estimator.gpus import find_gpu
-
-    return cal.apply_to(find_gpu(args.gpu, args.gpu_memory))
-
-
-def _origin(cal: Any, path: str) -> str:
-    return f"{path} (measured {cal.created_utc} on {cal.machine.host})"
-
-
-def reserve_lines(args: argparse.Namespace, cal: Any, gpu: Any) -> list[str]:
-    """One line saying which reserve numbers of ``gpu`` were measured and which are defaults."""
-    from gpumem.units import format_bytes
-
-    ctx, source = cal.context_bytes()
-    ctx_src = f"measured: {source}" if ctx is not None else "default"
-    frag_src = "measured: profile report" if cal.report else "default"
-    parts = (
-        f"context {format_bytes(gpu.context_bytes)} ({ctx_src})",
-        f"fragmentation {gpu.fragmentation:.2%} ({frag_src})",
-        f"NCCL {format_bytes(gpu.nccl_bytes)} (default)",
-    )
-    return [f"GPU reserve of {gpu.name} from {_origin(cal, args.calibration)}: " + ", ".join(parts)]
-
-
-def resolve_checkpoint_times(
-    args: argparse.Namespace, cal: Any, bill: Any
-) -> tuple[dict | None, list[str]]:
-    """Settle the stall C, persist P and restart R the economics use, in place on ``args``.
-
-    Explicit ``--stall-s`` / ``--persist-s`` / ``--restart-s`` win; else, with a calibration and a
-    best layout, the times predicted for the checkpoint that layout's ranks write: the weights
-    and optimizer state of one GPU (``bill.model_states``; gradients are not saved; fp32 master
-    weights are part of the optimizer state), with R = restore + ``--startup-s``; else the
-    planner's defaults. Returns the JSON record (None without --calibration) and text lines.
-    """
-    given = {k: getattr(args, k) for k in ("stall_s", "persist_s", "restart_s")}
-    startup = getattr(args, "startup_s", None)
-    if cal is None and startup is not None:
-        raise ValueError(
-            "--startup-s adds to the restore time a calibration measured: give --calibration FILE, "
-            "or --restart-s for the whole restart time"
-        )
-    values = {
-        "stall_s": (DEFAULT_STALL_S, "default guess"),
-        "persist_s": (DEFAULT_PERSIST_S, "default guess"),
-        "restart_s": (DEFAULT_RESTART_S, "default guess"),
-    }
-    record: dict[str, Any] | None = None
-    lines: list[str] = []
-    if cal is not None:
-        record = {
-            "file": str(args.calibration),
-            "created_utc": cal.created_utc,
-            "host": cal.machine.host,
-        }
-        if cal.checkpoint is None:
-            lines.append(
-                f"checkpoint times: {args.calibration} holds "
-                "no checkpoint measurement; defaults used"
-            )
-        elif bill is None:
-            lines.append(
-                "checkpoint times: nothing fits, so no checkpoint size to predict; defaults used"
-            )
-        else:
-            nbytes = int(bill.model_states["weights"] + bill.model_states["optimizer"])
-            stall, persist, restore = cal.checkpoint_times(nbytes)
-            start = DEFAULT_STARTUP_S if startup is None else startup
-            start_src = "--startup-s" if startup is not None else "default guess; set --startup-s"
-            restart_src = f"measured restore {restore:.3g} s + startup {start:g} s ({start_src})"
-            values = {
-                "stall_s": (stall, "measured: overlap save, worst case"),
-                "persist_s": (persist, "measured: time to durable"),
-                "restart_s": (restore + start, restart_src),
-            }
-            fit = cal.checkpoint.fits["durable_s"]
-            record.update(
-                checkpoint_bytes=nbytes,
-                restore_s=restore,
-                startup_s=start,
-                extrapolated=fit.extrapolates(nbytes),
-                directory=cal.checkpoint.directory,
-                checkpoint_device=cal.checkpoint.device,
-            )
-            lines.append(_size_line(nbytes, cal, args.calibration, fit))
-    guessed = [k for k, v in given.items() if v is None]
-    if cal is None and guessed:
-        names = ", ".join(f"--{k.replace('_', '-')} {values[k][0]:g}" for k in guessed)
-        lines.append(
-            f"checkpoint times are guesses ({names}): measure them on the job's storage with "
-            "`gpumem calibrate --dir CKPT_DIR` and pass --calibration FILE"
-        )
-    for key, value in given.items():
-        if value is not None:
-            values[key] = (value, f"--{key.replace('_', '-')}")
-        setattr(args, key, values[key][0])
-    if record is not None:
-        for key, (value, source) in values.items():
-            record[key] = {"value": value, "source": source}
-        names = {"stall_s": "stall C", "persist_s": "persist P", "restart_s": "restart R"}
-        lines += [
-            f"  {names[key]:<11}{value:>10.3f} s  {source}"
-            for key, (value, source) in values.items()
-        ]
-    return record, lines
-
-
-def _size_line(nbytes: int, cal: Any, path: str, fit: Any) -> str:
-    from gpumem.units import format_bytes
-
-    c = cal.checkpoint
-    where = f"{c.directory} ({c.filesystem or 'file system unknown'}), tensors on {c.device}"
-    line = (
-        f"checkpoint times for {format_bytes(nbytes)} per GPU (weights + "
-        f"optimizer state of the best layout), from {_origin(cal, path)}, {where}"
-    )
-    if fit.extrapolates(nbytes):
-        line += (
-            f"; extrapolated beyond the sizes measured ({format_bytes(fit.min_bytes)} to "
-            f"{format_bytes(fit.max_bytes)}): calibrate nearer this size for a firmer number"
-        )
-    bounded = [k for k, f in cal.checkpoint.fits.items() if f.bounded_above(nbytes)]
-    if bounded:
-        line += (
-            f"; {', '.join(bounded)}: no growth with size was measured, so "
-            "the largest size's time is scaled in proportion (an upper bound)"
-        )
-    return line

@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+from gpumem.cli import _args
+from gpumem.cli._progress import progress_bar
 from gpumem.units import format_bytes
 
 
@@ -21,21 +23,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls = cmds.add_parser(
         "ls", help="list the checkpoints of a directory (manifests checked, data not read)"
     )
-    ls.add_argument("dir", help="checkpoint directory (holds step-<N>/ and latest)")
+    ls.add_argument(
+        "dir", type=_args.existing_dir, help="checkpoint directory (holds step-<N>/ and latest)"
+    )
     ls.add_argument("--json", action="store_true", help="print JSON")
     ver = cmds.add_parser(
         "verify", help="check every byte of a checkpoint (or of all in a directory)"
     )
     ver.add_argument(
-        "path", help="a step-<N> directory, or a checkpoint directory to verify them all"
+        "path",
+        type=_args.existing_dir,
+        help="a step-<N> directory, or a checkpoint directory to verify them all",
     )
     ins = cmds.add_parser(
         "inspect", help="show tensors, sizes, step, versions and saved state of a checkpoint"
     )
-    ins.add_argument("path", help="a step-<N> directory, or a checkpoint directory (its newest)")
+    ins.add_argument(
+        "path",
+        type=_args.existing_dir,
+        help="a step-<N> directory, or a checkpoint directory (its newest)",
+    )
     ins.add_argument("--json", action="store_true", help="print JSON")
     ins.add_argument(
-        "--limit", type=int, default=50, help="tensors listed per rank (default 50; 0 = all)"
+        "--limit",
+        type=_args.non_negative_int,
+        default=50,
+        help="tensors listed per rank (default 50; 0 = all)",
     )
     p.set_defaults(func=run)
 
@@ -122,15 +135,23 @@ def _verify(args: argparse.Namespace) -> int:
     from gpumem.checkpoint import CheckpointCorruptError, verify
 
     bad = 0
-    for p in _targets(Path(args.path)):
-        try:
-            info = verify(p)
+    targets = _targets(Path(args.path))
+    with progress_bar("verifying checkpoints") as bar:
+        results = []
+        for i, p in enumerate(targets):
+            bar(i, len(targets))
+            try:
+                results.append((p, verify(p), None))
+            except CheckpointCorruptError as exc:
+                results.append((p, None, exc))
+    for p, info, exc in results:
+        if info is not None:
             kind = ", replicated state written once" if info.replicated else ""
             print(
                 f"OK       {p.name}: step {info.step}, "
                 f"{format_bytes(info.nbytes)}, {info.world_size} rank(s){kind}"
             )
-        except CheckpointCorruptError as exc:
+        else:
             bad += 1
             print(f"CORRUPT  {p.name}: {exc}")
     return 1 if bad else 0

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+
+from gpumem.cli import _args
 
 
 def add_job_arguments(p: argparse.ArgumentParser) -> None:
@@ -12,7 +15,10 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
         "model", help="preset name (case-insensitive), config.json, or a directory holding one"
     )
     p.add_argument(
-        "--seq-len", type=int, default=None, help="tokens per sample (default: model context)"
+        "--seq-len",
+        type=_args.positive_int,
+        default=None,
+        help="tokens per sample (default: the model's context; printed with the result)",
     )
     p.add_argument(
         "--precision",
@@ -32,15 +38,21 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--gpu", default="H100-80GB", help="catalog GPU (default H100-80GB)")
     p.add_argument(
-        "--gpu-memory", default=None, help="memory of a GPU not in the catalog, e.g. 80GiB"
+        "--gpu-memory", type=_args.size, default=None, help="memory of a GPU not in the catalog"
     )
-    p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank only")
+    p.add_argument(
+        "--lora-rank",
+        type=_args.non_negative_int,
+        default=0,
+        help="train LoRA adapters of this rank only",
+    )
     p.add_argument(
         "--qlora", action="store_true", help="4-bit (NF4) frozen base; needs --lora-rank"
     )
     p.add_argument(
         "--calibration",
         metavar="FILE",
+        type=_args.existing_path,
         default=None,
         help=(
             "calibration.json from `gpumem calibrate`: "
@@ -57,12 +69,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         "activations, temporary, overhead) of training MODEL, on the most loaded GPU.",
     )
     add_job_arguments(p)
-    p.add_argument("--batch-size", type=int, default=1, help="micro-batch per GPU (default 1)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
-    p.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
+    p.add_argument(
+        "--batch-size", type=_args.positive_int, default=1, help="micro-batch per GPU (default 1)"
+    )
+    p.add_argument(
+        "--grad-accum", type=_args.positive_int, default=1, help="micro-batches per step"
+    )
+    p.add_argument("--gpus", type=_args.gpu_count, default=1, help="number of GPUs (default 1)")
     for flag in ("dp", "tp", "pp", "ep"):
-        p.add_argument(f"--{flag}", type=int, default=None, help=f"{flag.upper()} degree")
-    p.add_argument("--vpp", type=int, default=1, help="virtual pipeline stages (interleaved 1F1B)")
+        p.add_argument(
+            f"--{flag}", type=_args.gpu_count, default=None, help=f"{flag.upper()} degree"
+        )
+    p.add_argument(
+        "--vpp", type=_args.positive_int, default=1, help="virtual pipeline stages (interleaved)"
+    )
     p.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage")
     p.add_argument("--fsdp", default=None, choices=("full", "hybrid"), help="FSDP sharding")
@@ -72,6 +92,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--offload-optimizer", action="store_true", help="optimizer state in CPU memory")
     p.add_argument(
         "--inference", action="store_true", help="weights + KV cache instead of training"
+    )
+    p.add_argument(
+        "--plot",
+        metavar="FILE",
+        type=_args.png_file,
+        default=None,
+        help="write a PNG: this layout's bill by category beside the planner's best layouts",
     )
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the bill as JSON")
@@ -83,8 +110,6 @@ def layout_from_args(args: argparse.Namespace):
     """A Layout from --gpus/--dp/--tp/--pp/--ep; dp defaults to what the others leave."""
     from gpumem.estimator import Layout
 
-    if args.gpus is None or args.gpus <= 0:
-        raise ValueError(f"--gpus must be a positive integer, got {args.gpus}")
     tp, pp, ep = args.tp or 1, args.pp or 1, args.ep or 1
     if args.gpus % (tp * pp):
         raise ValueError(f"--gpus {args.gpus} is not divisible by tp*pp = {tp * pp}")
@@ -97,27 +122,25 @@ def layout_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpumem.cli.calibrate import calibrated_gpu, load_calibration, reserve_lines
-
-    cal = load_calibration(args)
-    gpu = calibrated_gpu(args, cal)
-    if cal is not None and not args.json:
-        print("\n".join(reserve_lines(args, cal, gpu)))
     if args.inference:
+        if args.plot:
+            raise ValueError("--plot draws a training bill; leave it out with --inference")
         from gpumem.estimator.inference import estimate_inference
 
         bill = estimate_inference(
             args.model,
             batch_size=args.batch_size,
             context=args.seq_len,
-            gpu=gpu,
+            gpu=args.gpu,
             gpu_memory=args.gpu_memory,
             tp=args.tp or 1,
+            calibration=args.calibration,
         )
         print(json.dumps(bill.to_dict(), indent=2) if args.json else bill.table())
         return 0
     from gpumem.estimator import estimate
 
+    layout = layout_from_args(args)
     bill = estimate(
         args.model,
         batch_size=args.batch_size,
@@ -125,9 +148,9 @@ def run(args: argparse.Namespace) -> int:
         precision=args.precision,
         optimizer=args.optimizer,
         grads=args.grads,
-        gpu=gpu,
+        gpu=args.gpu,
         gpu_memory=args.gpu_memory,
-        layout=layout_from_args(args),
+        layout=layout,
         recompute=args.recompute,
         grad_accum=args.grad_accum,
         attention=args.attention,
@@ -135,9 +158,19 @@ def run(args: argparse.Namespace) -> int:
         offload_optimizer=args.offload_optimizer,
         lora_rank=args.lora_rank,
         base_quant="nf4" if args.qlora else None,
+        calibration=args.calibration,
     )
     if args.json:
         print(bill.to_json())
     else:
+        if args.calibration is not None:
+            from gpumem.calibrate import load
+
+            print(load(args.calibration).reserve_line(bill.gpu))
         print(bill.table(markdown=args.markdown))
+    if args.plot:
+        from gpumem.planner.plot import plot_layouts
+
+        plot_layouts(bill, args.plot, n_gpus=args.gpus)
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0

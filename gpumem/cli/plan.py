@@ -5,7 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 
+from gpumem.cli import _args
+from gpumem.cli._progress import progress_bar
 from gpumem.cli.estimate import add_job_arguments
+from gpumem.planner.economics import (
+    DEFAULT_PERSIST_S,
+    DEFAULT_PRICE_PER_GPU_HOUR,
+    DEFAULT_RESTART_S,
+    DEFAULT_RUN_HOURS,
+    DEFAULT_STALL_S,
+    DEFAULT_STARTUP_S,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -14,55 +24,78 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="search every layout that fits, rank them, and price preemptions",
         description="Search dp x tp x pp (x ep) x ZeRO x micro-batch x recompute for MODEL on "
         "--gpus GPUs, list the layouts that fit ranked by a throughput proxy, and optionally "
-        "the checkpoint economics and a Slurm/Kubernetes job header.",
+        "the checkpoint economics and a Slurm/Kubernetes job script.",
     )
     add_job_arguments(p)
-    p.add_argument("--gpus", type=int, default=8, help="number of GPUs (default 8)")
+    p.add_argument("--gpus", type=_args.gpu_count, default=8, help="number of GPUs (default 8)")
     p.add_argument("--min-gpus", action="store_true", help="find the smallest GPU count that fits")
-    p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
-    p.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
+    p.add_argument(
+        "--global-batch", type=_args.positive_int, default=None, help="sequences per optimizer step"
+    )
+    p.add_argument(
+        "--top", type=_args.positive_int, default=10, help="layouts to list (default 10)"
+    )
     p.add_argument("--inference", action="store_true", help="largest batch x context for serving")
-    econ = p.add_argument_group("preemption economics")
-    rate = econ.add_mutually_exclusive_group()
+    e = p.add_argument_group("preemption economics")
+    rate = e.add_mutually_exclusive_group()
     rate.add_argument(
-        "--mtbf-hours", type=float, default=None, help="mean time between preemptions"
+        "--mtbf-hours",
+        type=_args.positive_float,
+        default=None,
+        help="mean time between preemptions",
     )
-    rate.add_argument("--preemption-rate", type=float, default=None, help="preemptions per hour")
-    econ.add_argument("--price-per-gpu-hour", type=float, default=3.0, help="dollars (default 3)")
-    econ.add_argument(
+    rate.add_argument(
+        "--preemption-rate", type=_args.positive_float, default=None, help="preemptions per hour"
+    )
+    e.add_argument(
+        "--price-per-gpu-hour",
+        type=_args.positive_float,
+        default=DEFAULT_PRICE_PER_GPU_HOUR,
+        help=f"dollars (default {DEFAULT_PRICE_PER_GPU_HOUR:g})",
+    )
+    e.add_argument(
         "--stall-s",
-        type=float,
+        type=_args.non_negative_float,
         default=None,
-        help="training stall per checkpoint (s; default: measured with --calibration, else 1)",
+        help="training stall per checkpoint, C (s; default: measured with --calibration, else "
+        f"{DEFAULT_STALL_S:g})",
     )
-    econ.add_argument(
+    e.add_argument(
         "--persist-s",
-        type=float,
+        type=_args.non_negative_float,
         default=None,
-        help="time to persist a checkpoint (s; default: measured with --calibration, else 60)",
+        help="time until a checkpoint is durable, P >= C (s; default: measured with "
+        f"--calibration, else {DEFAULT_PERSIST_S:g})",
     )
-    econ.add_argument(
+    e.add_argument(
         "--restart-s",
-        type=float,
+        type=_args.non_negative_float,
         default=None,
-        help="restart + reload time (s; default: measured restore + --startup-s, else 300)",
+        help="restart + reload time, R (s; default: measured restore + --startup-s, else "
+        f"{DEFAULT_RESTART_S:g})",
     )
-    econ.add_argument(
+    e.add_argument(
         "--startup-s",
-        type=float,
+        type=_args.non_negative_float,
         default=None,
-        help="with --calibration: restart time besides the measured restore (default 300)",
+        help="with --calibration: restart time besides the measured restore (default "
+        f"{DEFAULT_STARTUP_S:g})",
     )
-    econ.add_argument("--run-hours", type=float, default=24.0, help="length of the run (hours)")
-    econ.add_argument(
+    e.add_argument(
+        "--run-hours",
+        type=_args.positive_float,
+        default=DEFAULT_RUN_HOURS,
+        help=f"failure-free length of the run (hours, default {DEFAULT_RUN_HOURS:g})",
+    )
+    e.add_argument(
         "--preempted-at-hours",
-        type=float,
+        type=_args.non_negative_float,
         default=None,
         help="realised loss of a preemption at this hour of the run",
     )
     sched = p.add_mutually_exclusive_group()
     sched.add_argument(
-        "--slurm", action="store_true", help="print an sbatch header for the best layout"
+        "--slurm", action="store_true", help="print an sbatch script for the best layout"
     )
     sched.add_argument("--k8s", action="store_true", help="print a Kubernetes Job (Kueue) for it")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -70,21 +103,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpumem.cli.calibrate import (
-        calibrated_gpu,
-        load_calibration,
-        reserve_lines,
-        resolve_checkpoint_times,
-    )
-
-    cal = load_calibration(args)
-    gpu = calibrated_gpu(args, cal)
     if args.inference:
-        return _inference(args, gpu)
-    from gpumem.planner import economics, k8s_job, min_gpus, plan, realised_loss, sbatch_header
+        return _inference(args)
+    from gpumem.planner import min_gpus, plan, realised, schedulers
 
     kw = {
-        "gpu": gpu,
+        "gpu": args.gpu,
         "gpu_memory": args.gpu_memory,
         "seq_len": args.seq_len,
         "global_batch": args.global_batch,
@@ -93,12 +117,15 @@ def run(args: argparse.Namespace) -> int:
         "grads": args.grads,
         "lora_rank": args.lora_rank,
         "base_quant": "nf4" if args.qlora else None,
+        "calibration": args.calibration,
     }
-    if args.min_gpus:
-        result = min_gpus(args.model, **kw)
-    else:
-        result = plan(args.model, n_gpus=args.gpus, **kw)
+    with progress_bar("searching layouts", enabled=not args.json) as bar:
+        if args.min_gpus:
+            result = min_gpus(args.model, progress=bar, **kw)
+        else:
+            result = plan(args.model, n_gpus=args.gpus, progress=bar, **kw)
     out: dict = {
+        "inputs": result.inputs_json(),
         "n_gpus": result.n_gpus,
         "n_configs": result.n_configs,
         "fitting": [
@@ -107,99 +134,78 @@ def run(args: argparse.Namespace) -> int:
         ],
     }
     text = [result.table(args.top)]
-    bill = None
     if result.best is not None:
         bill = result.bill()
         out["bill"] = bill.to_dict()
         text += ["", "best layout:", bill.table()]
-    record, lines = resolve_checkpoint_times(
-        args, cal, bill
-    )  # sets args.stall_s / persist_s / restart_s
-    priced = (
-        args.mtbf_hours is not None
-        or args.preemption_rate is not None
-        or args.preempted_at_hours is not None
+    times = result.checkpoint_times(
+        stall_s=args.stall_s,
+        persist_s=args.persist_s,
+        restart_s=args.restart_s,
+        startup_s=args.startup_s,
     )
-    if record is not None:
-        out["calibration"] = record
-        text += ["", *reserve_lines(args, cal, gpu), *lines]
-    elif lines and priced:  # say that C, P and R were guessed, and how to measure them
-        text += ["", *lines]
-    if args.mtbf_hours is not None or args.preemption_rate is not None:
-        e = economics(
-            n_gpus=result.n_gpus,
-            price_per_gpu_hour=args.price_per_gpu_hour,
+    priced = args.mtbf_hours is not None or args.preemption_rate is not None
+    if result.calibration is not None:
+        out["calibration"] = times.calibration
+        text += ["", result.calibration.reserve_line(result.gpu), *times.lines()]
+    elif times.notes and (priced or args.preempted_at_hours is not None):
+        text += ["", *times.notes]  # say that C, P and R were guessed, and how to measure them
+    if priced:
+        e = result.economics(
             mtbf_hours=args.mtbf_hours,
             preemption_rate=args.preemption_rate,
-            stall_s=args.stall_s,
-            persist_s=args.persist_s,
-            restart_s=args.restart_s,
+            price_per_gpu_hour=args.price_per_gpu_hour,
             run_hours=args.run_hours,
+            times=times,
         )
         out["economics"] = e.to_dict()
         text += ["", e.table()]
     if args.preempted_at_hours is not None:
-        out["realised_loss"] = _realised(args, result.n_gpus, text, realised_loss)
+        loss = realised(
+            hours=args.preempted_at_hours,
+            n_gpus=result.n_gpus,
+            price_per_gpu_hour=args.price_per_gpu_hour,
+            mtbf_hours=args.mtbf_hours
+            or (1 / args.preemption_rate if args.preemption_rate else None),
+            **times.values(),
+        )
+        out["realised_loss"] = loss.to_dict()
+        text += ["", loss.line()]
     if args.slurm or args.k8s:
         layout = result.best.describe() if result.best else "none fits"
+        grace = schedulers.grace_seconds(times.persist_s)
         per_node = result.gpu.gpus_per_node
-        script = (
-            sbatch_header(
-                n_gpus=result.n_gpus,
-                gpus_per_node=per_node,
-                layout=layout,
-                signal_s=max(60, int(args.persist_s * 2)),
+        if args.slurm:
+            script = schedulers.sbatch_header(
+                n_gpus=result.n_gpus, gpus_per_node=per_node, layout=layout, signal_s=grace
             )
-            if args.slurm
-            else k8s_job(
-                n_gpus=result.n_gpus,
-                gpus_per_node=per_node,
-                layout=layout,
-                grace_s=max(60, int(args.persist_s * 2)),
+        else:
+            script = schedulers.k8s_job(
+                n_gpus=result.n_gpus, gpus_per_node=per_node, layout=layout, grace_s=grace
             )
-        )
         out["script"] = script
         text += ["", script]
     print(json.dumps(out, indent=2) if args.json else "\n".join(text))
     return 0
 
 
-def _realised(args: argparse.Namespace, n_gpus: int, text: list[str], realised_loss) -> dict:
-    """What one preemption at hour H costs: all H hours without a checkpoint; with checkpoints
-    at most one interval of work plus the persist and restart times (the interval is Young/Daly's
-    when an MTBF or rate is given, else the persist time, the shortest possible)."""
-    from gpumem.planner import young_daly
-
-    hours = args.preempted_at_hours
-    if args.mtbf_hours is not None or args.preemption_rate is not None:
-        mtbf_s = 3600.0 * (args.mtbf_hours or 1.0 / args.preemption_rate)
-        interval_s = max(young_daly(args.stall_s, mtbf_s), args.persist_s)
-    else:
-        interval_s = args.persist_s
-    at_most_h = min(hours, (interval_s + args.persist_s + args.restart_s) / 3600.0)
-    price = args.price_per_gpu_hour
-    without = realised_loss(n_gpus=n_gpus, hours_lost=hours, price_per_gpu_hour=price)
-    with_ckpt = realised_loss(n_gpus=n_gpus, hours_lost=at_most_h, price_per_gpu_hour=price)
-    text += [
-        "",
-        f"one preemption at hour {hours:g} on {n_gpus} GPUs at ${price:g}/GPU-h: "
-        f"${without:,.0f} lost without a checkpoint ({hours:g} h of work), at most "
-        f"${with_ckpt:,.0f} with one every {interval_s / 60:.1f} min",
-    ]
-    return {
-        "hours": hours,
-        "without_checkpoint": without,
-        "with_checkpoint_at_most": with_ckpt,
-        "interval_s": interval_s,
-    }
-
-
-def _inference(args: argparse.Namespace, gpu) -> int:
+def _inference(args: argparse.Namespace) -> int:
     from gpumem.estimator.inference import max_batch
 
-    rows = []
-    for ctx in (1024, 2048, 4096, 8192, 16384, 32768):
-        rows.append((ctx, max_batch(args.model, context=ctx, gpu=gpu, gpu_memory=args.gpu_memory)))
+    contexts = (1024, 2048, 4096, 8192, 16384, 32768)
+    rows = [
+        (
+            ctx,
+            max_batch(
+                args.model,
+                context=ctx,
+                gpu=args.gpu,
+                gpu_memory=args.gpu_memory,
+                calibration=args.calibration,
+            ),
+        )
+        for ctx in contexts
+    ]
     if args.json:
         print(json.dumps({"max_batch_by_context": dict(rows)}, indent=2))
     else:

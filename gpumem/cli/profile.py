@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
+
+from gpumem.cli import _args
+from gpumem.cli._progress import progress_bar
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -12,65 +16,139 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="profile the memory of training steps of a built-in model or a local config.json",
         description="Run training steps of a built-in model (gpt2, llama, mixtral, vit, resnet) "
         "or of a transformers model from a local config.json inside gpumem.profile and print "
-        "the per-layer table.",
+        "the per-layer table. A real (not --fake) run is refused when its estimated peak "
+        "exceeds the memory available (--force runs it anyway).",
     )
     p.add_argument("model", help="gpt2 | llama | mixtral | vit | resnet | path/to/config.json")
     p.add_argument("--size", default="tiny", help="preset size (tiny, small, 7b, 70b, 8x7b, ...)")
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (LMs)")
-    p.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd | none")
-    p.add_argument("--precision", default="fp32", help="fp32 | bf16 | fp16 | amp-bf16 | amp-fp16")
+    p.add_argument("--batch-size", type=_args.positive_int, default=2)
+    p.add_argument(
+        "--seq-len", type=_args.positive_int, default=None, help="tokens per sample (LMs)"
+    )
+    p.add_argument(
+        "--optimizer", default="adamw", choices=("adamw", "adam", "sgd", "none"), help="optimizer"
+    )
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        choices=("fp32", "bf16", "fp16", "amp-bf16", "amp-fp16"),
+        help="parameter dtype, or fp32 weights under autocast (amp-*)",
+    )
     p.add_argument(
         "--checkpointing", action="store_true", help="activation checkpointing per block"
     )
     p.add_argument("--fake", action="store_true", help="fake tensors: any size, no memory used")
     p.add_argument(
+        "--force",
+        action="store_true",
+        help="run for real even when the estimated peak exceeds the memory available",
+    )
+    p.add_argument(
         "--device",
         default="cpu",
+        choices=("cpu", "cuda"),
         help="cpu or cuda (with --fake: fake CUDA tensors of any size; training them "
         "needs a usable GPU)",
     )
-    p.add_argument("--steps", type=int, default=2, help="training steps (default 2)")
+    p.add_argument("--steps", type=_args.step_count, default=2, help="training steps (default 2)")
     p.add_argument(
         "--mode",
         default="exact",
         choices=("exact", "light"),
         help="exact: every op (default); light: hooks only, no temporaries on CPU",
     )
-    p.add_argument("--depth", type=int, default=2, help="module depth shown in the table")
-    p.add_argument("--json", metavar="FILE", help="write the JSON report ('-' for stdout)")
+    p.add_argument(
+        "--depth",
+        type=_args.non_negative_int,
+        default=2,
+        help="module depth shown in the table (default 2)",
+    )
+    p.add_argument(
+        "--json", metavar="FILE", type=_args.output_file, help="write the JSON report ('-': stdout)"
+    )
     p.add_argument("--markdown", action="store_true", help="print Markdown instead of the table")
-    p.add_argument("--plot", metavar="FILE", help="write a PNG (per-layer bars, memory over time)")
-    p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace JSON")
+    p.add_argument(
+        "--plot",
+        metavar="FILE",
+        type=_args.png_file,
+        help="write a PNG (per-layer bars, memory over time)",
+    )
+    p.add_argument(
+        "--trace", metavar="FILE", type=_args.output_file, help="write a Chrome/Perfetto trace JSON"
+    )
+    p.add_argument(
+        "--memory-snapshot",
+        metavar="FILE",
+        type=_args.output_file,
+        help="write PyTorch's memory-snapshot pickle for pytorch.org/memory_viz (the timeline "
+        "as synthetic allocations by step and phase)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from gpumem.profiler.runner import profile_model
 
-    rep = profile_model(
-        args.model,
-        size=args.size,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        optimizer=args.optimizer,
-        precision=args.precision,
-        checkpointing=args.checkpointing,
-        fake=args.fake,
-        device=args.device,
-        steps=args.steps,
-        mode=args.mode,
-    )
+    job = {
+        "size": args.size,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "optimizer": args.optimizer,
+        "precision": args.precision,
+        "checkpointing": args.checkpointing,
+    }
+    if not args.fake and not args.force:
+        _refuse_what_cannot_fit(args, job)
+    with progress_bar(f"profiling {args.model}", enabled=args.json != "-") as bar:
+        rep = profile_model(
+            args.model,
+            **job,
+            fake=args.fake,
+            device=args.device,
+            steps=args.steps,
+            mode=args.mode,
+            progress=bar,
+        )
     if args.json == "-":
         print(rep.to_json(timeline=False))
     else:
         if args.json:
             rep.to_json(args.json)
         print(rep.to_markdown(args.depth) if args.markdown else rep.table(args.depth))
-    if args.plot:
-        rep.plot(args.plot)
-        print(f"wrote {args.plot}", file=sys.stderr)
-    if args.trace:
-        rep.to_chrome_trace(args.trace)
-        print(f"wrote {args.trace}", file=sys.stderr)
+    for flag, write in (
+        ("plot", rep.plot),
+        ("trace", rep.to_chrome_trace),
+        ("memory_snapshot", rep.to_memory_snapshot),
+    ):
+        path = getattr(args, flag)
+        if path:
+            write(path)
+            print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+_DEFAULTS = {"optimizer": "adamw", "precision": "fp32", "device": "cpu"}
+
+
+def _refuse_what_cannot_fit(args: argparse.Namespace, job: dict) -> None:
+    """A real run whose estimated peak exceeds the memory available is refused, with the
+    estimate and the command that profiles it under fake tensors instead."""
+    from gpumem.estimator.preflight import profile_preflight
+
+    check = profile_preflight(args.model, device=args.device, **job)
+    if check.fits:
+        return
+    argv = ["gpumem", "profile", args.model, "--size", args.size]
+    argv += ["--batch-size", str(args.batch_size)]
+    if args.seq_len is not None:
+        argv += ["--seq-len", str(args.seq_len)]
+    for flag in ("optimizer", "precision", "device"):
+        if getattr(args, flag) != _DEFAULTS[flag]:
+            argv += [f"--{flag}", getattr(args, flag)]
+    if args.checkpointing:
+        argv.append("--checkpointing")
+    fake = shlex.join([*argv, "--fake"])
+    raise ValueError(
+        f"{check.message()}: a real run would be killed by the out-of-memory killer; profile it "
+        f"under fake tensors (no memory used) with `{fake}`, or pass --force to run it anyway"
+    )

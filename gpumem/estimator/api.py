@@ -20,6 +20,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from gpumem.calibrate.calibration import as_calibration
 from gpumem.estimator.bill import Bill
 from gpumem.estimator.gpus import GPU, find_gpu
 from gpumem.estimator.layout import Layout
@@ -54,6 +55,7 @@ def estimate(
     fused: bool = False,
     example_input: Any = None,
     loss_fn: Any = None,
+    calibration: Any = None,
 ) -> Bill:
     """Estimate the per-GPU peak memory of training ``model``.
 
@@ -84,6 +86,8 @@ def estimate(
         loss_fn: for an ``nn.Module``: ``output -> scalar loss`` (default: cross-entropy over the
             output's last dimension against integer targets; a scalar output or ``.loss`` is
             the loss itself).
+        calibration: a ``gpumem.Calibration`` or the path of a calibration.json: the GPU gets
+            the reserve measured there (``Calibration.apply_to``).
 
     An ``nn.Module`` is never run, moved or changed, and nothing of its size is allocated:
     parameters are counted exactly (tied tensors once; trainable = ``requires_grad``; the
@@ -107,6 +111,9 @@ def estimate(
     )
     layout = layout or Layout()
     g = gpu if isinstance(gpu, GPU) else find_gpu(gpu, gpu_memory)
+    cal = as_calibration(calibration)
+    if cal is not None:
+        g = cal.apply_to(g)
     for name, value in (("batch_size", batch_size), ("grad_accum", grad_accum)):
         if value is not None and (
             not isinstance(value, int) or isinstance(value, bool) or value <= 0

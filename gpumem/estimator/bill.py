@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpumem.estimator import activations as act
+from gpumem.estimator import inputs as job_inputs
 from gpumem.estimator import peak
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
@@ -56,6 +57,8 @@ class Bill:
     phase: str
     stage: int
     inputs: dict[str, Any] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+    """Where each of the shown inputs (seq_len, micro-batch, ...) came from: given, default."""
     items: list[act.Item] = field(default_factory=list, repr=False)
     held_logits: int = 0
     """Bytes of ``per_gpu["activations"]`` that are logits the loop holds, not saved by autograd."""
@@ -79,15 +82,21 @@ class Bill:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        """Exactly the public keys: n_params, per_gpu, fits, headroom_bytes,
+        """Exactly the public keys: inputs (value and source of seq_len, batch_size, grad_accum,
+        recompute, precision, optimizer), n_params, per_gpu, fits, headroom_bytes,
         cluster_model_state_bytes (what ``gpumem estimate --json`` prints)."""
         return {
+            "inputs": job_inputs.as_json(self.inputs, self.sources),
             "n_params": self.n_params,
             "per_gpu": dict(self.per_gpu),
             "fits": self.fits,
             "headroom_bytes": self.headroom_bytes,
             "cluster_model_state_bytes": self.cluster_model_state_bytes,
         }
+
+    def inputs_line(self) -> str:
+        """``inputs: seq_len 4096 (default: the model's context), micro-batch 1 (default), ...``"""
+        return "inputs: " + job_inputs.describe(self.inputs, self.sources)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -109,6 +118,8 @@ class Bill:
             lines = [
                 f"**{head}**",
                 "",
+                self.inputs_line(),
+                "",
                 "| category | bytes | GiB | share |",
                 "|---|---:|---:|---:|",
             ]
@@ -116,7 +127,7 @@ class Bill:
                 f"| {c} | {b} | {b / 2**30:.2f} | {100 * b / max(total, 1):.1f}% |" for c, b in rows
             ]
             return "\n".join([*lines, "", verdict])
-        lines = [head, f"{'category':<12}{'bytes':>18}{'GiB':>10}{'share':>8}"]
+        lines = [head, self.inputs_line(), f"{'category':<12}{'bytes':>18}{'GiB':>10}{'share':>8}"]
         lines += [
             f"{c:<12}{b:>18,}{b / 2**30:>10.2f}{100 * b / max(total, 1):>7.1f}%" for c, b in rows
         ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gpumem.calibrate.calibration import as_calibration
 from gpumem.estimator.gpus import GPU, find_gpu
 from gpumem.estimator.specs import ModelSpec, resolve_model
 
@@ -82,15 +83,20 @@ def estimate_inference(
     gpu: str | GPU | None = "H100-80GB",
     gpu_memory: str | int | None = None,
     tp: int = 1,
+    calibration: Any = None,
 ) -> InferenceBill:
     """Memory of serving ``batch_size`` sequences of ``context`` tokens.
 
     The activation workspace is one prefill chunk of the whole batch: the residual stream and
     norm output (2·h), the MLP's widest intermediates (2·ffn/tp, 3 for SwiGLU), and the
-    last-token fp32 logits of every sequence.
+    last-token fp32 logits of every sequence. ``calibration`` (a Calibration or its path)
+    gives the GPU the measured reserve.
     """
     spec = resolve_model(model)
     g = gpu if isinstance(gpu, GPU) else find_gpu(gpu, gpu_memory)
+    cal = as_calibration(calibration)
+    if cal is not None:
+        g = cal.apply_to(g)
     ctx = spec.max_seq if context is None else context
     for name, v in (("batch_size", batch_size), ("context", ctx), ("tp", tp)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:

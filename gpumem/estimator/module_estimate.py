@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpumem.estimator import inputs
 from gpumem.estimator.bill import Bill, make_bill
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
@@ -115,6 +116,18 @@ def estimate_module(
             "device": device,
             "blocks": len(ms.blocks),
             "measured_moment": f"{ms.moment} of backward",
+            "precision": training.precision,
+            "optimizer": training.optimizer,
+        },
+        sources={
+            **inputs.sources(
+                seq_source="given" if seq_len is not None else "the example input's",
+                batch_size=batch_size,
+                grad_accum=grad_accum,
+                recompute=recompute,
+                training=training,
+            ),
+            **({} if batch_size is not None else {"batch_size": "the example input's"}),
         },
     )
 

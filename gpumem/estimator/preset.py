@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from gpumem.estimator import activations as act
 from gpumem.estimator import backward as bwd
-from gpumem.estimator import peak
+from gpumem.estimator import inputs, peak
 from gpumem.estimator.bill import Bill, make_bill
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
@@ -28,15 +28,9 @@ from gpumem.estimator.terms import (
 
 
 def preset_seq_len(spec: ModelSpec, seq_len: int | None) -> int:
-    """Tokens per sample: the given ``seq_len``, else the model's context (images: fixed)."""
-    if spec.arch == "vit":
-        return spec.n_tokens_per_sample
-    if spec.arch == "resnet":
-        return 1
-    seq = spec.max_seq if seq_len is None else seq_len
-    if not isinstance(seq, int) or isinstance(seq, bool) or seq <= 0:
-        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
-    return seq
+    """Tokens per sample: the given ``seq_len``, else the model's context (images: fixed);
+    checked against the model (``inputs.seq_len``)."""
+    return inputs.seq_len(spec, seq_len)[0]
 
 
 @dataclass
@@ -308,7 +302,7 @@ def estimate_preset(
     persistent_grads: bool | None,
 ) -> Bill:
     """The bill of training a described model (see ``gpumem.estimate``)."""
-    seq = preset_seq_len(spec, seq_len)
+    seq, seq_source = inputs.seq_len(spec, seq_len)
     layout.check(spec, seq_len=seq)
     if activation_model not in ("ops", "korthikanti"):
         raise ValueError(
@@ -334,6 +328,15 @@ def estimate_preset(
             "grad_accum": grad_accum,
             "attention": terms.backend,
             "device": device,
+            "precision": training.precision,
+            "optimizer": training.optimizer,
         },
+        sources=inputs.sources(
+            seq_source=seq_source,
+            batch_size=batch_size,
+            grad_accum=grad_accum,
+            recompute=recompute,
+            training=training,
+        ),
         items=terms.layer_items(layout, batch_size),
     )

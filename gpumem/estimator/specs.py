@@ -540,6 +540,7 @@ _HF_ARCH = {
     "qwen2_moe": "llama",
     "gpt2": "gpt2",
 }
+HF_FAMILIES = tuple(_HF_ARCH)  # the config.json model_types this module reads
 
 
 def from_hf_config(config: dict[str, Any], name: str = "config.json") -> ModelSpec:

@@ -212,7 +212,10 @@ def get_config(arch: str, size: str = "tiny", **overrides: Any) -> ModelConfig:
         ValueError: unknown arch or size, naming the choices.
     """
     if arch not in PRESETS:
-        raise ValueError(f"unknown model {arch!r}; choose one of {', '.join(PRESETS)}")
+        raise ValueError(
+            f"unknown model {arch!r}; choose one of {', '.join(PRESETS)} (or, where a "
+            "transformers config is accepted, the path of a config.json)"
+        )
     if size not in PRESETS[arch]:
         raise ValueError(
             f"unknown size {size!r} for {arch}; choose one of {', '.join(PRESETS[arch])}"

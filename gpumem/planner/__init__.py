@@ -4,22 +4,36 @@
     >>> result = gpumem.plan("llama-2-70b", gpu="H100-80GB", n_gpus=64, seq_len=4096)
     >>> print(result.table())
 
-Modules: ``search`` (the numba sweep), ``economics`` (Young/Daly, preemption cost),
-``schedulers`` (Slurm and Kubernetes job headers).
+Modules: ``search`` (the numba sweep), ``economics`` (Young/Daly, expected completion time and
+cost with and without checkpoints), ``checkpoint_times`` (C, P, R: given, calibrated or default),
+``schedulers`` (Slurm and Kubernetes job scripts), ``plot`` (bills side by side).
 """
 
-from gpumem.planner.economics import Economics, economics, realised_loss, young_daly
-from gpumem.planner.schedulers import k8s_job, sbatch_header
+from gpumem.planner.checkpoint_times import CheckpointTimes, checkpoint_times
+from gpumem.planner.economics import (
+    Economics,
+    RealisedLoss,
+    economics,
+    realised,
+    realised_loss,
+    young_daly,
+)
+from gpumem.planner.schedulers import grace_seconds, k8s_job, sbatch_header
 from gpumem.planner.search import Candidate, PlanResult, min_gpus, plan
 
 __all__ = [
     "Candidate",
+    "CheckpointTimes",
     "Economics",
     "PlanResult",
+    "RealisedLoss",
+    "checkpoint_times",
     "economics",
+    "grace_seconds",
     "k8s_job",
     "min_gpus",
     "plan",
+    "realised",
     "realised_loss",
     "sbatch_header",
     "young_daly",

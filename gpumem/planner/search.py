@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from gpumem.calibrate.calibration import Calibration, as_calibration
+from gpumem.estimator import inputs as job_inputs
 from gpumem.estimator import peak
 from gpumem.estimator.api import estimate
 from gpumem.estimator.bill import Bill
@@ -42,6 +44,13 @@ from gpumem.estimator.layout import Layout
 from gpumem.estimator.preset import PresetTerms
 from gpumem.estimator.specs import ModelSpec, resolve_model
 from gpumem.estimator.states import Training
+from gpumem.planner.checkpoint_times import CheckpointTimes, checkpoint_times
+from gpumem.planner.economics import (
+    DEFAULT_PRICE_PER_GPU_HOUR,
+    DEFAULT_RUN_HOURS,
+    Economics,
+    economics,
+)
 
 RECOMPUTE_COST = {"none": 0.0, "selective": 0.05, "full": 1 / 3}
 MFU = 0.4
@@ -78,10 +87,82 @@ class PlanResult:
     n_configs: int
     seconds: float
     kwargs: dict[str, Any] = field(default_factory=dict, repr=False)
+    inputs: dict[str, Any] = field(default_factory=dict)
+    """The job's inputs: seq_len, global batch, precision, optimizer and the searched
+    micro-batches and recompute modes."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """Where each of :attr:`inputs` came from (given, default, searched)."""
+    calibration: Calibration | None = field(default=None, repr=False)
+    """The calibration given to :func:`plan` (its reserve is already in :attr:`gpu`)."""
 
     @property
     def best(self) -> Candidate | None:
         return self.candidates[0] if self.candidates else None
+
+    def inputs_line(self) -> str:
+        """``inputs: seq_len 4096 (given), global batch 256 (default: max(GPUs, 256)), ...``"""
+        parts = [
+            f"{k.replace('_', ' ')} {_show(self.inputs[k])} ({self.sources[k]})"
+            for k in self.inputs
+        ]
+        return "inputs: " + ", ".join(parts)
+
+    def inputs_json(self) -> dict[str, dict[str, Any]]:
+        return {k: {"value": v, "source": self.sources[k]} for k, v in self.inputs.items()}
+
+    def checkpoint_bytes(self) -> int | None:
+        """What one rank of the best layout saves: its weights and optimizer state (fp32 master
+        weights are optimizer state; gradients are not saved). None when nothing fits."""
+        if self.best is None:
+            return None
+        states = self.bill().model_states
+        return int(states["weights"] + states["optimizer"])
+
+    def checkpoint_times(
+        self,
+        *,
+        stall_s: float | None = None,
+        persist_s: float | None = None,
+        restart_s: float | None = None,
+        startup_s: float | None = None,
+    ) -> CheckpointTimes:
+        """C, P and R for the best layout's checkpoint: given, predicted by the calibration, or
+        the defaults (``gpumem.planner.checkpoint_times``)."""
+        return checkpoint_times(
+            self.calibration,
+            checkpoint_bytes=self.checkpoint_bytes(),
+            stall_s=stall_s,
+            persist_s=persist_s,
+            restart_s=restart_s,
+            startup_s=startup_s,
+        )
+
+    def economics(
+        self,
+        *,
+        mtbf_hours: float | None = None,
+        preemption_rate: float | None = None,
+        price_per_gpu_hour: float = DEFAULT_PRICE_PER_GPU_HOUR,
+        run_hours: float = DEFAULT_RUN_HOURS,
+        times: CheckpointTimes | None = None,
+    ) -> Economics:
+        """Preemption economics of this job on :attr:`n_gpus` GPUs with the checkpoint times
+        ``times`` (default: :meth:`checkpoint_times`, calibrated when a calibration was given).
+
+        Example:
+            >>> res = gpumem.plan("llama-2-70b", n_gpus=64, seq_len=4096,
+            ...                   calibration="calibration.json")            # doctest: +SKIP
+            >>> print(res.economics(mtbf_hours=6, run_hours=168).table())   # doctest: +SKIP
+        """
+        t = times or self.checkpoint_times()
+        return economics(
+            n_gpus=self.n_gpus,
+            price_per_gpu_hour=price_per_gpu_hour,
+            mtbf_hours=mtbf_hours,
+            preemption_rate=preemption_rate,
+            run_hours=run_hours,
+            **t.values(),
+        )
 
     def bill(self, candidate: Candidate | None = None) -> Bill:
         """The full estimator bill of a candidate (the best by default)."""
@@ -101,7 +182,8 @@ class PlanResult:
     def table(self, top: int = 10) -> str:
         head = (
             f"{self.model.name} on {self.n_gpus} x {self.gpu.name}: {len(self.candidates)} of "
-            f"{self.n_configs} configurations fit (searched in {self.seconds * 1e3:.0f} ms)"
+            f"{self.n_configs} configurations fit (searched in {self.seconds * 1e3:.0f} ms)\n"
+            + self.inputs_line()
         )
         if not self.candidates:
             return (
@@ -115,6 +197,10 @@ class PlanResult:
                 f"{c.step_seconds:>9.2f}{c.bubble:>8.1%}"
             )
         return "\n".join(lines)
+
+
+def _show(v: Any) -> str:
+    return ",".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
 
 
 def _divisors(n: int) -> list[int]:
@@ -153,6 +239,8 @@ def plan(
     recompute: tuple[str, ...] = ("none", "selective", "full"),
     zero: tuple[int, ...] = (0, 1, 2, 3),
     max_tp: int | None = None,
+    calibration: Any = None,
+    progress: Any = None,
     **estimate_kwargs: Any,
 ) -> PlanResult:
     """Every layout of ``model`` on ``n_gpus`` that fits, ranked by the throughput proxy.
@@ -161,16 +249,23 @@ def plan(
         global_batch: sequences per optimizer step (default max(n_gpus, 256)); layouts whose
             dp × micro-batch does not divide it are skipped.
         max_tp: largest tensor-parallel degree (default: GPUs per node).
+        calibration: a ``gpumem.Calibration`` or a calibration.json path: the GPU gets the
+            measured reserve, and :meth:`PlanResult.economics` the measured checkpoint times.
+        progress: called as ``progress(done, total)`` while layouts are enumerated (a CLI
+            progress bar).
         estimate_kwargs: passed to the estimator (grads, attention, lora_rank, ...).
     """
     t0 = time.perf_counter()
     spec = resolve_model(model)
+    cal = as_calibration(calibration)
     g = gpu if isinstance(gpu, GPU) else find_gpu(gpu, gpu_memory)
-    if not isinstance(n_gpus, int) or n_gpus <= 0:
+    if cal is not None:
+        g = cal.apply_to(g)
+    if not isinstance(n_gpus, int) or isinstance(n_gpus, bool) or n_gpus <= 0:
         raise ValueError(f"n_gpus must be a positive integer, got {n_gpus!r}")
+    if global_batch is not None and (not isinstance(global_batch, int) or global_batch <= 0):
+        raise ValueError(f"global_batch must be a positive integer, got {global_batch!r}")
     gb = global_batch or max(n_gpus, 256)
-    if gb <= 0:
-        raise ValueError(f"global_batch must be positive, got {gb}")
     training = Training(
         precision,
         optimizer,
@@ -179,7 +274,21 @@ def plan(
         estimate_kwargs.get("lora_rank", 0),
         estimate_kwargs.get("base_quant"),
     )
-    seq = seq_len or (spec.max_seq if spec.is_decoder else 1)
+    seq, seq_source = job_inputs.seq_len(spec, seq_len)
+    shown = {
+        "seq_len": (seq, seq_source),
+        "global_batch": (gb, "given" if global_batch else "default: max(GPUs, 256)"),
+        "micro_batch": (tuple(micro_batches), "searched"),
+        "grad_accum": ("global batch / (dp x micro-batch)", "derived"),
+        "recompute": (tuple(recompute), "searched"),
+        "precision": (training.precision, job_inputs.source(precision, "bf16-mixed")),
+        "optimizer": (training.optimizer, job_inputs.source(optimizer, "adamw")),
+    }
+    extra = {
+        "inputs": {k: v for k, (v, _) in shown.items()},
+        "sources": {k: s for k, (_, s) in shown.items()},
+        "calibration": cal,
+    }
     job = PresetTerms(
         spec,
         training,
@@ -192,9 +301,14 @@ def plan(
     bill_kwargs = dict(precision=precision, optimizer=optimizer, seq_len=seq_len, **estimate_kwargs)
     configs, rows, owner = [], [], []
     tp_cap = max_tp or g.gpus_per_node
-    for tp, pp in itertools.product(_divisors(n_gpus), repeat=2):
-        if tp > tp_cap or n_gpus % (tp * pp):
-            continue
+    pairs = [
+        (tp, pp)
+        for tp, pp in itertools.product(_divisors(n_gpus), repeat=2)
+        if tp <= tp_cap and not n_gpus % (tp * pp)
+    ]
+    for i, (tp, pp) in enumerate(pairs):
+        if progress is not None:
+            progress(i, len(pairs))
         dp = n_gpus // (tp * pp)
         for ep, z, sp, mb, rc in itertools.product(
             _divisors(dp) if spec.is_moe else [1], zero, (False, True), micro_batches, recompute
@@ -212,8 +326,10 @@ def plan(
                 rows.append(x)
                 owner.append(len(configs))
             configs.append((lay, mb, rc, ga))
+    if progress is not None:
+        progress(len(pairs), len(pairs))
     if not configs:
-        return PlanResult(spec, g, n_gpus, [], 0, time.perf_counter() - t0, bill_kwargs)
+        return PlanResult(spec, g, n_gpus, [], 0, time.perf_counter() - t0, bill_kwargs, **extra)
     res = sweep(np.asarray(rows, dtype=np.float64), np.asarray(owner, dtype=np.int64), len(configs))
     cands = []
     for (lay, mb, rc, ga), r in zip(configs, res, strict=True):
@@ -221,7 +337,9 @@ def plan(
             step, bubble, comm = _proxy(spec, g, lay, mb, rc, ga, seq, training)
             cands.append(Candidate(lay, mb, rc, ga, int(r[6]), step, bubble, comm))
     cands.sort(key=lambda c: (c.step_seconds, c.total_bytes))
-    return PlanResult(spec, g, n_gpus, cands, len(configs), time.perf_counter() - t0, bill_kwargs)
+    return PlanResult(
+        spec, g, n_gpus, cands, len(configs), time.perf_counter() - t0, bill_kwargs, **extra
+    )
 
 
 def _proxy(

@@ -20,6 +20,7 @@ from gpumem._assumptions import note_assumption
 from gpumem.profiler.categories import CATEGORIES, PHASES
 from gpumem.profiler.distributed import cluster_table, fake_process_group, gather
 from gpumem.profiler.fake import fake
+from gpumem.profiler.headroom import ProfileMemoryWarning
 from gpumem.profiler.report import LayerStats, Report, StepReport
 from gpumem.profiler.session import Profile
 from gpumem.profiler.state import DataDependentError
@@ -84,6 +85,7 @@ __all__ = [
     "DataDependentError",
     "LayerStats",
     "Profile",
+    "ProfileMemoryWarning",
     "Report",
     "StepReport",
     "cluster_table",

@@ -23,6 +23,7 @@ _COLORS = {
 }
 _PHASE_COLORS = {"forward": "#d4e6f1", "backward": "#fadbd8", "optimizer": "#d5f5e3"}
 _UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+DPI = 110
 
 
 def _unit(n: int) -> tuple[str, int]:
@@ -47,6 +48,19 @@ def _bar_layers(rep: Report, depth: int | None) -> list[str]:
 
 
 def plot_report(rep: Report, path: Path, depth: int | None = None) -> Path:
+    """Write :func:`report_figure` as a PNG (110 dpi) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig = report_figure(rep, depth)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def report_figure(rep: Report, depth: int | None = None) -> Any:
+    """The matplotlib Figure of a report: per-layer bars stacked by category (left axes, one
+    ``barh`` container per category, in the unit of the x label) and live memory over time with
+    the phases shaded (right axes)."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -114,9 +128,7 @@ def plot_report(rep: Report, path: Path, depth: int | None = None) -> Path:
     ax2.set_ylabel(f"live tensor memory ({uname})")
     ax2.set_title(f"{rep.model} on {rep.device}" + (" (estimate)" if rep.estimate else ""))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def chrome_trace(rep: Report) -> dict[str, Any]:

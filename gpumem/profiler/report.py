@@ -270,6 +270,14 @@ class Report:
 
         return plot_report(self, Path(path), depth)
 
+    def to_memory_snapshot(self, path: str | Path) -> Path:
+        """PyTorch's memory-snapshot pickle for https://pytorch.org/memory_viz: the timeline
+        replayed as synthetic allocations labelled by step and phase (see
+        ``gpumem.profiler.memory_viz`` for what it does and does not contain)."""
+        from gpumem.profiler.memory_viz import write_memory_snapshot
+
+        return write_memory_snapshot(self, Path(path))
+
     def to_chrome_trace(self, path: str | Path) -> Path:
         """Chrome/Perfetto trace JSON: a memory counter, phase spans and module spans."""
         from gpumem.profiler.plot import chrome_trace

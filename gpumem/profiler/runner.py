@@ -30,17 +30,55 @@ def _optimizer(name: str, params: Any) -> torch.optim.Optimizer | None:
     return (torch.optim.AdamW if name == "adamw" else torch.optim.Adam)(params, lr=1e-4)
 
 
-def _hf_model(path: Path, dtype: torch.dtype | None):
+# what sizes a causal LM, under the names transformers' configs share (attribute_map gives the
+# family's own names, e.g. GPT-2's n_embd); a config that leaves one out would silently get the
+# family's default (a full-size model), so it is refused instead
+_HF_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def hf_config(path: Path) -> Any:
+    """The transformers config of a local ``config.json``, checked to give the fields that size
+    the model (nothing is downloaded).
+
+    Raises:
+        ValueError: not JSON, no ``model_type``, an unknown family, or a missing size field.
+    """
     try:
         import transformers
     except ImportError:
         raise ValueError(
             f"{path} is a Hugging Face config: install transformers (pip install transformers)"
         ) from None
-    raw = json.loads(path.read_text())
-    cfg = transformers.AutoConfig.for_model(**raw) if "model_type" in raw else None
-    if cfg is None:
+    try:
+        raw = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}); give a config.json") from None
+    if not isinstance(raw, dict) or "model_type" not in raw:
         raise ValueError(f"{path} has no 'model_type'; it does not look like a transformers config")
+    try:
+        cfg = transformers.AutoConfig.for_model(**raw)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: transformers cannot read it ({exc})") from None
+    aliases = {v: k for k, v in getattr(cfg, "attribute_map", {}).items()}
+    missing = [
+        name
+        for name in _HF_REQUIRED
+        if name not in raw and not any(a in raw for a, std in aliases.items() if std == name)
+    ]
+    if missing:
+        family = {std: a for a, std in aliases.items()}
+        names = [f"{m} ({family[m]})" if m in family else m for m in missing]
+        raise ValueError(
+            f"{path}: model_type {raw['model_type']!r} needs {', '.join(names)}; the config "
+            "gives none of them, so transformers would build its default size instead: add them"
+        )
+    return cfg
+
+
+def _hf_model(path: Path, dtype: torch.dtype | None):
+    import transformers
+
+    cfg = hf_config(path)
     from gpumem.models import default_dtype
 
     with default_dtype(dtype):
@@ -61,6 +99,7 @@ def profile_model(
     device: str = "cpu",
     steps: int = 2,
     mode: str = "exact",
+    progress: Any = None,
 ) -> Report:
     """Build ``model``, run ``steps`` training steps inside ``gpumem.profile``, return the report.
 
@@ -72,6 +111,12 @@ def profile_model(
             (``amp-bf16``, ``amp-fp16``).
         fake: build everything under ``gpumem.fake()``: any size, no memory.
         mode: ``"exact"`` or ``"light"`` (see :func:`gpumem.profile`).
+        progress: called as ``progress(done, total, description)`` while the model is built and
+            stepped (a CLI progress bar).
+
+    Raises:
+        ValueError: an unknown model or size, a bad count, a sequence longer than the model's,
+            before anything is built.
     """
     from gpumem.models import build_model, example_batch
     from gpumem.profiler import fake as fake_ctx
@@ -81,8 +126,13 @@ def profile_model(
         raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    if batch_size < 1 or steps < 1:
-        raise ValueError(f"batch size and steps must be >= 1, got {batch_size} and {steps}")
+    for name, v in (("batch_size", batch_size), ("steps", steps)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
+        raise ValueError(f"seq_len must be an integer >= 1, got {seq_len!r}")
+    cfg = None if is_config_path(model) else _builtin_config(model, size, seq_len)
+    tick = progress or (lambda *a, **k: None)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     amp = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(precision)
     dev = torch.device(device)
@@ -100,8 +150,9 @@ def profile_model(
         fake_ctx(device=device if dev.type != "cpu" else None) if fake else contextlib.nullcontext()
     )
     with outer:
+        tick(0, steps + 1, "building the model")
         path = Path(model)
-        if path.suffix == ".json" or path.is_file():
+        if cfg is None:
             if not path.is_file():
                 raise ValueError(f"config file {path} does not exist")
             net, vocab = _hf_model(path, dtype)
@@ -112,7 +163,7 @@ def profile_model(
             if checkpointing:
                 net.gradient_checkpointing_enable()
         else:
-            net = build_model(model, size, dtype=dtype)
+            net = build_model(cfg, dtype=dtype)
             net = net if fake else net.to(dev)
             net.gradient_checkpointing = checkpointing
             x, y = example_batch(net.config, batch_size, seq_len, device=dev)
@@ -121,7 +172,8 @@ def profile_model(
         net.train()
         opt = _optimizer(optimizer, net.parameters())
         with profile(net, opt, mode=mode) as prof:
-            for _ in range(steps):
+            for i in range(steps):
+                tick(i + 1, steps + 1, f"training step {i + 1} of {steps}")
                 with torch.autocast(dev.type, dtype=amp) if amp else contextlib.nullcontext():
                     out = net(x)
                     logits = out.logits if hasattr(out, "logits") else out
@@ -133,4 +185,23 @@ def profile_model(
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                 del out, logits, loss
+    tick(steps + 1, steps + 1)
     return prof.report()
+
+
+def is_config_path(model: str) -> bool:
+    """Whether ``model`` names a config.json rather than a built-in model."""
+    path = Path(model)
+    return path.suffix == ".json" or path.is_file()
+
+
+def _builtin_config(model: str, size: str, seq_len: int | None) -> Any:
+    from gpumem.models import get_config
+
+    cfg = get_config(model, size)
+    if seq_len is not None and cfg.arch not in ("vit", "resnet") and seq_len > cfg.seq_len:
+        raise ValueError(
+            f"seq_len {seq_len} exceeds {model} {size}'s {cfg.seq_len} positions; use "
+            f"--seq-len {cfg.seq_len} or less, or a larger --size"
+        )
+    return cfg

@@ -49,6 +49,7 @@ from gpumem.profiler.categories import (
     WEIGHTS,
 )
 from gpumem.profiler.fake import is_fake_model
+from gpumem.profiler.headroom import warn_if_short
 from gpumem.profiler.hooks import HookSet
 from gpumem.profiler.report import Report, build_report
 from gpumem.profiler.state import (
@@ -199,6 +200,8 @@ class Profile:
         if self._entered:
             raise RuntimeError("this gpumem.profile object was already used; create a new one")
         self._entered = True
+        if not is_fake_model(self.model):
+            warn_if_short(self.model, self.optimizer)
         self.t_start = time.perf_counter_ns()
         self.fsdp_units = sharding.fsdp_units(self.model, self.fqn_of)
         self._register_existing()
