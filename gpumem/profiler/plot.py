@@ -67,8 +67,15 @@ def report_figure(rep: Report, depth: int | None = None) -> Any:
     import matplotlib.pyplot as plt
 
     layers = _bar_layers(rep, depth)
-    cats = [c for c in CATEGORIES if c != "inputs" and c in rep.measured]
-    # light mode on CPU has no temporaries to draw; inputs are no layer's
+    # light mode on CPU has no temporaries to draw; communication only under sharding; inputs
+    # are no layer's
+    cats = [
+        c
+        for c in CATEGORIES
+        if c != "inputs"
+        and c in rep.measured
+        and (c != "communication" or any(st.communication for st in rep.layers.values()))
+    ]
     top = max([rep.peak_bytes, *(rep.layers[n].total for n in layers)], default=1)
     uname, scale = _unit(top)
     fig, (ax1, ax2) = plt.subplots(

@@ -510,6 +510,42 @@ def test_fake_process_group_70b_layer_hand_derivation():
     assert plain.layers[""].communication == 0
 
 
+def test_communication_in_timeline_plot_and_trace(tmp_path):
+    """The linear stack as an FSDP2 job of 2 ranks under fake tensors and the fake process
+    group (SGD, one step): unit 0's reduce is the most communication at once, as in the gloo
+    derivation, except that the fake group (like NCCL) reduce-scatters without copying its
+    input: 2·F1 + S1. The timeline, the Chrome trace's counter and the plot carry it."""
+    import matplotlib.pyplot as plt
+
+    from gpumem.profiler import fake_process_group
+    from gpumem.profiler.plot import report_figure
+
+    with fake_process_group(2) as mesh, gpumem.fake():
+        rep = _profiled(_fsdp(_linear_stack(), mesh=mesh), _batch(4))
+    comm = 2 * F1 + F1 // 2
+    assert rep.layers[""].communication == rep.layers["0"].communication == comm
+    assert max(rep.timeline["communication"]) == comm
+    trace = json.loads(rep.to_chrome_trace(tmp_path / "t.json").read_text())
+    counter = [
+        e["args"]["bytes"] for e in trace["traceEvents"] if e["name"] == "communication bytes"
+    ]
+    assert max(counter) == comm
+    fig = report_figure(rep)
+    try:
+        labels = [c.get_label() for c in fig.axes[0].containers]
+        assert labels == [
+            "weights",
+            "gradients",
+            "optimizer",
+            "activations",
+            "communication",
+            "temporary",
+        ]
+    finally:
+        plt.close(fig)
+    assert "communication" in rep.to_markdown() and "communication" in rep.table()
+
+
 def test_fake_process_group_checks_its_arguments():
     from gpumem.profiler import fake_process_group
 
