@@ -129,8 +129,8 @@ class Profile:
         self._sync = self._boundary if self.light else self._after_op
         self.tracker = StorageTracker(self._context, self._sync, self._where)
         self.tracker.on_comm = self._comm_changed
-        # FSDP2 units as (fqn, FSDPParamGroup), found on entry; the units gathering or reducing
-        # now (innermost last); the entries of unsharded parameters (never activations)
+        # FSDP2 units, found on entry; the units gathering or reducing now (innermost last); the
+        # entries of unsharded parameters (never activations)
         self.fsdp_units: list[sharding.Unit] = []
         self._comm_units: list[str] = []
         self._gathered: weakref.WeakSet[Entry] = weakref.WeakSet()
@@ -553,11 +553,12 @@ class Profile:
             lambda: self._backward_task_done(task)
         )
 
-    def _backward_task_done(self, task: int) -> None:
-        if sharding.final_callback_pending(self.fsdp_units):
-            # FSDP queued its end-of-backward callback after ours: the pass ends after it
+    def _backward_task_done(self, task: int, deferred: bool = False) -> None:
+        if not deferred and sharding.final_callback_pending(self.fsdp_units):
+            # FSDP queued its end-of-backward callback (the last reduce-scatters) after ours:
+            # the pass ends after it. Once only: FSDP's may belong to an outer graph task.
             torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: self._backward_task_done(task)
+                lambda: self._backward_task_done(task, deferred=True)
             )
             return
         self._bw_tasks.discard(task)
