@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import gpumem
 from gpumem.models import build_model, example_batch
+from gpumem.profiler import Profile
 
 WORLD = 2
 CONFIGS = (
@@ -109,7 +110,7 @@ def _worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
                     step()
                 wall[name].append(time.perf_counter() - w0)
                 cpu[name].append(time.process_time() - c0)
-                if isinstance(prof, gpumem.profiler.Profile):
+                if isinstance(prof, Profile):
                     peaks[name] = prof.report().peak_bytes
             rounds += 1
         Path(f"{out}.{rank}").write_text(json.dumps({"wall": wall, "cpu": cpu, "peaks": peaks}))

@@ -137,6 +137,7 @@ class Profile:
         # live communication bytes: in all, and per module with its ancestors
         self._comm_total = 0
         self._comm_live: dict[str, int] = {}
+        self._chains: dict[str, list[str]] = {}  # module -> ancestors(module), computed once
         self.hooks = HookSet(self)
         self.steps: list[StepAcc] = [StepAcc(0)]
         self.peak = Snapshot()
@@ -764,7 +765,10 @@ class Profile:
         self._comm_total += delta
         live = self._comm_live
         peaks = self.steps[-1].communication
-        for a in ancestors(e.module):
+        chain = self._chains.get(e.module)
+        if chain is None:
+            chain = self._chains[e.module] = ancestors(e.module)
+        for a in chain:
             v = live[a] = live.get(a, 0) + delta
             if v > peaks.get(a, 0):
                 peaks[a] = v
