@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import machine_info, markdown_table, write_results
+from _report import figure, machine_info, markdown_table, write_results
 
 from gpumem.calibrate import fit_line, measure_checkpoint
 from gpumem.calibrate.checkpoint_cost import QUANTITIES
@@ -66,12 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     cost = measure_checkpoint(directory, [*sizes, test], device=args.device, repeat=args.repeat)
     cal_pts, test_pt = cost.points[:2], cost.points[2]
     xs = [p.nbytes for p in cal_pts]
-    rows = []
+    rows, figures = [], []
     for q in QUANTITIES:
         fit = fit_line(xs, [p.median(q) for p in cal_pts])
         pred, meas = fit.predict(test_pt.nbytes), test_pt.median(q)
         prop = cal_pts[1].median(q) * test_pt.nbytes / cal_pts[1].nbytes
         spread = f"{min(test_pt.samples[q]):.3f}-{max(test_pt.samples[q]):.3f}"
+        what = f"{LABELS[q]}, {format_bytes(test_pt.nbytes)}"
+        figures.append(figure(f"{what}: measured", "s", test_pt.samples[q]))
+        # the prediction against each measured round: its spread is the measurement's noise
+        errors = [abs(pred - m) / m * 100 for m in test_pt.samples[q]]
+        figures.append(figure(f"{what}: |prediction error|", "%", errors))
         rows.append(
             [
                 LABELS[q],
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         print(notes)
     else:
         name = "calibration" if args.device == "cpu" else "calibration_gpu"
-        write_results(name, title, columns, rows, notes=notes, info=machine_info())
+        write_results(name, title, columns, rows, notes=notes, info=machine_info(), figures=figures)
         print(notes)
     return 0
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import machine_info, write_results
+from _report import Figure, figure, machine_info, ratio_figure, write_results
 
 import gpumem
 from gpumem.arena import HostArena
@@ -89,6 +89,43 @@ def files_under(path: Path) -> list[Path]:
 
 def med(xs) -> float:
     return statistics.median(xs)
+
+
+# bench_size's timed series: the name of its figure (milliseconds, lower is better)
+SERIES = {
+    "floor_torch": "floor: torch copy_ into preallocated buffers",
+    "floor_arena": "floor: native copy_in into the arena",
+    "floor_after_idle": "floor, interleaved: copied right before each save",
+    "blocking": "gpumem save(), blocking",
+    "overlap": "gpumem save(), overlap, worst case",
+    "torch_save": "torch.save",
+    "dcp": "dcp.async_save (until it returns)",
+    "raw_write_buffered": "raw write + fdatasync, buffered",
+    "raw_write_direct": "raw write + fdatasync, O_DIRECT",
+    "durable": "gpumem time to durable",
+    "stream_stall": "gpumem streaming, budget = 1/4 state: stall",
+    "stream_durable": "gpumem streaming, budget = 1/4 state: durable",
+    "raw_read_buffered": "raw read, buffered",
+    "raw_read_direct": "raw read, O_DIRECT",
+    "restore": "gpumem restore (verify + load), fresh process",
+    "torch_load": "torch.load(weights_only) + load_state_dict",
+}
+
+
+def size_figures(label: str, r: dict[str, list[float]]) -> list[Figure]:
+    """bench_size's figures: every timed series, the paired blocking/floor ratio, the targets."""
+    figs = {k: figure(f"{label}: {name}", "ms", r[k], scale=1e3) for k, name in SERIES.items()}
+    raw_write = min(figs["raw_write_buffered"], figs["raw_write_direct"], key=lambda f: f.p50)
+    raw_read = min(figs["raw_read_buffered"], figs["raw_read_direct"], key=lambda f: f.p50)
+    return [
+        *figs.values(),
+        figure(f"{label}: blocking save / interleaved floor, per pair", "x", r["pair_ratio"]),
+        ratio_figure(
+            f"{label}: time to durable / raw write", figs["durable"], raw_write, better="lower"
+        ),
+        ratio_figure(f"{label}: restore / raw read", figs["restore"], raw_read, better="lower"),
+        ratio_figure(f"{label}: torch.load / restore", figs["torch_load"], figs["restore"]),
+    ]
 
 
 def bench_size(nbytes: int, root: Path, repeat: int) -> tuple[list[list[object]], dict[str, float]]:
@@ -374,7 +411,12 @@ def bench_size(nbytes: int, root: Path, repeat: int) -> tuple[list[list[object]]
             spread("torch_load"),
         ],
     ]
-    extra = {"first_save_s": first_save, "floor_s": floor, "locked": locked}
+    extra = {
+        "first_save_s": first_save,
+        "floor_s": floor,
+        "locked": locked,
+        "figures": size_figures(label, r),
+    }
     del model, opt, tensors, flat
     gc.collect()
     return rows, extra
@@ -409,7 +451,7 @@ def restore_child(kind: str, path: str, nbytes: int) -> None:
 
 def bench_loop(
     root: Path, every: int, steps: int, d: int = 512, batch: int = 64
-) -> list[list[object]]:
+) -> tuple[list[list[object]], list[Figure]]:
     """Mean step time of a small training loop without checkpoints and with overlap-mode saves."""
     torch.manual_seed(0)
     model = GPTish(40_000_000 // 12 * 3, d)  # ~40 MB of parameters, ~120 MB of state
@@ -459,6 +501,10 @@ def bench_loop(
     times = {k: (statistics.mean(ts[k]), stalls[k]) for k in labels}
     base = times["no checkpoint"][0]
     rows = []
+    figures = [
+        figure(f"{format_bytes(state)}: training loop, {label}", "ms/step", ts[label], scale=1e3)
+        for label in labels
+    ]
     for label, (t, stalls) in times.items():
         note = ""
         if stalls:
@@ -479,10 +525,12 @@ def bench_loop(
                 note,
             ]
         )
-    return rows
+    return rows, figures
 
 
-def bench_cuda(nbytes: int, root: Path, repeat: int, tokens: int = 8192) -> list[list[object]]:
+def bench_cuda(
+    nbytes: int, root: Path, repeat: int, tokens: int = 8192
+) -> tuple[list[list[object]], list[Figure]]:
     """D2H throughput of the snapshot against one big pinned copy, and the stall of overlap mode
     while a forward/backward runs beside the copy, on the current CUDA device."""
     dev = torch.device("cuda")
@@ -553,7 +601,26 @@ def bench_cuda(nbytes: int, root: Path, repeat: int, tokens: int = 8192) -> list
     shutil.rmtree(root / "gpu", ignore_errors=True)
     m_ceil, m_snap, m_d2h = med(ceiling), med(snap), med(d2h)
     m_stall, m_base = med(stall), med(base)
-    return [
+    figs = {
+        k: figure(f"{label}: {k}", "ms", v, scale=1e3)
+        for k, v in (
+            ("pinned-copy ceiling", ceiling),
+            ("snapshot D2H phase", d2h),
+            ("blocking save() entry to staged", snap),
+            ("training step, no save", base),
+            ("overlap mode: stall of the step that saves", stall),
+        )
+    }
+    figures = [
+        *figs.values(),
+        ratio_figure(
+            f"{label}: snapshot D2H phase / ceiling",
+            figs["snapshot D2H phase"],
+            figs["pinned-copy ceiling"],
+            better="lower",
+        ),
+    ]
+    rows = [
         [
             label,
             "pinned-copy ceiling: one pinned.copy_(gpu, non_blocking=True)",
@@ -594,6 +661,7 @@ def bench_cuda(nbytes: int, root: Path, repeat: int, tokens: int = 8192) -> list
             ),
         ],
     ]
+    return rows, figures
 
 
 def main_cuda(args: argparse.Namespace) -> int:
@@ -605,9 +673,12 @@ def main_cuda(args: argparse.Namespace) -> int:
         return 0
     root = Path(tempfile.mkdtemp(prefix="gpumem-bench-", dir=args.dir))
     rows: list[list[object]] = []
+    figures: list[Figure] = []
     try:
         for size in args.sizes.split(","):
-            rows += bench_cuda(parse_bytes(size), root, args.repeat)
+            size_rows, size_figures_ = bench_cuda(parse_bytes(size), root, args.repeat)
+            rows += size_rows
+            figures += size_figures_
     finally:
         shutil.rmtree(root, ignore_errors=True)
     notes = (
@@ -636,6 +707,7 @@ def main_cuda(args: argparse.Namespace) -> int:
             rows,
             notes=notes,
             info=machine_info(),
+            figures=figures,
         )
     return 0
 
@@ -676,10 +748,12 @@ def main(argv: list[str] | None = None) -> int:
         return main_cuda(args)
     root = Path(tempfile.mkdtemp(prefix="gpumem-bench-", dir=args.dir))
     rows, notes = [], []
+    figures: list[Figure] = []
     try:
         for size in args.sizes.split(","):
             size_rows, extra = bench_size(parse_bytes(size), root, args.repeat)
             rows += size_rows
+            figures += extra["figures"]
             lock = (
                 "locked (mlock)"
                 if extra["locked"]
@@ -690,7 +764,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{lock}: {extra['first_save_s'] * 1e3:.0f} ms "
                 "(once per Checkpointer; later saves reuse it)."
             )
-        rows += bench_loop(root, args.every, args.steps)
+        loop_rows, loop_figures = bench_loop(root, args.every, args.steps)
+        rows += loop_rows
+        figures += loop_figures
     finally:
         shutil.rmtree(root, ignore_errors=True)
     columns = ["state", "measurement", "time (median)", "ratio", "note"]
@@ -771,6 +847,7 @@ def main(argv: list[str] | None = None) -> int:
             rows,
             notes=text,
             info=machine_info(),
+            figures=figures,
         )
     return 0
 

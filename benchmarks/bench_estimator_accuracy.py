@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from _report import machine_info, markdown_table, write_results
+from _report import Figure, machine_info, markdown_table, value_figure, write_results
 
 from gpumem.estimator.validate import PROFILER_CATEGORIES, Case, compare
 
@@ -83,8 +83,13 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.3f}"
 
 
-def accuracy_rows() -> tuple[list[list[object]], list[str]]:
-    rows, details = [], []
+# Estimates are deterministic, so any change in their error is real; changes under this many
+# percentage points are not worth failing a comparison over (benchmarks/compare.py).
+ERROR_TOLERANCE_PCT = 0.5
+
+
+def accuracy_rows() -> tuple[list[list[object]], list[str], list[Figure]]:
+    rows, details, figures = [], [], []
     for case in CASES:
         t0 = time.perf_counter()
         c = compare(case)
@@ -101,13 +106,21 @@ def accuracy_rows() -> tuple[list[list[object]], list[str]]:
             ]
         )
         details.append(f"{case.name}: {time.perf_counter() - t0:.1f} s; {case}")
+        figures.append(
+            value_figure(
+                f"{case.name}: |error| of the peak",
+                "%",
+                abs(c.error_pct),
+                tolerance=ERROR_TOLERANCE_PCT,
+            )
+        )
         print(
             f"{case.name}: measured {c.measured_peak} estimated {e['total']} ({c.error_pct:+.2f} %)"
         )
-    return rows, details
+    return rows, details, figures
 
 
-def step_rows() -> list[list[object]]:
+def step_rows() -> tuple[list[list[object]], list[Figure]]:
     """AdamW's step scratch: the peak of a step whose activations are tiny, minus the state."""
     import torch
     import torch.nn.functional as F
@@ -117,7 +130,7 @@ def step_rows() -> list[list[object]]:
     from gpumem.estimator.states import Training
     from gpumem.models import build_model, example_batch, get_config
 
-    rows = []
+    rows, figures = [], []
     cfg = get_config("llama", "tiny", **dict(LLAMA, vocab_size=256))
     for dtype, precision in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         for impl in ("per-tensor", "foreach", "fused"):
@@ -143,12 +156,14 @@ def step_rows() -> list[list[object]]:
             est = tr.step_temp_bytes(spec.n_params, param_groups(spec).step_scratch, cuda=False)
             diff = "exact" if measured == est else f"{est - measured:+d} B"
             rows.append([precision, impl, measured, est, diff])
-    return rows
+            name = f"AdamW step scratch, {precision} {impl}: |estimated - measured|"
+            figures.append(value_figure(name, "B", abs(est - measured)))
+    return rows, figures
 
 
 def main() -> None:
     info = machine_info()
-    rows, details = accuracy_rows()
+    rows, details, figures = accuracy_rows()
     cols = [
         "configuration",
         "measured peak (B)",
@@ -158,7 +173,7 @@ def main() -> None:
         *(f"{k} MiB (meas / est)" for k in PROFILER_CATEGORIES),
         "MoE routing max/mean",
     ]
-    steps = step_rows()
+    steps, step_figures = step_rows()
     notes = f"""
 Estimated categories are the bill's, mapped to the profiler's definitions
 (`Bill.profiler_categories()`): logits held by the loop count as temporary, token ids as
@@ -192,7 +207,13 @@ Run details:
 
 """ + "\n".join(f"- {d}" for d in details)
     write_results(
-        "estimator_accuracy", "Estimator vs profiler (CPU, measured)", cols, rows, notes, info
+        "estimator_accuracy",
+        "Estimator vs profiler (CPU, measured)",
+        cols,
+        rows,
+        notes,
+        info,
+        figures=figures + step_figures,
     )
 
 

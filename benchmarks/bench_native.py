@@ -25,7 +25,15 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import machine_info, median_time, write_results
+from _report import (
+    Figure,
+    figure,
+    machine_info,
+    median_time,
+    rate_figure,
+    ratio_figure,
+    write_results,
+)
 
 COLUMNS = ["measurement", "GB/s", "baseline", "baseline GB/s", "ratio", "target", "met"]
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -38,13 +46,11 @@ def parse_size(text: str) -> int:
     return int(float(text[: len(text) - len(unit)]) * _UNITS[unit])
 
 
-def gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9
-
-
-def time_writes(writers: list[Callable[[Path], object]], path: Path, repeat: int) -> list[float]:
-    """Median seconds of each writer(path), run round-robin so that disk noise (other jobs, the
-    device's cache) hits every writer alike; the file is removed (untimed) before each run."""
+def time_writes(
+    writers: list[Callable[[Path], object]], path: Path, repeat: int
+) -> list[list[float]]:
+    """Seconds of each run of each writer(path), run round-robin so that disk noise (other jobs,
+    the device's cache) hits every writer alike; the file is removed (untimed) before each run."""
     times: list[list[float]] = [[] for _ in writers]
     for _ in range(repeat):
         for i, write in enumerate(writers):
@@ -54,7 +60,7 @@ def time_writes(writers: list[Callable[[Path], object]], path: Path, repeat: int
             write(path)
             times[i].append(time.perf_counter() - t0)
     path.unlink(missing_ok=True)
-    return [float(np.median(t)) for t in times]
+    return times
 
 
 def plain_write(buf: bytes) -> Callable[[Path], None]:
@@ -83,7 +89,7 @@ def row(
     ]
 
 
-def bench_crc(raw: bytes, repeat: int) -> list[list]:
+def bench_crc(raw: bytes, repeat: int) -> tuple[list[list], list[Figure]]:
     import google_crc32c
 
     from gpumem._native import load
@@ -92,30 +98,43 @@ def bench_crc(raw: bytes, repeat: int) -> list[list]:
     n = len(raw)
     src = np.frombuffer(raw, np.uint8)
     dst = np.ones(n, np.uint8)  # faulted in, so memcpy measures copying, not page faults
-    memcpy = gbps(n, median_time(lambda: np.copyto(dst, src), repeat)["median"])
     expected = google_crc32c.value(raw)
     for impl in ("auto", "table"):
         assert C.crc32c(src, 0, impl, 1) == expected, (
             f"CRC32C ({impl}) disagrees with google-crc32c"
         )
-    one = gbps(n, median_time(lambda: C.crc32c(src, 0, "auto", 1), repeat)["median"])
     threads = C.num_threads()
-    every = gbps(n, median_time(lambda: C.crc32c(src, 0, "auto", 0), repeat)["median"])
-    table = gbps(n, median_time(lambda: C.crc32c(src, 0, "table", 1), repeat)["median"])
-    google = gbps(n, median_time(lambda: google_crc32c.value(raw), repeat)["median"])
     hw = C.crc32c_hardware()
+    timed = {  # figure name: what it times
+        "memcpy 1 thread (numpy.copyto)": lambda: np.copyto(dst, src),
+        f"gpumem CRC32C {hw}, 1 thread": lambda: C.crc32c(src, 0, "auto", 1),
+        f"gpumem CRC32C {hw}, {threads} threads": lambda: C.crc32c(src, 0, "auto", 0),
+        "gpumem CRC32C table fallback, 1 thread": lambda: C.crc32c(src, 0, "table", 1),
+        f"google-crc32c ({google_crc32c.implementation})": lambda: google_crc32c.value(raw),
+    }
+    figs = {
+        name: rate_figure(name, "GB/s", n / 1e9, median_time(fn, repeat)["samples"])
+        for name, fn in timed.items()
+    }
+    memcpy, one, every, table, google = (f.p50 for f in figs.values())
+    names = list(figs)
     base = "memcpy 1 thread"
-    return [
-        row("memcpy 1 thread (numpy.copyto)", memcpy),
-        row(f"gpumem CRC32C {hw}, 1 thread", one, base, memcpy, 1.0),
-        row(f"gpumem CRC32C {hw}, {threads} threads", every, base, memcpy),
-        row("gpumem CRC32C table fallback, 1 thread", table, base, memcpy),
-        row(f"google-crc32c ({google_crc32c.implementation})", google, base, memcpy),
+    rows = [
+        row(names[0], memcpy),
+        row(names[1], one, base, memcpy, 1.0),
+        row(names[2], every, base, memcpy),
+        row(names[3], table, base, memcpy),
+        row(names[4], google, base, memcpy),
         row("gpumem CRC32C 1 thread vs google-crc32c", one, "google-crc32c", google),
     ]
+    ratios = [
+        ratio_figure("CRC32C 1 thread / memcpy 1 thread", figs[names[1]], figs[names[0]]),
+        ratio_figure("CRC32C 1 thread / google-crc32c", figs[names[1]], figs[names[4]]),
+    ]
+    return rows, [*figs.values(), *ratios]
 
 
-def bench_write(raw: bytes, directory: Path, repeat: int) -> list[list]:
+def bench_write(raw: bytes, directory: Path, repeat: int) -> tuple[list[list], list[Figure]]:
     from gpumem.arena import HostArena
     from gpumem.writer import write_file
 
@@ -134,33 +153,39 @@ def bench_write(raw: bytes, directory: Path, repeat: int) -> list[list]:
             path,
             repeat,
         )
-    plain, ours, direct = (gbps(n, t) for t in secs)
+    names = [
+        "plain Python open/write/fsync",
+        "gpumem write_file (pwrite pool, fdatasync)",
+        "gpumem write_file direct=True (O_DIRECT)",
+    ]
+    figs = [rate_figure(name, "GB/s", n / 1e9, t) for name, t in zip(names, secs, strict=True)]
+    plain, ours, direct = (f.p50 for f in figs)
     base = "plain write+fsync"
-    return [
-        row("plain Python open/write/fsync", plain),
-        row("gpumem write_file (pwrite pool, fdatasync)", ours, base, plain, 0.9),
-        row("gpumem write_file direct=True (O_DIRECT)", direct, base, plain),
+    rows = [
+        row(names[0], plain),
+        row(names[1], ours, base, plain, 0.9),
+        row(names[2], direct, base, plain),
+    ]
+    # the writers ran round-robin: each round's ratio shares that round's disk state
+    paired = [p / o for p, o in zip(secs[0], secs[1], strict=True)]
+    return rows, [
+        *figs,
+        figure("write_file / plain write, per round", "x", paired, better="higher"),
     ]
 
 
-def bench_triton() -> tuple[list[list], str]:
-    """Rows of bench_triton_crc32c.measure() on a CUDA machine, else none and why."""
+def bench_triton() -> tuple[list[list], list[Figure], str]:
+    """Rows and figures of bench_triton_crc32c.measure() on a CUDA machine, else none and why."""
     try:
         import torch
 
         if not torch.cuda.is_available():
-            return [], "Triton CRC32C: no CUDA device on this machine, not measured."
+            return [], [], "Triton CRC32C: no CUDA device on this machine, not measured."
         from bench_triton_crc32c import measure
     except ImportError as exc:
-        return [], f"Triton CRC32C: not measured ({exc})."
-    rows = []
-    for r in measure():
-        if isinstance(r, dict):
-            rows.append([r.get(c, "") for c in COLUMNS])
-        else:
-            cells = [str(c) for c in r]
-            rows.append((cells + [""] * len(COLUMNS))[: len(COLUMNS)])
-    return rows, ""
+        return [], [], f"Triton CRC32C: not measured ({exc})."
+    rows, figs = measure()
+    return [[r.get(c, "") for c in COLUMNS] for r in rows], figs, ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     size = parse_size(args.size)
     info = machine_info()
     raw = np.random.default_rng(0).bytes(size)
-    rows = bench_crc(raw, args.repeat)
+    rows, figures = bench_crc(raw, args.repeat)
     notes = [
         (
             f"Buffer: {size} bytes of random data. CRC/memcpy: median of {args.repeat} runs. "
@@ -193,16 +218,19 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if not args.no_write:
         with tempfile.TemporaryDirectory(dir=args.dir, prefix="gpumem-bench-") as tmp:
-            rows += bench_write(raw, Path(tmp), args.write_repeat)
+            write_rows, write_figures = bench_write(raw, Path(tmp), args.write_repeat)
+            rows += write_rows
+            figures += write_figures
             notes.append(
                 f"Writes: median of {args.write_repeat} rounds (writers interleaved) into "
                 f"{Path(tmp).parent}, file removed before each run; the disk, not the CPU, bounds "
                 "both buffered writers. O_DIRECT skips the page-cache copy."
             )
-    triton_rows, why = (
-        ([], "Triton CRC32C: skipped (--no-triton).") if args.no_triton else bench_triton()
+    triton_rows, triton_figures, why = (
+        ([], [], "Triton CRC32C: skipped (--no-triton).") if args.no_triton else bench_triton()
     )
     rows += triton_rows
+    figures += triton_figures
     if why:
         notes.append(why)
     path = write_results(
@@ -212,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         rows,
         notes="\n\n".join(notes),
         info=info,
+        figures=figures,
     )
     print(f"wrote {path}")
     return 0

@@ -7,7 +7,7 @@ pure-Python evaluation of the same formula, and a warm 70B plan from 8 to 1024 G
 from __future__ import annotations
 
 import numpy as np
-from _report import machine_info, median_time, write_results
+from _report import figure, machine_info, median_time, rate_figure, ratio_figure, write_results
 
 from gpumem.estimator import peak
 from gpumem.planner import plan
@@ -16,7 +16,7 @@ from gpumem.planner.search import sweep
 
 def main() -> None:
     info = machine_info()
-    rows = []
+    rows, figures = [], []
     # 1. kernel: real term vectors of a 70B plan, tiled to 1M configurations
     base = plan("llama-2-70b", n_gpus=64, seq_len=4096)  # warm-up: compiles or loads the cache
     from gpumem.estimator.gpus import find_gpu
@@ -32,13 +32,14 @@ def main() -> None:
     n = 1_000_000
     big = np.tile(terms, (n // len(terms), 1))
     owner = np.arange(len(big), dtype=np.int64)
-    t_nb = median_time(lambda: sweep(big, owner, len(big)), repeat=5)["median"]
+    nb = median_time(lambda: sweep(big, owner, len(big)), repeat=5)
+    t_nb = nb["median"]
     small = big[:20_000]
-    t_py = (
-        median_time(lambda: [peak.assemble(x) for x in small], repeat=3)["median"]
-        * len(big)
-        / len(small)
-    )
+    py = median_time(lambda: [peak.assemble(x) for x in small], repeat=3)
+    t_py = py["median"] * len(big) / len(small)
+    nb_rate = rate_figure("numba sweep kernel", "configs/s", len(big), nb["samples"])
+    py_rate = rate_figure("pure-Python assemble", "configs/s", len(small), py["samples"])
+    figures += [nb_rate, py_rate, ratio_figure("numba sweep / pure Python", nb_rate, py_rate)]
     rows.append(
         (
             "numba sweep kernel",
@@ -51,9 +52,10 @@ def main() -> None:
     # 2. end to end, warm: enumerate layouts, build terms, sweep, rank
     for n_gpus in (8, 64, 256, 1024):
         res = plan("llama-2-70b", n_gpus=n_gpus, seq_len=4096)
-        t = median_time(lambda n=n_gpus: plan("llama-2-70b", n_gpus=n, seq_len=4096), repeat=3)[
-            "median"
-        ]
+        timed = median_time(lambda n=n_gpus: plan("llama-2-70b", n_gpus=n, seq_len=4096), repeat=3)
+        t = timed["median"]
+        name = f"plan llama-2-70b on {n_gpus} x H100-80GB"
+        figures.append(figure(name, "ms", timed["samples"], scale=1e3))
         rows.append(
             (
                 f"plan llama-2-70b on {n_gpus} x H100-80GB",
@@ -75,6 +77,7 @@ def main() -> None:
         "configurations = dp x tp x pp x ZeRO x SP x micro-batch {1,2,4,8} x recompute "
         "{none, selective, full}, global batch 256 sequences of 4096 tokens.",
         info=info,
+        figures=figures,
     )
 
 

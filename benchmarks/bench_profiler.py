@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.nn.functional as F
-from _report import machine_info, write_results
+from _report import figure, machine_info, value_figure, write_results
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gpumem
@@ -122,8 +122,14 @@ def main() -> None:
         per_round = [t / b for t, b in zip(times[name], base, strict=True)]
         return statistics.median(per_round), min(times[name]) / min(base)
 
-    rows = []
+    rows, figures = [], []
     for name, _ in configs:
+        figures.append(figure(f"{name}: wall", "ms", wall[name], scale=1e3))
+        figures.append(figure(f"{name}: CPU", "ms", cpu[name], scale=1e3))
+        if name != "plain step":  # the ratio to the plain step of the same round, per round
+            for kind, times in (("wall", wall), ("CPU", cpu)):
+                per_round = [t / b for t, b in zip(times[name], times["plain step"], strict=True)]
+                figures.append(figure(f"{name}: {kind} / plain step", "x", per_round))
         wr, wm = ratios(wall, name)
         cr, cm = ratios(cpu, name)
         rows.append(
@@ -160,6 +166,9 @@ def main() -> None:
         t0 = time.perf_counter()
         rep = fake_layer(mode)
         fake_s = time.perf_counter() - t0
+        what = f"fake Llama-2-70B layer, {mode}"
+        figures.append(value_figure(f"{what}: build + profile", "ms", fake_s * 1e3))
+        figures.append(value_figure(f"{what}: peak", "B", rep.peak_bytes))
         rows.append(
             [
                 f"fake Llama-2-70B layer, {mode}: build + profile 1 AdamW step",
@@ -221,6 +230,7 @@ The dispatch-mode tools pay per op (a Python call), so their ratio falls as ops 
         rows,
         notes=notes,
         info=info,
+        figures=figures,
     )
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import machine_info, markdown_table, median_time, write_results
+from _report import Figure, machine_info, markdown_table, median_time, ratio_figure, write_results
 
 COLUMNS = ["measurement", "chunk", "kernel", "ms", "GB/s", "baseline", "baseline GB/s", "ratio"]
 DEFAULT_CHUNKS = (256, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20)
@@ -71,24 +71,32 @@ def _reference(data, chunk: int) -> list[int]:
     return [crc32c.crc32c(view[i : i + chunk]) for i in range(0, len(view), chunk)]
 
 
-def _timer(device: str) -> Callable[[Callable[[], object]], float]:
-    """Median seconds of fn: do_bench on CUDA, wall clock in interpreter smoke runs."""
+def _timer(device: str) -> Callable[[Callable[[], object]], list[float]]:
+    """Seconds of fn at its 20th, 50th and 80th percentiles: do_bench on CUDA, one wall-clock run
+    in interpreter smoke runs."""
     if device == "cuda":
         from triton.testing import do_bench
 
-        def bench(fn: Callable[[], object]) -> float:
-            ms = do_bench(fn, warmup=25, rep=200, quantiles=[0.5])
-            return (ms[0] if isinstance(ms, (list, tuple)) else ms) / 1e3  # a float on triton 3.6
+        def bench(fn: Callable[[], object]) -> list[float]:
+            ms = do_bench(fn, warmup=25, rep=200, quantiles=[0.2, 0.5, 0.8])
+            ms = list(ms) if isinstance(ms, (list, tuple)) else [ms] * 3
+            return [m / 1e3 for m in ms]
 
         return bench
-    return lambda fn: median_time(fn, repeat=1, warmup=0)["median"]
+    return lambda fn: [median_time(fn, repeat=1, warmup=0)["median"]] * 3
+
+
+def _rate(name: str, gb: float, seconds: list[float]) -> Figure:
+    """GB/s from the time's 20th/50th/80th percentiles (a rate's p20 is the time's p80).
+    do_bench does not say how many runs it took: n = 0."""
+    return Figure(name, "GB/s", gb / seconds[2], gb / seconds[1], gb / seconds[0], 0, "higher")
 
 
 def measure(
     size_bytes: int = 1 << 30,
     chunk_bytes: Sequence[int] = DEFAULT_CHUNKS,
     device: str = "cuda",
-) -> list[dict]:
+) -> tuple[list[dict], list[Figure]]:
     """One row per (chunk size, load kind): Triton CRC32C GB/s vs a D2D copy of the same bytes.
 
     Args:
@@ -99,7 +107,8 @@ def measure(
         device: ``"cuda"``; ``"cpu"`` only in interpreter smoke runs.
 
     Returns:
-        dicts keyed by COLUMNS (also the keys bench_native.py reads), numbers rounded.
+        dicts keyed by COLUMNS (also the keys bench_native.py reads), numbers rounded; and the
+        figures (GB/s of the copy and of each row, each row's ratio to the copy).
     """
     import torch
 
@@ -110,7 +119,11 @@ def measure(
     src = torch.randint(0, 256, (size_bytes + 1,), dtype=torch.uint8, device=device, generator=gen)
     dst = torch.empty_like(src)
     aligned, shifted = src[:size_bytes], src[1:]
-    copy_s = timer(lambda: dst[:size_bytes].copy_(aligned))
+    copy_q = timer(lambda: dst[:size_bytes].copy_(aligned))
+    copy_s = copy_q[1]
+    gb = size_bytes / 1e9
+    copy_fig = _rate(f"device-to-device copy, {_human(size_bytes)}", gb, copy_q)
+    figures = [copy_fig]
     fits = [c for c in chunk_bytes if c <= size_bytes]
     cases = []  # (data, chunk, step tables, what the kernel does)
     for c in fits:
@@ -126,7 +139,11 @@ def measure(
         run = functools.partial(chunk_crc32c_triton, data, chunk, step_tables=tables)
         if run().cpu().tolist() != _reference(data, chunk):
             raise AssertionError(f"Triton CRC32C disagrees with crc32c: chunk {chunk}, {kernel}")
-        crc_s = timer(run)
+        crc_q = timer(run)
+        crc_s = crc_q[1]
+        name = f"Triton CRC32C, {_human(size_bytes)}, chunk {_human(chunk)}, {kernel}"
+        fig = _rate(name, gb, crc_q)
+        figures += [fig, ratio_figure(f"{name} / copy", fig, copy_fig)]
         rows.append(
             {
                 "measurement": f"Triton CRC32C, {_human(size_bytes)}, chunk {_human(chunk)}",
@@ -141,7 +158,7 @@ def measure(
                 "met": "",
             }
         )
-    return rows
+    return rows, figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.interpret_smoke:
         # Must precede the first import of a kernel module: Triton decides it at definition.
         os.environ["TRITON_INTERPRET"] = "1"
-        rows = measure(64 << 10, [256, 4096, 64 << 10], device="cpu")
+        rows, _ = measure(64 << 10, [256, 4096, 64 << 10], device="cpu")
         print(markdown_table(COLUMNS, [[r[c] for c in COLUMNS] for r in rows]))
         return 0
 
@@ -168,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_triton_crc32c: needs a CUDA GPU; none here, nothing measured.")
         return 0
     size = parse_size(args.size)
-    rows = measure(size, chunks)
+    rows, figures = measure(size, chunks)
     write_results(
         args.name,
         "Triton CRC32C vs device-to-device copy",
@@ -176,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         [[r[c] for c in COLUMNS] for r in rows],
         notes=f"Median of triton.testing.do_bench; {size} bytes of random data.\n" + NOTES,
         info=machine_info(),
+        figures=figures,
     )
     return 0
 

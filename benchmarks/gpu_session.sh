@@ -1,17 +1,36 @@
 #!/usr/bin/env bash
-# The one prepared run for a lent CUDA machine: every step has a time limit, the steps together
-# never run past GPU_SESSION_BUDGET_S (default 450 s, inside an 8-minute call), a failing step
-# does not stop the later ones, and the results tables and a summary print last.
+# GPU session: build gpumem, run the GPU test tier and the GPU benchmarks on one CUDA machine,
+# unattended, in at most 8 minutes, and print a summary with the results tables last.
 #
-# Before calling the device tool, on the CPU machine (the device has no network; the GPU test tier
-# compares against google-crc32c / crc32c, which its image lacks):
+# What to install. The machine needs Python 3.12 with a CUDA build of torch, triton, nanobind,
+# scikit-build-core, cmake, ninja and pytest, and a C++17 compiler (no CUDA toolkit); the lent H200
+# image has them (torch 2.11, triton 3.6). The GPU tests also compare against google-crc32c and
+# crc32c, which it lacks and cannot download (no network): fetch their wheels into .whl/ on a
+# machine with network, once, from the repository root:
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     --platform manylinux1_x86_64 -d .whl google-crc32c crc32c
-# Then: run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=540)
-# At most 8 files come back from $OUT: the tables, the gpu-test log, the probe, the summary, and
-# logs.tar.gz with every log. Commit the tables under benchmarks/results/.
+# The script installs whatever is in .whl/ into /tmp/site first.
+#
+# The one command, from the repository root (through the device tool: run(command=<it>,
+# carry=[".whl"], timeout_s=540)):
+#   BENCH_GIT_COMMIT=<commit under test> bash benchmarks/gpu_session.sh
+# BENCH_GIT_COMMIT is optional: it names the commit in the results files, since the copy of the
+# tree on the machine has no .git ("unknown" without it).
+#
+# Where the results land: $OUT (default /tmp/gpumem-gpu), 5 files:
+#   summary.txt     what prints last: machine, probe, calibration, the GPU tests' tail, each step's
+#                   status and time, the results tables
+#   results.tar.gz  the benchmarks/results/*.md and *.json this run wrote (triton_crc32c,
+#                   checkpoint_gpu, native_gpu_box): unpack with
+#                   tar -xzf results.tar.gz -C benchmarks/results, then compare with the committed
+#                   run (python benchmarks/compare.py HEAD:benchmarks/results benchmarks/results)
+#                   and commit them
+#   gpu_tests.log, probe.log, logs.tar.gz (every step's log, the JUnit XML, calibration_gpu.json)
+#
+# How it runs: every step has a time limit, the steps together never run past
+# GPU_SESSION_BUDGET_S (default 450 s), and a failing step does not stop the later ones.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpumem-gpu}
 LOGS=$OUT/logs
@@ -101,10 +120,15 @@ else
   tail -n 40 "$LOGS/build.log"
 fi
 
-# What comes back (8 files at most): the tables, the test log, the probe, the summary, all logs.
-for f in triton_crc32c checkpoint_gpu native_gpu_box; do  # written by this run, not a committed one
-  [ "benchmarks/results/$f.md" -nt "$LOGS/gpu.txt" ] && cp "benchmarks/results/$f.md" "$OUT/"
+# What comes back (the device tool returns 8 files at most): the results this run wrote (not a
+# committed one), the test log, the probe, the summary, all logs.
+fresh=()
+for f in triton_crc32c checkpoint_gpu native_gpu_box; do
+  for ext in md json; do
+    [ "benchmarks/results/$f.$ext" -nt "$LOGS/gpu.txt" ] && fresh+=("$f.$ext")
+  done
 done
+((${#fresh[@]})) && tar -czf "$OUT/results.tar.gz" -C benchmarks/results "${fresh[@]}"
 [ -f "$LOGS/gpu_tests.log" ] && cp "$LOGS/gpu_tests.log" "$OUT/"
 [ -f "$LOGS/probe.log" ] && cp "$LOGS/probe.log" "$OUT/"
 {  # the results tables last: the device tool returns the end of the output
@@ -114,9 +138,9 @@ done
   echo "== where the snapshot's D2H time goes =="; cat "$LOGS/diagnose_snapshot.log" 2>/dev/null
   echo "== gpu tests =="; tail -n 25 "$LOGS/gpu_tests.log" 2>/dev/null
   echo "== steps =="; printf '%s\n' "${status[@]}" | { column -t -s '|' 2>/dev/null || tr '|' ' '; }
-  echo "== results tables =="
-  for f in triton_crc32c checkpoint_gpu native_gpu_box; do
-    [ -f "$OUT/$f.md" ] && { echo "-- $f"; grep '^|' "$OUT/$f.md"; }
+  echo "== results tables (unpack results.tar.gz into benchmarks/results/) =="
+  for f in ${fresh[@]+"${fresh[@]}"}; do
+    [[ $f == *.md ]] && { echo "-- ${f%.md}"; grep '^|' "benchmarks/results/$f"; }
   done
 } > "$LOGS/summary.txt"
 cp "$LOGS/summary.txt" "$OUT/"

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <new>
 #include <stdexcept>
@@ -34,8 +35,17 @@ HostBuffer::HostBuffer(size_t nbytes, size_t alignment) {
   const size_t page = page_size();
   const size_t align = alignment > page ? alignment : page;
   // mmap gives page alignment; for a larger alignment map extra and start at the first boundary.
+  const size_t pad = align > page ? align : 0;
+  // Checked before rounding: a wrapped sum would map a few pages yet record size_ = nbytes, and
+  // copy_in's bounds check (against size_) would then let writes run past the mapping.
+  const size_t wraps = SIZE_MAX - pad - (page - 1);  // pad <= 2**63, so no underflow here
+  const size_t limit = wraps < size_t(PTRDIFF_MAX) ? wraps : size_t(PTRDIFF_MAX);
+  if (nbytes > limit)
+    throw std::invalid_argument("arena size " + std::to_string(nbytes) + " bytes with alignment " +
+                                std::to_string(alignment) + " cannot be mapped (at most " +
+                                std::to_string(limit) + " bytes fit in the address space)");
   const size_t rounded = (nbytes + page - 1) / page * page;
-  mapped_ = rounded + (align > page ? align : 0);
+  mapped_ = rounded + pad;
   void* p = mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) throw std::bad_alloc();
   base_ = static_cast<uint8_t*>(p);
@@ -48,11 +58,26 @@ HostBuffer::HostBuffer(size_t nbytes, size_t alignment) {
 #endif
 }
 
-HostBuffer::~HostBuffer() {
-  pin_cancel_.store(true);
-  if (pin_thread_.joinable()) pin_thread_.join();
+HostBuffer::~HostBuffer() { close(); }
+
+void HostBuffer::close() {
+  stop_pinning();
   unpin_all();
   if (base_) munmap(base_, mapped_);
+  base_ = data_ = nullptr;
+  size_ = mapped_ = 0;
+}
+
+void HostBuffer::stop_pinning() {
+  std::thread pinner;
+  {
+    // start_pinning assigns pin_thread_ under the lock and starts nothing once cancelled; the
+    // join happens outside it, since the pin thread takes the lock to record each chunk.
+    std::lock_guard<std::mutex> lock(pin_mu_);
+    pin_cancel_.store(true);
+    pinner = std::move(pin_thread_);
+  }
+  if (pinner.joinable()) pinner.join();
 }
 
 void HostBuffer::start_pinning(int device) {
@@ -61,12 +86,14 @@ void HostBuffer::start_pinning(int device) {
     throw std::runtime_error("cannot pin host memory: CUDA runtime not available (" +
                              (st.attempted ? st.reason : std::string("not loaded yet")) + ")");
   std::lock_guard<std::mutex> lock(pin_mu_);
-  if (pin_started_) return;
+  if (pin_started_.load(std::memory_order_relaxed) || pin_cancel_.load()) return;
   std::string err;
   if (device < 0 && cuda::get_device(&device, &err) != 0)
     throw std::runtime_error("cannot pin host memory: cudaGetDevice failed: " + err);
-  pin_started_ = true;
   pin_thread_ = std::thread([this, device] { pin_all(device); });
+  // Set once the thread exists (a failed std::thread throws, leaving it false): wait_pinned()
+  // polls pin_done_ only when a thread will set it.
+  pin_started_.store(true, std::memory_order_release);
 }
 
 void HostBuffer::pin_all(int device) {
@@ -100,7 +127,7 @@ void HostBuffer::unpin_all() {
 }
 
 bool HostBuffer::wait_pinned(double timeout_s) {
-  if (!pin_started_) return false;
+  if (!pin_started_.load(std::memory_order_acquire)) return false;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
   while (!pin_done_.load()) {
     if (timeout_s >= 0 && std::chrono::steady_clock::now() >= deadline) return false;

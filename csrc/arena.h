@@ -21,9 +21,11 @@ constexpr size_t kPinChunk = size_t(1) << 30;
 class HostBuffer {
  public:
   // Allocates `nbytes` (> 0) aligned to `alignment` (a power of two >= 64). Throws std::bad_alloc
-  // when the memory is not there and std::invalid_argument for a bad alignment.
+  // when the memory is not there and std::invalid_argument for a bad alignment or a size that
+  // cannot be mapped at all (over PTRDIFF_MAX, or whose rounding to pages plus the alignment
+  // padding overflows size_t).
   HostBuffer(size_t nbytes, size_t alignment);
-  // Waits for pinning, unregisters what was registered and frees the memory.
+  // Calls close().
   ~HostBuffer();
   HostBuffer(const HostBuffer&) = delete;
   HostBuffer& operator=(const HostBuffer&) = delete;
@@ -35,12 +37,20 @@ class HostBuffer {
   // (device < 0) on the device current in the calling thread, so that no context is created on
   // GPU 0 for a rank using GPU 3. A caller on a worker thread (whose current device is 0) passes
   // the device of the thread it works for. Throws std::runtime_error when the runtime is not
-  // available.
+  // available. Safe to call from several threads; does nothing once started or stopped.
   void start_pinning(int device = -1);
   // Waits up to timeout_s (< 0: forever) for pinning; true when finished. Throws std::runtime_error
   // with the CUDA message if registering failed.
   bool wait_pinned(double timeout_s);
-  bool pinning() const { return pin_started_; }
+  // Asks the pinning thread to stop after its current chunk and joins it (registering one chunk
+  // can take a second). Idempotent.
+  void stop_pinning();
+  // Stops pinning, unregisters what was registered and frees the memory; idempotent, and data()
+  // is null afterwards. The destructor calls it. Joining, unregistering and unmapping tens of GiB
+  // take a while, so an owner that holds a lock other threads need (the Python GIL) calls it
+  // first with that lock released.
+  void close();
+  bool pinning() const { return pin_started_.load(std::memory_order_acquire); }
   size_t pinned_bytes() const { return pinned_bytes_.load(); }
 
   // Multithreaded copy of sources[i] (sizes[i] bytes) to data() + offsets[i]; bounds-checked first
@@ -57,7 +67,9 @@ class HostBuffer {
   size_t mapped_ = 0;  // bytes mapped (size rounded up to the alignment/page)
   uint8_t* base_ = nullptr;
 
-  bool pin_started_ = false;
+  // Atomic: start_pinning sets it under pin_mu_, but pinning() and wait_pinned() read it without
+  // the lock, from threads that run without the GIL.
+  std::atomic<bool> pin_started_{false};
   std::thread pin_thread_;
   std::mutex pin_mu_;
   std::atomic<bool> pin_done_{false};

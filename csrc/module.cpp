@@ -67,6 +67,21 @@ nb::dict status_dict(const gpumem::cuda::Status& s) {
   return d;
 }
 
+// HostBuffer as Python owns it. The last reference may die anywhere (a torch tensor made from
+// array() can outlive its HostArena), and nanobind destroys the object with the GIL held: joining
+// the pinning thread (up to a chunk's registration) and unregistering and unmapping tens of GiB
+// there would stall every Python thread, so the teardown runs with the GIL released.
+struct PyHostBuffer : gpumem::arena::HostBuffer {
+  using HostBuffer::HostBuffer;
+  ~PyHostBuffer() {
+    // Only a thread that holds the GIL may release it; without it, the teardown simply runs.
+    if (PyGILState_Check()) {
+      nb::gil_scoped_release release;
+      close();
+    }
+  }
+};
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -249,16 +264,16 @@ NB_MODULE(_C, m) {
 
   // ---- host arena ----
   m.attr("PIN_CHUNK_BYTES") = arena::kPinChunk;
-  nb::class_<arena::HostBuffer>(m, "HostBuffer", "Page-aligned host memory, optionally pinned.")
+  nb::class_<PyHostBuffer>(m, "HostBuffer", "Page-aligned host memory, optionally pinned.")
       .def(nb::init<size_t, size_t>(), "nbytes"_a, "alignment"_a = 4096)
       .def_prop_ro("nbytes", &arena::HostBuffer::size)
-      .def_prop_ro("data_ptr", [](const arena::HostBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
+      .def_prop_ro("data_ptr", [](const PyHostBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
       .def_prop_ro("pinning", &arena::HostBuffer::pinning)
       .def_prop_ro("pinned_bytes", &arena::HostBuffer::pinned_bytes)
       .def(
           "array",
           [](nb::object self) {
-            auto& b = nb::cast<arena::HostBuffer&>(self);
+            auto& b = nb::cast<PyHostBuffer&>(self);
             // The array (and any torch tensor made from it) keeps this HostBuffer alive.
             return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(b.data(), {b.size()}, self);
           },
@@ -270,7 +285,7 @@ NB_MODULE(_C, m) {
            nb::call_guard<nb::gil_scoped_release>(), "Wait for pinning; True when done.")
       .def(
           "copy_in",
-          [](arena::HostBuffer& b, const std::vector<Bytes>& sources, const std::vector<int64_t>& offsets,
+          [](PyHostBuffer& b, const std::vector<Bytes>& sources, const std::vector<int64_t>& offsets,
              int threads) {
             std::vector<const uint8_t*> ptrs;
             std::vector<size_t> sizes;

@@ -123,7 +123,17 @@ void parallel_for(size_t n, const std::function<void(size_t)>& fn, int threads) 
   if (t > n) t = n;
   if (t > kMaxThreads) t = kMaxThreads;
   if (t <= 1) {
-    for (size_t i = 0; i < n; ++i) fn(i);
+    // The pool's contract, so that a caller sees the same effects whatever the thread count: a
+    // failed item does not stop the others, and the first error is rethrown after the last item.
+    std::exception_ptr error;
+    for (size_t i = 0; i < n; ++i) {
+      try {
+        fn(i);
+      } catch (...) {
+        if (!error) error = std::current_exception();
+      }
+    }
+    if (error) std::rethrow_exception(error);
     return;
   }
   auto batch = std::make_shared<Batch>(&fn, n);
@@ -133,7 +143,12 @@ void parallel_for(size_t n, const std::function<void(size_t)>& fn, int threads) 
   batch->run();
   std::unique_lock<std::mutex> lock(batch->mu);
   batch->cv.wait(lock, [&] { return batch->done.load(std::memory_order_acquire) == n; });
-  if (batch->error) std::rethrow_exception(batch->error);
+  // Taken out of the batch, whose last reference a worker may drop after we return: the exception
+  // is then freed by the thread that handles it, not behind libstdc++'s refcount (which
+  // ThreadSanitizer cannot see, and reported as a race).
+  const std::exception_ptr error = std::move(batch->error);
+  lock.unlock();
+  if (error) std::rethrow_exception(error);
 }
 
 }  // namespace gpumem

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +80,8 @@ class HostArena:
         nbytes = _int(nbytes, "nbytes")
         if nbytes <= 0:
             raise ValueError(f"nbytes must be positive, got {nbytes}")
+        if nbytes > sys.maxsize:  # the native core refuses sizes that do not fit once rounded
+            raise ValueError(f"nbytes {nbytes} is more than this process can address")
         alignment = _int(alignment, "alignment")
         if alignment < 64 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two >= 64, got {alignment}")

@@ -14,7 +14,13 @@ if "TRITON_INTERPRET" not in os.environ:
         _cuda = False
     os.environ["TRITON_INTERPRET"] = "0" if _cuda else "1"
 
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
+
+FAKE_CUDART = Path(__file__).parent / "native" / "fake_cudart.c"
 
 
 def pytest_addoption(parser):
@@ -36,3 +42,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "slow" in item.keywords and not config.getoption("--runslow"):
             item.add_marker(skip_slow)
+
+
+@pytest.fixture(scope="session")
+def fake_cudart(tmp_path_factory) -> Path:
+    """tests/native/fake_cudart.c built as a shared library: a libcudart stand-in for CPU runs."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the fake libcudart")
+    lib = tmp_path_factory.mktemp("fakecudart") / "libfakecudart.so"
+    subprocess.run(
+        [cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(FAKE_CUDART), "-lpthread"], check=True
+    )
+    return lib

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpumem._native import cuda_runtime
+from gpumem._native import cuda_runtime, load
 from gpumem.arena import HostArena
 
 
@@ -131,6 +131,28 @@ def test_bad_construction():
         HostArena(100, alignment=100)
     with pytest.raises(MemoryError):
         HostArena(1 << 62, pinned=False)
+
+
+def test_sizes_that_overflow_the_address_space_are_refused():
+    # Rounding 2**64 - 1 bytes up to a page wraps to 0; with an 8 KiB alignment that once mapped
+    # 8 KiB and reported an arena of 2**64 - 1 bytes, so copy_in's bounds check passed any offset.
+    C = load()
+    for nbytes, alignment in [
+        (2**64 - 1, 8192),
+        (2**64 - 4095, 8192),
+        (2**63 - 1, 2**63),  # fits alone, but not with the alignment's padding
+        (2**63, 4096),  # over PTRDIFF_MAX: no object may be that large
+    ]:
+        with pytest.raises(ValueError, match=rf"arena size {nbytes} bytes .* cannot be mapped"):
+            C.HostBuffer(nbytes, alignment)
+        with pytest.raises(
+            ValueError, match=r"more than this process can address|cannot be mapped"
+        ):
+            HostArena(nbytes, pinned=False, alignment=alignment)
+    with pytest.raises(ValueError, match=r"nbytes 2361183241434822606848 is more than"):
+        HostArena(2**71, pinned=False)
+    with pytest.raises(MemoryError):  # fits the arithmetic, not the machine
+        C.HostBuffer(1 << 62, 8192)
 
 
 def test_default_pinning_follows_cuda_runtime():

@@ -1,9 +1,10 @@
 """The native CUDA runtime loader and the pinning thread, against a fake libcudart on the CPU.
 
-The fake (C, compiled here) implements the seven entry points csrc/cuda_api.cpp resolves and logs
-every call with the calling thread's current device, so the real dlopen path, the chunked
-registration, its error path and the device the pinning thread works on are all checked without
-a GPU. Each case runs in a fresh interpreter: the runtime is loaded once per process.
+The fake (tests/native/fake_cudart.c, built by the fake_cudart fixture in tests/conftest.py)
+implements the seven entry points csrc/cuda_api.cpp resolves and logs every call with the calling
+thread's current device, so the real dlopen path, the chunked registration, its error path and the
+device the pinning thread works on are all checked without a GPU. Each case runs in a fresh
+interpreter: the runtime is loaded once per process.
 """
 
 from __future__ import annotations
@@ -11,77 +12,11 @@ from __future__ import annotations
 import ctypes.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-FAKE_CUDART = r"""
-#include <pthread.h>
-#include <stdio.h>
-#include <stdlib.h>
-
-static __thread int current = 0;
-static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-static int registers = 0;
-
-static void logf(const char* what, unsigned long long a, unsigned long long b,
-                 unsigned long long c) {
-  pthread_mutex_lock(&mu);
-  FILE* f = fopen(getenv("FAKE_CUDART_LOG"), "a");
-  if (f) {
-    fprintf(f, "%s %llu %llu %llu %d\n", what, a, b, c, current);
-    fclose(f);
-  }
-  pthread_mutex_unlock(&mu);
-}
-
-static int env_int(const char* name, int dflt) {
-  const char* v = getenv(name);
-  return v ? atoi(v) : dflt;
-}
-
-int cudaGetDeviceCount(int* n) {
-  int devices = env_int("FAKE_CUDART_DEVICES", 4);
-  if (devices < 0) return 100; /* cudaErrorNoDevice */
-  *n = devices;
-  return 0;
-}
-int cudaGetDevice(int* d) { *d = current; return 0; }
-int cudaSetDevice(int d) { current = d; logf("set_device", d, 0, 0); return 0; }
-int cudaHostRegister(void* p, size_t n, unsigned flags) {
-  pthread_mutex_lock(&mu);
-  int k = ++registers;
-  pthread_mutex_unlock(&mu);
-  if (k == env_int("FAKE_CUDART_FAIL_REGISTER", 0)) {
-    logf("register_failed", (size_t)p, n, flags);
-    return 2;
-  }
-  logf("register", (size_t)p, n, flags);
-  return 0;
-}
-int cudaHostUnregister(void* p) { logf("unregister", (size_t)p, 0, 0); return 0; }
-const char* cudaGetErrorString(int e) {
-  return e == 2 ? "fake: out of memory" : e == 100 ? "fake: no device" : "fake: other";
-}
-int cudaGetLastError(void) { logf("get_last_error", 0, 0, 0); return 0; }
-"""
-
-
-@pytest.fixture(scope="module")
-def fake_cudart(tmp_path_factory) -> Path:
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler to build the fake libcudart")
-    d = tmp_path_factory.mktemp("fakecudart")
-    (d / "fake.c").write_text(FAKE_CUDART)
-    lib = d / "libfakecudart.so"
-    subprocess.run(
-        [cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(d / "fake.c"), "-lpthread"], check=True
-    )
-    return lib
 
 
 def run_probe(code: str, lib: Path | str, tmp_path: Path, **env: str) -> tuple[dict, list[tuple]]:
@@ -232,3 +167,38 @@ def test_an_unusable_runtime_turns_only_the_cuda_paths_off(fake_cudart, tmp_path
     assert out["available"] is False and out["pinned"] is False and out["device"] is None
     assert out["message"].startswith(f"CUDA runtime not loaded: {reason}")
     assert not [e for e in log if e[0] in ("register", "set_device")]
+
+
+TEARDOWN = """
+import ctypes, json, os, threading, time
+from gpumem._native import cuda_runtime, load
+lib = ctypes.CDLL(os.environ["GPUMEM_CUDA_LIBRARY"])
+assert cuda_runtime().available
+buf = load().HostBuffer(3 * 4096, 4096)
+buf.start_pinning(0)
+while not lib.fake_blocked():  # the pin thread is inside cudaHostRegister, which waits for us
+    time.sleep(0.001)
+deleting = threading.Event()
+
+def release():
+    deleting.wait()
+    time.sleep(0.2)  # main is inside `del buf` by now, joining the pin thread
+    lib.fake_release()  # needs the GIL to get here
+
+helper = threading.Thread(target=release)
+helper.start()
+deleting.set()
+del buf
+helper.join()
+print(json.dumps({}))
+"""
+
+
+def test_destroying_a_buffer_while_it_pins_lets_other_python_threads_run(fake_cudart, tmp_path):
+    # The destructor joins the pin thread, whose registration only ends when another Python
+    # thread calls fake_release(). With the GIL held through the join, that thread could not run
+    # and the fake would give up after 20 s ("register_timeout").
+    _, log = run_probe(TEARDOWN, fake_cudart, tmp_path, FAKE_CUDART_BLOCK_REGISTER="1")
+    names = [e[0] for e in log]
+    assert "register_released" in names and "register_timeout" not in names
+    assert names.count("register") == 1 and names.count("unregister") == 1

@@ -59,7 +59,11 @@ EXPOSED_COMM = 0.5
 
 @dataclass(frozen=True)
 class Candidate:
-    """One layout that fits, with its peak and its throughput proxy."""
+    """One layout that fits, with its peak and its throughput proxy.
+
+    ``total_bytes`` is the per-GPU peak; ``weight_bytes``, ``grad_bytes`` and ``optimizer_bytes``
+    are the model states held at that peak (the sweep's own numbers, not recomputed).
+    """
 
     layout: Layout
     micro_batch: int
@@ -69,6 +73,9 @@ class Candidate:
     step_seconds: float
     bubble: float
     comm_bytes: float
+    weight_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
 
     def describe(self) -> str:
         return (
@@ -335,7 +342,12 @@ def plan(
     for (lay, mb, rc, ga), r in zip(configs, res, strict=True):
         if r[6] <= g.total_bytes:
             step, bubble, comm = _proxy(spec, g, lay, mb, rc, ga, seq, training)
-            cands.append(Candidate(lay, mb, rc, ga, int(r[6]), step, bubble, comm))
+            states = {
+                "weight_bytes": int(r[0]),
+                "grad_bytes": int(r[1]),
+                "optimizer_bytes": int(r[2]),
+            }
+            cands.append(Candidate(lay, mb, rc, ga, int(r[6]), step, bubble, comm, **states))
     cands.sort(key=lambda c: (c.step_seconds, c.total_bytes))
     return PlanResult(
         spec, g, n_gpus, cands, len(configs), time.perf_counter() - t0, bill_kwargs, **extra

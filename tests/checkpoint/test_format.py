@@ -1,8 +1,12 @@
 """Manifest framing, layout planning, byte-flip detection and hostile manifests (hypothesis)."""
 
+import base64
 import contextlib
 import json
+import os
+import pickle
 import random
+import tempfile
 from pathlib import Path
 
 import google_crc32c
@@ -161,6 +165,68 @@ def test_truncated_and_missing_files_are_detected(saved, tmp_path):
         verify(copy)
 
 
+# --------------------------------------------------------------------- nothing is unpickled
+
+# A pickle that creates MARKER when it is loaded. test_the_planted_pickle_is_live shows that it
+# does; the tests below plant it wherever a load path could meet it and check MARKER afterwards,
+# so they fail if any path unpickles (or evals) what it reads.
+MARKER = Path(tempfile.gettempdir()) / f"gpumem-test-pwned-{os.getpid()}"
+
+
+class _Plant:
+    def __reduce__(self):
+        return (os.mkdir, (str(MARKER),))
+
+
+PAYLOAD = pickle.dumps(_Plant(), protocol=2)
+
+
+@pytest.fixture
+def no_marker():
+    def clear():
+        if MARKER.exists():
+            MARKER.rmdir()
+
+    clear()
+    yield
+    clear()
+
+
+def test_the_planted_pickle_is_live(no_marker):
+    pickle.loads(PAYLOAD)
+    assert MARKER.is_dir()
+
+
+def test_no_load_path_unpickles_planted_bytes(tmp_path, no_marker):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    planted = {
+        "bytes": PAYLOAD,
+        "text": PAYLOAD.decode("latin-1"),
+        "tensor": torch.frombuffer(bytearray(PAYLOAD), dtype=torch.uint8),
+        "b64": base64.b64encode(PAYLOAD).decode(),
+    }
+    with gpumem.Checkpointer(tmp_path, chunk_bytes=4096) as ck:
+        ck.save(1, model=model, optimizer=opt, extra=planted)
+    (tmp_path / "step-000000001" / "data.pkl").write_bytes(PAYLOAD)  # a stray file beside them
+    fresh = torch.nn.Linear(4, 4)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    extra: dict = {}
+    with gpumem.Checkpointer(tmp_path) as ck:
+        assert [info.step for info in ck.list()] == [1]
+        assert ck.restore(model=fresh, optimizer=fresh_opt, extra=extra) == 1
+    verify(tmp_path / "step-000000001")
+    assert not MARKER.exists()
+    # the bytes came back as data, exactly
+    assert extra["bytes"] == PAYLOAD and extra["text"] == planted["text"]
+    assert extra["b64"] == planted["b64"]
+    assert torch.equal(extra["tensor"], planted["tensor"])
+    assert torch.equal(fresh.weight, model.weight)
+
+
 # ------------------------------------------------------------------------------------ fuzzing
 
 json_values = st.recursive(
@@ -178,9 +244,11 @@ json_values = st.recursive(
             "float32",
             "data-r00000-0000.bin",
             "../etc/passwd",
-            "__import__('os').system('touch PWNED')",
+            f"__import__('os').mkdir({str(MARKER)!r})",
+            PAYLOAD.decode("latin-1"),
         ]
-    ),
+    )
+    | st.just({"__bytes__": base64.b64encode(PAYLOAD).decode()}),
     lambda children: (
         st.lists(children, max_size=4)
         | st.dictionaries(
@@ -235,7 +303,7 @@ def _replace(obj, path, value):
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(data=st.data())
-def test_hostile_shard_manifests_fail_cleanly(saved, tmp_path_factory, data):
+def test_hostile_shard_manifests_fail_cleanly(saved, tmp_path_factory, data, no_marker):
     body, _ = read_manifest(saved / "manifest-r00000")
     paths = list(_paths(body))
     path = data.draw(st.sampled_from(paths))
@@ -245,7 +313,7 @@ def test_hostile_shard_manifests_fail_cleanly(saved, tmp_path_factory, data):
         decode(shard.state, {t.name: t for t in shard.tensors})
     except CheckpointError:
         pass
-    assert not Path("PWNED").exists()
+    assert not MARKER.exists()
 
 
 @settings(max_examples=200, deadline=None)
@@ -256,6 +324,7 @@ def test_random_bodies_fail_cleanly(body):
             parse(body if isinstance(body, dict) else {"x": body}, "m", 0)
     with contextlib.suppress(CheckpointError):
         decode(body, {})
+    assert not MARKER.exists()
 
 
 @settings(max_examples=100, deadline=None)
@@ -269,7 +338,7 @@ def test_random_bytes_as_manifest(raw):
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(data=st.data())
-def test_hostile_manifest_on_disk_through_verify(saved, tmp_path_factory, data):
+def test_hostile_manifest_on_disk_through_verify(saved, tmp_path_factory, data, no_marker):
     """A forged shard manifest (valid framing and CRC, recorded in a forged main manifest) only
     ever produces CheckpointError from verify()."""
     import shutil
@@ -286,3 +355,4 @@ def test_hostile_manifest_on_disk_through_verify(saved, tmp_path_factory, data):
     (root / "MANIFEST").write_bytes(encode_manifest(main)[0])
     with contextlib.suppress(CheckpointError):
         verify(root)
+    assert not MARKER.exists()
