@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from _report import machine_info, write_results
+from _report import figure, machine_info, value_figure, write_results
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -146,7 +146,19 @@ def main() -> None:
     load_end = " ".join(f"{v:.1f}" for v in os.getloadavg())
     rounds = len(res[0]["wall"][CONFIGS[0]])
     rows = []
+    figures = []
     for name in CONFIGS:
+        figures.append(figure(f"{name}: wall (rank 0)", "ms", res[0]["wall"][name], scale=1e3))
+        if name != CONFIGS[0]:  # the ratio to the plain step of the same round, per round
+            base = res[0]["wall"][CONFIGS[0]]
+            per_round = [t / b for t, b in zip(res[0]["wall"][name], base, strict=True)]
+            figures.append(figure(f"{name}: wall / plain step", "x", per_round))
+            for r, times in enumerate(x["cpu"] for x in res):
+                base = times[CONFIGS[0]]
+                per_round = [t / b for t, b in zip(times[name], base, strict=True)]
+                figures.append(figure(f"{name}: CPU / plain step (rank {r})", "x", per_round))
+        if name in res[0]["peaks"]:
+            figures.append(value_figure(f"{name}: peak (rank 0)", "B", res[0]["peaks"][name]))
         wr, wm = _ratios(res[0]["wall"], name)
         cpu_ratios = [_ratios(r["cpu"], name) for r in res]
         peak = res[0]["peaks"].get(name)
@@ -195,6 +207,7 @@ over it.
         rows,
         notes,
         info,
+        figures=figures,
     )
 
 
