@@ -134,6 +134,7 @@ class Profile:
         self.fsdp_units: list[sharding.Unit] = []
         self._comm_units: list[str] = []
         self._gathered: weakref.WeakSet[Entry] = weakref.WeakSet()
+        self._unsharded_known: set[str] = set()  # units whose unsharded parameters are claimed
         # live communication bytes: in all, and per module with its ancestors
         self._comm_total = 0
         self._comm_live: dict[str, int] = {}
@@ -310,7 +311,7 @@ class Profile:
         # FSDP keeps the storages of unsharded parameters from the first step on (at size 0
         # while sharded): known from the start, their resizes are followed
         for u in self.fsdp_units:
-            self._claim(sharding.gathered_tensors(u.group), u.fqn, gathered=True)
+            self._claim_unsharded(u.fqn, u.group)
 
     # -- tracker callbacks ---------------------------------------------------------------------
     def _phase(self) -> str:
@@ -728,9 +729,20 @@ class Profile:
 
     def fsdp_exit(self, fqn: str, group: Any, call: str) -> None:
         self._comm_units.pop()
-        if call != "post_backward":  # gathered, or resharded to a post-forward shard
-            self._claim(sharding.gathered_tensors(group), fqn, gathered=True)
+        if call == "wait_for_unshard":
+            self._claim_unsharded(fqn, group)
+        elif call == "reshard":
+            self._claim(sharding.post_forward_shards(group), fqn)
         self._sync()
+
+    def _claim_unsharded(self, fqn: str, group: Any) -> None:
+        """A unit's unsharded parameters, once they exist (FSDP creates them at its first
+        gather and keeps them): claimed once per unit, their resizes are followed after."""
+        if fqn not in self._unsharded_known:
+            storages = list(sharding.unsharded_storages(group))
+            if storages:
+                self._claim(storages, fqn, gathered=True)
+                self._unsharded_known.add(fqn)
 
     def unsharded_grad_ready(self, grad: torch.Tensor, fqn: str) -> None:
         """Autograd accumulated the gradient of an unsharded parameter of unit ``fqn``."""

@@ -69,13 +69,18 @@ def final_callback_pending(units: list[Unit]) -> bool:
     )
 
 
-def gathered_tensors(group: Any) -> Iterator[torch.Tensor]:
-    """The storages of the unit's unsharded parameters (FSDP's all-gather outputs, kept for the
-    whole run and resized between 0 and full size), and the post-forward shards FSDP keeps with
-    an integer ``reshard_after_forward``."""
+def unsharded_storages(group: Any) -> Iterator[torch.Tensor]:
+    """The storages of the unit's unsharded parameters: FSDP's all-gather outputs, created at
+    the unit's first gather and kept for the whole run (resized between 0 and full size)."""
     for p in group.fsdp_params:
         yield from p.all_gather_outputs
         yield from getattr(p, "_unsharded_inner_tensors", ())
+
+
+def post_forward_shards(group: Any) -> Iterator[torch.Tensor]:
+    """The shards FSDP keeps between forward and backward with an integer
+    ``reshard_after_forward`` (none otherwise)."""
+    for p in group.fsdp_params:
         shard = getattr(p, "_sharded_post_forward_param_data", None)
         if shard is not None:
             yield shard
