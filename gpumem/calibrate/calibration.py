@@ -34,10 +34,12 @@ from gpumem import _strict_json as strict_json
 from gpumem.calibrate._schema import REDO, CalibrationError, Fields, check_int, utc_now
 from gpumem.calibrate.checkpoint_cost import QUANTITIES as _QUANTS
 from gpumem.calibrate.checkpoint_cost import CheckpointCost, measure_checkpoint
+from gpumem.calibrate.memory import MemoryCalibration
 from gpumem.calibrate.reserve import GpuReserve, ReportReserve, from_report, measure_gpu_reserve
 
 FORMAT = "gpumem-calibration"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the memory section; every section optional (version 1 files still read)
+READABLE_VERSIONS = (1, 2)
 MAX_FILE_BYTES = 16 << 20
 STALL_MODES = ("overlap", "blocking")
 
@@ -96,6 +98,8 @@ class Calibration:
         gpu_reserve: context bytes and pinned bandwidth of a CUDA device (None if not measured).
         report: fragmentation and outside-allocator memory from a profile of the user's own
             training step (None if none was given).
+        memory: the estimator's fitted per-architecture coefficients (``gpumem calibrate
+            --memory``; None if not fitted).
     """
 
     created_utc: str
@@ -104,6 +108,7 @@ class Calibration:
     checkpoint: CheckpointCost | None = None
     gpu_reserve: GpuReserve | None = None
     report: ReportReserve | None = None
+    memory: MemoryCalibration | None = None
     schema_version: int = SCHEMA_VERSION
     path: str | None = field(default=None, compare=False)
     """The file it was loaded from (None when measured in this process); not part of it."""
@@ -193,6 +198,7 @@ class Calibration:
             "checkpoint": self.checkpoint.to_dict() if self.checkpoint else None,
             "gpu_reserve": self.gpu_reserve.to_dict() if self.gpu_reserve else None,
             "report": self.report.to_dict() if self.report else None,
+            "memory": self.memory.to_dict() if self.memory else None,
         }
 
     def to_json(self) -> str:
@@ -227,16 +233,18 @@ class Calibration:
             )
         f.str("format")
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION or isinstance(version, bool):
+        if version not in READABLE_VERSIONS or isinstance(version, bool):
             raise CalibrationError(
-                f"schema_version: {version!r}; this gpumem reads {SCHEMA_VERSION}: {REDO}"
+                f"schema_version: {version!r}; this gpumem reads "
+                f"{', '.join(map(str, READABLE_VERSIONS))}: {REDO}"
             )
         f.int("schema_version")
         created = f.timestamp("created_utc")
         machine = Machine.from_fields(f.obj("machine"))  # type: ignore[arg-type]
         versions = f.str_map("versions")
         parts = {
-            name: f.obj(name, optional=True) for name in ("checkpoint", "gpu_reserve", "report")
+            name: f.obj(name, optional=True)
+            for name in ("checkpoint", "gpu_reserve", "report", "memory")
         }
         f.done()
         out = cls(
@@ -250,10 +258,12 @@ class Calibration:
             if parts["gpu_reserve"]
             else None,
             report=ReportReserve.from_fields(parts["report"]) if parts["report"] else None,
+            memory=MemoryCalibration.from_fields(parts["memory"]) if parts["memory"] else None,
         )
-        if out.checkpoint is None and out.gpu_reserve is None and out.report is None:
+        if all(x is None for x in (out.checkpoint, out.gpu_reserve, out.report, out.memory)):
             raise CalibrationError(
-                f"the file holds no measurement (checkpoint, gpu_reserve, report: null); {REDO}"
+                "the file holds no measurement (checkpoint, gpu_reserve, report, memory: null); "
+                f"{REDO}"
             )
         return out
 
@@ -295,6 +305,36 @@ def load(path: str | os.PathLike) -> Calibration:
         return dataclasses.replace(Calibration.from_json(raw), path=str(p))
     except CalibrationError as exc:
         raise CalibrationError(f"{p}: {exc}") from None
+
+
+def memory_section(calibration: Any) -> MemoryCalibration:
+    """The memory section of a calibration: a file path, a :class:`Calibration`, or the
+    section itself.
+
+    Raises:
+        CalibrationError: an unreadable file, or one without a memory section (naming the
+            command that writes one).
+    """
+    if isinstance(calibration, MemoryCalibration):
+        return calibration
+    cal = calibration if isinstance(calibration, Calibration) else load(calibration)
+    if cal.memory is None:
+        raise CalibrationError(
+            "this calibration has no memory section: run `gpumem calibrate --memory --arch "
+            "FAMILY` (or --config config.json) to fit the estimator's coefficients"
+        )
+    return cal.memory
+
+
+def split_calibration(
+    calibration: Any,
+) -> tuple[Calibration | None, MemoryCalibration | None]:
+    """(the whole calibration, its memory section) from a Calibration, a path, a memory
+    section alone (a fit in hand: no reserve, no checkpoint times), or None."""
+    if isinstance(calibration, MemoryCalibration):
+        return None, calibration
+    cal = as_calibration(calibration)
+    return cal, cal.memory if cal is not None else None
 
 
 def as_calibration(calibration: Calibration | str | os.PathLike | None) -> Calibration | None:
@@ -373,6 +413,19 @@ def table(cal: Calibration) -> str:
         + ", ".join(f"{k} {val}" for k, val in cal.versions.items())
     )
     lines = [head]
+    if cal.memory is not None:
+        mem = cal.memory
+        lines += [
+            "",
+            f"estimator memory fit for {mem.arch} on {mem.device} ({mem.mode} profiles, "
+            f"{len(mem.points)} proxy runs): measured = coefficient x estimated",
+            *(
+                f"  {c:<14}{fit.coefficient:>8.4f}   residual {fit.residual_pct:.2f} %"
+                for c, fit in mem.fits.items()
+            ),
+        ]
+        if mem.fragmentation is not None:
+            lines.append(f"  fragmentation {mem.fragmentation:.2%}")
     if cal.checkpoint is not None:
         lines += ["", *_checkpoint_lines(cal.checkpoint)]
     r = cal.gpu_reserve

@@ -8,8 +8,10 @@ from it is decided by the library (``gpumem.plan(..., calibration=)``,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
+from typing import Any
 
 from gpumem.cli import _args
 from gpumem.cli._progress import progress_bar
@@ -66,10 +68,34 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="file to write (default: calibration.json here)",
     )
     p.add_argument("--json", action="store_true", help="print the file's JSON instead of the table")
+    mem = p.add_argument_group("estimator memory fit (--memory)")
+    mem.add_argument(
+        "--memory",
+        action="store_true",
+        help="fit the estimator's per-architecture coefficients to profiles of small proxy "
+        "models instead of measuring checkpoints; adds a memory section to --out (other "
+        "sections of an existing file are kept)",
+    )
+    mem.add_argument(
+        "--arch",
+        default=None,
+        help="with --memory: the family to fit (gpt2, llama, mixtral: gpumem.models; or a "
+        "transformers model_type such as llama, qwen2, gemma3_text, mixtral, qwen2_moe)",
+    )
+    mem.add_argument(
+        "--config",
+        type=_args.existing_path,
+        default=None,
+        help="with --memory: fit the family of this config.json",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.memory:
+        return _run_memory(args)
+    if args.arch or args.config:
+        raise ValueError("--arch and --config choose what --memory fits: add --memory")
     from gpumem.calibrate import measure
 
     out = Path(args.out)
@@ -87,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
             report=args.report,
             progress=bar,
         )
+    previous = _existing(out)
+    if previous is not None and previous.memory is not None:  # keep the memory fit
+        cal = dataclasses.replace(cal, memory=previous.memory)
     path = cal.save(out)
     here = out.parent == Path(".") and not out.is_absolute()
     where = "in the current directory" if here else f"at {path.resolve()}"
@@ -96,4 +125,49 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(cal.table())
         print(f"\nwrote {path} ({where}); use it with `gpumem plan ... --calibration {path}`")
+    return 0
+
+
+def _existing(out: Path) -> Any:
+    """The calibration already at ``out`` (None if there is none or it is unreadable)."""
+    from gpumem.calibrate import CalibrationError, load
+
+    if not out.is_file():
+        return None
+    try:
+        return load(out)
+    except CalibrationError:
+        return None
+
+
+def _run_memory(args: argparse.Namespace) -> int:
+    """--memory: fit the estimator to proxies of --arch / --config; write the memory section."""
+    from gpumem.calibrate._schema import utc_now
+    from gpumem.calibrate.calibration import Calibration, Machine, versions
+    from gpumem.calibrate.memory_fit import fit_memory
+
+    if (args.arch is None) == (args.config is None):
+        raise ValueError(
+            "--memory fits one architecture: give --arch FAMILY or --config config.json"
+        )
+    out = Path(args.out)
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    mem = fit_memory(arch=args.arch, config=args.config, device=device)
+    previous = _existing(out)
+    if previous is not None:
+        cal = dataclasses.replace(previous, memory=mem, created_utc=utc_now())
+    else:
+        cal = Calibration(
+            created_utc=utc_now(), machine=Machine.this(), versions=versions(), memory=mem
+        )
+    path = cal.save(out)
+    if args.json:
+        print(cal.to_json(), end="")
+    else:
+        print(cal.table())
+        print(f"\nwrote {path}; use it with `gpumem estimate ... --calibration {path}`")
     return 0

@@ -23,7 +23,8 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--precision",
         default="bf16-mixed",
-        help="fp32, bf16-mixed, fp16-mixed, bf16-autocast, bf16 (default bf16-mixed)",
+        help="fp32, bf16-mixed, fp16-mixed, bf16-autocast, bf16 (default bf16-mixed); with "
+        "--inference the weights: fp32, bf16, fp16, fp8, int8, int4, nf4",
     )
     p.add_argument(
         "--optimizer",
@@ -32,9 +33,17 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--grads",
-        default="compute",
+        default=None,
         choices=("compute", "fp32", "compute+fp32"),
-        help="gradient storage: compute dtype (ZeRO paper), fp32 (Megatron), both (DeepSpeed)",
+        help="gradient storage: compute dtype (ZeRO paper), fp32 (Megatron), both (DeepSpeed); "
+        "default: the framework's",
+    )
+    p.add_argument(
+        "--framework",
+        default=None,
+        choices=("megatron", "deepspeed", "fsdp2", "torch"),
+        help="whose buffer conventions (default: fsdp2 with --fsdp, deepspeed with --zero, "
+        "else torch)",
     )
     p.add_argument("--gpu", default="H100-80GB", help="catalog GPU (default H100-80GB)")
     p.add_argument(
@@ -55,9 +64,21 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
         type=_args.existing_path,
         default=None,
         help=(
-            "calibration.json from `gpumem calibrate`: "
-            "measured GPU reserve (plan: checkpoint times)"
+            "calibration.json from `gpumem calibrate`: measured GPU reserve, the estimator's "
+            "fitted memory coefficients (--memory), and (plan) checkpoint times"
         ),
+    )
+    p.add_argument(
+        "--kv-dtype",
+        default=None,
+        choices=("fp32", "bf16", "fp16", "fp8", "int8"),
+        help="inference: the KV cache's dtype (default: the weights', bf16 for 8/4-bit weights)",
+    )
+    p.add_argument(
+        "--engine",
+        default="vllm",
+        choices=("vllm", "sglang", "hf"),
+        help="inference: the serving engine's memory conventions (default vllm: 0.9 of the GPU)",
     )
 
 
@@ -76,10 +97,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--grad-accum", type=_args.positive_int, default=1, help="micro-batches per step"
     )
     p.add_argument("--gpus", type=_args.gpu_count, default=1, help="number of GPUs (default 1)")
-    for flag in ("dp", "tp", "pp", "ep"):
+    for flag in ("dp", "tp", "pp", "ep", "cp", "etp"):
         p.add_argument(
             f"--{flag}", type=_args.gpu_count, default=None, help=f"{flag.upper()} degree"
         )
+    p.add_argument(
+        "--moe-imbalance",
+        type=float,
+        default=None,
+        help="MoE: most loaded expert-parallel rank's tokens over the mean (default 1.25)",
+    )
+    p.add_argument(
+        "--pipeline-ranks",
+        action="store_true",
+        help="print the bill of every pipeline rank side by side",
+    )
     p.add_argument(
         "--vpp", type=_args.positive_int, default=1, help="virtual pipeline stages (interleaved)"
     )
@@ -107,18 +139,58 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def layout_from_args(args: argparse.Namespace):
-    """A Layout from --gpus/--dp/--tp/--pp/--ep; dp defaults to what the others leave."""
+    """A Layout from --gpus/--dp/--tp/--pp/--cp/--ep/--etp; dp defaults to what the others
+    leave."""
     from gpumem.estimator import Layout
 
-    tp, pp, ep = args.tp or 1, args.pp or 1, args.ep or 1
-    if args.gpus % (tp * pp):
-        raise ValueError(f"--gpus {args.gpus} is not divisible by tp*pp = {tp * pp}")
-    dp = args.dp or args.gpus // (tp * pp)
-    if dp * tp * pp != args.gpus:
-        raise ValueError(f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp}, but --gpus is {args.gpus}")
+    tp, pp, ep, cp = args.tp or 1, args.pp or 1, args.ep or 1, args.cp or 1
+    if args.gpus % (tp * pp * cp):
+        raise ValueError(f"--gpus {args.gpus} is not divisible by tp*pp*cp = {tp * pp * cp}")
+    dp = args.dp or args.gpus // (tp * pp * cp)
+    if dp * tp * pp * cp != args.gpus:
+        raise ValueError(
+            f"dp*tp*pp*cp = {dp}*{tp}*{pp}*{cp} = {dp * tp * pp * cp}, but --gpus is {args.gpus}"
+        )
     return Layout(
-        dp=dp, tp=tp, pp=pp, ep=ep, zero=args.zero, fsdp=args.fsdp, sp=args.sp, vpp=args.vpp
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        zero=args.zero,
+        fsdp=args.fsdp,
+        sp=args.sp,
+        vpp=args.vpp,
+        cp=cp,
+        etp=args.etp,
     )
+
+
+def inference_layout(args: argparse.Namespace) -> tuple[int, int, str]:
+    """(tp, pp, note) for serving on --gpus: the given --tp/--pp, else all GPUs as tensor
+    parallelism; never silently one GPU's worth when more were asked for."""
+    gpus = args.gpus or 1
+    tp, pp = args.tp, args.pp
+    if tp is None and pp is None:
+        tp, pp = gpus, 1
+        note = f"tp{tp} (all {gpus} GPUs; give --tp/--pp for another split)" if gpus > 1 else ""
+    else:
+        tp, pp = tp or max(1, gpus // (pp or 1)), pp or max(1, gpus // (tp or 1))
+        note = ""
+    if tp * pp != gpus:
+        raise ValueError(
+            f"--inference: tp*pp = {tp}*{pp} = {tp * pp} but --gpus is {gpus}; one model "
+            "replica spans the GPUs given (use `gpumem plan --inference` for replicas)"
+        )
+    return tp, pp, note
+
+
+def inference_precision(precision: str) -> str:
+    """A training precision name read as the weights' dtype for serving (bf16-mixed -> bf16)."""
+    p = precision.lower()
+    for train, serve in (("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32")):
+        if p.startswith(train):
+            return serve
+    return p
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,15 +199,22 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--plot draws a training bill; leave it out with --inference")
         from gpumem.estimator.inference import estimate_inference
 
+        tp, pp, note = inference_layout(args)
         bill = estimate_inference(
             args.model,
             batch_size=args.batch_size,
             context=args.seq_len,
+            precision=inference_precision(args.precision),
+            kv_dtype=args.kv_dtype,
             gpu=args.gpu,
             gpu_memory=args.gpu_memory,
-            tp=args.tp or 1,
+            tp=tp,
+            pp=pp,
+            engine=args.engine,
             calibration=args.calibration,
         )
+        if note and not args.json:
+            print(f"layout: {note}")
         print(json.dumps(bill.to_dict(), indent=2) if args.json else bill.table())
         return 0
     from gpumem.estimator import estimate
@@ -159,6 +238,8 @@ def run(args: argparse.Namespace) -> int:
         lora_rank=args.lora_rank,
         base_quant="nf4" if args.qlora else None,
         calibration=args.calibration,
+        framework=args.framework,
+        **({"moe_imbalance": args.moe_imbalance} if args.moe_imbalance is not None else {}),
     )
     if args.json:
         print(bill.to_json())
@@ -168,6 +249,13 @@ def run(args: argparse.Namespace) -> int:
 
             print(load(args.calibration).reserve_line(bill.gpu))
         print(bill.table(markdown=args.markdown))
+        if args.pipeline_ranks:
+            print()
+            print(bill.pipeline_table())
+        if bill.calibration:
+            from gpumem.calibrate.memory import calibration_lines
+
+            print("\n".join(["", *calibration_lines(bill)]))
     if args.plot:
         from gpumem.planner.plot import plot_layouts
 

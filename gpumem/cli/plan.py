@@ -35,7 +35,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--top", type=_args.positive_int, default=10, help="layouts to list (default 10)"
     )
-    p.add_argument("--inference", action="store_true", help="largest batch x context for serving")
+    p.add_argument(
+        "--inference",
+        action="store_true",
+        help="serving: largest batch x context per layout (honours --gpus, --min-gpus, --tp, "
+        "--pp, --precision, --kv-dtype, --engine)",
+    )
+    p.add_argument(
+        "--tp", type=_args.gpu_count, default=None, help="inference: tensor-parallel degree"
+    )
+    p.add_argument(
+        "--pp", type=_args.gpu_count, default=None, help="inference: pipeline-parallel degree"
+    )
     e = p.add_argument_group("preemption economics")
     rate = e.add_mutually_exclusive_group()
     rate.add_argument(
@@ -118,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         "lora_rank": args.lora_rank,
         "base_quant": "nf4" if args.qlora else None,
         "calibration": args.calibration,
+        "framework": args.framework,
     }
     with progress_bar("searching layouts", enabled=not args.json) as bar:
         if args.min_gpus:
@@ -138,6 +150,10 @@ def run(args: argparse.Namespace) -> int:
         bill = result.bill()
         out["bill"] = bill.to_dict()
         text += ["", "best layout:", bill.table()]
+        if bill.calibration:
+            from gpumem.calibrate.memory import calibration_lines
+
+            text += ["", *calibration_lines(bill)]
     times = result.checkpoint_times(
         stall_s=args.stall_s,
         persist_s=args.persist_s,
@@ -190,25 +206,32 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _inference(args: argparse.Namespace) -> int:
-    from gpumem.estimator.inference import max_batch
+    """Serving: every tp x pp layout of --gpus (or --tp/--pp), the largest batch per context
+    (capped at the model's maximum), KV bytes per token and the engine's reserve; --min-gpus:
+    the fewest GPUs (powers of two) with a layout that holds one sequence of the model's
+    context."""
+    from gpumem.cli.estimate import inference_precision
+    from gpumem.estimator.inference import plan_inference
 
-    contexts = (1024, 2048, 4096, 8192, 16384, 32768)
-    rows = [
-        (
-            ctx,
-            max_batch(
-                args.model,
-                context=ctx,
-                gpu=args.gpu,
-                gpu_memory=args.gpu_memory,
-                calibration=args.calibration,
-            ),
-        )
-        for ctx in contexts
-    ]
-    if args.json:
-        print(json.dumps({"max_batch_by_context": dict(rows)}, indent=2))
+    kw = {
+        "gpu": args.gpu,
+        "gpu_memory": args.gpu_memory,
+        "tp": args.tp,
+        "pp": args.pp,
+        "precision": inference_precision(args.precision),
+        "kv_dtype": args.kv_dtype,
+        "engine": args.engine,
+        "calibration": args.calibration,
+    }
+    n = args.gpus
+    if args.min_gpus:
+        n = 1
+        while True:
+            res = plan_inference(args.model, n_gpus=n, **kw)
+            if any(x.max_batch.get(res.contexts[-1], 0) for x in res.layouts) or n >= 4096:
+                break
+            n *= 2
     else:
-        print(f"{args.model} inference on one {args.gpu}: largest batch per context")
-        print("\n".join(f"  context {c:>6}: batch {b}" for c, b in rows))
+        res = plan_inference(args.model, n_gpus=n, **kw)
+    print(json.dumps(res.to_dict(), indent=2) if args.json else res.table(args.top))
     return 0

@@ -25,6 +25,12 @@ from dataclasses import dataclass
 from gpumem.estimator.specs import ModelSpec, resnet_stages
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+FUSED_OPS = ("norm", "swiglu", "rope", "ce")
+"""Fused kernels the rules know (Transformer Engine / Apex / Liger): a fused norm saves its
+input and rstd (no fp32 copy, no normalised output); fused SwiGLU saves the gate/up projection's
+output (2·ffn) instead of four ffn-wide tensors; fused RoPE saves nothing besides its input's
+consumers; fused cross-entropy saves a per-token log-sum-exp instead of the vocabulary-wide
+log-probabilities, and its backward writes one logits-sized gradient."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,14 @@ class Workload:
         cuda: a CUDA device (dropout masks are bool; on CPU they are float).
         tp, sp: tensor-parallel degree and sequence parallelism.
         keep_logits: the caller holds the logits until backward (a model returning logits).
+        cp: context-parallel degree (each rank holds ``seq / cp`` tokens of every sequence).
+        dense: price an MoE model's dense layer (its first-k dense MLP) instead of an MoE one.
+        ep, etp: expert-parallel and expert-tensor-parallel degrees.
+        moe_imbalance: tokens of the most loaded expert-parallel rank over the mean (applies
+            only when experts are spread over ranks, ep > 1).
+        grouped_gemm: experts run as one grouped GEMM over all routed tokens (Megatron's
+            TEGroupedMLP, transformers' ``grouped_mm``) rather than a loop over experts.
+        fused: which of ``FUSED_OPS`` run as fused kernels.
     """
 
     batch: int
@@ -67,15 +81,32 @@ class Workload:
     tp: int = 1
     sp: bool = False
     keep_logits: bool = True
+    cp: int = 1
+    dense: bool = False
+    ep: int = 1
+    etp: int = 1
+    moe_imbalance: float = 1.0
+    grouped_gemm: bool = False
+    fused: frozenset[str] = frozenset()
 
     @property
     def tokens(self) -> int:
-        return self.batch * self.seq
+        """Tokens of one micro-batch on this rank (context parallelism splits the sequence)."""
+        return self.batch * self.seq // self.cp
+
+    @property
+    def local_seq(self) -> int:
+        return self.seq // self.cp
 
 
 def _norm_items(spec: ModelSpec, w: Workload, tag: str, n: int) -> list[Item]:
     """A pre-norm: LayerNorm (input, fp32 mean, rstd) or the float32 RMSNorm of gpumem.models."""
     h, R = spec.hidden, w.residual
+    if "norm" in w.fused:  # one kernel: its input and the per-row statistics
+        stats = [Item(f"{tag}.rstd", n * 4)]
+        if spec.norm == "layernorm":
+            stats.append(Item(f"{tag}.mean", n * 4))
+        return [Item(f"{tag}.input", n * h * R), *stats]
     if spec.norm == "layernorm":
         return [
             Item(f"{tag}.input", n * h * R),
@@ -121,12 +152,13 @@ def layer_items(spec: ModelSpec, w: Workload) -> list[Item]:
     h, d = spec.hidden, spec.dhead
     a = spec.n_heads // t
     rotary, b, s = spec.arch == "llama", w.batch, w.seq
+    sq = w.local_seq  # queries on this rank (keys: the whole sequence, exchanged under cp)
     nout = _norm_out_bytes(spec, w)
     items = _norm_items(spec, w, "attn_norm", n_sp)
     # q, k, v projections read the gathered norm output (n tokens under SP as well)
     items += _proj_inputs(w, "qkv", 3, n, n_sp, h, nout)
     q = n * a * d * A  # rotated q, and k/v after repeat_interleave: all carry `a` heads
-    if rotary and w.autocast:  # cos/sin cast to 16 bits for q and for k (s x d/2 each, twice)
+    if rotary and w.autocast and "rope" not in w.fused:  # cos/sin cast to 16 bits for q and k
         items.append(Item("rope.cos_sin_casts", 4 * s * (d // 2) * A))
     if w.attention == "math":
         M = A if w.cuda else 4  # on CPU the math backend upcasts 16-bit inputs to fp32
@@ -135,17 +167,17 @@ def layer_items(spec: ModelSpec, w: Workload) -> list[Item]:
             Item("attn.q_scaled", qm, core=True),
             Item("attn.k_scaled", qm, core=True),
             Item("attn.v", qm),
-            Item("attn.softmax", b * a * s * s * M, core=True),
+            Item("attn.softmax", b * a * sq * s * M, core=True),
         ]
         if w.dropout > 0:
-            mask = b * a * s * s * (1 if w.cuda else M)  # bool on CUDA, float noise on CPU
+            mask = b * a * sq * s * (1 if w.cuda else M)  # bool on CUDA, float noise on CPU
             items += [
                 Item("attn.dropout_mask", mask, core=True),
-                Item("attn.dropout_out", b * a * s * s * M, core=True),
+                Item("attn.dropout_out", b * a * sq * s * M, core=True),
             ]
         o_copy = True  # math output is (b, a, s, d): transpose + reshape copies
     else:
-        lse = b * a * (s if w.attention != "efficient" else -(-s // 32) * 32) * 4
+        lse = b * a * (sq if w.attention != "efficient" else -(-sq // 32) * 32) * 4
         # k and v carry `a` heads: repeated (GQA), rotated (new tensor), or views of MHA proj
         items += [
             Item("attn.q", q),
@@ -158,18 +190,13 @@ def layer_items(spec: ModelSpec, w: Workload) -> list[Item]:
     if o_copy:
         items.append(Item("o_proj.input", q))
     items += _norm_items(spec, w, "mlp_norm", n_sp)
-    if spec.is_moe:
+    if spec.is_moe and not w.dense:
         items += _moe_items(spec, w, n, nout)
     else:
-        f = spec.ffn // t
+        f = spec.dense_layer_ffn // t
         if spec.arch == "llama":
             items += _proj_inputs(w, "gate_up", 2, n, n_sp, h, nout)
-            items += [
-                Item("mlp.gate_out", n * f * A),
-                Item("mlp.silu_out", n * f * A),
-                Item("mlp.up_out", n * f * A),
-                Item("mlp.down_input", n * f * A),
-            ]
+            items += swiglu_items(w, "mlp", n, f)
         else:
             items += _proj_inputs(w, "fc", 1, n, n_sp, h, nout)
             items += [Item("mlp.fc_out", n * f * A), Item("mlp.gelu_out", n * f * A)]
@@ -182,20 +209,45 @@ def layer_items(spec: ModelSpec, w: Workload) -> list[Item]:
     return items
 
 
+def expert_tokens(spec: ModelSpec, w: Workload, n: int) -> int:
+    """Token copies the local experts of this rank process: ``n · top_k`` on one rank (whatever
+    the routing); under expert parallelism the most loaded rank receives ``moe_imbalance``
+    times the mean, which is again ``n · top_k`` (every rank sends its n·k copies out and
+    receives its share of everyone's)."""
+    nk = n * spec.top_k
+    return int(nk * w.moe_imbalance) if w.ep > 1 else nk
+
+
+def swiglu_items(w: Workload, tag: str, n: int, f: int) -> list[Item]:
+    """down(act(gate(x)) * up(x)): unfused, the gate output (the activation's input), the
+    activation's and the up output (the product's) and the product (down's input); fused, the
+    gate/up output (2·ffn) and the product."""
+    A = w.compute
+    if "swiglu" in w.fused:
+        return [Item(f"{tag}.gate_up_out", n * 2 * f * A), Item(f"{tag}.down_input", n * f * A)]
+    return [
+        Item(f"{tag}.gate_out", n * f * A),
+        Item(f"{tag}.act_out", n * f * A),
+        Item(f"{tag}.up_out", n * f * A),
+        Item(f"{tag}.down_input", n * f * A),
+    ]
+
+
 def _moe_items(spec: ModelSpec, w: Workload, n: int, nout: int) -> list[Item]:
     """gpumem.models.MoE: router, fp32 softmax, top-k, and each expert's tokens (sum = n·k).
 
     The sum over experts is n·top_k tokens whatever the routing, so the total is exact for a
-    single device; per-rank expert imbalance (EP) is not modelled (balanced routing assumed).
+    single device; under expert parallelism the most loaded rank's share is scaled by
+    ``moe_imbalance`` (``expert_tokens``).
     """
     h, E, k, A = spec.hidden, spec.n_experts, spec.top_k, w.compute
-    f = spec.ffn // w.tp
-    nk = n * k
+    f = spec.ffn // w.etp
+    nk = expert_tokens(spec, w, n)
     items = _proj_inputs(w, "router", 1, n, n // w.tp if w.sp else n, h, nout)
     items += [
         Item("moe.probs_fp32", n * E * 4),
-        Item("moe.topk_indices", nk * 8),
-        Item("moe.topk_weights", nk * 4),
+        Item("moe.topk_indices", n * k * 8),
+        Item("moe.topk_weights", n * k * 4),
         Item("moe.weight_sum", n * 4),
     ]
     wdt = nout  # routing weights are cast to x.dtype
@@ -239,7 +291,7 @@ def embed_items(spec: ModelSpec, w: Workload) -> list[Item]:
     """Token ids (int64, saved by the embedding) and gpt2's position ids."""
     items = [Item("embed.ids", w.tokens * 8)]
     if spec.arch == "gpt2":
-        items.append(Item("pos_embed.ids", w.seq * 8))
+        items.append(Item("pos_embed.ids", w.local_seq * 8))
     return items
 
 
@@ -257,11 +309,13 @@ def head_items(spec: ModelSpec, w: Workload) -> list[Item]:
     lsm = (
         4 if (w.autocast or logit_bytes == 4) else logit_bytes
     )  # cross_entropy is fp32 under autocast
-    items += [
-        Item("loss.log_softmax", n * v * lsm),
-        Item("loss.targets", n * 8),
-        Item("loss.total_weight", 4),
-    ]
+    if "ce" in w.fused:  # a per-token log-sum-exp and its input, not the log-probabilities
+        items.append(Item("loss.lse", n * 4))
+        if not w.keep_logits:  # else the held logits are that input (one storage)
+            items.append(Item("loss.logits_input", n * v * logit_bytes))
+    else:
+        items.append(Item("loss.log_softmax", n * v * lsm))
+    items += [Item("loss.targets", n * 8), Item("loss.total_weight", 4)]
     if w.autocast:
         items.append(Item("autocast.lm_head_cast", spec.vocab * spec.hidden // t * w.compute))
     return items
@@ -269,9 +323,13 @@ def head_items(spec: ModelSpec, w: Workload) -> list[Item]:
 
 def ce_backward_bytes(spec: ModelSpec, w: Workload) -> int:
     """Transient at the start of backward: nll_loss's grad and log_softmax's grad, both the
-    size of the fp32 log-probabilities (what makes large-vocabulary losses peak here)."""
-    lsm = next(i.nbytes for i in head_items(spec, w) if i.name == "loss.log_softmax")
-    return 2 * lsm
+    size of the fp32 log-probabilities (what makes large-vocabulary losses peak here); a fused
+    cross-entropy writes one logits-sized gradient."""
+    if "ce" in w.fused:
+        logit_bytes = w.compute if (w.autocast or w.compute == w.residual) else w.residual
+        return w.tokens * (spec.vocab // w.tp) * logit_bytes
+    items = head_items(spec, w)
+    return 2 * next(i.nbytes for i in items if i.name == "loss.log_softmax")
 
 
 def sum_items(items: list[Item], saved_only: bool = False, drop_core: bool = False) -> int:

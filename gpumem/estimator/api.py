@@ -20,11 +20,13 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from gpumem.calibrate.calibration import as_calibration
+from gpumem.calibrate.calibration import split_calibration
+from gpumem.calibrate.memory import apply_memory_calibration
 from gpumem.estimator.bill import Bill
+from gpumem.estimator.frameworks import default_grads, resolve_framework
 from gpumem.estimator.gpus import GPU, find_gpu
 from gpumem.estimator.layout import Layout
-from gpumem.estimator.preset import estimate_preset
+from gpumem.estimator.preset import MOE_IMBALANCE, estimate_preset
 from gpumem.estimator.specs import ModelSpec, resolve_model
 from gpumem.estimator.states import Training
 
@@ -43,7 +45,7 @@ def estimate(
     grad_accum: int = 1,
     attention: str = "sdpa",
     dropout: float = 0.0,
-    grads: str = "compute",
+    grads: str | None = None,
     offload_optimizer: bool = False,
     lora_rank: int = 0,
     base_quant: str | None = None,
@@ -55,6 +57,11 @@ def estimate(
     fused: bool = False,
     example_input: Any = None,
     loss_fn: Any = None,
+    framework: str | None = None,
+    moe_imbalance: float = MOE_IMBALANCE,
+    moe_dispatcher: str = "alltoall",
+    moe_grouped_gemm: bool | None = None,
+    fused_ops: tuple[str, ...] | None = None,
     calibration: Any = None,
 ) -> Bill:
     """Estimate the per-GPU peak memory of training ``model``.
@@ -86,8 +93,24 @@ def estimate(
         loss_fn: for an ``nn.Module``: ``output -> scalar loss`` (default: cross-entropy over the
             output's last dimension against integer targets; a scalar output or ``.loss`` is
             the loss itself).
+        framework: whose buffer conventions: ``megatron``, ``deepspeed``, ``fsdp2`` or
+            ``torch`` (default: fsdp2 when ``layout.fsdp``, deepspeed when ``layout.zero >= 1``,
+            else torch); see ``gpumem/estimator/frameworks.py``. ``grads`` defaults to the
+            framework's (Megatron: fp32 main grads under mixed precision; else ``compute``).
+        moe_imbalance: tokens of the most loaded expert-parallel rank over the mean (default
+            1.25, the usual capacity factor; applies when ``layout.ep > 1``).
+        moe_dispatcher: ``alltoall`` or ``allgather`` token dispatch under expert parallelism.
+        moe_grouped_gemm: experts as one grouped GEMM (default for config.json models and
+            Megatron) or a loop over experts (gpumem.models).
+        fused_ops: which of ``norm``, ``swiglu``, ``rope``, ``ce`` run as fused kernels
+            (Transformer Engine, Apex, Liger; default: the framework's, Megatron fuses the
+            first three, the others none).
         calibration: a ``gpumem.Calibration`` or the path of a calibration.json: the GPU gets
-            the reserve measured there (``Calibration.apply_to``).
+            the reserve measured there (``Calibration.apply_to``), and with a ``memory``
+            section (``gpumem calibrate --memory``) its fitted coefficients scale the
+            categories; ``bill.calibration`` then records per category the uncalibrated bytes
+            and the fit's residual (a file fitted for another architecture or device is used
+            with a warning naming the mismatch).
 
     An ``nn.Module`` is never run, moved or changed, and nothing of its size is allocated:
     parameters are counted exactly (tied tensors once; trainable = ``requires_grad``; the
@@ -106,12 +129,17 @@ def estimate(
     Raises:
         ValueError / LookupError: bad sizes, unknown names, invalid layouts, with the reason.
     """
+    layout = layout or Layout()
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be a gpumem.Layout, got {type(layout).__name__}")
+    fw = resolve_framework(framework, layout)
+    if grads is None:
+        grads = default_grads(fw, Training(precision).master_bytes > 0)
     training = Training(
         precision, optimizer, grads, offload_optimizer, lora_rank, base_quant, foreach, fused
     )
-    layout = layout or Layout()
     g = gpu if isinstance(gpu, GPU) else find_gpu(gpu, gpu_memory)
-    cal = as_calibration(calibration)
+    cal, mem = split_calibration(calibration)
     if cal is not None:
         g = cal.apply_to(g)
     for name, value in (("batch_size", batch_size), ("grad_accum", grad_accum)):
@@ -134,6 +162,7 @@ def estimate(
         "device": device,
         "keep_logits": keep_logits,
         "persistent_grads": persistent_grads,
+        "framework": fw,
     }
     if is_module(model):
         # imported here, not above: the module path needs torch, presets and configs do not
@@ -145,7 +174,18 @@ def estimate(
     if example_input is not None or loss_fn is not None:
         raise ValueError("example_input and loss_fn apply to an nn.Module model only")
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
-    return estimate_preset(spec, batch_size=1 if batch_size is None else batch_size, **common)
+    bill = estimate_preset(
+        spec,
+        batch_size=1 if batch_size is None else batch_size,
+        moe_imbalance=moe_imbalance,
+        moe_dispatcher=moe_dispatcher,
+        moe_grouped_gemm=moe_grouped_gemm,
+        fused_ops=fused_ops,
+        **common,
+    )
+    if mem is not None:
+        bill = apply_memory_calibration(bill, mem)
+    return bill
 
 
 def is_module(obj: Any) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpumem.estimator.activations import expert_tokens
 from gpumem.estimator.specs import ModelSpec
 
 
@@ -91,6 +92,11 @@ class Shape:
     residual: int  # bytes of the residual stream
     autocast: bool
     grad_bytes: int  # bytes per element of a parameter gradient
+    dense: bool = False  # an MoE model's dense layer
+    grouped: bool = False  # experts as one grouped GEMM
+    expert_tokens: int = 0  # token copies the local experts process (n·k, imbalance applied)
+    expert_bytes: int = 0  # bytes of the experts' dtype (transformers: the weights')
+    n_experts: int = 0  # experts on this rank
 
 
 def mlp_moment(spec: ModelSpec, s: Shape, ffn: int) -> Moment:
@@ -103,7 +109,9 @@ def mlp_moment(spec: ModelSpec, s: Shape, ffn: int) -> Moment:
     wk.alloc(t=copy)
     cast = s.autocast
     in_cast = n * h * A if s.autocast else 0  # the per-Linear 16-bit copy of the norm output
-    if spec.is_moe:
+    if spec.is_moe and not s.dense:
+        if s.grouped:
+            return _grouped_moe(spec, s, ffn, wk)
         return _moe(spec, s, ffn, wk, copy, in_cast)
     f = ffn
     if spec.arch == "llama":  # down(silu(gate(x)) * up(x))
@@ -157,6 +165,32 @@ def _moe(spec: ModelSpec, s: Shape, ffn: int, wk: _Walk, copy: int, in_cast: int
     return wk.best
 
 
+def _grouped_moe(spec: ModelSpec, s: Shape, f: int, wk: _Walk) -> Moment:
+    """Grouped experts (transformers' grouped_mm, Megatron's TEGroupedMLP) backward, node by
+    node: the reorder's scatter, the routing-weight product, the down GEMM (all experts' weight
+    gradients at once), the gated activation, the up GEMM, and the scatter back to the tokens;
+    every intermediate is ``expert_tokens`` rows in the experts' dtype."""
+    n, h, R = s.tokens, spec.hidden, s.residual
+    nk, E_A, gb, E = s.expert_tokens, s.expert_bytes, s.grad_bytes, s.n_experts
+    weighted = max(E_A, 4)  # the product with the fp32 routing weights is fp32
+    wk.alloc(t=nk * h * weighted)  # the reorder's (index) gradient
+    wk.alloc(t=nk * h * E_A + nk * 4)  # gradients of the expert output and routing weights
+    wk.free(t=nk * h * weighted, a=nk * h * E_A + nk * 4)
+    wk.alloc(t=nk * f * E_A, g=E * h * f * gb)  # down GEMM: input and weight gradients
+    wk.free(t=nk * h * E_A, a=nk * f * E_A)
+    wk.alloc(t=2 * nk * f * E_A)  # act * up: both factors' gradients
+    wk.free(t=nk * f * E_A, a=nk * f * E_A)
+    wk.alloc(t=nk * f * E_A)  # the activation's backward
+    wk.free(t=nk * f * E_A, a=2 * nk * f * E_A)  # gate_up output released
+    wk.alloc(t=2 * nk * f * E_A)  # chunk's backward: the concatenated gradient
+    wk.free(t=2 * nk * f * E_A)
+    wk.alloc(t=nk * h * E_A, g=E * 2 * f * h * gb)  # up GEMM
+    wk.free(t=2 * nk * f * E_A, a=nk * h * E_A)
+    wk.alloc(t=n * h * R)  # the gather's backward into the tokens
+    wk.free(t=nk * h * E_A)
+    return wk.best
+
+
 def attention_moment(
     spec: ModelSpec,
     s: Shape,
@@ -183,6 +217,7 @@ def layer_moment(spec: ModelSpec, w, items, grad_bytes: int, recompute: str = "n
     """The widest moment of one layer's backward: the MLP's replay or the attention core's,
     whichever holds more. ``w`` is an activations.Workload, ``items`` its layer items."""
     t = w.tp
+    moe = spec.is_moe and not w.dense
     s = Shape(
         tokens=w.tokens,
         tokens_sp=w.tokens // t if w.sp else w.tokens,
@@ -190,17 +225,22 @@ def layer_moment(spec: ModelSpec, w, items, grad_bytes: int, recompute: str = "n
         residual=w.residual,
         autocast=w.autocast,
         grad_bytes=grad_bytes,
+        dense=w.dense,
+        grouped=w.grouped_gemm,
+        expert_tokens=expert_tokens(spec, w, w.tokens) if moe else 0,
+        expert_bytes=w.residual if spec.is_hf else w.compute,
+        n_experts=spec.n_experts // w.ep if moe else 0,
     )
-    f = spec.ffn // t
+    f = (spec.moe_ffn // w.etp) if moe else spec.dense_layer_ffn // t
     mlp = mlp_moment(spec, s, f)
     # the MLP half of the layer's items: everything from its pre-norm on (autocast's cached
     # weight copies stay until their own matmul's backward)
-    names = [i.name for i in items]
-    cut = names.index("mlp_norm.input" if spec.norm == "layernorm" else "mlp_norm.input_fp32")
+    cut = next(k for k, i in enumerate(items) if i.name.startswith("mlp_norm."))
     mlp_saved = sum(i.nbytes for i in items[cut:] if not i.name.startswith("autocast."))
     h, qd = spec.hidden, spec.n_heads * spec.dhead // t
     per_mlp = (3 if spec.arch == "llama" else 2) * h * f + (0 if spec.arch == "llama" else f + h)
-    mlp_params = per_mlp * max(spec.n_experts, 1) + h * spec.n_experts + qd * h + 2 * h
+    n_mlps = max(spec.n_experts, 1) if moe else 1
+    mlp_params = per_mlp * n_mlps + (h * spec.n_experts if moe else 0) + qd * h + 2 * h
     att = attention_moment(
         spec,
         s,

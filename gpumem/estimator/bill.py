@@ -10,7 +10,9 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +26,16 @@ from gpumem.estimator.states import Training
 from gpumem.estimator.terms import steady_states
 from gpumem.units import format_bytes
 
-CATEGORIES = ("weights", "gradients", "optimizer", "activations", "temporary", "overhead", "total")
+CATEGORIES = (
+    "weights",
+    "gradients",
+    "optimizer",
+    "activations",
+    "communication",
+    "temporary",
+    "overhead",
+    "total",
+)
 PHASES = ("backward start", "backward end", "optimizer step")
 
 
@@ -41,6 +52,10 @@ class Bill:
         model_states: per-GPU weights/gradients/optimizer outside any phase (steady state).
         phase: the moment of the peak (backward start / end, optimizer step).
         stage: the pipeline stage that is most loaded.
+        framework: whose buffer conventions the bill follows (megatron, deepspeed, fsdp2,
+            torch; see ``frameworks.py``).
+        pipeline_ranks: one Bill per pipeline rank (first to last); this bill is the worst of
+            them and decides ``fits``. Without pipelining, the one rank's bill.
         items: the itemised activations of one layer (one micro-batch), for the table.
     """
 
@@ -56,6 +71,10 @@ class Bill:
     model_states: dict[str, int]
     phase: str
     stage: int
+    framework: str = "torch"
+    pipeline_ranks: list[Bill] = field(default_factory=list, repr=False)
+    calibration: dict[str, Any] | None = field(default=None, repr=False)
+    """Set when calibrated: per category the uncalibrated bytes and the fit's residual."""
     inputs: dict[str, Any] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
     """Where each of the shown inputs (seq_len, micro-batch, ...) came from: given, default."""
@@ -65,35 +84,58 @@ class Bill:
     input_bytes: int = 0
     """Bytes of ``per_gpu["activations"]`` that are the model's input (token ids)."""
 
-    def profiler_categories(self) -> dict[str, int]:
+    def profiler_categories(self, categories: tuple[str, ...] | None = None) -> dict[str, int]:
         """The peak in ``gpumem.profile``'s categories, to compare with ``rep.at_peak``.
 
-        The bill follows the issue's convention (logits and inputs under activations); the
-        profiler counts only what autograd saves as activations, the held logits as temporary
-        and the model's input as inputs. Overhead (context, NCCL, fragmentation) is outside
-        the profiler's count and left out of ``total`` here.
+        The one place where the bill's categories map onto the profiler's. The bill follows the
+        issue's convention (logits and inputs under activations); the profiler counts only what
+        autograd saves as activations, the held logits as temporary and the model's input as
+        inputs. Overhead (context, NCCL, fragmentation) is outside the profiler's count and left
+        out of ``total`` here. ``communication`` stays its own category where the profiler has
+        it and joins ``temporary`` where it does not (profilers before the ``communication``
+        category counted gather and bucket buffers as temporary).
+
+        Args:
+            categories: the profiler's category names (default: those of
+                ``gpumem.profiler.categories`` when it is imported, else with communication).
         """
+        if categories is None:
+            prof = sys.modules.get("gpumem.profiler.categories")
+            categories = getattr(prof, "CATEGORIES", ("communication",))
         p = self.per_gpu
         out = {c: p[c] for c in ("weights", "gradients", "optimizer")}
         out["activations"] = p["activations"] - self.held_logits - self.input_bytes
         out["communication"] = p.get("communication", 0)  # 0 until the bill has the category
         out["temporary"] = p["temporary"] + self.held_logits
+        if "communication" in categories:
+            out["communication"] = p["communication"]
+        else:
+            out["temporary"] += p["communication"]
         out["inputs"] = self.input_bytes
         out["total"] = sum(out.values())
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        """Exactly the public keys: inputs (value and source of seq_len, batch_size, grad_accum,
-        recompute, precision, optimizer), n_params, per_gpu, fits, headroom_bytes,
-        cluster_model_state_bytes (what ``gpumem estimate --json`` prints)."""
-        return {
+        """The public keys (what ``gpumem estimate --json`` prints): inputs (value and source
+        of seq_len, batch_size, grad_accum, recompute, precision, optimizer), n_params,
+        framework, per_gpu, fits, headroom_bytes, cluster_model_state_bytes, and per pipeline
+        rank its stage, per_gpu, fits and phase; with a memory calibration, its record."""
+        out: dict[str, Any] = {
             "inputs": job_inputs.as_json(self.inputs, self.sources),
             "n_params": self.n_params,
+            "framework": self.framework,
             "per_gpu": dict(self.per_gpu),
             "fits": self.fits,
             "headroom_bytes": self.headroom_bytes,
             "cluster_model_state_bytes": self.cluster_model_state_bytes,
+            "pipeline_ranks": [
+                {"stage": r.stage, "per_gpu": dict(r.per_gpu), "fits": r.fits, "phase": r.phase}
+                for r in self.pipeline_ranks
+            ],
         }
+        if self.calibration is not None:
+            out["calibration"] = self.calibration
+        return out
 
     def inputs_line(self) -> str:
         """``inputs: seq_len 4096 (default: the model's context), micro-batch 1 (default), ...``"""
@@ -108,8 +150,8 @@ class Bill:
         rows = [(c, self.per_gpu[c]) for c in CATEGORIES]
         head = (
             f"{self.model.name}: {self.n_params / 1e9:.2f} B params, {self.training.precision}, "
-            f"{self.training.optimizer}, {self.layout.describe()} on {self.gpu.name} "
-            f"(peak at {self.phase}, stage {self.stage})"
+            f"{self.training.optimizer}, {self.layout.describe()} on {self.gpu.name}, "
+            f"{self.framework} conventions (peak at {self.phase}, stage {self.stage})"
         )
         verdict = (
             f"{'fits' if self.fits else 'does NOT fit'}: headroom "
@@ -137,31 +179,54 @@ class Bill:
     def __str__(self) -> str:
         return self.table()
 
+    def pipeline_table(self) -> str:
+        """The bill of every pipeline rank side by side (GiB), the worst marked."""
+        ranks = self.pipeline_ranks or [self]
+        width = max(16, *(len(f"rank {r.stage}") + 2 for r in ranks))
+        head = f"{'category':<14}" + "".join(f"{'rank ' + str(r.stage):>{width}}" for r in ranks)
+        lines = [
+            f"{self.model.name}, {self.layout.describe()}, {self.framework} conventions: "
+            f"per pipeline rank (GiB); rank {self.stage} is the worst",
+            head,
+        ]
+        for c in CATEGORIES:
+            lines.append(f"{c:<14}" + "".join(f"{r.per_gpu[c] / 2**30:>{width}.2f}" for r in ranks))
+        lines.append(f"{'phase':<14}" + "".join(f"{r.phase:>{width}}" for r in ranks))
+        lines.append(
+            f"{'fits':<14}" + "".join(f"{'yes' if r.fits else 'NO':>{width}}" for r in ranks)
+        )
+        return "\n".join(lines)
 
-def make_bill(model: Any, n_params: int, terms_by_stage: list[list[float]], **fields: Any) -> Bill:
-    """The Bill of the most loaded of the first and last pipeline stages' terms."""
-    layout, gpu = fields["layout"], fields["gpu"]
-    best, best_stage = None, 0
-    stages = sorted({0, layout.pp - 1})
-    for i, terms in zip(stages, terms_by_stage, strict=True):
-        out = peak.assemble(terms)
-        if best is None or out[6] > best[6]:
-            best, best_stage = out, i
-    assert best is not None
-    per_gpu = dict(zip(CATEGORIES, best[:7], strict=True))
-    x = terms_by_stage[stages.index(best_stage)]
-    # the held logits and the inputs inside the peak's activations (profiler: temporary, inputs)
-    ids = x[peak.IDS] * (x[peak.INFLIGHT] if best[7] == 0 else 1)
-    return Bill(
-        model=model,
-        n_params=n_params,
-        per_gpu=per_gpu,
-        fits=per_gpu["total"] <= gpu.total_bytes,
-        headroom_bytes=gpu.total_bytes - per_gpu["total"],
-        model_states=steady_states(x),
-        phase=PHASES[best[7]],
-        stage=best_stage,
-        held_logits=int(x[peak.HELD]),
-        input_bytes=int(ids),
-        **fields,
-    )
+
+def make_bill(
+    model: Any, n_params: int, terms_by_stage: list[list[float]], stages: list[int], **fields: Any
+) -> Bill:
+    """The Bill of the most loaded pipeline rank, with every rank's own bill.
+
+    Args:
+        terms_by_stage: peak terms of the ranks in ``stages`` (every rank for an estimate).
+    """
+    gpu = fields["gpu"]
+    ranks = []
+    for i, x in zip(stages, terms_by_stage, strict=True):
+        out = peak.assemble(x)
+        per_gpu = dict(zip(CATEGORIES, out[: peak.OUT_TOTAL + 1], strict=True))
+        # the held logits and the inputs inside the peak's activations (profiler: temporary, inputs)
+        ids = x[peak.IDS] * (x[peak.INFLIGHT] if out[peak.OUT_PHASE] == 0 else 1)
+        ranks.append(
+            Bill(
+                model=model,
+                n_params=n_params,
+                per_gpu=per_gpu,
+                fits=per_gpu["total"] <= gpu.total_bytes,
+                headroom_bytes=gpu.total_bytes - per_gpu["total"],
+                model_states=steady_states(x),
+                phase=PHASES[out[peak.OUT_PHASE]],
+                stage=i,
+                held_logits=int(x[peak.HELD]),
+                input_bytes=int(ids),
+                **fields,
+            )
+        )
+    worst = max(ranks, key=lambda b: (b.per_gpu["total"], -b.stage))
+    return dataclasses.replace(worst, pipeline_ranks=ranks)

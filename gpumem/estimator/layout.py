@@ -1,9 +1,16 @@
-"""How a job spreads over GPUs: data, tensor, pipeline and expert parallelism, and sharding.
+"""How a job spreads over GPUs: data, tensor, pipeline, context and expert parallelism, and
+sharding.
 
-``dp · tp · pp`` is the number of GPUs; experts are sharded over ``ep`` data-parallel ranks (ep
-divides dp, as Megatron does). ZeRO stage 1/2/3 shards optimizer state / + gradients / + weights
-over the data-parallel group; FSDP ``"full"`` is ZeRO-3, ``"hybrid"`` shards within a node and
-replicates across nodes.
+``dp · tp · pp · cp`` is the number of GPUs. Context parallelism (``cp``) splits every sequence
+over ``cp`` ranks (ring or all-gather attention, as Megatron and torchtitan do it); those ranks
+hold the same parameters, so sharding (ZeRO, Megatron's distributed optimizer, FSDP) runs over
+``dp · cp`` ranks. Experts follow Megatron-core's folding of the dense grid: the ``dp · cp · tp``
+ranks of a pipeline stage are regrouped into ``ep`` expert-parallel × ``etp`` expert-tensor-
+parallel × the experts' data parallelism, so ``ep · etp`` must divide ``dp · cp · tp`` and the
+experts' data-parallel (sharding) degree is ``dp · cp · tp / (ep · etp)`` (the issue's
+``dp · tp / (ep · etp)`` at ``cp = 1``). ``etp`` defaults to ``tp``. ZeRO stage 1/2/3 shards
+optimizer state / + gradients / + weights over the data-parallel group; FSDP ``"full"`` is
+ZeRO-3, ``"hybrid"`` shards within a node and replicates across nodes.
 
 Example:
     >>> lay = Layout(dp=8, tp=8, pp=1, zero=1)
@@ -23,11 +30,14 @@ class Layout:
 
     Attributes:
         dp: data-parallel degree. tp: tensor-parallel. pp: pipeline stages.
-        ep: expert-parallel degree (MoE; divides dp).
-        zero: ZeRO stage 0..3 over the data-parallel group.
+        ep: expert-parallel degree (MoE; ``ep · etp`` divides ``dp · cp · tp``).
+        zero: ZeRO stage 0..3 over the data-parallel group (``dp · cp`` ranks).
         fsdp: None, ``"full"`` (= ZeRO-3) or ``"hybrid"`` (ZeRO-3 inside a node).
         sp: Megatron sequence parallelism (needs tp > 1).
         vpp: virtual pipeline stages per rank (interleaved 1F1B).
+        cp: context-parallel degree: each sequence split over ``cp`` ranks.
+        etp: expert tensor parallelism: each expert's matrices split over ``etp`` ranks
+            (default: ``tp``, Megatron's default; must divide ``tp``).
 
     Example:
         >>> Layout(dp=4, tp=2, pp=1, zero=2).n_gpus
@@ -42,6 +52,8 @@ class Layout:
     fsdp: str | None = None
     sp: bool = False
     vpp: int = 1
+    cp: int = 1
+    etp: int | None = None
 
     def __post_init__(self) -> None:
         bad = self._shape_errors()
@@ -50,7 +62,17 @@ class Layout:
 
     @property
     def n_gpus(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def expert_tp(self) -> int:
+        """Ranks each expert's matrices are split over (``etp``, default ``tp``)."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """The experts' data-parallel degree: ``dp · cp · tp / (ep · etp)``."""
+        return self.dp * self.cp * self.tp // (self.ep * self.expert_tp)
 
     @property
     def stage(self) -> int:
@@ -58,8 +80,9 @@ class Layout:
         return 3 if self.fsdp else self.zero
 
     def shard_degree(self, gpus_per_node: int = 8, expert: bool = False) -> int:
-        """Ranks a sharded state is split over: dp (dp/ep for experts); hybrid: within a node."""
-        group = self.dp // self.ep if expert else self.dp
+        """Ranks a sharded state is split over: ``dp · cp`` (the experts' data-parallel degree
+        for experts); hybrid: within a node."""
+        group = self.expert_dp if expert else self.dp * self.cp
         if self.fsdp == "hybrid":
             per_node = max(1, gpus_per_node // (self.tp * self.pp)) if gpus_per_node else group
             return max(1, min(group, per_node))
@@ -67,8 +90,10 @@ class Layout:
 
     def _shape_errors(self) -> list[str]:
         out = []
-        for name in ("dp", "tp", "pp", "ep", "vpp"):
+        for name in ("dp", "tp", "pp", "ep", "vpp", "cp", "etp"):
             v = getattr(self, name)
+            if name == "etp" and v is None:
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 out.append(f"{name} must be an integer >= 1, got {v!r}")
         if out:
@@ -81,9 +106,17 @@ class Layout:
             out.append(
                 f"fsdp={self.fsdp!r} already shards everything (ZeRO-3); drop zero={self.zero}"
             )
-        if self.dp % self.ep:
+        etp = self.expert_tp
+        if self.tp % etp:
             out.append(
-                f"ep={self.ep} must divide dp={self.dp} (experts shard over data-parallel ranks)"
+                f"etp={etp} must divide tp={self.tp} (each expert is split over a subgroup of "
+                "the tensor-parallel ranks; etp=1 keeps experts whole)"
+            )
+        if (self.dp * self.cp * self.tp) % (self.ep * etp):
+            out.append(
+                f"ep*etp = {self.ep}*{etp} = {self.ep * etp} must divide dp*cp*tp = "
+                f"{self.dp * self.cp * self.tp} (Megatron folds the experts over the data-, "
+                "context- and tensor-parallel ranks of a stage)"
             )
         if self.sp and self.tp == 1:
             out.append("sequence parallelism (sp) needs tp > 1")
@@ -98,11 +131,12 @@ class Layout:
         out = []
         if n_gpus is not None and self.n_gpus != n_gpus:
             out.append(
-                f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.n_gpus}, not {n_gpus} GPUs"
+                f"dp*tp*pp*cp = {self.dp}*{self.tp}*{self.pp}*{self.cp} = {self.n_gpus}, "
+                f"not {n_gpus} GPUs"
             )
         m, t = model, self.tp
         if m.arch == "resnet":
-            if t > 1 or self.pp > 1 or self.ep > 1:
+            if t > 1 or self.pp > 1 or self.ep > 1 or self.cp > 1:
                 out.append(
                     f"{m.name}: only data parallelism (with ZeRO/FSDP) is modelled for a ResNet"
                 )
@@ -118,13 +152,27 @@ class Layout:
             out.append(f"pp={self.pp} exceeds the {m.n_layers} layers")
         if self.vpp > 1 and m.n_layers % (self.pp * self.vpp):
             out.append(f"{m.n_layers} layers not divisible by pp*vpp = {self.pp * self.vpp}")
-        if self.ep > 1:
+        if self.ep > 1 or self.etp is not None:
             if not m.is_moe:
-                out.append(f"ep={self.ep} but {m.name} has no experts")
+                what = f"ep={self.ep}" if self.ep > 1 else f"etp={self.etp}"
+                out.append(f"{what} but {m.name} has no experts")
             elif m.n_experts % self.ep:
                 out.append(f"{m.n_experts} experts not divisible by ep={self.ep}")
-        if self.sp and seq_len is not None and seq_len % t:
-            out.append(f"sequence parallelism splits seq_len {seq_len}, not divisible by tp={t}")
+            elif m.moe_ffn % self.expert_tp:
+                out.append(f"expert ffn size {m.moe_ffn} not divisible by etp={self.expert_tp}")
+        if self.cp > 1:
+            if m.arch == "vit":
+                out.append("context parallelism (cp) splits token sequences: not for a ViT")
+            elif seq_len is not None and seq_len % (2 * self.cp):
+                out.append(
+                    f"context parallelism splits seq_len {seq_len} into 2*cp = {2 * self.cp} "
+                    "chunks (load-balanced causal attention): not divisible"
+                )
+        if self.sp and seq_len is not None and (seq_len // self.cp) % t:
+            out.append(
+                f"sequence parallelism splits the {seq_len // self.cp} tokens per rank, not "
+                f"divisible by tp={t}"
+            )
         return out
 
     def check(
@@ -139,8 +187,12 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
+        if self.etp is not None and self.etp != self.tp:
+            parts.append(f"etp{self.etp}")
         if self.vpp > 1:
             parts.append(f"vpp{self.vpp}")
         if self.sp:

@@ -69,6 +69,7 @@ def estimate_module(
     persistent_grads: bool | None,
     example_input: Any,
     loss_fn: Any,
+    framework: str = "torch",
 ) -> Bill:
     """The bill of training ``module`` (see ``gpumem.estimate`` and above)."""
     _check(module, training, layout, recompute, attention, dropout, activation_model, seq_len)
@@ -97,14 +98,18 @@ def estimate_module(
         keep_logits=keep_logits,
         loss_fn=loss_fn,
     )
-    terms = module_terms(ms, training, layout, gpu, device == "cuda", grad_accum, persistent_grads)
+    terms = module_terms(
+        ms, training, layout, gpu, device == "cuda", grad_accum, persistent_grads, framework
+    )
     return make_bill(
         ms,
         ms.n_params,
         terms,
+        list(range(layout.pp)),
         layout=layout,
         training=training,
         gpu=gpu,
+        framework=framework,
         cluster_model_state_bytes=cluster_states(
             training, ms.n_trainable, ms.n_params - ms.n_trainable
         ),
@@ -163,7 +168,12 @@ def _check(
             "recompute='selective' drops the attention core, which a generic module does not "
             "name: use 'none' or 'full', or checkpoint the attention inside your module (measured)"
         )
-    if layout.ep > 1:
+    if layout.cp > 1:
+        raise ValueError(
+            f"cp={layout.cp}: context parallelism is modelled for presets/configs only; "
+            f"estimate {name} with cp=1"
+        )
+    if layout.ep > 1 or layout.etp is not None:
         raise ValueError(
             f"ep={layout.ep}: expert parallelism is modelled for MoE presets/configs only; "
             f"estimate {name} with ep=1"

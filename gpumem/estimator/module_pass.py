@@ -323,8 +323,9 @@ def module_terms(
     cuda: bool,
     grad_accum: int,
     persistent_grads: bool | None,
+    framework: str = "torch",
 ) -> list[list[float]]:
-    """Peak terms of the first and the last pipeline stage (as ``Plan.terms`` for presets)."""
+    """Peak terms of every pipeline rank (as ``PresetTerms.terms`` for presets)."""
     t, sp, pp = layout.tp, layout.sp, layout.pp
     persist = grads_persist(layout, grad_accum, persistent_grads)
     R = ms.regions
@@ -335,7 +336,7 @@ def module_terms(
     on_rank = ms.n_blocks * R[BLOCK].trainable(t) + R[PRE].trainable(t) + R[POST].trainable(t)
     tp_ratio = on_rank / ms.n_trainable if ms.n_trainable else 1.0
     out = []
-    for i in sorted({0, pp - 1}):
+    for i in range(pp):
         is_first, is_last = i == 0, i == pp - 1
         n_l = layers[i]
         ends = [r for r, on in ((PRE, is_first), (POST, is_last)) if on]
@@ -374,6 +375,7 @@ def module_terms(
             layer_params=ms.block_params / t,
             scratch=ms.scratch / t,
             persist=persist,
+            framework=framework,
         )
         out.append(x)
     return out

@@ -19,7 +19,11 @@ Logits the training loop still holds (``keep_logits``: a ``logits = model(x)`` v
 until the next forward replaces it) count in all three, and so does the input batch (``IDS``,
 inside ``A_FIRST`` during backward).
 
-Weights, optimizer state and (for ZeRO-3/FSDP) the all-gather buffers are present throughout.
+Weights and optimizer state are present throughout. Communication buffers come in two kinds:
+``COMM`` (buckets that live through the whole step: DeepSpeed's ZeRO-1/2 buckets, DDP's flat
+gradient buckets) and ``GATHER`` (per-layer buffers of forward and backward only: ZeRO-3/FSDP's
+gathered and prefetched layer with its unsharded gradients, context parallelism's KV exchange,
+MoE token dispatch/combine).
 """
 
 from __future__ import annotations
@@ -35,11 +39,17 @@ T_BWD0, T_LAYER, T_STEP, GATHER, CASTS = 16, 17, 18, 19, 20
 G_PERSIST, CONTEXT, NCCL, FRAG, OFFLOAD, COMM = 21, 22, 23, 24, 25, 26
 P_PEND, P_PEND_EXP, G_WALK, A_END, W_BUFFERS, HELD, IDS = 27, 28, 29, 30, 31, 32, 33
 N_TERMS = 34
+# positions in assemble()'s result
+OUT_COMM, OUT_TEMP, OUT_OVERHEAD, OUT_TOTAL, OUT_PHASE = 4, 5, 6, 7, 8
+N_OUT = 9
 
 
 def assemble(x):
     """Category bytes at the peak of one rank: (weights, gradients, optimizer, activations,
-    temporary, overhead, total, phase) with phase 0/1/2 = backward start/end, step."""
+    communication, temporary, overhead, total, phase) with phase 0/1/2 = backward start/end,
+    step. Every sum is in float64 (exact for integers below 2**53, and without overflow far
+    beyond: a job of 1e14 tokens or 1e9 layers comes out as a huge number, never a wrapped
+    negative one); each category saturates at ``LIMIT`` when made an integer."""
     stage = x[STAGE]
     nw = x[N_SHARD] if stage >= 3 else 1.0
     nwe = x[N_SHARD_EXP] if stage >= 3 else 1.0
@@ -73,27 +83,33 @@ def assemble(x):
         phase = 2
         best = step
     if phase == 0:
-        g, a, t = g_keep, acts, x[T_BWD0] + x[GATHER] + x[COMM]
+        g, a, c, t = g_keep, acts, x[GATHER] + x[COMM], x[T_BWD0]
     elif phase == 1:
-        g, a, t = g_end, x[A_FIRST] + x[A_END] + x[HELD], x[T_LAYER] + x[GATHER] + x[COMM]
+        g, a, c, t = g_end, x[A_FIRST] + x[A_END] + x[HELD], x[GATHER] + x[COMM], x[T_LAYER]
     else:
-        g, a, t = grads, x[HELD] + x[IDS], x[T_STEP] + x[COMM]
-    w_i, g_i, o_i, a_i, t_i = int(weights), int(g), int(optim), int(a), int(t)
-    allocated = w_i + g_i + o_i + a_i + t_i
-    overhead = int(x[CONTEXT] + x[NCCL] + allocated * x[FRAG])
-    return w_i, g_i, o_i, a_i, t_i, overhead, allocated + overhead, phase
+        g, a, c, t = grads, x[HELD] + x[IDS], x[COMM], x[T_STEP]
+    # min(LIMIT, v) saturates each category (and maps a NaN, which only absurd inputs produce,
+    # to the limit): their integer sum stays far inside int64 however large the job
+    w_i, g_i, o_i = int(min(LIMIT, weights)), int(min(LIMIT, g)), int(min(LIMIT, optim))
+    a_i, c_i, t_i = int(min(LIMIT, a)), int(min(LIMIT, c)), int(min(LIMIT, t))
+    allocated = w_i + g_i + o_i + a_i + c_i + t_i
+    overhead = int(min(LIMIT, x[CONTEXT] + x[NCCL] + allocated * x[FRAG]))
+    return w_i, g_i, o_i, a_i, c_i, t_i, overhead, allocated + overhead, phase
+
+
+LIMIT = 2.0**59  # 512 PiB per category: far beyond any GPU; 7 of them still fit in int64
 
 
 _assemble_jit = assemble  # the planner swaps in the numba-compiled twin before compiling below
 
 
 def sweep_rows(terms, owner, n_configs):
-    """Max over each configuration's stage rows of the assembled total; returns (n, 8)."""
-    out = np.zeros((n_configs, 8), dtype=np.int64)
+    """Max over each configuration's stage rows of the assembled total; returns (n, N_OUT)."""
+    out = np.zeros((n_configs, N_OUT), dtype=np.int64)
     for r in range(terms.shape[0]):
         res = _assemble_jit(terms[r])
         c = owner[r]
-        if res[6] > out[c, 6]:
-            for k in range(8):
+        if res[OUT_TOTAL] > out[c, OUT_TOTAL]:
+            for k in range(N_OUT):
                 out[c, k] = res[k]
     return out

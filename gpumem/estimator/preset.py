@@ -8,14 +8,16 @@ two into peak terms; the planner's sweep asks it for thousands of layouts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from gpumem.estimator import activations as act
 from gpumem.estimator import backward as bwd
-from gpumem.estimator import inputs, peak
+from gpumem.estimator import hf_ops, inputs, peak
 from gpumem.estimator.bill import Bill, make_bill
+from gpumem.estimator.frameworks import cp_exchange_bytes, default_fused_ops
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
-from gpumem.estimator.specs import ModelSpec, param_groups
+from gpumem.estimator.specs import ModelSpec, ParamGroups, param_groups
 from gpumem.estimator.states import Training
 from gpumem.estimator.terms import (
     cluster_states,
@@ -23,8 +25,14 @@ from gpumem.estimator.terms import (
     inflight,
     job_terms,
     recompute_every,
-    split_layers,
+    stage_chunks,
 )
+
+MOE_IMBALANCE = 1.25
+"""Default tokens of the most loaded expert-parallel rank over the mean: the capacity factor
+most MoE recipes use (GShard, Switch Transformer: 1.25). Dropless routing (Megatron's default)
+can exceed it early in training; pass the measured max/mean (``moe_imbalance=``)."""
+MOE_DISPATCHERS = ("alltoall", "allgather")
 
 
 def preset_seq_len(spec: ModelSpec, seq_len: int | None) -> int:
@@ -46,6 +54,32 @@ class PresetTerms:
     activation_model: str = "ops"
     device: str = "cuda"
     keep_logits: bool = True
+    framework: str = "torch"
+    moe_imbalance: float = MOE_IMBALANCE
+    moe_dispatcher: str = "alltoall"
+    moe_grouped_gemm: bool | None = None
+    fused_ops: tuple[str, ...] | None = None
+
+    @property
+    def fused(self) -> frozenset[str]:
+        """The fused kernels (default: the framework's, ``frameworks.default_fused_ops``)."""
+        ops = default_fused_ops(self.framework) if self.fused_ops is None else self.fused_ops
+        return frozenset(ops)
+
+    @property
+    def param_groups(self) -> ParamGroups:
+        """The spec's parameter groups, computed once (the planner asks per layout)."""
+        if "_pg" not in self.__dict__:
+            self.__dict__["_pg"] = param_groups(self.spec)
+        return self.__dict__["_pg"]
+
+    @property
+    def grouped_gemm(self) -> bool:
+        """Experts as one grouped GEMM: Megatron and transformers (grouped_mm) by default;
+        gpumem.models loops over experts."""
+        if self.moe_grouped_gemm is not None:
+            return self.moe_grouped_gemm
+        return self.spec.is_hf or self.framework == "megatron"
 
     @property
     def cuda(self) -> bool:
@@ -66,7 +100,7 @@ class PresetTerms:
             return "cpu-flash" if self.dropout == 0 else "math"
         return "efficient" if self.training.compute_bytes == 4 else "flash"
 
-    def workload(self, layout: Layout, batch: int) -> act.Workload:
+    def workload(self, layout: Layout, batch: int, dense: bool = False) -> act.Workload:
         t = self.training
         return act.Workload(
             batch=batch,
@@ -80,12 +114,19 @@ class PresetTerms:
             tp=layout.tp,
             sp=layout.sp,
             keep_logits=self.keep_logits,
+            cp=layout.cp,
+            dense=dense,
+            ep=layout.ep,
+            etp=layout.expert_tp,
+            moe_imbalance=self.moe_imbalance,
+            grouped_gemm=self.grouped_gemm,
+            fused=self.fused,
         )
 
-    def layer_items(self, layout: Layout, batch: int) -> list[act.Item]:
+    def layer_items(self, layout: Layout, batch: int, dense: bool = False) -> list[act.Item]:
         if not self.spec.is_decoder and self.spec.arch != "vit":
             return []
-        return act.layer_items(self.spec, self.workload(layout, batch))
+        return hf_ops.layer_items(self.spec, self.workload(layout, batch, dense))
 
     def cluster_model_states(self) -> int:
         """Unique (unsharded, unreplicated) weights + gradients + optimizer state of the job."""
@@ -101,9 +142,6 @@ class PresetTerms:
         per += 3 * (h + f) if s.arch == "llama" else 2 * (h + f)
         return n_layers * r * per // t
 
-    def stage_layers(self, pp: int) -> list[int]:
-        return split_layers(self.spec.n_layers, pp)
-
     def terms(
         self,
         layout: Layout,
@@ -111,36 +149,65 @@ class PresetTerms:
         recompute: str,
         grad_accum: int,
         persistent_grads: bool | None,
+        stages: list[int] | None = None,
     ) -> list[list[float]]:
-        """The peak terms of the first and the last pipeline stage of ``layout``.
+        """The peak terms of the pipeline ranks ``stages`` (default: those that can be the
+        worst).
 
-        Middle stages never exceed the first: it holds at least as many layers (the remainder
-        of an uneven split goes to the first stages), at least as many in-flight micro-batches,
-        and the embedding; the last stage holds the head and the loss.
+        Of identical layers, the first, second and last ranks bound every other: a middle rank
+        never exceeds the second (it holds at most as many layers and in-flight micro-batches,
+        and neither the embedding nor the head), which the planner relies on. An MoE with
+        dense first layers breaks the symmetry (a later rank of all-MoE layers can exceed the
+        second): then every rank is a candidate.
         """
         spec, tr, t = self.spec, self.training, layout.tp
-        pg = param_groups(spec)
-        a_layer, t_end, a_end, g_walk, t_start, first, last, held, ids, ce0 = self._act_terms(
-            layout.tp, layout.sp, batch, recompute
-        )
-        # k/v projections replicate across ranks when tp exceeds the KV heads
-        kvp = 2 * spec.hidden * spec.kv_heads * spec.dhead if spec.n_heads else 0
-        layer_tp = (pg.layer_tp - kvp) / t + kvp / min(t, max(spec.kv_heads, 1))
-        out = []
         pp = layout.pp
+        pg = self.param_groups
+        if stages is None:
+            stages = list(range(pp)) if pg.n_dense else sorted({0, min(1, pp - 1), pp - 1})
         persist = grads_persist(layout, grad_accum, persistent_grads)
-        layers = self.stage_layers(pp)
-        for i in sorted({0, pp - 1}):
-            n_l = layers[i]
+        # k/v projections replicate across ranks when tp exceeds the KV heads
+        kvp = (
+            2 * spec.hidden * spec.kv_heads * spec.dhead if spec.n_heads and not spec.is_mla else 0
+        )
+        kv_rep = kvp / min(t, max(spec.kv_heads, 1)) - kvp / t
+        moe_tp, dense_tp = pg.layer_tp / t + kv_rep, pg.dense_tp / t + kv_rep
+        expert_layer = pg.layer_expert / (layout.ep * layout.expert_tp)
+        chunks_by_stage = stage_chunks(spec.n_layers, pp, layout.vpp)
+        acts = {
+            kind: self._act_terms(layout, batch, recompute, kind == "dense")
+            for kind in ("dense", "moe")
+        }
+        out = []
+        for i in stages:
+            chunks = [c for c in chunks_by_stage[i] if len(c)]
+            n_l = sum(len(c) for c in chunks)
+            # layers below n_dense (an MoE's dense first layers) among the rank's ranges
+            n_dense = (
+                sum(max(0, min(c.stop, pg.n_dense) - c.start) for c in chunks)
+                if spec.is_moe
+                else n_l
+            )
+            n_moe = n_l - n_dense
             is_first, is_last = i == 0, i == pp - 1
-            dense = n_l * (layer_tp + pg.layer_rep)
+            # backward ends in the stage's first layer and starts in its last
+            dense_first = not spec.is_moe or (bool(chunks) and chunks[0][0] < pg.n_dense)
+            dense_last = not spec.is_moe or (bool(chunks) and chunks[-1][-1] < pg.n_dense)
+            first_kind = "dense" if dense_first else "moe"
+            last_kind = "dense" if dense_last else "moe"
+            a_first_layer, a_last_layer = acts[first_kind], acts[last_kind]
+            if spec.is_moe:
+                dense = n_dense * (dense_tp + pg.dense_rep) + n_moe * (moe_tp + pg.layer_rep)
+            else:
+                dense = n_l * (moe_tp + pg.layer_rep)
+            first, last, held, ids_b, ce0 = acts["dense"][5:10]
             if is_first:
                 dense += pg.embed_tp / t + pg.embed_rep
             if is_last:
                 dense += pg.head_tp / t + pg.head_rep
                 if spec.tied_embeddings and pp > 1:
                     dense += pg.embed_tp / t  # Megatron keeps a copy of tied embeddings at the end
-            expert = n_l * pg.layer_expert / (layout.ep * t)
+            expert = n_moe * expert_layer
             if tr.lora_rank:
                 p_train, p_frozen = self._lora_params(n_l, t), dense
                 p_exp_train, p_exp_frozen = 0.0, expert
@@ -150,33 +217,45 @@ class PresetTerms:
             x = [0.0] * peak.N_TERMS
             x[peak.P_TRAIN], x[peak.P_FROZEN] = p_train, p_frozen
             x[peak.P_EXP_TRAIN], x[peak.P_EXP_FROZEN] = p_exp_train, p_exp_frozen
-            x[peak.A_LAYER], x[peak.N_LAYERS] = a_layer, n_l
+            stage_acts = n_dense * acts["dense"][0] + n_moe * acts["moe"][0]
+            x[peak.A_LAYER], x[peak.N_LAYERS] = (stage_acts / n_l if n_l else 0.0), n_l
             x[peak.W_BUFFERS] = spec.buffer_bytes * n_l / max(spec.n_layers, 1)
             x[peak.INFLIGHT] = inflight(layout, grad_accum, i)
             x[peak.A_FIRST] = first if is_first else 0.0
             x[peak.A_LAST] = last if is_last else 0.0
-            grad_in = ce0 if is_last else batch * self.seq * spec.hidden * tr.compute_bytes / t
+            t_start = a_last_layer[4]
+            grad_in = (
+                ce0
+                if is_last
+                else batch * self.seq // layout.cp * spec.hidden * tr.compute_bytes / t
+            )
             if is_last and spec.is_decoder:
                 # by the last layer's widest moment the loss and head have run: their saved
                 # tensors are gone (the held logits stay), the head's weight grad exists
                 head = (pg.embed_tp if spec.tied_embeddings else pg.head_tp) / t + pg.head_rep
                 t_start += head * tr.grad_bytes - (last - held)
             x[peak.T_BWD0] = max(grad_in, t_start)
-            x[peak.T_LAYER] = t_end
-            x[peak.A_END] = a_end
+            x[peak.T_LAYER] = a_first_layer[1]
+            x[peak.A_END] = a_first_layer[2]
             x[peak.HELD] = held if is_last else 0.0
-            x[peak.IDS] = ids if is_first else 0.0
-            x[peak.G_WALK] = g_walk
+            x[peak.IDS] = ids_b if is_first else 0.0
+            x[peak.G_WALK] = a_first_layer[3]
             # weight grads not yet produced at the end moment (inside the stage's first layer):
             # that layer's, and an untied embedding's (a tied one waits in autograd's buffer)
+            first_is_moe = first_kind == "moe"
+            layer_tp = moe_tp if first_is_moe else (dense_tp if spec.is_moe else moe_tp)
+            layer_rep = pg.layer_rep if (first_is_moe or not spec.is_moe) else pg.dense_rep
             if self.activation_model == "ops" and n_l and not persist:
                 emb = (0.0 if spec.tied_embeddings else pg.embed_tp / t) + pg.embed_rep
                 if tr.lora_rank:
                     x[peak.P_PEND] = self._lora_params(1, t)
                 else:
-                    x[peak.P_PEND] = layer_tp + pg.layer_rep + (emb if is_first else 0.0)
-                    x[peak.P_PEND_EXP] = pg.layer_expert / (layout.ep * t)
-            layer_params = (layer_tp + pg.layer_rep) + pg.layer_expert / (layout.ep * t)
+                    x[peak.P_PEND] = layer_tp + layer_rep + (emb if is_first else 0.0)
+                    x[peak.P_PEND_EXP] = expert_layer if first_is_moe else 0.0
+            layer_params = max(
+                moe_tp + pg.layer_rep + (expert_layer if spec.is_moe else 0.0),
+                dense_tp + pg.dense_rep if spec.is_moe and n_dense else 0.0,
+            )
             job_terms(
                 x,
                 tr,
@@ -187,33 +266,53 @@ class PresetTerms:
                 layer_params=layer_params,
                 scratch=pg.step_scratch / t,
                 persist=persist,
+                framework=self.framework,
+                layer_comm=max(acts["dense"][10], acts["moe"][10] if n_moe else 0.0),
             )
             out.append(x)
         return out
 
-    def _act_terms(self, tp: int, sp: bool, batch: int, recompute: str) -> tuple[float, ...]:
+    def _act_terms(
+        self, layout: Layout, batch: int, recompute: str, dense: bool
+    ) -> tuple[float, ...]:
         """(per-layer saved, end-of-backward temporary / activations / weight grads, start-of-
-        backward transient, first-stage, last-stage, logits held, token ids, CE backward),
-        cached: the planner asks for the same few combinations thousands of times."""
-        key = (tp, sp, batch, recompute)
+        backward transient, first-stage, last-stage, logits held, token ids, CE backward,
+        per-layer communication) of a dense or an MoE layer, cached: the planner asks for the
+        same few combinations thousands of times."""
+        lay = layout
+        dense = dense or not self.spec.is_moe
+        key = (lay.tp, lay.sp, lay.cp, lay.ep, lay.expert_tp, batch, recompute, dense)
         cache = self.__dict__.setdefault("_acts_cache", {})
         if key not in cache:
-            w = self.workload(Layout(dp=1, tp=tp, sp=sp), batch)
-            layer = self._layer_acts(tp, sp, batch, recompute, w)
+            spec = self.spec
+            w = self.workload(lay, batch, dense)
+            layer = self._layer_acts(lay.tp, lay.sp, batch, recompute, w)
             first, last = self._ends(w)
-            dec = self.spec.is_decoder and self.activation_model == "ops"
+            dec = spec.is_decoder and self.activation_model == "ops"
             held = (
-                act.sum_items([i for i in act.head_items(self.spec, w) if i.name == "logits"])
+                act.sum_items([i for i in hf_ops.head_items(spec, w) if i.name == "logits"])
                 if dec
                 else 0
             )
             ids = (
-                act.sum_items([i for i in act.embed_items(self.spec, w) if i.name == "embed.ids"])
+                act.sum_items([i for i in hf_ops.embed_items(spec, w) if i.name == "embed.ids"])
                 if dec
                 else 0
             )
-            ce0 = act.ce_backward_bytes(self.spec, w) if self.spec.is_decoder else 0
-            cache[key] = (*layer, first, last, float(held), float(ids), float(ce0))
+            ce0 = hf_ops.ce_backward_bytes(spec, w) if spec.is_decoder else 0
+            comm = 0.0
+            if spec.is_decoder and spec.n_heads:
+                kv_width = (
+                    spec.n_heads * (spec.qk_nope_dim + spec.qk_rope_dim + spec.v_head_dim)
+                    if spec.is_mla
+                    else 2 * spec.kv_heads * spec.dhead
+                ) // max(1, min(lay.tp, spec.kv_heads if not spec.is_mla else lay.tp))
+                comm += cp_exchange_bytes(
+                    self.framework, lay.cp, w.tokens, kv_width // 2, w.compute
+                )
+            if spec.is_moe and not dense:
+                comm += hf_ops.dispatch_bytes(spec, w, self.moe_dispatcher)
+            cache[key] = (*layer, first, last, float(held), float(ids), float(ce0), comm)
         return cache[key]
 
     def _ends(self, w: act.Workload) -> tuple[float, float]:
@@ -224,8 +323,8 @@ class PresetTerms:
         if spec.arch == "vit":  # patch conv input (images) + classifier input; small
             img = w.batch * spec.channels * spec.image_size**2 * 4
             return float(img), float(w.batch * spec.hidden * w.compute + w.batch * 8)
-        first = act.sum_items(act.embed_items(spec, w))
-        last = act.sum_items(act.head_items(spec, w))
+        first = act.sum_items(hf_ops.embed_items(spec, w))
+        last = act.sum_items(hf_ops.head_items(spec, w))
         if (
             self.activation_model == "korthikanti"
         ):  # Megatron: ids 8sb, output layer + CE 4sbh(1 + v/h)
@@ -246,10 +345,10 @@ class PresetTerms:
         if self.activation_model == "korthikanti":
             mode = "full" if every else recompute
             full = act.korthikanti_layer_bytes(
-                spec, batch, self.seq, tp, sp, "none", flash=self.backend != "math"
+                spec, batch, w.local_seq, tp, sp, "none", flash=self.backend != "math"
             )
             saved = act.korthikanti_layer_bytes(
-                spec, batch, self.seq, tp, sp, mode, flash=self.backend != "math"
+                spec, batch, w.local_seq, tp, sp, mode, flash=self.backend != "math"
             )
             return (
                 float(saved / (every or 1)),
@@ -258,7 +357,7 @@ class PresetTerms:
                 0.0,
                 0.0,
             )
-        items = act.layer_items(spec, w)
+        items = hf_ops.layer_items(spec, w)
         full = act.sum_items(items)
         n_in = w.tokens // (w.tp if w.sp else 1) * spec.hidden * w.residual
         k = every or 0
@@ -284,6 +383,40 @@ class PresetTerms:
         return float(saved), float(t_end), float(a_end), float(m.grads), float(t_start)
 
 
+def check_fused_ops(fused_ops: Any) -> None:
+    """``fused_ops`` is None or a tuple of known kernel names."""
+    if fused_ops is None:
+        return
+    if isinstance(fused_ops, str) or not all(isinstance(o, str) for o in fused_ops):
+        raise ValueError(
+            f"fused_ops must be a tuple of names from {', '.join(act.FUSED_OPS)}, got {fused_ops!r}"
+        )
+    bad = [o for o in fused_ops if o not in act.FUSED_OPS]
+    if bad:
+        raise ValueError(
+            f"unknown fused op(s) {', '.join(map(repr, bad))}; known: {', '.join(act.FUSED_OPS)}"
+        )
+
+
+def check_moe_args(
+    spec: ModelSpec, moe_imbalance: float, moe_dispatcher: str, moe_grouped_gemm: bool | None
+) -> None:
+    """One clear message per bad MoE argument."""
+    if isinstance(moe_imbalance, bool) or not isinstance(moe_imbalance, (int, float)):
+        raise ValueError(f"moe_imbalance must be a number >= 1, got {moe_imbalance!r}")
+    if not 1.0 <= moe_imbalance < 1e6:
+        raise ValueError(
+            f"moe_imbalance is the most loaded rank's tokens over the mean: >= 1, got "
+            f"{moe_imbalance!r} (default {MOE_IMBALANCE}, the usual capacity factor)"
+        )
+    if moe_dispatcher not in MOE_DISPATCHERS:
+        raise ValueError(
+            f"moe_dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, got {moe_dispatcher!r}"
+        )
+    if moe_grouped_gemm not in (None, True, False):
+        raise ValueError(f"moe_grouped_gemm must be True, False or None, got {moe_grouped_gemm!r}")
+
+
 def estimate_preset(
     spec: ModelSpec,
     *,
@@ -300,6 +433,11 @@ def estimate_preset(
     device: str,
     keep_logits: bool,
     persistent_grads: bool | None,
+    framework: str,
+    moe_imbalance: float = MOE_IMBALANCE,
+    moe_dispatcher: str = "alltoall",
+    moe_grouped_gemm: bool | None = None,
+    fused_ops: tuple[str, ...] | None = None,
 ) -> Bill:
     """The bill of training a described model (see ``gpumem.estimate``)."""
     seq, seq_source = inputs.seq_len(spec, seq_len)
@@ -310,16 +448,34 @@ def estimate_preset(
         )
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+    check_moe_args(spec, moe_imbalance, moe_dispatcher, moe_grouped_gemm)
+    check_fused_ops(fused_ops)
     terms = PresetTerms(
-        spec, training, gpu, seq, attention, dropout, activation_model, device, keep_logits
+        spec,
+        training,
+        gpu,
+        seq,
+        attention,
+        dropout,
+        activation_model,
+        device,
+        keep_logits,
+        framework,
+        moe_imbalance,
+        moe_dispatcher,
+        moe_grouped_gemm,
+        None if fused_ops is None else tuple(fused_ops),
     )
+    stages = list(range(layout.pp))
     return make_bill(
         spec,
         spec.n_params,
-        terms.terms(layout, batch_size, recompute, grad_accum, persistent_grads),
+        terms.terms(layout, batch_size, recompute, grad_accum, persistent_grads, stages),
+        stages,
         layout=layout,
         training=training,
         gpu=gpu,
+        framework=framework,
         cluster_model_state_bytes=terms.cluster_model_states(),
         inputs={
             "batch_size": batch_size,
@@ -330,6 +486,13 @@ def estimate_preset(
             "device": device,
             "precision": training.precision,
             "optimizer": training.optimizer,
+            "framework": framework,
+            "fused_ops": tuple(sorted(terms.fused)),
+            **(
+                {"moe_imbalance": moe_imbalance, "moe_dispatcher": moe_dispatcher}
+                if spec.is_moe
+                else {}
+            ),
         },
         sources=inputs.sources(
             seq_source=seq_source,

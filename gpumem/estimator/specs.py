@@ -47,6 +47,26 @@ class ModelSpec:
     qkv_bias: bool = False
     n_experts: int = 0  # 0: dense MLP
     top_k: int = 0
+    # MoE structure (Qwen2-MoE, DeepSeek-V2/V3): dense first layers, shared experts
+    first_k_dense: int = 0  # the first k layers keep a dense MLP of dense_ffn
+    dense_ffn: int = 0  # 0: = ffn
+    n_shared_experts: int = 0
+    shared_ffn: int = 0  # intermediate size of all shared experts together
+    shared_gate: bool = False  # Qwen2-MoE: sigmoid(Linear(h, 1)) scales the shared expert
+    # multi-head latent attention (DeepSeek-V2/V3); kv_lora_rank > 0 turns it on
+    q_lora_rank: int = 0  # 0: a plain q projection
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+    # implementation conventions: "" = gpumem.models (the reference modules), "hf" = Hugging Face
+    # transformers (config.json); family = the config's model_type
+    impl: str = ""
+    family: str = ""
+    norms_per_layer: int = 2  # Gemma2/3: pre- and post-norms around attention and MLP
+    qk_norm: bool = False  # Qwen3 / Gemma3: RMSNorm of q and k per head
+    mlp_act: str = ""  # "" (the arch's: gelu / swiglu), "geglu" (Gemma: gelu_tanh(gate) * up)
+    pdrop: float = 0.0  # GPT-2's resid/embd/attn dropout from config.json
     # vision
     image_size: int = 224
     patch: int = 16
@@ -73,6 +93,34 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.n_experts > 0
+
+    @property
+    def moe_ffn(self) -> int:
+        """Intermediate size of one routed expert."""
+        return self.ffn
+
+    @property
+    def dense_layer_ffn(self) -> int:
+        """Intermediate size of a dense layer's MLP (first-k dense layers of an MoE)."""
+        return self.dense_ffn or self.ffn
+
+    @property
+    def n_dense_layers(self) -> int:
+        """Layers with a dense MLP: all of them, or an MoE's first k."""
+        return self.n_layers if not self.is_moe else min(self.first_k_dense, self.n_layers)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def is_hf(self) -> bool:
+        return self.impl == "hf"
+
+    @property
+    def gated(self) -> bool:
+        """The MLP multiplies two up projections (SwiGLU, GeGLU)."""
+        return self.arch == "llama"
 
     @property
     def is_decoder(self) -> bool:
@@ -129,6 +177,17 @@ def _validate(s: ModelSpec) -> None:
         raise ValueError(
             f"model {s.name!r}: top_k must be in 1..n_experts={s.n_experts}, got {s.top_k}"
         )
+    if s.first_k_dense and not s.n_experts:
+        raise ValueError(f"model {s.name!r}: first_k_dense needs experts (n_experts > 0)")
+    if s.n_shared_experts and not s.shared_ffn:
+        raise ValueError(
+            f"model {s.name!r}: {s.n_shared_experts} shared experts need their size (shared_ffn)"
+        )
+    if s.is_mla and not (s.qk_nope_dim and s.qk_rope_dim and s.v_head_dim):
+        raise ValueError(
+            f"model {s.name!r}: multi-head latent attention (kv_lora_rank) needs qk_nope_dim, "
+            "qk_rope_dim and v_head_dim"
+        )
 
 
 # --- parameter groups --------------------------------------------------------------------
@@ -157,6 +216,9 @@ class ParamGroups:
     head_rep: int
     largest_tensor: int
     step_scratch: int = 0
+    n_dense: int = 0  # an MoE's first dense layers (layer_* describe the MoE layers)
+    dense_tp: int = 0
+    dense_rep: int = 0
 
     @property
     def per_layer(self) -> int:
@@ -165,7 +227,8 @@ class ParamGroups:
     @property
     def total(self) -> int:
         return (
-            self.n_layers * self.per_layer
+            (self.n_layers - self.n_dense) * self.per_layer
+            + self.n_dense * (self.dense_tp + self.dense_rep)
             + self.embed_tp
             + self.embed_rep
             + self.head_tp
@@ -173,27 +236,57 @@ class ParamGroups:
         )
 
 
+def attention_params(s: ModelSpec) -> tuple[int, int]:
+    """(tensor-parallel, replicated) parameters of one layer's attention and its norms."""
+    h, a, g, d = s.hidden, s.n_heads, s.kv_heads, s.dhead
+    q, kv = a * d, g * d
+    rep = s.norms_per_layer * h if s.arch == "llama" else 4 * h
+    if s.is_mla:  # down projections (and their norms) replicate, as in Megatron's MLA
+        qk = s.qk_nope_dim + s.qk_rope_dim
+        if s.q_lora_rank:
+            rep += h * s.q_lora_rank + s.q_lora_rank
+            tp = s.q_lora_rank * a * qk
+        else:
+            tp = h * a * qk
+        rep += h * (s.kv_lora_rank + s.qk_rope_dim) + s.kv_lora_rank
+        tp += s.kv_lora_rank * a * (s.qk_nope_dim + s.v_head_dim) + a * s.v_head_dim * h
+        return tp, rep
+    if s.arch == "llama":  # bias-free projections (Qwen2: biased q/k/v)
+        tp = h * (q + 2 * kv) + (q + 2 * kv if s.qkv_bias else 0) + q * h
+        if s.qk_norm:
+            rep += 2 * d
+        return tp, rep
+    # gpt2 / vit: biased qkv and out; the row-parallel out bias replicates
+    return h * (q + 2 * kv) + (q + 2 * kv) + q * h, rep + h
+
+
+def mlp_params(s: ModelSpec, f: int) -> tuple[int, int]:
+    """(tensor-parallel, replicated) parameters of one MLP of intermediate size ``f``."""
+    if s.gated:
+        return 3 * s.hidden * f, 0
+    return s.hidden * f + f + f * s.hidden, s.hidden
+
+
 def param_groups(s: ModelSpec) -> ParamGroups:
     """Exact parameter counts of the reference implementation of ``s``, in parallelism buckets."""
     if s.arch == "resnet":
         return _resnet_groups(s)
-    h, a, g, d, f = s.hidden, s.n_heads, s.kv_heads, s.dhead, s.ffn
+    h, a, g, d = s.hidden, s.n_heads, s.kv_heads, s.dhead
     q, kv = a * d, g * d
-    if s.arch == "llama":  # bias-free projections (Qwen2: biased q/k/v), SwiGLU, 2 RMSNorms
-        attn_tp = h * (q + 2 * kv) + (q + 2 * kv if s.qkv_bias else 0) + q * h
-        mlp_tp, mlp_rep = 3 * h * f, 0
-        rep = 2 * h
-    else:  # gpt2 / vit: biased qkv, out, fc, proj; 2 LayerNorms. Row-parallel biases replicate.
-        attn_tp = h * (q + 2 * kv) + (q + 2 * kv) + q * h
-        mlp_tp, mlp_rep = h * f + f + f * h, h
-        rep = 4 * h + h
-    largest = max(h * (q + 2 * kv), h * f, s.vocab * h)
-    if s.is_moe:  # routed experts (EP-sharded) and a replicated router, as Megatron does
-        tp_layer, expert = attn_tp, s.n_experts * (mlp_tp + mlp_rep)
-        rep += h * s.n_experts
+    attn_tp, attn_rep = attention_params(s)
+    dense_tp, dense_rep = mlp_params(s, s.dense_layer_ffn)
+    largest = max(h * (q + 2 * kv), h * s.dense_layer_ffn, s.vocab * h)
+    if s.is_moe:  # routed experts (EP-sharded), a replicated router, TP-split shared experts
+        e_tp, e_rep = mlp_params(s, s.moe_ffn)
+        expert = s.n_experts * (e_tp + e_rep)
+        shared_tp = mlp_params(s, s.shared_ffn)[0] if s.n_shared_experts else 0
+        tp_layer = attn_tp + shared_tp
+        rep = attn_rep + h * s.n_experts + (h if s.shared_gate else 0)
+        # Hugging Face stores all experts of a layer in one 3-D gate_up tensor
+        largest = max(largest, (s.n_experts if s.is_hf else 1) * 2 * h * s.moe_ffn)
     else:
-        tp_layer, expert = attn_tp + mlp_tp, 0
-        rep += mlp_rep
+        tp_layer, expert, rep = attn_tp + dense_tp, 0, attn_rep + dense_rep
+    n_dense = s.n_dense_layers if s.is_moe else 0
     if s.arch == "llama":
         embed_tp, embed_rep = s.vocab * h, 0
         head_rep = h  # final RMSNorm
@@ -207,7 +300,7 @@ def param_groups(s: ModelSpec) -> ParamGroups:
         embed_rep = s.channels * s.patch * s.patch * h + h + h + s.n_tokens_per_sample * h
         head_rep = 2 * h + h * s.n_classes + s.n_classes
         head_tp = 0
-        largest = max(h * (q + 2 * kv), h * f, h * s.n_classes)
+        largest = max(h * (q + 2 * kv), h * s.ffn, h * s.n_classes)
     return ParamGroups(
         n_layers=s.n_layers,
         layer_tp=tp_layer,
@@ -219,6 +312,9 @@ def param_groups(s: ModelSpec) -> ParamGroups:
         head_rep=head_rep,
         largest_tensor=largest,
         step_scratch=_step_scratch(s, largest),
+        n_dense=n_dense,
+        dense_tp=attn_tp + dense_tp,
+        dense_rep=attn_rep + dense_rep,
     )
 
 
@@ -538,13 +634,34 @@ _HF_ARCH = {
     "mixtral": "llama",
     "qwen2": "llama",
     "qwen2_moe": "llama",
+    "qwen3": "llama",
+    "qwen3_moe": "llama",
+    "phi3": "llama",
+    "gemma": "llama",
+    "gemma2": "llama",
+    "gemma3_text": "llama",
+    "deepseek_v2": "llama",
+    "deepseek_v3": "llama",
     "gpt2": "gpt2",
 }
+# the fields that say how tokens are routed, per MoE family
+_ROUTER_FIELDS = {
+    "mixtral": ("num_local_experts", "num_experts_per_tok"),
+    "qwen2_moe": ("num_experts", "num_experts_per_tok"),
+    "qwen3_moe": ("num_experts", "num_experts_per_tok"),
+    "deepseek_v2": ("n_routed_experts", "num_experts_per_tok"),
+    "deepseek_v3": ("n_routed_experts", "num_experts_per_tok"),
+}
+# defaults of the transformers config classes for fields a config.json may leave out
+_TIED_DEFAULT = {"gemma": True, "gemma2": True, "gemma3_text": True}
 HF_FAMILIES = tuple(_HF_ARCH)  # the config.json model_types this module reads
 
 
 def from_hf_config(config: dict[str, Any], name: str = "config.json") -> ModelSpec:
-    """A ModelSpec from a Hugging Face ``config.json`` (llama/mistral/mixtral/qwen2/gpt2 names).
+    """A ModelSpec from a Hugging Face ``config.json``: Llama, Mistral, Qwen2/3, Phi-3,
+    Gemma/Gemma2/Gemma3, GPT-2, and the MoE families Mixtral, Qwen2-MoE/Qwen3-MoE and
+    DeepSeek-V2/V3 (dense first layers, shared experts, multi-head latent attention). The spec
+    follows transformers' implementation (``impl="hf"``, see ``hf_ops.py``).
 
     Raises:
         ValueError: naming the missing or malformed field.
@@ -561,18 +678,27 @@ def from_hf_config(config: dict[str, Any], name: str = "config.json") -> ModelSp
 
     def need(*keys: str) -> int:
         for k in keys:
-            if k in config:
+            if k in config and config[k] is not None:
                 v = config[k]
                 if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                     raise ValueError(f"{name}: field {k!r} must be a positive integer, got {v!r}")
                 return v
         raise ValueError(f"{name}: missing field {keys[0]!r} (model_type {mtype!r})")
 
+    def opt(key: str, default: int = 0) -> int:
+        v = config.get(key)
+        if v is None:
+            return default
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{name}: field {key!r} must be a non-negative integer, got {v!r}")
+        return v
+
+    label = config.get("_name_or_path") or name
     if _HF_ARCH[mtype] == "gpt2":
         h = need("n_embd", "hidden_size")
         inner = config.get("n_inner")
         return ModelSpec(
-            name=config.get("_name_or_path") or name,
+            name=label,
             arch="gpt2",
             n_layers=need("n_layer", "num_hidden_layers"),
             hidden=h,
@@ -582,26 +708,72 @@ def from_hf_config(config: dict[str, Any], name: str = "config.json") -> ModelSp
             max_seq=need("n_positions", "max_position_embeddings"),
             tied_embeddings=bool(config.get("tie_word_embeddings", True)),
             source=name,
+            impl="hf",
+            family="gpt2",
         )
-    n_experts = config.get("num_local_experts", config.get("num_experts", 0)) or 0
+    moe = {}
+    if mtype in _ROUTER_FIELDS:
+        experts_key, topk_key = _ROUTER_FIELDS[mtype]
+        missing = [k for k in (experts_key, topk_key) if not config.get(k)]
+        if missing:
+            raise ValueError(
+                f"{name}: model_type {mtype!r} is a mixture of experts but the router field(s) "
+                f"{', '.join(map(repr, missing))} are missing or 0: give the number of experts "
+                f"({experts_key!r}) and the experts per token ({topk_key!r})"
+            )
+        moe["n_experts"] = need(experts_key)
+        moe["top_k"] = need(topk_key)
+        if mtype.startswith("deepseek"):
+            moe["first_k_dense"] = opt("first_k_dense_replace")
+            moe["dense_ffn"] = need("intermediate_size")
+            n_shared = opt("n_shared_experts")
+            moe["n_shared_experts"] = n_shared
+            moe["shared_ffn"] = n_shared * need("moe_intermediate_size")
+        elif mtype == "qwen2_moe":
+            shared = opt("shared_expert_intermediate_size")
+            moe["n_shared_experts"] = 1 if shared else 0
+            moe["shared_ffn"] = shared
+            moe["shared_gate"] = bool(shared)
+        step, only = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers") or []
+        if step not in (None, 1) or only:
+            raise ValueError(
+                f"{name}: decoder_sparse_step={step!r} / mlp_only_layers={only!r}: interleaved "
+                "dense and MoE layers are not modelled (only the first k layers dense)"
+            )
+    ffn = need("moe_intermediate_size") if mtype in ("qwen2_moe", "qwen3_moe") else None
+    if mtype.startswith("deepseek"):
+        ffn = need("moe_intermediate_size")
+    mla = {}
+    if mtype.startswith("deepseek") and config.get("kv_lora_rank"):
+        mla = {
+            "q_lora_rank": opt("q_lora_rank"),
+            "kv_lora_rank": need("kv_lora_rank"),
+            "qk_nope_dim": need("qk_nope_head_dim"),
+            "qk_rope_dim": need("qk_rope_head_dim"),
+            "v_head_dim": need("v_head_dim"),
+        }
+    gemma = mtype.startswith("gemma")
     return ModelSpec(
-        name=config.get("_name_or_path") or name,
+        name=label,
         arch="llama",
         n_layers=need("num_hidden_layers"),
         hidden=need("hidden_size"),
         n_heads=need("num_attention_heads"),
         n_kv_heads=config.get("num_key_value_heads") or None,
         head_dim=config.get("head_dim") or None,
-        ffn=need("moe_intermediate_size", "intermediate_size")
-        if mtype == "qwen2_moe"
-        else need("intermediate_size"),
+        ffn=ffn or need("intermediate_size"),
         vocab=need("vocab_size"),
-        max_seq=config.get("max_position_embeddings", 4096),
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=mtype.startswith("qwen2") or bool(config.get("attention_bias", False)),
-        n_experts=int(n_experts),
-        top_k=int(config.get("num_experts_per_tok", 0) or 0) if n_experts else 0,
+        max_seq=config.get("max_position_embeddings") or 4096,
+        tied_embeddings=bool(config.get("tie_word_embeddings", _TIED_DEFAULT.get(mtype, False))),
+        qkv_bias=mtype in ("qwen2", "qwen2_moe") or bool(config.get("attention_bias", False)),
         source=name,
+        impl="hf",
+        family=mtype,
+        norms_per_layer=4 if mtype in ("gemma2", "gemma3_text") else 2,
+        qk_norm=mtype in ("qwen3", "qwen3_moe", "gemma3_text"),
+        mlp_act="geglu" if gemma else "",
+        **moe,
+        **mla,
     )
 
 
@@ -722,4 +894,5 @@ def from_model_config(cfg: Any) -> ModelSpec:
         n_classes=cfg.num_classes,
         source="gpumem.models",
         buffer_bytes=rope,
+        family=cfg.arch,
     )

@@ -9,19 +9,37 @@ CUDA reserve. ``peak.assemble`` turns the terms into the bill's categories.
 
 from __future__ import annotations
 
+import functools
+
 from gpumem.estimator import peak
+from gpumem.estimator.frameworks import communication_bytes
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.states import Training
 
 RECOMPUTE = ("none", "selective", "full")
-DEEPSPEED_BUCKET = 500_000_000  # reduce_bucket_size / allgather_bucket_size default (elements)
 
 
 def split_layers(n_layers: int, pp: int) -> list[int]:
     """Layers per pipeline stage; the remainder of an uneven split goes to the first stages."""
     base, extra = divmod(n_layers, pp)
     return [base + (1 if i < extra else 0) for i in range(pp)]
+
+
+@functools.lru_cache(maxsize=256)
+def stage_chunks(n_layers: int, pp: int, vpp: int = 1) -> list[list[range]]:
+    """The layers each pipeline rank holds, as ranges of layer indices (lazy: a billion layers
+    cost nothing): one contiguous block per rank (``split_layers``), or under interleaving
+    ``vpp`` chunks per rank assigned round robin (rank r holds chunks r, r + pp, ...), as
+    Megatron does."""
+    if vpp == 1:
+        out, start = [], 0
+        for n in split_layers(n_layers, pp):
+            out.append([range(start, start + n)])
+            start += n
+        return out
+    chunk = n_layers // (pp * vpp)
+    return [[range(c * chunk, (c + 1) * chunk) for c in range(r, pp * vpp, pp)] for r in range(pp)]
 
 
 def grads_persist(layout: Layout, grad_accum: int, persistent_grads: bool | None) -> bool:
@@ -33,11 +51,24 @@ def grads_persist(layout: Layout, grad_accum: int, persistent_grads: bool | None
 
 
 def inflight(layout: Layout, grad_accum: int, stage: int) -> float:
-    """Micro-batches whose activations a pipeline stage holds at the start of backward (1F1B:
-    ``pp - stage``, at most the micro-batches per step; interleaving adds ``(pp-1)/(pp·vpp)``)."""
-    pp = layout.pp
-    interleave = 1 + (pp - 1) / (pp * layout.vpp) if layout.vpp > 1 else 1.0
-    return (min(grad_accum, pp - stage) if pp > 1 else 1) * interleave
+    """Micro-batches' worth of a stage's activations that pipeline rank ``stage`` holds when its
+    first backward starts, in units of the whole stage (all its virtual chunks).
+
+    Megatron-core's schedules (``schedules.py``): 1F1B runs ``pp - stage - 1`` warm-up forwards,
+    so ``pp - stage`` micro-batches are in flight; the interleaved schedule runs
+    ``(pp - stage - 1) · 2 + (vpp - 1) · pp`` warm-up forwards of model chunks (each
+    ``1/vpp`` of the stage), so ``that + 1`` chunks are in flight. Both are capped by the
+    micro-batches (chunks) of the step. Rank 0 of the interleaved schedule gives Korthikanti's
+    ``1 + (pp-1)/(pp·vpp)`` factor; the last rank holds ``((vpp-1)·pp + 1)/vpp`` stages' worth,
+    not 1F1B's single micro-batch.
+    """
+    pp, v = layout.pp, layout.vpp
+    if pp == 1:
+        return 1.0
+    if v == 1:
+        return float(min(grad_accum, pp - stage))
+    chunks = (pp - stage - 1) * 2 + (v - 1) * pp + 1
+    return min(chunks, grad_accum * v) / v
 
 
 def job_terms(
@@ -51,14 +82,19 @@ def job_terms(
     layer_params: float,
     scratch: float,
     persist: bool,
+    framework: str,
+    layer_comm: float = 0.0,
 ) -> None:
     """Fill the peak terms every model shares: state bytes and sharding, the optimizer step's
-    temporaries, ZeRO/FSDP communication buffers, and the CUDA reserve.
+    temporaries, the framework's communication buffers, and the CUDA reserve.
 
     Args:
         trainable: trainable parameters on this rank before ZeRO sharding.
         layer_params: parameters of one layer (what ZeRO-3/FSDP gathers at once).
         scratch: elements a per-tensor optimizer step holds at once.
+        framework: whose buffer conventions (``frameworks.py``).
+        layer_comm: per-layer communication buffers of forward and backward besides sharding
+            (context parallelism's KV exchange, MoE token dispatch).
     """
     x[peak.W_BYTES], x[peak.W_FROZEN_BYTES] = tr.weight_bytes, tr.frozen_weight_bytes
     x[peak.G_BYTES], x[peak.O_BYTES] = tr.grad_bytes, tr.optimizer_bytes
@@ -67,10 +103,15 @@ def job_terms(
     x[peak.STAGE] = layout.stage
     opt_shard = x[peak.N_SHARD] if layout.stage >= 1 else 1
     x[peak.T_STEP] = tr.step_temp_bytes(int(trainable / opt_shard), int(scratch), cuda)
-    if layout.stage >= 3:  # all-gather of a layer + prefetch of the next, reduce-scatter
-        x[peak.GATHER] = layer_params * (2 * tr.weight_bytes + tr.grad_bytes)
-    elif layout.stage in (1, 2):  # DeepSpeed's reduce and all-gather buckets
-        x[peak.COMM] = min(DEEPSPEED_BUCKET, trainable) * (tr.grad_bytes + tr.weight_bytes)
+    steady, gathered = communication_bytes(
+        framework,
+        layout,
+        trainable=trainable,
+        layer_params=layer_params,
+        weight_bytes=tr.weight_bytes,
+        grad_bytes=tr.grad_bytes,
+    )
+    x[peak.COMM], x[peak.GATHER] = steady, gathered + layer_comm
     x[peak.G_PERSIST] = 1.0 if persist else 0.0
     if cuda:
         x[peak.CONTEXT] = gpu.context_bytes

@@ -80,8 +80,8 @@ class Comparison:
         return 100.0 * (self.estimated["total"] - self.measured_peak) / self.measured_peak
 
 
-def estimate_case(case: Case) -> Bill:
-    """The estimator's bill for ``case`` on the CPU (no CUDA context, allocator or NCCL)."""
+def estimate_case(case: Case, device: str = "cpu") -> Bill:
+    """The estimator's bill for ``case`` (on the CPU: no CUDA context, allocator or NCCL)."""
     from gpumem.models import get_config
 
     cfg = get_config(case.arch, "tiny", **case.overrides)
@@ -91,7 +91,7 @@ def estimate_case(case: Case) -> Bill:
         seq_len=case.seq,
         precision=case.precision,
         optimizer=case.optimizer,
-        device="cpu",
+        device=device,
         attention="sdpa",
         keep_logits=True,
         persistent_grads=False,
@@ -101,8 +101,9 @@ def estimate_case(case: Case) -> Bill:
     )
 
 
-def compare(case: Case, seed: int = 0) -> Comparison:
-    """Train ``case`` for real on the CPU under ``gpumem.profile`` and estimate it."""
+def compare(case: Case, seed: int = 0, device: str = "cpu") -> Comparison:
+    """Train ``case`` for real (on the CPU, or ``device="cuda"``) under ``gpumem.profile`` and
+    estimate it."""
     import torch
     import torch.nn.functional as F
 
@@ -111,14 +112,14 @@ def compare(case: Case, seed: int = 0) -> Comparison:
 
     torch.manual_seed(seed)
     cfg = get_config(case.arch, "tiny", **case.overrides)
-    model = build_model(cfg).train()
+    model = build_model(cfg).train().to(device)
     model.gradient_checkpointing = case.recompute
     opt = _optimizer(case, model.parameters())
-    ids, targets = example_batch(cfg, case.batch, case.seq)
+    ids, targets = (t.to(device) for t in example_batch(cfg, case.batch, case.seq))
     imbalance = _routing_imbalance(model, ids) if cfg.num_experts else None
     with gpumem.profile(model, optimizer=opt) as prof:
         for _ in range(case.steps):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.autocast):
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=case.autocast):
                 logits = model(ids)
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
             loss.backward()
@@ -127,7 +128,7 @@ def compare(case: Case, seed: int = 0) -> Comparison:
     rep = prof.report()
     if cfg.num_experts:  # routing after the steps too: report the worse of the two
         imbalance = max(imbalance or 0.0, _routing_imbalance(model, ids))
-    bill = estimate_case(case)
+    bill = estimate_case(case, device)
     return Comparison(
         case=case,
         measured_peak=rep.peak_bytes,
@@ -174,3 +175,194 @@ def _routing_imbalance(model: Any, ids: Any) -> float:
         for h in handles:
             h.remove()
     return max(float(c.max() / c.mean()) for c in counts)
+
+
+# --- Hugging Face models from config.json, under fake tensors --------------------------------
+
+HF_PRECISIONS = ("fp32", "bf16-autocast", "bf16")
+_TINY = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+    "max_position_embeddings": 256,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+HF_SWEEP: dict[str, dict[str, Any]] = {
+    "gpt2": {
+        "model_type": "gpt2",
+        "n_embd": 64,
+        "n_layer": 2,
+        "n_head": 4,
+        "vocab_size": 256,
+        "n_positions": 256,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "llama": {"model_type": "llama", **_TINY},
+    "mistral": {"model_type": "mistral", **_TINY},
+    "qwen2": {"model_type": "qwen2", **_TINY},
+    "gemma": {"model_type": "gemma", **_TINY, "head_dim": 16},
+    "gemma2": {"model_type": "gemma2", **_TINY, "head_dim": 16},
+    "gemma3": {"model_type": "gemma3_text", **_TINY, "head_dim": 16},
+    "phi3": {"model_type": "phi3", **_TINY},
+    "mixtral": {"model_type": "mixtral", **_TINY, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2-moe": {
+        "model_type": "qwen2_moe",
+        **_TINY,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64,
+    },
+    "deepseek-v3": {
+        "model_type": "deepseek_v3",
+        **_TINY,
+        "num_key_value_heads": 4,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_group": 1,
+        "topk_group": 1,
+    },
+}
+"""Small random-init configs of every family the estimator reads from config.json (the sweep
+of tests/estimator/test_hf_sweep.py and benchmarks/bench_hf_sweep.py)."""
+
+
+def within_tolerance(measured: int, estimated: int) -> bool:
+    """The sweep's bound: 3 % of the measured bytes or 64 KiB, whichever is larger."""
+    return abs(estimated - measured) <= max(65536, 0.03 * measured)
+
+
+@dataclass(frozen=True)
+class HFCase:
+    """A transformers model built from a (small) ``config.json`` dict, one training step pair
+    profiled under ``gpumem.fake()`` and estimated from the same dict.
+
+    Attributes:
+        name: label for tables.
+        config: the config.json fields (``model_type`` included).
+        precision: ``fp32``, ``bf16-autocast`` (fp32 weights, torch.autocast) or ``bf16``.
+        recompute: ``model.gradient_checkpointing_enable()`` (every layer; ``recompute="full"``).
+    """
+
+    name: str
+    config: dict[str, Any]
+    precision: str = "fp32"
+    recompute: bool = False
+    batch: int = 2
+    seq: int = 64
+    reference: str = "fake"
+    """``fake``: profiled under fake tensors; ``real``: trained for real on the CPU (the same
+    numbers, except where a fake kernel's decomposition allocates what the real kernel does
+    not: SDPA's CPU backward, see benchmarks/results/hf_sweep.md)."""
+
+
+def estimate_hf_case(case: HFCase, device: str = "cpu") -> Bill:
+    """The estimator's bill for ``case``, from the config dict alone."""
+    return estimate(
+        dict(case.config),
+        batch_size=case.batch,
+        seq_len=case.seq,
+        precision=case.precision,
+        optimizer="adamw",
+        device=device,
+        attention="sdpa",
+        keep_logits=True,
+        persistent_grads=False,
+        recompute="full" if case.recompute else "none",
+        gpu_memory=2**40,
+    )
+
+
+def compare_hf(case: HFCase, device: str = "cpu") -> Comparison:
+    """Build ``case``'s transformers model under fake tensors (for real with
+    ``device="cuda"``), profile two AdamW steps of the loop above, and estimate the same job
+    from the config."""
+    import contextlib
+
+    import torch
+    import torch.nn.functional as F
+    import transformers
+
+    import gpumem
+
+    cfg = dict(case.config)
+    mtype = cfg.pop("model_type")
+    config = transformers.AutoConfig.for_model(mtype, **cfg)
+    config._attn_implementation = "sdpa"
+    kwargs = {"experts_implementation": "grouped_mm"} if _is_moe_config(mtype) else {}
+    dtype = torch.bfloat16 if case.precision == "bf16" else torch.float32
+    use_fake = device == "cpu" and case.reference == "fake"
+    fake = gpumem.fake() if use_fake else contextlib.nullcontext()
+    torch.manual_seed(0)
+    with fake, _grouped_mm_any_dtype():
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+        if device != "cpu":
+            model = model.to(device)
+        model.train()
+        if case.recompute:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids = torch.randint(0, config.vocab_size, (case.batch, case.seq), device=device)
+        autocast = case.precision == "bf16-autocast"
+        with gpumem.profile(model, optimizer=opt) as prof:
+            for _ in range(2):
+                with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+                    logits = model(ids).logits
+                    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1))
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        rep = prof.report()
+    bill = estimate_hf_case(case, device)
+    return Comparison(
+        case=case,  # type: ignore[arg-type]
+        measured_peak=rep.peak_bytes,
+        measured=dict(rep.at_peak),
+        measured_phase=rep.peak_phase,
+        measured_step=rep.peak_step,
+        bill=bill,
+        estimated=bill.profiler_categories(tuple(rep.at_peak)),
+        assumptions=list(rep.assumptions),
+    )
+
+
+def _is_moe_config(mtype: str) -> bool:
+    return mtype in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+
+
+def _grouped_mm_any_dtype() -> Any:
+    """transformers picks ``torch._grouped_mm`` for experts on CPU, whose fake kernel accepts
+    bf16 only; its own fallback op (same saved tensors: the input and the weights) runs any
+    dtype. Patched for the duration of the pass."""
+    import contextlib
+    from unittest import mock
+
+    import torch
+
+    try:
+        import transformers.integrations.moe as moe
+    except ImportError:
+        return contextlib.nullcontext()
+    original = moe._can_use_grouped_mm
+    return mock.patch.object(
+        moe,
+        "_can_use_grouped_mm",
+        lambda i, w, o: w.dtype == torch.bfloat16 and original(i, w, o),
+    )

@@ -34,11 +34,13 @@ from typing import Any
 
 import numpy as np
 
-from gpumem.calibrate.calibration import Calibration, as_calibration
+from gpumem.calibrate.calibration import Calibration, split_calibration
+from gpumem.calibrate.memory import category_scales
 from gpumem.estimator import inputs as job_inputs
 from gpumem.estimator import peak
 from gpumem.estimator.api import estimate
 from gpumem.estimator.bill import Bill
+from gpumem.estimator.frameworks import default_grads, resolve_framework
 from gpumem.estimator.gpus import GPU, find_gpu
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.preset import PresetTerms
@@ -232,6 +234,32 @@ def sweep(terms: np.ndarray, owner: np.ndarray, n_configs: int) -> np.ndarray:
     return _kernels()(terms, owner, n_configs)
 
 
+NUMBA_FROM_ROWS = 50_000
+"""Below this many term rows the pure-Python ``assemble`` (tens of thousands of rows per
+second) finishes before numba would have loaded its cached kernel (~1 s of imports and
+registry set-up in a fresh process): a single `gpumem plan` stays well under a second."""
+
+
+def evaluate(rows: list[list[float]], owner: list[int], n_configs: int) -> np.ndarray:
+    """``sweep`` of the rows: the numba kernel for large sweeps, the same function in Python
+    for small ones (identical results: one formula)."""
+    if len(rows) >= NUMBA_FROM_ROWS:
+        return sweep(
+            np.asarray(rows, dtype=np.float64), np.asarray(owner, dtype=np.int64), n_configs
+        )
+    out = np.zeros((n_configs, peak.N_OUT), dtype=np.int64)
+    best = [-1] * n_configs
+    for x, c in zip(rows, owner, strict=True):
+        res = peak.assemble(x)
+        if res[peak.OUT_TOTAL] > best[c]:
+            best[c] = res[peak.OUT_TOTAL]
+            out[c] = res
+    return out
+
+
+LONG_CONTEXT = 32768  # from this many tokens per sample on, the sweep adds context parallelism
+
+
 def plan(
     model: Any,
     *,
@@ -246,6 +274,8 @@ def plan(
     recompute: tuple[str, ...] = ("none", "selective", "full"),
     zero: tuple[int, ...] = (0, 1, 2, 3),
     max_tp: int | None = None,
+    framework: str | None = None,
+    context_parallel: tuple[int, ...] | None = None,
     calibration: Any = None,
     progress: Any = None,
     **estimate_kwargs: Any,
@@ -256,15 +286,21 @@ def plan(
         global_batch: sequences per optimizer step (default max(n_gpus, 256)); layouts whose
             dp × micro-batch does not divide it are skipped.
         max_tp: largest tensor-parallel degree (default: GPUs per node).
+        framework: whose buffer conventions (default: each layout's, see
+            ``gpumem.estimate``); layouts the framework cannot run are skipped.
+        context_parallel: cp degrees to try (default: 1, and for sequences of at least 32k
+            tokens also 2, 4, 8, 16 where they divide the GPUs: long contexts run that way).
         calibration: a ``gpumem.Calibration`` or a calibration.json path: the GPU gets the
-            measured reserve, and :meth:`PlanResult.economics` the measured checkpoint times.
+            measured reserve, :meth:`PlanResult.economics` the measured checkpoint times, and
+            with a ``memory`` section (``gpumem calibrate --memory``) the sweep scales each
+            category by the fitted coefficients and :meth:`PlanResult.bill` is calibrated.
         progress: called as ``progress(done, total)`` while layouts are enumerated (a CLI
             progress bar).
         estimate_kwargs: passed to the estimator (grads, attention, lora_rank, ...).
     """
     t0 = time.perf_counter()
     spec = resolve_model(model)
-    cal = as_calibration(calibration)
+    cal, mem = split_calibration(calibration)
     g = gpu if isinstance(gpu, GPU) else find_gpu(gpu, gpu_memory)
     if cal is not None:
         g = cal.apply_to(g)
@@ -273,15 +309,34 @@ def plan(
     if global_batch is not None and (not isinstance(global_batch, int) or global_batch <= 0):
         raise ValueError(f"global_batch must be a positive integer, got {global_batch!r}")
     gb = global_batch or max(n_gpus, 256)
-    training = Training(
-        precision,
-        optimizer,
-        estimate_kwargs.get("grads", "compute"),
-        estimate_kwargs.get("offload_optimizer", False),
-        estimate_kwargs.get("lora_rank", 0),
-        estimate_kwargs.get("base_quant"),
-    )
+    if framework is not None:
+        resolve_framework(framework, Layout())  # an unknown name fails here, once
     seq, seq_source = job_inputs.seq_len(spec, seq_len)
+    if context_parallel is None:
+        context_parallel = (1, 2, 4, 8, 16) if spec.is_decoder and seq >= LONG_CONTEXT else (1,)
+    scale = category_scales(mem, spec, "cuda") if mem is not None else None
+    job_kw = {
+        k: v for k, v in estimate_kwargs.items() if k in ("attention", "dropout", "keep_logits")
+    }
+    jobs: dict[str, PresetTerms] = {}
+
+    def job_for(fw: str) -> PresetTerms:
+        if fw not in jobs:
+            grads = estimate_kwargs.get("grads") or default_grads(
+                fw, Training(precision).master_bytes > 0
+            )
+            training = Training(
+                precision,
+                optimizer,
+                grads,
+                estimate_kwargs.get("offload_optimizer", False),
+                estimate_kwargs.get("lora_rank", 0),
+                estimate_kwargs.get("base_quant"),
+            )
+            jobs[fw] = PresetTerms(spec, training, g, seq, framework=fw, **job_kw)
+        return jobs[fw]
+
+    training = job_for(resolve_framework(framework, Layout())).training
     shown = {
         "seq_len": (seq, seq_source),
         "global_batch": (gb, "given" if global_batch else "default: max(GPUs, 256)"),
@@ -296,62 +351,80 @@ def plan(
         "sources": {k: s for k, (_, s) in shown.items()},
         "calibration": cal,
     }
-    job = PresetTerms(
-        spec,
-        training,
-        g,
-        seq,
-        **{
-            k: v for k, v in estimate_kwargs.items() if k in ("attention", "dropout", "keep_logits")
-        },
+    # the bill of a candidate: the GPU above already carries the reserve; the memory fit rides
+    bill_kwargs = dict(
+        precision=precision,
+        optimizer=optimizer,
+        seq_len=seq_len,
+        framework=framework,
+        calibration=mem,
+        **estimate_kwargs,
     )
-    bill_kwargs = dict(precision=precision, optimizer=optimizer, seq_len=seq_len, **estimate_kwargs)
     configs, rows, owner = [], [], []
     tp_cap = max_tp or g.gpus_per_node
-    pairs = [
-        (tp, pp)
-        for tp, pp in itertools.product(_divisors(n_gpus), repeat=2)
-        if tp <= tp_cap and not n_gpus % (tp * pp)
+    grid = [
+        (tp, pp, cp)
+        for tp, pp, cp in itertools.product(_divisors(n_gpus), _divisors(n_gpus), context_parallel)
+        if tp <= tp_cap and not n_gpus % (tp * pp * cp)
     ]
-    for i, (tp, pp) in enumerate(pairs):
+    for i, (tp, pp, cp) in enumerate(grid):
         if progress is not None:
-            progress(i, len(pairs))
-        dp = n_gpus // (tp * pp)
+            progress(i, len(grid))
+        dp = n_gpus // (tp * pp * cp)
+        eps = [e for e in _divisors(dp * cp * tp) if e <= spec.n_experts] if spec.is_moe else [1]
         for ep, z, sp, mb, rc in itertools.product(
-            _divisors(dp) if spec.is_moe else [1], zero, (False, True), micro_batches, recompute
+            eps, zero, (False, True), micro_batches, recompute
         ):
-            if (sp and tp == 1) or (z and dp == 1) or gb % (dp * mb):
+            if (sp and tp == 1) or (z and dp * cp == 1) or gb % (dp * mb):
                 continue
             try:
-                lay = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=z, sp=sp)
+                lay = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=z, sp=sp, cp=cp)
+                fw = resolve_framework(framework, lay)
             except ValueError:
                 continue
             if lay.errors(spec, seq_len=seq):
                 continue
             ga = gb // (dp * mb)
-            for x in job.terms(lay, mb, rc, ga, None):
+            for x in job_for(fw).terms(lay, mb, rc, ga, None):
                 rows.append(x)
                 owner.append(len(configs))
             configs.append((lay, mb, rc, ga))
     if progress is not None:
-        progress(len(pairs), len(pairs))
+        progress(len(grid), len(grid))
     if not configs:
         return PlanResult(spec, g, n_gpus, [], 0, time.perf_counter() - t0, bill_kwargs, **extra)
-    res = sweep(np.asarray(rows, dtype=np.float64), np.asarray(owner, dtype=np.int64), len(configs))
+    res = evaluate(rows, owner, len(configs))
+    if scale is not None:
+        res = scaled_totals(res, scale)
     cands = []
     for (lay, mb, rc, ga), r in zip(configs, res, strict=True):
-        if r[6] <= g.total_bytes:
+        total = int(r[peak.OUT_TOTAL])
+        if total <= g.total_bytes:
             step, bubble, comm = _proxy(spec, g, lay, mb, rc, ga, seq, training)
             states = {
                 "weight_bytes": int(r[0]),
                 "grad_bytes": int(r[1]),
                 "optimizer_bytes": int(r[2]),
             }
-            cands.append(Candidate(lay, mb, rc, ga, int(r[6]), step, bubble, comm, **states))
+            cands.append(Candidate(lay, mb, rc, ga, total, step, bubble, comm, **states))
     cands.sort(key=lambda c: (c.step_seconds, c.total_bytes))
     return PlanResult(
         spec, g, n_gpus, cands, len(configs), time.perf_counter() - t0, bill_kwargs, **extra
     )
+
+
+def scaled_totals(res: np.ndarray, scale: dict[str, float]) -> np.ndarray:
+    """The sweep's rows with each category scaled by a calibration's coefficients (the total
+    recomputed; overhead kept)."""
+    out = res.copy()
+    cats = ("weights", "gradients", "optimizer", "activations", "communication", "temporary")
+    total = out[:, peak.OUT_OVERHEAD].astype(np.float64)
+    for k, c in enumerate(cats):
+        col = np.minimum(out[:, k] * scale.get(c, 1.0), peak.LIMIT)
+        out[:, k] = col.astype(np.int64)
+        total += out[:, k]
+    out[:, peak.OUT_TOTAL] = np.minimum(total, peak.LIMIT * 8).astype(np.int64)
+    return out
 
 
 def _proxy(
@@ -364,17 +437,29 @@ def _proxy(
     bubble = (lay.pp - 1) / (ga * lay.vpp) if lay.pp > 1 else 0.0
     bubble = min(bubble, 0.95)
     p_rank = spec.n_params / (lay.tp * lay.pp)
-    dp_bytes = 2 * p_rank * tr.grad_bytes * (1.5 if lay.stage >= 3 else 1.0) if lay.dp > 1 else 0.0
+    replicas = lay.dp * lay.cp  # context-parallel ranks reduce gradients too
+    dp_bytes = (
+        2 * p_rank * tr.grad_bytes * (1.5 if lay.stage >= 3 else 1.0) if replicas > 1 else 0.0
+    )
     tp_bytes = (
         4 * spec.n_layers / lay.pp * ga * mb * seq * spec.hidden * tr.compute_bytes
         if lay.tp > 1
         else 0.0
     )
+    # context parallelism: every rank's K/V chunk travels the ring cp - 1 times forward, and
+    # again with dK/dV in backward (~3 passes), per layer and micro-batch
+    kv = 2 * spec.kv_heads * spec.dhead // min(lay.tp, max(spec.kv_heads, 1))
+    cp_bytes = (
+        3 * (lay.cp - 1) * spec.n_layers / lay.pp * ga * mb * seq / lay.cp * kv * tr.compute_bytes
+        if lay.cp > 1
+        else 0.0
+    )
     intra = g.intra_gbps * 1e9 or g.inter_gbps * 1e9
     dp_bw = intra if lay.n_gpus <= g.gpus_per_node else g.inter_gbps * 1e9
-    comm = dp_bytes / dp_bw + tp_bytes / intra
+    cp_bw = intra if lay.tp * lay.cp <= g.gpus_per_node else g.inter_gbps * 1e9
+    comm = dp_bytes / dp_bw + tp_bytes / intra + cp_bytes / cp_bw
     step = compute * (1 + rc_cost) / (1 - bubble) + EXPOSED_COMM * comm
-    return step, bubble, dp_bytes + tp_bytes
+    return step, bubble, dp_bytes + tp_bytes + cp_bytes
 
 
 def min_gpus(

@@ -39,7 +39,7 @@ def _point(nbytes: int) -> dict:
 
 VALID = {
     "format": "gpumem-calibration",
-    "schema_version": 1,
+    "schema_version": 2,
     "created_utc": "2026-01-31T12:00:00Z",
     "machine": {
         "host": "node-7",
@@ -77,6 +77,7 @@ VALID = {
         "outside_allocator_source": "nvml process used - reserved",
         "world_size": None,
     },
+    "memory": None,
 }
 
 

@@ -12,6 +12,8 @@ from gpumem.calibrate import Calibration, load
 from gpumem.cli import main
 from gpumem.estimator.gpus import find_gpu
 
+CATS = ("weights", "gradients", "optimizer", "activations", "communication", "temporary")
+
 MiB, GiB = 2**20, 2**30
 GPT2_PARAMS = 124_439_808  # the preset's exact count (HF model card)
 
@@ -224,7 +226,10 @@ def test_plan_reserve_is_applied(valid, tmp_path, capsys):
     path = _write(tmp_path, valid)
     assert main(["plan", "gpt2", "--gpus", "8", "--calibration", path, "--json"]) == 0
     p = json.loads(capsys.readouterr().out)["bill"]["per_gpu"]
-    allocated = sum(p[c] for c in ("weights", "gradients", "optimizer", "activations", "temporary"))
+    allocated = sum(
+        p[c]
+        for c in ("weights", "gradients", "optimizer", "activations", "communication", "temporary")
+    )
     assert p["overhead"] == int(
         900 * MiB + GiB + allocated * 0.1
     )  # measured context, default NCCL, measured frag
@@ -246,7 +251,10 @@ def test_estimate_with_calibration(valid, tmp_path, capsys):
     path = _write(tmp_path, valid)
     assert main(["estimate", "gpt2", "--calibration", path, "--json"]) == 0
     p = json.loads(capsys.readouterr().out)["per_gpu"]
-    allocated = sum(p[c] for c in ("weights", "gradients", "optimizer", "activations", "temporary"))
+    allocated = sum(
+        p[c]
+        for c in ("weights", "gradients", "optimizer", "activations", "communication", "temporary")
+    )
     assert p["overhead"] == int(
         512 * MiB + allocated * 0.05
     )  # probe's context; default fragmentation

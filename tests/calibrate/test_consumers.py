@@ -11,6 +11,8 @@ import gpumem
 from gpumem.calibrate import Calibration, CalibrationError, from_report
 from gpumem.estimator.gpus import CONTEXT_BYTES, FRAGMENTATION, NCCL_BYTES, find_gpu
 
+CATS = ("weights", "gradients", "optimizer", "activations", "communication", "temporary")
+
 MiB, GiB = 2**20, 2**30
 
 
@@ -79,7 +81,7 @@ def test_estimate_with_a_calibrated_gpu_uses_the_measured_reserve(valid):
     gpu = Calibration.from_dict(valid).apply_to(find_gpu("H100-80GB"))
     bill = gpumem.estimate("gpt2", batch_size=2, seq_len=512, gpu=gpu)
     p = bill.per_gpu
-    allocated = sum(p[c] for c in ("weights", "gradients", "optimizer", "activations", "temporary"))
+    allocated = sum(p[c] for c in CATS)
     assert p["overhead"] == int(900 * MiB + allocated * 0.1)  # one GPU: no NCCL
     default = gpumem.estimate("gpt2", batch_size=2, seq_len=512, gpu="H100-80GB").per_gpu
     assert default["overhead"] == int(CONTEXT_BYTES + allocated * FRAGMENTATION)

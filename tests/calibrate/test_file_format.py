@@ -55,7 +55,7 @@ _DELETE = object()
     "path, value, match",
     [
         (("format",), "gpumem-checkpoint", "not a gpumem calibration file"),
-        (("schema_version",), 2, "schema_version: 2; this gpumem reads 1"),
+        (("schema_version",), 3, "schema_version: 3; this gpumem reads 1, 2"),
         (("schema_version",), True, "schema_version"),
         (("created_utc",), "yesterday", "created_utc: 'yesterday' is not a UTC time"),
         (("machine", "cpu_count"), 0, "machine.cpu_count: 0 is below 1"),

@@ -66,3 +66,35 @@ def test_fragmentation_from_a_cuda_profile(valid):
     if r.context_bytes is not None:
         assert gpu.context_bytes == r.context_bytes > 0
     assert Calibration.from_json(cal.to_json()) == cal
+
+
+def test_memory_fit_on_cuda_measures_fragmentation_and_calibrates():
+    """`gpumem calibrate --memory --device cuda`: real CUDA proxies, one coefficient per
+    category near 1 (the CUDA allocator rounds storages to 512 B; the estimator does not), and
+    the allocator's fragmentation; a held-out configuration calibrated within 3 %."""
+    from gpumem.calibrate.memory import apply_memory_calibration
+    from gpumem.calibrate.memory_fit import fit_memory
+    from gpumem.estimator.validate import Case, compare, estimate_case
+
+    mem = fit_memory(arch="llama", device="cuda")
+    assert mem.device == "cuda" and mem.mode == "real"
+    assert mem.fragmentation is not None and mem.fragmentation >= 0
+    for fit in mem.fits.values():
+        assert 0.8 < fit.coefficient < 1.25
+    held_out = Case(
+        "held-out",
+        "llama",
+        {
+            "hidden_size": 128,
+            "num_layers": 3,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "vocab_size": 512,
+            "seq_len": 256,
+        },
+        batch=2,
+        seq=256,
+    )
+    c = compare(held_out, device="cuda")
+    after = apply_memory_calibration(estimate_case(held_out, "cuda"), mem).profiler_categories()
+    assert abs(after["total"] - c.measured_peak) <= 0.03 * c.measured_peak

@@ -148,8 +148,14 @@ def test_bad_input(kwargs, match):
 def test_layout_rules():
     with pytest.raises(ValueError, match="sequence parallelism"):
         Layout(dp=2, sp=True)
-    with pytest.raises(ValueError, match="ep=3 must divide dp=4"):
+    with pytest.raises(ValueError, match=r"ep\*etp = 3\*1 = 3 must divide dp\*cp\*tp = 4"):
         Layout(dp=4, ep=3)
+    # Megatron: experts over TP x DP (ep*etp divides dp*tp); their DP degree dp*tp/(ep*etp)
+    lay = Layout(dp=2, tp=2, ep=4, etp=1)
+    assert lay.expert_dp == 1 and lay.shard_degree(expert=True) == 1
+    assert Layout(dp=4, tp=2, ep=2).expert_dp == 2  # etp defaults to tp: dp*tp/(2*2)
+    with pytest.raises(ValueError, match="etp=3 must divide tp=4"):
+        Layout(dp=3, tp=4, etp=3)
     spec = PRESETS["llama-2-70b"]  # 8 KV heads: tp=16 replicates them (allowed)
     assert Layout(dp=1, tp=16).errors(spec) == []
     assert "tp=3" in " ".join(Layout(dp=1, tp=3).errors(spec))

@@ -95,11 +95,14 @@ def test_cli_never_tracebacks(capsys):
     assert set(out) == {
         "inputs",
         "n_params",
+        "framework",
         "per_gpu",
         "fits",
         "headroom_bytes",
         "cluster_model_state_bytes",
+        "pipeline_ranks",
     }
+    assert out["framework"] == "torch" and len(out["pipeline_ranks"]) == 1
     assert out["per_gpu"] == estimate("llama-2-7b", seq_len=512).per_gpu
     assert (
         main(

@@ -1,0 +1,115 @@
+"""Estimator = profiler, by construction: the analytical estimate of Hugging Face models built
+from small ``config.json`` dicts against ``gpumem.profile`` under fake tensors of the same model
+and batch, category by category, for fp32, bf16 autocast and pure bf16, with and without
+recompute (issue #12's sweep; bound: 3 % or 64 KiB per category, whichever is larger).
+
+    python benchmarks/bench_hf_sweep.py        # writes benchmarks/results/hf_sweep.md
+"""
+
+from __future__ import annotations
+
+import time
+
+from _report import Figure, machine_info, value_figure, write_results
+
+from gpumem.estimator.validate import (
+    HF_PRECISIONS,
+    HF_SWEEP,
+    PROFILER_CATEGORIES,
+    HFCase,
+    compare_hf,
+    within_tolerance,
+)
+
+FIGURES: list[Figure] = []
+
+
+def rows() -> tuple[list[list[object]], int, int]:
+    out, ok, total = [], 0, 0
+    for name, config in HF_SWEEP.items():
+        for precision in HF_PRECISIONS:
+            for recompute in (False, True):
+                t0 = time.perf_counter()
+                label = f"{name} {precision}{' recompute' if recompute else ''}"
+                ref = "real" if recompute else "fake"
+                try:
+                    c = compare_hf(HFCase(name, config, precision, recompute, reference=ref))
+                except Exception as exc:  # a family transformers cannot run under fake tensors
+                    out.append([label, "-", "-", "-", f"not run: {type(exc).__name__}", "-"])
+                    total += 1
+                    continue
+                m, e = c.measured, c.estimated
+                errs = {k: e.get(k, 0) - m.get(k, 0) for k in PROFILER_CATEGORIES}
+                worst = max(
+                    PROFILER_CATEGORIES,
+                    key=lambda k: abs(errs[k]) / max(65536, 0.03 * m.get(k, 0)),
+                )
+                passed = all(within_tolerance(m.get(k, 0), e.get(k, 0)) for k in errs)
+                ok += passed
+                total += 1
+                pct = 100 * errs[worst] / m[worst] if m.get(worst) else 0.0
+                FIGURES.append(
+                    value_figure(f"{label}: total error", "%", abs(c.error_pct), tolerance=0.05)
+                )
+                out.append(
+                    [
+                        label,
+                        c.measured_peak,
+                        e["total"],
+                        f"{c.error_pct:+.2f} %",
+                        f"{worst} {errs[worst]:+d} B ({pct:+.1f} %)",
+                        "yes" if passed else "NO",
+                    ]
+                )
+                print(label, out[-1][3:], f"{time.perf_counter() - t0:.1f} s", flush=True)
+    return out, ok, total
+
+
+def main() -> None:
+    info = machine_info()
+    table, ok, total = rows()
+    cols = [
+        "configuration",
+        "profiled peak (B)",
+        "estimated (B)",
+        "total error",
+        "worst category (estimate - profile)",
+        "within 3 % / 64 KiB",
+    ]
+    notes = f"""
+{ok} of {total} configurations have every category within the bound. The model is built by
+transformers from the config dict under `gpumem.fake()`, trained two AdamW steps with the loop
+of `gpumem.estimator.validate` (logits held, `zero_grad(set_to_none=True)`), batch 2 x 64
+tokens, SDPA, experts as `grouped_mm`; the estimate reads the same dict
+(`gpumem.estimate(config, device="cpu")`). Categories are the profiler's
+(`Bill.profiler_categories()`).
+
+With recompute the reference is the same model trained for real on the CPU: under fake tensors
+SDPA's CPU backward runs a decomposition that allocates more than the real kernel (for the fp32
+Llama here the fake profile's widest moment holds 73,728 B, the bf16 one 40,960 B, more
+temporaries than the real run; everywhere else fake and real agree to the byte:
+`tests/estimator/test_hf_sweep.py::test_fake_equals_real`).
+
+Not modelled yet (the rows marked NO): Gemma2's eager attention (transformers refuses SDPA for
+it), DeepSeek-V3 under autocast and recompute (its math-path MLA is modelled in fp32 and pure
+bf16), the bf16
+`torch._grouped_mm` kernel (its saved tensors are counted as temporary), and the widest backward
+moment under recompute of Gemma's norms and of shared experts.
+"""
+    figures = [
+        value_figure("configurations within the bound", "count", ok, better="higher"),
+        *FIGURES,
+    ]
+    write_results(
+        "hf_sweep",
+        "Estimator vs fake-tensor profile of transformers models",
+        cols,
+        table,
+        notes,
+        info,
+        figures=figures,
+    )
+
+
+if __name__ == "__main__":
+    main()

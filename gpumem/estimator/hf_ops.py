@@ -1,0 +1,294 @@
+"""What Hugging Face transformers' decoder modules save for backward, op by op, and the front
+door that picks these rules or ``activations.py``'s (gpumem.models) for a spec.
+
+A ``config.json`` describes a model that transformers builds, and transformers' modules save
+different tensors than gpumem.models' (which ``activations.py`` follows). Read from
+transformers 5.x (``modeling_llama.py`` and its copies, ``integrations/moe.py``) and checked
+against ``gpumem.profile`` under fake tensors (tests/estimator/test_hf_sweep.py):
+
+- **RMSNorm** (Llama family): ``x.to(float32)`` (x itself in fp32), the fp32 ``rstd``, and the
+  normalised ``.to(input_dtype)`` that ``weight *`` saves. Gemma's norm keeps the normalised
+  value in fp32 (``(x * rstd) * (1 + w)`` is cast after the product) and saves the fp32
+  ``1 + w`` of every call.
+- **attention** (SDPA): q and k after RoPE (new tensors), v as the projection's view (Phi-3's
+  fused ``qkv_proj``: its whole output), output and fp32 log-sum-exp; GQA runs natively
+  (``enable_gqa``), so k and v keep their KV heads (gpumem.models repeats them: the ~10 %
+  overestimate a config.json used to get); the output is already in ``(b, s, heads, d)`` order,
+  so ``o_proj`` reads it without a copy. RoPE's cos/sin, computed once per forward, are saved
+  by the first layer's products (the first stage's activations). Qwen3 and Gemma3 normalise q
+  and k per head (a norm each).
+- **MLP**: SwiGLU / GeGLU unfused: the gate output (the activation's input), the activation's
+  output and the up output (the product's), the product (``down_proj``'s input): 4 · ffn per
+  token, fused ``gate_up_proj`` (Phi-3) or not.
+- **MoE** (``experts_implementation="grouped_mm"``): the router's fp32 probabilities and top-k
+  indices (Mixtral also the renormalised weights and their sum), the tokens gathered per
+  expert, the grouped up projection's ``2 · ffn`` output, the activation and product, the down
+  projection's output and the routing weights it is multiplied by, three index vectors; a
+  shared expert is a dense MLP (Qwen2-MoE scales it by a saved sigmoid gate).
+- **MLA** (DeepSeek-V2/V3): the down projections' input, their norms (llama RMSNorm), the up
+  projections' inputs, q and k of ``nope + rope`` width, the ``kv_b_proj`` output that v views,
+  the attention output and the ``o_proj`` copy of it; on the CPU, whose flash kernel needs one
+  head dim for q, k and v, SDPA's math path instead (fp32 scaled q, k, the s × s softmax, v).
+"""
+
+from __future__ import annotations
+
+from gpumem.estimator import activations as act
+from gpumem.estimator.activations import Item, Workload
+from gpumem.estimator.specs import ModelSpec
+
+GEMMA = ("gemma", "gemma2", "gemma3_text", "gemma3")
+
+
+def layer_items(spec: ModelSpec, w: Workload) -> list[Item]:
+    """Everything one layer keeps for backward, by the spec's implementation."""
+    if not spec.is_hf:
+        return act.layer_items(spec, w)
+    if spec.arch == "gpt2":
+        return _gpt2_layer(spec, w)
+    t, n, A, R = w.tp, w.tokens, w.compute, w.residual
+    n_sp = n // t if w.sp else n
+    h = spec.hidden
+    items = _norm(spec, w, "attn_norm", n_sp, h, R)
+    items += _proj_inputs(w, "qkv", 3 if spec.family != "phi3" else 1, n, n_sp, h)
+    items += _mla(spec, w, n) if spec.is_mla else _attention(spec, w, n)
+    if spec.norms_per_layer == 4:  # Gemma2/3: the attention output is normalised (compute dtype)
+        items += _norm(spec, w, "post_attn_norm", n_sp, h, A)
+    items += _norm(spec, w, "mlp_norm", n_sp, h, R)
+    if spec.is_moe and not w.dense:
+        items += _moe(spec, w, n)
+    else:
+        items += _proj_inputs(w, "gate_up", 2 if spec.family != "phi3" else 1, n, n_sp, h)
+        items += _gated_mlp(w, "mlp", n, spec.dense_layer_ffn // t)
+    if spec.norms_per_layer == 4:
+        items += _norm(spec, w, "post_mlp_norm", n_sp, h, A)
+    if w.autocast:  # cached 16-bit copies of the layer's Linear weights (saved by mm)
+        items.append(Item("autocast.weight_casts", _linear_weights(spec, t, w.dense) * A))
+    return items
+
+
+def embed_items(spec: ModelSpec, w: Workload) -> list[Item]:
+    """Token ids, and (Hugging Face) RoPE's cos and sin, saved once by the first layer."""
+    items = act.embed_items(spec, w)
+    if spec.is_hf and spec.arch == "llama":
+        rope = spec.qk_rope_dim if spec.is_mla else spec.dhead
+        # position_ids are (1, s): cos and sin are (1, s, rope) in the hidden states' dtype
+        if "rope" not in w.fused:
+            items.append(Item("rope.cos_sin", 2 * w.local_seq * rope * w.residual))
+    return items
+
+
+def head_items(spec: ModelSpec, w: Workload) -> list[Item]:
+    """Final norm, LM head input, logits and the loss (``activations.head_items``), with
+    transformers' norm for a config.json model."""
+    items = act.head_items(spec, w)
+    if not spec.is_hf or spec.arch != "llama":
+        return items
+    n_sp = w.tokens // w.tp if w.sp else w.tokens
+    rest = [i for i in items if not i.name.startswith("final_norm.")]
+    return _norm(spec, w, "final_norm", n_sp, spec.hidden, w.residual) + rest
+
+
+def ce_backward_bytes(spec: ModelSpec, w: Workload) -> int:
+    return act.ce_backward_bytes(spec, w)
+
+
+def dispatch_bytes(spec: ModelSpec, w: Workload, dispatcher: str) -> float:
+    """Token dispatch/combine buffers of one MoE layer under expert parallelism (forward and
+    backward alike), in the compute dtype.
+
+    All-to-all (Megatron's ``alltoall`` dispatcher): the permuted tokens sent (n · k) and the
+    tokens received (``expert_tokens``: n · k, the most loaded rank ``moe_imbalance`` times
+    that). All-gather: the hidden states of the whole expert-parallel group gathered (n · ep)
+    and the combined output before its reduce-scatter (the same size).
+    """
+    if w.ep == 1:
+        return 0.0
+    n, h, A = w.tokens, spec.hidden, w.compute
+    if dispatcher == "allgather":
+        return float(2 * n * w.ep * h * A)
+    return float((n * spec.top_k + act.expert_tokens(spec, w, n)) * h * A)
+
+
+# --- the pieces ----------------------------------------------------------------------------
+
+
+def _norm(spec: ModelSpec, w: Workload, tag: str, n: int, width: int, x_bytes: int) -> list[Item]:
+    """An RMSNorm over ``n`` rows of ``width`` whose input has ``x_bytes`` per element."""
+    if "norm" in w.fused:  # Liger / TE: the input and rstd
+        return [Item(f"{tag}.input", n * width * x_bytes), Item(f"{tag}.rstd", n * 4)]
+    items = [
+        Item(f"{tag}.input_fp32", n * width * 4),  # x.float(): x itself when fp32
+        Item(f"{tag}.rstd", n * 4),
+    ]
+    if spec.family in GEMMA:  # (x * rstd) stays fp32; (1 + w) is a new fp32 tensor per call
+        return [
+            *items,
+            Item(f"{tag}.normalized", n * width * 4),
+            Item(f"{tag}.one_plus_w", width * 4),
+        ]
+    return [*items, Item(f"{tag}.normalized", n * width * x_bytes)]
+
+
+def _proj_inputs(w: Workload, tag: str, consumers: int, n: int, n_sp: int, h: int) -> list[Item]:
+    """Inputs the Linears after a norm save: the norm's output in the residual dtype (Gemma
+    casts back to it), one 16-bit cast per Linear under autocast, the sequence shard under SP."""
+    if w.sp:
+        return [Item(f"{tag}.input_shard", n_sp * h * w.compute)]
+    if w.autocast and w.residual != w.compute:
+        return [Item(f"{tag}.cast{i}", n * h * w.compute) for i in range(consumers)]
+    return [Item(f"{tag}.input", n * h * w.residual)]
+
+
+def _sdpa(w: Workload, a: int, q: int, k: int, v: int, out: int) -> list[Item]:
+    """SDPA's saved tensors: q, k, v, output (bytes given) and the fp32 log-sum-exp."""
+    sq = w.local_seq
+    lse = w.batch * a * (sq if w.attention != "efficient" else -(-sq // 32) * 32) * 4
+    return [
+        Item("attn.q", q),
+        Item("attn.k", k),
+        Item("attn.v", v),
+        Item("attn.out", out, core=True),
+        Item("attn.lse", lse, core=True),
+    ]
+
+
+def _attention(spec: ModelSpec, w: Workload, n: int) -> list[Item]:
+    t, A = w.tp, w.compute
+    a, d = spec.n_heads // t, spec.dhead
+    g = max(1, spec.kv_heads // t)
+    items = []
+    if spec.qk_norm:  # per-head RMSNorm of the q and k projections' outputs
+        items += _norm(spec, w, "q_norm", n * a, d, A) + _norm(spec, w, "k_norm", n * g, d, A)
+    v = n * g * d * A
+    if spec.family == "phi3":  # v is a view of the fused qkv output: its storage stays
+        v = n * (a + 2 * g) * d * A
+    return items + _sdpa(w, a, n * a * d * A, n * g * d * A, v, n * a * d * A)
+
+
+def _mla(spec: ModelSpec, w: Workload, n: int) -> list[Item]:
+    """DeepSeek's multi-head latent attention (see the module docstring)."""
+    t, A = w.tp, w.compute
+    a = spec.n_heads // t
+    qk = spec.qk_nope_dim + spec.qk_rope_dim
+    kvr = spec.kv_lora_rank
+    items = []
+    if spec.q_lora_rank:
+        items += _norm(spec, w, "q_a_norm", n, spec.q_lora_rank, A)
+        items.append(Item("q_b.input", n * spec.q_lora_rank * A))
+    # kv_a's output (latent + rope key) is what the latent norm's input views
+    items += [
+        Item("kv_a.out", n * (kvr + spec.qk_rope_dim) * A),
+        Item("kv_a_norm.rstd", n * 4),
+        Item("kv_a_norm.normalized", n * kvr * A),
+        Item("kv_b.input", n * kvr * A),
+    ]
+    if w.attention == "cpu-flash" and qk != spec.v_head_dim:
+        # CPU SDPA's flash kernel needs one head dim for q, k and v: the math path runs, in
+        # fp32 (16-bit inputs upcast): scaled q, k, the s x s softmax, v, and o_proj reads a
+        # copy of the output
+        M, sq = 4, w.local_seq
+        items += [
+            Item("attn.q_scaled", n * a * qk * M, core=True),
+            Item("attn.k", n * a * qk * M, core=True),
+            Item("attn.softmax", w.batch * a * sq * w.seq * M, core=True),
+            Item("attn.v", n * a * spec.v_head_dim * M),
+            Item("o_proj.input", n * a * spec.v_head_dim * A),
+        ]
+    else:
+        items += [
+            Item("attn.q", n * a * qk * A),
+            Item("attn.k", n * a * qk * A),
+            Item("attn.v", n * a * (spec.qk_nope_dim + spec.v_head_dim) * A),  # kv_b's output
+            Item("attn.out", n * a * spec.v_head_dim * A, core=True),
+            Item("o_proj.input", n * a * spec.v_head_dim * A),
+        ]
+    if A != 4:  # the latent norm's fp32 input copy
+        items.append(Item("kv_a_norm.input_fp32", n * kvr * 4))
+    return items
+
+
+def _gated_mlp(w: Workload, tag: str, n: int, f: int) -> list[Item]:
+    return act.swiglu_items(w, tag, n, f)
+
+
+def _moe(spec: ModelSpec, w: Workload, n: int) -> list[Item]:
+    """A routed MoE layer with grouped experts (transformers' grouped_mm) and shared experts."""
+    h, E, k, A = spec.hidden, spec.n_experts, spec.top_k, w.compute
+    n_sp = n // w.tp if w.sp else n
+    nk = act.expert_tokens(spec, w, n)
+    items = _proj_inputs(w, "router", 1, n, n_sp, h)
+    if spec.family.startswith("deepseek"):
+        items += [
+            Item("router.scores", n * E * 4),  # sigmoid output
+            Item("router.mask", n * E),
+            Item("router.group_topk", n * 2 * 8),
+            Item("router.topk_indices", n * k * 8),
+            Item("router.topk_weights", 2 * n * k * 4),
+            Item("router.denominator", n * 4),
+        ]
+    else:
+        items += [Item("router.probs", n * E * 4), Item("router.topk_indices", n * k * 8)]
+        if spec.family == "mixtral" or spec.family == "qwen3_moe":
+            items += [Item("router.topk_weights", n * k * 4), Item("router.sum", n * 4)]
+    f = spec.moe_ffn // w.etp
+    # grouped_mm is not autocast-enabled: transformers casts the tokens to the experts' weight
+    # dtype, so under autocast the experts run in fp32 (the residual stream's dtype)
+    E_A = w.residual
+    items += [
+        Item("experts.gathered", nk * h * E_A),
+        Item("experts.gate_up_out", nk * 2 * f * E_A),
+        Item("experts.act_out", nk * f * E_A),
+        Item("experts.down_input", nk * f * E_A),
+        Item("experts.down_out", nk * h * E_A),
+        Item("experts.routing_weights", nk * 4),
+        Item("experts.indices", 3 * nk * 8),
+    ]
+    if spec.n_shared_experts:
+        if w.autocast and w.residual != A and not w.sp:  # each Linear casts the fp32 input
+            n_linears = 2 + (1 if spec.shared_gate else 0)
+            items += [Item(f"shared.cast{i}", n * h * A) for i in range(n_linears)]
+        items += _gated_mlp(w, "shared", n, spec.shared_ffn // w.tp)
+        if spec.shared_gate:
+            items += [Item("shared.gate_sigmoid", n * A), Item("shared.out", n * h * A)]
+    return items
+
+
+def _gpt2_layer(spec: ModelSpec, w: Workload) -> list[Item]:
+    """transformers' GPT-2 block (Conv1D = addmm, SDPA, ``gelu_new`` written as Python ops):
+    LayerNorms save input, mean and rstd; attention saves ``c_attn``'s input, its fused q/k/v
+    output (k and v view it), two head-shaped copies, the output (``c_proj`` reads it without a
+    copy) and the log-sum-exp; ``gelu_new`` = 0.5·x·(1 + tanh(√(2/π)(x + 0.044715·x³))) saves
+    x (for pow), tanh's output, 0.5·x and 1 + tanh, and ``c_proj`` its product: 5 ffn-wide
+    tensors per token, in the compute dtype under autocast too."""
+    t, n, A = w.tp, w.tokens, w.compute
+    n_sp = n // t if w.sp else n
+    h, f = spec.hidden, spec.ffn // t
+    a = spec.n_heads // t
+    hq = a * spec.dhead
+    items = act._norm_items(spec, w, "attn_norm", n_sp)
+    items += _proj_inputs(w, "c_attn", 1, n, n_sp, h)
+    items.append(Item("attn.qkv", n * 3 * hq * A))
+    items += _sdpa(w, a, n * hq * A, n * hq * A, 0, n * hq * A)
+    if w.autocast:  # the attention c_proj's autocast input is a copy of the output
+        items.append(Item("attn.c_proj_input", n * hq * A))
+    items += act._norm_items(spec, w, "mlp_norm", n_sp)
+    items += _proj_inputs(w, "c_fc", 1, n, n_sp, h)
+    items += [Item(f"gelu.{k}", n * f * A) for k in ("x", "tanh", "half_x", "one_plus_tanh")]
+    items.append(Item("c_proj.input", n * f * A))
+    if w.autocast:
+        weights = h * 3 * hq + hq * h + 2 * h * f
+        items.append(Item("autocast.weight_casts", weights * A))
+    return items
+
+
+def _linear_weights(spec: ModelSpec, t: int, dense: bool) -> int:
+    """Elements of one layer's Linear weights on a TP rank (what autocast caches in 16 bits):
+    attention, and the dense MLP, or the router and shared experts (grouped experts are not
+    autocast)."""
+    h, d, a, g = spec.hidden, spec.dhead, spec.n_heads, spec.kv_heads
+    qd, kvd = a * d // t, 2 * g * d // min(t, g)
+    out = h * (qd + kvd) + qd * h
+    if not spec.is_moe or dense:
+        return out + 3 * h * spec.dense_layer_ffn // t
+    return out + h * spec.n_experts + 3 * h * spec.shared_ffn // t + (h if spec.shared_gate else 0)
