@@ -105,7 +105,6 @@ class Bill:
         p = self.per_gpu
         out = {c: p[c] for c in ("weights", "gradients", "optimizer")}
         out["activations"] = p["activations"] - self.held_logits - self.input_bytes
-        out["communication"] = p.get("communication", 0)  # 0 until the bill has the category
         out["temporary"] = p["temporary"] + self.held_logits
         if "communication" in categories:
             out["communication"] = p["communication"]
