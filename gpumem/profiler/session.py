@@ -48,7 +48,7 @@ from gpumem.profiler.categories import (
     TEMPORARY,
     WEIGHTS,
 )
-from gpumem.profiler.fake import is_fake_model
+from gpumem.profiler.fake import is_fake_model, real_branches
 from gpumem.profiler.headroom import warn_if_short
 from gpumem.profiler.hooks import HookSet
 from gpumem.profiler.report import Report, build_report
@@ -175,6 +175,7 @@ class Profile:
         self._light_level = 0
         self._cats_prev: dict[str, int] = {}
         self._entered = False
+        self._real_branches: Any = None
         self._exited = False
         self.t_start = 0
         self.t_end = 0
@@ -225,6 +226,9 @@ class Profile:
             if self.allocator is not None:
                 self.allocator.close()
             raise
+        if is_fake_model(self.model):  # the branch a real run takes, where a library asks
+            self._real_branches = real_branches()
+            self._real_branches.__enter__()
         _ACTIVE.profile = self
         listen(self.note_assumption)
         self._sync()
@@ -243,6 +247,7 @@ class Profile:
                 self.tracker.__exit__(exc_type, exc, tb)
         finally:
             self.hooks.remove()
+            self._leave_real_branches()
         frames, self.fwd = self.fwd, []
         self._close_forwards(frames)
         if self.bwd or self._bw_tasks:  # an exception inside backward
@@ -254,6 +259,11 @@ class Profile:
         if self.allocator is not None:
             self.allocator.finish(self.probe_view(), exc)
         return False  # never swallow the exception
+
+    def _leave_real_branches(self) -> None:
+        if self._real_branches is not None:
+            self._real_branches.__exit__(None, None, None)
+            self._real_branches = None
 
     def report(self) -> Report:
         """The :class:`~gpumem.profiler.report.Report` of everything measured so far."""
