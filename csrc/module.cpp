@@ -1,6 +1,7 @@
 // nanobind bindings for gpumem._C. Each concern lives in its own file; this one only binds.
 // Buffers arrive as 1-D uint8 arrays (buffer protocol / DLPack, no torch C++ ABI); the Python
-// modules (gpumem/checksum.py, writer.py, arena.py) turn user objects into those views.
+// modules (gpumem/checksum.py, writer.py, reader.py, arena.py) turn user objects into those views.
+// Paths arrive as bytes (os.fsencode), so any name the OS accepts works, UTF-8 or not.
 #include <Python.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -9,6 +10,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -17,7 +19,9 @@
 #include "arena.h"
 #include "crc32c.h"
 #include "cuda_api.h"
+#include "fileio.h"
 #include "parallel.h"
+#include "reader.h"
 #include "writer.h"
 
 namespace nb = nanobind;
@@ -57,6 +61,28 @@ uint32_t crc_value(int64_t value) {
   return static_cast<uint32_t>(value);
 }
 
+std::string path_of(const nb::bytes& path) { return std::string(path.c_str(), path.size()); }
+
+// gpumem._C.UnexpectedFileError (an OSError): the file is not the regular file of the expected
+// size the caller asked for (io::UnexpectedFile). Created once, when the module loads.
+PyObject* unexpected_file_error = nullptr;
+
+void set_os_error(PyObject* type, const gpumem::io::SysError& e) {
+  // OSError(errno, text, filename) picks the subclass (PermissionError, ...) and sets .filename;
+  // the filename is decoded as os.fsdecode would, so undecodable bytes survive.
+  // An unexpected file's message says what it is; a system error leads with strerror.
+  const std::string text = type == unexpected_file_error
+                               ? std::string(e.what())
+                               : std::string(std::strerror(e.err)) + " (" + e.what() + ")";
+  PyObject* filename = PyUnicode_DecodeFSDefaultAndSize(e.path.data(), static_cast<Py_ssize_t>(e.path.size()));
+  if (!filename) return;
+  PyObject* args = Py_BuildValue("(isN)", e.err, text.c_str(), filename);
+  if (args) {
+    PyErr_SetObject(type, args);
+    Py_DECREF(args);
+  }
+}
+
 nb::dict status_dict(const gpumem::cuda::Status& s) {
   nb::dict d;
   d["attempted"] = s.attempted;
@@ -92,17 +118,20 @@ NB_MODULE(_C, m) {
   // exit (module globals are not collected in order); that is not a reference leak.
   nb::set_leak_warnings(false);
 
+  unexpected_file_error = PyErr_NewExceptionWithDoc(
+      "gpumem._C.UnexpectedFileError",
+      "The file is not what the caller asked for (a symbolic link, not a regular file, another "
+      "size); it was not read.",
+      PyExc_OSError, nullptr);
+  if (!unexpected_file_error) throw nb::python_error();
+  m.attr("UnexpectedFileError") = nb::handle(unexpected_file_error);
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
+    } catch (const io::UnexpectedFile& e) {
+      set_os_error(unexpected_file_error, e);
     } catch (const io::SysError& e) {
-      // OSError(errno, text, filename) picks the subclass (PermissionError, ...) and sets .filename.
-      const std::string text = std::string(std::strerror(e.err)) + " (" + e.what() + ")";
-      PyObject* args = Py_BuildValue("(iss)", e.err, text.c_str(), e.path.c_str());
-      if (args) {
-        PyErr_SetObject(PyExc_OSError, args);
-        Py_DECREF(args);
-      }
+      set_os_error(PyExc_OSError, e);
     }
   });
 
@@ -155,8 +184,8 @@ NB_MODULE(_C, m) {
   // ---- file I/O ----
   m.def(
       "write_file",
-      [](const std::string& path, const std::vector<int64_t>& offsets, const std::vector<Bytes>& buffers,
-         int64_t size, int threads, bool fsync, bool direct) {
+      [](const nb::bytes& path, const std::vector<int64_t>& offsets, const std::vector<Bytes>& buffers,
+         int64_t size, int threads, bool fsync, bool direct, int dir_fd, bool exclusive) {
         if (offsets.size() != buffers.size())
           throw std::invalid_argument("got " + std::to_string(offsets.size()) + " offsets but " +
                                       std::to_string(buffers.size()) + " buffers");
@@ -171,37 +200,44 @@ NB_MODULE(_C, m) {
         opts.threads = threads;
         opts.fsync = fsync;
         opts.direct = direct;
+        opts.dir_fd = dir_fd < 0 ? io::kCwd : dir_fd;
+        opts.exclusive = exclusive;
         io::WriteResult r;
         {
           nb::gil_scoped_release release;
-          r = io::write_file(path, pieces, opts);
+          r = io::write_file(path_of(path), pieces, opts);
         }
         return std::make_tuple(r.bytes, r.direct_bytes);
       },
       "path"_a, "offsets"_a, "buffers"_a.noconvert(), "size"_a = -1, "threads"_a = 0, "fsync"_a = true,
-      "direct"_a = false, "Write pieces in parallel; returns (bytes written, bytes via O_DIRECT).");
+      "direct"_a = false, "dir_fd"_a = -1, "exclusive"_a = false,
+      "Write pieces in parallel (path relative to dir_fd when >= 0; exclusive: create a new file, "
+      "never through a symlink); returns (bytes written, bytes via O_DIRECT).");
   m.def(
       "fsync_dir",
-      [](const std::string& path) {
+      [](const nb::bytes& path) {
+        const std::string p = path_of(path);
         nb::gil_scoped_release release;
-        io::fsync_dir(path);
+        io::fsync_dir(p);
       },
       "path"_a, "fsync a directory.");
   m.def(
       "read_into",
-      [](const std::string& path, int64_t offset, MutBytes out, int threads) {
+      [](const nb::bytes& path, int64_t offset, MutBytes out, int threads) {
         require_dense(out, "out");
         if (offset < 0) throw std::invalid_argument("offset must be >= 0, got " + std::to_string(offset));
+        const std::string p = path_of(path);
         nb::gil_scoped_release release;
-        return io::read_into(path, static_cast<uint64_t>(offset), out.data(), out.shape(0), threads);
+        return io::read_into(p, static_cast<uint64_t>(offset), out.data(), out.shape(0), threads);
       },
       "path"_a, "offset"_a, "out"_a.noconvert(), "threads"_a = 0,
       "Read exactly len(out) bytes at offset into out.");
 
   m.def(
       "read_file",
-      [](const std::string& path, const std::vector<int64_t>& offsets, const std::vector<MutBytes>& buffers,
-         const std::vector<int64_t>& crc_index, int64_t chunk_bytes, MutInt64 crc_out, int threads, bool direct) {
+      [](const nb::bytes& path, const std::vector<int64_t>& offsets, const std::vector<MutBytes>& buffers,
+         const std::vector<int64_t>& crc_index, int64_t chunk_bytes, MutInt64 crc_out, int threads, bool direct,
+         int dir_fd, int64_t expect_size) {
         if (offsets.size() != buffers.size() || crc_index.size() != buffers.size())
           throw std::invalid_argument("got " + std::to_string(offsets.size()) + " offsets, " +
                                       std::to_string(buffers.size()) + " buffers and " +
@@ -228,17 +264,20 @@ NB_MODULE(_C, m) {
         opts.direct = direct;
         opts.chunk = chunk;
         opts.crc_out = crc_out.data();
+        opts.dir_fd = dir_fd < 0 ? io::kCwd : dir_fd;
+        opts.expect_size = expect_size;
         io::ReadResult r;
         {
           nb::gil_scoped_release release;
-          r = io::read_file(path, pieces, opts);
+          r = io::read_file(path_of(path), pieces, opts);
         }
         return std::make_tuple(r.bytes, r.direct_bytes);
       },
       "path"_a, "offsets"_a, "buffers"_a.noconvert(), "crc_index"_a, "chunk_bytes"_a, "crc_out"_a.noconvert(),
-      "threads"_a = 0, "direct"_a = false,
-      "Read pieces in parallel (O_DIRECT for aligned middles), optionally CRC32C each chunk; "
-      "returns (bytes read, bytes via O_DIRECT).");
+      "threads"_a = 0, "direct"_a = false, "dir_fd"_a = -1, "expect_size"_a = -1,
+      "Read pieces in parallel (O_DIRECT for aligned middles), optionally CRC32C each chunk; path "
+      "relative to dir_fd when >= 0; expect_size >= 0: only a regular file of that size, never "
+      "through a symlink. Returns (bytes read, bytes via O_DIRECT).");
 
   // ---- CUDA runtime ----
   m.def(

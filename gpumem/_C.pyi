@@ -10,6 +10,10 @@ from numpy.typing import NDArray
 
 __version__: str
 
+class UnexpectedFileError(OSError):
+    """The file is not what the caller asked for (a symbolic link, not a regular file, another
+    size); it was not read."""
+
 def num_threads() -> int:
     """Threads the native core uses by default."""
 
@@ -40,7 +44,7 @@ def crc32c_hardware() -> str:
     """'sse4.2', 'armv8-crc' or 'table': the CRC32C path this CPU uses."""
 
 def write_file(
-    path: str,
+    path: bytes,
     offsets: Sequence[int],
     buffers: Sequence[
         Annotated[NDArray[numpy.uint8], dict(shape=(None,), device="cpu", writable=False)]
@@ -49,14 +53,17 @@ def write_file(
     threads: int = 0,
     fsync: bool = True,
     direct: bool = False,
+    dir_fd: int = -1,
+    exclusive: bool = False,
 ) -> tuple[int, int]:
-    """Write pieces in parallel; returns (bytes written, bytes via O_DIRECT)."""
+    """Write pieces in parallel (path relative to dir_fd when >= 0; exclusive: create a new file,
+    never through a symlink); returns (bytes written, bytes via O_DIRECT)."""
 
-def fsync_dir(path: str) -> None:
+def fsync_dir(path: bytes) -> None:
     """fsync a directory."""
 
 def read_file(
-    path: str,
+    path: bytes,
     offsets: Sequence[int],
     buffers: Sequence[Annotated[NDArray[numpy.uint8], dict(shape=(None,), device="cpu")]],
     crc_index: Sequence[int],
@@ -64,12 +71,15 @@ def read_file(
     crc_out: Annotated[NDArray[numpy.int64], dict(shape=(None,), device="cpu")],
     threads: int = 0,
     direct: bool = False,
+    dir_fd: int = -1,
+    expect_size: int = -1,
 ) -> tuple[int, int]:
-    """Read pieces in parallel (O_DIRECT for aligned middles), optionally CRC32C each chunk;
-    returns (bytes read, bytes via O_DIRECT)."""
+    """Read pieces in parallel (O_DIRECT for aligned middles), optionally CRC32C each chunk; path
+    relative to dir_fd when >= 0; expect_size >= 0: only a regular file of that size, never
+    through a symlink. Returns (bytes read, bytes via O_DIRECT)."""
 
 def read_into(
-    path: str,
+    path: bytes,
     offset: int,
     out: Annotated[NDArray[numpy.uint8], dict(shape=(None,), device="cpu")],
     threads: int = 0,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # what a type checker sees; at run time the names resolve lazily below
-    from gpumem import arena, calibrate, checkpoint, checksum, device, units, writer
+    from gpumem import arena, calibrate, checkpoint, checksum, device, reader, units, writer
     from gpumem.calibrate import Calibration, CalibrationError
     from gpumem.checkpoint import (
         CheckpointBranchWarning,
@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time the names resolve laz
         CheckpointFallbackWarning,
         CheckpointInfo,
         CheckpointIOError,
+        CheckpointPointerWarning,
         CheckpointStateError,
         PreemptionGuard,
         SaveStats,
@@ -51,6 +52,7 @@ _LAZY_ATTRS: dict[str, tuple[str, str]] = {
     "CheckpointStateError": ("gpumem.checkpoint", "CheckpointStateError"),
     "CheckpointFallbackWarning": ("gpumem.checkpoint", "CheckpointFallbackWarning"),
     "CheckpointBranchWarning": ("gpumem.checkpoint", "CheckpointBranchWarning"),
+    "CheckpointPointerWarning": ("gpumem.checkpoint", "CheckpointPointerWarning"),
     "estimate": ("gpumem.estimator", "estimate"),
     "Bill": ("gpumem.estimator", "Bill"),
     "Layout": ("gpumem.estimator", "Layout"),
@@ -63,7 +65,16 @@ _LAZY_ATTRS: dict[str, tuple[str, str]] = {
 }
 
 # submodules reachable as attributes (gpumem.checksum.crc32c(...)) without an explicit import
-_LAZY_MODULES = ("arena", "calibrate", "checkpoint", "checksum", "device", "units", "writer")
+_LAZY_MODULES = (
+    "arena",
+    "calibrate",
+    "checkpoint",
+    "checksum",
+    "device",
+    "reader",
+    "units",
+    "writer",
+)
 
 # the literal list is what type checkers and `from gpumem import *` read; a test keeps it in step
 __all__ = [
@@ -77,6 +88,7 @@ __all__ = [
     "CheckpointFallbackWarning",
     "CheckpointIOError",
     "CheckpointInfo",
+    "CheckpointPointerWarning",
     "CheckpointStateError",
     "Checkpointer",
     "Layout",
@@ -96,6 +108,7 @@ __all__ = [
     "fake",
     "plan",
     "profile",
+    "reader",
     "units",
     "writer",
 ]

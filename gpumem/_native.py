@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import operator
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -176,3 +179,46 @@ def byte_view(obj: Any, *, writable: bool = False, what: str = "data") -> Any:
         import numpy as np
 
         return np.asarray(obj).reshape(-1).view(np.uint8)
+
+
+def split_pieces(
+    pieces: Iterable[tuple[int, Any]], *, writable: bool
+) -> tuple[list[int], list[Any]]:
+    """File offsets and byte views of ``(file_offset, buffer)`` pairs, each checked (the pieces
+    that ``gpumem.writer`` writes and ``gpumem.reader`` fills)."""
+    offsets: list[int] = []
+    buffers: list[Any] = []
+    for i, piece in enumerate(pieces):
+        try:
+            offset, buffer = piece
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"pieces[{i}] must be a (file_offset, buffer) pair, got {piece!r:.80}"
+            ) from None
+        offsets.append(nonneg(offset, f"pieces[{i}] file offset"))
+        buffers.append(byte_view(buffer, writable=writable, what=f"pieces[{i}] buffer"))
+    return offsets, buffers
+
+
+def fs_path(path: str | bytes | os.PathLike) -> bytes:
+    """A path as the bytes the OS takes (``os.fsencode``): any name works, UTF-8 or not."""
+    return os.fsencode(path)
+
+
+def dir_fd_arg(dir_fd: int | None) -> int:
+    """``dir_fd`` argument for ``_C`` calls: None -> -1 (paths relative to the working
+    directory)."""
+    if dir_fd is None:
+        return -1
+    return nonneg(dir_fd, "dir_fd")
+
+
+def nonneg(value: Any, name: str) -> int:
+    """``value`` as an int >= 0, or TypeError / ValueError naming ``name``."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if v < 0:
+        raise ValueError(f"{name} must be >= 0, got {v}")
+    return v

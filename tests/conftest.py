@@ -44,6 +44,58 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_slow)
 
 
+@pytest.fixture
+def in_child():
+    """``in_child(fn, timeout=20)`` runs ``fn()`` in a forked child and fails the test if it
+    raises there (with its traceback) or hangs past ``timeout`` seconds: a read blocked on a FIFO
+    inside native code is interrupted by no signal handler, but a child can be killed."""
+    import os
+    import signal
+    import sys
+    import time
+    import traceback
+
+    def run(fn, timeout: float = 20.0) -> None:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: never return into pytest
+            os.close(r)
+            code = 0
+            try:
+                torch = sys.modules.get("torch")
+                if torch is not None:  # the parent's OpenMP pool does not survive a fork
+                    torch.set_num_threads(1)
+                fn()
+            except BaseException:
+                code = 1
+                os.write(w, traceback.format_exc().encode()[-16000:])  # below a pipe's buffer
+            finally:
+                os._exit(code)
+        os.close(w)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    break
+                if time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    pytest.fail(f"hung: no result within {timeout:g} s (killed)")
+                time.sleep(0.01)
+            with os.fdopen(r, "rb") as f:
+                report = f.read().decode(errors="replace")
+            r = -1
+        finally:
+            if r != -1:
+                os.close(r)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0:
+            pytest.fail(f"failed in the child (exit {code}):\n{report}", pytrace=False)
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def fake_cudart(tmp_path_factory) -> Path:
     """tests/native/fake_cudart.c built as a shared library: a libcudart stand-in for CPU runs."""

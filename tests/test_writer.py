@@ -19,7 +19,7 @@ import torch
 
 from gpumem._native import load
 from gpumem.arena import HostArena
-from gpumem.writer import fsync_dir, read_file, read_into, write_file
+from gpumem.writer import fsync_dir, write_file
 
 C = load()
 
@@ -121,7 +121,7 @@ def test_direct_io_round_trip(tmp_path, tail):
         odd = rand_bytes(5000, 4)
         path = tmp_path / "direct.bin"
         written, direct_bytes = C.write_file(
-            str(path),
+            os.fsencode(path),
             [0, size + 4096],
             [aligned.numpy(), np.frombuffer(odd, np.uint8)],
             -1,
@@ -156,113 +156,6 @@ def test_fsync_dir(tmp_path):
     assert info.value.errno == errno.ENOTDIR
 
 
-def test_read_into_round_trip(tmp_path):
-    raw = rand_bytes((17 << 20) + 9, 6)
-    path = tmp_path / "r.bin"
-    path.write_bytes(raw)
-    out = torch.empty((17 << 20) // 4, dtype=torch.float32)
-    assert read_into(path, 9, out, threads=3) == out.nbytes
-    assert out.numpy().tobytes() == raw[9 : 9 + out.nbytes]
-    buf = bytearray(100)
-    read_into(path, 1000, buf)
-    assert bytes(buf) == raw[1000:1100]
-    arr = np.empty((3, 5), np.int32)
-    read_into(path, 0, arr)
-    assert arr.tobytes() == raw[:60]
-    assert read_into(path, len(raw), bytearray()) == 0
-
-
-@pytest.mark.parametrize("threads", [1, 4])
-@pytest.mark.parametrize("chunk", [4096, 1 << 20, 16 << 20])
-def test_read_file_pieces_and_chunk_crcs(tmp_path, threads, chunk):
-    """Pieces land byte-exact (aligned arena views through O_DIRECT, odd buffers buffered) and
-    every chunk CRC equals google-crc32c's over the same bytes."""
-    import google_crc32c
-
-    raw = rand_bytes((19 << 20) + 4096 * 3 + 77, 11)
-    path = tmp_path / "r.bin"
-    path.write_bytes(raw)
-    sizes = [(17 << 20) + 5, 4096, 3000]  # a big one split over tasks, one page, an odd tail
-    second = (sizes[0] + 4095) // 4096 * 4096  # same alignment phase in the file and the arena
-    offsets = [0, second, second + 8192 + 1]
-    with HostArena(sum(sizes) + 3 * 4096, pinned=False) as arena:
-        outs = [
-            arena.view(0, sizes[0]),
-            arena.view(second, sizes[1]),
-            torch.empty(sizes[2], dtype=torch.uint8),
-        ]
-        counts = [(n + chunk - 1) // chunk for n in sizes]
-        index = [0, counts[0], counts[0] + counts[1]]
-        crcs = np.full(sum(counts) + 2, -1, dtype=np.int64)
-        got = read_file(
-            path,
-            list(zip(offsets, outs, strict=True)),
-            threads=threads,
-            direct=True,
-            chunk_bytes=chunk,
-            crc_index=index,
-            crc_out=crcs,
-        )
-        assert got == sum(sizes)
-        for off, out, n, first in zip(offsets, outs, sizes, index, strict=True):
-            data = raw[off : off + n]
-            assert out.numpy().tobytes() == data
-            want = [google_crc32c.value(data[k : k + chunk]) for k in range(0, n, chunk)]
-            assert crcs[first : first + len(want)].tolist() == want
-        assert crcs[-2:].tolist() == [-1, -1]  # slots past the last piece untouched
-
-
-def test_read_file_uses_o_direct_for_aligned_middles(tmp_path):
-    raw = rand_bytes((8 << 20) + 100, 12)
-    path = tmp_path / "d.bin"
-    path.write_bytes(raw)
-    with HostArena(len(raw) + 4096, pinned=False) as arena:
-        out = arena.view(0, len(raw))
-        nbytes, direct_bytes = C.read_file(
-            str(path), [0], [out.numpy()], [-1], 0, np.empty(0, np.int64), 0, True
-        )
-        assert nbytes == len(raw) and out.numpy().tobytes() == raw
-        if direct_bytes == 0:
-            pytest.skip(f"{tmp_path} refuses O_DIRECT (read buffered instead, content verified)")
-        assert (
-            direct_bytes == len(raw) // 4096 * 4096
-        )  # the unaligned tail came through the page cache
-
-
-def test_read_file_errors(tmp_path):
-    path = tmp_path / "short.bin"
-    path.write_bytes(b"x" * 100)
-    with pytest.raises(OSError) as info:
-        read_file(path, [(0, bytearray(10)), (50, bytearray(60))], direct=True)
-    assert info.value.errno == errno.EIO and info.value.filename == str(path)
-    assert "shorter than expected" in str(info.value)
-    with pytest.raises(ValueError, match="needs CRC slots up to 2 but crc_out has 1"):
-        read_file(
-            path,
-            [(0, bytearray(100))],
-            chunk_bytes=64,
-            crc_index=[0],
-            crc_out=np.zeros(1, np.int64),
-        )
-    with pytest.raises(ValueError, match="needs crc_out"):
-        read_file(path, [(0, bytearray(10))], chunk_bytes=64)
-    with pytest.raises(ValueError, match="read-only"):
-        read_file(path, [(0, b"abc")])
-    with pytest.raises(FileNotFoundError):
-        read_file(tmp_path / "nope", [(0, bytearray(1))])
-
-
-def test_read_past_eof_is_an_error(tmp_path):
-    path = tmp_path / "short.bin"
-    path.write_bytes(b"x" * 100)
-    with pytest.raises(OSError) as info:
-        read_into(path, 50, bytearray(60))
-    assert info.value.errno == errno.EIO and info.value.filename == str(path)
-    assert "unexpected end of file" in str(info.value)
-    with pytest.raises(FileNotFoundError):
-        read_into(tmp_path / "nope", 0, bytearray(1))
-
-
 def test_bad_arguments(tmp_path):
     path = tmp_path / "x"
     with pytest.raises(TypeError, match=r"pieces\[0\] must be a \(file_offset, buffer\) pair"):
@@ -273,8 +166,6 @@ def test_bad_arguments(tmp_path):
         write_file(path, [(0, torch.ones(4, 4).t())])
     with pytest.raises(ValueError, match="size must be >= 0"):
         write_file(path, [], size=-1)
-    with pytest.raises(ValueError, match="out is read-only"):
-        read_into(path, 0, b"abc")
     with pytest.raises(ValueError, match="threads must be a positive int"):
         write_file(path, [], threads=0)
 
@@ -370,7 +261,7 @@ def test_direct_on_tmpfs():
         arena.copy_in([rand_bytes(1 << 20, 7)], [0])
         target = mnt / "d.bin"
         written, direct_bytes = C.write_file(
-            str(target), [0], [arena.view(0, 1 << 20).numpy()], -1, 0, True, True
+            os.fsencode(target), [0], [arena.view(0, 1 << 20).numpy()], -1, 0, True, True
         )
         assert written == 1 << 20 and direct_bytes in (0, 1 << 20)
         assert target.read_bytes() == rand_bytes(1 << 20, 7)
@@ -383,14 +274,38 @@ def test_dev_full_is_enospc():
     assert info.value.errno == errno.ENOSPC and info.value.filename == "/dev/full"
 
 
-def test_drop_page_cache_walks_directories_and_keeps_the_bytes(tmp_path):
-    from gpumem.writer import drop_page_cache
+def test_exclusive_creates_only_a_new_file_never_through_a_link(tmp_path):
+    canary = tmp_path / "canary"
+    canary.write_bytes(b"someone's")
+    (tmp_path / "link").symlink_to(canary)
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    for name in ("canary", "link", "dangling"):
+        with pytest.raises(FileExistsError):
+            write_file(tmp_path / name, [(0, b"new")], exclusive=True)
+    assert canary.read_bytes() == b"someone's" and not (tmp_path / "nowhere").exists()
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert write_file("new", [(0, b"abc")], dir_fd=fd, exclusive=True, direct=True) == 3
+    finally:
+        os.close(fd)
+    assert (tmp_path / "new").read_bytes() == b"abc"
 
-    (tmp_path / "d").mkdir()
-    files = {tmp_path / "a.bin": b"x" * 10000, tmp_path / "d" / "b.bin": b"y" * 5000}
-    for f, data in files.items():
-        f.write_bytes(data)
-    drop_page_cache([tmp_path / "a.bin", tmp_path / "d"])  # a file, and a directory walked
-    assert all(f.read_bytes() == data for f, data in files.items())
-    with pytest.raises(FileNotFoundError):
-        drop_page_cache([tmp_path / "missing.bin"])
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_no_descriptor_leaks_when_planning_throws_after_the_open(tmp_path):
+    """A piece that ends past the largest file offset is refused while planning, which runs
+    after the file was opened (descriptors are owned by a guard, not closed by hand)."""
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(200):
+        with pytest.raises(ValueError, match="ends past the largest file offset"):
+            write_file(tmp_path / "x", [(2**63 - 4, b"0123456789")], direct=True)
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_non_utf8_paths(tmp_path):
+    path = os.path.join(os.fsencode(tmp_path), b"w-\xff.bin")
+    assert write_file(path, [(0, b"abc")]) == 3
+    assert write_file(os.fsdecode(path) + "2", [(0, b"de")]) == 2
+    with open(path, "rb") as f:
+        assert f.read() == b"abc"
+    fsync_dir(os.fsencode(tmp_path))

@@ -394,7 +394,7 @@ def _round(ckpt: Any, model: Any, opt: Any, step: int, device: str, drop_cache: 
     if drop_cache:
         info = ckpt.latest()
         if info is not None:
-            from gpumem.writer import drop_page_cache
+            from gpumem.reader import drop_page_cache
 
             drop_page_cache([info.path])
     t0 = time.perf_counter()

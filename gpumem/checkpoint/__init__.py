@@ -6,10 +6,12 @@ preemption handling and exact resume.
     step = ckpt.restore(model=model, optimizer=opt, scheduler=sched)
     gpumem.checkpoint.verify("ckpts/step-000000100")
 
-Modules: format (manifests, validation), state (capture / rebuild), snapshot (layout, copies),
-persist (files, commit protocol, retention), lock (one job per directory), job (one save in
-flight), restore (read + verify), replicated (DDP state written once: owners, cross-rank checks),
-checkpointer (the API), preemption (PreemptionGuard).
+Modules: format (manifests, validation), codec (state tree <-> JSON + tensors), state (capture
+and the all-or-nothing load), validate (a tree against the objects), snapshot (layout, copies),
+safe_fs (no-follow, descriptor-relative file access), persist (files, commit protocol,
+retention), lock (one job per directory), job (one save in flight), restore (read + verify),
+replicated (DDP state written once: owners, cross-rank checks), checkpointer (the API),
+preemption (PreemptionGuard).
 """
 
 from .checkpointer import Checkpointer
@@ -19,6 +21,7 @@ from .errors import (
     CheckpointError,
     CheckpointFallbackWarning,
     CheckpointIOError,
+    CheckpointPointerWarning,
     CheckpointStateError,
 )
 from .format import CheckpointInfo
@@ -33,6 +36,7 @@ __all__ = [
     "CheckpointFallbackWarning",
     "CheckpointIOError",
     "CheckpointInfo",
+    "CheckpointPointerWarning",
     "CheckpointStateError",
     "Checkpointer",
     "PreemptionGuard",

@@ -1,5 +1,6 @@
-"""The native core (issue #2) as the checkpoint code uses it: CRC32C, the parallel writer and the
-host arena. One import point, so the rest of the package never reaches into ``gpumem._C``."""
+"""The native core (issue #2) as the checkpoint code uses it: CRC32C, the parallel writer and
+reader, and the host arena. One import point, so the rest of the package never reaches into
+``gpumem._C``."""
 
 from __future__ import annotations
 
@@ -7,16 +8,15 @@ import torch
 
 from gpumem.arena import HostArena
 from gpumem.checksum import chunk_crc32c, crc32c
-from gpumem.writer import fsync_dir, read_file, read_into, write_file
+from gpumem.reader import read_file
+from gpumem.writer import write_file
 
 __all__ = [
     "HostArena",
     "as_bytes",
     "chunk_crc32c",
     "crc32c",
-    "fsync_dir",
     "read_file",
-    "read_into",
     "write_file",
 ]
 

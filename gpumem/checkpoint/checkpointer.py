@@ -12,12 +12,21 @@ scaler, extras and stateful objects are always captured before save() returns.
 Replicated mode (``replicated=True``, for DDP): the model, optimizer, scheduler and scaler state
 every rank holds alike is written once in total, each tensor by one owner rank (see
 ``replicated.py``); each rank copies, checksums and writes only what it owns plus its own state.
+
+Restore is a transaction: every candidate checkpoint is read into fresh host memory, verified,
+decoded and checked against the objects (``validate.py``) before anything is loaded, then loaded
+all or nothing (``state.apply``). One rule for errors: content that fails to decode or validate,
+whatever raised, is CheckpointCorruptError for that step and restore() falls back to the next
+older one; an operating-system error is CheckpointIOError and is raised; a checkpoint that does
+not fit the objects is CheckpointStateError and is raised.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import errno
+import math
 import os
 import sys
 import threading
@@ -32,15 +41,23 @@ from .errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointFallbackWarning,
+    CheckpointIOError,
     CheckpointStateError,
 )
 from .format import CheckpointInfo
 from .job import SaveJob, SaveStats, Worker, default_versions
-from .lock import DirLock
+from .lock import READ_ONLY_ERRNOS, DirLock
+from .safe_fs import Dir
 from .snapshot import HostViews, LayoutCache
 
 _MIN_BUDGET = 64 << 20
+MAX_STEP = 2**63 - 1  # steps are stored as JSON integers and read back as int64-sized values
 _LIVE: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+def _is_int(value: Any, lo: int) -> bool:
+    """``value`` is an int (a bool is not one) of at least ``lo``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= lo
 
 
 def default_staging_bytes() -> int:
@@ -84,6 +101,10 @@ class Checkpointer:
         direct_io: write data files with O_DIRECT from the page-aligned arena: no second copy
             into the page cache (less CPU taken from training, no cache pollution). File systems
             that refuse O_DIRECT get buffered writes.
+        read_only: open the directory for restore only: no lock is taken (a job writing it is
+            not waited for), nothing is cleaned up, save() is refused. Without it, a directory
+            that cannot be written (read-only mount, no write permission) is opened this way
+            too, with a warning.
         replicated: the model, optimizer, scheduler and scaler state is the same on every rank
             (DDP): write each of its tensors once in total instead of once per rank. Every rank
             computes the same owner for each tensor (largest first, to the rank with the fewest
@@ -108,7 +129,7 @@ class Checkpointer:
 
     def __init__(
         self,
-        directory: str | os.PathLike,
+        directory: str | bytes | os.PathLike,
         keep: int | None = 3,
         staging_bytes: int | None = None,
         *,
@@ -119,32 +140,55 @@ class Checkpointer:
         segment_bytes: int = 256 << 20,
         lock_timeout_s: float = 120.0,
         replicated: bool = False,
+        read_only: bool = False,
     ):
-        if keep is not None and (not isinstance(keep, int) or keep < 1):
+        if keep is not None and not _is_int(keep, 1):
             raise CheckpointStateError(
-                f"keep={keep!r}: keep at least 1 checkpoint, or None for all"
+                f"keep={keep!r}: keep at least 1 checkpoint (a positive int), or None for all"
             )
-        if (
-            chunk_bytes < 4096
-            or chunk_bytes & (chunk_bytes - 1)
-            or alignment > chunk_bytes
-            or alignment & (alignment - 1)
-        ):
+        for name, value in (("chunk_bytes", chunk_bytes), ("alignment", alignment)):
+            if not _is_int(value, 1) or value & (value - 1):
+                raise CheckpointStateError(f"{name}={value!r} must be a power of two (an int)")
+        if chunk_bytes < 4096 or alignment > chunk_bytes:
             raise CheckpointStateError(
-                f"chunk_bytes={chunk_bytes} must be a power "
-                f"of two >= 4096 and >= alignment={alignment}"
+                f"chunk_bytes={chunk_bytes} must be >= 4096 and >= alignment={alignment}"
             )
-        budget = default_staging_bytes() if staging_bytes is None else int(staging_bytes)
+        if not _is_int(segment_bytes, 1):
+            raise CheckpointStateError(f"segment_bytes={segment_bytes!r} must be a positive int")
+        if staging_bytes is not None and not _is_int(staging_bytes, 1):
+            raise CheckpointStateError(
+                f"staging_bytes={staging_bytes!r} must be a positive int (bytes), or None"
+            )
+        budget = default_staging_bytes() if staging_bytes is None else staging_bytes
         if budget < 2 * chunk_bytes:
             raise CheckpointStateError(
                 f"staging_bytes={budget} is below two chunks ({2 * chunk_bytes} bytes); raise it"
             )
-        self.directory = Path(directory)
+        if (
+            isinstance(lock_timeout_s, bool)
+            or not isinstance(lock_timeout_s, (int, float))
+            or not 0 <= lock_timeout_s < math.inf
+        ):
+            raise CheckpointStateError(
+                f"lock_timeout_s={lock_timeout_s!r} must be a finite number of seconds >= 0"
+            )
+        for name, value in (
+            ("overlap", overlap),
+            ("direct_io", direct_io),
+            ("replicated", replicated),
+            ("read_only", read_only),
+        ):
+            if not isinstance(value, bool):
+                raise CheckpointStateError(f"{name}={value!r} must be True or False")
+        try:
+            self.directory = Path(os.fsdecode(directory))  # any bytes the OS accepts
+        except TypeError:
+            raise CheckpointStateError(
+                f"directory={directory!r} must be a path (str, bytes or os.PathLike)"
+            ) from None
         self.keep, self.staging_bytes, self.overlap = keep, budget, overlap
         self.chunk_bytes, self.alignment, self.direct_io = chunk_bytes, alignment, direct_io
         self.segment_bytes = segment_bytes
-        if not isinstance(replicated, bool):
-            raise CheckpointStateError(f"replicated={replicated!r} must be True or False")
         self.replicated = replicated
         self._group = Group()
         self._arena: Any = None
@@ -172,16 +216,68 @@ class Checkpointer:
         self._closed = False
         self.history: collections.deque[SaveStats] = collections.deque(maxlen=256)  # newest last
         self._dir_lock: DirLock | None = None
+        self._root: Dir | None = None  # the directory's descriptor: see _root_dir()
+        self._read_only_errno: int | None = None  # why it cannot be written (None: asked for)
+        # why save() is refused (None: it is not): the directory is opened read-only
+        self.read_only: str | None = "opened with read_only=True" if read_only else None
+        failure: Exception | None = None
         if self._group.rank == 0:
-            from .persist import clean_stale
-
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._dir_lock = DirLock(
-                self.directory, lock_timeout_s
-            )  # before cleaning: a live job's saves stay
-            weakref.finalize(self, self._dir_lock.release)
-            clean_stale(self.directory)
+            try:
+                self._open_root(lock_timeout_s)
+            except Exception as exc:  # raised below, once every rank has heard of it
+                failure = exc
+        if self._group.world_size > 1:
+            # every rank fails alike, and refuses save() alike, or a later collective would hang
+            code = _FAILED if failure is not None else _WRITABLE
+            if failure is None and self.read_only is not None:
+                code = self._read_only_errno or 0
+            code = self._group.all_gather([code])[0][0]
+            if code == _FAILED and failure is None:
+                failure = CheckpointError(
+                    f"rank 0 could not open {self.directory} (its error is raised there)"
+                )
+            elif code >= 0 and self.read_only is None:
+                self.read_only = "opened read-only by rank 0"
+                self._read_only_errno = code or None
+        if failure is not None:
+            _stop_workers(self._workers)
+            raise failure
         _LIVE.add(self)
+
+    def _open_root(self, lock_timeout_s: float) -> None:
+        """Rank 0: open (or create) the directory, take its lock, clean up after crashed saves;
+        where the directory cannot be written, open it read-only, without a lock, and say so."""
+        from .persist import clean_stale
+
+        if self.read_only is not None:
+            self._root = Dir.open(self.directory)
+            return
+        self._root = Dir.open(self.directory, create=True)
+        try:
+            self._dir_lock = DirLock(self._root, lock_timeout_s)
+        except CheckpointIOError as exc:
+            if exc.errno not in READ_ONLY_ERRNOS:
+                raise
+            self.read_only = (
+                f"{self.directory} cannot be written ({os.strerror(exc.errno or 0)}), so it was "
+                "opened read-only, without the directory lock"
+            )
+            warnings.warn(
+                f"{self.read_only}: restore() works, save() is refused",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self._read_only_errno = exc.errno or errno.EACCES
+            return
+        weakref.finalize(self, self._dir_lock.release)
+        clean_stale(self._root)  # after taking the lock: a live job's saves stay
+
+    def _root_dir(self) -> Dir:
+        """The directory's descriptor, opened on first use on ranks other than 0 (rank 0 may be
+        creating the directory while they start)."""
+        if self._root is None:
+            self._root = Dir.open(self.directory)
+        return self._root
 
     # ------------------------------------------------------------------ save
 
@@ -211,10 +307,11 @@ class Checkpointer:
         from .state import capture
 
         t0 = time.perf_counter()
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise CheckpointStateError(f"step={step!r} must be a non-negative int")
+        if not _is_int(step, 0) or step > MAX_STEP:
+            raise CheckpointStateError(f"step={step!r} must be an int in [0, 2**63 - 1]")
         with self._lock:
             self._check_open()
+            self._check_writable()
             self.wait()
             kwargs = {
                 "model": model,
@@ -248,7 +345,8 @@ class Checkpointer:
             self._zero_gaps = None  # until this job has zeroed (or kept) the gaps of its layout
             self._views = HostViews(self._views)
             job = SaveJob(
-                root=self.directory,
+                root=self._root,
+                root_path=self.directory,
                 step=step,
                 tree=tree,
                 table=table,
@@ -327,9 +425,9 @@ class Checkpointer:
         with self._lock:
             self._check_open()
             if nbytes is not None:
-                size = int(nbytes)
-                if size <= 0:
-                    raise CheckpointStateError(f"nbytes={nbytes!r} must be positive")
+                if not _is_int(nbytes, 1):
+                    raise CheckpointStateError(f"nbytes={nbytes!r} must be a positive int")
+                size = nbytes
             else:
                 if model is None and optimizer is None:
                     raise CheckpointStateError("prepare() needs a model, an optimizer or nbytes")
@@ -498,6 +596,8 @@ class Checkpointer:
                 self._arena = None
             if self._dir_lock is not None:
                 self._dir_lock.release()
+            if self._root is not None:
+                self._root.close()
             _LIVE.discard(self)
 
     def __enter__(self) -> Checkpointer:
@@ -520,6 +620,21 @@ class Checkpointer:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; create a new one")
 
+    def _check_writable(self) -> None:
+        if self.read_only is None:
+            return
+        if self._read_only_errno is None:  # asked for: read_only=True
+            raise CheckpointStateError(
+                f"{self.directory} was {self.read_only}: save() is refused; open a "
+                "Checkpointer without read_only=True to save"
+            )
+        raise CheckpointIOError(
+            f"{self.read_only}: save() is refused; make it writable (remount, fix its "
+            "permissions) or save into another directory",
+            errno=self._read_only_errno,
+            filename=str(self.directory),
+        )
+
     # ------------------------------------------------------------------ listing
 
     def list(self) -> list[CheckpointInfo]:
@@ -527,7 +642,13 @@ class Checkpointer:
         verify())."""
         from .persist import list_checkpoints
 
-        return list_checkpoints(self.directory)
+        try:
+            root = self._root_dir()
+        except CheckpointIOError as exc:
+            if exc.errno != errno.ENOENT:  # a rank started before rank 0 created it
+                raise
+            return []
+        return list_checkpoints(root)
 
     def latest(self) -> CheckpointInfo | None:
         """The newest committed checkpoint, or None."""
@@ -589,88 +710,76 @@ class Checkpointer:
             CheckpointStateError: the checkpoint does not fit the objects (keys, shapes, world
                 size).
         """
-        from .persist import load_info, read_latest, step_dirs
-        from .restore import check_replicated, restore_tree
+        from .persist import open_step, step_dirs
+        from .restore import open_checkpoint
         from .restore import verify_loaded as check_loaded
-        from .state import apply, capture, check_targets
+        from .state import apply, capture
 
         self._check_open()
         self.wait()
         g = self._group
-        candidates = [Path(path)] if path is not None else [p for _, p in step_dirs(self.directory)]
+        objects = {
+            "model": model,
+            "optimizer": optimizer,
+            "scheduler": scheduler,
+            "scaler": scaler,
+            "stateful": stateful,
+        }
+        names: list[str | None] = [None]  # None: the caller's path
+        root = None
         if path is None:
-            self._check_pointer(read_latest, load_info)
-        failures = []
-        for cand in candidates:
-            tree, shard, status, err = None, None, 2, None
             try:
-                info = load_info(cand)
-                src = g.rank
-                if info.world_size != g.world_size:
-                    if not elastic:
-                        raise CheckpointStateError(
-                            f"{cand} was saved by {info.world_size} ranks, this "
-                            f"job has {g.world_size}; restore with the same world "
-                            "size, or pass elastic=True for replicated (DDP) "
-                            "state (resharding of sharded state is not supported)"
-                        )
-                    if not info.replicated:  # replicated=True declared it at save time
-                        check_replicated(cand, info)
-                    src = g.rank % info.world_size
-                tree, shard = restore_tree(cand, info, src)
-                check_targets(
-                    tree,
-                    model=model,
-                    optimizer=optimizer,
-                    scheduler=scheduler,
-                    scaler=scaler,
-                    stateful=stateful,
-                )
-            except CheckpointCorruptError as exc:
-                status, err = 1, exc
-            except CheckpointStateError as exc:
-                status, err = 0, exc
+                root = self._root_dir()
+            except CheckpointIOError as exc:
+                if exc.errno != errno.ENOENT:  # a rank started before rank 0 created it
+                    raise
+            names = [n for _, n in step_dirs(root)] if root is not None else []
+            if root is not None:
+                self._check_pointer(root)
+        failures: list[CheckpointError] = []
+        for name in names:
+            label = os.fsdecode(path) if name is None else str(self.directory / name)
+            status, err = _OK, None
+            try:
+                with open_checkpoint(path) if name is None else open_step(root, name) as step:
+                    where = step.path
+                    info, tree, shard = self._read_candidate(step, elastic, extra, rng, objects)
+            except Exception as exc:
+                status, err = _outcome(exc, label)
             agreed = g.all_reduce(status, "min")
-            if agreed == 0:
+            if agreed == _RAISE:
                 raise (
                     err
                     if err is not None
-                    else CheckpointStateError(f"{cand}: another rank cannot restore it")
-                )
-            if agreed == 1:
-                failures.append(
-                    err
-                    or CheckpointCorruptError(f"{cand}: damaged on another rank", path=str(cand))
-                )
-                if path is None:
-                    warnings.warn(
-                        f"skipping damaged checkpoint {cand.name}: {failures[-1]}",
-                        CheckpointFallbackWarning,
-                        stacklevel=2,
+                    else CheckpointError(
+                        f"{label}: another rank cannot restore it (its error is raised there)"
                     )
-                continue
-            apply(
-                tree,
-                model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                scaler=scaler,
-                stateful=stateful,
-                extra=extra,
-                rng=rng,
-            )
-            if verify_loaded:
-                _, table = capture(
-                    info.step,
-                    model=model,
-                    optimizer=optimizer,
-                    scheduler=scheduler,
-                    scaler=scaler,
-                    stateful=stateful,
-                    rng=False,
                 )
-                check_loaded(cand, shard, table)
-            return info.step
+            if agreed == _OK:
+                try:
+                    apply(
+                        tree,
+                        **objects,
+                        extra=extra,
+                        rng=rng,
+                        agree=lambda ok: g.all_reduce(int(ok), "min") == 1,
+                    )
+                except CheckpointCorruptError as exc:
+                    err = exc
+                else:
+                    if verify_loaded:
+                        _, table = capture(info.step, **objects, rng=False)
+                        check_loaded(where, shard, table)
+                    return info.step
+            failures.append(
+                err or CheckpointCorruptError(f"{label}: damaged on another rank", path=label)
+            )
+            if path is None:
+                warnings.warn(
+                    f"skipping damaged checkpoint {os.path.basename(label)}: {failures[-1]}",
+                    CheckpointFallbackWarning,
+                    stacklevel=2,
+                )
         if not failures:
             return None
         if len(failures) == 1:
@@ -681,23 +790,89 @@ class Checkpointer:
             path=str(self.directory),
         )
 
-    def _check_pointer(self, read_latest: Any, load_info: Any) -> None:
+    def _read_candidate(
+        self, step: Dir, elastic: bool, extra: Any, rng: bool, objects: dict[str, Any]
+    ) -> tuple[CheckpointInfo, dict[str, Any], Any]:
+        """Read, verify and decode one checkpoint into host memory and check it against the
+        objects (nothing is loaded); raises what is wrong with it."""
+        from .persist import load_info
+        from .restore import check_replicated, restore_tree
+        from .validate import check_targets
+
+        g = self._group
+        info = load_info(step)
+        src = g.rank
+        if info.world_size != g.world_size:
+            if not elastic:
+                raise CheckpointStateError(
+                    f"{step.path} was saved by {info.world_size} ranks, this "
+                    f"job has {g.world_size}; restore with the same world "
+                    "size, or pass elastic=True for replicated (DDP) "
+                    "state (resharding of sharded state is not supported)"
+                )
+            if not info.replicated:  # replicated=True declared it at save time
+                check_replicated(step, info)
+            src = g.rank % info.world_size
+        tree, shard = restore_tree(step, info, src)
+        check_targets(tree, **objects, extra=extra, rng=rng)
+        return info, tree, shard
+
+    def _check_pointer(self, root: Dir) -> None:
+        """Cross-check ``latest`` (restore does not depend on it): a stale, damaged or unreadable
+        pointer gets a warning."""
+        from .persist import LATEST, load_info, open_step, read_latest
+
         try:
-            ptr = read_latest(self.directory)
+            ptr = read_latest(root)
             if ptr is None:
                 return
-            info = load_info(self.directory / ptr["path"])
+            with open_step(root, ptr["path"]) as step:
+                info = load_info(step)
             if info.manifest_crc32c != ptr["manifest_crc32c"] or info.step != ptr["step"]:
                 raise CheckpointCorruptError(
-                    f"{self.directory / 'latest'} names "
-                    f"{ptr['path']} with another manifest CRC (stale)"
+                    f"{root.path / LATEST} names {ptr['path']} with another manifest CRC (stale)"
                 )
-        except CheckpointCorruptError as exc:
+        except CheckpointError as exc:
             warnings.warn(
                 f"ignoring the latest pointer: {exc}; scanning {self.directory}",
                 CheckpointFallbackWarning,
                 stacklevel=3,
             )
+
+
+# what rank 0 tells the others after opening the directory (else: the errno that made it
+# read-only, 0 for read_only=True)
+_FAILED, _WRITABLE = -2, -1
+
+# restore()'s per-candidate outcome, agreed over the ranks with a MIN: the worst one wins
+_RAISE, _DAMAGED, _OK = 0, 1, 2
+
+
+def _outcome(exc: Exception, where: str) -> tuple[int, CheckpointError]:
+    """What a failure to read or check a candidate checkpoint means: damage (fall back to an
+    older one) or an error to raise. The one rule: whatever the content made fail is damage;
+    the operating system's errors and a checkpoint that does not fit the objects are raised."""
+    if isinstance(exc, CheckpointCorruptError):
+        return _DAMAGED, exc
+    if isinstance(exc, CheckpointError):
+        return _RAISE, exc
+    if isinstance(exc, MemoryError):
+        err: CheckpointError = CheckpointIOError(
+            f"{where}: out of memory while reading it; free memory and restore again",
+            errno=errno.ENOMEM,
+            filename=where,
+        )
+        return _RAISE, err
+    if isinstance(exc, OSError):
+        from .safe_fs import io_error
+
+        return _RAISE, io_error(exc, exc.filename or where, "reading")
+    err = CheckpointCorruptError(
+        f"{where}: its state fails to decode or validate ({type(exc).__name__}: {str(exc)[:300]})",
+        path=where,
+    )
+    err.__cause__ = exc
+    return _DAMAGED, err
 
 
 class _Prepare:

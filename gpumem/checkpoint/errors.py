@@ -61,6 +61,11 @@ class CheckpointFallbackWarning(UserWarning):
     one."""
 
 
+class CheckpointPointerWarning(UserWarning):
+    """A save was committed (its ``step-<N>`` directory is in place and restore() finds it), but
+    the ``latest`` pointer could not be moved to it; ``SaveStats.latest_error`` says why."""
+
+
 class CheckpointBranchWarning(UserWarning):
     """A save of a step lower than committed ones moved those to ``abandoned/`` (training went
     back)."""

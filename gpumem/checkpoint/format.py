@@ -52,6 +52,7 @@ MAX_TENSORS = 1 << 24
 MAX_NDIM = 64
 MAX_NAME = 1024
 MAX_WORLD = 1 << 20
+MAX_CREATED = 253402300799  # seconds since the epoch at the end of year 9999: what dates can show
 _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HEADER = re.compile(rb"^gpumem-checkpoint (\d{1,4}) (\d{12}) ([0-9a-f]{8})\n")
 
@@ -159,25 +160,6 @@ def decode_manifest(data: bytes, path: str) -> tuple[dict[str, Any], int]:
     if not isinstance(body, dict):
         raise CheckpointCorruptError(f"{path}: manifest body is not a JSON object", path=path)
     return body, crc
-
-
-def read_manifest(path: Path) -> tuple[dict[str, Any], int]:
-    """Read and decode one manifest file (size bounded before reading)."""
-    try:
-        size = path.stat().st_size
-        if size > MAX_MANIFEST_BYTES:
-            raise CheckpointCorruptError(
-                f"{path}: manifest is {size} bytes, over the {MAX_MANIFEST_BYTES} byte limit",
-                path=str(path),
-            )
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointCorruptError(f"{path}: manifest is missing", path=str(path)) from None
-    except OSError as exc:
-        raise CheckpointCorruptError(
-            f"{path}: cannot read manifest: {exc}", path=str(path)
-        ) from None
-    return decode_manifest(data, str(path))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,6 +273,8 @@ def parse_main(body: dict[str, Any], path: str, crc: int) -> CheckpointInfo:
     step = c.int_in(body, "step", 0, 2**63 - 1)
     world = c.int_in(body, "world_size", 1, MAX_WORLD)
     created = c.get(body, "created", (int, float))
+    if not 0 <= created <= MAX_CREATED:  # also refuses inf (1e400 parses as inf)
+        raise c.fail(f"manifest field 'created' = {str(created)[:40]} is not a time up to 9999")
     versions = c.get(body, "versions", dict)
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in versions.items()):
         raise c.fail("manifest field 'versions' must map names to strings")

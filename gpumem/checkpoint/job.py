@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import queue
-import shutil
 import threading
 import time
 import warnings
@@ -29,9 +28,16 @@ import torch
 
 from . import persist
 from ._dist import Group
-from .errors import CheckpointBranchWarning, CheckpointError, CheckpointIOError
+from .codec import TensorTable
+from .errors import (
+    CheckpointBranchWarning,
+    CheckpointError,
+    CheckpointIOError,
+    CheckpointPointerWarning,
+)
 from .format import DTYPE_NAMES, MAIN_MANIFEST, data_file_name, shard_manifest_name
 from .replicated import Replication, check_signatures, signature
+from .safe_fs import Dir
 from .snapshot import (
     ArenaLayout,
     HostViews,
@@ -40,7 +46,6 @@ from .snapshot import (
     tensor_crcs,
     zero_padding,
 )
-from .state import TensorTable
 
 
 @dataclass
@@ -60,6 +65,10 @@ class SaveStats:
         durable_s: from save() entry until the checkpoint was committed.
         set_aside: checkpoints of an abandoned branch this save moved to ``abandoned/`` (it
             saved a step lower than committed ones; see ``persist.set_aside_newer``).
+        committed: the step's directory was renamed into place: the checkpoint is durable and
+            restore() finds it, whatever happens to ``latest`` afterwards.
+        latest_error: why the ``latest`` pointer was not moved to this step although it was
+            committed (empty: it was, or the save did not get that far).
     """
 
     step: int
@@ -71,10 +80,22 @@ class SaveStats:
     d2h_s: float = 0.0
     durable_s: float = 0.0
     set_aside: tuple[str, ...] = ()
+    committed: bool = False
+    latest_error: str = ""
 
     @property
     def stall_s(self) -> float:
         return self.save_s + self.hook_wait_s
+
+    @property
+    def status(self) -> str:
+        """ "committed", "committed; latest not updated (why)", or "not committed" (yet, or
+        because the save failed: wait() says which)."""
+        if not self.committed:
+            return "not committed"
+        if self.latest_error:
+            return f"committed; latest not updated ({self.latest_error})"
+        return "committed"
 
 
 _WRITERS = 4  # data files written at once outside streaming mode
@@ -125,7 +146,8 @@ class SaveJob:
     def __init__(
         self,
         *,
-        root: Path,
+        root: Dir | None,
+        root_path: Path,
         step: int,
         tree: dict[str, Any],
         table: TensorTable,
@@ -146,6 +168,7 @@ class SaveJob:
         replication: Replication | None = None,
     ):
         self.root, self.step, self.tree, self.table, self.plan = root, step, tree, table, plan
+        self.root_path = root_path  # for messages; ranks other than 0 open ``root`` on first use
         self.replication = (
             replication  # replicated save: what this rank owns and records (see replicated.py)
         )
@@ -187,6 +210,7 @@ class SaveJob:
         self.reported = False
         self.caller_failed = False
         self.committed: Path | None = None
+        self._tmp: Dir | None = None  # the open temporary directory of this save
         self._cond = threading.Condition()
         self._ready = 0  # batches fully staged
         self._released = 0  # batches written (their slot may be reused)
@@ -360,17 +384,25 @@ class SaveJob:
             self.table = TensorTable()
             for p in self.plan.pieces:  # CRC tensors too (in the manifest by now, or not needed)
                 p.crc = None
+            if self._tmp is not None:
+                self._tmp.close()
             self.staged.set()
             self.done.set()
 
     def _persist(self) -> None:
         g, plan = self.group, self.plan
-        ok, tmp, local_error = 1, persist.tmp_dir(self.root, self.step), None
+        ok, local_error = 1, None
+        tmp_name = persist.tmp_name(self.step)
+        where = self.root_path / tmp_name
         if g.rank == 0:
             try:
-                persist.prepare_tmp(self.root, self.step)
+                assert self.root is not None  # rank 0 opened it in the constructor
+                # what a failed save could not remove is removed now (the lock is ours and no
+                # other save is in flight)
+                persist.clean_stale(self.root)
+                self._tmp = persist.prepare_tmp(self.root, self.step)
             except OSError as exc:
-                local_error, ok = CheckpointIOError.wrap(exc, f"creating {tmp}"), 0
+                local_error, ok = CheckpointIOError.wrap(exc, f"creating {where}"), 0
         # One collective tells every rank whether rank 0 created the directory and whether all
         # ranks declared the same replicated state, before anything is written.
         try:
@@ -380,17 +412,15 @@ class SaveJob:
         gathered = g.all_gather([ok, *sig])
         bad = [r for r, row in enumerate(gathered) if not row[0]]
         if bad:
-            if g.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
+            self._discard(tmp_name)
             raise local_error or CheckpointIOError(
                 f"rank(s) {bad} failed before writing (rank 0 "
-                f"creates {tmp}); step {self.step} was not saved"
+                f"creates {where}); step {self.step} was not saved"
             )
         try:
             check_signatures([row[1:] for row in gathered])
         except CheckpointError:
-            if g.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
+            self._discard(tmp_name)
             raise
         files: dict[str, int] = {}
         # Batch b is written as soon as it is staged; its checksums are computed beside the write
@@ -404,6 +434,7 @@ class SaveJob:
         )
         crc_thread.start()
         try:
+            tmp = self._open_tmp(tmp_name)
             if self.mode != "streaming":
                 # Writing beside the copy takes memory bandwidth from it (~10-30 % on a small
                 # host), and the copy is what training waits for; the write starts once it ends.
@@ -432,7 +463,7 @@ class SaveJob:
                     self._released = b + 1
                     self._cond.notify_all()
             shard_crc = persist.write_manifest(
-                tmp / shard_manifest_name(g.rank), self._shard_body(files)
+                tmp, shard_manifest_name(g.rank), self._shard_body(files)
             )
         except BaseException as exc:
             self._fail(exc)
@@ -441,8 +472,7 @@ class SaveJob:
         gathered = g.all_gather([ok, shard_crc, self.stats.nbytes])
         bad = [r for r, (flag, _, _) in enumerate(gathered) if not flag]
         if bad:
-            if g.rank == 0:  # nobody writes any more: free the space a failed save took
-                shutil.rmtree(tmp, ignore_errors=True)
+            self._discard(tmp_name)  # nobody writes any more: free the space a failed save took
             raise (
                 _as_error(local_error, self.step)
                 if local_error
@@ -457,6 +487,10 @@ class SaveJob:
                 self._commit(tmp, gathered)
             except BaseException as exc:
                 local_error, ok = exc, 0
+                # not committed: its space is freed now, not at the next start (a full disk
+                # would stay full); a step moved aside to be replaced goes back into place
+                assert self.root is not None
+                persist.clean_stale(self.root)
         if g.all_reduce(ok, "min") == 0:
             raise (
                 _as_error(local_error, self.step)
@@ -465,21 +499,31 @@ class SaveJob:
             )
         if not self.stats.durable_s:  # ranks other than 0: durable once rank 0 committed
             self.stats.durable_s = time.perf_counter() - self.t0
+        self.stats.committed = True
 
-    def _write_batch(self, tmp: Path, b: int) -> tuple[str, int]:
+    def _open_tmp(self, name: str) -> Dir:
+        """The temporary directory: rank 0 created it; the others open it (and, on first use,
+        the root) once rank 0 said it exists."""
+        if self._tmp is None:
+            if self.root is None:
+                self.root = Dir.open(self.root_path)
+            self._tmp = self.root.sub(name)
+        return self._tmp
+
+    def _discard(self, tmp_name: str) -> None:
+        """Rank 0: remove a failed save's temporary directory (best effort: the next save or
+        start retries)."""
+        if self.group.rank == 0 and self.root is not None:
+            self.root.discard_tree(tmp_name)
+
+    def _write_batch(self, tmp: Dir, b: int) -> tuple[str, int]:
         """Write batch b's slot as data file b (fdatasync'ed); returns (file name, size)."""
         name, size = data_file_name(self.group.rank, b), self.plan.batch_sizes[b]
         buf = self.arena.view(self.plan.slot_base(b), size) if size else None
-        persist.write_file(
-            str(tmp / name),
-            [(0, buf)] if buf is not None else [],
-            size=size,
-            fsync=True,
-            direct=self.direct,
-        )
+        tmp.write_pieces(name, [(0, buf)] if buf is not None else [], size, self.direct)
         return name, size
 
-    def _write_all(self, tmp: Path) -> list[tuple[str, int]]:
+    def _write_all(self, tmp: Dir) -> list[tuple[str, int]]:
         """Every batch written by up to _WRITERS plain threads (an executor would refuse work at
         interpreter exit, when a save in flight must still finish)."""
         n = len(self.plan.batch_sizes)
@@ -565,7 +609,7 @@ class SaveJob:
         body["state"] = self.tree  # last (the large part), after the fields that describe the shard
         return body
 
-    def _commit(self, tmp: Path, gathered: list[list[int]]) -> None:
+    def _commit(self, tmp: Dir, gathered: list[list[int]]) -> None:
         body = {
             "format": "gpumem-checkpoint",
             "step": self.step,
@@ -579,23 +623,45 @@ class SaveJob:
         }
         if self.replication is not None:
             body["replicated"] = True
-        crc = persist.write_manifest(tmp / MAIN_MANIFEST, body)
-        self.committed, moved = persist.commit(self.root, tmp, self.step, crc)
-        self.stats.durable_s = (
-            time.perf_counter() - self.t0
-        )  # retention below is cleanup, not durability
-        if moved:
-            self.stats.set_aside = tuple(str(p) for p in moved)
+        crc = persist.write_manifest(tmp, MAIN_MANIFEST, body)
+        assert self.root is not None
+        done = persist.commit(self.root, tmp, self.step, crc)
+        # committed: from here on nothing fails the save (the pointer and retention are cleanup)
+        self.committed = self.root_path / done.name
+        self.stats.committed = True
+        self.stats.durable_s = time.perf_counter() - self.t0
+        if done.set_aside:
+            self.stats.set_aside = tuple(done.set_aside)
+            names = ", ".join(os.path.basename(p) for p in done.set_aside)
             warnings.warn(
                 f"step {self.step} is lower than committed checkpoints, so training "
                 "went back (a rollback, or a new run in an old run's directory): "
-                f"moved {', '.join(p.name for p in moved)} to {moved[0].parent} so "
+                f"moved {names} to {os.path.dirname(done.set_aside[0])} so "
                 "that restore() and retention follow the new branch. If your step "
                 "counter restarts (per epoch), pass a global step to save() instead.",
                 CheckpointBranchWarning,
                 stacklevel=1,
             )
-        persist.apply_retention(self.root, self.keep, self.committed)
+        if done.pointer_error is not None:
+            err = done.pointer_error
+            self.stats.latest_error = f"{err.strerror or err} ({err.filename or 'latest'})"
+            warnings.warn(
+                f"step {self.step} is committed ({self.committed}), but the latest pointer "
+                f"was not updated: {self.stats.latest_error}. restore() does not need it (it "
+                "takes the newest step that verifies); the next save moves it.",
+                CheckpointPointerWarning,
+                stacklevel=1,
+            )
+        try:
+            persist.apply_retention(self.root, self.keep, done.name)
+        except OSError as exc:
+            warnings.warn(
+                f"step {self.step} is committed, but removing checkpoints beyond keep="
+                f"{self.keep} failed ({exc.strerror or exc}); they stay on disk, and the next "
+                "save tries again",
+                RuntimeWarning,
+                stacklevel=1,
+            )
 
     # ------------------------------------------------------------------ shared
 

@@ -3,14 +3,18 @@
 Commit protocol (each step is durable before the next one makes it visible):
 
 1. every file is written into ``.tmp-step-<N>/`` and fdatasync'ed;
-2. the temporary directory is fsync'ed, renamed to ``step-<N>`` and the parent is fsync'ed;
+2. the temporary directory is fsync'ed, renamed to ``step-<N>`` and the parent is fsync'ed:
+   **this rename is the commit**;
 3. ``latest`` is replaced atomically (write + fsync a temporary file, rename, fsync the parent).
-   It carries the main manifest's CRC32C, so a stale or damaged pointer is detected on restore.
+   It carries the main manifest's CRC32C, so a stale or damaged pointer is detected on restore,
+   and restore never depends on it: a failure here leaves the step committed and the pointer
+   behind, which ``commit`` reports instead of raising.
 
 A crash at any point leaves either no ``step-<N>`` (only a ``.tmp-*`` that the next start removes)
 or a complete one. Retention runs only after the new checkpoint is committed, removes directories
 by renaming them out of sight first (a crash mid-delete never leaves a half-deleted ``step-*``) and
-never removes the checkpoint just committed.
+never removes the checkpoint just committed. Everything here works through ``safe_fs.Dir``
+descriptors: nothing is created through, renamed into or removed behind a symbolic link.
 """
 
 from __future__ import annotations
@@ -18,81 +22,103 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import time
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+from gpumem import _strict_json
 
-from ._core import fsync_dir, write_file
-from .errors import CheckpointCorruptError
+from .errors import CheckpointCorruptError, CheckpointStateError
 from .format import (
     LATEST,
     MAIN_MANIFEST,
+    MAX_MANIFEST_BYTES,
     STEP_DIR,
     CheckpointInfo,
+    decode_manifest,
     encode_manifest,
     parse_main,
-    read_manifest,
     step_dir_name,
 )
+from .safe_fs import Dir, io_error, read_error
 
 _LATEST_MAX = 4096
 ABANDONED = "abandoned"  # holds the checkpoints of abandoned branches (set_aside_newer)
 _REPLACED = ".replaced-"  # prefix of a committed step moved aside by a save of the same step
+_STALE = (".tmp-step-", ".trash-step-", ".latest.tmp-")  # what crashed or failed saves leave
 
 
-def tmp_dir(root: Path, step: int) -> Path:
-    return root / f".tmp-{step_dir_name(step)}"
+def tmp_name(step: int) -> str:
+    return f".tmp-{step_dir_name(step)}"
 
 
-def prepare_tmp(root: Path, step: int) -> Path:
-    """A fresh, empty temporary directory for step ``step`` (a leftover from a crash is removed)."""
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_dir(root, step)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    return tmp
+def prepare_tmp(root: Dir, step: int) -> Dir:
+    """A fresh, empty temporary directory for step ``step``: a leftover of a crash is removed
+    (a link planted under that name is unlinked, never followed)."""
+    root.remove_tree(tmp_name(step))
+    return root.make_sub(tmp_name(step))
 
 
-def write_bytes(path: Path, data: bytes) -> None:
-    """Write a small file durably (fdatasync) through the native writer."""
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
-    write_file(str(path), [(0, buf)] if buf is not None else [], size=len(data), fsync=True)
+def write_manifest(d: Dir, name: str, body: dict[str, Any]) -> int:
+    """Write a manifest durably as a new file; returns its CRC32C.
 
-
-def write_manifest(path: Path, body: dict[str, Any]) -> int:
-    """Write a manifest durably; returns its CRC32C."""
+    Raises:
+        CheckpointStateError: the manifest would be larger than any reader accepts (the state
+            saved beside the tensors is too large: store big values as tensors).
+    """
     data, crc = encode_manifest(body)
-    write_bytes(path, data)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CheckpointStateError(
+            f"{d.path / name}: the manifest would be {len(data)} bytes, over the "
+            f"{MAX_MANIFEST_BYTES} byte limit readers enforce; store large values (lists of "
+            "numbers, long strings) as tensors or NumPy arrays"
+        )
+    d.write_new(name, data)
     return crc
 
 
-def commit(root: Path, tmp: Path, step: int, manifest_crc: int) -> tuple[Path, list[Path]]:
-    """Make the fully written ``tmp`` visible as ``step-<N>`` and point ``latest`` at it.
+def read_manifest(d: Dir, name: str) -> tuple[dict[str, Any], int]:
+    """Read (a regular file, size bounded before reading) and decode one manifest."""
+    data = d.read_small(name, MAX_MANIFEST_BYTES, "manifest")
+    return decode_manifest(data, str(d.path / name))
 
-    Returns the committed directory and where :func:`set_aside_newer` moved the checkpoints of
-    an abandoned branch (empty unless a step lower than existing ones was saved)."""
-    fsync_dir(str(tmp))
+
+@dataclass
+class Committed:
+    """What ``commit`` did: the step directory (committed), the abandoned branch it set aside,
+    and why ``latest`` still points elsewhere (None: it was moved)."""
+
+    name: str
+    set_aside: list[str] = field(default_factory=list)
+    pointer_error: OSError | None = None
+
+
+def commit(root: Dir, tmp: Dir, step: int, manifest_crc: int) -> Committed:
+    """Make the fully written ``tmp`` visible as ``step-<N>`` (the commit), then point ``latest``
+    at it. A failure before the rename raises and commits nothing; once renamed, the step is
+    committed, and a failure to move ``latest`` is returned in ``pointer_error``."""
+    tmp.fsync()
     # before the rename: a crash in between then leaves the new branch's history, not the old one
     moved = set_aside_newer(root, step)
-    final = root / step_dir_name(step)
-    trash = None
-    if final.exists():  # the same step saved again (e.g. after a resume): replace it
+    final = step_dir_name(step)
+    replaced = None
+    if root.lstat(final) is not None:  # the same step saved again (e.g. after a resume)
         # moved aside under a name clean_stale() puts back if the rename below never happened
-        trash = root / f"{_REPLACED}{final.name}-{time.time_ns()}"
-        os.rename(final, trash)
-    os.rename(tmp, final)
-    fsync_dir(str(root))
-    write_latest(root, step, final.name, manifest_crc)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
-    return final, moved
+        replaced = f"{_REPLACED}{final}-{time.time_ns()}"
+        root.rename(final, root, replaced)
+    root.rename(tmp_name(step), root, final)
+    root.fsync()
+    done = Committed(final, moved)
+    try:
+        write_latest(root, step, final, manifest_crc)
+    except OSError as exc:
+        done.pointer_error = exc
+    if replaced is not None:
+        root.discard_tree(replaced)
+    return done
 
 
-def set_aside_newer(root: Path, step: int) -> list[Path]:
+def set_aside_newer(root: Dir, step: int) -> list[str]:
     """Move committed checkpoints of an abandoned branch out of the way of a save of ``step``.
 
     Saving a step lower than a committed one means training went back: a rollback (restore of an
@@ -100,46 +126,50 @@ def set_aside_newer(root: Path, step: int) -> list[Path]:
     the higher steps would win every restore and outrank the new branch in retention, which
     would delete the new saves as they come. They are moved, not deleted: every step >= ``step``
     goes into ``abandoned/<UTC time>-before-step-<step>/`` under its own name, where restore,
-    retention and listing no longer see it (move it back to use it again).
+    retention and listing no longer see it (move it back to use it again). Returns the new
+    paths. An ``abandoned`` that is not a plain directory (a symbolic link) is refused.
     """
     found = step_dirs(root)
     if not any(s > step for s, _ in found):
         return []  # at most the same step again: commit() replaces it, same lineage
     now = time.time_ns()
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now // 10**9)) + f".{now % 10**9:09d}Z"
-    dest = root / ABANDONED / f"{stamp}-before-step-{step}"
-    dest.mkdir(parents=True)
+    try:
+        aside = root.ensure_sub(ABANDONED)
+    except OSError as exc:
+        raise read_error(exc, root.path / ABANDONED, "opening") from None
     moved = []
-    for _, path in sorted(p for p in found if p[0] >= step):
-        os.rename(path, dest / path.name)
-        moved.append(dest / path.name)
-    for d in (dest, dest.parent, root):
-        fsync_dir(str(d))
+    with aside, aside.make_sub(f"{stamp}-before-step-{step}") as dest:
+        for _, name in sorted(p for p in found if p[0] >= step):
+            root.rename(name, dest, name)
+            moved.append(str(dest.path / name))
+        for d in (dest, aside, root):
+            d.fsync()
     return moved
 
 
-def write_latest(root: Path, step: int, name: str, manifest_crc: int) -> None:
+def write_latest(root: Dir, step: int, name: str, manifest_crc: int) -> None:
     data = (
         json.dumps({"step": step, "path": name, "manifest_crc32c": manifest_crc}).encode() + b"\n"
     )
-    tmp = root / f".latest.tmp-{os.getpid()}"
-    write_bytes(tmp, data)
-    os.replace(tmp, root / LATEST)
-    fsync_dir(str(root))
+    tmp = f".latest.tmp-{os.getpid()}"
+    root.remove_tree(tmp)  # a stale one (this pid's crashed predecessor): never written through
+    root.write_new(tmp, data)
+    root.replace(tmp, LATEST)
+    root.fsync()
 
 
-def read_latest(root: Path) -> dict[str, Any] | None:
+def read_latest(root: Dir) -> dict[str, Any] | None:
     """The ``latest`` pointer, strictly parsed; None if there is none; CheckpointCorruptError if
-    damaged."""
-    path = root / LATEST
+    damaged (or not a small regular file)."""
     try:
-        raw = path.read_bytes()[: _LATEST_MAX + 1]
-    except FileNotFoundError:
-        return None
+        if root.lstat(LATEST) is None:
+            return None
     except OSError as exc:
-        raise CheckpointCorruptError(f"{path}: unreadable: {exc}", path=str(path)) from None
+        raise read_error(exc, root.path / LATEST, "reading") from None
+    raw = root.read_small(LATEST, _LATEST_MAX, "the latest pointer")
     try:
-        data = json.loads(raw) if len(raw) <= _LATEST_MAX else None
+        data = _strict_json.loads(raw)
     except (ValueError, RecursionError):
         data = None
     ok = (
@@ -151,94 +181,105 @@ def read_latest(root: Path) -> dict[str, Any] | None:
         and STEP_DIR.match(data["path"]) is not None
     )
     if not ok:
+        path = root.path / LATEST
         raise CheckpointCorruptError(f"{path}: damaged checkpoint pointer", path=str(path))
     return data
 
 
-def step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """Committed checkpoint directories, newest step first."""
+def step_dirs(root: Dir) -> list[tuple[int, str]]:
+    """Committed checkpoint directories (real ones: a link named ``step-*`` is not one), newest
+    step first, as (step, name)."""
     try:
-        entries = list(os.scandir(root))
-    except FileNotFoundError:
-        return []
+        entries = root.entries()
+    except OSError as exc:
+        raise io_error(exc, root.path, "listing") from None
     found = []
     for e in entries:
         m = STEP_DIR.match(e.name)
         if m and e.is_dir(follow_symlinks=False):
-            found.append((int(m.group(1)), Path(e.path)))
+            found.append((int(m.group(1)), e.name))
     return sorted(found, key=lambda x: x[0], reverse=True)
 
 
-def load_info(path: Path) -> CheckpointInfo:
+def open_step(root: Dir, name: str) -> Dir:
+    """The checkpoint directory ``name`` in ``root``; a link or a file there is damage."""
+    try:
+        return root.sub(name)
+    except OSError as exc:
+        raise read_error(exc, root.path / name, "opening") from None
+
+
+def load_info(step: Dir) -> CheckpointInfo:
     """Main-manifest view of a checkpoint directory (CRC and fields checked, data not read)."""
-    manifest = path / MAIN_MANIFEST
-    body, crc = read_manifest(manifest)
-    info = parse_main(body, str(manifest), crc)
-    m = STEP_DIR.match(path.name)
+    body, crc = read_manifest(step, MAIN_MANIFEST)
+    manifest = str(step.path / MAIN_MANIFEST)
+    info = parse_main(body, manifest, crc)
+    m = STEP_DIR.match(step.path.name)
     if m and int(m.group(1)) != info.step:
         raise CheckpointCorruptError(
-            f"{manifest}: records step {info.step} but lives in {path.name}", path=str(manifest)
+            f"{manifest}: records step {info.step} but lives in {step.path.name}", path=manifest
         )
     return info
 
 
-def list_checkpoints(root: Path) -> list[CheckpointInfo]:
+def list_checkpoints(root: Dir) -> list[CheckpointInfo]:
     """Checkpoints whose main manifest is intact, oldest first (data bytes are not verified)."""
     infos = []
-    for _, path in step_dirs(root):
+    for _, name in step_dirs(root):
         try:
-            infos.append(load_info(path))
+            with open_step(root, name) as step:
+                infos.append(load_info(step))
         except CheckpointCorruptError:
             continue
     return sorted(infos, key=lambda i: i.step)
 
 
-def apply_retention(root: Path, keep: int | None, committed: Path) -> list[Path]:
-    """Delete all but the ``keep`` newest checkpoints, never ``committed``; returns what was
+def apply_retention(root: Dir, keep: int | None, committed: str) -> list[str]:
+    """Delete all but the ``keep`` newest checkpoints, never ``committed``; returns the names
     removed."""
     if keep is None:
         return []
     removed = []
-    for i, (_, path) in enumerate(step_dirs(root)):
-        if i < keep or path == committed:
+    for i, (_, name) in enumerate(step_dirs(root)):
+        if i < keep or name == committed:
             continue
-        trash = root / f".trash-{path.name}-{time.time_ns()}"
-        os.rename(path, trash)
-        shutil.rmtree(trash, ignore_errors=True)
-        removed.append(path)
+        trash = f".trash-{name}-{time.time_ns()}"
+        root.rename(name, root, trash)
+        root.discard_tree(trash)
+        removed.append(name)
     if removed:
-        fsync_dir(str(root))
+        root.fsync()
     return removed
 
 
-def clean_stale(root: Path) -> None:
-    """Remove what crashed saves left behind (temporary and trash directories, pointer temps).
+def clean_stale(root: Dir) -> None:
+    """Remove what crashed or failed saves left behind (temporary and trash directories, pointer
+    temps), best effort: what cannot be removed now is tried again by the next save.
 
     A committed step moved aside to be replaced by a new save of the same step
     (``.replaced-step-<N>-*``) is complete: if the crash came before the new ``step-<N>`` took its
     place, it is renamed back instead of deleted."""
     try:
-        entries = list(os.scandir(root))
-    except FileNotFoundError:
-        return
+        entries = root.entries()
+    except OSError:
+        return  # best effort: the next save or start tries again
     replaced = sorted(
-        (e for e in entries if e.name.startswith(_REPLACED) and e.is_dir(follow_symlinks=False)),
-        key=lambda e: e.name,
-        reverse=True,
+        (e for e in entries if e.name.startswith(_REPLACED)), key=lambda e: e.name, reverse=True
     )  # newest first (same step: the ns suffix decides)
     restored = False
     for e in replaced:
-        final = root / e.name[len(_REPLACED) :].rsplit("-", 1)[0]
-        if STEP_DIR.match(final.name) and not final.exists():
-            os.rename(e.path, final)
-            restored = True
-        else:
-            shutil.rmtree(e.path, ignore_errors=True)
-    if restored:
-        fsync_dir(str(root))
+        final = e.name[len(_REPLACED) :].rsplit("-", 1)[0]
+        try:
+            if e.is_dir(follow_symlinks=False) and STEP_DIR.match(final) and not root.lstat(final):
+                root.rename(e.name, root, final)
+                restored = True
+                continue
+        except OSError:
+            pass
+        root.discard_tree(e.name)
     for e in entries:
-        if e.name.startswith((".tmp-step-", ".trash-step-")) and e.is_dir(follow_symlinks=False):
-            shutil.rmtree(e.path, ignore_errors=True)
-        elif e.name.startswith(".latest.tmp-"):
-            with contextlib.suppress(OSError):
-                os.unlink(e.path)
+        if e.name.startswith(_STALE):
+            root.discard_tree(e.name)
+    if restored:
+        with contextlib.suppress(OSError):  # the rename stands; only its durability is at stake
+            root.fsync()

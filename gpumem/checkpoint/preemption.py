@@ -8,6 +8,12 @@ group), so every rank stops at the same step and saves the same one. The final s
 save of this very step if one was already taken (it is fresh: nothing changed since), otherwise
 saves the objects of the last save(); then it waits for durability up to the grace deadline,
 counted from the signal's arrival, and reports the outcome on stderr.
+
+Exit codes: ``exit_code`` (the requeue code) when the final step is committed, whether or not the
+``latest`` pointer could be moved (restore() does not need it), and also when there was nothing
+to save at all (no save() yet and no ``state=``): the job did no harm by stopping, and a requeued
+job starts again from where the directory stands. ``failure_exit_code`` only when a final save
+was attempted and did not become durable in time.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ class PreemptionGuard:
             set what your scheduler requeues on).
         failure_exit_code: the code when the final checkpoint did not become durable in time.
         state: the objects to save (model=..., optimizer=..., ...); default: those of the last
-            save().
+            save(). Pass it for a requeue-safe stop from the first step: a signal before the
+            first save() otherwise has nothing to save (the guard then still exits with
+            ``exit_code`` and says so).
 
     Example:
         >>> guard = gpumem.PreemptionGuard(ckpt, grace_s=30)                   # doctest: +SKIP
@@ -64,6 +72,7 @@ class PreemptionGuard:
         self.received_at: float | None = None
         self.saved_step: int | None = None
         self.durable = False
+        self.nothing_to_save = False  # the signal came before anything could be saved
         self.outcome = ""
         self._flag = False
         self._stopped = False
@@ -86,8 +95,10 @@ class PreemptionGuard:
 
     @property
     def exit_code(self) -> int:
-        """``exit_code`` if the final checkpoint is durable, else ``failure_exit_code``."""
-        return self._exit_code if self.durable else self.failure_exit_code
+        """``exit_code`` if the final checkpoint is durable (committed) or there was nothing to
+        save, else ``failure_exit_code``."""
+        ok = self.durable or self.nothing_to_save
+        return self._exit_code if ok else self.failure_exit_code
 
     def should_stop(self, step: int, **state: Any) -> bool:
         """True when the job must stop at this step; the final checkpoint has then been saved
@@ -102,39 +113,22 @@ class PreemptionGuard:
             self.received_at = time.monotonic()
         deadline = self.received_at + self.grace_s
         t0 = time.monotonic()
-        earlier = ""
-        ckpt = self.checkpointer
-        last = ckpt.last_save
+        last = self.checkpointer.last_save
         objects = state or self.state or (last[1] if last else None)
+        reused = last is not None and last[0] == step and not state
         try:
-            reused = last is not None and last[0] == step and not state
-            if not reused:
-                if objects is None:
-                    raise CheckpointStateError(
-                        "nothing to save: call save() once, or pass state= to PreemptionGuard"
-                    )
-                try:  # an earlier background failure is reported, and must not stop the final save
-                    ckpt.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except CheckpointError as exc:
-                    earlier = f"an earlier save had failed ({exc}); "
-                ckpt.save(step, **objects)
-            try:
-                self.durable = ckpt.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except CheckpointError:
-                if not reused or objects is None:
-                    raise
-                ckpt.save(step, **objects)  # the reused save had failed: one fresh attempt
-                self.durable = ckpt.wait(timeout=max(0.0, deadline - time.monotonic()))
-            self.saved_step = step
-            how = "reused the save of this step" if reused else "saved"
-            self.outcome = earlier + (
-                f"{how}; durable in {time.monotonic() - t0:.2f} s"
-                if self.durable
-                else f"{how}; NOT durable within the {self.grace_s:g} s grace period"
-            )
+            if not reused and objects is None:
+                self.nothing_to_save = True
+                self.outcome = (
+                    "nothing to save (no save() yet and no state= given to PreemptionGuard): "
+                    "stopped without a checkpoint; a requeued job starts from the directory's "
+                    "newest checkpoint, or from scratch"
+                )
+            else:
+                self._final_save(step, objects, reused, deadline, t0)
         except CheckpointError as exc:
             self.durable = False
-            self.outcome = f"{earlier}final checkpoint FAILED: {exc}"
+            self.outcome = f"final checkpoint FAILED: {exc}"
         name = signal.Signals(self.signum).name if self.signum else "a stop request on another rank"
         print(
             f"gpumem: {name} -> stopping at step {step}: "
@@ -143,6 +137,32 @@ class PreemptionGuard:
             flush=True,
         )
         return True
+
+    def _final_save(
+        self, step: int, objects: Any, reused: bool, deadline: float, t0: float
+    ) -> None:
+        ckpt, earlier = self.checkpointer, ""
+        stats = ckpt.history[-1] if reused and ckpt.history else None
+        if not reused:
+            try:  # an earlier background failure is reported, and must not stop the final save
+                ckpt.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except CheckpointError as exc:
+                earlier = f"an earlier save had failed ({exc}); "
+            stats = ckpt.save(step, **objects)
+        try:
+            self.durable = ckpt.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except CheckpointError as exc:
+            if not reused or objects is None:
+                raise CheckpointError(f"{earlier}{exc}") from exc
+            stats = ckpt.save(step, **objects)  # the reused save had failed: one fresh attempt
+            self.durable = ckpt.wait(timeout=max(0.0, deadline - time.monotonic()))
+        self.saved_step = step
+        how = "reused the save of this step" if reused else "saved"
+        if self.durable:
+            status = stats.status if stats is not None else "committed"
+            self.outcome = f"{earlier}{how}; {status}; durable in {time.monotonic() - t0:.2f} s"
+        else:
+            self.outcome = f"{earlier}{how}; NOT durable within the {self.grace_s:g} s grace period"
 
     def close(self) -> None:
         """Reinstate the previous signal handlers."""

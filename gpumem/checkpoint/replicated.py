@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from ._core import crc32c
+from .codec import TensorTable
 from .errors import CheckpointCorruptError, CheckpointStateError
 from .format import DTYPE_NAMES, REPLICATED_KEYS, ShardManifest
-from .state import TensorTable
 
 
 @dataclass(frozen=True)

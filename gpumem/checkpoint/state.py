@@ -1,303 +1,35 @@
-"""Training state <-> (JSON tree, tensor table): capture for save(), checked rebuild for restore().
+"""Training objects <-> state tree: capture for save(), the all-or-nothing load for restore().
 
-Non-tensor values become JSON with a few tags for what JSON lacks (tuples, non-string keys,
-non-finite floats, bytes, NumPy arrays); every tensor becomes a reference ``{"__tensor__": name}``
-into the tensor table, whose bytes go to the data files. Decoding builds only plain containers,
-numbers, strings, bytes, tensors and NumPy arrays of allowed dtypes: nothing is imported or called.
+``capture`` asks each object for its ``state_dict()`` and encodes it (``codec.py``). Parameters and
+optimizer state are marked *deferred*: only the optimizer step mutates them, so overlap mode may
+copy them after save() returns. Everything else (buffers such as BatchNorm running statistics,
+RNG states, user extras) is copied before save() returns. The class of the optimizer and of the
+scheduler is recorded, so a restore into another class is refused (``validate.py``).
 
-Parameters and optimizer state are marked *deferred*: only the optimizer step mutates them, so
-overlap mode may copy them after save() returns. Everything else (buffers such as BatchNorm running
-statistics, RNG states, user extras) is copied before save() returns.
+``apply`` loads a decoded and validated tree (``validate.check_targets`` ran first) so that a
+failure leaves the objects as they were: first the objects whose ``load_state_dict`` is someone
+else's code and may still refuse the state (stateful objects, scaler, scheduler, optimizer), each
+after taking its current ``state_dict()``, and rolled back from those in reverse order should one
+of them (or, under torch.distributed, another rank) fail; then the model, whose keys, shapes and
+dtypes were checked so that its load cannot fail on the values; then ``extra`` and, last, the RNG
+states, checked in throwaway generators.
 """
 
 from __future__ import annotations
 
-import base64
-import math
 import random
-import re
 import warnings
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .errors import CheckpointCorruptError, CheckpointStateError
-from .format import DTYPE_NAMES
+from .codec import TensorTable, encode, numpy_module
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointStateError
 
-_TAGS = frozenset({"__tensor__", "__tuple__", "__dict__", "__float__", "__bytes__", "__ndarray__"})
 _COMPILE_PREFIX = "_orig_mod."
-_NP_DTYPES = frozenset(
-    f"{order}{kind}{size}" for order in "<>|" for kind in "biuf" for size in (1, 2, 4, 8)
-) | frozenset({"<c8", "<c16", ">c8", ">c16"})
-_UNSAFE_NAME = re.compile(r"[/\\\0]")  # path separators and NUL never reach a tensor name
-
-
-@dataclass
-class TensorTable:
-    """The tensors of one capture, in save order, with identical views stored once.
-
-    Attributes:
-        names: unique tensor names (no path separators), in save order.
-        tensors: detached tensors without a lazy conjugate/negative bit.
-        deferred: whether each tensor may be copied after save() returns.
-        has_cuda: whether any tensor is on a CUDA device.
-        replicated_count: how many leading tensors came from the replicated sections (model,
-            optimizer, scheduler, scaler: ``format.REPLICATED_KEYS``), which capture() encodes
-            first; a tensor the rank's own state shares with them is one of those.
-    """
-
-    names: list[str] = field(default_factory=list)
-    tensors: list[torch.Tensor] = field(default_factory=list)
-    deferred: list[bool] = field(default_factory=list)
-    has_cuda: bool = False
-    replicated_count: int = 0
-    _seen: dict[tuple, str] = field(default_factory=dict)
-    _taken: set[str] = field(default_factory=set)
-
-    def add(self, t: torch.Tensor, path: str, deferred: bool) -> str:
-        """Add ``t`` (captured under ``path``) unless an identical view is in already; its name."""
-        dtype = t.dtype
-        if dtype not in DTYPE_NAMES:
-            raise CheckpointStateError(
-                f"{path}: dtype {dtype} cannot be stored; convert the tensor first"
-            )
-        if t.layout != torch.strided:
-            raise CheckpointStateError(
-                f"{path}: {t.layout} tensors cannot be stored; call .to_dense() first"
-            )
-        t = t.detach()
-        if (
-            type(t) is not torch.Tensor
-        ):  # a subclass: refuse what has no local dense bytes of its own
-            _check_subclass(t, path)
-        conj, neg = t.is_conj(), t.is_neg()
-        # Same device, first byte, dtype, shape and strides (and lazy bits): the same values.
-        # data_ptr() includes the storage offset, so views at different offsets stay apart.
-        key = (t.device, dtype, t.data_ptr(), t.shape, t.stride(), conj, neg) if t.numel() else None
-        if key is not None and key in self._seen:  # tied weights: one copy on disk, two references
-            return self._seen[key]
-        if conj or neg:  # the format stores plain values; resolve the lazy bit into a copy now
-            t = t.resolve_conj().resolve_neg()
-        if "/" in path or "\\" in path or "\0" in path:  # cheaper than the regex on every name
-            path = _UNSAFE_NAME.sub("_", path)
-        name = path[:900] or "tensor"
-        if name in self._taken:
-            base, n = name, len(self.names)
-            while name in self._taken:
-                name, n = f"{base}~{n}", n + 1
-        if key is not None:
-            self._seen[key] = name
-        self._taken.add(name)
-        self.names.append(name)
-        self.tensors.append(t)
-        self.deferred.append(deferred)
-        self.has_cuda = self.has_cuda or t.is_cuda
-        return name
-
-    def subset(self, indices: list[int]) -> TensorTable:
-        """The tensors at ``indices`` (in that order) as a table of their own, for writing only:
-        it cannot take more tensors (views already seen are not tracked)."""
-        tensors = [self.tensors[i] for i in indices]
-        return TensorTable(
-            names=[self.names[i] for i in indices],
-            tensors=tensors,
-            deferred=[self.deferred[i] for i in indices],
-            has_cuda=any(t.is_cuda for t in tensors),
-        )
-
-
-def _check_subclass(t: torch.Tensor, path: str) -> None:
-    """DTensor (FSDP2, tensor parallel) and other wrapper subclasses hold no bytes of their own:
-    say so, and what to do, instead of failing deep inside the copy."""
-    if hasattr(t, "_local_tensor") or type(t).__name__ == "DTensor":
-        raise CheckpointStateError(
-            f"{path}: a DTensor (FSDP2 / tensor parallel) cannot be stored: gpumem saves "
-            "each rank's plain tensors and does not reshard. Save "
-            "torch.distributed.checkpoint state for DTensor models, or pass plain tensors "
-            "(e.g. get_model_state_dict(..., options=StateDictOptions(full_state_dict=True)))"
-        )
-    if hasattr(t, "__tensor_flatten__"):
-        raise CheckpointStateError(
-            f"{path}: a {type(t).__name__} tensor subclass wraps other tensors "
-            "and cannot be stored as raw bytes; convert it to a plain tensor first"
-        )
-
-
-# ---------------------------------------------------------------------------------------------
-# encoding
-
-
-_PLAIN = frozenset({str, int, bool, type(None)})  # exact types that are JSON as they are
-
-
-def encode(value: Any, path: str, table: TensorTable, deferred: bool = False) -> Any:
-    """JSON-able form of ``value``; tensors go to ``table``. Raises CheckpointStateError on types
-    the format cannot hold (naming the key)."""
-    # Containers pass plain scalars through without a call (an optimizer's param_groups hold
-    # long lists of ints); exact types only, so that subclasses get the conversions below.
-    if type(value) in _PLAIN:
-        return value
-    if isinstance(value, torch.Tensor):
-        return {"__tensor__": table.add(value, path, deferred)}
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        return float(value) if math.isfinite(value) else {"__float__": repr(float(value))}
-    if isinstance(value, (bytes, bytearray)):
-        return {"__bytes__": base64.b64encode(bytes(value)).decode()}
-    if isinstance(value, tuple):
-        return {"__tuple__": _encode_items(value, path, table, deferred)}
-    if isinstance(value, list):
-        return _encode_items(value, path, table, deferred)
-    if isinstance(value, dict):
-        if all(isinstance(k, str) for k in value) and not (
-            len(value) == 1 and next(iter(value)) in _TAGS
-        ):
-            return {
-                k: v if type(v) in _PLAIN else encode(v, f"{path}.{k}", table, deferred)
-                for k, v in value.items()
-            }
-        return {
-            "__dict__": [
-                [_encode_key(k, path), encode(v, f"{path}.{k}", table, deferred)]
-                for k, v in value.items()
-            ]
-        }
-    np = _numpy()
-    if np is not None and isinstance(value, np.ndarray):
-        dtype = value.dtype.str
-        if dtype not in _NP_DTYPES:
-            raise CheckpointStateError(f"{path}: NumPy dtype {value.dtype} cannot be stored")
-        raw = torch.from_numpy(np.ascontiguousarray(value).reshape(-1).view(np.uint8).copy())
-        return {
-            "__ndarray__": {
-                "dtype": dtype,
-                "shape": list(value.shape),
-                "tensor": table.add(raw, path, False),
-            }
-        }
-    if np is not None and isinstance(value, np.generic):
-        return encode(value.item(), path, table, deferred)
-    raise CheckpointStateError(
-        f"{path}: a {type(value).__name__} cannot be stored in a "
-        "checkpoint (JSON values, tuples, tensors and NumPy arrays can); "
-        "convert it, or save it with a stateful object's state_dict()"
-    )
-
-
-def _encode_items(values: list | tuple, path: str, table: TensorTable, deferred: bool) -> list:
-    return [
-        v if type(v) in _PLAIN else encode(v, f"{path}.{i}", table, deferred)
-        for i, v in enumerate(values)
-    ]
-
-
-def _encode_key(key: Any, path: str) -> Any:
-    if type(key) in _PLAIN:
-        return key
-    if key is None or isinstance(key, (bool, int, float, str)):
-        return encode(key, path, _NO_TENSORS)
-    if isinstance(key, tuple):
-        return {"__tuple__": [_encode_key(k, path) for k in key]}
-    raise CheckpointStateError(f"{path}: dict key of type {type(key).__name__} cannot be stored")
-
-
-_NO_TENSORS = TensorTable()  # for dict keys, which are scalars or tuples of them: never written
-
-
-def decode(node: Any, tensors: dict[str, Any], path: str = "state") -> Any:
-    """Rebuild a value from its JSON form; ``tensors`` maps names to loaded tensors."""
-    try:
-        return _decode(node, tensors, path)
-    except RecursionError:
-        raise CheckpointCorruptError(f"{path}: state is nested too deeply") from None
-
-
-def _decode(node: Any, tensors: dict[str, Any], path: str) -> Any:
-    if node is None or isinstance(node, (bool, int, float, str)):
-        return node
-    if isinstance(node, list):
-        return [_decode(v, tensors, path) for v in node]
-    if not isinstance(node, dict):
-        raise CheckpointCorruptError(f"{path}: unexpected JSON value")
-    if len(node) == 1 and next(iter(node)) in _TAGS:
-        tag, arg = next(iter(node.items()))
-        return _decode_tagged(tag, arg, tensors, path)
-    return {k: _decode(v, tensors, f"{path}.{k}") for k, v in node.items()}
-
-
-def _decode_tagged(tag: str, arg: Any, tensors: dict[str, Any], path: str) -> Any:
-    bad = CheckpointCorruptError(f"{path}: malformed {tag} value")
-    if tag == "__tensor__":
-        if not isinstance(arg, str) or arg not in tensors:
-            raise CheckpointCorruptError(
-                f"{path}: refers to tensor {str(arg)[:80]!r}, which the table lacks"
-            )
-        return tensors[arg]
-    if tag == "__tuple__":
-        if not isinstance(arg, list):
-            raise bad
-        return tuple(_decode(v, tensors, path) for v in arg)
-    if tag == "__dict__":
-        if not isinstance(arg, list) or not all(isinstance(p, list) and len(p) == 2 for p in arg):
-            raise bad
-        out = {}
-        for k, v in arg:
-            key = _decode(k, tensors, path)
-            if not _hashable_key(key):
-                raise bad
-            out[key] = _decode(v, tensors, f"{path}.{key}")
-        return out
-    if tag == "__float__":
-        if arg not in ("inf", "-inf", "nan"):
-            raise bad
-        return float(arg)
-    if tag == "__bytes__":
-        try:
-            return base64.b64decode(arg, validate=True) if isinstance(arg, str) else _raise(bad)
-        except ValueError:
-            raise bad from None
-    if tag == "__ndarray__":
-        np = _numpy()
-        if not isinstance(arg, dict) or set(arg) != {"dtype", "shape", "tensor"} or np is None:
-            raise bad
-        if (
-            not isinstance(arg["dtype"], str)
-            or arg["dtype"] not in _NP_DTYPES
-            or not isinstance(arg["shape"], list)
-        ):
-            raise bad
-        raw = _decode_tagged("__tensor__", arg["tensor"], tensors, path)
-        if not isinstance(raw, torch.Tensor):  # structural check only (verify without loading)
-            return None
-        dtype = np.dtype(arg["dtype"])
-        try:
-            return raw.numpy().view(dtype).reshape(arg["shape"]).copy()
-        except (ValueError, TypeError):
-            raise bad from None
-    raise bad
-
-
-def _raise(exc: Exception) -> Any:
-    raise exc
-
-
-def _hashable_key(key: Any) -> bool:
-    if key is None or isinstance(key, (bool, int, float, str)):
-        return True
-    return isinstance(key, tuple) and all(_hashable_key(k) for k in key)
-
-
-def _numpy():
-    try:
-        import numpy
-
-        return numpy
-    except ImportError:  # pragma: no cover - numpy ships with torch wheels
-        return None
+CLASSES = "classes"  # tree key: the class names of the objects a restore must match
+CHECKED_CLASSES = ("optimizer", "scheduler")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,6 +58,12 @@ def canonical_key(key: str) -> str:
     return key.replace(_COMPILE_PREFIX, "") if _COMPILE_PREFIX in key else key
 
 
+def class_name(obj: Any) -> str:
+    """What the checkpoint records of an object's class: its qualified name (module paths move
+    between torch releases, class names do not)."""
+    return type(obj).__qualname__
+
+
 def capture(
     step: int,
     *,
@@ -337,7 +75,29 @@ def capture(
     stateful: dict[str, Any] | None = None,
     rng: bool = True,
 ) -> tuple[dict[str, Any], TensorTable]:
-    """The state to save as a JSON tree plus its tensors (not yet copied)."""
+    """The state to save as a JSON tree plus its tensors (not yet copied).
+
+    Raises:
+        CheckpointStateError: something cannot be stored, naming its key.
+    """
+    try:
+        return _capture(step, model, optimizer, scheduler, scaler, extra, stateful, rng)
+    except RecursionError:
+        raise CheckpointStateError(
+            "the state is nested too deeply to be stored (a container that contains itself?)"
+        ) from None
+
+
+def _capture(
+    step: int,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    scaler: Any,
+    extra: dict[str, Any] | None,
+    stateful: dict[str, Any] | None,
+    rng: bool,
+) -> tuple[dict[str, Any], TensorTable]:
     table = TensorTable()
     tree: dict[str, Any] = {"step": step}
     if model is not None:
@@ -350,13 +110,19 @@ def capture(
             for k, v in sd.items()
         }
     if optimizer is not None:
-        tree["optimizer"] = encode(optimizer.state_dict(), "optimizer", table, deferred=True)
+        tree["optimizer"] = encode(
+            _state_dict_of(optimizer, "optimizer"), "optimizer", table, deferred=True
+        )
     for key, obj in (("scheduler", scheduler), ("scaler", scaler)):
         if obj is not None:
             tree[key] = encode(_state_dict_of(obj, key), key, table)
     table.replicated_count = len(
         table.names
     )  # REPLICATED_KEYS come first; the rank's own state follows
+    classes = {k: class_name(o) for k, o in (("optimizer", optimizer), ("scheduler", scheduler))}
+    classes = {k: v for k, v in classes.items() if k in tree}
+    if classes:
+        tree[CLASSES] = classes
     if extra is not None:
         if not isinstance(extra, dict):
             raise CheckpointStateError(f"extra must be a dict, got {type(extra).__name__}")
@@ -383,7 +149,7 @@ def _state_dict_of(obj: Any, what: str) -> Any:
 def rng_state() -> dict[str, Any]:
     """RNG states of Python, NumPy (global), torch CPU and every CUDA device."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    np = _numpy()
+    np = numpy_module()
     if np is not None:
         state["numpy"] = np.random.get_state()
     if torch.cuda.is_available():
@@ -394,7 +160,7 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
-    np = _numpy()
+    np = numpy_module()
     if np is not None and "numpy" in state:
         np.random.set_state(state["numpy"])
     saved_cuda = state.get("cuda") or []
@@ -411,132 +177,91 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# restore
-
-
-def check_targets(
-    tree: dict[str, Any], *, model=None, optimizer=None, scheduler=None, scaler=None, stateful=None
-) -> None:
-    """Raise CheckpointStateError if the objects cannot take the saved state; touches nothing."""
-    where = f"checkpoint of step {tree.get('step')}"
-    for key, obj in (
-        ("model", model),
-        ("optimizer", optimizer),
-        ("scheduler", scheduler),
-        ("scaler", scaler),
-    ):
-        if obj is not None and key not in tree:
-            raise CheckpointStateError(
-                f"{where} has no {key} state; do not pass {key}= to restore()"
-            )
-        if (
-            obj is not None
-            and key != "model"
-            and not callable(getattr(obj, "load_state_dict", None))
-        ):
-            raise CheckpointStateError(f"{key} ({type(obj).__name__}) has no load_state_dict()")
-    if model is not None:
-        saved = tree["model"]
-        if not isinstance(saved, dict):
-            raise CheckpointCorruptError(f"{where}: model state is not a mapping")
-        target = {canonical_key(k): v for k, v in unwrap_model(model).state_dict().items()}
-        missing, unexpected = sorted(set(target) - set(saved)), sorted(set(saved) - set(target))
-        if missing or unexpected:
-            raise CheckpointStateError(
-                f"{where} does not match the model: missing keys "
-                f"{missing[:5]}, unexpected keys {unexpected[:5]}"
-            )
-        for k, t in target.items():
-            s = saved[k]
-            if isinstance(t, torch.Tensor) and (
-                not isinstance(s, torch.Tensor) or tuple(s.shape) != tuple(t.shape)
-            ):
-                raise CheckpointStateError(
-                    f"{where}: model key {k!r} has shape "
-                    f"{tuple(getattr(s, 'shape', ()))}, the model has {tuple(t.shape)}"
-                )
-    if optimizer is not None:
-        groups = (
-            tree["optimizer"].get("param_groups") if isinstance(tree["optimizer"], dict) else None
-        )
-        if not isinstance(groups, list) or not all(
-            isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
-        ):
-            raise CheckpointCorruptError(f"{where}: optimizer state has no param_groups")
-        saved_sizes = [len(g["params"]) for g in groups]
-        sizes = [len(g["params"]) for g in optimizer.param_groups]
-        if saved_sizes != sizes:
-            raise CheckpointStateError(
-                f"{where}: optimizer param groups have sizes "
-                f"{saved_sizes}, the optimizer has {sizes}"
-            )
-    if "rng" in tree:
-        _check_rng(tree["rng"], where)
-    for name, obj in (stateful or {}).items():
-        if name not in tree.get("stateful", {}):
-            raise CheckpointStateError(
-                f"{where} has no stateful object {name!r} (saved: "
-                f"{sorted(tree.get('stateful', {}))})"
-            )
-        if not callable(getattr(obj, "load_state_dict", None)):
-            raise CheckpointStateError(
-                f"stateful[{name!r}] ({type(obj).__name__}) has no load_state_dict()"
-            )
-
-
-def _check_rng(state: Any, where: str) -> None:
-    """Load the saved RNG states into throwaway generators, so a bad one fails before anything is
-    touched."""
-    try:
-        random.Random().setstate(state["python"])
-        torch.Generator().set_state(state["torch"])
-        np = _numpy()
-        if np is not None and "numpy" in state:
-            np.random.RandomState().set_state(state["numpy"])
-        cuda = state.get("cuda", [])
-        if not isinstance(cuda, list) or not all(
-            isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda
-        ):
-            raise ValueError("CUDA RNG states must be a list of uint8 tensors")
-        if cuda and torch.cuda.is_available():
-            # torch.cuda.set_rng_state checks the size only when it runs, after the model and
-            # optimizer were loaded (or, before CUDA is initialized, later still): check it now
-            for i, t in enumerate(cuda[: torch.cuda.device_count()]):
-                want = torch.cuda.get_rng_state(i).numel()
-                if t.numel() != want:
-                    raise ValueError(
-                        f"CUDA RNG state {i} has {t.numel()} bytes, this torch's has {want}"
-                    )
-    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-        raise CheckpointCorruptError(f"{where}: saved RNG state is invalid: {exc}") from None
+# apply
 
 
 def apply(
     tree: dict[str, Any],
     *,
-    model=None,
-    optimizer=None,
-    scheduler=None,
-    scaler=None,
-    stateful=None,
-    extra=None,
+    model: Any = None,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    stateful: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
     rng: bool = True,
+    agree: Callable[[bool], bool] | None = None,
 ) -> None:
-    """Load a decoded, verified and checked tree into the objects (RNG last, so nothing after it
-    consumes random numbers before training continues)."""
+    """Load a decoded tree that ``validate.check_targets`` accepted into the objects, all or
+    nothing (see the module docs for the order).
+
+    Args:
+        agree: called once every object but the model is loaded, with whether this process
+            loaded them; returns whether every rank did (``torch.distributed``: an all-reduce).
+            On False every rank rolls back, so the ranks fail or succeed together.
+
+    Raises:
+        CheckpointCorruptError: an object's ``load_state_dict`` refused the saved state (here or
+            on another rank); every object is as it was.
+        CheckpointStateError: the model's own loading code failed although its keys, shapes and
+            dtypes fit (a load hook, ``set_extra_state``); the other objects were rolled back.
+    """
+    sections = [
+        (obj, tree["stateful"][str(name)], f"stateful[{name!r}]")
+        for name, obj in (stateful or {}).items()
+    ]
+    sections += [
+        (obj, tree[key], key)
+        for key, obj in (("scaler", scaler), ("scheduler", scheduler), ("optimizer", optimizer))
+        if obj is not None
+    ]
+    undo: list[tuple[Any, Any, str]] = []
+    failure: str | None = None
+    for obj, saved, what in sections:
+        try:
+            undo.append((obj, obj.state_dict(), what))
+            # a shallow copy: some load_state_dict pop keys from the dict they are given
+            obj.load_state_dict(dict(saved) if isinstance(saved, dict) else saved)
+        except Exception as exc:
+            failure = f"{what}.load_state_dict refused the saved state: {type(exc).__name__}: {exc}"
+            break
+    everyone = agree(failure is None) if agree is not None else failure is None
+    if failure is not None or not everyone:
+        _roll_back(undo)
+        raise CheckpointCorruptError(
+            f"checkpoint of step {tree.get('step')}: "
+            f"{failure or 'another rank could not load its state'}; nothing was changed"
+        )
     if model is not None:
-        model = unwrap_model(model)
-        names = {canonical_key(k): k for k in model.state_dict()}
-        model.load_state_dict({names[k]: v for k, v in tree["model"].items()}, strict=True)
-    if optimizer is not None:
-        optimizer.load_state_dict(tree["optimizer"])
-    if scheduler is not None:
-        scheduler.load_state_dict(tree["scheduler"])
-    if scaler is not None:
-        scaler.load_state_dict(tree["scaler"])
-    for name, obj in (stateful or {}).items():
-        obj.load_state_dict(tree["stateful"][name])
+        try:
+            module = unwrap_model(model)
+            names = {canonical_key(k): k for k in module.state_dict()}
+            module.load_state_dict({names[k]: v for k, v in tree["model"].items()}, strict=True)
+        except Exception as exc:
+            _roll_back(undo)
+            raise CheckpointStateError(
+                f"loading the model failed in its own loading code although its keys, shapes "
+                f"and dtypes fit ({type(exc).__name__}: {exc}); the other objects were left as "
+                "they were, the model may be partly loaded: restore again"
+            ) from exc
     if extra is not None:
         extra.update(tree.get("extra") or {})
     if rng and "rng" in tree:
         set_rng_state(tree["rng"])
+
+
+def _roll_back(undo: list[tuple[Any, Any, str]]) -> None:
+    """Reload the state each loaded object had before, newest first. torch's optimizers,
+    schedulers and scalers replace their state on load, so their earlier ``state_dict()`` brings
+    them back exactly; a stateful object whose ``state_dict()`` returns live references that its
+    load then mutates cannot be restored this way (said in docs/checkpoint.md)."""
+    failed = []
+    for obj, old, what in reversed(undo):
+        try:
+            obj.load_state_dict(old)
+        except Exception as exc:
+            failed.append(f"{what} ({type(exc).__name__}: {exc})")
+    if failed:
+        raise CheckpointError(
+            "restore failed, and rolling back failed too for " + ", ".join(failed)
+        )

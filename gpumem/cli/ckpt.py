@@ -7,6 +7,7 @@ import datetime as dt
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from gpumem.cli import _args
 from gpumem.cli._progress import progress_bar
@@ -65,29 +66,33 @@ def run(args: argparse.Namespace) -> int:
 
 def _ls(args: argparse.Namespace) -> int:
     from gpumem.checkpoint import CheckpointError
-    from gpumem.checkpoint.persist import ABANDONED, list_checkpoints, read_latest, step_dirs
+    from gpumem.checkpoint.persist import list_checkpoints, read_latest, step_dirs
+    from gpumem.checkpoint.safe_fs import Dir
 
     root = Path(args.dir)
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a directory")
-    infos = {i.step: i for i in list_checkpoints(root)}
-    try:
-        ptr = read_latest(root)
-    except CheckpointError as exc:
-        ptr = None
-        print(f"warning: {exc}", file=sys.stderr)
+    with Dir.open(root) as d:
+        infos = {i.step: i for i in list_checkpoints(d)}
+        try:
+            ptr = read_latest(d)
+        except CheckpointError as exc:
+            ptr = None
+            print(f"warning: {exc}", file=sys.stderr)
+        names = sorted(step_dirs(d))
+        aside = _abandoned(d)
     rows = []
-    for step, path in sorted(step_dirs(root)):
+    for step, name in names:
         info = infos.get(step)
         rows.append(
             {
                 "step": step,
-                "path": str(path),
+                "path": str(root / name),
                 "ok": info is not None,
                 "nbytes": info.nbytes if info else None,
                 "created": info.created if info else None,
                 "world_size": info.world_size if info else None,
-                "latest": bool(ptr and ptr["path"] == path.name),
+                "latest": bool(ptr and ptr["path"] == name),
             }
         )
     if args.json:
@@ -109,23 +114,42 @@ def _ls(args: argparse.Namespace) -> int:
             f"{r['step']:>10}  {size:>10}  {r['world_size'] or '-':>5} "
             f" {created:<19}  {Path(r['path']).name}{mark}"
         )
-    aside = sorted((root / ABANDONED).glob("*/step-*"))
     if aside:
         print(
             "\n"
-            f"{len(aside)} checkpoint(s) of abandoned branches in "
-            f"{root / ABANDONED} (set aside when training went back; not "
+            f"{aside} checkpoint(s) of abandoned branches in "
+            f"{root / 'abandoned'} (set aside when training went back; not "
             "restored, not counted by keep): delete them when no longer needed"
         )
     return 0
 
 
+def _abandoned(root: Any) -> int:
+    """How many checkpoints ``abandoned/`` holds (real directories only: nothing is followed)."""
+    from gpumem.checkpoint.persist import ABANDONED, step_dirs
+
+    try:
+        with root.sub(ABANDONED) as aside:
+            count = 0
+            for e in aside.entries():
+                if e.is_dir(follow_symlinks=False):
+                    with aside.sub(e.name) as branch:
+                        count += len(step_dirs(branch))
+            return count
+    except OSError:
+        return 0
+
+
 def _targets(path: Path) -> list[Path]:
     from gpumem.checkpoint.persist import step_dirs
+    from gpumem.checkpoint.safe_fs import Dir
 
     if (path / "MANIFEST").exists() or path.name.startswith("step-"):
         return [path]
-    found = [p for _, p in sorted(step_dirs(path))]
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a directory")
+    with Dir.open(path) as d:
+        found = [path / name for _, name in sorted(step_dirs(d))]
     if not found:
         raise FileNotFoundError(f"{path} holds no checkpoint")
     return found
@@ -158,15 +182,19 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from gpumem.checkpoint.format import parse_shard, read_manifest
-    from gpumem.checkpoint.persist import load_info
+    from gpumem.checkpoint.format import parse_shard
+    from gpumem.checkpoint.persist import load_info, read_manifest
+    from gpumem.checkpoint.restore import open_checkpoint
 
     path = _targets(Path(args.path))[-1]
-    info = load_info(path)
+    with open_checkpoint(path) as step:
+        info = load_info(step)
+        shards = []
+        for ref in info.shards:
+            body, crc = read_manifest(step, ref.file)
+            shards.append((ref, parse_shard(body, str(path / ref.file), crc)))
     ranks = []
-    for ref in info.shards:
-        body, crc = read_manifest(path / ref.file)
-        shard = parse_shard(body, str(path / ref.file), crc)
+    for ref, shard in shards:
         state = shard.state if isinstance(shard.state, dict) else {}
         owned = [
             t for t in shard.tensors if t.name in shard.owners

@@ -21,7 +21,8 @@ def main() -> int:
     seed_all(0)
     s = Setup(init_seed=0)
     ck = gpumem.Checkpointer(root, keep=2)
-    guard = gpumem.PreemptionGuard(ck, grace_s=60, exit_code=42)
+    # state=: a SIGTERM before the first periodic save is saved too (as docs/checkpoint.md says)
+    guard = gpumem.PreemptionGuard(ck, grace_s=60, exit_code=42, state=s.objects())
     start = ck.restore(**s.objects()) or 0
     print(f"start {start}", flush=True)
     for step in range(start, total):

@@ -6,15 +6,18 @@ from step 5 to step 3 the abandoned step 5 won every restore and retention delet
 branch's saves as they came.
 """
 
+import os
 import warnings
 
 import pytest
 import torch
+from ckpt_files import step_dirs
 from torch import nn
 
 import gpumem
 from gpumem.checkpoint import CheckpointBranchWarning, verify
-from gpumem.checkpoint.persist import ABANDONED, set_aside_newer, step_dirs
+from gpumem.checkpoint.persist import ABANDONED, set_aside_newer
+from gpumem.checkpoint.safe_fs import Dir
 
 
 def _model(value: float) -> nn.Linear:
@@ -106,8 +109,9 @@ def test_crash_after_setting_aside_resumes_on_the_new_branch(tmp_path):
         for step in range(1, 6):
             ck.save(step, model=_model(step))
         ck.wait()
-    moved = set_aside_newer(tmp_path, 4)  # what a save of step 4 does first; then the "crash"
-    assert [p.name for p in moved] == ["step-000000004", "step-000000005"]
+    with Dir.open(tmp_path) as root:
+        moved = set_aside_newer(root, 4)  # what a save of step 4 does first; then the "crash"
+    assert [os.path.basename(p) for p in moved] == ["step-000000004", "step-000000005"]
     with gpumem.Checkpointer(tmp_path) as ck:
         got = _model(0)
         with warnings.catch_warnings():
@@ -120,7 +124,8 @@ def test_nothing_newer_moves_nothing(tmp_path):
     with gpumem.Checkpointer(tmp_path) as ck:
         ck.save(7, model=_model(7.0))
         ck.wait()
-    assert set_aside_newer(tmp_path, 7) == [] and set_aside_newer(tmp_path, 8) == []
+    with Dir.open(tmp_path) as root:
+        assert set_aside_newer(root, 7) == [] and set_aside_newer(root, 8) == []
     assert _steps(tmp_path) == [7] and not (tmp_path / ABANDONED).exists()
 
 

@@ -12,10 +12,10 @@ import time
 
 import pytest
 import torch
+from ckpt_files import load_info, read_latest, step_dirs
 
 import gpumem
 from gpumem.checkpoint import CheckpointIOError, verify
-from gpumem.checkpoint.persist import load_info, read_latest, step_dirs
 
 
 def _payload(step: int) -> torch.Tensor:

@@ -18,9 +18,10 @@ import torch
 import gpumem
 import gpumem.checkpoint.snapshot as snap
 from gpumem.arena import HostArena
+from gpumem.checkpoint.codec import TensorTable
 from gpumem.checkpoint.job import SaveJob, Worker
+from gpumem.checkpoint.safe_fs import Dir
 from gpumem.checkpoint.snapshot import ArenaLayout, Piece
-from gpumem.checkpoint.state import TensorTable
 from gpumem.checksum import chunk_crc32c
 
 CHUNK = 4096
@@ -274,7 +275,8 @@ def test_the_copy_event_is_synchronized_before_the_state_counts_as_staged(
     side = FakeStream("side", cuda.log)
     with HostArena(32768, pinned=False) as arena:
         job = SaveJob(
-            root=tmp_path,
+            root=Dir.open(tmp_path),
+            root_path=tmp_path,
             step=1,
             tree={"step": 1},
             table=table,
@@ -333,7 +335,8 @@ def test_a_cuda_rng_state_of_the_wrong_size_is_refused_before_anything_is_loaded
     """set_rng_state would raise only after the model and optimizer were loaded (or, before CUDA
     is initialized, at some later CUDA call): the size is checked with the other RNG states."""
     from gpumem.checkpoint.errors import CheckpointCorruptError
-    from gpumem.checkpoint.state import check_targets, rng_state
+    from gpumem.checkpoint.state import rng_state
+    from gpumem.checkpoint.validate import check_targets
 
     state = rng_state()  # CPU states of this process
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -361,7 +364,8 @@ def _overlap_job(tmp_path, cuda: FakeCuda, tensors, plan, deferred):
     )
     arena = HostArena(32768, pinned=False)
     job = SaveJob(
-        root=tmp_path,
+        root=Dir.open(tmp_path),
+        root_path=tmp_path,
         step=1,
         tree={"step": 1},
         table=table,

@@ -49,3 +49,35 @@ def test_two_ranks_gloo(tmp_path):
         pytest.raises(CheckpointStateError, match="saved by 2 ranks, this job has 1"),
     ):
         ck.restore(model=model)
+
+
+def test_a_directory_rank_0_cannot_open_fails_every_rank_at_once(tmp_path):
+    """Rank 0 refuses a hostile ``.lock``; the other rank is told so instead of waiting for rank 0
+    in a collective (issue #14)."""
+    root, canary = tmp_path / "ck", tmp_path / "canary"
+    root.mkdir()
+    canary.write_text("someone's file")
+    (root / ".lock").symlink_to(canary)
+    env = dict(
+        os.environ,
+        WORLD_SIZE="2",
+        INIT=f"file://{tmp_path / 'rendezvous'}",
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "dist_open_worker.py"), str(root)],
+            env={**env, "RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for r, (p, out) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0 and f"rank {r} OK" in out, out
+    assert canary.read_text() == "someone's file"

@@ -12,20 +12,20 @@ from pathlib import Path
 import google_crc32c
 import pytest
 import torch
+from ckpt_files import read_manifest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gpumem
 from gpumem.checkpoint import CheckpointCorruptError, CheckpointError, verify
+from gpumem.checkpoint.codec import decode
 from gpumem.checkpoint.format import (
     decode_manifest,
     encode_manifest,
     parse_main,
     parse_shard,
-    read_manifest,
 )
 from gpumem.checkpoint.snapshot import plan_layout
-from gpumem.checkpoint.state import decode
 
 
 def test_manifest_framing_matches_an_independent_crc32c():

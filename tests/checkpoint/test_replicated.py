@@ -31,13 +31,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ckpt_files import read_manifest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import gpumem
 from gpumem.checkpoint import CheckpointCorruptError, CheckpointError, CheckpointStateError, verify
-from gpumem.checkpoint.format import encode_manifest, read_manifest
+from gpumem.checkpoint.format import encode_manifest
 from gpumem.checkpoint.replicated import assign_owners, split
 from gpumem.checkpoint.state import capture
 

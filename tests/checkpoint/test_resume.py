@@ -106,10 +106,16 @@ def test_guard_flag_only_and_reuse_of_fresh_save(tmp_path):
     ck.close()
 
 
-def test_guard_without_anything_to_save_reports_failure(tmp_path):
+def test_guard_without_anything_to_save_exits_with_the_requeue_code(tmp_path):
+    """A signal before the first save() (and no state=): nothing could be saved and nothing was
+    lost, so the job is requeued (issue #14: it used to exit with the failure code)."""
     ck = gpumem.Checkpointer(tmp_path)
-    with gpumem.PreemptionGuard(ck, signals=("SIGUSR1",), failure_exit_code=3) as guard:
+    with gpumem.PreemptionGuard(
+        ck, signals=("SIGUSR1",), exit_code=7, failure_exit_code=3
+    ) as guard:
         os.kill(os.getpid(), signal.SIGUSR1)
         assert guard.should_stop(1)
-        assert guard.exit_code == 3 and "nothing to save" in guard.outcome
+        assert guard.exit_code == 7 and guard.nothing_to_save and not guard.durable
+        assert "nothing to save" in guard.outcome and "state=" in guard.outcome
+        assert ck.list() == []
     ck.close()

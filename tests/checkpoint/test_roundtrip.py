@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from ckpt_files import read_manifest
 from trainlib import Setup, seed_all
 
 import gpumem
@@ -17,7 +18,6 @@ from gpumem.checkpoint import (
     CheckpointStateError,
     verify,
 )
-from gpumem.checkpoint.format import read_manifest
 
 
 def _state_equal(a: Setup, b: Setup) -> None:
@@ -97,6 +97,33 @@ def test_restored_tensors_own_their_memory(tmp_path):
         ck.restore(**b.objects())
     exp_avg = b.opt.state_dict()["state"][0]["exp_avg"]
     assert exp_avg.untyped_storage().nbytes() == exp_avg.numel() * 4
+
+
+def test_large_restored_tensors_own_page_aligned_memory(tmp_path):
+    """From 1 MiB on, a tensor is read with O_DIRECT into memory of its own that starts on a page
+    (its storage is at most a page larger than the tensor); it still owns it."""
+    from gpumem.checkpoint.restore import DIRECT_MIN_BYTES
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 512)  # a 2 MiB weight, a 2 KiB bias
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 1024)).sum().backward()
+    opt.step()
+    with gpumem.Checkpointer(tmp_path) as ck:
+        ck.save(1, model=model, optimizer=opt, rng=False)
+        ck.wait()
+        model2 = torch.nn.Linear(1024, 512)
+        opt2 = torch.optim.AdamW(model2.parameters())
+        assert ck.restore(model=model2, optimizer=opt2) == 1
+    state = opt2.state_dict()["state"]
+    big = [state[0]["exp_avg"], state[0]["exp_avg_sq"]]
+    assert all(t.numel() * 4 >= DIRECT_MIN_BYTES for t in big)
+    for t in big:
+        assert t.data_ptr() % 4096 == 0
+        assert t.numel() * 4 <= t.untyped_storage().nbytes() < t.numel() * 4 + 4096
+    assert len({t.untyped_storage().data_ptr() for t in big}) == 2  # one storage each
+    assert torch.equal(big[0], opt.state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(model2.weight, model.weight)
 
 
 def test_awkward_tensors(tmp_path):
@@ -337,6 +364,7 @@ def test_verify_loaded_checks_every_restored_tensor_and_names_damage(tmp_path, m
     from gpumem.checkpoint import state as state_mod
     from gpumem.checkpoint.persist import load_info
     from gpumem.checkpoint.restore import restore_tree, verify_loaded
+    from gpumem.checkpoint.safe_fs import Dir
     from gpumem.checkpoint.state import capture
 
     torch.manual_seed(0)
@@ -356,7 +384,8 @@ def test_verify_loaded_checks_every_restored_tensor_and_names_damage(tmp_path, m
         assert ck.restore(model=model2, optimizer=opt2, verify_loaded=True, rng=False) == 1
         # every tensor of the model and the optimizer state was checked (the 0-d AdamW steps too)
         path = ck.latest().path
-        _, shard = restore_tree(Path(path), load_info(Path(path)), 0)
+        with Dir.open(path) as step:
+            _, shard = restore_tree(step, load_info(step), 0)
         _, table = capture(1, model=model2, optimizer=opt2, rng=False)
         assert verify_loaded(Path(path), shard, table) == len(shard.tensors) == len(table.names)
         real_apply = state_mod.apply

@@ -13,15 +13,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from ckpt_files import read_manifest
 
 import gpumem
 import gpumem.checkpoint.job as job_mod
 import gpumem.checkpoint.snapshot as snap_mod
 from gpumem.arena import HostArena
 from gpumem.checkpoint import CheckpointCorruptError, CheckpointStateError, verify
-from gpumem.checkpoint.format import read_manifest
+from gpumem.checkpoint.codec import TensorTable
 from gpumem.checkpoint.snapshot import HostViews, LayoutCache, plan_layout
-from gpumem.checkpoint.state import TensorTable, capture
+from gpumem.checkpoint.state import capture
 
 
 def _raw(t: torch.Tensor) -> bytes:

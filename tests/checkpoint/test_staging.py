@@ -12,6 +12,7 @@ import gpumem
 import gpumem.arena as arena_mod
 import gpumem.checkpoint.job as job_mod
 import gpumem.checkpoint.persist as persist_mod
+import gpumem.checkpoint.safe_fs as safe_fs_mod
 from gpumem.arena import HostArena
 
 
@@ -99,7 +100,7 @@ def test_write_and_checksums_wait_until_the_state_is_staged(tmp_path, monkeypatc
     """Outside streaming, nothing competes with the copy training waits for: every data-file write
     and every host checksum starts after the whole state is staged."""
     seen = []
-    real_write, real_crc = persist_mod.write_file, job_mod.checksum_cpu_pieces
+    real_write, real_crc = safe_fs_mod.write_file, job_mod.checksum_cpu_pieces
     jobs = []
 
     def write_file(path, *args, **kwargs):
@@ -111,7 +112,7 @@ def test_write_and_checksums_wait_until_the_state_is_staged(tmp_path, monkeypatc
         seen.append(("crc", jobs[-1].staged.is_set()))
         return real_crc(*args, **kwargs)
 
-    monkeypatch.setattr(persist_mod, "write_file", write_file)
+    monkeypatch.setattr(safe_fs_mod, "write_file", write_file)
     monkeypatch.setattr(job_mod, "checksum_cpu_pieces", checksum)
     real_run = job_mod.SaveJob.run_caller
 
@@ -146,7 +147,7 @@ def test_write_and_checksums_wait_until_the_state_is_staged(tmp_path, monkeypatc
 
 def test_streaming_still_writes_while_copying(tmp_path, monkeypatch):
     """With a budget below the state, batch b is written while later batches wait for a slot."""
-    real_write = persist_mod.write_file
+    real_write = safe_fs_mod.write_file
     jobs, staged_at_write = [], []
 
     def write_file(path, *args, **kwargs):
@@ -160,7 +161,7 @@ def test_streaming_still_writes_while_copying(tmp_path, monkeypatch):
         jobs.append(self)
         return real_run(self)
 
-    monkeypatch.setattr(persist_mod, "write_file", write_file)
+    monkeypatch.setattr(safe_fs_mod, "write_file", write_file)
     monkeypatch.setattr(job_mod.SaveJob, "run_caller", run_caller)
     model = torch.nn.Linear(256, 256)  # 257 KiB of parameters, 8 KiB slots
     with gpumem.Checkpointer(tmp_path, staging_bytes=16384, chunk_bytes=4096) as ck:

@@ -1,0 +1,184 @@
+// pread on the shared pool, each chunk's CRC32C taken by the thread that read it. The first error
+// stops the remaining work and is reported with errno, path and the failing call. Descriptors are
+// owned by Fd, so no exit path leaks one.
+#include "reader.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+
+#include "crc32c.h"
+#include "parallel.h"
+
+namespace gpumem::io {
+
+namespace {
+
+// Reads all of [data, data + size) at offset; returns 0 or errno (EIO when the file ends first).
+// EINVAL from an O_DIRECT descriptor is returned as is so the caller can retry buffered.
+int pread_all(int fd, uint8_t* data, size_t size, uint64_t offset) {
+  while (size > 0) {
+    const ssize_t n = ::pread(fd, data, size, static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (n == 0) return EIO;  // the file is shorter than the manifest says
+    data += n;
+    size -= static_cast<size_t>(n);
+    offset += static_cast<uint64_t>(n);
+  }
+  return 0;
+}
+
+// Faults a fresh destination in before an O_DIRECT read lands in it: MADV_POPULATE_WRITE (Linux
+// 5.14+) maps the pages in one call, far cheaper than the page-by-page faults the read would take
+// while pinning them. Best effort: older kernels say EINVAL and the read faults them itself.
+void prefault(uint8_t* data, size_t size) {
+#ifdef __linux__
+  constexpr int kPopulateWrite = 23;  // MADV_POPULATE_WRITE, absent from older headers
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(data) / kAlign * kAlign;
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(data) + size + kAlign - 1) / kAlign * kAlign;
+  ::madvise(reinterpret_cast<void*>(lo), hi - lo, kPopulateWrite);
+#else
+  (void)data;
+  (void)size;
+#endif
+}
+
+Fd open_for_reading(const std::string& path, const ReadOptions& opts, int extra_flags) {
+  if (opts.expect_size >= 0) return open_regular(opts.dir_fd, path, O_RDONLY | extra_flags, opts.expect_size);
+  Fd fd(open_at(opts.dir_fd, path, O_RDONLY | extra_flags));
+  if (!fd.valid() && extra_flags == 0) throw SysError(errno, path, "open for reading");
+  return fd;
+}
+
+// A second descriptor with O_DIRECT for the aligned middles, or an invalid one where the file
+// system refuses it (the reads then stay buffered). It must be the file the first one opened.
+Fd open_direct(const std::string& path, const ReadOptions& opts, const Fd& fd) {
+#ifdef O_DIRECT
+  try {
+    Fd dfd = open_for_reading(path, opts, O_DIRECT);
+    if (dfd.valid()) require_same_file(fd, dfd, path);
+    return dfd;
+  } catch (const UnexpectedFile&) {
+    throw;
+  } catch (const SysError&) {
+    return Fd();  // no O_DIRECT here (EINVAL on tmpfs): the reads stay buffered
+  }
+#else
+  (void)path;
+  (void)opts;
+  (void)fd;
+  return Fd();
+#endif
+}
+
+}  // namespace
+
+uint64_t read_into(const std::string& path, uint64_t offset, uint8_t* out, size_t size, int threads) {
+  Fd fd(open_at(kCwd, path, O_RDONLY));
+  if (!fd.valid()) throw SysError(errno, path, "open for reading");
+  const size_t count = (size + kSplit - 1) / kSplit;
+  FirstError error;
+  parallel_for(
+      count,
+      [&](size_t i) {
+        if (error.set()) return;
+        size_t done = i * kSplit;
+        const size_t end = done + kSplit < size ? done + kSplit : size;
+        while (done < end) {
+          const ssize_t n = ::pread(fd.get(), out + done, end - done, static_cast<off_t>(offset + done));
+          if (n < 0 && errno == EINTR) continue;
+          if (n < 0) {
+            error.record(errno, describe("pread", end - done, offset + done));
+            return;
+          }
+          if (n == 0) {
+            error.record(EIO, "unexpected end of file: pread of " + std::to_string(end - done) +
+                                  " bytes at offset " + std::to_string(offset + done) +
+                                  " returned 0 (the file is shorter than expected)");
+            return;
+          }
+          done += static_cast<size_t>(n);
+        }
+      },
+      threads);
+  error.raise(path);
+  fd.close(path);
+  return size;
+}
+
+ReadResult read_file(const std::string& path, const std::vector<ReadPiece>& pieces, const ReadOptions& opts) {
+  Fd fd = open_for_reading(path, opts, 0);
+  Fd dfd = opts.direct ? open_direct(path, opts, fd) : Fd();
+  // Tasks never straddle a checksum chunk, so each task hashes whole chunks it has just read (hot
+  // in cache).
+  const size_t step = opts.chunk >= kSplit ? opts.chunk : opts.chunk > 0 ? kSplit / opts.chunk * opts.chunk : kSplit;
+  struct ReadTask {
+    size_t piece;
+    size_t begin, end;  // byte range within the piece
+  };
+  std::vector<ReadTask> tasks;
+  for (size_t i = 0; i < pieces.size(); ++i)
+    for (size_t b = 0; b < pieces[i].size; b += step)
+      tasks.push_back({i, b, b + step < pieces[i].size ? b + step : pieces[i].size});
+  std::atomic<bool> direct_ok{dfd.valid()};
+  std::atomic<uint64_t> direct_bytes{0};
+  FirstError error;
+  auto read_range = [&](uint8_t* data, size_t size, uint64_t offset, bool direct) {
+    if (size == 0 || error.set()) return;
+    if (direct && direct_ok.load(std::memory_order_relaxed)) {
+      prefault(data, size);
+      const int rc = pread_all(dfd.get(), data, size, offset);
+      if (rc == 0) {
+        direct_bytes.fetch_add(size, std::memory_order_relaxed);
+        return;
+      }
+      if (rc != EINVAL) {
+        error.record(rc, describe("pread (O_DIRECT)", size, offset));
+        return;
+      }
+      direct_ok.store(false);  // the file system refuses O_DIRECT here: buffered from now on
+    }
+    const int rc = pread_all(fd.get(), data, size, offset);
+    if (rc == EIO)
+      error.record(EIO, describe("pread", size, offset) + " reached the end of the file (it is shorter than expected)");
+    else if (rc != 0)
+      error.record(rc, describe("pread", size, offset));
+  };
+  parallel_for(
+      tasks.size(),
+      [&](size_t i) {
+        const ReadTask& t = tasks[i];
+        const ReadPiece& p = pieces[t.piece];
+        const uint64_t off = p.offset + t.begin;
+        const uint64_t end = p.offset + t.end;
+        // The buffer and the file offset must be misaligned by the same amount for the middle of
+        // the range to be aligned in both (as in write_file).
+        const bool same_phase = (reinterpret_cast<uintptr_t>(p.data) - p.offset) % kAlign == 0;
+        uint64_t lo = (off + kAlign - 1) / kAlign * kAlign;
+        uint64_t hi = end / kAlign * kAlign;
+        if (!dfd.valid() || !same_phase || lo >= hi) lo = hi = end;
+        // Destinations are p.data + (file offset - p.offset): every pointer formed stays inside
+        // the piece's buffer.
+        read_range(p.data + t.begin, lo - off, off, false);
+        read_range(p.data + (lo - p.offset), hi - lo, lo, true);
+        read_range(p.data + (hi - p.offset), end - hi, hi, false);
+        if (opts.chunk == 0 || p.crc_index < 0 || error.set()) return;
+        for (size_t c = t.begin; c < t.end; c += opts.chunk) {
+          const size_t n = c + opts.chunk < p.size ? opts.chunk : p.size - c;
+          opts.crc_out[p.crc_index + c / opts.chunk] = crc32c::extend(0, p.data + c, n);
+        }
+      },
+      opts.threads);
+  error.raise(path);
+  ReadResult result;
+  for (const ReadPiece& p : pieces) result.bytes += p.size;
+  result.direct_bytes = direct_bytes.load();
+  return result;
+}
+
+}  // namespace gpumem::io

@@ -1,0 +1,261 @@
+"""File access inside a checkpoint root that a hostile directory cannot redirect, block or abuse.
+
+A checkpoint directory is input: it may have been downloaded, untarred or shared. So the root is
+opened once (it may be a symbolic link: that is the user's choice) and everything inside it is
+reached relative to a directory descriptor: directories are opened with ``O_DIRECTORY |
+O_NOFOLLOW``, files are created with ``O_EXCL | O_NOFOLLOW`` and read only if they are regular
+files of the size expected (``gpumem.reader`` checks the type before opening, so a FIFO or device
+is never opened, and again after), renames and removals never follow a link. A symbolic link, a
+FIFO, a device or a directory where a file belongs is hostile content: ``hostile`` turns it into
+``CheckpointCorruptError`` naming the path. Every other operating-system error stays what it is,
+``CheckpointIOError`` with errno and path (``io_error``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._core import read_file, write_file
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointIOError
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+# errors that mean "this name is not the plain file or directory we made": content, not the OS
+_HOSTILE_ERRNOS = (errno.ELOOP, errno.ENOTDIR, errno.EISDIR)
+_MAX_DEPTH = 8  # abandoned/<time>/step-N/file is the deepest tree a checkpoint root holds
+
+
+def describe(mode: int) -> str:
+    """What a non-regular directory entry is, for messages."""
+    for test, what in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return what
+    return "a regular file" if stat.S_ISREG(mode) else "not a regular file"
+
+
+def unexpected_file_error() -> type[OSError]:
+    from gpumem.reader import UnexpectedFileError
+
+    return UnexpectedFileError
+
+
+def read_error(exc: OSError, path: Path | str, doing: str) -> CheckpointError:
+    """The CheckpointError for an OSError met while reading ``path``: a missing file, a symbolic
+    link, a FIFO or device, a directory where a file belongs, or a file of another size than
+    recorded is damage (CheckpointCorruptError); anything else (EACCES, EIO, ENOMEM) is the
+    operating system's (CheckpointIOError, errno and path kept)."""
+    if isinstance(exc, unexpected_file_error()):
+        return CheckpointCorruptError(f"{path}: {exc.strerror}", path=str(path))
+    if exc.errno == errno.ENOENT:
+        return CheckpointCorruptError(f"{path}: missing", path=str(path))
+    if exc.errno in _HOSTILE_ERRNOS:
+        return CheckpointCorruptError(
+            f"{path}: not the plain file or directory a checkpoint holds ({exc.strerror}): refused",
+            path=str(path),
+        )
+    return io_error(exc, path, doing)
+
+
+def io_error(exc: OSError, path: Path | str, doing: str) -> CheckpointIOError:
+    """``exc`` as a CheckpointIOError naming ``path`` (the full path, not the name relative to
+    a directory descriptor), errno kept and the OSError chained."""
+    err = CheckpointIOError(
+        f"{doing} {path} failed: {exc.strerror or exc}", errno=exc.errno, filename=str(path)
+    )
+    err.__cause__ = exc
+    return err
+
+
+class Dir:
+    """An open directory: every name inside it is reached through its descriptor, never through
+    a symbolic link. Closed by ``close()`` or when garbage-collected.
+
+    Attributes:
+        path: where it was opened (for messages; the descriptor, not this path, is used).
+        fd: the directory descriptor.
+    """
+
+    def __init__(self, fd: int, path: Path):
+        self.fd, self.path = fd, path
+
+    # ------------------------------------------------------------------ opening
+
+    @classmethod
+    def open(cls, path: str | bytes | os.PathLike, *, create: bool = False) -> Dir:
+        """Open the directory ``path`` itself (a symbolic link here is the caller's choice and is
+        followed); with ``create`` make it first, parents included.
+
+        Raises:
+            CheckpointIOError: it cannot be created or opened, or is not a directory (ENOTDIR).
+        """
+        p = Path(os.fsdecode(path))
+        try:
+            if create:
+                p.mkdir(parents=True, exist_ok=True)
+            return cls(os.open(p, _DIR_FLAGS), p)
+        except FileExistsError as exc:  # mkdir(exist_ok=True) on a file
+            raise io_error(
+                OSError(errno.ENOTDIR, "exists and is not a directory"), p, "opening"
+            ) from exc
+        except OSError as exc:
+            raise io_error(exc, p, "creating" if create else "opening") from None
+
+    def sub(self, name: str) -> Dir:
+        """Open the directory ``name`` inside this one, never through a symbolic link.
+
+        Raises:
+            OSError: ELOOP for a symbolic link, ENOTDIR for something else, ENOENT if missing.
+        """
+        return Dir(os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.fd), self.path / name)
+
+    def make_sub(self, name: str) -> Dir:
+        """Create the directory ``name`` (it must not exist) and open it."""
+        os.mkdir(name, 0o755, dir_fd=self.fd)
+        return self.sub(name)
+
+    def ensure_sub(self, name: str) -> Dir:
+        """Open the directory ``name``, creating it if missing; a symbolic link or a file of that
+        name is an error (ELOOP / ENOTDIR), never followed."""
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, 0o755, dir_fd=self.fd)
+        return self.sub(name)
+
+    def close(self) -> None:
+        """Idempotent."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        # also at interpreter exit, when module globals (os) may be gone already
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def __enter__(self) -> Dir:
+        return self
+
+    def __exit__(self, *exc: object) -> bool:
+        self.close()
+        return False
+
+    # ------------------------------------------------------------------ looking
+
+    def lstat(self, name: str) -> os.stat_result | None:
+        """The entry ``name`` itself (a link is not followed), or None if there is none."""
+        try:
+            return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+
+    def entries(self) -> list[os.DirEntry]:
+        """The entries of this directory (``is_dir(follow_symlinks=False)`` tells real ones)."""
+        with os.scandir(self.fd) as it:
+            return list(it)
+
+    def identity(self) -> tuple[int, int]:
+        """(device, inode): the same directory whatever path reached it."""
+        st = os.fstat(self.fd)
+        return st.st_dev, st.st_ino
+
+    # ------------------------------------------------------------------ files
+
+    def read_small(self, name: str, cap: int, what: str) -> bytes:
+        """The whole of the small file ``name`` (a manifest, the pointer), read only if it is a
+        regular file of at most ``cap`` bytes: its size is checked before a byte is read.
+
+        Raises:
+            CheckpointCorruptError: missing, a symbolic link, a FIFO or device, or over ``cap``.
+            CheckpointIOError: any other operating-system error.
+        """
+        path = self.path / name
+        try:
+            st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except OSError as exc:
+            raise read_error(exc, path, f"reading {what}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointCorruptError(
+                f"{path}: {what} is {describe(st.st_mode)}, not a regular file: refused",
+                path=str(path),
+            )
+        if st.st_size > cap:
+            raise CheckpointCorruptError(
+                f"{path}: {what} is {st.st_size} bytes, over the {cap} byte limit", path=str(path)
+            )
+        buf = np.empty(st.st_size, dtype=np.uint8)
+        try:  # the reader checks type and size again once the file is open (it may have changed)
+            read_file(name, [(0, buf)], threads=1, dir_fd=self.fd, expect_size=st.st_size)
+        except OSError as exc:
+            raise read_error(exc, path, f"reading {what}") from None
+        return buf.tobytes()
+
+    def write_new(self, name: str, data: bytes) -> None:
+        """Create the file ``name`` (it must not exist: never through a link), write ``data``
+        and fdatasync it."""
+        buf = np.frombuffer(data, dtype=np.uint8)
+        write_file(
+            name, [(0, buf)] if len(buf) else [], size=len(buf), dir_fd=self.fd, exclusive=True
+        )
+
+    def write_pieces(
+        self, name: str, pieces: list[tuple[int, Any]], size: int, direct: bool
+    ) -> None:
+        """Create the data file ``name`` (exclusively) from ``pieces``, fdatasync'ed."""
+        write_file(
+            name, pieces, size=size, fsync=True, direct=direct, dir_fd=self.fd, exclusive=True
+        )
+
+    def fsync(self) -> None:
+        """Make creations, renames and removals inside this directory durable."""
+        os.fsync(self.fd)
+
+    # ------------------------------------------------------------------ moving and removing
+
+    def rename(self, name: str, dest: Dir, new_name: str) -> None:
+        """Rename ``name`` here to ``new_name`` in ``dest`` (a link is moved, never followed)."""
+        os.rename(name, new_name, src_dir_fd=self.fd, dst_dir_fd=dest.fd)
+
+    def replace(self, name: str, new_name: str) -> None:
+        """Atomically replace ``new_name`` by ``name``, both in this directory."""
+        os.replace(name, new_name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+
+    def unlink(self, name: str) -> None:
+        os.unlink(name, dir_fd=self.fd)
+
+    def remove_tree(self, name: str, _depth: int = 0) -> None:
+        """Remove ``name`` and, if it is a directory, everything under it. Links are removed,
+        never followed, so nothing outside this directory is touched. A tree deeper than any
+        checkpoint makes is left alone (it is not ours). Raises OSError."""
+        st = self.lstat(name)
+        if st is None:
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            self.unlink(name)
+            return
+        if _depth >= _MAX_DEPTH:
+            raise OSError(errno.ELOOP, "nested deeper than any checkpoint", str(self.path / name))
+        with self.sub(name) as d:
+            for e in d.entries():
+                d.remove_tree(e.name, _depth + 1)
+        os.rmdir(name, dir_fd=self.fd)
+
+    def discard_tree(self, name: str) -> bool:
+        """``remove_tree`` that reports failure instead of raising (cleanup that a later start
+        retries). Returns whether ``name`` is gone."""
+        try:
+            self.remove_tree(name)
+            return True
+        except OSError:
+            return False

@@ -1,0 +1,37 @@
+"""Path-level views of a checkpoint directory for tests (the library works on directory
+descriptors: gpumem.checkpoint.safe_fs.Dir)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from gpumem.checkpoint import persist
+from gpumem.checkpoint.format import CheckpointInfo
+from gpumem.checkpoint.safe_fs import Dir
+
+
+def read_manifest(path: str | os.PathLike) -> tuple[dict[str, Any], int]:
+    """(body, CRC) of the manifest file at ``path``."""
+    path = Path(path)
+    with Dir.open(path.parent) as d:
+        return persist.read_manifest(d, path.name)
+
+
+def load_info(step_dir: str | os.PathLike) -> CheckpointInfo:
+    with Dir.open(step_dir) as d:
+        return persist.load_info(d)
+
+
+def step_dirs(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Committed checkpoints, newest first, as (step, path)."""
+    if not Path(root).is_dir():
+        return []
+    with Dir.open(root) as d:
+        return [(s, Path(root) / name) for s, name in persist.step_dirs(d)]
+
+
+def read_latest(root: str | os.PathLike) -> dict[str, Any] | None:
+    with Dir.open(root) as d:
+        return persist.read_latest(d)
