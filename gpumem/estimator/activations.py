@@ -222,6 +222,13 @@ def expert_tokens(spec: ModelSpec, w: Workload, n: int) -> int:
     return int(nk * w.moe_imbalance) if w.ep > 1 else nk
 
 
+def routing_weight_bytes(spec: ModelSpec, compute: int) -> int:
+    """Bytes per element of an MoE's top-k routing weights: fp32 (the softmax or sigmoid's
+    dtype) except where transformers casts them back to the router logits' dtype (Qwen2-MoE,
+    Qwen3-MoE)."""
+    return compute if spec.family in ("qwen2_moe", "qwen3_moe") else 4
+
+
 def swiglu_items(w: Workload, tag: str, n: int, f: int) -> list[Item]:
     """down(act(gate(x)) * up(x)): unfused, the gate output (the activation's input), the
     activation's and the up output (the product's) and the product (down's input); fused, the

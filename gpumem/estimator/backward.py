@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpumem.estimator.activations import expert_tokens
+from gpumem.estimator.activations import expert_tokens, routing_weight_bytes
 from gpumem.estimator.specs import ModelSpec
 
 
@@ -98,6 +98,7 @@ class Shape:
     expert_bytes: int = 0  # bytes of the experts' dtype (transformers: the weights')
     n_experts: int = 0  # experts on this rank
     tp: int = 1
+    routing_bytes: int = 4  # bytes of the routing weights (transformers: fp32 or the router's)
 
 
 def mlp_moment(spec: ModelSpec, s: Shape, ffn: int) -> Moment:
@@ -235,12 +236,20 @@ def _grouped_moe(spec: ModelSpec, s: Shape, f: int, wk: _Walk, copy: int = 0) ->
         accumulate(n * h * A)
     elif copy:
         wk.free(t=copy)
-    Wt = max(E_A, 4)  # the product with the fp32 routing weights is fp32
+    # the product with the routing weights is in the wider of the two dtypes (fp32 weights:
+    # Mixtral, DeepSeek; Qwen-MoE casts them to the router's dtype), cast back to the tokens'
+    Wt = max(E_A, s.routing_bytes)
+    back = n * h * Wt if Wt != R else 0  # ``.to(hidden dtype)``'s backward: a Wt copy
+    wk.alloc(t=back)
     wk.alloc(t=nk * h * Wt)  # the view's backward: the expanded gradient copied to n·k rows
+    wk.free(t=back)
     wk.alloc(t=2 * nk * h * Wt)  # the reorder's backward: zeros, and the scatter into them
     wk.free(t=2 * nk * h * Wt, a=nk * 8)  # zeros and the copy; inv_perm
-    wk.alloc(t=nk * h * Wt + nk * h * E_A)  # grad * expert output (for the weights), grad * w
-    wk.free(a=nk * h * E_A + nk * 4)  # the expert output and the routing weights saved
+    wk.alloc(t=2 * nk * h * Wt)  # grad * expert output (for the weights), grad * weights
+    if Wt != E_A:  # the latter cast to the experts' dtype
+        wk.alloc(t=nk * h * E_A)
+        wk.free(t=nk * h * Wt)
+    wk.free(a=nk * h * E_A + nk * s.routing_bytes)  # the expert output and routing weights
     wk.free(t=nk * h * Wt + nk * h * Wt)  # the first product (summed), the incoming gradient
     wk.alloc(t=nk * f * E_A, g=E * h * f * gb)  # down GEMM: input and weight gradients
     wk.free(t=nk * h * E_A, a=nk * f * E_A)
@@ -303,6 +312,7 @@ def layer_moment(spec: ModelSpec, w, items, grad_bytes: int, recompute: str = "n
         expert_bytes=w.residual if spec.is_hf else w.compute,
         n_experts=spec.n_experts // w.ep if moe else 0,
         tp=t,
+        routing_bytes=routing_weight_bytes(spec, w.compute),
     )
     f = (spec.moe_ffn // w.etp) if moe else spec.dense_layer_ffn // t
     mlp = mlp_moment(spec, s, f)

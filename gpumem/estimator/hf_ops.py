@@ -241,7 +241,7 @@ def _moe(spec: ModelSpec, w: Workload, n: int) -> list[Item]:
         Item("experts.act_out", nk * f * E_A),
         Item("experts.down_input", nk * f * E_A),
         Item("experts.down_out", nk * h * E_A),
-        Item("experts.routing_weights", nk * 4),
+        Item("experts.routing_weights", nk * act.routing_weight_bytes(spec, A)),
         Item("experts.indices", 3 * nk * 8),
     ]
     if spec.n_shared_experts:
