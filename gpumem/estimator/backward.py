@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpumem.estimator.activations import expert_tokens, routing_weight_bytes
+from gpumem.estimator.activations import expert_tokens, router_copies_input, routing_weight_bytes
 from gpumem.estimator.specs import ModelSpec
 
 
@@ -99,6 +99,8 @@ class Shape:
     n_experts: int = 0  # experts on this rank
     tp: int = 1
     routing_bytes: int = 4  # bytes of the routing weights (transformers: fp32 or the router's)
+    shared_holds_input: bool = False  # only the shared expert's Linears save the MoE input
+    recompute: bool = False  # the layer's activations come back from a checkpoint
 
 
 def mlp_moment(spec: ModelSpec, s: Shape, ffn: int) -> Moment:
@@ -232,6 +234,8 @@ def _grouped_moe(spec: ModelSpec, s: Shape, f: int, wk: _Walk, copy: int = 0) ->
     elif fs:  # DeepSeek: the shared expert, called after the experts, runs backward first
         wk.linear(n, fs, h, False, A, gb, cast, saved=n * fs * A, consumed=copy)
         _swiglu_rest(wk, n, h, fs, A, gb, cast, in_cast)
+        if s.shared_holds_input:  # no other consumer saved the MoE input
+            wk.free(a=n * h * R)
         accumulate(n * h * A)  # up's input gradient, then gate's
         accumulate(n * h * A)
     elif copy:
@@ -246,10 +250,14 @@ def _grouped_moe(spec: ModelSpec, s: Shape, f: int, wk: _Walk, copy: int = 0) ->
     wk.alloc(t=2 * nk * h * Wt)  # the reorder's backward: zeros, and the scatter into them
     wk.free(t=2 * nk * h * Wt, a=nk * 8)  # zeros and the copy; inv_perm
     wk.alloc(t=2 * nk * h * Wt)  # grad * expert output (for the weights), grad * weights
-    if Wt != E_A:  # the latter cast to the experts' dtype
+    saved = nk * h * E_A + nk * s.routing_bytes  # the expert output and routing weights
+    if s.recompute:  # unpacked from the checkpoint, they go when the node returns
+        wk.free(a=saved)
+    if Wt != E_A:  # the engine casts the latter to the experts' dtype after the node ran
         wk.alloc(t=nk * h * E_A)
         wk.free(t=nk * h * Wt)
-    wk.free(a=nk * h * E_A + nk * s.routing_bytes)  # the expert output and routing weights
+    if not s.recompute:  # saved variables are released after the casts
+        wk.free(a=saved)
     wk.free(t=nk * h * Wt + nk * h * Wt)  # the first product (summed), the incoming gradient
     wk.alloc(t=nk * f * E_A, g=E * h * f * gb)  # down GEMM: input and weight gradients
     wk.free(t=nk * h * E_A, a=nk * f * E_A)
@@ -312,7 +320,9 @@ def layer_moment(spec: ModelSpec, w, items, grad_bytes: int, recompute: str = "n
         expert_bytes=w.residual if spec.is_hf else w.compute,
         n_experts=spec.n_experts // w.ep if moe else 0,
         tp=t,
-        routing_bytes=routing_weight_bytes(spec, w.compute),
+        routing_bytes=routing_weight_bytes(spec, w),
+        shared_holds_input=moe and router_copies_input(spec, w),
+        recompute=recompute != "none",
     )
     f = (spec.moe_ffn // w.etp) if moe else spec.dense_layer_ffn // t
     mlp = mlp_moment(spec, s, f)

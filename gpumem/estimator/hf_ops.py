@@ -50,7 +50,10 @@ def layer_items(spec: ModelSpec, w: Workload) -> list[Item]:
     n_sp = n // t if w.sp else n
     h = spec.hidden
     items = _norm(spec, w, "attn_norm", n_sp, h, R)
-    items += _proj_inputs(w, "qkv", 3 if spec.family != "phi3" else 1, n, n_sp, h)
+    # the Linears reading the norm's output: q, k, v; Phi-3's fused qkv; MLA's q (or q_a) and
+    # kv_a
+    consumers = 1 if spec.family == "phi3" else 2 if spec.is_mla else 3
+    items += _proj_inputs(w, "qkv", consumers, n, n_sp, h)
     items += _mla(spec, w, n) if spec.is_mla else _attention(spec, w, n)
     if spec.norms_per_layer == 4:  # Gemma2/3: the attention output is normalised (compute dtype)
         items += _norm(spec, w, "post_attn_norm", n_sp, h, A)
@@ -176,9 +179,13 @@ def _mla(spec: ModelSpec, w: Workload, n: int) -> list[Item]:
     if spec.q_lora_rank:
         items += _norm(spec, w, "q_a_norm", n, spec.q_lora_rank, A)
         items.append(Item("q_b.input", n * spec.q_lora_rank * A))
-    # kv_a's output (latent + rope key) is what the latent norm's input views
+    # in fp32 the latent norm's input views kv_a's output (latent + rope key); else the norm
+    # copies the latent to fp32
+    if A == 4:
+        items.append(Item("kv_a.out", n * (kvr + spec.qk_rope_dim) * A))
+    else:
+        items.append(Item("kv_a_norm.input_fp32", n * kvr * 4))
     items += [
-        Item("kv_a.out", n * (kvr + spec.qk_rope_dim) * A),
         Item("kv_a_norm.rstd", n * 4),
         Item("kv_a_norm.normalized", n * kvr * A),
         Item("kv_b.input", n * kvr * A),
@@ -203,8 +210,6 @@ def _mla(spec: ModelSpec, w: Workload, n: int) -> list[Item]:
             Item("attn.out", n * a * spec.v_head_dim * A, core=True),
             Item("o_proj.input", n * a * spec.v_head_dim * A),
         ]
-    if A != 4:  # the latent norm's fp32 input copy
-        items.append(Item("kv_a_norm.input_fp32", n * kvr * 4))
     return items
 
 
@@ -219,13 +224,19 @@ def _moe(spec: ModelSpec, w: Workload, n: int) -> list[Item]:
     nk = act.expert_tokens(spec, w, n)
     items = _proj_inputs(w, "router", 1, n, n_sp, h)
     if spec.family.startswith("deepseek"):
+        # F.linear(x.float(), w.float()) (16-bit under autocast): a 16-bit stream is copied
+        # to fp32, and the shared expert's Linears save the stream itself; the group-limited
+        # selection only picks indices (its graph is unreachable from the loss, freed at once)
+        L = act.routing_weight_bytes(spec, w)
+        if act.router_copies_input(spec, w):
+            items = [Item("router.input_fp32", n * h * 4)]
+            if spec.n_shared_experts:
+                items.append(Item("shared.input", n * h * w.residual))
         items += [
-            Item("router.scores", n * E * 4),  # sigmoid output
-            Item("router.mask", n * E),
-            Item("router.group_topk", n * 2 * 8),
-            Item("router.topk_indices", n * k * 8),
-            Item("router.topk_weights", 2 * n * k * 4),
-            Item("router.denominator", n * 4),
+            Item("router.scores", n * E * L),  # sigmoid output
+            Item("router.topk_indices", n * k * 8),  # gather's index
+            Item("router.topk_weights", n * k * L),  # the in-place division's copy of them
+            Item("router.denominator", n * L),
         ]
     else:
         items += [Item("router.probs", n * E * 4), Item("router.topk_indices", n * k * 8)]
@@ -241,7 +252,7 @@ def _moe(spec: ModelSpec, w: Workload, n: int) -> list[Item]:
         Item("experts.act_out", nk * f * E_A),
         Item("experts.down_input", nk * f * E_A),
         Item("experts.down_out", nk * h * E_A),
-        Item("experts.routing_weights", nk * act.routing_weight_bytes(spec, A)),
+        Item("experts.routing_weights", nk * act.routing_weight_bytes(spec, w)),
         Item("experts.indices", 3 * nk * 8),
     ]
     if spec.n_shared_experts:
@@ -290,8 +301,15 @@ def _linear_weights(spec: ModelSpec, t: int, dense: bool) -> int:
     attention, and the dense MLP, or the router and shared experts (grouped experts are not
     autocast)."""
     h, d, a, g = spec.hidden, spec.dhead, spec.n_heads, spec.kv_heads
-    qd, kvd = a * d // t, 2 * g * d // min(t, g)
-    out = h * (qd + kvd) + qd * h
+    if spec.is_mla:
+        qk, kvr, rope = spec.qk_nope_dim + spec.qk_rope_dim, spec.kv_lora_rank, spec.qk_rope_dim
+        qr = spec.q_lora_rank
+        q = h * qr + qr * a * qk // t if qr else h * a * qk // t
+        kv = h * (kvr + rope) + kvr * a * (spec.qk_nope_dim + spec.v_head_dim) // t
+        out = q + kv + a * spec.v_head_dim * h // t
+    else:
+        qd, kvd = a * d // t, 2 * g * d // min(t, g)
+        out = h * (qd + kvd) + qd * h
     if not spec.is_moe or dense:
         return out + 3 * h * spec.dense_layer_ffn // t
     return out + h * spec.n_experts + 3 * h * spec.shared_ffn // t + (h if spec.shared_gate else 0)
