@@ -342,7 +342,7 @@ def layer_moment(spec: ModelSpec, w, items, grad_bytes: int, recompute: str = "n
         spec.n_heads // t,
         w.seq,
         w.batch,
-        w.attention,
+        "math" if spec.eager_attention else w.attention,
         w.compute if w.cuda else 4,
     )
     if recompute == "selective":  # the attention core comes back before its backward

@@ -89,6 +89,8 @@ def head_items(spec: ModelSpec, w: Workload) -> list[Item]:
         return items
     n_sp = w.tokens // w.tp if w.sp else w.tokens
     rest = [i for i in items if not i.name.startswith("final_norm.")]
+    if spec.logit_softcap:  # logits = tanh(logits / cap) * cap: tanh saves its output
+        rest += [Item("logits.softcap_tanh", i.nbytes) for i in rest if i.name == "logits"]
     return _norm(spec, w, "final_norm", n_sp, spec.hidden, w.residual) + rest
 
 
@@ -163,10 +165,32 @@ def _attention(spec: ModelSpec, w: Workload, n: int) -> list[Item]:
     items = []
     if spec.qk_norm:  # per-head RMSNorm of the q and k projections' outputs
         items += _norm(spec, w, "q_norm", n * a, d, A) + _norm(spec, w, "k_norm", n * g, d, A)
+    if spec.eager_attention:
+        return items + _eager(spec, w, n, a, d)
     v = n * g * d * A
     if spec.family == "phi3":  # v is a view of the fused qkv output: its storage stays
         v = n * (a + 2 * g) * d * A
     return items + _sdpa(w, a, n * a * d * A, n * g * d * A, v, n * a * d * A)
+
+
+def _eager(spec: ModelSpec, w: Workload, n: int, a: int, d: int) -> list[Item]:
+    """transformers' eager attention (Gemma2: SDPA cannot soft-cap): k and v repeated to every
+    head (copies), q, the soft-capped scores' tanh output in the query's dtype, the fp32
+    softmax and its cast back to the query's dtype (what the product with v saves), and the
+    output's contiguous copy for o_proj. Attention dropout 0 (transformers' default) saves no
+    mask."""
+    A, s2 = w.compute, w.batch * a * w.local_seq * w.seq
+    items = [
+        Item("attn.q", n * a * d * A),
+        Item("attn.k_repeated", n * a * d * A),
+        Item("attn.v_repeated", n * a * d * A),
+    ]
+    if spec.attn_softcap:
+        items.append(Item("attn.softcap_tanh", s2 * A, core=True))
+    items.append(Item("attn.softmax", s2 * 4, core=True))
+    if A != 4:
+        items.append(Item("attn.softmax_cast", s2 * A, core=True))
+    return [*items, Item("attn.out", n * a * d * A, core=True)]
 
 
 def _mla(spec: ModelSpec, w: Workload, n: int) -> list[Item]:
