@@ -24,7 +24,13 @@ against ``gpumem.profile`` under fake tensors (tests/estimator/test_hf_sweep.py)
   indices (Mixtral also the renormalised weights and their sum), the tokens gathered per
   expert, the grouped up projection's ``2 · ffn`` output, the activation and product, the down
   projection's output and the routing weights it is multiplied by, three index vectors; a
-  shared expert is a dense MLP (Qwen2-MoE scales it by a saved sigmoid gate).
+  shared expert is a dense MLP (Qwen2-MoE scales it by a saved sigmoid gate). The routing
+  weights are fp32 (Mixtral, DeepSeek; DeepSeek's are 16-bit under autocast) or the router's
+  dtype (Qwen-MoE); DeepSeek's router copies a 16-bit stream to fp32 and keeps its scores, one
+  copy of the top-k weights and their denominator.
+- **eager attention** (Gemma2, which refuses SDPA): k and v repeated to every head, q, the
+  soft-capped scores' tanh output, the fp32 softmax and its cast to the query's dtype, the
+  output's copy; soft-capped logits keep their tanh output.
 - **MLA** (DeepSeek-V2/V3): the down projections' input, their norms (llama RMSNorm), the up
   projections' inputs, q and k of ``nope + rope`` width, the ``kv_b_proj`` output that v views,
   the attention output and the ``o_proj`` copy of it; on the CPU, whose flash kernel needs one
