@@ -74,7 +74,11 @@ def assemble(x):
     acts = x[INFLIGHT] * (x[N_LAYERS] * x[A_LAYER] + x[A_FIRST]) + x[A_LAST] + x[CASTS]
     g_keep = grads if x[G_PERSIST] > 0 else 0.0
     base = weights + optim + x[COMM]
-    start = base + g_keep + x[G_START] + acts - x[A_GONE] + x[T_BWD0] + x[GATHER]
+    # weight grads made inside the last layer: new tensors, unless gradients persist (they
+    # accumulate into the existing ones; the walk's share is then counted as temporary)
+    g_new = 0.0 if x[G_PERSIST] > 0 else x[G_START]
+    t_start = x[T_BWD0] + x[G_START] - g_new
+    start = base + g_keep + g_new + acts - x[A_GONE] + t_start + x[GATHER]
     pend = x[P_PEND] * x[G_BYTES] / ng + x[P_PEND_EXP] * x[G_BYTES] / nge
     g_end = grads - pend + x[G_WALK]
     end = base + g_end + x[A_FIRST] + x[A_END] + x[HELD] + x[T_LAYER] + x[GATHER]
@@ -88,7 +92,7 @@ def assemble(x):
         phase = 2
         best = step
     if phase == 0:
-        g, a, c, t = g_keep + x[G_START], acts - x[A_GONE], x[GATHER] + x[COMM], x[T_BWD0]
+        g, a, c, t = g_keep + g_new, acts - x[A_GONE], x[GATHER] + x[COMM], t_start
     elif phase == 1:
         g, a, c, t = g_end, x[A_FIRST] + x[A_END] + x[HELD], x[GATHER] + x[COMM], x[T_LAYER]
     else:
