@@ -90,12 +90,13 @@ transformers' packed-sequence check (`gpumem.profiler.fake.real_branches`): with
 fake `position_ids` made transformers build an explicit mask that SDPA copied to fp32 in every
 layer (8 KiB + 32 KiB per layer here), which last session's table blamed on SDPA's CPU backward.
 
-Not modelled yet (the rows marked NO): Gemma2's eager attention (transformers refuses SDPA for
-it), the widest backward moment under recompute of MoE layers with shared experts (Qwen2-MoE,
-DeepSeek-V3: the shared expert's pending gradient beside the grouped experts' scatter) and of
-Gemma3's four norms in 16 bits, DeepSeek-V3 under autocast (MLA's math-path attention is
-modelled in fp32 and pure bf16), and torch's bf16 `_grouped_mm` kernel (Mixtral in pure bf16:
-its saved tensors differ from the fallback's).
+Gemma2 runs transformers' eager attention (it refuses SDPA: no soft-capping), every other
+family SDPA. Not modelled yet (the rows marked NO): the widest moment under recompute of
+Gemma2's and Gemma3's four norms in 16 bits (inside the post-FFN norm's backward; temporary
+-7 to -10 %), and DeepSeek-V3 under autocast with recompute, whose peak is inside the first
+layer's recomputed forward (MLA's math-path attention casting q, k, v and the scores between
+16 and 32 bits); its total is within 0.1 %, but the estimate places the peak at the start of
+backward, so gradients and temporaries trade places.
 """
     figures = [
         value_figure("configurations within the bound", "count", ok, better="higher"),

@@ -222,6 +222,25 @@ def expert_tokens(spec: ModelSpec, w: Workload, n: int) -> int:
     return int(nk * w.moe_imbalance) if w.ep > 1 else nk
 
 
+def routing_weight_bytes(spec: ModelSpec, w: Workload) -> int:
+    """Bytes per element of an MoE's top-k routing weights in transformers: fp32 where the
+    router computes in fp32 (Mixtral's softmax of ``logits.float()``; DeepSeek's fp32 linear,
+    a 16-bit one under autocast), the router logits' dtype where the weights are cast back to
+    it (Qwen2-MoE, Qwen3-MoE)."""
+    if spec.family in ("qwen2_moe", "qwen3_moe"):
+        return w.compute
+    if spec.family.startswith("deepseek") and w.autocast:
+        return w.compute
+    return 4
+
+
+def router_copies_input(spec: ModelSpec, w: Workload) -> bool:
+    """DeepSeek's router runs ``F.linear(x.float(), w.float())``: on a 16-bit stream (pure
+    bf16, no sequence parallelism) it saves an fp32 copy, and the MoE input itself is then
+    saved by the shared expert's Linears alone (released after their backward)."""
+    return spec.family.startswith("deepseek") and not w.autocast and w.residual != 4 and not w.sp
+
+
 def swiglu_items(w: Workload, tag: str, n: int, f: int) -> list[Item]:
     """down(act(gate(x)) * up(x)): unfused, the gate output (the activation's input), the
     activation's and the up output (the product's) and the product (down's input); fused, the

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpumem.estimator.activations import expert_tokens
+from gpumem.estimator.activations import expert_tokens, router_copies_input, routing_weight_bytes
 from gpumem.estimator.specs import ModelSpec
 
 
@@ -97,6 +97,10 @@ class Shape:
     expert_tokens: int = 0  # token copies the local experts process (n·k, imbalance applied)
     expert_bytes: int = 0  # bytes of the experts' dtype (transformers: the weights')
     n_experts: int = 0  # experts on this rank
+    tp: int = 1
+    routing_bytes: int = 4  # bytes of the routing weights (transformers: fp32 or the router's)
+    shared_holds_input: bool = False  # only the shared expert's Linears save the MoE input
+    recompute: bool = False  # the layer's activations come back from a checkpoint
 
 
 def mlp_moment(spec: ModelSpec, s: Shape, ffn: int) -> Moment:
@@ -111,7 +115,7 @@ def mlp_moment(spec: ModelSpec, s: Shape, ffn: int) -> Moment:
     in_cast = n * h * A if s.autocast else 0  # the per-Linear 16-bit copy of the norm output
     if spec.is_moe and not s.dense:
         if s.grouped:
-            return _grouped_moe(spec, s, ffn, wk)
+            return _grouped_moe(spec, s, ffn, wk, copy)
         return _moe(spec, s, ffn, wk, copy, in_cast)
     f = ffn
     if spec.arch == "llama":  # down(silu(gate(x)) * up(x))
@@ -186,17 +190,75 @@ def _moe(spec: ModelSpec, s: Shape, ffn: int, wk: _Walk, copy: int, in_cast: int
     return wk.best
 
 
-def _grouped_moe(spec: ModelSpec, s: Shape, f: int, wk: _Walk) -> Moment:
-    """Grouped experts (transformers' grouped_mm, Megatron's TEGroupedMLP) backward, node by
-    node: the reorder's scatter, the routing-weight product, the down GEMM (all experts' weight
-    gradients at once), the gated activation, the up GEMM, and the scatter back to the tokens;
-    every intermediate is ``expert_tokens`` rows in the experts' dtype."""
-    n, h, R = s.tokens, spec.hidden, s.residual
+def _grouped_moe(spec: ModelSpec, s: Shape, f: int, wk: _Walk, copy: int = 0) -> Moment:
+    """Grouped experts (transformers' grouped_mm, Megatron's TEGroupedMLP) and a shared expert,
+    backward node by node as autograd runs them (the most recently created node first).
+
+    transformers' experts end in ``(proj_out * weights)[inv_perm].view(n, k, h).sum(1)``: the
+    sum's expanded gradient is copied to ``n·k`` rows by the view's backward, the reorder's
+    backward scatters it into a zero-filled ``n·k`` buffer out of place (three ``n·k`` rows
+    wide gradients at once), then the routing-weight product, the down GEMM (all experts'
+    weight gradients at once), the gated activation, the up GEMM, and the gather's scatter
+    back to the tokens; every intermediate is ``expert_tokens`` rows in the experts' dtype.
+
+    A shared expert is a dense gated MLP beside them whose backward runs by forward order:
+    DeepSeek's (called after the experts) runs first, its input gradient then waits for the
+    experts'; Qwen2-MoE's (called first) waits, its output's gradient pending, until the
+    experts and the router are done; its sigmoid gate, created last, runs first.
+    """
+    n, h, R, A = s.tokens, spec.hidden, s.residual, s.compute
     nk, E_A, gb, E = s.expert_tokens, s.expert_bytes, s.grad_bytes, s.n_experts
-    weighted = max(E_A, 4)  # the product with the fp32 routing weights is fp32
-    wk.alloc(t=nk * h * weighted)  # the reorder's (index) gradient
-    wk.alloc(t=nk * h * E_A + nk * 4)  # gradients of the expert output and routing weights
-    wk.free(t=nk * h * weighted, a=nk * h * E_A + nk * 4)
+    cast = s.autocast
+    in_cast = n * h * A if cast else 0  # a Linear's 16-bit copy of the MoE input
+    fs = spec.shared_ffn // s.tp if spec.n_shared_experts else 0
+    pending = 0  # the MoE input's gradient, accumulated from its consumers
+
+    def accumulate(grad: int) -> None:
+        nonlocal pending
+        if pending:  # the input buffer adds the new gradient out of place
+            wk.alloc(t=n * h * R)
+            wk.free(t=pending + grad)
+            pending = n * h * R
+        else:
+            pending = grad
+
+    shared_out_grad = 0
+    if fs and spec.shared_gate:  # Qwen2-MoE: sigmoid(gate(x)) * shared(x), created last
+        wk.alloc(t=2 * n * h * A)  # the shared output's gradient (kept) and grad * shared
+        wk.free(t=n * h * A + copy, a=n * h * A)  # that product; the shared output saved
+        wk.alloc(t=n * A)  # its sum, then the sigmoid's backward
+        wk.free(a=n * A)
+        wk.linear(n, h, 1, False, A, gb, cast, saved=0, consumed=n * A)
+        accumulate(n * h * A)
+        shared_out_grad = n * h * A
+    elif fs:  # DeepSeek: the shared expert, called after the experts, runs backward first
+        wk.linear(n, fs, h, False, A, gb, cast, saved=n * fs * A, consumed=copy)
+        _swiglu_rest(wk, n, h, fs, A, gb, cast, in_cast)
+        if s.shared_holds_input:  # no other consumer saved the MoE input
+            wk.free(a=n * h * R)
+        accumulate(n * h * A)  # up's input gradient, then gate's
+        accumulate(n * h * A)
+    elif copy:
+        wk.free(t=copy)
+    # the product with the routing weights is in the wider of the two dtypes (fp32 weights:
+    # Mixtral, DeepSeek; Qwen-MoE casts them to the router's dtype), cast back to the tokens'
+    Wt = max(E_A, s.routing_bytes)
+    back = n * h * Wt if Wt != R else 0  # ``.to(hidden dtype)``'s backward: a Wt copy
+    wk.alloc(t=back)
+    wk.alloc(t=nk * h * Wt)  # the view's backward: the expanded gradient copied to n·k rows
+    wk.free(t=back)
+    wk.alloc(t=2 * nk * h * Wt)  # the reorder's backward: zeros, and the scatter into them
+    wk.free(t=2 * nk * h * Wt, a=nk * 8)  # zeros and the copy; inv_perm
+    wk.alloc(t=2 * nk * h * Wt)  # grad * expert output (for the weights), grad * weights
+    saved = nk * h * E_A + nk * s.routing_bytes  # the expert output and routing weights
+    if s.recompute:  # unpacked from the checkpoint, they go when the node returns
+        wk.free(a=saved)
+    if Wt != E_A:  # the engine casts the latter to the experts' dtype after the node ran
+        wk.alloc(t=nk * h * E_A)
+        wk.free(t=nk * h * Wt)
+    if not s.recompute:  # saved variables are released after the casts
+        wk.free(a=saved)
+    wk.free(t=nk * h * Wt + nk * h * Wt)  # the first product (summed), the incoming gradient
     wk.alloc(t=nk * f * E_A, g=E * h * f * gb)  # down GEMM: input and weight gradients
     wk.free(t=nk * h * E_A, a=nk * f * E_A)
     wk.alloc(t=2 * nk * f * E_A)  # act * up: both factors' gradients
@@ -207,8 +269,14 @@ def _grouped_moe(spec: ModelSpec, s: Shape, f: int, wk: _Walk) -> Moment:
     wk.free(t=2 * nk * f * E_A)
     wk.alloc(t=nk * h * E_A, g=E * 2 * f * h * gb)  # up GEMM
     wk.free(t=2 * nk * f * E_A, a=nk * h * E_A)
-    wk.alloc(t=n * h * R)  # the gather's backward into the tokens
-    wk.free(t=nk * h * E_A)
+    wk.alloc(t=2 * n * h * R)  # the gather's backward: zeros, and the scatter into them
+    wk.free(t=n * h * R + nk * h * E_A, a=2 * nk * 8)  # zeros, the up GEMM's input gradient
+    accumulate(n * h * R)
+    if shared_out_grad:  # Qwen2-MoE's shared expert, after the experts and the router
+        wk.linear(n, fs, h, False, A, gb, cast, saved=n * fs * A, consumed=shared_out_grad)
+        _swiglu_rest(wk, n, h, fs, A, gb, cast, in_cast)
+        accumulate(n * h * A)
+        accumulate(n * h * A)
     return wk.best
 
 
@@ -251,6 +319,10 @@ def layer_moment(spec: ModelSpec, w, items, grad_bytes: int, recompute: str = "n
         expert_tokens=expert_tokens(spec, w, w.tokens) if moe else 0,
         expert_bytes=w.residual if spec.is_hf else w.compute,
         n_experts=spec.n_experts // w.ep if moe else 0,
+        tp=t,
+        routing_bytes=routing_weight_bytes(spec, w),
+        shared_holds_input=moe and router_copies_input(spec, w),
+        recompute=recompute != "none",
     )
     f = (spec.moe_ffn // w.etp) if moe else spec.dense_layer_ffn // t
     mlp = mlp_moment(spec, s, f)
@@ -270,7 +342,7 @@ def layer_moment(spec: ModelSpec, w, items, grad_bytes: int, recompute: str = "n
         spec.n_heads // t,
         w.seq,
         w.batch,
-        w.attention,
+        "math" if spec.eager_attention else w.attention,
         w.compute if w.cuda else 4,
     )
     if recompute == "selective":  # the attention core comes back before its backward

@@ -24,7 +24,13 @@ against ``gpumem.profile`` under fake tensors (tests/estimator/test_hf_sweep.py)
   indices (Mixtral also the renormalised weights and their sum), the tokens gathered per
   expert, the grouped up projection's ``2 · ffn`` output, the activation and product, the down
   projection's output and the routing weights it is multiplied by, three index vectors; a
-  shared expert is a dense MLP (Qwen2-MoE scales it by a saved sigmoid gate).
+  shared expert is a dense MLP (Qwen2-MoE scales it by a saved sigmoid gate). The routing
+  weights are fp32 (Mixtral, DeepSeek; DeepSeek's are 16-bit under autocast) or the router's
+  dtype (Qwen-MoE); DeepSeek's router copies a 16-bit stream to fp32 and keeps its scores, one
+  copy of the top-k weights and their denominator.
+- **eager attention** (Gemma2, which refuses SDPA): k and v repeated to every head, q, the
+  soft-capped scores' tanh output, the fp32 softmax and its cast to the query's dtype, the
+  output's copy; soft-capped logits keep their tanh output.
 - **MLA** (DeepSeek-V2/V3): the down projections' input, their norms (llama RMSNorm), the up
   projections' inputs, q and k of ``nope + rope`` width, the ``kv_b_proj`` output that v views,
   the attention output and the ``o_proj`` copy of it; on the CPU, whose flash kernel needs one
@@ -50,7 +56,10 @@ def layer_items(spec: ModelSpec, w: Workload) -> list[Item]:
     n_sp = n // t if w.sp else n
     h = spec.hidden
     items = _norm(spec, w, "attn_norm", n_sp, h, R)
-    items += _proj_inputs(w, "qkv", 3 if spec.family != "phi3" else 1, n, n_sp, h)
+    # the Linears reading the norm's output: q, k, v; Phi-3's fused qkv; MLA's q (or q_a) and
+    # kv_a
+    consumers = 1 if spec.family == "phi3" else 2 if spec.is_mla else 3
+    items += _proj_inputs(w, "qkv", consumers, n, n_sp, h)
     items += _mla(spec, w, n) if spec.is_mla else _attention(spec, w, n)
     if spec.norms_per_layer == 4:  # Gemma2/3: the attention output is normalised (compute dtype)
         items += _norm(spec, w, "post_attn_norm", n_sp, h, A)
@@ -86,6 +95,8 @@ def head_items(spec: ModelSpec, w: Workload) -> list[Item]:
         return items
     n_sp = w.tokens // w.tp if w.sp else w.tokens
     rest = [i for i in items if not i.name.startswith("final_norm.")]
+    if spec.logit_softcap:  # logits = tanh(logits / cap) * cap: tanh saves its output
+        rest += [Item("logits.softcap_tanh", i.nbytes) for i in rest if i.name == "logits"]
     return _norm(spec, w, "final_norm", n_sp, spec.hidden, w.residual) + rest
 
 
@@ -160,10 +171,32 @@ def _attention(spec: ModelSpec, w: Workload, n: int) -> list[Item]:
     items = []
     if spec.qk_norm:  # per-head RMSNorm of the q and k projections' outputs
         items += _norm(spec, w, "q_norm", n * a, d, A) + _norm(spec, w, "k_norm", n * g, d, A)
+    if spec.eager_attention:
+        return items + _eager(spec, w, n, a, d)
     v = n * g * d * A
     if spec.family == "phi3":  # v is a view of the fused qkv output: its storage stays
         v = n * (a + 2 * g) * d * A
     return items + _sdpa(w, a, n * a * d * A, n * g * d * A, v, n * a * d * A)
+
+
+def _eager(spec: ModelSpec, w: Workload, n: int, a: int, d: int) -> list[Item]:
+    """transformers' eager attention (Gemma2: SDPA cannot soft-cap): k and v repeated to every
+    head (copies), q, the soft-capped scores' tanh output in the query's dtype, the fp32
+    softmax and its cast back to the query's dtype (what the product with v saves), and the
+    output's contiguous copy for o_proj. Attention dropout 0 (transformers' default) saves no
+    mask."""
+    A, s2 = w.compute, w.batch * a * w.local_seq * w.seq
+    items = [
+        Item("attn.q", n * a * d * A),
+        Item("attn.k_repeated", n * a * d * A),
+        Item("attn.v_repeated", n * a * d * A),
+    ]
+    if spec.attn_softcap:
+        items.append(Item("attn.softcap_tanh", s2 * A, core=True))
+    items.append(Item("attn.softmax", s2 * 4, core=True))
+    if A != 4:
+        items.append(Item("attn.softmax_cast", s2 * A, core=True))
+    return [*items, Item("attn.out", n * a * d * A, core=True)]
 
 
 def _mla(spec: ModelSpec, w: Workload, n: int) -> list[Item]:
@@ -176,9 +209,13 @@ def _mla(spec: ModelSpec, w: Workload, n: int) -> list[Item]:
     if spec.q_lora_rank:
         items += _norm(spec, w, "q_a_norm", n, spec.q_lora_rank, A)
         items.append(Item("q_b.input", n * spec.q_lora_rank * A))
-    # kv_a's output (latent + rope key) is what the latent norm's input views
+    # in fp32 the latent norm's input views kv_a's output (latent + rope key); else the norm
+    # copies the latent to fp32
+    if A == 4:
+        items.append(Item("kv_a.out", n * (kvr + spec.qk_rope_dim) * A))
+    else:
+        items.append(Item("kv_a_norm.input_fp32", n * kvr * 4))
     items += [
-        Item("kv_a.out", n * (kvr + spec.qk_rope_dim) * A),
         Item("kv_a_norm.rstd", n * 4),
         Item("kv_a_norm.normalized", n * kvr * A),
         Item("kv_b.input", n * kvr * A),
@@ -203,8 +240,6 @@ def _mla(spec: ModelSpec, w: Workload, n: int) -> list[Item]:
             Item("attn.out", n * a * spec.v_head_dim * A, core=True),
             Item("o_proj.input", n * a * spec.v_head_dim * A),
         ]
-    if A != 4:  # the latent norm's fp32 input copy
-        items.append(Item("kv_a_norm.input_fp32", n * kvr * 4))
     return items
 
 
@@ -219,13 +254,19 @@ def _moe(spec: ModelSpec, w: Workload, n: int) -> list[Item]:
     nk = act.expert_tokens(spec, w, n)
     items = _proj_inputs(w, "router", 1, n, n_sp, h)
     if spec.family.startswith("deepseek"):
+        # F.linear(x.float(), w.float()) (16-bit under autocast): a 16-bit stream is copied
+        # to fp32, and the shared expert's Linears save the stream itself; the group-limited
+        # selection only picks indices (its graph is unreachable from the loss, freed at once)
+        L = act.routing_weight_bytes(spec, w)
+        if act.router_copies_input(spec, w):
+            items = [Item("router.input_fp32", n * h * 4)]
+            if spec.n_shared_experts:
+                items.append(Item("shared.input", n * h * w.residual))
         items += [
-            Item("router.scores", n * E * 4),  # sigmoid output
-            Item("router.mask", n * E),
-            Item("router.group_topk", n * 2 * 8),
-            Item("router.topk_indices", n * k * 8),
-            Item("router.topk_weights", 2 * n * k * 4),
-            Item("router.denominator", n * 4),
+            Item("router.scores", n * E * L),  # sigmoid output
+            Item("router.topk_indices", n * k * 8),  # gather's index
+            Item("router.topk_weights", n * k * L),  # the in-place division's copy of them
+            Item("router.denominator", n * L),
         ]
     else:
         items += [Item("router.probs", n * E * 4), Item("router.topk_indices", n * k * 8)]
@@ -241,7 +282,7 @@ def _moe(spec: ModelSpec, w: Workload, n: int) -> list[Item]:
         Item("experts.act_out", nk * f * E_A),
         Item("experts.down_input", nk * f * E_A),
         Item("experts.down_out", nk * h * E_A),
-        Item("experts.routing_weights", nk * 4),
+        Item("experts.routing_weights", nk * act.routing_weight_bytes(spec, w)),
         Item("experts.indices", 3 * nk * 8),
     ]
     if spec.n_shared_experts:
@@ -290,8 +331,15 @@ def _linear_weights(spec: ModelSpec, t: int, dense: bool) -> int:
     attention, and the dense MLP, or the router and shared experts (grouped experts are not
     autocast)."""
     h, d, a, g = spec.hidden, spec.dhead, spec.n_heads, spec.kv_heads
-    qd, kvd = a * d // t, 2 * g * d // min(t, g)
-    out = h * (qd + kvd) + qd * h
+    if spec.is_mla:
+        qk, kvr, rope = spec.qk_nope_dim + spec.qk_rope_dim, spec.kv_lora_rank, spec.qk_rope_dim
+        qr = spec.q_lora_rank
+        q = h * qr + qr * a * qk // t if qr else h * a * qk // t
+        kv = h * (kvr + rope) + kvr * a * (spec.qk_nope_dim + spec.v_head_dim) // t
+        out = q + kv + a * spec.v_head_dim * h // t
+    else:
+        qd, kvd = a * d // t, 2 * g * d // min(t, g)
+        out = h * (qd + kvd) + qd * h
     if not spec.is_moe or dense:
         return out + 3 * h * spec.dense_layer_ffn // t
     return out + h * spec.n_experts + 3 * h * spec.shared_ffn // t + (h if spec.shared_gate else 0)

@@ -7,7 +7,9 @@ The peak is the largest of three moments of a training step (HF "Visualize and u
 memory" and the Megatron golden values agree on this shape):
 
 1. start of backward: every activation of the in-flight micro-batches, the logits and the loss's
-   backward transients, plus any gradient buffers that persist across steps;
+   backward transients, plus any gradient buffers that persist across steps; or, when wider,
+   the last layer's widest backward moment, by which the head's saved tensors are released
+   (``A_GONE``) and the head's and that layer's weight gradients exist (``G_START``);
 2. end of backward, inside the stage's first layer (the last one backward reaches): every
    gradient but that layer's (and an untied embedding's) unless gradients persist, the weight
    grads the layer has produced by its widest moment, its live (or recomputed) activations and
@@ -38,7 +40,10 @@ A_LAYER, N_LAYERS, INFLIGHT, A_FIRST, A_LAST = 11, 12, 13, 14, 15
 T_BWD0, T_LAYER, T_STEP, GATHER, CASTS = 16, 17, 18, 19, 20
 G_PERSIST, CONTEXT, NCCL, FRAG, OFFLOAD, COMM = 21, 22, 23, 24, 25, 26
 P_PEND, P_PEND_EXP, G_WALK, A_END, W_BUFFERS, HELD, IDS = 27, 28, 29, 30, 31, 32, 33
-N_TERMS = 34
+# the start moment inside the last layer's backward: the head's saved tensors already released
+# (A_GONE) and the weight grads produced by then (G_START), so that T_BWD0 is only temporaries
+A_GONE, G_START = 34, 35
+N_TERMS = 36
 # positions in assemble()'s result
 OUT_COMM, OUT_TEMP, OUT_OVERHEAD, OUT_TOTAL, OUT_PHASE = 4, 5, 6, 7, 8
 N_OUT = 9
@@ -69,7 +74,11 @@ def assemble(x):
     acts = x[INFLIGHT] * (x[N_LAYERS] * x[A_LAYER] + x[A_FIRST]) + x[A_LAST] + x[CASTS]
     g_keep = grads if x[G_PERSIST] > 0 else 0.0
     base = weights + optim + x[COMM]
-    start = base + g_keep + acts + x[T_BWD0] + x[GATHER]
+    # weight grads made inside the last layer: new tensors, unless gradients persist (they
+    # accumulate into the existing ones; the walk's share is then counted as temporary)
+    g_new = 0.0 if x[G_PERSIST] > 0 else x[G_START]
+    t_start = x[T_BWD0] + x[G_START] - g_new
+    start = base + g_keep + g_new + acts - x[A_GONE] + t_start + x[GATHER]
     pend = x[P_PEND] * x[G_BYTES] / ng + x[P_PEND_EXP] * x[G_BYTES] / nge
     g_end = grads - pend + x[G_WALK]
     end = base + g_end + x[A_FIRST] + x[A_END] + x[HELD] + x[T_LAYER] + x[GATHER]
@@ -83,7 +92,7 @@ def assemble(x):
         phase = 2
         best = step
     if phase == 0:
-        g, a, c, t = g_keep, acts, x[GATHER] + x[COMM], x[T_BWD0]
+        g, a, c, t = g_keep + g_new, acts - x[A_GONE], x[GATHER] + x[COMM], t_start
     elif phase == 1:
         g, a, c, t = g_end, x[A_FIRST] + x[A_END] + x[HELD], x[GATHER] + x[COMM], x[T_LAYER]
     else:

@@ -223,7 +223,8 @@ class PresetTerms:
             x[peak.INFLIGHT] = inflight(layout, grad_accum, i)
             x[peak.A_FIRST] = first if is_first else 0.0
             x[peak.A_LAST] = last if is_last else 0.0
-            t_start = a_last_layer[4]
+            # the last layer's widest moment: its temporaries, and the weight grads it made
+            t_start, g_start, gone = a_last_layer[4] - a_last_layer[3], a_last_layer[3], 0.0
             grad_in = (
                 ce0
                 if is_last
@@ -233,8 +234,12 @@ class PresetTerms:
                 # by the last layer's widest moment the loss and head have run: their saved
                 # tensors are gone (the held logits stay), the head's weight grad exists
                 head = (pg.embed_tp if spec.tied_embeddings else pg.head_tp) / t + pg.head_rep
-                t_start += head * tr.grad_bytes - (last - held)
-            x[peak.T_BWD0] = max(grad_in, t_start)
+                g_start += head * tr.grad_bytes
+                gone = last - held
+            if t_start + g_start - gone > grad_in:
+                x[peak.T_BWD0], x[peak.G_START], x[peak.A_GONE] = t_start, g_start, gone
+            else:
+                x[peak.T_BWD0] = grad_in
             x[peak.T_LAYER] = a_first_layer[1]
             x[peak.A_END] = a_first_layer[2]
             x[peak.HELD] = held if is_last else 0.0

@@ -65,6 +65,11 @@ class ModelSpec:
     family: str = ""
     norms_per_layer: int = 2  # Gemma2/3: pre- and post-norms around attention and MLP
     qk_norm: bool = False  # Qwen3 / Gemma3: RMSNorm of q and k per head
+    # Gemma2: transformers runs eager attention (SDPA cannot soft-cap), the scores soft-capped
+    # (tanh) and the logits too
+    eager_attention: bool = False
+    attn_softcap: bool = False
+    logit_softcap: bool = False
     mlp_act: str = ""  # "" (the arch's: gelu / swiglu), "geglu" (Gemma: gelu_tanh(gate) * up)
     pdrop: float = 0.0  # GPT-2's resid/embd/attn dropout from config.json
     # vision
@@ -771,6 +776,10 @@ def from_hf_config(config: dict[str, Any], name: str = "config.json") -> ModelSp
         family=mtype,
         norms_per_layer=4 if mtype in ("gemma2", "gemma3_text") else 2,
         qk_norm=mtype in ("qwen3", "qwen3_moe", "gemma3_text"),
+        eager_attention=mtype == "gemma2",
+        attn_softcap=mtype == "gemma2" and config.get("attn_logit_softcapping", 50.0) is not None,
+        logit_softcap=config.get("final_logit_softcapping", 30.0 if mtype == "gemma2" else None)
+        is not None,
         mlp_act="geglu" if gemma else "",
         **moe,
         **mla,

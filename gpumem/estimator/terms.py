@@ -154,6 +154,8 @@ def steady_states(x) -> dict[str, int]:
         peak.A_FIRST,
         peak.A_LAST,
         peak.T_BWD0,
+        peak.A_GONE,
+        peak.G_START,
         peak.T_LAYER,
         peak.T_STEP,
         peak.A_END,

@@ -304,7 +304,9 @@ def compare_hf(case: HFCase, device: str = "cpu") -> Comparison:
     cfg = dict(case.config)
     mtype = cfg.pop("model_type")
     config = transformers.AutoConfig.for_model(mtype, **cfg)
-    config._attn_implementation = "sdpa"
+    # SDPA where transformers offers it (Gemma2 refuses it: eager, soft-capped attention)
+    arch = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    config._attn_implementation = "sdpa" if getattr(arch, "_supports_sdpa", True) else "eager"
     kwargs = {"experts_implementation": "grouped_mm"} if _is_moe_config(mtype) else {}
     dtype = torch.bfloat16 if case.precision == "bf16" else torch.float32
     use_fake = device == "cpu" and case.reference == "fake"

@@ -26,15 +26,12 @@ from gpumem.estimator.validate import (
     within_tolerance,
 )
 
-GAPS = {
-    ("gemma2", "fp32", False): "transformers refuses SDPA for Gemma2; eager attention not modelled",
-    ("qwen2-moe", "fp32", True): "recompute's widest moment with a shared expert's pending "
-    "gradient beside the grouped experts' scatter is not modelled (temporary -9.6 %)",
-}
+GAPS: dict[tuple[str, str, bool], str] = {}
 CASES = [(name, "fp32", False) for name in HF_SWEEP]
 CASES += [("llama", p, rc) for p in ("fp32", "bf16-autocast", "bf16") for rc in (False, True)]
 CASES += [(n, "bf16-autocast", False) for n in ("gemma3", "mixtral")]
-CASES += [(n, "bf16", False) for n in ("gemma", "qwen2-moe")]
+CASES += [(n, "bf16", False) for n in ("gemma", "qwen2-moe", "gemma2")]
+CASES += [("deepseek-v3", "bf16-autocast", False)]
 CASES += [(n, "fp32", True) for n in ("phi3", "mixtral", "gpt2", "gemma", "qwen2-moe")]
 CASES = list(dict.fromkeys(CASES))
 
