@@ -111,6 +111,8 @@ def mlp_moment(spec: ModelSpec, s: Shape, ffn: int) -> Moment:
     wk = _Walk(s.tokens_sp * h * s.residual)
     copy = n * h * A if s.autocast and s.residual != A else 0
     wk.alloc(t=copy)
+    if spec.is_hf and spec.norms_per_layer == 4:  # Gemma2/3: the post-feedforward norm first
+        copy = _gemma_norm_backward(wk, s.tokens_sp, h, A, s.grad_bytes, copy)
     cast = s.autocast
     in_cast = n * h * A if s.autocast else 0  # the per-Linear 16-bit copy of the norm output
     if spec.is_moe and not s.dense:
@@ -130,6 +132,38 @@ def mlp_moment(spec: ModelSpec, s: Shape, ffn: int) -> Moment:
             wk.free(t=n * f * A, a=n * f * A)
         wk.linear(n, h, f, True, A, s.grad_bytes, cast, saved=in_cast, consumed=n * f * A)
     return wk.best
+
+
+def _gemma_norm_backward(
+    wk: _Walk, rows: int, width: int, x_bytes: int, grad_bytes: int, incoming: int
+) -> int:
+    """transformers' Gemma RMSNorm, ``(xf * rsqrt(mean(xf²) + eps) * (1 + w.float()))
+    .type_as(x)`` with ``xf = x.float()``, run backward from its output's gradient
+    (``incoming`` bytes in flight, 0 when it is the layer's own, kept for the residual path):
+    every intermediate is fp32 (``X`` bytes), and pow's backward makes three of them at once
+    while the product's and the mean's gradients wait (five in flight). Returns the bytes of
+    the input gradient it hands on (consumed by the next node)."""
+    X, w4 = rows * width * 4, width * 4
+    g_in = incoming
+    if x_bytes != 4:  # ``type_as``'s backward: the gradient cast to fp32
+        wk.alloc(t=X)
+        wk.free(t=incoming)
+        g_in = X
+    wk.alloc(t=2 * X + w4)  # ·(1 + w): both factors' gradients, the weight's summed
+    wk.free(t=X + w4 + g_in, a=X + w4)  # the summed product, the incoming; xn and 1 + w
+    wk.alloc(g=width * grad_bytes)  # the weight gradient (cast back by ``float()``'s backward)
+    wk.alloc(t=2 * X)  # xf · rstd: both factors' gradients, rstd's summed to rows
+    wk.free(t=2 * X, a=rows * 4)  # that product, the gradient of xn; rstd (after rsqrt's)
+    wk.alloc(t=X)  # mean's backward: the expanded gradient / width
+    wk.alloc(t=3 * X)  # pow's backward: x, 2·x, their product with the gradient
+    wk.free(t=3 * X, a=X)  # x, 2·x, the mean's gradient; xf (saved by pow and the product)
+    wk.alloc(t=X)  # both gradients of xf summed
+    wk.free(t=2 * X)
+    if x_bytes != 4:  # ``float()``'s backward: cast to the input's dtype
+        wk.alloc(t=rows * width * x_bytes)
+        wk.free(t=X)
+        return rows * width * x_bytes
+    return X
 
 
 def _gelu_new(wk: _Walk, x: int) -> None:
