@@ -220,6 +220,8 @@ class PresetTerms:
             stage_acts = n_dense * acts["dense"][0] + n_moe * acts["moe"][0]
             x[peak.A_LAYER], x[peak.N_LAYERS] = (stage_acts / n_l if n_l else 0.0), n_l
             x[peak.W_BUFFERS] = spec.buffer_bytes * n_l / max(spec.n_layers, 1)
+            # parameters kept in fp32 in a 16-bit model: their extra bytes, as weights
+            x[peak.W_BUFFERS] += n_moe * spec.fp32_moe_params * max(0, 4 - tr.weight_bytes)
             x[peak.INFLIGHT] = inflight(layout, grad_accum, i)
             x[peak.A_FIRST] = first if is_first else 0.0
             x[peak.A_LAST] = last if is_last else 0.0

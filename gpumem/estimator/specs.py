@@ -80,6 +80,9 @@ class ModelSpec:
     blocks: tuple[int, ...] = ()  # resnet bottleneck blocks per stage, e.g. (3, 4, 6, 3)
     width: int = 64  # resnet stem width
     buffer_bytes: int = 0  # non-parameter buffers of the whole model (RoPE caches), as weights
+    # parameters of each MoE layer that stay fp32 whatever the model's dtype (transformers'
+    # ``_keep_in_fp32_modules_strict``: DeepSeek-V2/V3's router weight)
+    fp32_moe_params: int = 0
     source: str = ""  # where the numbers come from (preset citation or config path)
     published_params: int | None = field(default=None, compare=False)
 
@@ -734,6 +737,8 @@ def from_hf_config(config: dict[str, Any], name: str = "config.json") -> ModelSp
             n_shared = opt("n_shared_experts")
             moe["n_shared_experts"] = n_shared
             moe["shared_ffn"] = n_shared * need("moe_intermediate_size")
+            # the router's weight stays fp32 (``_keep_in_fp32_modules_strict``)
+            moe["fp32_moe_params"] = moe["n_experts"] * need("hidden_size")
         elif mtype == "qwen2_moe":
             shared = opt("shared_expert_intermediate_size")
             moe["n_shared_experts"] = 1 if shared else 0
