@@ -91,12 +91,13 @@ fake `position_ids` made transformers build an explicit mask that SDPA copied to
 layer (8 KiB + 32 KiB per layer here), which last session's table blamed on SDPA's CPU backward.
 
 Gemma2 runs transformers' eager attention (it refuses SDPA: no soft-capping), every other
-family SDPA. Not modelled yet (the rows marked NO): the widest moment under recompute of
-Gemma2's and Gemma3's four norms in 16 bits (inside the post-FFN norm's backward; temporary
--7 to -10 %), and DeepSeek-V3 under autocast with recompute, whose peak is inside the first
-layer's recomputed forward (MLA's math-path attention casting q, k, v and the scores between
-16 and 32 bits); its total is within 0.1 %, but the estimate places the peak at the start of
-backward, so gradients and temporaries trade places.
+family SDPA. Gemma2's and Gemma3's post-feedforward norm is replayed in backward before the
+MLP (fp32 intermediates; pow's backward makes three at once while two wait: the widest moment
+of their 16-bit recompute rows); DeepSeek-V2/V3 keep the router weight in fp32 in a 16-bit
+model. Not modelled yet (the row marked NO): DeepSeek-V3 under autocast with recompute, whose
+peak is inside the first layer's recomputed forward (MLA's math-path attention casting q, k, v
+and the scores between 16 and 32 bits); its total is within 0.1 %, but the estimate places the
+peak at the start of backward, so gradients and temporaries trade places.
 """
     figures = [
         value_figure("configurations within the bound", "count", ok, better="higher"),
