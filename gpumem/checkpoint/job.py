@@ -62,6 +62,8 @@ class SaveStats:
         d2h_s: of that, the time from enqueuing the first device-to-host copy until the copies
             and the device CRCs completed (0 without CUDA tensors); ``nbytes / d2h_s`` is the
             snapshot's D2H throughput.
+        copy_device_s, crc_device_s: on the device (CUDA events), from the point the snapshot's
+            streams started until the copies, and the CRCs, completed (they run side by side).
         durable_s: from save() entry until the checkpoint was committed.
         set_aside: checkpoints of an abandoned branch this save moved to ``abandoned/`` (it
             saved a step lower than committed ones; see ``persist.set_aside_newer``).
@@ -78,6 +80,8 @@ class SaveStats:
     hook_wait_s: float = 0.0
     staged_s: float = 0.0
     d2h_s: float = 0.0
+    copy_device_s: float = 0.0
+    crc_device_s: float = 0.0
     durable_s: float = 0.0
     set_aside: tuple[str, ...] = ()
     committed: bool = False
@@ -283,11 +287,8 @@ class SaveJob:
                 ev  # host pieces are copied by now; the device ones are ordered before ev
             )
             self.enqueued.set()
-            if (
-                ev is not None
-            ):  # no hook guards the parameters in blocking mode: the copy must be complete
-                ev.synchronize()
-                self.stats.d2h_s += time.perf_counter() - t
+            if ev is not None:  # the copies must be complete before the state counts as staged
+                self._synchronized(ev, t)
             if sync_event is not None:
                 sync_event.synchronize()
             with self._cond:
@@ -315,17 +316,22 @@ class SaveJob:
                 wait_event=wait_event,
                 views=self.views,
             )
-            if (
-                ev is not None
-            ):  # no hook guards the parameters in blocking mode: the copy must be complete
-                ev.synchronize()
-                self.stats.d2h_s += time.perf_counter() - t
+            if ev is not None:  # the copies must be complete before the state counts as staged
+                self._synchronized(ev, t)
             if b == 0 and sync_event is not None:
                 sync_event.synchronize()
             with self._cond:
                 self._ready = b + 1
                 self._cond.notify_all()
         self._mark_staged()
+
+    def _synchronized(self, ev: Any, t: float) -> None:
+        """Wait for a device snapshot enqueued at ``t`` and account its time."""
+        ev.synchronize()
+        self.stats.d2h_s += time.perf_counter() - t
+        copy_s, crc_s = ev.device_times()
+        self.stats.copy_device_s += copy_s
+        self.stats.crc_device_s += crc_s
 
     def _zero_all_gaps(self) -> None:
         """Zero every batch's alignment gaps unless they are known to be zero already."""
@@ -365,7 +371,7 @@ class SaveJob:
         stream = torch.cuda.current_stream()
         if self._sync_event is not None:  # buffers copied by save() itself, on its stream
             stream.wait_event(self._sync_event)
-        stream.wait_event(ev)
+        ev.wait(stream)  # the copies and the device CRCs: both read the parameters
         return True
 
     # ------------------------------------------------------------------ persist thread

@@ -1,22 +1,27 @@
 """The CUDA branches of the snapshot, exercised on the CPU with recording fakes of torch.cuda.
 
-The fakes stand in for streams and events only and log what the code asks of them; the bytes
-really move (CPU tensors into a real HostArena) and the CRCs are the native ones, so these tests
-check the ordering the GPU relies on: the side stream waits on the compute stream's event before
-it reads, the completion event is recorded on the stream that ran the copies, after them, and the
-job synchronizes it before the state counts as staged (what releases the optimizer hook).
+The fakes stand in for streams and events and for the native enqueue (a memmove per row, logged;
+the native call itself is tested against a fake libcudart in tests/test_arena_cuda_cpu.py); the
+bytes really move (CPU tensors into a real HostArena) and the device CRCs are the real Triton
+kernel under the interpreter, so these tests check the ordering the GPU relies on: the side
+stream waits on the compute stream's event before it reads, all copies of a save are one
+enqueue and never wait for the CRCs, the completion covers both, and the job synchronizes it
+before the state counts as staged (what releases the optimizer hook).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 
 import pytest
 import torch
 
 import gpumem
+import gpumem.checkpoint.device_copy as dev
 import gpumem.checkpoint.snapshot as snap
+import gpumem.kernels.crc32c as K
 from gpumem.arena import HostArena
 from gpumem.checkpoint.codec import TensorTable
 from gpumem.checkpoint.job import SaveJob, Worker
@@ -32,6 +37,7 @@ class FakeStream:
 
     def __init__(self, name: str, log: list):
         self.name, self.log = name, log
+        self.cuda_stream = sum(map(ord, name))  # the cudaStream_t the native enqueue is handed
 
     def wait_event(self, event: FakeEvent) -> None:
         self.log.append(("wait_event", self.name, event.name))
@@ -53,6 +59,9 @@ class FakeEvent:
 
     def synchronize(self) -> None:
         self.cuda.log.append(("synchronize", self.name, self.cuda.staged_probe()))
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        return 2.0 if other.stream == "crc" else 1.0  # ms: copies 1 ms, CRCs 2 ms after start
 
 
 class FakeCuda:
@@ -103,6 +112,9 @@ class FakeCudaTensor:
     def record_stream(self, s: FakeStream) -> None:
         self.cuda.log.append(("record_stream", self.name, s.name))
 
+    def data_ptr(self) -> int:
+        return self.real.data_ptr()
+
     def numel(self) -> int:
         return self.real.numel()
 
@@ -117,36 +129,54 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", cuda.stream)
     monkeypatch.setattr(torch.cuda, "current_stream", cuda.current_stream)
     monkeypatch.setattr(torch.cuda, "Event", cuda.event)
-    real_as_bytes, real_crc = snap.as_bytes, snap.chunk_crc32c
+    real_as_bytes, real_crc = dev.as_bytes, dev.chunk_crc32c
     monkeypatch.setattr(
-        snap, "as_bytes", lambda t: real_as_bytes(t.real if isinstance(t, FakeCudaTensor) else t)
+        dev, "as_bytes", lambda t: real_as_bytes(t.real if isinstance(t, FakeCudaTensor) else t)
     )
 
     def crc(data, chunk):
         log.append(("crc", data.numel(), cuda.current.name))
         return real_crc(data, chunk)
 
-    monkeypatch.setattr(snap, "chunk_crc32c", crc)
+    monkeypatch.setattr(dev, "chunk_crc32c", crc)
     crc_stream = FakeStream("crc", log)
-    monkeypatch.setattr(snap, "_crc_stream", lambda beside: crc_stream)
+    monkeypatch.setattr(dev, "_crc_stream", lambda beside: crc_stream)
+    real_launch = K.launch_many
 
-    def device_crcs(sources, chunk):  # the batched device CRCs: logged, computed natively
-        log.append(("device_crcs", [s.numel() for s in sources], cuda.current.name))
-        return [real_crc(s, chunk) for s in sources]
+    def launch_many(plan, bases, out):  # the real kernel (interpreted), logged
+        log.append(("launch_many", len(plan.launches), cuda.current.name))
+        real_launch(plan, bases, out)
 
-    monkeypatch.setattr(snap, "device_crcs", device_crcs)
+    monkeypatch.setattr(K, "launch_many", launch_many)
     return cuda
 
 
-def _logging_arena(arena: HostArena, cuda: FakeCuda) -> HostArena:
+def _logging_arena(arena: HostArena, cuda: FakeCuda, fail: str | None = None) -> HostArena:
+    """The arena with its device copies logged; ``enqueue_d2h`` memmoves each row (a "device"
+    address is a host one here) after checking it was handed the current stream, or raises
+    ``fail`` as the native call would."""
     real = arena.copy_from_device
 
     def copy_from_device(src, offset):
         cuda.log.append(("copy", offset, src.numel(), cuda.current.name))
         real(src, offset)
 
+    def enqueue_d2h(copies, stream):
+        assert stream == cuda.current.cuda_stream and copies.dtype.name == "uint64"
+        cuda.log.append(("enqueue", [(int(o), int(n)) for _, n, o in copies], cuda.current.name))
+        if fail is not None:
+            raise RuntimeError(fail)
+        for src, n, off in copies.tolist():
+            ctypes.memmove(arena.data_ptr + off, src, n)
+        return len(copies)
+
     arena.copy_from_device = copy_from_device
+    arena.enqueue_d2h = enqueue_d2h
     return arena
+
+
+def _values(crc: torch.Tensor) -> list[int]:
+    return (crc.to(torch.int64) & 0xFFFFFFFF).tolist()
 
 
 def _state(cuda: FakeCuda):
@@ -172,7 +202,7 @@ def _check_bytes(arena: HostArena, tensors, pieces: list[Piece]) -> None:
         want = real.contiguous().reshape(-1).view(torch.uint8)
         assert torch.equal(arena.view(p.offset, p.nbytes), want), p
         if isinstance(t, FakeCudaTensor):  # device CRC of what was copied, per chunk
-            assert p.crc.tolist() == chunk_crc32c(want, CHUNK).tolist()
+            assert _values(p.crc) == chunk_crc32c(want, CHUNK).tolist()
         else:  # host tensors are checksummed later, from the staged bytes
             assert p.crc is None
 
@@ -194,30 +224,29 @@ def test_side_stream_waits_copies_and_records_its_event_after_the_copies(fake_cu
             stream=side,
             wait_event=save_event,
         )
+        done.synchronize()
         _check_bytes(arena, tensors, plan.pieces)
     assert cuda.current is cuda.compute  # the side stream is current only inside copy_pieces
-    assert done.stream == "side"
-    start, hashed = (e[1] for e in cuda.log if e[0] == "record" and e[1] != done.name)
-    assert cuda.log == [
+    start, copied, hashed = done.start.name, done.copied.name, done.hashed.name
+    assert (done.copied.stream, done.hashed.stream) == ("side", "crc")
+    assert cuda.log[: cuda.log.index(("synchronize", copied, None))] == [
         ("wait_event", "side", save_event.name),  # before the first read of a parameter
         ("record", start, "side"),  # where the CRC stream starts: after that wait
-        ("copy", 0, 12000, "side"),  # the DMA is enqueued at once
-        (
-            "record_stream",
-            "a",
-            "side",
-        ),  # the allocator must not reuse it before the side stream ran
+        ("enqueue", [(0, 12000)], "side"),  # every contiguous piece's copy: one native call
         ("contiguous", "b", "side"),  # the gathered copy is made (and freed) on the side stream
         ("crc", 4800, "side"),  # ... and hashed there, before its copy
         ("copy", 12288, 4800, "side"),
         ("record_stream", "b", "side"),
+        ("record", copied, "side"),  # the copies never wait for the CRCs
         ("wait_event", "crc", start),  # the CRCs read the same bytes, from the same point on
-        ("device_crcs", [12000], "crc"),
-        ("record_stream", "a", "crc"),
+        ("launch_many", 1, "crc"),  # every contiguous piece's CRCs: one launch
         ("record", hashed, "crc"),
-        ("wait_event", "side", hashed),  # the returned event covers the CRCs too
-        ("record", done.name, "side"),  # after every copy, on the stream that ran them
     ]
+    assert done.device_times() == (1e-3, 2e-3)
+    compute = FakeStream("compute", cuda.log)
+    cuda.log.clear()
+    done.wait(compute)  # what the optimizer fence does: wait for both
+    assert cuda.log == [("wait_event", "compute", copied), ("wait_event", "compute", hashed)]
 
 
 def test_without_a_side_stream_everything_runs_on_the_current_stream(fake_cuda):
@@ -225,18 +254,45 @@ def test_without_a_side_stream_everything_runs_on_the_current_stream(fake_cuda):
     tensors, plan = _state(cuda)
     with HostArena(32768, pinned=False) as arena:
         done = snap.copy_pieces(_logging_arena(arena, cuda), plan, plan.pieces, tensors, CHUNK)
+        done.synchronize()
         _check_bytes(arena, tensors, plan.pieces)
-    assert done.stream == "compute"
-    assert [e for e in cuda.log if e[0] == "wait_event"] == [  # only the CRC stream's, both ways
-        ("wait_event", "crc", cuda.log[0][1]),
-        ("wait_event", "compute", cuda.log[-3][1]),
-    ]
-    assert {e[-1] for e in cuda.log if e[0] in ("crc", "copy", "record_stream", "record")} == {
-        "compute",
-        "crc",
-    }
-    assert {e[-1] for e in cuda.log if e[0] == "copy"} == {"compute"}
-    assert cuda.log[-1] == ("record", done.name, "compute")
+    assert done.copied.stream == "compute" and done.hashed.stream == "crc"
+    # only the CRC stream waits (for the start): the copies wait for nothing
+    assert [e for e in cuda.log if e[0] == "wait_event"] == [("wait_event", "crc", done.start.name)]
+    assert {e[-1] for e in cuda.log if e[0] in ("copy", "enqueue", "record_stream")} == {"compute"}
+
+
+def test_the_program_is_built_once_per_layout_and_addresses(fake_cuda, monkeypatch):
+    """A second save of the same tensors reuses the copy rows and CRC tables; tensors that moved
+    get a new program. The rows hold the device addresses of the pieces."""
+    cuda = fake_cuda
+    built = []
+    real_build = dev.build_program
+    monkeypatch.setattr(dev, "build_program", lambda *a: built.append(a[0]) or real_build(*a))
+    tensors, plan = _state(cuda)
+    with HostArena(32768, pinned=False) as arena:
+        _logging_arena(arena, cuda)
+        for _ in range(2):
+            snap.copy_pieces(arena, plan.copy(), plan.pieces, tensors, CHUNK).synchronize()
+        assert built == [[tensors[0].data_ptr()]]  # tensor a: the one contiguous CUDA piece
+        prog = next(iter(plan.programs.values()))
+        assert prog.copies.tolist() == [[tensors[0].data_ptr(), 12000, 0]]
+        assert (prog.starts, prog.counts, prog.total) == ([0], [3], 3)
+        tensors[0] = FakeCudaTensor(tensors[0].real.clone(), cuda, "a")  # moved
+        fresh = plan.copy()
+        snap.copy_pieces(arena, fresh, fresh.pieces, tensors, CHUNK).synchronize()
+        assert len(built) == 2 and built[1] == [tensors[0].data_ptr()]
+        _check_bytes(arena, tensors, fresh.pieces)
+
+
+def test_a_failed_enqueue_reaches_the_caller(fake_cuda):
+    cuda = fake_cuda
+    tensors, plan = _state(cuda)
+    with HostArena(32768, pinned=False) as arena:
+        _logging_arena(arena, cuda, fail="cudaMemcpyAsync of copy 0 (...) failed: boom")
+        with pytest.raises(RuntimeError, match=r"copy 0 .* failed: boom"):
+            snap.copy_pieces(arena, plan, plan.pieces, tensors, CHUNK)
+    assert cuda.current is cuda.compute
 
 
 def test_host_tensors_alone_need_no_event(fake_cuda):
@@ -273,7 +329,7 @@ def test_the_copy_event_is_synchronized_before_the_state_counts_as_staged(
         names=["a", "b", "c"], tensors=tensors, deferred=[True, True, False], has_cuda=True
     )
     side = FakeStream("side", cuda.log)
-    with HostArena(32768, pinned=False) as arena:
+    with _logging_arena(HostArena(32768, pinned=False), cuda) as arena:
         job = SaveJob(
             root=Dir.open(tmp_path),
             root_path=tmp_path,
@@ -307,14 +363,15 @@ def test_the_copy_event_is_synchronized_before_the_state_counts_as_staged(
             [p for p in plan.pieces if mode == "blocking" or table.deferred[p.index]],
         )
     syncs = [e for e in cuda.log if e[0] == "synchronize"]
-    records = [e for e in cuda.log if e[0] == "record"][2:]  # after the CRC stream's start and end
-    assert len(records) == 1 and records[0][2] == ("side" if mode == "overlap" else "compute")
-    # the copy event, and in overlap mode the event of the buffers copied by save(), both waited
-    # for while staged was still clear
-    want = [("synchronize", records[0][1], False)]
+    done = job.copy_event
+    assert done.copied.stream == ("side" if mode == "overlap" else "compute")
+    # the copies' and the CRCs' events, and in overlap mode the event of the buffers copied by
+    # save(), all waited for while staged was still clear
+    want = [("synchronize", done.copied.name, False), ("synchronize", done.hashed.name, False)]
     if mode == "overlap":
         want.append(("synchronize", sync_event.name, False))
     assert syncs == want
+    assert (job.stats.copy_device_s, job.stats.crc_device_s) == (1e-3, 2e-3)
 
 
 def test_gpu_test_budgets_pick_the_modes_they_claim(tmp_path):
@@ -362,7 +419,7 @@ def _overlap_job(tmp_path, cuda: FakeCuda, tensors, plan, deferred):
         deferred=deferred,
         has_cuda=True,
     )
-    arena = HostArena(32768, pinned=False)
+    arena = _logging_arena(HostArena(32768, pinned=False), cuda)
     job = SaveJob(
         root=Dir.open(tmp_path),
         root_path=tmp_path,
@@ -412,7 +469,8 @@ def test_the_optimizer_hook_fences_its_stream_instead_of_waiting(
     if current == 0:  # on the caller's (compute) stream: after the buffers' event and the copy's
         assert cuda.log == [
             ("wait_event", "compute", job._sync_event.name),
-            ("wait_event", "compute", job.copy_event.name),
+            ("wait_event", "compute", job.copy_event.copied.name),
+            ("wait_event", "compute", job.copy_event.hashed.name),
         ]
     else:
         assert cuda.log == []
