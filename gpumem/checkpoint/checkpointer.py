@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ._dist import Group
+from .coalesce import Coalescer
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -116,6 +117,17 @@ class Checkpointer:
             rank with CheckpointStateError); values are taken from the owner, not compared. Any
             Checkpointer restores such a checkpoint, on any world size with ``elastic=True``.
             Not for sharded state (FSDP, ZeRO, tensor parallel).
+        coalesce: for a checkpoint every step: save() never waits for the writer. Each save
+            snapshots into host memory (two staging slots: twice the host memory); while an
+            older step is being written, a newer snapshot replaces the one waiting to be written
+            instead of making save() wait (``SaveStats.superseded_by`` / ``supersedes`` say
+            which steps were written and which were not). ``wait()``, ``close()`` and a
+            PreemptionGuard persist the last snapshot. A state that streams (larger than half
+            the staging budget) falls back to waiting. Single process only (see coalesce.py).
+        device_spill_bytes: with CUDA state in overlap mode, at most this many bytes of device
+            memory (a fixed cap, allocated once) that the optimizer fence copies the parameters
+            not yet copied to host into (device to device), so the step waits for an HBM copy
+            instead of the D2H copy; drained to host memory afterwards. 0 (default): off.
 
     Example:
         >>> ckpt = gpumem.Checkpointer("ckpts", keep=3)                       # doctest: +SKIP
@@ -141,6 +153,8 @@ class Checkpointer:
         lock_timeout_s: float = 120.0,
         replicated: bool = False,
         read_only: bool = False,
+        coalesce: bool = False,
+        device_spill_bytes: int = 0,
     ):
         if keep is not None and not _is_int(keep, 1):
             raise CheckpointStateError(
@@ -177,6 +191,7 @@ class Checkpointer:
             ("direct_io", direct_io),
             ("replicated", replicated),
             ("read_only", read_only),
+            ("coalesce", coalesce),
         ):
             if not isinstance(value, bool):
                 raise CheckpointStateError(f"{name}={value!r} must be True or False")
@@ -190,7 +205,18 @@ class Checkpointer:
         self.chunk_bytes, self.alignment, self.direct_io = chunk_bytes, alignment, direct_io
         self.segment_bytes = segment_bytes
         self.replicated = replicated
+        if not _is_int(device_spill_bytes, 0):
+            raise CheckpointStateError(
+                f"device_spill_bytes={device_spill_bytes!r} must be an int >= 0 (0: no spill)"
+            )
+        self.device_spill_bytes = device_spill_bytes
         self._group = Group()
+        if coalesce and self._group.world_size > 1:
+            raise CheckpointStateError(
+                f"coalesce=True is single-process only (this job has {self._group.world_size} "
+                "ranks, which would have to agree on which saves to skip); use coalesce=False"
+            )
+        self._coalescer: Coalescer | None = Coalescer() if coalesce else None
         self._arena: Any = None
         self._prep: _Prepare | None = None  # a staging allocation started by prepare()
         self.staging_locked: bool | None = (
@@ -312,7 +338,10 @@ class Checkpointer:
         with self._lock:
             self._check_open()
             self._check_writable()
-            self.wait()
+            if self._coalescer is None:
+                self.wait()
+            else:  # no back-pressure: only earlier failures are raised here
+                self._raise_job_error()
             kwargs = {
                 "model": model,
                 "optimizer": optimizer,
@@ -332,6 +361,8 @@ class Checkpointer:
                 self.chunk_bytes,
                 self.segment_bytes,
             )
+            if plan.streaming and self._coalescer is not None:
+                self.wait()  # one slot streams through the whole budget: no second one
             if plan.streaming:
                 mode = "streaming"
             elif self.overlap and not blocking and optimizer is not None:
@@ -340,7 +371,13 @@ class Checkpointer:
                 mode = "blocking"
             if mode == "overlap":
                 self._hook(optimizer)
-            arena = self._ensure_arena(plan.arena_bytes)
+            slot, victim = (0, None) if self._coalescer is None else self._coalescer.choose()
+            try:
+                arena = self._staging_slot(slot, victim, plan.arena_bytes)
+            except BaseException:
+                if victim is not None:  # it was not superseded after all
+                    victim.stats.superseded_by = None
+                raise
             zeroed = self._zero_gaps == (arena, plan.layout_id)  # HostArena compares by identity
             self._zero_gaps = None  # until this job has zeroed (or kept) the gaps of its layout
             self._views = HostViews(self._views)
@@ -366,6 +403,9 @@ class Checkpointer:
                 views=self._views,
                 replication=replication,
             )
+            if self._coalescer is not None:
+                job.coalescer = self._coalescer
+                self._coalescer.add(job, slot, victim)
             self._job = job
             self._last_save = (step, kwargs)
             self.history.append(job.stats)
@@ -524,6 +564,16 @@ class Checkpointer:
             self.staging_locked = True if self._arena.pinned else self._arena.lock()
         return self._arena
 
+    def _staging_slot(self, slot: int, victim: Any, nbytes: int) -> Any:
+        """The arena of staging slot ``slot`` (1: coalesce's spare), once ``victim``, the save
+        it supersedes, has finished copying into it."""
+        if victim is not None:
+            victim.staged.wait()
+        if slot == 0:
+            return self._ensure_arena(nbytes)
+        assert self._coalescer is not None
+        return self._coalescer.spare(nbytes)
+
     def _stream_for(self, has_cuda: bool) -> Any:
         if self._side_stream is None and has_cuda:
             import torch
@@ -570,6 +620,8 @@ class Checkpointer:
         if job is None:
             return
         err = job.take_error()
+        if err is None and self._coalescer is not None:
+            err = self._coalescer.take_error(job)
         if err is not None:
             raise err
 
@@ -594,6 +646,8 @@ class Checkpointer:
             if self._arena is not None:
                 self._arena.close()
                 self._arena = None
+            if self._coalescer is not None:
+                self._coalescer.close()
             if self._dir_lock is not None:
                 self._dir_lock.release()
             if self._root is not None:

@@ -71,6 +71,9 @@ class SaveStats:
             restore() finds it, whatever happens to ``latest`` afterwards.
         latest_error: why the ``latest`` pointer was not moved to this step although it was
             committed (empty: it was, or the save did not get that far).
+        superseded_by: with ``coalesce=True``, the step whose snapshot replaced this one before
+            it was written (None: not superseded; such a save is never committed).
+        supersedes: with ``coalesce=True``, the step this save replaced (None: none).
     """
 
     step: int
@@ -86,6 +89,8 @@ class SaveStats:
     set_aside: tuple[str, ...] = ()
     committed: bool = False
     latest_error: str = ""
+    superseded_by: int | None = None
+    supersedes: int | None = None
 
     @property
     def stall_s(self) -> float:
@@ -95,6 +100,8 @@ class SaveStats:
     def status(self) -> str:
         """ "committed", "committed; latest not updated (why)", or "not committed" (yet, or
         because the save failed: wait() says which)."""
+        if self.superseded_by is not None:
+            return f"superseded by step {self.superseded_by} (not written)"
         if not self.committed:
             return "not committed"
         if self.latest_error:
@@ -223,6 +230,9 @@ class SaveJob:
         self._copied: threading.Event | None = None  # set by the overlap copier when it is finished
         self._sync_event: Any = None
         self._save_event: Any = None
+        # coalesce=True: the Coalescer; its claim() says, when the persist thread gets to this
+        # save, whether to write it (False: a newer save superseded it)
+        self.coalescer: Any = None
         self.staged = threading.Event()
         self.done = threading.Event()
 
@@ -378,10 +388,13 @@ class SaveJob:
 
     def _persist_main(self) -> None:
         try:
-            self._persist()
+            if self.coalescer is None or self.coalescer.claim(self):
+                self._persist()
         except BaseException as exc:
             self._fail(exc)
         finally:
+            if self.coalescer is not None:
+                self.coalescer.release(self)
             if self._copied is not None:
                 self._copied.wait()
             # Drop the references to the caller's tensors as soon as they are no longer needed,
