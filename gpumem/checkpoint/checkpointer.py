@@ -124,10 +124,10 @@ class Checkpointer:
             which steps were written and which were not). ``wait()``, ``close()`` and a
             PreemptionGuard persist the last snapshot. A state that streams (larger than half
             the staging budget) falls back to waiting. Single process only (see coalesce.py).
-        device_spill_bytes: with CUDA state in overlap mode, at most this many bytes of device
-            memory (a fixed cap, allocated once) that the optimizer fence copies the parameters
-            not yet copied to host into (device to device), so the step waits for an HBM copy
-            instead of the D2H copy; drained to host memory afterwards. 0 (default): off.
+        device_spill_bytes: reserved for the bounded device-side spill of issue #11 (at the
+            optimizer fence, the parameters not yet copied to host go device to device into a
+            buffer of this fixed size and drain to host afterwards). Its accounting is in
+            ``spill.py``; the fence does not use it yet, so only 0 (off) is accepted.
 
     Example:
         >>> ckpt = gpumem.Checkpointer("ckpts", keep=3)                       # doctest: +SKIP
@@ -208,6 +208,11 @@ class Checkpointer:
         if not _is_int(device_spill_bytes, 0):
             raise CheckpointStateError(
                 f"device_spill_bytes={device_spill_bytes!r} must be an int >= 0 (0: no spill)"
+            )
+        if device_spill_bytes:
+            raise CheckpointStateError(
+                f"device_spill_bytes={device_spill_bytes}: the device-side spill is not "
+                "implemented yet (issue #11); pass 0"
             )
         self.device_spill_bytes = device_spill_bytes
         self._group = Group()

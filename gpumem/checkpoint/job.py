@@ -15,6 +15,7 @@ Checkpointer.wait()/save()/close().
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -57,7 +58,13 @@ class SaveStats:
         nbytes: tensor bytes this rank staged (with replicated=True, its share).
         mode: "overlap", "blocking" or "streaming".
         save_s: time save() blocked the caller (including back-pressure from the previous save).
-        hook_wait_s: time optimizer.step() waited for the background copy (overlap mode).
+        hook_wait_s: time optimizer.step() waited for the background copy (overlap mode), on the
+            host: with CUDA state only until the copy was enqueued (the fence then makes the
+            optimizer's stream wait instead).
+        fence_s: how long the optimizer's CUDA stream stood still at that fence (CUDA events;
+            0 without a fence, or when the copy had completed before the stream got there).
+        spill_bytes: bytes the fence copied into the device spill buffer (0: no spill; the
+            spill is not implemented yet, see checkpoint/spill.py).
         staged_s: from save() entry until every tensor was in host memory.
         d2h_s: of that, the time from enqueuing the first device-to-host copy until the copies
             and the device CRCs completed (0 without CUDA tensors); ``nbytes / d2h_s`` is the
@@ -83,6 +90,8 @@ class SaveStats:
     hook_wait_s: float = 0.0
     staged_s: float = 0.0
     d2h_s: float = 0.0
+    fence_s: float = 0.0
+    spill_bytes: int = 0
     copy_device_s: float = 0.0
     crc_device_s: float = 0.0
     durable_s: float = 0.0
@@ -233,6 +242,7 @@ class SaveJob:
         # coalesce=True: the Coalescer; its claim() says, when the persist thread gets to this
         # save, whether to write it (False: a newer save superseded it)
         self.coalescer: Any = None
+        self._fence_events: tuple[Any, Any] | None = None  # (before, after) the fence's waits
         self.staged = threading.Event()
         self.done = threading.Event()
 
@@ -379,10 +389,23 @@ class SaveJob:
         if ev is None or self.error is not None or torch.cuda.current_device() != self.fence_device:
             return False
         stream = torch.cuda.current_stream()
+        before = torch.cuda.Event(enable_timing=True)
+        before.record()
         if self._sync_event is not None:  # buffers copied by save() itself, on its stream
             stream.wait_event(self._sync_event)
         ev.wait(stream)  # the copies and the device CRCs: both read the parameters
+        after = torch.cuda.Event(enable_timing=True)
+        after.record()
+        self._fence_events = (before, after)
         return True
+
+    def _account_fence(self) -> None:
+        """``stats.fence_s``: how long the fenced stream stood still at the fence (CUDA events
+        around its waits), once the stream has passed it."""
+        fence, self._fence_events = self._fence_events, None
+        if fence is not None:
+            fence[1].synchronize()
+            self.stats.fence_s += fence[0].elapsed_time(fence[1]) / 1e3
 
     # ------------------------------------------------------------------ persist thread
 
@@ -395,6 +418,8 @@ class SaveJob:
         finally:
             if self.coalescer is not None:
                 self.coalescer.release(self)
+            with contextlib.suppress(Exception):  # a statistic: never the reason a save fails
+                self._account_fence()
             if self._copied is not None:
                 self._copied.wait()
             # Drop the references to the caller's tensors as soon as they are no longer needed,

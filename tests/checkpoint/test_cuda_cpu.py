@@ -467,13 +467,19 @@ def test_the_optimizer_hook_fences_its_stream_instead_of_waiting(
         cuda.log.clear()
         assert job.fence() is (current == 0)
     if current == 0:  # on the caller's (compute) stream: after the buffers' event and the copy's
+        before, after = job._fence_events
         assert cuda.log == [
+            ("record", before.name, "compute"),
             ("wait_event", "compute", job._sync_event.name),
             ("wait_event", "compute", job.copy_event.copied.name),
             ("wait_event", "compute", job.copy_event.hashed.name),
+            ("record", after.name, "compute"),
         ]
+        job._account_fence()  # what the persist thread does at its end
+        assert job.stats.fence_s == 1e-3 and job._fence_events is None
+        assert cuda.log[-1] == ("synchronize", after.name, None)
     else:
-        assert cuda.log == []
+        assert cuda.log == [] and job._fence_events is None
 
 
 def test_no_fence_for_host_only_or_mixed_devices(tmp_path, fake_cuda):
