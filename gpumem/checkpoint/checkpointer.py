@@ -124,10 +124,13 @@ class Checkpointer:
             which steps were written and which were not). ``wait()``, ``close()`` and a
             PreemptionGuard persist the last snapshot. A state that streams (larger than half
             the staging budget) falls back to waiting. Single process only (see coalesce.py).
-        device_spill_bytes: reserved for the bounded device-side spill of issue #11 (at the
-            optimizer fence, the parameters not yet copied to host go device to device into a
-            buffer of this fixed size and drain to host afterwards). Its accounting is in
-            ``spill.py``; the fence does not use it yet, so only 0 (off) is accepted.
+        device_spill_bytes: for CUDA state in overlap mode whose D2H copy takes longer than the
+            forward/backward beside it: a device buffer of this fixed size (allocated once at
+            the first such save; never "whatever is free", so the next forward cannot run out of
+            memory because of it). At the optimizer fence the parameters not yet copied to host
+            are copied into it device to device, in copy order as far as they fit, and drained
+            to host afterwards; the step waits for the rest (``SaveStats.spill_bytes``,
+            ``fence_s``). 0 (default): off.
 
     Example:
         >>> ckpt = gpumem.Checkpointer("ckpts", keep=3)                       # doctest: +SKIP
@@ -209,12 +212,8 @@ class Checkpointer:
             raise CheckpointStateError(
                 f"device_spill_bytes={device_spill_bytes!r} must be an int >= 0 (0: no spill)"
             )
-        if device_spill_bytes:
-            raise CheckpointStateError(
-                f"device_spill_bytes={device_spill_bytes}: the device-side spill is not "
-                "implemented yet (issue #11); pass 0"
-            )
         self.device_spill_bytes = device_spill_bytes
+        self._spill_buffer: Any = None  # made at the first save that can spill
         self._group = Group()
         if coalesce and self._group.world_size > 1:
             raise CheckpointStateError(
@@ -411,6 +410,8 @@ class Checkpointer:
             if self._coalescer is not None:
                 job.coalescer = self._coalescer
                 self._coalescer.add(job, slot, victim)
+            if mode == "overlap" and self.device_spill_bytes and job.fence_device is not None:
+                job.spill = self._spill_control(job.fence_device)
             self._job = job
             self._last_save = (step, kwargs)
             self.history.append(job.stats)
@@ -579,6 +580,20 @@ class Checkpointer:
         assert self._coalescer is not None
         return self._coalescer.spare(nbytes)
 
+    def _spill_control(self, device: int) -> Any:
+        """A SpillControl over the device spill buffer on ``device`` (made once, fixed size);
+        waves of a quarter of it (at least 16 MiB) bound what is in flight at the fence."""
+        import torch
+
+        from .spill import SpillControl
+
+        buf = self._spill_buffer
+        if buf is None or buf.device != torch.device("cuda", device):
+            buf = self._spill_buffer = torch.empty(
+                self.device_spill_bytes, dtype=torch.uint8, device=torch.device("cuda", device)
+            )
+        return SpillControl(buf, max(16 << 20, self.device_spill_bytes // 4))
+
     def _stream_for(self, has_cuda: bool) -> Any:
         if self._side_stream is None and has_cuda:
             import torch
@@ -653,6 +668,7 @@ class Checkpointer:
                 self._arena = None
             if self._coalescer is not None:
                 self._coalescer.close()
+            self._spill_buffer = None
             if self._dir_lock is not None:
                 self._dir_lock.release()
             if self._root is not None:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from gpumem.kernels.crc32c import ManyPlan
 
     from .snapshot import Piece
+    from .spill import SpillControl
 
 
 @dataclass
@@ -67,7 +68,7 @@ class Snapshot:
     and hands each piece its CRC view; ``wait(stream)`` orders ``stream`` after both."""
 
     start: Any
-    copied: Any
+    copied: Any  # set once every copy is enqueued
     hashed: Any = None
     crc_host: torch.Tensor | None = None
     crc_slices: list[tuple[Piece, int, int]] = field(default_factory=list)
@@ -105,10 +106,14 @@ def enqueue(
     chunk: int,
     stream: Any = None,
     wait_event: Any = None,
+    spill: SpillControl | None = None,
 ) -> Snapshot:
     """Enqueue the copies and CRCs of CUDA ``pieces`` ((piece, tensor, arena offset) each) on
     ``stream`` (None: the current one), after ``wait_event``. ``programs`` caches the
-    DeviceProgram per set of addresses (the layout's own dict: see ArenaLayout.programs)."""
+    DeviceProgram per set of addresses (the layout's own dict: see ArenaLayout.programs).
+    With ``spill`` (overlap mode, a device spill buffer) the CRCs are launched first and the
+    copies enqueued in waves that the optimizer fence can stop (see spill.py); this call then
+    returns only once every copy, drained spill included, is enqueued."""
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         copying = torch.cuda.current_stream()
         device = getattr(copying, "device", None)
@@ -131,24 +136,66 @@ def enqueue(
             copying.wait_event(wait_event)
         start = torch.cuda.Event(enable_timing=True)
         start.record()
+        snap = Snapshot(start, None)
+        if spill is not None and fast and not slow:
+            _hash(snap, prog, fast, copying, start)
+            spill.context = (fast, prog.copies, copying, arena, snap.hashed)
+            snap.calls = _enqueue_waves(arena, prog.copies, copying, spill)
+            snap.copied = torch.cuda.Event(enable_timing=True)
+            snap.copied.record()
+            return snap
         calls = arena.enqueue_d2h(prog.copies, copying.cuda_stream) if fast else 0
         for p, t, dst in slow:  # gathered into a temporary on this stream (or from another GPU)
             src = as_bytes(t.contiguous())[p.src_offset : p.src_offset + p.nbytes]
             p.crc = chunk_crc32c(src, chunk)
             arena.copy_from_device(src, dst)
             t.record_stream(copying)  # the temporary's memory is freed once this stream ran
-        copied = torch.cuda.Event(enable_timing=True)
-        copied.record()
-        snap = Snapshot(start, copied, calls=calls)
-        if prog.crc is not None and prog.total:
-            crc_stream = _crc_stream(copying)
-            crc_stream.wait_event(start)
-            with torch.cuda.stream(crc_stream):
-                snap.crc_host, snap.hashed = _launch_crcs(prog, fast)
-            snap.crc_slices = [
-                (p, a, n) for (p, _, _), a, n in zip(fast, prog.starts, prog.counts, strict=True)
-            ]
+        snap.copied = torch.cuda.Event(enable_timing=True)
+        snap.copied.record()
+        snap.calls = calls
+        _hash(snap, prog, fast, copying, start)
     return snap
+
+
+def _hash(snap: Snapshot, prog: DeviceProgram, fast: list, copying: Any, start: Any) -> None:
+    """Launch ``prog``'s CRCs on the CRC stream from ``start`` on; their event and host buffer
+    go into ``snap``."""
+    if prog.crc is not None and prog.total:
+        crc_stream = _crc_stream(copying)
+        crc_stream.wait_event(start)
+        with torch.cuda.stream(crc_stream):
+            snap.crc_host, snap.hashed = _launch_crcs(prog, fast)
+        snap.crc_slices = [
+            (p, a, n) for (p, _, _), a, n in zip(fast, prog.starts, prog.counts, strict=True)
+        ]
+
+
+def _enqueue_waves(arena: Any, copies: np.ndarray, copying: Any, control: SpillControl) -> int:
+    """Enqueue ``copies`` in waves of about ``control.wave_bytes``, at most two in flight,
+    until done or until the fence stops it; then the drain the fence orders. Returns the number
+    of cudaMemcpyAsync calls."""
+    n, calls, i = len(copies), 0, 0
+    in_flight: list[Any] = []
+    while i < n and not control.should_stop():
+        j, size = i, 0
+        while j < n and (j == i or size < control.wave_bytes):
+            size += int(copies[j, 1])
+            j += 1
+        calls += arena.enqueue_d2h(copies[i:j], copying.cuda_stream)
+        wave = torch.cuda.Event()
+        wave.record()
+        in_flight.append(wave)
+        i = j
+        if len(in_flight) > 1:  # what is enqueued but not done when the fence comes stays small
+            in_flight.pop(0).synchronize()
+    if i == n:
+        control.finish()
+        return calls
+    after, rows = control.stop_and_wait(i)
+    if len(rows):
+        copying.wait_event(after)  # the D2D copies into the spill buffer, on the fenced stream
+        calls += arena.enqueue_d2h(rows, copying.cuda_stream)
+    return calls
 
 
 def _launch_crcs(prog: DeviceProgram, fast: list[tuple[Piece, Any, int]]) -> tuple[Any, Any]:

@@ -47,6 +47,7 @@ from .snapshot import (
     tensor_crcs,
     zero_padding,
 )
+from .spill import SpillControl, spill_at_fence
 
 
 @dataclass
@@ -63,8 +64,8 @@ class SaveStats:
             optimizer's stream wait instead).
         fence_s: how long the optimizer's CUDA stream stood still at that fence (CUDA events;
             0 without a fence, or when the copy had completed before the stream got there).
-        spill_bytes: bytes the fence copied into the device spill buffer (0: no spill; the
-            spill is not implemented yet, see checkpoint/spill.py).
+        spill_bytes: bytes the fence copied into the device spill buffer (``device_spill_bytes``;
+            0: none).
         staged_s: from save() entry until every tensor was in host memory.
         d2h_s: of that, the time from enqueuing the first device-to-host copy until the copies
             and the device CRCs completed (0 without CUDA tensors); ``nbytes / d2h_s`` is the
@@ -243,6 +244,7 @@ class SaveJob:
         # save, whether to write it (False: a newer save superseded it)
         self.coalescer: Any = None
         self._fence_events: tuple[Any, Any] | None = None  # (before, after) the fence's waits
+        self.spill: SpillControl | None = None  # the device spill (overlap mode, opt-in)
         self.staged = threading.Event()
         self.done = threading.Event()
 
@@ -302,6 +304,7 @@ class SaveJob:
                 stream=stream,
                 wait_event=wait_event,
                 views=self.views,
+                spill=self.spill if stream is not None else None,  # the copier's deferred part
             )
             self.copy_event = (
                 ev  # host pieces are copied by now; the device ones are ordered before ev
@@ -379,24 +382,33 @@ class SaveJob:
         background copy instead of blocking the CPU until the copy completes. The optimizer's
         kernels queue behind it, so no parameter changes before it was read (the device CRCs
         included), while the host goes on enqueueing. Waits on the CPU only until the copy is
-        enqueued (host pieces are copied by then). False when it cannot: the deferred tensors
-        live on several devices or the host only, or on a device that is not the caller's
-        current one, or the copy failed; the caller then waits for ``staged``."""
+        enqueued (host pieces are copied by then). With a device spill buffer (``spill``) the
+        copies not yet enqueued are copied into it device to device instead, as far as they fit
+        (spill.py). False when it cannot: the deferred tensors live on several devices or the
+        host only, or on a device that is not the caller's current one, or the copy failed; the
+        caller then waits for ``staged``."""
         if self.fence_device is None:
             return False
+        current = torch.cuda.current_device()
+        if self.spill is not None and self.error is None and current == self.fence_device:
+            stream = torch.cuda.current_stream()
+            before = _timing_event()
+            if spill_at_fence(self.spill, stream) is not None:
+                if self._sync_event is not None:
+                    stream.wait_event(self._sync_event)
+                self._fence_events = (before, _timing_event())
+                self.stats.spill_bytes = self.spill.spill_bytes
+                return True
         self.enqueued.wait()
         ev = self.copy_event
-        if ev is None or self.error is not None or torch.cuda.current_device() != self.fence_device:
+        if ev is None or self.error is not None or current != self.fence_device:
             return False
         stream = torch.cuda.current_stream()
-        before = torch.cuda.Event(enable_timing=True)
-        before.record()
+        before = _timing_event()
         if self._sync_event is not None:  # buffers copied by save() itself, on its stream
             stream.wait_event(self._sync_event)
         ev.wait(stream)  # the copies and the device CRCs: both read the parameters
-        after = torch.cuda.Event(enable_timing=True)
-        after.record()
-        self._fence_events = (before, after)
+        self._fence_events = (before, _timing_event())
         return True
 
     def _account_fence(self) -> None:
@@ -719,6 +731,8 @@ class SaveJob:
             if self.error is None:
                 self.error = exc
             self._cond.notify_all()
+        if self.spill is not None:  # a fence waiting for the copier to stop gives up
+            self.spill.finish()
         self.enqueued.set()
         self.staged.set()
 
@@ -738,6 +752,12 @@ def _as_error(exc: BaseException, step: int) -> CheckpointError:
     err = CheckpointError(f"saving step {step} failed: {type(exc).__name__}: {exc}")
     err.__cause__ = exc
     return err
+
+
+def _timing_event() -> Any:
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
 
 
 def _record_event() -> Any:

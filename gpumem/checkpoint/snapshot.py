@@ -31,6 +31,7 @@ from .format import align_up
 
 if TYPE_CHECKING:
     from .device_copy import Snapshot
+    from .spill import SpillControl
 
 
 @dataclass(slots=True)
@@ -218,12 +219,14 @@ def copy_pieces(
     stream=None,
     wait_event=None,
     views: HostViews | None = None,
+    spill: SpillControl | None = None,
 ) -> Snapshot | None:
     """Copy ``pieces`` of ``tensors`` (as TensorTable holds them: detached, strided, no lazy
     conjugate/negative bit) into the arena. CPU pieces are copied before returning, contiguous
     ones in one native call (``views`` supplies their byte views); CUDA pieces are enqueued in
     one native call and checksummed on the device beside the copies (``device_copy.enqueue``);
-    the returned Snapshot's events mark their completion."""
+    the returned Snapshot's events mark their completion. ``spill``: the copier's side of the
+    device spill (overlap mode; see spill.py)."""
     views = views if views is not None else HostViews()
     cpu_src, cpu_off, cuda, staged = [], [], [], []
     bases = plan.bases
@@ -256,7 +259,9 @@ def copy_pieces(
         return None
     from .device_copy import enqueue
 
-    return enqueue(arena, plan.programs, cuda, chunk, stream=stream, wait_event=wait_event)
+    return enqueue(
+        arena, plan.programs, cuda, chunk, stream=stream, wait_event=wait_event, spill=spill
+    )
 
 
 class HostViews:

@@ -507,3 +507,99 @@ def test_a_failed_copy_releases_the_fence(tmp_path, fake_cuda, monkeypatch):
     with arena:
         job._fail(RuntimeError("copy failed"))
         assert job.enqueued.is_set() and job.fence() is False and job.staged.is_set()
+
+
+def test_the_fence_spills_what_fits_and_waits_for_the_rest(tmp_path, fake_cuda, monkeypatch):
+    """device_spill_bytes: the copier enqueues one piece per wave; the fence comes while the
+    second wave is being enqueued. The copier stops there; of the two pieces left, the first
+    fits the 8 KiB spill buffer and is copied device to device on the optimizer's stream, the
+    second is enqueued device to host at once, and the optimizer's stream waits for that (and
+    every earlier wave) and for the CRCs, not for the drain; the copier then drains the buffer
+    into the arena behind the D2D copy. Every byte lands where the layout says."""
+    from gpumem.checkpoint.spill import SpillControl
+
+    cuda = fake_cuda
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    g = torch.Generator().manual_seed(1)
+    tensors = [FakeCudaTensor(torch.randn(2048, generator=g), cuda, f"p{i}") for i in range(4)]
+    pieces = [Piece(i, 0, 8192, 0, 8192 * i) for i in range(4)]
+    plan = ArenaLayout(
+        capacity=1 << 20, streaming=False, batch_sizes=[32768], bases=[0], pieces=pieces
+    )
+    job, arena = _overlap_job(tmp_path, cuda, tensors, plan, [True] * 4)
+    buffer = torch.zeros(8192, dtype=torch.uint8)  # the "device" spill buffer
+    job.spill = control = SpillControl(buffer, wave_bytes=1)  # one piece per wave
+    enqueue = arena.enqueue_d2h
+    calls = []
+
+    def enqueue_d2h(copies, stream):
+        calls.append([(int(o), int(n), int(a)) for a, n, o in copies])
+        if len(calls) == 2:  # the fence comes while the second wave is enqueued
+            with control.cond:
+                assert control.cond.wait_for(lambda: control.stop_requested, timeout=20)
+        return enqueue(copies, stream)
+
+    arena.enqueue_d2h = enqueue_d2h
+    side = FakeStream("side", cuda.log)
+    copier = threading.Thread(
+        target=job._produce, args=(lambda p: True, side, None, None), name="copier"
+    )
+    with arena:
+        copier.start()
+        with control.cond:  # the copier has started its waves
+            assert control.cond.wait_for(lambda: control.context is not None, timeout=20)
+        assert job.fence() is True
+        copier.join(20)
+        assert not copier.is_alive() and job.error is None and job.staged.is_set()
+        _check_bytes(arena, tensors, pieces)
+        assert torch.equal(buffer, tensors[2].real.view(torch.uint8))  # went through the buffer
+    addr = [t.real.data_ptr() for t in tensors]
+    assert calls == [
+        [(0, 8192, addr[0])],  # wave 1
+        [(8192, 8192, addr[1])],  # wave 2: then the copier stops
+        [(24576, 8192, addr[3])],  # the fence: what does not fit goes D2H at once
+        [(16384, 8192, buffer.data_ptr())],  # the drain: from the spill buffer
+    ]
+    assert job.stats.spill_bytes == 8192 and job.stats.fence_s == 0.0  # until accounted
+    log, snap = cuda.log, job.copy_event
+    before, drain_after, after = [e[1] for e in log if e[0] == "record" and e[2] == "compute"]
+    assert job._fence_events[0].name == before and job._fence_events[1].name == after
+    # The copier is stopped (waiting for the drain order) from the fence's enqueue of the row
+    # that did not fit until the fence's waits are enqueued, so these entries are consecutive:
+    # the optimizer's stream waits for `copied` (every wave, then that row: not the drain) and
+    # for the CRCs.
+    i = log.index(("enqueue", [(24576, 8192)], "side"))
+    copied = log[i + 1][1]
+    assert log[i + 1 : i + 4] == [
+        ("record", copied, "side"),
+        ("wait_event", "compute", copied),
+        ("wait_event", "compute", snap.hashed.name),
+    ]
+    # the D2D copies were recorded (drain_after) before, and the drain waits for them after
+    assert log.index(("record", drain_after, "compute")) < i
+    drain = log.index(("wait_event", "side", drain_after))
+    assert drain > i + 3 and log[drain + 1] == ("enqueue", [(16384, 8192)], "side")
+    job._account_fence()
+    assert job.stats.fence_s == 1e-3
+
+
+def test_a_copier_that_finished_before_the_fence_is_fenced_as_without_spill(
+    tmp_path, fake_cuda, monkeypatch
+):
+    from gpumem.checkpoint.spill import SpillControl
+
+    cuda = fake_cuda
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    tensors, plan = _state(cuda)
+    tensors[1] = FakeCudaTensor(tensors[1].real.contiguous(), cuda, "b")  # all fast
+    job, arena = _overlap_job(tmp_path, cuda, tensors, plan, [True, True, False])
+    job.spill = control = SpillControl(torch.zeros(1 << 20, dtype=torch.uint8), wave_bytes=1)
+    with arena:
+        job._produce(
+            lambda p: job.table.deferred[p.index], FakeStream("side", cuda.log), None, None
+        )
+        assert control.finished and control.stopped_at is None
+        cuda.log.clear()
+        assert job.fence() is True
+    assert [e[:2] for e in cuda.log if e[0] == "wait_event"] == [("wait_event", "compute")] * 2
+    assert job.stats.spill_bytes == 0

@@ -140,6 +140,37 @@ def test_one_native_enqueue_and_one_crc_launch_per_save(tmp_path, monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("spill", [64 << 20, 1 << 30])
+def test_the_device_spill_keeps_the_step_behind_the_copy(tmp_path, spill):
+    """Sixteen 64 MiB parameters, optimizer.step() right after save(): the fence stops the
+    copier, spills what fits the buffer (64 MiB: at most one parameter; 1 GiB: all that is
+    left), waits for the rest, and the restored values are the pre-step ones either way."""
+    model = torch.nn.Module()
+    model.ps = torch.nn.ParameterList(
+        [torch.nn.Parameter(torch.randn(16 << 20, device="cuda")) for _ in range(16)]
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in model.parameters()]
+    with gpumem.Checkpointer(tmp_path, chunk_bytes=4 << 20, device_spill_bytes=spill) as ck:
+        ck.prepare(nbytes=(1 << 30) + (64 << 20), background=False)
+        st = ck.save(1, model=model, optimizer=opt, rng=False)
+        assert st.mode == "overlap"
+        opt.step()  # p -= 1: behind the fence (spill or D2H)
+        ck.wait()
+        assert st.spill_bytes % (64 << 20) == 0 and st.spill_bytes <= spill
+        for p, b in zip(model.parameters(), before, strict=True):
+            assert torch.equal(p, b - 1)
+        model2 = torch.nn.Module()
+        model2.ps = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.zeros_like(b)) for b in before]
+        )
+        assert ck.restore(model=model2, optimizer=torch.optim.SGD(model2.parameters())) == 1
+    for p, b in zip(model2.parameters(), before, strict=True):
+        assert torch.equal(p, b)
+
+
 def test_overlap_fence_keeps_the_step_behind_a_long_copy(tmp_path):
     """A 512 MiB parameter takes ~10 ms to copy out; optimizer.step() right after save() must
     still not change it before the copy and its CRCs have read it. The pre-step hook fences the
