@@ -537,7 +537,7 @@ def bench_loop(
 
 
 def bench_cuda(
-    nbytes: int, root: Path, repeat: int, tokens: int = 8192
+    nbytes: int, root: Path, repeat: int, tokens: int = 8192, spill_bytes: int = 0
 ) -> tuple[list[list[object]], list[Figure]]:
     """D2H throughput of the snapshot against one big pinned copy, and the stall of overlap mode
     while a forward/backward runs beside the copy, on the current CUDA device."""
@@ -569,7 +569,9 @@ def bench_cuda(
         loss.backward()
         opt.step()
 
-    ck = gpumem.Checkpointer(root / "gpu", keep=1, staging_bytes=total + (256 << 20))
+    ck = gpumem.Checkpointer(
+        root / "gpu", keep=1, staging_bytes=total + (256 << 20), device_spill_bytes=spill_bytes
+    )
     for step in range(2):  # allocates and pins the arena, compiles the CRC kernel
         ck.save(step, model=model, optimizer=opt, rng=False, blocking=True)
         ck.wait()
@@ -584,7 +586,7 @@ def bench_cuda(
         )  # save() entry until every byte is in host memory (device CRC included)
         d2h.append(st.d2h_s)  # first copy enqueued until copies and device CRCs completed
         ck.wait()
-    gpu_plain, gpu_saving, host_wait, fence = [], [], [], []
+    gpu_plain, gpu_saving, host_wait, fence, spilled = [], [], [], [], []
     for i in range(repeat + 1):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -613,6 +615,7 @@ def bench_cuda(
             hook_wait.append(st.hook_wait_s)
             host_wait.append(st.stall_s)
             fence.append(st.fence_s)
+            spilled.append(st.spill_bytes)
     ck.close()
     shutil.rmtree(root / "gpu", ignore_errors=True)
     m_ceil, m_snap, m_d2h = med(ceiling), med(snap), med(d2h)
@@ -686,8 +689,9 @@ def bench_cuda(
             f"{med(slowdown) / m_d2h * 100:.1f} % of D2H time",
             (
                 f"compute stream, step that saves minus plain step ({med(gpu_plain) * 1e3:.1f} "
-                f"ms); target <= 5 %; fence wait {med(fence) * 1e3:.2f} ms; spill 0 B "
-                "(device spill not implemented)"
+                f"ms); target <= 5 %; fence wait {med(fence) * 1e3:.2f} ms; spilled "
+                f"{format_bytes(int(med(spilled)))} (device_spill_bytes="
+                f"{format_bytes(spill_bytes)})"
             ),
         ],
         [
@@ -790,7 +794,17 @@ def main_cuda(args: argparse.Namespace) -> int:
             params = parse_bytes(args.every_step_params)
             parts.append((size, lambda p=params: bench_every_step(root, p, args.steps)))
         else:
-            parts.append((size, lambda size=size: bench_cuda(parse_bytes(size), root, args.repeat)))
+            parts.append(
+                (
+                    size,
+                    lambda size=size: bench_cuda(
+                        parse_bytes(size),
+                        root,
+                        args.repeat,
+                        spill_bytes=parse_bytes(args.spill_bytes),
+                    ),
+                )
+            )
     try:
         for name, run in parts:
             try:
@@ -856,6 +870,11 @@ def main(argv: list[str] | None = None) -> int:
         "--every", type=int, default=5, help="checkpoint interval of the training-loop test"
     )
     ap.add_argument("--steps", type=int, default=40, help="steps of the training-loop test")
+    ap.add_argument(
+        "--spill-bytes",
+        default="0",
+        help="--device cuda: the Checkpointer's device_spill_bytes in the overlap rows (default 0)",
+    )
     ap.add_argument(
         "--every-step-params",
         default="1.2G",

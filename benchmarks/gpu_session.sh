@@ -74,7 +74,7 @@ if step build 100 $PY -m pip install --no-build-isolation --no-deps -e .; then
   # AdamW, coalesce=True, keep=1, 50 steps), then 12 GB (the first to give way to the time
   # limit); each part is written to results/checkpoint_gpu.md as soon as it is measured.
   step bench_checkpoint_gpu 170 $PY benchmarks/bench_checkpoint.py --device cuda \
-    --sizes 0.9GB,4GB,every,12GB --repeat 3 --steps 50
+    --sizes 0.9GB,4GB,every,12GB --repeat 3 --steps 50 --spill-bytes 2GB
   step diagnose_snapshot 35 $PY benchmarks/diagnose_snapshot_gpu.py --repeat 3
   step bench_triton_crc32c 45 $PY benchmarks/bench_triton_crc32c.py --size 1G
   # Facts the CPU machine cannot establish, printed rather than asserted (none is a claim of ours).
