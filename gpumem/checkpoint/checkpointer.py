@@ -48,6 +48,7 @@ from .errors import (
 from .format import CheckpointInfo
 from .job import SaveJob, SaveStats, Worker, default_versions
 from .lock import READ_ONLY_ERRNOS, DirLock
+from .options import Mode, SaveOptions
 from .safe_fs import Dir
 from .snapshot import HostViews, LayoutCache
 
@@ -368,12 +369,12 @@ class Checkpointer:
             if plan.streaming and self._coalescer is not None:
                 self.wait()  # one slot streams through the whole budget: no second one
             if plan.streaming:
-                mode = "streaming"
+                mode = Mode.STREAMING
             elif self.overlap and not blocking and optimizer is not None:
-                mode = "overlap"
+                mode = Mode.OVERLAP
             else:
-                mode = "blocking"
-            if mode == "overlap":
+                mode = Mode.BLOCKING
+            if mode is Mode.OVERLAP:
                 self._hook(optimizer)
             slot, victim = (0, None) if self._coalescer is None else self._coalescer.choose()
             try:
@@ -385,15 +386,8 @@ class Checkpointer:
             zeroed = self._zero_gaps == (arena, plan.layout_id)  # HostArena compares by identity
             self._zero_gaps = None  # until this job has zeroed (or kept) the gaps of its layout
             self._views = HostViews(self._views)
-            job = SaveJob(
-                root=self._root,
+            options = SaveOptions(
                 root_path=self.directory,
-                step=step,
-                tree=tree,
-                table=table,
-                plan=plan,
-                arena=arena,
-                mode=mode,
                 chunk=self.chunk_bytes,
                 alignment=self.alignment,
                 direct=self.direct_io,
@@ -402,6 +396,16 @@ class Checkpointer:
                 versions=default_versions(),
                 workers=self._workers,
                 side_stream=self._stream_for(table.has_cuda),
+            )
+            job = SaveJob(
+                options,
+                root=self._root,
+                step=step,
+                tree=tree,
+                table=table,
+                plan=plan,
+                arena=arena,
+                mode=mode,
                 t0=t0,
                 zero_gaps=not zeroed,
                 views=self._views,
@@ -410,7 +414,7 @@ class Checkpointer:
             if self._coalescer is not None:
                 job.coalescer = self._coalescer
                 self._coalescer.add(job, slot, victim)
-            if mode == "overlap" and self.device_spill_bytes and job.fence_device is not None:
+            if mode is Mode.OVERLAP and self.device_spill_bytes and job.fence_device is not None:
                 job.spill = self._spill_control(job.fence_device)
             self._job = job
             self._last_save = (step, kwargs)

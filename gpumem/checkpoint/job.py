@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from . import persist
-from ._dist import Group
 from .codec import TensorTable
 from .errors import (
     CheckpointBranchWarning,
@@ -37,6 +36,7 @@ from .errors import (
     CheckpointPointerWarning,
 )
 from .format import DTYPE_NAMES, MAIN_MANIFEST, data_file_name, shard_manifest_name
+from .options import Mode, SaveOptions
 from .replicated import Replication, check_signatures, signature
 from .safe_fs import Dir
 from .snapshot import (
@@ -164,59 +164,49 @@ def _serve(calls: queue.SimpleQueue) -> None:
 
 
 class SaveJob:
+    """One save: the copy into the arena (the caller's thread and, in overlap mode, the copier
+    thread) and the persist and commit (the persist thread); see the module docstring."""
+
     def __init__(
         self,
+        options: SaveOptions,
         *,
         root: Dir | None,
-        root_path: Path,
         step: int,
         tree: dict[str, Any],
         table: TensorTable,
         plan: ArenaLayout,
         arena: Any,
-        mode: str,
-        chunk: int,
-        alignment: int,
-        direct: bool,
-        group: Group,
-        keep: int | None,
-        versions: dict[str, str],
-        workers: tuple[Worker, Worker],
-        side_stream: Any = None,
+        mode: Mode | str,
         t0: float,
         zero_gaps: bool = True,
         views: HostViews | None = None,
         replication: Replication | None = None,
     ):
+        o = self.options = options
+        mode = Mode(mode)
         self.root, self.step, self.tree, self.table, self.plan = root, step, tree, table, plan
-        self.root_path = root_path  # for messages; ranks other than 0 open ``root`` on first use
-        self.replication = (
-            replication  # replicated save: what this rank owns and records (see replicated.py)
-        )
-        self.arena, self.mode, self.chunk, self.alignment, self.direct = (
-            arena,
-            mode,
-            chunk,
-            alignment,
-            direct,
-        )
-        self.group, self.keep, self.versions, self.side_stream, self.t0 = (
-            group,
-            keep,
-            versions,
-            side_stream,
-            t0,
+        self.root_path = o.root_path  # for messages; ranks other than 0 open ``root`` on first use
+        # replicated save: what this rank owns and records (see replicated.py)
+        self.replication = replication
+        self.arena, self.mode, self.t0 = arena, mode, t0
+        self.chunk, self.alignment, self.direct = o.chunk, o.alignment, o.direct
+        self.group, self.keep, self.versions, self.side_stream = (
+            o.group,
+            o.keep,
+            o.versions,
+            o.side_stream,
         )
         # False: the caller knows this plan's alignment gaps are still zero in this arena (see
         # Checkpointer.save); streaming reuses slots with other layouts, so it always zeroes
-        self.zero_gaps = zero_gaps or mode == "streaming"
+        self.zero_gaps = zero_gaps or mode is Mode.STREAMING
         self.gaps_zero = False  # set once every batch's gaps are zero in the arena (not streaming)
         self.views = views if views is not None else HostViews()  # byte views of the CPU tensors
-        self.stats = SaveStats(step, sum(p.nbytes for p in plan.pieces), mode)
+        self.stats = SaveStats(step, sum(p.nbytes for p in plan.pieces), mode.value)
         # overlap mode: whether this rank copies tensors after save() returns, i.e. whether the
         # optimizer hook must wait (a replicated save's rank that owns no parameter or optimizer
         # state has nothing to copy later and never waits)
-        self.defers = mode == "overlap" and any(table.deferred[p.index] for p in plan.pieces)
+        self.defers = mode is Mode.OVERLAP and any(table.deferred[p.index] for p in plan.pieces)
         # the one CUDA device of the deferred tensors (None: none, or several), for fence()
         self.fence_device: int | None = None
         if self.defers and table.has_cuda:
@@ -235,7 +225,7 @@ class SaveJob:
         self._cond = threading.Condition()
         self._ready = 0  # batches fully staged
         self._released = 0  # batches written (their slot may be reused)
-        self._persister, self._copier = workers
+        self._persister, self._copier = o.workers
         self._persist_started = False
         self._copied: threading.Event | None = None  # set by the overlap copier when it is finished
         self._sync_event: Any = None
@@ -254,7 +244,7 @@ class SaveJob:
         """The part of save() that runs on the caller's thread."""
         plan, deferred = self.plan, self.table.deferred
         try:
-            if self.mode == "overlap":
+            if self.mode is Mode.OVERLAP:
                 self._zero_all_gaps()
                 # buffers/RNG on the compute stream: ordered before the next forward mutates them
                 sync = [p for p in plan.pieces if not deferred[p.index]]
@@ -267,7 +257,7 @@ class SaveJob:
                 self._copied = copied  # only once submitted: the persist thread waits for it
                 self._start_persist()
                 return
-            if self.mode == "streaming":  # the persist thread writes batch b while b+1 is copied
+            if self.mode is Mode.STREAMING:  # the persist thread writes batch b while b+1 is copied
                 self._start_persist()
             self._produce(None, None, None, None)
             self._start_persist()  # outside streaming it would only wait for the copy
@@ -283,17 +273,28 @@ class SaveJob:
 
     def _produce(self, want: Any, stream: Any, wait_event: Any, sync_event: Any) -> None:
         """Copy the pieces ``want`` selects (None: all). Streaming: batch after batch, each marked
-        ready once complete, so the persist thread writes batch b while batch b+1 is copied.
-        Otherwise every slot is resident and nothing is written before the copy ends, so all
-        batches go in one native call (one fan-out over the threads instead of one per batch)."""
-        plan, tensors = (
-            self.plan,
-            self.table.tensors,
-        )  # the persist thread may drop self.table on failure
-        if self.mode != "streaming":
-            if self.mode != "overlap":
-                self._zero_all_gaps()
-            pieces = plan.pieces if want is None else [p for p in plan.pieces if want(p)]
+        ready once complete, so the persist thread writes batch b while batch b+1 is copied (a
+        slot is reused only once written). Otherwise every slot is resident and nothing is
+        written before the copy ends, so all batches go in one group: one native call (one
+        fan-out over the threads instead of one per batch)."""
+        # the persist thread may drop self.table on failure: keep what is needed here
+        plan, tensors = self.plan, self.table.tensors
+        batches = range(len(plan.batch_sizes))
+        streaming = self.mode is Mode.STREAMING
+        groups = [[b] for b in batches] if streaming else [list(batches)]
+        if not streaming and self.mode is not Mode.OVERLAP:  # overlap zeroed them in save()
+            self._zero_all_gaps()
+        for g, group in enumerate(groups):
+            with self._cond:
+                while group[0] - self._released >= plan.slots and self.error is None:
+                    self._cond.wait()
+                if self.error is not None:
+                    return
+            if streaming:
+                zero_padding(self.arena, plan, group[0])
+            pieces = plan.pieces if not streaming else plan.batch_pieces(group[0])
+            if want is not None:
+                pieces = [p for p in pieces if want(p)]
             t = time.perf_counter()
             ev = copy_pieces(
                 self.arena,
@@ -306,45 +307,15 @@ class SaveJob:
                 views=self.views,
                 spill=self.spill if stream is not None else None,  # the copier's deferred part
             )
-            self.copy_event = (
-                ev  # host pieces are copied by now; the device ones are ordered before ev
-            )
+            # host pieces are copied by now; the device ones are ordered before ev
+            self.copy_event = ev
             self.enqueued.set()
             if ev is not None:  # the copies must be complete before the state counts as staged
                 self._synchronized(ev, t)
-            if sync_event is not None:
+            if g == 0 and sync_event is not None:
                 sync_event.synchronize()
             with self._cond:
-                self._ready = len(plan.batch_sizes)
-                self._cond.notify_all()
-            self._mark_staged()
-            return
-        for b in range(len(plan.batch_sizes)):
-            with self._cond:
-                while b - self._released >= plan.slots and self.error is None:
-                    self._cond.wait()
-                if self.error is not None:
-                    return
-            if self.mode != "overlap":
-                zero_padding(self.arena, plan, b)
-            pieces = [p for p in plan.batch_pieces(b) if want is None or want(p)]
-            t = time.perf_counter()
-            ev = copy_pieces(
-                self.arena,
-                plan,
-                pieces,
-                tensors,
-                self.chunk,
-                stream=stream,
-                wait_event=wait_event,
-                views=self.views,
-            )
-            if ev is not None:  # the copies must be complete before the state counts as staged
-                self._synchronized(ev, t)
-            if b == 0 and sync_event is not None:
-                sync_event.synchronize()
-            with self._cond:
-                self._ready = b + 1
+                self._ready = group[-1] + 1
                 self._cond.notify_all()
         self._mark_staged()
 
@@ -491,7 +462,7 @@ class SaveJob:
         crc_thread.start()
         try:
             tmp = self._open_tmp(tmp_name)
-            if self.mode != "streaming":
+            if self.mode is not Mode.STREAMING:
                 # Writing beside the copy takes memory bandwidth from it (~10-30 % on a small
                 # host), and the copy is what training waits for; the write starts once it ends.
                 # Then the files are written concurrently: the disk queue never drains while one
@@ -504,7 +475,7 @@ class SaveJob:
                     ev.wait()
                 if self.error is not None:
                     raise self.error
-            for b in range(len(plan.batch_sizes) if self.mode == "streaming" else 0):
+            for b in range(len(plan.batch_sizes) if self.mode is Mode.STREAMING else 0):
                 with self._cond:
                     while self._ready <= b and self.error is None:
                         self._cond.wait()
@@ -618,7 +589,7 @@ class SaveJob:
         beside the disk write, which is slower than both."""
         plan = self.plan
         try:
-            if self.mode != "streaming":
+            if self.mode is not Mode.STREAMING:
                 self.staged.wait()
             for b in range(len(plan.batch_sizes)):
                 with self._cond:

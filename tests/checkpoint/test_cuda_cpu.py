@@ -25,6 +25,7 @@ import gpumem.kernels.crc32c as K
 from gpumem.arena import HostArena
 from gpumem.checkpoint.codec import TensorTable
 from gpumem.checkpoint.job import SaveJob, Worker
+from gpumem.checkpoint.options import SaveOptions
 from gpumem.checkpoint.safe_fs import Dir
 from gpumem.checkpoint.snapshot import ArenaLayout, Piece
 from gpumem.checksum import chunk_crc32c
@@ -331,22 +332,14 @@ def test_the_copy_event_is_synchronized_before_the_state_counts_as_staged(
     side = FakeStream("side", cuda.log)
     with _logging_arena(HostArena(32768, pinned=False), cuda) as arena:
         job = SaveJob(
+            _options(tmp_path, side_stream=side),
             root=Dir.open(tmp_path),
-            root_path=tmp_path,
             step=1,
             tree={"step": 1},
             table=table,
             plan=plan,
             arena=arena,
             mode=mode,
-            chunk=CHUNK,
-            alignment=4096,
-            direct=False,
-            group=gpumem.checkpoint._dist.Group(),
-            keep=None,
-            versions={},
-            workers=(Worker("p"), Worker("c")),
-            side_stream=side,
             t0=0.0,
         )
         cuda.staged_probe = job.staged.is_set
@@ -412,6 +405,20 @@ def test_a_cuda_rng_state_of_the_wrong_size_is_refused_before_anything_is_loaded
         )
 
 
+def _options(tmp_path, side_stream) -> SaveOptions:
+    return SaveOptions(
+        root_path=tmp_path,
+        chunk=CHUNK,
+        alignment=4096,
+        direct=False,
+        group=gpumem.checkpoint._dist.Group(),
+        keep=None,
+        versions={},
+        workers=(Worker("p"), Worker("c")),
+        side_stream=side_stream,
+    )
+
+
 def _overlap_job(tmp_path, cuda: FakeCuda, tensors, plan, deferred):
     table = TensorTable(
         names=[f"t{i}" for i in range(len(tensors))],
@@ -421,22 +428,14 @@ def _overlap_job(tmp_path, cuda: FakeCuda, tensors, plan, deferred):
     )
     arena = _logging_arena(HostArena(32768, pinned=False), cuda)
     job = SaveJob(
+        _options(tmp_path, side_stream=FakeStream("side", cuda.log)),
         root=Dir.open(tmp_path),
-        root_path=tmp_path,
         step=1,
         tree={"step": 1},
         table=table,
         plan=plan,
         arena=arena,
         mode="overlap",
-        chunk=CHUNK,
-        alignment=4096,
-        direct=False,
-        group=gpumem.checkpoint._dist.Group(),
-        keep=None,
-        versions={},
-        workers=(Worker("p"), Worker("c")),
-        side_stream=FakeStream("side", cuda.log),
         t0=0.0,
     )
     return job, arena
