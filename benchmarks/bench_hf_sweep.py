@@ -31,9 +31,8 @@ def rows() -> tuple[list[list[object]], int, int]:
             for recompute in (False, True):
                 t0 = time.perf_counter()
                 label = f"{name} {precision}{' recompute' if recompute else ''}"
-                ref = "real" if recompute else "fake"
                 try:
-                    c = compare_hf(HFCase(name, config, precision, recompute, reference=ref))
+                    c = compare_hf(HFCase(name, config, precision, recompute))
                 except Exception as exc:  # a family transformers cannot run under fake tensors
                     out.append([label, "-", "-", "-", f"not run: {type(exc).__name__}", "-"])
                     total += 1
@@ -84,17 +83,19 @@ tokens, SDPA, experts as `grouped_mm`; the estimate reads the same dict
 (`gpumem.estimate(config, device="cpu")`). Categories are the profiler's
 (`Bill.profiler_categories()`).
 
-With recompute the reference is the same model trained for real on the CPU: under fake tensors
-SDPA's CPU backward runs a decomposition that allocates more than the real kernel (for the fp32
-Llama here the fake profile's widest moment holds 73,728 B, the bf16 one 40,960 B, more
-temporaries than the real run; everywhere else fake and real agree to the byte:
-`tests/estimator/test_hf_sweep.py::test_fake_equals_real`).
+Every row's reference is the fake-tensor profile, which equals a real CPU run of the same model
+to the byte (`tests/estimator/test_hf_sweep.py::test_fake_equals_real`, with and without
+recompute). Under recompute it did not until the profiler took the real run's branch in
+transformers' packed-sequence check (`gpumem.profiler.fake.real_branches`): without a KV cache,
+fake `position_ids` made transformers build an explicit mask that SDPA copied to fp32 in every
+layer (8 KiB + 32 KiB per layer here), which last session's table blamed on SDPA's CPU backward.
 
 Not modelled yet (the rows marked NO): Gemma2's eager attention (transformers refuses SDPA for
-it), DeepSeek-V3 under autocast and recompute (its math-path MLA is modelled in fp32 and pure
-bf16), the bf16
-`torch._grouped_mm` kernel (its saved tensors are counted as temporary), and the widest backward
-moment under recompute of Gemma's norms and of shared experts.
+it), the widest backward moment under recompute of MoE layers with shared experts (Qwen2-MoE,
+DeepSeek-V3: the shared expert's pending gradient beside the grouped experts' scatter) and of
+Gemma3's four norms in 16 bits, DeepSeek-V3 under autocast (MLA's math-path attention is
+modelled in fp32 and pure bf16), and torch's bf16 `_grouped_mm` kernel (Mixtral in pure bf16:
+its saved tensors differ from the fallback's).
 """
     figures = [
         value_figure("configurations within the bound", "count", ok, better="higher"),

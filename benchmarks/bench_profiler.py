@@ -197,7 +197,7 @@ benchmark itself keeps about 1-2 busy; more means other jobs shared the machine)
 ratios and min ratios over median wall-time ratios.
 
 What each configuration measures:
-- `gpumem.profile` (exact): every storage the dispatcher sees, exact bytes, all six
+- `gpumem.profile` (exact): every storage the dispatcher sees, exact bytes, all seven
   categories, per-layer activations and temporaries, phase peaks, the memory-over-time timeline.
 - `timeline=False`: the same numbers without the time series (no plot or trace).
 - `mode='light'`: no dispatch mode, hooks only. Weights, gradients, optimizer state,

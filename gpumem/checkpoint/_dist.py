@@ -3,23 +3,67 @@
 Background saves and preemption checks run collectives from other threads than the training
 loop's; sharing its process group would interleave them with training collectives and deadlock
 (the KempnerForge#104 failure). Each user of collectives therefore gets its own gloo group,
-created collectively when the object is built. Without torch.distributed every call is local.
+created collectively when the object is built, and a roll call (``collective.RollCall``) that
+names the ranks missing from a collective after ``timeout_s``. The gloo group itself keeps
+torch's default timeout: once every rank has joined, a later collective of a save waits for the
+slowest rank's writes, which can take longer than the roll call's deadline on slow storage (a
+rank that dies closes its connections, and the others fail at once). Without torch.distributed
+every call is local.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
+
+from .collective import RollCall, default_store
+from .errors import CheckpointError, CheckpointStateError
 
 
 class Group:
     """rank / world size and int collectives; trivial when not running distributed."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float = 60.0) -> None:
         self.rank, self.world_size, self.pg = 0, 1, None
+        self.roll: RollCall | None = None
         dist = _dist()
         if dist is not None and dist.is_initialized() and dist.get_world_size() > 1:
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             self.pg = dist.new_group(backend="gloo")
+            store = default_store()
+            if store is not None:
+                self.roll = RollCall(store, self.rank, self.world_size, timeout_s)
+
+    def join(self, what: str) -> None:
+        """Wait until every rank has reached this collective (see ``collective.RollCall``)."""
+        if self.roll is not None:
+            self.roll.join(what)
+
+    def publish(self, name: str, value: str) -> None:
+        if self.roll is not None:
+            self.roll.publish(name, value)
+
+    def await_value(self, name: str, timeout_s: float, what: str) -> str:
+        """What rank 0 published under ``name``; CheckpointStateError after ``timeout_s``."""
+        if self.roll is None:
+            return ""
+        value = self.roll.await_value(name, timeout_s)
+        if value is None:
+            raise CheckpointStateError(f"rank 0 did not report {what} within {timeout_s:g} s")
+        return value
+
+    def from_rank0(self, name: str, value: int, timeout_s: float, what: str) -> int:
+        """Rank 0's ``value`` on every rank. Through the store where there is one: the other
+        ranks wait ``timeout_s`` for it (CheckpointStateError after that) rather than in a
+        collective; else an all-gather."""
+        if self.roll is not None:
+            if self.rank == 0:
+                self.roll.publish(name, str(value))
+                return value
+            return int(self.await_value(name, timeout_s, what))
+        return self.all_gather([value])[0][0]
 
     def all_reduce(self, value: int, op: str) -> int:
         """``op`` in {"min", "max"} over every rank."""
@@ -27,9 +71,10 @@ class Group:
             return value
         dist = _dist()
         t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(
-            t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, group=self.pg
-        )
+        with _peers_gone():
+            dist.all_reduce(
+                t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, group=self.pg
+            )
         return int(t.item())
 
     def all_gather(self, values: list[int]) -> list[list[int]]:
@@ -39,8 +84,38 @@ class Group:
         dist = _dist()
         mine = torch.tensor(values, dtype=torch.int64)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(out, mine, group=self.pg)
+        with _peers_gone():
+            dist.all_gather(out, mine, group=self.pg)
         return [t.tolist() for t in out]
+
+    def broadcast_text(self, text: str, src: int) -> str:
+        """``src``'s ``text`` on every rank (UTF-8 bytes in a tensor: no pickle)."""
+        if self.pg is None:
+            return text
+        dist = _dist()
+        data = text.encode()[:65536] if self.rank == src else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        with _peers_gone():
+            dist.broadcast(size, src=src, group=self.pg)
+            buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+            if self.rank == src and data:
+                buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            if buf.numel():
+                dist.broadcast(buf, src=src, group=self.pg)
+        return bytes(buf.tolist()).decode(errors="replace")
+
+
+@contextlib.contextmanager
+def _peers_gone() -> Iterator[None]:
+    """A gloo error mid-collective (a peer's connection closed or timed out) as a
+    CheckpointError that says what it means for the checkpoint."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise CheckpointError(
+            "a collective with the other ranks failed: a rank died, left, or is stuck past "
+            f"collective_timeout_s; nothing was committed ({str(exc)[:300]})"
+        ) from exc
 
 
 def _dist():

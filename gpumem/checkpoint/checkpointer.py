@@ -53,6 +53,8 @@ from .safe_fs import Dir
 from .snapshot import HostViews, LayoutCache
 
 _MIN_BUDGET = 64 << 20
+DEFAULT_CHUNK = 1 << 20  # CRC32C granularity unless chunk_bytes says otherwise
+_PIPELINE_SEGMENT = 16 << 20  # smallest data file an overlap save splits its state into
 MAX_STEP = 2**63 - 1  # steps are stored as JSON integers and read back as int64-sized values
 _LIVE: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
@@ -92,11 +94,16 @@ class Checkpointer:
             ``default_staging_bytes()``. A larger state streams through the budget in chunks.
         overlap: copy parameters and optimizer state in the background (see the module docs for
             the assumption); False always copies before save() returns.
-        chunk_bytes: CRC32C granularity (power of two, >= 4096).
-        segment_bytes: size of each data file when the state fits the budget. The files are
-            written once the whole state is staged (a write beside the copy would slow the copy
-            training waits for), so time to durable ~ copy + write; when streaming, file b is
-            written while batch b+1 is copied.
+        chunk_bytes: CRC32C granularity (power of two, >= 4096). None: 1 MiB, or for DTensor
+            state a 64th of the byte-weighted median block size (between 4 KiB and 1 MiB): a
+            resharding restore reads whole chunks, so at most one partial chunk at each end of
+            each overlap is read beyond what it needs.
+        segment_bytes: size of each data file when the state fits the budget. A blocking save
+            writes the files once the whole state is staged (a write beside the copy would slow
+            the copy the caller waits for), so time to durable ~ copy + write; an overlap save
+            of host tensors writes file b while it copies batch b+1, in files of at most an
+            eighth of the state (at least 16 MiB); when streaming, file b is written while batch
+            b+1 is copied.
         lock_timeout_s: rank 0 holds a lock on ``directory`` while the Checkpointer is open, so two
             jobs never write it at once; a new job waits this long for an old one (e.g. a preempted
             pod still flushing its final save) to release it, then raises CheckpointStateError.
@@ -116,8 +123,8 @@ class Checkpointer:
             optimizer hook waits only on ranks that still copy something they own. The save
             checks that every rank captured the same structure (a mismatch fails it on every
             rank with CheckpointStateError); values are taken from the owner, not compared. Any
-            Checkpointer restores such a checkpoint, on any world size with ``elastic=True``.
-            Not for sharded state (FSDP, ZeRO, tensor parallel).
+            Checkpointer restores such a checkpoint, on any world size. DTensor state (FSDP2,
+            tensor parallel) is written once per block anyway and is not affected by it.
         coalesce: for a checkpoint every step: save() never waits for the writer. Each save
             snapshots into host memory (two staging slots: twice the host memory); while an
             older step is being written, a newer snapshot replaces the one waiting to be written
@@ -132,6 +139,16 @@ class Checkpointer:
             are copied into it device to device, in copy order as far as they fit, and drained
             to host afterwards; the step waits for the rest (``SaveStats.spill_bytes``,
             ``fence_s``). 0 (default): off.
+        collective_timeout_s: save() and restore() are collectives; a rank that does not join
+            one within this many seconds (save() called on rank 0 only, say) makes it raise
+            CheckpointStateError on every rank that did, naming the missing ranks. Rank 0's
+            wait for the directory lock (``lock_timeout_s``) does not count: the other ranks
+            wait for its result first.
+
+    Sharded state (FSDP2 ``fully_shard``, tensor parallel, 2-D meshes): pass the wrapped model and
+    its optimizer as they are. Each rank writes the blocks of its local shards (a replicated
+    block by one rank); restore reshards to whatever layout the objects have now, on any world
+    size (see ``targets`` and docs/checkpoint.md, "Sharded training").
 
     Example:
         >>> ckpt = gpumem.Checkpointer("ckpts", keep=3)                       # doctest: +SKIP
@@ -150,12 +167,13 @@ class Checkpointer:
         staging_bytes: int | None = None,
         *,
         overlap: bool = True,
-        chunk_bytes: int = 1 << 20,
+        chunk_bytes: int | None = None,
         alignment: int = 4096,
         direct_io: bool = True,
         segment_bytes: int = 256 << 20,
         lock_timeout_s: float = 120.0,
         replicated: bool = False,
+        collective_timeout_s: float = 60.0,
         read_only: bool = False,
         coalesce: bool = False,
         device_spill_bytes: int = 0,
@@ -164,10 +182,17 @@ class Checkpointer:
             raise CheckpointStateError(
                 f"keep={keep!r}: keep at least 1 checkpoint (a positive int), or None for all"
             )
-        for name, value in (("chunk_bytes", chunk_bytes), ("alignment", alignment)):
-            if not _is_int(value, 1) or value & (value - 1):
-                raise CheckpointStateError(f"{name}={value!r} must be a power of two (an int)")
-        if chunk_bytes < 4096 or alignment > chunk_bytes:
+        if chunk_bytes is not None and (
+            not _is_int(chunk_bytes, 1) or chunk_bytes & (chunk_bytes - 1)
+        ):
+            raise CheckpointStateError(
+                f"chunk_bytes={chunk_bytes!r} must be a power of two (an int), or None"
+            )
+        if not _is_int(alignment, 1) or alignment & (alignment - 1):
+            raise CheckpointStateError(f"alignment={alignment!r} must be a power of two (an int)")
+        largest = DEFAULT_CHUNK if chunk_bytes is None else chunk_bytes
+        smallest = 4096 if chunk_bytes is None else chunk_bytes  # the automatic chunk's floor
+        if largest < 4096 or alignment > smallest:
             raise CheckpointStateError(
                 f"chunk_bytes={chunk_bytes} must be >= 4096 and >= alignment={alignment}"
             )
@@ -178,9 +203,9 @@ class Checkpointer:
                 f"staging_bytes={staging_bytes!r} must be a positive int (bytes), or None"
             )
         budget = default_staging_bytes() if staging_bytes is None else staging_bytes
-        if budget < 2 * chunk_bytes:
+        if budget < 2 * largest:
             raise CheckpointStateError(
-                f"staging_bytes={budget} is below two chunks ({2 * chunk_bytes} bytes); raise it"
+                f"staging_bytes={budget} is below two chunks ({2 * largest} bytes); raise it"
             )
         if (
             isinstance(lock_timeout_s, bool)
@@ -215,7 +240,16 @@ class Checkpointer:
             )
         self.device_spill_bytes = device_spill_bytes
         self._spill_buffer: Any = None  # made at the first save that can spill
-        self._group = Group()
+        timeout = collective_timeout_s
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not 0 < timeout < math.inf
+        ):
+            raise CheckpointStateError(
+                f"collective_timeout_s={timeout!r} must be a positive, finite number of seconds"
+            )
+        self._group = Group(float(timeout))
         if coalesce and self._group.world_size > 1:
             raise CheckpointStateError(
                 f"coalesce=True is single-process only (this job has {self._group.world_size} "
@@ -245,6 +279,7 @@ class Checkpointer:
             None  # the last save's byte views of CPU tensors (see HostViews)
         )
         self._closed = False
+        self.last_restore: Any = None  # the last sharded restore (bytes_read, bytes_needed)
         self.history: collections.deque[SaveStats] = collections.deque(maxlen=256)  # newest last
         self._dir_lock: DirLock | None = None
         self._root: Dir | None = None  # the directory's descriptor: see _root_dir()
@@ -258,11 +293,18 @@ class Checkpointer:
             except Exception as exc:  # raised below, once every rank has heard of it
                 failure = exc
         if self._group.world_size > 1:
-            # every rank fails alike, and refuses save() alike, or a later collective would hang
+            # every rank fails alike, and refuses save() alike, or a later collective would hang.
+            # Rank 0 may wait lock_timeout_s for a job being replaced: the other ranks wait that
+            # long for its word, and the collective deadline only after it
             code = _FAILED if failure is not None else _WRITABLE
             if failure is None and self.read_only is not None:
                 code = self._read_only_errno or 0
-            code = self._group.all_gather([code])[0][0]
+            try:
+                code = self._group.from_rank0(
+                    "open", code, lock_timeout_s + timeout, f"whether it opened {self.directory}"
+                )
+            except CheckpointError as exc:
+                failure = failure or exc
             if code == _FAILED and failure is None:
                 failure = CheckpointError(
                     f"rank 0 could not open {self.directory} (its error is raised there)"
@@ -358,13 +400,20 @@ class Checkpointer:
             }
             tree, table = capture(step, **kwargs)
             table, replication = self._share(table)
+            chunk = self._chunk_for(table)
+            segment = self.segment_bytes
+            if self.overlap and not blocking and optimizer is not None and not table.has_cuda:
+                # overlap mode over host tensors writes each data file beside the copy of the
+                # next (job.py): eight or more files make the copy before the first write short
+                total = sum(t.numel() * t.element_size() for t in table.tensors)
+                segment = min(segment, max(_PIPELINE_SEGMENT, total // 8 // chunk * chunk))
             plan = self._plans.plan(
                 table.tensors,
                 table.names,
                 self.staging_bytes,
                 self.alignment,
-                self.chunk_bytes,
-                self.segment_bytes,
+                chunk,
+                segment,
             )
             if plan.streaming and self._coalescer is not None:
                 self.wait()  # one slot streams through the whole budget: no second one
@@ -388,7 +437,7 @@ class Checkpointer:
             self._views = HostViews(self._views)
             options = SaveOptions(
                 root_path=self.directory,
-                chunk=self.chunk_bytes,
+                chunk=chunk,
                 alignment=self.alignment,
                 direct=self.direct_io,
                 group=self._group,
@@ -427,6 +476,30 @@ class Checkpointer:
                 job.done.wait()
                 self._raise_job_error()
             return job.stats
+
+    def _chunk_for(self, table: Any) -> int:
+        """The CRC32C chunk of a save: ``chunk_bytes``, or by default 1 MiB, and for DTensor
+        blocks a 64th of their byte-weighted median size, a power of two between 4 KiB and
+        1 MiB (replicated saves keep 1 MiB: every rank must use the same)."""
+        if self.chunk_bytes is not None:
+            return self.chunk_bytes
+        if not table.sharded or self.replicated:
+            return DEFAULT_CHUNK
+        sizes = sorted(
+            t.numel() * t.element_size()
+            for t, layout in zip(table.tensors, table.layouts, strict=True)
+            if layout is not None
+        )
+        half, acc, median = sum(sizes) / 2, 0, sizes[-1]
+        for n in sizes:
+            acc += n
+            if acc >= half:
+                median = n
+                break
+        chunk = 4096
+        while chunk * 2 <= median // 64 and chunk < DEFAULT_CHUNK:
+            chunk *= 2
+        return chunk
 
     def _share(self, table: Any) -> tuple[Any, Any]:
         """(the tensors this rank writes, its Replication or None): all of them unless
@@ -516,10 +589,10 @@ class Checkpointer:
             table.names,
             self.staging_bytes,
             self.alignment,
-            self.chunk_bytes,
+            self._chunk_for(table),
             self.segment_bytes,
         )
-        return plan.arena_bytes + self.chunk_bytes
+        return plan.arena_bytes + DEFAULT_CHUNK
 
     def _join_prepare(self, timeout: float | None) -> bool:
         """Wait for a prepare() allocation; install its arena; raise its error (once).
@@ -761,7 +834,7 @@ class Checkpointer:
         rng: bool = True,
         path: str | os.PathLike | None = None,
         verify_loaded: bool = False,
-        elastic: bool = False,
+        elastic: bool | None = None,
     ) -> int | None:
         """Load the newest valid checkpoint into the objects, in place.
 
@@ -771,15 +844,18 @@ class Checkpointer:
         GPU with the Triton CRC32C kernel): damage in the host-to-device copy or device memory is
         then caught too, at the cost of one more read of the state.
 
-        ``elastic`` restores a checkpoint saved by another number of ranks, when its model,
-        optimizer, scheduler and scaler state is replicated: saved with ``replicated=True``
-        (declared at save time, so nothing more is checked), or else checked against every
+        A checkpoint restores on any world size and layout (resharding is the default; the
+        ``elastic`` argument is deprecated and has no effect). DTensor state (FSDP2, tensor
+        parallel) is read block by block into whatever layout the objects have now: each rank
+        reads only the chunks overlapping its own shards and verifies each one's CRC32C, into
+        host staging, and copies into the objects only once every rank has verified its part.
+        Plain model and optimizer state saved by another number of ranks must be replicated:
+        saved with ``replicated=True`` (declared at save time), or else checked against every
         rank's manifest first (DDP saves every rank's full copy). Rank r takes saved rank
-        r mod N's state; the replicated tensors of a ``replicated=True`` checkpoint come from
-        the shards that hold them. The rank's own parts (RNG states, ``stateful``, ``extra``)
-        come from that saved rank too: a sampler partitioned by rank must re-partition itself,
-        and ranks mapped to one saved rank draw the same random numbers unless reseeded (or
-        pass ``rng=False``).
+        r mod N's tree and plain state (for pipeline stages, the next saved rank with the same
+        model keys). The rank's own parts (RNG states, ``stateful``, ``extra``) come from that
+        saved rank too: a sampler partitioned by rank must re-partition itself, and ranks mapped
+        to one saved rank draw the same random numbers unless reseeded (or pass ``rng=False``).
 
         Returns:
             The restored step, or None when the directory holds no checkpoint at all.
@@ -793,10 +869,19 @@ class Checkpointer:
         from .restore import open_checkpoint
         from .restore import verify_loaded as check_loaded
         from .state import apply, capture
+        from .targets import has_dtensors
 
+        if elastic is not None:
+            warnings.warn(
+                "restore(elastic=...) is deprecated and has no effect: restore reshards to any "
+                "world size by default",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         self._check_open()
         self.wait()
         g = self._group
+        g.join("restore()")
         objects = {
             "model": model,
             "optimizer": optimizer,
@@ -804,6 +889,7 @@ class Checkpointer:
             "scaler": scaler,
             "stateful": stateful,
         }
+        dtensors = has_dtensors(model, optimizer)
         names: list[str | None] = [None]  # None: the caller's path
         root = None
         if path is None:
@@ -818,11 +904,13 @@ class Checkpointer:
         failures: list[CheckpointError] = []
         for name in names:
             label = os.fsdecode(path) if name is None else str(self.directory / name)
-            status, err = _OK, None
+            status, err, sharded = _OK, None, None
             try:
                 with open_checkpoint(path) if name is None else open_step(root, name) as step:
                     where = step.path
-                    info, tree, shard = self._read_candidate(step, elastic, extra, rng, objects)
+                    info, tree, shard, sharded = self._read_candidate(
+                        step, dtensors, extra, rng, objects
+                    )
             except Exception as exc:
                 status, err = _outcome(exc, label)
             agreed = g.all_reduce(status, "min")
@@ -835,18 +923,23 @@ class Checkpointer:
                     )
                 )
             if agreed == _OK:
+
+                def agree(ok: bool) -> bool:
+                    return g.all_reduce(int(ok), "min") == 1
+
                 try:
-                    apply(
-                        tree,
-                        **objects,
-                        extra=extra,
-                        rng=rng,
-                        agree=lambda ok: g.all_reduce(int(ok), "min") == 1,
-                    )
+                    if sharded is not None:
+                        sharded.apply(extra=extra, rng=rng, agree=agree)
+                    else:
+                        apply(tree, **objects, extra=extra, rng=rng, agree=agree)
                 except CheckpointCorruptError as exc:
                     err = exc
                 else:
-                    if verify_loaded:
+                    if sharded is not None:
+                        self.last_restore = sharded
+                        if verify_loaded:
+                            sharded.verify_loaded()
+                    elif verify_loaded:
                         _, table = capture(info.step, **objects, rng=False)
                         check_loaded(where, shard, table)
                     return info.step
@@ -869,32 +962,44 @@ class Checkpointer:
             path=str(self.directory),
         )
 
+    def _restore_staging(self, nbytes: int) -> Any:
+        """Host staging for a sharded restore: the staging arena when one is allocated and
+        large enough (pinned on CUDA machines: prepare() before restore() gets that), else
+        fresh host memory, faulted in by the reads themselves (allocating and locking an arena
+        here would fault it in first, a pass over memory the reads do anyway)."""
+        self._join_prepare(None)
+        if self._arena is not None and self._arena.nbytes >= nbytes:
+            return self._arena.view(0, nbytes)
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8)
+
     def _read_candidate(
-        self, step: Dir, elastic: bool, extra: Any, rng: bool, objects: dict[str, Any]
-    ) -> tuple[CheckpointInfo, dict[str, Any], Any]:
+        self, step: Dir, dtensors: bool, extra: Any, rng: bool, objects: dict[str, Any]
+    ) -> tuple[CheckpointInfo, Any, Any, Any]:
         """Read, verify and decode one checkpoint into host memory and check it against the
-        objects (nothing is loaded); raises what is wrong with it."""
+        objects (nothing is loaded): (info, tree, shard manifest, None), or for DTensor state on
+        either side (info, None, None, the staged ShardedRestore). Raises what is wrong."""
         from .persist import load_info
         from .restore import check_replicated, restore_tree
+        from .targets import ShardedRestore
         from .validate import check_targets
 
         g = self._group
         info = load_info(step)
+        if info.sharded or dtensors:  # block by block into the objects' layout
+            sharded = ShardedRestore(
+                step, info, g.rank, g.world_size, self._restore_staging, **objects
+            ).prepare(extra=extra, rng=rng)
+            return info, None, None, sharded
         src = g.rank
         if info.world_size != g.world_size:
-            if not elastic:
-                raise CheckpointStateError(
-                    f"{step.path} was saved by {info.world_size} ranks, this "
-                    f"job has {g.world_size}; restore with the same world "
-                    "size, or pass elastic=True for replicated (DDP) "
-                    "state (resharding of sharded state is not supported)"
-                )
             if not info.replicated:  # replicated=True declared it at save time
-                check_replicated(step, info)
+                check_replicated(step, info, g.world_size)
             src = g.rank % info.world_size
         tree, shard = restore_tree(step, info, src)
         check_targets(tree, **objects, extra=extra, rng=rng)
-        return info, tree, shard
+        return info, tree, shard, None
 
     def _check_pointer(self, root: Dir) -> None:
         """Cross-check ``latest`` (restore does not depend on it): a stale, damaged or unreadable

@@ -16,15 +16,19 @@ from __future__ import annotations
 import base64
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from . import sharding
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointStateError
 from .format import DTYPE_NAMES
 
-_TAGS = frozenset({"__tensor__", "__tuple__", "__dict__", "__float__", "__bytes__", "__ndarray__"})
+_TAGS = frozenset(
+    {"__tensor__", "__dtensor__", "__tuple__", "__dict__", "__float__", "__bytes__", "__ndarray__"}
+)
 _NP_DTYPES = frozenset(
     f"{order}{kind}{size}" for order in "<>|" for kind in "biuf" for size in (1, 2, 4, 8)
 ) | frozenset({"<c8", "<c16", ">c8", ">c16"})
@@ -47,6 +51,13 @@ class TensorTable:
         replicated_count: how many leading tensors came from the replicated sections (model,
             optimizer, scheduler, scaler: ``format.REPLICATED_KEYS``), which capture() encodes
             first; a tensor the rank's own state shares with them is one of those.
+        layouts: per tensor, its DTensor layout (``sharding.Layout``: the local shard's box of
+            the global tensor) or None for a plain tensor. A DTensor replica that another rank
+            writes is named but not added (see ``sharding``).
+        param_fqns: optimizer parameter index -> model parameter name, so that DTensor optimizer
+            state is named after its parameter (``optimizer.state.<fqn>.<key>``), the same on
+            every rank that holds a shard of it even when ranks hold different parameters
+            (pipeline stages).
     """
 
     names: list[str] = field(default_factory=list)
@@ -54,8 +65,14 @@ class TensorTable:
     deferred: list[bool] = field(default_factory=list)
     has_cuda: bool = False
     replicated_count: int = 0
+    layouts: list[sharding.Layout | None] = field(default_factory=list)
+    param_fqns: dict[int, str] = field(default_factory=dict)
     _seen: dict[tuple, str] = field(default_factory=dict)
     _taken: set[str] = field(default_factory=set)
+
+    @property
+    def sharded(self) -> bool:
+        return any(x is not None for x in self.layouts)
 
     def add(self, t: torch.Tensor, path: str, deferred: bool) -> str:
         """Add ``t`` (captured under ``path``) unless an identical view is in already; its name."""
@@ -73,15 +90,25 @@ class TensorTable:
                 f"{path}: a tensor on {t.device} has no bytes gpumem can copy; "
                 "move it to the CPU or a CUDA device first"
             )
-        t = t.detach()
-        if (
-            type(t) is not torch.Tensor
-        ):  # a subclass: refuse what has no local dense bytes of its own
+        layout = None
+        if type(t) is not torch.Tensor and sharding.is_dtensor(t):
+            # the local shard, detached directly: a DTensor's own detach() goes through its
+            # dispatch (~0.1 ms a tensor, hundreds of them per save)
+            layout = sharding.describe(t, path)
+            t = sharding.local_tensor(t).detach()
+            path = self._global_name(path)
+        else:
+            t = t.detach()
+        if type(t) is not torch.Tensor:  # a subclass: refuse what has no local bytes of its own
             _check_subclass(t, path)
         conj, neg = t.is_conj(), t.is_neg()
         # Same device, first byte, dtype, shape and strides (and lazy bits): the same values.
         # data_ptr() includes the storage offset, so views at different offsets stay apart.
-        key = (t.device, dtype, t.data_ptr(), t.shape, t.stride(), conj, neg) if t.numel() else None
+        key = (
+            (t.device, dtype, t.data_ptr(), t.shape, t.stride(), conj, neg, layout is None)
+            if t.numel()
+            else None
+        )
         if key is not None and key in self._seen:  # tied weights: one copy on disk, two references
             return self._seen[key]
         if conj or neg:  # the format stores plain values; resolve the lazy bit into a copy now
@@ -90,17 +117,31 @@ class TensorTable:
             path = _UNSAFE_NAME.sub("_", path)
         name = path[:900] or "tensor"
         if name in self._taken:
-            base, n = name, len(self.names)
+            # counted over every name, written or not, so ranks with the same state agree
+            base, n = name, len(self._taken)
             while name in self._taken:
                 name, n = f"{base}~{n}", n + 1
         if key is not None:
             self._seen[key] = name
         self._taken.add(name)
+        if layout is not None and not layout.writer:
+            return name  # a replica: the first replica's rank writes these bytes
         self.names.append(name)
         self.tensors.append(t)
         self.deferred.append(deferred)
+        self.layouts.append(layout)
         self.has_cuda = self.has_cuda or t.is_cuda
         return name
+
+    def _global_name(self, path: str) -> str:
+        """A DTensor's name: its path, with an optimizer state's parameter index replaced by the
+        parameter's name where capture() knows it."""
+        if self.param_fqns and path.startswith("optimizer.state."):
+            pid, _, rest = path[len("optimizer.state.") :].partition(".")
+            fqn = self.param_fqns.get(int(pid)) if pid.isdigit() else None
+            if fqn is not None:
+                return f"optimizer.state.{fqn}.{rest}"
+        return path
 
     def subset(self, indices: list[int]) -> TensorTable:
         """The tensors at ``indices`` (in that order) as a table of their own, for writing only:
@@ -111,19 +152,13 @@ class TensorTable:
             tensors=tensors,
             deferred=[self.deferred[i] for i in indices],
             has_cuda=any(t.is_cuda for t in tensors),
+            layouts=[self.layouts[i] for i in indices],
         )
 
 
 def _check_subclass(t: torch.Tensor, path: str) -> None:
-    """DTensor (FSDP2, tensor parallel) and other wrapper subclasses hold no bytes of their own:
-    say so, and what to do, instead of failing deep inside the copy."""
-    if hasattr(t, "_local_tensor") or type(t).__name__ == "DTensor":
-        raise CheckpointStateError(
-            f"{path}: a DTensor (FSDP2 / tensor parallel) cannot be stored: gpumem saves "
-            "each rank's plain tensors and does not reshard. Save "
-            "torch.distributed.checkpoint state for DTensor models, or pass plain tensors "
-            "(e.g. get_model_state_dict(..., options=StateDictOptions(full_state_dict=True)))"
-        )
+    """Wrapper subclasses other than DTensor hold no bytes of their own: say so, and what to do,
+    instead of failing deep inside the copy."""
     if hasattr(t, "__tensor_flatten__"):
         raise CheckpointStateError(
             f"{path}: a {type(t).__name__} tensor subclass wraps other tensors "
@@ -153,7 +188,8 @@ def encode(
     if _plain(value):
         return value
     if isinstance(value, torch.Tensor):
-        return {"__tensor__": table.add(value, path, deferred)}
+        tag = "__dtensor__" if sharding.is_dtensor(value) else "__tensor__"
+        return {tag: table.add(value, path, deferred)}
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
@@ -233,14 +269,21 @@ def _encode_key(key: Any, path: str) -> Any:
 _NO_TENSORS = TensorTable()  # for dict keys, which are scalars or tuples of them: never written
 
 
-def decode(node: Any, tensors: dict[str, Any], path: str = "state") -> Any:
-    """Rebuild a value from its JSON form; ``tensors`` maps names to loaded tensors.
+def decode(
+    node: Any,
+    tensors: Mapping[str, Any],
+    path: str = "state",
+    dtensors: Mapping[str, Any] | None = None,
+) -> Any:
+    """Rebuild a value from its JSON form; ``tensors`` maps names to loaded tensors, ``dtensors``
+    (default: ``tensors``) the names of global (DTensor) tensors to what stands for them.
 
     Raises:
         CheckpointCorruptError: the tree does not decode, whatever the reason.
     """
+    refs = (tensors, tensors if dtensors is None else dtensors)
     try:
-        return _decode(node, tensors, path)
+        return _decode(node, refs, path)
     except RecursionError:
         raise CheckpointCorruptError(f"{path}: state is nested too deeply") from None
     except CheckpointError:
@@ -251,7 +294,10 @@ def decode(node: Any, tensors: dict[str, Any], path: str = "state") -> Any:
         ) from exc
 
 
-def _decode(node: Any, tensors: dict[str, Any], path: str) -> Any:
+_Refs = tuple[Mapping[str, Any], Mapping[str, Any]]
+
+
+def _decode(node: Any, tensors: _Refs, path: str) -> Any:
     if node is None or isinstance(node, (bool, int, float, str)):
         return node
     if isinstance(node, list):
@@ -264,14 +310,16 @@ def _decode(node: Any, tensors: dict[str, Any], path: str) -> Any:
     return {k: _decode(v, tensors, f"{path}.{k}") for k, v in node.items()}
 
 
-def _decode_tagged(tag: str, arg: Any, tensors: dict[str, Any], path: str) -> Any:
+def _decode_tagged(tag: str, arg: Any, tensors: _Refs, path: str) -> Any:
     bad = CheckpointCorruptError(f"{path}: malformed {tag} value")
-    if tag == "__tensor__":
-        if not isinstance(arg, str) or arg not in tensors:
+    if tag in ("__tensor__", "__dtensor__"):
+        table = tensors[tag == "__dtensor__"]
+        if not isinstance(arg, str) or arg not in table:
+            where = "no shard holds" if tag == "__dtensor__" else "the table lacks"
             raise CheckpointCorruptError(
-                f"{path}: refers to tensor {str(arg)[:80]!r}, which the table lacks"
+                f"{path}: refers to tensor {str(arg)[:80]!r}, which {where}"
             )
-        return tensors[arg]
+        return table[arg]
     if tag == "__tuple__":
         if not isinstance(arg, list):
             raise bad

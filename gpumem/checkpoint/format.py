@@ -21,6 +21,12 @@ replicated sections (``REPLICATED_KEYS``) in one shard only: every manifest carr
 ``"replicated": true`` and every shard manifest an ``owners`` map from each such tensor to the
 rank whose shard holds it. Its manifests are framed as version 2, so a reader that predates the
 field refuses them by version instead of reporting missing tensors; version 1 is still read.
+
+A *sharded* checkpoint (DTensor state: FSDP2, tensor parallel) adds to each tensor entry that is
+a block of a global tensor a ``global`` field: the global shape, the block's offsets, the mesh
+(an index into the shard manifest's ``meshes``) and the placements (see ``sharding``). Its state
+tree refers to such tensors as ``{"__dtensor__": name}``, resolved over all shards. The main
+manifest carries ``"sharded": true``; its manifests are framed as version 3.
 """
 
 from __future__ import annotations
@@ -38,10 +44,12 @@ from gpumem import _strict_json as strict_json
 
 from ._core import crc32c
 from .errors import CheckpointCorruptError
+from .sharding import Box, Mesh
 
 FORMAT_VERSION = 1  # written for every checkpoint that is not replicated
 REPLICATED_VERSION = 2  # written for replicated ones: adds the "replicated" and "owners" fields
-READ_VERSIONS = (FORMAT_VERSION, REPLICATED_VERSION)
+SHARDED_VERSION = 3  # written for sharded ones: adds "sharded", "meshes" and tensors' "global"
+READ_VERSIONS = (FORMAT_VERSION, REPLICATED_VERSION, SHARDED_VERSION)
 MAIN_MANIFEST = "MANIFEST"
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step-(\d{1,19})$")
@@ -112,13 +120,15 @@ def align_up(n: int, alignment: int) -> int:
 
 def encode_manifest(body: dict[str, Any]) -> tuple[bytes, int]:
     """Serialize a manifest body; returns (file bytes, manifest CRC32C). A replicated
-    checkpoint's manifests are framed as version 2 (see the module docs)."""
+    checkpoint's manifests are framed as version 2, a sharded one's as 3 (see the module docs)."""
     payload = json.dumps(body, separators=(",", ":"), allow_nan=False, sort_keys=False).encode()
-    version = (
-        REPLICATED_VERSION
-        if isinstance(body, dict) and body.get("replicated") is True
-        else FORMAT_VERSION
-    )
+    fields = body if isinstance(body, dict) else {}
+    if fields.get("sharded") is True or "meshes" in fields:
+        version = SHARDED_VERSION
+    elif fields.get("replicated") is True:
+        version = REPLICATED_VERSION
+    else:
+        version = FORMAT_VERSION
     prefix = f"gpumem-checkpoint {version} {len(payload):012d} ".encode()
     crc = crc32c(payload, crc32c(prefix))
     return prefix + f"{crc:08x}\n".encode() + payload, crc
@@ -176,6 +186,11 @@ class TensorEntry:
     nbytes: int
     crc32c: tuple[int, ...]  # one per chunk_bytes chunk of the tensor's bytes
     extents: tuple[tuple[str, int, int], ...]  # (file, offset, length), in tensor byte order
+    # a block of a global tensor (sharded checkpoints): where it lies, on which mesh, how placed
+    box: Box | None = None
+    mesh: int = -1  # index into the shard manifest's meshes (-1: unknown, written through DCP)
+    placements: tuple[str, ...] = ()
+    tensor: str = ""  # the global tensor this block belongs to (its name; usually ``name``)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -197,6 +212,7 @@ class ShardManifest:
     # replicated checkpoints: every replicated tensor -> the rank whose shard holds it (the same
     # map in every shard); the tensors listed here are exactly those it maps to this rank
     owners: dict[str, int] = field(default_factory=dict)
+    meshes: tuple[Mesh, ...] = ()  # sharded checkpoints: the meshes its global blocks lie on
 
 
 @dataclass(frozen=True)
@@ -221,6 +237,7 @@ class CheckpointInfo:
         versions: gpumem / torch / python versions that wrote it.
         shards: one reference per rank.
         replicated: the replicated state was written once, spread over the shards.
+        sharded: holds blocks of global (DTensor) tensors, which restore reshards.
     """
 
     step: int
@@ -232,6 +249,7 @@ class CheckpointInfo:
     versions: dict[str, str] = field(default_factory=dict)
     shards: tuple[ShardRef, ...] = ()
     replicated: bool = False
+    sharded: bool = False
 
 
 class _Checker:
@@ -297,6 +315,7 @@ def parse_main(body: dict[str, Any], path: str, crc: int) -> CheckpointInfo:
         )
     nbytes = sum(s.nbytes for s in shards)
     replicated = c.get(body, "replicated", bool) if "replicated" in body else False
+    sharded = c.get(body, "sharded", bool) if "sharded" in body else False
     return CheckpointInfo(
         step,
         str(Path(path).parent),
@@ -307,6 +326,7 @@ def parse_main(body: dict[str, Any], path: str, crc: int) -> CheckpointInfo:
         dict(versions),
         tuple(shards),
         replicated,
+        sharded,
     )
 
 
@@ -330,13 +350,14 @@ def parse_shard(body: dict[str, Any], path: str, crc: int) -> ShardManifest:
         if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_FILE_BYTES:
             raise c.fail(f"file {name!r} has invalid size {size!r}")
         files[name] = size
+    meshes = _parse_meshes(c, body) if "meshes" in body else ()
     raw = c.get(body, "tensors", list)
     if len(raw) > MAX_TENSORS:
         raise c.fail(f"manifest lists {len(raw)} tensors, over the {MAX_TENSORS} limit")
     tensors, names = [], set()
     per_file: dict[str, list[tuple[int, int, str]]] = {f: [] for f in files}
     for i, t in enumerate(raw):
-        entry = _parse_tensor(c, t, i, chunk, align, files)
+        entry = _parse_tensor(c, t, i, chunk, align, files, meshes)
         if entry.name in names:
             raise c.fail(f"tensor name {entry.name!r} appears twice", entry.name)
         names.add(entry.name)
@@ -369,7 +390,85 @@ def parse_shard(body: dict[str, Any], path: str, crc: int) -> ShardManifest:
         crc,
         replicated,
         owners,
+        meshes,
     )
+
+
+_PLACEMENT = re.compile(r"^(R|S\(\d{1,2}\)|SS\(\d{1,2},\d{1,9}\))$")
+
+
+def _parse_meshes(c: _Checker, body: dict[str, Any]) -> tuple[Mesh, ...]:
+    """The ``meshes`` of a sharded shard manifest: shape, optional dimension names, ranks."""
+    raw = c.get(body, "meshes", list)
+    if len(raw) > MAX_TENSORS:
+        raise c.fail(f"manifest lists {len(raw)} meshes, over the {MAX_TENSORS} limit")
+    out = []
+    for i, m in enumerate(raw):
+        where = f"mesh {i}"
+        shape = c.get(m, "shape", list, where)
+        ranks = c.get(m, "ranks", list, where)
+        names = c.get(m, "names", (list, type(None)), where)
+        if not 0 < len(shape) <= MAX_NDIM or not all(
+            _is_int(d) and 0 < d <= MAX_WORLD for d in shape
+        ):
+            raise c.fail(f"{where}: shape {shape[:8]!r} is invalid")
+        if len(ranks) != math.prod(shape) or len(ranks) > MAX_WORLD:
+            raise c.fail(f"{where}: {len(ranks)} ranks for shape {shape}")
+        if not all(_is_int(r) and 0 <= r < MAX_WORLD for r in ranks) or len(set(ranks)) != len(
+            ranks
+        ):
+            raise c.fail(f"{where}: ranks must be distinct integers in [0, {MAX_WORLD})")
+        if names is not None and (
+            len(names) != len(shape)
+            or not all(isinstance(n, str) and 0 < len(n) <= 64 for n in names)
+        ):
+            raise c.fail(f"{where}: names {names[:8]!r} do not name its {len(shape)} dimensions")
+        out.append(Mesh(tuple(shape), tuple(names) if names is not None else None, tuple(ranks)))
+    return tuple(out)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _parse_global(
+    c: _Checker, g: Any, name: str, shape: tuple[int, ...], meshes: tuple[Mesh, ...]
+) -> tuple[Box, int, tuple[str, ...], str]:
+    """A tensor entry's ``global`` field: the block ``shape`` lies at ``offsets`` inside a global
+    tensor of shape ``shape`` (field), on mesh ``mesh`` with ``placements`` (both absent for
+    blocks written through DCP), optionally naming the global tensor (``tensor``; default: the
+    entry's name)."""
+    where = f"tensor {name!r} global"
+    gshape = c.get(g, "shape", list, where)
+    offsets = c.get(g, "offsets", list, where)
+    if len(gshape) != len(shape) or len(offsets) != len(shape):
+        raise c.fail(
+            f"{where}: shape {gshape[:8]} / offsets {offsets[:8]} for a block of "
+            f"{len(shape)} dimensions",
+            name,
+        )
+    for o, s, d in zip(offsets, shape, gshape, strict=True):
+        if not (_is_int(o) and _is_int(d) and o >= 0 and 0 <= d <= MAX_FILE_BYTES) or o + s > d:
+            raise c.fail(
+                f"{where}: block at {offsets[:8]} of shape {list(shape)[:8]} lies "
+                f"outside the global shape {gshape[:8]}",
+                name,
+            )
+    tensor = name
+    if "tensor" in g:  # the global tensor's name, where a shard holds several blocks of it
+        tensor = c.get(g, "tensor", str, where)
+        _check_name(c, tensor, where)
+    if "mesh" not in g and "placements" not in g:  # written through DCP: the layout is unknown
+        return Box(tuple(gshape), tuple(offsets), shape), -1, (), tensor
+    mesh = c.get(g, "mesh", int, where)
+    if not 0 <= mesh < len(meshes):
+        raise c.fail(f"{where}: mesh {mesh} is not one of the manifest's {len(meshes)}", name)
+    placements = c.get(g, "placements", list, where)
+    if len(placements) != len(meshes[mesh].shape) or not all(
+        isinstance(p, str) and _PLACEMENT.match(p) for p in placements
+    ):
+        raise c.fail(f"{where}: placements {placements[:8]!r} do not fit mesh {mesh}", name)
+    return Box(tuple(gshape), tuple(offsets), shape), mesh, tuple(placements), tensor
 
 
 def _parse_owners(
@@ -414,7 +513,13 @@ def _check_name(c: _Checker, name: str, where: str) -> None:
 
 
 def _parse_tensor(
-    c: _Checker, t: Any, i: int, chunk: int, align: int, files: dict[str, int]
+    c: _Checker,
+    t: Any,
+    i: int,
+    chunk: int,
+    align: int,
+    files: dict[str, int],
+    meshes: tuple[Mesh, ...] = (),
 ) -> TensorEntry:
     where = f"tensor #{i}"
     name = c.get(t, "name", str, where)
@@ -465,4 +570,18 @@ def _parse_tensor(
         total += length
     if total != nbytes:
         raise c.fail(f"{where}: extents cover {total} bytes, tensor has {nbytes}", name)
-    return TensorEntry(name, dtype, tuple(shape_raw), nbytes, tuple(crcs), tuple(extents))
+    if "global" not in t:
+        return TensorEntry(name, dtype, tuple(shape_raw), nbytes, tuple(crcs), tuple(extents))
+    box, mesh, placements, tensor = _parse_global(c, t["global"], name, tuple(shape_raw), meshes)
+    return TensorEntry(
+        name,
+        dtype,
+        tuple(shape_raw),
+        nbytes,
+        tuple(crcs),
+        tuple(extents),
+        box,
+        mesh,
+        placements,
+        tensor,
+    )

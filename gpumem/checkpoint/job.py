@@ -5,10 +5,13 @@ save() returns: everything in blocking and streaming mode, only buffers/RNG/extr
 A copier thread copies the deferred tensors in overlap mode. The persist thread writes one data
 file per batch (up to four at once) and commits; a checksum thread hashes host-staged bytes. The
 copier and persist threads are a Checkpointer's two long-lived Workers, so only its first save()
-waits for threads to start. Outside streaming mode writes and checksums start only once the whole
-state is staged, so they never take cores or memory bandwidth from the copy that training waits
+waits for threads to start. In blocking mode writes and checksums start only once the whole
+state is staged, so they never take cores or memory bandwidth from the copy the caller waits
 for. In streaming mode the caller and the persist thread form a two-slot pipeline: the caller
-copies batch b+1 while batch b is written and checksummed; a slot is reused only after both. Any
+copies batch b+1 while batch b is written and checksummed; a slot is reused only after both.
+Overlap mode over host tensors with several batches pipelines the same way, every batch
+resident: nobody waits for its copy, so writing batch b beside the copy of b+1 only makes the
+checkpoint durable sooner. Any
 failure on either side is recorded, wakes the other side and reaches the caller through
 Checkpointer.wait()/save()/close().
 """
@@ -29,11 +32,13 @@ import torch
 
 from . import persist
 from .codec import TensorTable
+from .consistency import check_agreement, check_complete, global_fields, sections
 from .errors import (
     CheckpointBranchWarning,
     CheckpointError,
     CheckpointIOError,
     CheckpointPointerWarning,
+    CheckpointStateError,
 )
 from .format import DTYPE_NAMES, MAIN_MANIFEST, data_file_name, shard_manifest_name
 from .options import Mode, SaveOptions
@@ -200,6 +205,13 @@ class SaveJob:
         # False: the caller knows this plan's alignment gaps are still zero in this arena (see
         # Checkpointer.save); streaming reuses slots with other layouts, so it always zeroes
         self.zero_gaps = zero_gaps or mode is Mode.STREAMING
+        # batch by batch, each written as soon as it is staged: streaming mode, and overlap mode
+        # over host tensors with several batches, whose copy no caller waits for (unless the
+        # next optimizer step comes first): its write then hides the copy instead of following
+        # it. Blocking mode keeps the copy alone, as the caller waits for it.
+        self.batched = mode is Mode.STREAMING or (
+            mode is Mode.OVERLAP and not table.has_cuda and len(plan.batch_sizes) > 1
+        )
         self.gaps_zero = False  # set once every batch's gaps are zero in the arena (not streaming)
         self.views = views if views is not None else HostViews()  # byte views of the CPU tensors
         self.stats = SaveStats(step, sum(p.nbytes for p in plan.pieces), mode.value)
@@ -221,6 +233,7 @@ class SaveJob:
         self.reported = False
         self.caller_failed = False
         self.committed: Path | None = None
+        self._committed_name: str | None = None
         self._tmp: Dir | None = None  # the open temporary directory of this save
         self._cond = threading.Condition()
         self._ready = 0  # batches fully staged
@@ -274,15 +287,15 @@ class SaveJob:
     def _produce(self, want: Any, stream: Any, wait_event: Any, sync_event: Any) -> None:
         """Copy the pieces ``want`` selects (None: all). Streaming: batch after batch, each marked
         ready once complete, so the persist thread writes batch b while batch b+1 is copied (a
-        slot is reused only once written). Otherwise every slot is resident and nothing is
-        written before the copy ends, so all batches go in one group: one native call (one
-        fan-out over the threads instead of one per batch)."""
+        slot is reused only once written); overlap mode over host tensors does the same with
+        every slot resident. Otherwise nothing is written before the copy ends, so all batches
+        go in one group: one native call (one fan-out over the threads instead of one per
+        batch)."""
         # the persist thread may drop self.table on failure: keep what is needed here
         plan, tensors = self.plan, self.table.tensors
         batches = range(len(plan.batch_sizes))
-        streaming = self.mode is Mode.STREAMING
-        groups = [[b] for b in batches] if streaming else [list(batches)]
-        if not streaming and self.mode is not Mode.OVERLAP:  # overlap zeroed them in save()
+        groups = [[b] for b in batches] if self.batched else [list(batches)]
+        if not self.batched and self.mode is not Mode.OVERLAP:  # overlap zeroed them in save()
             self._zero_all_gaps()
         for g, group in enumerate(groups):
             with self._cond:
@@ -290,9 +303,9 @@ class SaveJob:
                     self._cond.wait()
                 if self.error is not None:
                     return
-            if streaming:
+            if self.batched and self.mode is not Mode.OVERLAP:
                 zero_padding(self.arena, plan, group[0])
-            pieces = plan.pieces if not streaming else plan.batch_pieces(group[0])
+            pieces = plan.batch_pieces(group[0]) if self.batched else plan.pieces
             if want is not None:
                 pieces = [p for p in pieces if want(p)]
             t = time.perf_counter()
@@ -430,13 +443,20 @@ class SaveJob:
                 self._tmp = persist.prepare_tmp(self.root, self.step)
             except OSError as exc:
                 local_error, ok = CheckpointIOError.wrap(exc, f"creating {where}"), 0
-        # One collective tells every rank whether rank 0 created the directory and whether all
-        # ranks declared the same replicated state, before anything is written.
+        # One collective tells every rank whether rank 0 created the directory, whether all ranks
+        # save the same step and sections and declared the same replicated state, before anything
+        # is written. Rank 0 created the directory already: a rank that never joins (save() called
+        # on some ranks only) makes join() raise on every rank that did, naming it.
         try:
             sig = signature(self.tree, self.replication, self.chunk)
         except Exception as exc:
             local_error, ok, sig = exc, 0, signature(self.tree, None, self.chunk)
-        gathered = g.all_gather([ok, *sig])
+        try:
+            g.join(f"save(step={self.step})")
+            gathered = g.all_gather([ok, self.step, sections(self.tree), *sig])
+        except CheckpointError:
+            self._discard(tmp_name)
+            raise
         bad = [r for r, row in enumerate(gathered) if not row[0]]
         if bad:
             self._discard(tmp_name)
@@ -445,7 +465,8 @@ class SaveJob:
                 f"creates {where}); step {self.step} was not saved"
             )
         try:
-            check_signatures([row[1:] for row in gathered])
+            check_agreement([row[1:3] for row in gathered])
+            check_signatures([row[3:] for row in gathered])
         except CheckpointError:
             self._discard(tmp_name)
             raise
@@ -462,7 +483,7 @@ class SaveJob:
         crc_thread.start()
         try:
             tmp = self._open_tmp(tmp_name)
-            if self.mode is not Mode.STREAMING:
+            if not self.batched:
                 # Writing beside the copy takes memory bandwidth from it (~10-30 % on a small
                 # host), and the copy is what training waits for; the write starts once it ends.
                 # Then the files are written concurrently: the disk queue never drains while one
@@ -475,7 +496,7 @@ class SaveJob:
                     ev.wait()
                 if self.error is not None:
                     raise self.error
-            for b in range(len(plan.batch_sizes) if self.mode is Mode.STREAMING else 0):
+            for b in range(len(plan.batch_sizes) if self.batched else 0):
                 with self._cond:
                     while self._ready <= b and self.error is None:
                         self._cond.wait()
@@ -496,8 +517,8 @@ class SaveJob:
             self._fail(exc)
             local_error, ok, shard_crc = exc, 0, 0
         crc_thread.join()
-        gathered = g.all_gather([ok, shard_crc, self.stats.nbytes])
-        bad = [r for r, (flag, _, _) in enumerate(gathered) if not flag]
+        gathered = g.all_gather([ok, shard_crc, self.stats.nbytes, int(self.table.sharded)])
+        bad = [r for r, row in enumerate(gathered) if not row[0]]
         if bad:
             self._discard(tmp_name)  # nobody writes any more: free the space a failed save took
             raise (
@@ -519,14 +540,23 @@ class SaveJob:
                 assert self.root is not None
                 persist.clean_stale(self.root)
         if g.all_reduce(ok, "min") == 0:
-            raise (
-                _as_error(local_error, self.step)
-                if local_error
-                else CheckpointIOError(f"rank 0 failed to commit step {self.step}")
-            )
+            # every rank raises rank 0's reason (a sharded save it found incomplete, say)
+            text = ""
+            if local_error is not None:
+                state = isinstance(local_error, CheckpointStateError)
+                text = (_STATE if state else "") + str(local_error)
+            reason = g.broadcast_text(text, 0)
+            if local_error is not None:
+                raise _as_error(local_error, self.step)
+            if reason.startswith(_STATE):
+                raise CheckpointStateError(reason[len(_STATE) :])
+            raise CheckpointIOError(f"rank 0 failed to commit step {self.step}: {reason}")
         if not self.stats.durable_s:  # ranks other than 0: durable once rank 0 committed
             self.stats.durable_s = time.perf_counter() - self.t0
         self.stats.committed = True
+        if g.rank == 0 and self._committed_name is not None:
+            # cleanup, after the other ranks know the step is committed: they do not wait for it
+            self._retain(self._committed_name)
 
     def _open_tmp(self, name: str) -> Dir:
         """The temporary directory: rank 0 created it; the others open it (and, on first use,
@@ -589,7 +619,7 @@ class SaveJob:
         beside the disk write, which is slower than both."""
         plan = self.plan
         try:
-            if self.mode is not Mode.STREAMING:
+            if not self.batched:
                 self.staged.wait()
             for b in range(len(plan.batch_sizes)):
                 with self._cond:
@@ -633,11 +663,13 @@ class SaveJob:
         }
         if self.replication is not None:
             body.update(replicated=True, owners=self.replication.owners)
+        if self.table.sharded:
+            body["meshes"] = global_fields(self.table, tensors)
         body["state"] = self.tree  # last (the large part), after the fields that describe the shard
         return body
 
     def _commit(self, tmp: Dir, gathered: list[list[int]]) -> None:
-        body = {
+        body: dict[str, Any] = {
             "format": "gpumem-checkpoint",
             "step": self.step,
             "world_size": self.group.world_size,
@@ -645,11 +677,14 @@ class SaveJob:
             "versions": self.versions,
             "shards": [
                 {"rank": r, "file": shard_manifest_name(r), "crc32c": crc, "nbytes": n}
-                for r, (_, crc, n) in enumerate(gathered)
+                for r, (_, crc, n, _) in enumerate(gathered)
             ],
         }
         if self.replication is not None:
             body["replicated"] = True
+        if any(row[3] for row in gathered):
+            body["sharded"] = True
+            check_complete(tmp, [row[1] for row in gathered])
         crc = persist.write_manifest(tmp, MAIN_MANIFEST, body)
         assert self.root is not None
         done = persist.commit(self.root, tmp, self.step, crc)
@@ -679,8 +714,14 @@ class SaveJob:
                 CheckpointPointerWarning,
                 stacklevel=1,
             )
+        self._committed_name = done.name  # retention runs once every rank knows (_persist)
+
+    def _retain(self, committed: str) -> None:
+        """Rank 0, after the commit: remove checkpoints beyond ``keep`` (cleanup: a failure is a
+        warning, and the next save tries again)."""
+        assert self.root is not None
         try:
-            persist.apply_retention(self.root, self.keep, done.name)
+            persist.apply_retention(self.root, self.keep, committed)
         except OSError as exc:
             warnings.warn(
                 f"step {self.step} is committed, but removing checkpoints beyond keep="
@@ -713,6 +754,9 @@ class SaveJob:
             return None
         self.reported = True
         return _as_error(self.error, self.step)
+
+
+_STATE = "CheckpointStateError: "  # how broadcast_text marks a state error (vs. an I/O one)
 
 
 def _as_error(exc: BaseException, step: int) -> CheckpointError:

@@ -69,16 +69,20 @@ def split(table: TensorTable, rank: int, world: int) -> tuple[TensorTable, Repli
     """The tensors ``rank`` writes (the replicated ones it owns, then all of its own state) and
     the Replication to record."""
     count = table.replicated_count
-    shared = table.tensors[:count]
-    owners = assign_owners([t.numel() * t.element_size() for t in shared], world)
-    keep = [i for i, owner in enumerate(owners) if owner == rank] + list(
-        range(count, len(table.tensors))
+    # DTensor blocks are this rank's own already (their replicas are written once by sharding)
+    plain = [i for i in range(count) if table.layouts[i] is None]
+    owners = assign_owners(
+        [table.tensors[i].numel() * table.tensors[i].element_size() for i in plain], world
     )
+    keep = [i for i, owner in zip(plain, owners, strict=True) if owner == rank]
+    keep += [i for i in range(count) if table.layouts[i] is not None]
+    keep += list(range(count, len(table.tensors)))
     meta = tuple(
-        (name, DTYPE_NAMES[t.dtype], tuple(t.shape))
-        for name, t in zip(table.names, shared, strict=False)
+        (table.names[i], DTYPE_NAMES[table.tensors[i].dtype], tuple(table.tensors[i].shape))
+        for i in plain
     )
-    return table.subset(keep), Replication(dict(zip(table.names, owners, strict=False)), meta)
+    names = [table.names[i] for i in plain]
+    return table.subset(keep), Replication(dict(zip(names, owners, strict=True)), meta)
 
 
 def signature(tree: dict[str, Any], replication: Replication | None, chunk: int) -> list[int]:

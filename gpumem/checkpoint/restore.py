@@ -348,15 +348,22 @@ def _verify(step: Dir) -> CheckpointInfo:
         for shard in shards[1:]:
             check_same(shards[0], shard, p)
     held = [{t.name: t for t in shard.tensors} for shard in shards]
+    blocks: dict[str, Any] = {}
+    if info.sharded:  # every global tensor's blocks agree and tile it
+        from .reshard import GlobalIndex
+
+        index = GlobalIndex(p, shards)
+        index.check_all()
+        blocks = index.blocks
     for shard in shards:
         tensors = dict(held[shard.rank])
         # the union: each replicated tensor from the one shard that holds it
         tensors.update((name, held[owner][name]) for name, owner in shard.owners.items())
-        decode(shard.state, tensors, f"{p.name}.rank{shard.rank}")
+        decode(shard.state, tensors, f"{p.name}.rank{shard.rank}", dtensors=blocks)
     return info
 
 
-def check_replicated(step: Dir, info: CheckpointInfo) -> None:
+def check_replicated(step: Dir, info: CheckpointInfo, world_size: int) -> None:
     """Check from the shard manifests alone (no data read) that every rank saved the same
     model, optimizer, scheduler and scaler state: the same tree and, tensor by tensor, the
     same dtype, shape and chunk CRC32Cs. Then any rank's shard can seed a job of another size.
@@ -388,10 +395,11 @@ def check_replicated(step: Dir, info: CheckpointInfo) -> None:
             diff = f"tensor {names[0]!r}"
         if diff is not None:
             raise CheckpointStateError(
-                f"{path}: rank {rank} saved another {diff} than rank 0, so its "
-                "state is sharded (FSDP, ZeRO, tensor or pipeline parallel) or "
-                "its replicas diverged; only replicated (DDP) state restores "
-                f"on another world size: restore with {info.world_size} ranks"
+                f"{path} was saved by {info.world_size} ranks, this job has {world_size}, and "
+                f"rank {rank} saved another {diff} than rank 0: plain (non-DTensor) state that "
+                "differs between ranks (sharded by hand, pipeline stages, or diverged replicas) "
+                f"cannot be resharded. Restore with {info.world_size} ranks, or save sharded "
+                "state as DTensors (FSDP2 / tensor parallel)"
             )
 
 

@@ -58,6 +58,23 @@ def canonical_key(key: str) -> str:
     return key.replace(_COMPILE_PREFIX, "") if _COMPILE_PREFIX in key else key
 
 
+def param_names(model: Any, optimizer: Any) -> dict[int, str]:
+    """Optimizer parameter index (as ``optimizer.state_dict()`` numbers them: first appearance in
+    ``param_groups``) -> the model's name for that parameter (the first, for tied ones)."""
+    names: dict[int, str] = {}
+    for name, p in unwrap_model(model).named_parameters():
+        names.setdefault(id(p), canonical_key(name))
+    out, seen = {}, set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if id(p) in names:
+                out[len(seen) - 1] = names[id(p)]
+    return out
+
+
 def class_name(obj: Any) -> str:
     """What the checkpoint records of an object's class: its qualified name (module paths move
     between torch releases, class names do not)."""
@@ -110,6 +127,8 @@ def _capture(
             for k, v in sd.items()
         }
     if optimizer is not None:
+        if model is not None:
+            table.param_fqns = param_names(model, optimizer)
         tree["optimizer"] = encode(
             _state_dict_of(optimizer, "optimizer"), "optimizer", table, deferred=True
         )
@@ -191,6 +210,7 @@ def apply(
     extra: dict[str, Any] | None = None,
     rng: bool = True,
     agree: Callable[[bool], bool] | None = None,
+    commit: Callable[[], None] | None = None,
 ) -> None:
     """Load a decoded tree that ``validate.check_targets`` accepted into the objects, all or
     nothing (see the module docs for the order).
@@ -199,6 +219,9 @@ def apply(
         agree: called once every object but the model is loaded, with whether this process
             loaded them; returns whether every rank did (``torch.distributed``: an all-reduce).
             On False every rank rolls back, so the ranks fail or succeed together.
+        commit: called once every rank agreed, before the model is loaded: what may no longer
+            fail on the content (a sharded restore copies its verified, staged bytes into the
+            objects' storage here).
 
     Raises:
         CheckpointCorruptError: an object's ``load_state_dict`` refused the saved state (here or
@@ -232,6 +255,14 @@ def apply(
             f"checkpoint of step {tree.get('step')}: "
             f"{failure or 'another rank could not load its state'}; nothing was changed"
         )
+    if commit is not None:
+        try:
+            commit()
+        except Exception as exc:  # the device, not the checkpoint (all of it was verified)
+            raise CheckpointError(
+                f"copying the verified state of step {tree.get('step')} into the objects failed "
+                f"({type(exc).__name__}: {exc}); they may be partly loaded: restore again"
+            ) from exc
     if model is not None:
         try:
             module = unwrap_model(model)

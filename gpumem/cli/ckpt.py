@@ -1,4 +1,4 @@
-"""gpumem ckpt: list, verify and inspect checkpoints written by gpumem.Checkpointer."""
+"""gpumem ckpt: list, verify, inspect, export and import checkpoints (gpumem's own and DCP's)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     ver.add_argument(
         "path",
         type=_args.existing_dir,
-        help="a step-<N> directory, or a checkpoint directory to verify them all",
+        help="a step-<N> directory, a checkpoint directory to verify them all, or a plain "
+        "torch.distributed.checkpoint directory (with .metadata)",
+    )
+    ver.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="read a plain DCP directory's .metadata with plain pickle (runs code: only for "
+        "directories you trust) when the restricted reader refuses a class",
     )
     ins = cmds.add_parser(
         "inspect", help="show tensors, sizes, step, versions and saved state of a checkpoint"
@@ -51,6 +58,47 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=50,
         help="tensors listed per rank (default 50; 0 = all)",
     )
+    exp = cmds.add_parser(
+        "export", help="write a checkpoint's model weights as sharded safetensors with an index"
+    )
+    exp.add_argument(
+        "dir",
+        type=_args.existing_dir,
+        help="a checkpoint directory (its newest) or a step-<N> directory",
+    )
+    exp.add_argument("--format", choices=["safetensors"], default="safetensors")
+    exp.add_argument(
+        "--out", required=True, type=_args.new_or_existing_dir, help="output directory"
+    )
+    exp.add_argument(
+        "--config",
+        type=_args.existing_path,
+        help="a config.json to copy beside the weights (for from_pretrained)",
+    )
+    exp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating weights")
+    exp.add_argument(
+        "--max-shard-size",
+        type=_args.size,
+        default="5GB",
+        help="largest safetensors file (default 5GB)",
+    )
+    imp = cmds.add_parser(
+        "import", help="convert a plain torch.distributed.checkpoint directory into gpumem's"
+    )
+    imp.add_argument(
+        "dcp_dir",
+        type=_args.existing_dir,
+        help="a DCP directory (FileSystemWriter: .metadata, *.distcp)",
+    )
+    imp.add_argument(
+        "out",
+        type=_args.new_or_existing_dir,
+        help="the gpumem checkpoint directory to create step-<N> in",
+    )
+    imp.add_argument(
+        "--step", type=_args.non_negative_int, default=0, help="the step to record (default 0)"
+    )
+    imp.add_argument("--trust-pickle", action="store_true", help="as for verify")
     p.set_defaults(func=run)
 
 
@@ -58,7 +106,14 @@ def run(args: argparse.Namespace) -> int:
     from gpumem.checkpoint import CheckpointError
 
     try:
-        return {"ls": _ls, "verify": _verify, "inspect": _inspect}[args.ckpt_command](args)
+        commands = {
+            "ls": _ls,
+            "verify": _verify,
+            "inspect": _inspect,
+            "export": _export,
+            "import": _import,
+        }
+        return commands[args.ckpt_command](args)
     except CheckpointError as exc:
         print(f"gpumem ckpt {args.ckpt_command}: {exc}", file=sys.stderr)
         return 1
@@ -157,7 +212,25 @@ def _targets(path: Path) -> list[Path]:
 
 def _verify(args: argparse.Namespace) -> int:
     from gpumem.checkpoint import CheckpointCorruptError, verify
+    from gpumem.checkpoint.dcp_plain import is_plain_dcp, verify_plain
 
+    if is_plain_dcp(Path(args.path)):
+        try:
+            r = verify_plain(Path(args.path), trust_pickle=args.trust_pickle)
+        except CheckpointCorruptError as exc:
+            print(f"CORRUPT  {args.path}: {exc}")
+            return 1
+        print(
+            f"OK       {args.path}: plain DCP directory, {r.tensors} tensors in {r.chunks} "
+            f"chunks and {r.bytes_items} pickled items, {format_bytes(r.nbytes)}\n"
+            "         checked: metadata (restricted unpickler), every item's file, offset and "
+            "length, tensor records against the metadata (dtype, shape), chunks tiling each "
+            "tensor, zip CRC-32 of every record\n"
+            "         not checked: DCP stores no checksum of its own (a record rewritten with "
+            "its CRC-32), and the pickled items' content (never unpickled here); `gpumem ckpt "
+            "import` converts it into a checksummed gpumem checkpoint"
+        )
+        return 0
     bad = 0
     targets = _targets(Path(args.path))
     with progress_bar("verifying checkpoints") as bar:
@@ -210,10 +283,7 @@ def _inspect(args: argparse.Namespace) -> int:
                 "chunk_bytes": shard.chunk_bytes,
                 "sections": sorted(state),
                 "extra": state.get("extra"),
-                "tensor_list": [
-                    {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes}
-                    for t in shard.tensors[: args.limit or None]
-                ],
+                "tensor_list": [_tensor_json(t) for t in shard.tensors[: args.limit or None]],
             }
         )
     out = {
@@ -225,6 +295,7 @@ def _inspect(args: argparse.Namespace) -> int:
         "manifest_crc32c": f"{info.manifest_crc32c:08x}",
         "versions": info.versions,
         "replicated": info.replicated,
+        "sharded": info.sharded,
         "ranks": ranks,
     }
     if args.json:
@@ -258,10 +329,51 @@ def _inspect(args: argparse.Namespace) -> int:
         if r["extra"] is not None:
             print(f"    extra: {json.dumps(r['extra'])[:200]}")
         for t in r["tensor_list"]:
+            block = ""
+            if "global" in t:  # a block of a global tensor: where it lies, how it was placed
+                g = t["global"]
+                spans = ", ".join(
+                    f"{o}:{o + n}" for o, n in zip(g["offsets"], t["shape"], strict=True)
+                )
+                placed = f" ({', '.join(g['placements'])})" if g["placements"] else ""
+                block = f"  [{spans}] of {tuple(g['shape'])}{placed}"
             print(
                 f"    {t['name']:<48} {t['dtype']:<9} "
-                f"{tuple(t['shape'])!s:<18} {format_bytes(t['nbytes']):>10}"
+                f"{tuple(t['shape'])!s:<18} {format_bytes(t['nbytes']):>10}{block}"
             )
         if args.limit and r["tensors"] > args.limit:
             print(f"    ... {r['tensors'] - args.limit} more (--limit 0 lists all)")
     return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from gpumem.checkpoint.export import export_safetensors
+
+    files = export_safetensors(
+        args.dir,
+        args.out,
+        config=args.config,
+        dtype=args.dtype,
+        max_shard_bytes=args.max_shard_size,
+    )
+    for f in files:
+        print(f)
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from gpumem.checkpoint.dcp_plain import import_plain
+
+    print(import_plain(Path(args.dcp_dir), Path(args.out), args.step, args.trust_pickle))
+    return 0
+
+
+def _tensor_json(t) -> dict:
+    out = {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes}
+    if t.box is not None:
+        out["global"] = {
+            "shape": list(t.box.global_shape),
+            "offsets": list(t.box.offsets),
+            "placements": list(t.placements),
+        }
+    return out

@@ -172,7 +172,9 @@ def inference_layout(args: argparse.Namespace) -> tuple[int, int, str]:
     tp, pp = args.tp, args.pp
     if tp is None and pp is None:
         tp, pp = gpus, 1
-        note = f"tp{tp} (all {gpus} GPUs; give --tp/--pp for another split)" if gpus > 1 else ""
+        note = (
+            f"all {gpus} GPUs as tensor parallelism; --tp/--pp split otherwise" if gpus > 1 else ""
+        )
     else:
         tp, pp = tp or max(1, gpus // (pp or 1)), pp or max(1, gpus // (tp or 1))
         note = ""
@@ -212,9 +214,8 @@ def run(args: argparse.Namespace) -> int:
             pp=pp,
             engine=args.engine,
             calibration=args.calibration,
+            layout_source=note or None,
         )
-        if note and not args.json:
-            print(f"layout: {note}")
         print(json.dumps(bill.to_dict(), indent=2) if args.json else bill.table())
         return 0
     from gpumem.estimator import estimate

@@ -68,6 +68,9 @@ class Workload:
         grouped_gemm: experts run as one grouped GEMM over all routed tokens (Megatron's
             TEGroupedMLP, transformers' ``grouped_mm``) rather than a loop over experts.
         fused: which of ``FUSED_OPS`` run as fused kernels.
+        kv_cache: a transformers model builds its KV cache in forward (its default in training;
+            gradient checkpointing turns it off); GPT-2's attention then saves the cache's
+            contiguous copies of k and v.
     """
 
     batch: int
@@ -88,6 +91,7 @@ class Workload:
     moe_imbalance: float = 1.0
     grouped_gemm: bool = False
     fused: frozenset[str] = frozenset()
+    kv_cache: bool = True
 
     @property
     def tokens(self) -> int:

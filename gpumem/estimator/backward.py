@@ -119,10 +119,31 @@ def mlp_moment(spec: ModelSpec, s: Shape, ffn: int) -> Moment:
         _swiglu_rest(wk, n, h, f, A, s.grad_bytes, cast, in_cast)
     else:  # proj(gelu(fc(x)))
         wk.linear(n, f, h, True, A, s.grad_bytes, cast, saved=n * f * A, consumed=copy)
-        wk.alloc(t=n * f * A)  # gelu backward
-        wk.free(t=n * f * A, a=n * f * A)
+        if spec.is_hf:
+            _gelu_new(wk, n * f * A)
+        else:  # one fused GELU kernel
+            wk.alloc(t=n * f * A)
+            wk.free(t=n * f * A, a=n * f * A)
         wk.linear(n, h, f, True, A, s.grad_bytes, cast, saved=in_cast, consumed=n * f * A)
     return wk.best
+
+
+def _gelu_new(wk: _Walk, x: int) -> None:
+    """transformers' ``gelu_new``, 0.5·x·(1 + tanh(c·(x + 0.044715·x³))) as Python ops, run
+    backward from its output's gradient (``x`` bytes each; saved: x, 0.5·x, tanh, 1 + tanh):
+    the product's two factor gradients, tanh's, the scalar products', pow's three (x², 3·x²,
+    their product with the gradient) at once, then 0.5·x's, summed into one gradient of x."""
+    wk.alloc(t=2 * x)  # mul(0.5x, 1 + tanh): both factors' gradients
+    wk.free(t=x, a=2 * x)  # the incoming gradient; 0.5·x and 1 + tanh
+    wk.alloc(t=x)  # tanh backward
+    wk.free(t=x, a=x)  # its input gradient consumed; tanh's output
+    wk.alloc(t=x)  # the product with c
+    wk.free(t=x)
+    wk.alloc(t=x)  # the product with 0.044715
+    wk.alloc(t=3 * x)  # pow backward: x², 3·x², and their product with the gradient
+    wk.free(t=3 * x, a=x)  # x², 3·x², the incoming gradient; x (saved by pow)
+    wk.alloc(t=x)  # 0.5·x's gradient, then everything sums into one gradient of x
+    wk.free(t=2 * x)
 
 
 def _swiglu_rest(

@@ -257,9 +257,11 @@ def _moe(spec: ModelSpec, w: Workload, n: int) -> list[Item]:
 def _gpt2_layer(spec: ModelSpec, w: Workload) -> list[Item]:
     """transformers' GPT-2 block (Conv1D = addmm, SDPA, ``gelu_new`` written as Python ops):
     LayerNorms save input, mean and rstd; attention saves ``c_attn``'s input, its fused q/k/v
-    output (k and v view it), two head-shaped copies, the output (``c_proj`` reads it without a
-    copy) and the log-sum-exp; ``gelu_new`` = 0.5·x·(1 + tanh(√(2/π)(x + 0.044715·x³))) saves
-    x (for pow), tanh's output, 0.5·x and 1 + tanh, and ``c_proj`` its product: 5 ffn-wide
+    output (q, k and v view it), the KV cache's contiguous copies of k and v when the cache is
+    on (transformers' default in training, off under gradient checkpointing), the output
+    (``c_proj`` reads it without a copy) and the log-sum-exp; ``gelu_new`` =
+    0.5·x·(1 + tanh(√(2/π)(x + 0.044715·x³))) saves x (for pow), tanh's output, 0.5·x and
+    1 + tanh, and ``c_proj`` its product: 5 ffn-wide
     tensors per token, in the compute dtype under autocast too."""
     t, n, A = w.tp, w.tokens, w.compute
     n_sp = n // t if w.sp else n
@@ -269,7 +271,8 @@ def _gpt2_layer(spec: ModelSpec, w: Workload) -> list[Item]:
     items = act._norm_items(spec, w, "attn_norm", n_sp)
     items += _proj_inputs(w, "c_attn", 1, n, n_sp, h)
     items.append(Item("attn.qkv", n * 3 * hq * A))
-    items += _sdpa(w, a, n * hq * A, n * hq * A, 0, n * hq * A)
+    kv_copy = n * hq * A if w.kv_cache else 0  # the KV cache's k and v; else views of qkv
+    items += _sdpa(w, a, kv_copy, kv_copy, 0, n * hq * A)
     if w.autocast:  # the attention c_proj's autocast input is a copy of the output
         items.append(Item("attn.c_proj_input", n * hq * A))
     items += act._norm_items(spec, w, "mlp_norm", n_sp)

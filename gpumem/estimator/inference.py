@@ -73,9 +73,43 @@ class InferenceBill:
     engine: str = "vllm"
     precision: str = "bf16"
     kv_dtype: str = "bf16"
+    input_sources: dict[str, str] = field(default_factory=dict)
+    """Where each shown input came from (``given``, ``default``, ``default: the model's
+    context``, ...), keyed as :meth:`inputs` is."""
+
+    def inputs(self) -> dict[str, Any]:
+        """The inputs the bill was computed for, in the order they are printed."""
+        return {
+            "context": self.context,
+            "batch_size": self.batch_size,
+            "precision": self.precision,
+            "kv_dtype": self.kv_dtype,
+            "engine": self.engine,
+            "layout": f"tp{self.tp} pp{self.pp}",
+        }
+
+    def inputs_line(self) -> str:
+        """``inputs: context 4096 (default: the model's context), batch 1 (default), ...``."""
+        labels = {
+            "context": "context",
+            "batch_size": "batch",
+            "precision": "weights",
+            "kv_dtype": "KV cache",
+            "engine": "engine",
+            "layout": "layout",
+        }
+        parts = []
+        for key, value in self.inputs().items():
+            src = self.input_sources.get(key, "")
+            parts.append(f"{labels[key]} {value}" + (f" ({src})" if src else ""))
+        return "inputs: " + ", ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "inputs": {
+                k: {"value": v, "source": self.input_sources.get(k, "")}
+                for k, v in self.inputs().items()
+            },
             "n_params": self.model.n_params,
             "per_gpu": dict(self.per_gpu),
             "fits": self.fits,
@@ -95,7 +129,8 @@ class InferenceBill:
             f"{self.model.name} inference, batch {self.batch_size} x context {self.context}, "
             f"tp{self.tp} pp{self.pp} on {self.gpu.name}, weights {self.precision}, KV "
             f"{self.kv_dtype}, {self.engine} conventions "
-            f"({self.kv_bytes_per_token:,} KV bytes per token per GPU)"
+            f"({self.kv_bytes_per_token:,} KV bytes per token per GPU)",
+            self.inputs_line(),
         ]
         lines += [
             f"{c:<15}{self.per_gpu[c]:>18,}{self.per_gpu[c] / 2**30:>10.2f} GiB" for c in CATEGORIES
@@ -139,6 +174,7 @@ def estimate_inference(
     engine: str = "vllm",
     kv_dtype: str | None = None,
     calibration: Any = None,
+    layout_source: str | None = None,
 ) -> InferenceBill:
     """Memory of serving ``batch_size`` sequences of ``context`` tokens on one rank of a
     ``tp`` × ``pp`` layout.
@@ -149,6 +185,8 @@ def estimate_inference(
             bf16); ``kv_precision`` is its older name.
         engine: vllm, sglang or hf (see the module doc).
         calibration: a Calibration or its path: the GPU gets the measured reserve.
+        layout_source: where tp and pp came from, for the stated inputs (default: ``given``
+            unless both are 1, ``default``).
 
     The activation workspace is one prefill chunk (vLLM / SGLang: 8192 tokens; transformers:
     the whole batch × context): the residual stream and norm output (2·h), the MLP's widest
@@ -215,6 +253,20 @@ def estimate_inference(
         engine=engine,
         precision=precision,
         kv_dtype=kv,
+        input_sources={
+            "context": "default: the model's context" if context is None else "given",
+            "batch_size": "default" if batch_size == 1 else "given",
+            "precision": "default" if precision == "bf16" else "given",
+            "kv_dtype": "given"
+            if (kv_dtype or kv_precision)
+            else (
+                "default: the weights'"
+                if kv == precision
+                else "default: 16-bit for 8/4-bit weights"
+            ),
+            "engine": "default" if engine == "vllm" else "given",
+            "layout": layout_source or ("default" if tp == pp == 1 else "given"),
+        },
     )
 
 

@@ -7,7 +7,7 @@ two into peak terms; the planner's sweep asks it for thousands of layouts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gpumem.estimator import activations as act
@@ -252,6 +252,13 @@ class PresetTerms:
                 else:
                     x[peak.P_PEND] = layer_tp + layer_rep + (emb if is_first else 0.0)
                     x[peak.P_PEND_EXP] = expert_layer if first_is_moe else 0.0
+                if spec.tied_embeddings and is_first and is_last and spec.is_decoder:
+                    # the head's gradient of a tied embedding waits in autograd's input buffer
+                    # (a temporary) until the embedding's own backward adds to it and
+                    # AccumulateGrad makes it the .grad
+                    tied = pg.embed_tp / t
+                    x[peak.P_PEND] += tied
+                    x[peak.T_LAYER] += tied * tr.grad_bytes
             layer_params = max(
                 moe_tp + pg.layer_rep + (expert_layer if spec.is_moe else 0.0),
                 dense_tp + pg.dense_rep if spec.is_moe and n_dense else 0.0,
@@ -357,6 +364,8 @@ class PresetTerms:
                 0.0,
                 0.0,
             )
+        if recompute != "none" and spec.is_hf:  # transformers' checkpointing: no KV cache
+            w = replace(w, kv_cache=False)
         items = hf_ops.layer_items(spec, w)
         full = act.sum_items(items)
         n_in = w.tokens // (w.tp if w.sp else 1) * spec.hidden * w.residual

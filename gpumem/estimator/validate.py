@@ -269,8 +269,7 @@ class HFCase:
     seq: int = 64
     reference: str = "fake"
     """``fake``: profiled under fake tensors; ``real``: trained for real on the CPU (the same
-    numbers, except where a fake kernel's decomposition allocates what the real kernel does
-    not: SDPA's CPU backward, see benchmarks/results/hf_sweep.md)."""
+    numbers to the byte: tests/estimator/test_hf_sweep.py::test_fake_equals_real)."""
 
 
 def estimate_hf_case(case: HFCase, device: str = "cpu") -> Bill:

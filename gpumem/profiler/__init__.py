@@ -7,8 +7,9 @@
 Modules: ``tracker`` (dispatch-mode storage tracking), ``hooks`` (phases, saved tensors),
 ``session`` (the context manager and its accounting), ``state`` (its records), ``report`` and
 ``plot`` (outputs),
-``fake`` (fake tensors), ``cuda`` (allocator and driver numbers), ``distributed`` (per-rank
-summaries), ``categories`` (the shared vocabulary).
+``fake`` (fake tensors), ``cuda`` (allocator and driver numbers), ``sharding`` (FSDP2 units and
+collectives), ``distributed`` (gathering per-rank reports, a fake process group),
+``categories`` (the shared vocabulary).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from gpumem._assumptions import note_assumption
 from gpumem.profiler.categories import CATEGORIES, PHASES
+from gpumem.profiler.distributed import cluster_table, fake_process_group, gather
 from gpumem.profiler.fake import fake
 from gpumem.profiler.headroom import ProfileMemoryWarning
 from gpumem.profiler.report import LayerStats, Report, StepReport
@@ -40,7 +42,7 @@ def profile(
     Two modes (see docs/profiler.md, "Modes"):
 
     - ``"exact"`` (default): a TorchDispatchMode sees every op, so every storage created or freed
-      in the region is counted the moment it happens. All six categories, per-layer
+      in the region is counted the moment it happens. All seven categories, per-layer
       temporaries, exact peaks (on CUDA in the allocator's 512-byte blocks, plus the allocator's
       own peaks). Costs a Python call per aten op.
     - ``"light"``: no dispatch mode, only hooks (module forward/backward, saved tensors,
@@ -51,6 +53,11 @@ def profile(
       allocator's true peak less what was allocated at entry and is not the model's). On CPU
       temporaries are not measured: they are ``None`` in the report, and ``peak_bytes`` is the
       peak of the measured categories only (a lower bound of the true peak).
+
+    Under torch.distributed each rank profiles itself: FSDP2 (``fully_shard``), tensor
+    parallelism and 2-D meshes work in both modes and under :func:`fake` (with
+    :func:`fake_process_group`); what sharding costs is the ``communication`` category, and
+    :func:`gather` with :func:`cluster_table` shows every rank (docs/profiler.md, "Distributed").
 
     Args:
         model: the module trained in the region; its forward marks the phases and names layers.
@@ -81,7 +88,10 @@ __all__ = [
     "ProfileMemoryWarning",
     "Report",
     "StepReport",
+    "cluster_table",
     "fake",
+    "fake_process_group",
+    "gather",
     "note_assumption",
     "profile",
 ]

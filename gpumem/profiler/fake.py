@@ -22,6 +22,13 @@ What follows from having no data:
   device; without one it falls back to the math kernel's shapes). Without a usable CUDA device
   only no-grad work is possible: ops that would record autograd are refused with an error,
   because PyTorch itself would abort the process.
+- models that read values for control flow may take another branch when they see fake tensors.
+  transformers does so in one place that changes memory: without a KV cache (training, and
+  always under gradient checkpointing) it checks whether ``position_ids`` describe packed
+  sequences, and a fake tensor makes it build an explicit ``(b, 1, s, s)`` mask, which SDPA
+  turns into an fp32 copy that every layer saves (a real run with its default positions finds
+  no packing and passes ``is_causal``). :func:`real_branches`, entered by ``gpumem.profile``
+  for a fake model, takes the real run's branch and notes the assumption.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ import sys
 from collections.abc import Iterator
 
 import torch
+
+from gpumem.profiler.tracker import views_of
 
 
 @contextlib.contextmanager
@@ -246,8 +255,51 @@ def _no_autograd_without_cuda():
     return NoAutograd()
 
 
-def is_fake_model(model: torch.nn.Module) -> bool:
-    """True when the model's parameters are fake tensors (built under :func:`fake`)."""
+_PACKED_ASSUMPTION = (
+    "transformers: position_ids taken as one sequence per row (no packed sequences), as its "
+    "default positions are; a real run checks the values"
+)
+
+
+@contextlib.contextmanager
+def real_branches() -> Iterator[None]:
+    """Make libraries that branch on "is this a fake tensor?" take the branch a real run takes,
+    where that branch is known without the data, noting the assumption
+    (:func:`gpumem._assumptions.note_assumption`).
+
+    transformers' ``find_packed_sequence_indices`` (``masking_utils``) answers "not packed" for
+    fake ``position_ids``: transformers creates them as ``arange(s)`` per row, which a real run
+    checks and finds unpacked. Without this a fake profile of a model trained without a cache
+    counts an explicit attention mask and each layer's fp32 copy of it that the real run never
+    creates (8 KiB + 32 KiB per layer for 2 x 64 tokens; ``b·s²·(1 + 4 per layer)`` bytes).
+    Only libraries already imported are patched (a fake model's classes are imported by then).
+    """
+    masking = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if original is None or getattr(original, "_gpumem_real_branch", False):
+        yield
+        return
     from torch._subclasses.fake_tensor import FakeTensor
 
-    return any(isinstance(p, FakeTensor) for p in model.parameters())
+    from gpumem._assumptions import note_assumption
+
+    def find_packed_sequence_indices(position_ids, *args, **kwargs):
+        if isinstance(position_ids, FakeTensor):
+            note_assumption(_PACKED_ASSUMPTION)
+            return None
+        return original(position_ids, *args, **kwargs)
+
+    find_packed_sequence_indices._gpumem_real_branch = True  # type: ignore[attr-defined]
+    masking.find_packed_sequence_indices = find_packed_sequence_indices
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
+
+
+def is_fake_model(model: torch.nn.Module) -> bool:
+    """True when the model's parameters are fake tensors (built under :func:`fake`), also when
+    sharding made them DTensors around fake local tensors."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(view, FakeTensor) for p in model.parameters() for view, _ in views_of(p))

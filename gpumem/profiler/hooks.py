@@ -10,7 +10,11 @@ Phases come from hooks, so users add no markers:
 - the optimizer's step pre/post hooks, and ``zero_grad`` (counted in the optimizer phase);
 - ``torch.utils.checkpoint``'s non-reentrant generator: the inputs it keeps for recomputation are
   the activations of a checkpointed region (the reentrant variant saves them through autograd,
-  which the saved-tensor hooks already see).
+  which the saved-tensor hooks already see);
+- FSDP2: each unit's parameter group's gather, reshard and reduce calls, and the ``allocate`` of
+  its gather and reduce-scatter buffers (instance attributes: FSDP calls them through the
+  instance, and removing ours brings back the class's);
+- DTensor's sharding propagation, whose fake tensors are no memory of the run.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gpumem.profiler import sharding
 from gpumem.profiler.tracker import tensors_in
 
 if TYPE_CHECKING:
@@ -38,6 +43,7 @@ class HookSet:
         self.prof = prof
         self._undo: list[Callable[[], None]] = []
         self._saved_hooks: Any = None
+        self._hooked: set[int] = set()  # ids of FSDP's unsharded parameters given a grad hook
 
     def install(self) -> None:
         try:
@@ -45,6 +51,8 @@ class HookSet:
             self._install_params()
             self._install_optimizer()
             self._install_checkpoint()
+            self._install_fsdp()
+            self._install_dtensor()
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_hooks.__enter__()
             self._undo.append(lambda: self._saved_hooks.__exit__(None, None, None))
@@ -131,23 +139,97 @@ class HookSet:
         post = opt.register_step_post_hook(lambda *_: self.prof.optimizer_exit())
         self._undo.append(pre.remove)
         self._undo.append(post.remove)
-        had_own = "zero_grad" in vars(opt)
-        original = opt.zero_grad
+        self._wrap(opt, "zero_grad", self._zero_grad)
 
-        @functools.wraps(original)
+    def _zero_grad(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        prof = self.prof
+
         def zero_grad(*args: Any, **kwargs: Any) -> Any:
-            with self.prof.optimizer_phase():
+            with prof.optimizer_phase():
                 return original(*args, **kwargs)
 
-        opt.zero_grad = zero_grad
+        return zero_grad
+
+    # -- FSDP2 -------------------------------------------------------------------------------------
+    def _install_fsdp(self) -> None:
+        prof = self.prof
+        for fqn, _, group in prof.fsdp_units:
+            for call in sharding.GROUP_CALLS:
+                self._wrap(group, call, functools.partial(self._fsdp_call, fqn, group, call))
+            for comm in sharding.comm_allocators(group):
+                self._wrap(comm, "allocate", functools.partial(self._fsdp_allocate, fqn))
+
+    def _install_dtensor(self) -> None:
+        propagator = sharding.dtensor_propagator()
+        if propagator is not None:
+            self._wrap(propagator, sharding.PROPAGATES, self._untracked)
+
+    def _untracked(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        tracker = self.prof.tracker
+
+        def untracked(*args: Any, **kwargs: Any) -> Any:
+            paused, tracker.paused = tracker.paused, True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                tracker.paused = paused
+
+        return untracked
+
+    def _wrap(self, obj: Any, name: str, make: Callable[[Callable[..., Any]], Any]) -> None:
+        """Replace ``obj.name`` by ``make(original)`` on the instance; undone on removal."""
+        had_own = name in vars(obj)
+        original = getattr(obj, name)
+        setattr(obj, name, functools.wraps(original)(make(original)))
 
         def restore() -> None:
             if had_own:
-                opt.zero_grad = original
+                setattr(obj, name, original)
             else:
-                del opt.zero_grad
+                delattr(obj, name)
 
         self._undo.append(restore)
+
+    def _fsdp_call(
+        self, fqn: str, group: Any, call: str, original: Callable[..., Any]
+    ) -> Callable[..., Any]:
+        prof = self.prof
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            prof.fsdp_enter(fqn, group, call)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if call == "wait_for_unshard":
+                    self._hook_unsharded(fqn, group)
+                prof.fsdp_exit(fqn, group, call)
+
+        return wrapped
+
+    def _hook_unsharded(self, fqn: str, group: Any) -> None:
+        """FSDP creates a unit's unsharded parameters at its first gather: from then on autograd
+        accumulates their gradients, which wait there for the reduce-scatter."""
+        for p in sharding.unsharded_params(group):
+            if id(p) not in self._hooked:
+                self._hooked.add(id(p))
+                h = p.register_post_accumulate_grad_hook(
+                    functools.partial(self._unsharded_grad_ready, fqn)
+                )
+                self._undo.append(h.remove)
+
+    def _unsharded_grad_ready(self, fqn: str, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self.prof.unsharded_grad_ready(p.grad, fqn)
+
+    def _fsdp_allocate(self, fqn: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        prof = self.prof
+
+        def allocate(*args: Any, **kwargs: Any) -> Any:
+            t = original(*args, **kwargs)
+            prof.communication_buffer(t, fqn)
+            return t
+
+        return allocate
 
     # -- activation checkpointing --------------------------------------------------------------
     def _install_checkpoint(self) -> None:
@@ -175,11 +257,11 @@ class HookSet:
         # grad_fn would form a reference cycle that outlives the graph. Autograd rebuilds the
         # grad_fn/leaf metadata on unpack, so double backward is unaffected.
         tracker = self.prof.tracker
-        tracker.paused = True
+        paused, tracker.paused = tracker.paused, True
         try:
             return t.detach()
         finally:
-            tracker.paused = False
+            tracker.paused = paused
 
     @staticmethod
     def _unpack(t: torch.Tensor) -> torch.Tensor:

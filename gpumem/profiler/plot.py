@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpumem.profiler.categories import PHASES
+from gpumem.profiler.categories import CATEGORIES, PHASES
 
 if TYPE_CHECKING:
     from gpumem.profiler.report import Report
@@ -17,6 +17,7 @@ _COLORS = {
     "gradients": "#f28e2b",
     "optimizer": "#e15759",
     "activations": "#76b7b2",
+    "communication": "#59a14f",
     "temporary": "#edc948",
     "inputs": "#b07aa1",
 }
@@ -66,11 +67,15 @@ def report_figure(rep: Report, depth: int | None = None) -> Any:
     import matplotlib.pyplot as plt
 
     layers = _bar_layers(rep, depth)
+    # light mode on CPU has no temporaries to draw; communication only under sharding; inputs
+    # are no layer's
     cats = [
         c
-        for c in ("weights", "gradients", "optimizer", "activations", "temporary")
-        if c in rep.measured
-    ]  # light mode on CPU has no temporaries to draw
+        for c in CATEGORIES
+        if c != "inputs"
+        and c in rep.measured
+        and (c != "communication" or any(st.communication for st in rep.layers.values()))
+    ]
     top = max([rep.peak_bytes, *(rep.layers[n].total for n in layers)], default=1)
     uname, scale = _unit(top)
     fig, (ax1, ax2) = plt.subplots(
@@ -105,6 +110,17 @@ def report_figure(rep: Report, depth: int | None = None) -> Any:
                 ax2.axvspan(t[start], end, color=_PHASE_COLORS[PHASES[tl["phase"][start]]], lw=0)
                 start = i
         ax2.step(t, y, where="post", color="black", lw=1)
+        comm = tl.get("communication")  # absent before schema 3
+        if comm and any(comm):
+            ax2.fill_between(
+                t,
+                [c / scale for c in comm],
+                step="post",
+                color=_COLORS["communication"],
+                alpha=0.6,
+                lw=0,
+                label="communication",
+            )
         ax2.axhline(
             rep.peak_bytes / scale,
             color="red",
@@ -123,7 +139,8 @@ def report_figure(rep: Report, depth: int | None = None) -> Any:
 
 
 def chrome_trace(rep: Report) -> dict[str, Any]:
-    """Trace events (microseconds): memory counter on pid 0, phases on tid 0, modules on tid 1."""
+    """Trace events (microseconds): memory counters (live bytes; communication bytes when there
+    are any) on pid 0, phases on tid 0, modules on tid 1 (forward) and 2 (backward)."""
     ev: list[dict[str, Any]] = [
         {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"gpumem {rep.model}"}},
         {"name": "thread_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "phases"}},
@@ -146,6 +163,18 @@ def chrome_trace(rep: Report) -> dict[str, Any]:
     ts, bs = tl.get("t_ns", []), tl.get("bytes", [])
     for t, b in zip(ts, bs, strict=True):
         ev.append({"name": "live bytes", "ph": "C", "pid": 0, "ts": t / 1e3, "args": {"bytes": b}})
+    comm = tl.get("communication")  # absent before schema 3
+    if comm and any(comm):
+        for t, c in zip(ts, comm, strict=True):
+            ev.append(
+                {
+                    "name": "communication bytes",
+                    "ph": "C",
+                    "pid": 0,
+                    "ts": t / 1e3,
+                    "args": {"bytes": c},
+                }
+            )
     start = 0
     for i in range(1, len(ts) + 1):
         if (

@@ -15,6 +15,7 @@ from gpumem.profiler.categories import (
     ACTIVATIONS,
     BACKWARD,
     CATEGORIES,
+    COMMUNICATION,
     FORWARD,
     GRADIENTS,
     OPTIMIZER,
@@ -23,12 +24,14 @@ from gpumem.profiler.categories import (
     TEMPORARY,
     WEIGHTS,
 )
-from gpumem.profiler.state import ProfileRecord, StepAcc
+from gpumem.profiler.state import ProfileRecord, StepAcc, ancestors
 from gpumem.units import format_bytes
 
-SCHEMA_VERSION = 2  # 2: ``mode``/``measured``; temporaries are null where not measured
-_READS = (1, 2)
-_LAYER_CATS = (WEIGHTS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARY)
+# 2: ``mode``/``measured``; temporaries are null where not measured. 3: ``communication`` (a
+# category, a layer column and a timeline series)
+SCHEMA_VERSION = 3
+_READS = (1, 2, 3)
+_LAYER_CATS = (WEIGHTS, GRADIENTS, OPTIMIZER, ACTIVATIONS, COMMUNICATION, TEMPORARY)
 
 
 @dataclass
@@ -39,6 +42,9 @@ class LayerStats:
     gradients: int = 0
     optimizer: int = 0
     activations: int = 0
+    communication: int = 0
+    """The most communication bytes of the module and its children alive at once (FSDP units'
+    gathered parameters, gather and reduce-scatter buffers; not a sum over children)."""
     temporary: int | None = 0
     """Largest of ``forward_temporary`` and ``backward_temporary``; ``None`` where not measured
     (light mode on CPU)."""
@@ -56,6 +62,7 @@ class LayerStats:
             + self.gradients
             + self.optimizer
             + self.activations
+            + self.communication
             + (self.temporary or 0)
         )
 
@@ -135,38 +142,28 @@ class Report:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Report:
-        """Rebuild a report from ``to_dict``/JSON (plain data only, no code runs)."""
-        if d.get("schema_version") not in _READS:
+        """Rebuild a report from ``to_dict``/JSON (plain data only, no code runs).
+
+        Versions 1 and 2 predate ``communication``: it reads as 0, as it was then (sharded
+        models could not be profiled)."""
+        version = d.get("schema_version")
+        if version not in _READS:
             raise ValueError(
-                f"profile JSON has schema_version {d.get('schema_version')!r}, this gpumem reads "
+                f"profile JSON has schema_version {version!r}, this gpumem reads "
                 f"{', '.join(map(str, _READS))}; re-run the profile with this version"
             )
         d = {**d, "schema_version": SCHEMA_VERSION}  # version 1 is version 2 in exact mode
+        if version < 3:
+            d["at_peak"] = _ordered(d["at_peak"])
+            d["steps"] = [{**s, "at_peak": _ordered(s["at_peak"])} for s in d["steps"]]
+            if "measured" in d:
+                d["measured"] = [c for c in CATEGORIES if c in d["measured"] or c == COMMUNICATION]
         d["layers"] = {k: LayerStats(**v) for k, v in d["layers"].items()}
         d["steps"] = [
             StepReport(**{**s, "layers": {k: LayerStats(**v) for k, v in s["layers"].items()}})
             for s in d["steps"]
         ]
         return cls(**d)
-
-    def summary(self) -> dict[str, Any]:
-        """The small per-rank summary (no layers, no timeline) used by distributed gathering."""
-        return {
-            "rank": self.rank,
-            "peak_bytes": self.peak_bytes,
-            "at_peak": dict(self.at_peak),
-            "peak_step": self.peak_step,
-            "peak_phase": self.peak_phase,
-            "steps": [
-                {
-                    k: getattr(s, k)
-                    for k in ("index", "peak", "forward_peak", "backward_peak", "optimizer_peak")
-                }
-                for s in self.steps
-            ],
-            "device": self.device,
-            "allocator": self.allocator,
-        }
 
     # -- human-readable ------------------------------------------------------------------------
     def _rows(self, depth: int | None) -> list[tuple[str, LayerStats]]:
@@ -294,17 +291,10 @@ def _fmt(n: int | None, unit: str | None = None) -> str:
     return "-" if n is None else format_bytes(n, unit)
 
 
-def _ancestors(name: str) -> list[str]:
-    if name == "":
-        return [""]
-    parts = name.split(".")
-    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)] + [""]
-
-
 def _rollup(names: list[str], direct: dict[str, int]) -> dict[str, int]:
     out = dict.fromkeys(names, 0)
     for k, v in direct.items():
-        for a in _ancestors(k):
+        for a in ancestors(k):
             if a in out:
                 out[a] += v
     return out
@@ -334,6 +324,7 @@ def _step_layers(prof: ProfileRecord, step: StepAcc) -> dict[str, LayerStats]:
             gradients=grads[n],
             optimizer=opt[n],
             activations=acts[n],
+            communication=step.communication.get(n, 0),
             temporary=max(ft, bt) if measured else None,
             forward_temporary=ft,
             backward_temporary=bt,
@@ -370,13 +361,14 @@ def build_report(prof: ProfileRecord) -> Report:
                 allocator=dict(s.allocator.get("phases", {})),
             )
         )
-    ts, lv, ph, st = prof.timeline
+    ts, lv, ph, st, cm = prof.timeline
     t0 = prof.t_start
     timeline = {
         "t_ns": [t - t0 for t in ts],
         "bytes": list(lv),
         "phase": list(ph),
         "step": list(st),
+        "communication": list(cm),
     }
     spans = [
         {"module": m, "phase": p, "start_ns": a - t0, "end_ns": b - t0, "step": k}

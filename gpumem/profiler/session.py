@@ -13,7 +13,12 @@ Definitions (issue #3):
 - a module's *activations* are the storages first saved for backward while it is the innermost
   running module (parameters, buffers and inputs excluded); parents add up their children.
 - a module's *temporary* is the high-water mark of live bytes during one forward (or backward)
-  call above the level at entry, minus the activations (in backward: the gradients) it added.
+  call above the level at entry, minus the activations (in backward: the gradients) it added;
+  communication buffers are left out of these levels (they are no module's scratch space).
+- under FSDP2 what a unit's parameter group creates while it gathers, reshards or reduces is
+  *communication* of that unit (``sharding.py`` says which calls); its unsharded parameters stay
+  communication when autograd saves them, while other collective outputs that autograd saves
+  (tensor parallelism's gathered inputs) are activations.
 """
 
 from __future__ import annotations
@@ -22,17 +27,19 @@ import contextlib
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from gpumem._assumptions import listen, unlisten
-from gpumem.profiler import cuda
+from gpumem.profiler import cuda, sharding
 from gpumem.profiler.categories import (
     ACTIVATIONS,
     BACKWARD,
     CATEGORIES,
+    COMMUNICATION,
     FORWARD,
     GRADIENTS,
     INPUTS,
@@ -41,7 +48,7 @@ from gpumem.profiler.categories import (
     TEMPORARY,
     WEIGHTS,
 )
-from gpumem.profiler.fake import is_fake_model
+from gpumem.profiler.fake import is_fake_model, real_branches
 from gpumem.profiler.headroom import warn_if_short
 from gpumem.profiler.hooks import HookSet
 from gpumem.profiler.report import Report, build_report
@@ -53,8 +60,9 @@ from gpumem.profiler.state import (
     ProfileRecord,
     Snapshot,
     StepAcc,
+    ancestors,
 )
-from gpumem.profiler.tracker import Entry, StorageTracker, storages_of, tensors_in
+from gpumem.profiler.tracker import Entry, StorageTracker, storages_of, tensors_in, views_of
 
 _graph_task_id = torch._C._current_graph_task_id
 _ACTIVE = threading.local()
@@ -120,6 +128,17 @@ class Profile:
         # it only keeps the registry of the storages the hooks hand it, sampled at boundaries
         self._sync = self._boundary if self.light else self._after_op
         self.tracker = StorageTracker(self._context, self._sync, self._where)
+        self.tracker.on_comm = self._comm_changed
+        # FSDP2 units, found on entry; the units gathering or reducing now (innermost last); the
+        # entries of unsharded parameters (never activations)
+        self.fsdp_units: list[sharding.Unit] = []
+        self._comm_units: list[str] = []
+        self._gathered: weakref.WeakSet[Entry] = weakref.WeakSet()
+        self._unsharded_known: set[str] = set()  # units whose unsharded parameters are claimed
+        # live communication bytes: in all, and per module with its ancestors
+        self._comm_total = 0
+        self._comm_live: dict[str, int] = {}
+        self._chains: dict[str, list[str]] = {}  # module -> ancestors(module), computed once
         self.hooks = HookSet(self)
         self.steps: list[StepAcc] = [StepAcc(0)]
         self.peak = Snapshot()
@@ -131,7 +150,13 @@ class Profile:
         self.fwd: list[Frame] = []
         self.bwd: list[Frame] = []
         self.spans: list[tuple[str, str, int, int, int]] = []  # (fqn, phase, t0, t1, step)
-        self.timeline: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
+        self.timeline: tuple[list[int], list[int], list[int], list[int], list[int]] = (
+            [],
+            [],
+            [],
+            [],
+            [],
+        )
         self._in_step = False
         self._in_zero_grad = 0
         self._tail: str | None = None
@@ -141,6 +166,8 @@ class Profile:
         # the peaks and the running frames in the current phase and step
         self._tl_level, self._tl_phase, self._tl_step = -1, "", -1
         self._mark, self._mark_phase, self._mark_step = -1, "", None
+        # the highest level less communication already handed to the running frames
+        self._fmark = -1
         # light mode on CUDA: allocated bytes that are not the model's (other tensors alive at
         # entry), the allocator level at the last boundary, the categories there
         self._baseline = 0
@@ -148,6 +175,7 @@ class Profile:
         self._light_level = 0
         self._cats_prev: dict[str, int] = {}
         self._entered = False
+        self._real_branches: Any = None
         self._exited = False
         self.t_start = 0
         self.t_end = 0
@@ -178,6 +206,7 @@ class Profile:
         if not is_fake_model(self.model):
             warn_if_short(self.model, self.optimizer)
         self.t_start = time.perf_counter_ns()
+        self.fsdp_units = sharding.fsdp_units(self.model, self.fqn_of)
         self._register_existing()
         self.allocator = cuda.AllocatorProbe.maybe(
             self.model, self.device_types, self.snapshot_path
@@ -197,6 +226,9 @@ class Profile:
             if self.allocator is not None:
                 self.allocator.close()
             raise
+        if is_fake_model(self.model):  # the branch a real run takes, where a library asks
+            self._real_branches = real_branches()
+            self._real_branches.__enter__()
         _ACTIVE.profile = self
         listen(self.note_assumption)
         self._sync()
@@ -215,6 +247,7 @@ class Profile:
                 self.tracker.__exit__(exc_type, exc, tb)
         finally:
             self.hooks.remove()
+            self._leave_real_branches()
         frames, self.fwd = self.fwd, []
         self._close_forwards(frames)
         if self.bwd or self._bw_tasks:  # an exception inside backward
@@ -226,6 +259,11 @@ class Profile:
         if self.allocator is not None:
             self.allocator.finish(self.probe_view(), exc)
         return False  # never swallow the exception
+
+    def _leave_real_branches(self) -> None:
+        if self._real_branches is not None:
+            self._real_branches.__exit__(None, None, None)
+            self._real_branches = None
 
     def report(self) -> Report:
         """The :class:`~gpumem.profiler.report.Report` of everything measured so far."""
@@ -280,6 +318,10 @@ class Profile:
                 owner = self.param_owner.get(id(p), (None, ""))[1]
                 for t in tensors_in(state):
                     tr.track(t, OPTIMIZER, owner)
+        # FSDP keeps the storages of unsharded parameters from the first step on (at size 0
+        # while sharded): known from the start, their resizes are followed
+        for u in self.fsdp_units:
+            self._claim_unsharded(u.fqn, u.group)
 
     # -- tracker callbacks ---------------------------------------------------------------------
     def _phase(self) -> str:
@@ -292,6 +334,8 @@ class Profile:
         return self._tail or FORWARD
 
     def _context(self) -> tuple[str, str]:
+        if self._comm_units:
+            return COMMUNICATION, self._comm_units[-1]
         return (OPTIMIZER if self._in_step else TEMPORARY), ""
 
     def _where(self) -> str:
@@ -302,10 +346,11 @@ class Profile:
     def _after_op(self, level: int | None = None) -> None:
         """Called after every op (exact mode) or hook boundary (light mode): peaks and timeline.
 
-        Runs once per aten op, so it does as little as it can: the peaks, the step's snapshot and
-        the running frames' high-water marks only change when the level rises above ``_mark``
-        (the highest level already handed to all of them) or the phase or step changes; of the
-        forward frames only the innermost is updated (it hands its mark to its parent on exit).
+        Runs once per aten op, so it does as little as it can: the peaks and the step's snapshot
+        only change when the level rises above ``_mark`` (the highest level already handed to
+        them) or the phase or step changes, the running frames' high-water marks (levels less
+        communication) only when that rises above ``_fmark``; of the forward frames only the
+        innermost is updated (it hands its mark to its parent on exit).
         """
         if level is None:
             level = self.tracker.level
@@ -326,11 +371,22 @@ class Profile:
             level != self._tl_level or phase is not self._tl_phase or step.index != self._tl_step
         ):
             self._tl_level, self._tl_phase, self._tl_step = level, phase, step.index
-            ts, lv, ph, st = self.timeline
+            ts, lv, ph, st, cm = self.timeline
             ts.append(time.perf_counter_ns())
             lv.append(level)
             ph.append(PHASE_CODE[phase])
             st.append(step.index)
+            cm.append(self._comm_total)
+        work = level - self._comm_total
+        if work > self._fmark:
+            self._fmark = work
+            if self.fwd:  # the innermost only: it hands its mark to its parent on exit
+                top = self.fwd[-1]
+                if work > top.hwm:
+                    top.hwm = work
+            for f in self.bwd:
+                if work > f.hwm:
+                    f.hwm = work
         if level <= self._mark and phase is self._mark_phase and step is self._mark_step:
             return
         self._mark, self._mark_phase, self._mark_step = level, phase, step
@@ -341,13 +397,6 @@ class Profile:
             step.peak = self._snap(level, phase, step)
         if level > self.peak.bytes or self.peak.event < 0:
             self.peak = step.peak
-        if self.fwd:
-            top = self.fwd[-1]
-            if level > top.hwm:
-                top.hwm = level
-        for f in self.bwd:
-            if level > f.hwm:
-                f.hwm = level
 
     def _snap(self, level: int, phase: str, step: StepAcc) -> Snapshot:
         at: dict[str, int | None] = dict(self.tracker.by_category)
@@ -458,12 +507,18 @@ class Profile:
         if self.record_timeline:
             self.spans.append((f.fqn, phase, f.t0, time.perf_counter_ns(), step.index))
 
-    def _root_forward(self, args: Any, kwargs: Any) -> None:
+    def _open_step(self) -> None:
+        """A forward starts: after a closed step it opens the next one."""
         if self._closed:
-            self.steps.append(StepAcc(len(self.steps)))
+            step = StepAcc(len(self.steps))
+            step.communication = {k: v for k, v in self._comm_live.items() if v > 0}
+            self.steps.append(step)
             self._closed = False
-        self.steps[-1].forwards += 1
         self._tail = None
+
+    def _root_forward(self, args: Any, kwargs: Any) -> None:
+        self._open_step()
+        self.steps[-1].forwards += 1
         for t in tensors_in((args, kwargs)):
             for st in storages_of(t):
                 e = self.tracker.lookup(st)
@@ -487,10 +542,10 @@ class Profile:
     def _new_frame(self, fqn: str, in_backward: bool) -> Frame:
         if self.light:
             self._boundary()  # the interval before the call belongs to the running frames
-        level = self._level_now()
+        level = self._level_now() - self._comm_total
         frame = Frame(fqn, level, self.tracker.events, in_backward, time.perf_counter_ns())
-        if level < self._mark:  # the new frame has seen only ``level`` so far
-            self._mark = level
+        if level < self._fmark:  # the new frame has seen only ``level`` so far
+            self._fmark = level
         if self.light:
             self.tracker.events += 1  # storages registered from now on are born inside the call
         if self.allocator is not None:
@@ -510,7 +565,14 @@ class Profile:
             lambda: self._backward_task_done(task)
         )
 
-    def _backward_task_done(self, task: int) -> None:
+    def _backward_task_done(self, task: int, deferred: bool = False) -> None:
+        if not deferred and sharding.final_callback_pending(self.fsdp_units):
+            # FSDP queued its end-of-backward callback (the last reduce-scatters) after ours:
+            # the pass ends after it. Once only: FSDP's may belong to an outer graph task.
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self._backward_task_done(task, deferred=True)
+            )
+            return
         self._bw_tasks.discard(task)
         if not self._bw_tasks:
             self._backward_end()
@@ -529,18 +591,28 @@ class Profile:
             self._closed = True
 
     def _record_gradients(self, step: StepAcc) -> None:
-        seen: set[int] = set()
-        per: dict[str, int] = {}
+        # storage -> the parameters whose gradients view it, with the bytes of their views
+        shares: dict[int, tuple[Entry, list[tuple[str, int]]]] = {}
         for p, owner in self.param_owner.values():
             if p.grad is None:
                 continue
-            for st in storages_of(p.grad):
+            for view, st in views_of(p.grad):
                 e = self.tracker.lookup(st)
                 if e is None and self.light:  # assigned outside autograd: nothing saw it yet
                     e = self.tracker.add(st, p.grad.device.type, GRADIENTS, owner)
-                if e is not None and id(e) not in seen:
-                    seen.add(id(e))
-                    per[owner] = per.get(owner, 0) + e.nbytes
+                if e is not None:
+                    n = view.numel() * view.element_size()
+                    shares.setdefault(id(e), (e, []))[1].append((owner, n))
+        per: dict[str, int] = {}
+        for e, owners in shares.values():
+            # FSDP2 makes a unit's sharded gradients views of one reduce-scatter output: each
+            # parameter's module gets its view, the first also what no view covers (padding)
+            rest = e.nbytes
+            for owner, n in owners[1:]:
+                n = min(n, rest)
+                per[owner] = per.get(owner, 0) + n
+                rest -= n
+            per[owners[0][0]] = per.get(owners[0][0], 0) + rest
         for k, v in per.items():
             step.gradients[k] = max(v, step.gradients.get(k, 0))
 
@@ -575,7 +647,9 @@ class Profile:
             return
         for st in storages_of(t):
             e = self.tracker.lookup(st)
-            if e is not None and e.category == TEMPORARY and e.died is None:
+            if e is None or e.died is not None:
+                continue
+            if e.category == TEMPORARY or (e.category == COMMUNICATION and e not in self._gathered):
                 self._mark_activation(e, module)
 
     def checkpoint_inputs(self, fn: Any, tensors: list[torch.Tensor]) -> None:
@@ -652,6 +726,74 @@ class Profile:
         self._in_step = False
         self._tail = OPTIMIZER_PHASE
         self._closed = True
+
+    # -- FSDP2 ---------------------------------------------------------------------------------
+    def fsdp_enter(self, fqn: str, group: Any, call: str) -> None:
+        """A unit's parameter group starts ``call`` (one of ``sharding.GROUP_CALLS``)."""
+        if call in sharding.GATHERS and not self._in_step and _graph_task_id() == -1:
+            self._open_step()  # FSDP's pre-forward hook runs before the profiler's
+        if call == "post_backward":
+            # unsharded gradients wait for their reduce-scatter
+            self._claim(sharding.unsharded_grads(group), fqn, credit=True)
+        self._comm_units.append(fqn)
+
+    def fsdp_exit(self, fqn: str, group: Any, call: str) -> None:
+        self._comm_units.pop()
+        if call == "wait_for_unshard":
+            self._claim_unsharded(fqn, group)
+        elif call == "reshard":
+            self._claim(sharding.post_forward_shards(group), fqn)
+        self._sync()
+
+    def _claim_unsharded(self, fqn: str, group: Any) -> None:
+        """A unit's unsharded parameters, once they exist (FSDP creates them at its first
+        gather and keeps them): claimed once per unit, their resizes are followed after."""
+        if fqn not in self._unsharded_known:
+            storages = list(sharding.unsharded_storages(group))
+            if storages:
+                self._claim(storages, fqn, gathered=True)
+                self._unsharded_known.add(fqn)
+
+    def unsharded_grad_ready(self, grad: torch.Tensor, fqn: str) -> None:
+        """Autograd accumulated the gradient of an unsharded parameter of unit ``fqn``."""
+        self._claim([grad], fqn, credit=True)
+        self._sync()
+
+    def communication_buffer(self, t: torch.Tensor, fqn: str) -> None:
+        """FSDP allocated a gather or reduce-scatter buffer for unit ``fqn``."""
+        self._claim([t], fqn)
+        if self.light:
+            self._sync()
+
+    def _claim(self, tensors: Any, fqn: str, gathered: bool = False, credit: bool = False) -> None:
+        """Make the storages of ``tensors`` communication of unit ``fqn`` (registering those
+        light mode has not seen); ``gathered``: unsharded parameters, never activations;
+        ``credit``: kept beyond the running backward calls, so not their temporaries."""
+        tr = self.tracker
+        for t in tensors:
+            for st in storages_of(t):
+                e = tr.lookup(st)
+                if e is None:
+                    e = tr.add(st, t.device.type, COMMUNICATION, fqn)
+                elif e.category != COMMUNICATION:
+                    if credit and e.category == TEMPORARY:
+                        self._credit(self.bwd, e)
+                    self._reclassify(e, COMMUNICATION, fqn)
+                if gathered:
+                    self._gathered.add(e)
+
+    def _comm_changed(self, e: Entry, delta: int) -> None:
+        """The tracker's report of a change in live communication bytes."""
+        self._comm_total += delta
+        live = self._comm_live
+        peaks = self.steps[-1].communication
+        chain = self._chains.get(e.module)
+        if chain is None:
+            chain = self._chains[e.module] = ancestors(e.module)
+        for a in chain:
+            v = live[a] = live.get(a, 0) + delta
+            if v > peaks.get(a, 0):
+                peaks[a] = v
 
     @contextlib.contextmanager
     def optimizer_phase(self) -> Iterator[None]:

@@ -19,6 +19,14 @@ MODES = ("exact", "light")
 PHASE_CODE = {FORWARD: 0, BACKWARD: 1, OPTIMIZER_PHASE: 2}  # timeline encoding
 
 
+def ancestors(name: str) -> list[str]:
+    """A module's fully qualified name, its parents' and the root's (``""``), innermost first."""
+    if name == "":
+        return [""]
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)] + [""]
+
+
 class DataDependentError(RuntimeError):
     """An op whose output size depends on tensor values ran under ``gpumem.fake()``."""
 
@@ -64,6 +72,9 @@ class StepAcc:
     bwd_temp: dict[str, int] = field(default_factory=dict)
     gradients: dict[str, int] = field(default_factory=dict)
     optimizer: dict[str, int] = field(default_factory=dict)
+    communication: dict[str, int] = field(default_factory=dict)
+    """Per module and its ancestors: the most communication bytes of its subtree alive at once
+    (already rolled up: peaks of children at different moments do not add)."""
     opt_new: list[Entry] = field(default_factory=list)
     allocator: dict[str, dict[str, int]] = field(default_factory=dict)
 
@@ -102,8 +113,9 @@ class ProfileRecord:
     measured: list[str]
     """The categories measured (light mode on CPU leaves out ``temporary``)."""
     measures_temporary: bool
-    timeline: tuple[list[int], list[int], list[int], list[int]]
-    """Samples (perf_counter ns, bytes, phase code, step index), each one list."""
+    timeline: tuple[list[int], list[int], list[int], list[int], list[int]]
+    """Samples (perf_counter ns, bytes, phase code, step index, communication bytes), each one
+    list."""
     t_start: int
     """perf_counter ns at the region's entry: the timeline's zero."""
     spans: list[tuple[str, str, int, int, int]]

@@ -25,7 +25,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-from gpumem.profiler.categories import CATEGORIES
+from gpumem.profiler.categories import CATEGORIES, COMMUNICATION
+from gpumem.profiler.sharding import has_dtensor, is_collective
 from gpumem.profiler.state import DataDependentError
 
 CUDA_BLOCK = 512  # CUDACachingAllocator kMinBlockSize: every block is a multiple of this
@@ -39,11 +40,16 @@ def storage_bytes(st: torch.UntypedStorage, device_type: str) -> int:
 
 
 def _plain_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
-    """The tensors holding memory behind ``t``, looking through traceable wrapper subclasses."""
+    """The tensors holding memory behind ``t``, looking through traceable wrapper subclasses.
+
+    ``__tensor_flatten__`` may name attributes that are not tensors (DTensor names its device
+    mesh): those hold no storage and are skipped."""
     if is_traceable_wrapper_subclass(t):
         attrs, _ = t.__tensor_flatten__()
         for name in attrs:
-            yield from _plain_tensors(getattr(t, name))
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):
+                yield from _plain_tensors(inner)
     else:
         yield t
 
@@ -53,13 +59,20 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
 
 
-def storages_of(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
-    """The untyped storages behind a tensor, looking through traceable wrapper subclasses."""
+def views_of(t: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.UntypedStorage]]:
+    """``(plain tensor, its untyped storage)`` behind a tensor, looking through traceable
+    wrapper subclasses."""
     for inner in _plain_tensors(t):
         try:
-            yield inner.untyped_storage()
+            yield inner, inner.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
             continue
+
+
+def storages_of(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    """The untyped storages behind a tensor, looking through traceable wrapper subclasses."""
+    for _, st in views_of(t):
+        yield st
 
 
 _Tensor = torch.Tensor
@@ -126,9 +139,11 @@ class StorageTracker(TorchDispatchMode):
     """Live bytes per category, updated on every op and every storage free.
 
     ``context`` is called once per op that creates storages and returns ``(category, module)``
-    for them; ``after_op`` is called after every op (the session updates its peaks there);
-    ``where`` names the running module for error messages; ``on_new``, when set, receives every
-    new entry.
+    for them (outputs of collectives are ``communication`` of the running module, whatever the
+    context); ``after_op`` is called after every op (the session updates its peaks there);
+    ``where`` names the running module; ``on_new``, when set, receives every new entry;
+    ``on_comm``, when set, receives ``(entry, delta)`` whenever the live bytes of a
+    ``communication`` entry change (born, freed, resized, reclassified in or out).
 
     Example:
         >>> tr = StorageTracker(lambda: ("temporary", ""), lambda: None, lambda: "")
@@ -149,7 +164,10 @@ class StorageTracker(TorchDispatchMode):
         self._after_op = after_op
         self._where = where
         self.on_new: Callable[[Entry], None] | None = None
-        self.paused = False  # our own bookkeeping ops (the saved-tensor detach) are not counted
+        self.on_comm: Callable[[Entry, int], None] | None = None
+        # not counted while set: our own bookkeeping ops (the saved-tensor detach), and DTensor's
+        # sharding propagation (shape inference on fake tensors, of our own mode under fake())
+        self.paused = False
         self.entries: dict[int, Entry] = {}
         self.level = 0
         self.by_category: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
@@ -189,6 +207,8 @@ class StorageTracker(TorchDispatchMode):
         self.level += n
         self.by_category[category] += n
         self.by_device[device_type] = self.by_device.get(device_type, 0) + n
+        if category == COMMUNICATION and self.on_comm is not None:
+            self.on_comm(e, n)
         if self.on_new is not None:
             self.on_new(e)
         return e
@@ -207,14 +227,21 @@ class StorageTracker(TorchDispatchMode):
         self.level -= e.nbytes
         self.by_category[e.category] -= e.nbytes
         self.by_device[e.device] -= e.nbytes
+        if e.category == COMMUNICATION and self.on_comm is not None:
+            self.on_comm(e, -e.nbytes)
 
     def reclassify(self, e: Entry, category: str, module: str | None = None) -> None:
+        live = e.died is None and self.on_comm is not None
+        if live and e.category == COMMUNICATION:
+            self.on_comm(e, -e.nbytes)
         if e.died is None and e.category != category:
             self.by_category[e.category] -= e.nbytes
             self.by_category[category] += e.nbytes
         e.category = category
         if module is not None:
             e.module = module
+        if live and category == COMMUNICATION:
+            self.on_comm(e, e.nbytes)
 
     def _resized(self, st: torch.UntypedStorage) -> None:
         e = self.lookup(st)
@@ -227,6 +254,8 @@ class StorageTracker(TorchDispatchMode):
             self.level += d
             self.by_category[e.category] += d
             self.by_device[e.device] += d
+            if e.category == COMMUNICATION and self.on_comm is not None:
+                self.on_comm(e, d)
 
     # -- the mode ------------------------------------------------------------------------------
     # The hot path: one call per aten op. It allocates nothing for ops whose outputs are views of
@@ -234,6 +263,8 @@ class StorageTracker(TorchDispatchMode):
     # variants, resize_ and set_), and handles plain tensors and fake tensors of our own mode
     # inline.
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if types and has_dtensor(types):
+            return NotImplemented  # DTensor runs first; its local ops come back through here
         try:
             out = func(*args, **(kwargs or {}))
         except _data_dependent_errors() as exc:
@@ -272,7 +303,7 @@ class StorageTracker(TorchDispatchMode):
                         self._resized(st)
                     continue
                 if ctx is None:
-                    ctx = self._context()
+                    ctx = self._context_of(func)
                 self.add(st, t.device.type, ctx[0], ctx[1])
             elif cls is _FakeTensor or not isinstance(t, _Tensor):
                 # a fake mode other than the one we started under is tracing (torch.compile,
@@ -286,12 +317,17 @@ class StorageTracker(TorchDispatchMode):
                         e = self.lookup(st)
                         if e is None:
                             if ctx is None:
-                                ctx = self._context()
+                                ctx = self._context_of(func)
                             self.add(st, inner.device.type, ctx[0], ctx[1])
                         elif e.nbytes != storage_bytes(st, e.device):
                             self._resized(st)
         self._after_op()
         return out
+
+    def _context_of(self, func: Any) -> tuple[str, str]:
+        if is_collective(func):
+            return COMMUNICATION, self._where()
+        return self._context()
 
     def patch_resize(self) -> None:
         """``UntypedStorage.resize_`` bypasses the dispatcher (FSDP frees parameters this way):

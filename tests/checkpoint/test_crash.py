@@ -294,3 +294,79 @@ def test_one_job_per_directory_new_job_waits_for_the_old_ones_final_save(tmp_pat
         os.waitpid(pid, 0)
     with gpumem.Checkpointer(tmp_path, lock_timeout_s=5):  # a killed holder leaves no stale lock
         pass
+
+
+def _restore_on_three(rank: int, world: int, root: str) -> None:
+    """A 3-rank FSDP job restores the 4-rank checkpoint that survived the crash."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from sharded_lib import build, differences, full_state
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{root}/rdzv-three", rank=rank, world_size=world
+    )
+    model, opt = build("fsdp", seed=9)
+    with gpumem.Checkpointer(root) as ck:
+        step = ck.restore(model=model, optimizer=opt)
+    diff = differences(torch.load(Path(root, "step1.pt")), full_state(model, opt))
+    Path(root, f"three.{rank}.json").write_text(json.dumps({"step": step, "diff": diff}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(
+    not torch.distributed.is_available()
+    or not __import__("gpumem.checkpoint.sharding").checkpoint.sharding.sharding_supported(),
+    reason="needs torch.distributed and torch >= 2.6",
+)
+def test_rank_killed_mid_sharded_save_never_becomes_latest(tmp_path):
+    """kill -9 of one rank of four while step 2 of an FSDP(4) job is being written: the others
+    fail the save instead of hanging, step 2 is never committed nor named by ``latest``, and
+    step 1 restores bit-exact on one process and on three ranks."""
+    import json
+
+    import torch.multiprocessing as mp
+    from sharded_lib import build, differences, full_state
+
+    here = os.path.dirname(__file__)
+    root = tmp_path / "ck"
+    root.mkdir()
+    env = dict(os.environ, WORLD_SIZE="4", INIT=f"file://{tmp_path}/rdzv", OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.join(here, "sharded_crash_worker.py"), str(root)],
+            env={**env, "RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(4)
+    ]
+    victim = procs[2]
+    for line in victim.stdout:  # step 1 is committed once a rank says it is saving step 2
+        if line.startswith("saving 2"):
+            break
+    else:
+        raise AssertionError("rank 2 never reached the save of step 2")
+    victim.send_signal(signal.SIGKILL)
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert victim.returncode == -signal.SIGKILL
+    for r in (0, 1, 3):
+        assert procs[r].returncode == 3, outs[r][-3000:]
+        assert "step 2 failed" in outs[r] and "COMMITTED" not in outs[r]
+    assert [s for s, _ in step_dirs(root)] == [1]
+    assert read_latest(root)["step"] == 1
+    verify(root / "step-000000001")
+
+    model, opt = build("plain", seed=5)  # any world size: one plain process ...
+    with gpumem.Checkpointer(root) as ck:  # (removes the crashed save's .tmp directory)
+        assert ck.restore(model=model, optimizer=opt) == 1
+    assert differences(torch.load(root / "step1.pt"), full_state(model, opt)) == []
+    assert not list(root.glob(".tmp-*"))
+    mp.spawn(_restore_on_three, args=(3, str(root)), nprocs=3, join=True)  # ... and three ranks
+    for r in range(3):
+        got = json.loads((root / f"three.{r}.json").read_text())
+        assert got == {"step": 1, "diff": []}

@@ -1,5 +1,5 @@
-"""Elastic restore: replicated (DDP) state saved by N ranks resumes on M ranks; sharded state is
-refused.
+"""Restore on another world size (always on; ``elastic=`` is a deprecated no-op): replicated (DDP)
+state saved by N ranks resumes on M ranks; plain state that differs between ranks is refused.
 
 One spawn of two gloo ranks does three things: save a replicated checkpoint (both ranks hold the
 same model and optimizer, as DDP keeps them), save one whose rank 1 differs (what sharded state
@@ -50,7 +50,7 @@ def _worker(rank: int, world: int, root: str) -> None:
         with gpumem.Checkpointer(f"{root}/single") as ck:  # saved by 1 rank, restored by 2
             model, opt = _setup(7)
             got: dict = {}
-            step = ck.restore(model=model, optimizer=opt, extra=got, elastic=True)
+            step = ck.restore(model=model, optimizer=opt, extra=got)
             with open(f"{root}/grown.{rank}.json", "w") as f:
                 json.dump(
                     {
@@ -79,17 +79,14 @@ def test_elastic_restore_across_world_sizes(tmp_path):
         assert grown["step"] == 9 and grown["extra"] == {"rank": 0} and grown["opt_step"] == 1.0
         assert grown["params"] == _flat(single_model)
 
-    # 2 -> 1: without elastic, a clear refusal that says what to do
+    # 2 -> 1: the default; elastic=True still works, with a DeprecationWarning
     model, opt = _setup(42)
-    before = _flat(model)
     with gpumem.Checkpointer(tmp_path / "replicated") as ck:
-        with pytest.raises(
-            CheckpointStateError, match=r"saved by 2 ranks, this job has 1.*elastic=True"
-        ):
-            ck.restore(model=model, optimizer=opt)
-        assert _flat(model) == before
         got: dict = {}
-        assert ck.restore(model=model, optimizer=opt, extra=got, elastic=True) == 3
+        with pytest.warns(DeprecationWarning, match="elastic=.* no effect"):
+            assert ck.restore(model=model, optimizer=opt, extra=got, elastic=True) == 3
+        got = {}
+        assert ck.restore(model=model, optimizer=opt, extra=got) == 3
     ref_model, ref_opt = _setup(0)
     assert _flat(model) == _flat(ref_model) and got == {"rank": 0}  # saved rank 0 seeds rank 0
     for a, b in zip(
@@ -100,7 +97,11 @@ def test_elastic_restore_across_world_sizes(tmp_path):
     # sharded (rank 1 differs): refused before anything is loaded, naming the first difference
     with (
         gpumem.Checkpointer(tmp_path / "sharded") as ck,
-        pytest.raises(CheckpointStateError, match=r"rank 1 saved another tensor 'model\.0\.bias'"),
+        pytest.raises(
+            CheckpointStateError,
+            match=r"saved by 2 ranks, this job has 1, and rank 1 saved another tensor "
+            r"'model\.0\.bias'",
+        ),
     ):
-        ck.restore(model=model, optimizer=opt, elastic=True)
+        ck.restore(model=model, optimizer=opt)
     assert _flat(model) == _flat(ref_model)

@@ -252,8 +252,9 @@ def _worker(rank: int, world: int, root: str) -> None:
         mesh = init_device_mesh("cpu", (world,))
         sharded.weight = nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)]))
         with gpumem.Checkpointer(f"{root}/dtensor", replicated=True) as ck:
-            try:
+            try:  # DTensor blocks are each rank's own; the plain bias is written once
                 ck.save(1, model=sharded, rng=False)
+                ck.wait()
                 out["refused"]["dtensor"] = None
             except CheckpointStateError as exc:
                 out["refused"]["dtensor"] = str(exc)
@@ -410,29 +411,40 @@ def test_refusals(run):
         assert "rank 1's optimizer state differs from rank 0's" in refused["diverged"]
         assert "rank 1 saves with replicated=False, rank 0 with replicated=True" in refused["mixed"]
         assert refused["diverged_steps"] == refused["mixed_steps"] == []  # nothing committed
-        assert (
-            "model.weight: a DTensor (FSDP2 / tensor parallel) cannot be stored"
-            in refused["dtensor"]
-        )
+        assert refused["dtensor"] is None
 
 
 # ------------------------------------------------------------------------------ restore elsewhere
+
+
+def test_dtensor_state_with_replicated_true(run):
+    """replicated=True with a DTensor weight: each rank writes its own block of it, the plain
+    bias is written once (by its owner)."""
+    root, _ = run
+    step = root / "dtensor" / "step-000000001"
+    info = verify(step)
+    assert info.sharded and info.replicated
+    bodies = _shards(step)
+    blocks = [next(t for t in b["tensors"] if t["name"] == "model.weight") for b in bodies]
+    assert [t["global"]["offsets"] for t in blocks] == [[0, 0], [2, 0]]
+    holders = [
+        r for r, b in enumerate(bodies) if any(t["name"] == "model.bias" for t in b["tensors"])
+    ]
+    assert len(holders) == 1 and bodies[0]["owners"] == {"model.bias": holders[0]}
 
 
 def test_elastic_restore_on_one_rank(run):
     root, ranks = run
     state = random.getstate(), torch.get_rng_state(), np.random.get_state()
     try:
-        with gpumem.Checkpointer(root / "blocking") as ck:
-            with pytest.raises(CheckpointStateError, match="saved by 2 ranks, this job has 1"):
-                _restore_fresh(ck)
-            step, snap, got = _restore_fresh(ck, elastic=True)
+        with gpumem.Checkpointer(root / "blocking") as ck:  # another world size: the default
+            step, snap, got = _restore_fresh(ck)
             assert _rng() == ranks[0]["rng"]  # rank 0's own state: saved rank 0 seeds rank 0
         assert step == 2 and snap == ranks[0]["saved"] and got["rank"] == 0
         # the damaged step 2 of "flip": this process reads rank 1's tensor itself and falls back
         damaged = pytest.warns(gpumem.CheckpointFallbackWarning, match="model.2.weight")
         with gpumem.Checkpointer(root / "flip") as ck, damaged:
-            assert _restore_fresh(ck, elastic=True)[0] == 1
+            assert _restore_fresh(ck)[0] == 1
         with pytest.raises(
             CheckpointCorruptError, match=r"tensor 'model.2.weight' bytes 0-128 fail their CRC32C"
         ):
@@ -450,7 +462,7 @@ def _elastic_worker(rank: int, world: int, root: str) -> None:
     try:
         torch.set_num_threads(1)
         with gpumem.Checkpointer(f"{root}/overlap") as ck:
-            step, snap, got = _restore_fresh(ck, elastic=True)
+            step, snap, got = _restore_fresh(ck)
         Path(root, f"grown{rank}.json").write_text(
             json.dumps({"step": step, "restored": snap, "rank": got["rank"], "rng": _rng()})
         )
@@ -580,7 +592,7 @@ def test_hostile_replicated_manifests(run, tmp_path, edit, match):
             gpumem.Checkpointer(tmp_path) as ck,
             pytest.raises(CheckpointCorruptError, match="rank 1"),
         ):
-            ck.restore(model=_setup(1)[0], path=forged, elastic=True, rng=False)
+            ck.restore(model=_setup(1)[0], path=forged, rng=False)
 
 
 json_values = st.recursive(

@@ -97,8 +97,10 @@ def test_checkpointer_locks_its_staging_arena_once(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("blocking", [True, False])
 def test_write_and_checksums_wait_until_the_state_is_staged(tmp_path, monkeypatch, blocking):
-    """Outside streaming, nothing competes with the copy training waits for: every data-file write
-    and every host checksum starts after the whole state is staged."""
+    """Blocking mode: nothing competes with the copy the caller waits for: every data-file write
+    and every host checksum starts after the whole state is staged. Overlap mode over host
+    tensors: no caller waits for the background copy, so each batch is written (and checksummed)
+    as soon as it is staged, beside the copy of the next: the write hides the copy."""
     seen = []
     real_write, real_crc = safe_fs_mod.write_file, job_mod.checksum_cpu_pieces
     jobs = []
@@ -137,8 +139,12 @@ def test_write_and_checksums_wait_until_the_state_is_staged(tmp_path, monkeypatc
         opt.step()
         ck.wait()
         writes = [s for kind, s in seen if kind == "write"]
-        assert len(writes) >= 4 and all(writes)
-        assert [s for kind, s in seen if kind == "crc"] and all(s for _, s in seen)
+        crcs = [s for kind, s in seen if kind == "crc"]
+        assert len(writes) >= 4 and crcs
+        if blocking:
+            assert all(writes) and all(crcs)
+        else:  # the first batches went out while later ones were still being copied
+            assert not writes[0] and writes[-1]
         model2, opt2 = _model_and_opt(seed=1)
         assert ck.restore(model=model2, optimizer=opt2) == 1
     for k, v in model2.state_dict().items():

@@ -7,11 +7,11 @@ benchmarks/bench_hf_sweep.py (table in benchmarks/results/hf_sweep.md); CI runs 
 Combinations the estimator does not yet model are strict xfails with the reason, so that
 fixing one shows up.
 
-With recompute the reference is a real CPU run of the same model (as small, and as fast): under
-fake tensors SDPA's CPU backward runs a decomposition that allocates more than the real kernel
-(73,728 B more at the widest moment of the fp32 Llama here; ``test_fake_equals_real`` checks
-that the two agree exactly everywhere else), so the fake profile would be the wrong reference
-there. Reported to the profiler's owners.
+The fake profile is checked against a real CPU run of the same model (byte-exact) in
+``test_fake_equals_real``, with and without recompute: without a KV cache (gradient
+checkpointing turns it off) transformers checks ``position_ids`` for packed sequences and, seeing
+a fake tensor, builds an explicit mask that SDPA copies to fp32 in every layer; the profiler
+takes the real run's branch there (``gpumem.profiler.fake.real_branches``).
 """
 
 import pytest
@@ -28,12 +28,14 @@ from gpumem.estimator.validate import (
 
 GAPS = {
     ("gemma2", "fp32", False): "transformers refuses SDPA for Gemma2; eager attention not modelled",
+    ("qwen2-moe", "fp32", True): "recompute's widest moment with a shared expert's pending "
+    "gradient beside the grouped experts' scatter is not modelled (temporary -9.6 %)",
 }
 CASES = [(name, "fp32", False) for name in HF_SWEEP]
 CASES += [("llama", p, rc) for p in ("fp32", "bf16-autocast", "bf16") for rc in (False, True)]
 CASES += [(n, "bf16-autocast", False) for n in ("gemma3", "mixtral")]
 CASES += [(n, "bf16", False) for n in ("gemma", "qwen2-moe")]
-CASES += [(n, "fp32", True) for n in ("phi3", "mixtral")]
+CASES += [(n, "fp32", True) for n in ("phi3", "mixtral", "gpt2", "gemma", "qwen2-moe")]
 CASES = list(dict.fromkeys(CASES))
 
 
@@ -46,8 +48,7 @@ def _param(case):
 @pytest.mark.parametrize("case", [_param(c) for c in CASES])
 def test_estimate_matches_fake_profile(case):
     name, precision, recompute = case
-    ref = "real" if recompute else "fake"
-    c = compare_hf(HFCase(name, HF_SWEEP[name], precision, recompute, reference=ref))
+    c = compare_hf(HFCase(name, HF_SWEEP[name], precision, recompute))
     bad = {
         k: (c.measured.get(k, 0), c.estimated.get(k, 0))
         for k in PROFILER_CATEGORIES
@@ -58,15 +59,22 @@ def test_estimate_matches_fake_profile(case):
     assert abs(c.estimated["weights"] - c.measured["weights"]) <= 128
 
 
-@pytest.mark.parametrize("name", ["qwen2-moe"])
-def test_fake_equals_real(name):
-    """The reference itself: without recompute the fake-tensor profile of a transformers model
-    is its real CPU profile, category by category."""
+@pytest.mark.parametrize(
+    "case", [("qwen2-moe", "bf16-autocast", False), ("llama", "fp32", True)], ids=str
+)
+def test_fake_equals_real(case):
+    """The reference itself: the fake-tensor profile of a transformers model is its real CPU
+    profile, category by category, also under recompute (no KV cache: transformers' packed-
+    sequence check would see fake position ids and build a mask the real run does not)."""
+    name, precision, recompute = case
     fake, real = (
-        compare_hf(HFCase(name, HF_SWEEP[name], "bf16-autocast", reference=r))
+        compare_hf(HFCase(name, HF_SWEEP[name], precision, recompute, reference=r))
         for r in ("fake", "real")
     )
     assert fake.measured == real.measured
+    assert fake.measured_peak == real.measured_peak
+    if recompute:
+        assert any("packed sequences" in a for a in fake.assumptions)
 
 
 def test_llama_family_config_no_longer_overestimates():

@@ -78,3 +78,26 @@ def test_cli_inference_never_silently_tp1(capsys):
     )
     plan = json.loads(capsys.readouterr().out)
     assert plan["precision"] == "int4" and plan["layouts"]
+
+
+def test_inference_states_its_inputs(capsys):
+    """Like a training bill, a serving bill says what it was computed for and where each value
+    came from: the table's inputs line, ``--json``'s ``inputs``."""
+    from gpumem.cli import main
+
+    bill = estimate_inference("llama-3-8b", precision="int4")
+    assert bill.inputs_line() == (
+        "inputs: context 8192 (default: the model's context), batch 1 (default), weights int4 "
+        "(given), KV cache bf16 (default: 16-bit for 8/4-bit weights), engine vllm (default), "
+        "layout tp1 pp1 (default)"
+    )
+    assert main(["estimate", "llama-3-8b", "--inference", "--seq-len", "1024", "--gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "inputs: context 1024 (given), batch 1 (default)" in out
+    assert "layout tp2 pp1 (all 2 GPUs as tensor parallelism" in out
+    assert main(["estimate", "llama-3-8b", "--inference", "--batch-size", "4", "--json"]) == 0
+    import json
+
+    inputs = json.loads(capsys.readouterr().out)["inputs"]
+    assert inputs["batch_size"] == {"value": 4, "source": "given"}
+    assert inputs["context"]["source"] == "default: the model's context"

@@ -57,6 +57,7 @@ def test_linear_stack_peak_matches_hand_derivation():
         "gradients": F32 * D2 * D3,
         "optimizer": 0,
         "activations": F32 * B * D1,
+        "communication": 0,
         "temporary": F32 * B * D1 + F32 * B * D2 + F32 * D1 * D2 + 8,
         "inputs": X,
     }

@@ -1,6 +1,7 @@
 """mode="light": hooks only, no dispatch mode; the categories it measures equal exact mode's."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -70,6 +71,7 @@ def test_linear_stack_light_equals_exact_and_hand_derivation():
         "gradients",
         "optimizer",
         "activations",
+        "communication",
         "inputs",
     ]
     assert light.steps[0].forward_peak == W + X + F32 * B * (D1 + D2)
@@ -79,6 +81,7 @@ def test_linear_stack_light_equals_exact_and_hand_derivation():
         "gradients": W,
         "optimizer": 0,
         "activations": 0,
+        "communication": 0,
         "temporary": None,
         "inputs": X,
     }
@@ -180,19 +183,41 @@ def test_light_report_formats_say_what_is_not_measured(tmp_path):
     assert "light mode" in table and "temporaries not measured" in table
     assert "peak of measured categories" in table
     d = rep.to_dict()
-    assert d["schema_version"] == 2 and d["at_peak"]["temporary"] is None
+    assert d["schema_version"] == 3 and d["at_peak"]["temporary"] is None
     back = Report.from_dict(d)
     assert back.layers["1"] == rep.layers["1"] and back.mode == "light"
     assert "| temporary | - | - |" in rep.to_markdown()
     assert rep.plot(tmp_path / "p.png").stat().st_size > 1000
 
 
+def _before_communication(d):
+    """A report dict as versions 1 and 2 wrote it: no ``communication`` anywhere."""
+    d = json.loads(json.dumps(d))
+    for at in [d["at_peak"], *(s["at_peak"] for s in d["steps"])]:
+        del at["communication"]
+    for layers in [d["layers"], *(s["layers"] for s in d["steps"])]:
+        for stats in layers.values():
+            del stats["communication"]
+    d["measured"].remove("communication")
+    return d
+
+
 def test_version_1_json_still_reads():
     rep = _linear_run("exact", _linear_stack())
-    d = rep.to_dict()
+    d = _before_communication(rep.to_dict())
     del d["mode"], d["measured"]
     back = Report.from_dict({**d, "schema_version": 1})
     assert back.mode == "exact" and back.peak_bytes == rep.peak_bytes
+    assert back.at_peak == rep.at_peak and back.layers == rep.layers
+
+
+def test_version_2_json_reads_communication_as_zero():
+    rep = _linear_run("light", _linear_stack())
+    back = Report.from_dict({**_before_communication(rep.to_dict()), "schema_version": 2})
+    assert list(back.at_peak) == list(rep.at_peak) and back.at_peak["communication"] == 0
+    assert back.measured == rep.measured and "communication" in back.measured
+    assert back.steps[0].at_peak == rep.steps[0].at_peak and back.layers == rep.layers
+    assert back.schema_version == 3
 
 
 def test_unknown_mode():

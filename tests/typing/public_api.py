@@ -12,7 +12,7 @@ import gpumem
 from gpumem.checkpoint import Checkpointer, SaveStats
 from gpumem.estimator import Bill, Layout
 from gpumem.planner import PlanResult
-from gpumem.profiler import Profile, Report
+from gpumem.profiler import Profile, Report, cluster_table, gather
 
 
 def public_api(model: object, optimizer: object) -> None:
@@ -28,6 +28,10 @@ def public_api(model: object, optimizer: object) -> None:
     assert_type(prof, Profile)
     assert_type(prof.report(), Report)
     assert_type(prof.report().peak_bytes, int)
+    reports = gather(prof.report())
+    assert_type(reports, list[Report] | None)
+    if reports is not None:
+        assert_type(cluster_table(reports), str)
     ckpt = gpumem.Checkpointer("ckpts", keep=3)
     assert_type(ckpt, Checkpointer)
     assert_type(ckpt.restore(), int | None)

@@ -1,0 +1,484 @@
+"""DCP's items in a gpumem checkpoint: what ``gpumem.dcp`` writes and reads, without pickle.
+
+Each rank's shard manifest lists its tensor chunks as blocks of their global tensors (``global``
+field without a mesh: DCP does not say how the chunks were placed) and its byte items (what DCP's
+planners ``torch.save``: ``param_groups``, counters, objects) as opaque uint8 entries, each with
+its chunk CRC32Cs like any tensor. Its state tree is ``{"step": N, "dcp": {"items": [...]}}``,
+one ``{"fqn", "data"}`` per item, ``data`` a reference to the entry (``__dtensor__`` for a tensor
+chunk, ``__tensor__`` with ``"bytes": true`` for a byte item). The main manifest adds
+``"dcp": {"version", "planner_data"}``: DCP's metadata version and the default planner's key
+mappings (JSON: key -> list of path components). DCP's ``Metadata`` is rebuilt from these.
+
+Everything inside the checkpoint directory is created, read and renamed through ``safe_fs``
+descriptors, as ``Checkpointer`` does: reading never follows a symbolic link or opens a FIFO, and
+the byte ranges the manifests name must lie inside their files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import re
+import time
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import persist
+from ._core import as_bytes, chunk_crc32c
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointIOError,
+    CheckpointPointerWarning,
+    CheckpointStateError,
+)
+from .format import (
+    DTYPE_NAMES,
+    MAIN_MANIFEST,
+    STEP_DIR,
+    align_up,
+    data_file_name,
+    parse_shard,
+    shard_manifest_name,
+    step_dir_name,
+)
+from .reshard import Block, GlobalIndex, Reader, data_files
+from .restore import _io_threads, load_shard_manifest, open_checkpoint
+from .safe_fs import Dir
+from .sharding import Box
+
+DCP_KEY = "dcp"
+_ALIGN = 4096
+_UNSAFE = re.compile(r"[/\\\0]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Located:
+    """Where one DCP item lies: rank ``rank``'s entry ``name`` of step ``step``. DCP keeps these in
+    its in-memory ``Metadata.storage_data``; on disk there are only the manifests."""
+
+    step: int
+    rank: int
+    name: str
+    nbytes: int
+
+
+def parse_checkpoint_id(path: Any, step: int | None) -> tuple[Path, int | None]:
+    """(checkpoint directory, step): a ``step-<N>`` path names its step (written as gpumem's
+    ``step-<9 digits>``, however many digits it has: torchtitan's ``step-100`` is ``step 100``),
+    else ``step``."""
+    p = Path(path)
+    m = STEP_DIR.match(p.name)
+    if m:
+        return p.parent, int(m.group(1))
+    return p, step
+
+
+def next_step(root: Path) -> int:
+    """One more than the newest committed step, 0 in an empty or missing directory."""
+    try:
+        d = Dir.open(root)
+    except CheckpointIOError as exc:
+        if exc.errno == errno.ENOENT:
+            return 0
+        raise
+    with d:
+        found = persist.step_dirs(d)
+    return found[0][0] + 1 if found else 0
+
+
+def prepare_tmp(root: Path, step: int) -> None:
+    """The coordinator, before any rank writes: a fresh temporary directory for ``step``."""
+    with Dir.open(root, create=True) as d:
+        persist.prepare_tmp(d, step).close()
+
+
+def _open_tmp(root: Path, step: int) -> tuple[Dir, Dir]:
+    d = Dir.open(root)
+    try:
+        return d, d.sub(persist.tmp_name(step))
+    except BaseException:
+        d.close()
+        raise
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    base = _UNSAFE.sub("_", name)[:900] or "item"
+    out, n = base, 1
+    while out in taken:
+        out, n = f"{base}~{n}", n + 1
+    taken.add(out)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One item to write: a tensor chunk (its global shape and offsets) or a byte item (both
+    None, ``data`` its uint8 bytes)."""
+
+    fqn: str
+    data: torch.Tensor
+    global_shape: tuple[int, ...] | None = None
+    offsets: tuple[int, ...] | None = None
+
+
+def write_shard(
+    root: Path,
+    step: int,
+    rank: int,
+    world: int,
+    items: Iterable[Chunk],
+    *,
+    chunk_bytes: int,
+    direct: bool,
+    segment_bytes: int = 256 << 20,
+) -> list[Located]:
+    """Write one rank's items into the step's temporary directory: data files of about
+    ``segment_bytes`` each (native parallel writer, fdatasync'ed; an item is dropped once its
+    file is written, so memory stays near one segment), then the shard manifest."""
+    rootd, tmp = _open_tmp(root, step)
+    with rootd, tmp:
+        return _write_shard(tmp, step, rank, world, items, chunk_bytes, direct, segment_bytes)
+
+
+def _write_shard(
+    tmp: Dir,
+    step: int,
+    rank: int,
+    world: int,
+    items: Iterable[Chunk],
+    chunk_bytes: int,
+    direct: bool,
+    segment_bytes: int,
+) -> list[Located]:
+    taken: set[str] = set()
+    entries, refs, out = [], [], []
+    files: dict[str, int] = {}
+    pending: list[tuple[int, torch.Tensor]] = []
+    pos, batch = 0, 0
+
+    def flush() -> None:
+        nonlocal pos, batch, pending
+        if pos or not files:
+            name = data_file_name(rank, batch)
+            tmp.write_pieces(name, pending, pos, direct)
+            files[name] = pos
+            batch, pos, pending = batch + 1, 0, []
+
+    for item in items:
+        t = item.data.detach()
+        if not t.is_cpu:
+            t = t.cpu()
+        t = t.contiguous()
+        if t.dtype not in DTYPE_NAMES:
+            raise CheckpointStateError(
+                f"{item.fqn}: dtype {t.dtype} cannot be stored; convert the tensor first"
+            )
+        if pos >= segment_bytes:
+            flush()
+        name = _unique(item.fqn, taken)
+        nbytes = t.numel() * t.element_size()
+        offset = align_up(pos, _ALIGN)
+        file = data_file_name(rank, batch)
+        entry: dict[str, Any] = {
+            "name": name,
+            "dtype": DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "nbytes": nbytes,
+            "crc32c": [int(x) for x in chunk_crc32c(as_bytes(t), chunk_bytes).tolist()],
+            "extents": [[file, offset, nbytes]] if nbytes else [],
+        }
+        ref: dict[str, Any] = {"fqn": item.fqn}
+        if item.global_shape is not None:
+            entry["global"] = {
+                "shape": list(item.global_shape),
+                "offsets": list(item.offsets or ()),
+                "tensor": _UNSAFE.sub("_", item.fqn)[:900] or "item",
+            }
+            ref["data"] = {"__dtensor__": entry["global"]["tensor"]}
+        else:
+            ref["data"], ref["bytes"] = {"__tensor__": name}, True
+        if nbytes:
+            pending.append((offset, as_bytes(t)))
+            pos = offset + nbytes
+        entries.append(entry)
+        refs.append(ref)
+        out.append(Located(step, rank, name, nbytes))
+    flush()
+    body = {
+        "format": "gpumem-checkpoint-shard",
+        "rank": rank,
+        "world_size": world,
+        "step": step,
+        "chunk_bytes": chunk_bytes,
+        "alignment": _ALIGN,
+        "files": files,
+        "meshes": [],
+        "tensors": entries,
+        "state": {"step": step, DCP_KEY: {"items": refs}},
+    }
+    persist.write_manifest(tmp, shard_manifest_name(rank), body)
+    return out
+
+
+def commit(root: Path, step: int, world: int, metadata: Any, keep: int | None) -> Path:
+    """The coordinator, once every rank has written: the main manifest (each shard manifest's
+    CRC and size as read back), the rename, ``latest`` and retention."""
+
+    rootd, tmp = _open_tmp(root, step)
+    with rootd, tmp:
+        return _commit(rootd, tmp, step, world, metadata, keep)
+
+
+def _commit(rootd: Dir, tmp: Dir, step: int, world: int, metadata: Any, keep: int | None) -> Path:
+    from gpumem.checkpoint.job import default_versions
+
+    shards = []
+    for rank in range(world):
+        name = shard_manifest_name(rank)
+        body, crc = persist.read_manifest(tmp, name)
+        shard = parse_shard(body, str(tmp.path / name), crc)
+        shards.append(
+            {
+                "rank": rank,
+                "file": name,
+                "crc32c": crc,
+                "nbytes": sum(t.nbytes for t in shard.tensors),
+            }
+        )
+    body = {
+        "format": "gpumem-checkpoint",
+        "step": step,
+        "world_size": world,
+        "created": time.time(),
+        "versions": default_versions(),
+        "shards": shards,
+        "sharded": True,
+        DCP_KEY: {
+            "version": str(getattr(metadata, "version", None) or "1.0.0"),
+            "planner_data": _planner_json(getattr(metadata, "planner_data", None)),
+        },
+    }
+    crc = persist.write_manifest(tmp, MAIN_MANIFEST, body)
+    done = persist.commit(rootd, tmp, step, crc)
+    if done.pointer_error is not None:
+        err = done.pointer_error
+        warnings.warn(
+            f"step {step} is committed, but the latest pointer was not updated: "
+            f"{err.strerror or err}; readers take the newest step that verifies",
+            CheckpointPointerWarning,
+            stacklevel=3,
+        )
+    persist.apply_retention(rootd, keep, done.name)
+    return rootd.path / done.name
+
+
+def _planner_json(data: Any) -> Any:
+    """DCP's default planner data (flattened key -> path tuple) as JSON; None stays None."""
+    if data is None:
+        return None
+    if isinstance(data, dict) and all(
+        isinstance(k, str)
+        and isinstance(v, (tuple, list))
+        and all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in v)
+        for k, v in data.items()
+    ):
+        return [[k, list(v)] for k, v in data.items()]
+    raise CheckpointStateError(
+        f"the planner's metadata (a {type(data).__name__}) is not the default planner's key "
+        "mapping; gpumem stores metadata as JSON only: use DCP's default planners"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+@dataclasses.dataclass
+class Item:
+    fqn: str
+    is_bytes: bool
+    dtype: torch.dtype
+    global_shape: tuple[int, ...]
+    blocks: list[Any]  # _Chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunk:
+    located: Located
+    block: Block
+
+    @property
+    def box(self) -> Box:
+        return self.block.box
+
+
+@dataclasses.dataclass
+class Layout:
+    dir: Dir  # the step directory, open: every data file is read through it
+    path: Path
+    step: int
+    items: dict[str, Item]
+    planner_data: Any
+    version: str
+    shards: list[Any]
+    files: dict[str, int]
+
+
+def open_step_dir(path: Path) -> Dir:
+    """A ``step-<N>`` directory, or a checkpoint directory's newest one whose main manifest
+    reads (``latest`` first), opened; inside the directory the caller named, no symbolic link is
+    followed.
+
+    Raises:
+        CheckpointCorruptError: nothing readable there.
+        CheckpointIOError: the operating system refused (errno and path kept).
+    """
+    d = open_checkpoint(path)
+    if d.lstat(MAIN_MANIFEST) is not None:
+        return d
+    m = STEP_DIR.match(path.name)
+    if m:  # the step named, as gpumem names its directory (step-100 -> step-000000100)
+        d.close()
+        with open_checkpoint(path.parent) as parent:
+            return persist.open_step(parent, step_dir_name(int(m.group(1))))
+    with d:
+        try:
+            ptr = persist.read_latest(d)
+        except CheckpointCorruptError:
+            ptr = None
+        names = [n for _, n in persist.step_dirs(d)]
+        if ptr is not None and ptr["path"] in names:
+            names.insert(0, ptr["path"])
+        for name in names:
+            try:
+                step = persist.open_step(d, name)
+            except CheckpointCorruptError:
+                continue
+            try:
+                persist.load_info(step)
+                return step
+            except CheckpointCorruptError:
+                step.close()
+    raise CheckpointCorruptError(f"{path} holds no readable checkpoint", path=str(path))
+
+
+def load_layout(path: Path) -> Layout:
+    """Every DCP item of a checkpoint written by ``gpumem.dcp.StorageWriter``, from the
+    manifests (no data read; each chunk is verified when read).
+
+    Raises:
+        CheckpointCorruptError: damaged manifests, or not written through DCP.
+    """
+    step = open_step_dir(Path(path))
+    step_dir = step.path
+    info = persist.load_info(step)
+    body, _ = persist.read_manifest(step, MAIN_MANIFEST)
+    meta = body.get(DCP_KEY)
+    if not isinstance(meta, dict):
+        raise CheckpointCorruptError(
+            f"{step_dir}: not written through gpumem.dcp (no DCP metadata); restore it with "
+            "gpumem.Checkpointer",
+            path=str(step_dir),
+        )
+    shards = [load_shard_manifest(step, info, r) for r in range(info.world_size)]
+    index = GlobalIndex(step_dir, shards)
+    items: dict[str, Item] = {}
+    files = data_files(step_dir, shards)
+    for shard in shards:
+        state = shard.state if isinstance(shard.state, dict) else {}
+        refs = state.get(DCP_KEY, {}).get("items") if isinstance(state.get(DCP_KEY), dict) else None
+        if not isinstance(refs, list):
+            raise CheckpointCorruptError(f"{step_dir}: rank {shard.rank} lists no DCP items")
+        held = {e.name: e for e in shard.tensors}
+        for ref in refs:
+            _add_item(items, ref, shard, held, index, step_dir, info.step)
+    return Layout(
+        step,
+        step_dir,
+        info.step,
+        items,
+        _planner_data(meta.get("planner_data"), step_dir),
+        str(meta.get("version") or "1.0.0")[:32],
+        shards,
+        files,
+    )
+
+
+def _add_item(items, ref, shard, held, index, step_dir, step) -> None:
+    bad = CheckpointCorruptError(
+        f"{step_dir}: rank {shard.rank}: malformed DCP item {str(ref)[:80]}"
+    )
+    if (
+        not isinstance(ref, dict)
+        or not isinstance(ref.get("fqn"), str)
+        or not isinstance(ref.get("data"), dict)
+    ):
+        raise bad
+    fqn, data = ref["fqn"], ref["data"]
+    if ref.get("bytes") is True:
+        name = data.get("__tensor__")
+        entry = held.get(name) if isinstance(name, str) else None
+        if entry is None or entry.box is not None or entry.dtype != "uint8" or fqn in items:
+            raise bad
+        block = Block(shard.rank, entry, Box.full(entry.shape), shard.chunk_bytes)
+        loc = Located(step, shard.rank, entry.name, entry.nbytes)
+        items[fqn] = Item(fqn, True, torch.uint8, entry.shape, [_Chunk(loc, block)])
+        return
+    tensor = data.get("__dtensor__")
+    if not isinstance(tensor, str) or tensor not in index:
+        raise bad
+    if fqn in items:
+        return  # another rank's chunk of the same tensor listed it already
+    blocks = index.check(tensor)
+    chunks = [_Chunk(Located(step, b.rank, b.entry.name, b.entry.nbytes), b) for b in blocks]
+    items[fqn] = Item(fqn, False, blocks[0].entry.torch_dtype, blocks[0].box.global_shape, chunks)
+
+
+def _planner_data(raw: Any, step_dir: Path) -> Any:
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not all(
+        isinstance(p, list)
+        and len(p) == 2
+        and isinstance(p[0], str)
+        and isinstance(p[1], list)
+        and all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in p[1])
+        for p in raw
+    ):
+        raise CheckpointCorruptError(f"{step_dir}: malformed DCP planner data", path=str(step_dir))
+    return {k: tuple(v) for k, v in raw}
+
+
+def read_items(
+    layout: Layout, requests: list[tuple[Located, Any, Any, bool]]
+) -> list[torch.Tensor]:
+    """Read (and verify) each request: (located chunk, offsets within it, lengths, is_bytes).
+    Returns host tensors: the requested part of each chunk, a byte item's whole bytes."""
+    by_key: dict[tuple[int, str], Block] = {}
+    for item in layout.items.values():
+        for c in item.blocks:
+            by_key[(c.located.rank, c.located.name)] = c.block
+    reader = Reader(layout.dir)
+    out = []
+    for loc, offsets, lengths, is_bytes in requests:
+        block = by_key.get((loc.rank, loc.name))
+        if block is None:
+            raise CheckpointCorruptError(
+                f"{layout.path}: DCP asks for rank {loc.rank}'s {loc.name!r}, which it lacks",
+                path=str(layout.path),
+            )
+        if is_bytes:
+            buf = torch.empty(block.entry.nbytes, dtype=torch.uint8)
+            box = Box.full(block.box.shape)
+        else:
+            start = tuple(o + s for o, s in zip(block.box.offsets, offsets, strict=True))
+            box = Box(block.box.global_shape, start, tuple(int(x) for x in lengths))
+            buf = torch.empty(box.shape, dtype=block.entry.torch_dtype)
+        reader.add(loc.name, buf, box, [block])
+        out.append(buf)
+    reader.run(layout.files, _io_threads())
+    return out

@@ -1,0 +1,72 @@
+"""Trainer integrations with the real libraries, under DDP with gloo on CPU (two ranks each):
+``gpumem.integrations.hf.CheckpointCallback`` in the transformers Trainer and
+``gpumem.integrations.lightning.CheckpointCallback`` in Lightning.
+
+Per library, two launches of two processes (``hf_train.py`` / ``lightning_train.py``): an
+uninterrupted run to 8 steps (the reference) followed, in the same processes, by a run to 8 in
+which rank 0 gets SIGTERM after step 3 (the guard saves at the next step boundary, step 4,
+durable, and both ranks exit 143); then a run in the same directory that resumes and finishes.
+The resumed run's final weights equal the uninterrupted run's bit for bit: model, optimizer,
+scheduler, RNG and the trainer's own position (HF's TrainerState, Lightning's fit loop) came
+back, and the trainer skipped what was done. FSDP variants need a GPU in these libraries
+(tests under the ``gpu`` marker in test_gpu_sharded.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+
+
+def _launch(script: str, root: Path, tag: str, *argv: str) -> list[tuple[int, str]]:
+    env = dict(os.environ, WORLD_SIZE="2", INIT=f"file://{root}/rdzv-{tag}", OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / script), *argv],
+            env={**env, "RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    return [(p.wait(timeout=300), p.stdout.read()) for p in procs]
+
+
+def _run(script: str, root: Path) -> dict:
+    ck = root / "ck"
+    # the uninterrupted reference run first, in the same two processes as the stopped one
+    straight = ["--straight", str(root / "ck2"), str(root / "straight.json"), "8"]
+    stopped = _launch(script, root, "stopped", *straight, str(ck), str(root / "x.json"), "8", "3")
+    for rc, log in stopped:
+        assert rc == 143, log[-3000:]
+    assert "SIGTERM -> stopping at step 4: " in stopped[0][1]
+    assert "a stop request on another rank -> stopping at step 4" in stopped[1][1]
+    assert json.loads((ck / "latest").read_text())["step"] == 4
+    for rc, log in _launch(script, root, "resumed", str(ck), str(root / "resumed.json"), "8"):
+        assert rc == 0, log[-3000:]
+    resumed = json.loads((root / "resumed.json").read_text())
+    straight = json.loads((root / "straight.json").read_text())
+    assert resumed["step"] == straight["step"] == 8
+    assert resumed["weights"] == straight["weights"]
+    return resumed
+
+
+def test_transformers_trainer_resumes_bit_exact_after_sigterm(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    resumed = _run("hf_train.py", tmp_path)
+    assert resumed["resumed"] is True
+
+
+def test_lightning_trainer_resumes_bit_exact_after_sigterm(tmp_path):
+    pytest.importorskip("lightning")
+    resumed = _run("lightning_train.py", tmp_path)
+    assert resumed["restored"] == 4
