@@ -537,7 +537,7 @@ def bench_loop(
 
 
 def bench_cuda(
-    nbytes: int, root: Path, repeat: int, tokens: int = 8192
+    nbytes: int, root: Path, repeat: int, tokens: int = 8192, spill_bytes: int = 0
 ) -> tuple[list[list[object]], list[Figure]]:
     """D2H throughput of the snapshot against one big pinned copy, and the stall of overlap mode
     while a forward/backward runs beside the copy, on the current CUDA device."""
@@ -569,7 +569,9 @@ def bench_cuda(
         loss.backward()
         opt.step()
 
-    ck = gpumem.Checkpointer(root / "gpu", keep=1, staging_bytes=total + (256 << 20))
+    ck = gpumem.Checkpointer(
+        root / "gpu", keep=1, staging_bytes=total + (256 << 20), device_spill_bytes=spill_bytes
+    )
     for step in range(2):  # allocates and pins the arena, compiles the CRC kernel
         ck.save(step, model=model, optimizer=opt, rng=False, blocking=True)
         ck.wait()
@@ -584,31 +586,41 @@ def bench_cuda(
         )  # save() entry until every byte is in host memory (device CRC included)
         d2h.append(st.d2h_s)  # first copy enqueued until copies and device CRCs completed
         ck.wait()
+    gpu_plain, gpu_saving, host_wait, fence, spilled = [], [], [], [], []
     for i in range(repeat + 1):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        train_step()
+        plain_gpu = gpu_timed(train_step)
         torch.cuda.synchronize()
         plain = time.perf_counter() - t0
         torch.cuda.synchronize()
         t0 = time.perf_counter()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()  # on the compute stream: the GPU time of the step that saves
         st = ck.save(20 + i, model=model, optimizer=opt, rng=False)
-        train_step()  # forward/backward beside the copy; optimizer.step() waits for it if needed
+        train_step()  # forward/backward beside the copy; optimizer.step() is fenced behind it
+        end.record()
         torch.cuda.synchronize()
         with_save = time.perf_counter() - t0
         assert st.mode == "overlap", st.mode
         ck.wait()
         if i:
             base.append(plain)
+            gpu_plain.append(plain_gpu())
+            gpu_saving.append(start.elapsed_time(end) / 1e3)
             # the issue's stall: save() blocking + hook wait + slowdown of the step beside the copy
             stall.append(max(with_save - plain, st.stall_s))
             d2h_overlap.append(st.staged_s)
             save_call.append(st.save_s)
             hook_wait.append(st.hook_wait_s)
+            host_wait.append(st.stall_s)
+            fence.append(st.fence_s)
+            spilled.append(st.spill_bytes)
     ck.close()
     shutil.rmtree(root / "gpu", ignore_errors=True)
     m_ceil, m_snap, m_d2h = med(ceiling), med(snap), med(d2h)
     m_stall, m_base = med(stall), med(base)
+    slowdown = [max(0.0, s - med(gpu_plain)) for s in gpu_saving]
     figs = {
         k: figure(f"{label}: {k}", "ms", v, scale=1e3)
         for k, v in (
@@ -617,6 +629,8 @@ def bench_cuda(
             ("blocking save() entry to staged", snap),
             ("training step, no save", base),
             ("overlap mode: stall of the step that saves", stall),
+            ("overlap mode: GPU step slowdown (CUDA events)", slowdown),
+            ("overlap mode: host wait (save() + hook)", host_wait),
         )
     }
     figures = [
@@ -668,8 +682,98 @@ def bench_cuda(
                 f"{med(save_call) * 1e3:.2f} ms, hook wait {med(hook_wait) * 1e3:.2f} ms"
             ),
         ],
+        [
+            label,
+            "overlap mode: GPU step slowdown of the step that saves (CUDA events)",
+            f"{med(slowdown) * 1e3:.2f} ms",
+            f"{med(slowdown) / m_d2h * 100:.1f} % of D2H time",
+            (
+                f"compute stream, step that saves minus plain step ({med(gpu_plain) * 1e3:.1f} "
+                f"ms); target <= 5 %; fence wait {med(fence) * 1e3:.2f} ms; spilled "
+                f"{format_bytes(int(med(spilled)))} (device_spill_bytes="
+                f"{format_bytes(spill_bytes)})"
+            ),
+        ],
+        [
+            label,
+            "overlap mode: host wait (save() + optimizer hook)",
+            f"{med(host_wait) * 1e3:.2f} ms",
+            "",
+            "the time the training thread could not enqueue work",
+        ],
     ]
     return rows, figures
+
+
+def gpu_timed(fn):
+    """Run ``fn`` between two CUDA events on the current stream; returns a callable giving its
+    GPU time in seconds once the stream has passed the second event."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    return lambda: (end.synchronize(), start.elapsed_time(end) / 1e3)[1]
+
+
+def bench_every_step(
+    root: Path, params: int, steps: int, tokens: int = 4096
+) -> tuple[list[list[object]], list[Figure]]:
+    """A checkpoint at every step: a GPT-like model of ``params`` parameters in bf16 with AdamW,
+    ``steps`` steps calling save() each (coalesce=True, keep=1), against the same loop without
+    saves; step time from CUDA events on the compute stream, plus how many saves were written
+    and how many superseded."""
+    dev = torch.device("cuda")
+    d = 2048
+    model = GPTish(params, d).to(dev, torch.bfloat16)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    x = torch.randn(tokens, d, device=dev, dtype=torch.bfloat16)
+
+    def train_step() -> None:
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def loop(ck) -> list[float]:
+        times = []
+        for step in range(steps):
+            timer = gpu_timed(
+                lambda step=step: (
+                    ck.save(step, model=model, optimizer=opt, rng=False) if ck else None,
+                    train_step(),
+                )
+            )
+            times.append(timer())
+        return times[3:]  # warm-up: arena allocation and pinning, kernel compilation
+
+    for _ in range(2):
+        train_step()
+    plain = loop(None)
+    with gpumem.Checkpointer(root / "every", keep=1, coalesce=True) as ck:
+        saving = loop(ck)
+        ck.wait()
+        written = [st.step for st in ck.history if st.committed]
+        superseded = [st.step for st in ck.history if st.superseded_by is not None]
+    shutil.rmtree(root / "every", ignore_errors=True)
+    label = f"GPT {n_params / 1e9:.2f}B bf16 + AdamW"
+    f_plain = figure(f"{label}: step, no checkpoint", "ms", plain, scale=1e3)
+    f_save = figure(f"{label}: step, checkpoint every step", "ms", saving, scale=1e3)
+    over = med(saving) / med(plain) - 1
+    rows = [
+        [label, "training step, no checkpoint (CUDA events)", f"{med(plain) * 1e3:.1f} ms", "", ""],
+        [
+            label,
+            f"training step, save() every step, coalesce=True, keep=1 ({steps} steps)",
+            f"{med(saving) * 1e3:.1f} ms",
+            f"{over * 100:+.1f} % step time",
+            (
+                f"target <= 3 % (moonshot 1 %); {len(written)} steps written, "
+                f"{len(superseded)} superseded"
+            ),
+        ],
+    ]
+    return rows, [f_plain, f_save, ratio_figure(f"{label}: step time ratio", f_save, f_plain)]
 
 
 def main_cuda(args: argparse.Namespace) -> int:
@@ -682,13 +786,42 @@ def main_cuda(args: argparse.Namespace) -> int:
     root = Path(tempfile.mkdtemp(prefix="gpumem-bench-", dir=args.dir))
     rows: list[list[object]] = []
     figures: list[Figure] = []
+    # Each part is written as soon as it is measured, and a failing part (a 12 GB state that does
+    # not fit this GPU) is reported in the table, so a time limit or an error keeps what was done.
+    parts = []
+    for size in args.sizes.split(","):
+        if size == "every":  # the checkpoint-every-step loop, at this point of the order
+            params = parse_bytes(args.every_step_params)
+            parts.append((size, lambda p=params: bench_every_step(root, p, args.steps)))
+        else:
+            parts.append(
+                (
+                    size,
+                    lambda size=size: bench_cuda(
+                        parse_bytes(size),
+                        root,
+                        args.repeat,
+                        spill_bytes=parse_bytes(args.spill_bytes),
+                    ),
+                )
+            )
     try:
-        for size in args.sizes.split(","):
-            size_rows, size_figures_ = bench_cuda(parse_bytes(size), root, args.repeat)
-            rows += size_rows
-            figures += size_figures_
+        for name, run in parts:
+            try:
+                part_rows, part_figures = run()
+            except (RuntimeError, torch.cuda.OutOfMemoryError, gpumem.CheckpointError) as exc:
+                part_rows, part_figures = [[name, "FAILED", "", "", str(exc).splitlines()[0]]], []
+            finally:
+                torch.cuda.empty_cache()
+            rows += part_rows
+            figures += part_figures
+            _write_cuda(args, rows, figures)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+def _write_cuda(args: argparse.Namespace, rows: list[list[object]], figures: list[Figure]) -> None:
     notes = (
         "Ceiling: one pinned.copy_(gpu_tensor, non_blocking=True) "
         "of the state's byte count into page-locked\n"
@@ -700,7 +833,9 @@ def main_cuda(args: argparse.Namespace) -> int:
         "allocated and pinned by two warm-up saves first. "
         "Overlap stall: wall time of a training step\n"
         "that calls save() minus a plain step (measured back "
-        "to back), or save() + optimizer-hook wait if larger."
+        "to back), or save() + optimizer-hook wait if larger.\n"
+        "GPU step slowdown: CUDA events on the compute stream around the step that saves, "
+        "minus the median plain step."
     )
     columns = ["state", "measurement", "time (median)", "ratio", "note"]
     if args.no_write:
@@ -717,13 +852,15 @@ def main_cuda(args: argparse.Namespace) -> int:
             info=machine_info(),
             figures=figures,
         )
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--sizes", default="1GB,4GB", help="comma-separated state sizes (default 1GB,4GB)"
+        "--sizes",
+        default="1GB,4GB",
+        help="comma-separated state sizes (default 1GB,4GB); with --device cuda, 'every' among "
+        "them runs the checkpoint-every-step loop at that point",
     )
     ap.add_argument(
         "--repeat", type=int, default=3, help="timed repetitions per measurement (median)"
@@ -733,6 +870,17 @@ def main(argv: list[str] | None = None) -> int:
         "--every", type=int, default=5, help="checkpoint interval of the training-loop test"
     )
     ap.add_argument("--steps", type=int, default=40, help="steps of the training-loop test")
+    ap.add_argument(
+        "--spill-bytes",
+        default="0",
+        help="--device cuda: the Checkpointer's device_spill_bytes in the overlap rows (default 0)",
+    )
+    ap.add_argument(
+        "--every-step-params",
+        default="1.2G",
+        help="--device cuda, with 'every' among --sizes: the checkpoint-every-step loop's GPT "
+        "parameters (bf16 + AdamW, coalesce=True, keep=1, --steps steps; default 1.2G)",
+    )
     ap.add_argument(
         "--no-write", action="store_true", help="do not write benchmarks/results/checkpoint.md"
     )

@@ -101,9 +101,9 @@ def measure(
 
     Args:
         size_bytes: bytes in the buffer (random data).
-        chunk_bytes: chunk sizes to measure with word loads (tiled kernel: with nibble and with
-            byte tables); the largest that fits is also measured with byte loads (the buffer
-            viewed from its second byte).
+        chunk_bytes: chunk sizes to measure with word loads (tiled kernel, byte tables); the
+            largest that fits is also measured with byte loads (the buffer viewed from its second
+            byte).
         device: ``"cuda"``; ``"cpu"`` only in interpreter smoke runs.
 
     Returns:
@@ -112,7 +112,7 @@ def measure(
     """
     import torch
 
-    from gpumem.kernels.crc32c import SMALL_CHUNK_MAX, STEP_TABLES, chunk_crc32c_triton
+    from gpumem.kernels.crc32c import SMALL_CHUNK_MAX, chunk_crc32c_triton
 
     timer = _timer(device)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -125,18 +125,17 @@ def measure(
     copy_fig = _rate(f"device-to-device copy, {_human(size_bytes)}", gb, copy_q)
     figures = [copy_fig]
     fits = [c for c in chunk_bytes if c <= size_bytes]
-    cases = []  # (data, chunk, step tables, what the kernel does)
+    cases = []  # (data, chunk, what the kernel does)
     for c in fits:
         if c <= SMALL_CHUNK_MAX:
-            cases.append((aligned, c, STEP_TABLES, "one lane per chunk, byte loads"))
+            cases.append((aligned, c, "one lane per chunk, byte loads"))
             continue
-        cases.append((aligned, c, "nibble", "tiled, word loads, nibble tables"))
-        cases.append((aligned, c, "byte", "tiled, word loads, byte tables"))
+        cases.append((aligned, c, "tiled, word loads, byte tables"))
     if fits and max(fits) > SMALL_CHUNK_MAX:
-        cases.append((shifted, max(fits), STEP_TABLES, "tiled, unaligned: byte loads"))
+        cases.append((shifted, max(fits), "tiled, unaligned: byte loads"))
     rows = []
-    for data, chunk, tables, kernel in cases:
-        run = functools.partial(chunk_crc32c_triton, data, chunk, step_tables=tables)
+    for data, chunk, kernel in cases:
+        run = functools.partial(chunk_crc32c_triton, data, chunk)
         if run().cpu().tolist() != _reference(data, chunk):
             raise AssertionError(f"Triton CRC32C disagrees with crc32c: chunk {chunk}, {kernel}")
         crc_q = timer(run)

@@ -1,28 +1,28 @@
-"""Where the CUDA snapshot's time goes: the D2H copies alone, the device CRCs alone, both together.
+"""Where one CUDA snapshot's time goes: the timeline of a save with the Checkpointer's defaults.
 
-The H200 runs of session 3 measured the snapshot's D2H phase at 60 % of the pinned-copy ceiling
-(28.2 ms against 16.8 ms for 864.77 MiB in 180 tensors) and could not say why. This script splits
-it, on the same state as ``bench_checkpoint.py --device cuda``, each part timed for how long the
-host takes to enqueue it and when the GPU has finished it (median of ``--repeat``):
+On the state of ``bench_checkpoint.py --device cuda`` (GPT-like, fp32, AdamW), a
+``gpumem.Checkpointer`` with its default settings (chunk_bytes, segment_bytes, staging) takes two
+warm-up saves (arena allocation and pinning, kernel compilation, the copy/CRC programs), then for
+``--repeat`` saves prints, per save:
 
-- one pinned copy of all the bytes (the ceiling);
-- the per-tensor copies into the arena alone (``HostArena.copy_from_device``, as the snapshot
-  issues them);
-- the device CRCs alone (``snapshot.device_crcs``), one launch per tensor and one for all;
-- ``snapshot.copy_pieces``, which does both (copies first, CRCs on a second stream), with the
-  CRCs launched per tensor (the default) and in one launch (``GPUMEM_CRC_ONE_LAUNCH=1``).
+- the host side: how long save() took, and of that how long the native enqueue of every copy
+  and the CRC launch took (Python no longer works per tensor: if this approaches the device
+  time, the host is still the limit);
+- the device side (CUDA events on the snapshot's streams): the copies and the CRCs, from the
+  common start (they run side by side: the copies never wait for the CRCs);
+- in overlap mode, with a forward/backward beside the copy: the host wait in the optimizer hook
+  and the time the compute stream stood still at the fence;
+- the pinned-copy ceiling (one ``pinned.copy_(gpu, non_blocking=True)`` of the same bytes).
 
-If the enqueue time of a part approaches its finish time, the host (Python per tensor, Triton's
-launch overhead) is the limit, not the GPU or the link. It prints a Markdown table; nothing is
-asserted (benchmarks/gpu_session.sh runs it).
+It prints a Markdown table; nothing is asserted (benchmarks/gpu_session.sh runs it).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,98 +32,93 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_checkpoint import make_state
 
-from gpumem.arena import HostArena
-from gpumem.checkpoint import snapshot
-from gpumem.checkpoint.snapshot import ArenaLayout, Piece
-
-CHUNK = 4 << 20  # the Checkpointer's default chunk_bytes
-
-
-def timed(fn, repeat: int) -> tuple[float, float]:
-    """Median (enqueue seconds, finished seconds) of ``fn`` on the current stream."""
-    enq, done = [], []
-    for i in range(repeat + 1):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        if i:  # the first is a warm-up (kernel compile, pinned pools)
-            enq.append(t1 - t0)
-            done.append(t2 - t0)
-    return statistics.median(enq), statistics.median(done)
+import gpumem
+import gpumem.checkpoint.device_copy as device_copy
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--bytes", type=int, default=1 << 30, help="state size (default 1 GiB, as the benchmark)"
-    )
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--bytes", type=int, default=1 << 30, help="state size (default 1 GiB)")
+    ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("diagnose_snapshot_gpu: needs a CUDA GPU; none here, nothing measured.")
         return 0
-    _, _, tensors = make_state(args.bytes, device="cuda")
-    srcs = [t.detach().reshape(-1).view(torch.uint8) for t in tensors]
-    total = sum(s.numel() for s in srcs)
-    offsets, pos = [], 0
-    for s in srcs:
-        offsets.append(pos)
-        pos += -(-s.numel() // 4096) * 4096
-    arena = HostArena(pos, pinned=True)
-    arena.wait_pinned()
-    flat = torch.empty(total, dtype=torch.uint8, device="cuda")
+    model, opt, tensors = make_state(args.bytes, device="cuda")
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    enqueue_s: list[float] = []
+    real_enqueue = device_copy.enqueue
+
+    def timed_enqueue(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return real_enqueue(*a, **kw)
+        finally:
+            enqueue_s.append(time.perf_counter() - t0)
+
+    device_copy.enqueue = timed_enqueue
+    src = torch.empty(total, dtype=torch.uint8, device="cuda")
     pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-    pieces = [
-        Piece(i, 0, s.numel(), 0, off) for i, (s, off) in enumerate(zip(srcs, offsets, strict=True))
-    ]
-    plan = ArenaLayout(capacity=pos, streaming=False, batch_sizes=[pos], bases=[0], pieces=pieces)
-
-    def copies() -> None:
-        for s, off in zip(srcs, offsets, strict=True):
-            arena.copy_from_device(s, off)
-
-    rows = [
-        (
-            "one pinned copy of all bytes (ceiling)",
-            timed(lambda: pinned.copy_(flat, non_blocking=True), args.repeat),
-        ),
-        (f"{len(srcs)} copies into the arena", timed(copies, args.repeat)),
-        (
-            f"{len(srcs)} device CRCs, a launch each",
-            timed(lambda: snapshot.device_crcs(srcs, CHUNK, one_launch=False), args.repeat),
-        ),
-        (
-            f"{len(srcs)} device CRCs, one launch",
-            timed(lambda: snapshot.device_crcs(srcs, CHUNK, one_launch=True), args.repeat),
-        ),
-        (
-            "both: snapshot.copy_pieces",
-            timed(lambda: snapshot.copy_pieces(arena, plan, pieces, tensors, CHUNK), args.repeat),
-        ),
-    ]
-    os.environ["GPUMEM_CRC_ONE_LAUNCH"] = "1"
-    rows.append(
-        (
-            "both, GPUMEM_CRC_ONE_LAUNCH=1",
-            timed(lambda: snapshot.copy_pieces(arena, plan, pieces, tensors, CHUNK), args.repeat),
-        )
-    )
-    ceiling = rows[0][1][1]
-    print(
-        f"state {total / 2**20:.2f} MiB in {len(srcs)} tensors on {torch.cuda.get_device_name()}, "
-        f"torch {torch.__version__}, chunk {CHUNK >> 20} MiB"
-    )
-    print("| part | host enqueue (ms) | finished (ms) | GB/s | vs ceiling |")
-    print("|---|---|---|---|---|")
-    for name, (enq, done) in rows:
+    ceiling = []
+    for _ in range(args.repeat + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        pinned.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        ceiling.append(time.perf_counter() - t0)
+    del src, pinned
+    x = torch.randn(8192, model.blocks[0]["qkv"].in_features, device="cuda")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gpumem-diag-") as d:
+        ck = gpumem.Checkpointer(d, keep=1)
         print(
-            f"| {name} | {enq * 1e3:.2f} | {done * 1e3:.2f} | "
-            f"{total / done / 1e9:.1f} | {ceiling / done:.0%} |"
+            f"state {total / 2**20:.1f} MiB in {len(tensors)} tensors; Checkpointer defaults: "
+            f"chunk_bytes={ck.chunk_bytes}, segment_bytes={ck.segment_bytes}, "
+            f"staging_bytes={ck.staging_bytes}",
+            flush=True,
         )
-    arena.close()
+        for step in range(2):
+            ck.save(step, model=model, optimizer=opt, rng=False, blocking=True)
+            ck.wait()
+        for i in range(args.repeat):
+            for mode in ("blocking", "overlap"):
+                enqueue_s.clear()
+                torch.cuda.synchronize()
+                st = ck.save(
+                    10 + 2 * i + (mode == "overlap"),
+                    model=model,
+                    optimizer=opt,
+                    rng=False,
+                    blocking=mode == "blocking",
+                )
+                if mode == "overlap":
+                    loss = model(x).pow(2).mean()
+                    loss.backward()
+                    opt.step()  # the hook fences the stream behind the copy
+                    opt.zero_grad(set_to_none=False)
+                torch.cuda.synchronize()
+                ck.wait()
+                rows.append(
+                    (
+                        mode,
+                        st.save_s,
+                        sum(enqueue_s),
+                        st.copy_device_s,
+                        st.crc_device_s,
+                        st.d2h_s,
+                        st.hook_wait_s,
+                        st.fence_s,
+                    )
+                )
+        ck.close()
+    print(f"pinned-copy ceiling: {statistics.median(ceiling[1:]) * 1e3:.2f} ms")
+    print(
+        "| mode | save() | host enqueue (copies + CRC launch) | device copies | device CRCs "
+        "| D2H phase (host) | hook wait (host) | fence (stream) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for mode, *t in rows:
+        print(f"| {mode} | " + " | ".join(f"{v * 1e3:.2f} ms" for v in t) + " |")
     return 0
 
 

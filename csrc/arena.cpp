@@ -165,4 +165,36 @@ void HostBuffer::copy_in(const std::vector<const uint8_t*>& sources, const std::
       threads);
 }
 
+size_t HostBuffer::enqueue_d2h(const DeviceCopy* copies, size_t count, uintptr_t stream) {
+  for (size_t i = 0; i < count; ++i) {
+    const DeviceCopy& c = copies[i];
+    if (c.offset > size_ || c.nbytes > size_ - c.offset)
+      throw std::invalid_argument("enqueue_d2h: copy " + std::to_string(i) + " (" +
+                                  std::to_string(c.nbytes) + " bytes at offset " +
+                                  std::to_string(c.offset) + ") does not fit in the arena of " +
+                                  std::to_string(size_) + " bytes");
+  }
+  size_t calls = 0;
+  std::string err;
+  for (size_t i = 0; i < count; ++i) {
+    const DeviceCopy& c = copies[i];
+    uint64_t done = 0;
+    while (done < c.nbytes) {
+      const uint64_t at = c.offset + done;
+      const uint64_t room = kPinChunk - at % kPinChunk;  // to the next registration boundary
+      const uint64_t n = c.nbytes - done < room ? c.nbytes - done : room;
+      const int rc = cuda::memcpy_d2h_async(data_ + at, reinterpret_cast<const void*>(c.src + done),
+                                            n, stream, &err);
+      if (rc != 0)
+        throw std::runtime_error("cudaMemcpyAsync of copy " + std::to_string(i) + " (" +
+                                 std::to_string(n) + " bytes from device address " +
+                                 std::to_string(c.src + done) + " to arena offset " +
+                                 std::to_string(at) + ") failed: " + err);
+      ++calls;
+      done += n;
+    }
+  }
+  return calls;
+}
+
 }  // namespace gpumem::arena

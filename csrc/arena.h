@@ -58,6 +58,21 @@ class HostBuffer {
   void copy_in(const std::vector<const uint8_t*>& sources, const std::vector<size_t>& sizes,
                const std::vector<uint64_t>& offsets, int threads);
 
+  // One device-to-host copy: `nbytes` from device address `src` to data() + `offset`.
+  struct DeviceCopy {
+    uint64_t src;
+    uint64_t nbytes;
+    uint64_t offset;
+  };
+  // Enqueues every copy on `stream` (a cudaStream_t) with cudaMemcpyAsync, each cut at the
+  // multiples of kPinChunk from data() (one copy must not span two registrations), and returns
+  // without waiting: a whole snapshot in one call, whatever the number of tensors. Every copy is
+  // bounds-checked before the first is enqueued (std::invalid_argument naming it). A CUDA error
+  // stops the loop and throws std::runtime_error naming the copy; the copies enqueued before it
+  // stay enqueued, so the caller synchronizes the stream before reusing their bytes.
+  // Returns the number of cudaMemcpyAsync calls made.
+  size_t enqueue_d2h(const DeviceCopy* copies, size_t count, uintptr_t stream);
+
  private:
   void pin_all(int device);
   void unpin_all();

@@ -17,6 +17,8 @@ using GetErrorStringFn = const char* (*)(int);
 using GetDeviceFn = int (*)(int*);
 using SetDeviceFn = int (*)(int);
 using GetLastErrorFn = int (*)();
+using MemcpyAsyncFn = int (*)(void*, const void*, size_t, int, void*);
+constexpr int kMemcpyDeviceToHost = 2;  // cudaMemcpyDeviceToHost
 
 struct Api {
   HostRegisterFn host_register = nullptr;
@@ -26,6 +28,7 @@ struct Api {
   GetDeviceFn get_device = nullptr;
   SetDeviceFn set_device = nullptr;
   GetLastErrorFn get_last_error = nullptr;
+  MemcpyAsyncFn memcpy_async = nullptr;
 };
 
 std::mutex g_mu;
@@ -105,6 +108,7 @@ const Status& load(bool disabled, const std::string& library) {
   ok = resolve(h, "cudaGetDevice", &api.get_device, &why) && ok;
   ok = resolve(h, "cudaSetDevice", &api.set_device, &why) && ok;
   ok = resolve(h, "cudaGetLastError", &api.get_last_error, &why) && ok;
+  ok = resolve(h, "cudaMemcpyAsync", &api.memcpy_async, &why) && ok;
   Dl_info info{};
   if (api.get_device_count && dladdr(reinterpret_cast<void*>(api.get_device_count), &info) &&
       info.dli_fname)
@@ -165,6 +169,15 @@ int set_device(int device, std::string* err) {
     return -1;
   }
   return checked(g_api.set_device(device), err);
+}
+
+int memcpy_d2h_async(void* dst, const void* src, size_t n, uintptr_t stream, std::string* err) {
+  if (!ready()) {
+    if (err) *err = "CUDA runtime not available";
+    return -1;
+  }
+  return checked(g_api.memcpy_async(dst, src, n, kMemcpyDeviceToHost, reinterpret_cast<void*>(stream)),
+                 err);
 }
 
 }  // namespace gpumem::cuda

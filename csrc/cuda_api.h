@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 namespace gpumem::cuda {
@@ -30,5 +31,8 @@ int host_register(void* ptr, size_t nbytes, std::string* err);
 int host_unregister(void* ptr, std::string* err);
 int get_device(int* device, std::string* err);
 int set_device(int device, std::string* err);
+// cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, stream): enqueued on `stream` (a
+// cudaStream_t as an integer, torch.cuda.Stream.cuda_stream), returns without waiting.
+int memcpy_d2h_async(void* dst, const void* src, size_t n, uintptr_t stream, std::string* err);
 
 }  // namespace gpumem::cuda

@@ -32,6 +32,7 @@ namespace {
 using Bytes = nb::ndarray<const uint8_t, nb::ndim<1>, nb::device::cpu>;
 using MutBytes = nb::ndarray<uint8_t, nb::ndim<1>, nb::device::cpu>;
 using MutInt64 = nb::ndarray<int64_t, nb::ndim<1>, nb::device::cpu>;
+using DeviceCopies = nb::ndarray<const uint64_t, nb::shape<-1, 3>, nb::c_contig, nb::device::cpu>;
 
 template <typename Array>
 void require_dense(const Array& a, const char* what) {
@@ -342,5 +343,17 @@ NB_MODULE(_C, m) {
             b.copy_in(ptrs, sizes, offs, threads);
           },
           "sources"_a.noconvert(), "offsets"_a, "threads"_a = 0,
-          "Copy each 1-D uint8 source into the buffer at its offset, in parallel.");
+          "Copy each 1-D uint8 source into the buffer at its offset, in parallel.")
+      .def(
+          "enqueue_d2h",
+          [](PyHostBuffer& b, const DeviceCopies& copies, uintptr_t stream) {
+            static_assert(sizeof(arena::HostBuffer::DeviceCopy) == 3 * sizeof(uint64_t));
+            const auto* rows = reinterpret_cast<const arena::HostBuffer::DeviceCopy*>(copies.data());
+            nb::gil_scoped_release release;
+            return b.enqueue_d2h(rows, copies.shape(0), stream);
+          },
+          "copies"_a.noconvert(), "stream"_a,
+          "Enqueue cudaMemcpyAsync device-to-host of every row (device address, bytes, buffer "
+          "offset) of a C-contiguous (n, 3) uint64 array on `stream`, cut at PIN_CHUNK_BYTES; "
+          "returns the number of cudaMemcpyAsync calls.");
 }

@@ -132,3 +132,15 @@ class HostBuffer:
         threads: int = 0,
     ) -> None:
         """Copy each 1-D uint8 source into the buffer at its offset, in parallel."""
+
+    def enqueue_d2h(
+        self,
+        copies: Annotated[
+            NDArray[numpy.uint64],
+            dict(shape=(None, 3), order="C", device="cpu", writable=False),
+        ],
+        stream: int,
+    ) -> int:
+        """Enqueue cudaMemcpyAsync device-to-host of every row (device address, bytes, buffer
+        offset) of a C-contiguous (n, 3) uint64 array on `stream`, cut at PIN_CHUNK_BYTES; returns
+        the number of cudaMemcpyAsync calls."""

@@ -7,7 +7,6 @@
 | GPUMEM_DISABLE_CUDA   | 1: never load the CUDA runtime (a CPU machine)   | 0                  |
 | GPUMEM_CUDA_LIBRARY   | path of libcudart to dlopen instead of searching | (search)           |
 | GPUMEM_STAGING_BYTES  | default host staging budget of the Checkpointer  | (share of RAM)     |
-| GPUMEM_CRC_ONE_LAUNCH | 1: a snapshot's device CRCs in one kernel launch | 0 (one per tensor) |
 | GPUMEM_DEBUG          | 1: the CLI prints a traceback with its one line  | 0                  |
 
 (n: the machine's cores.)

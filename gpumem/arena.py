@@ -255,6 +255,32 @@ class HostArena:
         for lo, n in _split(offset, nbytes, step):
             self.view(lo, n).copy_(data[lo - offset : lo - offset + n], non_blocking=True)
 
+    def enqueue_d2h(self, copies: Any, stream: int) -> int:
+        """Enqueue a whole snapshot's device-to-host copies in one native call, without the GIL.
+
+        Each row of ``copies`` is (device address, bytes, arena offset); every copy is issued
+        with ``cudaMemcpyAsync`` on ``stream`` and cut at the registration chunks (see
+        :meth:`copy_from_device`). Nothing waits: the caller records an event on ``stream`` and
+        keeps the sources alive and unchanged until it completes.
+
+        Args:
+            copies: C-contiguous ``(n, 3)`` uint64 NumPy array.
+            stream: the ``cudaStream_t`` as an int (``torch.cuda.Stream.cuda_stream``).
+
+        Returns:
+            The number of ``cudaMemcpyAsync`` calls made.
+
+        Raises:
+            ValueError: a copy does not fit in the arena (checked for all before any is issued).
+            RuntimeError: no CUDA runtime, or a CUDA error naming the copy (those before it stay
+                enqueued: synchronize ``stream`` before reusing their bytes).
+        """
+        buf = self._live_buf()
+        runtime = cuda_runtime()
+        if not runtime.available:
+            raise RuntimeError(f"enqueue_d2h needs the CUDA runtime, but {runtime.message}")
+        return int(buf.enqueue_d2h(copies, int(stream)))
+
     @property
     def pin_chunk(self) -> int:
         """Bytes per CUDA registration (the last one may be shorter); see

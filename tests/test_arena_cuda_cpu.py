@@ -202,3 +202,90 @@ def test_destroying_a_buffer_while_it_pins_lets_other_python_threads_run(fake_cu
     names = [e[0] for e in log]
     assert "register_released" in names and "register_timeout" not in names
     assert names.count("register") == 1 and names.count("unregister") == 1
+
+
+ENQUEUE = """
+import ctypes, json, os, threading, time
+import numpy as np
+import torch
+from gpumem.arena import HostArena
+lib = ctypes.CDLL(os.environ["GPUMEM_CUDA_LIBRARY"])
+gib = 1 << 30
+arena = HostArena(gib + 8192, pinned=True)  # address space only: pages are touched where copied
+arena.wait_pinned(60)
+g = torch.Generator().manual_seed(0)
+a = torch.randint(0, 256, (8192,), dtype=torch.uint8, generator=g)  # "device" tensors: host here
+b = torch.randn(100, generator=g)
+rows = [(a.data_ptr(), 8192, gib - 4096), (b.data_ptr() + 40, 360, 4096)]  # a spans the boundary
+copies = np.array(rows, dtype=np.uint64)
+out = {"ptr": arena.data_ptr, "a": a.data_ptr(), "b": b.data_ptr()}
+mode = os.environ["MODE"]
+if mode == "copy":
+    out["calls"] = arena.enqueue_d2h(copies, 0x5EED)
+    out["a_ok"] = bool(torch.equal(arena.view(gib - 4096, 8192), a))
+    out["b_ok"] = bool(torch.equal(arena.view(4096, 360), b.view(torch.uint8)[40:]))
+elif mode == "bounds":
+    bad = np.array([*rows, (b.data_ptr(), 400, gib + 8000)], dtype=np.uint64)
+    try:
+        arena.enqueue_d2h(bad, 1)
+    except ValueError as e:
+        out["error"] = str(e)
+elif mode == "fail":
+    try:
+        arena.enqueue_d2h(copies, 1)
+    except RuntimeError as e:
+        out["error"] = str(e)
+elif mode == "gil":
+    t = threading.Thread(target=arena.enqueue_d2h, args=(copies, 7))
+    t.start()
+    while not lib.fake_blocked():  # the native call is inside cudaMemcpyAsync, waiting for us
+        time.sleep(0.001)
+    lib.fake_release()  # this thread runs Python meanwhile: the call let go of the GIL
+    t.join()
+print(json.dumps(out))
+"""
+
+
+def test_one_native_call_enqueues_every_copy_cut_at_the_registration_chunks(fake_cudart, tmp_path):
+    """The snapshot's copies: one call, each row a cudaMemcpyAsync device-to-host on the given
+    stream, a row that crosses a 1 GiB registration boundary cut there, the bytes where the
+    offsets say."""
+    out, log = run_probe(ENQUEUE, fake_cudart, tmp_path, MODE="copy")
+    ptr, gib = out["ptr"], 1 << 30
+    assert out["calls"] == 3 and out["a_ok"] and out["b_ok"]
+    assert [e[1:4] for e in log if e[0] == "memcpy"] == [
+        (ptr + gib - 4096, 4096, 0x5EED),
+        (ptr + gib, 4096, 0x5EED),
+        (ptr + 4096, 360, 0x5EED),
+    ]
+
+
+def test_a_copy_that_does_not_fit_is_refused_before_any_is_enqueued(fake_cudart, tmp_path):
+    out, log = run_probe(ENQUEUE, fake_cudart, tmp_path, MODE="bounds")
+    gib = 1 << 30
+    assert out["error"] == (
+        f"enqueue_d2h: copy 2 (400 bytes at offset {gib + 8000}) does not fit in the arena of "
+        f"{gib + 8192} bytes"
+    )
+    assert not [e for e in log if e[0].startswith("memcpy")]
+
+
+def test_a_cuda_error_names_the_copy_and_clears_the_error_slot(fake_cudart, tmp_path):
+    out, log = run_probe(ENQUEUE, fake_cudart, tmp_path, MODE="fail", FAKE_CUDART_FAIL_MEMCPY="2")
+    gib = 1 << 30
+    assert out["error"] == (
+        f"cudaMemcpyAsync of copy 0 (4096 bytes from device address {out['a'] + 4096} to arena "
+        f"offset {gib}) failed: fake: invalid value (cudaError 1)"
+    )
+    names = [e[0] for e in log]
+    assert names.count("memcpy") == 1 and names.count("memcpy_failed") == 1  # then it stopped
+    assert names.index("get_last_error", names.index("memcpy_failed")) == (
+        names.index("memcpy_failed") + 1
+    )
+
+
+def test_the_enqueue_releases_the_gil(fake_cudart, tmp_path):
+    _, log = run_probe(ENQUEUE, fake_cudart, tmp_path, MODE="gil", FAKE_CUDART_BLOCK_MEMCPY="1")
+    names = [e[0] for e in log]
+    assert "memcpy_released" in names and "memcpy_timeout" not in names
+    assert names.count("memcpy") == 3

@@ -97,21 +97,6 @@ def test_bad_input_is_a_clear_error(data, chunk, exc, words):
         K.chunk_crc32c_triton(data, chunk)
 
 
-def test_unknown_step_tables_is_a_clear_error():
-    with pytest.raises(ValueError, match="'nibble' or 'byte'"):
-        K.chunk_crc32c_triton(torch.zeros(8, dtype=torch.uint8), 4, step_tables="word")
-
-
-def test_nibble_tables_match_byte_tables():
-    byte, nib = K.operator_tables(), K.nibble_tables()
-    rng = np.random.default_rng(5)
-    for b in (0, 2, 9, 12, 40):
-        for v in rng.integers(0, 2**32, 20, dtype=np.uint64).tolist():
-            via_bytes = np.bitwise_xor.reduce([byte[b, k, (v >> 8 * k) & 255] for k in range(4)])
-            via_nibbles = np.bitwise_xor.reduce([nib[b, k, (v >> 4 * k) & 15] for k in range(8)])
-            assert via_bytes == via_nibbles
-
-
 def test_cpu_tensor_without_interpreter_says_what_to_do(monkeypatch):
     monkeypatch.setattr(K, "interpreted", lambda: False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1") as info:
@@ -214,17 +199,6 @@ def test_chunks_spanning_several_tiles(size, chunk, offset):
 
 
 @needs_triton
-@pytest.mark.parametrize(
-    "size,chunk,offset", [(3001, 300, 0), (70_000, 20_000, 0), (9000, 4096, 1)]
-)
-def test_byte_step_tables_agree(size, chunk, offset):
-    """The inner loop's alternative tables (benchmarked against the default) give the same CRCs."""
-    data = _random_bytes(size + offset, size)[offset:]
-    out = K.chunk_crc32c_triton(data.to(DEVICE), chunk, step_tables="byte")
-    assert out.cpu().tolist() == _reference(data, chunk)
-
-
-@needs_triton
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     size=st.integers(0, 3000),
@@ -237,42 +211,71 @@ def test_random_sizes_chunks_and_offsets(size, chunk, offset, seed):
     assert _triton(data, chunk) == _reference(data, chunk)
 
 
-@needs_triton
-@pytest.mark.parametrize("chunk", [1024, 4096, 12288])
-def test_one_launch_for_many_tensors(chunk):
-    """crc32c_many_into: one launch over tensors scattered in memory (offsets from the lowest
-    address, either order), short and multi-chunk, equal to google-crc32c per chunk; tensors it
-    cannot take (odd lengths, unaligned, empty) are handed back, in order, untouched."""
+def _many_sources(chunk: int) -> list[torch.Tensor]:
+    """Byte tensors scattered in memory: short and multi-chunk, one not word aligned, one of odd
+    length, one empty, one a bf16 tensor's bytes (2 bytes an element: 2 * 3001 bytes, not a
+    multiple of 4); the lowest address need not come first."""
     sizes = [8, chunk, chunk + 4, 3 * chunk + 1024, 20, 7, 0, 2 * chunk]
-    srcs = [_random_bytes(n + 4, seed)[4:].to(DEVICE) for seed, n in enumerate(sizes)]
-    srcs.append(
-        _random_bytes(4 * chunk + 9, 99).to(DEVICE)[1 : 4 * chunk + 1]
-    )  # address not word aligned
-    srcs.reverse()  # the lowest address need not come first
+    srcs = [_random_bytes(n + 4, seed)[4:] for seed, n in enumerate(sizes)]
+    srcs.append(_random_bytes(4 * chunk + 9, 99)[1 : 4 * chunk + 1])  # address not word aligned
+    srcs.append(_random_bytes(2 * 3001, 98).view(torch.bfloat16).view(torch.uint8))
+    srcs.reverse()
+    return [s.to(DEVICE) for s in srcs]
+
+
+@needs_triton
+@pytest.mark.parametrize("chunk", [1024, 4096, 12288, 4098])
+def test_one_launch_for_many_tensors(chunk):
+    """crc32c_many_into: every tensor of a save in one launch when all are word aligned, a
+    second launch (byte loads) only for those that are not; each chunk equal to google-crc32c;
+    an empty tensor gets no CRC; the cached program tables give the same result again."""
+    srcs = _many_sources(chunk)
     counts = [-(-s.numel() // chunk) for s in srcs]
     starts = [sum(counts[:i]) for i in range(len(srcs))]
     out = torch.zeros(sum(counts), dtype=torch.int32, device=DEVICE)
-    left = K.crc32c_many_into(srcs, out, starts, chunk)
-    want_left = [
-        i for i, s in enumerate(srcs) if s.numel() % 4 or not s.numel() or s.data_ptr() % 4
-    ]
-    assert left == want_left and len(left) == 3
+    # words for the aligned ones, bytes for the rest (all of them when the chunk is not 4-aligned)
+    assert K.crc32c_many_into(srcs, out, starts, chunk) == (2 if chunk % 4 == 0 else 1)
     got = (out.to(torch.int64) & 0xFFFFFFFF).cpu().tolist()
-    for i, (s, a, n) in enumerate(zip(srcs, starts, counts, strict=True)):
-        if i in left:
-            assert got[a : a + n] == [0] * n  # not touched: the caller hashes these one by one
-        else:
-            assert got[a : a + n] == _reference(s, chunk), (i, s.numel())
-    again = torch.zeros_like(out)  # a second save of the same tensors reuses the cached table
+    for s, a, n in zip(srcs, starts, counts, strict=True):
+        assert got[a : a + n] == _reference(s, chunk), s.numel()
+    again = torch.zeros_like(out)
     K.crc32c_many_into(srcs, again, starts, chunk)
     assert torch.equal(again, out)
+    aligned = [s for s in srcs if s.numel() and s.numel() % 4 == 0 and s.data_ptr() % 4 == 0]
+    one = torch.zeros(
+        sum(-(-s.numel() // chunk) for s in aligned), dtype=torch.int32, device=DEVICE
+    )
+    starts1 = [sum(-(-x.numel() // chunk) for x in aligned[:i]) for i in range(len(aligned))]
+    assert K.crc32c_many_into(aligned, one, starts1, chunk) == 1  # a usual state: one launch
+    assert (one.to(torch.int64) & 0xFFFFFFFF).tolist() == [
+        c for x in aligned for c in _reference(x, chunk)
+    ]
 
 
-def test_one_launch_needs_the_tiled_kernel():
-    srcs = [torch.zeros(64, dtype=torch.uint8)]
-    out = torch.zeros(1, dtype=torch.int32)
-    assert K.crc32c_many_into(srcs, out, [0], K.SMALL_CHUNK_MAX) == [0]  # small chunks: per tensor
-    assert K.crc32c_many_into(srcs, out, [0], 4098) == [0]  # chunk not a multiple of 4
+@needs_triton
+def test_small_chunks_take_the_one_lane_kernel_per_tensor():
+    srcs = [_random_bytes(100, 1), _random_bytes(0, 2), _random_bytes(33, 3)]
+    out = torch.zeros(5, dtype=torch.int32)
+    assert K.crc32c_many_into(srcs, out, [0, 2, 2], 64) == 2
+    got = (out.to(torch.int64) & 0xFFFFFFFF).tolist()
+    assert got == _reference(srcs[0], 64) + _reference(srcs[2], 64) + [0, 0]
+
+
+def test_the_init_term_is_cached_per_length():
+    K.init_term.cache_clear()
+    K.init_term(4096)
+    K.init_term(4096)
+    K.init_term(12)
+    info = K.init_term.cache_info()
+    assert (info.hits, info.misses) == (1, 2)
+    assert K.init_term(0) == 0 and K.init_term(1) == K.shift_bytes(0xFFFFFFFF, 1) ^ 0xFFFFFFFF
+
+
+def test_plan_many_refuses_what_the_tiled_kernel_cannot_take():
+    with pytest.raises(ValueError, match="chunks above 256 bytes"):
+        K.plan_many([0], [64], [0], 256, torch.device("cpu"))
+    with pytest.raises(ValueError, match="range 1 is empty"):
+        K.plan_many([0, 64], [64, 0], [0, 1], 4096, torch.device("cpu"))
 
 
 # ---- lowering for a Hopper GPU, without one ------------------------------------------------
@@ -309,24 +312,23 @@ def lower(fn, signature, constexprs, num_warps):
         mod = stages[name](mod, metadata)
     return mod
 
-for words, nibbles, lanes in ((True, True, 1024), (True, False, 1024), (False, True, 32)):
+for words, lanes in ((True, 1024), (False, 32)):
     sig = {"X_ptr": "*i32" if words else "*u8", "OUT_ptr": "*i32", "TAB_ptr": "*i32",
-           "NIB_ptr": "*i32", "n_bytes": "i64", "chunk_bytes": "i64", "tile_bytes": "i32",
+           "n_bytes": "i64", "chunk_bytes": "i64", "tile_bytes": "i32",
            "tiles_per_chunk": "i32", "init_full": "i32", "init_last": "i32", "nbits": "i32",
-           "LANES": "constexpr", "LOG2_LANES": "constexpr", "WORDS": "constexpr",
-           "NIBBLES": "constexpr"}
-    ce = {"LANES": lanes, "LOG2_LANES": lanes.bit_length() - 1, "WORDS": words,
-          "NIBBLES": nibbles}
+           "LANES": "constexpr", "LOG2_LANES": "constexpr", "WORDS": "constexpr"}
+    ce = {"LANES": lanes, "LOG2_LANES": lanes.bit_length() - 1, "WORDS": words}
     ptx = lower(K._crc32c_tiles_kernel, sig, ce, max(1, min(8, lanes // 128)))
     assert "atom.global" in ptx and ".xor.b32" in ptx
     assert ("ld.global.cg.b32" if words else "ld.global.cg.b8") in ptx
-sig = {"X_ptr": "*i32", "OUT_ptr": "*i32", "TAB_ptr": "*i32", "NIB_ptr": "*i32", "PROG_ptr": "*i64",
-       "chunk_bytes": "i64", "tile_bytes": "i32", "tiles_per_chunk": "i32", "init_full": "i32",
-       "nbits": "i32", "LANES": "constexpr", "LOG2_LANES": "constexpr", "WORDS": "constexpr",
-       "NIBBLES": "constexpr"}
-ptx = lower(K._crc32c_multi_kernel, sig,
-            {"LANES": 1024, "LOG2_LANES": 10, "WORDS": True, "NIBBLES": True}, 8)
-assert "atom.global" in ptx and "ld.global.cg.b32" in ptx and "ld.global.b64" in ptx
+for words in (True, False):
+    sig = {"X_ptr": "*i32" if words else "*u8", "OUT_ptr": "*i32", "TAB_ptr": "*i32",
+           "PROG_ptr": "*i64", "chunk_bytes": "i64", "tile_bytes": "i32",
+           "tiles_per_chunk": "i32", "init_full": "i32", "nbits": "i32", "LANES": "constexpr",
+           "LOG2_LANES": "constexpr", "WORDS": "constexpr"}
+    ptx = lower(K._crc32c_multi_kernel, sig, {"LANES": 1024, "LOG2_LANES": 10, "WORDS": words}, 8)
+    assert "atom.global" in ptx and "ld.global.b64" in ptx
+    assert ("ld.global.cg.b32" if words else "ld.global.cg.b8") in ptx
 sig = {"X_ptr": "*u8", "OUT_ptr": "*i32", "TAB_ptr": "*i32", "n_bytes": "i64",
        "chunk_bytes": "i32", "n_chunks": "i32", "BLOCK": "constexpr"}
 assert "st.global" in lower(K._crc32c_small_kernel, sig, {"BLOCK": 256}, 8)

@@ -1,6 +1,6 @@
-"""The native core (issue #2) as the checkpoint code uses it: CRC32C, the parallel writer and
-reader, and the host arena. One import point, so the rest of the package never reaches into
-``gpumem._C``."""
+"""The pieces of the native core the snapshot code shares: CRC32C and the host arena (one place
+that tests can patch), and a tensor's bytes. The persist and restore paths call the parallel
+writer and reader (``gpumem.writer``, ``gpumem.reader``) directly."""
 
 from __future__ import annotations
 
@@ -8,16 +8,12 @@ import torch
 
 from gpumem.arena import HostArena
 from gpumem.checksum import chunk_crc32c, crc32c
-from gpumem.reader import read_file
-from gpumem.writer import write_file
 
 __all__ = [
     "HostArena",
     "as_bytes",
     "chunk_crc32c",
     "crc32c",
-    "read_file",
-    "write_file",
 ]
 
 

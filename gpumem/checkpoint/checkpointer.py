@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ._dist import Group
+from .coalesce import Coalescer
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -47,6 +48,7 @@ from .errors import (
 from .format import CheckpointInfo
 from .job import SaveJob, SaveStats, Worker, default_versions
 from .lock import READ_ONLY_ERRNOS, DirLock
+from .options import Mode, SaveOptions
 from .safe_fs import Dir
 from .snapshot import HostViews, LayoutCache
 
@@ -123,6 +125,20 @@ class Checkpointer:
             rank with CheckpointStateError); values are taken from the owner, not compared. Any
             Checkpointer restores such a checkpoint, on any world size. DTensor state (FSDP2,
             tensor parallel) is written once per block anyway and is not affected by it.
+        coalesce: for a checkpoint every step: save() never waits for the writer. Each save
+            snapshots into host memory (two staging slots: twice the host memory); while an
+            older step is being written, a newer snapshot replaces the one waiting to be written
+            instead of making save() wait (``SaveStats.superseded_by`` / ``supersedes`` say
+            which steps were written and which were not). ``wait()``, ``close()`` and a
+            PreemptionGuard persist the last snapshot. A state that streams (larger than half
+            the staging budget) falls back to waiting. Single process only (see coalesce.py).
+        device_spill_bytes: for CUDA state in overlap mode whose D2H copy takes longer than the
+            forward/backward beside it: a device buffer of this fixed size (allocated once at
+            the first such save; never "whatever is free", so the next forward cannot run out of
+            memory because of it). At the optimizer fence the parameters not yet copied to host
+            are copied into it device to device, in copy order as far as they fit, and drained
+            to host afterwards; the step waits for the rest (``SaveStats.spill_bytes``,
+            ``fence_s``). 0 (default): off.
         collective_timeout_s: save() and restore() are collectives; a rank that does not join
             one within this many seconds (save() called on rank 0 only, say) makes it raise
             CheckpointStateError on every rank that did, naming the missing ranks. Rank 0's
@@ -159,6 +175,8 @@ class Checkpointer:
         replicated: bool = False,
         collective_timeout_s: float = 60.0,
         read_only: bool = False,
+        coalesce: bool = False,
+        device_spill_bytes: int = 0,
     ):
         if keep is not None and not _is_int(keep, 1):
             raise CheckpointStateError(
@@ -202,6 +220,7 @@ class Checkpointer:
             ("direct_io", direct_io),
             ("replicated", replicated),
             ("read_only", read_only),
+            ("coalesce", coalesce),
         ):
             if not isinstance(value, bool):
                 raise CheckpointStateError(f"{name}={value!r} must be True or False")
@@ -215,6 +234,12 @@ class Checkpointer:
         self.chunk_bytes, self.alignment, self.direct_io = chunk_bytes, alignment, direct_io
         self.segment_bytes = segment_bytes
         self.replicated = replicated
+        if not _is_int(device_spill_bytes, 0):
+            raise CheckpointStateError(
+                f"device_spill_bytes={device_spill_bytes!r} must be an int >= 0 (0: no spill)"
+            )
+        self.device_spill_bytes = device_spill_bytes
+        self._spill_buffer: Any = None  # made at the first save that can spill
         timeout = collective_timeout_s
         if (
             isinstance(timeout, bool)
@@ -225,6 +250,12 @@ class Checkpointer:
                 f"collective_timeout_s={timeout!r} must be a positive, finite number of seconds"
             )
         self._group = Group(float(timeout))
+        if coalesce and self._group.world_size > 1:
+            raise CheckpointStateError(
+                f"coalesce=True is single-process only (this job has {self._group.world_size} "
+                "ranks, which would have to agree on which saves to skip); use coalesce=False"
+            )
+        self._coalescer: Coalescer | None = Coalescer() if coalesce else None
         self._arena: Any = None
         self._prep: _Prepare | None = None  # a staging allocation started by prepare()
         self.staging_locked: bool | None = (
@@ -354,7 +385,10 @@ class Checkpointer:
         with self._lock:
             self._check_open()
             self._check_writable()
-            self.wait()
+            if self._coalescer is None:
+                self.wait()
+            else:  # no back-pressure: only earlier failures are raised here
+                self._raise_job_error()
             kwargs = {
                 "model": model,
                 "optimizer": optimizer,
@@ -381,27 +415,28 @@ class Checkpointer:
                 chunk,
                 segment,
             )
+            if plan.streaming and self._coalescer is not None:
+                self.wait()  # one slot streams through the whole budget: no second one
             if plan.streaming:
-                mode = "streaming"
+                mode = Mode.STREAMING
             elif self.overlap and not blocking and optimizer is not None:
-                mode = "overlap"
+                mode = Mode.OVERLAP
             else:
-                mode = "blocking"
-            if mode == "overlap":
+                mode = Mode.BLOCKING
+            if mode is Mode.OVERLAP:
                 self._hook(optimizer)
-            arena = self._ensure_arena(plan.arena_bytes)
+            slot, victim = (0, None) if self._coalescer is None else self._coalescer.choose()
+            try:
+                arena = self._staging_slot(slot, victim, plan.arena_bytes)
+            except BaseException:
+                if victim is not None:  # it was not superseded after all
+                    victim.stats.superseded_by = None
+                raise
             zeroed = self._zero_gaps == (arena, plan.layout_id)  # HostArena compares by identity
             self._zero_gaps = None  # until this job has zeroed (or kept) the gaps of its layout
             self._views = HostViews(self._views)
-            job = SaveJob(
-                root=self._root,
+            options = SaveOptions(
                 root_path=self.directory,
-                step=step,
-                tree=tree,
-                table=table,
-                plan=plan,
-                arena=arena,
-                mode=mode,
                 chunk=chunk,
                 alignment=self.alignment,
                 direct=self.direct_io,
@@ -410,11 +445,26 @@ class Checkpointer:
                 versions=default_versions(),
                 workers=self._workers,
                 side_stream=self._stream_for(table.has_cuda),
+            )
+            job = SaveJob(
+                options,
+                root=self._root,
+                step=step,
+                tree=tree,
+                table=table,
+                plan=plan,
+                arena=arena,
+                mode=mode,
                 t0=t0,
                 zero_gaps=not zeroed,
                 views=self._views,
                 replication=replication,
             )
+            if self._coalescer is not None:
+                job.coalescer = self._coalescer
+                self._coalescer.add(job, slot, victim)
+            if mode is Mode.OVERLAP and self.device_spill_bytes and job.fence_device is not None:
+                job.spill = self._spill_control(job.fence_device)
             self._job = job
             self._last_save = (step, kwargs)
             self.history.append(job.stats)
@@ -597,6 +647,30 @@ class Checkpointer:
             self.staging_locked = True if self._arena.pinned else self._arena.lock()
         return self._arena
 
+    def _staging_slot(self, slot: int, victim: Any, nbytes: int) -> Any:
+        """The arena of staging slot ``slot`` (1: coalesce's spare), once ``victim``, the save
+        it supersedes, has finished copying into it."""
+        if victim is not None:
+            victim.staged.wait()
+        if slot == 0:
+            return self._ensure_arena(nbytes)
+        assert self._coalescer is not None
+        return self._coalescer.spare(nbytes)
+
+    def _spill_control(self, device: int) -> Any:
+        """A SpillControl over the device spill buffer on ``device`` (made once, fixed size);
+        waves of a quarter of it (at least 16 MiB) bound what is in flight at the fence."""
+        import torch
+
+        from .spill import SpillControl
+
+        buf = self._spill_buffer
+        if buf is None or buf.device != torch.device("cuda", device):
+            buf = self._spill_buffer = torch.empty(
+                self.device_spill_bytes, dtype=torch.uint8, device=torch.device("cuda", device)
+            )
+        return SpillControl(buf, max(16 << 20, self.device_spill_bytes // 4))
+
     def _stream_for(self, has_cuda: bool) -> Any:
         if self._side_stream is None and has_cuda:
             import torch
@@ -643,6 +717,8 @@ class Checkpointer:
         if job is None:
             return
         err = job.take_error()
+        if err is None and self._coalescer is not None:
+            err = self._coalescer.take_error(job)
         if err is not None:
             raise err
 
@@ -667,6 +743,9 @@ class Checkpointer:
             if self._arena is not None:
                 self._arena.close()
                 self._arena = None
+            if self._coalescer is not None:
+                self._coalescer.close()
+            self._spill_buffer = None
             if self._dir_lock is not None:
                 self._dir_lock.release()
             if self._root is not None:

@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._core import read_file
+from gpumem.reader import read_file
+
 from .errors import CheckpointCorruptError
 from .format import DTYPES
 from .reshard import overlaps

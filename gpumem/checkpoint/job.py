@@ -18,6 +18,7 @@ Checkpointer.wait()/save()/close().
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -30,7 +31,6 @@ from typing import Any
 import torch
 
 from . import persist
-from ._dist import Group
 from .codec import TensorTable
 from .consistency import check_agreement, check_complete, global_fields, sections
 from .errors import (
@@ -41,6 +41,7 @@ from .errors import (
     CheckpointStateError,
 )
 from .format import DTYPE_NAMES, MAIN_MANIFEST, data_file_name, shard_manifest_name
+from .options import Mode, SaveOptions
 from .replicated import Replication, check_signatures, signature
 from .safe_fs import Dir
 from .snapshot import (
@@ -51,6 +52,7 @@ from .snapshot import (
     tensor_crcs,
     zero_padding,
 )
+from .spill import SpillControl, spill_at_fence
 
 
 @dataclass
@@ -62,11 +64,19 @@ class SaveStats:
         nbytes: tensor bytes this rank staged (with replicated=True, its share).
         mode: "overlap", "blocking" or "streaming".
         save_s: time save() blocked the caller (including back-pressure from the previous save).
-        hook_wait_s: time optimizer.step() waited for the background copy (overlap mode).
+        hook_wait_s: time optimizer.step() waited for the background copy (overlap mode), on the
+            host: with CUDA state only until the copy was enqueued (the fence then makes the
+            optimizer's stream wait instead).
+        fence_s: how long the optimizer's CUDA stream stood still at that fence (CUDA events;
+            0 without a fence, or when the copy had completed before the stream got there).
+        spill_bytes: bytes the fence copied into the device spill buffer (``device_spill_bytes``;
+            0: none).
         staged_s: from save() entry until every tensor was in host memory.
         d2h_s: of that, the time from enqueuing the first device-to-host copy until the copies
             and the device CRCs completed (0 without CUDA tensors); ``nbytes / d2h_s`` is the
             snapshot's D2H throughput.
+        copy_device_s, crc_device_s: on the device (CUDA events), from the point the snapshot's
+            streams started until the copies, and the CRCs, completed (they run side by side).
         durable_s: from save() entry until the checkpoint was committed.
         set_aside: checkpoints of an abandoned branch this save moved to ``abandoned/`` (it
             saved a step lower than committed ones; see ``persist.set_aside_newer``).
@@ -74,6 +84,9 @@ class SaveStats:
             restore() finds it, whatever happens to ``latest`` afterwards.
         latest_error: why the ``latest`` pointer was not moved to this step although it was
             committed (empty: it was, or the save did not get that far).
+        superseded_by: with ``coalesce=True``, the step whose snapshot replaced this one before
+            it was written (None: not superseded; such a save is never committed).
+        supersedes: with ``coalesce=True``, the step this save replaced (None: none).
     """
 
     step: int
@@ -83,10 +96,16 @@ class SaveStats:
     hook_wait_s: float = 0.0
     staged_s: float = 0.0
     d2h_s: float = 0.0
+    fence_s: float = 0.0
+    spill_bytes: int = 0
+    copy_device_s: float = 0.0
+    crc_device_s: float = 0.0
     durable_s: float = 0.0
     set_aside: tuple[str, ...] = ()
     committed: bool = False
     latest_error: str = ""
+    superseded_by: int | None = None
+    supersedes: int | None = None
 
     @property
     def stall_s(self) -> float:
@@ -96,6 +115,8 @@ class SaveStats:
     def status(self) -> str:
         """ "committed", "committed; latest not updated (why)", or "not committed" (yet, or
         because the save failed: wait() says which)."""
+        if self.superseded_by is not None:
+            return f"superseded by step {self.superseded_by} (not written)"
         if not self.committed:
             return "not committed"
         if self.latest_error:
@@ -148,66 +169,56 @@ def _serve(calls: queue.SimpleQueue) -> None:
 
 
 class SaveJob:
+    """One save: the copy into the arena (the caller's thread and, in overlap mode, the copier
+    thread) and the persist and commit (the persist thread); see the module docstring."""
+
     def __init__(
         self,
+        options: SaveOptions,
         *,
         root: Dir | None,
-        root_path: Path,
         step: int,
         tree: dict[str, Any],
         table: TensorTable,
         plan: ArenaLayout,
         arena: Any,
-        mode: str,
-        chunk: int,
-        alignment: int,
-        direct: bool,
-        group: Group,
-        keep: int | None,
-        versions: dict[str, str],
-        workers: tuple[Worker, Worker],
-        side_stream: Any = None,
+        mode: Mode | str,
         t0: float,
         zero_gaps: bool = True,
         views: HostViews | None = None,
         replication: Replication | None = None,
     ):
+        o = self.options = options
+        mode = Mode(mode)
         self.root, self.step, self.tree, self.table, self.plan = root, step, tree, table, plan
-        self.root_path = root_path  # for messages; ranks other than 0 open ``root`` on first use
-        self.replication = (
-            replication  # replicated save: what this rank owns and records (see replicated.py)
-        )
-        self.arena, self.mode, self.chunk, self.alignment, self.direct = (
-            arena,
-            mode,
-            chunk,
-            alignment,
-            direct,
-        )
-        self.group, self.keep, self.versions, self.side_stream, self.t0 = (
-            group,
-            keep,
-            versions,
-            side_stream,
-            t0,
+        self.root_path = o.root_path  # for messages; ranks other than 0 open ``root`` on first use
+        # replicated save: what this rank owns and records (see replicated.py)
+        self.replication = replication
+        self.arena, self.mode, self.t0 = arena, mode, t0
+        self.chunk, self.alignment, self.direct = o.chunk, o.alignment, o.direct
+        self.group, self.keep, self.versions, self.side_stream = (
+            o.group,
+            o.keep,
+            o.versions,
+            o.side_stream,
         )
         # False: the caller knows this plan's alignment gaps are still zero in this arena (see
         # Checkpointer.save); streaming reuses slots with other layouts, so it always zeroes
-        self.zero_gaps = zero_gaps or mode == "streaming"
+        self.zero_gaps = zero_gaps or mode is Mode.STREAMING
         # batch by batch, each written as soon as it is staged: streaming mode, and overlap mode
         # over host tensors with several batches, whose copy no caller waits for (unless the
         # next optimizer step comes first): its write then hides the copy instead of following
         # it. Blocking mode keeps the copy alone, as the caller waits for it.
-        self.batched = mode == "streaming" or (
-            mode == "overlap" and not table.has_cuda and len(plan.batch_sizes) > 1
+        self.batched = mode is Mode.STREAMING or (
+            mode is Mode.OVERLAP and not table.has_cuda and len(plan.batch_sizes) > 1
         )
         self.gaps_zero = False  # set once every batch's gaps are zero in the arena (not streaming)
         self.views = views if views is not None else HostViews()  # byte views of the CPU tensors
-        self.stats = SaveStats(step, sum(p.nbytes for p in plan.pieces), mode)
+        self.stats = SaveStats(step, sum(p.nbytes for p in plan.pieces), mode.value)
         # overlap mode: whether this rank copies tensors after save() returns, i.e. whether the
         # optimizer hook must wait (a replicated save's rank that owns no parameter or optimizer
         # state has nothing to copy later and never waits)
-        self.defers = mode == "overlap" and any(table.deferred[p.index] for p in plan.pieces)
+        self.defers = mode is Mode.OVERLAP and any(table.deferred[p.index] for p in plan.pieces)
         # the one CUDA device of the deferred tensors (None: none, or several), for fence()
         self.fence_device: int | None = None
         if self.defers and table.has_cuda:
@@ -227,11 +238,16 @@ class SaveJob:
         self._cond = threading.Condition()
         self._ready = 0  # batches fully staged
         self._released = 0  # batches written (their slot may be reused)
-        self._persister, self._copier = workers
+        self._persister, self._copier = o.workers
         self._persist_started = False
         self._copied: threading.Event | None = None  # set by the overlap copier when it is finished
         self._sync_event: Any = None
         self._save_event: Any = None
+        # coalesce=True: the Coalescer; its claim() says, when the persist thread gets to this
+        # save, whether to write it (False: a newer save superseded it)
+        self.coalescer: Any = None
+        self._fence_events: tuple[Any, Any] | None = None  # (before, after) the fence's waits
+        self.spill: SpillControl | None = None  # the device spill (overlap mode, opt-in)
         self.staged = threading.Event()
         self.done = threading.Event()
 
@@ -241,7 +257,7 @@ class SaveJob:
         """The part of save() that runs on the caller's thread."""
         plan, deferred = self.plan, self.table.deferred
         try:
-            if self.mode == "overlap":
+            if self.mode is Mode.OVERLAP:
                 self._zero_all_gaps()
                 # buffers/RNG on the compute stream: ordered before the next forward mutates them
                 sync = [p for p in plan.pieces if not deferred[p.index]]
@@ -254,7 +270,7 @@ class SaveJob:
                 self._copied = copied  # only once submitted: the persist thread waits for it
                 self._start_persist()
                 return
-            if self.mode == "streaming":  # the persist thread writes batch b while b+1 is copied
+            if self.mode is Mode.STREAMING:  # the persist thread writes batch b while b+1 is copied
                 self._start_persist()
             self._produce(None, None, None, None)
             self._start_persist()  # outside streaming it would only wait for the copy
@@ -270,53 +286,28 @@ class SaveJob:
 
     def _produce(self, want: Any, stream: Any, wait_event: Any, sync_event: Any) -> None:
         """Copy the pieces ``want`` selects (None: all). Streaming: batch after batch, each marked
-        ready once complete, so the persist thread writes batch b while batch b+1 is copied.
-        Otherwise every slot is resident and nothing is written before the copy ends, so all
-        batches go in one native call (one fan-out over the threads instead of one per batch)."""
-        plan, tensors = (
-            self.plan,
-            self.table.tensors,
-        )  # the persist thread may drop self.table on failure
-        if not self.batched:
-            if self.mode != "overlap":
-                self._zero_all_gaps()
-            pieces = plan.pieces if want is None else [p for p in plan.pieces if want(p)]
-            t = time.perf_counter()
-            ev = copy_pieces(
-                self.arena,
-                plan,
-                pieces,
-                tensors,
-                self.chunk,
-                stream=stream,
-                wait_event=wait_event,
-                views=self.views,
-            )
-            self.copy_event = (
-                ev  # host pieces are copied by now; the device ones are ordered before ev
-            )
-            self.enqueued.set()
-            if (
-                ev is not None
-            ):  # no hook guards the parameters in blocking mode: the copy must be complete
-                ev.synchronize()
-                self.stats.d2h_s += time.perf_counter() - t
-            if sync_event is not None:
-                sync_event.synchronize()
+        ready once complete, so the persist thread writes batch b while batch b+1 is copied (a
+        slot is reused only once written); overlap mode over host tensors does the same with
+        every slot resident. Otherwise nothing is written before the copy ends, so all batches
+        go in one group: one native call (one fan-out over the threads instead of one per
+        batch)."""
+        # the persist thread may drop self.table on failure: keep what is needed here
+        plan, tensors = self.plan, self.table.tensors
+        batches = range(len(plan.batch_sizes))
+        groups = [[b] for b in batches] if self.batched else [list(batches)]
+        if not self.batched and self.mode is not Mode.OVERLAP:  # overlap zeroed them in save()
+            self._zero_all_gaps()
+        for g, group in enumerate(groups):
             with self._cond:
-                self._ready = len(plan.batch_sizes)
-                self._cond.notify_all()
-            self._mark_staged()
-            return
-        for b in range(len(plan.batch_sizes)):
-            with self._cond:
-                while b - self._released >= plan.slots and self.error is None:
+                while group[0] - self._released >= plan.slots and self.error is None:
                     self._cond.wait()
                 if self.error is not None:
                     return
-            if self.mode != "overlap":
-                zero_padding(self.arena, plan, b)
-            pieces = [p for p in plan.batch_pieces(b) if want is None or want(p)]
+            if self.batched and self.mode is not Mode.OVERLAP:
+                zero_padding(self.arena, plan, group[0])
+            pieces = plan.batch_pieces(group[0]) if self.batched else plan.pieces
+            if want is not None:
+                pieces = [p for p in pieces if want(p)]
             t = time.perf_counter()
             ev = copy_pieces(
                 self.arena,
@@ -327,18 +318,27 @@ class SaveJob:
                 stream=stream,
                 wait_event=wait_event,
                 views=self.views,
+                spill=self.spill if stream is not None else None,  # the copier's deferred part
             )
-            if (
-                ev is not None
-            ):  # no hook guards the parameters in blocking mode: the copy must be complete
-                ev.synchronize()
-                self.stats.d2h_s += time.perf_counter() - t
-            if b == 0 and sync_event is not None:
+            # host pieces are copied by now; the device ones are ordered before ev
+            self.copy_event = ev
+            self.enqueued.set()
+            if ev is not None:  # the copies must be complete before the state counts as staged
+                self._synchronized(ev, t)
+            if g == 0 and sync_event is not None:
                 sync_event.synchronize()
             with self._cond:
-                self._ready = b + 1
+                self._ready = group[-1] + 1
                 self._cond.notify_all()
         self._mark_staged()
+
+    def _synchronized(self, ev: Any, t: float) -> None:
+        """Wait for a device snapshot enqueued at ``t`` and account its time."""
+        ev.synchronize()
+        self.stats.d2h_s += time.perf_counter() - t
+        copy_s, crc_s = ev.device_times()
+        self.stats.copy_device_s += copy_s
+        self.stats.crc_device_s += crc_s
 
     def _zero_all_gaps(self) -> None:
         """Zero every batch's alignment gaps unless they are known to be zero already."""
@@ -366,29 +366,56 @@ class SaveJob:
         background copy instead of blocking the CPU until the copy completes. The optimizer's
         kernels queue behind it, so no parameter changes before it was read (the device CRCs
         included), while the host goes on enqueueing. Waits on the CPU only until the copy is
-        enqueued (host pieces are copied by then). False when it cannot: the deferred tensors
-        live on several devices or the host only, or on a device that is not the caller's
-        current one, or the copy failed; the caller then waits for ``staged``."""
+        enqueued (host pieces are copied by then). With a device spill buffer (``spill``) the
+        copies not yet enqueued are copied into it device to device instead, as far as they fit
+        (spill.py). False when it cannot: the deferred tensors live on several devices or the
+        host only, or on a device that is not the caller's current one, or the copy failed; the
+        caller then waits for ``staged``."""
         if self.fence_device is None:
             return False
+        current = torch.cuda.current_device()
+        if self.spill is not None and self.error is None and current == self.fence_device:
+            stream = torch.cuda.current_stream()
+            before = _timing_event()
+            if spill_at_fence(self.spill, stream) is not None:
+                if self._sync_event is not None:
+                    stream.wait_event(self._sync_event)
+                self._fence_events = (before, _timing_event())
+                self.stats.spill_bytes = self.spill.spill_bytes
+                return True
         self.enqueued.wait()
         ev = self.copy_event
-        if ev is None or self.error is not None or torch.cuda.current_device() != self.fence_device:
+        if ev is None or self.error is not None or current != self.fence_device:
             return False
         stream = torch.cuda.current_stream()
+        before = _timing_event()
         if self._sync_event is not None:  # buffers copied by save() itself, on its stream
             stream.wait_event(self._sync_event)
-        stream.wait_event(ev)
+        ev.wait(stream)  # the copies and the device CRCs: both read the parameters
+        self._fence_events = (before, _timing_event())
         return True
+
+    def _account_fence(self) -> None:
+        """``stats.fence_s``: how long the fenced stream stood still at the fence (CUDA events
+        around its waits), once the stream has passed it."""
+        fence, self._fence_events = self._fence_events, None
+        if fence is not None:
+            fence[1].synchronize()
+            self.stats.fence_s += fence[0].elapsed_time(fence[1]) / 1e3
 
     # ------------------------------------------------------------------ persist thread
 
     def _persist_main(self) -> None:
         try:
-            self._persist()
+            if self.coalescer is None or self.coalescer.claim(self):
+                self._persist()
         except BaseException as exc:
             self._fail(exc)
         finally:
+            if self.coalescer is not None:
+                self.coalescer.release(self)
+            with contextlib.suppress(Exception):  # a statistic: never the reason a save fails
+                self._account_fence()
             if self._copied is not None:
                 self._copied.wait()
             # Drop the references to the caller's tensors as soon as they are no longer needed,
@@ -716,6 +743,8 @@ class SaveJob:
             if self.error is None:
                 self.error = exc
             self._cond.notify_all()
+        if self.spill is not None:  # a fence waiting for the copier to stop gives up
+            self.spill.finish()
         self.enqueued.set()
         self.staged.set()
 
@@ -738,6 +767,12 @@ def _as_error(exc: BaseException, step: int) -> CheckpointError:
     err = CheckpointError(f"saving step {step} failed: {type(exc).__name__}: {exc}")
     err.__cause__ = exc
     return err
+
+
+def _timing_event() -> Any:
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
 
 
 def _record_event() -> Any:

@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ._core import read_file
+from gpumem.reader import read_file
+
 from .errors import CheckpointCorruptError, CheckpointStateError
 from .format import ShardManifest, TensorEntry
 from .safe_fs import Dir, read_error

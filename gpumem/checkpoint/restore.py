@@ -38,7 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._core import read_file
+from gpumem.reader import read_file
+
 from .codec import decode
 from .errors import CheckpointCorruptError, CheckpointIOError, CheckpointStateError
 from .format import (

@@ -22,7 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from ._core import read_file, write_file
+from gpumem.reader import read_file
+from gpumem.writer import write_file
+
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointIOError
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC

@@ -11,23 +11,27 @@ and optimizer saved again), and gives each layout an id, so the caller can tell 
 gaps it zeroed in the arena are still in place.
 
 Copies: CPU tensors go through the arena's multithreaded memcpy; their CRCs are computed later by
-the persist thread from the staged bytes. CUDA tensors are checksummed on the device (Triton
-kernel) and copied with non_blocking D2H on a side stream that first waits on an event recorded
-on the compute stream at save() time.
+the persist thread from the staged bytes. CUDA tensors are copied by one native call and
+checksummed on the device by one Triton launch (``device_copy.py``), on a side stream that first
+waits on an event recorded on the compute stream at save() time.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from ._core import as_bytes, chunk_crc32c
+from ._core import chunk_crc32c
 from .errors import CheckpointStateError
 from .format import align_up
+
+if TYPE_CHECKING:
+    from .device_copy import Snapshot
+    from .spill import SpillControl
 
 
 @dataclass(slots=True)
@@ -55,6 +59,8 @@ class ArenaLayout:
     pieces: list[Piece] = field(default_factory=list)
     bases: list[int] = field(default_factory=list)  # arena offset of each batch
     layout_id: int = 0  # equal ids: identical pieces (set by LayoutCache; 0: not tracked)
+    # the CUDA copy/CRC programs of this layout (device_copy.enqueue), shared by its copies
+    programs: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def slots(self) -> int:
@@ -82,6 +88,7 @@ class ArenaLayout:
             [Piece(p.index, p.src_offset, p.nbytes, p.batch, p.offset) for p in self.pieces],
             list(self.bases),
             self.layout_id,
+            self.programs,
         )
 
 
@@ -212,11 +219,14 @@ def copy_pieces(
     stream=None,
     wait_event=None,
     views: HostViews | None = None,
-) -> object | None:
+    spill: SpillControl | None = None,
+) -> Snapshot | None:
     """Copy ``pieces`` of ``tensors`` (as TensorTable holds them: detached, strided, no lazy
     conjugate/negative bit) into the arena. CPU pieces are copied before returning, contiguous
-    ones in one native call (``views`` supplies their byte views); CUDA pieces are enqueued
-    (checksummed on the device first) and the returned CUDA event marks their completion."""
+    ones in one native call (``views`` supplies their byte views); CUDA pieces are enqueued in
+    one native call and checksummed on the device beside the copies (``device_copy.enqueue``);
+    the returned Snapshot's events mark their completion. ``spill``: the copier's side of the
+    device spill (overlap mode; see spill.py)."""
     views = views if views is not None else HostViews()
     cpu_src, cpu_off, cuda, staged = [], [], [], []
     bases = plan.bases
@@ -247,88 +257,11 @@ def copy_pieces(
     del staged
     if not cuda:
         return None
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        copying = torch.cuda.current_stream()
-        if wait_event is not None:
-            copying.wait_event(wait_event)
-        # Every copy is enqueued first, so the DMA runs at full speed from the first tensor on,
-        # while the CRC kernels (a Python launch each) are enqueued on a second stream that
-        # starts at the same point: both read the same bytes in HBM, which nothing changes until
-        # the returned event completes (the optimizer hook waits for it, or queues the step's
-        # kernels behind it), so the CRCs still cover the device bytes end to end.
-        start = torch.cuda.Event()
-        start.record()
-        hashed = []
-        device = getattr(copying, "device", None)
-        for p, t, dst in cuda:
-            if t.is_contiguous() and getattr(t, "device", device) == device:
-                src = as_bytes(t)[p.src_offset : p.src_offset + p.nbytes]
-                hashed.append((p, src, t))
-            else:
-                # gathered into a temporary on this stream (or on another GPU): hashed here, first
-                src = as_bytes(t.contiguous())[p.src_offset : p.src_offset + p.nbytes]
-                p.crc = chunk_crc32c(src, chunk)
-            arena.copy_from_device(src, dst)  # split at the arena's pinning chunks (see there)
-            t.record_stream(copying)
-        if hashed:
-            crc_stream = _crc_stream(copying)
-            crc_stream.wait_event(start)
-            with torch.cuda.stream(crc_stream):
-                for p, crc in zip(
-                    (h[0] for h in hashed), device_crcs([h[1] for h in hashed], chunk), strict=True
-                ):
-                    p.crc = crc
-                for _, _, t in hashed:
-                    t.record_stream(crc_stream)
-                hashed_done = torch.cuda.Event()
-                hashed_done.record()
-            copying.wait_event(hashed_done)
-        done = torch.cuda.Event()
-        done.record()
-    return done
+    from .device_copy import enqueue
 
-
-_CRC_STREAMS: dict[object, object] = {}
-
-
-def _crc_stream(beside: object) -> object:
-    """The second stream of a copying stream's device (one per device, made once), at high
-    priority: its kernels are few and short, and the optimizer step waits for them, so they take
-    SMs ahead of the training kernels queued beside them (measured on an H200: at default
-    priority they finished only after the whole forward/backward queued before them)."""
-    device = getattr(beside, "device", None)
-    s = _CRC_STREAMS.get(device)
-    if s is None:
-        s = _CRC_STREAMS[device] = torch.cuda.Stream(device=device, priority=-1)
-    return s
-
-
-def device_crcs(
-    sources: list[torch.Tensor], chunk: int, one_launch: bool | None = None
-) -> list[torch.Tensor]:
-    """Chunk CRC32Cs of CUDA byte tensors, enqueued on the current stream: one zeroed int32
-    buffer for all of them, one kernel launch each (or, with ``one_launch``, one for all the
-    word-aligned ones: ``GPUMEM_CRC_ONE_LAUNCH``, off until measured faster on a GPU), one
-    non-blocking copy of the results into pinned host memory. Returns a host int32 view per
-    source (raw bits: ``& 0xFFFFFFFF``), valid once the current stream has reached this point
-    (the caller records an event)."""
-    from gpumem._env import env_flag
-    from gpumem.kernels.crc32c import crc32c_into, crc32c_many_into
-
-    counts = [-(-s.numel() // chunk) for s in sources]
-    starts = list(itertools.accumulate(counts, initial=0))
-    device = torch.cuda.current_stream().device
-    out = torch.zeros(starts[-1], dtype=torch.int32, device=device)
-    if one_launch if one_launch is not None else env_flag("GPUMEM_CRC_ONE_LAUNCH"):
-        rest = crc32c_many_into(sources, out, starts, chunk)
-    else:
-        rest = range(len(sources))
-    for i in rest:
-        if counts[i]:
-            crc32c_into(sources[i], out[starts[i] : starts[i + 1]], chunk)
-    host = torch.empty(out.numel(), dtype=torch.int32, pin_memory=True)
-    host.copy_(out, non_blocking=True)
-    return [host[a : a + n] for a, n in zip(starts, counts, strict=False)]
+    return enqueue(
+        arena, plan.programs, cuda, chunk, stream=stream, wait_event=wait_event, spill=spill
+    )
 
 
 class HostViews:

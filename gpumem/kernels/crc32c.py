@@ -12,27 +12,29 @@ the CRC over GF(2):
   Leading zero bytes do not change a raw CRC, which is how partial pieces are padded.
 * Any linear map ``M`` of a 32-bit register is applied with four 256-entry byte tables
   (``M(v) = T0[v & 255] ^ T1[v >> 8 & 255] ^ T2[v >> 16 & 255] ^ T3[v >> 24]``), the slicing-by-4
-  idea of Intel's "slicing-by-8" CRC, or with eight 16-entry nibble tables. The host
-  precomputes both for ``Z^(2^b)``, b = 0..63 (288 KiB in all); a shift by any ``d`` is then a
-  product over the set bits of ``d``.
+  idea of Intel's "slicing-by-8" CRC. The host precomputes them for ``Z^(2^b)``, b = 0..63
+  (256 KiB); a shift by any ``d`` is then a product over the set bits of ``d``.
 
 Large chunks (``_crc32c_tiles_kernel``): a chunk is cut into tiles; a program owns one tile and
 ``LANES`` lanes that walk it in interleaved 4-byte words (lane ``l`` takes words ``l, l+LANES,
 ...``), so each step is one coalesced load of ``4*LANES`` contiguous bytes. A lane keeps
-``r = Z^(4*LANES)(r) ^ w`` (8 nibble or 4 byte lookups per word); the lane registers form an
+``r = Z^(4*LANES)(r) ^ w`` (4 byte-table lookups per word); the lane registers form an
 ``LANES``-word message whose raw CRC is combined in a log2(LANES)-level tree, the tile's raw CRC
 is shifted by the bytes that follow it in its chunk, and the program XORs it (with the init term,
 for the chunk's first tile) into the chunk's output word with one atomic. XOR is exact and
 commutative, so the result does not depend on the order the programs run in.
 
+Many tensors (``_crc32c_multi_kernel``, what a checkpoint snapshot uses): the same tiles over
+every tensor of a save in one launch, each program reading its tensor's offset, length, first
+output slot and init terms from a table built once per set of addresses (``plan_many``).
+
 Small chunks (``_crc32c_small_kernel``, chunk <= 256 bytes): one lane per chunk, byte at a time.
 
-Expected limits on an H100/H200 (estimated from the sm_90 SASS, not yet measured; see
-benchmarks/bench_triton_crc32c.py): HBM is not the limit, the inner loop is. With byte tables a
-warp-wide lookup touches up to 8 cache lines (8 L1 wavefronts), so 4 lookups per word bound the
-loop near 1 TB/s; with nibble tables (the default) each lookup stays in one line, ~13 SASS
-instructions per byte bound it near 2.5 TB/s peak issue, realistically 1.2-2 TB/s. A D2D copy
-moves 1.5-2.2 TB/s of payload (3.35-4.8 TB/s of HBM traffic) on an H100/H200.
+Measured on an H200 (benchmarks/results/triton_crc32c.md): 370-680 GB/s, HBM is not the limit,
+the inner loop is. An earlier variant looked the step operator up in eight 16-entry nibble
+tables (each warp-wide lookup in one cache line, twice the lookups); the byte tables were faster
+at every chunk size, so the nibble variant was removed. A D2D copy moves 1.5-2.2 TB/s of payload
+on an H100/H200.
 """
 
 # No `from __future__ import annotations`: Triton 3.1 recognises `tl.constexpr` parameters only
@@ -40,7 +42,9 @@ moves 1.5-2.2 TB/s of payload (3.35-4.8 TB/s of HBM traffic) on an H100/H200.
 import functools
 import math
 import numbers
+from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -57,11 +61,6 @@ SMALL_CHUNK_MAX = 256  # chunks up to this many bytes take the one-lane-per-chun
 _SMALL_BLOCK = 256  # chunks per program of the small-chunk kernel
 _MAX_LANES = 1024
 _STEPS_PER_TILE = 32  # a full tile is 4 * LANES * 32 bytes (128 KiB at 1024 lanes)
-# Inner-loop tables of the large-chunk kernel. Nibble tables cost twice the lookups of byte
-# tables but each warp-wide lookup stays in one L1 cache line; on Hopper the byte tables' scattered
-# L1 wavefronts, not instruction issue, are expected to bound the loop (see the module docstring).
-# benchmarks/bench_triton_crc32c.py measures both.
-STEP_TABLES = "nibble"
 
 
 # --------------------------------------------------------------------------------------------
@@ -110,8 +109,10 @@ def shift_bytes(value: int, nbytes: int) -> int:
     return value
 
 
+@functools.lru_cache(maxsize=4096)
 def init_term(length: int) -> int:
-    """What init and xorout add to the raw CRC of a ``length``-byte message."""
+    """What init and xorout add to the raw CRC of a ``length``-byte message (cached per length:
+    a training job checksums the same tensor lengths at every save)."""
     return shift_bytes(_MASK32, length) ^ _MASK32
 
 
@@ -124,38 +125,19 @@ def operator_tables() -> np.ndarray:
     return np.bitwise_xor.reduce(picked, axis=-1).astype(np.uint32).view(np.int32)
 
 
-@functools.cache
-def nibble_tables() -> np.ndarray:
-    """int32 array [_NUM_POWERS, 8, 16]: the same operators as eight 16-entry nibble tables.
-
-    A 16-entry table is 64 bytes, inside one 128-byte cache line, so a warp's 32 scattered
-    lookups into it are served by one L1 wavefront instead of up to eight for a byte table.
-    """
-    cols = np.array(_power_matrices(), dtype=np.uint32).reshape(_NUM_POWERS, 8, 4)
-    bits = ((np.arange(16)[:, None] >> np.arange(4)[None, :]) & 1).astype(bool)  # [16, 4]
-    picked = np.where(bits[None, None], cols[:, :, None, :], np.uint32(0))  # [P, 8, 16, 4]
-    return np.bitwise_xor.reduce(picked, axis=-1).astype(np.uint32).view(np.int32)
-
-
 _device_tables: dict[str, "torch.Tensor"] = {}
 
 
-def _tables_on(device: "torch.device") -> tuple["torch.Tensor", "torch.Tensor"]:
-    """(byte tables, nibble tables) on ``device``, built once per device.
-
-    Both live in one allocation; the nibble tables start 256 KiB in, so each 64-byte table is
-    64-byte aligned (allocations are at least 256-byte aligned).
-    """
+def _tables_on(device: "torch.device") -> "torch.Tensor":
+    """The byte tables on ``device``, copied there once per device."""
     import torch
 
     key = str(device)
     tab = _device_tables.get(key)
     if tab is None:
-        host = np.concatenate([operator_tables().reshape(-1), nibble_tables().reshape(-1)])
-        tab = torch.from_numpy(host).to(device)
+        tab = torch.from_numpy(operator_tables().reshape(-1).copy()).to(device)
         _device_tables[key] = tab
-    split = operator_tables().size
-    return tab[:split], tab[split:]
+    return tab
 
 
 def _as_i32(v: int) -> int:
@@ -170,23 +152,12 @@ def _as_i32(v: int) -> int:
 
 @triton.jit
 def _apply_op(TAB_ptr, v):
-    """M(v) for the operator whose four byte tables start at TAB_ptr (v: int32, any shape).
-
-    Operator b (Z^(2^b)) starts at TAB_ptr + b * 1024; its nibble tables at NIB_ptr + b * 128.
-    """
+    """M(v) for the operator whose four byte tables start at TAB_ptr (v: int32, any shape);
+    operator b (Z^(2^b)) starts at TAB_ptr + b * 1024."""
     t = tl.load(TAB_ptr + (v & 0xFF))
     t ^= tl.load(TAB_ptr + 256 + ((v >> 8) & 0xFF))
     t ^= tl.load(TAB_ptr + 512 + ((v >> 16) & 0xFF))
     t ^= tl.load(TAB_ptr + 768 + ((v >> 24) & 0xFF))
-    return t
-
-
-@triton.jit
-def _apply_op_nibbles(NIB_ptr, v):
-    """M(v) from the operator's eight 16-entry nibble tables at NIB_ptr (v: int32, any shape)."""
-    t = tl.load(NIB_ptr + (v & 0xF))
-    for j in tl.static_range(1, 8):
-        t ^= tl.load(NIB_ptr + j * 16 + ((v >> (4 * j)) & 0xF))
     return t
 
 
@@ -204,7 +175,6 @@ def _crc32c_tiles_kernel(
     X_ptr,
     OUT_ptr,
     TAB_ptr,
-    NIB_ptr,
     n_bytes,
     chunk_bytes,
     tile_bytes,
@@ -215,7 +185,6 @@ def _crc32c_tiles_kernel(
     LANES: tl.constexpr,
     LOG2_LANES: tl.constexpr,
     WORDS: tl.constexpr,
-    NIBBLES: tl.constexpr,
 ):
     """XOR one tile's contribution into OUT[chunk] (int32 bits of the chunk's CRC32C); see
     ``_tile_crc``. X_ptr points to int32 words (WORDS: 4-aligned start, chunk and length) or to
@@ -227,7 +196,6 @@ def _crc32c_tiles_kernel(
         X_ptr,
         OUT_ptr,
         TAB_ptr,
-        NIB_ptr,
         0,
         n_bytes,
         chunk,
@@ -240,7 +208,6 @@ def _crc32c_tiles_kernel(
         LANES,
         LOG2_LANES,
         WORDS,
-        NIBBLES,
     )
 
 
@@ -249,7 +216,6 @@ def _crc32c_multi_kernel(
     X_ptr,
     OUT_ptr,
     TAB_ptr,
-    NIB_ptr,
     PROG_ptr,
     chunk_bytes,
     tile_bytes,
@@ -259,26 +225,23 @@ def _crc32c_multi_kernel(
     LANES: tl.constexpr,
     LOG2_LANES: tl.constexpr,
     WORDS: tl.constexpr,
-    NIBBLES: tl.constexpr,
 ):
     """The tiles kernel over many tensors in one launch. Program p reads row p of PROG (int64:
     the tensor's byte offset from X_ptr, its length, the OUT index of its first chunk, the
-    tile's index within the tensor) and XORs that tile's contribution into OUT. A short last
-    chunk's init term is computed here (it differs per tensor)."""
-    row = PROG_ptr + tl.program_id(0).to(tl.int64) * 4
+    tile's index within the tensor, the init term of its short last chunk, computed and cached
+    on the host) and XORs that tile's contribution into OUT."""
+    row = PROG_ptr + tl.program_id(0).to(tl.int64) * 5
     x_off = tl.load(row)
     n_bytes = tl.load(row + 1)
     out0 = tl.load(row + 2)
     t = tl.load(row + 3)
+    init_last = tl.load(row + 4).to(tl.int32)
     chunk = t // tiles_per_chunk
     tile = t - chunk * tiles_per_chunk
-    chunk_len = tl.minimum(n_bytes - chunk * chunk_bytes, chunk_bytes)
-    init_last = _shift(TAB_ptr, tl.full((), -1, tl.int32), chunk_len, nbits) ^ -1
     _tile_crc(
         X_ptr,
         OUT_ptr + out0,
         TAB_ptr,
-        NIB_ptr,
         x_off,
         n_bytes,
         chunk,
@@ -291,7 +254,6 @@ def _crc32c_multi_kernel(
         LANES,
         LOG2_LANES,
         WORDS,
-        NIBBLES,
     )
 
 
@@ -300,7 +262,6 @@ def _tile_crc(
     X_ptr,
     OUT_ptr,
     TAB_ptr,
-    NIB_ptr,
     x_off,
     n_bytes,
     chunk,
@@ -313,7 +274,6 @@ def _tile_crc(
     LANES: tl.constexpr,
     LOG2_LANES: tl.constexpr,
     WORDS: tl.constexpr,
-    NIBBLES: tl.constexpr,
 ):
     """XOR tile ``tile`` of chunk ``chunk``'s contribution into OUT[chunk]; the message starts
     ``x_off`` bytes (a multiple of 4 with WORDS) after X_ptr's first byte.
@@ -322,8 +282,6 @@ def _tile_crc(
     raw CRC unchanged). Lane l sees words w_{k*LANES+l}, k < K, and ends with
     r_l = XOR_k Z^(4*LANES*(K-1-k))(w_{k*LANES+l}), so
     raw(tile) = Z^4(XOR_l Z^(4*(LANES-1-l))(r_l)), the inner XOR being the tree below.
-    NIBBLES: the per-step operator uses nibble tables (8 lookups/word, each in one cache line)
-    instead of byte tables (4 lookups/word, each spread over up to 8 lines).
     """
     chunk_start = chunk * chunk_bytes
     chunk_len = tl.minimum(n_bytes - chunk_start, chunk_bytes)
@@ -346,10 +304,7 @@ def _tile_crc(
             b = tl.load(X_ptr + base + pos, mask=pos >= pad, other=0, cache_modifier=".cg")
             # the four bytes occupy disjoint bits, so their sum is the little-endian word
             w = tl.sum(b.to(tl.int32) << (byte[None, :] * 8), axis=1)
-        if NIBBLES:  # r = Z^(4*LANES)(r) ^ w
-            r = _apply_op_nibbles(NIB_ptr + (LOG2_LANES + 2) * 128, r) ^ w
-        else:
-            r = _apply_op(TAB_ptr + (LOG2_LANES + 2) * 1024, r) ^ w
+        r = _apply_op(TAB_ptr + (LOG2_LANES + 2) * 1024, r) ^ w  # r = Z^(4*LANES)(r) ^ w
     # Combine the lanes as an LANES-word message: pairs (left, right) -> Z^(4*2^b)(left) ^ right.
     x = r
     for b in tl.static_range(LOG2_LANES):
@@ -435,17 +390,13 @@ def tile_lanes(chunk_bytes: int) -> int:
     return min(lanes, _MAX_LANES)
 
 
-def chunk_crc32c_triton(
-    data: "torch.Tensor", chunk_bytes: int, *, step_tables: str = STEP_TABLES
-) -> "torch.Tensor":
+def chunk_crc32c_triton(data: "torch.Tensor", chunk_bytes: int) -> "torch.Tensor":
     """CRC32C of each ``chunk_bytes`` piece of a byte tensor, computed by Triton kernels.
 
     Args:
         data: contiguous 1-D uint8 tensor on a CUDA device (or on the CPU when Triton runs in
             its interpreter, ``TRITON_INTERPRET=1``).
         chunk_bytes: bytes per chunk (> 0); the last chunk may be shorter.
-        step_tables: ``"nibble"`` or ``"byte"``, the lookup tables of the large-chunk kernel's
-            inner loop (same results; for benchmarks, see STEP_TABLES).
 
     Returns:
         int64 tensor of ``ceil(len(data) / chunk_bytes)`` CRC32C values on ``data.device``, each
@@ -462,141 +413,183 @@ def chunk_crc32c_triton(
 
     _check(data, chunk_bytes)
     chunk_bytes = int(chunk_bytes)  # numpy integers too
-    if step_tables not in ("nibble", "byte"):
-        raise ValueError(f"step_tables must be 'nibble' or 'byte', got {step_tables!r}")
     n = data.numel()
     if n == 0:
         return torch.empty(0, dtype=torch.int64, device=data.device)
     out = torch.zeros(-(-n // chunk_bytes), dtype=torch.int32, device=data.device)
     guard = torch.cuda.device(data.device) if data.device.type == "cuda" else nullcontext()
     with guard:
-        crc32c_into(data, out, chunk_bytes, step_tables=step_tables)
+        crc32c_into(data, out, chunk_bytes)
     return out.to(torch.int64) & _MASK32
 
 
-def crc32c_into(
-    data: "torch.Tensor", out: "torch.Tensor", chunk_bytes: int, *, step_tables: str = STEP_TABLES
-) -> None:
+def crc32c_into(data: "torch.Tensor", out: "torch.Tensor", chunk_bytes: int) -> None:
     """Enqueue the chunk CRC32Cs of ``data`` into ``out`` on the current stream: the raw bits as
     int32 (``& 0xFFFFFFFF`` gives the value), one per ``chunk_bytes`` chunk.
 
-    The lean form of :func:`chunk_crc32c_triton` for callers that checksum many tensors: no
-    checks, no allocation, no conversion, one kernel launch. ``data`` is a non-empty contiguous
-    uint8 tensor on the current CUDA device; ``out`` an int32 tensor of exactly
-    ``ceil(len(data) / chunk_bytes)`` elements on the same device, **zeroed** (tiles XOR into it).
+    The lean form of :func:`chunk_crc32c_triton`: no checks, no allocation, no conversion, one
+    kernel launch. ``data`` is a non-empty contiguous uint8 tensor on the current CUDA device;
+    ``out`` an int32 tensor of exactly ``ceil(len(data) / chunk_bytes)`` elements on the same
+    device, **zeroed** (tiles XOR into it).
     """
     n = data.numel()
     chunk_bytes = min(int(chunk_bytes), n)  # one chunk either way; keeps kernel arguments in int64
     n_chunks = -(-n // chunk_bytes)
-    tables, nibbles = _tables_on(data.device)
+    tables = _tables_on(data.device)
     if chunk_bytes <= SMALL_CHUNK_MAX:
         grid = (triton.cdiv(n_chunks, _SMALL_BLOCK),)
         _crc32c_small_kernel[grid](
             data, out, tables, n, chunk_bytes, n_chunks, BLOCK=_SMALL_BLOCK, num_warps=8
         )
     else:
-        _launch_tiles(data, out, tables, nibbles, chunk_bytes, step_tables == "nibble")
+        _launch_tiles(data, out, tables, chunk_bytes)
 
 
-_MULTI_TABLES: dict[tuple, "torch.Tensor"] = {}  # (device, chunk, addresses, lengths) -> PROG
-
-
-def crc32c_many_into(
-    sources: "list[torch.Tensor]",
-    out: "torch.Tensor",
-    starts: list[int],
-    chunk_bytes: int,
-    *,
-    step_tables: str = STEP_TABLES,
-) -> list[int]:
-    """Enqueue the chunk CRC32Cs of many tensors in ONE kernel launch on the current stream.
-
-    Source ``i`` (a contiguous uint8 tensor on the current CUDA device) gets its CRCs at
-    ``out[starts[i]:]`` (int32 bits, ``out`` zeroed, as in :func:`crc32c_into`). One launch
-    replaces one per tensor: with hundreds of tensors (a model and its optimizer state) the
-    per-launch host cost, not the GPU, bounds the per-tensor path. The kernel reaches every
-    source through byte offsets from the lowest-addressed one, from a table of
-    (offset, length, first CRC slot, tile) per program, cached per set of addresses (a
-    training job's tensors stay where they are from one checkpoint to the next).
-
-    Only word-aligned sources go in (address and length multiples of 4, ``chunk_bytes`` a
-    multiple of 4 above ``SMALL_CHUNK_MAX``); returns the indices of those left out, for
-    :func:`crc32c_into`.
-    """
-    import torch
-
-    chunk = int(chunk_bytes)
-    if chunk <= SMALL_CHUNK_MAX or chunk % 4:
-        return list(range(len(sources)))
-    take = [
-        i
-        for i, s in enumerate(sources)
-        if s.numel() and s.numel() % 4 == 0 and s.data_ptr() % 4 == 0
-    ]
-    left = sorted(set(range(len(sources))) - set(take))
-    if not take:
-        return left
+def _tiling(chunk: int) -> tuple[int, int, int]:
+    """(lanes, tile bytes, tiles per chunk) of the tiled kernels for ``chunk``-byte chunks."""
     lanes = tile_lanes(chunk)
     step = 4 * lanes
     tile = min(step * _STEPS_PER_TILE, -(-chunk // step) * step)
-    tiles_per_chunk = -(-chunk // tile)
-    ptrs = [sources[i].data_ptr() for i in take]
-    lens = [sources[i].numel() for i in take]
-    device = sources[take[0]].device
-    key = (str(device), chunk, tuple(ptrs), tuple(lens), tuple(starts[i] for i in take))
-    prog = _MULTI_TABLES.get(key)
-    if prog is None:
-        n = np.asarray(lens, dtype=np.int64)
+    return lanes, tile, -(-chunk // tile)
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """One launch of the multi-tensor kernel: its program table (on the device) and which
+    source is its base (the lowest address; every other one is reached by a byte offset)."""
+
+    base: int
+    prog: "torch.Tensor"
+    words: bool
+
+
+@dataclass(frozen=True)
+class ManyPlan:
+    """The launches that checksum a fixed set of device byte ranges (``plan_many``): one for the
+    word-aligned ones (address and length multiples of 4: word loads), one more only if some
+    are not (byte loads). Built once per set of addresses; launching costs no per-tensor work."""
+
+    chunk: int
+    launches: tuple[_Launch, ...]
+
+
+def plan_many(
+    ptrs: "Sequence[int]",
+    lens: "Sequence[int]",
+    starts: "Sequence[int]",
+    chunk_bytes: int,
+    device: "torch.device",
+) -> ManyPlan:
+    """The program tables for ranges ``ptrs[i]``, ``lens[i]`` bytes (> 0), range i's CRCs going
+    to ``out[starts[i]:]``, at ``chunk_bytes`` (> SMALL_CHUNK_MAX) per chunk, on ``device``.
+    Each row holds the per-length init term of the range's last chunk (``init_term``, cached)."""
+    import torch
+
+    chunk = int(chunk_bytes)
+    if chunk <= SMALL_CHUNK_MAX:
+        raise ValueError(
+            f"plan_many needs chunks above {SMALL_CHUNK_MAX} bytes (the tiled kernel), got {chunk}"
+        )
+    _, tile, tiles_per_chunk = _tiling(chunk)
+    words_ok = chunk % 4 == 0
+    classes: dict[bool, list[int]] = {True: [], False: []}
+    for i, (p, n) in enumerate(zip(ptrs, lens, strict=True)):
+        if n <= 0:
+            raise ValueError(f"plan_many: range {i} is empty ({n} bytes)")
+        classes[words_ok and p % 4 == 0 and n % 4 == 0].append(i)
+    launches = []
+    for words, take in classes.items():
+        if not take:
+            continue
+        p = np.asarray([ptrs[i] for i in take], dtype=np.int64)
+        n = np.asarray([lens[i] for i in take], dtype=np.int64)
         n_chunks = -(-n // chunk)
         last = n - (n_chunks - 1) * chunk
         counts = (n_chunks - 1) * tiles_per_chunk + -(-last // tile)
         first = np.repeat(np.cumsum(counts) - counts, counts)
-        rows = np.empty((int(counts.sum()), 4), dtype=np.int64)
-        rows[:, 0] = np.repeat(np.asarray(ptrs, dtype=np.int64) - min(ptrs), counts)
+        rows = np.empty((int(counts.sum()), 5), dtype=np.int64)
+        rows[:, 0] = np.repeat(p - p.min(), counts)
         rows[:, 1] = np.repeat(n, counts)
         rows[:, 2] = np.repeat(np.asarray([starts[i] for i in take], dtype=np.int64), counts)
         rows[:, 3] = np.arange(len(rows), dtype=np.int64) - first
-        prog = torch.from_numpy(rows).to(device)
-        if len(_MULTI_TABLES) >= 8:
-            _MULTI_TABLES.pop(next(iter(_MULTI_TABLES)))
-        _MULTI_TABLES[key] = prog
-    base = sources[take[ptrs.index(min(ptrs))]]
-    tables, nibbles = _tables_on(device)
-    _crc32c_multi_kernel[(prog.shape[0],)](
-        base.view(torch.int32),
-        out,
-        tables,
-        nibbles,
-        prog,
-        chunk,
-        tile,
-        tiles_per_chunk,
-        _as_i32(init_term(chunk)),
-        (chunk + 4).bit_length(),
-        LANES=lanes,
-        LOG2_LANES=int(math.log2(lanes)),
-        WORDS=True,
-        NIBBLES=step_tables == "nibble",
-        num_warps=max(1, min(8, lanes // 128)),
-    )
-    return left
+        rows[:, 4] = np.repeat(
+            np.asarray([_as_i32(init_term(int(x))) for x in last.tolist()], dtype=np.int64), counts
+        )
+        base = take[int(np.argmin(p))]
+        launches.append(_Launch(base, torch.from_numpy(rows).to(device), words))
+    return ManyPlan(chunk, tuple(launches))
 
 
-def _launch_tiles(
-    data: "torch.Tensor",
-    out: "torch.Tensor",
-    tables: "torch.Tensor",
-    nibbles: "torch.Tensor",
-    chunk: int,
-    use_nibbles: bool,
-) -> None:
+def launch_many(plan: ManyPlan, bases: "Sequence[torch.Tensor]", out: "torch.Tensor") -> None:
+    """Enqueue ``plan``'s launches on the current stream: ``bases[k]`` is the uint8 tensor of
+    launch k's base range (``plan.launches[k].base``), ``out`` the zeroed int32 CRC buffer."""
+    import torch
+
+    chunk = plan.chunk
+    lanes, tile, tiles_per_chunk = _tiling(chunk)
+    for launch, base in zip(plan.launches, bases, strict=True):
+        _crc32c_multi_kernel[(launch.prog.shape[0],)](
+            base.view(torch.int32) if launch.words else base,
+            out,
+            _tables_on(out.device),
+            launch.prog,
+            chunk,
+            tile,
+            tiles_per_chunk,
+            _as_i32(init_term(chunk)),
+            (chunk + 4).bit_length(),
+            LANES=lanes,
+            LOG2_LANES=int(math.log2(lanes)),
+            WORDS=launch.words,
+            num_warps=max(1, min(8, lanes // 128)),
+        )
+
+
+_MANY_PLANS: dict[tuple, ManyPlan] = {}  # (device, chunk, addresses, lengths, starts) -> plan
+
+
+def crc32c_many_into(
+    sources: "list[torch.Tensor]", out: "torch.Tensor", starts: list[int], chunk_bytes: int
+) -> int:
+    """Enqueue the chunk CRC32Cs of many tensors on the current stream in one kernel launch
+    (two when some are not word-aligned); returns the number of launches.
+
+    Source ``i`` (a contiguous uint8 tensor on the current CUDA device) gets its CRCs at
+    ``out[starts[i]:]`` (int32 bits, ``out`` zeroed, as in :func:`crc32c_into`). One launch
+    replaces one per tensor: with hundreds of tensors (a model and its optimizer state) the
+    per-launch host cost, not the GPU, bounds a per-tensor path. The program tables are cached
+    per set of addresses (a training job's tensors stay where they are from one checkpoint to
+    the next). Empty sources get no CRC; chunks up to SMALL_CHUNK_MAX take the one-lane kernel,
+    one launch per source.
+    """
+    chunk = int(chunk_bytes)
+    live = [i for i, s in enumerate(sources) if s.numel()]
+    if not live:
+        return 0
+    if chunk <= SMALL_CHUNK_MAX:
+        for i in live:
+            n = -(-sources[i].numel() // chunk)
+            crc32c_into(sources[i], out[starts[i] : starts[i] + n], chunk)
+        return len(live)
+    ptrs = [sources[i].data_ptr() for i in live]
+    lens = [sources[i].numel() for i in live]
+    device = sources[live[0]].device
+    key = (str(device), chunk, tuple(ptrs), tuple(lens), tuple(starts[i] for i in live))
+    plan = _MANY_PLANS.get(key)
+    if plan is None:
+        plan = plan_many(ptrs, lens, [starts[i] for i in live], chunk, device)
+        if len(_MANY_PLANS) >= 8:
+            _MANY_PLANS.pop(next(iter(_MANY_PLANS)))
+        _MANY_PLANS[key] = plan
+    launch_many(plan, [sources[live[x.base]] for x in plan.launches], out)
+    return len(plan.launches)
+
+
+def _launch_tiles(data: "torch.Tensor", out: "torch.Tensor", tables: "torch.Tensor", chunk: int):
     import torch
 
     n = data.numel()
-    lanes = tile_lanes(chunk)
-    step = 4 * lanes
-    tile = min(step * _STEPS_PER_TILE, -(-chunk // step) * step)
-    tiles_per_chunk = -(-chunk // tile)
+    lanes, tile, tiles_per_chunk = _tiling(chunk)
     last_len = n - (-(-n // chunk) - 1) * chunk
     n_tiles = (-(-n // chunk) - 1) * tiles_per_chunk + -(-last_len // tile)
     words = data.data_ptr() % 4 == 0 and data.storage_offset() % 4 == 0
@@ -606,7 +599,6 @@ def _launch_tiles(
         x,
         out,
         tables,
-        nibbles,
         n,
         chunk,
         tile,
@@ -617,6 +609,5 @@ def _launch_tiles(
         LANES=lanes,
         LOG2_LANES=int(math.log2(lanes)),
         WORDS=words,
-        NIBBLES=use_nibbles,
         num_warps=max(1, min(8, lanes // 128)),
     )

@@ -1,25 +1,31 @@
 """The CUDA branches of the snapshot, exercised on the CPU with recording fakes of torch.cuda.
 
-The fakes stand in for streams and events only and log what the code asks of them; the bytes
-really move (CPU tensors into a real HostArena) and the CRCs are the native ones, so these tests
-check the ordering the GPU relies on: the side stream waits on the compute stream's event before
-it reads, the completion event is recorded on the stream that ran the copies, after them, and the
-job synchronizes it before the state counts as staged (what releases the optimizer hook).
+The fakes stand in for streams and events and for the native enqueue (a memmove per row, logged;
+the native call itself is tested against a fake libcudart in tests/test_arena_cuda_cpu.py); the
+bytes really move (CPU tensors into a real HostArena) and the device CRCs are the real Triton
+kernel under the interpreter, so these tests check the ordering the GPU relies on: the side
+stream waits on the compute stream's event before it reads, all copies of a save are one
+enqueue and never wait for the CRCs, the completion covers both, and the job synchronizes it
+before the state counts as staged (what releases the optimizer hook).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 
 import pytest
 import torch
 
 import gpumem
+import gpumem.checkpoint.device_copy as dev
 import gpumem.checkpoint.snapshot as snap
+import gpumem.kernels.crc32c as K
 from gpumem.arena import HostArena
 from gpumem.checkpoint.codec import TensorTable
 from gpumem.checkpoint.job import SaveJob, Worker
+from gpumem.checkpoint.options import SaveOptions
 from gpumem.checkpoint.safe_fs import Dir
 from gpumem.checkpoint.snapshot import ArenaLayout, Piece
 from gpumem.checksum import chunk_crc32c
@@ -32,6 +38,7 @@ class FakeStream:
 
     def __init__(self, name: str, log: list):
         self.name, self.log = name, log
+        self.cuda_stream = sum(map(ord, name))  # the cudaStream_t the native enqueue is handed
 
     def wait_event(self, event: FakeEvent) -> None:
         self.log.append(("wait_event", self.name, event.name))
@@ -53,6 +60,9 @@ class FakeEvent:
 
     def synchronize(self) -> None:
         self.cuda.log.append(("synchronize", self.name, self.cuda.staged_probe()))
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        return 2.0 if other.stream == "crc" else 1.0  # ms: copies 1 ms, CRCs 2 ms after start
 
 
 class FakeCuda:
@@ -103,6 +113,9 @@ class FakeCudaTensor:
     def record_stream(self, s: FakeStream) -> None:
         self.cuda.log.append(("record_stream", self.name, s.name))
 
+    def data_ptr(self) -> int:
+        return self.real.data_ptr()
+
     def numel(self) -> int:
         return self.real.numel()
 
@@ -117,36 +130,54 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", cuda.stream)
     monkeypatch.setattr(torch.cuda, "current_stream", cuda.current_stream)
     monkeypatch.setattr(torch.cuda, "Event", cuda.event)
-    real_as_bytes, real_crc = snap.as_bytes, snap.chunk_crc32c
+    real_as_bytes, real_crc = dev.as_bytes, dev.chunk_crc32c
     monkeypatch.setattr(
-        snap, "as_bytes", lambda t: real_as_bytes(t.real if isinstance(t, FakeCudaTensor) else t)
+        dev, "as_bytes", lambda t: real_as_bytes(t.real if isinstance(t, FakeCudaTensor) else t)
     )
 
     def crc(data, chunk):
         log.append(("crc", data.numel(), cuda.current.name))
         return real_crc(data, chunk)
 
-    monkeypatch.setattr(snap, "chunk_crc32c", crc)
+    monkeypatch.setattr(dev, "chunk_crc32c", crc)
     crc_stream = FakeStream("crc", log)
-    monkeypatch.setattr(snap, "_crc_stream", lambda beside: crc_stream)
+    monkeypatch.setattr(dev, "_crc_stream", lambda beside: crc_stream)
+    real_launch = K.launch_many
 
-    def device_crcs(sources, chunk):  # the batched device CRCs: logged, computed natively
-        log.append(("device_crcs", [s.numel() for s in sources], cuda.current.name))
-        return [real_crc(s, chunk) for s in sources]
+    def launch_many(plan, bases, out):  # the real kernel (interpreted), logged
+        log.append(("launch_many", len(plan.launches), cuda.current.name))
+        real_launch(plan, bases, out)
 
-    monkeypatch.setattr(snap, "device_crcs", device_crcs)
+    monkeypatch.setattr(K, "launch_many", launch_many)
     return cuda
 
 
-def _logging_arena(arena: HostArena, cuda: FakeCuda) -> HostArena:
+def _logging_arena(arena: HostArena, cuda: FakeCuda, fail: str | None = None) -> HostArena:
+    """The arena with its device copies logged; ``enqueue_d2h`` memmoves each row (a "device"
+    address is a host one here) after checking it was handed the current stream, or raises
+    ``fail`` as the native call would."""
     real = arena.copy_from_device
 
     def copy_from_device(src, offset):
         cuda.log.append(("copy", offset, src.numel(), cuda.current.name))
         real(src, offset)
 
+    def enqueue_d2h(copies, stream):
+        assert stream == cuda.current.cuda_stream and copies.dtype.name == "uint64"
+        cuda.log.append(("enqueue", [(int(o), int(n)) for _, n, o in copies], cuda.current.name))
+        if fail is not None:
+            raise RuntimeError(fail)
+        for src, n, off in copies.tolist():
+            ctypes.memmove(arena.data_ptr + off, src, n)
+        return len(copies)
+
     arena.copy_from_device = copy_from_device
+    arena.enqueue_d2h = enqueue_d2h
     return arena
+
+
+def _values(crc: torch.Tensor) -> list[int]:
+    return (crc.to(torch.int64) & 0xFFFFFFFF).tolist()
 
 
 def _state(cuda: FakeCuda):
@@ -172,7 +203,7 @@ def _check_bytes(arena: HostArena, tensors, pieces: list[Piece]) -> None:
         want = real.contiguous().reshape(-1).view(torch.uint8)
         assert torch.equal(arena.view(p.offset, p.nbytes), want), p
         if isinstance(t, FakeCudaTensor):  # device CRC of what was copied, per chunk
-            assert p.crc.tolist() == chunk_crc32c(want, CHUNK).tolist()
+            assert _values(p.crc) == chunk_crc32c(want, CHUNK).tolist()
         else:  # host tensors are checksummed later, from the staged bytes
             assert p.crc is None
 
@@ -194,30 +225,29 @@ def test_side_stream_waits_copies_and_records_its_event_after_the_copies(fake_cu
             stream=side,
             wait_event=save_event,
         )
+        done.synchronize()
         _check_bytes(arena, tensors, plan.pieces)
     assert cuda.current is cuda.compute  # the side stream is current only inside copy_pieces
-    assert done.stream == "side"
-    start, hashed = (e[1] for e in cuda.log if e[0] == "record" and e[1] != done.name)
-    assert cuda.log == [
+    start, copied, hashed = done.start.name, done.copied.name, done.hashed.name
+    assert (done.copied.stream, done.hashed.stream) == ("side", "crc")
+    assert cuda.log[: cuda.log.index(("synchronize", copied, None))] == [
         ("wait_event", "side", save_event.name),  # before the first read of a parameter
         ("record", start, "side"),  # where the CRC stream starts: after that wait
-        ("copy", 0, 12000, "side"),  # the DMA is enqueued at once
-        (
-            "record_stream",
-            "a",
-            "side",
-        ),  # the allocator must not reuse it before the side stream ran
+        ("enqueue", [(0, 12000)], "side"),  # every contiguous piece's copy: one native call
         ("contiguous", "b", "side"),  # the gathered copy is made (and freed) on the side stream
         ("crc", 4800, "side"),  # ... and hashed there, before its copy
         ("copy", 12288, 4800, "side"),
         ("record_stream", "b", "side"),
+        ("record", copied, "side"),  # the copies never wait for the CRCs
         ("wait_event", "crc", start),  # the CRCs read the same bytes, from the same point on
-        ("device_crcs", [12000], "crc"),
-        ("record_stream", "a", "crc"),
+        ("launch_many", 1, "crc"),  # every contiguous piece's CRCs: one launch
         ("record", hashed, "crc"),
-        ("wait_event", "side", hashed),  # the returned event covers the CRCs too
-        ("record", done.name, "side"),  # after every copy, on the stream that ran them
     ]
+    assert done.device_times() == (1e-3, 2e-3)
+    compute = FakeStream("compute", cuda.log)
+    cuda.log.clear()
+    done.wait(compute)  # what the optimizer fence does: wait for both
+    assert cuda.log == [("wait_event", "compute", copied), ("wait_event", "compute", hashed)]
 
 
 def test_without_a_side_stream_everything_runs_on_the_current_stream(fake_cuda):
@@ -225,18 +255,45 @@ def test_without_a_side_stream_everything_runs_on_the_current_stream(fake_cuda):
     tensors, plan = _state(cuda)
     with HostArena(32768, pinned=False) as arena:
         done = snap.copy_pieces(_logging_arena(arena, cuda), plan, plan.pieces, tensors, CHUNK)
+        done.synchronize()
         _check_bytes(arena, tensors, plan.pieces)
-    assert done.stream == "compute"
-    assert [e for e in cuda.log if e[0] == "wait_event"] == [  # only the CRC stream's, both ways
-        ("wait_event", "crc", cuda.log[0][1]),
-        ("wait_event", "compute", cuda.log[-3][1]),
-    ]
-    assert {e[-1] for e in cuda.log if e[0] in ("crc", "copy", "record_stream", "record")} == {
-        "compute",
-        "crc",
-    }
-    assert {e[-1] for e in cuda.log if e[0] == "copy"} == {"compute"}
-    assert cuda.log[-1] == ("record", done.name, "compute")
+    assert done.copied.stream == "compute" and done.hashed.stream == "crc"
+    # only the CRC stream waits (for the start): the copies wait for nothing
+    assert [e for e in cuda.log if e[0] == "wait_event"] == [("wait_event", "crc", done.start.name)]
+    assert {e[-1] for e in cuda.log if e[0] in ("copy", "enqueue", "record_stream")} == {"compute"}
+
+
+def test_the_program_is_built_once_per_layout_and_addresses(fake_cuda, monkeypatch):
+    """A second save of the same tensors reuses the copy rows and CRC tables; tensors that moved
+    get a new program. The rows hold the device addresses of the pieces."""
+    cuda = fake_cuda
+    built = []
+    real_build = dev.build_program
+    monkeypatch.setattr(dev, "build_program", lambda *a: built.append(a[0]) or real_build(*a))
+    tensors, plan = _state(cuda)
+    with HostArena(32768, pinned=False) as arena:
+        _logging_arena(arena, cuda)
+        for _ in range(2):
+            snap.copy_pieces(arena, plan.copy(), plan.pieces, tensors, CHUNK).synchronize()
+        assert built == [[tensors[0].data_ptr()]]  # tensor a: the one contiguous CUDA piece
+        prog = next(iter(plan.programs.values()))
+        assert prog.copies.tolist() == [[tensors[0].data_ptr(), 12000, 0]]
+        assert (prog.starts, prog.counts, prog.total) == ([0], [3], 3)
+        tensors[0] = FakeCudaTensor(tensors[0].real.clone(), cuda, "a")  # moved
+        fresh = plan.copy()
+        snap.copy_pieces(arena, fresh, fresh.pieces, tensors, CHUNK).synchronize()
+        assert len(built) == 2 and built[1] == [tensors[0].data_ptr()]
+        _check_bytes(arena, tensors, fresh.pieces)
+
+
+def test_a_failed_enqueue_reaches_the_caller(fake_cuda):
+    cuda = fake_cuda
+    tensors, plan = _state(cuda)
+    with HostArena(32768, pinned=False) as arena:
+        _logging_arena(arena, cuda, fail="cudaMemcpyAsync of copy 0 (...) failed: boom")
+        with pytest.raises(RuntimeError, match=r"copy 0 .* failed: boom"):
+            snap.copy_pieces(arena, plan, plan.pieces, tensors, CHUNK)
+    assert cuda.current is cuda.compute
 
 
 def test_host_tensors_alone_need_no_event(fake_cuda):
@@ -273,24 +330,16 @@ def test_the_copy_event_is_synchronized_before_the_state_counts_as_staged(
         names=["a", "b", "c"], tensors=tensors, deferred=[True, True, False], has_cuda=True
     )
     side = FakeStream("side", cuda.log)
-    with HostArena(32768, pinned=False) as arena:
+    with _logging_arena(HostArena(32768, pinned=False), cuda) as arena:
         job = SaveJob(
+            _options(tmp_path, side_stream=side),
             root=Dir.open(tmp_path),
-            root_path=tmp_path,
             step=1,
             tree={"step": 1},
             table=table,
             plan=plan,
             arena=arena,
             mode=mode,
-            chunk=CHUNK,
-            alignment=4096,
-            direct=False,
-            group=gpumem.checkpoint._dist.Group(),
-            keep=None,
-            versions={},
-            workers=(Worker("p"), Worker("c")),
-            side_stream=side,
             t0=0.0,
         )
         cuda.staged_probe = job.staged.is_set
@@ -307,14 +356,15 @@ def test_the_copy_event_is_synchronized_before_the_state_counts_as_staged(
             [p for p in plan.pieces if mode == "blocking" or table.deferred[p.index]],
         )
     syncs = [e for e in cuda.log if e[0] == "synchronize"]
-    records = [e for e in cuda.log if e[0] == "record"][2:]  # after the CRC stream's start and end
-    assert len(records) == 1 and records[0][2] == ("side" if mode == "overlap" else "compute")
-    # the copy event, and in overlap mode the event of the buffers copied by save(), both waited
-    # for while staged was still clear
-    want = [("synchronize", records[0][1], False)]
+    done = job.copy_event
+    assert done.copied.stream == ("side" if mode == "overlap" else "compute")
+    # the copies' and the CRCs' events, and in overlap mode the event of the buffers copied by
+    # save(), all waited for while staged was still clear
+    want = [("synchronize", done.copied.name, False), ("synchronize", done.hashed.name, False)]
     if mode == "overlap":
         want.append(("synchronize", sync_event.name, False))
     assert syncs == want
+    assert (job.stats.copy_device_s, job.stats.crc_device_s) == (1e-3, 2e-3)
 
 
 def test_gpu_test_budgets_pick_the_modes_they_claim(tmp_path):
@@ -355,23 +405,9 @@ def test_a_cuda_rng_state_of_the_wrong_size_is_refused_before_anything_is_loaded
         )
 
 
-def _overlap_job(tmp_path, cuda: FakeCuda, tensors, plan, deferred):
-    table = TensorTable(
-        names=[f"t{i}" for i in range(len(tensors))],
-        tensors=tensors,
-        deferred=deferred,
-        has_cuda=True,
-    )
-    arena = HostArena(32768, pinned=False)
-    job = SaveJob(
-        root=Dir.open(tmp_path),
+def _options(tmp_path, side_stream) -> SaveOptions:
+    return SaveOptions(
         root_path=tmp_path,
-        step=1,
-        tree={"step": 1},
-        table=table,
-        plan=plan,
-        arena=arena,
-        mode="overlap",
         chunk=CHUNK,
         alignment=4096,
         direct=False,
@@ -379,7 +415,27 @@ def _overlap_job(tmp_path, cuda: FakeCuda, tensors, plan, deferred):
         keep=None,
         versions={},
         workers=(Worker("p"), Worker("c")),
-        side_stream=FakeStream("side", cuda.log),
+        side_stream=side_stream,
+    )
+
+
+def _overlap_job(tmp_path, cuda: FakeCuda, tensors, plan, deferred):
+    table = TensorTable(
+        names=[f"t{i}" for i in range(len(tensors))],
+        tensors=tensors,
+        deferred=deferred,
+        has_cuda=True,
+    )
+    arena = _logging_arena(HostArena(32768, pinned=False), cuda)
+    job = SaveJob(
+        _options(tmp_path, side_stream=FakeStream("side", cuda.log)),
+        root=Dir.open(tmp_path),
+        step=1,
+        tree={"step": 1},
+        table=table,
+        plan=plan,
+        arena=arena,
+        mode="overlap",
         t0=0.0,
     )
     return job, arena
@@ -410,12 +466,19 @@ def test_the_optimizer_hook_fences_its_stream_instead_of_waiting(
         cuda.log.clear()
         assert job.fence() is (current == 0)
     if current == 0:  # on the caller's (compute) stream: after the buffers' event and the copy's
+        before, after = job._fence_events
         assert cuda.log == [
+            ("record", before.name, "compute"),
             ("wait_event", "compute", job._sync_event.name),
-            ("wait_event", "compute", job.copy_event.name),
+            ("wait_event", "compute", job.copy_event.copied.name),
+            ("wait_event", "compute", job.copy_event.hashed.name),
+            ("record", after.name, "compute"),
         ]
+        job._account_fence()  # what the persist thread does at its end
+        assert job.stats.fence_s == 1e-3 and job._fence_events is None
+        assert cuda.log[-1] == ("synchronize", after.name, None)
     else:
-        assert cuda.log == []
+        assert cuda.log == [] and job._fence_events is None
 
 
 def test_no_fence_for_host_only_or_mixed_devices(tmp_path, fake_cuda):
@@ -443,3 +506,99 @@ def test_a_failed_copy_releases_the_fence(tmp_path, fake_cuda, monkeypatch):
     with arena:
         job._fail(RuntimeError("copy failed"))
         assert job.enqueued.is_set() and job.fence() is False and job.staged.is_set()
+
+
+def test_the_fence_spills_what_fits_and_waits_for_the_rest(tmp_path, fake_cuda, monkeypatch):
+    """device_spill_bytes: the copier enqueues one piece per wave; the fence comes while the
+    second wave is being enqueued. The copier stops there; of the two pieces left, the first
+    fits the 8 KiB spill buffer and is copied device to device on the optimizer's stream, the
+    second is enqueued device to host at once, and the optimizer's stream waits for that (and
+    every earlier wave) and for the CRCs, not for the drain; the copier then drains the buffer
+    into the arena behind the D2D copy. Every byte lands where the layout says."""
+    from gpumem.checkpoint.spill import SpillControl
+
+    cuda = fake_cuda
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    g = torch.Generator().manual_seed(1)
+    tensors = [FakeCudaTensor(torch.randn(2048, generator=g), cuda, f"p{i}") for i in range(4)]
+    pieces = [Piece(i, 0, 8192, 0, 8192 * i) for i in range(4)]
+    plan = ArenaLayout(
+        capacity=1 << 20, streaming=False, batch_sizes=[32768], bases=[0], pieces=pieces
+    )
+    job, arena = _overlap_job(tmp_path, cuda, tensors, plan, [True] * 4)
+    buffer = torch.zeros(8192, dtype=torch.uint8)  # the "device" spill buffer
+    job.spill = control = SpillControl(buffer, wave_bytes=1)  # one piece per wave
+    enqueue = arena.enqueue_d2h
+    calls = []
+
+    def enqueue_d2h(copies, stream):
+        calls.append([(int(o), int(n), int(a)) for a, n, o in copies])
+        if len(calls) == 2:  # the fence comes while the second wave is enqueued
+            with control.cond:
+                assert control.cond.wait_for(lambda: control.stop_requested, timeout=20)
+        return enqueue(copies, stream)
+
+    arena.enqueue_d2h = enqueue_d2h
+    side = FakeStream("side", cuda.log)
+    copier = threading.Thread(
+        target=job._produce, args=(lambda p: True, side, None, None), name="copier"
+    )
+    with arena:
+        copier.start()
+        with control.cond:  # the copier has started its waves
+            assert control.cond.wait_for(lambda: control.context is not None, timeout=20)
+        assert job.fence() is True
+        copier.join(20)
+        assert not copier.is_alive() and job.error is None and job.staged.is_set()
+        _check_bytes(arena, tensors, pieces)
+        assert torch.equal(buffer, tensors[2].real.view(torch.uint8))  # went through the buffer
+    addr = [t.real.data_ptr() for t in tensors]
+    assert calls == [
+        [(0, 8192, addr[0])],  # wave 1
+        [(8192, 8192, addr[1])],  # wave 2: then the copier stops
+        [(24576, 8192, addr[3])],  # the fence: what does not fit goes D2H at once
+        [(16384, 8192, buffer.data_ptr())],  # the drain: from the spill buffer
+    ]
+    assert job.stats.spill_bytes == 8192 and job.stats.fence_s == 0.0  # until accounted
+    log, snap = cuda.log, job.copy_event
+    before, drain_after, after = [e[1] for e in log if e[0] == "record" and e[2] == "compute"]
+    assert job._fence_events[0].name == before and job._fence_events[1].name == after
+    # The copier is stopped (waiting for the drain order) from the fence's enqueue of the row
+    # that did not fit until the fence's waits are enqueued, so these entries are consecutive:
+    # the optimizer's stream waits for `copied` (every wave, then that row: not the drain) and
+    # for the CRCs.
+    i = log.index(("enqueue", [(24576, 8192)], "side"))
+    copied = log[i + 1][1]
+    assert log[i + 1 : i + 4] == [
+        ("record", copied, "side"),
+        ("wait_event", "compute", copied),
+        ("wait_event", "compute", snap.hashed.name),
+    ]
+    # the D2D copies were recorded (drain_after) before, and the drain waits for them after
+    assert log.index(("record", drain_after, "compute")) < i
+    drain = log.index(("wait_event", "side", drain_after))
+    assert drain > i + 3 and log[drain + 1] == ("enqueue", [(16384, 8192)], "side")
+    job._account_fence()
+    assert job.stats.fence_s == 1e-3
+
+
+def test_a_copier_that_finished_before_the_fence_is_fenced_as_without_spill(
+    tmp_path, fake_cuda, monkeypatch
+):
+    from gpumem.checkpoint.spill import SpillControl
+
+    cuda = fake_cuda
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    tensors, plan = _state(cuda)
+    tensors[1] = FakeCudaTensor(tensors[1].real.contiguous(), cuda, "b")  # all fast
+    job, arena = _overlap_job(tmp_path, cuda, tensors, plan, [True, True, False])
+    job.spill = control = SpillControl(torch.zeros(1 << 20, dtype=torch.uint8), wave_bytes=1)
+    with arena:
+        job._produce(
+            lambda p: job.table.deferred[p.index], FakeStream("side", cuda.log), None, None
+        )
+        assert control.finished and control.stopped_at is None
+        cuda.log.clear()
+        assert job.fence() is True
+    assert [e[:2] for e in cuda.log if e[0] == "wait_event"] == [("wait_event", "compute")] * 2
+    assert job.stats.spill_bytes == 0

@@ -91,22 +91,84 @@ def test_cuda_restore_verifies_the_loaded_bytes_on_the_device(tmp_path, monkeypa
             ck.restore(model=model2, optimizer=opt2, verify_loaded=True)
 
 
-@pytest.mark.parametrize("one_launch", [False, True])
-def test_device_crcs_match_the_native_crcs(one_launch):
-    """The batched device CRCs (one buffer, a launch per tensor or one for all, one copy to
-    pinned memory): raw int32 bits per chunk, equal to the native CRC32C of the same bytes."""
-    from gpumem.checkpoint.snapshot import device_crcs
+def test_device_crcs_match_the_native_crcs():
+    """The batched device CRCs (one buffer, one launch for the word-aligned tensors and one for
+    the rest, one copy to pinned memory): raw int32 bits per chunk, equal to the native CRC32C
+    of the same bytes."""
+    from gpumem.checkpoint.device_copy import device_crcs
     from gpumem.checksum import chunk_crc32c
 
     g = torch.Generator().manual_seed(3)
     sizes = (0, 1, 255, 4096, 70_001, 70_004, 3 << 20, (3 << 20) + 12)
     hosts = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
-    for _ in range(2):  # the second time, the one-launch table comes from its cache
-        got = device_crcs([h.cuda() for h in hosts], CHUNK, one_launch=one_launch)
+    on_gpu = [h.cuda() for h in hosts]
+    for _ in range(2):  # the second time, the program tables come from their cache
+        got = device_crcs(on_gpu, CHUNK)
         torch.cuda.current_stream().synchronize()
         for h, crc in zip(hosts, got, strict=True):
             assert crc.device.type == "cpu" and crc.dtype == torch.int32
             assert [x & 0xFFFFFFFF for x in crc.tolist()] == chunk_crc32c(h, CHUNK).tolist()
+
+
+def test_one_native_enqueue_and_one_crc_launch_per_save(tmp_path, monkeypatch):
+    """A bf16 model with odd-sized tensors: every contiguous piece's copy is in the one native
+    enqueue (one cudaMemcpyAsync per piece: none crosses a 1 GiB chunk here), the CRCs take at
+    most two launches (word-aligned and not), and the checkpoint verifies and restores bit for
+    bit."""
+    import gpumem.kernels.crc32c as K
+    from gpumem.checkpoint import verify
+
+    launches = []
+    real = K.launch_many
+    monkeypatch.setattr(
+        K, "launch_many", lambda p, b, o: launches.append(len(p.launches)) or real(p, b, o)
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 77), torch.nn.Linear(77, 3)).cuda().bfloat16()
+    with gpumem.Checkpointer(tmp_path, chunk_bytes=CHUNK, overlap=False) as ck:
+        stats = ck.save(1, model=model)
+        ck.wait()
+        snap = ck._job.copy_event
+        assert snap.calls == 4  # two weights, two biases: one cudaMemcpyAsync each, one call
+        assert launches == [2]  # 300*77*2 bytes is a multiple of 4; 77*2, 77*3*2, 3*2 are not
+        assert stats.copy_device_s > 0 and stats.crc_device_s > 0
+    verify(tmp_path / "step-000000001")
+    fresh = torch.nn.Sequential(torch.nn.Linear(300, 77), torch.nn.Linear(77, 3)).cuda().bfloat16()
+    with gpumem.Checkpointer(tmp_path, read_only=True) as ck:
+        assert ck.restore(model=fresh) == 1
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("spill", [64 << 20, 1 << 30])
+def test_the_device_spill_keeps_the_step_behind_the_copy(tmp_path, spill):
+    """Sixteen 64 MiB parameters, optimizer.step() right after save(): the fence stops the
+    copier, spills what fits the buffer (64 MiB: at most one parameter; 1 GiB: all that is
+    left), waits for the rest, and the restored values are the pre-step ones either way."""
+    model = torch.nn.Module()
+    model.ps = torch.nn.ParameterList(
+        [torch.nn.Parameter(torch.randn(16 << 20, device="cuda")) for _ in range(16)]
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in model.parameters()]
+    with gpumem.Checkpointer(tmp_path, chunk_bytes=4 << 20, device_spill_bytes=spill) as ck:
+        ck.prepare(nbytes=(1 << 30) + (64 << 20), background=False)
+        st = ck.save(1, model=model, optimizer=opt, rng=False)
+        assert st.mode == "overlap"
+        opt.step()  # p -= 1: behind the fence (spill or D2H)
+        ck.wait()
+        assert st.spill_bytes % (64 << 20) == 0 and st.spill_bytes <= spill
+        for p, b in zip(model.parameters(), before, strict=True):
+            assert torch.equal(p, b - 1)
+        model2 = torch.nn.Module()
+        model2.ps = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.zeros_like(b)) for b in before]
+        )
+        assert ck.restore(model=model2, optimizer=torch.optim.SGD(model2.parameters())) == 1
+    for p, b in zip(model2.parameters(), before, strict=True):
+        assert torch.equal(p, b)
 
 
 def test_overlap_fence_keeps_the_step_behind_a_long_copy(tmp_path):
