@@ -294,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = parse_bytes(args.size)
     root = Path(tempfile.mkdtemp(prefix="gpumem-bench-sharded-", dir=args.dir))
     info = machine_info()
+    load0 = os.getloadavg()[0]
     rows: list[list[object]] = []
     figures: list = []
     notes: list[str] = []
@@ -341,6 +342,12 @@ def main(argv: list[str] | None = None) -> int:
                 notes.append(f"restore {src} -> {world}: every rank's tensors equal dcp.load's")
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    load1 = os.getloadavg()[0]
+    notes.append(
+        f"1-minute load average {load0:.1f} at the start, {load1:.1f} at the end, on "
+        f"{os.cpu_count()} cores: above the core count, other processes shared the cores and "
+        "the disk, and each figure's spread (p20/p80 in the JSON) widens with it."
+    )
     notes.append(
         "Medians of the repeats; the copy floor of each save is measured right before it. "
         "All ranks share this machine's cores, memory bandwidth and disk, so 4 ranks have less "

@@ -11,7 +11,6 @@ checkpoint that cannot be restored.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from .codec import TensorTable
@@ -96,8 +95,9 @@ def check_complete(tmp: Dir, crcs: list[int]) -> None:
             box = Box(tuple(g["shape"]), tuple(g["offsets"]), tuple(t["shape"]))
             name = g.get("tensor", t["name"])
             crcs32 = tuple(t["crc32c"])
-            entry = TensorEntry(t["name"], t["dtype"], box.shape, t["nbytes"], crcs32, (), box)
-            entry = dataclasses.replace(entry, tensor=name)
+            entry = TensorEntry(
+                t["name"], t["dtype"], box.shape, t["nbytes"], crcs32, (), box, tensor=name
+            )
             index.blocks.setdefault(name, []).append(Block(rank, entry, box, chunk))
     try:
         index.check_all()

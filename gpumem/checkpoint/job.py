@@ -491,24 +491,31 @@ class SaveJob:
                 self.staged.wait()
                 if self.error is not None:
                     raise self.error
-                files.update(self._write_all(tmp))
+                files.update(self._write_all(tmp, range(len(plan.batch_sizes))))
                 for ev in crc_done:
                     ev.wait()
                 if self.error is not None:
                     raise self.error
-            for b in range(len(plan.batch_sizes) if self.batched else 0):
+            n, b = (len(plan.batch_sizes) if self.batched else 0), 0
+            while b < n:
                 with self._cond:
                     while self._ready <= b and self.error is None:
                         self._cond.wait()
+                    ready = self._ready
                 if self.error is not None:
                     raise self.error
-                name, size = self._write_batch(tmp, b)
-                files[name] = size
-                crc_done[b].wait()  # the slot is reused only once its checksums are taken too
+                # Batch b alone while later ones are still being copied (the write hides the
+                # copy); once the rest is staged too, the rest at once: one file's fdatasync then
+                # never leaves the disk queue empty while the next file waits to be written.
+                todo = range(b, n if ready == n else b + 1)
+                files.update(self._write_all(tmp, todo))
+                for c in todo:  # a slot is reused only once its checksums are taken too
+                    crc_done[c].wait()
                 if self.error is not None:
                     raise self.error
+                b = todo[-1] + 1
                 with self._cond:
-                    self._released = b + 1
+                    self._released = b
                     self._cond.notify_all()
             shard_crc = persist.write_manifest(
                 tmp, shard_manifest_name(g.rank), self._shard_body(files)
@@ -580,10 +587,13 @@ class SaveJob:
         tmp.write_pieces(name, [(0, buf)] if buf is not None else [], size, self.direct)
         return name, size
 
-    def _write_all(self, tmp: Dir) -> list[tuple[str, int]]:
-        """Every batch written by up to _WRITERS plain threads (an executor would refuse work at
-        interpreter exit, when a save in flight must still finish)."""
-        n = len(self.plan.batch_sizes)
+    def _write_all(self, tmp: Dir, batches: range) -> list[tuple[str, int]]:
+        """The given batches written by up to _WRITERS plain threads (an executor would refuse
+        work at interpreter exit, when a save in flight must still finish); one batch is written
+        on the calling thread."""
+        n = len(batches)
+        if n == 1:
+            return [self._write_batch(tmp, batches[0])]
         results: list[tuple[str, int] | None] = [None] * n
         errors: list[BaseException] = []
         todo = iter(range(n))
@@ -596,7 +606,7 @@ class SaveJob:
                 if b is None:
                     return
                 try:
-                    results[b] = self._write_batch(tmp, b)
+                    results[b] = self._write_batch(tmp, batches[b])
                 except BaseException as exc:
                     errors.append(exc)
 
