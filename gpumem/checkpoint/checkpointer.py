@@ -65,23 +65,15 @@ def _is_int(value: Any, lo: int) -> bool:
 
 
 def default_staging_bytes() -> int:
-    """GPUMEM_STAGING_BYTES, else a quarter of the memory available now (at least 64 MiB)."""
+    """GPUMEM_STAGING_BYTES, else a quarter of the memory available now (at least 64 MiB): the
+    host's ``MemAvailable``, or a container's memory limit less its usage where that is lower."""
     from gpumem._env import env_int
+    from gpumem.device import host_available_bytes
 
     value = env_int("GPUMEM_STAGING_BYTES")
     if value is not None:
         return value
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    if avail is None:
-        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    return max(_MIN_BUDGET, avail // 4)
+    return max(_MIN_BUDGET, host_available_bytes() // 4)
 
 
 class Checkpointer:

@@ -358,3 +358,16 @@ def test_save_without_prepare_still_allocates_its_arena(tmp_path):
         ck.wait()
         assert ck._arena is not None and isinstance(ck.staging_locked, bool)
         assert ck.restore(model=model, optimizer=opt) == 0
+
+
+def test_default_staging_is_a_quarter_of_what_the_host_or_its_container_has(monkeypatch):
+    import gpumem.device
+    from gpumem.checkpoint.checkpointer import default_staging_bytes
+
+    monkeypatch.delenv("GPUMEM_STAGING_BYTES", raising=False)
+    monkeypatch.setattr(gpumem.device, "host_available_bytes", lambda: 8 << 30)
+    assert default_staging_bytes() == 2 << 30
+    monkeypatch.setattr(gpumem.device, "host_available_bytes", lambda: 100 << 20)
+    assert default_staging_bytes() == 64 << 20  # the floor
+    monkeypatch.setenv("GPUMEM_STAGING_BYTES", str(3 << 20))
+    assert default_staging_bytes() == 3 << 20
