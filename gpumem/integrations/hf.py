@@ -40,12 +40,13 @@ from gpumem.checkpoint import (
     CheckpointStateError,
     PreemptionGuard,
 )
+from gpumem.integrations._guarded import GuardedCallback
 
 _STATE_KEY = "hf_trainer_state"
 _STUB_WEIGHTS = "gpumem-restores-the-weights.safetensors"
 
 
-class CheckpointCallback(TrainerCallback):
+class CheckpointCallback(GuardedCallback, TrainerCallback):
     """Save and resume a transformers Trainer with gpumem (see the module docs).
 
     Args:
@@ -140,18 +141,6 @@ class CheckpointCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.ckpt is not None:
             self.ckpt.wait()
-
-    @property
-    def exit_code(self) -> int:
-        """0 unless a preemption stopped the run: then the guard's (143 after a durable save)."""
-        return self.guard.exit_code if self.stopped and self.guard is not None else 0
-
-    def close(self) -> None:
-        """Wait for the last save and release the Checkpointer and the signal handlers."""
-        if self.guard is not None:
-            self.guard.close()
-        if self.ckpt is not None:
-            self.ckpt.close()
 
     def _objects(self) -> dict[str, Any]:
         t = self.trainer

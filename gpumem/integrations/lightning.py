@@ -27,9 +27,10 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 
 from gpumem.checkpoint import Checkpointer, CheckpointStateError, PreemptionGuard
+from gpumem.integrations._guarded import GuardedCallback
 
 
-class CheckpointCallback(Callback):
+class CheckpointCallback(GuardedCallback, Callback):
     """Save and resume a Lightning Trainer with gpumem (see the module docs).
 
     Args:
@@ -105,18 +106,6 @@ class CheckpointCallback(Callback):
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
             self.close()
-
-    @property
-    def exit_code(self) -> int:
-        """0 unless a preemption stopped the run: then the guard's (143 after a durable save)."""
-        return self.guard.exit_code if self.stopped and self.guard is not None else 0
-
-    def close(self) -> None:
-        """Wait for the last save and release the Checkpointer and the signal handlers."""
-        if self.guard is not None:
-            self.guard.close()
-        if self.ckpt is not None:
-            self.ckpt.close()
 
     @staticmethod
     def _objects(trainer: Any, pl_module: Any) -> dict[str, Any]:
