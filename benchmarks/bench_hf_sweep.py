@@ -94,10 +94,13 @@ Gemma2 runs transformers' eager attention (it refuses SDPA: no soft-capping), ev
 family SDPA. Gemma2's and Gemma3's post-feedforward norm is replayed in backward before the
 MLP (fp32 intermediates; pow's backward makes three at once while two wait: the widest moment
 of their 16-bit recompute rows); DeepSeek-V2/V3 keep the router weight in fp32 in a 16-bit
-model. Not modelled yet (the row marked NO): DeepSeek-V3 under autocast with recompute, whose
-peak is inside the first layer's recomputed forward (MLA's math-path attention casting q, k, v
-and the scores between 16 and 32 bits); its total is within 0.1 %, but the estimate places the
-peak at the start of backward, so gradients and temporaries trade places.
+model. DeepSeek-V3 under autocast with recompute peaks inside the first layer's recomputed
+forward, at the end of MLA's math-path attention (`backward.recompute_forward_moment`: no weight
+gradient of the layer yet, what follows the attention core not recomputed yet, the core's
+forward transients live); a Linear's cached 16-bit weight copy goes with its node in backward
+(autocast's cache is cleared when the forward's context exits), which moved every autocast
+recompute row closer but Phi-3's (to -0.8 %: the shortfall its fp32 and bf16 recompute rows
+already had, no longer hidden).
 """
     figures = [
         value_figure("configurations within the bound", "count", ok, better="higher"),

@@ -70,13 +70,17 @@ class _Walk:
         cast: bool,
         saved: int,
         consumed: int,
+        copies: float = 1.0,
     ) -> None:
         """A Linear's backward: grad of its input and of its weight, then its saved input and
         the incoming gradient go; under autocast the 16-bit weight grad is cast to the fp32
-        parameter by the next node."""
+        parameter by the next node, and the weight's cached 16-bit copy (a saved tensor of
+        this node only: autocast's cache is cleared when its context exits) goes with the
+        node's other saved tensors (``copies`` of it: a fused weight replayed as two Linears
+        releases its copy once, with the second)."""
         wn = fin * fout + (fout if bias else 0)
         self.alloc(t=n * fin * A + (wn * A if cast else 0), g=0 if cast else wn * grad_bytes)
-        self.free(t=consumed, a=saved)
+        self.free(t=consumed, a=saved + (int(wn * A * copies) if cast else 0))
         if cast:
             self.alloc(g=wn * grad_bytes)
             self.free(t=wn * A)
@@ -122,7 +126,7 @@ def mlp_moment(spec: ModelSpec, s: Shape, ffn: int) -> Moment:
     f = ffn
     if spec.arch == "llama":  # down(silu(gate(x)) * up(x))
         wk.linear(n, f, h, False, A, s.grad_bytes, cast, saved=n * f * A, consumed=copy)
-        _swiglu_rest(wk, n, h, f, A, s.grad_bytes, cast, in_cast)
+        _swiglu_rest(wk, n, h, f, A, s.grad_bytes, cast, in_cast, spec.family == "phi3")
     else:  # proj(gelu(fc(x)))
         wk.linear(n, f, h, True, A, s.grad_bytes, cast, saved=n * f * A, consumed=copy)
         if spec.is_hf:
@@ -185,15 +189,26 @@ def _gelu_new(wk: _Walk, x: int) -> None:
 
 
 def _swiglu_rest(
-    wk: _Walk, n: int, h: int, f: int, A: int, gb: int, cast: bool, in_cast: int
+    wk: _Walk,
+    n: int,
+    h: int,
+    f: int,
+    A: int,
+    gb: int,
+    cast: bool,
+    in_cast: int,
+    fused: bool = False,
 ) -> None:
-    """SwiGLU after its down projection: mul (2 ffn-wide grads), up, silu, gate."""
+    """SwiGLU after its down projection: mul (2 ffn-wide grads), up, silu, gate (``fused``:
+    Phi-3's one gate_up weight, whose 16-bit copy goes with the second)."""
+    up, gate = (0.0, 2.0) if fused else (1.0, 1.0)
     wk.alloc(t=2 * n * f * A)
     wk.free(t=n * f * A, a=2 * n * f * A)  # grad of down's input; silu_out and up_out
-    wk.linear(n, h, f, False, A, gb, cast, saved=in_cast, consumed=n * f * A)  # up (created last)
+    # up (created last)
+    wk.linear(n, h, f, False, A, gb, cast, saved=in_cast, consumed=n * f * A, copies=up)
     wk.alloc(t=n * f * A)  # silu backward
     wk.free(t=n * f * A, a=n * f * A)
-    wk.linear(n, h, f, False, A, gb, cast, saved=in_cast, consumed=n * f * A)  # gate
+    wk.linear(n, h, f, False, A, gb, cast, saved=in_cast, consumed=n * f * A, copies=gate)
 
 
 def _moe(spec: ModelSpec, s: Shape, ffn: int, wk: _Walk, copy: int, in_cast: int) -> Moment:
@@ -382,4 +397,69 @@ def layer_moment(spec: ModelSpec, w, items, grad_bytes: int, recompute: str = "n
     if recompute == "selective":  # the attention core comes back before its backward
         core = sum(i.nbytes for i in items if i.core)
         att = Moment(att.temporary + core, att.grads, att.freed)
-    return mlp if mlp.excess >= att.excess else att
+    best = mlp if mlp.excess >= att.excess else att
+    if recompute not in ("none", "selective"):
+        fwd = recompute_forward_moment(spec, w, items, s)
+        if fwd.excess > best.excess:
+            best = fwd
+    return best
+
+
+def recompute_forward_moment(spec: ModelSpec, w, items, s: Shape) -> Moment:
+    """The widest moment of a layer's recomputed forward (under recompute, the first thing its
+    backward does): the end of the attention core, whose transients (tensors the forward makes
+    and drops, not saved for backward) are live beside the activations recomputed so far and
+    the layer's output gradient; no weight gradient of the layer exists yet, and what comes
+    after the core (the output projection's input, the MLP half, the MLP's and the output
+    projection's cached 16-bit weights) is not recomputed yet (``freed``)."""
+    n, h, A, R = s.tokens, spec.hidden, s.compute, s.residual
+    t = w.tp
+    a = spec.n_heads // t
+    # not recomputed yet: everything from the output projection's input on
+    cut = next(
+        (k for k, i in enumerate(items) if i.name == "o_proj.input"),
+        next(k for k, i in enumerate(items) if i.name.startswith(("post_attn_norm.", "mlp_norm."))),
+    )
+    freed = sum(i.nbytes for i in items[cut:] if not i.name.startswith("autocast."))
+    if w.autocast:  # cached 16-bit weights of the MLP and the output projection: not made yet
+        casts = sum(i.nbytes for i in items if i.name.startswith("autocast."))
+        freed += casts - _attention_in_weights(spec, t) * A
+    # the layer's output gradient; under autocast the residual add's backward has also made
+    # its 16-bit copy for the MLP branch (as in mlp_moment) before the first saved tensor's
+    # unpack triggered the recomputation, and the norm's output the caller holds through
+    # attention is not the Linears' saved input (their 16-bit casts are)
+    temp = s.tokens_sp * h * R
+    if s.autocast:
+        temp += s.tokens_sp * h * R + (n * h * A if R != A else 0)
+    if spec.is_mla and w.attention == "cpu-flash":
+        qk, v, rope = spec.qk_nope_dim + spec.qk_rope_dim, spec.v_head_dim, spec.qk_rope_dim
+        kvr = spec.kv_lora_rank
+        q, sq = n * a * qk, w.local_seq
+        s2 = w.batch * a * sq * w.seq
+        temp += q * A + n * a * (spec.qk_nope_dim + v) * A  # q_b's and kv_b's outputs
+        # kv_a's output (``compressed_kv``: RoPE's k part is a view of it) and, under
+        # autocast, its normed latent (``kv_nope``, in the norm weight's dtype; otherwise it
+        # is kv_b's saved input), both held by the forward's locals
+        temp += n * (kvr + rope) * A + (n * kvr * R if s.autocast else 0)
+        temp += (n * a * rope + n * rope) * R  # RoPE's q and k parts (the cos/sin dtype)
+        # the query: a cat of q_b's part and RoPE's (the wider dtype), cast back to 16 bits
+        # for SDPA under autocast; the key, a 16-bit tensor filled from both
+        temp += q * max(A, R) + (q * A if R != A else 0) + q * A
+        if A != 4:  # the math path's fp32 copies of q, k and v (the contiguous clone of v it
+            # saves is a layer item), the 16-bit softmax
+            temp += 2 * q * 4 + n * a * v * 4 + s2 * A
+        temp += sq * w.seq * 4  # the causal mask's additive float form (the bool one is gone)
+        temp += n * a * v * 4 + n * a * v * A  # the fp32 output and its cast
+    return Moment(temporary=temp, grads=0, freed=freed)
+
+
+def _attention_in_weights(spec: ModelSpec, t: int) -> int:
+    """Elements of the Linear weights that run before the attention core (cached in 16 bits
+    under autocast by then): all attention projections but the output one."""
+    h, d, a, g = spec.hidden, spec.dhead, spec.n_heads, spec.kv_heads
+    if spec.is_mla:
+        qk, kvr, rope = spec.qk_nope_dim + spec.qk_rope_dim, spec.kv_lora_rank, spec.qk_rope_dim
+        qr = spec.q_lora_rank
+        q = h * qr + qr * a * qk // t if qr else h * a * qk // t
+        return q + h * (kvr + rope) + kvr * a * (spec.qk_nope_dim + spec.v_head_dim) // t
+    return h * (a * d // t + 2 * g * d // min(t, g))
