@@ -120,6 +120,10 @@ EOF
     --dir /tmp --out "$LOGS/calibration_gpu.json"
   step doctor 15 $PY -m gpumem doctor
   step bench_native 20 $PY benchmarks/bench_native.py --size 256M --no-write --no-triton --name native_gpu_box
+  # the estimator's CUDA memory fit (allocator rounding, fragmentation): a memory section added
+  # to the same calibration file, last because the gpu tier already checks it
+  step calibrate_memory_gpu 40 $PY -m gpumem calibrate --memory --arch llama --device cuda \
+    --out "$LOGS/calibration_gpu.json"
 else
   tail -n 40 "$LOGS/build.log"
 fi
