@@ -88,6 +88,21 @@ class Group:
             dist.all_gather(out, mine, group=self.pg)
         return [t.tolist() for t in out]
 
+    def all_gather_bytes(self, data: bytes, sizes: list[int]) -> list[bytes]:
+        """Every rank's ``data``, indexed by rank; ``sizes[r]`` is rank r's ``len(data)``, known
+        to every rank already (from an earlier ``all_gather``), so this is one collective."""
+        if self.pg is None:
+            return [data]
+        dist = _dist()
+        width = max(sizes)
+        mine = torch.zeros(width, dtype=torch.uint8)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        with _peers_gone():
+            dist.all_gather(out, mine, group=self.pg)
+        return [t[:n].numpy().tobytes() for t, n in zip(out, sizes, strict=True)]
+
     def broadcast_text(self, text: str, src: int) -> str:
         """``src``'s ``text`` on every rank (UTF-8 bytes in a tensor: no pickle)."""
         if self.pg is None:

@@ -32,7 +32,14 @@ import torch
 
 from . import persist
 from .codec import TensorTable
-from .consistency import check_agreement, check_complete, global_fields, sections
+from .consistency import (
+    check_agreement,
+    check_complete,
+    check_layout,
+    global_fields,
+    layout_blob,
+    sections,
+)
 from .errors import (
     CheckpointBranchWarning,
     CheckpointError,
@@ -235,6 +242,7 @@ class SaveJob:
         self.committed: Path | None = None
         self._committed_name: str | None = None
         self._tmp: Dir | None = None  # the open temporary directory of this save
+        self._shared_blocks = False  # several ranks write one DTensor block (check_layout)
         self._cond = threading.Condition()
         self._ready = 0  # batches fully staged
         self._released = 0  # batches written (their slot may be reused)
@@ -446,14 +454,19 @@ class SaveJob:
         # One collective tells every rank whether rank 0 created the directory, whether all ranks
         # save the same step and sections and declared the same replicated state, before anything
         # is written. Rank 0 created the directory already: a rank that never joins (save() called
-        # on some ranks only) makes join() raise on every rank that did, naming it.
+        # on some ranks only) makes join() raise on every rank that did, naming it. A sharded save
+        # then all-gathers every rank's block layout, which every rank checks (check_layout) before
+        # writing: the commit then needs only each rank's shard manifest CRC and size.
         try:
             sig = signature(self.tree, self.replication, self.chunk)
         except Exception as exc:
             local_error, ok, sig = exc, 0, signature(self.tree, None, self.chunk)
+        blob = layout_blob(self.table)
         try:
             g.join(f"save(step={self.step})")
-            gathered = g.all_gather([ok, self.step, sections(self.tree), *sig])
+            gathered = g.all_gather([ok, self.step, sections(self.tree), len(blob), *sig])
+            sizes = [row[3] for row in gathered]
+            blobs = g.all_gather_bytes(blob, sizes) if any(sizes) else []
         except CheckpointError:
             self._discard(tmp_name)
             raise
@@ -466,7 +479,8 @@ class SaveJob:
             )
         try:
             check_agreement([row[1:3] for row in gathered])
-            check_signatures([row[3:] for row in gathered])
+            check_signatures([row[4:] for row in gathered])
+            self._shared_blocks = check_layout(blobs) if blobs else False
         except CheckpointError:
             self._discard(tmp_name)
             raise
@@ -694,7 +708,8 @@ class SaveJob:
             body["replicated"] = True
         if any(row[3] for row in gathered):
             body["sharded"] = True
-            check_complete(tmp, [row[1] for row in gathered])
+            if self._shared_blocks:  # the tiling was checked before writing (check_layout)
+                check_complete(tmp, [row[1] for row in gathered])
         crc = persist.write_manifest(tmp, MAIN_MANIFEST, body)
         assert self.root is not None
         done = persist.commit(self.root, tmp, self.step, crc)

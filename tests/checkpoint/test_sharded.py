@@ -331,6 +331,8 @@ def test_ranks_that_disagree_commit_nothing(run):
     for r in res["two"]:
         assert "different steps (step 7 on rank(s) [0]; step 8 on rank(s) [1])" in r["steps"]
         assert "do not fit together" in r["tensors"] and "'extra.w'" in r["tensors"]
+        # refused from the layouts gathered before writing, not from the manifests at commit
+        assert "nothing was written" in r["tensors"] and "rank(s) [1]" in r["tensors"]
     assert not list((root / "steps").glob("step-*"))
     assert not list((root / "tensors").glob("step-*"))
 
@@ -463,3 +465,42 @@ def test_a_tensor_placed_in_another_ranks_file_is_damage_not_a_read(run, tmp_pat
     ):
         assert ck.restore(model=model, optimizer=opt) == 2
     assert differences(torch.load(root / "f4.pt"), full_state(model, opt)) == []
+
+
+def _blob(*blocks: tuple) -> bytes:
+    """A layout_blob: (name, dtype, global shape, offsets, shape) per block."""
+    return json.dumps([list(b) for b in blocks]).encode()
+
+
+def test_layouts_that_do_not_tile_are_refused_before_writing():
+    """check_layout runs on every rank on the layouts all-gathered before any byte is written:
+    a gap, an overlap or a disagreeing dtype / global shape is refused by all ranks alike."""
+    from gpumem.checkpoint.consistency import check_layout
+
+    top, bottom = ("w", "float32", [4, 2], [0, 0], [2, 2]), ("w", "float32", [4, 2], [2, 0], [2, 2])
+    assert check_layout([_blob(top), _blob(bottom)]) is False
+    # TP-style split along dimension 1: tiles too
+    left, right = ("v", "float32", [2, 4], [0, 0], [2, 2]), ("v", "float32", [2, 4], [0, 2], [2, 2])
+    assert check_layout([_blob(left, top), _blob(right, bottom)]) is False
+    # one box written by two ranks: tiles, and its copies' CRCs are compared at commit
+    assert check_layout([_blob(top, bottom), _blob(bottom)]) is True
+    cases = {
+        "cover 4 of its 8 elements": [_blob(top), b""],
+        "overlaps rank 1's [1:3, 0:2]": [
+            _blob(top, bottom),
+            _blob(("w", "float32", [4, 2], [1, 0], [2, 2])),
+        ],
+        "float32 (4, 2) on rank 0 but bfloat16 (4, 2) on rank 1": [
+            _blob(top),
+            _blob(("w", "bfloat16", [4, 2], [2, 0], [2, 2])),
+        ],
+        "float32 (4, 2) on rank 0 but float32 (5, 2) on rank 1": [
+            _blob(top),
+            _blob(("w", "float32", [5, 2], [2, 0], [3, 2])),
+        ],
+    }
+    for want, blobs in cases.items():
+        with pytest.raises(CheckpointStateError, match="do not fit together") as info:
+            check_layout(blobs)
+        assert want in str(info.value) and "'w'" in str(info.value)
+        assert "nothing was written" in str(info.value)
