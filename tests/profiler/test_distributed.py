@@ -366,7 +366,10 @@ def test_tensor_parallel_hand_derivation(two_ranks, rank):
     w, x, h1, o = (F1 + F2) // 2, F32 * 4 * D0, F32 * 4 * D1, F32 * 4 * D2
     assert rep.steps[0].forward_peak == w + x + h1 // 2 + 2 * o
     assert rep.peak_bytes == w + x + 8 + F2 // 2 + h1 // 2 + F1 // 2
-    assert rep.peak_bytes == two_ranks[rank]["extra"]["memtracker_total"]
+    # MemTracker's run is a separate run: gloo's worker thread drops its reference to the
+    # partial sums (O) when the all-reduce's work object goes, which on a loaded machine can come
+    # after backward has started (seen once in a CI run: rank 1 at +O exactly). Exact otherwise.
+    assert two_ranks[rank]["extra"]["memtracker_total"] - rep.peak_bytes in (0, o)
     assert rep.at_peak == {
         "weights": w,
         "gradients": F2 // 2,
