@@ -54,7 +54,7 @@ from .restore import _io_threads, load_shard_manifest, read_tensors
 from .safe_fs import Dir
 from .sharding import Box
 from .state import apply, canonical_key, unwrap_model
-from .validate import check_targets
+from .validate import check_targets, model_entries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,15 +227,7 @@ class ShardedRestore:
         if "model" not in self.tree:
             raise CheckpointStateError(f"{where} has no model state; do not pass model=")
         saved = self.tree["model"]
-        if not isinstance(saved, dict):
-            raise CheckpointCorruptError(f"{where}: model state is not a mapping")
-        live = {canonical_key(k): v for k, v in unwrap_model(model).state_dict().items()}
-        missing, unexpected = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
-        if missing or unexpected:
-            raise CheckpointStateError(
-                f"{where} does not match the model: missing keys {missing[:5]}, unexpected keys "
-                f"{unexpected[:5]}"
-            )
+        live = model_entries(saved, model, where)
         plans = []
         for k, value in saved.items():
             target = live[k]

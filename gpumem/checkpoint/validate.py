@@ -108,7 +108,9 @@ def check_targets(
         _check_rng(tree["rng"], where)
 
 
-def _check_model(saved: Any, model: Any, where: str) -> None:
+def model_entries(saved: Any, model: Any, where: str) -> dict[str, Any]:
+    """The model's state by canonical key, once the saved model state is a mapping with exactly
+    those keys (CheckpointCorruptError / CheckpointStateError otherwise)."""
     if not isinstance(saved, dict):
         raise CheckpointCorruptError(f"{where}: model state is not a mapping")
     target = {canonical_key(k): v for k, v in unwrap_model(model).state_dict().items()}
@@ -118,6 +120,11 @@ def _check_model(saved: Any, model: Any, where: str) -> None:
             f"{where} does not match the model: missing keys "
             f"{missing[:5]}, unexpected keys {unexpected[:5]}"
         )
+    return target
+
+
+def _check_model(saved: Any, model: Any, where: str) -> None:
+    target = model_entries(saved, model, where)
     for k, t in target.items():
         if not isinstance(t, torch.Tensor):
             continue  # extra state (get_extra_state): the module's own business

@@ -19,6 +19,7 @@ import google_crc32c
 import pytest
 import torch
 from ckpt_files import read_manifest
+from hostile_lib import peak_rss_reset, rss_kib
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -216,33 +217,19 @@ def mutations(draw, setup: Setup):
     return (None, body) if in_main else (body, None)
 
 
-def _peak_reset() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
 def _one(setup: Setup, shard, main) -> str:
     """Restore after one mutation; returns the outcome, asserting what each outcome requires."""
     setup.write(shard, main)
     objs, extra = setup.objects(), {}
-    measured = _peak_reset()
-    before = _kib("VmRSS")
+    measured = peak_rss_reset()
+    before = rss_kib("VmRSS")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         try:
             step = setup.ck.restore(**objs, extra=extra)
         except CheckpointStateError:
             step = None  # no longer fits the objects: raised, nothing touched
-    peak = _kib("VmHWM") - before
+    peak = rss_kib("VmHWM") - before
     if measured:
         assert peak < MAX_PEAK_KIB, f"restore took {peak} KiB of memory"
     skipped = [
