@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_checkpoint import make_state
 
 import gpumem
-import gpumem.checkpoint.device_copy as device_copy
+import gpumem.checkpoint.stage.host_copy as host_copy
 
 
 def main() -> int:
@@ -47,7 +47,7 @@ def main() -> int:
     model, opt, tensors = make_state(args.bytes, device="cuda")
     total = sum(t.numel() * t.element_size() for t in tensors)
     enqueue_s: list[float] = []
-    real_enqueue = device_copy.enqueue
+    real_enqueue = host_copy.enqueue
 
     def timed_enqueue(*a, **kw):
         t0 = time.perf_counter()
@@ -56,7 +56,7 @@ def main() -> int:
         finally:
             enqueue_s.append(time.perf_counter() - t0)
 
-    device_copy.enqueue = timed_enqueue
+    host_copy.enqueue = timed_enqueue
     src = torch.empty(total, dtype=torch.uint8, device="cuda")
     pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
     ceiling = []
@@ -73,7 +73,7 @@ def main() -> int:
         ck = gpumem.Checkpointer(d, keep=1)
         print(
             f"state {total / 2**20:.1f} MiB in {len(tensors)} tensors; Checkpointer defaults: "
-            f"chunk_bytes={ck.chunk_bytes}, segment_bytes={ck.segment_bytes}, "
+            f"chunk_bytes={ck.config.chunk_bytes}, segment_bytes={ck.config.segment_bytes}, "
             f"staging_bytes={ck.staging_bytes}",
             flush=True,
         )

@@ -135,6 +135,15 @@ def tensor_bytes(tensor: Any, what: str = "tensor") -> Any:
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
+def as_bytes(t: Any) -> Any:
+    """``tensor_bytes`` without the checks, for hot paths whose tensors are known to be plain,
+    contiguous and resolved (any dtype, any rank including 0-d)."""
+    import torch
+
+    flat = t.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
 def byte_view(obj: Any, *, writable: bool = False, what: str = "data") -> Any:
     """A zero-copy 1-D ``uint8`` view of ``obj`` for ``_C``: a numpy array or a memoryview.
 

@@ -1,5 +1,6 @@
-"""Bytes in, bytes out: the API speaks integer bytes; these helpers exist only for display and
-for parsing human input (``--gpu-memory 80GiB``). GB is 10**9, GiB is 2**30, always explicit."""
+"""Bytes in, bytes out: the API speaks integer bytes; these helpers exist for display, for parsing
+human input (``--gpu-memory 80GiB``) and for alignment arithmetic. GB is 10**9, GiB is 2**30,
+always explicit."""
 
 from __future__ import annotations
 
@@ -64,3 +65,8 @@ def format_rate(nbytes: int | float, seconds: float) -> str:
     if seconds <= 0:
         return "inf GB/s"
     return f"{nbytes / seconds / 1e9:.2f} GB/s"
+
+
+def align_up(n: int, alignment: int) -> int:
+    """``n`` rounded up to a multiple of ``alignment``."""
+    return (n + alignment - 1) // alignment * alignment

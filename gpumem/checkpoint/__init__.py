@@ -6,15 +6,29 @@ preemption handling and exact resume.
     step = ckpt.restore(model=model, optimizer=opt, scheduler=sched)
     gpumem.checkpoint.verify("ckpts/step-000000100")
 
-Modules: format (manifests, validation), codec (state tree <-> JSON + tensors), state (capture
-and the all-or-nothing load), validate (a tree against the objects), snapshot (layout, copies),
-safe_fs (no-follow, descriptor-relative file access), persist (files, commit protocol,
-retention), lock (one job per directory), job (one save in flight), restore (read + verify),
-replicated (DDP state written once: owners, cross-rank checks), checkpointer (the API),
-preemption (PreemptionGuard).
+A save goes through the stages in order: capture (the objects become a JSON tree and tensors),
+stage (the tensors are copied into host memory), storage (written, checksummed, committed); a
+restore goes through restore (the newest checkpoint that verifies, checked and loaded all or
+nothing). docs/architecture.md follows one save and one restore through the modules.
+
+Modules:
+    checkpointer  Checkpointer, the façade: save / restore / prepare / wait / close
+    config        CheckpointerConfig: every argument documented and validated once
+    save          Save: one save in flight (its snapshot, its commit, the persist thread)
+    preemption    PreemptionGuard: SIGTERM / SIGUSR1 -> a durable checkpoint and a requeue code
+    stats         SaveStats: what one save cost
+    group         the private gloo group of checkpoint collectives and its roll call
+    workers       the long-lived background threads (persist, overlap copy)
+    errors        CheckpointError and its kinds; the warnings
+    capture       what a training state is: TrainingState, codec, replicated, DTensor blocks, boxes
+    stage         host memory and the device: staging, plan, snapshot, host/device copies, spill
+    storage       the format (reader and writer), the directory, the commit, lock, safe_fs
+    restore       candidates and fallback; plain and sharded restore; reshard; validate; verify
+    interop       DCP storage (gpumem.dcp), plain DCP directories, safetensors export
 """
 
 from .checkpointer import Checkpointer
+from .config import CheckpointerConfig
 from .errors import (
     CheckpointBranchWarning,
     CheckpointCorruptError,
@@ -24,10 +38,10 @@ from .errors import (
     CheckpointPointerWarning,
     CheckpointStateError,
 )
-from .format import CheckpointInfo
-from .job import SaveStats
 from .preemption import PreemptionGuard
-from .restore import verify
+from .restore.verify import verify
+from .stats import SaveStats
+from .storage.format import CheckpointInfo
 
 __all__ = [
     "CheckpointBranchWarning",
@@ -39,6 +53,7 @@ __all__ = [
     "CheckpointPointerWarning",
     "CheckpointStateError",
     "Checkpointer",
+    "CheckpointerConfig",
     "PreemptionGuard",
     "SaveStats",
     "verify",

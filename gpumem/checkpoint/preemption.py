@@ -24,8 +24,8 @@ import threading
 import time
 from typing import Any
 
-from ._dist import Group
 from .errors import CheckpointError, CheckpointStateError
+from .group import Group
 
 
 class PreemptionGuard:

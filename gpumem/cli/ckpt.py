@@ -121,8 +121,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _ls(args: argparse.Namespace) -> int:
     from gpumem.checkpoint import CheckpointError
-    from gpumem.checkpoint.persist import list_checkpoints, read_latest, step_dirs
-    from gpumem.checkpoint.safe_fs import Dir
+    from gpumem.checkpoint.storage.directory import list_checkpoints, read_latest, step_dirs
+    from gpumem.checkpoint.storage.safe_fs import Dir
 
     root = Path(args.dir)
     if not root.is_dir():
@@ -181,7 +181,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 def _abandoned(root: Any) -> int:
     """How many checkpoints ``abandoned/`` holds (real directories only: nothing is followed)."""
-    from gpumem.checkpoint.persist import ABANDONED, step_dirs
+    from gpumem.checkpoint.storage.directory import ABANDONED, step_dirs
 
     try:
         with root.sub(ABANDONED) as aside:
@@ -196,8 +196,8 @@ def _abandoned(root: Any) -> int:
 
 
 def _targets(path: Path) -> list[Path]:
-    from gpumem.checkpoint.persist import step_dirs
-    from gpumem.checkpoint.safe_fs import Dir
+    from gpumem.checkpoint.storage.directory import step_dirs
+    from gpumem.checkpoint.storage.safe_fs import Dir
 
     if (path / "MANIFEST").exists() or path.name.startswith("step-"):
         return [path]
@@ -212,7 +212,7 @@ def _targets(path: Path) -> list[Path]:
 
 def _verify(args: argparse.Namespace) -> int:
     from gpumem.checkpoint import CheckpointCorruptError, verify
-    from gpumem.checkpoint.dcp_plain import is_plain_dcp, verify_plain
+    from gpumem.checkpoint.interop.dcp_plain import is_plain_dcp, verify_plain
 
     if is_plain_dcp(Path(args.path)):
         try:
@@ -255,17 +255,13 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from gpumem.checkpoint.format import parse_shard
-    from gpumem.checkpoint.persist import load_info, read_manifest
-    from gpumem.checkpoint.restore import open_checkpoint
+    from gpumem.checkpoint.restore.files import open_checkpoint
+    from gpumem.checkpoint.storage.directory import load_info, load_shard_manifest
 
     path = _targets(Path(args.path))[-1]
     with open_checkpoint(path) as step:
         info = load_info(step)
-        shards = []
-        for ref in info.shards:
-            body, crc = read_manifest(step, ref.file)
-            shards.append((ref, parse_shard(body, str(path / ref.file), crc)))
+        shards = [(ref, load_shard_manifest(step, info, ref.rank)) for ref in info.shards]
     ranks = []
     for ref, shard in shards:
         state = shard.state if isinstance(shard.state, dict) else {}
@@ -347,7 +343,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from gpumem.checkpoint.export import export_safetensors
+    from gpumem.checkpoint.interop.export import export_safetensors
 
     files = export_safetensors(
         args.dir,
@@ -362,7 +358,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _import(args: argparse.Namespace) -> int:
-    from gpumem.checkpoint.dcp_plain import import_plain
+    from gpumem.checkpoint.interop.dcp_plain import import_plain
 
     print(import_plain(Path(args.dcp_dir), Path(args.out), args.step, args.trust_pickle))
     return 0

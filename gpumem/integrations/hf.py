@@ -162,14 +162,14 @@ def _is_ddp(trainer: Any) -> bool:
 def _newest(directory: Path, ckpt: Checkpointer) -> tuple[Path, str] | None:
     """The newest checkpoint whose main manifest reads and whose shard for this rank holds a
     TrainerState, with that state's JSON."""
-    from gpumem.checkpoint.persist import read_manifest
-    from gpumem.checkpoint.restore import open_checkpoint
+    from gpumem.checkpoint.restore.files import open_checkpoint
+    from gpumem.checkpoint.storage.directory import read_manifest
 
     for info in reversed(ckpt.list()):
         shard = info.shards[ckpt.rank % info.world_size]
         try:
             with open_checkpoint(info.path) as step:  # never through a link inside it
-                body, _ = read_manifest(step, shard.file)
+                body, _, _ = read_manifest(step, shard.file)
         except CheckpointError:  # a damaged shard manifest: restore() would skip it as well
             continue
         extra = body.get("state", {}).get("extra") if isinstance(body.get("state"), dict) else None

@@ -11,12 +11,11 @@ from pathlib import Path
 import google_crc32c
 import pytest
 import torch
-from ckpt_files import read_manifest
+from ckpt_files import encode_manifest, read_manifest
 from torch import nn
 
 import gpumem
 from gpumem.checkpoint import CheckpointFallbackWarning
-from gpumem.checkpoint.format import encode_manifest
 
 STEP1, STEP2 = "step-000000001", "step-000000002"
 DATA = "data-r00000-0000.bin"

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from sharded_lib import build, full_state, train
 
 import gpumem
-import gpumem.checkpoint.persist as persist
+import gpumem.checkpoint.storage.directory as persist
 from gpumem.checkpoint import CheckpointError
 
 
@@ -44,11 +44,11 @@ def main() -> None:
     train(model, opt, 1, start=2)
     real = persist.write_manifest
 
-    def slow(d, name, body):  # data files of step 2 written, its shard manifest held back: the
-        if body.get("step") == 2:  # test kills a rank now
+    def slow(d, name, manifest):  # data files of step 2 written, its shard manifest held back:
+        if manifest.body.get("step") == 2:  # the test kills a rank now
             print("saving 2", flush=True)
             time.sleep(3)
-        return real(d, name, body)
+        return real(d, name, manifest)
 
     persist.write_manifest = slow
     ck.save(2, model=model, optimizer=opt)

@@ -16,8 +16,8 @@ from torch import nn
 
 import gpumem
 from gpumem.checkpoint import CheckpointBranchWarning, verify
-from gpumem.checkpoint.persist import ABANDONED, set_aside_newer
-from gpumem.checkpoint.safe_fs import Dir
+from gpumem.checkpoint.storage.directory import ABANDONED, set_aside_newer
+from gpumem.checkpoint.storage.safe_fs import Dir
 
 
 def _model(value: float) -> nn.Linear:

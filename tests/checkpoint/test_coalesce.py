@@ -20,7 +20,7 @@ from ckpt_files import step_dirs
 
 import gpumem
 from gpumem.checkpoint import CheckpointError, CheckpointStateError
-from gpumem.checkpoint.job import SaveJob
+from gpumem.checkpoint.storage.commit import Commit
 
 
 def _objects(seed: int):
@@ -45,7 +45,7 @@ class Gate:
         self.held = threading.Event()
         self.timed_out = False
         self.persisted: list[int] = []
-        real = SaveJob._persist
+        real = Commit.run
         gate = self
 
         def persist(job):
@@ -57,7 +57,7 @@ class Gate:
             gate.persisted.append(job.step)
             real(job)
 
-        monkeypatch.setattr(SaveJob, "_persist", persist)
+        monkeypatch.setattr(Commit, "run", persist)
 
 
 def _params(model) -> list[torch.Tensor]:
@@ -114,7 +114,7 @@ def test_the_two_slots_alternate_and_a_superseded_slot_is_reused(tmp_path, monke
         arenas = []
         for step in (1, 2, 3):
             ck.save(step, model=model, optimizer=opt)
-            arenas.append(ck._job.arena)
+            arenas.append(ck._job.snapshot.arena)
             if step == 1:
                 assert gate.held.wait(30)
         assert arenas[0] is not arenas[1]  # step 2 waits beside the step being written

@@ -319,7 +319,9 @@ def _restore_on_three(rank: int, world: int, root: str) -> None:
 
 @pytest.mark.skipif(
     not torch.distributed.is_available()
-    or not __import__("gpumem.checkpoint.sharding").checkpoint.sharding.sharding_supported(),
+    or not __import__(
+        "gpumem.checkpoint.capture.dtensor"
+    ).checkpoint.capture.dtensor.sharding_supported(),
     reason="needs torch.distributed and torch >= 2.6",
 )
 def test_rank_killed_mid_sharded_save_never_becomes_latest(tmp_path):

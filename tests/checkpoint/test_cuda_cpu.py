@@ -19,15 +19,16 @@ import pytest
 import torch
 
 import gpumem
-import gpumem.checkpoint.device_copy as dev
-import gpumem.checkpoint.snapshot as snap
+import gpumem.checkpoint.stage.device_copy as dev
+import gpumem.checkpoint.stage.host_copy as host_copy
+import gpumem.checkpoint.stage.spill as spill
 import gpumem.kernels.crc32c as K
 from gpumem.arena import HostArena
-from gpumem.checkpoint.codec import TensorTable
-from gpumem.checkpoint.job import SaveJob, Worker
-from gpumem.checkpoint.options import SaveOptions
-from gpumem.checkpoint.safe_fs import Dir
-from gpumem.checkpoint.snapshot import ArenaLayout, Piece
+from gpumem.checkpoint.capture.codec import TensorTable
+from gpumem.checkpoint.stage.plan import Piece, StagingPlan
+from gpumem.checkpoint.stage.snapshot import Snapshot
+from gpumem.checkpoint.stats import SaveStats
+from gpumem.checkpoint.workers import Worker
 from gpumem.checksum import chunk_crc32c
 
 CHUNK = 4096
@@ -131,9 +132,12 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", cuda.current_stream)
     monkeypatch.setattr(torch.cuda, "Event", cuda.event)
     real_as_bytes, real_crc = dev.as_bytes, dev.chunk_crc32c
-    monkeypatch.setattr(
-        dev, "as_bytes", lambda t: real_as_bytes(t.real if isinstance(t, FakeCudaTensor) else t)
-    )
+
+    def as_bytes(t):
+        return real_as_bytes(t.real if isinstance(t, FakeCudaTensor) else t)
+
+    monkeypatch.setattr(dev, "as_bytes", as_bytes)
+    monkeypatch.setattr(spill, "as_bytes", as_bytes)
 
     def crc(data, chunk):
         log.append(("crc", data.numel(), cuda.current.name))
@@ -186,7 +190,7 @@ def _state(cuda: FakeCuda):
     b = torch.randn(40, 30, generator=g).t()  # not contiguous: gathered on the copying stream
     c = torch.arange(10, dtype=torch.int64)  # a host tensor among them
     tensors = [FakeCudaTensor(a, cuda, "a"), FakeCudaTensor(b, cuda, "b"), c]
-    plan = ArenaLayout(
+    plan = StagingPlan(
         capacity=1 << 20,
         streaming=False,
         batch_sizes=[32768],
@@ -216,7 +220,7 @@ def test_side_stream_waits_copies_and_records_its_event_after_the_copies(fake_cu
     cuda.log.clear()
     tensors, plan = _state(cuda)
     with HostArena(32768, pinned=False) as arena:
-        done = snap.copy_pieces(
+        done = host_copy.copy_pieces(
             _logging_arena(arena, cuda),
             plan,
             plan.pieces,
@@ -254,7 +258,7 @@ def test_without_a_side_stream_everything_runs_on_the_current_stream(fake_cuda):
     cuda = fake_cuda
     tensors, plan = _state(cuda)
     with HostArena(32768, pinned=False) as arena:
-        done = snap.copy_pieces(_logging_arena(arena, cuda), plan, plan.pieces, tensors, CHUNK)
+        done = host_copy.copy_pieces(_logging_arena(arena, cuda), plan, plan.pieces, tensors, CHUNK)
         done.synchronize()
         _check_bytes(arena, tensors, plan.pieces)
     assert done.copied.stream == "compute" and done.hashed.stream == "crc"
@@ -274,14 +278,14 @@ def test_the_program_is_built_once_per_layout_and_addresses(fake_cuda, monkeypat
     with HostArena(32768, pinned=False) as arena:
         _logging_arena(arena, cuda)
         for _ in range(2):
-            snap.copy_pieces(arena, plan.copy(), plan.pieces, tensors, CHUNK).synchronize()
+            host_copy.copy_pieces(arena, plan.copy(), plan.pieces, tensors, CHUNK).synchronize()
         assert built == [[tensors[0].data_ptr()]]  # tensor a: the one contiguous CUDA piece
         prog = next(iter(plan.programs.values()))
         assert prog.copies.tolist() == [[tensors[0].data_ptr(), 12000, 0]]
         assert (prog.starts, prog.counts, prog.total) == ([0], [3], 3)
         tensors[0] = FakeCudaTensor(tensors[0].real.clone(), cuda, "a")  # moved
         fresh = plan.copy()
-        snap.copy_pieces(arena, fresh, fresh.pieces, tensors, CHUNK).synchronize()
+        host_copy.copy_pieces(arena, fresh, fresh.pieces, tensors, CHUNK).synchronize()
         assert len(built) == 2 and built[1] == [tensors[0].data_ptr()]
         _check_bytes(arena, tensors, fresh.pieces)
 
@@ -292,18 +296,18 @@ def test_a_failed_enqueue_reaches_the_caller(fake_cuda):
     with HostArena(32768, pinned=False) as arena:
         _logging_arena(arena, cuda, fail="cudaMemcpyAsync of copy 0 (...) failed: boom")
         with pytest.raises(RuntimeError, match=r"copy 0 .* failed: boom"):
-            snap.copy_pieces(arena, plan, plan.pieces, tensors, CHUNK)
+            host_copy.copy_pieces(arena, plan, plan.pieces, tensors, CHUNK)
     assert cuda.current is cuda.compute
 
 
 def test_host_tensors_alone_need_no_event(fake_cuda):
     c = torch.arange(10, dtype=torch.int64)
-    plan = ArenaLayout(
+    plan = StagingPlan(
         capacity=4096, streaming=False, batch_sizes=[80], bases=[0], pieces=[Piece(0, 0, 80, 0, 0)]
     )
     with HostArena(4096, pinned=False) as arena:
         assert (
-            snap.copy_pieces(
+            host_copy.copy_pieces(
                 arena,
                 plan,
                 plan.pieces,
@@ -331,17 +335,7 @@ def test_the_copy_event_is_synchronized_before_the_state_counts_as_staged(
     )
     side = FakeStream("side", cuda.log)
     with _logging_arena(HostArena(32768, pinned=False), cuda) as arena:
-        job = SaveJob(
-            _options(tmp_path, side_stream=side),
-            root=Dir.open(tmp_path),
-            step=1,
-            tree={"step": 1},
-            table=table,
-            plan=plan,
-            arena=arena,
-            mode=mode,
-            t0=0.0,
-        )
+        job = _snapshot(table, plan, arena, mode, side)
         cuda.staged_probe = job.staged.is_set
         sync_event = cuda.event()
         save_event = cuda.event()
@@ -384,9 +378,9 @@ def test_gpu_test_budgets_pick_the_modes_they_claim(tmp_path):
 def test_a_cuda_rng_state_of_the_wrong_size_is_refused_before_anything_is_loaded(monkeypatch):
     """set_rng_state would raise only after the model and optimizer were loaded (or, before CUDA
     is initialized, at some later CUDA call): the size is checked with the other RNG states."""
+    from gpumem.checkpoint.capture.training_state import rng_state
     from gpumem.checkpoint.errors import CheckpointCorruptError
-    from gpumem.checkpoint.state import rng_state
-    from gpumem.checkpoint.validate import check_targets
+    from gpumem.checkpoint.restore.validate import check_targets
 
     state = rng_state()  # CPU states of this process
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -405,16 +399,17 @@ def test_a_cuda_rng_state_of_the_wrong_size_is_refused_before_anything_is_loaded
         )
 
 
-def _options(tmp_path, side_stream) -> SaveOptions:
-    return SaveOptions(
-        root_path=tmp_path,
+def _snapshot(table, plan, arena, mode, side_stream) -> Snapshot:
+    stats = SaveStats(1, sum(p.nbytes for p in plan.pieces), mode)
+    return Snapshot(
+        table,
+        plan,
+        arena,
+        mode,
         chunk=CHUNK,
-        alignment=4096,
-        direct=False,
-        group=gpumem.checkpoint._dist.Group(),
-        keep=None,
-        versions={},
-        workers=(Worker("p"), Worker("c")),
+        stats=stats,
+        t0=0.0,
+        copier=Worker("c"),
         side_stream=side_stream,
     )
 
@@ -427,18 +422,7 @@ def _overlap_job(tmp_path, cuda: FakeCuda, tensors, plan, deferred):
         has_cuda=True,
     )
     arena = _logging_arena(HostArena(32768, pinned=False), cuda)
-    job = SaveJob(
-        _options(tmp_path, side_stream=FakeStream("side", cuda.log)),
-        root=Dir.open(tmp_path),
-        step=1,
-        tree={"step": 1},
-        table=table,
-        plan=plan,
-        arena=arena,
-        mode="overlap",
-        t0=0.0,
-    )
-    return job, arena
+    return _snapshot(table, plan, arena, "overlap", FakeStream("side", cuda.log)), arena
 
 
 @pytest.mark.parametrize("current", [0, 1])
@@ -504,7 +488,7 @@ def test_a_failed_copy_releases_the_fence(tmp_path, fake_cuda, monkeypatch):
     tensors, plan = _state(cuda)
     job, arena = _overlap_job(tmp_path, cuda, tensors, plan, [True, True, False])
     with arena:
-        job._fail(RuntimeError("copy failed"))
+        job.fail(RuntimeError("copy failed"))
         assert job.enqueued.is_set() and job.fence() is False and job.staged.is_set()
 
 
@@ -515,14 +499,14 @@ def test_the_fence_spills_what_fits_and_waits_for_the_rest(tmp_path, fake_cuda, 
     second is enqueued device to host at once, and the optimizer's stream waits for that (and
     every earlier wave) and for the CRCs, not for the drain; the copier then drains the buffer
     into the arena behind the D2D copy. Every byte lands where the layout says."""
-    from gpumem.checkpoint.spill import SpillControl
+    from gpumem.checkpoint.stage.spill import SpillControl
 
     cuda = fake_cuda
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     g = torch.Generator().manual_seed(1)
     tensors = [FakeCudaTensor(torch.randn(2048, generator=g), cuda, f"p{i}") for i in range(4)]
     pieces = [Piece(i, 0, 8192, 0, 8192 * i) for i in range(4)]
-    plan = ArenaLayout(
+    plan = StagingPlan(
         capacity=1 << 20, streaming=False, batch_sizes=[32768], bases=[0], pieces=pieces
     )
     job, arena = _overlap_job(tmp_path, cuda, tensors, plan, [True] * 4)
@@ -585,7 +569,7 @@ def test_the_fence_spills_what_fits_and_waits_for_the_rest(tmp_path, fake_cuda, 
 def test_a_copier_that_finished_before_the_fence_is_fenced_as_without_spill(
     tmp_path, fake_cuda, monkeypatch
 ):
-    from gpumem.checkpoint.spill import SpillControl
+    from gpumem.checkpoint.stage.spill import SpillControl
 
     cuda = fake_cuda
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

@@ -27,9 +27,9 @@ from ckpt_files import read_manifest
 from sharded_lib import build, differences, full_state, train
 
 import gpumem.dcp
-from gpumem.checkpoint.dcp_plain import read_metadata, verify_plain
+from gpumem.checkpoint.capture.dtensor import sharding_supported
 from gpumem.checkpoint.errors import CheckpointCorruptError
-from gpumem.checkpoint.sharding import sharding_supported
+from gpumem.checkpoint.interop.dcp_plain import read_metadata, verify_plain
 from gpumem.cli import main
 
 pytestmark = pytest.mark.skipif(

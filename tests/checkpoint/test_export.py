@@ -11,7 +11,7 @@ import torch
 
 import gpumem
 from gpumem.checkpoint.errors import CheckpointCorruptError
-from gpumem.checkpoint.export import clean_key, export_safetensors
+from gpumem.checkpoint.interop.export import clean_key, export_safetensors
 from gpumem.cli import main
 
 transformers = pytest.importorskip("transformers")

@@ -12,29 +12,25 @@ from pathlib import Path
 import google_crc32c
 import pytest
 import torch
-from ckpt_files import read_manifest
+from ckpt_files import encode_manifest, read_manifest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gpumem
 from gpumem.checkpoint import CheckpointCorruptError, CheckpointError, verify
-from gpumem.checkpoint.codec import decode
-from gpumem.checkpoint.format import (
-    decode_manifest,
-    encode_manifest,
-    parse_main,
-    parse_shard,
-)
-from gpumem.checkpoint.snapshot import plan_layout
+from gpumem.checkpoint.capture.codec import decode
+from gpumem.checkpoint.stage.plan import plan_staging
+from gpumem.checkpoint.storage import format
+from gpumem.checkpoint.storage.format import decode_manifest, parse_main, parse_shard
 
 
 def test_manifest_framing_matches_an_independent_crc32c():
-    data, crc = encode_manifest({"a": [1, 2.5, "x"]})
+    data, crc = format.encode_manifest({"a": [1, 2.5, "x"]}, 1)
     header, payload = data.split(b"\n", 1)
     assert header.startswith(b"gpumem-checkpoint 1 000000000017 ")
     prefix = header[: header.rindex(b" ") + 1]
     assert crc == google_crc32c.value(prefix + payload) == int(header[-8:], 16)
-    assert decode_manifest(data, "m") == ({"a": [1, 2.5, "x"]}, crc)
+    assert decode_manifest(data, "m") == ({"a": [1, 2.5, "x"]}, crc, 1)
 
 
 @pytest.mark.parametrize(
@@ -78,7 +74,7 @@ def test_plan_layout_by_hand():
         torch.empty(0),
         torch.empty(3, dtype=torch.uint8),
     ]
-    plan = plan_layout(ts, ["a", "b", "c", "d"], budget=1 << 20, alignment=4096, chunk=4096)
+    plan = plan_staging(ts, ["a", "b", "c", "d"], budget=1 << 20, alignment=4096, chunk=4096)
     assert plan.slots == 1 and plan.batch_sizes == [12291]
     assert [(p.index, p.offset, p.nbytes) for p in plan.pieces] == [
         (0, 0, 10),
@@ -86,7 +82,7 @@ def test_plan_layout_by_hand():
         (3, 12288, 3),
     ]
     # fits, in 8 KiB segments (one data file each, written while the next is copied)
-    plan = plan_layout(
+    plan = plan_staging(
         ts, ["a", "b", "c", "d"], budget=1 << 20, alignment=4096, chunk=4096, segment=8192
     )
     assert not plan.streaming and plan.batch_sizes == [8192, 4099] and plan.bases == [0, 8192]
@@ -98,7 +94,7 @@ def test_plan_layout_by_hand():
     ]
     # over budget (12291 > 12000): two slots of 6000 // 4096 * 4096 = 4096 bytes; the 5000-byte
     # tensor is cut at a chunk boundary and each piece starts a fresh slot
-    plan = plan_layout(ts, ["a", "b", "c", "d"], budget=12000, alignment=4096, chunk=4096)
+    plan = plan_staging(ts, ["a", "b", "c", "d"], budget=12000, alignment=4096, chunk=4096)
     assert plan.slots == 2 and plan.capacity == 4096 and plan.batch_sizes == [10, 4096, 904, 3]
     assert plan.bases == [0, 4096, 0, 4096]
     assert [(p.index, p.batch, p.offset, p.src_offset, p.nbytes) for p in plan.pieces] == [
@@ -119,6 +115,35 @@ def saved(tmp_path_factory):
     with gpumem.Checkpointer(root, chunk_bytes=4096) as ck:
         ck.save(1, model=model, optimizer=opt, extra={"e": 1})
     return root / "step-000000001"
+
+
+def test_the_reader_checks_the_version_against_the_fields(saved):
+    """The writer states a manifest's version from what the checkpoint holds (a plain save is
+    version 1); the reader refuses a field its version does not have, and a version 2 / 3
+    manifest without its marker."""
+    assert (saved / "manifest-r00000").read_bytes().startswith(b"gpumem-checkpoint 1 ")
+    assert (saved / "MANIFEST").read_bytes().startswith(b"gpumem-checkpoint 1 ")
+    body, _ = read_manifest(saved / "manifest-r00000")
+    parse_shard(body, "m", 0, 1)
+    with pytest.raises(CheckpointCorruptError, match=r"version 3 \(sharded\) but lacks .*'meshes'"):
+        parse_shard(body, "m", 0, 3)
+    with pytest.raises(CheckpointCorruptError, match=r"version 2 \(replicated\) but not marked"):
+        parse_shard(body, "m", 0, 2)
+    for key, value in (("replicated", True), ("meshes", [])):
+        with pytest.raises(CheckpointCorruptError, match=f"field '{key}', which version 1"):
+            parse_shard({**body, key: value}, "m", 0, 1)
+    main, _ = read_manifest(saved / "MANIFEST")
+    with pytest.raises(CheckpointCorruptError, match="field 'sharded', which version 2"):
+        parse_main({**main, "replicated": True, "sharded": True}, "m", 0, 2)
+    # a block of a global tensor belongs in a sharded (version 3) shard manifest only
+    first = dict(body["tensors"][0])
+    first["global"] = {"shape": first["shape"], "offsets": [0] * len(first["shape"])}
+    forged = {**body, "tensors": [first, *body["tensors"][1:]]}
+    with pytest.raises(CheckpointCorruptError, match="'global' needs a version 3"):
+        parse_shard(forged, "m", 0, 1)
+    assert parse_shard({**forged, "meshes": []}, "m", 0, 3).tensors[0].box is not None
+    with pytest.raises(ValueError, match="version 4"):
+        format.encode_manifest({}, 4)
 
 
 def test_every_byte_flip_is_detected(saved):
@@ -309,7 +334,7 @@ def test_hostile_shard_manifests_fail_cleanly(saved, tmp_path_factory, data, no_
     path = data.draw(st.sampled_from(paths))
     body = _replace(json.loads(json.dumps(body)), path, data.draw(json_values))
     try:
-        shard = parse_shard(body, "m", 0)
+        shard = parse_shard(body, "m", 0, 1)
         decode(shard.state, {t.name: t for t in shard.tensors})
     except CheckpointError:
         pass
@@ -320,8 +345,9 @@ def test_hostile_shard_manifests_fail_cleanly(saved, tmp_path_factory, data, no_
 @given(body=json_values)
 def test_random_bodies_fail_cleanly(body):
     for parse in (parse_main, parse_shard):
-        with contextlib.suppress(CheckpointError):
-            parse(body if isinstance(body, dict) else {"x": body}, "m", 0)
+        for version in format.READ_VERSIONS:
+            with contextlib.suppress(CheckpointError):
+                parse(body if isinstance(body, dict) else {"x": body}, "m", 0, version)
     with contextlib.suppress(CheckpointError):
         decode(body, {})
     assert not MARKER.exists()

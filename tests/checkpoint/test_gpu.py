@@ -69,7 +69,7 @@ def test_cuda_restore_verifies_the_loaded_bytes_on_the_device(tmp_path, monkeypa
     """verify_loaded re-checks the state after the host-to-device copy with the Triton kernel:
     a clean restore passes, a byte damaged on the device is named."""
     from gpumem.checkpoint import CheckpointCorruptError
-    from gpumem.checkpoint import state as state_mod
+    from gpumem.checkpoint.restore import plain as state_mod
 
     x = torch.randn(64, 256, device="cuda")
     model, opt = _setup(0)
@@ -81,10 +81,10 @@ def test_cuda_restore_verifies_the_loaded_bytes_on_the_device(tmp_path, monkeypa
         assert ck.restore(model=model2, optimizer=opt2, verify_loaded=True) == 2
         real_apply = state_mod.apply
 
-        def damaging_apply(tree, **kw):
-            real_apply(tree, **kw)
+        def damaging_apply(tree, state, **kw):
+            real_apply(tree, state, **kw)
             with torch.no_grad():
-                kw["model"][2].weight.view(-1)[5] += 1.0
+                state.model[2].weight.view(-1)[5] += 1.0
 
         monkeypatch.setattr(state_mod, "apply", damaging_apply)
         with pytest.raises(CheckpointCorruptError, match=r"model\.2\.weight' on cuda"):
@@ -95,7 +95,7 @@ def test_device_crcs_match_the_native_crcs():
     """The batched device CRCs (one buffer, one launch for the word-aligned tensors and one for
     the rest, one copy to pinned memory): raw int32 bits per chunk, equal to the native CRC32C
     of the same bytes."""
-    from gpumem.checkpoint.device_copy import device_crcs
+    from gpumem.checkpoint.stage.device_copy import device_crcs
     from gpumem.checksum import chunk_crc32c
 
     g = torch.Generator().manual_seed(3)

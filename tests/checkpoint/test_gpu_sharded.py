@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import gpumem
-from gpumem.checkpoint.sharding import sharding_supported
+from gpumem.checkpoint.capture.dtensor import sharding_supported
 
 pytestmark = [
     pytest.mark.gpu,

@@ -31,16 +31,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ckpt_files import read_manifest
+from ckpt_files import encode_manifest, read_manifest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import gpumem
 from gpumem.checkpoint import CheckpointCorruptError, CheckpointError, CheckpointStateError, verify
-from gpumem.checkpoint.format import encode_manifest
-from gpumem.checkpoint.replicated import assign_owners, split
-from gpumem.checkpoint.state import capture
+from gpumem.checkpoint.capture.replicated import assign_owners, split
+from gpumem.checkpoint.capture.training_state import TrainingState, capture
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
 
@@ -127,7 +126,7 @@ def _restore_fresh(ck, **kw) -> tuple[int, dict, dict]:
 
 
 def _worker(rank: int, world: int, root: str) -> None:
-    import gpumem.checkpoint.job as job_mod
+    import gpumem.checkpoint.stage.snapshot as job_mod
 
     dist.init_process_group(
         "gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=world
@@ -294,7 +293,8 @@ def test_assign_owners_by_hand():
 
 def test_split_writes_each_replicated_tensor_once_and_the_own_state_everywhere():
     model, opt, sched = _trained()
-    _, table = capture(2, model=model, optimizer=opt, scheduler=sched, extra={"x": torch.ones(2)})
+    state = TrainingState(model=model, optimizer=opt, scheduler=sched, extra={"x": torch.ones(2)})
+    table = capture(2, state).table
     assert (
         list(zip(table.names, (t.numel() * t.element_size() for t in table.tensors), strict=True))[
             :16

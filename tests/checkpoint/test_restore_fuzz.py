@@ -18,7 +18,7 @@ from pathlib import Path
 import google_crc32c
 import pytest
 import torch
-from ckpt_files import read_manifest
+from ckpt_files import encode_manifest, read_manifest
 from hostile_lib import peak_rss_reset, rss_kib
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -26,7 +26,6 @@ from torch import nn
 
 import gpumem
 from gpumem.checkpoint import CheckpointFallbackWarning, CheckpointStateError
-from gpumem.checkpoint.format import encode_manifest
 
 STEP2 = "step-000000002"
 MAX_PEAK_KIB = 64 * 1024  # each restore reads a few KiB; 64 MiB is room for torch's own caches

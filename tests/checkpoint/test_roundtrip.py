@@ -102,7 +102,7 @@ def test_restored_tensors_own_their_memory(tmp_path):
 def test_large_restored_tensors_own_page_aligned_memory(tmp_path):
     """From 1 MiB on, a tensor is read with O_DIRECT into memory of its own that starts on a page
     (its storage is at most a page larger than the tensor); it still owns it."""
-    from gpumem.checkpoint.restore import DIRECT_MIN_BYTES
+    from gpumem.checkpoint.restore.files import DIRECT_MIN_BYTES
 
     torch.manual_seed(0)
     model = torch.nn.Linear(1024, 512)  # a 2 MiB weight, a 2 KiB bias
@@ -361,11 +361,11 @@ def test_data_parallel_wrapped_and_plain_models_restore_from_each_other(tmp_path
 def test_verify_loaded_checks_every_restored_tensor_and_names_damage(tmp_path, monkeypatch):
     """restore(verify_loaded=True) re-checks the tensors where they live after loading (host
     here: the native CRC; on a GPU the Triton kernel, tests/checkpoint/test_gpu.py)."""
-    from gpumem.checkpoint import state as state_mod
-    from gpumem.checkpoint.persist import load_info
-    from gpumem.checkpoint.restore import restore_tree, verify_loaded
-    from gpumem.checkpoint.safe_fs import Dir
-    from gpumem.checkpoint.state import capture
+    from gpumem.checkpoint.capture.training_state import TrainingState, capture
+    from gpumem.checkpoint.restore import plain as state_mod
+    from gpumem.checkpoint.restore.plain import restore_tree, verify_loaded
+    from gpumem.checkpoint.storage.directory import load_info
+    from gpumem.checkpoint.storage.safe_fs import Dir
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -386,14 +386,14 @@ def test_verify_loaded_checks_every_restored_tensor_and_names_damage(tmp_path, m
         path = ck.latest().path
         with Dir.open(path) as step:
             _, shard = restore_tree(step, load_info(step), 0)
-        _, table = capture(1, model=model2, optimizer=opt2, rng=False)
+        table = capture(1, TrainingState(model=model2, optimizer=opt2, rng=False)).table
         assert verify_loaded(Path(path), shard, table) == len(shard.tensors) == len(table.names)
         real_apply = state_mod.apply
 
-        def damaging_apply(tree, **kw):
-            real_apply(tree, **kw)
+        def damaging_apply(tree, state, **kw):
+            real_apply(tree, state, **kw)
             with torch.no_grad():
-                kw["optimizer"].state[kw["model"][0].weight]["exp_avg_sq"].view(-1)[7] += 1.0
+                state.optimizer.state[state.model[0].weight]["exp_avg_sq"].view(-1)[7] += 1.0
 
         monkeypatch.setattr(state_mod, "apply", damaging_apply)
         with pytest.raises(

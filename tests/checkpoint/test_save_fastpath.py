@@ -1,7 +1,7 @@
 """The per-save fast paths of Checkpointer.save(): a cached layout, alignment gaps zeroed only when
 they may hold stale bytes, cached host byte views, cheaper tensor naming, long-lived threads.
 
-Each cache is checked against an independent reference: a fresh plan_layout(), the bytes of the
+Each cache is checked against an independent reference: a fresh plan_staging(), the bytes of the
 data files read back and compared by hand (tensor bytes where the manifest puts them, zeros
 everywhere else), verify(), and a restore.
 """
@@ -16,13 +16,15 @@ import torch
 from ckpt_files import read_manifest
 
 import gpumem
-import gpumem.checkpoint.job as job_mod
-import gpumem.checkpoint.snapshot as snap_mod
+import gpumem.checkpoint.save as save_mod
+import gpumem.checkpoint.stage.plan as plan_mod
+import gpumem.checkpoint.stage.snapshot as snapshot_mod
 from gpumem.arena import HostArena
 from gpumem.checkpoint import CheckpointCorruptError, CheckpointStateError, verify
-from gpumem.checkpoint.codec import TensorTable
-from gpumem.checkpoint.snapshot import HostViews, LayoutCache, plan_layout
-from gpumem.checkpoint.state import capture
+from gpumem.checkpoint.capture.codec import TensorTable
+from gpumem.checkpoint.capture.training_state import TrainingState, capture
+from gpumem.checkpoint.stage.host_copy import HostViews
+from gpumem.checkpoint.stage.plan import PlanCache, plan_staging
 
 
 def _raw(t: torch.Tensor) -> bytes:
@@ -64,16 +66,16 @@ def _pieces(plan):
     return [(p.index, p.src_offset, p.nbytes, p.batch, p.offset) for p in plan.pieces]
 
 
-# ---- LayoutCache ----
+# ---- PlanCache ----
 
 
 def test_plan_cache_reuses_only_an_identical_layout():
     ts = [torch.randn(1000), torch.randn(3, 7), torch.tensor(2.0), torch.randn(40, 40)]
     names = ["a", "b", "c", "d"]
     args = (1 << 20, 4096, 4096, 8192)
-    cache = LayoutCache()
+    cache = PlanCache()
     first = cache.plan(ts, names, *args)
-    ref = plan_layout(ts, names, *args)
+    ref = plan_staging(ts, names, *args)
     assert (
         _pieces(first) == _pieces(ref)
         and first.bases == ref.bases
@@ -88,7 +90,7 @@ def test_plan_cache_reuses_only_an_identical_layout():
 
     def changed(tensors, *a):
         plan = cache.plan(tensors, names, *a)
-        ref = plan_layout(tensors, names, *a)
+        ref = plan_staging(tensors, names, *a)
         assert (
             _pieces(plan) == _pieces(ref)
             and plan.bases == ref.bases
@@ -109,7 +111,7 @@ def test_plan_cache_reuses_only_an_identical_layout():
 
 
 def test_plan_cache_keeps_nothing_from_a_failed_plan():
-    cache = LayoutCache()
+    cache = PlanCache()
     ok = [torch.randn(100)]
     cache.plan(ok, ["a"], 1 << 20, 4096, 4096, 8192)
     bad = [torch.randn(200, 200).t()]  # non-contiguous and larger than a 32 KiB streaming slot
@@ -121,7 +123,7 @@ def test_plan_cache_keeps_nothing_from_a_failed_plan():
 
 
 def test_save_plans_once_until_the_tensors_change(tmp_path, monkeypatch):
-    plans = _counting(monkeypatch, snap_mod, "plan_layout")
+    plans = _counting(monkeypatch, plan_mod, "plan_staging")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -162,10 +164,10 @@ _A, _B = (1000, 5000), (6000, 5000)
 
 @pytest.mark.parametrize("blocking", [True, False])
 def test_gaps_are_zeroed_once_per_layout_and_stay_zero(tmp_path, monkeypatch, blocking):
-    zeroed = _counting(monkeypatch, job_mod, "zero_padding")
+    zeroed = _counting(monkeypatch, snapshot_mod, "zero_padding")
     with gpumem.Checkpointer(tmp_path, keep=None, chunk_bytes=4096) as ck:
         ck.prepare(nbytes=1 << 20, background=False)  # one arena for every save below
-        arena = ck._arena
+        arena = ck._staging.arena
         steps = [("A", _A), ("A", _A), ("B", _B), ("B", _B), ("A", _A)]
         counts = []
         for step, (_, sizes) in enumerate(steps):
@@ -178,7 +180,7 @@ def test_gaps_are_zeroed_once_per_layout_and_stay_zero(tmp_path, monkeypatch, bl
             counts.append(len(zeroed))
             _check_files(ck.latest().path, {f"extra.{k}": v for k, v in state.items()})
             verify(ck.latest().path)
-        assert ck._arena is arena
+        assert ck._staging.arena is arena
     # one zeroing pass (one batch) per layout change; repeats of a layout skip it
     assert counts == [1, 1, 2, 2, 3]
 
@@ -190,7 +192,7 @@ def test_skipping_the_gaps_wrongly_would_be_caught(tmp_path, monkeypatch):
         ck.prepare(nbytes=1 << 20, background=False)
         ck.save(0, extra=_tensors(_A, 0), rng=False, blocking=True)
         ck.wait()
-        monkeypatch.setattr(job_mod, "zero_padding", lambda *a: None)
+        monkeypatch.setattr(snapshot_mod, "zero_padding", lambda *a: None)
         state = _tensors(_B, 1)
         ck.save(1, extra=state, rng=False, blocking=True)
         ck.wait()
@@ -201,7 +203,7 @@ def test_skipping_the_gaps_wrongly_would_be_caught(tmp_path, monkeypatch):
 
 
 def test_a_new_arena_is_zeroed_even_with_the_same_layout(tmp_path, monkeypatch):
-    zeroed = _counting(monkeypatch, job_mod, "zero_padding")
+    zeroed = _counting(monkeypatch, snapshot_mod, "zero_padding")
     with gpumem.Checkpointer(tmp_path, keep=None, chunk_bytes=4096) as ck:
         ck.save(0, extra=_tensors(_A, 0), rng=False, blocking=True)
         ck.wait()
@@ -214,7 +216,7 @@ def test_a_new_arena_is_zeroed_even_with_the_same_layout(tmp_path, monkeypatch):
 
 
 def test_streaming_always_zeroes_and_padding_stays_zero(tmp_path, monkeypatch):
-    zeroed = _counting(monkeypatch, job_mod, "zero_padding")
+    zeroed = _counting(monkeypatch, snapshot_mod, "zero_padding")
     # 16 KiB budget: two 8 KiB slots that batches of other layouts take in turn
     with gpumem.Checkpointer(tmp_path, keep=None, staging_bytes=16 << 10, chunk_bytes=4096) as ck:
         before = 0
@@ -236,19 +238,19 @@ def test_streaming_always_zeroes_and_padding_stays_zero(tmp_path, monkeypatch):
 
 
 def test_a_failed_save_forgets_the_zeroed_gaps(tmp_path, monkeypatch):
-    zeroed = _counting(monkeypatch, job_mod, "zero_padding")
+    zeroed = _counting(monkeypatch, snapshot_mod, "zero_padding")
     with gpumem.Checkpointer(tmp_path, keep=None, chunk_bytes=4096) as ck:
         ck.save(0, extra=_tensors(_A, 0), rng=False, blocking=True)
         ck.wait()
-        real = job_mod.copy_pieces
+        real = snapshot_mod.copy_pieces
 
         def failing(*args, **kwargs):
             raise RuntimeError("copy failed")
 
-        monkeypatch.setattr(job_mod, "copy_pieces", failing)
+        monkeypatch.setattr(snapshot_mod, "copy_pieces", failing)
         with pytest.raises(gpumem.checkpoint.CheckpointError, match="copy failed"):
             ck.save(1, extra=_tensors(_A, 1), rng=False, blocking=True)
-        monkeypatch.setattr(job_mod, "copy_pieces", real)
+        monkeypatch.setattr(snapshot_mod, "copy_pieces", real)
         n = len(zeroed)
         state = _tensors(_A, 2)
         ck.save(2, extra=state, rng=False, blocking=True)
@@ -394,7 +396,7 @@ def test_conjugate_and_negative_views_round_trip(tmp_path):
 
 def test_capture_marks_cuda_presence():
     model = torch.nn.Linear(2, 2)
-    _, table = capture(0, model=model, rng=False)
+    table = capture(0, TrainingState(model=model, rng=False)).table
     assert not table.has_cuda and table.deferred == [True, True]
 
 
@@ -403,7 +405,7 @@ def test_capture_marks_cuda_presence():
 
 def test_saves_reuse_two_threads_which_end_at_close(tmp_path, monkeypatch):
     served = {"persist": [], "copy": []}
-    real_persist, real_copy = job_mod.SaveJob._persist_main, job_mod.SaveJob._copier_main
+    real_persist, real_copy = save_mod.Save._persist, snapshot_mod.Snapshot._copier_main
 
     def persist_main(self):
         served["persist"].append(threading.current_thread())
@@ -413,8 +415,8 @@ def test_saves_reuse_two_threads_which_end_at_close(tmp_path, monkeypatch):
         served["copy"].append(threading.current_thread())
         return real_copy(self, copied)
 
-    monkeypatch.setattr(job_mod.SaveJob, "_persist_main", persist_main)
-    monkeypatch.setattr(job_mod.SaveJob, "_copier_main", copier_main)
+    monkeypatch.setattr(save_mod.Save, "_persist", persist_main)
+    monkeypatch.setattr(snapshot_mod.Snapshot, "_copier_main", copier_main)
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -37,7 +37,7 @@ from sharded_lib import build, differences, full_state, train
 
 import gpumem
 from gpumem.checkpoint import CheckpointError, CheckpointStateError, verify
-from gpumem.checkpoint.sharding import sharding_supported
+from gpumem.checkpoint.capture.dtensor import sharding_supported
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not sharding_supported(),
@@ -475,7 +475,7 @@ def _blob(*blocks: tuple) -> bytes:
 def test_layouts_that_do_not_tile_are_refused_before_writing():
     """check_layout runs on every rank on the layouts all-gathered before any byte is written:
     a gap, an overlap or a disagreeing dtype / global shape is refused by all ranks alike."""
-    from gpumem.checkpoint.consistency import check_layout
+    from gpumem.checkpoint.storage.agreement import check_layout
 
     top, bottom = ("w", "float32", [4, 2], [0, 0], [2, 2]), ("w", "float32", [4, 2], [2, 0], [2, 2])
     assert check_layout([_blob(top), _blob(bottom)]) is False

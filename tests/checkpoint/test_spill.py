@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpumem.checkpoint.snapshot import Piece
-from gpumem.checkpoint.spill import plan_spill
+from gpumem.checkpoint.stage.plan import Piece
+from gpumem.checkpoint.stage.spill import plan_spill
 
 
 def _pieces(*sizes: int) -> list[Piece]:

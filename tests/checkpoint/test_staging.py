@@ -10,9 +10,12 @@ import torch
 
 import gpumem
 import gpumem.arena as arena_mod
-import gpumem.checkpoint.job as job_mod
-import gpumem.checkpoint.persist as persist_mod
-import gpumem.checkpoint.safe_fs as safe_fs_mod
+import gpumem.checkpoint.save as save_mod
+import gpumem.checkpoint.stage.snapshot as snapshot_mod
+import gpumem.checkpoint.stage.staging as staging_mod
+import gpumem.checkpoint.storage.directory as persist_mod
+import gpumem.checkpoint.storage.safe_fs as safe_fs_mod
+import gpumem.checkpoint.storage.writes as writes_mod
 from gpumem.arena import HostArena
 
 
@@ -102,7 +105,7 @@ def test_write_and_checksums_wait_until_the_state_is_staged(tmp_path, monkeypatc
     tensors: no caller waits for the background copy, so each batch is written (and checksummed)
     as soon as it is staged, beside the copy of the next: the write hides the copy."""
     seen = []
-    real_write, real_crc = safe_fs_mod.write_file, job_mod.checksum_cpu_pieces
+    real_write, real_crc = safe_fs_mod.write_file, writes_mod.checksum_host_pieces
     jobs = []
 
     def write_file(path, *args, **kwargs):
@@ -115,21 +118,21 @@ def test_write_and_checksums_wait_until_the_state_is_staged(tmp_path, monkeypatc
         return real_crc(*args, **kwargs)
 
     monkeypatch.setattr(safe_fs_mod, "write_file", write_file)
-    monkeypatch.setattr(job_mod, "checksum_cpu_pieces", checksum)
-    real_run = job_mod.SaveJob.run_caller
+    monkeypatch.setattr(writes_mod, "checksum_host_pieces", checksum)
+    real_run = save_mod.Save.run
 
     def run_caller(self):
         jobs.append(self)
         return real_run(self)
 
-    monkeypatch.setattr(job_mod.SaveJob, "run_caller", run_caller)
-    real_copy = job_mod.copy_pieces
+    monkeypatch.setattr(save_mod.Save, "run", run_caller)
+    real_copy = snapshot_mod.copy_pieces
 
     def slow_copy(*args, **kwargs):  # a copy long enough for an eager writer to start beside it
         time.sleep(0.02)
         return real_copy(*args, **kwargs)
 
-    monkeypatch.setattr(job_mod, "copy_pieces", slow_copy)
+    monkeypatch.setattr(snapshot_mod, "copy_pieces", slow_copy)
     model, opt = _model_and_opt()
     want = {k: v.clone() for k, v in model.state_dict().items()}
     # 4 KiB segments: one data file per tensor piece, so many writes could have overlapped the copy
@@ -161,14 +164,14 @@ def test_streaming_still_writes_while_copying(tmp_path, monkeypatch):
             staged_at_write.append(jobs[-1].staged.is_set())
         return real_write(path, *args, **kwargs)
 
-    real_run = job_mod.SaveJob.run_caller
+    real_run = save_mod.Save.run
 
     def run_caller(self):
         jobs.append(self)
         return real_run(self)
 
     monkeypatch.setattr(safe_fs_mod, "write_file", write_file)
-    monkeypatch.setattr(job_mod.SaveJob, "run_caller", run_caller)
+    monkeypatch.setattr(save_mod.Save, "run", run_caller)
     model = torch.nn.Linear(256, 256)  # 257 KiB of parameters, 8 KiB slots
     with gpumem.Checkpointer(tmp_path, staging_bytes=16384, chunk_bytes=4096) as ck:
         st = ck.save(1, model=model)
@@ -183,7 +186,7 @@ def test_durable_time_is_taken_before_retention(tmp_path, monkeypatch):
     durable_at_retention = []
     real = persist_mod.apply_retention
     jobs = []
-    real_run = job_mod.SaveJob.run_caller
+    real_run = save_mod.Save.run
 
     def run_caller(self):
         jobs.append(self)
@@ -193,7 +196,7 @@ def test_durable_time_is_taken_before_retention(tmp_path, monkeypatch):
         durable_at_retention.append(jobs[-1].stats.durable_s)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(job_mod.SaveJob, "run_caller", run_caller)
+    monkeypatch.setattr(save_mod.Save, "run", run_caller)
     monkeypatch.setattr(persist_mod, "apply_retention", retention)
     model, opt = _model_and_opt()
     with gpumem.Checkpointer(tmp_path, keep=1) as ck:
@@ -209,20 +212,20 @@ def test_tensor_references_are_dropped_before_the_save_counts_as_done(tmp_path, 
     """wait() returning may be the last thing before interpreter exit: the persist thread must not
     still be freeing tensors then (a daemon thread killed inside torch aborts the process)."""
     tables_at_done = []
-    real_run = job_mod.SaveJob.run_caller
+    real_run = save_mod.Save.run
 
     def run_caller(self):
         job = self
 
         class Done(threading.Event):
             def set(self):
-                tables_at_done.append(len(job.table.tensors))
+                tables_at_done.append(len(job.snapshot.table.tensors))
                 super().set()
 
         self.done = Done()
         return real_run(self)
 
-    monkeypatch.setattr(job_mod.SaveJob, "run_caller", run_caller)
+    monkeypatch.setattr(save_mod.Save, "run", run_caller)
     model, opt = _model_and_opt()
     with gpumem.Checkpointer(tmp_path) as ck:
         for step in range(2):
@@ -236,23 +239,22 @@ def test_tensor_references_are_dropped_before_the_save_counts_as_done(tmp_path, 
 
 
 def test_prepare_then_save_reuses_the_prepared_arena(tmp_path, monkeypatch):
-    import gpumem.checkpoint._core as core_mod
 
     made = []
-    real = core_mod.HostArena
+    real = staging_mod.HostArena
 
     def counting(*args, **kwargs):
         a = real(*args, **kwargs)
         made.append(a)
         return a
 
-    monkeypatch.setattr(core_mod, "HostArena", counting)
+    monkeypatch.setattr(staging_mod, "HostArena", counting)
     model, opt = _model_and_opt()  # after the first AdamW step, so its state exists
     with gpumem.Checkpointer(tmp_path) as ck:
         size = ck.prepare(model=model, optimizer=opt)
         assert size > sum(p.numel() * p.element_size() for p in model.parameters()) * 3
         assert ck.wait() is True
-        prepared = ck._arena
+        prepared = ck._staging.arena
         assert (
             prepared is not None and prepared.nbytes == size and isinstance(ck.staging_locked, bool)
         )
@@ -260,16 +262,15 @@ def test_prepare_then_save_reuses_the_prepared_arena(tmp_path, monkeypatch):
         for step in range(2):
             ck.save(step, model=model, optimizer=opt)
             ck.wait()
-            assert ck._arena is prepared and ck._arena.data_ptr == ptr
+            assert ck._staging.arena is prepared and ck._staging.arena.data_ptr == ptr
         assert ck.prepare(model=model, optimizer=opt) == 0  # already big enough: nothing allocated
     assert len(made) == 1  # allocated once, by prepare(), never by save()
 
 
 def test_save_right_after_prepare_waits_for_it_instead_of_allocating(tmp_path, monkeypatch):
-    import gpumem.checkpoint._core as core_mod
 
     made, gate = [], threading.Event()
-    real = core_mod.HostArena
+    real = staging_mod.HostArena
 
     def slow(*args, **kwargs):
         gate.wait(10)  # the allocation is still running when save() starts
@@ -277,7 +278,7 @@ def test_save_right_after_prepare_waits_for_it_instead_of_allocating(tmp_path, m
         made.append(a)
         return a
 
-    monkeypatch.setattr(core_mod, "HostArena", slow)
+    monkeypatch.setattr(staging_mod, "HostArena", slow)
     model, opt = _model_and_opt()
     with gpumem.Checkpointer(tmp_path) as ck:
         ck.prepare(model=model, optimizer=opt)
@@ -285,19 +286,21 @@ def test_save_right_after_prepare_waits_for_it_instead_of_allocating(tmp_path, m
         threading.Timer(0.05, gate.set).start()
         ck.save(0, model=model, optimizer=opt)
         ck.wait()
-        assert len(made) == 1 and ck._arena is made[0]
+        assert len(made) == 1 and ck._staging.arena is made[0]
 
 
 def test_prepare_nbytes_is_clamped_to_the_staging_cap(tmp_path):
     cap = 8 << 20
     with gpumem.Checkpointer(tmp_path, staging_bytes=cap, chunk_bytes=1 << 20) as ck:
         assert ck.prepare(nbytes=10 * cap, background=False) == cap
-        assert ck._arena.nbytes == cap
+        assert ck._staging.arena.nbytes == cap
         model, opt = _model_and_opt()
-        arena = ck._arena
+        arena = ck._staging.arena
         ck.save(0, model=model, optimizer=opt)
         ck.wait()
-        assert ck._arena is arena  # the capped arena serves every save (streaming if need be)
+        assert (
+            ck._staging.arena is arena
+        )  # the capped arena serves every save (streaming if need be)
 
 
 def test_save_grows_the_arena_when_the_state_outgrew_prepare(tmp_path):
@@ -305,16 +308,15 @@ def test_save_grows_the_arena_when_the_state_outgrew_prepare(tmp_path):
     with gpumem.Checkpointer(tmp_path) as ck:
         ck.prepare(nbytes=4096)
         ck.wait()
-        small = ck._arena
+        small = ck._staging.arena
         assert small.nbytes == 4096
         ck.save(0, model=model, optimizer=opt)
         ck.wait()
-        assert ck._arena is not small and ck._arena.nbytes > 4096 and small.closed
+        assert ck._staging.arena is not small and ck._staging.arena.nbytes > 4096 and small.closed
         assert ck.restore(model=model, optimizer=opt) == 0
 
 
 def test_prepare_allocation_failure_surfaces_at_the_next_save(tmp_path, monkeypatch):
-    import gpumem.checkpoint._core as core_mod
 
     def refuse(*args, **kwargs):
         raise MemoryError("no host memory for staging")
@@ -322,7 +324,7 @@ def test_prepare_allocation_failure_surfaces_at_the_next_save(tmp_path, monkeypa
     model, opt = _model_and_opt()
     ck = gpumem.Checkpointer(tmp_path)
     try:
-        monkeypatch.setattr(core_mod, "HostArena", refuse)
+        monkeypatch.setattr(staging_mod, "HostArena", refuse)
         ck.prepare(model=model, optimizer=opt)
         with pytest.raises(gpumem.checkpoint.CheckpointError, match="prepare") as info:
             ck.save(0, model=model, optimizer=opt)
@@ -337,12 +339,11 @@ def test_prepare_allocation_failure_surfaces_at_the_next_save(tmp_path, monkeypa
 
 
 def test_prepare_allocation_failure_surfaces_at_wait(tmp_path, monkeypatch):
-    import gpumem.checkpoint._core as core_mod
 
     def refuse(*args, **kwargs):
         raise MemoryError("no host memory for staging")
 
-    monkeypatch.setattr(core_mod, "HostArena", refuse)
+    monkeypatch.setattr(staging_mod, "HostArena", refuse)
     with gpumem.Checkpointer(tmp_path) as ck:
         ck.prepare(nbytes=1 << 20)
         with pytest.raises(gpumem.checkpoint.CheckpointError, match="prepare"):
@@ -353,16 +354,16 @@ def test_prepare_allocation_failure_surfaces_at_wait(tmp_path, monkeypatch):
 def test_save_without_prepare_still_allocates_its_arena(tmp_path):
     model, opt = _model_and_opt()
     with gpumem.Checkpointer(tmp_path) as ck:
-        assert ck._arena is None
+        assert ck._staging.arena is None
         ck.save(0, model=model, optimizer=opt)
         ck.wait()
-        assert ck._arena is not None and isinstance(ck.staging_locked, bool)
+        assert ck._staging.arena is not None and isinstance(ck.staging_locked, bool)
         assert ck.restore(model=model, optimizer=opt) == 0
 
 
 def test_default_staging_is_a_quarter_of_what_the_host_or_its_container_has(monkeypatch):
     import gpumem.device
-    from gpumem.checkpoint.checkpointer import default_staging_bytes
+    from gpumem.checkpoint.config import default_staging_bytes
 
     monkeypatch.delenv("GPUMEM_STAGING_BYTES", raising=False)
     monkeypatch.setattr(gpumem.device, "host_available_bytes", lambda: 8 << 30)

@@ -8,7 +8,7 @@ numbers, strings, bytes, tensors and NumPy arrays of allowed dtypes: nothing is 
 Encoding refuses, naming the key, whatever could not be read back: tensors without local bytes on
 the CPU or a CUDA device, integers beyond ``MAX_INT_BITS`` bits, nesting deeper than
 ``MAX_DEPTH``. Decoding turns whatever a hostile tree makes fail into CheckpointCorruptError.
-Capturing and loading training objects is ``state.py``'s.
+Capturing training objects is ``training_state``'s, loading them ``restore.load``'s.
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from typing import Any
 
 import torch
 
-from . import sharding
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointStateError
-from .format import DTYPE_NAMES
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointStateError
+from . import dtensor
 
 _TAGS = frozenset(
     {"__tensor__", "__dtensor__", "__tuple__", "__dict__", "__float__", "__bytes__", "__ndarray__"}
@@ -38,6 +37,35 @@ MAX_INT_BITS = 1024  # a 309-digit integer: seeds and counters fit, JSON parsers
 _INT_LIMIT = 1 << MAX_INT_BITS
 _DEVICES = ("cpu", "cuda")  # where tensors have bytes the snapshot can copy
 
+# dtype names the format accepts; anything else in a manifest is rejected, never interpreted
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "complex64",
+        "complex128",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()}
+
 
 @dataclass
 class TensorTable:
@@ -49,9 +77,9 @@ class TensorTable:
         deferred: whether each tensor may be copied after save() returns.
         has_cuda: whether any tensor is on a CUDA device.
         replicated_count: how many leading tensors came from the replicated sections (model,
-            optimizer, scheduler, scaler: ``format.REPLICATED_KEYS``), which capture() encodes
+            optimizer, scheduler, scaler: ``replicated.REPLICATED_KEYS``), which capture() encodes
             first; a tensor the rank's own state shares with them is one of those.
-        layouts: per tensor, its DTensor layout (``sharding.Layout``: the local shard's box of
+        blocks: per tensor, its DTensor block (``dtensor.LocalBlock``: the local shard's box of
             the global tensor) or None for a plain tensor. A DTensor replica that another rank
             writes is named but not added (see ``sharding``).
         param_fqns: optimizer parameter index -> model parameter name, so that DTensor optimizer
@@ -65,14 +93,14 @@ class TensorTable:
     deferred: list[bool] = field(default_factory=list)
     has_cuda: bool = False
     replicated_count: int = 0
-    layouts: list[sharding.Layout | None] = field(default_factory=list)
+    blocks: list[dtensor.LocalBlock | None] = field(default_factory=list)
     param_fqns: dict[int, str] = field(default_factory=dict)
     _seen: dict[tuple, str] = field(default_factory=dict)
     _taken: set[str] = field(default_factory=set)
 
     @property
     def sharded(self) -> bool:
-        return any(x is not None for x in self.layouts)
+        return any(x is not None for x in self.blocks)
 
     def add(self, t: torch.Tensor, path: str, deferred: bool) -> str:
         """Add ``t`` (captured under ``path``) unless an identical view is in already; its name."""
@@ -90,12 +118,12 @@ class TensorTable:
                 f"{path}: a tensor on {t.device} has no bytes gpumem can copy; "
                 "move it to the CPU or a CUDA device first"
             )
-        layout = None
-        if type(t) is not torch.Tensor and sharding.is_dtensor(t):
+        block = None
+        if type(t) is not torch.Tensor and dtensor.is_dtensor(t):
             # the local shard, detached directly: a DTensor's own detach() goes through its
             # dispatch (~0.1 ms a tensor, hundreds of them per save)
-            layout = sharding.describe(t, path)
-            t = sharding.local_tensor(t).detach()
+            block = dtensor.describe(t, path)
+            t = dtensor.local_tensor(t).detach()
             path = self._global_name(path)
         else:
             t = t.detach()
@@ -105,7 +133,7 @@ class TensorTable:
         # Same device, first byte, dtype, shape and strides (and lazy bits): the same values.
         # data_ptr() includes the storage offset, so views at different offsets stay apart.
         key = (
-            (t.device, dtype, t.data_ptr(), t.shape, t.stride(), conj, neg, layout is None)
+            (t.device, dtype, t.data_ptr(), t.shape, t.stride(), conj, neg, block is None)
             if t.numel()
             else None
         )
@@ -124,12 +152,12 @@ class TensorTable:
         if key is not None:
             self._seen[key] = name
         self._taken.add(name)
-        if layout is not None and not layout.writer:
+        if block is not None and not block.writer:
             return name  # a replica: the first replica's rank writes these bytes
         self.names.append(name)
         self.tensors.append(t)
         self.deferred.append(deferred)
-        self.layouts.append(layout)
+        self.blocks.append(block)
         self.has_cuda = self.has_cuda or t.is_cuda
         return name
 
@@ -152,7 +180,7 @@ class TensorTable:
             tensors=tensors,
             deferred=[self.deferred[i] for i in indices],
             has_cuda=any(t.is_cuda for t in tensors),
-            layouts=[self.layouts[i] for i in indices],
+            blocks=[self.blocks[i] for i in indices],
         )
 
 
@@ -188,7 +216,7 @@ def encode(
     if _plain(value):
         return value
     if isinstance(value, torch.Tensor):
-        tag = "__dtensor__" if sharding.is_dtensor(value) else "__tensor__"
+        tag = "__dtensor__" if dtensor.is_dtensor(value) else "__tensor__"
         return {tag: table.add(value, path, deferred)}
     if value is None or isinstance(value, (bool, str)):
         return value

@@ -1,4 +1,4 @@
-"""DTensor state (FSDP2, tensor parallel, HSDP, 2-D meshes) as boxes of global tensors.
+"""DTensor state (FSDP2, tensor parallel, HSDP, 2-D meshes) as blocks of global tensors.
 
 A DTensor's local shard is one *box* of its global tensor: an offset and a size per dimension
 (torch's ``compute_local_shape_and_global_offset``, the function DCP uses, ``_StridedShard``
@@ -16,61 +16,20 @@ refused with that message.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .errors import CheckpointStateError
+from ..errors import CheckpointStateError
+from .boxes import Box, Mesh
 
 MIN_TORCH = (2, 6)
 
 
 @dataclass(frozen=True)
-class Box:
-    """Where a block of a global tensor lies: ``offsets`` and ``shape`` per dimension."""
-
-    global_shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def is_full(self) -> bool:
-        return self.shape == self.global_shape
-
-    @classmethod
-    def full(cls, shape: tuple[int, ...]) -> Box:
-        return cls(tuple(shape), (0,) * len(shape), tuple(shape))
-
-    def text(self) -> str:
-        spans = ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.shape, strict=True))
-        return f"[{spans}] of {tuple(self.global_shape)}"
-
-
-@dataclass(frozen=True)
-class Mesh:
-    """A device mesh as a manifest records it: its shape, dimension names and global ranks."""
-
-    shape: tuple[int, ...]
-    names: tuple[str, ...] | None
-    ranks: tuple[int, ...]  # row-major, len == prod(shape)
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "shape": list(self.shape),
-            "names": self.names and list(self.names),
-            "ranks": list(self.ranks),
-        }
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A DTensor's layout on this rank: its box, mesh and placements, and whether this rank is
+class LocalBlock:
+    """This rank's block of a DTensor: its box, mesh and placements, and whether this rank is
     the one that writes the box (the first replica)."""
 
     box: Box
@@ -138,7 +97,7 @@ def placement_name(p: Any) -> str:
     return kind
 
 
-def describe(t: torch.Tensor, path: str) -> Layout:
+def describe(t: torch.Tensor, path: str) -> LocalBlock:
     """The layout of the DTensor ``t`` (captured under ``path``) on this rank.
 
     Raises:
@@ -165,10 +124,10 @@ def describe(t: torch.Tensor, path: str) -> Layout:
     return layout
 
 
-_LAYOUTS: dict[tuple, Layout] = {}
+_LAYOUTS: dict[tuple, LocalBlock] = {}
 
 
-def _layout(mesh: Any, placements: tuple, global_shape: tuple[int, ...], path: str) -> Layout:
+def _layout(mesh: Any, placements: tuple, global_shape: tuple[int, ...], path: str) -> LocalBlock:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     names = tuple(placement_name(p) for p in placements)
@@ -184,7 +143,7 @@ def _layout(mesh: Any, placements: tuple, global_shape: tuple[int, ...], path: s
     writer = all(c == 0 for c, n in zip(coord, names, strict=True) if n == "R")
     dim_names = mesh.mesh_dim_names
     table = mesh.mesh
-    return Layout(
+    return LocalBlock(
         Box(global_shape, tuple(int(o) for o in offsets), tuple(int(s) for s in shape)),
         Mesh(
             tuple(int(s) for s in table.shape),
@@ -196,7 +155,7 @@ def _layout(mesh: Any, placements: tuple, global_shape: tuple[int, ...], path: s
     )
 
 
-def target_box(t: torch.Tensor) -> tuple[Box, Layout | None]:
+def target_box(t: torch.Tensor) -> tuple[Box, LocalBlock | None]:
     """The box a restore must fill for ``t``: its local shard for a DTensor, all of it for a
     plain tensor."""
     if is_dtensor(t):
@@ -207,49 +166,3 @@ def target_box(t: torch.Tensor) -> tuple[Box, Layout | None]:
 
 # ---------------------------------------------------------------------------------------------
 # box geometry
-
-
-def intersect(a: Box, b: Box) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """(offsets, shape) of the overlap of two boxes of one global tensor, or None."""
-    lo = tuple(max(x, y) for x, y in zip(a.offsets, b.offsets, strict=True))
-    hi = tuple(
-        min(x + s, y + t) for x, s, y, t in zip(a.offsets, a.shape, b.offsets, b.shape, strict=True)
-    )
-    if any(h <= low for low, h in zip(lo, hi, strict=True)):
-        return None
-    return lo, tuple(h - low for low, h in zip(lo, hi, strict=True))
-
-
-def is_contiguous_block(shape: tuple[int, ...], sub_shape: tuple[int, ...]) -> bool:
-    """Whether a sub-box of ``sub_shape`` is one contiguous run of a row-major ``shape``: leading
-    dimensions of size 1, then one partial dimension, then full ones."""
-    k = 0
-    while k < len(shape) and sub_shape[k] == 1:
-        k += 1
-    return all(sub_shape[j] == shape[j] for j in range(k + 1, len(shape)))
-
-
-def linear(shape: tuple[int, ...], index: tuple[int, ...]) -> int:
-    """Row-major element index of ``index`` in ``shape``."""
-    out = 0
-    for d, i in zip(shape, index, strict=True):
-        out = out * d + i
-    return out
-
-
-def overlaps(boxes: list[Box]) -> tuple[int, int] | None:
-    """The first pair of boxes (indices) that overlap, or None (sorted sweep on dimension 0)."""
-    order = sorted(range(len(boxes)), key=lambda i: boxes[i].offsets)
-    active: list[int] = []
-    for i in order:
-        b = boxes[i]
-        if not b.numel:
-            continue
-        if b.offsets:  # 0-d boxes all cover the one element: they stay active
-            start = b.offsets[0]
-            active = [j for j in active if boxes[j].offsets[0] + boxes[j].shape[0] > start]
-        for j in active:
-            if intersect(boxes[j], b) is not None:
-                return j, i
-        active.append(i)
-    return None

@@ -22,13 +22,15 @@ from __future__ import annotations
 import heapq
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from ._core import crc32c
-from .codec import TensorTable
-from .errors import CheckpointCorruptError, CheckpointStateError
-from .format import DTYPE_NAMES, REPLICATED_KEYS, ShardManifest
+from gpumem.checksum import crc32c
+
+from ..errors import CheckpointStateError
+from .codec import DTYPE_NAMES, TensorTable
+
+# the parts of a state tree every data-parallel replica holds alike; the rest is the rank's own
+REPLICATED_KEYS = ("model", "optimizer", "scheduler", "scaler")
 
 
 @dataclass(frozen=True)
@@ -70,12 +72,12 @@ def split(table: TensorTable, rank: int, world: int) -> tuple[TensorTable, Repli
     the Replication to record."""
     count = table.replicated_count
     # DTensor blocks are this rank's own already (their replicas are written once by sharding)
-    plain = [i for i in range(count) if table.layouts[i] is None]
+    plain = [i for i in range(count) if table.blocks[i] is None]
     owners = assign_owners(
         [table.tensors[i].numel() * table.tensors[i].element_size() for i in plain], world
     )
     keep = [i for i, owner in zip(plain, owners, strict=True) if owner == rank]
-    keep += [i for i in range(count) if table.layouts[i] is not None]
+    keep += [i for i in range(count) if table.blocks[i] is not None]
     keep += list(range(count, len(table.tensors)))
     meta = tuple(
         (table.names[i], DTYPE_NAMES[table.tensors[i].dtype], tuple(table.tensors[i].shape))
@@ -127,47 +129,3 @@ def check_signatures(gathered: list[list[int]]) -> None:
             "it is not replicated: save sharded state (FSDP, ZeRO, tensor or pipeline "
             "parallel) with replicated=False, or find where the replicas diverged"
         )
-
-
-def replicated_trees(shard: ShardManifest) -> dict[str, Any]:
-    """The JSON trees of a shard's ``REPLICATED_KEYS`` sections (None where absent)."""
-    state = shard.state if isinstance(shard.state, dict) else {}
-    return {k: state.get(k) for k in REPLICATED_KEYS}
-
-
-def check_same(own: ShardManifest, other: ShardManifest, path: Path) -> None:
-    """Two shards of one replicated checkpoint must record the same owners, chunk size and
-    replicated trees (the save checked this; a difference means the files do not belong together).
-
-    Raises:
-        CheckpointCorruptError: naming the rank and the key that differ.
-    """
-    where = f"{path}: rank {other.rank}'s shard and rank {own.rank}'s"
-    if not other.replicated:
-        raise CheckpointCorruptError(f"{where}: only one is marked replicated", path=str(path))
-    if other.owners != own.owners:
-        name = next(
-            (
-                n
-                for n in sorted(set(own.owners) | set(other.owners))
-                if own.owners.get(n) != other.owners.get(n)
-            ),
-            "?",
-        )
-        raise CheckpointCorruptError(
-            f"{where} record other owners of the replicated tensor {name!r}",
-            path=str(path),
-            tensor=name,
-        )
-    if other.chunk_bytes != own.chunk_bytes:
-        raise CheckpointCorruptError(
-            f"{where} record chunk_bytes {other.chunk_bytes} and {own.chunk_bytes}", path=str(path)
-        )
-    mine, theirs = replicated_trees(own), replicated_trees(other)
-    for key in REPLICATED_KEYS:
-        if mine[key] != theirs[key]:
-            raise CheckpointCorruptError(
-                f"{where} record different {key} state, though the checkpoint is replicated "
-                "(written once, spread over the shards): its shards do not belong together",
-                path=str(path),
-            )

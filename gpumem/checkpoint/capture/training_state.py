@@ -1,39 +1,70 @@
-"""Training objects <-> state tree: capture for save(), the all-or-nothing load for restore().
+"""What a training state is: the objects a save captures and a restore loads, declared once.
 
-``capture`` asks each object for its ``state_dict()`` and encodes it (``codec.py``). Parameters and
+``TrainingState`` is the objects tuple (model, optimizer, scheduler, scaler, stateful objects,
+extras, whether RNG states count) that ``Checkpointer.save`` and ``restore`` take as keywords;
+every stage after the façade passes this one object on.
+
+``capture`` asks each object for its ``state_dict()`` and encodes it (``codec``). Parameters and
 optimizer state are marked *deferred*: only the optimizer step mutates them, so overlap mode may
 copy them after save() returns. Everything else (buffers such as BatchNorm running statistics,
 RNG states, user extras) is copied before save() returns. The class of the optimizer and of the
-scheduler is recorded, so a restore into another class is refused (``validate.py``).
-
-``apply`` loads a decoded and validated tree (``validate.check_targets`` ran first) so that a
-failure leaves the objects as they were: first the objects whose ``load_state_dict`` is someone
-else's code and may still refuse the state (stateful objects, scaler, scheduler, optimizer), each
-after taking its current ``state_dict()``, and rolled back from those in reverse order should one
-of them (or, under torch.distributed, another rank) fail; then the model, whose keys, shapes and
-dtypes were checked so that its load cannot fail on the values; then ``extra`` and, last, the RNG
-states, checked in throwaway generators.
+scheduler is recorded, so a restore into another class is refused (``restore.validate``). With
+``replicated=True`` (DDP) the capture is split: each rank stages only the replicated tensors it
+owns plus its own state (``replicated``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
-import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ..errors import CheckpointStateError
 from .codec import TensorTable, encode, numpy_module
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointStateError
+from .replicated import REPLICATED_KEYS, Replication, split
 
 _COMPILE_PREFIX = "_orig_mod."
 CLASSES = "classes"  # tree key: the class names of the objects a restore must match
 CHECKED_CLASSES = ("optimizer", "scheduler")
 
 
-# ---------------------------------------------------------------------------------------------
-# capture
+@dataclasses.dataclass(frozen=True)
+class TrainingState:
+    """The objects of one save or restore, as the caller passed them.
+
+    Attributes:
+        model: an ``nn.Module`` (DDP / DataParallel / torch.compile wrappers are looked through;
+            FSDP2 and tensor-parallel modules are saved as their DTensor shards).
+        optimizer, scheduler, scaler: objects with ``state_dict`` / ``load_state_dict``.
+        stateful: name -> any object with ``state_dict`` / ``load_state_dict`` (a data loader,
+            a sampler).
+        extra: a dict of plain values saved as they are; restore() updates the dict it is given.
+        rng: whether the RNG states of Python, NumPy, torch CPU and CUDA are saved / restored.
+    """
+
+    model: Any = None
+    optimizer: Any = None
+    scheduler: Any = None
+    scaler: Any = None
+    stateful: dict[str, Any] | None = None
+    extra: dict[str, Any] | None = None
+    rng: bool = True
+
+    def objects(self) -> dict[str, Any]:
+        """The keyword arguments of ``Checkpointer.save`` that reproduce this state."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclasses.dataclass
+class Capture:
+    """A captured state: the JSON tree, the tensors this rank stages (not yet copied), and for a
+    replicated save what this rank owns and records (``replicated.Replication``; else None)."""
+
+    tree: dict[str, Any]
+    table: TensorTable
+    replication: Replication | None = None
 
 
 def unwrap_model(model: Any) -> Any:
@@ -81,42 +112,37 @@ def class_name(obj: Any) -> str:
     return type(obj).__qualname__
 
 
+def sections(tree: dict[str, Any]) -> int:
+    """Bit i set: the tree holds section ``REPLICATED_KEYS[i]`` (what the ranks of one save must
+    agree on)."""
+    return sum(1 << i for i, key in enumerate(REPLICATED_KEYS) if key in tree)
+
+
 def capture(
-    step: int,
-    *,
-    model: torch.nn.Module | None = None,
-    optimizer: Any = None,
-    scheduler: Any = None,
-    scaler: Any = None,
-    extra: dict[str, Any] | None = None,
-    stateful: dict[str, Any] | None = None,
-    rng: bool = True,
-) -> tuple[dict[str, Any], TensorTable]:
-    """The state to save as a JSON tree plus its tensors (not yet copied).
+    step: int, state: TrainingState, *, replicated: bool = False, rank: int = 0, world: int = 1
+) -> Capture:
+    """The state to save as a JSON tree plus its tensors (not yet copied); with ``replicated``
+    only the tensors ``rank`` of ``world`` writes (``replicated.split``).
 
     Raises:
         CheckpointStateError: something cannot be stored, naming its key.
     """
     try:
-        return _capture(step, model, optimizer, scheduler, scaler, extra, stateful, rng)
+        tree, table = _capture(step, state)
     except RecursionError:
         raise CheckpointStateError(
             "the state is nested too deeply to be stored (a container that contains itself?)"
         ) from None
+    if not replicated:
+        return Capture(tree, table)
+    share, replication = split(table, rank, world)
+    return Capture(tree, share, replication)
 
 
-def _capture(
-    step: int,
-    model: Any,
-    optimizer: Any,
-    scheduler: Any,
-    scaler: Any,
-    extra: dict[str, Any] | None,
-    stateful: dict[str, Any] | None,
-    rng: bool,
-) -> tuple[dict[str, Any], TensorTable]:
+def _capture(step: int, state: TrainingState) -> tuple[dict[str, Any], TensorTable]:
     table = TensorTable()
     tree: dict[str, Any] = {"step": step}
+    model, optimizer = state.model, state.optimizer
     if model is not None:
         sd = unwrap_model(model).state_dict(keep_vars=True)
         # parameters are deferred (only the optimizer step mutates them); buffers are copied at once
@@ -132,26 +158,25 @@ def _capture(
         tree["optimizer"] = encode(
             _state_dict_of(optimizer, "optimizer"), "optimizer", table, deferred=True
         )
-    for key, obj in (("scheduler", scheduler), ("scaler", scaler)):
+    for key in ("scheduler", "scaler"):
+        obj = getattr(state, key)
         if obj is not None:
             tree[key] = encode(_state_dict_of(obj, key), key, table)
-    table.replicated_count = len(
-        table.names
-    )  # REPLICATED_KEYS come first; the rank's own state follows
-    classes = {k: class_name(o) for k, o in (("optimizer", optimizer), ("scheduler", scheduler))}
-    classes = {k: v for k, v in classes.items() if k in tree}
+    # REPLICATED_KEYS come first; the rank's own state follows
+    table.replicated_count = len(table.names)
+    classes = {k: class_name(getattr(state, k)) for k in CHECKED_CLASSES if k in tree}
     if classes:
         tree[CLASSES] = classes
-    if extra is not None:
-        if not isinstance(extra, dict):
-            raise CheckpointStateError(f"extra must be a dict, got {type(extra).__name__}")
-        tree["extra"] = encode(extra, "extra", table)
-    if stateful:
+    if state.extra is not None:
+        if not isinstance(state.extra, dict):
+            raise CheckpointStateError(f"extra must be a dict, got {type(state.extra).__name__}")
+        tree["extra"] = encode(state.extra, "extra", table)
+    if state.stateful:
         tree["stateful"] = {
             str(name): encode(_state_dict_of(obj, f"stateful[{name!r}]"), f"stateful.{name}", table)
-            for name, obj in stateful.items()
+            for name, obj in state.stateful.items()
         }
-    if rng:
+    if state.rng:
         tree["rng"] = encode(rng_state(), "rng", table)
     return tree, table
 
@@ -174,125 +199,3 @@ def rng_state() -> dict[str, Any]:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    np = numpy_module()
-    if np is not None and "numpy" in state:
-        np.random.set_state(state["numpy"])
-    saved_cuda = state.get("cuda") or []
-    if saved_cuda and torch.cuda.is_available():
-        n = torch.cuda.device_count()
-        if n != len(saved_cuda):
-            warnings.warn(
-                f"checkpoint has RNG states for {len(saved_cuda)} CUDA devices, this "
-                f"process sees {n}; restoring the first {min(n, len(saved_cuda))}",
-                stacklevel=3,
-            )
-        for i in range(min(n, len(saved_cuda))):
-            torch.cuda.set_rng_state(saved_cuda[i], i)
-
-
-# ---------------------------------------------------------------------------------------------
-# apply
-
-
-def apply(
-    tree: dict[str, Any],
-    *,
-    model: Any = None,
-    optimizer: Any = None,
-    scheduler: Any = None,
-    scaler: Any = None,
-    stateful: dict[str, Any] | None = None,
-    extra: dict[str, Any] | None = None,
-    rng: bool = True,
-    agree: Callable[[bool], bool] | None = None,
-    commit: Callable[[], None] | None = None,
-) -> None:
-    """Load a decoded tree that ``validate.check_targets`` accepted into the objects, all or
-    nothing (see the module docs for the order).
-
-    Args:
-        agree: called once every object but the model is loaded, with whether this process
-            loaded them; returns whether every rank did (``torch.distributed``: an all-reduce).
-            On False every rank rolls back, so the ranks fail or succeed together.
-        commit: called once every rank agreed, before the model is loaded: what may no longer
-            fail on the content (a sharded restore copies its verified, staged bytes into the
-            objects' storage here).
-
-    Raises:
-        CheckpointCorruptError: an object's ``load_state_dict`` refused the saved state (here or
-            on another rank); every object is as it was.
-        CheckpointStateError: the model's own loading code failed although its keys, shapes and
-            dtypes fit (a load hook, ``set_extra_state``); the other objects were rolled back.
-    """
-    sections = [
-        (obj, tree["stateful"][str(name)], f"stateful[{name!r}]")
-        for name, obj in (stateful or {}).items()
-    ]
-    sections += [
-        (obj, tree[key], key)
-        for key, obj in (("scaler", scaler), ("scheduler", scheduler), ("optimizer", optimizer))
-        if obj is not None
-    ]
-    undo: list[tuple[Any, Any, str]] = []
-    failure: str | None = None
-    for obj, saved, what in sections:
-        try:
-            undo.append((obj, obj.state_dict(), what))
-            # a shallow copy: some load_state_dict pop keys from the dict they are given
-            obj.load_state_dict(dict(saved) if isinstance(saved, dict) else saved)
-        except Exception as exc:
-            failure = f"{what}.load_state_dict refused the saved state: {type(exc).__name__}: {exc}"
-            break
-    everyone = agree(failure is None) if agree is not None else failure is None
-    if failure is not None or not everyone:
-        _roll_back(undo)
-        raise CheckpointCorruptError(
-            f"checkpoint of step {tree.get('step')}: "
-            f"{failure or 'another rank could not load its state'}; nothing was changed"
-        )
-    if commit is not None:
-        try:
-            commit()
-        except Exception as exc:  # the device, not the checkpoint (all of it was verified)
-            raise CheckpointError(
-                f"copying the verified state of step {tree.get('step')} into the objects failed "
-                f"({type(exc).__name__}: {exc}); they may be partly loaded: restore again"
-            ) from exc
-    if model is not None:
-        try:
-            module = unwrap_model(model)
-            names = {canonical_key(k): k for k in module.state_dict()}
-            module.load_state_dict({names[k]: v for k, v in tree["model"].items()}, strict=True)
-        except Exception as exc:
-            _roll_back(undo)
-            raise CheckpointStateError(
-                f"loading the model failed in its own loading code although its keys, shapes "
-                f"and dtypes fit ({type(exc).__name__}: {exc}); the other objects were left as "
-                "they were, the model may be partly loaded: restore again"
-            ) from exc
-    if extra is not None:
-        extra.update(tree.get("extra") or {})
-    if rng and "rng" in tree:
-        set_rng_state(tree["rng"])
-
-
-def _roll_back(undo: list[tuple[Any, Any, str]]) -> None:
-    """Reload the state each loaded object had before, newest first. torch's optimizers,
-    schedulers and scalers replace their state on load, so their earlier ``state_dict()`` brings
-    them back exactly; a stateful object whose ``state_dict()`` returns live references that its
-    load then mutates cannot be restored this way (said in docs/checkpoint.md)."""
-    failed = []
-    for obj, old, what in reversed(undo):
-        try:
-            obj.load_state_dict(old)
-        except Exception as exc:
-            failed.append(f"{what} ({type(exc).__name__}: {exc})")
-    if failed:
-        raise CheckpointError(
-            "restore failed, and rolling back failed too for " + ", ".join(failed)
-        )

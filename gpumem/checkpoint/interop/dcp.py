@@ -59,8 +59,18 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from gpumem.checkpoint.dcp_layout import Located, load_layout, next_step, parse_checkpoint_id
-from gpumem.checkpoint.errors import CheckpointStateError
+from ..errors import CheckpointStateError
+from .dcp_items import (
+    Chunk,
+    Located,
+    commit,
+    load_items,
+    next_step,
+    parse_checkpoint_id,
+    prepare_tmp,
+    read_items,
+    write_shard,
+)
 
 __all__ = ["StorageReader", "StorageWriter"]
 
@@ -123,8 +133,6 @@ class StorageWriter(_StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        from gpumem.checkpoint.dcp_layout import prepare_tmp
-
         step = self.step if self.step is not None else next_step(self.root)
         prepare_tmp(self.root, step)
         self._prepared = step
@@ -134,8 +142,6 @@ class StorageWriter(_StorageWriter):
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        from gpumem.checkpoint.dcp_layout import Chunk, write_shard
-
         info: _Plan = plan.storage_data
 
         def chunks() -> Iterator[Chunk]:  # resolved one by one: DCP may allocate for each
@@ -166,8 +172,6 @@ class StorageWriter(_StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        from gpumem.checkpoint.dcp_layout import commit
-
         commit(self.root, self._prepared, len(results), metadata, self.keep)
 
     def storage_meta(self) -> StorageMeta | None:
@@ -243,8 +247,6 @@ class StorageReader(_StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        from gpumem.checkpoint.dcp_layout import read_items
-
         layout = self._load()
         requests = []
         for req in plan.items:
@@ -271,7 +273,7 @@ class StorageReader(_StorageReader):
 
     def _load(self) -> Any:
         if self._layout is None:
-            self._layout = load_layout(self.path)
+            self._layout = load_items(self.path)
         return self._layout
 
     @classmethod

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import re
-import time
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -27,28 +26,34 @@ from typing import Any
 
 import torch
 
-from . import persist
-from ._core import as_bytes, chunk_crc32c
-from .errors import (
+from gpumem._native import as_bytes
+from gpumem.checksum import chunk_crc32c
+from gpumem.units import align_up
+
+from ..capture.boxes import Box
+from ..capture.codec import DTYPE_NAMES
+from ..errors import (
     CheckpointCorruptError,
     CheckpointIOError,
     CheckpointPointerWarning,
     CheckpointStateError,
 )
-from .format import (
-    DTYPE_NAMES,
+from ..restore.files import io_threads, open_checkpoint
+from ..restore.reshard import Block, GlobalIndex, Reader, data_files
+from ..storage import directory
+from ..storage.directory import load_shard_manifest
+from ..storage.format import (
     MAIN_MANIFEST,
     STEP_DIR,
-    align_up,
     data_file_name,
+    main_manifest,
     parse_shard,
+    shard_manifest,
     shard_manifest_name,
     step_dir_name,
+    tensor_entry,
 )
-from .reshard import Block, GlobalIndex, Reader, data_files
-from .restore import _io_threads, load_shard_manifest, open_checkpoint
-from .safe_fs import Dir
-from .sharding import Box
+from ..storage.safe_fs import Dir
 
 DCP_KEY = "dcp"
 _ALIGN = 4096
@@ -86,20 +91,20 @@ def next_step(root: Path) -> int:
             return 0
         raise
     with d:
-        found = persist.step_dirs(d)
+        found = directory.step_dirs(d)
     return found[0][0] + 1 if found else 0
 
 
 def prepare_tmp(root: Path, step: int) -> None:
     """The coordinator, before any rank writes: a fresh temporary directory for ``step``."""
     with Dir.open(root, create=True) as d:
-        persist.prepare_tmp(d, step).close()
+        directory.prepare_tmp(d, step).close()
 
 
 def _open_tmp(root: Path, step: int) -> tuple[Dir, Dir]:
     d = Dir.open(root)
     try:
-        return d, d.sub(persist.tmp_name(step))
+        return d, d.sub(directory.tmp_name(step))
     except BaseException:
         d.close()
         raise
@@ -182,24 +187,16 @@ def _write_shard(
         name = _unique(item.fqn, taken)
         nbytes = t.numel() * t.element_size()
         offset = align_up(pos, _ALIGN)
-        file = data_file_name(rank, batch)
-        entry: dict[str, Any] = {
-            "name": name,
-            "dtype": DTYPE_NAMES[t.dtype],
-            "shape": list(t.shape),
-            "nbytes": nbytes,
-            "crc32c": [int(x) for x in chunk_crc32c(as_bytes(t), chunk_bytes).tolist()],
-            "extents": [[file, offset, nbytes]] if nbytes else [],
-        }
+        crcs = [int(x) for x in chunk_crc32c(as_bytes(t), chunk_bytes).tolist()]
+        extents = [[data_file_name(rank, batch), offset, nbytes]] if nbytes else []
         ref: dict[str, Any] = {"fqn": item.fqn}
         if item.global_shape is not None:
-            entry["global"] = {
-                "shape": list(item.global_shape),
-                "offsets": list(item.offsets or ()),
-                "tensor": _UNSAFE.sub("_", item.fqn)[:900] or "item",
-            }
-            ref["data"] = {"__dtensor__": entry["global"]["tensor"]}
+            tensor = _UNSAFE.sub("_", item.fqn)[:900] or "item"
+            block = Box(item.global_shape, tuple(item.offsets or ()), tuple(t.shape))
+            entry = tensor_entry(name, t.dtype, t.shape, crcs, extents, block=block, tensor=tensor)
+            ref["data"] = {"__dtensor__": tensor}
         else:
+            entry = tensor_entry(name, t.dtype, t.shape, crcs, extents)
             ref["data"], ref["bytes"] = {"__tensor__": name}, True
         if nbytes:
             pending.append((offset, as_bytes(t)))
@@ -208,19 +205,18 @@ def _write_shard(
         refs.append(ref)
         out.append(Located(step, rank, name, nbytes))
     flush()
-    body = {
-        "format": "gpumem-checkpoint-shard",
-        "rank": rank,
-        "world_size": world,
-        "step": step,
-        "chunk_bytes": chunk_bytes,
-        "alignment": _ALIGN,
-        "files": files,
-        "meshes": [],
-        "tensors": entries,
-        "state": {"step": step, DCP_KEY: {"items": refs}},
-    }
-    persist.write_manifest(tmp, shard_manifest_name(rank), body)
+    manifest = shard_manifest(
+        rank=rank,
+        world_size=world,
+        step=step,
+        chunk_bytes=chunk_bytes,
+        alignment=_ALIGN,
+        files=files,
+        tensors=entries,
+        state={"step": step, DCP_KEY: {"items": refs}},
+        meshes=[],  # DCP does not say how the chunks were placed
+    )
+    directory.write_manifest(tmp, shard_manifest_name(rank), manifest)
     return out
 
 
@@ -234,36 +230,21 @@ def commit(root: Path, step: int, world: int, metadata: Any, keep: int | None) -
 
 
 def _commit(rootd: Dir, tmp: Dir, step: int, world: int, metadata: Any, keep: int | None) -> Path:
-    from gpumem.checkpoint.job import default_versions
-
     shards = []
     for rank in range(world):
         name = shard_manifest_name(rank)
-        body, crc = persist.read_manifest(tmp, name)
-        shard = parse_shard(body, str(tmp.path / name), crc)
-        shards.append(
-            {
-                "rank": rank,
-                "file": name,
-                "crc32c": crc,
-                "nbytes": sum(t.nbytes for t in shard.tensors),
-            }
-        )
-    body = {
-        "format": "gpumem-checkpoint",
-        "step": step,
-        "world_size": world,
-        "created": time.time(),
-        "versions": default_versions(),
-        "shards": shards,
-        "sharded": True,
-        DCP_KEY: {
-            "version": str(getattr(metadata, "version", None) or "1.0.0"),
-            "planner_data": _planner_json(getattr(metadata, "planner_data", None)),
-        },
+        body, crc, version = directory.read_manifest(tmp, name)
+        shard = parse_shard(body, str(tmp.path / name), crc, version)
+        shards.append((crc, sum(t.nbytes for t in shard.tensors)))
+    dcp = {
+        "version": str(getattr(metadata, "version", None) or "1.0.0"),
+        "planner_data": _planner_json(getattr(metadata, "planner_data", None)),
     }
-    crc = persist.write_manifest(tmp, MAIN_MANIFEST, body)
-    done = persist.commit(rootd, tmp, step, crc)
+    manifest = main_manifest(
+        step=step, world_size=world, shards=shards, sharded=True, extra={DCP_KEY: dcp}
+    )
+    crc = directory.write_manifest(tmp, MAIN_MANIFEST, manifest)
+    done = directory.commit(rootd, tmp, step, crc)
     if done.pointer_error is not None:
         err = done.pointer_error
         warnings.warn(
@@ -272,7 +253,7 @@ def _commit(rootd: Dir, tmp: Dir, step: int, world: int, metadata: Any, keep: in
             CheckpointPointerWarning,
             stacklevel=3,
         )
-    persist.apply_retention(rootd, keep, done.name)
+    directory.apply_retention(rootd, keep, done.name)
     return rootd.path / done.name
 
 
@@ -317,7 +298,9 @@ class _Chunk:
 
 
 @dataclasses.dataclass
-class Layout:
+class DcpCheckpoint:
+    """Every DCP item of one checkpoint written through ``gpumem.dcp``, from its manifests."""
+
     dir: Dir  # the step directory, open: every data file is read through it
     path: Path
     step: int
@@ -344,29 +327,29 @@ def open_step_dir(path: Path) -> Dir:
     if m:  # the step named, as gpumem names its directory (step-100 -> step-000000100)
         d.close()
         with open_checkpoint(path.parent) as parent:
-            return persist.open_step(parent, step_dir_name(int(m.group(1))))
+            return directory.open_step(parent, step_dir_name(int(m.group(1))))
     with d:
         try:
-            ptr = persist.read_latest(d)
+            ptr = directory.read_latest(d)
         except CheckpointCorruptError:
             ptr = None
-        names = [n for _, n in persist.step_dirs(d)]
+        names = [n for _, n in directory.step_dirs(d)]
         if ptr is not None and ptr["path"] in names:
             names.insert(0, ptr["path"])
         for name in names:
             try:
-                step = persist.open_step(d, name)
+                step = directory.open_step(d, name)
             except CheckpointCorruptError:
                 continue
             try:
-                persist.load_info(step)
+                directory.load_info(step)
                 return step
             except CheckpointCorruptError:
                 step.close()
     raise CheckpointCorruptError(f"{path} holds no readable checkpoint", path=str(path))
 
 
-def load_layout(path: Path) -> Layout:
+def load_items(path: Path) -> DcpCheckpoint:
     """Every DCP item of a checkpoint written by ``gpumem.dcp.StorageWriter``, from the
     manifests (no data read; each chunk is verified when read).
 
@@ -375,8 +358,8 @@ def load_layout(path: Path) -> Layout:
     """
     step = open_step_dir(Path(path))
     step_dir = step.path
-    info = persist.load_info(step)
-    body, _ = persist.read_manifest(step, MAIN_MANIFEST)
+    info = directory.load_info(step)
+    body, _, _ = directory.read_manifest(step, MAIN_MANIFEST)
     meta = body.get(DCP_KEY)
     if not isinstance(meta, dict):
         raise CheckpointCorruptError(
@@ -396,7 +379,7 @@ def load_layout(path: Path) -> Layout:
         held = {e.name: e for e in shard.tensors}
         for ref in refs:
             _add_item(items, ref, shard, held, index, step_dir, info.step)
-    return Layout(
+    return DcpCheckpoint(
         step,
         step_dir,
         info.step,
@@ -454,7 +437,7 @@ def _planner_data(raw: Any, step_dir: Path) -> Any:
 
 
 def read_items(
-    layout: Layout, requests: list[tuple[Located, Any, Any, bool]]
+    layout: DcpCheckpoint, requests: list[tuple[Located, Any, Any, bool]]
 ) -> list[torch.Tensor]:
     """Read (and verify) each request: (located chunk, offsets within it, lengths, is_bytes).
     Returns host tensors: the requested part of each chunk, a byte item's whole bytes."""
@@ -480,5 +463,5 @@ def read_items(
             buf = torch.empty(box.shape, dtype=block.entry.torch_dtype)
         reader.add(loc.name, buf, box, [block])
         out.append(buf)
-    reader.run(layout.files, _io_threads())
+    reader.run(layout.files, io_threads())
     return out

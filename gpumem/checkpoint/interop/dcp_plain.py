@@ -35,12 +35,11 @@ import torch
 
 from gpumem.reader import read_file
 
-from .errors import CheckpointCorruptError
-from .format import DTYPES
-from .reshard import overlaps
-from .restore import open_checkpoint
-from .safe_fs import Dir, describe, read_error
-from .sharding import Box
+from ..capture.boxes import Box, Planned, TilingError, tile
+from ..capture.codec import DTYPES
+from ..errors import CheckpointCorruptError
+from ..restore.files import open_checkpoint
+from ..storage.safe_fs import Dir, describe, read_error
 
 METADATA = ".metadata"
 MAX_METADATA_BYTES = 1 << 30
@@ -303,8 +302,7 @@ def verify_plain(path: Path, trust_pickle: bool = False) -> Report:
             raise CheckpointCorruptError(f"{path}: item {fqn!r} has unknown metadata")
         shape = tuple(int(d) for d in md.size)
         boxes = [Box(shape, tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
-        if overlaps(boxes) is not None or sum(b.numel for b in boxes) != math.prod(shape):
-            raise CheckpointCorruptError(f"{path}: the chunks of {fqn!r} do not tile {shape}")
+        _check_tiling(path, fqn, shape, boxes)
         where = {tuple(i.offset or ()): info for i, info in entries}
         for box in boxes:
             info = where.get(box.offsets)
@@ -322,6 +320,17 @@ def verify_plain(path: Path, trust_pickle: bool = False) -> Report:
     return report
 
 
+def _check_tiling(path: Path, fqn: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
+    """The chunks of ``fqn`` tile its shape exactly once (``boxes.tile``; no chunk twice)."""
+    try:
+        if boxes:
+            tile(fqn, [Planned(i, box, "") for i, box in enumerate(boxes)], copies=False)
+        elif math.prod(shape):
+            raise TilingError("no chunks")
+    except TilingError:
+        raise CheckpointCorruptError(f"{path}: the chunks of {fqn!r} do not tile {shape}") from None
+
+
 def import_plain(
     src: Path, out: Path, step: int = 0, trust_pickle: bool = False, chunk_bytes: int = 1 << 20
 ) -> Path:
@@ -334,7 +343,7 @@ def import_plain(
     """
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from .dcp_layout import Chunk, commit, prepare_tmp, write_shard
+    from .dcp_items import Chunk, commit, prepare_tmp, write_shard
 
     src = Path(src)
     meta = read_metadata(src, trust_pickle)

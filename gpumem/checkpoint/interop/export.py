@@ -24,13 +24,15 @@ from typing import Any
 
 import torch
 
-from . import persist
-from .errors import CheckpointCorruptError, CheckpointStateError
-from .format import MAIN_MANIFEST
-from .reshard import Block, GlobalIndex, Reader, data_files
-from .restore import _io_threads, load_shard_manifest
-from .safe_fs import Dir
-from .sharding import Box
+from ..capture.boxes import Box
+from ..errors import CheckpointCorruptError, CheckpointStateError
+from ..restore.files import io_threads
+from ..restore.reshard import Block, GlobalIndex, Reader, data_files
+from ..storage import directory
+from ..storage.directory import load_shard_manifest
+from ..storage.format import MAIN_MANIFEST
+from ..storage.safe_fs import Dir
+from .dcp_items import DCP_KEY, load_items, open_step_dir
 
 _WRAPPERS = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -91,13 +93,11 @@ class Weight:
 def model_weights(src: str | os.PathLike) -> tuple[Dir, list[Weight], dict[str, int]]:
     """The step directory read (open), its model tensors in saved order, and the sizes of its
     data files (from the manifests; no data read)."""
-    from .dcp_layout import DCP_KEY, load_layout, open_step_dir
-
     step = open_step_dir(Path(src))
     step_dir = step.path
-    body, _ = persist.read_manifest(step, MAIN_MANIFEST)
+    body, _, _ = directory.read_manifest(step, MAIN_MANIFEST)
     if DCP_KEY in body:
-        layout = load_layout(step_dir)
+        layout = load_items(step_dir)
         fqns = [f for f, item in layout.items.items() if not item.is_bytes]
         model = [f for f in fqns if f.startswith("model.")]
         if not model:
@@ -115,7 +115,7 @@ def model_weights(src: str | os.PathLike) -> tuple[Dir, list[Weight], dict[str, 
             for f in model
         ]
         return layout.dir, _cleaned(weights, step_dir), layout.files
-    info = persist.load_info(step)
+    info = directory.load_info(step)
     shards = [load_shard_manifest(step, info, r) for r in range(info.world_size)]
     index = GlobalIndex(step_dir, shards)
     state = shards[0].state if isinstance(shards[0].state, dict) else {}
@@ -251,7 +251,7 @@ def _write_file(path: Path, group: list[Weight], step: Dir, sizes: dict[str, int
             buf = torch.empty(w.shape, dtype=w.dtype)
             reader = Reader(step)
             reader.add(w.key, buf, Box.full(w.shape), w.blocks)
-            reader.run(sizes, _io_threads())
+            reader.run(sizes, io_threads())
             out = buf.to(w.out_dtype) if w.out_dtype not in (None, w.dtype) else buf
             if out.numel():
                 f.write(memoryview(out.contiguous().view(-1).view(torch.uint8).numpy()))

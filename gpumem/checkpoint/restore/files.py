@@ -1,4 +1,4 @@
-"""Reading a checkpoint back: every byte verified before anything reaches the caller's objects.
+"""Reading a shard's tensors back from its data files, every byte verified as it lands.
 
 Each tensor is read into a fresh buffer of its own (restored tensors own their memory, and the
 optimizer may keep them), one native call per data file: the file's extents are read on the I/O
@@ -9,10 +9,6 @@ raises CheckpointCorruptError naming the file and the tensor. Files are opened r
 checkpoint directory's descriptor and only if they are regular files of the recorded size (no
 symbolic link is followed, no FIFO or device opened: ``safe_fs``); an operating-system error
 (EACCES, EIO, ENOMEM) is a CheckpointIOError with errno and path, not damage.
-
-A replicated checkpoint (``Checkpointer(..., replicated=True)``) holds each replicated tensor in
-one shard: a rank reads its own shard whole, then from each other shard only the extents of the
-replicated tensors it holds (``read_tensors``), each verified by its chunk CRC32Cs.
 
 Why O_DIRECT into page-aligned memory from torch's allocator: a tensor of ``DIRECT_MIN_BYTES``
 or more gets a buffer aligned to the page (the allocation is a page larger), so the aligned middle
@@ -29,7 +25,6 @@ refuses ``O_DIRECT`` (tmpfs) is read buffered.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import os
 import stat
@@ -40,57 +35,20 @@ import torch
 
 from gpumem.reader import read_file
 
-from .codec import decode
-from .errors import CheckpointCorruptError, CheckpointIOError, CheckpointStateError
-from .format import (
-    REPLICATED_KEYS,
-    CheckpointInfo,
-    ShardManifest,
-    TensorEntry,
-    parse_shard,
-    shard_manifest_name,
-)
-from .persist import load_info, read_manifest
-from .replicated import check_same, replicated_trees
-from .safe_fs import Dir, describe, read_error
+from ..errors import CheckpointCorruptError, CheckpointIOError
+from ..storage.directory import load_shard_manifest
+from ..storage.format import CheckpointInfo, ShardManifest, TensorEntry, shard_manifest_name
+from ..storage.safe_fs import Dir, describe, read_error
 
 DIRECT_MIN_BYTES = 1 << 20  # tensors read with O_DIRECT; page alignment costs them <= 0.4 %
 _PAGE = 4096
 
 
-def _io_threads() -> int:
+def io_threads() -> int:
     """Reads in flight: a disk (or a virtual one) wants a deeper queue than the core count."""
     from gpumem._env import env_int
 
     return max(1, env_int("GPUMEM_IO_THREADS", None) or max(4, min(16, os.cpu_count() or 1)))
-
-
-def load_shard_manifest(step: Dir, info: CheckpointInfo, rank: int) -> ShardManifest:
-    ref = info.shards[rank]
-    file = step.path / ref.file
-    body, crc = read_manifest(step, ref.file)
-    if crc != ref.crc32c:
-        raise CheckpointCorruptError(
-            f"{file}: CRC32C {crc:08x} differs from {ref.crc32c:08x} recorded in the main manifest "
-            "(a shard from another save)",
-            path=str(file),
-        )
-    shard = parse_shard(body, str(file), crc)
-    if shard.rank != rank or shard.world_size != info.world_size or shard.step != info.step:
-        raise CheckpointCorruptError(
-            f"{file}: rank/world size/step disagree with the main manifest", path=str(file)
-        )
-    if shard.replicated != info.replicated:
-        raise CheckpointCorruptError(
-            f"{file}: marked replicated={shard.replicated}, the main manifest "
-            f"replicated={info.replicated}",
-            path=str(file),
-        )
-    if sum(t.nbytes for t in shard.tensors) != ref.nbytes:
-        raise CheckpointCorruptError(
-            f"{file}: tensor bytes differ from the main manifest", path=str(file)
-        )
-    return shard
 
 
 def _check_sizes(step: Dir, shard: ShardManifest) -> None:
@@ -144,7 +102,7 @@ def _read_file(
         read_file(
             name,
             pieces + gaps,
-            threads=_io_threads(),
+            threads=io_threads(),
             direct=True,
             chunk_bytes=chunk,
             crc_index=index + [-1] * len(gaps),
@@ -292,43 +250,6 @@ def read_tensors(
     }
 
 
-def read_replicated(
-    step: Dir, info: CheckpointInfo, shard: ShardManifest, out: dict[str, torch.Tensor]
-) -> tuple[TensorEntry, ...]:
-    """Add to ``out`` the replicated tensors ``shard`` refers to that other shards hold, each
-    read and verified from its owner's shard, whose manifest must agree with ``shard``'s
-    (``replicated.check_same``). Returns their manifest entries."""
-    wanted: dict[int, list[str]] = {}
-    for name, owner in shard.owners.items():
-        if owner != shard.rank:
-            wanted.setdefault(owner, []).append(name)
-    entries: list[TensorEntry] = []
-    for owner, names in sorted(wanted.items()):
-        other = load_shard_manifest(step, info, owner)
-        check_same(shard, other, step.path)
-        out.update(read_tensors(step, other, names))
-        held = {e.name: e for e in other.tensors}
-        entries.extend(held[n] for n in names)
-    return tuple(entries)
-
-
-def verify(path: str | os.PathLike) -> CheckpointInfo:
-    """Check a checkpoint directory completely: manifests, every tensor's CRC, padding, file sizes.
-
-    Returns:
-        Its CheckpointInfo.
-
-    Raises:
-        CheckpointCorruptError: naming the file (and tensor) at fault.
-        CheckpointIOError: the operating system failed a read (errno and path kept).
-
-    Example:
-        >>> gpumem.checkpoint.verify("ckpts/step-000001000")  # doctest: +SKIP
-    """
-    with open_checkpoint(path) as step:
-        return _verify(step)
-
-
 def open_checkpoint(path: str | bytes | os.PathLike) -> Dir:
     """The checkpoint directory the caller named (a symbolic link there is the caller's choice)."""
     try:
@@ -338,123 +259,3 @@ def open_checkpoint(path: str | bytes | os.PathLike) -> Dir:
             raise
         p = os.fsdecode(path)
         raise CheckpointCorruptError(f"{p}: not a checkpoint directory", path=p) from None
-
-
-def _verify(step: Dir) -> CheckpointInfo:
-    p = step.path
-    info = load_info(step)
-    shards = [load_shard(step, info, rank, keep=False)[0] for rank in range(info.world_size)]
-    if info.replicated:  # one owners map in every shard, and each shard holds what it maps there
-        for shard in shards[1:]:
-            check_same(shards[0], shard, p)
-    held = [{t.name: t for t in shard.tensors} for shard in shards]
-    blocks: dict[str, Any] = {}
-    if info.sharded:  # every global tensor's blocks agree and tile it
-        from .reshard import GlobalIndex
-
-        index = GlobalIndex(p, shards)
-        index.check_all()
-        blocks = index.blocks
-    for shard in shards:
-        tensors = dict(held[shard.rank])
-        # the union: each replicated tensor from the one shard that holds it
-        tensors.update((name, held[owner][name]) for name, owner in shard.owners.items())
-        decode(shard.state, tensors, f"{p.name}.rank{shard.rank}", dtensors=blocks)
-    return info
-
-
-def check_replicated(step: Dir, info: CheckpointInfo, world_size: int) -> None:
-    """Check from the shard manifests alone (no data read) that every rank saved the same
-    model, optimizer, scheduler and scaler state: the same tree and, tensor by tensor, the
-    same dtype, shape and chunk CRC32Cs. Then any rank's shard can seed a job of another size.
-
-    Raises:
-        CheckpointStateError: a rank's state differs (sharded state, FSDP or ZeRO, or replicas
-            that diverged), naming the first difference.
-        CheckpointCorruptError: a shard manifest is damaged.
-    """
-
-    def replicated(shard: ShardManifest) -> tuple[dict[str, Any], dict[str, Any]]:
-        tree = replicated_trees(shard)
-        tensors = {
-            t.name: (t.dtype, t.shape, t.crc32c)
-            for t in shard.tensors
-            if t.name.split(".", 1)[0] in REPLICATED_KEYS
-        }
-        return tree, tensors
-
-    path = step.path
-    ref_tree, ref_tensors = replicated(load_shard_manifest(step, info, 0))
-    for rank in range(1, info.world_size):
-        tree, tensors = replicated(load_shard_manifest(step, info, rank))
-        diff = next((k for k in REPLICATED_KEYS if tree[k] != ref_tree[k]), None)
-        if diff is None and tensors != ref_tensors:
-            names = sorted(set(tensors) ^ set(ref_tensors)) or sorted(
-                n for n in tensors if tensors[n] != ref_tensors[n]
-            )
-            diff = f"tensor {names[0]!r}"
-        if diff is not None:
-            raise CheckpointStateError(
-                f"{path} was saved by {info.world_size} ranks, this job has {world_size}, and "
-                f"rank {rank} saved another {diff} than rank 0: plain (non-DTensor) state that "
-                "differs between ranks (sharded by hand, pipeline stages, or diverged replicas) "
-                f"cannot be resharded. Restore with {info.world_size} ranks, or save sharded "
-                "state as DTensors (FSDP2 / tensor parallel)"
-            )
-
-
-def restore_tree(
-    step: Dir, info: CheckpointInfo, rank: int
-) -> tuple[dict[str, Any], ShardManifest]:
-    """The verified, decoded state tree of ``rank`` (tensors loaded into fresh host memory) and
-    its shard manifest. For a replicated checkpoint, the replicated tensors other shards hold
-    are read from them, and the returned manifest's ``tensors`` also lists their entries (every
-    tensor the tree holds, for ``verify_loaded``)."""
-    path = step.path
-    shard, tensors = load_shard(step, info, rank)
-    if shard.replicated:
-        foreign = read_replicated(step, info, shard, tensors)
-        shard = dataclasses.replace(shard, tensors=shard.tensors + foreign)
-    tree = decode(shard.state, tensors, f"{path.name}.rank{rank}")
-    if not isinstance(tree, dict) or tree.get("step") != info.step:
-        raise CheckpointCorruptError(
-            f"{path}: rank {rank} state does not record step {info.step}", path=str(path)
-        )
-    return tree, shard
-
-
-def verify_loaded(path: Any, shard: ShardManifest, table: Any) -> int:
-    """Check the tensors now held by the restored objects (``table``: a capture of them) against
-    the manifest's chunk CRC32Cs, where they live: CUDA tensors with the Triton kernel on the
-    device, host tensors natively. Catches damage in the host-to-device copy or device memory.
-
-    Returns:
-        How many tensors were checked (those whose name and size match a manifest entry).
-
-    Raises:
-        CheckpointCorruptError: naming the tensor; the objects hold the damaged values.
-    """
-    from ._core import as_bytes, chunk_crc32c
-
-    entries = {e.name: e for e in shard.tensors}
-    checked = 0
-    for name, t in zip(table.names, table.tensors, strict=True):
-        entry = entries.get(name)
-        if entry is None or entry.nbytes != t.numel() * t.element_size() or not entry.nbytes:
-            continue
-        got = chunk_crc32c(as_bytes(t.contiguous()), shard.chunk_bytes).tolist()
-        bad = next(
-            (k for k, (a, b) in enumerate(zip(got, entry.crc32c, strict=True)) if a != b), None
-        )
-        if bad is not None:
-            lo = bad * shard.chunk_bytes
-            raise CheckpointCorruptError(
-                f"{path}: after loading, tensor {name!r} on {t.device} holds "
-                f"bytes {lo}-{min(lo + shard.chunk_bytes, entry.nbytes)} that "
-                "fail their CRC32C (damaged in the copy to its device or in "
-                "its memory); the objects now hold these values: restore again",
-                path=str(path),
-                tensor=name,
-            )
-        checked += 1
-    return checked

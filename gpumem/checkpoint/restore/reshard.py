@@ -2,7 +2,8 @@
 only the chunks that overlap it and verifying the CRC32C of every chunk read.
 
 ``GlobalIndex`` gathers every saved block of every global (DTensor) tensor from all shard
-manifests and checks that they agree (dtype, global shape) and tile the global tensor exactly.
+manifests and checks that they tile the global tensor exactly once, by the rule the save checked
+before writing (``capture.boxes.tile``).
 ``Reader`` takes requests "fill this host buffer with box B of tensor X from these saved blocks",
 turns them into chunk-aligned reads per data file (one native call per file: several requests in
 flight, each chunk's CRC32C computed by the thread that read it) and copies the needed elements
@@ -32,10 +33,10 @@ import torch
 
 from gpumem.reader import read_file
 
-from .errors import CheckpointCorruptError, CheckpointStateError
-from .format import ShardManifest, TensorEntry
-from .safe_fs import Dir, read_error
-from .sharding import Box, intersect, is_contiguous_block, linear, overlaps
+from ..capture.boxes import Box, TilingError, intersect, is_contiguous_block, linear, tile
+from ..errors import CheckpointCorruptError, CheckpointStateError
+from ..storage.format import ShardManifest, TensorEntry
+from ..storage.safe_fs import Dir, read_error
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,14 @@ class Block:
     entry: TensorEntry
     box: Box
     chunk: int
+
+    @property
+    def dtype(self) -> str:
+        return self.entry.dtype
+
+    @property
+    def crcs(self) -> tuple[int, ...]:
+        return self.entry.crc32c
 
 
 class GlobalIndex:
@@ -66,11 +75,11 @@ class GlobalIndex:
         return name in self.blocks
 
     def check(self, name: str) -> list[Block]:
-        """The blocks of ``name``, checked to agree on dtype and global shape and to tile the
-        global tensor exactly once. A block several ranks wrote (a module sharded on a sub-mesh
-        but not parallelized over the other dimension: its DTensor does not say it is
-        replicated there) is taken once, from the lowest rank, after checking that its copies
-        hold the same bytes (same chunk CRC32Cs).
+        """The blocks of ``name``, checked to tile the global tensor exactly once (``tile``). A
+        block several ranks wrote (a module sharded on a sub-mesh but not parallelized over the
+        other dimension: its DTensor does not say it is replicated there) is taken once, from
+        the lowest rank, after checking that its copies hold the same bytes (same chunk
+        CRC32Cs).
 
         Raises:
             CheckpointCorruptError: naming the tensor and the ranks that disagree.
@@ -78,53 +87,14 @@ class GlobalIndex:
         cached = self._checked.get(name)
         if cached is not None:
             return cached
-        blocks = self._dedup(name, self.blocks[name])
-        first = blocks[0]
-        for b in blocks[1:]:
-            if b.entry.dtype != first.entry.dtype or b.box.global_shape != first.box.global_shape:
-                raise CheckpointCorruptError(
-                    f"{self.path}: global tensor {name!r} is {first.entry.dtype} "
-                    f"{first.box.global_shape} on rank {first.rank} but {b.entry.dtype} "
-                    f"{b.box.global_shape} on rank {b.rank}",
-                    path=str(self.path),
-                    tensor=name,
-                )
-        pair = overlaps([b.box for b in blocks])
-        if pair is not None:
-            a, b = blocks[pair[0]], blocks[pair[1]]
+        try:
+            blocks, _ = tile(name, self.blocks[name])
+        except TilingError as exc:
             raise CheckpointCorruptError(
-                f"{self.path}: global tensor {name!r}: rank {a.rank}'s block {a.box.text()} "
-                f"overlaps rank {b.rank}'s {b.box.text()}",
-                path=str(self.path),
-                tensor=name,
-            )
-        total = sum(b.box.numel for b in blocks)
-        want = Box.full(first.box.global_shape).numel
-        if total != want:
-            raise CheckpointCorruptError(
-                f"{self.path}: the saved blocks of global tensor {name!r} cover {total} of its "
-                f"{want} elements (shape {first.box.global_shape}): a rank's part is missing",
-                path=str(self.path),
-                tensor=name,
-            )
+                f"{self.path}: {exc}", path=str(self.path), tensor=name
+            ) from None
         self._checked[name] = blocks
         return blocks
-
-    def _dedup(self, name: str, blocks: list[Block]) -> list[Block]:
-        seen: dict[tuple, Block] = {}
-        for b in sorted(blocks, key=lambda b: b.rank):
-            key = (b.box.offsets, b.box.shape)
-            other = seen.get(key)
-            if other is None:
-                seen[key] = b
-            elif other.chunk == b.chunk and other.entry.crc32c != b.entry.crc32c:
-                raise CheckpointCorruptError(
-                    f"{self.path}: global tensor {name!r}: ranks {other.rank} and {b.rank} wrote "
-                    f"the same block {b.box.text()} with different bytes (diverged replicas)",
-                    path=str(self.path),
-                    tensor=name,
-                )
-        return list(seen.values())
 
     def check_all(self) -> None:
         for name in self.blocks:

@@ -20,13 +20,13 @@ parallel), whatever the world sizes and meshes on either side. For each rank:
 4. the whole tree is validated against the objects as an unsharded restore is
    (``validate.check_targets``, each target standing in as an empty tensor of its global shape),
    so what the objects' own loading code would refuse fails here, before anything changed;
-5. ``apply`` is ``state.apply``'s transaction: scheduler, scaler, stateful objects and the
+5. ``apply`` is ``load.apply``'s transaction: scheduler, scaler, stateful objects and the
    optimizer (whose state then refers to the existing storage) are loaded, rolled back if any
    of them refuses on any rank; only once every rank agreed are the staged bytes copied into
    the existing parameter and optimizer storage (a DTensor's local shard in place); then
    extras, RNG.
 
-A restore therefore raises or falls back with every object as it was, by ``checkpointer``'s one
+A restore therefore raises or falls back with every object as it was, by ``candidates``' one
 rule: damage (anything the content makes fail) is CheckpointCorruptError and falls back to an
 older checkpoint; a checkpoint that does not fit the objects (keys, dtypes, global shapes,
 placements that cannot be covered) is CheckpointStateError; an operating-system error is
@@ -45,15 +45,21 @@ from typing import Any
 
 import torch
 
-from . import sharding
-from .codec import decode
-from .errors import CheckpointCorruptError, CheckpointStateError
-from .format import REPLICATED_KEYS, CheckpointInfo, ShardManifest
+from gpumem._native import as_bytes
+from gpumem.checksum import chunk_crc32c
+
+from ..capture import dtensor
+from ..capture.boxes import Box
+from ..capture.codec import decode
+from ..capture.replicated import REPLICATED_KEYS
+from ..capture.training_state import TrainingState, canonical_key, unwrap_model
+from ..errors import CheckpointCorruptError, CheckpointStateError
+from ..storage.directory import load_shard_manifest
+from ..storage.format import CheckpointInfo, ShardManifest
+from ..storage.safe_fs import Dir
+from .files import io_threads, read_tensors
+from .load import apply
 from .reshard import Block, GlobalIndex, Reader, data_files
-from .restore import _io_threads, load_shard_manifest, read_tensors
-from .safe_fs import Dir
-from .sharding import Box
-from .state import apply, canonical_key, unwrap_model
 from .validate import check_targets, model_entries
 
 
@@ -66,7 +72,7 @@ class Ref:
 
 
 class _Refs(Mapping[str, Any]):
-    """What ``state.decode`` puts in place of each tensor name: the tensor if ``loaded`` has it,
+    """What ``codec.decode`` puts in place of each tensor name: the tensor if ``loaded`` has it,
     else a Ref."""
 
     def __init__(self, names: Any, is_global: bool, loaded: dict[str, torch.Tensor] | None = None):
@@ -93,6 +99,19 @@ class _Refs(Mapping[str, Any]):
 
 
 @dataclasses.dataclass
+class _Wanted:
+    """A tensor the objects want from the checkpoint: ``box`` of ``ref``, copied into ``live``
+    (its optimizer ``slot`` (parameter, key) for optimizer state), or into storage ``make``
+    creates from the staged bytes; neither: the staging buffer itself becomes the storage."""
+
+    ref: Ref
+    box: Box
+    live: torch.Tensor | None = None
+    slot: tuple[Any, str] | None = None
+    make: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+@dataclasses.dataclass
 class _Target:
     ref: Ref
     box: Box
@@ -106,26 +125,27 @@ class _Target:
 
 def has_dtensors(model: Any, optimizer: Any) -> bool:
     """Whether the objects hold DTensors (then restore reshards into them)."""
-    if sharding.dtensor_type() is None:
+    if dtensor.dtensor_type() is None:
         return False
     if model is not None and any(
-        sharding.is_dtensor(v) for v in unwrap_model(model).state_dict().values()
+        dtensor.is_dtensor(v) for v in unwrap_model(model).state_dict().values()
     ):
         return True
     return optimizer is not None and any(
-        sharding.is_dtensor(p) for g in optimizer.param_groups for p in g["params"]
+        dtensor.is_dtensor(p) for g in optimizer.param_groups for p in g["params"]
     )
 
 
 class ShardedRestore:
-    """One checkpoint staged for this rank: ``prepare()`` reads and verifies, ``apply()`` loads.
+    """One checkpoint staged for this rank: ``prepare()`` reads, verifies and validates,
+    ``apply()`` loads, ``verify_loaded()`` checks what was loaded.
 
     Args:
         step, info: the checkpoint directory (open: every file is read through it) and its main
             manifest.
         rank, world_size: this rank in the restoring job.
+        state: the objects to restore into.
         stage: allocates ``n`` bytes of host staging memory (a uint8 tensor).
-        objects: model=, optimizer=, scheduler=, scaler=, stateful= as given to restore().
     """
 
     def __init__(
@@ -134,21 +154,22 @@ class ShardedRestore:
         info: CheckpointInfo,
         rank: int,
         world_size: int,
+        state: TrainingState,
         stage: Callable[[int], torch.Tensor],
-        **objects: Any,
     ):
         self.step, self.path = step, step.path
         self.info, self.rank, self.world_size = info, rank, world_size
+        self.state = state
         self._stage = stage
-        self.objects = objects
         self.tree: dict[str, Any] = {}
         self.targets: dict[Ref, list[_Target]] = {}
+        self._loaded: dict[Ref, list[tuple[Box, torch.Tensor]]] = {}
         self.bytes_read = 0
         self.bytes_needed = 0
 
     # ------------------------------------------------------------------ prepare
 
-    def prepare(self, *, extra: Any = None, rng: bool = True) -> ShardedRestore:
+    def prepare(self) -> ShardedRestore:
         """Read, verify, stage and validate everything this rank needs; touch no object.
 
         Raises:
@@ -159,36 +180,34 @@ class ShardedRestore:
             CheckpointIOError: the operating system failed a read.
         """
         shards = [load_shard_manifest(self.step, self.info, r) for r in range(self.info.world_size)]
-        self.index = GlobalIndex(self.path, shards)
-        model, optimizer = self.objects.get("model"), self.objects.get("optimizer")
+        index = GlobalIndex(self.path, shards)
+        model, optimizer = self.state.model, self.state.optimizer
         src = _source_rank(shards, self.rank, model)
-        self.source = shards[src]
-        local = {e.name for e in self.source.tensors} | set(self.source.owners)
-        refs = (_Refs(local, False), _Refs(self.index.blocks, True))
-        tree = decode(self.source.state, refs[0], f"{self.path.name}.rank{src}", dtensors=refs[1])
-        self._used = refs[0].used | refs[1].used
+        source = shards[src]
+        local = {e.name for e in source.tensors} | set(source.owners)
+        refs = (_Refs(local, False), _Refs(index.blocks, True))
+        where = f"{self.path.name}.rank{src}"
+        tree = decode(source.state, refs[0], where, dtensors=refs[1])
         if not isinstance(tree, dict) or tree.get("step") != self.info.step:
             raise CheckpointCorruptError(
                 f"{self.path}: rank {src} state does not record step {self.info.step}",
                 path=str(self.path),
             )
-        self.tree, self._shards = tree, shards
+        self._saved = saved = _Saved(self.path, self.info, shards, index, source, tree)
         if self.info.world_size != self.world_size:
-            self._check_plain_replicated(src, model)
-        plans: list[tuple[Ref, Box, torch.Tensor | None, Any]] = []
-        if model is not None:
-            plans += self._model_targets(model)
+            saved.check_plain_replicated(self.world_size)
+        wanted = saved.model_targets(model) if model is not None else []
         if optimizer is not None:
-            plans += self._optimizer_targets(optimizer)
-        self._stage_targets(plans)
-        loaded_local, loaded_global = self._read_rest()
+            wanted += saved.optimizer_targets(optimizer)
+        self._stage_targets(wanted)
+        loaded_local, loaded_global = self._read_rest(refs[0].used | refs[1].used)
         # decoded again with the tensors read (a NumPy array is built from its tensor here);
         # the targets stay Refs until apply()
         self.tree = decode(
-            self.source.state,
+            source.state,
             _Refs(local, False, loaded_local),
-            f"{self.path.name}.rank{src}",
-            dtensors=_Refs(self.index.blocks, True, loaded_global),
+            where,
+            dtensors=_Refs(index.blocks, True, loaded_global),
         )
         for targets in self.targets.values():  # storage that does not exist yet, made once
             for t in targets:
@@ -197,219 +216,76 @@ class ShardedRestore:
         # every target stands in as an empty tensor of its global shape: the objects' state is
         # checked as for an unsharded restore, nothing read twice
         stand_ins = {
-            ref: torch.empty(
-                self._saved_shape(ref), dtype=self._blocks(ref)[0].entry.torch_dtype, device="meta"
-            )
+            ref: torch.empty(saved.shape(ref), dtype=saved.dtype(ref), device="meta")
             for ref in self.targets
         }
-        check_targets(_resolve(self.tree, stand_ins), **self.objects, extra=extra, rng=rng)
+        check_targets(_resolve(self.tree, stand_ins), self.state)
         return self
 
-    def _blocks(self, ref: Ref) -> list[Block]:
-        if ref.is_global:
-            return self.index.check(ref.name)
-        owner = self.source.owners.get(ref.name, self.source.rank)
-        shard = self._shards[owner]
-        entry = next((e for e in shard.tensors if e.name == ref.name), None)
-        if entry is None:
-            raise CheckpointCorruptError(
-                f"{self.path}: rank {owner}'s shard lacks tensor {ref.name!r}",
-                path=str(self.path),
-                tensor=ref.name,
-            )
-        return [Block(owner, entry, Box.full(entry.shape), shard.chunk_bytes)]
-
-    def _saved_shape(self, ref: Ref) -> tuple[int, ...]:
-        return self._blocks(ref)[0].box.global_shape
-
-    def _model_targets(self, model: Any) -> list[tuple[Ref, Box, torch.Tensor | None, Any]]:
-        where = f"checkpoint of step {self.info.step}"
-        if "model" not in self.tree:
-            raise CheckpointStateError(f"{where} has no model state; do not pass model=")
-        saved = self.tree["model"]
-        live = model_entries(saved, model, where)
-        plans = []
-        for k, value in saved.items():
-            target = live[k]
-            if isinstance(value, Ref) != isinstance(target, torch.Tensor):
-                kind = "a tensor" if isinstance(value, Ref) else "not a tensor"
-                raise CheckpointStateError(
-                    f"{where}: model key {k!r} is {kind} in the checkpoint, unlike in the model"
-                )
-            if isinstance(value, Ref):
-                box, _ = sharding.target_box(target)
-                self._check_shape(value, box, target, f"model key {k!r}")
-                plans.append((value, box, target, None))
-        return plans
-
-    def _optimizer_targets(self, optimizer: Any) -> list[tuple[Ref, Box, torch.Tensor | None, Any]]:
-        where = f"checkpoint of step {self.info.step}"
-        if "optimizer" not in self.tree:
-            raise CheckpointStateError(f"{where} has no optimizer state; do not pass optimizer=")
-        saved = self.tree["optimizer"]
-        groups = saved.get("param_groups") if isinstance(saved, dict) else None
-        state = saved.get("state") if isinstance(saved, dict) else None
-        if not isinstance(groups, list) or not all(
-            isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
-        ):
-            raise CheckpointCorruptError(f"{where}: optimizer state has no param_groups")
-        sizes = [len(g["params"]) for g in optimizer.param_groups]
-        if [len(g["params"]) for g in groups] != sizes:
-            raise CheckpointStateError(
-                f"{where}: optimizer param groups have sizes "
-                f"{[len(g['params']) for g in groups]}, the optimizer has {sizes}"
-            )
-        if not isinstance(state, dict):
-            raise CheckpointCorruptError(f"{where}: optimizer state is not a mapping")
-        params, seen = [], set()
-        for g in optimizer.param_groups:
-            for p in g["params"]:
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    params.append(p)
-        plans = []
-        for pid, entries in state.items():
-            if (
-                not isinstance(pid, int)
-                or not 0 <= pid < len(params)
-                or not isinstance(entries, dict)
-            ):
-                raise CheckpointCorruptError(f"{where}: optimizer state key {pid!r} is invalid")
-            param = params[pid]
-            current = optimizer.state.get(param, {})
-            for key, value in entries.items():
-                if not isinstance(value, Ref):
-                    continue
-                what = f"optimizer state {key!r} of parameter {pid}"
-                shape = self._saved_shape(value)
-                live = current.get(key)
-                if isinstance(live, torch.Tensor):
-                    box, _ = sharding.target_box(live)
-                    self._check_shape(value, box, live, what)
-                    plans.append((value, box, live, (param, key)))
-                elif sharding.is_dtensor(param) and shape == tuple(param.shape):
-                    layout = sharding.describe(param, what)
-                    plans.append((value, layout.box, None, _as_dtensor_of(param)))
-                else:
-                    device = torch.device("cpu") if key == "step" else _device_of(param)
-                    plans.append((value, Box.full(shape), None, _on(device)))
-        return plans
-
-    def _check_shape(self, ref: Ref, box: Box, target: torch.Tensor, what: str) -> None:
-        blocks = self._blocks(ref)
-        shape = blocks[0].box.global_shape
-        if shape != box.global_shape:
-            saved = ", ".join(blocks[0].entry.placements) or "plain"
-            placed = "plain"
-            if sharding.is_dtensor(target):
-                placed = ", ".join(sharding.describe(target, what).placements)
-            raise CheckpointStateError(
-                f"checkpoint of step {self.info.step}: {what} ({ref.name!r}) has global shape "
-                f"{shape} ({saved}) in the checkpoint, {box.global_shape} ({placed}) here"
-            )
-        dtype = blocks[0].entry.torch_dtype
-        if target.dtype != dtype:
-            raise CheckpointStateError(
-                f"checkpoint of step {self.info.step}: {what} ({ref.name!r}) is {dtype} in the "
-                f"checkpoint, {target.dtype} here; convert the object to the saved dtype first"
-            )
-
-    def _stage_targets(self, plans: list[tuple[Ref, Box, torch.Tensor | None, Any]]) -> None:
-        """Staging for every target, then one pass of reads over all of them."""
-        dtypes = [self._blocks(ref)[0].entry.torch_dtype for ref, *_ in plans]
-        sizes = [box.numel * d.itemsize for (_, box, *_), d in zip(plans, dtypes, strict=True)]
-        in_arena = [live is not None or make is not _KEEP_ON_HOST for (_, _, live, make) in plans]
+    def _stage_targets(self, wanted: list[_Wanted]) -> None:
+        """Staging for every target, then one pass of reads over all of them: in the arena (the
+        caller's ``stage``), except a target whose staging becomes its storage on the host."""
+        saved = self._saved
+        dtypes = [saved.dtype(w.ref) for w in wanted]
+        sizes = [w.box.numel * d.itemsize for w, d in zip(wanted, dtypes, strict=True)]
         offsets, total = [], 0
-        for size, arena in zip(sizes, in_arena, strict=True):
-            offsets.append(total if arena else -1)
-            if arena:
+        for w, size in zip(wanted, sizes, strict=True):
+            in_arena = w.live is not None or w.make is not None
+            offsets.append(total if in_arena else -1)
+            if in_arena:
                 total += -(-size // 64) * 64
         arena = self._stage(total) if total else None
         reader = Reader(self.step)
-        for (ref, box, live, make), dtype, size, off in zip(
-            plans, dtypes, sizes, offsets, strict=True
-        ):
-            if off >= 0:
-                staged = arena[off : off + size].view(dtype).view(box.shape)
+        for w, dtype, size, off in zip(wanted, dtypes, sizes, offsets, strict=True):
+            if arena is not None and off >= 0:
+                staged = arena[off : off + size].view(dtype).view(w.box.shape)
             else:
-                staged = torch.empty(box.shape, dtype=dtype)
-            blocks = self._blocks(ref)
-            reader.add(ref.name, staged, box, blocks)
-            if live is not None:  # ``make`` holds the optimizer slot, or None for the model
-                t = _Target(ref, box, blocks, staged, live, slot=make)
-            else:
-                t = _Target(ref, box, blocks, staged, None, None if make is _KEEP_ON_HOST else make)
-            self.targets.setdefault(ref, []).append(t)
-        reader.run(data_files(self.path, self._shards), _io_threads())
+                staged = torch.empty(w.box.shape, dtype=dtype)
+            blocks = saved.blocks(w.ref)
+            reader.add(w.ref.name, staged, w.box, blocks)
+            t = _Target(w.ref, w.box, blocks, staged, w.live, w.make, slot=w.slot)
+            self.targets.setdefault(w.ref, []).append(t)
+        reader.run(data_files(self.path, saved.shards), io_threads())
         self.bytes_read, self.bytes_needed = reader.bytes_read, reader.bytes_needed
 
-    def _read_rest(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def _read_rest(self, used: set[Ref]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Tensors outside the targets (scheduler, scaler, extras, stateful, RNG, and model or
         optimizer state when those objects were not passed), read whole from where they are:
         (local name -> tensor, global name -> tensor)."""
-        rest: dict[Ref, torch.Tensor | None] = {
-            r: None for r in self._used if r not in self.targets
-        }
+        saved = self._saved
+        rest: dict[Ref, torch.Tensor | None] = {r: None for r in used if r not in self.targets}
         by_rank: dict[int, list[str]] = {}
         reader = Reader(self.step)
         for ref in rest:
             if ref.is_global:  # a DTensor outside model/optimizer: restored whole, as a tensor
-                blocks = self.index.check(ref.name)
+                blocks = saved.index.check(ref.name)
                 buf = torch.empty(blocks[0].box.global_shape, dtype=blocks[0].entry.torch_dtype)
                 reader.add(ref.name, buf, Box.full(blocks[0].box.global_shape), blocks)
                 rest[ref] = buf
             else:
-                by_rank.setdefault(self.source.owners.get(ref.name, self.source.rank), []).append(
-                    ref.name
-                )
-        reader.run(data_files(self.path, self._shards), _io_threads())
+                owner = saved.source.owners.get(ref.name, saved.source.rank)
+                by_rank.setdefault(owner, []).append(ref.name)
+        reader.run(data_files(self.path, saved.shards), io_threads())
         local: dict[str, torch.Tensor] = {}
         for owner, names in by_rank.items():
-            local.update(read_tensors(self.step, self._shards[owner], names))
+            local.update(read_tensors(self.step, saved.shards[owner], names))
         glob = {ref.name: t for ref, t in rest.items() if ref.is_global and t is not None}
         return local, glob
 
-    def _check_plain_replicated(self, src: int, model: Any) -> None:
-        """Another world size: the plain tensors of the model and optimizer sections come from
-        the source rank alone, so every saved rank with the same model keys must hold the same
-        ones (as DDP replicas and FSDP's plain buffers do)."""
-        keys = _model_keys(self.source)
-        mine = _plain_replicated(self.source)
-        for shard in self._shards:
-            if shard.rank == src or _model_keys(shard) != keys or shard.replicated:
-                continue
-            theirs = _plain_replicated(shard)
-            diff = sorted(n for n in set(mine) | set(theirs) if mine.get(n) != theirs.get(n))
-            if diff:
-                raise CheckpointStateError(
-                    f"{self.path} was saved by {self.info.world_size} ranks, this job has "
-                    f"{self.world_size}, and rank {shard.rank} saved another plain tensor "
-                    f"{diff[0]!r} than rank {src}: plain (non-DTensor) state that differs "
-                    "between ranks cannot be resharded. Restore with "
-                    f"{self.info.world_size} ranks, or save sharded state as DTensors "
-                    "(FSDP2 / tensor parallel)"
-                )
-
     # ------------------------------------------------------------------ apply
 
-    def apply(
-        self,
-        *,
-        extra: dict[str, Any] | None = None,
-        rng: bool = True,
-        agree: Callable[[bool], bool] | None = None,
-    ) -> None:
+    def apply(self, agree: Callable[[bool], bool] | None = None) -> None:
         """Load the staged state into the objects, all or nothing (see the module docs).
 
         Args:
-            agree: as for ``state.apply``: whether every rank loaded the objects that may
+            agree: as for ``load.apply``: whether every rank loaded the objects that may
                 refuse their state; on False every rank rolls back.
 
         Raises:
             CheckpointCorruptError: an object refused the saved state (here or on another rank);
                 every object is as it was.
         """
-        model, optimizer = self.objects.get("model"), self.objects.get("optimizer")
+        model, optimizer = self.state.model, self.state.optimizer
         final: dict[Ref, torch.Tensor] = {}
         for ref, targets in self.targets.items():
             for t in targets:
@@ -425,16 +301,10 @@ class ShardedRestore:
         load_model = model is not None and any(
             not isinstance(v, torch.Tensor) for v in tree["model"].values()
         )
-        self._loaded: dict[Ref, list[tuple[Box, torch.Tensor]]] = {}
+        self._loaded = {}
         apply(
             tree,
-            model=model if load_model else None,
-            optimizer=optimizer,
-            scheduler=self.objects.get("scheduler"),
-            scaler=self.objects.get("scaler"),
-            stateful=self.objects.get("stateful"),
-            extra=extra,
-            rng=rng,
+            dataclasses.replace(self.state, model=model if load_model else None),
             agree=agree,
             commit=lambda: self._copy_in(final, optimizer),
         )
@@ -454,9 +324,9 @@ class ShardedRestore:
                             held = optimizer.state.get(param, {}).get(key)
                             if isinstance(held, torch.Tensor) and held.shape == t.live.shape:
                                 dst = held
-                        local = sharding.local_tensor(dst)
+                        local = dtensor.local_tensor(dst)
                         local.copy_(t.staged, non_blocking=local.is_cuda)
-                    local = sharding.local_tensor(dst)
+                    local = dtensor.local_tensor(dst)
                     sync = sync or local.is_cuda
                     self._loaded.setdefault(ref, []).append((t.box, local))
         if sync:
@@ -468,12 +338,10 @@ class ShardedRestore:
         Returns:
             How many tensors were checked.
         """
-        from ._core import as_bytes, chunk_crc32c
-
         checked = 0
         for ref, targets in self._loaded.items():
             for box, live in targets:
-                block = next((b for b in self._blocks(ref) if b.box == box), None)
+                block = next((b for b in self._saved.blocks(ref) if b.box == box), None)
                 if block is None or not block.entry.nbytes:
                     continue
                 got = chunk_crc32c(as_bytes(live.contiguous()), block.chunk).tolist()
@@ -489,17 +357,169 @@ class ShardedRestore:
         return checked
 
 
-_KEEP_ON_HOST = object()  # a target whose staging buffer becomes its storage
+class _Saved:
+    """The checkpoint as the targets see it: every shard manifest, the index of global blocks,
+    the source shard and its decoded tree (tensors as Refs); what each target's blocks are and
+    whether the objects' tensors fit them."""
+
+    def __init__(
+        self,
+        path: Any,
+        info: CheckpointInfo,
+        shards: list[ShardManifest],
+        index: GlobalIndex,
+        source: ShardManifest,
+        tree: dict[str, Any],
+    ):
+        self.path, self.info, self.shards, self.index = path, info, shards, index
+        self.source, self.tree = source, tree
+        self.where = f"checkpoint of step {info.step}"
+
+    def blocks(self, ref: Ref) -> list[Block]:
+        if ref.is_global:
+            return self.index.check(ref.name)
+        owner = self.source.owners.get(ref.name, self.source.rank)
+        shard = self.shards[owner]
+        entry = next((e for e in shard.tensors if e.name == ref.name), None)
+        if entry is None:
+            raise CheckpointCorruptError(
+                f"{self.path}: rank {owner}'s shard lacks tensor {ref.name!r}",
+                path=str(self.path),
+                tensor=ref.name,
+            )
+        return [Block(owner, entry, Box.full(entry.shape), shard.chunk_bytes)]
+
+    def shape(self, ref: Ref) -> tuple[int, ...]:
+        return self.blocks(ref)[0].box.global_shape
+
+    def dtype(self, ref: Ref) -> torch.dtype:
+        return self.blocks(ref)[0].entry.torch_dtype
+
+    def model_targets(self, model: Any) -> list[_Wanted]:
+        where = self.where
+        if "model" not in self.tree:
+            raise CheckpointStateError(f"{where} has no model state; do not pass model=")
+        saved = self.tree["model"]
+        live = model_entries(saved, model, where)
+        wanted = []
+        for k, value in saved.items():
+            target = live[k]
+            if isinstance(value, Ref) != isinstance(target, torch.Tensor):
+                kind = "a tensor" if isinstance(value, Ref) else "not a tensor"
+                raise CheckpointStateError(
+                    f"{where}: model key {k!r} is {kind} in the checkpoint, unlike in the model"
+                )
+            if isinstance(value, Ref):
+                box, _ = dtensor.target_box(target)
+                self._check_shape(value, box, target, f"model key {k!r}")
+                wanted.append(_Wanted(value, box, live=target))
+        return wanted
+
+    def optimizer_targets(self, optimizer: Any) -> list[_Wanted]:
+        wanted = []
+        for pid, param, entries in _saved_optimizer_state(self.tree, optimizer, self.where):
+            current = optimizer.state.get(param, {})
+            for key, value in entries.items():
+                if not isinstance(value, Ref):
+                    continue
+                what = f"optimizer state {key!r} of parameter {pid}"
+                shape = self.shape(value)
+                live = current.get(key)
+                if isinstance(live, torch.Tensor):
+                    box, _ = dtensor.target_box(live)
+                    self._check_shape(value, box, live, what)
+                    wanted.append(_Wanted(value, box, live=live, slot=(param, key)))
+                elif dtensor.is_dtensor(param) and shape == tuple(param.shape):
+                    block = dtensor.describe(param, what)
+                    wanted.append(_Wanted(value, block.box, make=_as_dtensor_of(param)))
+                else:
+                    device = torch.device("cpu") if key == "step" else _device_of(param)
+                    make = None if device.type == "cpu" else _to(device)
+                    wanted.append(_Wanted(value, Box.full(shape), make=make))
+        return wanted
+
+    def _check_shape(self, ref: Ref, box: Box, target: torch.Tensor, what: str) -> None:
+        blocks = self.blocks(ref)
+        shape = blocks[0].box.global_shape
+        if shape != box.global_shape:
+            saved = ", ".join(blocks[0].entry.placements) or "plain"
+            placed = "plain"
+            if dtensor.is_dtensor(target):
+                placed = ", ".join(dtensor.describe(target, what).placements)
+            raise CheckpointStateError(
+                f"{self.where}: {what} ({ref.name!r}) has global shape {shape} ({saved}) in the "
+                f"checkpoint, {box.global_shape} ({placed}) here"
+            )
+        dtype = blocks[0].entry.torch_dtype
+        if target.dtype != dtype:
+            raise CheckpointStateError(
+                f"{self.where}: {what} ({ref.name!r}) is {dtype} in the checkpoint, "
+                f"{target.dtype} here; convert the object to the saved dtype first"
+            )
+
+    def check_plain_replicated(self, world_size: int) -> None:
+        """Another world size: the plain tensors of the model and optimizer sections come from
+        the source rank alone, so every saved rank with the same model keys must hold the same
+        ones (as DDP replicas and FSDP's plain buffers do)."""
+        src = self.source.rank
+        keys = _model_keys(self.source)
+        mine = _plain_replicated(self.source)
+        for shard in self.shards:
+            if shard.rank == src or _model_keys(shard) != keys or shard.replicated:
+                continue
+            theirs = _plain_replicated(shard)
+            diff = sorted(n for n in set(mine) | set(theirs) if mine.get(n) != theirs.get(n))
+            if diff:
+                raise CheckpointStateError(
+                    f"{self.path} was saved by {self.info.world_size} ranks, this job has "
+                    f"{world_size}, and rank {shard.rank} saved another plain tensor "
+                    f"{diff[0]!r} than rank {src}: plain (non-DTensor) state that differs "
+                    "between ranks cannot be resharded. Restore with "
+                    f"{self.info.world_size} ranks, or save sharded state as DTensors "
+                    "(FSDP2 / tensor parallel)"
+                )
 
 
-def _on(device: torch.device) -> Any:
-    if device.type == "cpu":
-        return _KEEP_ON_HOST
+def _saved_optimizer_state(
+    tree: dict[str, Any], optimizer: Any, where: str
+) -> Iterator[tuple[int, Any, dict[str, Any]]]:
+    """(parameter index, the optimizer's parameter, its saved state entries) for each saved
+    parameter state, once the saved optimizer state is shown to fit the optimizer's groups."""
+    if "optimizer" not in tree:
+        raise CheckpointStateError(f"{where} has no optimizer state; do not pass optimizer=")
+    saved = tree["optimizer"]
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    state = saved.get("state") if isinstance(saved, dict) else None
+    if not isinstance(groups, list) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
+    ):
+        raise CheckpointCorruptError(f"{where}: optimizer state has no param_groups")
+    sizes = [len(g["params"]) for g in optimizer.param_groups]
+    if [len(g["params"]) for g in groups] != sizes:
+        raise CheckpointStateError(
+            f"{where}: optimizer param groups have sizes "
+            f"{[len(g['params']) for g in groups]}, the optimizer has {sizes}"
+        )
+    if not isinstance(state, dict):
+        raise CheckpointCorruptError(f"{where}: optimizer state is not a mapping")
+    params, seen = [], set()
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    for pid, entries in state.items():
+        if not isinstance(pid, int) or not 0 <= pid < len(params) or not isinstance(entries, dict):
+            raise CheckpointCorruptError(f"{where}: optimizer state key {pid!r} is invalid")
+        yield pid, params[pid], entries
+
+
+def _to(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda staged: staged.to(device)
 
 
 def _device_of(param: torch.Tensor) -> torch.device:
-    return sharding.local_tensor(param).device
+    return dtensor.local_tensor(param).device
 
 
 def _as_dtensor_of(param: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -11,7 +11,7 @@ That is damage (or a hostile checkpoint), so restore() falls back to an older ch
 
 What is checked is what the objects' ``load_state_dict`` would accept silently and the next
 training step would trip over, or what would make loading fail halfway; ``state.apply`` then
-loads with a rollback for whatever is left to the objects' own code.
+loads with a rollback for whatever is left to the objects' own code (``load.apply``).
 """
 
 from __future__ import annotations
@@ -21,9 +21,16 @@ from typing import Any
 
 import torch
 
-from .codec import numpy_module
-from .errors import CheckpointCorruptError, CheckpointStateError
-from .state import CHECKED_CLASSES, CLASSES, canonical_key, class_name, unwrap_model
+from ..capture.codec import numpy_module
+from ..capture.training_state import (
+    CHECKED_CLASSES,
+    CLASSES,
+    TrainingState,
+    canonical_key,
+    class_name,
+    unwrap_model,
+)
+from ..errors import CheckpointCorruptError, CheckpointStateError
 
 _MAX_SCALAR_INT = 1 << 63  # hyperparameters and counters: anything larger is not one
 # torch.optim classes whose per-parameter state tensors all have their parameter's shape (or are
@@ -46,18 +53,9 @@ _STATE_LIKE_PARAMS = frozenset(
 )
 
 
-def check_targets(
-    tree: dict[str, Any],
-    *,
-    model: Any = None,
-    optimizer: Any = None,
-    scheduler: Any = None,
-    scaler: Any = None,
-    stateful: dict[str, Any] | None = None,
-    extra: Any = None,
-    rng: bool = True,
-) -> None:
-    """Raise unless the objects can take the saved state; touches nothing.
+def check_targets(tree: dict[str, Any], state: TrainingState | None = None) -> None:
+    """Raise unless the objects of ``state`` (None: no objects, RNG states checked) can take the
+    saved state; touches nothing.
 
     Raises:
         CheckpointStateError: the checkpoint does not fit the objects (another model, optimizer
@@ -70,12 +68,10 @@ def check_targets(
         isinstance(k, str) and isinstance(v, str) for k, v in classes.items()
     ):
         raise CheckpointCorruptError(f"{where}: the recorded classes are malformed")
-    for key, obj in (
-        ("model", model),
-        ("optimizer", optimizer),
-        ("scheduler", scheduler),
-        ("scaler", scaler),
-    ):
+    state = state if state is not None else TrainingState()
+    model, optimizer, extra = state.model, state.optimizer, state.extra
+    for key in ("model", "optimizer", "scheduler", "scaler"):
+        obj = getattr(state, key)
         if obj is None:
             continue
         if key not in tree:
@@ -93,10 +89,11 @@ def check_targets(
         _check_model(tree["model"], model, where)
     if optimizer is not None:
         _check_optimizer(tree["optimizer"], optimizer, where)
-    for key, obj in (("scheduler", scheduler), ("scaler", scaler)):
+    for key in ("scheduler", "scaler"):
+        obj = getattr(state, key)
         if obj is not None:
             _check_object_state(tree[key], obj, f"{where}: {key} state")
-    _check_stateful(tree, stateful, where)
+    _check_stateful(tree, state.stateful, where)
     if extra is not None:
         if not isinstance(extra, dict):
             raise CheckpointStateError(
@@ -104,7 +101,7 @@ def check_targets(
             )
         if not isinstance(tree.get("extra", {}), dict):
             raise CheckpointCorruptError(f"{where}: the saved extra is not a dict")
-    if rng and "rng" in tree:
+    if state.rng and "rng" in tree:
         _check_rng(tree["rng"], where)
 
 

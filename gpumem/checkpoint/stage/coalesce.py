@@ -1,9 +1,9 @@
 """Coalescing saves (``Checkpointer(..., coalesce=True)``): a checkpoint every step without
 making save() wait for the disk.
 
-Every save() snapshots into host memory, in one of two staging slots (the Checkpointer's arena
-and a spare one of the same size). While the persist thread writes one snapshot, the next one
-waits in the other slot; a newer save() does not wait for the writer but *supersedes* the
+Every save() snapshots into host memory, in one of two staging slots (``Staging`` holds both:
+the arena and a spare one of the same size). While the persist thread writes one snapshot, the
+next one waits in the other slot; a newer save() does not wait for the writer but *supersedes* the
 waiting snapshot: it takes that slot, and the superseded save is never written. So the disk
 always writes the newest state it can, the step lost to a crash is at most the one being
 written plus the one waiting, and a PreemptionGuard's final ``wait()`` persists the last
@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 
 class Coalescer:
@@ -31,8 +31,7 @@ class Coalescer:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._jobs: list[Any] = []  # saves not yet finished, oldest first
-        self._spare: Any = None  # slot 1's arena (slot 0 is the Checkpointer's own)
+        self._jobs: list[Any] = []  # saves (``save.Save``) not yet finished, oldest first
         self._persisting: set[int] = set()  # id() of the jobs whose persist started
         self._slot: dict[int, int] = {}
 
@@ -79,18 +78,6 @@ class Coalescer:
             self._persisting.discard(id(job))
             self._slot.pop(id(job), None)
 
-    def spare(self, nbytes: int) -> Any:
-        """Slot 1's arena, of at least ``nbytes`` (allocated, or grown, on first need)."""
-        from ._core import HostArena
-
-        if self._spare is None or self._spare.nbytes < nbytes:
-            if self._spare is not None:
-                self._spare.close()
-            self._spare = HostArena(max(nbytes, 1))
-            if not self._spare.pinned:
-                self._spare.lock()
-        return self._spare
-
     def take_error(self, newest: Any) -> CheckpointError | None:
         """The first unreported failure of a save older than ``newest`` (those are not the
         Checkpointer's current job, so nothing else would report them)."""
@@ -102,8 +89,3 @@ class Coalescer:
                 if err is not None:
                     return err
         return None
-
-    def close(self) -> None:
-        if self._spare is not None:
-            self._spare.close()
-            self._spare = None

@@ -13,7 +13,7 @@ and reused by every later save of the same tensors:
 
 Ordering: the copies are enqueued first and never wait for the checksums; the CRC stream starts
 at the same point (an event recorded before the copies) and reads the same bytes in HBM, which
-nothing changes until both are done; a ``Snapshot`` holds both completion events, and whoever
+nothing changes until both are done; a ``DeviceCopy`` holds both completion events, and whoever
 must not change the bytes (the optimizer's stream) or reuse the arena (the persist thread)
 waits for both. Pieces that are not contiguous or live on another device are gathered on the
 copying stream, hashed there and copied one by one (rare; correct).
@@ -28,12 +28,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ._core import as_bytes, chunk_crc32c
+from gpumem._native import as_bytes
+from gpumem.checksum import chunk_crc32c
 
 if TYPE_CHECKING:
     from gpumem.kernels.crc32c import ManyPlan
 
-    from .snapshot import Piece
+    from .plan import Piece
     from .spill import SpillControl
 
 
@@ -62,7 +63,7 @@ def build_program(addresses: list[int], sizes: list[int], offsets: list[int], ch
 
 
 @dataclass
-class Snapshot:
+class DeviceCopy:
     """The events of one save's device work: ``copied`` (the copies, on the copying stream) and
     ``hashed`` (the CRCs, on the CRC stream; None without any). ``synchronize()`` waits for both
     and hands each piece its CRC view; ``wait(stream)`` orders ``stream`` after both."""
@@ -107,10 +108,10 @@ def enqueue(
     stream: Any = None,
     wait_event: Any = None,
     spill: SpillControl | None = None,
-) -> Snapshot:
+) -> DeviceCopy:
     """Enqueue the copies and CRCs of CUDA ``pieces`` ((piece, tensor, arena offset) each) on
     ``stream`` (None: the current one), after ``wait_event``. ``programs`` caches the
-    DeviceProgram per set of addresses (the layout's own dict: see ArenaLayout.programs).
+    DeviceProgram per set of addresses (the plan's own dict: see StagingPlan.programs).
     With ``spill`` (overlap mode, a device spill buffer) the CRCs are launched first and the
     copies enqueued in waves that the optimizer fence can stop (see spill.py); this call then
     returns only once every copy, drained spill included, is enqueued."""
@@ -136,7 +137,7 @@ def enqueue(
             copying.wait_event(wait_event)
         start = torch.cuda.Event(enable_timing=True)
         start.record()
-        snap = Snapshot(start, None)
+        snap = DeviceCopy(start, None)
         if spill is not None and fast and not slow:
             _hash(snap, prog, fast, copying, start)
             spill.context = (fast, prog.copies, copying, arena, snap.hashed)
@@ -157,7 +158,7 @@ def enqueue(
     return snap
 
 
-def _hash(snap: Snapshot, prog: DeviceProgram, fast: list, copying: Any, start: Any) -> None:
+def _hash(snap: DeviceCopy, prog: DeviceProgram, fast: list, copying: Any, start: Any) -> None:
     """Launch ``prog``'s CRCs on the CRC stream from ``start`` on; their event and host buffer
     go into ``snap``."""
     if prog.crc is not None and prog.total:

@@ -1,37 +1,34 @@
-"""Staging: where each tensor's bytes go in host memory and in the data files, and the copies.
+"""The staging plan: where each tensor's bytes go in host memory and in the data files.
 
 The layout is planned from tensor sizes alone: tensors are packed into *batches*,
 each extent aligned, a batch being one data file and one slot of the host arena (arena offset =
 file offset, so a batch is written with a single large pwrite). When the state fits the staging
 budget there is one batch; otherwise the arena is split into two slots and contiguous tensors are
 cut into chunk-aligned pieces that stream through them (copy batch b+1 while batch b is written),
-so host memory never exceeds the budget whatever the state size. ``LayoutCache`` reuses the previous
+so host memory never exceeds the budget whatever the state size. ``PlanCache`` reuses the previous
 save's layout while the tensors keep their sizes and contiguity (the common case: the same model
 and optimizer saved again), and gives each layout an id, so the caller can tell when the alignment
 gaps it zeroed in the arena are still in place.
 
-Copies: CPU tensors go through the arena's multithreaded memcpy; their CRCs are computed later by
-the persist thread from the staged bytes. CUDA tensors are copied by one native call and
-checksummed on the device by one Triton launch (``device_copy.py``), on a side stream that first
-waits on an event recorded on the compute stream at save() time.
+The CRC32C chunk of a save (``crc_chunk``) is decided here too: the plan cuts tensors at chunk
+boundaries.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from ._core import chunk_crc32c
-from .errors import CheckpointStateError
-from .format import align_up
+from gpumem.units import align_up
 
-if TYPE_CHECKING:
-    from .device_copy import Snapshot
-    from .spill import SpillControl
+from ..capture.codec import TensorTable
+from ..errors import CheckpointStateError
+
+DEFAULT_CHUNK = 1 << 20  # CRC32C granularity unless chunk_bytes says otherwise
+MIN_CHUNK = 4096  # the automatic chunk's floor
+_PIPELINE_SEGMENT = 16 << 20  # smallest data file an overlap save splits its state into
 
 
 @dataclass(slots=True)
@@ -50,7 +47,7 @@ class Piece:
 
 
 @dataclass
-class ArenaLayout:
+class StagingPlan:
     """Where each tensor of a save lies in the host arena: batches, their bases, the pieces."""
 
     capacity: int  # target bytes per batch (hard limit when streaming)
@@ -58,8 +55,8 @@ class ArenaLayout:
     batch_sizes: list[int] = field(default_factory=list)
     pieces: list[Piece] = field(default_factory=list)
     bases: list[int] = field(default_factory=list)  # arena offset of each batch
-    layout_id: int = 0  # equal ids: identical pieces (set by LayoutCache; 0: not tracked)
-    # the CUDA copy/CRC programs of this layout (device_copy.enqueue), shared by its copies
+    layout_id: int = 0  # equal ids: identical pieces (set by PlanCache; 0: not tracked)
+    # the CUDA copy/CRC programs of this plan (device_copy.enqueue), shared by its copies
     programs: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -79,9 +76,9 @@ class ArenaLayout:
     def slot_base(self, b: int) -> int:
         return self.bases[b]
 
-    def copy(self) -> ArenaLayout:
+    def copy(self) -> StagingPlan:
         """The same layout with fresh pieces (no CRCs yet): each save fills in its own."""
-        return ArenaLayout(
+        return StagingPlan(
             self.capacity,
             self.streaming,
             list(self.batch_sizes),
@@ -92,16 +89,16 @@ class ArenaLayout:
         )
 
 
-class LayoutCache:
+class PlanCache:
     """The last layout planned, reused while a save's tensors have the same sizes and contiguity
-    and the settings are unchanged (``plan_layout`` depends on nothing else; names only appear
+    and the settings are unchanged (``plan_staging`` depends on nothing else; names only appear
     in its errors). Each new layout gets a new ``layout_id``."""
 
     _ids = itertools.count(1)
 
     def __init__(self) -> None:
         self._key: tuple | None = None
-        self._plan: ArenaLayout | None = None
+        self._plan: StagingPlan | None = None
 
     def plan(
         self,
@@ -111,8 +108,8 @@ class LayoutCache:
         alignment: int,
         chunk: int,
         segment: int,
-    ) -> ArenaLayout:
-        """``plan_layout(...)`` of these arguments, as a fresh copy."""
+    ) -> StagingPlan:
+        """``plan_staging(...)`` of these arguments, as a fresh copy."""
         key = (
             budget,
             alignment,
@@ -122,21 +119,21 @@ class LayoutCache:
             tuple([t.is_contiguous() for t in tensors]),
         )
         if self._plan is None or key != self._key:
-            self._key, self._plan = None, None  # a failed plan_layout leaves nothing cached
-            plan = plan_layout(tensors, names, budget, alignment, chunk, segment)
+            self._key, self._plan = None, None  # a failed plan_staging leaves nothing cached
+            plan = plan_staging(tensors, names, budget, alignment, chunk, segment)
             plan.layout_id = next(self._ids)
             self._key, self._plan = key, plan
         return self._plan.copy()
 
 
-def plan_layout(
+def plan_staging(
     tensors: list[torch.Tensor],
     names: list[str],
     budget: int,
     alignment: int,
     chunk: int,
     segment: int = 256 << 20,
-) -> ArenaLayout:
+) -> StagingPlan:
     """Pack tensors into batches (data files): ``segment``-sized ones that all stay resident when
     the state fits ``budget`` (so writing batch b overlaps copying batch b+1), else two slots of
     ``budget / 2`` that the state streams through."""
@@ -147,7 +144,7 @@ def plan_layout(
         packed = align_up(packed, alignment) + n
     if packed + alignment * (packed // segment + 1) <= budget:
         plan = _pack(
-            ArenaLayout(capacity=segment, streaming=False), tensors, names, sizes, alignment, chunk
+            StagingPlan(capacity=segment, streaming=False), tensors, names, sizes, alignment, chunk
         )
         if plan.arena_bytes <= budget:
             return plan
@@ -158,11 +155,11 @@ def plan_layout(
             f"{chunk} bytes; raise staging_bytes (or GPUMEM_STAGING_BYTES)"
         )
     return _pack(
-        ArenaLayout(capacity=capacity, streaming=True), tensors, names, sizes, alignment, chunk
+        StagingPlan(capacity=capacity, streaming=True), tensors, names, sizes, alignment, chunk
     )
 
 
-def _pack(plan: ArenaLayout, tensors, names, sizes, alignment: int, chunk: int) -> ArenaLayout:
+def _pack(plan: StagingPlan, tensors, names, sizes, alignment: int, chunk: int) -> StagingPlan:
     batch, used = 0, 0
     for i, (t, size) in enumerate(zip(tensors, sizes, strict=True)):
         src = 0
@@ -201,124 +198,37 @@ def _pack(plan: ArenaLayout, tensors, names, sizes, alignment: int, chunk: int) 
     return plan
 
 
-def zero_padding(arena, plan: ArenaLayout, b: int) -> None:
-    """Zero the alignment gaps of batch ``b`` in its slot (the format verifies they are zero)."""
-    base, end = plan.slot_base(b), 0
-    for p in sorted(plan.batch_pieces(b), key=lambda p: p.offset):
-        if p.offset > end:
-            arena.view(base + end, p.offset - end).zero_()
-        end = p.offset + p.nbytes
-
-
-def copy_pieces(
-    arena,
-    plan: ArenaLayout,
-    pieces: list[Piece],
-    tensors: list[torch.Tensor],
-    chunk: int,
-    stream=None,
-    wait_event=None,
-    views: HostViews | None = None,
-    spill: SpillControl | None = None,
-) -> Snapshot | None:
-    """Copy ``pieces`` of ``tensors`` (as TensorTable holds them: detached, strided, no lazy
-    conjugate/negative bit) into the arena. CPU pieces are copied before returning, contiguous
-    ones in one native call (``views`` supplies their byte views); CUDA pieces are enqueued in
-    one native call and checksummed on the device beside the copies (``device_copy.enqueue``);
-    the returned Snapshot's events mark their completion. ``spill``: the copier's side of the
-    device spill (overlap mode; see spill.py)."""
-    views = views if views is not None else HostViews()
-    cpu_src, cpu_off, cuda, staged = [], [], [], []
-    bases = plan.bases
-    last, flat = -1, None  # byte view of the last tensor: a split tensor's pieces are consecutive
-    for p in pieces:
-        t = tensors[p.index]
-        dst = bases[p.batch] + p.offset
-        if t.is_cuda:
-            cuda.append((p, t, dst))
-            continue
-        if not t.is_cpu:  # other accelerators: through a host copy (rare, correct)
-            t = t.cpu()
-            staged.append(t)  # alive until the native copy below has read it
-            last = -1
-        if t.is_contiguous():
-            if p.index != last:
-                last, flat = p.index, views.get(t)
-            cpu_src.append(
-                flat
-                if p.src_offset == 0 and p.nbytes == flat.shape[0]
-                else flat[p.src_offset : p.src_offset + p.nbytes]
-            )
-            cpu_off.append(dst)
-        else:  # planned whole (never split): let torch gather the strides into the slot
-            arena.view(dst, p.nbytes).view(t.dtype).view(t.shape).copy_(t)
-    if cpu_src:
-        arena.copy_in(cpu_src, cpu_off)
-    del staged
-    if not cuda:
-        return None
-    from .device_copy import enqueue
-
-    return enqueue(
-        arena, plan.programs, cuda, chunk, stream=stream, wait_event=wait_event, spill=spill
+def crc_chunk(table: TensorTable, chunk_bytes: int | None, replicated: bool) -> int:
+    """The CRC32C chunk of a save: ``chunk_bytes``, or by default 1 MiB, and for DTensor blocks a
+    64th of their byte-weighted median size, a power of two between 4 KiB and 1 MiB: a resharding
+    restore reads whole chunks, so at most one partial chunk at each end of each overlap is read
+    beyond what it needs (replicated saves keep 1 MiB: every rank must use the same)."""
+    if chunk_bytes is not None:
+        return chunk_bytes
+    if not table.sharded or replicated:
+        return DEFAULT_CHUNK
+    sizes = sorted(
+        t.numel() * t.element_size()
+        for t, block in zip(table.tensors, table.blocks, strict=True)
+        if block is not None
     )
+    half, acc, median = sum(sizes) / 2, 0, sizes[-1]
+    for n in sizes:
+        acc += n
+        if acc >= half:
+            median = n
+            break
+    chunk = MIN_CHUNK
+    while chunk * 2 <= median // 64 and chunk < DEFAULT_CHUNK:
+        chunk *= 2
+    return chunk
 
 
-class HostViews:
-    """Flat uint8 NumPy views of CPU tensors' bytes, found by (address, size) and kept from one
-    save to the next: making a view costs ~1.5 us, finding one ~0.4 us, and a model with its
-    optimizer has hundreds of tensors whose memory stays where it is between saves.
-
-    A view holds no reference to the memory it shows (a cached one must not keep a freed model
-    alive). That is safe because a view is only ever found through a live tensor that owns
-    exactly those bytes: the key is that tensor's own ``data_ptr()`` and byte size, so a stale
-    entry whose memory was freed can only match a tensor that now owns the same range. The caller
-    keeps the tensor alive until the copy that reads the view has finished (copy_pieces: the
-    native copy is synchronous and the job holds its tensors).
-    """
-
-    def __init__(self, previous: HostViews | None = None) -> None:
-        self._old = previous._views if previous is not None else {}  # not ``previous``: no chain
-        self._views: dict[tuple[int, int], np.ndarray] = {}
-
-    def get(self, t: torch.Tensor) -> np.ndarray:
-        """Read-only bytes of the contiguous CPU tensor ``t``; valid while ``t`` is alive."""
-        key = (t.data_ptr(), t.numel() * t.element_size())
-        view = self._views.get(key)
-        if view is None:
-            view = self._old.get(key)
-            if view is None:
-                view = _raw_bytes(*key)
-            self._views[key] = view
-        return view
-
-
-class _ArrayInterface:
-    __slots__ = ("__array_interface__",)
-
-
-def _raw_bytes(address: int, nbytes: int) -> np.ndarray:
-    box = _ArrayInterface()
-    box.__array_interface__ = {
-        "data": (address, True),
-        "shape": (nbytes,),
-        "typestr": "|u1",
-        "version": 3,
-    }
-    return np.asarray(box)
-
-
-def checksum_cpu_pieces(arena, plan: ArenaLayout, pieces: list[Piece], chunk: int) -> None:
-    """CRCs of pieces staged from host tensors, from the staged copy (off the training thread)."""
-    for p in pieces:
-        if p.crc is None:
-            p.crc = chunk_crc32c(arena.view(plan.slot_base(p.batch) + p.offset, p.nbytes), chunk)
-
-
-def tensor_crcs(plan: ArenaLayout, count: int) -> list[list[int]]:
-    """Per-tensor chunk CRC lists, concatenated over each tensor's pieces (pieces are chunk
-    aligned)."""
-    out: list[list[int]] = [[] for _ in range(count)]
-    for p in plan.pieces:  # host int64 values (native) or int32 bits (device_crcs)
-        out[p.index].extend(int(x) & 0xFFFFFFFF for x in p.crc.cpu().tolist())
-    return out
+def segment_for(table: TensorTable, segment_bytes: int, chunk: int, pipelined: bool) -> int:
+    """The data file size of a save: ``segment_bytes``; an overlap save over host tensors
+    (``pipelined``) writes each file beside the copy of the next, so it cuts its state into eight
+    or more files (of at least 16 MiB) and the copy before the first write stays short."""
+    if not pipelined:
+        return segment_bytes
+    total = sum(t.numel() * t.element_size() for t in table.tensors)
+    return min(segment_bytes, max(_PIPELINE_SEGMENT, total // 8 // chunk * chunk))

@@ -15,7 +15,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from .format import align_up
+from gpumem._native import as_bytes
+from gpumem.units import align_up
 
 
 @dataclass
@@ -116,8 +117,6 @@ def spill_at_fence(control: SpillControl, stream: Any) -> Any | None:
     everything (the caller then fences as without a spill)."""
     import numpy as np
     import torch
-
-    from .device_copy import as_bytes
 
     at = control.request_stop()
     if at is None:

@@ -1,4 +1,4 @@
-"""Durability: data files, manifests, the commit protocol, the ``latest`` pointer and retention.
+"""The checkpoint directory: manifest files, the commit protocol, the ``latest`` pointer, retention.
 
 Commit protocol (each step is durable before the next one makes it visible):
 
@@ -28,16 +28,19 @@ from typing import Any
 
 from gpumem import _strict_json
 
-from .errors import CheckpointCorruptError, CheckpointStateError
+from ..errors import CheckpointCorruptError, CheckpointStateError
 from .format import (
     LATEST,
     MAIN_MANIFEST,
     MAX_MANIFEST_BYTES,
     STEP_DIR,
     CheckpointInfo,
+    Manifest,
+    ShardManifest,
     decode_manifest,
     encode_manifest,
     parse_main,
+    parse_shard,
     step_dir_name,
 )
 from .safe_fs import Dir, io_error, read_error
@@ -59,14 +62,15 @@ def prepare_tmp(root: Dir, step: int) -> Dir:
     return root.make_sub(tmp_name(step))
 
 
-def write_manifest(d: Dir, name: str, body: dict[str, Any]) -> int:
-    """Write a manifest durably as a new file; returns its CRC32C.
+def write_manifest(d: Dir, name: str, manifest: Manifest) -> int:
+    """Write a manifest (``format.shard_manifest`` / ``main_manifest``) durably as a new file;
+    returns its CRC32C.
 
     Raises:
         CheckpointStateError: the manifest would be larger than any reader accepts (the state
             saved beside the tensors is too large: store big values as tensors).
     """
-    data, crc = encode_manifest(body)
+    data, crc = encode_manifest(manifest.body, manifest.version)
     if len(data) > MAX_MANIFEST_BYTES:
         raise CheckpointStateError(
             f"{d.path / name}: the manifest would be {len(data)} bytes, over the "
@@ -77,8 +81,9 @@ def write_manifest(d: Dir, name: str, body: dict[str, Any]) -> int:
     return crc
 
 
-def read_manifest(d: Dir, name: str) -> tuple[dict[str, Any], int]:
-    """Read (a regular file, size bounded before reading) and decode one manifest."""
+def read_manifest(d: Dir, name: str) -> tuple[dict[str, Any], int, int]:
+    """Read (a regular file, size bounded before reading) and decode one manifest: (body, CRC32C,
+    version)."""
     data = d.read_small(name, MAX_MANIFEST_BYTES, "manifest")
     return decode_manifest(data, str(d.path / name))
 
@@ -211,15 +216,45 @@ def open_step(root: Dir, name: str) -> Dir:
 
 def load_info(step: Dir) -> CheckpointInfo:
     """Main-manifest view of a checkpoint directory (CRC and fields checked, data not read)."""
-    body, crc = read_manifest(step, MAIN_MANIFEST)
+    body, crc, version = read_manifest(step, MAIN_MANIFEST)
     manifest = str(step.path / MAIN_MANIFEST)
-    info = parse_main(body, manifest, crc)
+    info = parse_main(body, manifest, crc, version)
     m = STEP_DIR.match(step.path.name)
     if m and int(m.group(1)) != info.step:
         raise CheckpointCorruptError(
             f"{manifest}: records step {info.step} but lives in {step.path.name}", path=manifest
         )
     return info
+
+
+def load_shard_manifest(step: Dir, info: CheckpointInfo, rank: int) -> ShardManifest:
+    """Rank ``rank``'s shard manifest of the checkpoint ``info`` describes, checked against it
+    (its CRC32C as recorded, the same rank, world size, step, replicated flag and tensor bytes)."""
+    ref = info.shards[rank]
+    file = step.path / ref.file
+    body, crc, version = read_manifest(step, ref.file)
+    if crc != ref.crc32c:
+        raise CheckpointCorruptError(
+            f"{file}: CRC32C {crc:08x} differs from {ref.crc32c:08x} recorded in the main manifest "
+            "(a shard from another save)",
+            path=str(file),
+        )
+    shard = parse_shard(body, str(file), crc, version)
+    if shard.rank != rank or shard.world_size != info.world_size or shard.step != info.step:
+        raise CheckpointCorruptError(
+            f"{file}: rank/world size/step disagree with the main manifest", path=str(file)
+        )
+    if shard.replicated != info.replicated:
+        raise CheckpointCorruptError(
+            f"{file}: marked replicated={shard.replicated}, the main manifest "
+            f"replicated={info.replicated}",
+            path=str(file),
+        )
+    if sum(t.nbytes for t in shard.tensors) != ref.nbytes:
+        raise CheckpointCorruptError(
+            f"{file}: tensor bytes differ from the main manifest", path=str(file)
+        )
+    return shard
 
 
 def list_checkpoints(root: Dir) -> list[CheckpointInfo]:

@@ -1,4 +1,5 @@
-"""The on-disk format: manifests framed with their own CRC32C, and strict validation of every field.
+"""The on-disk format, reader and writer: manifests framed with their own CRC32C and version, built
+by one writer and validated field by field by one reader.
 
 A checkpoint is a directory ``step-<N>`` holding::
 
@@ -24,16 +25,26 @@ field refuses them by version instead of reporting missing tensors; version 1 is
 
 A *sharded* checkpoint (DTensor state: FSDP2, tensor parallel) adds to each tensor entry that is
 a block of a global tensor a ``global`` field: the global shape, the block's offsets, the mesh
-(an index into the shard manifest's ``meshes``) and the placements (see ``sharding``). Its state
-tree refers to such tensors as ``{"__dtensor__": name}``, resolved over all shards. The main
-manifest carries ``"sharded": true``; its manifests are framed as version 3.
+(an index into the shard manifest's ``meshes``) and the placements (see ``capture.dtensor``). Its
+state tree refers to such tensors as ``{"__dtensor__": name}``, resolved over all shards. The main
+manifest carries ``"sharded": true``; its manifests are framed as version 3 (a sharded save's
+rank that holds no DTensor writes its own shard manifest as version 1 or 2).
+
+The version is explicit on both sides: the writer (``shard_manifest``, ``main_manifest``) states
+it from what the checkpoint holds (``format_version``), never from the body's keys, and the reader
+checks that a manifest uses only the fields its version has and carries the marker its version
+requires (``_check_version``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import platform
 import re
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,10 +52,12 @@ from typing import Any
 import torch
 
 from gpumem import _strict_json as strict_json
+from gpumem.checksum import crc32c
+from gpumem.units import align_up
 
-from ._core import crc32c
-from .errors import CheckpointCorruptError
-from .sharding import Box, Mesh
+from ..capture.boxes import Box, Mesh
+from ..capture.codec import DTYPE_NAMES, DTYPES, ITEMSIZE
+from ..errors import CheckpointCorruptError
 
 FORMAT_VERSION = 1  # written for every checkpoint that is not replicated
 REPLICATED_VERSION = 2  # written for replicated ones: adds the "replicated" and "owners" fields
@@ -63,39 +76,9 @@ MAX_WORLD = 1 << 20
 MAX_CREATED = 253402300799  # seconds since the epoch at the end of year 9999: what dates can show
 _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HEADER = re.compile(rb"^gpumem-checkpoint (\d{1,4}) (\d{12}) ([0-9a-f]{8})\n")
-
-# dtype names the format accepts; anything else in a manifest is rejected, never interpreted
-DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "float64",
-        "float32",
-        "float16",
-        "bfloat16",
-        "complex64",
-        "complex128",
-        "int64",
-        "int32",
-        "int16",
-        "int8",
-        "uint8",
-        "bool",
-        "uint16",
-        "uint32",
-        "uint64",
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "float8_e4m3fnuz",
-        "float8_e5m2fnuz",
-    )
-    if isinstance(getattr(torch, name, None), torch.dtype)
-}
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()}
-
-
-# the parts of a state tree every data-parallel replica holds alike; the rest is the rank's own
-REPLICATED_KEYS = ("model", "optimizer", "scheduler", "scaler")
+# the marker fields each version adds, and the version that brought them (``owners`` needs
+# ``replicated``, a tensor's ``global`` needs version 3: both checked where they are parsed)
+_SINCE = {"replicated": 2, "sharded": 3, "meshes": 3}
 
 
 def shard_manifest_name(rank: int) -> str:
@@ -110,32 +93,30 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:09d}"
 
 
-def align_up(n: int, alignment: int) -> int:
-    return (n + alignment - 1) // alignment * alignment
-
-
 # ---------------------------------------------------------------------------------------------
 # framing
 
 
-def encode_manifest(body: dict[str, Any]) -> tuple[bytes, int]:
-    """Serialize a manifest body; returns (file bytes, manifest CRC32C). A replicated
-    checkpoint's manifests are framed as version 2, a sharded one's as 3 (see the module docs)."""
+def format_version(*, replicated: bool, sharded: bool) -> int:
+    """The version a manifest is written as: 3 for sharded state, else 2 for replicated, else 1."""
+    if sharded:
+        return SHARDED_VERSION
+    return REPLICATED_VERSION if replicated else FORMAT_VERSION
+
+
+def encode_manifest(body: dict[str, Any], version: int) -> tuple[bytes, int]:
+    """Serialize a manifest body framed as ``version``; returns (file bytes, manifest CRC32C)."""
+    if version not in READ_VERSIONS:
+        raise ValueError(f"manifest version {version} is not one of {READ_VERSIONS}")
     payload = json.dumps(body, separators=(",", ":"), allow_nan=False, sort_keys=False).encode()
-    fields = body if isinstance(body, dict) else {}
-    if fields.get("sharded") is True or "meshes" in fields:
-        version = SHARDED_VERSION
-    elif fields.get("replicated") is True:
-        version = REPLICATED_VERSION
-    else:
-        version = FORMAT_VERSION
     prefix = f"gpumem-checkpoint {version} {len(payload):012d} ".encode()
     crc = crc32c(payload, crc32c(prefix))
     return prefix + f"{crc:08x}\n".encode() + payload, crc
 
 
-def decode_manifest(data: bytes, path: str) -> tuple[dict[str, Any], int]:
-    """Check framing and CRC of manifest bytes, then parse the JSON body; returns (body, CRC)."""
+def decode_manifest(data: bytes, path: str) -> tuple[dict[str, Any], int, int]:
+    """Check framing and CRC of manifest bytes, then parse the JSON body; returns (body, CRC,
+    version). Its fields are checked against the version by ``parse_main``/``parse_shard``."""
     m = _HEADER.match(data[:64])
     if not m:
         raise CheckpointCorruptError(
@@ -169,7 +150,20 @@ def decode_manifest(data: bytes, path: str) -> tuple[dict[str, Any], int]:
         ) from None
     if not isinstance(body, dict):
         raise CheckpointCorruptError(f"{path}: manifest body is not a JSON object", path=path)
-    return body, crc
+    return body, crc, version
+
+
+def _check_version(c: _Checker, body: dict[str, Any], version: int, marker: str) -> None:
+    """The manifest uses only fields its version has, and a version 2 / 3 manifest carries what
+    makes it one (``replicated``; ``marker``: ``sharded`` in a main, ``meshes`` in a shard
+    manifest)."""
+    for key, since in _SINCE.items():
+        if key in body and version < since:
+            raise c.fail(f"manifest has field {key!r}, which version {version} does not have")
+    if version == REPLICATED_VERSION and body.get("replicated") is not True:
+        raise c.fail("manifest is framed as version 2 (replicated) but not marked replicated")
+    if version == SHARDED_VERSION and marker not in body:
+        raise c.fail(f"manifest is framed as version 3 (sharded) but lacks field {marker!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,6 +207,7 @@ class ShardManifest:
     # map in every shard); the tensors listed here are exactly those it maps to this rank
     owners: dict[str, int] = field(default_factory=dict)
     meshes: tuple[Mesh, ...] = ()  # sharded checkpoints: the meshes its global blocks lie on
+    version: int = FORMAT_VERSION
 
 
 @dataclass(frozen=True)
@@ -238,6 +233,7 @@ class CheckpointInfo:
         shards: one reference per rank.
         replicated: the replicated state was written once, spread over the shards.
         sharded: holds blocks of global (DTensor) tensors, which restore reshards.
+        format_version: the version its main manifest is framed as.
     """
 
     step: int
@@ -250,6 +246,7 @@ class CheckpointInfo:
     shards: tuple[ShardRef, ...] = ()
     replicated: bool = False
     sharded: bool = False
+    format_version: int = FORMAT_VERSION
 
 
 class _Checker:
@@ -283,11 +280,12 @@ class _Checker:
         return name
 
 
-def parse_main(body: dict[str, Any], path: str, crc: int) -> CheckpointInfo:
-    """Validate a main manifest body."""
+def parse_main(body: dict[str, Any], path: str, crc: int, version: int) -> CheckpointInfo:
+    """Validate a main manifest body (framed as ``version``)."""
     c = _Checker(path)
     if c.get(body, "format", str) != "gpumem-checkpoint":
         raise c.fail("manifest is not a gpumem main manifest")
+    _check_version(c, body, version, "sharded")
     step = c.int_in(body, "step", 0, 2**63 - 1)
     world = c.int_in(body, "world_size", 1, MAX_WORLD)
     created = c.get(body, "created", (int, float))
@@ -327,14 +325,17 @@ def parse_main(body: dict[str, Any], path: str, crc: int) -> CheckpointInfo:
         tuple(shards),
         replicated,
         sharded,
+        version,
     )
 
 
-def parse_shard(body: dict[str, Any], path: str, crc: int) -> ShardManifest:
-    """Validate a shard manifest body: every field typed and bounded, the layout canonical."""
+def parse_shard(body: dict[str, Any], path: str, crc: int, version: int) -> ShardManifest:
+    """Validate a shard manifest body (framed as ``version``): every field typed and bounded, the
+    layout canonical."""
     c = _Checker(path)
     if c.get(body, "format", str) != "gpumem-checkpoint-shard":
         raise c.fail("manifest is not a gpumem shard manifest")
+    _check_version(c, body, version, "meshes")
     world = c.int_in(body, "world_size", 1, MAX_WORLD)
     rank = c.int_in(body, "rank", 0, world - 1)
     step = c.int_in(body, "step", 0, 2**63 - 1)
@@ -357,7 +358,7 @@ def parse_shard(body: dict[str, Any], path: str, crc: int) -> ShardManifest:
     tensors, names = [], set()
     per_file: dict[str, list[tuple[int, int, str]]] = {f: [] for f in files}
     for i, t in enumerate(raw):
-        entry = _parse_tensor(c, t, i, chunk, align, files, meshes)
+        entry = _parse_tensor(c, t, i, chunk, align, files, meshes, version >= SHARDED_VERSION)
         if entry.name in names:
             raise c.fail(f"tensor name {entry.name!r} appears twice", entry.name)
         names.add(entry.name)
@@ -391,6 +392,7 @@ def parse_shard(body: dict[str, Any], path: str, crc: int) -> ShardManifest:
         replicated,
         owners,
         meshes,
+        version,
     )
 
 
@@ -519,7 +521,8 @@ def _parse_tensor(
     chunk: int,
     align: int,
     files: dict[str, int],
-    meshes: tuple[Mesh, ...] = (),
+    meshes: tuple[Mesh, ...],
+    sharded: bool,
 ) -> TensorEntry:
     where = f"tensor #{i}"
     name = c.get(t, "name", str, where)
@@ -572,6 +575,8 @@ def _parse_tensor(
         raise c.fail(f"{where}: extents cover {total} bytes, tensor has {nbytes}", name)
     if "global" not in t:
         return TensorEntry(name, dtype, tuple(shape_raw), nbytes, tuple(crcs), tuple(extents))
+    if not sharded:
+        raise c.fail(f"{where}: field 'global' needs a version 3 (sharded) manifest", name)
     box, mesh, placements, tensor = _parse_global(c, t["global"], name, tuple(shape_raw), meshes)
     return TensorEntry(
         name,
@@ -585,3 +590,125 @@ def _parse_tensor(
         placements,
         tensor,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# the writer
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A manifest to write: its body and the version it is framed as (``format_version``)."""
+
+    body: dict[str, Any]
+    version: int
+
+
+def tensor_entry(
+    name: str,
+    dtype: torch.dtype,
+    shape: Sequence[int],
+    crcs: list[int],
+    extents: list[list[Any]],
+    *,
+    block: Box | None = None,
+    mesh: int | None = None,
+    placements: Sequence[str] = (),
+    tensor: str | None = None,
+) -> dict[str, Any]:
+    """One entry of a shard manifest's ``tensors``: ``extents`` are ``[file, offset, length]``
+    in tensor byte order. A block of a global tensor adds its ``block`` (global shape and
+    offsets), the ``mesh`` index and ``placements`` where the save knows them (not through
+    DCP), and the global tensor's name where it is not the entry's (``tensor``)."""
+    entry: dict[str, Any] = {
+        "name": name,
+        "dtype": DTYPE_NAMES[dtype],
+        "shape": list(shape),
+        "nbytes": math.prod(shape) * ITEMSIZE[DTYPE_NAMES[dtype]],
+        "crc32c": crcs,
+        "extents": extents,
+    }
+    if block is not None:
+        where: dict[str, Any] = {"shape": list(block.global_shape), "offsets": list(block.offsets)}
+        if mesh is not None:
+            where.update(mesh=mesh, placements=list(placements))
+        if tensor is not None:
+            where["tensor"] = tensor
+        entry["global"] = where
+    return entry
+
+
+def shard_manifest(
+    *,
+    rank: int,
+    world_size: int,
+    step: int,
+    chunk_bytes: int,
+    alignment: int,
+    files: dict[str, int],
+    tensors: list[dict[str, Any]],
+    state: Any,
+    meshes: Sequence[Mesh] | None = None,
+    owners: dict[str, int] | None = None,
+) -> Manifest:
+    """A rank's shard manifest: its data files, tensor entries (``tensor_entry``) and state tree;
+    ``owners`` for a replicated save, ``meshes`` for one that holds DTensor blocks."""
+    body: dict[str, Any] = {
+        "format": "gpumem-checkpoint-shard",
+        "rank": rank,
+        "world_size": world_size,
+        "step": step,
+        "chunk_bytes": chunk_bytes,
+        "alignment": alignment,
+        "files": files,
+        "tensors": tensors,
+    }
+    if owners is not None:
+        body.update(replicated=True, owners=owners)
+    if meshes is not None:
+        body["meshes"] = [m.as_json() for m in meshes]
+    body["state"] = state  # last (the large part), after the fields that describe the shard
+    version = format_version(replicated=owners is not None, sharded=meshes is not None)
+    return Manifest(body, version)
+
+
+def main_manifest(
+    *,
+    step: int,
+    world_size: int,
+    shards: Sequence[tuple[int, int]],
+    replicated: bool = False,
+    sharded: bool = False,
+    extra: dict[str, Any] | None = None,
+) -> Manifest:
+    """The main manifest of a step: ``shards[r]`` is rank r's shard manifest (CRC32C, tensor
+    bytes); ``extra`` adds fields a reader of this version ignores (``gpumem.dcp``'s metadata)."""
+    body: dict[str, Any] = {
+        "format": "gpumem-checkpoint",
+        "step": step,
+        "world_size": world_size,
+        "created": time.time(),
+        "versions": software_versions(),
+        "shards": [
+            {"rank": r, "file": shard_manifest_name(r), "crc32c": crc, "nbytes": n}
+            for r, (crc, n) in enumerate(shards)
+        ],
+    }
+    if replicated:
+        body["replicated"] = True
+    if sharded:
+        body["sharded"] = True
+    body.update(extra or {})
+    return Manifest(body, format_version(replicated=replicated, sharded=sharded))
+
+
+def software_versions() -> dict[str, str]:
+    """What a main manifest records as the software that wrote it."""
+    from gpumem import __version__
+
+    return {
+        "gpumem": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "pid": str(os.getpid()),
+    }

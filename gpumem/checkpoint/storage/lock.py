@@ -28,7 +28,7 @@ import stat
 import time
 import warnings
 
-from .errors import CheckpointCorruptError, CheckpointStateError
+from ..errors import CheckpointCorruptError, CheckpointStateError
 from .safe_fs import Dir, describe, io_error, read_error
 
 LOCK_FILE = ".lock"

@@ -25,7 +25,7 @@ import numpy as np
 from gpumem.reader import read_file
 from gpumem.writer import write_file
 
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointIOError
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointIOError
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 # errors that mean "this name is not the plain file or directory we made": content, not the OS

@@ -1,0 +1,225 @@
+"""Boxes of global tensors: where a block lies, the geometry of overlaps, and the one tiling rule.
+
+A block of a global tensor (a DTensor's local shard, a DCP chunk) is a *box*: an offset and a size
+per dimension. ``tile`` is the rule every check of a sharded checkpoint applies, at save time
+(before any rank writes: the blocks the ranks are about to write, see ``storage.agreement``) and
+at restore and verify time (the blocks the shard manifests record, see ``restore.reshard``): the
+blocks of one global tensor agree on dtype and global shape, and tile it exactly once. A box that
+several ranks hold is taken once, from the lowest rank, and where both copies' chunk CRC32Cs are
+known they must be equal. Pure geometry: nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+
+@dataclass(frozen=True)
+class Box:
+    """Where a block of a global tensor lies: ``offsets`` and ``shape`` per dimension."""
+
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_full(self) -> bool:
+        return self.shape == self.global_shape
+
+    @classmethod
+    def full(cls, shape: tuple[int, ...]) -> Box:
+        return cls(tuple(shape), (0,) * len(shape), tuple(shape))
+
+    def text(self) -> str:
+        spans = ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.shape, strict=True))
+        return f"[{spans}] of {tuple(self.global_shape)}"
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """A device mesh as a manifest records it: its shape, dimension names and global ranks."""
+
+    shape: tuple[int, ...]
+    names: tuple[str, ...] | None
+    ranks: tuple[int, ...]  # row-major, len == prod(shape)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "shape": list(self.shape),
+            "names": self.names and list(self.names),
+            "ranks": list(self.ranks),
+        }
+
+
+class Placed(Protocol):
+    """A block as the tiling rule sees it: which rank holds it, where it lies, its dtype (the
+    format's name), and its chunk CRC32Cs where they are known (None before they are written)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def box(self) -> Box: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def crcs(self) -> tuple[int, ...] | None: ...
+    @property
+    def chunk(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A block a rank is about to write: its CRCs are not known yet."""
+
+    rank: int
+    box: Box
+    dtype: str
+    crcs: tuple[int, ...] | None = None
+    chunk: int = 0
+
+
+class TilingError(ValueError):
+    """The blocks of a global tensor do not tile it exactly once; the message names the tensor
+    and the ranks."""
+
+
+B = TypeVar("B", bound=Placed)
+
+
+def tile(name: str, blocks: Sequence[B], *, copies: bool = True) -> tuple[list[B], bool]:
+    """The blocks of the global tensor ``name`` with every box once (a box several ranks hold is
+    taken from the lowest rank), and whether such a shared box exists. ``copies=False``: a box
+    may appear only once (a second copy overlaps the first).
+
+    Raises:
+        TilingError: no blocks, two copies of one box with different chunk CRC32Cs (diverged
+            replicas), blocks that disagree on dtype or global shape, overlap, or leave part of
+            the tensor uncovered.
+    """
+    if not blocks:
+        raise TilingError(f"global tensor {name!r} has no blocks")
+    kept: dict[tuple[tuple[int, ...], tuple[int, ...]], B] = {}
+    shared = False
+    for b in sorted(blocks, key=lambda b: b.rank):
+        key = (b.box.offsets, b.box.shape)
+        other = kept.get(key)
+        if other is None:
+            kept[key] = b
+            continue
+        if not copies and b.box.numel:
+            raise TilingError(
+                f"global tensor {name!r}: rank {other.rank}'s block {other.box.text()} overlaps "
+                f"rank {b.rank}'s {b.box.text()}"
+            )
+        shared = True
+        if (
+            other.crcs is not None
+            and b.crcs is not None
+            and other.chunk == b.chunk
+            and other.crcs != b.crcs
+        ):
+            raise TilingError(
+                f"global tensor {name!r}: ranks {other.rank} and {b.rank} wrote the same block "
+                f"{b.box.text()} with different bytes (diverged replicas)"
+            )
+    out = list(kept.values())
+    first = out[0]
+    gshape = first.box.global_shape
+    for b in out[1:]:
+        if b.dtype != first.dtype or b.box.global_shape != gshape:
+            raise TilingError(
+                f"global tensor {name!r} is {first.dtype} {gshape} on rank {first.rank} but "
+                f"{b.dtype} {b.box.global_shape} on rank {b.rank}"
+            )
+    if _rows_tile(gshape, [b.box for b in out]):
+        return out, shared
+    pair = overlaps([b.box for b in out])
+    if pair is not None:
+        a, b = out[pair[0]], out[pair[1]]
+        raise TilingError(
+            f"global tensor {name!r}: rank {a.rank}'s block {a.box.text()} overlaps rank "
+            f"{b.rank}'s {b.box.text()}"
+        )
+    total = sum(b.box.numel for b in out)
+    want = math.prod(gshape)
+    if total != want:
+        ranks = sorted({b.rank for b in out})
+        raise TilingError(
+            f"the blocks of global tensor {name!r} (held by rank(s) {ranks}) cover {total} of "
+            f"its {want} elements (shape {gshape}): a rank's part is missing"
+        )
+    return out, shared
+
+
+def _rows_tile(gshape: tuple[int, ...], boxes: list[Box]) -> bool:
+    """The fast case (FSDP's layout): every box spans whole rows of dimension 0 and, by start,
+    each begins where the previous ended, the last at the end: they tile ``gshape``. False says
+    only "not shown here" (the general check decides)."""
+    if not gshape:
+        return False
+    rest = gshape[1:]
+    spans = []
+    for b in boxes:
+        if b.shape[1:] != rest or any(b.offsets[1:]) or len(b.offsets) != len(gshape):
+            return False
+        if b.shape[0]:
+            spans.append((b.offsets[0], b.shape[0]))
+    end = 0
+    for start, n in sorted(spans):
+        if start != end:
+            return False
+        end += n
+    return end == gshape[0] or 0 in rest
+
+
+def intersect(a: Box, b: Box) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(offsets, shape) of the overlap of two boxes of one global tensor, or None."""
+    lo = tuple(max(x, y) for x, y in zip(a.offsets, b.offsets, strict=True))
+    hi = tuple(
+        min(x + s, y + t) for x, s, y, t in zip(a.offsets, a.shape, b.offsets, b.shape, strict=True)
+    )
+    if any(h <= low for low, h in zip(lo, hi, strict=True)):
+        return None
+    return lo, tuple(h - low for low, h in zip(lo, hi, strict=True))
+
+
+def is_contiguous_block(shape: tuple[int, ...], sub_shape: tuple[int, ...]) -> bool:
+    """Whether a sub-box of ``sub_shape`` is one contiguous run of a row-major ``shape``: leading
+    dimensions of size 1, then one partial dimension, then full ones."""
+    k = 0
+    while k < len(shape) and sub_shape[k] == 1:
+        k += 1
+    return all(sub_shape[j] == shape[j] for j in range(k + 1, len(shape)))
+
+
+def linear(shape: tuple[int, ...], index: tuple[int, ...]) -> int:
+    """Row-major element index of ``index`` in ``shape``."""
+    out = 0
+    for d, i in zip(shape, index, strict=True):
+        out = out * d + i
+    return out
+
+
+def overlaps(boxes: list[Box]) -> tuple[int, int] | None:
+    """The first pair of boxes (indices) that overlap, or None (sorted sweep on dimension 0)."""
+    order = sorted(range(len(boxes)), key=lambda i: boxes[i].offsets)
+    active: list[int] = []
+    for i in order:
+        b = boxes[i]
+        if not b.numel:
+            continue
+        if b.offsets:  # 0-d boxes all cover the one element: they stay active
+            start = b.offsets[0]
+            active = [j for j in active if boxes[j].offsets[0] + boxes[j].shape[0] > start]
+        for j in active:
+            if intersect(boxes[j], b) is not None:
+                return j, i
+        active.append(i)
+    return None

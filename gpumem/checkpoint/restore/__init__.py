@@ -1,0 +1,12 @@
+"""The restore: a checkpoint read back, every byte verified, then loaded all or nothing.
+
+Modules:
+    candidates  restore(): newest first, one verdict on every rank, fallback to older steps
+    plain       PlainRestore: one saved rank's tree read whole (DDP, single process, pipeline)
+    sharded     ShardedRestore: DTensor state resharded into the objects' layout on any world size
+    reshard     GlobalIndex (saved blocks by global tensor) and Reader (chunk-aligned box reads)
+    files       a shard's tensors read from its data files, CRCs checked as the bytes land
+    validate    does a decoded tree fit the objects? checked before any is touched
+    load        apply(): the tree loaded into the objects with rollback
+    verify      verify(): a whole checkpoint directory checked without objects
+"""

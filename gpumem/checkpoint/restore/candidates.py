@@ -1,0 +1,213 @@
+"""Which checkpoint a restore takes: the newest one that verifies, the same one on every rank.
+
+The protocol of ``restore`` (every rank runs it; ``Checkpointer.restore`` is a collective):
+
+1. the candidates are the committed ``step-<N>`` directories, newest first (or the one
+   checkpoint the caller named); ``latest`` is only cross-checked, never relied on;
+2. each rank *prepares* the candidate (``StagedRestore.prepare``: read, verify, decode and
+   validate against the objects, touching none of them): plain state through ``PlainRestore``,
+   DTensor state on either side through ``ShardedRestore``;
+3. the ranks agree on the outcome with one all-reduce (the worst wins): all prepared, or some
+   candidate is damaged (every rank falls back to the next older one, with a
+   CheckpointFallbackWarning), or some rank must raise;
+4. all prepared: each rank *applies* it (``StagedRestore.apply``), all or nothing, agreeing
+   again before anything that cannot be rolled back; optionally each rank verifies what it
+   loaded (``verify_loaded``).
+
+One rule for what a failure means (``outcome``): content that fails to decode or validate,
+whatever raised, is CheckpointCorruptError for that step, and restore falls back to the next
+older one; an operating-system error is CheckpointIOError and is raised; a checkpoint that does
+not fit the objects is CheckpointStateError and is raised.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from ..capture.training_state import TrainingState
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointFallbackWarning,
+    CheckpointIOError,
+)
+from ..group import Group
+from ..storage.directory import LATEST, load_info, open_step, read_latest, step_dirs
+from ..storage.format import CheckpointInfo
+from ..storage.safe_fs import Dir, io_error
+from .files import open_checkpoint
+from .plain import PlainRestore
+from .sharded import ShardedRestore, has_dtensors
+
+# a candidate's outcome, agreed over the ranks with a MIN: the worst one wins
+_RAISE, _DAMAGED, _OK = 0, 1, 2
+
+
+class StagedRestore(Protocol):
+    """A candidate checkpoint staged for this rank: plain (``PlainRestore``) or sharded
+    (``ShardedRestore``), behind one interface."""
+
+    info: CheckpointInfo
+
+    def prepare(self) -> StagedRestore:
+        """Read, verify, decode and validate; touch no object. Raises what is wrong."""
+        ...
+
+    def apply(self, agree: Callable[[bool], bool] | None = None) -> None:
+        """Load into the objects, all or nothing (``agree``: every rank loaded its part)."""
+        ...
+
+    def verify_loaded(self) -> int:
+        """Check the loaded tensors where they live; how many were checked."""
+        ...
+
+
+def restore(
+    state: TrainingState,
+    group: Group,
+    stage: Callable[[int], torch.Tensor],
+    *,
+    root: Dir | None,
+    directory: Path,
+    path: str | os.PathLike | None = None,
+    verify_loaded: bool = False,
+) -> tuple[int | None, StagedRestore | None]:
+    """Restore the newest checkpoint that verifies into ``state``'s objects (see the module
+    docstring): (its step, the staged restore), or (None, None) when there is none at all.
+
+    Args:
+        state: the objects to load.
+        group: the ranks that restore together.
+        stage: host staging memory of ``n`` bytes for a sharded restore.
+        root: the checkpoint directory, open (None: it does not exist, yet, on this rank).
+        directory: its path, for messages.
+        path: one checkpoint directory to restore instead of the newest one.
+        verify_loaded: check the loaded tensors where they live (on a GPU: the Triton CRC32C).
+
+    Raises:
+        CheckpointCorruptError: every checkpoint (or the one named by ``path``) is damaged.
+        CheckpointStateError: the checkpoint does not fit the objects.
+        CheckpointIOError: the operating system failed a read.
+    """
+    dtensors = has_dtensors(state.model, state.optimizer)
+    names: list[str | None] = [None]  # None: the caller's path
+    if path is None:
+        names = [n for _, n in step_dirs(root)] if root is not None else []
+        if root is not None:
+            _check_pointer(root, directory)
+    failures: list[CheckpointError] = []
+    for name in names:
+        label = os.fsdecode(path) if path is not None else str(directory / str(name))
+        status, err, staged = _OK, None, None
+        try:
+            with _open(root, name, path) as step:
+                staged = _prepare(step, state, group, stage, dtensors)
+        except Exception as exc:
+            status, err = outcome(exc, label)
+        agreed = group.all_reduce(status, "min")
+        if agreed == _RAISE:
+            raise err or CheckpointError(
+                f"{label}: another rank cannot restore it (its error is raised there)"
+            )
+        if agreed == _OK:
+            assert staged is not None
+            try:
+                staged.apply(agree=lambda ok: group.all_reduce(int(ok), "min") == 1)
+            except CheckpointCorruptError as exc:
+                err = exc
+            else:
+                if verify_loaded:
+                    staged.verify_loaded()
+                return staged.info.step, staged
+        failures.append(
+            err or CheckpointCorruptError(f"{label}: damaged on another rank", path=label)
+        )
+        if path is None:
+            warnings.warn(
+                f"skipping damaged checkpoint {os.path.basename(label)}: {failures[-1]}",
+                CheckpointFallbackWarning,
+                stacklevel=3,
+            )
+    if not failures:
+        return None, None
+    if len(failures) == 1:
+        raise failures[0]
+    raise CheckpointCorruptError(
+        f"all {len(failures)} checkpoints in {directory} are damaged; newest: {failures[0]}",
+        path=str(directory),
+    )
+
+
+def _prepare(
+    step: Dir, state: TrainingState, group: Group, stage: Callable, dtensors: bool
+) -> StagedRestore:
+    """The candidate ``step`` prepared for this rank: block by block into the objects' layout
+    when either side holds DTensor state, else whole from one saved rank."""
+    info = load_info(step)
+    staged: StagedRestore
+    if info.sharded or dtensors:
+        staged = ShardedRestore(step, info, group.rank, group.world_size, state, stage)
+    else:
+        staged = PlainRestore(step, info, group.rank, group.world_size, state)
+    return staged.prepare()
+
+
+def _open(root: Dir | None, name: str | None, path: str | os.PathLike | None) -> Dir:
+    if name is None:
+        assert path is not None
+        return open_checkpoint(path)
+    assert root is not None
+    return open_step(root, name)
+
+
+def _check_pointer(root: Dir, directory: Path) -> None:
+    """Cross-check ``latest`` (restore does not depend on it): a stale, damaged or unreadable
+    pointer gets a warning."""
+    try:
+        ptr = read_latest(root)
+        if ptr is None:
+            return
+        with open_step(root, ptr["path"]) as step:
+            info = load_info(step)
+        if info.manifest_crc32c != ptr["manifest_crc32c"] or info.step != ptr["step"]:
+            raise CheckpointCorruptError(
+                f"{root.path / LATEST} names {ptr['path']} with another manifest CRC (stale)"
+            )
+    except CheckpointError as exc:
+        warnings.warn(
+            f"ignoring the latest pointer: {exc}; scanning {directory}",
+            CheckpointFallbackWarning,
+            stacklevel=4,
+        )
+
+
+def outcome(exc: Exception, where: str) -> tuple[int, CheckpointError]:
+    """What a failure to read or check a candidate checkpoint means: damage (fall back to an
+    older one) or an error to raise. The one rule: whatever the content made fail is damage;
+    the operating system's errors and a checkpoint that does not fit the objects are raised."""
+    if isinstance(exc, CheckpointCorruptError):
+        return _DAMAGED, exc
+    if isinstance(exc, CheckpointError):
+        return _RAISE, exc
+    if isinstance(exc, MemoryError):
+        err: CheckpointError = CheckpointIOError(
+            f"{where}: out of memory while reading it; free memory and restore again",
+            errno=errno.ENOMEM,
+            filename=where,
+        )
+        return _RAISE, err
+    if isinstance(exc, OSError):
+        return _RAISE, io_error(exc, exc.filename or where, "reading")
+    err = CheckpointCorruptError(
+        f"{where}: its state fails to decode or validate ({type(exc).__name__}: {str(exc)[:300]})",
+        path=where,
+    )
+    err.__cause__ = exc
+    return _DAMAGED, err

@@ -1,0 +1,246 @@
+"""Restoring plain (non-DTensor) state: one saved rank's tree, read and verified, then loaded.
+
+``PlainRestore`` is the restore of a checkpoint whose state is plain on both sides (DDP, single
+process, pipeline stages): ``prepare`` reads this rank's source shard whole into fresh host
+memory (saved rank ``rank mod N`` on another world size, once every saved rank is shown to hold
+the same model and optimizer state, or it was declared replicated at save time), decodes it and
+checks it against the objects; ``apply`` loads it all or nothing (``load.apply``);
+``verify_loaded`` checks the loaded tensors where they now live.
+
+A replicated checkpoint (``Checkpointer(..., replicated=True)``) holds each replicated tensor in
+one shard: a rank reads its own shard whole, then from each other shard only the extents of the
+replicated tensors it holds (``read_tensors``), each verified by its chunk CRC32Cs; the shards
+must record the same owners and replicated trees (``check_same``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpumem._native import as_bytes
+from gpumem.checksum import chunk_crc32c
+
+from ..capture.codec import TensorTable, decode
+from ..capture.replicated import REPLICATED_KEYS
+from ..capture.training_state import TrainingState, capture
+from ..errors import CheckpointCorruptError, CheckpointStateError
+from ..storage.directory import load_shard_manifest
+from ..storage.format import CheckpointInfo, ShardManifest, TensorEntry
+from ..storage.safe_fs import Dir
+from .files import load_shard, read_tensors
+from .load import apply
+from .validate import check_targets
+
+
+class PlainRestore:
+    """One plain checkpoint staged for this rank: ``prepare()`` reads, verifies and validates,
+    ``apply()`` loads, ``verify_loaded()`` checks what was loaded.
+
+    Args:
+        step, info: the checkpoint directory (open: every file is read through it) and its main
+            manifest.
+        rank, world_size: this rank in the restoring job.
+        state: the objects to restore into.
+    """
+
+    def __init__(
+        self, step: Dir, info: CheckpointInfo, rank: int, world_size: int, state: TrainingState
+    ):
+        self.step, self.info, self.rank, self.world_size = step, info, rank, world_size
+        self.state = state
+        self.path = step.path
+        self.tree: dict[str, Any] = {}
+        self.shard: ShardManifest | None = None
+
+    def prepare(self) -> PlainRestore:
+        """Read, verify, decode and validate this rank's state; touch no object.
+
+        Raises:
+            CheckpointCorruptError: damage anywhere this rank reads, or saved values the objects
+                cannot take.
+            CheckpointStateError: the checkpoint does not fit the objects, or another world size
+                without replicated state.
+            CheckpointIOError: the operating system failed a read.
+        """
+        info, src = self.info, self.rank
+        if info.world_size != self.world_size:
+            if not info.replicated:  # replicated=True declared it at save time
+                check_replicated(self.step, info, self.world_size)
+            src = self.rank % info.world_size
+        self.tree, self.shard = restore_tree(self.step, info, src)
+        check_targets(self.tree, self.state)
+        return self
+
+    def apply(self, agree: Callable[[bool], bool] | None = None) -> None:
+        """Load the prepared tree into the objects, all or nothing (``load.apply``)."""
+        apply(self.tree, self.state, agree=agree)
+
+    def verify_loaded(self) -> int:
+        """CRC32C of the loaded tensors against the manifest, where they live; how many."""
+        objects = dataclasses.replace(self.state, extra=None, rng=False)
+        assert self.shard is not None
+        return verify_loaded(self.path, self.shard, capture(self.info.step, objects).table)
+
+
+def read_replicated(
+    step: Dir, info: CheckpointInfo, shard: ShardManifest, out: dict[str, torch.Tensor]
+) -> tuple[TensorEntry, ...]:
+    """Add to ``out`` the replicated tensors ``shard`` refers to that other shards hold, each
+    read and verified from its owner's shard, whose manifest must agree with ``shard``'s
+    (``check_same``). Returns their manifest entries."""
+    wanted: dict[int, list[str]] = {}
+    for name, owner in shard.owners.items():
+        if owner != shard.rank:
+            wanted.setdefault(owner, []).append(name)
+    entries: list[TensorEntry] = []
+    for owner, names in sorted(wanted.items()):
+        other = load_shard_manifest(step, info, owner)
+        check_same(shard, other, step.path)
+        out.update(read_tensors(step, other, names))
+        held = {e.name: e for e in other.tensors}
+        entries.extend(held[n] for n in names)
+    return tuple(entries)
+
+
+def check_replicated(step: Dir, info: CheckpointInfo, world_size: int) -> None:
+    """Check from the shard manifests alone (no data read) that every rank saved the same
+    model, optimizer, scheduler and scaler state: the same tree and, tensor by tensor, the
+    same dtype, shape and chunk CRC32Cs. Then any rank's shard can seed a job of another size.
+
+    Raises:
+        CheckpointStateError: a rank's state differs (sharded state, FSDP or ZeRO, or replicas
+            that diverged), naming the first difference.
+        CheckpointCorruptError: a shard manifest is damaged.
+    """
+
+    def replicated(shard: ShardManifest) -> tuple[dict[str, Any], dict[str, Any]]:
+        tree = replicated_trees(shard)
+        tensors = {
+            t.name: (t.dtype, t.shape, t.crc32c)
+            for t in shard.tensors
+            if t.name.split(".", 1)[0] in REPLICATED_KEYS
+        }
+        return tree, tensors
+
+    path = step.path
+    ref_tree, ref_tensors = replicated(load_shard_manifest(step, info, 0))
+    for rank in range(1, info.world_size):
+        tree, tensors = replicated(load_shard_manifest(step, info, rank))
+        diff = next((k for k in REPLICATED_KEYS if tree[k] != ref_tree[k]), None)
+        if diff is None and tensors != ref_tensors:
+            names = sorted(set(tensors) ^ set(ref_tensors)) or sorted(
+                n for n in tensors if tensors[n] != ref_tensors[n]
+            )
+            diff = f"tensor {names[0]!r}"
+        if diff is not None:
+            raise CheckpointStateError(
+                f"{path} was saved by {info.world_size} ranks, this job has {world_size}, and "
+                f"rank {rank} saved another {diff} than rank 0: plain (non-DTensor) state that "
+                "differs between ranks (sharded by hand, pipeline stages, or diverged replicas) "
+                f"cannot be resharded. Restore with {info.world_size} ranks, or save sharded "
+                "state as DTensors (FSDP2 / tensor parallel)"
+            )
+
+
+def restore_tree(
+    step: Dir, info: CheckpointInfo, rank: int
+) -> tuple[dict[str, Any], ShardManifest]:
+    """The verified, decoded state tree of ``rank`` (tensors loaded into fresh host memory) and
+    its shard manifest. For a replicated checkpoint, the replicated tensors other shards hold
+    are read from them, and the returned manifest's ``tensors`` also lists their entries (every
+    tensor the tree holds, for ``verify_loaded``)."""
+    path = step.path
+    shard, tensors = load_shard(step, info, rank)
+    if shard.replicated:
+        foreign = read_replicated(step, info, shard, tensors)
+        shard = dataclasses.replace(shard, tensors=shard.tensors + foreign)
+    tree = decode(shard.state, tensors, f"{path.name}.rank{rank}")
+    if not isinstance(tree, dict) or tree.get("step") != info.step:
+        raise CheckpointCorruptError(
+            f"{path}: rank {rank} state does not record step {info.step}", path=str(path)
+        )
+    return tree, shard
+
+
+def verify_loaded(path: Path, shard: ShardManifest, table: TensorTable) -> int:
+    """Check the tensors now held by the restored objects (``table``: a capture of them) against
+    the manifest's chunk CRC32Cs, where they live: CUDA tensors with the Triton kernel on the
+    device, host tensors natively. Catches damage in the host-to-device copy or device memory.
+
+    Returns:
+        How many tensors were checked (those whose name and size match a manifest entry).
+
+    Raises:
+        CheckpointCorruptError: naming the tensor; the objects hold the damaged values.
+    """
+    entries = {e.name: e for e in shard.tensors}
+    checked = 0
+    for name, t in zip(table.names, table.tensors, strict=True):
+        entry = entries.get(name)
+        if entry is None or entry.nbytes != t.numel() * t.element_size() or not entry.nbytes:
+            continue
+        got = chunk_crc32c(as_bytes(t.contiguous()), shard.chunk_bytes).tolist()
+        bad = next(
+            (k for k, (a, b) in enumerate(zip(got, entry.crc32c, strict=True)) if a != b), None
+        )
+        if bad is not None:
+            lo = bad * shard.chunk_bytes
+            raise CheckpointCorruptError(
+                f"{path}: after loading, tensor {name!r} on {t.device} holds "
+                f"bytes {lo}-{min(lo + shard.chunk_bytes, entry.nbytes)} that "
+                "fail their CRC32C (damaged in the copy to its device or in "
+                "its memory); the objects now hold these values: restore again",
+                path=str(path),
+                tensor=name,
+            )
+        checked += 1
+    return checked
+
+
+def replicated_trees(shard: ShardManifest) -> dict[str, Any]:
+    """The JSON trees of a shard's ``REPLICATED_KEYS`` sections (None where absent)."""
+    state = shard.state if isinstance(shard.state, dict) else {}
+    return {k: state.get(k) for k in REPLICATED_KEYS}
+
+
+def check_same(own: ShardManifest, other: ShardManifest, path: Path) -> None:
+    """Two shards of one replicated checkpoint must record the same owners, chunk size and
+    replicated trees (the save checked this; a difference means the files do not belong together).
+
+    Raises:
+        CheckpointCorruptError: naming the rank and the key that differ.
+    """
+    where = f"{path}: rank {other.rank}'s shard and rank {own.rank}'s"
+    if not other.replicated:
+        raise CheckpointCorruptError(f"{where}: only one is marked replicated", path=str(path))
+    if other.owners != own.owners:
+        name = next(
+            (
+                n
+                for n in sorted(set(own.owners) | set(other.owners))
+                if own.owners.get(n) != other.owners.get(n)
+            ),
+            "?",
+        )
+        raise CheckpointCorruptError(
+            f"{where} record other owners of the replicated tensor {name!r}",
+            path=str(path),
+            tensor=name,
+        )
+    if other.chunk_bytes != own.chunk_bytes:
+        raise CheckpointCorruptError(
+            f"{where} record chunk_bytes {other.chunk_bytes} and {own.chunk_bytes}", path=str(path)
+        )
+    mine, theirs = replicated_trees(own), replicated_trees(other)
+    for key in REPLICATED_KEYS:
+        if mine[key] != theirs[key]:
+            raise CheckpointCorruptError(
+                f"{where} record different {key} state, though the checkpoint is replicated "
+                "(written once, spread over the shards): its shards do not belong together",
+                path=str(path),
+            )

@@ -1,0 +1,12 @@
+"""The storage: the on-disk format and how a save becomes durable and visible in a directory.
+
+Modules:
+    format     the format, reader and writer: manifests framed with CRC32C and version, validated
+    directory  the checkpoint directory: manifest files, the commit rename, latest, retention
+    commit     Commit: one save's collectives, writes, manifests, commit and retention
+    writes     one rank's data files from the snapshot, its host CRCs, its shard manifest
+    agreement  what the ranks of a save must agree on, and the sharded save's block check
+    root       the directory as an open Checkpointer holds it: opened, locked, agreed on
+    lock       one job per directory: the advisory lock rank 0 holds
+    safe_fs    descriptor-relative, no-follow file access a hostile directory cannot redirect
+"""

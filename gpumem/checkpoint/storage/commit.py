@@ -1,0 +1,335 @@
+"""One save's way to disk on the persist thread: the collectives, the writes, the manifests, the
+commit and retention.
+
+The protocol, on every rank (``Commit.run``):
+
+1. rank 0 creates ``.tmp-step-<N>/`` (what a failed save left is removed first: the lock is
+   ours and no other save is in flight);
+2. one collective tells every rank whether rank 0 created it, whether all ranks save the same
+   step and sections and declared the same replicated state, and all-gathers the DTensor blocks
+   every rank is about to write, which every rank checks (``agreement``) before anything is
+   written; a rank that never joins (save() called on some ranks only) makes the roll call
+   raise on every rank that did, naming it;
+3. each rank writes its data files from the snapshot as its batches are staged, checksums its
+   host-staged pieces beside the writes (``writes``), and writes its shard manifest;
+4. a second collective gathers each rank's outcome, shard-manifest CRC and size; rank 0 writes
+   the main manifest and renames the directory into place (**the commit**,
+   ``directory.commit``), then moves ``latest``;
+5. a last collective tells every rank whether rank 0 committed (a failure there is raised on
+   every rank with rank 0's reason); rank 0 then applies retention, after the other ranks know
+   the step is committed (they do not wait for it).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..capture.replicated import check_signatures, signature
+from ..capture.training_state import Capture, sections
+from ..errors import (
+    CheckpointBranchWarning,
+    CheckpointError,
+    CheckpointIOError,
+    CheckpointPointerWarning,
+    CheckpointStateError,
+)
+from ..group import Group
+from ..stage.snapshot import Snapshot
+from . import directory
+from .agreement import check_agreement, check_complete, check_layout, layout_blob
+from .format import MAIN_MANIFEST, main_manifest, shard_manifest_name
+from .safe_fs import Dir
+from .writes import HostChecksums, rank_manifest, write_batches
+
+_STATE = "CheckpointStateError: "  # how broadcast_text marks a state error (vs. an I/O one)
+
+
+@dataclass(frozen=True)
+class CommitOptions:
+    """The Checkpointer's settings every commit shares.
+
+    Attributes:
+        root_path: the checkpoint directory (for messages; rank 0 passes its open ``Dir``).
+        alignment: extent alignment in the data files.
+        direct: write data files with O_DIRECT where the file system allows.
+        group: the process group (rank, world size, collectives).
+        keep: checkpoints to keep (None: all).
+    """
+
+    root_path: Path
+    alignment: int
+    direct: bool
+    group: Group
+    keep: int | None
+
+
+class Commit:
+    """The persist thread's part of one save (see the module docstring): ``run()`` raises what
+    failed, after telling the other ranks; ``close()`` releases the temporary directory."""
+
+    def __init__(
+        self,
+        options: CommitOptions,
+        root: Dir | None,
+        step: int,
+        captured: Capture,
+        snapshot: Snapshot,
+    ):
+        self.options, self.root, self.step = options, root, step
+        self.captured, self.snapshot, self.stats = captured, snapshot, snapshot.stats
+        self.group = options.group
+        self._tmp_name = directory.tmp_name(step)
+        self._tmp: Dir | None = None  # the open temporary directory of this save
+        self._shared_blocks = False  # several ranks write one DTensor block (check_layout)
+        self._committed_name: str | None = None
+
+    def run(self) -> None:
+        """Steps 1-5 of the module docstring, on the persist thread."""
+        self._shared_blocks = self._agree(self._prepare_tmp())
+        local_error, shard_crc = self._write_shard()
+        self._commit_everywhere(local_error, shard_crc)
+
+    def close(self) -> None:
+        if self._tmp is not None:
+            self._tmp.close()
+
+    # ------------------------------------------------------------------ steps 1-2
+
+    def _prepare_tmp(self) -> BaseException | None:
+        """Rank 0: clean up and create the temporary directory; what failed, or None."""
+        if self.group.rank != 0:
+            return None
+        try:
+            assert self.root is not None  # rank 0 opened it in the constructor
+            directory.clean_stale(self.root)
+            self._tmp = directory.prepare_tmp(self.root, self.step)
+        except OSError as exc:
+            where = self.options.root_path / self._tmp_name
+            return CheckpointIOError.wrap(exc, f"creating {where}")
+        return None
+
+    def _agree(self, local_error: BaseException | None) -> bool:
+        """The first collective and the checks every rank makes on it; whether a DTensor box
+        is written by several ranks (its copies are compared at commit)."""
+        g, tree, chunk = self.group, self.captured.tree, self.snapshot.chunk
+        ok = int(local_error is None)
+        try:
+            sig = signature(tree, self.captured.replication, chunk)
+        except Exception as exc:
+            local_error, ok, sig = exc, 0, signature(tree, None, chunk)
+        blob = layout_blob(self.snapshot.table)
+        try:
+            g.join(f"save(step={self.step})")
+            gathered = g.all_gather([ok, self.step, sections(tree), len(blob), *sig])
+            sizes = [row[3] for row in gathered]
+            blobs = g.all_gather_bytes(blob, sizes) if any(sizes) else []
+        except CheckpointError:
+            self._discard()
+            raise
+        bad = [r for r, row in enumerate(gathered) if not row[0]]
+        if bad:
+            self._discard()
+            raise local_error or CheckpointIOError(
+                f"rank(s) {bad} failed before writing (rank 0 creates "
+                f"{self.options.root_path / self._tmp_name}); step {self.step} was not saved"
+            )
+        try:
+            check_agreement([row[1:3] for row in gathered])
+            check_signatures([row[4:] for row in gathered])
+            return check_layout(blobs) if blobs else False
+        except CheckpointError:
+            self._discard()
+            raise
+
+    # ------------------------------------------------------------------ step 3
+
+    def _write_shard(self) -> tuple[BaseException | None, int]:
+        """This rank's data files and shard manifest: (what failed or None, the manifest's
+        CRC32C). Batch b is written as soon as it is staged, its checksums taken beside the
+        write; outside batched mode the writes start once the copy ends (writing beside it
+        would take memory bandwidth from the copy training waits for) and are then written
+        concurrently."""
+        snap, rank, direct = self.snapshot, self.group.rank, self.options.direct
+        n = len(snap.plan.batch_sizes)
+        files: dict[str, int] = {}
+        crcs = HostChecksums(snap, self.step)
+        try:
+            tmp = self._open_tmp()
+            if not snap.batched:
+                snap.staged.wait()
+                _raise(snap.error)
+                files.update(write_batches(tmp, snap, rank, range(n), direct))
+                crcs.wait(range(n))
+                _raise(snap.error)
+            b = 0
+            while snap.batched and b < n:
+                ready = snap.wait_ready(b)
+                # batch b alone while later ones are still being copied (the write hides the
+                # copy); once the rest is staged too, the rest at once
+                todo = range(b, n if ready == n else b + 1)
+                files.update(write_batches(tmp, snap, rank, todo, direct))
+                crcs.wait(todo)  # a slot is reused only once its checksums are taken too
+                _raise(snap.error)
+                b = todo[-1] + 1
+                snap.release(b)
+            manifest = rank_manifest(
+                self.captured,
+                snap,
+                rank=rank,
+                world_size=self.group.world_size,
+                step=self.step,
+                alignment=self.options.alignment,
+                files=files,
+            )
+            return None, directory.write_manifest(tmp, shard_manifest_name(rank), manifest)
+        except BaseException as exc:
+            snap.fail(exc)
+            return exc, 0
+        finally:
+            crcs.join()
+
+    # ------------------------------------------------------------------ steps 4-5
+
+    def _commit_everywhere(self, local_error: BaseException | None, shard_crc: int) -> None:
+        g, sharded = self.group, int(self.snapshot.table.sharded)
+        gathered = g.all_gather([int(local_error is None), shard_crc, self.stats.nbytes, sharded])
+        bad = [r for r, row in enumerate(gathered) if not row[0]]
+        if bad:
+            self._discard()  # nobody writes any more: free the space a failed save took
+            raise (
+                as_error(local_error, self.step)
+                if local_error
+                else CheckpointIOError(
+                    f"rank(s) {bad} failed to write their shards; step {self.step} was not "
+                    "committed"
+                )
+            )
+        ok = 1
+        if g.rank == 0:
+            try:
+                self._commit(gathered)
+            except BaseException as exc:
+                local_error, ok = exc, 0
+                # not committed: its space is freed now, not at the next start (a full disk
+                # would stay full); a step moved aside to be replaced goes back into place
+                assert self.root is not None
+                directory.clean_stale(self.root)
+        if g.all_reduce(ok, "min") == 0:
+            self._raise_commit_failure(local_error)
+        if not self.stats.durable_s:  # ranks other than 0: durable once rank 0 committed
+            self.stats.durable_s = time.perf_counter() - self.snapshot.t0
+        self.stats.committed = True
+        if g.rank == 0 and self._committed_name is not None:
+            self._retain(self._committed_name)
+
+    def _raise_commit_failure(self, local_error: BaseException | None) -> None:
+        """Every rank raises rank 0's reason (a sharded save it found incomplete, say)."""
+        text = ""
+        if local_error is not None:
+            state = isinstance(local_error, CheckpointStateError)
+            text = (_STATE if state else "") + str(local_error)
+        reason = self.group.broadcast_text(text, 0)
+        if local_error is not None:
+            raise as_error(local_error, self.step)
+        if reason.startswith(_STATE):
+            raise CheckpointStateError(reason[len(_STATE) :])
+        raise CheckpointIOError(f"rank 0 failed to commit step {self.step}: {reason}")
+
+    def _commit(self, gathered: list[list[int]]) -> None:
+        """Rank 0: the main manifest, the rename into place, ``latest``."""
+        tmp = self._open_tmp()
+        sharded = any(row[3] for row in gathered)
+        manifest = main_manifest(
+            step=self.step,
+            world_size=self.group.world_size,
+            shards=[(crc, n) for _, crc, n, _ in gathered],
+            replicated=self.captured.replication is not None,
+            sharded=sharded,
+        )
+        if sharded and self._shared_blocks:  # the tiling was checked before writing
+            check_complete(tmp, [row[1] for row in gathered])
+        crc = directory.write_manifest(tmp, MAIN_MANIFEST, manifest)
+        assert self.root is not None
+        done = directory.commit(self.root, tmp, self.step, crc)
+        # committed: from here on nothing fails the save (the pointer and retention are cleanup)
+        self.stats.committed = True
+        self.stats.durable_s = time.perf_counter() - self.snapshot.t0
+        if done.set_aside:
+            self.stats.set_aside = tuple(done.set_aside)
+            _warn_set_aside(self.step, done.set_aside)
+        if done.pointer_error is not None:
+            err = done.pointer_error
+            self.stats.latest_error = f"{err.strerror or err} ({err.filename or 'latest'})"
+            warnings.warn(
+                f"step {self.step} is committed ({self.options.root_path / done.name}), but the "
+                f"latest pointer was not updated: {self.stats.latest_error}. restore() does not "
+                "need it (it takes the newest step that verifies); the next save moves it.",
+                CheckpointPointerWarning,
+                stacklevel=1,
+            )
+        self._committed_name = done.name  # retention runs once every rank knows
+
+    def _retain(self, committed: str) -> None:
+        """Rank 0, after the commit: remove checkpoints beyond ``keep`` (cleanup: a failure is a
+        warning, and the next save tries again)."""
+        assert self.root is not None
+        keep = self.options.keep
+        try:
+            directory.apply_retention(self.root, keep, committed)
+        except OSError as exc:
+            warnings.warn(
+                f"step {self.step} is committed, but removing checkpoints beyond keep={keep} "
+                f"failed ({exc.strerror or exc}); they stay on disk, and the next save tries "
+                "again",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+
+    # ------------------------------------------------------------------ the directory
+
+    def _open_tmp(self) -> Dir:
+        """The temporary directory: rank 0 created it; the others open it (and, on first use,
+        the root) once rank 0 said it exists."""
+        if self._tmp is None:
+            if self.root is None:
+                self.root = Dir.open(self.options.root_path)
+            self._tmp = self.root.sub(self._tmp_name)
+        return self._tmp
+
+    def _discard(self) -> None:
+        """Rank 0: remove a failed save's temporary directory (best effort: the next save or
+        start retries)."""
+        if self.group.rank == 0 and self.root is not None:
+            self.root.discard_tree(self._tmp_name)
+
+
+def _raise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
+
+
+def _warn_set_aside(step: int, moved: list[str]) -> None:
+    names = ", ".join(os.path.basename(p) for p in moved)
+    warnings.warn(
+        f"step {step} is lower than committed checkpoints, so training went back (a rollback, "
+        f"or a new run in an old run's directory): moved {names} to {os.path.dirname(moved[0])} "
+        "so that restore() and retention follow the new branch. If your step counter restarts "
+        "(per epoch), pass a global step to save() instead.",
+        CheckpointBranchWarning,
+        stacklevel=1,
+    )
+
+
+def as_error(exc: BaseException, step: int) -> CheckpointError:
+    """A save's failure as the CheckpointError the caller gets."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    if isinstance(exc, OSError):
+        return CheckpointIOError.wrap(exc, f"saving step {step}")
+    err = CheckpointError(f"saving step {step} failed: {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
