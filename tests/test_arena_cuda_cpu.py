@@ -117,7 +117,7 @@ lib.cudaSetDevice(3)  # this rank trains on GPU 3
 ck = gpumem.Checkpointer(os.environ["CKPT_DIR"], staging_bytes=64 << 20)
 ck.prepare(nbytes=1 << 20)  # allocates and pins on a worker thread
 ck.wait()
-arena = ck._arena
+arena = ck._staging.arena
 print(json.dumps({"pinned": arena.pinned, "ptr": arena.data_ptr, "done": arena.wait_pinned(60)}))
 ck.close()
 """

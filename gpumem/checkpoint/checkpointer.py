@@ -32,13 +32,13 @@ import warnings
 import weakref
 from typing import Any
 
-from .capture.training_state import TrainingState, capture
+from .capture.training_state import Capture, TrainingState, capture
 from .config import CheckpointerConfig, check_step, is_int
 from .errors import CheckpointError, CheckpointStateError
 from .group import Group
 from .restore.candidates import StagedRestore, restore
 from .save import Save
-from .stage.snapshot import Mode
+from .stage.snapshot import Mode, Snapshot, fence_hook
 from .stage.staging import Staging
 from .stats import SaveStats
 from .storage.commit import Commit, CommitOptions
@@ -99,22 +99,8 @@ class Checkpointer:
         coalesce: bool = False,
         device_spill_bytes: int = 0,
     ):
-        cfg = self.config = CheckpointerConfig(
-            directory,  # type: ignore[arg-type]  # made a Path (or refused) by the config
-            keep=keep,
-            staging_bytes=staging_bytes,
-            overlap=overlap,
-            chunk_bytes=chunk_bytes,
-            alignment=alignment,
-            direct_io=direct_io,
-            segment_bytes=segment_bytes,
-            lock_timeout_s=lock_timeout_s,
-            replicated=replicated,
-            collective_timeout_s=collective_timeout_s,
-            read_only=read_only,
-            coalesce=coalesce,
-            device_spill_bytes=device_spill_bytes,
-        )
+        arguments = {k: v for k, v in locals().items() if k != "self"}  # the config's fields
+        cfg = self.config = CheckpointerConfig(**arguments)  # checks every one of them
         self.directory = cfg.directory
         self._group = Group(float(cfg.collective_timeout_s))
         if coalesce and self._group.world_size > 1:
@@ -122,15 +108,9 @@ class Checkpointer:
                 f"coalesce=True is single-process only (this job has {self._group.world_size} "
                 "ranks, which would have to agree on which saves to skip); use coalesce=False"
             )
-        assert cfg.staging_bytes is not None
-        self._staging = Staging(
-            cfg.staging_bytes,
-            alignment=cfg.alignment,
-            chunk_bytes=cfg.chunk_bytes,
-            segment_bytes=cfg.segment_bytes,
-            replicated=cfg.replicated,
-            spill_bytes=cfg.device_spill_bytes,
-            coalesce=cfg.coalesce,
+        self._staging = Staging.from_config(cfg)
+        self._commit = CommitOptions(
+            cfg.directory, cfg.alignment, cfg.direct_io, self._group, cfg.keep
         )
         self._job: Save | None = None
         # background threads of every save (persist, overlap copy), started once: see Worker
@@ -140,17 +120,10 @@ class Checkpointer:
         self._hooked: dict[int, Any] = {}
         self._last_save: tuple[int, dict[str, Any]] | None = None
         self._closed = False
-        self.last_restore: StagedRestore | None = None  # the last restore (a sharded one's
-        # bytes_read / bytes_needed say what it read)
+        self.last_restore: StagedRestore | None = None  # a sharded one says what it read
         self.history: collections.deque[SaveStats] = collections.deque(maxlen=256)  # newest last
         try:
-            self._root = Root(
-                cfg.directory,
-                self._group,
-                read_only=cfg.read_only,
-                lock_timeout_s=cfg.lock_timeout_s,
-                collective_timeout_s=cfg.collective_timeout_s,
-            )
+            self._root = Root.from_config(cfg, self._group)
         except BaseException:
             _stop_workers(self._workers)
             raise
@@ -180,6 +153,7 @@ class Checkpointer:
 
     @property
     def in_flight(self) -> Save | None:
+        """The save not yet durable, if any."""
         return self._job if self._job is not None and not self._job.done.is_set() else None
 
     @property
@@ -217,10 +191,7 @@ class Checkpointer:
         Returns once the state is safe from further training (overlap mode: once buffers are
         copied; parameters and optimizer state follow in the background, fenced by the optimizer
         pre-step hook). A previous save still in flight is waited for first (back-pressure); its
-        error, if any, is raised here.
-
-        Returns:
-            The SaveStats of this save (filled in as it progresses).
+        error, if any, is raised here. Returns the SaveStats of this save (filled in as it goes).
         """
         t0 = time.perf_counter()
         check_step(step)
@@ -232,11 +203,7 @@ class Checkpointer:
                 self.wait()
             else:  # no back-pressure: only earlier failures are raised here
                 self._raise_job_error()
-            g, cfg = self._group, self.config
-            captured = capture(
-                step, state, replicated=cfg.replicated, rank=g.rank, world=g.world_size
-            )
-            job = self._stage_and_commit(step, captured, state, blocking, t0)
+            job = self._stage_and_commit(step, self._capture(step, state), state, blocking, t0)
             self._job = job
             self._last_save = (step, state.objects())
             self.history.append(job.stats)
@@ -248,8 +215,14 @@ class Checkpointer:
                 self._raise_job_error()
             return job.stats
 
+    def _capture(self, step: int, state: TrainingState) -> Capture:
+        g = self._group
+        return capture(
+            step, state, replicated=self.config.replicated, rank=g.rank, world=g.world_size
+        )
+
     def _stage_and_commit(
-        self, step: int, captured: Any, state: TrainingState, blocking: bool, t0: float
+        self, step: int, captured: Capture, state: TrainingState, blocking: bool, t0: float
     ) -> Save:
         """The save's snapshot (its mode and staging slot) and its commit, ready to run."""
         table, cfg = captured.table, self.config
@@ -264,14 +237,7 @@ class Checkpointer:
         snap, slot, victim = self._staging.snapshot(
             table, plan, mode, stats=stats, t0=t0, copier=self._workers[1]
         )
-        options = CommitOptions(
-            root_path=self.directory,
-            alignment=cfg.alignment,
-            direct=cfg.direct_io,
-            group=self._group,
-            keep=cfg.keep,
-        )
-        commit = Commit(options, self._root.opened, step, captured, snap)
+        commit = Commit(self._commit, self._root.opened, step, captured, snap)
         return Save(snap, commit, self._workers[0], self._staging.coalescer, slot, victim)
 
     def prepare(
@@ -281,67 +247,44 @@ class Checkpointer:
         nbytes: int | None = None,
         background: bool = True,
     ) -> int:
-        """Allocate and lock (or pre-fault) the host staging arena ahead of the first save().
+        """Allocate and lock (or pre-fault) the host staging arena ahead of the first save(),
+        which otherwise pays seconds per GB for it on the training loop's critical path.
 
-        Allocating and faulting in the staging memory costs seconds per GB; without prepare() the
-        first save() pays it on the training loop's critical path. prepare() sizes the arena from
-        ``model`` (parameters and buffers) and ``optimizer`` (its state, as far as it exists now),
-        or from an explicit ``nbytes``, clamped to ``staging_bytes``, and allocates it on a
-        background thread. A later save() reuses it, waiting for the allocation only if it is
-        still running; it never allocates twice, and grows the arena as before if the state
-        became larger than prepared.
-
-        Note: optimizers such as AdamW create their state (``exp_avg``, ``exp_avg_sq``) in their
-        first ``step()``. Before that the optimizer contributes nothing to the size, so call
-        prepare() after the first optimizer step, or pass ``nbytes`` (e.g. 3x the parameter bytes
-        for AdamW), to size the arena right.
-
-        Args:
-            model, optimizer: the objects that will be passed to save().
-            nbytes: explicit staging size in bytes (overrides the objects).
-            background: False allocates before returning.
+        The arena is sized from ``model`` and ``optimizer`` (its state as far as it exists now:
+        AdamW makes ``exp_avg``/``exp_avg_sq`` in its first ``step()``, so call this after it, or
+        pass ``nbytes``, e.g. 3x the parameter bytes), clamped to ``staging_bytes``, and
+        allocated on a background thread unless ``background=False``. A later save() reuses it,
+        waiting only if the allocation still runs, and grows it if the state became larger.
 
         Returns:
-            The staging size in bytes that is being prepared (0: the current arena is big enough).
+            The staging size in bytes being prepared (0: the current arena is big enough).
 
         Raises:
-            CheckpointError: a background failure of a previous save or prepare(); a failure of
-                this allocation is raised by the next save() or wait() (by prepare() itself when
-                ``background=False``).
+            CheckpointError: a background failure of a previous save or prepare(); this
+                allocation's failure is raised by the next save() or wait() (by prepare() itself
+                with ``background=False``).
         """
         with self._lock:
             self._check_open()
-            if nbytes is not None:
-                if not is_int(nbytes, 1):
-                    raise CheckpointStateError(f"nbytes={nbytes!r} must be a positive int")
-                size = nbytes
-            else:
-                if model is None and optimizer is None:
-                    raise CheckpointStateError("prepare() needs a model, an optimizer or nbytes")
-                g = self._group
+            if nbytes is not None and not is_int(nbytes, 1):
+                raise CheckpointStateError(f"nbytes={nbytes!r} must be a positive int")
+            if nbytes is None and model is None and optimizer is None:
+                raise CheckpointStateError("prepare() needs a model, an optimizer or nbytes")
+            if nbytes is None:  # what a save of these objects stages (replicated: this share)
                 state = TrainingState(model=model, optimizer=optimizer)
-                table = capture(
-                    0, state, replicated=self.config.replicated, rank=g.rank, world=g.world_size
-                ).table  # replicated: this rank's share
-                size = self._staging.arena_bytes(table)
-            return self._staging.prepare(size, background)
+                nbytes = self._staging.arena_bytes(self._capture(0, state).table)
+            return self._staging.prepare(nbytes, background)
 
     def _hook(self, optimizer: Any) -> None:
-        if id(optimizer) in self._hooked:
-            return
-        ref = weakref.ref(self)
+        """The optimizer's pre-step hook that fences overlap mode's background copy (once)."""
+        if id(optimizer) not in self._hooked:
+            ref = weakref.ref(self)
 
-        def wait_for_snapshot(opt: Any, args: Any, kwargs: Any) -> None:
-            ckpt = ref()
-            job = ckpt._job if ckpt is not None else None
-            snap = job.snapshot if job is not None else None
-            if snap is not None and snap.defers and not snap.staged.is_set():
-                t = time.perf_counter()
-                if not snap.fence():  # CUDA: the optimizer's kernels queue behind the copy instead
-                    snap.wait_staged()
-                snap.stats.hook_wait_s += time.perf_counter() - t
+            def snapshot() -> Snapshot | None:
+                job = ckpt._job if (ckpt := ref()) is not None else None
+                return job.snapshot if job is not None else None
 
-        self._hooked[id(optimizer)] = optimizer.register_step_pre_hook(wait_for_snapshot)
+            self._hooked[id(optimizer)] = optimizer.register_step_pre_hook(fence_hook(snapshot))
 
     # ------------------------------------------------------------------ restore
 
@@ -363,30 +306,24 @@ class Checkpointer:
 
         Every byte is verified before any object is touched; a damaged newer checkpoint is skipped
         with a CheckpointFallbackWarning. ``extra``, if a dict, is updated with the saved extras.
-        ``verify_loaded`` also checks the tensors after they are loaded, where they now live (on a
-        GPU with the Triton CRC32C kernel): damage in the host-to-device copy or device memory is
-        then caught too, at the cost of one more read of the state.
+        ``verify_loaded`` also checks the tensors where they now live (on a GPU with the Triton
+        CRC32C kernel), at the cost of one more read of the state.
 
-        A checkpoint restores on any world size and layout (resharding is the default; the
-        ``elastic`` argument is deprecated and has no effect). DTensor state (FSDP2, tensor
-        parallel) is read block by block into whatever layout the objects have now: each rank
-        reads only the chunks overlapping its own shards and verifies each one's CRC32C, into
-        host staging, and copies into the objects only once every rank has verified its part.
-        Plain model and optimizer state saved by another number of ranks must be replicated:
-        saved with ``replicated=True`` (declared at save time), or else checked against every
-        rank's manifest first (DDP saves every rank's full copy). Rank r takes saved rank
-        r mod N's tree and plain state (for pipeline stages, the next saved rank with the same
-        model keys). The rank's own parts (RNG states, ``stateful``, ``extra``) come from that
-        saved rank too: a sampler partitioned by rank must re-partition itself, and ranks mapped
-        to one saved rank draw the same random numbers unless reseeded (or pass ``rng=False``).
+        A checkpoint restores on any world size and layout (``elastic`` is deprecated and has no
+        effect). DTensor state (FSDP2, tensor parallel) is read block by block into the layout
+        the objects have now, each rank reading and verifying only the chunks its shards overlap
+        (``restore.sharded``). Plain state saved by another number of ranks must be replicated
+        (``replicated=True`` at save time, or checked against every rank's manifest): rank r
+        takes saved rank r mod N's tree (for pipeline stages, the next saved rank with the same
+        model keys), its own parts (RNG states, ``stateful``, ``extra``) included: a sampler
+        partitioned by rank must re-partition itself, and ranks mapped to one saved rank draw
+        the same random numbers unless reseeded (or pass ``rng=False``).
 
-        Returns:
-            The restored step, or None when the directory holds no checkpoint at all.
+        Returns the restored step, or None when the directory holds no checkpoint at all.
 
         Raises:
             CheckpointCorruptError: every checkpoint (or the one named by ``path``) is damaged.
-            CheckpointStateError: the checkpoint does not fit the objects (keys, shapes, world
-                size).
+            CheckpointStateError: the checkpoint does not fit the objects (keys, shapes).
         """
         if elastic is not None:
             warnings.warn(
@@ -407,19 +344,14 @@ class Checkpointer:
             path=path,
             verify_loaded=verify_loaded,
         )
-        if staged is not None:
-            self.last_restore = staged
+        self.last_restore = staged or self.last_restore
         return step
 
     # ------------------------------------------------------------------ wait / close
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the save in flight is durable. Returns False on timeout.
-
-        Raises:
-            CheckpointError: the background save failed (raised once: here, or by the next
-                save()/close()).
-        """
+        """Block until the save in flight is durable (False on timeout); raise its failure, once
+        (here, or in the next save() or close()): a CheckpointError."""
         job = self._job
         if job is not None and not job.done.wait(timeout):
             return False
@@ -428,12 +360,7 @@ class Checkpointer:
             return self._staging.join_prepare(timeout)
 
     def _raise_job_error(self) -> None:
-        job = self._job
-        if job is None:
-            return
-        err = job.take_error()
-        if err is None and self._staging.coalescer is not None:
-            err = self._staging.coalescer.take_error(job)
+        err = self._job.take_error() if self._job is not None else None
         if err is not None:
             raise err
 
@@ -457,16 +384,16 @@ class Checkpointer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is None:
+        try:
             self.close()
-        else:  # do not hide the original exception behind a save error
-            try:
-                self.close()
-            except CheckpointError as err:
-                print(
-                    f"gpumem: checkpoint save failed while handling another error: {err}",
-                    file=sys.stderr,
-                )
+        except CheckpointError as err:
+            if exc_type is None:
+                raise
+            # do not hide the original exception behind a save error
+            print(
+                f"gpumem: checkpoint save failed while handling another error: {err}",
+                file=sys.stderr,
+            )
         return False
 
     def _check_open(self) -> None:

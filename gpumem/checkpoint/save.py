@@ -81,8 +81,9 @@ class Save:
             self.done.set()
 
     def take_error(self) -> CheckpointError | None:
-        """The save's failure as a CheckpointError, once (later calls return None)."""
-        if self.error is None or self.reported:
-            return None
-        self.reported = True
-        return as_error(self.error, self.step)
+        """The save's failure as a CheckpointError, once (later calls return None); with a
+        coalescer, else the first unreported failure of an older save."""
+        if self.error is not None and not self.reported:
+            self.reported = True
+            return as_error(self.error, self.step)
+        return self.coalescer.take_error(self) if self.coalescer is not None else None

@@ -84,7 +84,7 @@ class Coalescer:
         with self._lock:
             jobs = list(self._jobs)
         for j in jobs:
-            if j is not newest and j.done.is_set():
+            if j is not newest and j.done.is_set() and j.error is not None and not j.reported:
                 err = j.take_error()
                 if err is not None:
                     return err

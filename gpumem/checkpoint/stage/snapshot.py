@@ -25,6 +25,7 @@ import contextlib
 import enum
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -324,6 +325,23 @@ class Snapshot:
         if not self.staged.is_set():
             self.stats.staged_s = time.perf_counter() - self.t0
             self.staged.set()
+
+
+def fence_hook(snapshot: Callable[[], Snapshot | None]) -> Callable[..., None]:
+    """An optimizer pre-step hook for overlap mode: before the step mutates parameters and
+    optimizer state, wait for the background copy of the save in flight (``snapshot()``), or
+    on CUDA fence the optimizer's stream after it (``Snapshot.fence``); the wait is counted in
+    its ``hook_wait_s``."""
+
+    def wait_for_snapshot(opt: Any, args: Any, kwargs: Any) -> None:
+        snap = snapshot()
+        if snap is not None and snap.defers and not snap.staged.is_set():
+            t = time.perf_counter()
+            if not snap.fence():  # CUDA: the optimizer's kernels queue behind the copy instead
+                snap.wait_staged()
+            snap.stats.hook_wait_s += time.perf_counter() - t
+
+    return wait_for_snapshot
 
 
 def _timing_event() -> Any:

@@ -71,6 +71,19 @@ class Staging:
         self._views: HostViews | None = None  # the last save's byte views of CPU tensors
         self._user: Snapshot | None = None  # the last snapshot copied into slot 0's arena
 
+    @classmethod
+    def from_config(cls, cfg: Any) -> Staging:
+        """The staging of a Checkpointer with ``cfg`` (a ``config.CheckpointerConfig``)."""
+        return cls(
+            cfg.staging_bytes,
+            alignment=cfg.alignment,
+            chunk_bytes=cfg.chunk_bytes,
+            segment_bytes=cfg.segment_bytes,
+            replicated=cfg.replicated,
+            spill_bytes=cfg.device_spill_bytes,
+            coalesce=cfg.coalesce,
+        )
+
     # ------------------------------------------------------------------ a save's snapshot
 
     def plan(self, table: TensorTable, pipelined: bool) -> StagingPlan:

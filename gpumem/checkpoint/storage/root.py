@@ -15,6 +15,7 @@ import os
 import warnings
 import weakref
 from pathlib import Path
+from typing import Any
 
 from ..errors import CheckpointError, CheckpointIOError, CheckpointStateError
 from ..group import Group
@@ -70,6 +71,17 @@ class Root:
         if failure is not None:
             self.close()
             raise failure
+
+    @classmethod
+    def from_config(cls, cfg: Any, group: Group) -> Root:
+        """The directory of a Checkpointer with ``cfg`` (a ``config.CheckpointerConfig``)."""
+        return cls(
+            cfg.directory,
+            group,
+            read_only=cfg.read_only,
+            lock_timeout_s=cfg.lock_timeout_s,
+            collective_timeout_s=cfg.collective_timeout_s,
+        )
 
     def _open(self, lock_timeout_s: float) -> None:
         """Rank 0: open (or create) the directory, take its lock, clean up after crashed saves;
