@@ -126,7 +126,7 @@ def calibration_rows() -> list[list[object]]:
     proxies (hidden 64, 2 layers; real CPU runs), then each held-out configuration's bill is
     calibrated with them."""
     from gpumem.calibrate.memory import apply_memory_calibration
-    from gpumem.calibrate.memory_fit import fit_memory
+    from gpumem.estimator.memory_fit import fit_memory
     from gpumem.estimator.validate import estimate_case
 
     fits = {arch: fit_memory(arch=arch) for arch in sorted({c.arch for c in CASES})}
@@ -173,7 +173,7 @@ def hf_calibration_rows() -> list[list[object]]:
     ``gpumem calibrate --memory --config`` of the same family (fitted on shrunken proxies
     under fake tensors)."""
     from gpumem.calibrate.memory import apply_memory_calibration
-    from gpumem.calibrate.memory_fit import fit_memory
+    from gpumem.estimator.memory_fit import fit_memory
     from gpumem.estimator.validate import HF_SWEEP, HFCase, compare_hf, estimate_hf_case
 
     rows = []

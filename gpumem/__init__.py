@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from gpumem._version import __version__
 
 if TYPE_CHECKING:  # what a type checker sees; at run time the names resolve lazily below
     from gpumem import arena, calibrate, checkpoint, checksum, device, reader, units, writer

@@ -1,13 +1,15 @@
 """No import circles in gpumem/: the modules form layers, each importing only those below.
 
-An edge is an ``import`` statement; ``if TYPE_CHECKING:`` blocks do not count.
-``from package import name`` is an edge to ``package.name`` when that is a module, otherwise to
-the package itself (its ``__init__``). The graph is read from the source with ``ast``, so the
-test imports nothing of gpumem and sees every module, whether or not it is used.
+An edge is an ``import`` statement. ``from package import name`` is an edge to
+``package.name`` when that is a module, otherwise to the package itself (its ``__init__``). The
+graph is read from the source with ``ast``, so the test imports nothing of gpumem and sees every
+module, whether or not it is used.
 
-Two graphs must be acyclic: the module-level imports (what runs at import time), and the same
-with the imports inside functions added. A function-level import is there to defer a heavy
-dependency (torch for a preset estimate, matplotlib for a plot), never to dodge a circle.
+Three graphs must be acyclic: the module-level imports (what runs at import time); the same
+with the imports inside functions added; and with the ``if TYPE_CHECKING:`` imports added too.
+A function-level import is there to defer a heavy dependency (torch for a preset estimate,
+matplotlib for a plot), never to dodge a circle, and a type-only import is still a dependency
+a reader has to follow. The subpackages, collapsed to one node each, must form layers too.
 """
 
 from __future__ import annotations
@@ -16,6 +18,21 @@ import ast
 from pathlib import Path
 
 PKG_ROOT = Path(__file__).resolve().parents[1] / "gpumem"
+
+# What gpumem/checkpoint/ (restructured on another branch) may still break in these tests. When
+# that work lands, delete this constant: every test here is then strict (``_pending`` reads it).
+_CHECKPOINT_PENDING: dict[str, frozenset[str]] = {
+    # import cycles whose modules are all inside this package
+    "cycles_inside": frozenset({"gpumem.checkpoint"}),
+    # job.py's `from gpumem import __version__`, a circle through the root package (it will
+    # import gpumem._version)
+    "edges": frozenset({"gpumem.checkpoint.job -> gpumem"}),
+}
+
+
+def _pending(kind: str) -> frozenset[str]:
+    """What ``_CHECKPOINT_PENDING`` tolerates of ``kind``; nothing once it is deleted."""
+    return globals().get("_CHECKPOINT_PENDING", {}).get(kind, frozenset())
 
 
 def _module_name(path: Path) -> str:
@@ -32,9 +49,12 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports(tree: ast.Module, functions: bool) -> list[ast.Import | ast.ImportFrom]:
-    """Imports that run when the module is imported (top level, also inside if/try/with), and
-    with ``functions`` those inside function and class bodies too."""
+def _imports(
+    tree: ast.Module, functions: bool, type_checking: bool = False
+) -> list[ast.Import | ast.ImportFrom]:
+    """Imports that run when the module is imported (top level, also inside if/try/with), with
+    ``functions`` those inside function and class bodies too, and with ``type_checking`` those
+    under ``if TYPE_CHECKING:``."""
     found: list[ast.Import | ast.ImportFrom] = []
     stack: list[ast.stmt] = list(tree.body)
     while stack:
@@ -45,7 +65,7 @@ def _imports(tree: ast.Module, functions: bool) -> list[ast.Import | ast.ImportF
             if functions or isinstance(node, ast.ClassDef):
                 stack.extend(node.body)
         elif isinstance(node, ast.If):
-            if not _is_type_checking(node.test):
+            if type_checking or not _is_type_checking(node.test):
                 stack.extend(node.body)
             stack.extend(node.orelse)
         elif isinstance(node, ast.Try):
@@ -59,13 +79,13 @@ def _imports(tree: ast.Module, functions: bool) -> list[ast.Import | ast.ImportF
     return found
 
 
-def import_graph(functions: bool = False) -> dict[str, set[str]]:
+def import_graph(functions: bool = False, type_checking: bool = False) -> dict[str, set[str]]:
     files = {_module_name(p): p for p in PKG_ROOT.rglob("*.py")}
     graph: dict[str, set[str]] = {name: set() for name in files}
     for name, path in files.items():
         is_pkg = path.name == "__init__.py"
         tree = ast.parse(path.read_text(), filename=str(path))
-        for node in _imports(tree, functions):
+        for node in _imports(tree, functions, type_checking):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
@@ -126,6 +146,32 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def full_graph() -> dict[str, set[str]]:
+    """Every import, wherever it is: module level, in functions, under ``TYPE_CHECKING``; less
+    the edges ``_CHECKPOINT_PENDING`` tolerates."""
+    graph = import_graph(functions=True, type_checking=True)
+    for edge in _pending("edges"):
+        source, _, target = edge.partition(" -> ")
+        graph.get(source, set()).discard(target)
+    return graph
+
+
+def _package_of(module: str) -> str:
+    """The top-level part of gpumem a module belongs to: ``gpumem.profiler.session`` ->
+    ``gpumem.profiler``; a root module (``gpumem.device``) and the root (``gpumem``) stay."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` with every module collapsed into its top-level part; edges inside one drop."""
+    out: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        node = _package_of(module)
+        out.setdefault(node, set()).update(_package_of(t) for t in targets)
+        out[node].discard(node)
+    return out
+
+
 def test_the_graph_is_read():
     graph = import_graph()
     # a known edge of each kind, so an empty graph cannot pass the cycle tests below
@@ -133,6 +179,24 @@ def test_the_graph_is_read():
     assert "gpumem.checkpoint.errors" in graph["gpumem.checkpoint.format"]  # relative
     assert "gpumem.estimator.module_estimate" not in graph["gpumem.estimator.api"]
     assert "gpumem.estimator.module_estimate" in import_graph(True)["gpumem.estimator.api"]
+
+
+def test_type_checking_imports_are_read():
+    # the root package names the planner for type checkers only
+    assert "gpumem.planner" not in import_graph(functions=True)["gpumem"]
+    assert "gpumem.planner" in import_graph(functions=True, type_checking=True)["gpumem"]
+    full = full_graph()
+    assert "gpumem.planner" in full["gpumem"]
+    assert "gpumem.estimator.module_estimate" in full["gpumem.estimator.api"]  # function level
+
+
+def test_the_package_graph_is_read():
+    packages = package_graph(full_graph())
+    assert {"gpumem", "gpumem.profiler", "gpumem.device", "gpumem.checkpoint"} <= set(packages)
+    assert "gpumem.profiler.session" not in packages
+    assert "gpumem.profiler" in packages["gpumem.estimator"]  # the accuracy check profiles
+    assert "gpumem.estimator" in packages["gpumem"]  # a TYPE_CHECKING import
+    assert all(node not in targets for node, targets in packages.items())
 
 
 def _describe(cycles: list[list[str]]) -> str:
@@ -149,6 +213,27 @@ def test_no_cycles_hidden_in_function_level_imports():
     assert cycles == [], "import cycles through function-level imports: " + _describe(cycles)
 
 
+def _tolerated(cycle: list[str]) -> bool:
+    return any(all(m.startswith(p + ".") for m in cycle) for p in _pending("cycles_inside"))
+
+
+def test_no_cycles_counting_every_import():
+    cycles = [c for c in find_cycles(full_graph()) if not _tolerated(c)]
+    assert cycles == [], (
+        "import cycles counting TYPE_CHECKING and function-level imports: " + _describe(cycles)
+    )
+
+
+def test_no_cycles_between_subpackages():
+    cycles = find_cycles(package_graph(full_graph()))
+    assert cycles == [], "import cycles between gpumem's subpackages: " + _describe(cycles)
+
+
 def test_cycle_finder_finds_a_cycle():
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_package_graph_collapses_modules():
+    graph = {"gpumem.a.x": {"gpumem.a.y", "gpumem.b"}, "gpumem.a.y": set(), "gpumem.b": {"gpumem"}}
+    assert package_graph(graph) == {"gpumem.a": {"gpumem.b"}, "gpumem.b": {"gpumem"}}

@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from gpumem import __version__
+    from gpumem._version import __version__
 
     return f"gpumem {__version__}"
 

@@ -23,7 +23,7 @@ from gpumem.profiler.fake import fake
 from gpumem.profiler.headroom import ProfileMemoryWarning
 from gpumem.profiler.report import LayerStats, Report, StepReport
 from gpumem.profiler.session import Profile
-from gpumem.profiler.state import DataDependentError
+from gpumem.profiler.tracker import DataDependentError
 
 if TYPE_CHECKING:
     import torch

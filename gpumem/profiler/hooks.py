@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -29,7 +30,51 @@ from gpumem.profiler import sharding
 from gpumem.profiler.tracker import tensors_in
 
 if TYPE_CHECKING:
-    from gpumem.profiler.session import Profile
+    from gpumem.profiler.state import Frame
+    from gpumem.profiler.tracker import StorageTracker
+
+
+class ProfileEvents(Protocol):
+    """What the hooks read of a profile and tell it: the session's ``Profile`` implements it.
+
+    The hooks know this interface, never the session, so the wiring stays below the accounting
+    (as torch's ``MemTracker`` builds on ``ModTracker``'s callbacks).
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    fqn_of: dict[int, str]
+    """id(module) -> the fully qualified name it is reported under (its first)."""
+    param_owner: dict[int, tuple[torch.Tensor, str]]
+    """id(param) -> (param, the fqn of the module that owns it)."""
+    fsdp_units: list[sharding.Unit]
+    tracker: StorageTracker
+    """Paused (``tracker.paused``) around work that is no memory of the run."""
+
+    @property
+    def measures_temporary(self) -> bool: ...
+
+    # module calls
+    def forward_enter(self, fqn: str, module: torch.nn.Module, args: Any, kwargs: Any) -> None: ...
+    def forward_exit(self, fqn: str) -> Frame | None: ...
+    def backward_enter(self, fqn: str) -> Frame: ...
+    def backward_exit(self, frame: Frame) -> None: ...
+
+    # tensors becoming gradients, activations, communication
+    def gradient_ready(self, grad: torch.Tensor, owner: str) -> None: ...
+    def saved_for_backward(self, t: torch.Tensor) -> None: ...
+    def checkpoint_inputs(self, fn: Any, tensors: list[torch.Tensor]) -> None: ...
+
+    # the optimizer
+    def optimizer_enter(self) -> None: ...
+    def optimizer_exit(self) -> None: ...
+    def optimizer_phase(self) -> AbstractContextManager[None]: ...
+
+    # FSDP2 units
+    def fsdp_enter(self, fqn: str, group: Any, call: str) -> None: ...
+    def fsdp_exit(self, fqn: str, group: Any, call: str) -> None: ...
+    def unsharded_grad_ready(self, grad: torch.Tensor, fqn: str) -> None: ...
+    def communication_buffer(self, t: torch.Tensor, fqn: str) -> None: ...
 
 
 def _gradtensors_in(obj: Any) -> list[torch.Tensor]:
@@ -39,7 +84,7 @@ def _gradtensors_in(obj: Any) -> list[torch.Tensor]:
 class HookSet:
     """Installs the hooks for one profile region; ``remove()`` undoes every one of them."""
 
-    def __init__(self, prof: Profile) -> None:
+    def __init__(self, prof: ProfileEvents) -> None:
         self.prof = prof
         self._undo: list[Callable[[], None]] = []
         self._saved_hooks: Any = None

@@ -11,6 +11,9 @@ the GPU and the allocator's fragmentation (reserved over allocated at the peak) 
 
     mem = fit_memory(arch="llama")                         # or config="path/config.json"
     cal = Calibration(..., memory=mem); cal.save("calibration.json")
+
+It writes a section of calibrate/'s file (``calibrate/memory.py``) but lives here: it runs the
+estimator, and calibrate/ sits below the estimator, which reads calibration files.
 """
 
 from __future__ import annotations
