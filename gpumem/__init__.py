@@ -17,7 +17,18 @@ from typing import TYPE_CHECKING, Any
 from gpumem._version import __version__
 
 if TYPE_CHECKING:  # what a type checker sees; at run time the names resolve lazily below
-    from gpumem import arena, calibrate, checkpoint, checksum, device, reader, units, writer
+    from gpumem import (
+        arena,
+        calibrate,
+        checkpoint,
+        checksum,
+        dcp,
+        device,
+        integrations,
+        reader,
+        units,
+        writer,
+    )
     from gpumem.calibrate import Calibration, CalibrationError
     from gpumem.checkpoint import (
         CheckpointBranchWarning,
@@ -70,7 +81,9 @@ _LAZY_MODULES = (
     "calibrate",
     "checkpoint",
     "checksum",
+    "dcp",
     "device",
+    "integrations",
     "reader",
     "units",
     "writer",
@@ -103,9 +116,11 @@ __all__ = [
     "calibrate",
     "checkpoint",
     "checksum",
+    "dcp",
     "device",
     "estimate",
     "fake",
+    "integrations",
     "plan",
     "profile",
     "reader",
