@@ -10,6 +10,9 @@ with the imports inside functions added; and with the ``if TYPE_CHECKING:`` impo
 A function-level import is there to defer a heavy dependency (torch for a preset estimate,
 matplotlib for a plot), never to dodge a circle, and a type-only import is still a dependency
 a reader has to follow. The subpackages, collapsed to one node each, must form layers too.
+
+Names are part of the layering a reader follows: no two modules or packages share a name (a
+``cli/`` subcommand module may mirror the top-level module or package it runs).
 """
 
 from __future__ import annotations
@@ -27,6 +30,14 @@ _CHECKPOINT_PENDING: dict[str, frozenset[str]] = {
     # job.py's `from gpumem import __version__`, a circle through the root package (it will
     # import gpumem._version)
     "edges": frozenset({"gpumem.checkpoint.job -> gpumem"}),
+    # module names being renamed there (outside checkpoint/ they are records, fsdp_tp, accuracy)
+    "names": frozenset(
+        {
+            "gpumem/checkpoint/state.py",
+            "gpumem/checkpoint/validate.py",
+            "gpumem/checkpoint/sharding.py",
+        }
+    ),
 }
 
 
@@ -237,3 +248,52 @@ def test_cycle_finder_finds_a_cycle():
 def test_package_graph_collapses_modules():
     graph = {"gpumem.a.x": {"gpumem.a.y", "gpumem.b"}, "gpumem.a.y": set(), "gpumem.b": {"gpumem"}}
     assert package_graph(graph) == {"gpumem.a": {"gpumem.b"}, "gpumem.b": {"gpumem"}}
+
+
+def module_names() -> dict[str, list[str]]:
+    """Each module or package name (the last part of its dotted name) -> the files (``.py``)
+    and packages (``/``) that have it, relative to the repository."""
+    names: dict[str, list[str]] = {}
+    for path in sorted(PKG_ROOT.rglob("*.py")):
+        rel = path.relative_to(PKG_ROOT.parent)
+        if path.name != "__init__.py":
+            names.setdefault(path.stem, []).append(rel.as_posix())
+        elif path.parent != PKG_ROOT:
+            names.setdefault(path.parent.name, []).append(rel.parent.as_posix() + "/")
+    return names
+
+
+def name_clashes(names: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The names that more than one module or package has, not counting ``cli/<name>.py``
+    beside a top-level ``<name>.py`` or ``<name>/`` (the subcommand that runs it)."""
+    clashes = {}
+    for name, paths in names.items():
+        top_level = {f"gpumem/{name}.py", f"gpumem/{name}/"} & set(paths)
+        rest = [p for p in paths if not (top_level and p == f"gpumem/cli/{name}.py")]
+        if len(rest) > 1:
+            clashes[name] = paths
+    return clashes
+
+
+def test_module_names_are_distinct():
+    pending = _pending("names")
+    names = {n: [p for p in paths if p not in pending] for n, paths in module_names().items()}
+    assert names["doctor"] == ["gpumem/cli/doctor.py", "gpumem/doctor.py"]  # the walk sees both
+    assert "gpumem/profiler/" in names["profiler"]
+    clashes = name_clashes(names)
+    assert clashes == {}, f"module names used twice in gpumem/ (rename one): {clashes}"
+
+
+def test_name_clashes_are_found():
+    assert name_clashes(
+        {
+            "state": ["gpumem/checkpoint/state.py", "gpumem/profiler/state.py"],
+            "doctor": ["gpumem/cli/doctor.py", "gpumem/doctor.py"],
+            "demo": ["gpumem/cli/demo.py", "gpumem/demo/"],
+            "estimate": ["gpumem/cli/estimate.py", "gpumem/estimator/estimate.py"],
+            "plan": ["gpumem/cli/plan.py"],
+        }
+    ) == {
+        "state": ["gpumem/checkpoint/state.py", "gpumem/profiler/state.py"],
+        "estimate": ["gpumem/cli/estimate.py", "gpumem/estimator/estimate.py"],
+    }

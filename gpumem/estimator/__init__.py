@@ -11,8 +11,8 @@ Modules, bottom up: ``specs`` (``ModelSpec``: presets, config.json, exact counts
 ``terms`` (the terms every model shares), ``bill`` (the ``Bill`` and how terms become one),
 ``preset`` (described models), ``module_structure`` / ``module_inputs`` / ``module_pass`` /
 ``module_estimate`` (an ``nn.Module``: exact counts and a fake-tensor pass), ``api``
-(``estimate``, the front door), ``inference`` (KV cache), ``validate`` (estimate against a
-measured profile).
+(``estimate``, the front door), ``inference`` (KV cache), ``accuracy`` (estimate against a
+measured profile), ``memory_fit`` (its coefficients fitted to profiles).
 """
 
 from gpumem.estimator.api import estimate

@@ -30,8 +30,7 @@ from gpumem.calibrate.memory import (
     check_points,
     fit_category,
 )
-from gpumem.estimator.specs import from_hf_config, from_model_config
-from gpumem.estimator.validate import (
+from gpumem.estimator.accuracy import (
     HF_SWEEP,
     PROFILER_CATEGORIES,
     Case,
@@ -39,6 +38,7 @@ from gpumem.estimator.validate import (
     compare,
     compare_hf,
 )
+from gpumem.estimator.specs import from_hf_config, from_model_config
 
 BUILTIN = ("gpt2", "llama", "mixtral")
 # (batch, seq, precision) of the proxy runs: enough spread to separate the terms

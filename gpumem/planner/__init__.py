@@ -6,7 +6,7 @@
 
 Modules: ``search`` (the numba sweep), ``economics`` (Young/Daly, expected completion time and
 cost with and without checkpoints), ``checkpoint_times`` (C, P, R: given, calibrated or default),
-``schedulers`` (Slurm and Kubernetes job scripts), ``plot`` (bills side by side).
+``schedulers`` (Slurm and Kubernetes job scripts), ``layout_chart`` (bills side by side).
 """
 
 from gpumem.planner.checkpoint_times import CheckpointTimes, checkpoint_times

@@ -5,9 +5,9 @@
     rep = prof.report()
 
 Modules: ``tracker`` (dispatch-mode storage tracking), ``hooks`` (phases, saved tensors),
-``session`` (the context manager and its accounting), ``state`` (its records), ``report`` and
-``plot`` (outputs),
-``fake`` (fake tensors), ``cuda`` (allocator and driver numbers), ``sharding`` (FSDP2 units and
+``session`` (the context manager and its accounting), ``records`` (its records), ``report`` and
+``pictures`` (outputs),
+``fake`` (fake tensors), ``cuda`` (allocator and driver numbers), ``fsdp_tp`` (FSDP2 units and
 collectives), ``distributed`` (gathering per-rank reports, a fake process group),
 ``categories`` (the shared vocabulary).
 """

@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from gpumem.profiler import sharding
+from gpumem.profiler import fsdp_tp
 from gpumem.profiler.tracker import tensors_in
 
 if TYPE_CHECKING:
-    from gpumem.profiler.state import Frame
+    from gpumem.profiler.records import Frame
     from gpumem.profiler.tracker import StorageTracker
 
 
@@ -47,7 +47,7 @@ class ProfileEvents(Protocol):
     """id(module) -> the fully qualified name it is reported under (its first)."""
     param_owner: dict[int, tuple[torch.Tensor, str]]
     """id(param) -> (param, the fqn of the module that owns it)."""
-    fsdp_units: list[sharding.Unit]
+    fsdp_units: list[fsdp_tp.Unit]
     tracker: StorageTracker
     """Paused (``tracker.paused``) around work that is no memory of the run."""
 
@@ -199,15 +199,15 @@ class HookSet:
     def _install_fsdp(self) -> None:
         prof = self.prof
         for fqn, _, group in prof.fsdp_units:
-            for call in sharding.GROUP_CALLS:
+            for call in fsdp_tp.GROUP_CALLS:
                 self._wrap(group, call, functools.partial(self._fsdp_call, fqn, group, call))
-            for comm in sharding.comm_allocators(group):
+            for comm in fsdp_tp.comm_allocators(group):
                 self._wrap(comm, "allocate", functools.partial(self._fsdp_allocate, fqn))
 
     def _install_dtensor(self) -> None:
-        propagator = sharding.dtensor_propagator()
+        propagator = fsdp_tp.dtensor_propagator()
         if propagator is not None:
-            self._wrap(propagator, sharding.PROPAGATES, self._untracked)
+            self._wrap(propagator, fsdp_tp.PROPAGATES, self._untracked)
 
     def _untracked(self, original: Callable[..., Any]) -> Callable[..., Any]:
         tracker = self.prof.tracker
@@ -254,7 +254,7 @@ class HookSet:
     def _hook_unsharded(self, fqn: str, group: Any) -> None:
         """FSDP creates a unit's unsharded parameters at its first gather: from then on autograd
         accumulates their gradients, which wait there for the reduce-scatter."""
-        for p in sharding.unsharded_params(group):
+        for p in fsdp_tp.unsharded_params(group):
             if id(p) not in self._hooked:
                 self._hooked.add(id(p))
                 h = p.register_post_accumulate_grad_hook(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from gpumem.profiler.hooks import ProfileEvents
 from gpumem.profiler.memory_viz import TimelineLike
-from gpumem.profiler.plot import ReportLike
+from gpumem.profiler.pictures import ReportLike
 from gpumem.profiler.report import Report
 from gpumem.profiler.session import Profile
 

@@ -11,7 +11,7 @@ Shared by ``benchmarks/bench_estimator_accuracy.py`` (the committed table) and
         loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
 
 Example:
-    >>> from gpumem.estimator.validate import Case, compare
+    >>> from gpumem.estimator.accuracy import Case, compare
     >>> c = compare(Case("llama-gqa", "llama", {"num_kv_heads": 2}, batch=2, seq=64))
     >>> c.error_pct, c.measured_phase, c.estimated["total"]
 """
