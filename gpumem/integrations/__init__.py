@@ -1,11 +1,15 @@
 """Trainer integrations: gpumem checkpointing inside trainers that own the training loop.
 
-- ``gpumem.integrations.hf.CheckpointCallback``: transformers ``Trainer`` (a TrainerCallback).
-- ``gpumem.integrations.lightning.CheckpointCallback``: Lightning ``Trainer`` (a Callback).
-- torchtitan: its checkpoint manager takes DCP storage, so ``gpumem.dcp.StorageWriter`` and
-  ``StorageReader`` plug in there (recipe in docs/checkpoint.md, "Sharded training").
+Modules:
 
-Each imports its trainer library only when used.
+    hf          ``CheckpointCallback`` for the transformers ``Trainer`` (a TrainerCallback)
+    lightning   ``CheckpointCallback`` for the Lightning ``Trainer`` (a Callback)
+    _guarded    what both callbacks share once built: the exit code and the release
+
+Each imports its trainer library only when used (``gpumem.integrations.hf`` on first access).
+torchtitan needs no callback: its checkpoint manager takes DCP storage, so
+``gpumem.dcp.StorageWriter`` and ``StorageReader`` plug in there (recipe in docs/checkpoint.md,
+"Sharded training").
 """
 
 from __future__ import annotations
