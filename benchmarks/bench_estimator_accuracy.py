@@ -18,7 +18,7 @@ import time
 
 from _report import Figure, machine_info, markdown_table, value_figure, write_results
 
-from gpumem.estimator.validate import PROFILER_CATEGORIES, Case, compare
+from gpumem.estimator.accuracy import PROFILER_CATEGORIES, Case, compare
 
 GPT = {"hidden_size": 256, "num_layers": 4, "num_heads": 8, "vocab_size": 1024, "seq_len": 256}
 LLAMA = dict(GPT, num_kv_heads=2, ffn_hidden_size=688)
@@ -126,8 +126,8 @@ def calibration_rows() -> list[list[object]]:
     proxies (hidden 64, 2 layers; real CPU runs), then each held-out configuration's bill is
     calibrated with them."""
     from gpumem.calibrate.memory import apply_memory_calibration
-    from gpumem.calibrate.memory_fit import fit_memory
-    from gpumem.estimator.validate import estimate_case
+    from gpumem.estimator.accuracy import estimate_case
+    from gpumem.estimator.memory_fit import fit_memory
 
     fits = {arch: fit_memory(arch=arch) for arch in sorted({c.arch for c in CASES})}
     rows = []
@@ -173,8 +173,8 @@ def hf_calibration_rows() -> list[list[object]]:
     ``gpumem calibrate --memory --config`` of the same family (fitted on shrunken proxies
     under fake tensors)."""
     from gpumem.calibrate.memory import apply_memory_calibration
-    from gpumem.calibrate.memory_fit import fit_memory
-    from gpumem.estimator.validate import HF_SWEEP, HFCase, compare_hf, estimate_hf_case
+    from gpumem.estimator.accuracy import HF_SWEEP, HFCase, compare_hf, estimate_hf_case
+    from gpumem.estimator.memory_fit import fit_memory
 
     rows = []
     for name, over in HF_HELD_OUT.items():
@@ -276,7 +276,7 @@ def main() -> None:
     notes = f"""
 Estimated categories are the bill's, mapped to the profiler's definitions
 (`Bill.profiler_categories()`): logits held by the loop count as temporary, token ids as
-inputs. The loop is `gpumem.estimator.validate`'s (CPU, SDPA, logits held by the loop,
+inputs. The loop is `gpumem.estimator.accuracy`'s (CPU, SDPA, logits held by the loop,
 `zero_grad(set_to_none=True)`); each configuration runs 2 optimizer steps and the peak is the
 maximum over both (the first step creates the optimizer state).
 

@@ -12,7 +12,7 @@ import time
 
 from _report import Figure, machine_info, value_figure, write_results
 
-from gpumem.estimator.validate import (
+from gpumem.estimator.accuracy import (
     HF_PRECISIONS,
     HF_SWEEP,
     PROFILER_CATEGORIES,
@@ -78,7 +78,7 @@ def main() -> None:
     notes = f"""
 {ok} of {total} configurations have every category within the bound. The model is built by
 transformers from the config dict under `gpumem.fake()`, trained two AdamW steps with the loop
-of `gpumem.estimator.validate` (logits held, `zero_grad(set_to_none=True)`), batch 2 x 64
+of `gpumem.estimator.accuracy` (logits held, `zero_grad(set_to_none=True)`), batch 2 x 64
 tokens, SDPA, experts as `grouped_mm`; the estimate reads the same dict
 (`gpumem.estimate(config, device="cpu")`). Categories are the profiler's
 (`Bill.profiler_categories()`).

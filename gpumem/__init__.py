@@ -7,6 +7,36 @@ neither torch, triton nor numba and creates no CUDA context until a feature is u
     with gpumem.profile(model, optimizer=opt) as prof: ...   # measure (gpumem.profiler)
     gpumem.estimate("llama-2-70b", ...)                        # estimate (gpumem.estimator)
     ckpt = gpumem.Checkpointer("ckpts")                        # protect (gpumem.checkpoint)
+
+Subpackages (the data flows measure -> report -> calibrate -> estimate -> plan; then the rest):
+
+    profiler/       measure: where a training step's memory goes, per layer and phase
+    calibrate/      this machine and its checkpoint storage, measured: calibration.json
+    estimator/      estimate: the per-GPU memory bill of a job, before booking GPUs
+    planner/        plan: which layouts fit, and what preemptions cost
+    checkpoint/     protect: the Checkpointer and the PreemptionGuard
+    integrations/   checkpointing inside the transformers and Lightning trainers
+    models/         built-in models at named sizes
+    kernels/        Triton kernels (per-chunk CRC32C on the device)
+    demo/           ``gpumem demo``: the four parts end to end
+    cli/            the ``gpumem`` command, one module per subcommand
+
+Modules:
+
+    dcp             StorageWriter / StorageReader for torch.distributed.checkpoint
+    checksum        CRC32C of buffers and tensors: native on the CPU, Triton on the GPU
+    writer          parallel file writes through the native core
+    reader          parallel file reads with each chunk's CRC32C, strict opening
+    arena           the host staging arena (page-aligned, pinned on CUDA machines)
+    device          what GPUs this machine has (NVML, torch.cuda)
+    doctor          ``gpumem doctor``: versions, native core, GPUs, bandwidth probes
+    units           bytes <-> text, for display and CLI input only
+    _version        the version (pyproject.toml reads it; modules import it, not this one)
+    _env            every GPUMEM_* switch, parsed in one place
+    _native         loads the native core ``gpumem._C`` (csrc/) and says what is missing
+    _strict_json    the one strict JSON reader (manifests, calibration files)
+    _assumptions    assumptions a model follows under fake tensors, for whoever listens
+    __main__        ``python -m gpumem``: the command line
 """
 
 from __future__ import annotations
@@ -14,10 +44,21 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from gpumem._version import __version__
 
 if TYPE_CHECKING:  # what a type checker sees; at run time the names resolve lazily below
-    from gpumem import arena, calibrate, checkpoint, checksum, device, reader, units, writer
+    from gpumem import (
+        arena,
+        calibrate,
+        checkpoint,
+        checksum,
+        dcp,
+        device,
+        integrations,
+        reader,
+        units,
+        writer,
+    )
     from gpumem.calibrate import Calibration, CalibrationError
     from gpumem.checkpoint import (
         CheckpointBranchWarning,
@@ -70,7 +111,9 @@ _LAZY_MODULES = (
     "calibrate",
     "checkpoint",
     "checksum",
+    "dcp",
     "device",
+    "integrations",
     "reader",
     "units",
     "writer",
@@ -103,9 +146,11 @@ __all__ = [
     "calibrate",
     "checkpoint",
     "checksum",
+    "dcp",
     "device",
     "estimate",
     "fake",
+    "integrations",
     "plan",
     "profile",
     "reader",

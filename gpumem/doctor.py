@@ -85,7 +85,7 @@ def _versions() -> dict[str, str]:
 
 
 def _gpumem_version() -> str:
-    from gpumem import __version__
+    from gpumem._version import __version__
 
     return __version__
 

@@ -83,15 +83,47 @@ class _Terminal(io.StringIO):
         return True
 
 
-def test_progress_only_on_a_terminal():
+# What rich reads of the environment to decide whether and how wide to draw: the test's own
+# values, never the shell's (TERM=dumb, a narrow COLUMNS or TTY_INTERACTIVE=0 would hide the bar).
+_RICH_ENV = (
+    "TERM",
+    "TTY_INTERACTIVE",
+    "TTY_COMPATIBLE",
+    "FORCE_COLOR",
+    "NO_COLOR",
+    "COLUMNS",
+    "LINES",
+)
+
+
+def _terminal_env(monkeypatch, term: str) -> None:
+    for name in _RICH_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TERM", term)
+    monkeypatch.setenv("COLUMNS", "120")
+
+
+def test_progress_only_on_a_terminal(monkeypatch):
+    _terminal_env(monkeypatch, "xterm-256color")
     tty, pipe = _Terminal(), io.StringIO()
     for stream in (tty, pipe):
         with progress_bar("searching layouts", stream=stream) as update:
             update(3, 10)
     assert "searching layouts" in tty.getvalue()
     assert pipe.getvalue() == ""
-    with progress_bar("x", enabled=False, stream=_Terminal()) as update:  # --json
+    quiet = _Terminal()
+    with progress_bar("x", enabled=False, stream=quiet) as update:  # --json
         update(1, 2)
+    assert quiet.getvalue() == ""
+
+
+def test_no_progress_on_a_dumb_terminal(monkeypatch):
+    # a terminal that cannot redraw a line (TERM=dumb: Emacs shells, some CI logs) gets no bar
+    _terminal_env(monkeypatch, "dumb")
+    tty = _Terminal()
+    with progress_bar("searching layouts", stream=tty) as update:
+        update(3, 10)
+    assert "searching layouts" not in tty.getvalue()
 
 
 def test_json_output_is_only_json(capsys, monkeypatch):

@@ -1,21 +1,54 @@
 """No import circles in gpumem/: the modules form layers, each importing only those below.
 
-An edge is an ``import`` statement; ``if TYPE_CHECKING:`` blocks do not count.
-``from package import name`` is an edge to ``package.name`` when that is a module, otherwise to
-the package itself (its ``__init__``). The graph is read from the source with ``ast``, so the
-test imports nothing of gpumem and sees every module, whether or not it is used.
+An edge is an ``import`` statement. ``from package import name`` is an edge to
+``package.name`` when that is a module, otherwise to the package itself (its ``__init__``). The
+graph is read from the source with ``ast``, so the test imports nothing of gpumem and sees every
+module, whether or not it is used.
 
-Two graphs must be acyclic: the module-level imports (what runs at import time), and the same
-with the imports inside functions added. A function-level import is there to defer a heavy
-dependency (torch for a preset estimate, matplotlib for a plot), never to dodge a circle.
+Three graphs must be acyclic: the module-level imports (what runs at import time); the same
+with the imports inside functions added; and with the ``if TYPE_CHECKING:`` imports added too.
+A function-level import is there to defer a heavy dependency (torch for a preset estimate,
+matplotlib for a plot), never to dodge a circle, and a type-only import is still a dependency
+a reader has to follow. The subpackages, collapsed to one node each, must form layers too.
+
+Names are part of the layering a reader follows: no two modules or packages share a name (a
+``cli/`` subcommand module may mirror the top-level module or package it runs), and every
+package's docstring lists what is in it, one line each.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PKG_ROOT = Path(__file__).resolve().parents[1] / "gpumem"
+
+# What gpumem/checkpoint/ (restructured on another branch) may still break in these tests. When
+# that work lands, delete this constant: every test here is then strict (``_pending`` reads it).
+_CHECKPOINT_PENDING: dict[str, frozenset[str]] = {
+    # import cycles whose modules are all inside this package
+    "cycles_inside": frozenset({"gpumem.checkpoint"}),
+    # job.py's `from gpumem import __version__`, a circle through the root package (it will
+    # import gpumem._version)
+    "edges": frozenset({"gpumem.checkpoint.job -> gpumem"}),
+    # packages whose __init__ docstring does not list its modules yet (with their subpackages)
+    "docstrings_under": frozenset({"gpumem/checkpoint"}),
+    # module names being renamed there (outside checkpoint/ they were profiler/state.py,
+    # profiler/sharding.py, estimator/validate.py: now records, fsdp_tp, accuracy)
+    "names": frozenset(
+        {
+            "gpumem/checkpoint/state.py",
+            "gpumem/checkpoint/validate.py",
+            "gpumem/checkpoint/sharding.py",
+        }
+    ),
+}
+
+
+def _pending(kind: str) -> frozenset[str]:
+    """What ``_CHECKPOINT_PENDING`` tolerates of ``kind``; nothing once it is deleted."""
+    return globals().get("_CHECKPOINT_PENDING", {}).get(kind, frozenset())
 
 
 def _module_name(path: Path) -> str:
@@ -32,9 +65,12 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports(tree: ast.Module, functions: bool) -> list[ast.Import | ast.ImportFrom]:
-    """Imports that run when the module is imported (top level, also inside if/try/with), and
-    with ``functions`` those inside function and class bodies too."""
+def _imports(
+    tree: ast.Module, functions: bool, type_checking: bool = False
+) -> list[ast.Import | ast.ImportFrom]:
+    """Imports that run when the module is imported (top level, also inside if/try/with), with
+    ``functions`` those inside function and class bodies too, and with ``type_checking`` those
+    under ``if TYPE_CHECKING:``."""
     found: list[ast.Import | ast.ImportFrom] = []
     stack: list[ast.stmt] = list(tree.body)
     while stack:
@@ -45,7 +81,7 @@ def _imports(tree: ast.Module, functions: bool) -> list[ast.Import | ast.ImportF
             if functions or isinstance(node, ast.ClassDef):
                 stack.extend(node.body)
         elif isinstance(node, ast.If):
-            if not _is_type_checking(node.test):
+            if type_checking or not _is_type_checking(node.test):
                 stack.extend(node.body)
             stack.extend(node.orelse)
         elif isinstance(node, ast.Try):
@@ -59,13 +95,13 @@ def _imports(tree: ast.Module, functions: bool) -> list[ast.Import | ast.ImportF
     return found
 
 
-def import_graph(functions: bool = False) -> dict[str, set[str]]:
+def import_graph(functions: bool = False, type_checking: bool = False) -> dict[str, set[str]]:
     files = {_module_name(p): p for p in PKG_ROOT.rglob("*.py")}
     graph: dict[str, set[str]] = {name: set() for name in files}
     for name, path in files.items():
         is_pkg = path.name == "__init__.py"
         tree = ast.parse(path.read_text(), filename=str(path))
-        for node in _imports(tree, functions):
+        for node in _imports(tree, functions, type_checking):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
@@ -126,6 +162,32 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def full_graph() -> dict[str, set[str]]:
+    """Every import, wherever it is: module level, in functions, under ``TYPE_CHECKING``; less
+    the edges ``_CHECKPOINT_PENDING`` tolerates."""
+    graph = import_graph(functions=True, type_checking=True)
+    for edge in _pending("edges"):
+        source, _, target = edge.partition(" -> ")
+        graph.get(source, set()).discard(target)
+    return graph
+
+
+def _package_of(module: str) -> str:
+    """The top-level part of gpumem a module belongs to: ``gpumem.profiler.session`` ->
+    ``gpumem.profiler``; a root module (``gpumem.device``) and the root (``gpumem``) stay."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` with every module collapsed into its top-level part; edges inside one drop."""
+    out: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        node = _package_of(module)
+        out.setdefault(node, set()).update(_package_of(t) for t in targets)
+        out[node].discard(node)
+    return out
+
+
 def test_the_graph_is_read():
     graph = import_graph()
     # a known edge of each kind, so an empty graph cannot pass the cycle tests below
@@ -133,6 +195,24 @@ def test_the_graph_is_read():
     assert "gpumem.checkpoint.errors" in graph["gpumem.checkpoint.format"]  # relative
     assert "gpumem.estimator.module_estimate" not in graph["gpumem.estimator.api"]
     assert "gpumem.estimator.module_estimate" in import_graph(True)["gpumem.estimator.api"]
+
+
+def test_type_checking_imports_are_read():
+    # the root package names the planner for type checkers only
+    assert "gpumem.planner" not in import_graph(functions=True)["gpumem"]
+    assert "gpumem.planner" in import_graph(functions=True, type_checking=True)["gpumem"]
+    full = full_graph()
+    assert "gpumem.planner" in full["gpumem"]
+    assert "gpumem.estimator.module_estimate" in full["gpumem.estimator.api"]  # function level
+
+
+def test_the_package_graph_is_read():
+    packages = package_graph(full_graph())
+    assert {"gpumem", "gpumem.profiler", "gpumem.device", "gpumem.checkpoint"} <= set(packages)
+    assert "gpumem.profiler.session" not in packages
+    assert "gpumem.profiler" in packages["gpumem.estimator"]  # the accuracy check profiles
+    assert "gpumem.estimator" in packages["gpumem"]  # a TYPE_CHECKING import
+    assert all(node not in targets for node, targets in packages.items())
 
 
 def _describe(cycles: list[list[str]]) -> str:
@@ -149,6 +229,116 @@ def test_no_cycles_hidden_in_function_level_imports():
     assert cycles == [], "import cycles through function-level imports: " + _describe(cycles)
 
 
+def _tolerated(cycle: list[str]) -> bool:
+    return any(all(m.startswith(p + ".") for m in cycle) for p in _pending("cycles_inside"))
+
+
+def test_no_cycles_counting_every_import():
+    cycles = [c for c in find_cycles(full_graph()) if not _tolerated(c)]
+    assert cycles == [], (
+        "import cycles counting TYPE_CHECKING and function-level imports: " + _describe(cycles)
+    )
+
+
+def test_no_cycles_between_subpackages():
+    cycles = find_cycles(package_graph(full_graph()))
+    assert cycles == [], "import cycles between gpumem's subpackages: " + _describe(cycles)
+
+
 def test_cycle_finder_finds_a_cycle():
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_package_graph_collapses_modules():
+    graph = {"gpumem.a.x": {"gpumem.a.y", "gpumem.b"}, "gpumem.a.y": set(), "gpumem.b": {"gpumem"}}
+    assert package_graph(graph) == {"gpumem.a": {"gpumem.b"}, "gpumem.b": {"gpumem"}}
+
+
+def module_names() -> dict[str, list[str]]:
+    """Each module or package name (the last part of its dotted name) -> the files (``.py``)
+    and packages (``/``) that have it, relative to the repository."""
+    names: dict[str, list[str]] = {}
+    for path in sorted(PKG_ROOT.rglob("*.py")):
+        rel = path.relative_to(PKG_ROOT.parent)
+        if path.name != "__init__.py":
+            names.setdefault(path.stem, []).append(rel.as_posix())
+        elif path.parent != PKG_ROOT:
+            names.setdefault(path.parent.name, []).append(rel.parent.as_posix() + "/")
+    return names
+
+
+def name_clashes(names: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The names that more than one module or package has, not counting ``cli/<name>.py``
+    beside a top-level ``<name>.py`` or ``<name>/`` (the subcommand that runs it)."""
+    clashes = {}
+    for name, paths in names.items():
+        top_level = {f"gpumem/{name}.py", f"gpumem/{name}/"} & set(paths)
+        rest = [p for p in paths if not (top_level and p == f"gpumem/cli/{name}.py")]
+        if len(rest) > 1:
+            clashes[name] = paths
+    return clashes
+
+
+def test_module_names_are_distinct():
+    pending = _pending("names")
+    names = {n: [p for p in paths if p not in pending] for n, paths in module_names().items()}
+    assert names["doctor"] == ["gpumem/cli/doctor.py", "gpumem/doctor.py"]  # the walk sees both
+    assert "gpumem/profiler/" in names["profiler"]
+    clashes = name_clashes(names)
+    assert clashes == {}, f"module names used twice in gpumem/ (rename one): {clashes}"
+
+
+def test_name_clashes_are_found():
+    assert name_clashes(
+        {
+            "state": ["gpumem/checkpoint/state.py", "gpumem/profiler/state.py"],
+            "doctor": ["gpumem/cli/doctor.py", "gpumem/doctor.py"],
+            "demo": ["gpumem/cli/demo.py", "gpumem/demo/"],
+            "estimate": ["gpumem/cli/estimate.py", "gpumem/estimator/estimate.py"],
+            "plan": ["gpumem/cli/plan.py"],
+        }
+    ) == {
+        "state": ["gpumem/checkpoint/state.py", "gpumem/profiler/state.py"],
+        "estimate": ["gpumem/cli/estimate.py", "gpumem/estimator/estimate.py"],
+    }
+
+
+def package_contents(init: Path) -> list[str]:
+    """The modules and subpackages directly inside the package of ``init``."""
+    here = init.parent
+    modules = [p.stem for p in here.glob("*.py") if p.name != "__init__.py"]
+    packages = [p.parent.name for p in here.glob("*/__init__.py")]
+    return sorted(modules + packages)
+
+
+def unlisted(doc: str, names: list[str]) -> list[str]:
+    """The names no line of ``doc`` starts with (after its indent), followed by what it is:
+    ``    session   the context manager`` (``session.py`` and ``session/`` count too)."""
+    return [
+        n for n in names if not re.search(rf"^[ \t]*{re.escape(n)}(\.py|/)?[ \t]+\S", doc, re.M)
+    ]
+
+
+def test_every_package_docstring_lists_its_modules():
+    pending = tuple(_pending("docstrings_under"))
+    missing = {}
+    inits = sorted(PKG_ROOT.rglob("__init__.py"))
+    assert PKG_ROOT / "profiler" / "__init__.py" in inits
+    for init in inits:
+        rel = init.parent.relative_to(PKG_ROOT.parent).as_posix()
+        if any(rel == p or rel.startswith(p + "/") for p in pending):
+            continue
+        doc = ast.get_docstring(ast.parse(init.read_text()), clean=True) or ""
+        names = package_contents(init)
+        assert names, rel
+        if unlisted(doc, names):
+            missing[rel] = unlisted(doc, names)
+    assert missing == {}, f"__init__.py docstrings that do not list these, one line each: {missing}"
+
+
+def test_unlisted_reads_one_line_per_name():
+    doc = "Modules:\n\n    session   the context manager\n    report.py what it says\nhooks\n"
+    assert unlisted(doc, ["session", "report", "hooks", "tracker"]) == ["hooks", "tracker"]
+    assert package_contents(PKG_ROOT / "__init__.py")[:3] == ["__main__", "_assumptions", "_env"]
+    assert "profiler" in package_contents(PKG_ROOT / "__init__.py")

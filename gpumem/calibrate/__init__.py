@@ -8,10 +8,17 @@ The step between measuring and estimating (measure → report → **calibrate** 
     stall_s, persist_s, restore_s = cal.checkpoint_times(nbytes)   # feeds planner economics
     gpu = cal.apply_to(gpumem.estimator.find_gpu("H100-80GB"))      # feeds the estimator's reserve
 
-Modules: ``fit`` (closed-form cost lines), ``checkpoint_cost`` (save / durable / restore times
-with the real Checkpointer), ``reserve`` (CUDA context and copy bandwidth; fragmentation from a
-profile report), ``calibration`` (the file format and its consumers). Importing this package
-imports neither torch nor numba; the measurements do.
+Modules, bottom up:
+
+    _schema           strict reading of calibration JSON: every field typed and in range
+    fit               closed-form cost lines, ``seconds = a + b · bytes``
+    checkpoint_cost   save, durable and restore times, measured with the real Checkpointer
+    reserve           CUDA context and copy bandwidth; fragmentation from a profile report
+    memory            the estimator's fitted coefficients (a section), and how they apply
+    calibration       the file format and its consumers; ``measure`` and ``load``
+
+Importing this package imports neither torch nor numba; the measurements do. The fit of the
+memory section runs the estimator, so it lives there (``gpumem.estimator.memory_fit``).
 """
 
 from gpumem.calibrate._schema import CalibrationError

@@ -351,7 +351,7 @@ def as_calibration(calibration: Calibration | str | os.PathLike | None) -> Calib
 
 def versions() -> dict[str, str]:
     """python, torch and gpumem versions (torch's from its metadata unless already imported)."""
-    from gpumem import __version__
+    from gpumem._version import __version__
 
     torch_v = getattr(sys.modules.get("torch"), "__version__", None)
     if torch_v is None:

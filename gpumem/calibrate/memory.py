@@ -10,8 +10,9 @@ On CUDA the section also carries the allocator's fragmentation (reserved over al
 peak) measured on the proxies.
 
 The estimator reads this section only through ``calibration.memory_section`` (the file
-format), :func:`apply_memory_calibration` and :func:`category_scales` (measure → report →
-calibrate → estimate: it never imports the fitting, ``memory_fit.py``).
+format), :func:`apply_memory_calibration` and :func:`category_scales`. The fitting runs the
+estimator, so it lives with it (``estimator/memory_fit.py``): calibrate/ imports nothing of the
+estimator (measure → report → calibrate → estimate).
 
 Example:
     >>> bill = gpumem.estimate("config.json", calibration="calibration.json")  # doctest: +SKIP

@@ -8,6 +8,18 @@ code 2 (``gpumem ckpt verify`` exits 1 for a corrupt checkpoint, as documented):
 errors from argparse, errors the library raises, and anything unexpected. ``--debug`` (anywhere
 on the line) or ``GPUMEM_DEBUG=1`` prints the traceback as well. A closed pipe (``| head``)
 ends the command quietly.
+
+Modules:
+
+    profile     ``gpumem profile``: per-layer memory of training steps
+    estimate    ``gpumem estimate``: the per-GPU memory bill of a job
+    plan        ``gpumem plan``: which layouts fit, and what preemption costs
+    calibrate   ``gpumem calibrate``: measure this machine, write calibration.json
+    ckpt        ``gpumem ckpt``: list, verify, inspect, export and import checkpoints
+    doctor      ``gpumem doctor``: versions, native core, GPUs, bandwidth
+    demo        ``gpumem demo``: the four parts, offline
+    _args       argument types: every value checked before any work starts
+    _progress   progress bars (rich), on a terminal only
 """
 
 from __future__ import annotations
@@ -65,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from gpumem import __version__
+    from gpumem._version import __version__
 
     return f"gpumem {__version__}"
 

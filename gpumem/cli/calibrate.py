@@ -144,7 +144,7 @@ def _run_memory(args: argparse.Namespace) -> int:
     """--memory: fit the estimator to proxies of --arch / --config; write the memory section."""
     from gpumem.calibrate._schema import utc_now
     from gpumem.calibrate.calibration import Calibration, Machine, versions
-    from gpumem.calibrate.memory_fit import fit_memory
+    from gpumem.estimator.memory_fit import fit_memory
 
     if (args.arch is None) == (args.config is None):
         raise ValueError(

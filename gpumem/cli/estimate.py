@@ -258,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
 
             print("\n".join(["", *calibration_lines(bill)]))
     if args.plot:
-        from gpumem.planner.plot import plot_layouts
+        from gpumem.planner.layout_chart import plot_layouts
 
         plot_layouts(bill, args.plot, n_gpus=args.gpus)
         print(f"wrote {args.plot}", file=sys.stderr)

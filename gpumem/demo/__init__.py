@@ -14,6 +14,10 @@ Everything is written under one directory (``out``): the charts, ``calibration.j
 checkpoints of part 4 (the demo clears only its own files there). ``quick=True`` does the same
 with fewer steps and smaller measurements (for CI).
 
+Modules (the four parts are in this one):
+
+    train   the trainer part 4 runs, preempts and resumes (``python -m gpumem.demo.train``)
+
 Example:
     >>> from gpumem.demo import run_demo
     >>> result = run_demo("gpumem-demo", quick=True)              # doctest: +SKIP

@@ -5,14 +5,30 @@
     >>> bill = gpumem.estimate("llama-2-70b", seq_len=4096, layout=layout)
     >>> bill.per_gpu["total"], bill.fits
 
-Modules, bottom up: ``specs`` (``ModelSpec``: presets, config.json, exact counts), ``gpus``
-(catalog and reserve), ``layout``, ``states`` (bytes per parameter), ``activations`` /
-``backward`` (what ops save, the widest backward moment), ``peak`` (the one assembly formula),
-``terms`` (the terms every model shares), ``bill`` (the ``Bill`` and how terms become one),
-``preset`` (described models), ``module_structure`` / ``module_inputs`` / ``module_pass`` /
-``module_estimate`` (an ``nn.Module``: exact counts and a fake-tensor pass), ``api``
-(``estimate``, the front door), ``inference`` (KV cache), ``validate`` (estimate against a
-measured profile).
+Modules, bottom up:
+
+    specs              ``ModelSpec``: presets, config.json, exact parameter counts
+    gpus               the GPU catalog and the reserve a job cannot use
+    layout             ``Layout``: dp/tp/pp/ep/zero/fsdp/sp and their checks
+    states             bytes per parameter of weights, gradients and optimizer state
+    frameworks         which framework's buffer conventions a bill follows, and their cost
+    activations        what autograd saves, op by op
+    hf_ops             what transformers' decoder modules save for backward
+    backward           a layer's widest backward moment
+    peak               the one peak formula (numba-compiled for the planner)
+    terms              the peak terms every model shares
+    inputs             the inputs a bill states (seq_len, micro-batch, ...) and their sources
+    bill               the ``Bill``, and how terms become one
+    preset             a described model's terms for any layout
+    module_structure   an ``nn.Module``'s repeated blocks and counts
+    module_inputs      its fake copy and the fake inputs of one micro-batch
+    module_pass        the fake-tensor pass and the terms it yields
+    module_estimate    the bill of an ``nn.Module``
+    api                ``estimate``, the front door: checks, calibration, then a path above
+    preflight          before a real profile: will it fit in this machine's memory?
+    inference          KV cache and serving
+    accuracy           an estimate against a measured profile (the accuracy check)
+    memory_fit         the coefficients fitted to profiles (``gpumem calibrate --memory``)
 """
 
 from gpumem.estimator.api import estimate

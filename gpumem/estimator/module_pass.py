@@ -214,7 +214,7 @@ def measure(
     (PyTorch builds without CUDA cannot run autograd on fake CUDA tensors); only the 512-byte
     rounding of CUDA storages differs, so the terms are the same up to that rounding.
     """
-    import gpumem
+    from gpumem import profiler
 
     if not any(True for _ in module.parameters()):
         raise ValueError(
@@ -229,7 +229,7 @@ def measure(
     def autocast():
         return torch.autocast(run, dtype=amp) if training.autocast else contextlib.nullcontext()
 
-    with gpumem.fake(device=run if run == "cuda" else None):
+    with profiler.fake(device=run if run == "cuda" else None):
         net = fake_copy(module, run, dtype)
         args, kwargs = make_inputs(module, example_input, batch, seq, run)
         order, io, saved, held, target = _structure(
@@ -240,7 +240,7 @@ def measure(
                 parent, _, child = name.rpartition(".")
                 owner = net.get_submodule(parent) if parent else net
                 setattr(owner, child, _Checkpointed(owner.get_submodule(child)))
-        with gpumem.profile(net) as prof:
+        with profiler.profile(net) as prof:
             with autocast():
                 out = net(*args, **kwargs)
                 loss = loss_fn(out) if loss_fn else default_loss(out, target)

@@ -1,5 +1,11 @@
 """Built-in models at named sizes, for the profiler, the estimator and the CLI.
 
+Modules:
+
+    config        one config dataclass for every built-in model, and the named sizes
+    transformer   decoders (gpt2, llama, mixtral) and the ViT encoder, from one set of blocks
+    resnet        ResNet with BatchNorm: basic blocks (18/34) or bottlenecks (50+)
+
 Example:
     >>> from gpumem.models import build_model, example_batch
     >>> model = build_model("gpt2", "tiny")

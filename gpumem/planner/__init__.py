@@ -4,9 +4,14 @@
     >>> result = gpumem.plan("llama-2-70b", gpu="H100-80GB", n_gpus=64, seq_len=4096)
     >>> print(result.table())
 
-Modules: ``search`` (the numba sweep), ``economics`` (Young/Daly, expected completion time and
-cost with and without checkpoints), ``checkpoint_times`` (C, P, R: given, calibrated or default),
-``schedulers`` (Slurm and Kubernetes job scripts), ``plot`` (bills side by side).
+Modules, bottom up:
+
+    economics          Young/Daly, expected completion time and cost with and without
+                       checkpoints; the planner's default guesses
+    checkpoint_times   C, P, R: given, calibrated for the best layout, or the defaults
+    search             the numba sweep: ``plan`` and ``PlanResult``
+    schedulers         Slurm and Kubernetes job scripts wired for preemption
+    layout_chart       bills of layouts side by side (``gpumem estimate --plot``)
 """
 
 from gpumem.planner.checkpoint_times import CheckpointTimes, checkpoint_times

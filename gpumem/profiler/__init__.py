@@ -4,12 +4,22 @@
         loss = loss_fn(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
     rep = prof.report()
 
-Modules: ``tracker`` (dispatch-mode storage tracking), ``hooks`` (phases, saved tensors),
-``session`` (the context manager and its accounting), ``state`` (its records), ``report`` and
-``plot`` (outputs),
-``fake`` (fake tensors), ``cuda`` (allocator and driver numbers), ``sharding`` (FSDP2 units and
-collectives), ``distributed`` (gathering per-rank reports, a fake process group),
-``categories`` (the shared vocabulary).
+Modules, bottom up:
+
+    categories    the memory categories and training phases every report speaks in
+    fsdp_tp       FSDP2 units, DTensor (tensor parallelism) and collectives, as seen here
+    tracker       live storages per category (a TorchDispatchMode and weakref finalizers)
+    records       what a profile keeps while it runs: call frames, snapshots, steps
+    fake          ``gpumem.fake()``: fake tensors, fake CUDA
+    cuda          what the caching allocator and the driver say (CUDA only)
+    hooks         every hook a profile installs; ``ProfileEvents``, what they call
+    headroom      the warning before a profiled step runs out of memory
+    pictures      a report's PNG and Chrome trace
+    memory_viz    the timeline as PyTorch's memory snapshot (pytorch.org/memory_viz)
+    report        ``Report``: the records rolled up into tables, JSON and pictures
+    session       ``Profile``, the context manager and its accounting
+    distributed   per-rank reports gathered on rank 0, ``cluster_table``, a fake process group
+    runner        profile N steps of a built-in or ``config.json`` model (the CLI's)
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ from gpumem.profiler.fake import fake
 from gpumem.profiler.headroom import ProfileMemoryWarning
 from gpumem.profiler.report import LayerStats, Report, StepReport
 from gpumem.profiler.session import Profile
-from gpumem.profiler.state import DataDependentError
+from gpumem.profiler.tracker import DataDependentError
 
 if TYPE_CHECKING:
     import torch

@@ -25,7 +25,7 @@ import torch
 from gpumem.profiler.fake import is_fake_model
 
 if TYPE_CHECKING:
-    from gpumem.profiler.state import Frame, ProbeView
+    from gpumem.profiler.records import Frame, ProbeView
 
 _HISTORY_ENTRIES = 200_000
 # torch.OutOfMemoryError is the device-generic name (2.5+); torch.cuda's is the same class

@@ -21,15 +21,60 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from gpumem.profiler import sharding
+from gpumem.profiler import fsdp_tp
 from gpumem.profiler.tracker import tensors_in
 
 if TYPE_CHECKING:
-    from gpumem.profiler.session import Profile
+    from gpumem.profiler.records import Frame
+    from gpumem.profiler.tracker import StorageTracker
+
+
+class ProfileEvents(Protocol):
+    """What the hooks read of a profile and tell it: the session's ``Profile`` implements it.
+
+    The hooks know this interface, never the session, so the wiring stays below the accounting
+    (as torch's ``MemTracker`` builds on ``ModTracker``'s callbacks).
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    fqn_of: dict[int, str]
+    """id(module) -> the fully qualified name it is reported under (its first)."""
+    param_owner: dict[int, tuple[torch.Tensor, str]]
+    """id(param) -> (param, the fqn of the module that owns it)."""
+    fsdp_units: list[fsdp_tp.Unit]
+    tracker: StorageTracker
+    """Paused (``tracker.paused``) around work that is no memory of the run."""
+
+    @property
+    def measures_temporary(self) -> bool: ...
+
+    # module calls
+    def forward_enter(self, fqn: str, module: torch.nn.Module, args: Any, kwargs: Any) -> None: ...
+    def forward_exit(self, fqn: str) -> Frame | None: ...
+    def backward_enter(self, fqn: str) -> Frame: ...
+    def backward_exit(self, frame: Frame) -> None: ...
+
+    # tensors becoming gradients, activations, communication
+    def gradient_ready(self, grad: torch.Tensor, owner: str) -> None: ...
+    def saved_for_backward(self, t: torch.Tensor) -> None: ...
+    def checkpoint_inputs(self, fn: Any, tensors: list[torch.Tensor]) -> None: ...
+
+    # the optimizer
+    def optimizer_enter(self) -> None: ...
+    def optimizer_exit(self) -> None: ...
+    def optimizer_phase(self) -> AbstractContextManager[None]: ...
+
+    # FSDP2 units
+    def fsdp_enter(self, fqn: str, group: Any, call: str) -> None: ...
+    def fsdp_exit(self, fqn: str, group: Any, call: str) -> None: ...
+    def unsharded_grad_ready(self, grad: torch.Tensor, fqn: str) -> None: ...
+    def communication_buffer(self, t: torch.Tensor, fqn: str) -> None: ...
 
 
 def _gradtensors_in(obj: Any) -> list[torch.Tensor]:
@@ -39,7 +84,7 @@ def _gradtensors_in(obj: Any) -> list[torch.Tensor]:
 class HookSet:
     """Installs the hooks for one profile region; ``remove()`` undoes every one of them."""
 
-    def __init__(self, prof: Profile) -> None:
+    def __init__(self, prof: ProfileEvents) -> None:
         self.prof = prof
         self._undo: list[Callable[[], None]] = []
         self._saved_hooks: Any = None
@@ -154,15 +199,15 @@ class HookSet:
     def _install_fsdp(self) -> None:
         prof = self.prof
         for fqn, _, group in prof.fsdp_units:
-            for call in sharding.GROUP_CALLS:
+            for call in fsdp_tp.GROUP_CALLS:
                 self._wrap(group, call, functools.partial(self._fsdp_call, fqn, group, call))
-            for comm in sharding.comm_allocators(group):
+            for comm in fsdp_tp.comm_allocators(group):
                 self._wrap(comm, "allocate", functools.partial(self._fsdp_allocate, fqn))
 
     def _install_dtensor(self) -> None:
-        propagator = sharding.dtensor_propagator()
+        propagator = fsdp_tp.dtensor_propagator()
         if propagator is not None:
-            self._wrap(propagator, sharding.PROPAGATES, self._untracked)
+            self._wrap(propagator, fsdp_tp.PROPAGATES, self._untracked)
 
     def _untracked(self, original: Callable[..., Any]) -> Callable[..., Any]:
         tracker = self.prof.tracker
@@ -209,7 +254,7 @@ class HookSet:
     def _hook_unsharded(self, fqn: str, group: Any) -> None:
         """FSDP creates a unit's unsharded parameters at its first gather: from then on autograd
         accumulates their gradients, which wait there for the reduce-scatter."""
-        for p in sharding.unsharded_params(group):
+        for p in fsdp_tp.unsharded_params(group):
             if id(p) not in self._hooked:
                 self._hooked.add(id(p))
                 h = p.register_post_accumulate_grad_hook(

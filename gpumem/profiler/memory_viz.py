@@ -17,17 +17,22 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from gpumem.profiler.categories import PHASES
 
-if TYPE_CHECKING:
-    from gpumem.profiler.report import Report
+
+class TimelineLike(Protocol):
+    """What the snapshot reads of a report: its timeline. Typed by shape rather than by import:
+    ``Report.to_memory_snapshot`` calls into this module, which must not import ``report`` back."""
+
+    timeline: dict[str, list[int]]
+
 
 _BASE = 1 << 32  # synthetic addresses start here; blocks are laid out without gaps
 
 
-def memory_snapshot(rep: Report) -> dict[str, Any]:
+def memory_snapshot(rep: TimelineLike) -> dict[str, Any]:
     """``{"segments": [...], "device_traces": [[event, ...]]}`` from ``rep.timeline``.
 
     Raises:
@@ -83,7 +88,7 @@ def memory_snapshot(rep: Report) -> dict[str, Any]:
     }
 
 
-def write_memory_snapshot(rep: Report, path: Path) -> Path:
+def write_memory_snapshot(rep: TimelineLike, path: Path) -> Path:
     with open(path, "wb") as f:
         pickle.dump(memory_snapshot(rep), f)
     return path

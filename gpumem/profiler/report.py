@@ -24,7 +24,7 @@ from gpumem.profiler.categories import (
     TEMPORARY,
     WEIGHTS,
 )
-from gpumem.profiler.state import ProfileRecord, StepAcc, ancestors
+from gpumem.profiler.records import ProfileRecord, StepAcc, ancestors
 from gpumem.units import format_bytes
 
 # 2: ``mode``/``measured``; temporaries are null where not measured. 3: ``communication`` (a
@@ -266,7 +266,7 @@ class Report:
 
     def plot(self, path: str | Path, depth: int | None = None) -> Path:
         """PNG: stacked per-layer bars (left) and memory over time with phase bands (right)."""
-        from gpumem.profiler.plot import plot_report
+        from gpumem.profiler.pictures import plot_report
 
         return plot_report(self, Path(path), depth)
 
@@ -280,7 +280,7 @@ class Report:
 
     def to_chrome_trace(self, path: str | Path) -> Path:
         """Chrome/Perfetto trace JSON: a memory counter, phase spans and module spans."""
-        from gpumem.profiler.plot import chrome_trace
+        from gpumem.profiler.pictures import chrome_trace
 
         path = Path(path)
         path.write_text(json.dumps(chrome_trace(self)))

@@ -16,7 +16,7 @@ Definitions (issue #3):
   call above the level at entry, minus the activations (in backward: the gradients) it added;
   communication buffers are left out of these levels (they are no module's scratch space).
 - under FSDP2 what a unit's parameter group creates while it gathers, reshards or reduces is
-  *communication* of that unit (``sharding.py`` says which calls); its unsharded parameters stay
+  *communication* of that unit (``fsdp_tp.py`` says which calls); its unsharded parameters stay
   communication when autograd saves them, while other collective outputs that autograd saves
   (tensor parallelism's gathered inputs) are activations.
 """
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from gpumem._assumptions import listen, unlisten
-from gpumem.profiler import cuda, sharding
+from gpumem.profiler import cuda, fsdp_tp
 from gpumem.profiler.categories import (
     ACTIVATIONS,
     BACKWARD,
@@ -51,8 +51,7 @@ from gpumem.profiler.categories import (
 from gpumem.profiler.fake import is_fake_model, real_branches
 from gpumem.profiler.headroom import warn_if_short
 from gpumem.profiler.hooks import HookSet
-from gpumem.profiler.report import Report, build_report
-from gpumem.profiler.state import (
+from gpumem.profiler.records import (
     MODES,
     PHASE_CODE,
     Frame,
@@ -62,6 +61,7 @@ from gpumem.profiler.state import (
     StepAcc,
     ancestors,
 )
+from gpumem.profiler.report import Report, build_report
 from gpumem.profiler.tracker import Entry, StorageTracker, storages_of, tensors_in, views_of
 
 _graph_task_id = torch._C._current_graph_task_id
@@ -131,7 +131,7 @@ class Profile:
         self.tracker.on_comm = self._comm_changed
         # FSDP2 units, found on entry; the units gathering or reducing now (innermost last); the
         # entries of unsharded parameters (never activations)
-        self.fsdp_units: list[sharding.Unit] = []
+        self.fsdp_units: list[fsdp_tp.Unit] = []
         self._comm_units: list[str] = []
         self._gathered: weakref.WeakSet[Entry] = weakref.WeakSet()
         self._unsharded_known: set[str] = set()  # units whose unsharded parameters are claimed
@@ -206,7 +206,7 @@ class Profile:
         if not is_fake_model(self.model):
             warn_if_short(self.model, self.optimizer)
         self.t_start = time.perf_counter_ns()
-        self.fsdp_units = sharding.fsdp_units(self.model, self.fqn_of)
+        self.fsdp_units = fsdp_tp.fsdp_units(self.model, self.fqn_of)
         self._register_existing()
         self.allocator = cuda.AllocatorProbe.maybe(
             self.model, self.device_types, self.snapshot_path
@@ -566,7 +566,7 @@ class Profile:
         )
 
     def _backward_task_done(self, task: int, deferred: bool = False) -> None:
-        if not deferred and sharding.final_callback_pending(self.fsdp_units):
+        if not deferred and fsdp_tp.final_callback_pending(self.fsdp_units):
             # FSDP queued its end-of-backward callback (the last reduce-scatters) after ours:
             # the pass ends after it. Once only: FSDP's may belong to an outer graph task.
             torch.autograd.Variable._execution_engine.queue_callback(
@@ -729,12 +729,12 @@ class Profile:
 
     # -- FSDP2 ---------------------------------------------------------------------------------
     def fsdp_enter(self, fqn: str, group: Any, call: str) -> None:
-        """A unit's parameter group starts ``call`` (one of ``sharding.GROUP_CALLS``)."""
-        if call in sharding.GATHERS and not self._in_step and _graph_task_id() == -1:
+        """A unit's parameter group starts ``call`` (one of ``fsdp_tp.GROUP_CALLS``)."""
+        if call in fsdp_tp.GATHERS and not self._in_step and _graph_task_id() == -1:
             self._open_step()  # FSDP's pre-forward hook runs before the profiler's
         if call == "post_backward":
             # unsharded gradients wait for their reduce-scatter
-            self._claim(sharding.unsharded_grads(group), fqn, credit=True)
+            self._claim(fsdp_tp.unsharded_grads(group), fqn, credit=True)
         self._comm_units.append(fqn)
 
     def fsdp_exit(self, fqn: str, group: Any, call: str) -> None:
@@ -742,14 +742,14 @@ class Profile:
         if call == "wait_for_unshard":
             self._claim_unsharded(fqn, group)
         elif call == "reshard":
-            self._claim(sharding.post_forward_shards(group), fqn)
+            self._claim(fsdp_tp.post_forward_shards(group), fqn)
         self._sync()
 
     def _claim_unsharded(self, fqn: str, group: Any) -> None:
         """A unit's unsharded parameters, once they exist (FSDP creates them at its first
         gather and keeps them): claimed once per unit, their resizes are followed after."""
         if fqn not in self._unsharded_known:
-            storages = list(sharding.unsharded_storages(group))
+            storages = list(fsdp_tp.unsharded_storages(group))
             if storages:
                 self._claim(storages, fqn, gathered=True)
                 self._unsharded_known.add(fqn)

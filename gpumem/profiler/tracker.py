@@ -26,10 +26,13 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 from gpumem.profiler.categories import CATEGORIES, COMMUNICATION
-from gpumem.profiler.sharding import has_dtensor, is_collective
-from gpumem.profiler.state import DataDependentError
+from gpumem.profiler.fsdp_tp import has_dtensor, is_collective
 
 CUDA_BLOCK = 512  # CUDACachingAllocator kMinBlockSize: every block is a multiple of this
+
+
+class DataDependentError(RuntimeError):
+    """An op whose output size depends on tensor values ran under ``gpumem.fake()``."""
 
 
 def storage_bytes(st: torch.UntypedStorage, device_type: str) -> int:

@@ -73,8 +73,8 @@ def test_memory_fit_on_cuda_measures_fragmentation_and_calibrates():
     category near 1 (the CUDA allocator rounds storages to 512 B; the estimator does not), and
     the allocator's fragmentation; a held-out configuration calibrated within 3 %."""
     from gpumem.calibrate.memory import apply_memory_calibration
-    from gpumem.calibrate.memory_fit import fit_memory
-    from gpumem.estimator.validate import Case, compare, estimate_case
+    from gpumem.estimator.accuracy import Case, compare, estimate_case
+    from gpumem.estimator.memory_fit import fit_memory
 
     mem = fit_memory(arch="llama", device="cuda")
     assert mem.device == "cuda" and mem.mode == "real"

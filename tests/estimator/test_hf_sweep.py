@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from gpumem.estimator.validate import (
+from gpumem.estimator.accuracy import (
     HF_SWEEP,
     PROFILER_CATEGORIES,
     HFCase,

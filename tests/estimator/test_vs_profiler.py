@@ -8,7 +8,7 @@ profiler that miscounts, an estimator formula that drifts) fails here.
 
 import pytest
 
-from gpumem.estimator.validate import Case, compare
+from gpumem.estimator.accuracy import Case, compare
 
 SMALL = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "vocab_size": 512, "seq_len": 128}
 CASES = [

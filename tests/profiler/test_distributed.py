@@ -521,7 +521,7 @@ def test_communication_in_timeline_plot_and_trace(tmp_path):
     import matplotlib.pyplot as plt
 
     from gpumem.profiler import fake_process_group
-    from gpumem.profiler.plot import report_figure
+    from gpumem.profiler.pictures import report_figure
 
     with fake_process_group(2) as mesh, gpumem.fake():
         rep = _profiled(_fsdp(_linear_stack(), mesh=mesh), _batch(4))

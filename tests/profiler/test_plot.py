@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from gpumem.cli import main
-from gpumem.profiler.plot import DPI, _bar_layers, report_figure
+from gpumem.profiler.pictures import DPI, _bar_layers, report_figure
 from gpumem.profiler.runner import profile_model
 
 CATS = ("weights", "gradients", "optimizer", "activations", "temporary")
@@ -65,7 +65,7 @@ def test_estimate_plot_draws_the_layout_beside_the_planners_best(tmp_path):
     import matplotlib.pyplot as plt
 
     import gpumem
-    from gpumem.planner.plot import CATEGORIES, best_layouts, bills_figure
+    from gpumem.planner.layout_chart import CATEGORIES, best_layouts, bills_figure
 
     bill = gpumem.estimate("llama-2-7b", seq_len=2048, layout=gpumem.Layout(dp=8))
     bills = [("asked", bill), *best_layouts(bill, n_gpus=8, top=3)]

@@ -10,7 +10,9 @@ from typing_extensions import assert_type
 
 import gpumem
 from gpumem.checkpoint import Checkpointer, SaveStats
+from gpumem.dcp import StorageReader
 from gpumem.estimator import Bill, Layout
+from gpumem.integrations.hf import CheckpointCallback
 from gpumem.planner import PlanResult
 from gpumem.profiler import Profile, Report, cluster_table, gather
 
@@ -38,3 +40,5 @@ def public_api(model: object, optimizer: object) -> None:
     assert_type(ckpt.save(1), SaveStats)
     assert_type(gpumem.checksum.crc32c(b"abc"), int)
     assert_type(gpumem.units.parse_bytes("1GiB"), int)
+    assert_type(gpumem.dcp.StorageReader("ckpts"), StorageReader)
+    assert_type(gpumem.integrations.hf.CheckpointCallback, type[CheckpointCallback])

@@ -11,7 +11,7 @@ Shared by ``benchmarks/bench_estimator_accuracy.py`` (the committed table) and
         loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
 
 Example:
-    >>> from gpumem.estimator.validate import Case, compare
+    >>> from gpumem.estimator.accuracy import Case, compare
     >>> c = compare(Case("llama-gqa", "llama", {"num_kv_heads": 2}, batch=2, seq=64))
     >>> c.error_pct, c.measured_phase, c.estimated["total"]
 """
@@ -107,7 +107,7 @@ def compare(case: Case, seed: int = 0, device: str = "cpu") -> Comparison:
     import torch
     import torch.nn.functional as F
 
-    import gpumem
+    from gpumem import profiler
     from gpumem.models import build_model, example_batch, get_config
 
     torch.manual_seed(seed)
@@ -117,7 +117,7 @@ def compare(case: Case, seed: int = 0, device: str = "cpu") -> Comparison:
     opt = _optimizer(case, model.parameters())
     ids, targets = (t.to(device) for t in example_batch(cfg, case.batch, case.seq))
     imbalance = _routing_imbalance(model, ids) if cfg.num_experts else None
-    with gpumem.profile(model, optimizer=opt) as prof:
+    with profiler.profile(model, optimizer=opt) as prof:
         for _ in range(case.steps):
             with torch.autocast(device, dtype=torch.bfloat16, enabled=case.autocast):
                 logits = model(ids)
@@ -299,7 +299,7 @@ def compare_hf(case: HFCase, device: str = "cpu") -> Comparison:
     import torch.nn.functional as F
     import transformers
 
-    import gpumem
+    from gpumem import profiler
 
     cfg = dict(case.config)
     mtype = cfg.pop("model_type")
@@ -310,7 +310,7 @@ def compare_hf(case: HFCase, device: str = "cpu") -> Comparison:
     kwargs = {"experts_implementation": "grouped_mm"} if _is_moe_config(mtype) else {}
     dtype = torch.bfloat16 if case.precision == "bf16" else torch.float32
     use_fake = device == "cpu" and case.reference == "fake"
-    fake = gpumem.fake() if use_fake else contextlib.nullcontext()
+    fake = profiler.fake() if use_fake else contextlib.nullcontext()
     torch.manual_seed(0)
     with fake, _grouped_mm_any_dtype():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
@@ -322,7 +322,7 @@ def compare_hf(case: HFCase, device: str = "cpu") -> Comparison:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         ids = torch.randint(0, config.vocab_size, (case.batch, case.seq), device=device)
         autocast = case.precision == "bf16-autocast"
-        with gpumem.profile(model, optimizer=opt) as prof:
+        with profiler.profile(model, optimizer=opt) as prof:
             for _ in range(2):
                 with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
                     logits = model(ids).logits

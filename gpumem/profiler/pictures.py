@@ -5,12 +5,29 @@ matplotlib is imported when a picture is drawn, not with the module."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from gpumem.profiler.categories import CATEGORIES, PHASES
 
-if TYPE_CHECKING:
-    from gpumem.profiler.report import Report
+
+class ReportLike(Protocol):
+    """What a picture reads of a report (``report.Report`` has it all).
+
+    Typed by shape rather than by import: ``Report.plot`` calls into this module, so this module
+    must not import ``report`` back.
+    """
+
+    model: str
+    device: str
+    estimate: bool
+    peak_bytes: int
+    measured: list[str]
+    layers: dict[str, Any]
+    """``LayerStats`` by module: the categories as attributes, and ``total``."""
+    timeline: dict[str, list[int]]
+    spans: list[dict[str, Any]]
+    schema_version: int
+
 
 _COLORS = {
     "weights": "#4e79a7",
@@ -33,7 +50,7 @@ def _unit(n: int) -> tuple[str, int]:
     return "B", 1
 
 
-def _bar_layers(rep: Report, depth: int | None) -> list[str]:
+def _bar_layers(rep: ReportLike, depth: int | None) -> list[str]:
     """Modules drawn as bars: the top level, with numbered containers (ModuleList, Sequential
     stacks of blocks) replaced by their blocks; or exactly the modules at ``depth``."""
     names = [n for n in rep.layers if n]
@@ -47,7 +64,7 @@ def _bar_layers(rep: Report, depth: int | None) -> list[str]:
     return out or [""]
 
 
-def plot_report(rep: Report, path: Path, depth: int | None = None) -> Path:
+def plot_report(rep: ReportLike, path: Path, depth: int | None = None) -> Path:
     """Write :func:`report_figure` as a PNG (110 dpi) and close it."""
     import matplotlib.pyplot as plt
 
@@ -57,7 +74,7 @@ def plot_report(rep: Report, path: Path, depth: int | None = None) -> Path:
     return path
 
 
-def report_figure(rep: Report, depth: int | None = None) -> Any:
+def report_figure(rep: ReportLike, depth: int | None = None) -> Any:
     """The matplotlib Figure of a report: per-layer bars stacked by category (left axes, one
     ``barh`` container per category, in the unit of the x label) and live memory over time with
     the phases shaded (right axes)."""
@@ -138,7 +155,7 @@ def report_figure(rep: Report, depth: int | None = None) -> Any:
     return fig
 
 
-def chrome_trace(rep: Report) -> dict[str, Any]:
+def chrome_trace(rep: ReportLike) -> dict[str, Any]:
     """Trace events (microseconds): memory counters (live bytes; communication bytes when there
     are any) on pid 0, phases on tid 0, modules on tid 1 (forward) and 2 (backward)."""
     ev: list[dict[str, Any]] = [

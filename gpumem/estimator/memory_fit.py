@@ -11,6 +11,9 @@ the GPU and the allocator's fragmentation (reserved over allocated at the peak) 
 
     mem = fit_memory(arch="llama")                         # or config="path/config.json"
     cal = Calibration(..., memory=mem); cal.save("calibration.json")
+
+It writes a section of calibrate/'s file (``calibrate/memory.py``) but lives here: it runs the
+estimator, and calibrate/ sits below the estimator, which reads calibration files.
 """
 
 from __future__ import annotations
@@ -27,8 +30,7 @@ from gpumem.calibrate.memory import (
     check_points,
     fit_category,
 )
-from gpumem.estimator.specs import from_hf_config, from_model_config
-from gpumem.estimator.validate import (
+from gpumem.estimator.accuracy import (
     HF_SWEEP,
     PROFILER_CATEGORIES,
     Case,
@@ -36,6 +38,7 @@ from gpumem.estimator.validate import (
     compare,
     compare_hf,
 )
+from gpumem.estimator.specs import from_hf_config, from_model_config
 
 BUILTIN = ("gpt2", "llama", "mixtral")
 # (batch, seq, precision) of the proxy runs: enough spread to separate the terms

@@ -27,10 +27,6 @@ def ancestors(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(len(parts), 0, -1)] + [""]
 
 
-class DataDependentError(RuntimeError):
-    """An op whose output size depends on tensor values ran under ``gpumem.fake()``."""
-
-
 @dataclass
 class Frame:
     """One running module call (forward or backward)."""

@@ -1,0 +1,26 @@
+"""Type-checked by mypy (tests/test_house.py), never run: interfaces implemented by shape.
+
+A module that calls back into a higher one types it with a ``Protocol`` instead of importing it
+(no import circle, tests/test_import_graph.py); each function here proves that the real class
+still has every member the protocol names, with the same types.
+"""
+
+from __future__ import annotations
+
+from gpumem.profiler.hooks import ProfileEvents
+from gpumem.profiler.memory_viz import TimelineLike
+from gpumem.profiler.pictures import ReportLike
+from gpumem.profiler.report import Report
+from gpumem.profiler.session import Profile
+
+
+def profile_is_what_the_hooks_call(prof: Profile) -> ProfileEvents:
+    return prof
+
+
+def report_is_what_the_pictures_read(rep: Report) -> ReportLike:
+    return rep
+
+
+def report_is_what_the_snapshot_reads(rep: Report) -> TimelineLike:
+    return rep
