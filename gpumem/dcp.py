@@ -1,5 +1,5 @@
 """torch.distributed.checkpoint storage in gpumem's format: ``gpumem.dcp.StorageWriter`` and
-``StorageReader`` (defined in ``gpumem.checkpoint.interop.dcp``; this path is the public one).
+``StorageReader`` (defined in ``gpumem.checkpoint.interop.dcp_storage``; this is the public path).
 
     import torch.distributed.checkpoint as dcp
     import gpumem.dcp
@@ -8,6 +8,6 @@
     dcp.load(state, storage_reader=gpumem.dcp.StorageReader("ckpts"))          # newest valid
 """
 
-from gpumem.checkpoint.interop.dcp import StorageReader, StorageWriter
+from gpumem.checkpoint.interop.dcp_storage import StorageReader, StorageWriter
 
 __all__ = ["StorageReader", "StorageWriter"]

@@ -24,32 +24,6 @@ from pathlib import Path
 
 PKG_ROOT = Path(__file__).resolve().parents[1] / "gpumem"
 
-# What gpumem/checkpoint/ (restructured on another branch) may still break in these tests. When
-# that work lands, delete this constant: every test here is then strict (``_pending`` reads it).
-_CHECKPOINT_PENDING: dict[str, frozenset[str]] = {
-    # import cycles whose modules are all inside this package
-    "cycles_inside": frozenset({"gpumem.checkpoint"}),
-    # job.py's `from gpumem import __version__`, a circle through the root package (it will
-    # import gpumem._version)
-    "edges": frozenset({"gpumem.checkpoint.job -> gpumem"}),
-    # packages whose __init__ docstring does not list its modules yet (with their subpackages)
-    "docstrings_under": frozenset({"gpumem/checkpoint"}),
-    # module names being renamed there (outside checkpoint/ they were profiler/state.py,
-    # profiler/sharding.py, estimator/validate.py: now records, fsdp_tp, accuracy)
-    "names": frozenset(
-        {
-            "gpumem/checkpoint/state.py",
-            "gpumem/checkpoint/validate.py",
-            "gpumem/checkpoint/sharding.py",
-        }
-    ),
-}
-
-
-def _pending(kind: str) -> frozenset[str]:
-    """What ``_CHECKPOINT_PENDING`` tolerates of ``kind``; nothing once it is deleted."""
-    return globals().get("_CHECKPOINT_PENDING", {}).get(kind, frozenset())
-
 
 def _module_name(path: Path) -> str:
     rel = path.relative_to(PKG_ROOT.parent).with_suffix("")
@@ -163,13 +137,8 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def full_graph() -> dict[str, set[str]]:
-    """Every import, wherever it is: module level, in functions, under ``TYPE_CHECKING``; less
-    the edges ``_CHECKPOINT_PENDING`` tolerates."""
-    graph = import_graph(functions=True, type_checking=True)
-    for edge in _pending("edges"):
-        source, _, target = edge.partition(" -> ")
-        graph.get(source, set()).discard(target)
-    return graph
+    """Every import, wherever it is: module level, in functions, under ``TYPE_CHECKING``."""
+    return import_graph(functions=True, type_checking=True)
 
 
 def _package_of(module: str) -> str:
@@ -192,7 +161,7 @@ def test_the_graph_is_read():
     graph = import_graph()
     # a known edge of each kind, so an empty graph cannot pass the cycle tests below
     assert "gpumem._native" in graph["gpumem.checksum"]  # absolute
-    assert "gpumem.checkpoint.errors" in graph["gpumem.checkpoint.format"]  # relative
+    assert "gpumem.checkpoint.errors" in graph["gpumem.checkpoint.storage.format"]  # relative
     assert "gpumem.estimator.module_estimate" not in graph["gpumem.estimator.api"]
     assert "gpumem.estimator.module_estimate" in import_graph(True)["gpumem.estimator.api"]
 
@@ -229,12 +198,8 @@ def test_no_cycles_hidden_in_function_level_imports():
     assert cycles == [], "import cycles through function-level imports: " + _describe(cycles)
 
 
-def _tolerated(cycle: list[str]) -> bool:
-    return any(all(m.startswith(p + ".") for m in cycle) for p in _pending("cycles_inside"))
-
-
 def test_no_cycles_counting_every_import():
-    cycles = [c for c in find_cycles(full_graph()) if not _tolerated(c)]
+    cycles = find_cycles(full_graph())
     assert cycles == [], (
         "import cycles counting TYPE_CHECKING and function-level imports: " + _describe(cycles)
     )
@@ -243,6 +208,57 @@ def test_no_cycles_counting_every_import():
 def test_no_cycles_between_subpackages():
     cycles = find_cycles(package_graph(full_graph()))
     assert cycles == [], "import cycles between gpumem's subpackages: " + _describe(cycles)
+
+
+# gpumem/checkpoint/'s stages, in the order a save and a restore pass through them: a stage
+# imports only earlier ones (and the shared modules beside the façade: errors, group, stats,
+# workers), never a later stage nor the façade (checkpointer, save, config, preemption)
+CHECKPOINT_STAGES = ("capture", "stage", "storage", "restore", "interop")
+CHECKPOINT_SHARED = ("errors", "group", "stats", "workers")
+
+
+def checkpoint_order_violations(graph: dict[str, set[str]]) -> list[str]:
+    """The edges out of a checkpoint stage to a later stage or to the façade."""
+    prefix = "gpumem.checkpoint."
+
+    def part(module: str) -> str | None:
+        return module[len(prefix) :].split(".")[0] if module.startswith(prefix) else None
+
+    def allowed(src: str, target: str) -> bool:
+        dst = part(target)
+        if target != "gpumem.checkpoint" and (dst is None or dst in CHECKPOINT_SHARED):
+            return True  # outside checkpoint/, or one of the shared modules
+        return dst in CHECKPOINT_STAGES and (
+            CHECKPOINT_STAGES.index(dst) <= CHECKPOINT_STAGES.index(src)
+        )
+
+    return sorted(
+        f"{source} -> {target}"
+        for source, targets in graph.items()
+        if (src := part(source)) in CHECKPOINT_STAGES
+        for target in targets
+        if not allowed(src, target)
+    )
+
+
+def test_checkpoint_stages_import_only_earlier_stages():
+    graph = full_graph()
+    assert "gpumem.checkpoint.capture.codec" in graph["gpumem.checkpoint.storage.format"]
+    assert checkpoint_order_violations(graph) == []
+
+
+def test_the_stage_order_check_finds_a_backward_edge():
+    graph = {
+        "gpumem.checkpoint.stage.x": {"gpumem.checkpoint.storage.y", "gpumem.checkpoint.errors"},
+        "gpumem.checkpoint.restore.z": {"gpumem.checkpoint.capture.w", "gpumem.checkpoint.save"},
+        "gpumem.checkpoint.capture.w": {"gpumem.checkpoint"},
+        "gpumem.checkpoint.checkpointer": {"gpumem.checkpoint.interop.v"},
+    }
+    assert checkpoint_order_violations(graph) == [
+        "gpumem.checkpoint.capture.w -> gpumem.checkpoint",
+        "gpumem.checkpoint.restore.z -> gpumem.checkpoint.save",
+        "gpumem.checkpoint.stage.x -> gpumem.checkpoint.storage.y",
+    ]
 
 
 def test_cycle_finder_finds_a_cycle():
@@ -281,8 +297,7 @@ def name_clashes(names: dict[str, list[str]]) -> dict[str, list[str]]:
 
 
 def test_module_names_are_distinct():
-    pending = _pending("names")
-    names = {n: [p for p in paths if p not in pending] for n, paths in module_names().items()}
+    names = module_names()
     assert names["doctor"] == ["gpumem/cli/doctor.py", "gpumem/doctor.py"]  # the walk sees both
     assert "gpumem/profiler/" in names["profiler"]
     clashes = name_clashes(names)
@@ -321,14 +336,11 @@ def unlisted(doc: str, names: list[str]) -> list[str]:
 
 
 def test_every_package_docstring_lists_its_modules():
-    pending = tuple(_pending("docstrings_under"))
     missing = {}
     inits = sorted(PKG_ROOT.rglob("__init__.py"))
     assert PKG_ROOT / "profiler" / "__init__.py" in inits
     for init in inits:
         rel = init.parent.relative_to(PKG_ROOT.parent).as_posix()
-        if any(rel == p or rel.startswith(p + "/") for p in pending):
-            continue
         doc = ast.get_docstring(ast.parse(init.read_text()), clean=True) or ""
         names = package_contents(init)
         assert names, rel

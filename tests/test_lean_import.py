@@ -36,7 +36,7 @@ def test_dcp_resolves_from_the_root():
         "import json, gpumem; w = gpumem.dcp.StorageWriter; "
         "print(json.dumps([w.__module__, w.__name__, 'dcp' in dir(gpumem)]))"
     )
-    assert res == ["gpumem.dcp", "StorageWriter", True]
+    assert res == ["gpumem.checkpoint.interop.dcp_storage", "StorageWriter", True]
 
 
 def test_integrations_resolve_from_the_root():

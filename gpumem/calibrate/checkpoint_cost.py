@@ -192,7 +192,7 @@ def measure_checkpoint(
             AdamW's step counters).
         warmup: untimed rounds first (thread start-up, first-touch of files).
         staging_bytes: the Checkpointer's staging cap (default: as a job's, see
-            ``gpumem.checkpoint.config.default_staging_bytes``).
+            ``gpumem.checkpoint.settings.default_staging_bytes``).
         drop_cache: drop the checkpoint files' page cache before each restore.
         progress: called as ``progress(done, total)`` after each size's round (a CLI bar).
 

@@ -13,7 +13,7 @@ nothing). docs/architecture.md follows one save and one restore through the modu
 
 Modules:
     checkpointer  Checkpointer, the façade: save / restore / prepare / wait / close
-    config        CheckpointerConfig: every argument documented and validated once
+    settings      CheckpointerConfig: every argument documented and validated once
     save          Save: one save in flight (its snapshot, its commit, the persist thread)
     preemption    PreemptionGuard: SIGTERM / SIGUSR1 -> a durable checkpoint and a requeue code
     stats         SaveStats: what one save cost
@@ -28,7 +28,6 @@ Modules:
 """
 
 from .checkpointer import Checkpointer
-from .config import CheckpointerConfig
 from .errors import (
     CheckpointBranchWarning,
     CheckpointCorruptError,
@@ -40,6 +39,7 @@ from .errors import (
 )
 from .preemption import PreemptionGuard
 from .restore.verify import verify
+from .settings import CheckpointerConfig
 from .stats import SaveStats
 from .storage.format import CheckpointInfo
 

@@ -1,6 +1,6 @@
 """The Checkpointer: near-zero-stall save, background persist, verified restore with fallback.
 
-The façade of the checkpoint stages; it validates its arguments (``config``), holds what lives as
+The façade of the checkpoint stages; it validates its arguments (``settings``), holds what lives as
 long as it does (the directory and its lock, the staging memory, the background threads) and
 passes each save and restore through the stages in order:
 
@@ -33,11 +33,11 @@ import weakref
 from typing import Any
 
 from .capture.training_state import Capture, TrainingState, capture
-from .config import CheckpointerConfig, check_step, is_int
 from .errors import CheckpointError, CheckpointStateError
 from .group import Group
 from .restore.candidates import StagedRestore, restore
 from .save import Save
+from .settings import CheckpointerConfig, check_step, is_int
 from .stage.snapshot import Mode, Snapshot, fence_hook
 from .stage.staging import Staging
 from .stats import SaveStats

@@ -25,7 +25,7 @@ import gpumem.checkpoint.stage.spill as spill
 import gpumem.kernels.crc32c as K
 from gpumem.arena import HostArena
 from gpumem.checkpoint.capture.codec import TensorTable
-from gpumem.checkpoint.stage.plan import Piece, StagingPlan
+from gpumem.checkpoint.stage.pieces import Piece, StagingPlan
 from gpumem.checkpoint.stage.snapshot import Snapshot
 from gpumem.checkpoint.stats import SaveStats
 from gpumem.checkpoint.workers import Worker

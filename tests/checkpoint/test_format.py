@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import gpumem
 from gpumem.checkpoint import CheckpointCorruptError, CheckpointError, verify
 from gpumem.checkpoint.capture.codec import decode
-from gpumem.checkpoint.stage.plan import plan_staging
+from gpumem.checkpoint.stage.pieces import plan_staging
 from gpumem.checkpoint.storage import format
 from gpumem.checkpoint.storage.format import decode_manifest, parse_main, parse_shard
 

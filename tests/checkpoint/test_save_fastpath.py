@@ -17,14 +17,14 @@ from ckpt_files import read_manifest
 
 import gpumem
 import gpumem.checkpoint.save as save_mod
-import gpumem.checkpoint.stage.plan as plan_mod
+import gpumem.checkpoint.stage.pieces as plan_mod
 import gpumem.checkpoint.stage.snapshot as snapshot_mod
 from gpumem.arena import HostArena
 from gpumem.checkpoint import CheckpointCorruptError, CheckpointStateError, verify
 from gpumem.checkpoint.capture.codec import TensorTable
 from gpumem.checkpoint.capture.training_state import TrainingState, capture
 from gpumem.checkpoint.stage.host_copy import HostViews
-from gpumem.checkpoint.stage.plan import PlanCache, plan_staging
+from gpumem.checkpoint.stage.pieces import PlanCache, plan_staging
 
 
 def _raw(t: torch.Tensor) -> bytes:

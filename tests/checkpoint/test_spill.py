@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpumem.checkpoint.stage.plan import Piece
+from gpumem.checkpoint.stage.pieces import Piece
 from gpumem.checkpoint.stage.spill import plan_spill
 
 

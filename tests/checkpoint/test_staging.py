@@ -363,7 +363,7 @@ def test_save_without_prepare_still_allocates_its_arena(tmp_path):
 
 def test_default_staging_is_a_quarter_of_what_the_host_or_its_container_has(monkeypatch):
     import gpumem.device
-    from gpumem.checkpoint.config import default_staging_bytes
+    from gpumem.checkpoint.settings import default_staging_bytes
 
     monkeypatch.delenv("GPUMEM_STAGING_BYTES", raising=False)
     monkeypatch.setattr(gpumem.device, "host_available_bytes", lambda: 8 << 30)

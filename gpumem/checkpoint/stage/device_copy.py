@@ -34,7 +34,7 @@ from gpumem.checksum import chunk_crc32c
 if TYPE_CHECKING:
     from gpumem.kernels.crc32c import ManyPlan
 
-    from .plan import Piece
+    from .pieces import Piece
     from .spill import SpillControl
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .device_copy import DeviceCopy, enqueue
-from .plan import Piece, StagingPlan
+from .pieces import Piece, StagingPlan
 
 if TYPE_CHECKING:
     from .spill import SpillControl

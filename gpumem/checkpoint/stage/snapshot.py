@@ -33,7 +33,7 @@ import torch
 from ..capture.codec import TensorTable
 from ..stats import SaveStats
 from .host_copy import HostViews, copy_pieces, zero_padding
-from .plan import StagingPlan
+from .pieces import StagingPlan
 from .spill import SpillControl, spill_at_fence
 
 

@@ -24,7 +24,7 @@ from ..errors import CheckpointError
 from ..stats import SaveStats
 from .coalesce import Coalescer
 from .host_copy import HostViews
-from .plan import DEFAULT_CHUNK, PlanCache, StagingPlan, crc_chunk, plan_staging, segment_for
+from .pieces import DEFAULT_CHUNK, PlanCache, StagingPlan, crc_chunk, plan_staging, segment_for
 from .snapshot import Mode, Snapshot
 from .spill import SpillControl
 

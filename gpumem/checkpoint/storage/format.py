@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from gpumem import _strict_json as strict_json
+from gpumem._version import __version__
 from gpumem.checksum import crc32c
 from gpumem.units import align_up
 
@@ -704,8 +705,6 @@ def main_manifest(
 
 def software_versions() -> dict[str, str]:
     """What a main manifest records as the software that wrote it."""
-    from gpumem import __version__
-
     return {
         "gpumem": __version__,
         "torch": torch.__version__,

@@ -18,7 +18,7 @@ from typing import Any
 from gpumem.checksum import chunk_crc32c
 
 from ..capture.training_state import Capture
-from ..stage.plan import Piece, StagingPlan
+from ..stage.pieces import Piece, StagingPlan
 from ..stage.snapshot import Snapshot
 from .format import Manifest, data_file_name, shard_manifest, tensor_entry
 from .safe_fs import Dir

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .errors import CheckpointStateError
-from .stage.plan import DEFAULT_CHUNK, MIN_CHUNK
+from .stage.pieces import DEFAULT_CHUNK, MIN_CHUNK
 
 MIN_BUDGET = 64 << 20  # the default staging budget's floor
 MAX_STEP = 2**63 - 1  # steps are stored as JSON integers and read back as int64-sized values
