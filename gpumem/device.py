@@ -28,7 +28,9 @@ class GPUProcess:
 
 
 @dataclass(frozen=True)
-class GPU:
+class LocalGPU:
+    """One GPU of this machine, as NVML reports it (torch.cuda beside it when cross-checked)."""
+
     index: int
     name: str
     uuid: str
@@ -45,7 +47,7 @@ class GPU:
 @dataclass(frozen=True)
 class DeviceInfo:
     has_gpu: bool
-    gpus: tuple[GPU, ...] = ()
+    gpus: tuple[LocalGPU, ...] = ()
     driver_version: str | None = None
     cuda_driver_version: str | None = None
     nvml_version: str | None = None
@@ -111,7 +113,7 @@ def _processes(nvml, handle) -> tuple[GPUProcess, ...]:
     return tuple(sorted(procs.values(), key=lambda p: p.pid))
 
 
-def _gpu(nvml, index: int) -> GPU:
+def _gpu(nvml, index: int) -> LocalGPU:
     h = nvml.nvmlDeviceGetHandleByIndex(index)
     mem = nvml.nvmlDeviceGetMemoryInfo(h)
     try:
@@ -122,7 +124,7 @@ def _gpu(nvml, index: int) -> GPU:
         mig = bool(nvml.nvmlDeviceGetMigMode(h)[0])
     except nvml.NVMLError:
         mig = None
-    return GPU(
+    return LocalGPU(
         index=index,
         name=_decode(nvml.nvmlDeviceGetName(h)),
         uuid=_decode(nvml.nvmlDeviceGetUUID(h)),
@@ -148,7 +150,7 @@ def query(cross_check: bool = False) -> DeviceInfo:
         return DeviceInfo(has_gpu=False, reason=f"{exc}; {_torch_cuda_reason()}")
     errors = _errors(nvml)
     notes: list[str] = []
-    gpus: list[GPU] = []
+    gpus: list[LocalGPU] = []
     driver = cuda_s = nvml_v = None
     try:
         try:
@@ -202,7 +204,7 @@ def _torch_cuda_reason() -> str:
     return f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no device"
 
 
-def _cross_check(gpus: list[GPU]) -> tuple[list[GPU], list[str]]:
+def _cross_check(gpus: list[LocalGPU]) -> tuple[list[LocalGPU], list[str]]:
     """Attach torch.cuda.mem_get_info to each GPU (NVML and CUDA number devices alike only when
     CUDA_DEVICE_ORDER=PCI_BUS_ID; we match on UUID where torch exposes it)."""
     import torch
@@ -211,7 +213,7 @@ def _cross_check(gpus: list[GPU]) -> tuple[list[GPU], list[str]]:
     if not torch.cuda.is_available():
         return gpus, [f"torch.cuda is not available: {_torch_cuda_reason()}"]
     by_uuid = {g.uuid.removeprefix("GPU-"): g for g in gpus}
-    out: dict[str, GPU] = {}
+    out: dict[str, LocalGPU] = {}
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
         uuid = str(getattr(props, "uuid", "")).removeprefix("GPU-")
@@ -224,7 +226,9 @@ def _cross_check(gpus: list[GPU]) -> tuple[list[GPU], list[str]]:
             notes.append(
                 f"GPU {gpu.index}: NVML total {gpu.total_bytes} B, torch.cuda total {total} B"
             )
-        out[gpu.uuid] = GPU(**{**asdict_shallow(gpu), "torch_free_total": (int(free), int(total))})
+        out[gpu.uuid] = LocalGPU(
+            **{**asdict_shallow(gpu), "torch_free_total": (int(free), int(total))}
+        )
     return [out.get(g.uuid, g) for g in gpus], notes
 
 

@@ -304,6 +304,29 @@ def test_module_names_are_distinct():
     assert clashes == {}, f"module names used twice in gpumem/ (rename one): {clashes}"
 
 
+# the same role in each trainer library's integration module (integrations/hf.py, lightning.py)
+SAME_ROLE_CLASSES = {"CheckpointCallback"}
+
+
+def class_names() -> dict[str, list[str]]:
+    """Each class name defined in gpumem/ -> the modules that define one."""
+    out: dict[str, list[str]] = {}
+    for path in sorted(PKG_ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ClassDef):
+                out.setdefault(node.name, []).append(_module_name(path))
+    return out
+
+
+def test_class_names_are_distinct():
+    """Two classes of one name (three ``Layout``s, two ``Snapshot``s once) make a cold reader
+    guess which one a name means."""
+    names = class_names()
+    assert names["Checkpointer"] == ["gpumem.checkpoint.checkpointer"]  # the walk sees classes
+    twice = {n: m for n, m in names.items() if len(m) > 1 and n not in SAME_ROLE_CLASSES}
+    assert twice == {}, f"class names defined twice in gpumem/ (rename one): {twice}"
+
+
 def test_name_clashes_are_found():
     assert name_clashes(
         {

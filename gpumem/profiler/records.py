@@ -45,7 +45,9 @@ class Frame:
 
 
 @dataclass
-class Snapshot:
+class PeakRecord:
+    """The live bytes at a peak, by category (``at``), and when it was: event, phase, step."""
+
     bytes: int = 0
     at: dict[str, int | None] = field(default_factory=dict)
     event: int = -1
@@ -60,7 +62,7 @@ class StepAcc:
 
     index: int
     phase_peak: dict[str, int | None] = field(default_factory=lambda: dict.fromkeys(PHASES))
-    peak: Snapshot = field(default_factory=Snapshot)
+    peak: PeakRecord = field(default_factory=PeakRecord)
     forwards: int = 0
     backwards: int = 0
     activations: dict[str, int] = field(default_factory=dict)
@@ -104,7 +106,7 @@ class ProfileRecord:
     weights: dict[str, int]
     """Bytes of each module's own parameters and buffers."""
     steps: list[StepAcc]
-    peak: Snapshot
+    peak: PeakRecord
     """The region's highest moment (one of the steps' peaks)."""
     measured: list[str]
     """The categories measured (light mode on CPU leaves out ``temporary``)."""

@@ -55,9 +55,9 @@ from gpumem.profiler.records import (
     MODES,
     PHASE_CODE,
     Frame,
+    PeakRecord,
     ProbeView,
     ProfileRecord,
-    Snapshot,
     StepAcc,
     ancestors,
 )
@@ -141,7 +141,7 @@ class Profile:
         self._chains: dict[str, list[str]] = {}  # module -> ancestors(module), computed once
         self.hooks = HookSet(self)
         self.steps: list[StepAcc] = [StepAcc(0)]
-        self.peak = Snapshot()
+        self.peak = PeakRecord()
         self.weights: dict[str, int] = {}
         self.assumptions: list[str] = []
         self.error: str | None = None
@@ -398,7 +398,7 @@ class Profile:
         if level > self.peak.bytes or self.peak.event < 0:
             self.peak = step.peak
 
-    def _snap(self, level: int, phase: str, step: StepAcc) -> Snapshot:
+    def _snap(self, level: int, phase: str, step: StepAcc) -> PeakRecord:
         at: dict[str, int | None] = dict(self.tracker.by_category)
         if self.light:
             if self.allocator is None:
@@ -410,7 +410,7 @@ class Profile:
                 at = {c: min(v, prev.get(c, v)) for c, v in at.items()}
                 at[TEMPORARY] = 0
                 at[TEMPORARY] = max(0, level - sum(at.values()))
-        return Snapshot(
+        return PeakRecord(
             level,
             at,
             self.tracker.events,

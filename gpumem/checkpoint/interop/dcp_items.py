@@ -39,7 +39,7 @@ from ..errors import (
     CheckpointStateError,
 )
 from ..restore.files import io_threads, open_checkpoint
-from ..restore.reshard import Block, GlobalIndex, Reader, data_files
+from ..restore.reshard import GlobalIndex, Reader, SavedBlock, data_files
 from ..storage import directory
 from ..storage.directory import load_shard_manifest
 from ..storage.format import (
@@ -279,7 +279,7 @@ def _planner_json(data: Any) -> Any:
 
 
 @dataclasses.dataclass
-class Item:
+class DcpItem:
     fqn: str
     is_bytes: bool
     dtype: torch.dtype
@@ -290,7 +290,7 @@ class Item:
 @dataclasses.dataclass(frozen=True)
 class _Chunk:
     located: Located
-    block: Block
+    block: SavedBlock
 
     @property
     def box(self) -> Box:
@@ -304,7 +304,7 @@ class DcpCheckpoint:
     dir: Dir  # the step directory, open: every data file is read through it
     path: Path
     step: int
-    items: dict[str, Item]
+    items: dict[str, DcpItem]
     planner_data: Any
     version: str
     shards: list[Any]
@@ -369,7 +369,7 @@ def load_items(path: Path) -> DcpCheckpoint:
         )
     shards = [load_shard_manifest(step, info, r) for r in range(info.world_size)]
     index = GlobalIndex(step_dir, shards)
-    items: dict[str, Item] = {}
+    items: dict[str, DcpItem] = {}
     files = data_files(step_dir, shards)
     for shard in shards:
         state = shard.state if isinstance(shard.state, dict) else {}
@@ -407,9 +407,9 @@ def _add_item(items, ref, shard, held, index, step_dir, step) -> None:
         entry = held.get(name) if isinstance(name, str) else None
         if entry is None or entry.box is not None or entry.dtype != "uint8" or fqn in items:
             raise bad
-        block = Block(shard.rank, entry, Box.full(entry.shape), shard.chunk_bytes)
+        block = SavedBlock(shard.rank, entry, Box.full(entry.shape), shard.chunk_bytes)
         loc = Located(step, shard.rank, entry.name, entry.nbytes)
-        items[fqn] = Item(fqn, True, torch.uint8, entry.shape, [_Chunk(loc, block)])
+        items[fqn] = DcpItem(fqn, True, torch.uint8, entry.shape, [_Chunk(loc, block)])
         return
     tensor = data.get("__dtensor__")
     if not isinstance(tensor, str) or tensor not in index:
@@ -418,7 +418,9 @@ def _add_item(items, ref, shard, held, index, step_dir, step) -> None:
         return  # another rank's chunk of the same tensor listed it already
     blocks = index.check(tensor)
     chunks = [_Chunk(Located(step, b.rank, b.entry.name, b.entry.nbytes), b) for b in blocks]
-    items[fqn] = Item(fqn, False, blocks[0].entry.torch_dtype, blocks[0].box.global_shape, chunks)
+    items[fqn] = DcpItem(
+        fqn, False, blocks[0].entry.torch_dtype, blocks[0].box.global_shape, chunks
+    )
 
 
 def _planner_data(raw: Any, step_dir: Path) -> Any:
@@ -441,7 +443,7 @@ def read_items(
 ) -> list[torch.Tensor]:
     """Read (and verify) each request: (located chunk, offsets within it, lengths, is_bytes).
     Returns host tensors: the requested part of each chunk, a byte item's whole bytes."""
-    by_key: dict[tuple[int, str], Block] = {}
+    by_key: dict[tuple[int, str], SavedBlock] = {}
     for item in layout.items.values():
         for c in item.blocks:
             by_key[(c.located.rank, c.located.name)] = c.block

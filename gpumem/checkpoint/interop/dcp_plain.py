@@ -270,21 +270,21 @@ def read_bytes_item(path: Path, info: Any) -> bytes:
 
 
 @dataclasses.dataclass
-class Report:
+class PlainReport:
     tensors: int = 0
     chunks: int = 0
     bytes_items: int = 0
     nbytes: int = 0
 
 
-def verify_plain(path: Path, trust_pickle: bool = False) -> Report:
+def verify_plain(path: Path, trust_pickle: bool = False) -> PlainReport:
     """Check a plain DCP directory as far as it can be without unpickling its objects (see the
     module docs). Raises CheckpointCorruptError naming the item at fault."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     path = Path(path)
     meta = read_metadata(path, trust_pickle)
-    report = Report()
+    report = PlainReport()
     by_fqn: dict[str, list[Any]] = {}
     for index, info in meta.storage_data.items():
         by_fqn.setdefault(index.fqn, []).append((index, info))

@@ -27,7 +27,7 @@ import torch
 from ..capture.boxes import Box
 from ..errors import CheckpointCorruptError, CheckpointStateError
 from ..restore.files import io_threads
-from ..restore.reshard import Block, GlobalIndex, Reader, data_files
+from ..restore.reshard import GlobalIndex, Reader, SavedBlock, data_files
 from ..storage import directory
 from ..storage.directory import load_shard_manifest
 from ..storage.format import MAIN_MANIFEST
@@ -79,7 +79,7 @@ class Weight:
     key: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    blocks: list[Block]
+    blocks: list[SavedBlock]
     out_dtype: torch.dtype | None = None
 
     @property
@@ -136,7 +136,7 @@ def model_weights(src: str | os.PathLike) -> tuple[Dir, list[Weight], dict[str, 
             entry = next((e for e in shards[owner].tensors if e.name == name), None)
             if entry is None:
                 raise CheckpointCorruptError(f"{step_dir}: model key {key!r} has no tensor")
-            blocks = [Block(owner, entry, Box.full(entry.shape), shards[owner].chunk_bytes)]
+            blocks = [SavedBlock(owner, entry, Box.full(entry.shape), shards[owner].chunk_bytes)]
         else:
             continue
         weights.append(Weight(key, blocks[0].entry.torch_dtype, blocks[0].box.global_shape, blocks))

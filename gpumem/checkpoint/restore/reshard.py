@@ -40,7 +40,7 @@ from ..storage.safe_fs import Dir, read_error
 
 
 @dataclass(frozen=True)
-class Block:
+class SavedBlock:
     """A saved block: tensor entry ``entry`` of rank ``rank``'s shard, lying at ``box``."""
 
     rank: int
@@ -62,19 +62,19 @@ class GlobalIndex:
 
     def __init__(self, path: Path, shards: list[ShardManifest]):
         self.path = path
-        self.blocks: dict[str, list[Block]] = {}
-        self._checked: dict[str, list[Block]] = {}
+        self.blocks: dict[str, list[SavedBlock]] = {}
+        self._checked: dict[str, list[SavedBlock]] = {}
         for shard in shards:
             for e in shard.tensors:
                 if e.box is not None:
                     self.blocks.setdefault(e.tensor, []).append(
-                        Block(shard.rank, e, e.box, shard.chunk_bytes)
+                        SavedBlock(shard.rank, e, e.box, shard.chunk_bytes)
                     )
 
     def __contains__(self, name: object) -> bool:
         return name in self.blocks
 
-    def check(self, name: str) -> list[Block]:
+    def check(self, name: str) -> list[SavedBlock]:
         """The blocks of ``name``, checked to tile the global tensor exactly once (``tile``). A
         block several ranks wrote (a module sharded on a sub-mesh but not parallelized over the
         other dimension: its DTensor does not say it is replicated there) is taken once, from
@@ -152,7 +152,7 @@ class Reader:
         self.bytes_read = 0
         self.bytes_needed = 0
 
-    def add(self, name: str, dst: torch.Tensor, box: Box, blocks: list[Block]) -> None:
+    def add(self, name: str, dst: torch.Tensor, box: Box, blocks: list[SavedBlock]) -> None:
         """Fill ``dst`` (a contiguous host tensor of ``box.shape``) with ``box`` of tensor
         ``name`` from ``blocks``, which must cover it.
 
@@ -189,7 +189,7 @@ class Reader:
         name: str,
         dst: torch.Tensor,
         box: Box,
-        b: Block,
+        b: SavedBlock,
         off: tuple[int, ...],
         shape: tuple[int, ...],
     ) -> None:
@@ -237,7 +237,7 @@ class Reader:
         region = dst[tuple(slice(s, s + n) for s, n in zip(dst_start, shape, strict=True))]
         self._copies.append(_Copy(region, src))
 
-    def _read(self, b: Block, start: int, buf: torch.Tensor) -> None:
+    def _read(self, b: SavedBlock, start: int, buf: torch.Tensor) -> None:
         """Read bytes [start, start + len(buf)) of block ``b`` (``start`` chunk-aligned) into
         ``buf``, split at its extents, each chunk's CRC expected as recorded."""
         e, chunk = b.entry, b.chunk

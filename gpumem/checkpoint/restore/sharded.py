@@ -59,7 +59,7 @@ from ..storage.format import CheckpointInfo, ShardManifest
 from ..storage.safe_fs import Dir
 from .files import io_threads, read_tensors
 from .load import apply
-from .reshard import Block, GlobalIndex, Reader, data_files
+from .reshard import GlobalIndex, Reader, SavedBlock, data_files
 from .validate import check_targets, model_entries
 
 
@@ -115,7 +115,7 @@ class _Wanted:
 class _Target:
     ref: Ref
     box: Box
-    blocks: list[Block]
+    blocks: list[SavedBlock]
     staged: torch.Tensor
     live: torch.Tensor | None  # storage to copy into (a DTensor's local shard, a plain tensor)
     make: Callable[[torch.Tensor], torch.Tensor] | None = None  # storage to create instead
@@ -375,7 +375,7 @@ class _Saved:
         self.source, self.tree = source, tree
         self.where = f"checkpoint of step {info.step}"
 
-    def blocks(self, ref: Ref) -> list[Block]:
+    def blocks(self, ref: Ref) -> list[SavedBlock]:
         if ref.is_global:
             return self.index.check(ref.name)
         owner = self.source.owners.get(ref.name, self.source.rank)
@@ -387,7 +387,7 @@ class _Saved:
                 path=str(self.path),
                 tensor=ref.name,
             )
-        return [Block(owner, entry, Box.full(entry.shape), shard.chunk_bytes)]
+        return [SavedBlock(owner, entry, Box.full(entry.shape), shard.chunk_bytes)]
 
     def shape(self, ref: Ref) -> tuple[int, ...]:
         return self.blocks(ref)[0].box.global_shape
