@@ -52,6 +52,7 @@ class StagingPlan:
 
     capacity: int  # target bytes per batch (hard limit when streaming)
     streaming: bool  # False: every batch resident at once; True: two slots reused in turn
+    chunk: int = DEFAULT_CHUNK  # the CRC32C chunk the pieces are cut at
     batch_sizes: list[int] = field(default_factory=list)
     pieces: list[Piece] = field(default_factory=list)
     bases: list[int] = field(default_factory=list)  # arena offset of each batch
@@ -81,6 +82,7 @@ class StagingPlan:
         return StagingPlan(
             self.capacity,
             self.streaming,
+            self.chunk,
             list(self.batch_sizes),
             [Piece(p.index, p.src_offset, p.nbytes, p.batch, p.offset) for p in self.pieces],
             list(self.bases),
@@ -144,7 +146,12 @@ def plan_staging(
         packed = align_up(packed, alignment) + n
     if packed + alignment * (packed // segment + 1) <= budget:
         plan = _pack(
-            StagingPlan(capacity=segment, streaming=False), tensors, names, sizes, alignment, chunk
+            StagingPlan(capacity=segment, streaming=False, chunk=chunk),
+            tensors,
+            names,
+            sizes,
+            alignment,
+            chunk,
         )
         if plan.arena_bytes <= budget:
             return plan
@@ -155,7 +162,12 @@ def plan_staging(
             f"{chunk} bytes; raise staging_bytes (or GPUMEM_STAGING_BYTES)"
         )
     return _pack(
-        StagingPlan(capacity=capacity, streaming=True), tensors, names, sizes, alignment, chunk
+        StagingPlan(capacity=capacity, streaming=True, chunk=chunk),
+        tensors,
+        names,
+        sizes,
+        alignment,
+        chunk,
     )
 
 

@@ -122,7 +122,7 @@ class Staging:
             plan,
             arena,
             mode,
-            chunk=crc_chunk(table, self.chunk_bytes, self.replicated),
+            chunk=plan.chunk,
             stats=stats,
             t0=t0,
             copier=copier,
