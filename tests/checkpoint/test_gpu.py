@@ -128,7 +128,7 @@ def test_one_native_enqueue_and_one_crc_launch_per_save(tmp_path, monkeypatch):
     with gpumem.Checkpointer(tmp_path, chunk_bytes=CHUNK, overlap=False) as ck:
         stats = ck.save(1, model=model)
         ck.wait()
-        snap = ck._job.copy_event
+        snap = ck._job.snapshot.copy_event
         assert snap.calls == 4  # two weights, two biases: one cudaMemcpyAsync each, one call
         assert launches == [2]  # 300*77*2 bytes is a multiple of 4; 77*2, 77*3*2, 3*2 are not
         assert stats.copy_device_s > 0 and stats.crc_device_s > 0
