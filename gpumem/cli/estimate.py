@@ -7,6 +7,7 @@ import json
 import sys
 
 from gpumem.cli import _args
+from gpumem.estimator.frameworks import FRAMEWORKS
 
 
 def add_job_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,9 +42,16 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--framework",
         default=None,
-        choices=("megatron", "deepspeed", "fsdp2", "torch"),
-        help="whose buffer conventions (default: fsdp2 with --fsdp, deepspeed with --zero, "
-        "else torch)",
+        choices=FRAMEWORKS,
+        help="whose recipe and buffer conventions (default: transformers for a config.json; "
+        "else fsdp2 with --fsdp, deepspeed with --zero, else torch)",
+    )
+    p.add_argument(
+        "--keep-logits",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the training loop holds the logits through backward (default: the framework's "
+        "loop; transformers' Trainer does not, a plain loss_fn(model(x)) loop does)",
     )
     p.add_argument("--gpu", default="H100-80GB", help="catalog GPU (default H100-80GB)")
     p.add_argument(
@@ -240,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
         base_quant="nf4" if args.qlora else None,
         calibration=args.calibration,
         framework=args.framework,
+        keep_logits=args.keep_logits,
         **({"moe_imbalance": args.moe_imbalance} if args.moe_imbalance is not None else {}),
     )
     if args.json:

@@ -130,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         "base_quant": "nf4" if args.qlora else None,
         "calibration": args.calibration,
         "framework": args.framework,
+        "keep_logits": args.keep_logits,
     }
     with progress_bar("searching layouts", enabled=not args.json) as bar:
         if args.min_gpus:

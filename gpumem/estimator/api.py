@@ -23,7 +23,7 @@ from typing import Any
 from gpumem.calibrate.calibration import split_calibration
 from gpumem.calibrate.memory import apply_memory_calibration
 from gpumem.estimator.bill import Bill
-from gpumem.estimator.frameworks import default_grads, resolve_framework
+from gpumem.estimator.frameworks import default_grads, default_keep_logits, resolve_framework
 from gpumem.estimator.gpus import GPU, find_gpu
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.preset import MOE_IMBALANCE, estimate_preset
@@ -51,7 +51,7 @@ def estimate(
     base_quant: str | None = None,
     activation_model: str = "ops",
     device: str = "cuda",
-    keep_logits: bool = True,
+    keep_logits: bool | None = None,
     persistent_grads: bool | None = None,
     foreach: bool | None = None,
     fused: bool = False,
@@ -81,7 +81,9 @@ def estimate(
         activation_model: ``ops`` (what autograd saves) or ``korthikanti`` (the paper).
         device: ``cuda``, or ``cpu`` to compare with a CPU run (no context/NCCL reserve).
         keep_logits: the training loop holds the logits (``logits = model(x)`` lives until the
-            next forward replaces it: through backward and the optimizer step).
+            next forward replaces it: through backward and the optimizer step). Default: the
+            framework's loop (``transformers``' ``Trainer`` keeps only the loss: False; the
+            others' ``logits = model(x)``: True).
         persistent_grads: gradients stay allocated across steps (default: when distributed or
             accumulating; plain single-GPU ``zero_grad(set_to_none=True)`` frees them).
         foreach / fused: torch.optim's step implementation (see Training.step_temp_bytes).
@@ -93,9 +95,10 @@ def estimate(
         loss_fn: for an ``nn.Module``: ``output -> scalar loss`` (default: cross-entropy over the
             output's last dimension against integer targets; a scalar output or ``.loss`` is
             the loss itself).
-        framework: whose buffer conventions: ``megatron``, ``deepspeed``, ``fsdp2`` or
-            ``torch`` (default: fsdp2 when ``layout.fsdp``, deepspeed when ``layout.zero >= 1``,
-            else torch); see ``gpumem/estimator/frameworks.py``. ``grads`` defaults to the
+        framework: whose recipe and buffer conventions: ``transformers``, ``megatron``,
+            ``deepspeed``, ``fsdp2`` or ``torch`` (default: transformers for a config.json
+            model; else fsdp2 when ``layout.fsdp``, deepspeed when ``layout.zero >= 1``, else
+            torch); see ``gpumem/estimator/frameworks.py``. ``grads`` defaults to the
             framework's (Megatron: fp32 main grads under mixed precision; else ``compute``).
         moe_imbalance: tokens of the most loaded expert-parallel rank over the mean (default
             1.25, the usual capacity factor; applies when ``layout.ep > 1``).
@@ -132,7 +135,11 @@ def estimate(
     layout = layout or Layout()
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be a gpumem.Layout, got {type(layout).__name__}")
-    fw = resolve_framework(framework, layout)
+    module = is_module(model)
+    if not module and (example_input is not None or loss_fn is not None):
+        raise ValueError("example_input and loss_fn apply to an nn.Module model only")
+    spec = None if module else model if isinstance(model, ModelSpec) else resolve_model(model)
+    fw = resolve_framework(framework, layout, hf=spec is not None and spec.is_hf)
     if grads is None:
         grads = default_grads(fw, Training(precision).master_bytes > 0)
     training = Training(
@@ -164,16 +171,15 @@ def estimate(
         "persistent_grads": persistent_grads,
         "framework": fw,
     }
-    if is_module(model):
+    if spec is None:
         # imported here, not above: the module path needs torch, presets and configs do not
         from gpumem.estimator.module_estimate import estimate_module
 
+        if keep_logits is None:
+            common["keep_logits"] = default_keep_logits(fw)
         return estimate_module(
             model, batch_size=batch_size, example_input=example_input, loss_fn=loss_fn, **common
         )
-    if example_input is not None or loss_fn is not None:
-        raise ValueError("example_input and loss_fn apply to an nn.Module model only")
-    spec = model if isinstance(model, ModelSpec) else resolve_model(model)
     bill = estimate_preset(
         spec,
         batch_size=1 if batch_size is None else batch_size,

@@ -336,7 +336,7 @@ def plan(
             jobs[fw] = PresetTerms(spec, training, g, seq, framework=fw, **job_kw)
         return jobs[fw]
 
-    training = job_for(resolve_framework(framework, Layout())).training
+    training = job_for(resolve_framework(framework, Layout(), hf=spec.is_hf)).training
     shown = {
         "seq_len": (seq, seq_source),
         "global_batch": (gb, "given" if global_batch else "default: max(GPUs, 256)"),
@@ -379,7 +379,7 @@ def plan(
                 continue
             try:
                 lay = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=z, sp=sp, cp=cp)
-                fw = resolve_framework(framework, lay)
+                fw = resolve_framework(framework, lay, hf=spec.is_hf)
             except ValueError:
                 continue
             if lay.errors(spec, seq_len=seq):
