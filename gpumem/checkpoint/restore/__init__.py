@@ -2,6 +2,7 @@
 
 Modules:
     candidates  restore(): newest first, one verdict on every rank, fallback to older steps
+    verdict     the ranks' findings exchanged and unified: one error class and message for all
     plain       PlainRestore: one saved rank's tree read whole (DDP, single process, pipeline)
     sharded     ShardedRestore: DTensor state resharded into the objects' layout on any world size
     reshard     GlobalIndex (saved blocks by global tensor) and Reader (chunk-aligned box reads)

@@ -8,8 +8,9 @@ The protocol of ``restore`` (every rank runs it; ``Checkpointer.restore`` is a c
    validate against the objects, touching none of them): plain state through ``PlainRestore``,
    DTensor state on either side through ``ShardedRestore``;
 3. the ranks agree on the outcome with one all-reduce (the worst wins): all prepared, or some
-   candidate is damaged (every rank falls back to the next older one, with a
-   CheckpointFallbackWarning), or some rank must raise;
+   rank failed, and then they exchange what each found (``verdict``) and take one outcome and
+   one error: damaged (every rank falls back to the next older one, with the same
+   CheckpointFallbackWarning) or an error every rank raises alike;
 4. all prepared: each rank *applies* it (``StagedRestore.apply``), all or nothing, agreeing
    again before anything that cannot be rolled back; optionally each rank verifies what it
    loaded (``verify_loaded``).
@@ -45,9 +46,10 @@ from ..storage.safe_fs import Dir, io_error
 from .files import open_checkpoint
 from .plain import PlainRestore
 from .sharded import ShardedRestore, has_dtensors
+from .verdict import DAMAGED, OK, RAISE, Verdict, exchange, unify
 
 # a candidate's outcome, agreed over the ranks with a MIN: the worst one wins
-_RAISE, _DAMAGED, _OK = 0, 1, 2
+_RAISE, _DAMAGED, _OK = RAISE, DAMAGED, OK
 
 
 class StagedRestore(Protocol):
@@ -111,27 +113,36 @@ def restore(
                 staged = _prepare(step, state, group, stage, dtensors)
         except Exception as exc:
             status, err = outcome(exc, label)
-        agreed = group.all_reduce(status, "min")
-        if agreed == _RAISE:
-            raise err or CheckpointError(
-                f"{label}: another rank cannot restore it (its error is raised there)"
-            )
-        if agreed == _OK:
+            if name is not None and _gone(root, name):  # not damage: a writer's retention
+                status, err = (
+                    _DAMAGED,
+                    CheckpointCorruptError(
+                        f"{label}: {REMOVED} (a writer's retention, keep=...), not damaged",
+                        path=label,
+                    ),
+                )
+        if group.all_reduce(status, "min") != _OK:
+            status, err = unify(exchange(group, Verdict.of(status, err)), label)
+        else:
             assert staged is not None
+            agree = _Agree(group)
             try:
-                staged.apply(agree=lambda ok: group.all_reduce(int(ok), "min") == 1)
+                staged.apply(agree=agree)
             except CheckpointCorruptError as exc:
-                err = exc
+                # every rank failed the load together (agree): one message for all
+                mine = Verdict.of(_DAMAGED, exc, own=agree.failed_here)
+                status, err = unify(exchange(group, mine), label)
             else:
                 if verify_loaded:
                     staged.verify_loaded()
                 return staged.info.step, staged
-        failures.append(
-            err or CheckpointCorruptError(f"{label}: damaged on another rank", path=label)
-        )
+        if status == _RAISE:
+            raise err
+        failures.append(err)
         if path is None:
+            what = "removed" if REMOVED in str(err) else "damaged"
             warnings.warn(
-                f"skipping damaged checkpoint {os.path.basename(label)}: {failures[-1]}",
+                f"skipping {what} checkpoint {os.path.basename(label)}: {failures[-1]}",
                 CheckpointFallbackWarning,
                 stacklevel=3,
             )
@@ -143,6 +154,29 @@ def restore(
         f"all {len(failures)} checkpoints in {directory} are damaged; newest: {failures[0]}",
         path=str(directory),
     )
+
+
+REMOVED = "was removed while it was being read"
+
+
+def _gone(root: Dir | None, name: str) -> bool:
+    """The step directory ``name`` no longer stands in ``root`` (retention renamed it away)."""
+    try:
+        return root is not None and root.lstat(name) is None
+    except OSError:
+        return False
+
+
+class _Agree:
+    """``apply``'s agreement (an all-reduce), remembering whether this rank was the one that
+    failed (its message then speaks for every rank)."""
+
+    def __init__(self, group: Group):
+        self.group, self.failed_here = group, False
+
+    def __call__(self, ok: bool) -> bool:
+        self.failed_here = not ok
+        return self.group.all_reduce(int(ok), "min") == 1
 
 
 def _prepare(

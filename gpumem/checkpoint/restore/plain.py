@@ -159,7 +159,8 @@ def restore_tree(
     if shard.replicated:
         foreign = read_replicated(step, info, shard, tensors)
         shard = dataclasses.replace(shard, tensors=shard.tensors + foreign)
-    tree = decode(shard.state, tensors, f"{path.name}.rank{rank}")
+    # a plain checkpoint has no global tensors: a __dtensor__ reference is damage, as verify says
+    tree = decode(shard.state, tensors, f"{path.name}.rank{rank}", dtensors={})
     if not isinstance(tree, dict) or tree.get("step") != info.step:
         raise CheckpointCorruptError(
             f"{path}: rank {rank} state does not record step {info.step}", path=str(path)

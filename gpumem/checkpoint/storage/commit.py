@@ -22,6 +22,7 @@ The protocol, on every rank (``Commit.run``):
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 import warnings
@@ -196,17 +197,23 @@ class Commit:
 
     def _commit_everywhere(self, local_error: BaseException | None, shard_crc: int) -> None:
         g, sharded = self.group, int(self.snapshot.table.sharded)
-        gathered = g.all_gather([int(local_error is None), shard_crc, self.stats.nbytes, sharded])
+        code = getattr(local_error, "errno", None) or 0  # ENOSPC travels to the other ranks
+        gathered = g.all_gather(
+            [int(local_error is None), shard_crc, self.stats.nbytes, sharded, code]
+        )
         bad = [r for r, row in enumerate(gathered) if not row[0]]
         if bad:
             self._discard()  # nobody writes any more: free the space a failed save took
-            raise (
-                as_error(local_error, self.step)
-                if local_error
-                else CheckpointIOError(
-                    f"rank(s) {bad} failed to write their shards; step {self.step} was not "
-                    "committed"
-                )
+            if local_error:
+                raise as_error(local_error, self.step)
+            theirs = next((row[4] for row in gathered if not row[0] and row[4]), None)
+            why = ""
+            if theirs:
+                why = f" ({errno.errorcode.get(theirs, theirs)}: {os.strerror(theirs)})"
+            raise CheckpointIOError(
+                f"rank(s) {bad} failed to write their shards{why}; step {self.step} was not "
+                "committed",
+                errno=theirs,
             )
         ok = 1
         if g.rank == 0:
@@ -246,7 +253,7 @@ class Commit:
         manifest = main_manifest(
             step=self.step,
             world_size=self.group.world_size,
-            shards=[(crc, n) for _, crc, n, _ in gathered],
+            shards=[(row[1], row[2]) for row in gathered],
             replicated=self.captured.replication is not None,
             sharded=sharded,
         )

@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 
-from gpumem.reader import read_file
 from gpumem.writer import write_file
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointIOError
@@ -183,25 +182,47 @@ class Dir:
             CheckpointIOError: any other operating-system error.
         """
         path = self.path / name
+        # one descriptor for the checks and the read: a file replaced by rename in between (the
+        # pointer, moved atomically) is either the old file or the new one, never a torn mix.
+        # O_NONBLOCK: opening a FIFO does not wait for a writer; O_NOFOLLOW: no link is opened
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
         try:
-            st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+            fd = os.open(name, flags, dir_fd=self.fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW on a symbolic link
+                raise CheckpointCorruptError(
+                    f"{path}: {what} is a symbolic link, not a regular file: refused",
+                    path=str(path),
+                ) from None
+            raise read_error(exc, path, f"reading {what}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointCorruptError(
+                    f"{path}: {what} is {describe(st.st_mode)}, not a regular file: refused",
+                    path=str(path),
+                )
+            if st.st_size > cap:
+                raise CheckpointCorruptError(
+                    f"{path}: {what} is {st.st_size} bytes, over the {cap} byte limit",
+                    path=str(path),
+                )
+            chunks, left = [], st.st_size
+            while left > 0:
+                data = os.pread(fd, min(left, 1 << 24), st.st_size - left)
+                if not data:
+                    break
+                chunks.append(data)
+                left -= len(data)
         except OSError as exc:
             raise read_error(exc, path, f"reading {what}") from None
-        if not stat.S_ISREG(st.st_mode):
+        finally:
+            os.close(fd)
+        if left:  # truncated while open: a file replaced by rename never is
             raise CheckpointCorruptError(
-                f"{path}: {what} is {describe(st.st_mode)}, not a regular file: refused",
-                path=str(path),
+                f"{path}: {what} ended {left} bytes short of its {st.st_size}", path=str(path)
             )
-        if st.st_size > cap:
-            raise CheckpointCorruptError(
-                f"{path}: {what} is {st.st_size} bytes, over the {cap} byte limit", path=str(path)
-            )
-        buf = np.empty(st.st_size, dtype=np.uint8)
-        try:  # the reader checks type and size again once the file is open (it may have changed)
-            read_file(name, [(0, buf)], threads=1, dir_fd=self.fd, expect_size=st.st_size)
-        except OSError as exc:
-            raise read_error(exc, path, f"reading {what}") from None
-        return buf.tobytes()
+        return b"".join(chunks)
 
     def write_new(self, name: str, data: bytes) -> None:
         """Create the file ``name`` (it must not exist: never through a link), write ``data``

@@ -1,0 +1,200 @@
+"""verify and restore give the same verdict on the same bytes, and the smaller inconsistencies
+the adversary of issue #25 found (finding 4): a zero-element tensor whose shape overflows, a
+``__dtensor__`` reference in a plain checkpoint, a step removed by retention while a reader had
+it open, a pointer read racing its atomic replacement, and the errno a rank gets when another
+rank's disk filled up."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hostile_lib import forge, objects, snapshot
+from torch import nn
+
+import gpumem
+from gpumem.checkpoint import CheckpointCorruptError, CheckpointIOError
+from gpumem.checkpoint.restore import candidates
+from gpumem.checkpoint.storage.safe_fs import Dir
+
+STEP1, STEP2 = "step-000000001", "step-000000002"
+
+
+def _two_steps(root: Path, extra: dict | None = None) -> dict[int, list]:
+    want = {}
+    with gpumem.Checkpointer(root, keep=None) as ck:
+        for step in (1, 2):
+            model, opt = objects(step)
+            ck.save(step, model=model, optimizer=opt, extra=extra)
+            ck.wait()
+            want[step] = snapshot(model, opt)
+    return want
+
+
+def _restore(root: Path) -> tuple[int | None, list, list[str]]:
+    model, opt = objects(9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gpumem.Checkpointer(root, keep=None) as ck:
+            step = ck.restore(model=model, optimizer=opt)
+    return step, snapshot(model, opt), [str(w.message) for w in caught]
+
+
+def _same_verdict(root: Path, want: dict, match: str) -> None:
+    """verify refuses step 2 with ``match``; restore skips it with the same message."""
+    (root / "latest").unlink(missing_ok=True)
+    with pytest.raises(CheckpointCorruptError, match=match) as info:
+        gpumem.checkpoint.verify(root / STEP2)
+    step, got, said = _restore(root)
+    assert step == 1 and got == want[1]
+    (skip,) = [w for w in said if "skipping damaged checkpoint step-000000002" in w]
+    assert str(info.value) in skip
+
+
+def test_a_zero_element_shape_that_overflows_is_refused_by_both(tmp_path):
+    """(2^40, 2^40, 0) holds nothing but overflows torch's size computation: verify passed it
+    and restore found it damaged. Both refuse it now, with one message."""
+    want = _two_steps(tmp_path, extra={"z": torch.zeros(0, 0, 0)})
+
+    def mutate(body):
+        (entry,) = [t for t in body["tensors"] if t["name"] == "extra.z"]
+        entry["shape"] = [2**40, 2**40, 0]
+
+    forge(tmp_path / STEP2, mutate)
+    _same_verdict(tmp_path, want, "overflows a tensor's size")
+
+
+def test_a_dtensor_reference_in_a_plain_checkpoint_is_refused_by_both(tmp_path):
+    """restore took ``{"__dtensor__": name}`` in a plain checkpoint as a plain tensor; verify
+    refused it. One decoder rule now: a plain checkpoint has no global tensors."""
+    want = _two_steps(tmp_path)
+
+    def mutate(body):
+        ref = body["state"]["model"]["0.weight"]
+        body["state"]["model"]["0.weight"] = {"__dtensor__": ref["__tensor__"]}
+
+    forge(tmp_path / STEP2, mutate)
+    _same_verdict(tmp_path, want, "no shard holds")
+
+
+def test_a_step_retention_removes_mid_read_is_named_removed_not_damaged(tmp_path, monkeypatch):
+    """A reader opens step 2; a writer's retention renames it away and deletes it before the
+    reader gets to its files. The reader falls back to step 1 saying the step was removed, not
+    that a healthy checkpoint is damaged."""
+    want = _two_steps(tmp_path)
+    real = candidates._prepare
+
+    def retention_first(step: Dir, *args):
+        if step.path.name == STEP2:
+            with Dir.open(tmp_path) as root:
+                trash = f".trash-{STEP2}"
+                root.rename(STEP2, root, trash)
+                root.discard_tree(trash)
+        return real(step, *args)
+
+    monkeypatch.setattr(candidates, "_prepare", retention_first)
+    step, got, said = _restore(tmp_path)
+    assert step == 1 and got == want[1]
+    (skip,) = [w for w in said if "step-000000002" in w and "skipping" in w]
+    assert skip.startswith("skipping removed checkpoint step-000000002")
+    assert "was removed while it was being read" in skip and "not damaged" in skip
+
+
+def test_the_pointer_is_read_through_one_descriptor(tmp_path, monkeypatch):
+    """The writer replaces ``latest`` by rename; a reader that stat'ed one file and read the
+    other saw "70 bytes, expected 71". Checks and read now use the one descriptor opened: the
+    old file whole, whatever replaces the name meanwhile."""
+    from gpumem.checkpoint.storage import safe_fs
+
+    old, new = b'{"a": 1}', b'{"a": 12345}'
+    (tmp_path / "latest").write_bytes(old)
+    real_open = os.open
+
+    def open_then_replace(name, flags, *a, **kw):
+        fd = real_open(name, flags, *a, **kw)
+        (tmp_path / "latest.tmp").write_bytes(new)
+        os.replace(tmp_path / "latest.tmp", tmp_path / "latest")
+        return fd
+
+    with Dir.open(tmp_path) as d:
+        monkeypatch.setattr(safe_fs.os, "open", open_then_replace)
+        assert d.read_small("latest", 1024, "the latest pointer") == old
+    monkeypatch.setattr(safe_fs.os, "open", real_open)
+    with Dir.open(tmp_path) as d:
+        assert d.read_small("latest", 1024, "the latest pointer") == new
+
+
+def _enospc_worker(rank: int, world: int, root: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{root}/rdzv", rank=rank, world_size=world)
+    from gpumem.checkpoint.storage import commit
+
+    if rank == 1:
+
+        def full(*a, **kw):
+            raise OSError(errno.ENOSPC, "No space left on device", f"{root}/ck")
+
+        commit.write_batches = full
+    model = nn.Linear(4, 4)
+    out: dict = {}
+    try:
+        with gpumem.Checkpointer(f"{root}/ck", keep=None) as ck:
+            ck.save(1, model=model)
+            ck.wait()
+    except CheckpointIOError as exc:
+        out = {"errno": exc.errno, "message": str(exc)}
+    Path(root, f"rank{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def test_the_rank_whose_disk_did_not_fill_gets_the_errno_too(tmp_path):
+    """Rank 1 hits ENOSPC writing its shard; rank 0 learns it from the commit's all-gather.
+    Rank 0's CheckpointIOError had errno None; it now carries rank 1's ENOSPC and says so."""
+    mp.spawn(_enospc_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert r1["errno"] == errno.ENOSPC
+    assert r0["errno"] == errno.ENOSPC
+    assert "rank(s) [1] failed to write their shards (ENOSPC" in r0["message"]
+    assert not any(p.name.startswith("step-") for p in (tmp_path / "ck").iterdir())
+
+
+def test_pointer_reads_racing_its_replacement_are_never_torn(tmp_path):
+    """A writer replaces ``latest`` by rename, alternating two sizes, while a reader reads it
+    3,000 times: every read is one whole version (the race the adversary saw once in 400
+    restores)."""
+    import threading
+
+    from gpumem.checkpoint.storage.directory import read_latest
+
+    versions = [
+        json.dumps({"step": s, "path": f"step-{s:09d}", "manifest_crc32c": c}).encode()
+        for s, c in ((1, 7), (22, 123456789))
+    ]
+    (tmp_path / "latest").write_bytes(versions[0])
+    stop = threading.Event()
+
+    def writer():
+        i = 0
+        while not stop.is_set():
+            i += 1
+            (tmp_path / f"t{i % 2}").write_bytes(versions[i % 2])
+            os.replace(tmp_path / f"t{i % 2}", tmp_path / "latest")
+
+    t = threading.Thread(target=writer)
+    t.start()
+    seen = set()
+    try:
+        with Dir.open(tmp_path) as d:
+            for _ in range(3000):
+                seen.add(read_latest(d)["step"])
+    finally:
+        stop.set()
+        t.join()
+    assert seen <= {1, 22}
