@@ -182,17 +182,13 @@ class PresetTerms:
         for i in stages:
             chunks = [c for c in chunks_by_stage[i] if len(c)]
             n_l = sum(len(c) for c in chunks)
-            # layers below n_dense (an MoE's dense first layers) among the rank's ranges
-            n_dense = (
-                sum(max(0, min(c.stop, pg.n_dense) - c.start) for c in chunks)
-                if spec.is_moe
-                else n_l
-            )
+            # the dense layers (an MoE's dense first layers, or its pattern's) among the ranges
+            n_dense = sum(spec.dense_in(c) for c in chunks)
             n_moe = n_l - n_dense
             is_first, is_last = i == 0, i == pp - 1
             # backward ends in the stage's first layer and starts in its last
-            dense_first = not spec.is_moe or (bool(chunks) and chunks[0][0] < pg.n_dense)
-            dense_last = not spec.is_moe or (bool(chunks) and chunks[-1][-1] < pg.n_dense)
+            dense_first = not spec.is_moe or (bool(chunks) and spec.is_dense_layer(chunks[0][0]))
+            dense_last = not spec.is_moe or (bool(chunks) and spec.is_dense_layer(chunks[-1][-1]))
             first_kind = "dense" if dense_first else "moe"
             last_kind = "dense" if dense_last else "moe"
             a_first_layer, a_last_layer = acts[first_kind], acts[last_kind]
