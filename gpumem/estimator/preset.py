@@ -12,7 +12,7 @@ from typing import Any
 
 from gpumem.estimator import activations as act
 from gpumem.estimator import backward as bwd
-from gpumem.estimator import hf_ops, inputs, peak
+from gpumem.estimator import hf_ops, inputs, megatron, peak
 from gpumem.estimator.bill import Bill, make_bill
 from gpumem.estimator.frameworks import cp_exchange_bytes, default_fused_ops
 from gpumem.estimator.gpus import GPU
@@ -59,6 +59,13 @@ class PresetTerms:
     moe_dispatcher: str = "alltoall"
     moe_grouped_gemm: bool | None = None
     fused_ops: tuple[str, ...] | None = None
+    knobs: megatron.MegatronKnobs = megatron.MegatronKnobs()
+
+    @property
+    def mcore(self) -> bool:
+        """Megatron-core's own saved tensors and loss (``megatron.py``), not the reference
+        modules' or transformers'."""
+        return self.framework == "megatron" and self.activation_model == "ops"
 
     @property
     def fused(self) -> frozenset[str]:
@@ -126,7 +133,12 @@ class PresetTerms:
     def layer_items(self, layout: Layout, batch: int, dense: bool = False) -> list[act.Item]:
         if not self.spec.is_decoder and self.spec.arch != "vit":
             return []
-        return hf_ops.layer_items(self.spec, self.workload(layout, batch, dense))
+        return self._items(self.workload(layout, batch, dense))
+
+    def _items(self, w: act.Workload) -> list[act.Item]:
+        if self.mcore and self.spec.is_decoder:
+            return megatron.layer_items(self.spec, w, self.knobs)
+        return hf_ops.layer_items(self.spec, w)
 
     def cluster_model_states(self) -> int:
         """Unique (unsharded, unreplicated) weights + gradients + optimizer state of the job."""
@@ -173,7 +185,14 @@ class PresetTerms:
         kv_rep = kvp / min(t, max(spec.kv_heads, 1)) - kvp / t
         moe_tp, dense_tp = pg.layer_tp / t + kv_rep, pg.dense_tp / t + kv_rep
         expert_layer = pg.layer_expert / (layout.ep * layout.expert_tp)
-        chunks_by_stage = stage_chunks(spec.n_layers, pp, layout.vpp)
+        chunks_by_stage = (
+            megatron.stage_chunks(spec.n_layers, pp, layout.vpp, self.knobs)
+            if self.framework == "megatron" and megatron.uneven(self.knobs)
+            else []
+        ) or stage_chunks(spec.n_layers, pp, layout.vpp)
+        # Megatron keeps library workspaces and fp8 weight copies on every rank
+        fixed = megatron.workspace_bytes(self.cuda) if self.framework == "megatron" else 0.0
+        w8 = megatron.fp8_weight_cache_bytes(self.knobs) if self.framework == "megatron" else 0.0
         acts = {
             kind: self._act_terms(layout, batch, recompute, kind == "dense")
             for kind in ("dense", "moe")
@@ -186,6 +205,9 @@ class PresetTerms:
             n_dense = sum(spec.dense_in(c) for c in chunks)
             n_moe = n_l - n_dense
             is_first, is_last = i == 0, i == pp - 1
+            # MTP layers run on the last stage, of the model's last layer's kind
+            mtp = spec.mtp_layers if is_last and self.framework == "megatron" else 0
+            mtp_dense = mtp if spec.is_dense_layer(spec.n_layers - 1) else 0
             # backward ends in the stage's first layer and starts in its last
             dense_first = not spec.is_moe or (bool(chunks) and spec.is_dense_layer(chunks[0][0]))
             dense_last = not spec.is_moe or (bool(chunks) and spec.is_dense_layer(chunks[-1][-1]))
@@ -201,9 +223,18 @@ class PresetTerms:
                 dense += pg.embed_tp / t + pg.embed_rep
             if is_last:
                 dense += pg.head_tp / t + pg.head_rep
-                if spec.tied_embeddings and pp > 1:
+                if (spec.tied_embeddings or mtp) and pp > 1:
                     dense += pg.embed_tp / t  # Megatron keeps a copy of tied embeddings at the end
             expert = n_moe * expert_layer
+            if mtp:
+                m_tp, m_rep = (
+                    (dense_tp, pg.dense_rep) if mtp_dense else (moe_tp, pg.layer_rep)
+                )
+                mtp_tp, mtp_rep = megatron.mtp_params(spec, m_tp, m_rep, t)
+                dense += mtp_tp + mtp_rep
+                expert += (mtp - mtp_dense) * expert_layer
+                n_dense, n_moe = n_dense + mtp_dense, n_moe + mtp - mtp_dense
+                n_l += mtp
             if tr.lora_rank:
                 p_train, p_frozen = self._lora_params(n_l, t), dense
                 p_exp_train, p_exp_frozen = 0.0, expert
@@ -215,7 +246,8 @@ class PresetTerms:
             x[peak.P_EXP_TRAIN], x[peak.P_EXP_FROZEN] = p_exp_train, p_exp_frozen
             stage_acts = n_dense * acts["dense"][0] + n_moe * acts["moe"][0]
             x[peak.A_LAYER], x[peak.N_LAYERS] = (stage_acts / n_l if n_l else 0.0), n_l
-            x[peak.W_BUFFERS] = spec.buffer_bytes * n_l / max(spec.n_layers, 1)
+            x[peak.W_BUFFERS] = spec.buffer_bytes * n_l / max(spec.n_layers, 1) + fixed
+            x[peak.W_BUFFERS] += w8 * self._linear_weights(layout, dense, expert, is_first, is_last)
             # parameters kept in fp32 in a 16-bit model: their extra bytes, as weights
             x[peak.W_BUFFERS] += n_moe * spec.fp32_moe_params * max(0, 4 - tr.weight_bytes)
             x[peak.INFLIGHT] = inflight(layout, grad_accum, i)
@@ -282,6 +314,19 @@ class PresetTerms:
             out.append(x)
         return out
 
+    def _linear_weights(
+        self, layout: Layout, dense: float, expert: float, is_first: bool, is_last: bool
+    ) -> float:
+        """Parameters of this rank's TE Linears (what fp8 caches): all but the embedding, the
+        output layer and the norms."""
+        pg, t = self.param_groups, layout.tp
+        out = dense + expert
+        if is_first:
+            out -= pg.embed_tp / t + pg.embed_rep
+        if is_last:
+            out -= pg.head_tp / t + pg.head_rep
+        return max(out, 0.0)
+
     def _act_terms(
         self, layout: Layout, batch: int, recompute: str, dense: bool
     ) -> tuple[float, ...]:
@@ -309,7 +354,10 @@ class PresetTerms:
                 if dec
                 else 0
             )
-            ce0 = hf_ops.ce_backward_bytes(spec, w) if spec.is_decoder else 0
+            if self.mcore and spec.is_decoder:
+                ce0 = megatron.loss_transient(spec, w, "ce" in self.fused)
+            else:
+                ce0 = hf_ops.ce_backward_bytes(spec, w) if spec.is_decoder else 0
             comm = 0.0
             if spec.is_decoder and spec.n_heads:
                 kv_width = (
@@ -333,6 +381,10 @@ class PresetTerms:
         if spec.arch == "vit":  # patch conv input (images) + classifier input; small
             img = w.batch * spec.channels * spec.image_size**2 * 4
             return float(img), float(w.batch * spec.hidden * w.compute + w.batch * 8)
+        if self.mcore:
+            first = act.sum_items(megatron.embed_items(spec, w, self.knobs))
+            last = act.sum_items(megatron.head_items(spec, w, self.knobs))
+            return float(first), float(last)
         first = act.sum_items(hf_ops.embed_items(spec, w))
         last = act.sum_items(hf_ops.head_items(spec, w))
         if (
@@ -369,7 +421,7 @@ class PresetTerms:
             )
         if recompute != "none" and spec.is_hf:  # transformers' checkpointing: no KV cache
             w = replace(w, kv_cache=False)
-        items = hf_ops.layer_items(spec, w)
+        items = self._items(w)
         full = act.sum_items(items)
         n_in = w.tokens // (w.tp if w.sp else 1) * spec.hidden * w.residual
         k = every or 0
@@ -450,10 +502,12 @@ def estimate_preset(
     moe_dispatcher: str = "alltoall",
     moe_grouped_gemm: bool | None = None,
     fused_ops: tuple[str, ...] | None = None,
+    knobs: megatron.MegatronKnobs | None = None,
 ) -> Bill:
     """The bill of training a described model (see ``gpumem.estimate``)."""
     seq, seq_source = inputs.seq_len(spec, seq_len)
-    layout.check(spec, seq_len=seq)
+    knobs = knobs or megatron.MegatronKnobs()
+    layout.check(spec, seq_len=seq, even_split=not megatron.uneven(knobs))
     if activation_model not in ("ops", "korthikanti"):
         raise ValueError(
             f"activation_model must be 'ops' or 'korthikanti', got {activation_model!r}"
@@ -477,6 +531,7 @@ def estimate_preset(
         moe_dispatcher,
         moe_grouped_gemm,
         None if fused_ops is None else tuple(fused_ops),
+        knobs,
     )
     stages = list(range(layout.pp))
     return make_bill(
