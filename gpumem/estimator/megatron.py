@@ -36,7 +36,8 @@ the CI's golden values is ``benchmarks/published/megatron_check.py``.
   micro-batches stays; on the last stage only.
 - **Allocator-visible workspaces** (cuBLAS ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` per handle and
   stream, Transformer Engine's cuBLASLt workspace): allocated through PyTorch's caching
-  allocator, present in both golden figures. One constant, ``WORKSPACE_BYTES``, calibrated as
+  allocator, present in both golden figures; grouped experts add TE's four multi-stream
+  workspaces (``GROUPED_GEMM_WORKSPACE``). One constant, ``WORKSPACE_BYTES``, calibrated as
   the median over the tuned half of the golden values of (steady measured − weights − grads −
   optimizer), see ``benchmarks/published/megatron_check.py``.
 - **FP8** (``fp8_utils.py``, TE ``module/linear.py`` / ``layernorm_linear.py``): a Linear saves
@@ -77,6 +78,11 @@ scaling)."""
 
 WORKSPACE_BYTES = 116_401_152
 """Allocator-visible library workspaces of one rank (cuBLAS, Transformer Engine), bytes."""
+
+GROUPED_GEMM_WORKSPACE = 4 * 32 * 2**20
+"""TE's grouped GEMM (``TEGroupedMLP``) runs on ``num_streams = 4`` compute streams
+(``common/include/transformer_engine/multi_streams.h``), each with its own cuBLAS workspace of
+``get_cublas_workspace_size_bytes()`` = 32 MiB on Hopper (``pytorch/module/base.py``)."""
 
 
 @dataclass(frozen=True)
@@ -385,5 +391,9 @@ def mtp_params(spec: ModelSpec, layer_tp: float, layer_rep: float, t: int) -> tu
     return m * (2 * h * h / t + layer_tp), m * (3 * norm + layer_rep)
 
 
-def workspace_bytes(cuda: bool) -> float:
-    return float(WORKSPACE_BYTES) if cuda else 0.0
+def workspace_bytes(cuda: bool, grouped_experts: bool) -> float:
+    """The rank's library workspaces: the calibrated constant, and TE's multi-stream
+    workspaces when the rank runs grouped experts."""
+    if not cuda:
+        return 0.0
+    return float(WORKSPACE_BYTES + (GROUPED_GEMM_WORKSPACE if grouped_experts else 0))

@@ -190,9 +190,8 @@ class PresetTerms:
             if self.framework == "megatron" and megatron.uneven(self.knobs)
             else []
         ) or stage_chunks(spec.n_layers, pp, layout.vpp)
-        # Megatron keeps library workspaces and fp8 weight copies on every rank
-        fixed = megatron.workspace_bytes(self.cuda) if self.framework == "megatron" else 0.0
-        w8 = megatron.fp8_weight_cache_bytes(self.knobs) if self.framework == "megatron" else 0.0
+        mega = self.framework == "megatron"
+        w8 = megatron.fp8_weight_cache_bytes(self.knobs) if mega else 0.0
         acts = {
             kind: self._act_terms(layout, batch, recompute, kind == "dense")
             for kind in ("dense", "moe")
@@ -246,7 +245,11 @@ class PresetTerms:
             x[peak.P_EXP_TRAIN], x[peak.P_EXP_FROZEN] = p_exp_train, p_exp_frozen
             stage_acts = n_dense * acts["dense"][0] + n_moe * acts["moe"][0]
             x[peak.A_LAYER], x[peak.N_LAYERS] = (stage_acts / n_l if n_l else 0.0), n_l
-            x[peak.W_BUFFERS] = spec.buffer_bytes * n_l / max(spec.n_layers, 1) + fixed
+            x[peak.W_BUFFERS] = spec.buffer_bytes * n_l / max(spec.n_layers, 1)
+            if mega:  # library workspaces: allocator-visible on every rank
+                x[peak.W_BUFFERS] += megatron.workspace_bytes(
+                    self.cuda, bool(n_moe) and self.grouped_gemm
+                )
             x[peak.W_BUFFERS] += w8 * self._linear_weights(layout, dense, expert, is_first, is_last)
             # parameters kept in fp32 in a 16-bit model: their extra bytes, as weights
             x[peak.W_BUFFERS] += n_moe * spec.fp32_moe_params * max(0, 4 - tr.weight_bytes)
