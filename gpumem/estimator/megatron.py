@@ -213,6 +213,18 @@ def stage_chunks(n_layers: int, pp: int, vpp: int, k: MegatronKnobs) -> list[lis
     ]
 
 
+def inflight_layers(chunks: list[range], pp: int, vpp: int, grad_accum: int, stage: int) -> int:
+    """Layer forwards a rank has run when its first backward starts: 1F1B runs
+    ``pp - stage - 1`` warm-up forwards; the interleaved schedule (``pipeline_parallel/
+    schedules.py``) ``(pp - stage - 1) · 2 + (vpp - 1) · pp``, forward k on the chunk
+    ``(k mod pp·vpp) // pp`` (``get_model_chunk_id``), so chunks of unequal size weigh by what
+    they hold."""
+    if vpp == 1:
+        return min(grad_accum, pp - stage) * sum(len(c) for c in chunks)
+    n_fwd = min((pp - stage - 1) * 2 + (vpp - 1) * pp + 1, grad_accum * vpp)
+    return sum(len(chunks[(k % (pp * vpp)) // pp]) for k in range(n_fwd))
+
+
 def uneven(k: MegatronKnobs) -> bool:
     return (
         k.pipeline_first_layers is not None

@@ -185,10 +185,9 @@ class PresetTerms:
         kv_rep = kvp / min(t, max(spec.kv_heads, 1)) - kvp / t
         moe_tp, dense_tp = pg.layer_tp / t + kv_rep, pg.dense_tp / t + kv_rep
         expert_layer = pg.layer_expert / (layout.ep * layout.expert_tp)
+        split = self.framework == "megatron" and megatron.uneven(self.knobs)
         chunks_by_stage = (
-            megatron.stage_chunks(spec.n_layers, pp, layout.vpp, self.knobs)
-            if self.framework == "megatron" and megatron.uneven(self.knobs)
-            else []
+            megatron.stage_chunks(spec.n_layers, pp, layout.vpp, self.knobs) if split else []
         ) or stage_chunks(spec.n_layers, pp, layout.vpp)
         mega = self.framework == "megatron"
         w8 = megatron.fp8_weight_cache_bytes(self.knobs) if mega else 0.0
@@ -254,6 +253,11 @@ class PresetTerms:
             # parameters kept in fp32 in a 16-bit model: their extra bytes, as weights
             x[peak.W_BUFFERS] += n_moe * spec.fp32_moe_params * max(0, 4 - tr.weight_bytes)
             x[peak.INFLIGHT] = inflight(layout, grad_accum, i)
+            if split and n_l and pp > 1:  # Megatron's uneven chunks weigh by their layers
+                all_chunks = chunks_by_stage[i]
+                x[peak.INFLIGHT] = (
+                    megatron.inflight_layers(all_chunks, pp, layout.vpp, grad_accum, i) / n_l
+                )
             x[peak.A_FIRST] = first if is_first else 0.0
             x[peak.A_LAST] = last if is_last else 0.0
             # the last layer's widest moment: its temporaries, and the weight grads it made
