@@ -32,8 +32,8 @@ the CI's golden values is ``benchmarks/published/megatron_check.py``.
   the measured peak goes *up* with the fusion (the in-place rewrite of 2026 removes it).
 - **Deferred embedding wgrad** (``--defer-embedding-wgrad-compute``,
   ``tensor_parallel/layers.py``): the output layer's weight gradient waits for the pipeline's
-  cool-down, the output layer's input (``n · h``) of up to ``--wgrad-deferral-limit``
-  micro-batches stays; on the last stage only.
+  cool-down; its logits-sized gradient and its input of up to ``--wgrad-deferral-limit``
+  earlier micro-batches stay (``deferred_wgrad_bytes``); on the last stage of a pipeline.
 - **Allocator-visible workspaces** (cuBLAS ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` per handle and
   stream, Transformer Engine's cuBLASLt workspace): allocated through PyTorch's caching
   allocator, present in both golden figures; grouped experts add TE's four multi-stream
@@ -371,11 +371,6 @@ def head_items(spec: ModelSpec, w: Workload, k: MegatronKnobs) -> list[Item]:
         Item("loss.masked_target", n * 8),
     ]
     items = list(one)
-    if k.defer_embedding_wgrad:
-        # the deferred output-layer wgrads keep their inputs (gathered) until the cool-down
-        items.append(
-            Item("output_layer.deferred_inputs", max(k.wgrad_deferral_limit, 1) * n * h * A)
-        )
     for m in range(spec.mtp_layers):
         items += [
             *_norm(spec, f"mtp{m}.enorm", n_sp, h, A),
@@ -385,6 +380,22 @@ def head_items(spec: ModelSpec, w: Workload, k: MegatronKnobs) -> list[Item]:
         ]
         items += [Item(f"mtp{m}.{i.name}", i.nbytes) for i in one]
     return items
+
+
+def deferred_wgrad_bytes(spec: ModelSpec, w: Workload, k: MegatronKnobs, grad_accum: int) -> int:
+    """``--defer-embedding-wgrad-compute`` (``tensor_parallel/layers.py``,
+    ``LinearWithGradAccumulationAndAsyncCommunication``): the output layer's backward appends
+    its gradient (``n · vocab/tp``) to ``grad_output_buffer`` and the model its gathered input
+    (``n · h``) to ``embedding_activation_buffer`` instead of computing the weight gradient,
+    for up to ``wgrad_deferral_limit`` micro-batches (0: all); the cool-down
+    (``finish_embedding_wgrad_compute``) drains them. At the last micro-batch's loss the
+    earlier ones are held."""
+    if not k.defer_embedding_wgrad:
+        return 0
+    held = grad_accum - 1
+    if k.wgrad_deferral_limit:
+        held = min(held, k.wgrad_deferral_limit)
+    return held * w.tokens * (spec.hidden + spec.vocab // w.tp) * w.compute
 
 
 def loss_transient(spec: ModelSpec, w: Workload, fused: bool) -> int:

@@ -260,6 +260,10 @@ class PresetTerms:
                 )
             x[peak.A_FIRST] = first if is_first else 0.0
             x[peak.A_LAST] = last if is_last else 0.0
+            if is_last and pp > 1 and self.mcore:
+                x[peak.A_LAST] += megatron.deferred_wgrad_bytes(
+                    spec, self.workload(layout, batch), self.knobs, grad_accum
+                )
             # the last layer's widest moment: its temporaries, and the weight grads it made
             t_start, g_start, gone = a_last_layer[4] - a_last_layer[3], a_last_layer[3], 0.0
             grad_in = (
