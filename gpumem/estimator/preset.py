@@ -231,8 +231,6 @@ class PresetTerms:
                 mtp_tp, mtp_rep = megatron.mtp_params(spec, m_tp, m_rep, t)
                 dense += mtp_tp + mtp_rep
                 expert += (mtp - mtp_dense) * expert_layer
-                n_dense, n_moe = n_dense + mtp_dense, n_moe + mtp - mtp_dense
-                n_l += mtp
             if tr.lora_rank:
                 p_train, p_frozen = self._lora_params(n_l, t), dense
                 p_exp_train, p_exp_frozen = 0.0, expert
@@ -260,6 +258,8 @@ class PresetTerms:
                 )
             x[peak.A_FIRST] = first if is_first else 0.0
             x[peak.A_LAST] = last if is_last else 0.0
+            if mtp:  # MTP layers run once per micro-batch, after the last chunk: not in flight
+                x[peak.A_LAST] += mtp_dense * acts["dense"][0] + (mtp - mtp_dense) * acts["moe"][0]
             if is_last and pp > 1 and self.mcore:
                 x[peak.A_LAST] += megatron.deferred_wgrad_bytes(
                     spec, self.workload(layout, batch), self.knobs, grad_accum
