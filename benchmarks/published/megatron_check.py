@@ -56,7 +56,9 @@ def padded_vocab(args: dict[str, Any], tp: int) -> int:
     """Megatron's ``vocab_size_with_padding``: the tokenizer's size (NullTokenizer adds EOD)
     rounded up to ``make_vocab_size_divisible_by`` (128) x TP."""
     if "--vocab-size" in args:
-        v = int(args["--vocab-size"]) + (1 if args.get("--tokenizer-type") == "NullTokenizer" else 0)
+        v = int(args["--vocab-size"]) + (
+            1 if args.get("--tokenizer-type") == "NullTokenizer" else 0
+        )
     else:
         v = GPT2_BPE
     m = int(args.get("--make-vocab-size-divisible-by", 128)) * tp
@@ -64,16 +66,22 @@ def padded_vocab(args: dict[str, Any], tp: int) -> int:
 
 
 def layer_pattern(text: Any, n_layers: int) -> tuple[int, ...]:
-    """``--moe-layer-freq``: an int k (every k-th layer MoE) or a Python list expression."""
+    """``--moe-layer-freq``: an int k (every k-th layer MoE) or a list expression such as
+    ``([0]*1+[1]*15)`` (lists, integers, ``+`` and ``*`` only)."""
     if isinstance(text, int):
         return tuple(1 if i % text == 0 else 0 for i in range(n_layers))
-    expr = str(text).strip()
-    node = ast.parse(expr, mode="eval")
-    allowed = (ast.Expression, ast.BinOp, ast.List, ast.Constant, ast.Add, ast.Mult)
-    if not all(isinstance(n, allowed + (ast.expr_context,)) for n in ast.walk(node)):
-        raise ValueError(f"--moe-layer-freq {expr!r}: only list arithmetic is understood")
-    out = eval(compile(node, "moe-layer-freq", "eval"), {"__builtins__": {}})  # noqa: S307
-    return tuple(int(x) for x in out)
+
+    def value(node: ast.AST) -> Any:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(f"--moe-layer-freq {text!r}: only list arithmetic is understood")
+
+    return tuple(int(x) for x in value(ast.parse(str(text).strip(), mode="eval").body))
 
 
 def estimate_kwargs(args: dict[str, Any], gpus: int) -> tuple[dict[str, Any], list[str]]:

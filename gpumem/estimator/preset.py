@@ -7,7 +7,7 @@ two into peak terms; the planner's sweep asks it for thousands of layouts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpumem.estimator import activations as act
@@ -59,7 +59,7 @@ class PresetTerms:
     moe_dispatcher: str = "alltoall"
     moe_grouped_gemm: bool | None = None
     fused_ops: tuple[str, ...] | None = None
-    knobs: megatron.MegatronKnobs = megatron.MegatronKnobs()
+    knobs: megatron.MegatronKnobs = field(default_factory=megatron.MegatronKnobs)
 
     @property
     def mcore(self) -> bool:
@@ -225,9 +225,7 @@ class PresetTerms:
                     dense += pg.embed_tp / t  # Megatron keeps a copy of tied embeddings at the end
             expert = n_moe * expert_layer
             if mtp:
-                m_tp, m_rep = (
-                    (dense_tp, pg.dense_rep) if mtp_dense else (moe_tp, pg.layer_rep)
-                )
+                m_tp, m_rep = (dense_tp, pg.dense_rep) if mtp_dense else (moe_tp, pg.layer_rep)
                 mtp_tp, mtp_rep = megatron.mtp_params(spec, m_tp, m_rep, t)
                 dense += mtp_tp + mtp_rep
                 expert += (mtp - mtp_dense) * expert_layer

@@ -222,9 +222,8 @@ def _validate(s: ModelSpec) -> None:
     if s.first_k_dense and not s.n_experts:
         raise ValueError(f"model {s.name!r}: first_k_dense needs experts (n_experts > 0)")
     if s.mlp_act not in MLP_ACTS:
-        raise ValueError(
-            f"model {s.name!r}: mlp_act {s.mlp_act!r} is not one of {', '.join(map(repr, MLP_ACTS))}"
-        )
+        known = ", ".join(map(repr, MLP_ACTS))
+        raise ValueError(f"model {s.name!r}: mlp_act {s.mlp_act!r} is not one of {known}")
     if s.moe_layer_freq:
         if not s.n_experts:
             raise ValueError(f"model {s.name!r}: moe_layer_freq needs experts (n_experts > 0)")
@@ -800,9 +799,7 @@ def from_hf_config(config: dict[str, Any], name: str = "config.json") -> ModelSp
             moe["shared_gate"] = bool(shared)
         step, only = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers") or []
         if step not in (None, 1) or only:
-            moe["moe_layer_freq"] = sparse_pattern(
-                need("num_hidden_layers"), step or 1, only, name
-            )
+            moe["moe_layer_freq"] = sparse_pattern(need("num_hidden_layers"), step or 1, only, name)
     ffn = need("moe_intermediate_size") if mtype in ("qwen2_moe", "qwen3_moe") else None
     if mtype.startswith("deepseek"):
         ffn = need("moe_intermediate_size")

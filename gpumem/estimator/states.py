@@ -75,7 +75,9 @@ def split_fp8_precision(precision: str, recipe: str | None) -> tuple[str, str | 
         return precision, recipe
     named = FP8_PRECISIONS[key]
     if recipe is not None and recipe != named:
-        raise ValueError(f"precision={precision!r} is the {named} recipe, not fp8_recipe={recipe!r}")
+        raise ValueError(
+            f"precision={precision!r} is the {named} recipe, not fp8_recipe={recipe!r}"
+        )
     return "bf16-mixed", named
 
 
