@@ -14,7 +14,6 @@ silently. Compared on the last pipeline stage (the logging rank, world_size - 1)
 
 from __future__ import annotations
 
-import ast
 import json
 import statistics
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import gpumem
+from gpumem.estimator.megatron import layer_pattern
 
 DATA = Path(__file__).with_name("megatron_golden.json")
 GPT2_BPE = 50257  # the GPT-2 BPE vocabulary the CI's --vocab-file names
@@ -63,25 +63,6 @@ def padded_vocab(args: dict[str, Any], tp: int) -> int:
         v = GPT2_BPE
     m = int(args.get("--make-vocab-size-divisible-by", 128)) * tp
     return -(-v // m) * m
-
-
-def layer_pattern(text: Any, n_layers: int) -> tuple[int, ...]:
-    """``--moe-layer-freq``: an int k (every k-th layer MoE) or a list expression such as
-    ``([0]*1+[1]*15)`` (lists, integers, ``+`` and ``*`` only)."""
-    if isinstance(text, int):
-        return tuple(1 if i % text == 0 else 0 for i in range(n_layers))
-
-    def value(node: ast.AST) -> Any:
-        if isinstance(node, ast.Constant) and isinstance(node.value, int):
-            return node.value
-        if isinstance(node, ast.List):
-            return [value(e) for e in node.elts]
-        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
-            left, right = value(node.left), value(node.right)
-            return left + right if isinstance(node.op, ast.Add) else left * right
-        raise ValueError(f"--moe-layer-freq {text!r}: only list arithmetic is understood")
-
-    return tuple(int(x) for x in value(ast.parse(str(text).strip(), mode="eval").body))
 
 
 def estimate_kwargs(args: dict[str, Any], gpus: int) -> tuple[dict[str, Any], list[str]]:

@@ -158,6 +158,46 @@ def fp8_weight_cache_bytes(k: MegatronKnobs) -> float:
     return 2 * fp8_saved_bytes(k.fp8_recipe, 2)
 
 
+def layer_pattern(value: object, n_layers: int) -> tuple[int, ...]:
+    """``--moe-layer-freq`` as one 0/1 per layer (``transformer_config.py``): an int k makes
+    every k-th layer MoE (layer 0 first), a list gives the pattern, and a string may be
+    Megatron's list expression such as ``([0]*1+[1]*15)`` (lists, integers, ``+``, ``*``).
+
+    Raises:
+        ValueError: anything else, or a pattern of the wrong length.
+    """
+    if isinstance(value, str):
+        value = _list_expression(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return tuple(1 if i % value == 0 else 0 for i in range(n_layers))
+    if isinstance(value, (list, tuple)) and all(v in (0, 1) for v in value):
+        if len(value) != n_layers:
+            raise ValueError(f"moe_layer_freq has {len(value)} entries for {n_layers} layers")
+        return tuple(int(v) for v in value)
+    raise ValueError(
+        f"moe_layer_freq must be a positive int or a 0/1 list per layer, got {value!r}"
+    )
+
+
+def _list_expression(text: str) -> object:
+    import ast
+
+    def value(node: ast.AST) -> object:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right  # type: ignore[operator]
+        raise ValueError(f"moe_layer_freq {text!r}: only lists, integers, + and * are understood")
+
+    try:
+        return value(ast.parse(text.strip(), mode="eval").body)
+    except SyntaxError:
+        raise ValueError(f"moe_layer_freq {text!r} is not a list expression") from None
+
+
 # --- pipeline split -------------------------------------------------------------------------
 
 
