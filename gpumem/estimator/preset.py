@@ -224,6 +224,7 @@ class PresetTerms:
                 if (spec.tied_embeddings or mtp) and pp > 1:
                     dense += pg.embed_tp / t  # Megatron keeps a copy of tied embeddings at the end
             expert = n_moe * expert_layer
+            mtp_tp = 0.0
             if mtp:
                 m_tp, m_rep = (dense_tp, pg.dense_rep) if mtp_dense else (moe_tp, pg.layer_rep)
                 mtp_tp, mtp_rep = megatron.mtp_params(spec, m_tp, m_rep, t)
@@ -245,7 +246,9 @@ class PresetTerms:
                 x[peak.W_BUFFERS] += megatron.workspace_bytes(
                     self.cuda, bool(n_moe) and self.grouped_gemm
                 )
-            x[peak.W_BUFFERS] += w8 * self._linear_weights(layout, dense, expert, is_first, is_last)
+            if w8:  # fp8 copies of the TE Linears' weights (not norms, biases, embedding, head)
+                lin = n_dense * dense_tp + n_moe * moe_tp if spec.is_moe else n_l * moe_tp
+                x[peak.W_BUFFERS] += w8 * (lin + expert + mtp_tp)
             # parameters kept in fp32 in a 16-bit model: their extra bytes, as weights
             x[peak.W_BUFFERS] += n_moe * spec.fp32_moe_params * max(0, 4 - tr.weight_bytes)
             x[peak.INFLIGHT] = inflight(layout, grad_accum, i)
@@ -322,19 +325,6 @@ class PresetTerms:
             )
             out.append(x)
         return out
-
-    def _linear_weights(
-        self, layout: Layout, dense: float, expert: float, is_first: bool, is_last: bool
-    ) -> float:
-        """Parameters of this rank's TE Linears (what fp8 caches): all but the embedding, the
-        output layer and the norms."""
-        pg, t = self.param_groups, layout.tp
-        out = dense + expert
-        if is_first:
-            out -= pg.embed_tp / t + pg.embed_rep
-        if is_last:
-            out -= pg.head_tp / t + pg.head_rep
-        return max(out, 0.0)
 
     def _act_terms(
         self, layout: Layout, batch: int, recompute: str, dense: bool
