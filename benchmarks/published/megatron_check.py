@@ -24,6 +24,7 @@ import gpumem
 from gpumem.estimator.megatron import layer_pattern
 
 DATA = Path(__file__).with_name("megatron_golden.json")
+PLATFORM_GPU = {"dgx_h100": "H100-80GB", "dgx_a100": "A100-80GB"}
 GPT2_BPE = 50257  # the GPT-2 BPE vocabulary the CI's --vocab-file names
 # arguments that change no memory the estimate models (speed, determinism, fusions of kernels
 # that save the same tensors, data and logging)
@@ -198,7 +199,9 @@ def estimate_kwargs(args: dict[str, Any], gpus: int) -> tuple[dict[str, Any], li
 
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
     kw, unsupported = estimate_kwargs(case["args"], case["gpus"])
-    row: dict[str, Any] = {"name": case["name"], "split": case["split"], "unsupported": unsupported}
+    kw["gpu"] = PLATFORM_GPU[case["platform"]]
+    name = case["name"] + ("" if case["platform"] == "dgx_h100" else f" ({case['platform']})")
+    row: dict[str, Any] = {"name": name, "split": case["split"], "unsupported": unsupported}
     try:
         bill = gpumem.estimate(kw.pop("model"), **kw)
     except (ValueError, LookupError) as exc:
