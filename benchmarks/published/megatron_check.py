@@ -211,6 +211,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     p = last.per_gpu
     row["peak_est"] = p["total"] - p["overhead"]
     row["steady_est"] = last.model_states["total"]
+    # everything but the calibrated constant (what --workspace takes the median of)
     row["states_est"] = row["steady_est"] - int(gpumem.estimator.megatron.WORKSPACE_BYTES)
     row["phase"] = last.phase
     for what in ("peak", "steady"):
@@ -254,7 +255,7 @@ def main(argv: list[str]) -> int:
     if "--workspace" in argv:
         tuned = [r for r in rows if r["split"] == "tune" and "error" not in r]
         gaps = sorted(r["steady"] - r["states_est"] for r in tuned)
-        print(f"steady - states over the tuned half (MiB): {[round(g / 2**20) for g in gaps]}")
+        print(f"steady - the rest over the tuned half (MiB): {[round(g / 2**20) for g in gaps]}")
         print(f"median: {int(statistics.median(gaps))} B")
     return 0
 

@@ -58,6 +58,10 @@ the CI's golden values is ``benchmarks/published/megatron_check.py``.
   through ``eh_proj`` (2h → h), a transformer layer of the model's last kind, the final norm
   and the shared output layer with its own cross-entropy; under pipelining the last stage keeps
   its own copy of the word embedding.
+- **Pipeline inputs** (``pipeline_parallel/schedules.py``): every chunk that receives its input
+  from the previous stage keeps the last one, and its retained gradient, after the step
+  (``pipeline_input_bytes``); with the workspaces they are counted as the rank's buffers
+  (weights), present in every phase.
 - **Megatron-FSDP** (``distributed/fsdp/``, ``--use-megatron-fsdp`` with
   ``--data-parallel-sharding-strategy optim_grads_params``): ``zero=3`` under
   ``framework="megatron"``: bf16 weights, fp32 main grads and the optimizer sharded over
@@ -76,8 +80,12 @@ FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 """TE's fp8 recipes as Megatron names them (``--fp8-recipe``; ``tensorwise`` is current
 scaling)."""
 
-WORKSPACE_BYTES = 116_401_152
-"""Allocator-visible library workspaces of one rank (cuBLAS, Transformer Engine), bytes."""
+WORKSPACE_BYTES = 104_852_736
+"""Allocator-visible library workspaces of one rank (cuBLAS, Transformer Engine), bytes: the
+median over the tuned half of ``benchmarks/published/megatron_golden.json`` (14 H100 runs) of
+the measured steady figure minus everything else the estimate puts there (weights, gradients,
+optimizer, grouped-GEMM workspaces, pipeline inputs); ``megatron_check.py --workspace`` prints
+the residuals (80-129 MiB for 12 of the 14; the two MLA/MoE runs keep more)."""
 
 GROUPED_GEMM_WORKSPACE = 4 * 32 * 2**20
 """TE's grouped GEMM (``TEGroupedMLP``) runs on ``num_streams = 4`` compute streams
@@ -452,6 +460,19 @@ def mtp_params(spec: ModelSpec, layer_tp: float, layer_rep: float, t: int) -> tu
     h, m = spec.hidden, spec.mtp_layers
     norm = 2 * h if spec.norm == "layernorm" else h
     return m * (2 * h * h / t + layer_tp), m * (3 * norm + layer_rep)
+
+
+def pipeline_input_bytes(w: Workload, hidden: int, pp: int, vpp: int, stage: int) -> float:
+    """The received activation each model chunk keeps after the step, with its gradient:
+    ``forward_step`` hands it to ``model.set_input_tensor`` (the decoder keeps the reference
+    until the next micro-batch replaces it) and ``backward_step`` calls ``retain_grad()`` on
+    it (``pipeline_parallel/schedules.py``), so the last micro-batch's input and its gradient
+    stay on every chunk that receives one: all chunks but the first stage's first."""
+    if pp == 1:
+        return 0.0
+    chunks = vpp if stage > 0 else vpp - 1
+    tokens = w.tokens // w.tp if w.sp else w.tokens
+    return float(chunks * 2 * tokens * hidden * w.compute)
 
 
 def workspace_bytes(cuda: bool, grouped_experts: bool) -> float:

@@ -242,10 +242,14 @@ class PresetTerms:
             stage_acts = n_dense * acts["dense"][0] + n_moe * acts["moe"][0]
             x[peak.A_LAYER], x[peak.N_LAYERS] = (stage_acts / n_l if n_l else 0.0), n_l
             x[peak.W_BUFFERS] = spec.buffer_bytes * n_l / max(spec.n_layers, 1)
-            if mega:  # library workspaces: allocator-visible on every rank
+            if mega:  # library workspaces, and the pipeline inputs kept after the step
                 x[peak.W_BUFFERS] += megatron.workspace_bytes(
                     self.cuda, bool(n_moe) and self.grouped_gemm
                 )
+                if spec.is_decoder:
+                    x[peak.W_BUFFERS] += megatron.pipeline_input_bytes(
+                        self.workload(layout, batch), spec.hidden, pp, layout.vpp, i
+                    )
             if w8:  # fp8 copies of the TE Linears' weights (not norms, biases, embedding, head)
                 lin = n_dense * dense_tp + n_moe * moe_tp if spec.is_moe else n_l * moe_tp
                 x[peak.W_BUFFERS] += w8 * (lin + expert + mtp_tp)
