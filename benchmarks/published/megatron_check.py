@@ -221,14 +221,23 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
 
 
 def summary(rows: list[dict[str, Any]]) -> str:
+    """Median |error| and the share within 5 %: peak and steady together, then each."""
     ok = [r for r in rows if "error" not in r]
-    errs = [abs(r[f"{w}_err"]) for r in ok for w in ("peak", "steady")]
-    if not errs:
-        return "no estimates"
-    within = sum(e <= 0.05 for e in errs) / len(errs)
+
+    def stats(whats: tuple[str, ...]) -> str:
+        errs = [abs(r[f"{w}_err"]) for r in ok for w in whats]
+        if not errs:
+            return "none"
+        within = sum(e <= 0.05 for e in errs) / len(errs)
+        return (
+            f"median |error| {100 * statistics.median(errs):.1f} %, within 5 % {100 * within:.0f} %"
+        )
+
+    refused = [r["name"] for r in rows if "error" in r]
     return (
-        f"{len(ok)}/{len(rows)} estimated, median |error| {100 * statistics.median(errs):.1f} %, "
-        f"within 5 %: {100 * within:.0f} % (peak and steady together)"
+        f"{len(ok)}/{len(rows)} estimated{f' (refused: {refused})' if refused else ''}; "
+        f"both: {stats(('peak', 'steady'))}; peak: {stats(('peak',))}; "
+        f"steady: {stats(('steady',))}"
     )
 
 

@@ -305,3 +305,25 @@ def test_golden_total_gib_sanity():
     # the 7B numbers in GiB, as the research note states them (peak, steady)
     peak, steady = _b7(131584, 2, gpumem.Layout(dp=2, tp=4, zero=1), 2)
     assert (round(peak / GIB, 2), round(steady / GIB, 2)) == (53.09, 19.25)
+
+
+def test_cli_takes_the_megatron_knobs(capsys):
+    import json
+
+    from gpumem.cli import main
+
+    argv = ["estimate", "mixtral-8x7b", "--framework", "megatron", "--gpus", "8", "--tp", "2"]
+    argv += ["--pp", "2", "--ep", "2", "--zero", "1", "--seq-len", "1024", "--json"]
+    assert main([*argv, "--fp8-recipe", "mxfp8", "--moe-layer-freq", "([0]*1+[1]*31)"]) == 0
+    fp8 = json.loads(capsys.readouterr().out)
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert fp8["per_gpu"]["activations"] < plain["per_gpu"]["activations"]
+    assert main([*argv, "--mtp-layers", "1"]) == 0
+    mtp = json.loads(capsys.readouterr().out)
+    assert (
+        mtp["pipeline_ranks"][1]["per_gpu"]["weights"]
+        > plain["pipeline_ranks"][1]["per_gpu"]["weights"]
+    )
+    assert main([*argv[:3], "torch", *argv[4:8], "--fp8-recipe", "delayed"]) == 2
+    assert "fp8_recipe is a Megatron-LM option" in capsys.readouterr().err
