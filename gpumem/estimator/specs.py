@@ -276,6 +276,7 @@ class ParamGroups:
     n_dense: int = 0  # an MoE's first dense layers (layer_* describe the MoE layers)
     dense_tp: int = 0
     dense_rep: int = 0
+    mtp: int = 0  # the MTP layers (Megatron's multi-token prediction, on the last stage)
 
     @property
     def per_layer(self) -> int:
@@ -290,6 +291,7 @@ class ParamGroups:
             + self.embed_rep
             + self.head_tp
             + self.head_rep
+            + self.mtp
         )
 
 
@@ -362,6 +364,12 @@ def param_groups(s: ModelSpec) -> ParamGroups:
         head_rep = 2 * h + h * s.n_classes + s.n_classes
         head_tp = 0
         largest = max(h * (q + 2 * kv), h * s.ffn, h * s.n_classes)
+    mtp = 0
+    if s.mtp_layers:  # per layer: eh_proj (2h x h), three norms and a layer of the last kind
+        last_dense = s.is_dense_layer(s.n_layers - 1)
+        layer = attn_tp + dense_tp + attn_rep + dense_rep if last_dense else tp_layer + rep + expert
+        norm = h if s.norm == "rmsnorm" else 2 * h
+        mtp = s.mtp_layers * (2 * h * h + 3 * norm + layer)
     return ParamGroups(
         n_layers=s.n_layers,
         layer_tp=tp_layer,
@@ -376,6 +384,7 @@ def param_groups(s: ModelSpec) -> ParamGroups:
         n_dense=n_dense,
         dense_tp=attn_tp + dense_tp,
         dense_rep=attn_rep + dense_rep,
+        mtp=mtp,
     )
 
 

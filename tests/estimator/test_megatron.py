@@ -252,6 +252,8 @@ def test_mtp_layers_on_the_last_stage():
     extra = 2 * 64 * 64 + pg.layer_tp + pg.layer_rep + 3 * 2 * 64 + pg.embed_tp
     assert mtp[1].model_states["weights"] - plain[1].model_states["weights"] == 2 * extra
     assert mtp[1].per_gpu["activations"] > plain[1].per_gpu["activations"]
+    # the model's parameter count carries the MTP block (its embedding copy is not unique)
+    assert SMALL.replace(mtp_layers=1).n_params - SMALL.n_params == extra - pg.embed_tp
 
 
 def test_megatron_fsdp_shards_everything():
