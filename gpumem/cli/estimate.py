@@ -140,10 +140,71 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="write a PNG: this layout's bill by category beside the planner's best layouts",
     )
+    add_megatron_arguments(p)
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the bill as JSON")
     out.add_argument("--markdown", action="store_true", help="print the bill as a Markdown table")
     p.set_defaults(func=run)
+
+
+def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
+    """Megatron-LM's arguments of the same names (``--framework megatron``; see
+    gpumem/estimator/megatron.py)."""
+    from gpumem.estimator.megatron import FP8_RECIPES
+
+    g = p.add_argument_group("Megatron-LM (--framework megatron)")
+    g.add_argument("--fp8-recipe", default=None, choices=FP8_RECIPES, help="TE fp8 recipe")
+    g.add_argument("--fp8-param-gather", action="store_true", help="fp8 primary weights")
+    g.add_argument(
+        "--hidden-dropout", type=float, default=0.0, help="--hidden-dropout (Megatron: 0.1)"
+    )
+    g.add_argument("--defer-embedding-wgrad", action="store_true", help="deferred output wgrad")
+    g.add_argument("--wgrad-deferral-limit", type=_args.non_negative_int, default=0)
+    g.add_argument("--pipeline-first-layers", type=_args.non_negative_int, default=None)
+    g.add_argument("--pipeline-last-layers", type=_args.non_negative_int, default=None)
+    g.add_argument("--pipeline-split-embedding", action="store_true")
+    g.add_argument("--pipeline-split-loss", action="store_true")
+    g.add_argument(
+        "--moe-layer-freq", default=None, help="MoE layer pattern: k or e.g. '([0]*1+[1]*27)'"
+    )
+    g.add_argument("--mtp-layers", type=_args.non_negative_int, default=0, help="MTP layers")
+
+
+def megatron_kwargs(args: argparse.Namespace) -> dict:
+    """The Megatron knobs given on the command line (defaults left out)."""
+    names = (
+        "fp8_recipe",
+        "fp8_param_gather",
+        "hidden_dropout",
+        "defer_embedding_wgrad",
+        "wgrad_deferral_limit",
+        "pipeline_first_layers",
+        "pipeline_last_layers",
+        "pipeline_split_embedding",
+        "pipeline_split_loss",
+    )
+    defaults = {"hidden_dropout": 0.0, "wgrad_deferral_limit": 0}
+    return {
+        n: getattr(args, n) for n in names if getattr(args, n) not in (None, False, defaults.get(n))
+    }
+
+
+def model_with_shape(args: argparse.Namespace):
+    """The model, with ``--moe-layer-freq`` / ``--mtp-layers`` applied when given."""
+    if args.moe_layer_freq is None and not args.mtp_layers:
+        return args.model
+    from gpumem.estimator.megatron import layer_pattern
+    from gpumem.estimator.specs import resolve_model
+
+    spec = resolve_model(args.model)
+    changes: dict = {"mtp_layers": args.mtp_layers}
+    if args.moe_layer_freq is not None:
+        freq = args.moe_layer_freq.strip()
+        changes["moe_layer_freq"] = layer_pattern(
+            int(freq) if freq.isdigit() else freq, spec.n_layers
+        )
+        changes["first_k_dense"] = 0
+    return spec.replace(**changes)
 
 
 def layout_from_args(args: argparse.Namespace):
@@ -230,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
 
     layout = layout_from_args(args)
     bill = estimate(
-        args.model,
+        model_with_shape(args),
         batch_size=args.batch_size,
         seq_len=args.seq_len,
         precision=args.precision,
@@ -250,6 +311,7 @@ def run(args: argparse.Namespace) -> int:
         framework=args.framework,
         keep_logits=args.keep_logits,
         **({"moe_imbalance": args.moe_imbalance} if args.moe_imbalance is not None else {}),
+        **megatron_kwargs(args),
     )
     if args.json:
         print(bill.to_json())

@@ -14,6 +14,7 @@ Modules, bottom up:
     frameworks         which framework's buffer conventions a bill follows, and their cost
     activations        what autograd saves, op by op
     hf_ops             what transformers' decoder modules save for backward
+    megatron           Megatron-LM's conventions: TE tensors, loss, fp8, pipeline splits, MTP
     backward           a layer's widest backward moment
     peak               the one peak formula (numba-compiled for the planner)
     terms              the peak terms every model shares

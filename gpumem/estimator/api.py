@@ -26,9 +26,10 @@ from gpumem.estimator.bill import Bill
 from gpumem.estimator.frameworks import default_grads, default_keep_logits, resolve_framework
 from gpumem.estimator.gpus import GPU, find_gpu
 from gpumem.estimator.layout import Layout
+from gpumem.estimator.megatron import MegatronKnobs, check_knobs
 from gpumem.estimator.preset import MOE_IMBALANCE, estimate_preset
 from gpumem.estimator.specs import ModelSpec, resolve_model
-from gpumem.estimator.states import Training
+from gpumem.estimator.states import Training, split_fp8_precision
 
 
 def estimate(
@@ -63,6 +64,15 @@ def estimate(
     moe_grouped_gemm: bool | None = None,
     fused_ops: tuple[str, ...] | None = None,
     calibration: Any = None,
+    fp8_recipe: str | None = None,
+    fp8_param_gather: bool = False,
+    hidden_dropout: float = 0.0,
+    defer_embedding_wgrad: bool = False,
+    wgrad_deferral_limit: int = 0,
+    pipeline_first_layers: int | None = None,
+    pipeline_last_layers: int | None = None,
+    pipeline_split_embedding: bool = False,
+    pipeline_split_loss: bool = False,
 ) -> Bill:
     """Estimate the per-GPU peak memory of training ``model``.
 
@@ -82,8 +92,8 @@ def estimate(
         device: ``cuda``, or ``cpu`` to compare with a CPU run (no context/NCCL reserve).
         keep_logits: the training loop holds the logits (``logits = model(x)`` lives until the
             next forward replaces it: through backward and the optimizer step). Default: the
-            framework's loop (``transformers``' ``Trainer`` keeps only the loss: False; the
-            others' ``logits = model(x)``: True).
+            framework's loop (``transformers``' ``Trainer`` keeps only the loss, Megatron's model
+            computes it inside forward: False; the others' ``logits = model(x)``: True).
         persistent_grads: gradients stay allocated across steps (default: when distributed or
             accumulating; plain single-GPU ``zero_grad(set_to_none=True)`` frees them).
         foreach / fused: torch.optim's step implementation (see Training.step_temp_bytes).
@@ -114,6 +124,16 @@ def estimate(
             categories; ``bill.calibration`` then records per category the uncalibrated bytes
             and the fit's residual (a file fitted for another architecture or device is used
             with a warning naming the mismatch).
+        fp8_recipe / fp8_param_gather / hidden_dropout / defer_embedding_wgrad /
+            wgrad_deferral_limit / pipeline_first_layers / pipeline_last_layers /
+            pipeline_split_embedding / pipeline_split_loss: Megatron-LM's ``--fp8-recipe``
+            (``delayed``, ``tensorwise``, ``mxfp8``, ``blockwise``; ``precision="fp8"`` is
+            delayed), ``--fp8-param-gather``, ``--hidden-dropout`` (Megatron's default 0.1;
+            ``dropout`` is the attention's), ``--defer-embedding-wgrad-compute``,
+            ``--wgrad-deferral-limit``, ``--decoder-first/last-pipeline-num-layers``,
+            ``--account-for-embedding/loss-in-pipeline-split``; ``framework="megatron"`` only
+            (``gpumem/estimator/megatron.py``). MTP layers and the MoE layer pattern are model
+            shape: ``ModelSpec.mtp_layers``, ``ModelSpec.moe_layer_freq``.
 
     An ``nn.Module`` is never run, moved or changed, and nothing of its size is allocated:
     parameters are counted exactly (tied tensors once; trainable = ``requires_grad``; the
@@ -140,6 +160,21 @@ def estimate(
         raise ValueError("example_input and loss_fn apply to an nn.Module model only")
     spec = None if module else model if isinstance(model, ModelSpec) else resolve_model(model)
     fw = resolve_framework(framework, layout, hf=spec is not None and spec.is_hf)
+    precision, fp8_recipe = split_fp8_precision(precision, fp8_recipe)
+    if fp8_recipe is not None and framework is None:
+        fw = "megatron" if layout.zero in (0, 1, 3) and not layout.fsdp else fw
+    knobs = check_knobs(
+        fw,
+        fp8_recipe=fp8_recipe,
+        fp8_param_gather=fp8_param_gather,
+        hidden_dropout=hidden_dropout,
+        defer_embedding_wgrad=defer_embedding_wgrad,
+        wgrad_deferral_limit=wgrad_deferral_limit,
+        pipeline_first_layers=pipeline_first_layers,
+        pipeline_last_layers=pipeline_last_layers,
+        pipeline_split_embedding=pipeline_split_embedding,
+        pipeline_split_loss=pipeline_split_loss,
+    )
     if grads is None:
         grads = default_grads(fw, Training(precision).master_bytes > 0)
     training = Training(
@@ -175,6 +210,8 @@ def estimate(
         # imported here, not above: the module path needs torch, presets and configs do not
         from gpumem.estimator.module_estimate import estimate_module
 
+        if knobs != MegatronKnobs():
+            raise ValueError("the Megatron-LM knobs apply to a described model, not an nn.Module")
         if keep_logits is None:
             common["keep_logits"] = default_keep_logits(fw)
         return estimate_module(
@@ -187,6 +224,7 @@ def estimate(
         moe_dispatcher=moe_dispatcher,
         moe_grouped_gemm=moe_grouped_gemm,
         fused_ops=fused_ops,
+        knobs=knobs,
         **common,
     )
     if mem is not None:

@@ -13,6 +13,10 @@ framework     conventions (sources in docs/estimator.md)
               gradient reduce-scatter and parameter all-gather run in place in the grad and
               parameter buffers, so there are no extra buckets; the master step reads fp32 grads
               (no ``.float()`` copies). Context parallelism: ring (p2p) KV exchange.
+              ``zero=3`` is Megatron-FSDP (``--use-megatron-fsdp``,
+              ``optim_grads_params``): everything sharded over ``dp · cp``, a layer gathered
+              (and the next prefetched) with its unsharded fp32 gradient. Library workspaces,
+              the loss inside forward, fp8 and the pipeline splits: ``megatron.py``.
 ``deepspeed`` DeepSpeed ZeRO 0–3: ZeRO-1/2 keep ``reduce_bucket_size`` and
               ``allgather_bucket_size`` (default 5e8 elements each) of gradient and parameter
               buckets; ZeRO-3 gathers a layer, prefetches the next and reduce-scatters a layer's
@@ -49,7 +53,7 @@ FRAMEWORKS = ("transformers", "megatron", "deepspeed", "fsdp2", "torch")
 DEEPSPEED_BUCKET = 500_000_000  # reduce_bucket_size / allgather_bucket_size default (elements)
 # what each framework accepts, in the words of the error message
 _ALLOWED = {
-    "megatron": "zero 0 or 1 (1 = the distributed optimizer), no fsdp",
+    "megatron": "zero 0, 1 (the distributed optimizer) or 3 (Megatron-FSDP), no fsdp",
     "deepspeed": "zero 0-3, no fsdp",
     "fsdp2": "fsdp='full' or 'hybrid' (zero 0)",
     "torch": "zero 0, no fsdp (plain DDP)",
@@ -72,8 +76,9 @@ def engine(framework: str, layout: Layout) -> str:
 
 def default_keep_logits(framework: str) -> bool:
     """Whether the framework's loop holds the logits through backward: not ``transformers``
-    (``Trainer`` keeps only the loss); the generic loop ``logits = model(x)`` does."""
-    return framework != "transformers"
+    (``Trainer`` keeps only the loss) nor ``megatron`` (its model computes the loss inside
+    forward and returns it); the generic loop ``logits = model(x)`` does."""
+    return framework not in ("transformers", "megatron")
 
 
 def upcasts_logits(framework: str) -> bool:
@@ -83,11 +88,10 @@ def upcasts_logits(framework: str) -> bool:
 
 def loss_convention(framework: str, keep_logits: bool) -> str:
     """One line for the bill's header: where the loss runs and what lives through backward."""
-    where = (
-        "inside the model (model(**batch, labels=).loss), fp32 log-softmax"
-        if framework == "transformers"
-        else "outside the model (loss_fn(model(x)))"
-    )
+    where = {
+        "transformers": "inside the model (model(**batch, labels=).loss), fp32 log-softmax",
+        "megatron": "inside the model (GPTModel returns the loss), fp32 softmax",
+    }.get(framework, "outside the model (loss_fn(model(x)))")
     return f"{where}, logits {'held' if keep_logits else 'not held'} through backward"
 
 
@@ -108,7 +112,7 @@ def resolve_framework(framework: str | None, layout: Layout, hf: bool = False) -
         )
     fw = framework.strip().lower()
     ok = {
-        "megatron": layout.zero in (0, 1) and not layout.fsdp,
+        "megatron": layout.zero in (0, 1, 3) and not layout.fsdp,
         "deepspeed": not layout.fsdp,
         "fsdp2": bool(layout.fsdp),
         "torch": layout.zero == 0 and not layout.fsdp,
@@ -158,7 +162,7 @@ def communication_bytes(
     stage = layout.stage
     replicas = layout.dp * layout.cp
     framework = engine(framework, layout)
-    if framework in ("deepspeed", "fsdp2") and stage >= 3:
+    if framework in ("deepspeed", "fsdp2", "megatron") and stage >= 3:
         return 0.0, layer_params * (2 * weight_bytes + grad_bytes)
     if framework == "deepspeed" and stage in (1, 2):
         return min(DEEPSPEED_BUCKET, trainable) * (grad_bytes + weight_bytes), 0.0

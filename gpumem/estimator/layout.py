@@ -125,9 +125,14 @@ class Layout:
         return out
 
     def errors(
-        self, model: ModelSpec, n_gpus: int | None = None, seq_len: int | None = None
+        self,
+        model: ModelSpec,
+        n_gpus: int | None = None,
+        seq_len: int | None = None,
+        even_split: bool = True,
     ) -> list[str]:
-        """Every reason this layout cannot run ``model`` (empty when it can)."""
+        """Every reason this layout cannot run ``model`` (empty when it can); ``even_split``
+        False: the caller splits the pipeline itself (Megatron's uneven stages)."""
         out = []
         if n_gpus is not None and self.n_gpus != n_gpus:
             out.append(
@@ -150,7 +155,7 @@ class Layout:
             out.append(f"ffn size {m.ffn} not divisible by tp={t}")
         if self.pp > m.n_layers:
             out.append(f"pp={self.pp} exceeds the {m.n_layers} layers")
-        if self.vpp > 1 and m.n_layers % (self.pp * self.vpp):
+        if even_split and self.vpp > 1 and m.n_layers % (self.pp * self.vpp):
             out.append(f"{m.n_layers} layers not divisible by pp*vpp = {self.pp * self.vpp}")
         if self.ep > 1 or self.etp is not None:
             if not m.is_moe:
@@ -176,10 +181,14 @@ class Layout:
         return out
 
     def check(
-        self, model: ModelSpec, n_gpus: int | None = None, seq_len: int | None = None
+        self,
+        model: ModelSpec,
+        n_gpus: int | None = None,
+        seq_len: int | None = None,
+        even_split: bool = True,
     ) -> None:
         """Raise ValueError listing every reason this layout cannot run ``model``."""
-        bad = self.errors(model, n_gpus, seq_len)
+        bad = self.errors(model, n_gpus, seq_len, even_split)
         if bad:
             raise ValueError(
                 f"layout {self.describe()} is invalid for {model.name}: " + "; ".join(bad)

@@ -7,12 +7,12 @@ two into peak terms; the planner's sweep asks it for thousands of layouts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpumem.estimator import activations as act
 from gpumem.estimator import backward as bwd
-from gpumem.estimator import hf_ops, inputs, peak
+from gpumem.estimator import hf_ops, inputs, megatron, peak
 from gpumem.estimator.bill import Bill, make_bill
 from gpumem.estimator.frameworks import (
     cp_exchange_bytes,
@@ -65,6 +65,13 @@ class PresetTerms:
     moe_dispatcher: str = "alltoall"
     moe_grouped_gemm: bool | None = None
     fused_ops: tuple[str, ...] | None = None
+    knobs: megatron.MegatronKnobs = field(default_factory=megatron.MegatronKnobs)
+
+    @property
+    def mcore(self) -> bool:
+        """Megatron-core's own saved tensors and loss (``megatron.py``), not the reference
+        modules' or transformers'."""
+        return self.framework == "megatron" and self.activation_model == "ops"
 
     @property
     def fused(self) -> frozenset[str]:
@@ -140,7 +147,12 @@ class PresetTerms:
     def layer_items(self, layout: Layout, batch: int, dense: bool = False) -> list[act.Item]:
         if not self.spec.is_decoder and self.spec.arch != "vit":
             return []
-        return hf_ops.layer_items(self.spec, self.workload(layout, batch, dense))
+        return self._items(self.workload(layout, batch, dense))
+
+    def _items(self, w: act.Workload) -> list[act.Item]:
+        if self.mcore and self.spec.is_decoder:
+            return megatron.layer_items(self.spec, w, self.knobs)
+        return hf_ops.layer_items(self.spec, w)
 
     def cluster_model_states(self) -> int:
         """Unique (unsharded, unreplicated) weights + gradients + optimizer state of the job."""
@@ -187,7 +199,12 @@ class PresetTerms:
         kv_rep = kvp / min(t, max(spec.kv_heads, 1)) - kvp / t
         moe_tp, dense_tp = pg.layer_tp / t + kv_rep, pg.dense_tp / t + kv_rep
         expert_layer = pg.layer_expert / (layout.ep * layout.expert_tp)
-        chunks_by_stage = stage_chunks(spec.n_layers, pp, layout.vpp)
+        split = self.framework == "megatron" and megatron.uneven(self.knobs)
+        chunks_by_stage = (
+            megatron.stage_chunks(spec.n_layers, pp, layout.vpp, self.knobs) if split else []
+        ) or stage_chunks(spec.n_layers, pp, layout.vpp)
+        mega = self.framework == "megatron"
+        w8 = megatron.fp8_weight_cache_bytes(self.knobs) if mega else 0.0
         acts = {
             kind: self._act_terms(layout, batch, recompute, kind == "dense")
             for kind in ("dense", "moe")
@@ -196,17 +213,16 @@ class PresetTerms:
         for i in stages:
             chunks = [c for c in chunks_by_stage[i] if len(c)]
             n_l = sum(len(c) for c in chunks)
-            # layers below n_dense (an MoE's dense first layers) among the rank's ranges
-            n_dense = (
-                sum(max(0, min(c.stop, pg.n_dense) - c.start) for c in chunks)
-                if spec.is_moe
-                else n_l
-            )
+            # the dense layers (an MoE's dense first layers, or its pattern's) among the ranges
+            n_dense = sum(spec.dense_in(c) for c in chunks)
             n_moe = n_l - n_dense
             is_first, is_last = i == 0, i == pp - 1
+            # MTP layers run on the last stage, of the model's last layer's kind
+            mtp = spec.mtp_layers if is_last and self.framework == "megatron" else 0
+            mtp_dense = mtp if spec.is_dense_layer(spec.n_layers - 1) else 0
             # backward ends in the stage's first layer and starts in its last
-            dense_first = not spec.is_moe or (bool(chunks) and chunks[0][0] < pg.n_dense)
-            dense_last = not spec.is_moe or (bool(chunks) and chunks[-1][-1] < pg.n_dense)
+            dense_first = not spec.is_moe or (bool(chunks) and spec.is_dense_layer(chunks[0][0]))
+            dense_last = not spec.is_moe or (bool(chunks) and spec.is_dense_layer(chunks[-1][-1]))
             first_kind = "dense" if dense_first else "moe"
             last_kind = "dense" if dense_last else "moe"
             a_first_layer, a_last_layer = acts[first_kind], acts[last_kind]
@@ -219,9 +235,15 @@ class PresetTerms:
                 dense += pg.embed_tp / t + pg.embed_rep
             if is_last:
                 dense += pg.head_tp / t + pg.head_rep
-                if spec.tied_embeddings and pp > 1:
+                if (spec.tied_embeddings or mtp) and pp > 1:
                     dense += pg.embed_tp / t  # Megatron keeps a copy of tied embeddings at the end
             expert = n_moe * expert_layer
+            mtp_tp = 0.0
+            if mtp:
+                m_tp, m_rep = (dense_tp, pg.dense_rep) if mtp_dense else (moe_tp, pg.layer_rep)
+                mtp_tp, mtp_rep = megatron.mtp_params(spec, m_tp, m_rep, t)
+                dense += mtp_tp + mtp_rep
+                expert += (mtp - mtp_dense) * expert_layer
             if tr.lora_rank:
                 p_train, p_frozen = self._lora_params(n_l, t), dense
                 p_exp_train, p_exp_frozen = 0.0, expert
@@ -234,11 +256,33 @@ class PresetTerms:
             stage_acts = n_dense * acts["dense"][0] + n_moe * acts["moe"][0]
             x[peak.A_LAYER], x[peak.N_LAYERS] = (stage_acts / n_l if n_l else 0.0), n_l
             x[peak.W_BUFFERS] = spec.buffer_bytes * n_l / max(spec.n_layers, 1)
+            if mega:  # library workspaces, and the pipeline inputs kept after the step
+                x[peak.W_BUFFERS] += megatron.workspace_bytes(
+                    self.cuda, bool(n_moe) and self.grouped_gemm
+                )
+                if spec.is_decoder:
+                    x[peak.W_BUFFERS] += megatron.pipeline_input_bytes(
+                        self.workload(layout, batch), spec.hidden, pp, layout.vpp, i
+                    )
+            if w8:  # fp8 copies of the TE Linears' weights (not norms, biases, embedding, head)
+                lin = n_dense * dense_tp + n_moe * moe_tp if spec.is_moe else n_l * moe_tp
+                x[peak.W_BUFFERS] += w8 * (lin + expert + mtp_tp)
             # parameters kept in fp32 in a 16-bit model: their extra bytes, as weights
             x[peak.W_BUFFERS] += n_moe * spec.fp32_moe_params * max(0, 4 - tr.weight_bytes)
             x[peak.INFLIGHT] = inflight(layout, grad_accum, i)
+            if split and n_l and pp > 1:  # Megatron's uneven chunks weigh by their layers
+                all_chunks = chunks_by_stage[i]
+                x[peak.INFLIGHT] = (
+                    megatron.inflight_layers(all_chunks, pp, layout.vpp, grad_accum, i) / n_l
+                )
             x[peak.A_FIRST] = first if is_first else 0.0
             x[peak.A_LAST] = last if is_last else 0.0
+            if mtp:  # MTP layers run once per micro-batch, after the last chunk: not in flight
+                x[peak.A_LAST] += mtp_dense * acts["dense"][0] + (mtp - mtp_dense) * acts["moe"][0]
+            if is_last and pp > 1 and self.mcore:
+                x[peak.A_LAST] += megatron.deferred_wgrad_bytes(
+                    spec, self.workload(layout, batch), self.knobs, grad_accum
+                )
             # the last layer's widest moment: its temporaries, and the weight grads it made
             t_start, g_start, gone = a_last_layer[4] - a_last_layer[3], a_last_layer[3], 0.0
             grad_in = (
@@ -327,7 +371,10 @@ class PresetTerms:
                 if dec
                 else 0
             )
-            ce0 = hf_ops.ce_backward_bytes(spec, w) if spec.is_decoder else 0
+            if self.mcore and spec.is_decoder:
+                ce0 = megatron.loss_transient(spec, w, "ce" in self.fused)
+            else:
+                ce0 = hf_ops.ce_backward_bytes(spec, w) if spec.is_decoder else 0
             comm = 0.0
             if spec.is_decoder and spec.n_heads:
                 kv_width = (
@@ -351,6 +398,10 @@ class PresetTerms:
         if spec.arch == "vit":  # patch conv input (images) + classifier input; small
             img = w.batch * spec.channels * spec.image_size**2 * 4
             return float(img), float(w.batch * spec.hidden * w.compute + w.batch * 8)
+        if self.mcore:
+            first = act.sum_items(megatron.embed_items(spec, w, self.knobs))
+            last = act.sum_items(megatron.head_items(spec, w, self.knobs))
+            return float(first), float(last)
         first = act.sum_items(hf_ops.embed_items(spec, w))
         last = act.sum_items(hf_ops.head_items(spec, w))
         if (
@@ -387,7 +438,7 @@ class PresetTerms:
             )
         if recompute != "none" and spec.is_hf:  # transformers' checkpointing: no KV cache
             w = replace(w, kv_cache=False)
-        items = hf_ops.layer_items(spec, w)
+        items = self._items(w)
         full = act.sum_items(items)
         n_in = w.tokens // (w.tp if w.sp else 1) * spec.hidden * w.residual
         k = every or 0
@@ -468,10 +519,12 @@ def estimate_preset(
     moe_dispatcher: str = "alltoall",
     moe_grouped_gemm: bool | None = None,
     fused_ops: tuple[str, ...] | None = None,
+    knobs: megatron.MegatronKnobs | None = None,
 ) -> Bill:
     """The bill of training a described model (see ``gpumem.estimate``)."""
     seq, seq_source = inputs.seq_len(spec, seq_len)
-    layout.check(spec, seq_len=seq)
+    knobs = knobs or megatron.MegatronKnobs()
+    layout.check(spec, seq_len=seq, even_split=not megatron.uneven(knobs))
     if activation_model not in ("ops", "korthikanti"):
         raise ValueError(
             f"activation_model must be 'ops' or 'korthikanti', got {activation_model!r}"
@@ -495,6 +548,7 @@ def estimate_preset(
         moe_dispatcher,
         moe_grouped_gemm,
         None if fused_ops is None else tuple(fused_ops),
+        knobs,
     )
     stages = list(range(layout.pp))
     return make_bill(

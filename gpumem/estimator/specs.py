@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 Arch = Literal["gpt2", "llama", "vit", "resnet"]
+MLP_ACTS = ("", "gelu", "swiglu", "geglu", "squared_relu")
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,13 @@ class ModelSpec:
     eager_attention: bool = False
     attn_softcap: bool = False
     logit_softcap: bool = False
-    mlp_act: str = ""  # "" (the arch's: gelu / swiglu), "geglu" (Gemma: gelu_tanh(gate) * up)
+    mlp_act: str = ""  # "" (the arch's: gelu / swiglu), "geglu" (Gemma: gelu_tanh(gate) * up),
+    # or set explicitly: "gelu", "swiglu", "squared_relu" (Megatron's --swiglu / --squared-relu)
+    bias: bool | None = None  # Linear biases (None: the arch's; Megatron --disable-bias-linear)
+    # which layers are MoE, one 0/1 per layer (Megatron --moe-layer-freq, transformers'
+    # mlp_only_layers / decoder_sparse_step); empty: all but the first_k_dense
+    moe_layer_freq: tuple[int, ...] = ()
+    mtp_layers: int = 0  # multi-token prediction layers after the last stage (DeepSeek-V3 MTP)
     pdrop: float = 0.0  # GPT-2's resid/embd/attn dropout from config.json
     # vision
     image_size: int = 224
@@ -114,8 +121,28 @@ class ModelSpec:
 
     @property
     def n_dense_layers(self) -> int:
-        """Layers with a dense MLP: all of them, or an MoE's first k."""
-        return self.n_layers if not self.is_moe else min(self.first_k_dense, self.n_layers)
+        """Layers with a dense MLP: all of them, an MoE's first k, or the 0s of its pattern."""
+        if not self.is_moe:
+            return self.n_layers
+        if self.moe_layer_freq:
+            return self.moe_layer_freq.count(0)
+        return min(self.first_k_dense, self.n_layers)
+
+    def is_dense_layer(self, i: int) -> bool:
+        """Layer ``i`` (0-based) has a dense MLP."""
+        if not self.is_moe:
+            return True
+        if self.moe_layer_freq:
+            return not self.moe_layer_freq[i]
+        return i < self.first_k_dense
+
+    def dense_in(self, layers: range) -> int:
+        """How many of ``layers`` have a dense MLP (lazy over huge ranges without a pattern)."""
+        if not self.is_moe:
+            return len(layers)
+        if self.moe_layer_freq:
+            return sum(1 for i in layers if not self.moe_layer_freq[i])
+        return max(0, min(layers.stop, self.first_k_dense) - layers.start)
 
     @property
     def is_mla(self) -> bool:
@@ -128,7 +155,14 @@ class ModelSpec:
     @property
     def gated(self) -> bool:
         """The MLP multiplies two up projections (SwiGLU, GeGLU)."""
+        if self.mlp_act:
+            return self.mlp_act in ("swiglu", "geglu")
         return self.arch == "llama"
+
+    @property
+    def has_bias(self) -> bool:
+        """Linear layers carry biases (gpt2 and vit by default; llama's q/k/v by qkv_bias)."""
+        return self.arch != "llama" if self.bias is None else self.bias
 
     @property
     def is_decoder(self) -> bool:
@@ -187,6 +221,21 @@ def _validate(s: ModelSpec) -> None:
         )
     if s.first_k_dense and not s.n_experts:
         raise ValueError(f"model {s.name!r}: first_k_dense needs experts (n_experts > 0)")
+    if s.mlp_act not in MLP_ACTS:
+        known = ", ".join(map(repr, MLP_ACTS))
+        raise ValueError(f"model {s.name!r}: mlp_act {s.mlp_act!r} is not one of {known}")
+    if s.moe_layer_freq:
+        if not s.n_experts:
+            raise ValueError(f"model {s.name!r}: moe_layer_freq needs experts (n_experts > 0)")
+        if len(s.moe_layer_freq) != s.n_layers or set(s.moe_layer_freq) - {0, 1}:
+            raise ValueError(
+                f"model {s.name!r}: moe_layer_freq must hold one 0 (dense) or 1 (MoE) per layer "
+                f"({s.n_layers}), got {list(s.moe_layer_freq)!r}"
+            )
+        if s.first_k_dense:
+            raise ValueError(f"model {s.name!r}: give moe_layer_freq or first_k_dense, not both")
+    if not isinstance(s.mtp_layers, int) or s.mtp_layers < 0:
+        raise ValueError(f"model {s.name!r}: mtp_layers must be >= 0, got {s.mtp_layers!r}")
     if s.n_shared_experts and not s.shared_ffn:
         raise ValueError(
             f"model {s.name!r}: {s.n_shared_experts} shared experts need their size (shared_ffn)"
@@ -227,6 +276,7 @@ class ParamGroups:
     n_dense: int = 0  # an MoE's first dense layers (layer_* describe the MoE layers)
     dense_tp: int = 0
     dense_rep: int = 0
+    mtp: int = 0  # the MTP layers (Megatron's multi-token prediction, on the last stage)
 
     @property
     def per_layer(self) -> int:
@@ -241,6 +291,7 @@ class ParamGroups:
             + self.embed_rep
             + self.head_tp
             + self.head_rep
+            + self.mtp
         )
 
 
@@ -265,13 +316,17 @@ def attention_params(s: ModelSpec) -> tuple[int, int]:
             rep += 2 * d
         return tp, rep
     # gpt2 / vit: biased qkv and out; the row-parallel out bias replicates
+    if not s.has_bias:
+        return h * (q + 2 * kv) + q * h, rep
     return h * (q + 2 * kv) + (q + 2 * kv) + q * h, rep + h
 
 
 def mlp_params(s: ModelSpec, f: int) -> tuple[int, int]:
     """(tensor-parallel, replicated) parameters of one MLP of intermediate size ``f``."""
     if s.gated:
-        return 3 * s.hidden * f, 0
+        return 3 * s.hidden * f + (2 * f if s.bias else 0), s.hidden if s.bias else 0
+    if not s.has_bias:
+        return 2 * s.hidden * f, 0
     return s.hidden * f + f + f * s.hidden, s.hidden
 
 
@@ -309,6 +364,12 @@ def param_groups(s: ModelSpec) -> ParamGroups:
         head_rep = 2 * h + h * s.n_classes + s.n_classes
         head_tp = 0
         largest = max(h * (q + 2 * kv), h * s.ffn, h * s.n_classes)
+    mtp = 0
+    if s.mtp_layers:  # per layer: eh_proj (2h x h), three norms and a layer of the last kind
+        last_dense = s.is_dense_layer(s.n_layers - 1)
+        layer = attn_tp + dense_tp + attn_rep + dense_rep if last_dense else tp_layer + rep + expert
+        norm = h if s.norm == "rmsnorm" else 2 * h
+        mtp = s.mtp_layers * (2 * h * h + 3 * norm + layer)
     return ParamGroups(
         n_layers=s.n_layers,
         layer_tp=tp_layer,
@@ -323,6 +384,7 @@ def param_groups(s: ModelSpec) -> ParamGroups:
         n_dense=n_dense,
         dense_tp=attn_tp + dense_tp,
         dense_rep=attn_rep + dense_rep,
+        mtp=mtp,
     )
 
 
@@ -746,10 +808,7 @@ def from_hf_config(config: dict[str, Any], name: str = "config.json") -> ModelSp
             moe["shared_gate"] = bool(shared)
         step, only = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers") or []
         if step not in (None, 1) or only:
-            raise ValueError(
-                f"{name}: decoder_sparse_step={step!r} / mlp_only_layers={only!r}: interleaved "
-                "dense and MoE layers are not modelled (only the first k layers dense)"
-            )
+            moe["moe_layer_freq"] = sparse_pattern(need("num_hidden_layers"), step or 1, only, name)
     ffn = need("moe_intermediate_size") if mtype in ("qwen2_moe", "qwen3_moe") else None
     if mtype.startswith("deepseek"):
         ffn = need("moe_intermediate_size")
@@ -789,6 +848,18 @@ def from_hf_config(config: dict[str, Any], name: str = "config.json") -> ModelSp
         **moe,
         **mla,
     )
+
+
+def sparse_pattern(n_layers: int, step: Any, only: Any, name: str) -> tuple[int, ...]:
+    """transformers' Qwen2-MoE / Qwen3-MoE rule: layer i is MoE when it is not in
+    ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``; as a 0/1 pattern."""
+    if not isinstance(step, int) or isinstance(step, bool) or step <= 0:
+        raise ValueError(f"{name}: decoder_sparse_step must be a positive integer, got {step!r}")
+    if not isinstance(only, list) or not all(
+        isinstance(i, int) and 0 <= i < n_layers for i in only
+    ):
+        raise ValueError(f"{name}: mlp_only_layers must list layer indices below {n_layers}")
+    return tuple(0 if i in only or (i + 1) % step else 1 for i in range(n_layers))
 
 
 def load_config(path: str | Path) -> ModelSpec:
@@ -849,8 +920,9 @@ def _from_fields(fields: dict[str, Any], what: str) -> ModelSpec:
     for required in ("arch", "n_layers"):
         if required not in fields:
             raise ValueError(f"{what}: missing field {required!r}")
-    if isinstance(fields.get("blocks"), list):
-        fields["blocks"] = tuple(fields["blocks"])
+    for key in ("blocks", "moe_layer_freq"):
+        if isinstance(fields.get(key), list):
+            fields[key] = tuple(fields[key])
     return ModelSpec(**fields)
 
 

@@ -51,6 +51,34 @@ _OPTIMIZER_ALIASES = {
     "adamw-8bit": "adam8bit",
 }
 GRADS = ("compute", "fp32", "compute+fp32")
+FP8_PRECISIONS = {
+    # Transformer Engine fp8 training: bf16 weights with fp32 master weights, fp8 GEMMs
+    "fp8": "delayed",
+    "fp8-delayed": "delayed",
+    "fp8-tensorwise": "tensorwise",
+    "fp8-current": "tensorwise",
+    "fp8-mxfp8": "mxfp8",
+    "mxfp8": "mxfp8",
+    "fp8-blockwise": "blockwise",
+}
+
+
+def split_fp8_precision(precision: str, recipe: str | None) -> tuple[str, str | None]:
+    """``precision="fp8..."`` as (``bf16-mixed``, its recipe): fp8 changes what the GEMMs read
+    and save (``megatron.py``), not the model states. Another precision passes through.
+
+    Raises:
+        ValueError: an fp8 precision that names another recipe than ``recipe``.
+    """
+    key = str(precision).strip().lower()
+    if key not in FP8_PRECISIONS:
+        return precision, recipe
+    named = FP8_PRECISIONS[key]
+    if recipe is not None and recipe != named:
+        raise ValueError(
+            f"precision={precision!r} is the {named} recipe, not fp8_recipe={recipe!r}"
+        )
+    return "bf16-mixed", named
 
 
 def _pick(value: str, table: dict, aliases: dict, what: str) -> str:

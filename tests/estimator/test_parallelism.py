@@ -71,7 +71,7 @@ def test_a_config_json_defaults_to_the_transformers_recipe():
 @pytest.mark.parametrize(
     "framework,layout,match",
     [
-        ("megatron", Layout(dp=8, zero=2), "megatron.*zero 0 or 1"),
+        ("megatron", Layout(dp=8, zero=2), "megatron.*zero 0, 1 .* or 3 \\(Megatron-FSDP\\)"),
         ("torch", Layout(dp=8, zero=1), "torch.*zero 0, no fsdp"),
         ("fsdp2", Layout(dp=8), "fsdp2.*fsdp='full' or 'hybrid'"),
         ("deepspeed", Layout(dp=8, fsdp="full"), "deepspeed.*no fsdp"),
