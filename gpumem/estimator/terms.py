@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import functools
 
-from gpumem.estimator import peak
+from gpumem.estimator import deepspeed, peak
 from gpumem.estimator.frameworks import communication_bytes
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
-from gpumem.estimator.states import Training
+from gpumem.estimator.states import ParamMix, Training
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -84,6 +84,7 @@ def job_terms(
     persist: bool,
     framework: str,
     layer_comm: float = 0.0,
+    mix: ParamMix | None = None,
 ) -> None:
     """Fill the peak terms every model shares: state bytes and sharding, the optimizer step's
     temporaries, the framework's communication buffers, and the CUDA reserve.
@@ -95,9 +96,10 @@ def job_terms(
         framework: whose buffer conventions (``frameworks.py``).
         layer_comm: per-layer communication buffers of forward and backward besides sharding
             (context parallelism's KV exchange, MoE token dispatch).
+        mix: how the trainable parameters split into matrices (Muon, Adafactor).
     """
     x[peak.W_BYTES], x[peak.W_FROZEN_BYTES] = tr.weight_bytes, tr.frozen_weight_bytes
-    x[peak.G_BYTES], x[peak.O_BYTES] = tr.grad_bytes, tr.optimizer_bytes
+    x[peak.G_BYTES], x[peak.O_BYTES] = tr.grad_bytes, tr.optimizer_bytes_for(mix or ParamMix())
     x[peak.N_SHARD] = layout.shard_degree(gpu.gpus_per_node)
     x[peak.N_SHARD_EXP] = layout.shard_degree(gpu.gpus_per_node, expert=True)
     x[peak.STAGE] = layout.stage
@@ -110,14 +112,31 @@ def job_terms(
         layer_params=layer_params,
         weight_bytes=tr.weight_bytes,
         grad_bytes=tr.grad_bytes,
+        zero=tr.deepspeed,
     )
     x[peak.COMM], x[peak.GATHER] = steady, gathered + layer_comm
+    if framework == "deepspeed" and layout.stage >= 1:
+        deepspeed_states(x, tr, trainable / opt_shard)
     x[peak.G_PERSIST] = 1.0 if persist else 0.0
     if cuda:
         x[peak.CONTEXT] = gpu.context_bytes
         x[peak.NCCL] = gpu.nccl_bytes if layout.n_gpus > 1 else 0
         x[peak.FRAG] = gpu.fragmentation
     x[peak.OFFLOAD] = 1.0 if tr.offload_optimizer else 0.0
+
+
+def deepspeed_states(x: list[float], tr: Training, shard: float) -> None:
+    """DeepSpeed ZeRO's own state placement (``deepspeed.py``): the step's fp32 gradient
+    partition and its flattened 16-bit source replace torch.optim's temporaries (DeepSpeed steps
+    a fused Adam on the flat partition); offloading the optimizer moves master weights, state,
+    and every gradient partition to the host (the GPU keeps the IPG bucket) and the step to the
+    CPU; ``offload_param`` (ZeRO-3) moves the 16-bit partitions too."""
+    zero = tr.deepspeed or deepspeed.ZeroConfig()
+    x[peak.T_STEP] = deepspeed.step_bytes(zero, int(x[peak.STAGE]), shard, tr.master_bytes > 0)
+    if tr.offload_optimizer:
+        x[peak.G_BYTES] = x[peak.T_STEP] = 0.0
+    if tr.offload_param and x[peak.STAGE] >= 3:
+        x[peak.W_BYTES] = x[peak.W_FROZEN_BYTES] = 0.0
 
 
 def cluster_states(tr: Training, trainable: float, frozen: float) -> int:
