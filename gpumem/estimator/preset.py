@@ -18,7 +18,7 @@ from gpumem.estimator.frameworks import cp_exchange_bytes, default_fused_ops
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.specs import ModelSpec, ParamGroups, param_groups
-from gpumem.estimator.states import ParamMix, Training
+from gpumem.estimator.states import ParamMix, Training, ns_width
 from gpumem.estimator.terms import (
     cluster_states,
     grads_persist,
@@ -536,4 +536,8 @@ def preset_mix(spec: ModelSpec, pg: ParamGroups) -> ParamMix:
     factored = pg.n_layers * per_layer * (spec.hidden + spec.ffn) + vocab_mats * (
         spec.vocab + spec.hidden
     )
-    return ParamMix(hidden / total, mats / total, factored / total)
+    h, q, kv = spec.hidden, spec.n_heads * spec.dhead, spec.kv_heads * spec.dhead
+    cands = [(q, h), (kv, h), (h, q), (spec.dense_layer_ffn, h), (h, spec.dense_layer_ffn)]
+    if spec.is_moe:
+        cands += [(spec.moe_ffn, h), (h, spec.moe_ffn)]
+    return ParamMix(hidden / total, mats / total, factored / total, max(cands, key=ns_width))

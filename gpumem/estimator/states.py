@@ -78,11 +78,14 @@ class ParamMix:
             what Muon orthogonalises; embeddings, head, norms and biases go to AdamW).
         matrices: share in any parameter of 2 or more dimensions (Adafactor factors them).
         factored: Adafactor's row + column elements of those matrices, per parameter.
+        largest: (rows, cols) of the hidden matrix with the widest Newton–Schulz workspace
+            ((0, 0): unknown, taken square from the per-tensor step scratch).
     """
 
     hidden: float = 1.0
     matrices: float = 1.0
     factored: float = 0.0
+    largest: tuple[int, int] = (0, 0)
 
 
 def param_mix(shapes: list[tuple[tuple[int, ...], bool]]) -> ParamMix:
@@ -92,7 +95,15 @@ def param_mix(shapes: list[tuple[tuple[int, ...], bool]]) -> ParamMix:
     mats = [s for s, _ in shapes if len(s) >= 2]
     # torch.optim.Adafactor: row_var = shape[:-1] + (1,), col_var = shape[:-2] + (1, shape[-1])
     fact = sum(_numel(s[:-1]) + _numel(s[:-2]) * s[-1] for s in mats)
-    return ParamMix(hidden / total, sum(_numel(s) for s in mats) / total, fact / total)
+    hid = [(s[0], s[1]) for s, h in shapes if h and len(s) == 2]
+    largest = max(hid, key=ns_width, default=(0, 0))
+    return ParamMix(hidden / total, sum(_numel(s) for s in mats) / total, fact / total, largest)
+
+
+def ns_width(shape: tuple[int, int]) -> int:
+    """Newton–Schulz's bf16 elements for a matrix (see ``Training.muon_step_bytes``): 2rc + 2r²."""
+    r, c = min(shape), max(shape)
+    return 2 * r * c + 2 * r * r
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -228,10 +239,11 @@ class Training:
         ``zeropower_via_newtonschulz5``): Nesterov's ``grad.lerp(buf)`` in the state dtype, then in
         bf16 with r = min, c = max of the sides: the iterate X (r·c), X·Xᵀ and the polynomial
         b·A + c·A·A (r² each) and the next iterate (r·c), all alive at once."""
-        r, c = min(rows, cols), max(rows, cols)
-        return int(r * c * self._p[4] + 2 * (2 * r * c + 2 * r * r))
+        return int(rows * cols * self._p[4] + 2 * ns_width((rows, cols)))
 
-    def step_temp_bytes(self, trainable: int, scratch: int, cuda: bool) -> int:
+    def step_temp_bytes(
+        self, trainable: int, scratch: int, cuda: bool, mix: ParamMix | None = None
+    ) -> int:
         """Transient memory of one optimizer step.
 
         torch's Adam/AdamW, measured on CPU with gpumem.profile
@@ -249,6 +261,10 @@ class Training:
         (``grads="fp32"``: ``.float()`` is then a no-op; DeepSpeed's bf16 optimizer keeps fp32
         grads, ``grads="compute+fp32"``). This is the CUDA assumption; it cannot be measured
         with torch.optim on CPU.
+
+        Muon (torch.optim.Muon, measured on CPU): one matrix's Newton–Schulz workspace at a time
+        (``muon_step_bytes`` of ``mix.largest``). Adafactor: the largest matrix's variance
+        estimate and update (an estimate). 8-bit Adam: bitsandbytes' fused kernel, none.
         """
         foreach = cuda if self.foreach is None else self.foreach
         fused = self.fused
@@ -259,9 +275,11 @@ class Training:
         if self.optimizer in ("adam", "adamw") and not fused:
             temp = trainable * sb if foreach else scratch * sb
         elif self.optimizer == "muon":
-            # one matrix at a time; the largest (scratch / 3 elements) taken square
-            side = int((scratch / 3) ** 0.5)
-            temp = self.muon_step_bytes(side, side)
+            # one matrix at a time (the AdamW rest steps per tensor: smaller, not added)
+            rows, cols = mix.largest if mix is not None else (0, 0)
+            if not rows:  # unknown shape: the largest tensor (scratch / 3 elements), square
+                rows = cols = int((scratch / 3) ** 0.5)
+            temp = self.muon_step_bytes(rows, cols)
         elif self.optimizer == "adafactor":
             # row_var @ col_var and the update: two matrix-size tensors of the largest matrix
             temp = 2 * (scratch / 3) * sb

@@ -104,7 +104,9 @@ def job_terms(
     x[peak.N_SHARD_EXP] = layout.shard_degree(gpu.gpus_per_node, expert=True)
     x[peak.STAGE] = layout.stage
     opt_shard = x[peak.N_SHARD] if layout.stage >= 1 else 1
-    x[peak.T_STEP] = tr.step_temp_bytes(int(trainable / opt_shard), int(scratch), cuda)
+    x[peak.T_STEP] = tr.step_temp_bytes(int(trainable / opt_shard), int(scratch), cuda, mix)
+    sharded = opt_shard > 1 or bool(layout.fsdp)
+    x[peak.T_STEP] += muon_gather_bytes(tr, mix) if sharded else 0
     steady, gathered = communication_bytes(
         framework,
         layout,
@@ -116,7 +118,7 @@ def job_terms(
     )
     x[peak.COMM], x[peak.GATHER] = steady, gathered + layer_comm
     if framework == "deepspeed" and layout.stage >= 1:
-        deepspeed_states(x, tr, trainable / opt_shard)
+        deepspeed_states(x, tr, trainable / opt_shard, mix)
     x[peak.G_PERSIST] = 1.0 if persist else 0.0
     if cuda:
         x[peak.CONTEXT] = gpu.context_bytes
@@ -125,7 +127,16 @@ def job_terms(
     x[peak.OFFLOAD] = 1.0 if tr.offload_optimizer else 0.0
 
 
-def deepspeed_states(x: list[float], tr: Training, shard: float) -> None:
+def muon_gather_bytes(tr: Training, mix: ParamMix | None) -> float:
+    """A sharded Muon's gather: each matrix's full fp32 gradient for Newton–Schulz, one matrix
+    at a time (Moonlight's distributed Muon gathers the owner's matrix over the DP group;
+    DeepSpeed all-reduces Muon's gradients instead of reduce-scattering them)."""
+    if tr.optimizer != "muon" or mix is None:
+        return 0.0
+    return float(mix.largest[0] * mix.largest[1] * 4)
+
+
+def deepspeed_states(x: list[float], tr: Training, shard: float, mix: ParamMix | None) -> None:
     """DeepSpeed ZeRO's own state placement (``deepspeed.py``): the step's fp32 gradient
     partition and its flattened 16-bit source replace torch.optim's temporaries (DeepSpeed steps
     a fused Adam on the flat partition); offloading the optimizer moves master weights, state,
@@ -133,6 +144,8 @@ def deepspeed_states(x: list[float], tr: Training, shard: float) -> None:
     CPU; ``offload_param`` (ZeRO-3) moves the 16-bit partitions too."""
     zero = tr.deepspeed or deepspeed.ZeroConfig()
     x[peak.T_STEP] = deepspeed.step_bytes(zero, int(x[peak.STAGE]), shard, tr.master_bytes > 0)
+    if tr.optimizer == "muon" and mix is not None and mix.largest[0]:
+        x[peak.T_STEP] += tr.muon_step_bytes(*mix.largest) + muon_gather_bytes(tr, mix)
     if tr.offload_optimizer:
         x[peak.G_BYTES] = x[peak.T_STEP] = 0.0
     if tr.offload_param and x[peak.STAGE] >= 3:
