@@ -224,7 +224,7 @@ def zero_config(
                 "use framework='deepspeed'"
             )
         return None
-    zero = cfg if isinstance(cfg, ZeroConfig) else ZeroConfig.from_dict(cfg)
+    zero = ZeroConfig.from_dict(cfg)
     if offload_param:
         zero = dataclasses.replace(zero, offload_param="cpu")
     if zero.offload_param == "cpu" and layout.zero < 3:

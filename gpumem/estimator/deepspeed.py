@@ -116,13 +116,15 @@ class ZeroConfig:
                 raise ValueError(f"deepspeed {f.name} must be an integer >= 0, got {v!r}")
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any] | None) -> ZeroConfig:
+    def from_dict(cls, cfg: dict[str, Any] | ZeroConfig | None) -> ZeroConfig:
         """From a ds_config's ``zero_optimization`` dict (or a whole ds_config holding one).
         Sizes may be floats (``5e8``); offload may be ``"cpu"`` or ``{"device": "cpu", ...}``.
 
         Raises:
             ValueError: an unknown key or a bad value, naming the valid ones.
         """
+        if isinstance(cfg, ZeroConfig):
+            return cfg
         cfg = dict(cfg or {})
         if isinstance(cfg.get("zero_optimization"), dict):
             cfg = dict(cfg["zero_optimization"])
@@ -270,3 +272,46 @@ def published_estimate(
         base = largest_layer_params if zero_init else total_params
         cpu = base * 4 * num_gpus_per_node * additional_buffer_factor
     return int(cpu), int(gpu)
+
+
+def knobs_from_cli(pairs: list[str] | None, path: str | None) -> dict[str, Any] | None:
+    """The ``deepspeed=`` dict of ``--ds-config FILE`` (a ds_config JSON: its
+    ``zero_optimization`` section) and ``--deepspeed KEY=VALUE`` pairs on top (numbers such as
+    ``5e8``, ``true``/``false``, ``cpu``/``none``); None when neither is given.
+
+    Raises:
+        ValueError: an unreadable file or a pair without ``=``.
+    """
+    if not pairs and not path:
+        return None
+    out: dict[str, Any] = {}
+    if path:
+        import json
+
+        try:
+            with open(path) as f:
+                cfg = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--ds-config {path}: {e}") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"--ds-config {path}: a ds_config is a JSON object")
+        out.update(cfg.get("zero_optimization", cfg) if isinstance(cfg, dict) else {})
+    for pair in pairs or ():
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(
+                f"--deepspeed takes KEY=VALUE (e.g. reduce_bucket_size=2e8), got {pair!r}"
+            )
+        out[key.strip()] = _value(text.strip())
+    return out
+
+
+def _value(text: str) -> Any:
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        number = float(text)
+    except ValueError:
+        return text
+    return int(number) if number.is_integer() else number

@@ -40,6 +40,7 @@ from gpumem.estimator import inputs as job_inputs
 from gpumem.estimator import peak
 from gpumem.estimator.api import estimate
 from gpumem.estimator.bill import Bill
+from gpumem.estimator.deepspeed import ZeroConfig
 from gpumem.estimator.frameworks import default_grads, resolve_framework
 from gpumem.estimator.gpus import GPU, find_gpu
 from gpumem.estimator.layout import Layout
@@ -178,6 +179,9 @@ class PlanResult:
         c = candidate or self.best
         if c is None:
             raise ValueError(f"no layout of {self.model.name} fits {self.n_gpus} x {self.gpu.name}")
+        kw = dict(self.kwargs)
+        if resolve_framework(kw.get("framework"), c.layout) != "deepspeed":
+            kw.pop("deepspeed", None)  # DeepSpeed's knobs apply to its layouts only
         return estimate(
             self.model,
             layout=c.layout,
@@ -185,7 +189,7 @@ class PlanResult:
             recompute=c.recompute,
             grad_accum=c.grad_accum,
             gpu=self.gpu,
-            **self.kwargs,
+            **kw,
         )
 
     def table(self, top: int = 10) -> str:
@@ -325,13 +329,20 @@ def plan(
             grads = estimate_kwargs.get("grads") or default_grads(
                 fw, Training(precision).master_bytes > 0
             )
+            zero = None
+            if fw == "deepspeed":
+                zero = ZeroConfig.from_dict(estimate_kwargs.get("deepspeed"))
+                if zero.offload_param == "cpu":
+                    raise ValueError("plan searches ZeRO stages; offload_param is ZeRO-3 only")
             training = Training(
                 precision,
                 optimizer,
                 grads,
-                estimate_kwargs.get("offload_optimizer", False),
+                estimate_kwargs.get("offload_optimizer", False)
+                or (zero is not None and zero.offload_optimizer == "cpu"),
                 estimate_kwargs.get("lora_rank", 0),
                 estimate_kwargs.get("base_quant"),
+                deepspeed=zero,
             )
             jobs[fw] = PresetTerms(spec, training, g, seq, framework=fw, **job_kw)
         return jobs[fw]
