@@ -141,14 +141,25 @@ def deepspeed_states(x: list[float], tr: Training, shard: float, mix: ParamMix |
     partition and its flattened 16-bit source replace torch.optim's temporaries (DeepSpeed steps
     a fused Adam on the flat partition); offloading the optimizer moves master weights, state,
     and every gradient partition to the host (the GPU keeps the IPG bucket) and the step to the
-    CPU; ``offload_param`` (ZeRO-3) moves the 16-bit partitions too."""
+    CPU; ``offload_param`` (ZeRO-3) moves the 16-bit partitions too.
+
+    ZeRO-1's step frees the other ranks' gradients (``free_grad_in_param_list``) before it makes
+    the fp32 partition; the step moment counts every gradient, so the partition's bytes are
+    billed only beyond that freed room: exact for dp = 2, an upper bound by
+    ``2Ψ - 8Ψ/N`` beyond (2.66 GiB for t5-3b on 8 GPUs)."""
     zero = tr.deepspeed or deepspeed.ZeroConfig()
-    x[peak.T_STEP] = deepspeed.step_bytes(zero, int(x[peak.STAGE]), shard, tr.master_bytes > 0)
+    stage = int(x[peak.STAGE])
+    x[peak.T_STEP] = deepspeed.step_bytes(zero, stage, shard, tr.master_bytes > 0)
     if tr.optimizer == "muon" and mix is not None and mix.largest[0]:
         x[peak.T_STEP] += tr.muon_step_bytes(*mix.largest) + muon_gather_bytes(tr, mix)
+    if stage == 1:
+        freed = (shard * x[peak.N_SHARD] - shard) * x[peak.G_BYTES]
+        x[peak.T_STEP] = max(0.0, x[peak.T_STEP] - freed)
     if tr.offload_optimizer:
-        x[peak.G_BYTES] = x[peak.T_STEP] = 0.0
-    if tr.offload_param and x[peak.STAGE] >= 3:
+        x[peak.T_STEP] = 0.0
+        if stage >= 2:  # ZeRO-1 keeps every 16-bit .grad until the boundary, offload or not
+            x[peak.G_BYTES] = 0.0
+    if tr.offload_param and stage >= 3:
         x[peak.W_BYTES] = x[peak.W_FROZEN_BYTES] = 0.0
 
 

@@ -213,13 +213,29 @@ def _terms(layout, training=None, **kw):
     return job.terms(layout, 1, "none", 1, None, [0])[0]
 
 
-@pytest.mark.parametrize("zero", [1, 2, 3])
+@pytest.mark.parametrize("zero", [2, 3])
 def test_step_temporary_is_the_fp32_partition(zero):
     """DeepSpeed steps a fused Adam on the flat fp32 partition: the step's temporaries are the
     fp32 gradients and the flattened 16-bit copy they are made from, 6 B per sharded param."""
     x = _terms(Layout(dp=8, zero=zero))
     assert x[peak.T_STEP] == 6 * (P7B / 8)
     assert x[peak.COMM] == BUCKET * 2
+
+
+@pytest.mark.parametrize("dp, temp", [(2, 6 * P7B / 2 - 2 * P7B / 2), (8, 0.0)])
+def test_zero1_step_reuses_the_freed_gradients(dp, temp):
+    """ZeRO-1 frees the other ranks' 16-bit grads (2Ψ - 2Ψ/N) before making the 6Ψ/N: what is
+    left over is billed (the step moment already counts all 2Ψ of gradients)."""
+    assert _terms(Layout(dp=dp, zero=1))[peak.T_STEP] == temp
+
+
+def test_offload_keeps_zero1_gradients_on_the_gpu():
+    ds = {"offload_optimizer": "cpu"}
+    one = _est(layout=Layout(dp=8, zero=1), deepspeed=ds)
+    two = _est(layout=Layout(dp=8, zero=2), deepspeed=ds)
+    assert one.model_states["gradients"] == 2 * P7B
+    assert two.model_states["gradients"] == 0
+    assert one.model_states["optimizer"] == two.model_states["optimizer"] == 0
 
 
 def test_zero3_gather_term():
