@@ -12,6 +12,10 @@ grads                what is kept                                           sour
 ``"compute+fp32"``   16-bit grads and an fp32 copy (6 B): 2Ψ + 18Ψ/N        DeepSpeed ZeRO-2
 ===================  =====================================================  ==============
 
+``"compute+fp32"`` holds DeepSpeed's fp32 gradient partition throughout (as its published
+formula does); under ``framework="deepspeed"`` the default ``"compute"`` follows its code, which
+makes that partition in the optimizer step only (``deepspeed.py``).
+
 Example:
     >>> t = Training(precision="bf16-mixed", optimizer="adamw")
     >>> t.weight_bytes, t.grad_bytes, t.optimizer_bytes     # 2 + 2 + 12 = 16 B/param
