@@ -225,6 +225,12 @@ def zero_config(
             )
         return None
     zero = ZeroConfig.from_dict(cfg)
+    stage = ZeroConfig.stage_of(cfg)
+    if stage is not None and stage != layout.zero:
+        raise ValueError(
+            f"the ds_config's zero_optimization.stage is {stage} but the layout has "
+            f"zero={layout.zero}; give the same stage (--zero {stage})"
+        )
     if offload_param:
         zero = dataclasses.replace(zero, offload_param="cpu")
     if zero.offload_param == "cpu" and layout.zero < 3:

@@ -143,12 +143,23 @@ class ZeroConfig:
                 value = "none" if value is None else str(value).lower()
             elif value == "auto":
                 raise ValueError(
-                    f"deepspeed {key}='auto' is filled in by the HF Trainer; give a number"
+                    f"deepspeed {key}='auto' is filled in by the HF Trainer; give a number "
+                    "(it sets reduce_bucket_size = hidden², stage3_prefetch_bucket_size = "
+                    "0.9·hidden², stage3_param_persistence_threshold = 10·hidden)"
                 )
             elif isinstance(value, float) and value.is_integer():
                 value = int(value)
             out[name] = value
         return cls(**out)
+
+    @staticmethod
+    def stage_of(cfg: dict[str, Any] | ZeroConfig | None) -> int | None:
+        """The ZeRO ``stage`` a ds_config dict names (None when it names none)."""
+        if not isinstance(cfg, dict):
+            return None
+        zero = cfg.get("zero_optimization", cfg)
+        stage = zero.get("stage") if isinstance(zero, dict) else None
+        return None if stage is None else int(stage)
 
     def overlap(self, stage: int) -> bool:
         return stage == 3 if self.overlap_comm is None else self.overlap_comm

@@ -315,6 +315,8 @@ def plan(
     gb = global_batch or max(n_gpus, 256)
     if framework is not None:
         resolve_framework(framework, Layout())  # an unknown name fails here, once
+    if estimate_kwargs.get("deepspeed") is not None:  # once, checked; a stage in it is moot
+        estimate_kwargs["deepspeed"] = ZeroConfig.from_dict(estimate_kwargs["deepspeed"])
     seq, seq_source = job_inputs.seq_len(spec, seq_len)
     if context_parallel is None:
         context_parallel = (1, 2, 4, 8, 16) if spec.is_decoder and seq >= LONG_CONTEXT else (1,)

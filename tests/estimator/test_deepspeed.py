@@ -271,6 +271,10 @@ def test_estimate_zero3_offload_moves_states_to_the_host():
         ({"deepspeed": {"contiguous_gradients": 1}}, "must be true or false"),
         ({"deepspeed": {"reduce_bucket_size": -1}}, "integer >= 0"),
         ({"offload_param": True}, "offload_param needs ZeRO-3"),
+        (
+            {"deepspeed": {"zero_optimization": {"stage": 3}}},
+            "stage is 3 but the layout has zero=2",
+        ),
         ({"deepspeed": {}, "framework": "torch", "layout": Layout(dp=8)}, "framework='deepspeed'"),
     ],
 )
@@ -278,3 +282,22 @@ def test_bad_deepspeed_knobs(kw, match):
     kw.setdefault("layout", Layout(dp=8, zero=2))
     with pytest.raises(ValueError, match=match):
         _est(**kw)
+
+
+def test_plan_prices_deepspeed_layouts_with_the_knobs():
+    """The planner's compiled peak and the estimate of the same candidate agree under the
+    knobs; a ds_config's stage is moot for a search over stages."""
+    from gpumem.planner import plan
+
+    ds = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 2e8, "overlap_comm": True}}
+    result = plan(LLAMA, n_gpus=8, deepspeed=ds)
+    seen = set()
+    for c in result.candidates[:8]:
+        bill = result.bill(c)
+        assert c.total_bytes == bill.per_gpu["total"]
+        if bill.framework == "deepspeed" and c.layout.zero in (1, 2):
+            seen.add(c.layout.zero)
+            assert bill.training.deepspeed == ZeroConfig(
+                reduce_bucket_size=200_000_000, overlap_comm=True
+            )
+    assert seen
