@@ -104,6 +104,9 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
+            if isinstance(v, float) and v.is_integer() and f.type == "int":
+                v = int(v)  # ds_config sizes are often written 5e8
+                object.__setattr__(self, f.name, v)
             if f.name.startswith("offload_"):
                 if v not in _OFFLOAD:
                     raise ValueError(

@@ -245,10 +245,13 @@ class Training:
 
     def muon_step_bytes(self, rows: int, cols: int) -> int:
         """Newton–Schulz's peak temporary for one ``rows x cols`` matrix (torch.optim.Muon,
-        ``_zeropower_via_newtonschulz``, the same as KellerJordan/Muon's
-        ``zeropower_via_newtonschulz5``): Nesterov's ``grad.lerp(buf)`` in the state dtype, then in
-        bf16 with r = min, c = max of the sides: the iterate X (r·c), X·Xᵀ and the polynomial
-        b·A + c·A·A (r² each) and the next iterate (r·c), all alive at once."""
+        ``_zeropower_via_newtonschulz``, measured on CPU): Nesterov's ``grad.lerp(buf)`` in the
+        state dtype, then in bf16 with r = min, c = max of the sides: the iterate X (r·c), X·Xᵀ
+        and the polynomial b·A + c·A·A (r² each, ``addmm``) and the next iterate (r·c), all alive
+        at once. KellerJordan/Muon's ``zeropower_via_newtonschulz5`` computes the same
+        iteration unfused (``b * A + c * A @ A``, ``a * X + B @ X``): up to 4rc + 2r² bf16
+        elements at once, and its ``muon_update`` lerps into the gradient in place (no
+        Nesterov copy); gpumem bills torch's."""
         return int(rows * cols * self._p[4] + 2 * ns_width((rows, cols)))
 
     def step_temp_bytes(
