@@ -47,8 +47,11 @@ comparison.
 
 Offload (``offload_optimizer`` / ``offload_param`` to ``cpu``) moves the master weights,
 optimizer state and fp32 gradients (and ZeRO-3's 16-bit partitions) to pinned host memory:
-:func:`host_bytes` is that bill per node; DeepSpeed's estimator multiplies it by
-``additional_buffer_factor`` (1.5) as headroom, gpumem reports both.
+:func:`host_bytes` is that bill per node (``Bill.host_bytes``), the bare sum; DeepSpeed's
+estimator multiplies its figures by ``additional_buffer_factor`` (1.5) as headroom. Not billed:
+ZeRO-1/2 offload's GPU staging buffer of the largest parameter
+(``temp_grad_buffer_for_gpu_offload``) and the norms and biases that
+``stage3_param_persistence_threshold`` keeps unpartitioned (well under 0.1 % of a transformer).
 """
 
 from __future__ import annotations
