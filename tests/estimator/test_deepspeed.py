@@ -301,3 +301,25 @@ def test_plan_prices_deepspeed_layouts_with_the_knobs():
                 reduce_bucket_size=200_000_000, overlap_comm=True
             )
     assert seen
+
+
+def test_knobs_from_cli_parse_ds_config_spellings(tmp_path):
+    from gpumem.estimator.deepspeed import knobs_from_cli
+
+    cfg = tmp_path / "ds.json"
+    cfg.write_text('{"zero_optimization": {"reduce_bucket_size": 5e8, "overlap_comm": false}}')
+    pairs = ["overlap_comm=true", "stage3_prefetch_bucket_size=5e7", "offload_param=cpu"]
+    got = knobs_from_cli(pairs, str(cfg))
+    assert got == {
+        "reduce_bucket_size": 5e8,
+        "overlap_comm": True,
+        "stage3_prefetch_bucket_size": 50_000_000,
+        "offload_param": "cpu",
+    }
+    assert ZeroConfig.from_dict(got) == ZeroConfig(
+        overlap_comm=True, stage3_prefetch_bucket_size=50_000_000, offload_param="cpu"
+    )
+    assert knobs_from_cli(None, None) is None
+    cfg.write_text("{not json")
+    with pytest.raises(ValueError, match=r"--ds-config .*ds\.json"):
+        knobs_from_cli(None, str(cfg))
