@@ -98,7 +98,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     imp.add_argument(
         "--step", type=_args.non_negative_int, default=0, help="the step to record (default 0)"
     )
-    imp.add_argument("--trust-pickle", action="store_true", help="as for verify")
+    imp.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="as for verify, and import byte items whose pickles load classes (dcp.load runs "
+        "them when it loads them; refused without this flag)",
+    )
     p.set_defaults(func=run)
 
 
@@ -212,7 +217,7 @@ def _targets(path: Path) -> list[Path]:
 
 def _verify(args: argparse.Namespace) -> int:
     from gpumem.checkpoint import CheckpointCorruptError, verify
-    from gpumem.checkpoint.interop.dcp_plain import is_plain_dcp, verify_plain
+    from gpumem.checkpoint.interop.dcp_plain import is_plain_dcp, pickled_items, verify_plain
 
     if is_plain_dcp(Path(args.path)):
         try:
@@ -230,6 +235,12 @@ def _verify(args: argparse.Namespace) -> int:
             "its CRC-32), and the pickled items' content (never unpickled here); `gpumem ckpt "
             "import` converts it into a checksummed gpumem checkpoint"
         )
+        if r.pickled:
+            print(
+                f"WARNING  {pickled_items(r, 10)} are pickles that load classes: dcp.load runs "
+                "that code when it loads them; `gpumem ckpt import` refuses them without "
+                "--trust-pickle"
+            )
         return 0
     bad = 0
     targets = _targets(Path(args.path))

@@ -7,6 +7,7 @@ import json
 import sys
 
 from gpumem.cli import _args
+from gpumem.estimator.frameworks import FRAMEWORKS
 
 
 def add_job_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,9 +43,16 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--framework",
         default=None,
-        choices=("megatron", "deepspeed", "fsdp2", "torch"),
-        help="whose buffer conventions (default: fsdp2 with --fsdp, deepspeed with --zero, "
-        "else torch)",
+        choices=FRAMEWORKS,
+        help="whose recipe and buffer conventions (default: transformers for a config.json; "
+        "else fsdp2 with --fsdp, deepspeed with --zero, else torch)",
+    )
+    p.add_argument(
+        "--keep-logits",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the training loop holds the logits through backward (default: the framework's "
+        "loop; transformers' Trainer does not, a plain loss_fn(model(x)) loop does)",
     )
     p.add_argument(
         "--ds-config",
@@ -264,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
         framework=args.framework,
         deepspeed=knobs_from_cli(args.deepspeed, args.ds_config),
         offload_param=args.offload_param,
+        keep_logits=args.keep_logits,
         **({"moe_imbalance": args.moe_imbalance} if args.moe_imbalance is not None else {}),
     )
     if args.json:

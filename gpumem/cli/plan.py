@@ -132,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         "calibration": args.calibration,
         "framework": args.framework,
         "deepspeed": knobs_from_cli(args.deepspeed, args.ds_config),
+        "keep_logits": args.keep_logits,
     }
     with progress_bar("searching layouts", enabled=not args.json) as bar:
         if args.min_gpus:

@@ -270,6 +270,11 @@ class HFCase:
     reference: str = "fake"
     """``fake``: profiled under fake tensors; ``real``: trained for real on the CPU (the same
     numbers to the byte: tests/estimator/test_hf_sweep.py::test_fake_equals_real)."""
+    loop: str = "logits"
+    """``logits``: ``logits = model(ids).logits`` held through backward, ``F.cross_entropy``
+    in the loop (estimated on the ``torch`` convention, which holds them); ``trainer``: the
+    model's own loss as ``Trainer`` runs it, ``loss = model(ids, labels=ids).loss`` (estimated
+    on the default ``transformers`` convention)."""
 
 
 def estimate_hf_case(case: HFCase, device: str = "cpu") -> Bill:
@@ -282,7 +287,8 @@ def estimate_hf_case(case: HFCase, device: str = "cpu") -> Bill:
         optimizer="adamw",
         device=device,
         attention="sdpa",
-        keep_logits=True,
+        # the logits loop computes the loss itself, on the logits' dtype: torch's convention
+        framework="torch" if case.loop == "logits" else None,
         persistent_grads=False,
         recompute="full" if case.recompute else "none",
         gpu_memory=2**40,
@@ -325,8 +331,13 @@ def compare_hf(case: HFCase, device: str = "cpu") -> Comparison:
         with profiler.profile(model, optimizer=opt) as prof:
             for _ in range(2):
                 with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
-                    logits = model(ids).logits
-                    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1))
+                    if case.loop == "trainer":
+                        loss = model(input_ids=ids, labels=ids).loss
+                    else:
+                        logits = model(ids).logits
+                        loss = F.cross_entropy(
+                            logits.reshape(-1, logits.shape[-1]), ids.reshape(-1)
+                        )
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)

@@ -60,6 +60,8 @@ class Workload:
         cuda: a CUDA device (dropout masks are bool; on CPU they are float).
         tp, sp: tensor-parallel degree and sequence parallelism.
         keep_logits: the caller holds the logits until backward (a model returning logits).
+        upcast_logits: the loss runs on ``logits.float()`` (transformers' ``ForCausalLMLoss``):
+            the log-probabilities are fp32 whatever the logits' dtype.
         cp: context-parallel degree (each rank holds ``seq / cp`` tokens of every sequence).
         dense: price an MoE model's dense layer (its first-k dense MLP) instead of an MoE one.
         ep, etp: expert-parallel and expert-tensor-parallel degrees.
@@ -84,6 +86,7 @@ class Workload:
     tp: int = 1
     sp: bool = False
     keep_logits: bool = True
+    upcast_logits: bool = False
     cp: int = 1
     dense: bool = False
     ep: int = 1
@@ -329,9 +332,8 @@ def head_items(spec: ModelSpec, w: Workload) -> list[Item]:
     logit_bytes = w.compute if (w.autocast or w.compute == w.residual) else w.residual
     if w.keep_logits:
         items.append(Item("logits", n * v * logit_bytes, saved=False))
-    lsm = (
-        4 if (w.autocast or logit_bytes == 4) else logit_bytes
-    )  # cross_entropy is fp32 under autocast
+    # cross_entropy is fp32 under autocast and on upcast logits
+    lsm = 4 if (w.autocast or w.upcast_logits or logit_bytes == 4) else logit_bytes
     if "ce" in w.fused:  # a per-token log-sum-exp and its input, not the log-probabilities
         items.append(Item("loss.lse", n * 4))
         if not w.keep_logits:  # else the held logits are that input (one storage)

@@ -25,7 +25,12 @@ from gpumem.calibrate.calibration import split_calibration
 from gpumem.calibrate.memory import apply_memory_calibration
 from gpumem.estimator.bill import Bill
 from gpumem.estimator.deepspeed import ZeroConfig, host_bytes
-from gpumem.estimator.frameworks import default_grads, resolve_framework
+from gpumem.estimator.frameworks import (
+    default_grads,
+    default_keep_logits,
+    engine,
+    resolve_framework,
+)
 from gpumem.estimator.gpus import GPU, find_gpu
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.preset import MOE_IMBALANCE, estimate_preset
@@ -53,7 +58,7 @@ def estimate(
     base_quant: str | None = None,
     activation_model: str = "ops",
     device: str = "cuda",
-    keep_logits: bool = True,
+    keep_logits: bool | None = None,
     persistent_grads: bool | None = None,
     foreach: bool | None = None,
     fused: bool = False,
@@ -85,7 +90,9 @@ def estimate(
         activation_model: ``ops`` (what autograd saves) or ``korthikanti`` (the paper).
         device: ``cuda``, or ``cpu`` to compare with a CPU run (no context/NCCL reserve).
         keep_logits: the training loop holds the logits (``logits = model(x)`` lives until the
-            next forward replaces it: through backward and the optimizer step).
+            next forward replaces it: through backward and the optimizer step). Default: the
+            framework's loop (``transformers``' ``Trainer`` keeps only the loss: False; the
+            others' ``logits = model(x)``: True).
         persistent_grads: gradients stay allocated across steps (default: when distributed or
             accumulating; plain single-GPU ``zero_grad(set_to_none=True)`` frees them).
         foreach / fused: torch.optim's step implementation (see Training.step_temp_bytes).
@@ -97,9 +104,10 @@ def estimate(
         loss_fn: for an ``nn.Module``: ``output -> scalar loss`` (default: cross-entropy over the
             output's last dimension against integer targets; a scalar output or ``.loss`` is
             the loss itself).
-        framework: whose buffer conventions: ``megatron``, ``deepspeed``, ``fsdp2`` or
-            ``torch`` (default: fsdp2 when ``layout.fsdp``, deepspeed when ``layout.zero >= 1``,
-            else torch); see ``gpumem/estimator/frameworks.py``. ``grads`` defaults to the
+        framework: whose recipe and buffer conventions: ``transformers``, ``megatron``,
+            ``deepspeed``, ``fsdp2`` or ``torch`` (default: transformers for a config.json
+            model; else fsdp2 when ``layout.fsdp``, deepspeed when ``layout.zero >= 1``, else
+            torch); see ``gpumem/estimator/frameworks.py``. ``grads`` defaults to the
             framework's (Megatron: fp32 main grads under mixed precision; else ``compute``).
         moe_imbalance: tokens of the most loaded expert-parallel rank over the mean (default
             1.25, the usual capacity factor; applies when ``layout.ep > 1``).
@@ -116,7 +124,8 @@ def estimate(
             ``stage3_max_reuse_distance``, ``stage3_param_persistence_threshold``,
             ``sub_group_size``, ``offload_optimizer`` / ``offload_param`` (``"cpu"`` or
             ``{"device": "cpu"}``); DeepSpeed's defaults otherwise. Needs
-            ``framework="deepspeed"`` (the default for ``zero >= 1``); see
+            DeepSpeed to run the job (``framework="deepspeed"``, the default for ``zero >= 1``,
+            or ``transformers`` with ``zero >= 1``); see
             ``gpumem/estimator/deepspeed.py``. ``bill.host_bytes`` is then the pinned host memory
             per node that offload needs.
         offload_param: DeepSpeed ZeRO-3's ``offload_param`` to the CPU (also a ``deepspeed`` key).
@@ -147,7 +156,11 @@ def estimate(
     layout = layout or Layout()
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be a gpumem.Layout, got {type(layout).__name__}")
-    fw = resolve_framework(framework, layout)
+    module = is_module(model)
+    if not module and (example_input is not None or loss_fn is not None):
+        raise ValueError("example_input and loss_fn apply to an nn.Module model only")
+    spec = None if module else model if isinstance(model, ModelSpec) else resolve_model(model)
+    fw = resolve_framework(framework, layout, hf=spec is not None and spec.is_hf)
     if grads is None:
         grads = default_grads(fw, Training(precision).master_bytes > 0)
     zero = zero_config(deepspeed, fw, layout, offload_param)
@@ -189,16 +202,15 @@ def estimate(
         "persistent_grads": persistent_grads,
         "framework": fw,
     }
-    if is_module(model):
+    if spec is None:
         # imported here, not above: the module path needs torch, presets and configs do not
         from gpumem.estimator.module_estimate import estimate_module
 
+        if keep_logits is None:
+            common["keep_logits"] = default_keep_logits(fw)
         return estimate_module(
             model, batch_size=batch_size, example_input=example_input, loss_fn=loss_fn, **common
         )
-    if example_input is not None or loss_fn is not None:
-        raise ValueError("example_input and loss_fn apply to an nn.Module model only")
-    spec = model if isinstance(model, ModelSpec) else resolve_model(model)
     bill = estimate_preset(
         spec,
         batch_size=1 if batch_size is None else batch_size,
@@ -216,8 +228,9 @@ def estimate(
 def zero_config(
     cfg: dict[str, Any] | ZeroConfig | None, framework: str, layout: Layout, offload_param: bool
 ) -> ZeroConfig | None:
-    """The DeepSpeed knobs of a job (None unless ``framework="deepspeed"``), checked."""
-    if framework != "deepspeed":
+    """The DeepSpeed knobs of a job (None unless DeepSpeed runs it: ``framework="deepspeed"``,
+    or ``transformers`` with ZeRO, the HF Trainer's DeepSpeed integration), checked."""
+    if engine(framework, layout) != "deepspeed":
         if cfg is not None or offload_param:
             raise ValueError(
                 f"deepspeed= and offload_param are DeepSpeed's knobs; framework is {framework!r}, "
@@ -244,7 +257,7 @@ def zero_config(
 def with_host_bytes(bill: Bill, gpu: GPU) -> Bill:
     """The bill with DeepSpeed offload's pinned host memory per node (``deepspeed.host_bytes``)."""
     tr, lay = bill.training, bill.layout
-    if bill.framework != "deepspeed" or tr.deepspeed is None or lay.stage < 1:
+    if engine(bill.framework, lay) != "deepspeed" or tr.deepspeed is None or lay.stage < 1:
         return bill
     trainable = bill.n_params / (lay.tp * lay.pp)  # full training (LoRA offloads little)
     host = host_bytes(

@@ -23,13 +23,24 @@ framework     conventions (sources in docs/estimator.md)
               (a layer) unsharded, the next one prefetched, one group's gradients unsharded before
               their reduce-scatter. Context parallelism: all-gather of K and V (torchtitan's
               default rotate method).
+``transformers`` ``Trainer``'s loop (below); buffers of the engine the layout implies.
 ``torch``     plain DDP: ``gradient_as_bucket_view=False`` (the default) keeps a flat bucket
               buffer beside ``.grad`` for every gradient (one gradient-size copy) when more than
               one data-parallel rank reduces. Context parallelism as fsdp2.
 ============  =====================================================================================
 
-The default follows the layout: ``fsdp`` set → ``fsdp2``; ``zero >= 1`` → ``deepspeed``; otherwise
-``torch``.
+A framework is also a *recipe*: how its training loop computes the loss and what it holds while
+backward runs. ``transformers`` (the default for a ``config.json`` model) is the loop ``Trainer``
+runs, ``loss = model(**batch, labels=labels).loss``: the model computes the loss inside forward
+(``ForCausalLMLoss`` in ``transformers/loss/loss_utils.py`` upcasts the logits with
+``logits.float()`` before ``cross_entropy``, so the log-probabilities are fp32 whatever the
+model's dtype) and ``Trainer.compute_loss`` returns only the loss, so no logits live through
+backward. Its buffers are those of the engine ``Trainer`` hands the layout to (accelerate: DDP,
+FSDP2 or DeepSpeed): ``engine()``. The other frameworks' default loop holds the logits
+(``logits = model(x)`` lives through backward); ``keep_logits=`` overrides either.
+
+The default follows the model and the layout: a ``config.json`` model → ``transformers``; else
+``fsdp`` set → ``fsdp2``; ``zero >= 1`` → ``deepspeed``; otherwise ``torch``.
 """
 
 from __future__ import annotations
@@ -37,13 +48,14 @@ from __future__ import annotations
 from gpumem.estimator import deepspeed
 from gpumem.estimator.layout import Layout
 
-FRAMEWORKS = ("megatron", "deepspeed", "fsdp2", "torch")
+FRAMEWORKS = ("transformers", "megatron", "deepspeed", "fsdp2", "torch")
 # what each framework accepts, in the words of the error message
 _ALLOWED = {
     "megatron": "zero 0 or 1 (1 = the distributed optimizer), no fsdp",
     "deepspeed": "zero 0-3, no fsdp",
     "fsdp2": "fsdp='full' or 'hybrid' (zero 0)",
     "torch": "zero 0, no fsdp (plain DDP)",
+    "transformers": "any layout (DDP, FSDP or DeepSpeed ZeRO under accelerate)",
 }
 
 
@@ -54,18 +66,47 @@ def default_framework(layout: Layout) -> str:
     return "deepspeed" if layout.zero >= 1 else "torch"
 
 
-def resolve_framework(framework: str | None, layout: Layout) -> str:
-    """``framework`` checked against ``layout`` (None: the layout's default).
+def engine(framework: str, layout: Layout) -> str:
+    """Whose communication buffers a framework's job keeps: ``transformers`` hands the layout to
+    DDP, FSDP2 or DeepSpeed (``default_framework``); the others are their own engine."""
+    return default_framework(layout) if framework == "transformers" else framework
+
+
+def default_keep_logits(framework: str) -> bool:
+    """Whether the framework's loop holds the logits through backward: not ``transformers``
+    (``Trainer`` keeps only the loss); the generic loop ``logits = model(x)`` does."""
+    return framework != "transformers"
+
+
+def upcasts_logits(framework: str) -> bool:
+    """The loss runs on an fp32 copy of 16-bit logits (transformers' ``logits.float()``)."""
+    return framework == "transformers"
+
+
+def loss_convention(framework: str, keep_logits: bool) -> str:
+    """One line for the bill's header: where the loss runs and what lives through backward."""
+    where = (
+        "inside the model (model(**batch, labels=).loss), fp32 log-softmax"
+        if framework == "transformers"
+        else "outside the model (loss_fn(model(x)))"
+    )
+    return f"{where}, logits {'held' if keep_logits else 'not held'} through backward"
+
+
+def resolve_framework(framework: str | None, layout: Layout, hf: bool = False) -> str:
+    """``framework`` checked against ``layout`` (None: ``transformers`` for a config.json model
+    (``hf``), else the layout's default).
 
     Raises:
         ValueError: an unknown framework, or a layout it cannot run, naming what it accepts.
     """
     if framework is None:
-        return default_framework(layout)
+        return "transformers" if hf else default_framework(layout)
     if not isinstance(framework, str) or framework.strip().lower() not in FRAMEWORKS:
         raise ValueError(
             f"unknown framework {framework!r}; choose one of {', '.join(FRAMEWORKS)} "
-            "(default: fsdp2 when fsdp is set, deepspeed when zero >= 1, else torch)"
+            "(default: transformers for a config.json model; else fsdp2 when fsdp is set, "
+            "deepspeed when zero >= 1, else torch)"
         )
     fw = framework.strip().lower()
     ok = {
@@ -73,6 +114,7 @@ def resolve_framework(framework: str | None, layout: Layout) -> str:
         "deepspeed": not layout.fsdp,
         "fsdp2": bool(layout.fsdp),
         "torch": layout.zero == 0 and not layout.fsdp,
+        "transformers": True,
     }[fw]
     if not ok:
         got = f"fsdp={layout.fsdp!r}" if layout.fsdp else f"zero={layout.zero}"
@@ -119,6 +161,7 @@ def communication_bytes(
     """
     stage = layout.stage
     replicas = layout.dp * layout.cp
+    framework = engine(framework, layout)
     if framework == "deepspeed":
         return deepspeed.gpu_buffers(
             zero or deepspeed.ZeroConfig(),

@@ -96,7 +96,8 @@ def head_items(spec: ModelSpec, w: Workload) -> list[Item]:
     n_sp = w.tokens // w.tp if w.sp else w.tokens
     rest = [i for i in items if not i.name.startswith("final_norm.")]
     if spec.logit_softcap:  # logits = tanh(logits / cap) * cap: tanh saves its output
-        rest += [Item("logits.softcap_tanh", i.nbytes) for i in rest if i.name == "logits"]
+        logit_bytes = w.compute if (w.autocast or w.compute == w.residual) else w.residual
+        rest.append(Item("logits.softcap_tanh", w.tokens * (spec.vocab // w.tp) * logit_bytes))
     return _norm(spec, w, "final_norm", n_sp, spec.hidden, w.residual) + rest
 
 

@@ -27,7 +27,7 @@ DEFAULT_GRAD_ACCUM = 1
 DEFAULT_RECOMPUTE = "none"
 DEFAULT_PRECISION = "bf16-mixed"
 DEFAULT_OPTIMIZER = "adamw"
-SHOWN = ("seq_len", "batch_size", "grad_accum", "recompute", "precision", "optimizer")
+SHOWN = ("seq_len", "batch_size", "grad_accum", "recompute", "precision", "optimizer", "loss")
 LABELS = {
     "seq_len": "seq_len",
     "batch_size": "micro-batch",
@@ -35,6 +35,7 @@ LABELS = {
     "recompute": "recompute",
     "precision": "precision",
     "optimizer": "optimizer",
+    "loss": "loss",
 }
 CONTEXT = "default: the model's context"
 

@@ -14,7 +14,13 @@ from gpumem.estimator import activations as act
 from gpumem.estimator import backward as bwd
 from gpumem.estimator import hf_ops, inputs, peak
 from gpumem.estimator.bill import Bill, make_bill
-from gpumem.estimator.frameworks import cp_exchange_bytes, default_fused_ops
+from gpumem.estimator.frameworks import (
+    cp_exchange_bytes,
+    default_fused_ops,
+    default_keep_logits,
+    loss_convention,
+    upcasts_logits,
+)
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.specs import ModelSpec, ParamGroups, param_groups
@@ -53,7 +59,7 @@ class PresetTerms:
     dropout: float = 0.0
     activation_model: str = "ops"
     device: str = "cuda"
-    keep_logits: bool = True
+    keep_logits: bool | None = None  # None: the framework's loop (frameworks.default_keep_logits)
     framework: str = "torch"
     moe_imbalance: float = MOE_IMBALANCE
     moe_dispatcher: str = "alltoall"
@@ -65,6 +71,13 @@ class PresetTerms:
         """The fused kernels (default: the framework's, ``frameworks.default_fused_ops``)."""
         ops = default_fused_ops(self.framework) if self.fused_ops is None else self.fused_ops
         return frozenset(ops)
+
+    @property
+    def holds_logits(self) -> bool:
+        """The loop holds the logits through backward (given, or the framework's loop)."""
+        if self.keep_logits is None:
+            return default_keep_logits(self.framework)
+        return self.keep_logits
 
     @property
     def param_groups(self) -> ParamGroups:
@@ -113,7 +126,8 @@ class PresetTerms:
             cuda=self.cuda,
             tp=layout.tp,
             sp=layout.sp,
-            keep_logits=self.keep_logits,
+            keep_logits=self.holds_logits,
+            upcast_logits=upcasts_logits(self.framework),
             cp=layout.cp,
             dense=dense,
             ep=layout.ep,
@@ -448,7 +462,7 @@ def estimate_preset(
     dropout: float,
     activation_model: str,
     device: str,
-    keep_logits: bool,
+    keep_logits: bool | None,
     persistent_grads: bool | None,
     framework: str,
     moe_imbalance: float = MOE_IMBALANCE,
@@ -504,6 +518,7 @@ def estimate_preset(
             "precision": training.precision,
             "optimizer": training.optimizer,
             "framework": framework,
+            "loss": loss_convention(framework, terms.holds_logits),
             "fused_ops": tuple(sorted(terms.fused)),
             **(
                 {"moe_imbalance": moe_imbalance, "moe_dispatcher": moe_dispatcher}
@@ -511,13 +526,18 @@ def estimate_preset(
                 else {}
             ),
         },
-        sources=inputs.sources(
-            seq_source=seq_source,
-            batch_size=batch_size,
-            grad_accum=grad_accum,
-            recompute=recompute,
-            training=training,
-        ),
+        sources={
+            **inputs.sources(
+                seq_source=seq_source,
+                batch_size=batch_size,
+                grad_accum=grad_accum,
+                recompute=recompute,
+                training=training,
+            ),
+            "loss": "keep_logits given"
+            if keep_logits is not None
+            else f"default: the {framework} loop",
+        },
         items=terms.layer_items(layout, batch_size),
     )
 

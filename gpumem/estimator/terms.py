@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 from gpumem.estimator import deepspeed, peak
-from gpumem.estimator.frameworks import communication_bytes
+from gpumem.estimator.frameworks import communication_bytes, engine
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.states import ParamMix, Training
@@ -117,14 +117,14 @@ def job_terms(
         zero=tr.deepspeed,
     )
     x[peak.COMM], x[peak.GATHER] = steady, gathered + layer_comm
-    if framework == "deepspeed" and layout.stage >= 1:
-        deepspeed_states(x, tr, trainable / opt_shard, mix)
     x[peak.G_PERSIST] = 1.0 if persist else 0.0
     if cuda:
         x[peak.CONTEXT] = gpu.context_bytes
         x[peak.NCCL] = gpu.nccl_bytes if layout.n_gpus > 1 else 0
         x[peak.FRAG] = gpu.fragmentation
     x[peak.OFFLOAD] = 1.0 if tr.offload_optimizer else 0.0
+    if engine(framework, layout) == "deepspeed" and layout.stage >= 1:
+        deepspeed_states(x, tr, trainable / opt_shard, mix)
 
 
 def muon_gather_bytes(tr: Training, mix: ParamMix | None) -> float:
@@ -155,11 +155,12 @@ def deepspeed_states(x: list[float], tr: Training, shard: float, mix: ParamMix |
     if stage == 1:
         freed = (shard * x[peak.N_SHARD] - shard) * x[peak.G_BYTES]
         x[peak.T_STEP] = max(0.0, x[peak.T_STEP] - freed)
-    if tr.offload_optimizer:
+    if tr.offload_optimizer or zero.offload_optimizer == "cpu":
+        x[peak.OFFLOAD] = 1.0
         x[peak.T_STEP] = 0.0
         if stage >= 2:  # ZeRO-1 keeps every 16-bit .grad until the boundary, offload or not
             x[peak.G_BYTES] = 0.0
-    if tr.offload_param and stage >= 3:
+    if (tr.offload_param or zero.offload_param == "cpu") and stage >= 3:
         x[peak.W_BYTES] = x[peak.W_FROZEN_BYTES] = 0.0
 
 

@@ -41,7 +41,7 @@ from gpumem.estimator import peak
 from gpumem.estimator.api import estimate
 from gpumem.estimator.bill import Bill
 from gpumem.estimator.deepspeed import ZeroConfig
-from gpumem.estimator.frameworks import default_grads, resolve_framework
+from gpumem.estimator.frameworks import default_grads, engine, resolve_framework
 from gpumem.estimator.gpus import GPU, find_gpu
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.preset import PresetTerms
@@ -180,7 +180,8 @@ class PlanResult:
         if c is None:
             raise ValueError(f"no layout of {self.model.name} fits {self.n_gpus} x {self.gpu.name}")
         kw = dict(self.kwargs)
-        if resolve_framework(kw.get("framework"), c.layout) != "deepspeed":
+        fw = resolve_framework(kw.get("framework"), c.layout, hf=self.model.is_hf)
+        if engine(fw, c.layout) != "deepspeed":
             kw.pop("deepspeed", None)  # DeepSpeed's knobs apply to its layouts only
         return estimate(
             self.model,
@@ -332,7 +333,7 @@ def plan(
                 fw, Training(precision).master_bytes > 0
             )
             zero = None
-            if fw == "deepspeed":
+            if fw in ("deepspeed", "transformers"):  # the Trainer runs ZeRO through DeepSpeed
                 zero = ZeroConfig.from_dict(estimate_kwargs.get("deepspeed"))
                 if zero.offload_param == "cpu":
                     raise ValueError("plan searches ZeRO stages; offload_param is ZeRO-3 only")
@@ -340,8 +341,7 @@ def plan(
                 precision,
                 optimizer,
                 grads,
-                estimate_kwargs.get("offload_optimizer", False)
-                or (zero is not None and zero.offload_optimizer == "cpu"),
+                estimate_kwargs.get("offload_optimizer", False),
                 estimate_kwargs.get("lora_rank", 0),
                 estimate_kwargs.get("base_quant"),
                 deepspeed=zero,
@@ -349,7 +349,7 @@ def plan(
             jobs[fw] = PresetTerms(spec, training, g, seq, framework=fw, **job_kw)
         return jobs[fw]
 
-    training = job_for(resolve_framework(framework, Layout())).training
+    training = job_for(resolve_framework(framework, Layout(), hf=spec.is_hf)).training
     shown = {
         "seq_len": (seq, seq_source),
         "global_batch": (gb, "given" if global_batch else "default: max(GPUs, 256)"),
@@ -392,7 +392,7 @@ def plan(
                 continue
             try:
                 lay = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=z, sp=sp, cp=cp)
-                fw = resolve_framework(framework, lay)
+                fw = resolve_framework(framework, lay, hf=spec.is_hf)
             except ValueError:
                 continue
             if lay.errors(spec, seq_len=seq):

@@ -261,3 +261,55 @@ def test_a_symlinked_data_file_or_plain_metadata_is_refused(run, tmp_path):
     meta.symlink_to(tmp_path / "outside.metadata")
     with pytest.raises(CheckpointCorruptError, match="symbolic link"):
         read_metadata(plain)
+
+
+class _Command:
+    """Pickles as a call of os.system: what a hostile DCP byte item holds."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_byte_items_that_load_classes_are_named_and_not_imported_untrusted(tmp_path, capsys):
+    """Issue #25, finding 5: a plain DCP directory whose byte item is a pickle that loads a class
+    (here os.system) passes every structural check; ``dcp.load`` through gpumem's reader would
+    unpickle it after import. verify names it, import refuses it and writes nothing unless
+    --trust-pickle; plain-data byte items (a learning rate) still import."""
+    from gpumem.checkpoint.interop.dcp_plain import PickledItemsError, import_plain
+
+    marker = tmp_path / "pwned"
+    plain = tmp_path / "plain"
+    state = {"w": torch.arange(4.0), "lr": 0.5, "hook": _Command(marker)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(plain), no_dist=True)
+    report = verify_plain(plain)
+    assert report.bytes_items == 2 and report.pickled == {"hook": "posix.system"}
+    assert main(["ckpt", "verify", str(plain)]) == 0
+    out = capsys.readouterr().out
+    assert "WARNING  1 byte item(s) ('hook' loads posix.system)" in out
+    dest = tmp_path / "imported"
+    assert main(["ckpt", "import", str(plain), str(dest)]) == 1
+    err = capsys.readouterr()
+    said = err.out + err.err
+    assert "'hook' loads posix.system" in said and "--trust-pickle" in said
+    assert not dest.exists() or not any(dest.iterdir())
+    with pytest.raises(PickledItemsError, match="nothing was imported"):
+        import_plain(plain, dest)
+    assert not marker.exists()
+    # the same directory without the hostile item imports, its learning rate carried
+    dcp.save(
+        {"w": torch.arange(4.0), "lr": 0.5},
+        storage_writer=dcp.FileSystemWriter(tmp_path / "benign"),
+        no_dist=True,
+    )
+    assert main(["ckpt", "import", str(tmp_path / "benign"), str(dest)]) == 0
+    loaded = {"w": torch.zeros(4), "lr": 0.0}
+    dcp.load(loaded, storage_reader=gpumem.dcp.StorageReader(dest), no_dist=True)
+    assert loaded["lr"] == 0.5 and torch.equal(loaded["w"], torch.arange(4.0))
+    # trusted: imported as asked
+    assert main(["ckpt", "import", str(plain), str(tmp_path / "trusted"), "--trust-pickle"]) == 0
+    assert not marker.exists()

@@ -323,3 +323,27 @@ def test_knobs_from_cli_parse_ds_config_spellings(tmp_path):
     cfg.write_text("{not json")
     with pytest.raises(ValueError, match=r"--ds-config .*ds\.json"):
         knobs_from_cli(None, str(cfg))
+
+
+def test_hf_trainer_with_zero_takes_the_deepspeed_knobs():
+    """framework='transformers' (a config.json's default) with ZeRO runs DeepSpeed (the HF
+    Trainer's integration): its ds_config knobs and offload apply; without ZeRO they are an
+    error naming the framework to use."""
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 512,
+        "vocab_size": 1024,
+        "max_position_embeddings": 256,
+    }
+    ds = {"reduce_bucket_size": 10**6, "offload_optimizer": "cpu"}
+    b = gpumem.estimate(cfg, seq_len=128, layout=Layout(dp=4, zero=2), deepspeed=ds)
+    assert b.framework == "transformers"
+    assert b.per_gpu["communication"] == 10**6 * 2
+    assert b.model_states["optimizer"] == b.model_states["gradients"] == 0
+    assert b.host_bytes == b.n_params // 4 * (12 + 4 + 2) * 4
+    with pytest.raises(ValueError, match="use framework='deepspeed'"):
+        gpumem.estimate(cfg, seq_len=128, layout=Layout(dp=4), deepspeed=ds)

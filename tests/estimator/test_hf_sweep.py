@@ -23,6 +23,7 @@ from gpumem.estimator.accuracy import (
     PROFILER_CATEGORIES,
     HFCase,
     compare_hf,
+    estimate_hf_case,
     within_tolerance,
 )
 
@@ -85,3 +86,27 @@ def test_llama_family_config_no_longer_overestimates():
     estimate agree with the profile of the model it builds."""
     c = compare_hf(HFCase("llama", HF_SWEEP["llama"], "fp32", False, batch=2, seq=128))
     assert abs(c.error_pct) < 1.0
+
+
+TRAINER_CASES = [
+    ("llama", "bf16"),
+    ("qwen2-moe", "bf16-autocast"),
+    ("gemma2", "fp32"),
+    ("gpt2", "bf16"),
+]
+
+
+@pytest.mark.parametrize("case", TRAINER_CASES, ids=str)
+def test_trainer_loop_on_the_default_convention(case):
+    """Issue #19: a config.json defaults to transformers' own loss path as ``Trainer`` runs it
+    (``model(**batch, labels=).loss``: no logits held, fp32 log-softmax), measured for real on
+    the CPU at a vocabulary large enough for the logits to matter; the old default (logits held
+    by the loop, log-softmax in the logits' dtype) is several percent off on the same run."""
+    name, precision = case
+    cfg = {**HF_SWEEP[name], "vocab_size": 4096}
+    c = compare_hf(HFCase(name, cfg, precision, False, reference="real", loop="trainer"))
+    assert c.bill.framework == "transformers"
+    assert "not held" in c.bill.inputs["loss"]
+    assert abs(c.error_pct) < 1.0, c.error_pct
+    held = estimate_hf_case(HFCase(name, cfg, precision, False, loop="logits"))
+    assert abs(100 * (held.per_gpu["total"] - c.measured_peak) / c.measured_peak) > 3.0

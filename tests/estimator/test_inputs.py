@@ -20,11 +20,16 @@ def test_bill_states_its_inputs_and_their_sources():
         "recompute": {"value": "none", "source": "default"},
         "precision": {"value": "bf16-mixed", "source": "default"},
         "optimizer": {"value": "adamw", "source": "default"},
+        "loss": {
+            "value": "outside the model (loss_fn(model(x))), logits held through backward",
+            "source": "default: the torch loop",
+        },
     }
     assert bill.table().splitlines()[1] == (
         "inputs: seq_len 4096 (default: the model's context), micro-batch 2 (given), grad "
         "accumulation 1 (default), recompute none (default), precision bf16-mixed (default), "
-        "optimizer adamw (default)"
+        "optimizer adamw (default), loss outside the model (loss_fn(model(x))), logits held "
+        "through backward (default: the torch loop)"
     )
 
 

@@ -33,6 +33,41 @@ def test_default_framework_follows_the_layout():
         assert f"{fw} conventions" in b.table()
 
 
+LLAMA_CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+}
+
+
+def test_a_config_json_defaults_to_the_transformers_recipe():
+    """Issue #19: a config.json is trained by transformers' own loss path unless told otherwise:
+    no logits held through backward, fp32 log-softmax of 16-bit logits; its buffers are those
+    of the engine the layout implies (DeepSpeed's buckets at ZeRO-2, FSDP2's gathers)."""
+    b = _est(LLAMA_CONFIG, layout=Layout(dp=8, zero=2))
+    assert b.framework == "transformers" and "transformers conventions" in b.table()
+    assert b.inputs["loss"].startswith("inside the model") and "not held" in b.inputs["loss"]
+    ds = _est(LLAMA_CONFIG, layout=Layout(dp=8, zero=2), framework="deepspeed")
+    assert b.per_gpu["communication"] == ds.per_gpu["communication"] > 0
+    n, v = 8 * 1024, 32000  # tokens of the micro-batch, vocabulary
+    # without held logits, the torch loop's log-softmax is 16-bit (2 B); the Trainer's is fp32
+    # (4 B): +2 B per logit saved at the start of backward (where both peak)
+    torch_loop = _est(LLAMA_CONFIG, batch_size=8, framework="torch", keep_logits=False)
+    own = _est(LLAMA_CONFIG, batch_size=8)
+    assert own.phase == torch_loop.phase == "backward start"
+    assert own.per_gpu["activations"] - torch_loop.per_gpu["activations"] == n * v * (4 - 2)
+    # keep_logits stays available and says so
+    kept = _est(LLAMA_CONFIG, keep_logits=True)
+    assert kept.sources["loss"] == "keep_logits given" and "logits held" in kept.inputs["loss"]
+    # presets keep the generic loop
+    assert _est().framework == "torch" and "logits held" in _est().inputs["loss"]
+
+
 @pytest.mark.parametrize(
     "framework,layout,match",
     [
@@ -40,7 +75,7 @@ def test_default_framework_follows_the_layout():
         ("torch", Layout(dp=8, zero=1), "torch.*zero 0, no fsdp"),
         ("fsdp2", Layout(dp=8), "fsdp2.*fsdp='full' or 'hybrid'"),
         ("deepspeed", Layout(dp=8, fsdp="full"), "deepspeed.*no fsdp"),
-        ("jax", Layout(dp=8), "unknown framework 'jax'; choose one of megatron"),
+        ("jax", Layout(dp=8), "unknown framework 'jax'; choose one of transformers, megatron"),
     ],
 )
 def test_invalid_framework_combinations(framework, layout, match):

@@ -138,24 +138,90 @@ def tile(name: str, blocks: Sequence[B], *, copies: bool = True) -> tuple[list[B
                 f"global tensor {name!r} is {first.dtype} {gshape} on rank {first.rank} but "
                 f"{b.dtype} {b.box.global_shape} on rank {b.rank}"
             )
-    if _rows_tile(gshape, [b.box for b in out]):
+    for b in out:
+        box = b.box
+        if len(box.offsets) != len(gshape) or len(box.shape) != len(gshape):
+            raise TilingError(
+                f"global tensor {name!r}: rank {b.rank}'s block {box.text()} has "
+                f"{len(box.shape)} dimensions, the tensor {len(gshape)}"
+            )
+        if box.numel and any(
+            o < 0 or n < 0 or o + n > g
+            for o, n, g in zip(box.offsets, box.shape, gshape, strict=True)
+        ):
+            raise TilingError(
+                f"global tensor {name!r}: rank {b.rank}'s block {box.text()} lies outside it"
+            )
+    boxes = [b.box for b in out]
+    if _rows_tile(gshape, boxes) or covers_once(name, gshape, boxes):
         return out, shared
-    pair = overlaps([b.box for b in out])
+    total = sum(b.numel for b in boxes)
+    want = math.prod(gshape)
+    pair, complete = overlaps(boxes, budget=DIAGNOSIS_BUDGET)
     if pair is not None:
         a, b = out[pair[0]], out[pair[1]]
         raise TilingError(
             f"global tensor {name!r}: rank {a.rank}'s block {a.box.text()} overlaps rank "
             f"{b.rank}'s {b.box.text()}"
         )
-    total = sum(b.box.numel for b in out)
-    want = math.prod(gshape)
-    if total != want:
-        ranks = sorted({b.rank for b in out})
+    if total >= want:  # in bounds, not a tiling, not short: some blocks overlap
         raise TilingError(
-            f"the blocks of global tensor {name!r} (held by rank(s) {ranks}) cover {total} of "
-            f"its {want} elements (shape {gshape}): a rank's part is missing"
+            f"the blocks of global tensor {name!r} overlap: they hold {total} elements of its "
+            f"{want} (shape {gshape})"
         )
-    return out, shared
+    ranks = sorted({b.rank for b in out})
+    raise TilingError(
+        f"the blocks of global tensor {name!r} (held by rank(s) {ranks}) cover "
+        f"{'at most ' if not complete else ''}{total} of its {want} elements (shape {gshape}): "
+        "a rank's part is missing"
+    )
+
+
+MAX_CORNERS = 1 << 22
+"""Work cap of ``covers_once``: blocks x corners per block (2 ** dimensions the blocks split).
+Real layouts split one or two dimensions (FSDP rows, TP columns, DCP's chunk grids): 100,000
+blocks of a tensor cost 200,000 corners. A layout past the cap is refused, not checked slowly."""
+DIAGNOSIS_BUDGET = 250_000
+"""Box pairs ``overlaps`` compares, at most, to name the two blocks of a failed tiling."""
+
+
+def covers_once(name: str, gshape: tuple[int, ...], boxes: Sequence[Box]) -> bool:
+    """Whether ``boxes`` (each within ``gshape``) cover the tensor exactly once, in time linear
+    in the blocks.
+
+    The coverage count c(x) = number of boxes holding element x is the d-dimensional prefix
+    sum of the boxes' signed corners (a box [a, b) puts (-1)^|S| at the corner taking b on the
+    dimensions S and a on the others). So c is 1 on the tensor and 0 elsewhere exactly when the
+    boxes' corners, summed, equal the tensor's own corners: every other corner cancels. Only
+    dimensions some box splits matter (elsewhere every box spans the tensor).
+
+    Raises:
+        TilingError: more corners than ``MAX_CORNERS`` to add up.
+    """
+    live = [b for b in boxes if b.numel]
+    dims = [
+        d for d in range(len(gshape)) if any(b.offsets[d] or b.shape[d] != gshape[d] for b in live)
+    ]
+    if len(live) << len(dims) > MAX_CORNERS:
+        raise TilingError(
+            f"global tensor {name!r}: {len(live)} blocks splitting {len(dims)} dimensions are "
+            f"more than gpumem checks ({MAX_CORNERS} block corners); a checkpoint of FSDP, TP or "
+            "DCP chunks splits one or two"
+        )
+    if math.prod(gshape) == 0:
+        return not live
+    signs = [-1 if bin(m).count("1") % 2 else 1 for m in range(1 << len(dims))]
+    acc: dict[tuple[int, ...], int] = {}
+
+    def add(lo: tuple[int, ...], hi: tuple[int, ...], weight: int) -> None:
+        for m, sign in enumerate(signs):  # bit i of m: dimension dims[i] takes its upper end
+            corner = tuple(hi[i] if m >> i & 1 else lo[i] for i in range(len(dims)))
+            acc[corner] = acc.get(corner, 0) + weight * sign
+
+    add((0,) * len(dims), tuple(gshape[d] for d in dims), -1)  # minus the tensor's own corners
+    for b in live:
+        add(tuple(b.offsets[d] for d in dims), tuple(b.offsets[d] + b.shape[d] for d in dims), 1)
+    return not any(acc.values())
 
 
 def _rows_tile(gshape: tuple[int, ...], boxes: list[Box]) -> bool:
@@ -207,19 +273,30 @@ def linear(shape: tuple[int, ...], index: tuple[int, ...]) -> int:
     return out
 
 
-def overlaps(boxes: list[Box]) -> tuple[int, int] | None:
-    """The first pair of boxes (indices) that overlap, or None (sorted sweep on dimension 0)."""
-    order = sorted(range(len(boxes)), key=lambda i: boxes[i].offsets)
+def overlaps(boxes: list[Box], budget: int | None = None) -> tuple[tuple[int, int] | None, bool]:
+    """The first pair of boxes (indices) that overlap, or None; and whether the search was
+    complete (False: ``budget`` pairs compared without finding one). A sorted sweep on the
+    dimension with the most distinct offsets (where the blocks are split), dropping boxes that
+    end before the next begins."""
+    live = [i for i in range(len(boxes)) if boxes[i].numel]
+    if not live:
+        return None, True
+    ndim = len(boxes[live[0]].offsets)
+    if not ndim:  # 0-d boxes all cover the one element
+        return ((live[0], live[1]) if len(live) > 1 else None), True
+    d = max(range(ndim), key=lambda k: len({boxes[i].offsets[k] for i in live}))
+    order = sorted(live, key=lambda i: (boxes[i].offsets[d], boxes[i].offsets))
     active: list[int] = []
+    compared = 0
     for i in order:
         b = boxes[i]
-        if not b.numel:
-            continue
-        if b.offsets:  # 0-d boxes all cover the one element: they stay active
-            start = b.offsets[0]
-            active = [j for j in active if boxes[j].offsets[0] + boxes[j].shape[0] > start]
+        start = b.offsets[d]
+        active = [j for j in active if boxes[j].offsets[d] + boxes[j].shape[d] > start]
         for j in active:
+            compared += 1
             if intersect(boxes[j], b) is not None:
-                return j, i
+                return (j, i), True
+            if budget is not None and compared >= budget:
+                return None, False
         active.append(i)
-    return None
+    return None, True

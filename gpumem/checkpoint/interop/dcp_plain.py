@@ -37,7 +37,7 @@ from gpumem.reader import read_file
 
 from ..capture.boxes import Box, Planned, TilingError, tile
 from ..capture.codec import DTYPES
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, CheckpointStateError
 from ..restore.files import open_checkpoint
 from ..storage.safe_fs import Dir, describe, read_error
 
@@ -258,15 +258,43 @@ def read_tensor(path: Path, info: Any) -> torch.Tensor:
 
 def read_bytes_item(path: Path, info: Any) -> bytes:
     """A byte item's bytes, checked as a zip archive (every member's CRC-32), not unpickled."""
+    return _bytes_item(path, info)[0]
+
+
+def _bytes_item(path: Path, info: Any) -> tuple[bytes, str | None]:
+    """A byte item's bytes and what its pickle needs beyond plain data (None: only numbers,
+    strings, bytes, lists, tuples, dicts, sets: what DCP stores for a learning rate or a step
+    count; else the first class or storage it would load, which ``dcp.load`` would run)."""
     blob, where = _slice(path, info)
-    z, _ = _archive(blob, where)
+    z, prefix = _archive(blob, where)
     try:
         bad = z.testzip()
     except (zipfile.BadZipFile, OSError) as exc:
         raise CheckpointCorruptError(f"{where}: {exc}") from None
     if bad is not None:
         raise CheckpointCorruptError(f"{where}: zip member {bad} fails its CRC-32")
-    return blob
+    try:
+        _PlainDataUnpickler(io.BytesIO(z.read(f"{prefix}data.pkl"))).load()
+    except _NeedsCode as exc:
+        return blob, str(exc)
+    except (pickle.UnpicklingError, KeyError, EOFError, ValueError, TypeError) as exc:
+        raise CheckpointCorruptError(f"{where}: the pickled item does not load: {exc}") from None
+    return blob, None
+
+
+class _NeedsCode(Exception):
+    pass
+
+
+class _PlainDataUnpickler(pickle.Unpickler):
+    """Builds plain data only: any class, function or persistent id (a storage) is refused, so a
+    pickle that loads here runs no code when ``torch.load`` loads it either."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise _NeedsCode(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _NeedsCode("a tensor storage")
 
 
 @dataclasses.dataclass
@@ -275,6 +303,14 @@ class PlainReport:
     chunks: int = 0
     bytes_items: int = 0
     nbytes: int = 0
+    pickled: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Byte items whose pickles need more than plain data, and the first class each loads: DCP's
+    own planner ``torch.load``s byte items on ``dcp.load``, running that code."""
+
+
+class PickledItemsError(CheckpointStateError):
+    """A plain DCP directory holds byte items (pickles ``dcp.load`` would run) and the caller did
+    not say it trusts them."""
 
 
 def verify_plain(path: Path, trust_pickle: bool = False) -> PlainReport:
@@ -295,8 +331,11 @@ def verify_plain(path: Path, trust_pickle: bool = False) -> PlainReport:
                 raise CheckpointCorruptError(
                     f"{path}: byte item {fqn!r} has {len(entries)} records"
                 )
-            report.nbytes += len(read_bytes_item(path, entries[0][1]))
+            blob, needs = _bytes_item(path, entries[0][1])
+            report.nbytes += len(blob)
             report.bytes_items += 1
+            if needs is not None:
+                report.pickled[fqn] = needs
             continue
         if not isinstance(md, TensorStorageMetadata):
             raise CheckpointCorruptError(f"{path}: item {fqn!r} has unknown metadata")
@@ -320,6 +359,13 @@ def verify_plain(path: Path, trust_pickle: bool = False) -> PlainReport:
     return report
 
 
+def pickled_items(report: PlainReport, limit: int = 5) -> str:
+    """``2 byte item(s) ('a' loads os.system, 'b' loads ...)`` for messages."""
+    named = [f"{n!r} loads {c}" for n, c in list(report.pickled.items())[:limit]]
+    more = f" and {len(report.pickled) - limit} more" if len(report.pickled) > limit else ""
+    return f"{len(report.pickled)} byte item(s) ({', '.join(named)}{more})"
+
+
 def _check_tiling(path: Path, fqn: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
     """The chunks of ``fqn`` tile its shape exactly once (``boxes.tile``; no chunk twice)."""
     try:
@@ -340,6 +386,18 @@ def import_plain(
 
     ``dcp.load(..., storage_reader=gpumem.dcp.StorageReader(out))`` then loads it on any number
     of ranks, with every chunk verified; ``gpumem ckpt export`` reads its model weights.
+
+    Byte items are pickles that ``dcp.load`` unpickles (DCP's default load planner
+    ``torch.load``s each): those that build plain data only (numbers, strings, containers:
+    what a learning rate or a step count is) are proved so by an unpickler that admits no class
+    and carried as they are; one that loads a class or a storage would run its author's code
+    when loaded from the checksummed gpumem checkpoint, and is refused unless
+    ``trust_pickle=True`` (the same trust that reads ``.metadata`` with plain pickle).
+
+    Raises:
+        PickledItemsError: byte items that load classes, without ``trust_pickle``, naming them
+            and the class.
+        CheckpointCorruptError: the directory fails ``verify_plain``.
     """
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
@@ -347,7 +405,13 @@ def import_plain(
 
     src = Path(src)
     meta = read_metadata(src, trust_pickle)
-    verify_plain(src, trust_pickle)  # the whole directory checked before anything is written
+    report = verify_plain(src, trust_pickle)  # the whole directory checked before any write
+    if report.pickled and not trust_pickle:
+        raise PickledItemsError(
+            f"{src}: {pickled_items(report)} are pickles that load classes, which dcp.load "
+            "would run when it loads them; nothing was imported. Pass trust_pickle=True (gpumem "
+            "ckpt import --trust-pickle) only for a directory whose author you trust"
+        )
 
     def chunks():
         for index, info in meta.storage_data.items():
