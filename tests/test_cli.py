@@ -43,3 +43,32 @@ def test_python_dash_m_works():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("gpumem doctor")
+
+
+def test_estimate_takes_deepspeed_knobs(capsys, tmp_path):
+    """--ds-config reads a ds_config's zero_optimization; --deepspeed KEY=VALUE goes on top;
+    the JSON bill matches gpumem.estimate with the same knobs."""
+    import json
+
+    import gpumem
+
+    cfg = tmp_path / "ds_config.json"
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": 2e8}}))
+    args = ["estimate", "llama-2-7b", "--gpus", "8", "--zero", "3", "--seq-len", "512"]
+    extra = ["--ds-config", str(cfg), "--deepspeed", "offload_optimizer=cpu", "--offload-param"]
+    assert main([*args, *extra, "--optimizer", "muon", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    bill = gpumem.estimate(
+        "llama-2-7b",
+        seq_len=512,
+        optimizer="muon",
+        layout=gpumem.Layout(dp=8, zero=3),
+        deepspeed={"reduce_bucket_size": 200_000_000, "offload_optimizer": "cpu"},
+        offload_param=True,
+    )
+    assert out["per_gpu"] == bill.per_gpu
+    assert out["host_bytes_per_node"] == bill.host_bytes > 0
+    assert main([*args, "--deepspeed", "reduce_bucket_size"]) == 2
+    assert "--deepspeed takes KEY=VALUE" in capsys.readouterr().err
+    assert main(["estimate", "llama-2-7b", "--gpus", "8", "--zero", "2", "--offload-param"]) == 2
+    assert "offload_param needs ZeRO-3" in capsys.readouterr().err

@@ -30,7 +30,8 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--optimizer",
         default="adamw",
-        help="sgd, sgd-momentum, adam, adamw, adafactor, adam8bit (default adamw)",
+        help="sgd, sgd-momentum, adam, adamw, adafactor, adam8bit, muon (Muon for the hidden "
+        "matrices, AdamW for the rest) (default adamw)",
     )
     p.add_argument(
         "--grads",
@@ -52,6 +53,21 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the training loop holds the logits through backward (default: the framework's "
         "loop; transformers' Trainer does not, a plain loss_fn(model(x)) loop does)",
+    )
+    p.add_argument(
+        "--ds-config",
+        metavar="FILE",
+        type=_args.existing_path,
+        default=None,
+        help="a DeepSpeed ds_config.json: its zero_optimization buckets and offload",
+    )
+    p.add_argument(
+        "--deepspeed",
+        metavar="KEY=VALUE",
+        action="append",
+        default=None,
+        help="a DeepSpeed zero_optimization knob, e.g. reduce_bucket_size=2e8, "
+        "overlap_comm=true, stage3_max_live_parameters=1e9, offload_optimizer=cpu (repeatable)",
     )
     p.add_argument("--gpu", default="H100-80GB", help="catalog GPU (default H100-80GB)")
     p.add_argument(
@@ -130,6 +146,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention", default="sdpa", help="sdpa, flash, efficient, eager")
     p.add_argument("--activation-model", default="ops", choices=("ops", "korthikanti"))
     p.add_argument("--offload-optimizer", action="store_true", help="optimizer state in CPU memory")
+    p.add_argument(
+        "--offload-param",
+        action="store_true",
+        help="DeepSpeed ZeRO-3: 16-bit parameter partitions in CPU memory (needs --zero 3)",
+    )
     p.add_argument(
         "--inference", action="store_true", help="weights + KV cache instead of training"
     )
@@ -288,6 +309,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(bill.to_dict(), indent=2) if args.json else bill.table())
         return 0
     from gpumem.estimator import estimate
+    from gpumem.estimator.deepspeed import knobs_from_cli
 
     layout = layout_from_args(args)
     bill = estimate(
@@ -309,6 +331,8 @@ def run(args: argparse.Namespace) -> int:
         base_quant="nf4" if args.qlora else None,
         calibration=args.calibration,
         framework=args.framework,
+        deepspeed=knobs_from_cli(args.deepspeed, args.ds_config),
+        offload_param=args.offload_param,
         keep_logits=args.keep_logits,
         **({"moe_imbalance": args.moe_imbalance} if args.moe_imbalance is not None else {}),
         **megatron_kwargs(args),

@@ -116,6 +116,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.inference:
         return _inference(args)
+    from gpumem.estimator.deepspeed import knobs_from_cli
     from gpumem.planner import min_gpus, plan, realised, schedulers
 
     kw = {
@@ -130,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         "base_quant": "nf4" if args.qlora else None,
         "calibration": args.calibration,
         "framework": args.framework,
+        "deepspeed": knobs_from_cli(args.deepspeed, args.ds_config),
         "keep_logits": args.keep_logits,
     }
     with progress_bar("searching layouts", enabled=not args.json) as bar:

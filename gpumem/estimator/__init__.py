@@ -10,6 +10,7 @@ Modules, bottom up:
     specs              ``ModelSpec``: presets, config.json, exact parameter counts
     gpus               the GPU catalog and the reserve a job cannot use
     layout             ``Layout``: dp/tp/pp/ep/zero/fsdp/sp and their checks
+    deepspeed          DeepSpeed ZeRO's knobs, buffers, offload and published formulas
     states             bytes per parameter of weights, gradients and optimizer state
     frameworks         which framework's buffer conventions a bill follows, and their cost
     activations        what autograd saves, op by op

@@ -17,13 +17,20 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any
 
 from gpumem.calibrate.calibration import split_calibration
 from gpumem.calibrate.memory import apply_memory_calibration
 from gpumem.estimator.bill import Bill
-from gpumem.estimator.frameworks import default_grads, default_keep_logits, resolve_framework
+from gpumem.estimator.deepspeed import ZeroConfig, host_bytes
+from gpumem.estimator.frameworks import (
+    default_grads,
+    default_keep_logits,
+    engine,
+    resolve_framework,
+)
 from gpumem.estimator.gpus import GPU, find_gpu
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.megatron import MegatronKnobs, check_knobs
@@ -73,6 +80,8 @@ def estimate(
     pipeline_last_layers: int | None = None,
     pipeline_split_embedding: bool = False,
     pipeline_split_loss: bool = False,
+    deepspeed: dict[str, Any] | ZeroConfig | None = None,
+    offload_param: bool = False,
 ) -> Bill:
     """Estimate the per-GPU peak memory of training ``model``.
 
@@ -118,6 +127,18 @@ def estimate(
         fused_ops: which of ``norm``, ``swiglu``, ``rope``, ``ce`` run as fused kernels
             (Transformer Engine, Apex, Liger; default: the framework's, Megatron fuses the
             first three, the others none).
+        deepspeed: DeepSpeed's ``zero_optimization`` knobs (a ds_config dict, its
+            ``zero_optimization`` section, or a ``ZeroConfig``): ``reduce_bucket_size``,
+            ``allgather_bucket_size``, ``contiguous_gradients``, ``overlap_comm``,
+            ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``,
+            ``stage3_max_reuse_distance``, ``stage3_param_persistence_threshold``,
+            ``sub_group_size``, ``offload_optimizer`` / ``offload_param`` (``"cpu"`` or
+            ``{"device": "cpu"}``); DeepSpeed's defaults otherwise. Needs
+            DeepSpeed to run the job (``framework="deepspeed"``, the default for ``zero >= 1``,
+            or ``transformers`` with ``zero >= 1``); see
+            ``gpumem/estimator/deepspeed.py``. ``bill.host_bytes`` is then the pinned host memory
+            per node that offload needs.
+        offload_param: DeepSpeed ZeRO-3's ``offload_param`` to the CPU (also a ``deepspeed`` key).
         calibration: a ``gpumem.Calibration`` or the path of a calibration.json: the GPU gets
             the reserve measured there (``Calibration.apply_to``), and with a ``memory``
             section (``gpumem calibrate --memory``) its fitted coefficients scale the
@@ -177,8 +198,18 @@ def estimate(
     )
     if grads is None:
         grads = default_grads(fw, Training(precision).master_bytes > 0)
+    zero = zero_config(deepspeed, fw, layout, offload_param)
     training = Training(
-        precision, optimizer, grads, offload_optimizer, lora_rank, base_quant, foreach, fused
+        precision,
+        optimizer,
+        grads,
+        offload_optimizer or (zero is not None and zero.offload_optimizer == "cpu"),
+        lora_rank,
+        base_quant,
+        foreach,
+        fused,
+        offload_param=zero is not None and zero.offload_param == "cpu",
+        deepspeed=zero,
     )
     g = gpu if isinstance(gpu, GPU) else find_gpu(gpu, gpu_memory)
     cal, mem = split_calibration(calibration)
@@ -229,7 +260,54 @@ def estimate(
     )
     if mem is not None:
         bill = apply_memory_calibration(bill, mem)
-    return bill
+    return with_host_bytes(bill, g)
+
+
+def zero_config(
+    cfg: dict[str, Any] | ZeroConfig | None, framework: str, layout: Layout, offload_param: bool
+) -> ZeroConfig | None:
+    """The DeepSpeed knobs of a job (None unless DeepSpeed runs it: ``framework="deepspeed"``,
+    or ``transformers`` with ZeRO, the HF Trainer's DeepSpeed integration), checked."""
+    if engine(framework, layout) != "deepspeed":
+        if cfg is not None or offload_param:
+            raise ValueError(
+                f"deepspeed= and offload_param are DeepSpeed's knobs; framework is {framework!r}, "
+                "use framework='deepspeed'"
+            )
+        return None
+    zero = ZeroConfig.from_dict(cfg)
+    stage = ZeroConfig.stage_of(cfg)
+    if stage is not None and stage != layout.zero:
+        raise ValueError(
+            f"the ds_config's zero_optimization.stage is {stage} but the layout has "
+            f"zero={layout.zero}; give the same stage (--zero {stage})"
+        )
+    if offload_param:
+        zero = dataclasses.replace(zero, offload_param="cpu")
+    if zero.offload_param == "cpu" and layout.zero < 3:
+        raise ValueError(
+            f"offload_param needs ZeRO-3 (DeepSpeed partitions parameters only there); "
+            f"the layout has zero={layout.zero}"
+        )
+    return zero
+
+
+def with_host_bytes(bill: Bill, gpu: GPU) -> Bill:
+    """The bill with DeepSpeed offload's pinned host memory per node (``deepspeed.host_bytes``)."""
+    tr, lay = bill.training, bill.layout
+    if engine(bill.framework, lay) != "deepspeed" or tr.deepspeed is None or lay.stage < 1:
+        return bill
+    trainable = bill.n_params / (lay.tp * lay.pp)  # full training (LoRA offloads little)
+    host = host_bytes(
+        tr.deepspeed,
+        lay.stage,
+        trainable=trainable,
+        n_shard=lay.shard_degree(gpu.gpus_per_node),
+        gpus_per_node=min(gpu.gpus_per_node, lay.n_gpus),
+        state_bytes=tr.optimizer_bytes,
+        weight_bytes=tr.weight_bytes,
+    )
+    return dataclasses.replace(bill, host_bytes=host)
 
 
 def is_module(obj: Any) -> bool:

@@ -57,6 +57,8 @@ class Bill:
         pipeline_ranks: one Bill per pipeline rank (first to last); this bill is the worst of
             them and decides ``fits``. Without pipelining, the one rank's bill.
         items: the itemised activations of one layer (one micro-batch), for the table.
+        host_bytes: pinned host memory per node that DeepSpeed's offload needs (0 without;
+            ``deepspeed.host_bytes``; DeepSpeed's own estimator adds half again as headroom).
     """
 
     model: ModelSpec
@@ -83,6 +85,7 @@ class Bill:
     """Bytes of ``per_gpu["activations"]`` that are logits the loop holds, not saved by autograd."""
     input_bytes: int = 0
     """Bytes of ``per_gpu["activations"]`` that are the model's input (token ids)."""
+    host_bytes: int = 0
 
     def profiler_categories(self, categories: tuple[str, ...] | None = None) -> dict[str, int]:
         """The peak in ``gpumem.profile``'s categories, to compare with ``rep.at_peak``.
@@ -118,7 +121,8 @@ class Bill:
         """The public keys (what ``gpumem estimate --json`` prints): inputs (value and source
         of seq_len, batch_size, grad_accum, recompute, precision, optimizer), n_params,
         framework, per_gpu, fits, headroom_bytes, cluster_model_state_bytes, and per pipeline
-        rank its stage, per_gpu, fits and phase; with a memory calibration, its record."""
+        rank its stage, per_gpu, fits and phase; with a memory calibration, its record; with
+        DeepSpeed offload, host_bytes_per_node."""
         out: dict[str, Any] = {
             "inputs": job_inputs.as_json(self.inputs, self.sources),
             "n_params": self.n_params,
@@ -132,6 +136,8 @@ class Bill:
                 for r in self.pipeline_ranks
             ],
         }
+        if self.host_bytes:  # DeepSpeed offload's pinned host memory
+            out["host_bytes_per_node"] = self.host_bytes
         if self.calibration is not None:
             out["calibration"] = self.calibration
         return out
@@ -156,6 +162,8 @@ class Bill:
             f"{'fits' if self.fits else 'does NOT fit'}: headroom "
             f"{format_bytes(self.headroom_bytes)} of {format_bytes(self.gpu.total_bytes)}"
         )
+        if self.host_bytes:
+            verdict += f"; offload: {format_bytes(self.host_bytes)} pinned host memory per node"
         if markdown:
             lines = [
                 f"**{head}**",

@@ -17,10 +17,12 @@ framework     conventions (sources in docs/estimator.md)
               ``optim_grads_params``): everything sharded over ``dp · cp``, a layer gathered
               (and the next prefetched) with its unsharded fp32 gradient. Library workspaces,
               the loss inside forward, fp8 and the pipeline splits: ``megatron.py``.
-``deepspeed`` DeepSpeed ZeRO 0–3: ZeRO-1/2 keep ``reduce_bucket_size`` and
-              ``allgather_bucket_size`` (default 5e8 elements each) of gradient and parameter
-              buckets; ZeRO-3 gathers a layer, prefetches the next and reduce-scatters a layer's
-              gradients.
+``deepspeed`` DeepSpeed ZeRO 0–3 as its code allocates (``deepspeed.py``): the IPG bucket of
+              ``reduce_bucket_size`` (5e8) 16-bit elements (two with ``overlap_comm`` at
+              ZeRO-1/2), the in-place all-gather (no ``allgather_bucket_size`` buffer), ZeRO-2's
+              16-bit gradient partition only, the fp32 gradient partition in the step only;
+              ZeRO-3 gathers a module, prefetches ``stage3_prefetch_bucket_size`` and keeps what
+              is reused within ``stage3_max_reuse_distance``; offload to CPU.
 ``fsdp2``     PyTorch FSDP2 (``fully_shard``, ``reshard_after_forward=True``): one parameter group
               (a layer) unsharded, the next one prefetched, one group's gradients unsharded before
               their reduce-scatter. Context parallelism: all-gather of K and V (torchtitan's
@@ -47,10 +49,10 @@ The default follows the model and the layout: a ``config.json`` model → ``tran
 
 from __future__ import annotations
 
+from gpumem.estimator import deepspeed
 from gpumem.estimator.layout import Layout
 
 FRAMEWORKS = ("transformers", "megatron", "deepspeed", "fsdp2", "torch")
-DEEPSPEED_BUCKET = 500_000_000  # reduce_bucket_size / allgather_bucket_size default (elements)
 # what each framework accepts, in the words of the error message
 _ALLOWED = {
     "megatron": "zero 0, 1 (the distributed optimizer) or 3 (Megatron-FSDP), no fsdp",
@@ -148,6 +150,7 @@ def communication_bytes(
     layer_params: float,
     weight_bytes: float,
     grad_bytes: float,
+    zero: deepspeed.ZeroConfig | None = None,
 ) -> tuple[float, float]:
     """(steady, gathered) communication buffers of one rank, in bytes.
 
@@ -158,14 +161,22 @@ def communication_bytes(
     Args:
         trainable: trainable parameters on this rank before sharding.
         layer_params: parameters of one layer on this rank before sharding.
+        zero: DeepSpeed's knobs (default: its defaults).
     """
     stage = layout.stage
     replicas = layout.dp * layout.cp
     framework = engine(framework, layout)
-    if framework in ("deepspeed", "fsdp2", "megatron") and stage >= 3:
+    if framework == "deepspeed":
+        return deepspeed.gpu_buffers(
+            zero or deepspeed.ZeroConfig(),
+            stage,
+            trainable=trainable,
+            layer_params=layer_params,
+            weight_bytes=weight_bytes,
+            grad_bytes=grad_bytes,
+        )
+    if framework in ("fsdp2", "megatron") and stage >= 3:
         return 0.0, layer_params * (2 * weight_bytes + grad_bytes)
-    if framework == "deepspeed" and stage in (1, 2):
-        return min(DEEPSPEED_BUCKET, trainable) * (grad_bytes + weight_bytes), 0.0
     if framework == "torch" and replicas > 1:
         return trainable * grad_bytes, 0.0
     return 0.0, 0.0

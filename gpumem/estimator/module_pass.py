@@ -34,7 +34,7 @@ from gpumem.estimator.module_structure import (
     find_blocks,
     step_scratch,
 )
-from gpumem.estimator.states import Training
+from gpumem.estimator.states import Training, param_mix
 from gpumem.estimator.terms import grads_persist, inflight, job_terms, split_layers
 
 _CUDA_BLOCK = 512  # the caching allocator's granularity, as the profiler counts CUDA storages
@@ -251,6 +251,25 @@ def measure(
     return _spec(module, training, blocks, order, io, saved, held, rep)
 
 
+def _muon_split(module, in_block) -> list[tuple[tuple[int, ...], bool]]:
+    """(shape, is a hidden matrix) of every trainable parameter, tied ones once: the matrices
+    of the repeated blocks are hidden (Muon's standard split); without blocks, every 2-D
+    parameter but an embedding's."""
+    seen: set[int] = set()
+    out = []
+    for mod_name, mod in module.named_modules():
+        for p in mod.parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            if in_block is not None:
+                hidden = in_block(mod_name)
+            else:
+                hidden = not isinstance(mod, torch.nn.Embedding)
+            out.append((tuple(p.shape), hidden))
+    return out
+
+
 def _spec(module, training, blocks, order, io, saved, held, rep) -> ModuleSpec:
     """Turn the two passes into a ModuleSpec (see ``module_estimate.py`` for the mapping)."""
     block_pos = [order[b] for b in blocks if b in order]
@@ -302,6 +321,7 @@ def _spec(module, training, blocks, order, io, saved, held, rep) -> ModuleSpec:
         block_params=largest,
         tp_split={r: (1.0 - s[1] / s[0]) if s[0] else 1.0 for r, s in saved.items()},
     )
+    spec.mix = param_mix(_muon_split(module, in_block if blocks else None))
     total = [sum(s[k] for s in saved.values()) for k in (0, 1)]
     spec.tp_split["all"] = 1.0 - total[1] / total[0] if total[0] else 1.0
     if g == 0:  # no parameter gradient yet: the start of backward (or the forward)
@@ -376,6 +396,7 @@ def module_terms(
             scratch=ms.scratch / t,
             persist=persist,
             framework=framework,
+            mix=ms.mix,
         )
         out.append(x)
     return out

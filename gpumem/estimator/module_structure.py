@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpumem.estimator.states import ParamMix
+
 PRE, BLOCK, POST = "pre", "block", "post"
 
 
@@ -65,6 +67,7 @@ class ModuleSpec:
     residual_elems: int = 0
     tied_pre_post: int = 0  # trainable elements shared by pre and post (tied embeddings)
     block_params: int = 0  # one block's parameters (ZeRO-3/FSDP gathers one at a time)
+    mix: ParamMix = field(default_factory=ParamMix)  # matrices vs the rest (Muon, Adafactor)
 
     @property
     def n_blocks(self) -> int:

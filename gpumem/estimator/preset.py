@@ -24,7 +24,7 @@ from gpumem.estimator.frameworks import (
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.specs import ModelSpec, ParamGroups, param_groups
-from gpumem.estimator.states import Training
+from gpumem.estimator.states import ParamMix, Training, ns_width
 from gpumem.estimator.terms import (
     cluster_states,
     grads_persist,
@@ -340,6 +340,7 @@ class PresetTerms:
                 persist=persist,
                 framework=self.framework,
                 layer_comm=max(acts["dense"][10], acts["moe"][10] if n_moe else 0.0),
+                mix=preset_mix(spec, pg),
             )
             out.append(x)
         return out
@@ -593,3 +594,24 @@ def estimate_preset(
         },
         items=terms.layer_items(layout, batch_size),
     )
+
+
+def preset_mix(spec: ModelSpec, pg: ParamGroups) -> ParamMix:
+    """Matrices vs the rest of a described model (Muon's and Adafactor's split): the layers'
+    tensor-parallel and expert parameters are the hidden matrices (their few biases included),
+    embeddings and an untied head are matrices too; Adafactor's factored vectors approximated as
+    rows + columns of the layers' seven (llama) or four (gpt2) matrices and of the vocabulary
+    matrices."""
+    total = pg.total or 1
+    hidden = (pg.n_layers - pg.n_dense) * (pg.layer_tp + pg.layer_expert) + pg.n_dense * pg.dense_tp
+    vocab_mats = (pg.embed_tp > 0) + (pg.head_tp > 0)
+    mats = hidden + pg.embed_tp + pg.head_tp
+    per_layer = 7 if spec.arch == "llama" else 4
+    factored = pg.n_layers * per_layer * (spec.hidden + spec.ffn) + vocab_mats * (
+        spec.vocab + spec.hidden
+    )
+    h, q, kv = spec.hidden, spec.n_heads * spec.dhead, spec.kv_heads * spec.dhead
+    cands = [(q, h), (kv, h), (h, q), (spec.dense_layer_ffn, h), (h, spec.dense_layer_ffn)]
+    if spec.is_moe:
+        cands += [(spec.moe_ffn, h), (h, spec.moe_ffn)]
+    return ParamMix(hidden / total, mats / total, factored / total, max(cands, key=ns_width))

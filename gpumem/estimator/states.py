@@ -12,6 +12,10 @@ grads                what is kept                                           sour
 ``"compute+fp32"``   16-bit grads and an fp32 copy (6 B): 2Ψ + 18Ψ/N        DeepSpeed ZeRO-2
 ===================  =====================================================  ==============
 
+``"compute+fp32"`` holds DeepSpeed's fp32 gradient partition throughout (as its published
+formula does); under ``framework="deepspeed"`` the default ``"compute"`` follows its code, which
+makes that partition in the optimizer step only (``deepspeed.py``).
+
 Example:
     >>> t = Training(precision="bf16-mixed", optimizer="adamw")
     >>> t.weight_bytes, t.grad_bytes, t.optimizer_bytes     # 2 + 2 + 12 = 16 B/param
@@ -21,6 +25,8 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from gpumem.estimator.deepspeed import ZeroConfig
 
 PRECISIONS = {
     # name: (weight bytes, compute bytes, master fp32 copy, autocast, state bytes)
@@ -41,14 +47,28 @@ _PRECISION_ALIASES = {
     "bfloat16": "bf16",
 }
 
-# optimizer: number of fp32-sized state tensors per parameter (state dtype scales them)
-OPTIMIZERS = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2, "adafactor": -1, "adam8bit": -2}
+# optimizer: state tensors per parameter in the state dtype (negative: see optimizer_bytes_for)
+OPTIMIZERS = {
+    "sgd": 0,
+    "sgd-momentum": 1,
+    "adam": 2,
+    "adamw": 2,
+    "adafactor": -1,
+    "adam8bit": -2,
+    "muon": -3,
+}
+# bitsandbytes' blockwise 8-bit optimizers: one fp32 absmax per block of this many values
+# (bitsandbytes.optim.optimizer.Optimizer8bit: ``block_wise=True``, blocksize 256 since 0.45,
+# 2048 before; gpumem follows the current release)
+BNB_BLOCK = 256
 _OPTIMIZER_ALIASES = {
     "momentum": "sgd-momentum",
     "adam-8bit": "adam8bit",
     "adamw8bit": "adam8bit",
     "8bit-adam": "adam8bit",
     "adamw-8bit": "adam8bit",
+    "paged-adamw8bit": "adam8bit",  # paged: the same bytes, in CUDA unified memory
+    "paged-adam8bit": "adam8bit",
 }
 GRADS = ("compute", "fp32", "compute+fp32")
 FP8_PRECISIONS = {
@@ -81,6 +101,56 @@ def split_fp8_precision(precision: str, recipe: str | None) -> tuple[str, str | 
     return "bf16-mixed", named
 
 
+@dataclass(frozen=True)
+class ParamMix:
+    """How the trainable parameters split, for optimizers that treat matrices differently.
+
+    Attributes:
+        hidden: share of the parameters in 2-D hidden matrices (the blocks' weight matrices:
+            what Muon orthogonalises; embeddings, head, norms and biases go to AdamW).
+        matrices: share in any parameter of 2 or more dimensions (Adafactor factors them).
+        factored: Adafactor's row + column elements of those matrices, per parameter.
+        largest: (rows, cols) of the hidden matrix with the widest Newton–Schulz workspace
+            ((0, 0): unknown, taken square from the per-tensor step scratch).
+        pair: the most elements of two consecutive parameters (registration order): what a
+            per-tensor Adafactor step holds at once (0: unknown).
+    """
+
+    hidden: float = 1.0
+    matrices: float = 1.0
+    factored: float = 0.0
+    largest: tuple[int, int] = (0, 0)
+    pair: int = 0
+
+
+def param_mix(shapes: list[tuple[tuple[int, ...], bool]]) -> ParamMix:
+    """The ParamMix of parameters given as (shape, is a hidden matrix) pairs."""
+    total = sum(_numel(s) for s, _ in shapes) or 1
+    hidden = sum(_numel(s) for s, h in shapes if h and len(s) == 2)
+    mats = [s for s, _ in shapes if len(s) >= 2]
+    # torch.optim.Adafactor: row_var = shape[:-1] + (1,), col_var = shape[:-2] + (1, shape[-1])
+    fact = sum(_numel(s[:-1]) + _numel(s[:-2]) * s[-1] for s in mats)
+    hid = [(s[0], s[1]) for s, h in shapes if h and len(s) == 2]
+    largest = max(hid, key=ns_width, default=(0, 0))
+    sizes = [_numel(s) for s, _ in shapes]
+    pair = max((a + b for a, b in zip([0, *sizes], sizes, strict=False)), default=0)
+    matrices = sum(_numel(s) for s in mats) / total
+    return ParamMix(hidden / total, matrices, fact / total, largest, pair)
+
+
+def ns_width(shape: tuple[int, int]) -> int:
+    """Newton–Schulz's bf16 elements for a matrix (see ``Training.muon_step_bytes``): 2rc + 2r²."""
+    r, c = min(shape), max(shape)
+    return 2 * r * c + 2 * r * r
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def _pick(value: str, table: dict, aliases: dict, what: str) -> str:
     key = str(value).strip().lower()
     key = aliases.get(key, key)
@@ -96,9 +166,13 @@ class Training:
     Attributes:
         precision: fp32, bf16-mixed / fp16-mixed (16-bit params + fp32 master),
             bf16-autocast (fp32 params under torch.autocast), bf16 (pure).
-        optimizer: sgd, sgd-momentum, adam, adamw, adafactor, adam8bit.
+        optimizer: sgd, sgd-momentum, adam, adamw, adafactor, adam8bit, muon (see
+            ``optimizer_bytes_for``).
         grads: "compute", "fp32" (Megatron) or "compute+fp32" (DeepSpeed); see module doc.
         offload_optimizer: optimizer state (and master weights) live in CPU memory.
+        offload_param: DeepSpeed ZeRO-3 keeps the 16-bit parameter partitions in CPU memory.
+        deepspeed: DeepSpeed's ``zero_optimization`` knobs (``deepspeed.ZeroConfig``), used
+            under ``framework="deepspeed"``.
         trainable_fraction: share of parameters that train (LoRA: set by ``lora_rank``).
         lora_rank: LoRA adapters of this rank on every Linear of every layer; the base freezes.
         base_quant: ``"nf4"`` stores the frozen base in 4 bits (QLoRA).
@@ -114,6 +188,8 @@ class Training:
     base_quant: str | None = None
     foreach: bool | None = None
     fused: bool = False
+    offload_param: bool = False
+    deepspeed: ZeroConfig | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -167,17 +243,48 @@ class Training:
 
     @property
     def optimizer_bytes(self) -> float:
-        """Per trainable parameter, master weights included (K of the ZeRO paper)."""
+        """Per trainable parameter, master weights included (K of the ZeRO paper), for a model
+        of hidden matrices only (see ``optimizer_bytes_for``)."""
+        return self.optimizer_bytes_for(ParamMix())
+
+    def optimizer_bytes_for(self, mix: ParamMix) -> float:
+        """Per trainable parameter, master weights included, for parameters split as ``mix``.
+
+        - ``adam8bit`` (bitsandbytes ``Adam8bit``/``PagedAdamW8bit``): two uint8 moments and an
+          fp32 absmax per ``BNB_BLOCK`` values of each (paged: the same bytes, pageable);
+        - ``adafactor`` (``torch.optim.Adafactor``, transformers' ``Adafactor`` with its default
+          ``beta1=None``): no first moment; a row and a column vector per matrix
+          (``mix.factored``), a full second moment for vectors (norms, biases); torch's scalar
+          ``step`` tensors are 4 B per parameter tensor, not counted here;
+        - ``muon``: one momentum buffer (``torch.optim.Muon``'s ``momentum_buffer``, the
+          param's dtype) for the hidden matrices, AdamW's two moments for the rest.
+        """
         n = OPTIMIZERS[self.optimizer]
-        if n == -2:  # bitsandbytes 8-bit Adam: two 1-byte states + fp32 absmax per 2048 values
-            states = 2 + 2 * 4 / 2048
-        elif n == -1:  # Adafactor: factored second moment, ~(rows + cols) per matrix (small)
-            states = 0.0
+        sb = self._p[4]
+        if n == -2:
+            states = 2 + 2 * 4 / BNB_BLOCK
+        elif n == -1:
+            states = sb * ((1 - mix.matrices) + mix.factored)
+        elif n == -3:
+            states = sb * (mix.hidden + 2 * (1 - mix.hidden))
         else:
-            states = n * self._p[4]
+            states = n * sb
         return self.master_bytes + states
 
-    def step_temp_bytes(self, trainable: int, scratch: int, cuda: bool) -> int:
+    def muon_step_bytes(self, rows: int, cols: int) -> int:
+        """Newton–Schulz's peak temporary for one ``rows x cols`` matrix (torch.optim.Muon,
+        ``_zeropower_via_newtonschulz``, measured on CPU): Nesterov's ``grad.lerp(buf)`` in the
+        state dtype, then in bf16 with r = min, c = max of the sides: the iterate X (r·c), X·Xᵀ
+        and the polynomial b·A + c·A·A (r² each, ``addmm``) and the next iterate (r·c), all alive
+        at once. KellerJordan/Muon's ``zeropower_via_newtonschulz5`` computes the same
+        iteration unfused (``b * A + c * A @ A``, ``a * X + B @ X``): up to 4rc + 2r² bf16
+        elements at once, and its ``muon_update`` lerps into the gradient in place (no
+        Nesterov copy); gpumem bills torch's."""
+        return int(rows * cols * self._p[4] + 2 * ns_width((rows, cols)))
+
+    def step_temp_bytes(
+        self, trainable: int, scratch: int, cuda: bool, mix: ParamMix | None = None
+    ) -> int:
         """Transient memory of one optimizer step.
 
         torch's Adam/AdamW, measured on CPU with gpumem.profile
@@ -195,6 +302,12 @@ class Training:
         (``grads="fp32"``: ``.float()`` is then a no-op; DeepSpeed's bf16 optimizer keeps fp32
         grads, ``grads="compute+fp32"``). This is the CUDA assumption; it cannot be measured
         with torch.optim on CPU.
+
+        Muon (torch.optim.Muon, measured on CPU): one matrix's Newton–Schulz workspace at a time
+        (``muon_step_bytes`` of ``mix.largest``). Adafactor (torch.optim.Adafactor, per tensor):
+        the variance estimate of one tensor and of the previous one (``mix.pair``, within 2 % of
+        a CPU run: the row and column means come on top). 8-bit Adam: bitsandbytes' fused
+        kernel, none.
         """
         foreach = cuda if self.foreach is None else self.foreach
         fused = self.fused
@@ -204,6 +317,17 @@ class Training:
         temp = 0
         if self.optimizer in ("adam", "adamw") and not fused:
             temp = trainable * sb if foreach else scratch * sb
+        elif self.optimizer == "muon":
+            # one matrix at a time (the AdamW rest steps per tensor: smaller, not added)
+            rows, cols = mix.largest if mix is not None else (0, 0)
+            if not rows:  # unknown shape: the largest tensor (scratch / 3 elements), square
+                rows = cols = int((scratch / 3) ** 0.5)
+            temp = self.muon_step_bytes(rows, cols)
+        elif self.optimizer == "adafactor":
+            # one tensor's variance estimate (``row_var @ col_var``, updated in place into the
+            # update) while the previous tensor's is still named; the row/column means are small
+            pair = mix.pair if mix is not None and mix.pair else 2 * scratch / 3
+            temp = pair * sb
         if self.master_bytes and self.grads == "compute":
             temp += trainable * 4
         return int(temp)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import functools
 
-from gpumem.estimator import peak
-from gpumem.estimator.frameworks import communication_bytes
+from gpumem.estimator import deepspeed, peak
+from gpumem.estimator.frameworks import communication_bytes, engine
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
-from gpumem.estimator.states import Training
+from gpumem.estimator.states import ParamMix, Training
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -84,6 +84,7 @@ def job_terms(
     persist: bool,
     framework: str,
     layer_comm: float = 0.0,
+    mix: ParamMix | None = None,
 ) -> None:
     """Fill the peak terms every model shares: state bytes and sharding, the optimizer step's
     temporaries, the framework's communication buffers, and the CUDA reserve.
@@ -95,14 +96,17 @@ def job_terms(
         framework: whose buffer conventions (``frameworks.py``).
         layer_comm: per-layer communication buffers of forward and backward besides sharding
             (context parallelism's KV exchange, MoE token dispatch).
+        mix: how the trainable parameters split into matrices (Muon, Adafactor).
     """
     x[peak.W_BYTES], x[peak.W_FROZEN_BYTES] = tr.weight_bytes, tr.frozen_weight_bytes
-    x[peak.G_BYTES], x[peak.O_BYTES] = tr.grad_bytes, tr.optimizer_bytes
+    x[peak.G_BYTES], x[peak.O_BYTES] = tr.grad_bytes, tr.optimizer_bytes_for(mix or ParamMix())
     x[peak.N_SHARD] = layout.shard_degree(gpu.gpus_per_node)
     x[peak.N_SHARD_EXP] = layout.shard_degree(gpu.gpus_per_node, expert=True)
     x[peak.STAGE] = layout.stage
     opt_shard = x[peak.N_SHARD] if layout.stage >= 1 else 1
-    x[peak.T_STEP] = tr.step_temp_bytes(int(trainable / opt_shard), int(scratch), cuda)
+    x[peak.T_STEP] = tr.step_temp_bytes(int(trainable / opt_shard), int(scratch), cuda, mix)
+    sharded = opt_shard > 1 or bool(layout.fsdp)
+    x[peak.T_STEP] += muon_gather_bytes(tr, mix) if sharded else 0
     steady, gathered = communication_bytes(
         framework,
         layout,
@@ -110,6 +114,7 @@ def job_terms(
         layer_params=layer_params,
         weight_bytes=tr.weight_bytes,
         grad_bytes=tr.grad_bytes,
+        zero=tr.deepspeed,
     )
     x[peak.COMM], x[peak.GATHER] = steady, gathered + layer_comm
     x[peak.G_PERSIST] = 1.0 if persist else 0.0
@@ -118,6 +123,45 @@ def job_terms(
         x[peak.NCCL] = gpu.nccl_bytes if layout.n_gpus > 1 else 0
         x[peak.FRAG] = gpu.fragmentation
     x[peak.OFFLOAD] = 1.0 if tr.offload_optimizer else 0.0
+    if engine(framework, layout) == "deepspeed" and layout.stage >= 1:
+        deepspeed_states(x, tr, trainable / opt_shard, mix)
+
+
+def muon_gather_bytes(tr: Training, mix: ParamMix | None) -> float:
+    """A sharded Muon's gather: each matrix's full fp32 gradient for Newton–Schulz, one matrix
+    at a time (Moonlight's distributed Muon gathers the owner's matrix over the DP group;
+    DeepSpeed all-reduces Muon's gradients instead of reduce-scattering them)."""
+    if tr.optimizer != "muon" or mix is None:
+        return 0.0
+    return float(mix.largest[0] * mix.largest[1] * 4)
+
+
+def deepspeed_states(x: list[float], tr: Training, shard: float, mix: ParamMix | None) -> None:
+    """DeepSpeed ZeRO's own state placement (``deepspeed.py``): the step's fp32 gradient
+    partition and its flattened 16-bit source replace torch.optim's temporaries (DeepSpeed steps
+    a fused Adam on the flat partition); offloading the optimizer moves master weights, state,
+    and every gradient partition to the host (the GPU keeps the IPG bucket) and the step to the
+    CPU; ``offload_param`` (ZeRO-3) moves the 16-bit partitions too.
+
+    ZeRO-1's step frees the other ranks' gradients (``free_grad_in_param_list``) before it makes
+    the fp32 partition; the step moment counts every gradient, so the partition's bytes are
+    billed only beyond that freed room: exact for dp = 2, an upper bound by
+    ``2Ψ - 8Ψ/N`` beyond (2.66 GiB for t5-3b on 8 GPUs)."""
+    zero = tr.deepspeed or deepspeed.ZeroConfig()
+    stage = int(x[peak.STAGE])
+    x[peak.T_STEP] = deepspeed.step_bytes(zero, stage, shard, tr.master_bytes > 0)
+    if tr.optimizer == "muon" and mix is not None and mix.largest[0]:
+        x[peak.T_STEP] += tr.muon_step_bytes(*mix.largest) + muon_gather_bytes(tr, mix)
+    if stage == 1:
+        freed = (shard * x[peak.N_SHARD] - shard) * x[peak.G_BYTES]
+        x[peak.T_STEP] = max(0.0, x[peak.T_STEP] - freed)
+    if tr.offload_optimizer or zero.offload_optimizer == "cpu":
+        x[peak.OFFLOAD] = 1.0
+        x[peak.T_STEP] = 0.0
+        if stage >= 2:  # ZeRO-1 keeps every 16-bit .grad until the boundary, offload or not
+            x[peak.G_BYTES] = 0.0
+    if (tr.offload_param or zero.offload_param == "cpu") and stage >= 3:
+        x[peak.W_BYTES] = x[peak.W_FROZEN_BYTES] = 0.0
 
 
 def cluster_states(tr: Training, trainable: float, frozen: float) -> int:

@@ -41,6 +41,7 @@ def best_layouts(bill: Bill, n_gpus: int, top: int = 4) -> list[tuple[str, Bill]
         optimizer=t.optimizer,
         grads=t.grads,
         offload_optimizer=t.offload_optimizer,
+        deepspeed=t.deepspeed,
         lora_rank=t.lora_rank,
         base_quant=t.base_quant,
     )

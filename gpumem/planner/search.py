@@ -40,7 +40,8 @@ from gpumem.estimator import inputs as job_inputs
 from gpumem.estimator import peak
 from gpumem.estimator.api import estimate
 from gpumem.estimator.bill import Bill
-from gpumem.estimator.frameworks import default_grads, resolve_framework
+from gpumem.estimator.deepspeed import ZeroConfig
+from gpumem.estimator.frameworks import default_grads, engine, resolve_framework
 from gpumem.estimator.gpus import GPU, find_gpu
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.preset import PresetTerms
@@ -178,6 +179,10 @@ class PlanResult:
         c = candidate or self.best
         if c is None:
             raise ValueError(f"no layout of {self.model.name} fits {self.n_gpus} x {self.gpu.name}")
+        kw = dict(self.kwargs)
+        fw = resolve_framework(kw.get("framework"), c.layout, hf=self.model.is_hf)
+        if engine(fw, c.layout) != "deepspeed":
+            kw.pop("deepspeed", None)  # DeepSpeed's knobs apply to its layouts only
         return estimate(
             self.model,
             layout=c.layout,
@@ -185,7 +190,7 @@ class PlanResult:
             recompute=c.recompute,
             grad_accum=c.grad_accum,
             gpu=self.gpu,
-            **self.kwargs,
+            **kw,
         )
 
     def table(self, top: int = 10) -> str:
@@ -311,6 +316,8 @@ def plan(
     gb = global_batch or max(n_gpus, 256)
     if framework is not None:
         resolve_framework(framework, Layout())  # an unknown name fails here, once
+    if estimate_kwargs.get("deepspeed") is not None:  # once, checked; a stage in it is moot
+        estimate_kwargs["deepspeed"] = ZeroConfig.from_dict(estimate_kwargs["deepspeed"])
     seq, seq_source = job_inputs.seq_len(spec, seq_len)
     if context_parallel is None:
         context_parallel = (1, 2, 4, 8, 16) if spec.is_decoder and seq >= LONG_CONTEXT else (1,)
@@ -325,6 +332,11 @@ def plan(
             grads = estimate_kwargs.get("grads") or default_grads(
                 fw, Training(precision).master_bytes > 0
             )
+            zero = None
+            if fw in ("deepspeed", "transformers"):  # the Trainer runs ZeRO through DeepSpeed
+                zero = ZeroConfig.from_dict(estimate_kwargs.get("deepspeed"))
+                if zero.offload_param == "cpu":
+                    raise ValueError("plan searches ZeRO stages; offload_param is ZeRO-3 only")
             training = Training(
                 precision,
                 optimizer,
@@ -332,6 +344,7 @@ def plan(
                 estimate_kwargs.get("offload_optimizer", False),
                 estimate_kwargs.get("lora_rank", 0),
                 estimate_kwargs.get("base_quant"),
+                deepspeed=zero,
             )
             jobs[fw] = PresetTerms(spec, training, g, seq, framework=fw, **job_kw)
         return jobs[fw]

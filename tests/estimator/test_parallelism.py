@@ -8,7 +8,7 @@ import pytest
 
 from gpumem import Layout, ModelSpec, estimate
 from gpumem.estimator import peak
-from gpumem.estimator.frameworks import DEEPSPEED_BUCKET, default_framework
+from gpumem.estimator.frameworks import default_framework
 from gpumem.estimator.specs import param_groups, resolve_model
 from gpumem.planner import plan
 
@@ -86,12 +86,15 @@ def test_invalid_framework_combinations(framework, layout, match):
 def test_zero1_buckets_are_deepspeeds_not_megatrons():
     """Issue #12: ZeRO-1 priced DeepSpeed's two 5e8-element buckets into every job; Megatron's
     distributed optimizer reduces and gathers in place (no buckets). With Megatron's 4-byte
-    grads and 2-byte weights the phantom was 5e8 * (4 + 2) = 3e9 B (2.8 GiB) on a 7B job."""
+    grads and 2-byte weights the phantom was 5e8 * (4 + 2) = 3e9 B (2.8 GiB) on a 7B job.
+    Issue #19: DeepSpeed's ZeRO-1 keeps one IPG bucket of ``reduce_bucket_size`` elements in the
+    model's 16-bit dtype (``setup_buckets``, whatever the grads' dtype) and all-gathers in place
+    (``all_gather_into_tensor``): 5e8 * 2 B = 1e9 B."""
     lay = Layout(dp=8, zero=1)
     meg = _est(layout=lay, framework="megatron")
     ds = _est(layout=lay, framework="deepspeed", grads="fp32")
     assert meg.per_gpu["communication"] == 0
-    assert ds.per_gpu["communication"] == DEEPSPEED_BUCKET * (4 + 2) == 3_000_000_000
+    assert ds.per_gpu["communication"] == 500_000_000 * 2 == 1_000_000_000
     # Megatron: fp32 main grads by default (18 B/param), not sharded by the distributed optimizer
     assert meg.training.grads == "fp32"
     assert meg.model_states["gradients"] == 4 * P7B
