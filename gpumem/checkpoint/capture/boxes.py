@@ -138,20 +138,7 @@ def tile(name: str, blocks: Sequence[B], *, copies: bool = True) -> tuple[list[B
                 f"global tensor {name!r} is {first.dtype} {gshape} on rank {first.rank} but "
                 f"{b.dtype} {b.box.global_shape} on rank {b.rank}"
             )
-    for b in out:
-        box = b.box
-        if len(box.offsets) != len(gshape) or len(box.shape) != len(gshape):
-            raise TilingError(
-                f"global tensor {name!r}: rank {b.rank}'s block {box.text()} has "
-                f"{len(box.shape)} dimensions, the tensor {len(gshape)}"
-            )
-        if box.numel and any(
-            o < 0 or n < 0 or o + n > g
-            for o, n, g in zip(box.offsets, box.shape, gshape, strict=True)
-        ):
-            raise TilingError(
-                f"global tensor {name!r}: rank {b.rank}'s block {box.text()} lies outside it"
-            )
+    _check_bounds(name, out, gshape)
     boxes = [b.box for b in out]
     if _rows_tile(gshape, boxes) or covers_once(name, gshape, boxes):
         return out, shared
@@ -175,6 +162,24 @@ def tile(name: str, blocks: Sequence[B], *, copies: bool = True) -> tuple[list[B
         f"{'at most ' if not complete else ''}{total} of its {want} elements (shape {gshape}): "
         "a rank's part is missing"
     )
+
+
+def _check_bounds(name: str, out: Sequence[Placed], gshape: tuple[int, ...]) -> None:
+    """Every block has the tensor's dimensions and lies inside it."""
+    for b in out:
+        box = b.box
+        if len(box.offsets) != len(gshape) or len(box.shape) != len(gshape):
+            raise TilingError(
+                f"global tensor {name!r}: rank {b.rank}'s block {box.text()} has "
+                f"{len(box.shape)} dimensions, the tensor {len(gshape)}"
+            )
+        if box.numel and any(
+            o < 0 or n < 0 or o + n > g
+            for o, n, g in zip(box.offsets, box.shape, gshape, strict=True)
+        ):
+            raise TilingError(
+                f"global tensor {name!r}: rank {b.rank}'s block {box.text()} lies outside it"
+            )
 
 
 MAX_CORNERS = 1 << 22

@@ -122,17 +122,11 @@ def restore(
                     ),
                 )
         if group.all_reduce(status, "min") != _OK:
-            status, err = unify(exchange(group, Verdict.of(status, err)), label)
+            status, err = unify(exchange(group, Verdict.of(status, err)), label, err, group.rank)
         else:
             assert staged is not None
-            agree = _Agree(group)
-            try:
-                staged.apply(agree=agree)
-            except CheckpointCorruptError as exc:
-                # every rank failed the load together (agree): one message for all
-                mine = Verdict.of(_DAMAGED, exc, own=agree.failed_here)
-                status, err = unify(exchange(group, mine), label)
-            else:
+            status, err = _apply(staged, group, label)
+            if status == _OK:
                 if verify_loaded:
                     staged.verify_loaded()
                 return staged.info.step, staged
@@ -165,6 +159,18 @@ def _gone(root: Dir | None, name: str) -> bool:
         return root is not None and root.lstat(name) is None
     except OSError:
         return False
+
+
+def _apply(staged: StagedRestore, group: Group, label: str) -> tuple[int, CheckpointError | None]:
+    """Load a candidate every rank prepared; a load that fails fails on every rank together
+    (``_Agree``), with one message for all."""
+    agree = _Agree(group)
+    try:
+        staged.apply(agree=agree)
+    except CheckpointCorruptError as exc:
+        mine = Verdict.of(_DAMAGED, exc, own=agree.failed_here)
+        return unify(exchange(group, mine), label, exc, group.rank)
+    return _OK, None
 
 
 class _Agree:

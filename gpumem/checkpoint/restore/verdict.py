@@ -45,6 +45,7 @@ class Verdict:
     message: str = ""
     errno: int | None = None
     path: str | None = None
+    tensor: str | None = None
     own: bool = True
 
     @classmethod
@@ -58,12 +59,13 @@ class Verdict:
         )
         errno = getattr(err, "errno", None) if isinstance(err, CheckpointIOError) else None
         path = getattr(err, "path", None) or getattr(err, "filename", None)
-        return cls(status, kind, str(err)[:MAX_MESSAGE], errno, path, own)
+        tensor = getattr(err, "tensor", None)
+        return cls(status, kind, str(err)[:MAX_MESSAGE], errno, path, tensor, own)
 
     def error(self, note: str = "") -> CheckpointError:
         text = self.message + note
         if self.kind == "CheckpointCorruptError":
-            return CheckpointCorruptError(text, path=self.path)
+            return CheckpointCorruptError(text, path=self.path, tensor=self.tensor)
         if self.kind == "CheckpointIOError":
             return CheckpointIOError(text, errno=self.errno, filename=self.path)
         if self.kind == "CheckpointStateError":
@@ -78,8 +80,18 @@ def exchange(group: Group, mine: Verdict) -> list[Verdict]:
     return [Verdict(**json.loads(b)) for b in group.all_gather_bytes(blob, sizes)]
 
 
-def unify(verdicts: list[Verdict], label: str) -> tuple[int, CheckpointError]:
-    """The one outcome and error of a candidate every rank takes (rules in the module doc)."""
+def unify(
+    verdicts: list[Verdict], label: str, mine: BaseException | None = None, rank: int = 0
+) -> tuple[int, CheckpointError]:
+    """The one outcome and error of a candidate every rank takes (rules in the module doc).
+    The rank whose error speaks for all (``mine`` on ``rank``) chains it as the cause."""
+    status, who, err = _unify(verdicts, label)
+    if who == rank and mine is not None and err is not mine:
+        err.__cause__ = mine
+    return status, err
+
+
+def _unify(verdicts: list[Verdict], label: str) -> tuple[int, int, CheckpointError]:
     failed = [(r, v) for r, v in enumerate(verdicts) if v.status != OK]
     many = len(verdicts) > 1
 
@@ -92,18 +104,23 @@ def unify(verdicts: list[Verdict], label: str) -> tuple[int, CheckpointError]:
         err = v.error(on(r))
         if not isinstance(err, CheckpointCorruptError):
             err = CheckpointCorruptError(str(err), path=label)
-        return DAMAGED, err
+        return DAMAGED, r, err
     state = [(r, v) for r, v in failed if v.kind == "CheckpointStateError"]
     if state and len(state) == len(failed):
         r, v = state[0]
         if len(failed) == len(verdicts):
-            return RAISE, v.error(on(r) if len({x.message for _, x in state}) > 1 else "")
+            note = on(r) if len({x.message for _, x in state}) > 1 else ""
+            return RAISE, r, v.error(note)
         fine = [i for i, x in enumerate(verdicts) if x.status == OK]
-        return DAMAGED, CheckpointCorruptError(
-            f"{label}: the ranks' shards disagree: rank {r} finds it does not fit its objects "
-            f"({v.message}) while rank(s) {fine[:8]} restore it",
-            path=label,
+        return (
+            DAMAGED,
+            r,
+            CheckpointCorruptError(
+                f"{label}: the ranks' shards disagree: rank {r} finds it does not fit its "
+                f"objects ({v.message}) while rank(s) {fine[:8]} restore it",
+                path=label,
+            ),
         )
     other = [(r, v) for r, v in failed if v.kind not in ("", "CheckpointStateError")]
     r, v = (other or failed)[0]
-    return RAISE, v.error(on(r))
+    return RAISE, r, v.error(on(r))
