@@ -2,7 +2,8 @@
 its tensors hold (rounding, 2 MiB / 20 MiB segments, splitting, fragmentation).
 
     from gpumem.allocator import simulate
-    r = simulate([("alloc", 0, 3 << 20), ("alloc", 1, 5000), ("free", 0)], "expandable_segments:True")
+    events = [("alloc", 0, 3 << 20), ("alloc", 1, 5000), ("free", 0)]
+    r = simulate(events, "expandable_segments:True")
     r.peak_reserved, r.peak_allocated, r.fragmentation, r.largest_free_at_peak
 
 Modules:
@@ -15,6 +16,7 @@ Modules:
 
 from __future__ import annotations
 
+from gpumem.allocator.alloc_conf import AllocConf
 from gpumem.allocator.caching import (
     CachingAllocatorSim,
     OutOfMemory,
@@ -24,7 +26,6 @@ from gpumem.allocator.caching import (
     round_size,
     simulate,
 )
-from gpumem.allocator.alloc_conf import AllocConf
 from gpumem.allocator.replay import ReplayResult, replay_snapshot
 from gpumem.allocator.trace import Trace
 

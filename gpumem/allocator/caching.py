@@ -702,13 +702,7 @@ class CachingAllocatorSim:
     # -- freeing ---------------------------------------------------------------------------------
     def _try_merge(self, dst: _Block, src: _Block | None, pool: _Pool) -> int:
         """``try_merge_blocks``: absorb a free neighbour (both mapped or both unmapped)."""
-        if (
-            src is None
-            or src.allocated
-            or src.pending
-            or src.uses
-            or dst.mapped != src.mapped
-        ):
+        if src is None or src.allocated or src.pending or src.uses or dst.mapped != src.mapped:
             return 0
         if src.mapped:
             pool.erase(src)
@@ -882,7 +876,9 @@ def simulate(
     evs = events if isinstance(events, list) else list(events)
     start = None
     if sim is None:
-        sim = CachingAllocatorSim(alloc_conf, capacity=capacity, record_stream_lag=record_stream_lag)
+        sim = CachingAllocatorSim(
+            alloc_conf, capacity=capacity, record_stream_lag=record_stream_lag
+        )
     else:
         start = sim.fork() if segment_map else None
     st = sim.stats
@@ -894,7 +890,7 @@ def simulate(
     n = 0
     malloc, free = sim.malloc, sim.free
     try:
-        for n, ev in enumerate(evs):  # noqa: B007 (n is read after the loop)
+        for n, ev in enumerate(evs):
             op = ev[0]
             if op == "alloc":
                 malloc(ev[1], ev[2], ev[3] if len(ev) > 3 else 0)
@@ -916,7 +912,9 @@ def simulate(
         again = (
             start
             if start is not None
-            else CachingAllocatorSim(sim.conf, capacity=capacity, record_stream_lag=record_stream_lag)
+            else CachingAllocatorSim(
+                sim.conf, capacity=capacity, record_stream_lag=record_stream_lag
+            )
         )
         for ev in evs[: peak_event + 1]:
             _step(again, ev)

@@ -41,7 +41,9 @@ class ReplayResult:
     """Peak of the trace's own segment_alloc/map less segment_free/unmap (from 0 at the first
     entry: the real ``reserved_bytes.all.peak`` when recording began on a fresh allocator)."""
     trace_allocated_peak: int
-    """Peak of the trace's allocs less frees, each rounded as the allocator rounds it."""
+    """Peak of the trace's allocs less frees, each rounded as ``round_size`` rounds it (the
+    real ``allocated_bytes`` is higher by the remainders of blocks handed out unsplit, which a
+    trace does not show)."""
     unmatched_frees: int
     entries: int
     device: int
@@ -55,7 +57,7 @@ def load_snapshot(snapshot: str | Path | dict[str, Any]) -> dict[str, Any]:
     path = Path(snapshot)
     try:
         with path.open("rb") as f:
-            obj = pickle.load(f)  # noqa: S301 (the user's own snapshot file)
+            obj = pickle.load(f)  # the user's own snapshot file
     except (pickle.UnpicklingError, EOFError, ValueError) as e:
         raise ValueError(f"{path}: not a memory snapshot pickle ({e})") from None
     if not isinstance(obj, dict) or "device_traces" not in obj:
@@ -172,9 +174,7 @@ def replay_snapshot(
     snap = load_snapshot(snapshot)
     conf = snapshot_conf(snap) if alloc_conf is None else resolve(alloc_conf)
     events, res_peak, alloc_peak, unmatched = trace_events(snap, device, conf)
-    sim = simulate(
-        events, conf, capacity=capacity, record_stream_lag=None, segment_map=segment_map
-    )
+    sim = simulate(events, conf, capacity=capacity, record_stream_lag=None, segment_map=segment_map)
     return ReplayResult(
         sim=sim,
         trace_reserved_peak=res_peak,
