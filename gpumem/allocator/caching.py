@@ -317,6 +317,7 @@ class CachingAllocatorSim:
         self.stats = AllocatorStats()
         self.live: dict[Hashable, _Block] = {}
         self.pending: dict[Hashable, _Block] = {}
+        self._empty: set[Hashable] = set()  # handles of 0-byte allocations
         self.mallocs = 0
         self._next_addr = 1 << 32
         self._segments: dict[int, _Segment] = {}  # base -> segment
@@ -334,6 +335,7 @@ class CachingAllocatorSim:
         skips it). Raises :class:`OutOfMemory` when a capacity is set and nothing frees
         enough."""
         if size <= 0:
+            self._empty.add(handle)
             return
         if handle in self.live:
             raise ValueError(f"handle {handle!r} is already allocated")
@@ -369,6 +371,9 @@ class CachingAllocatorSim:
         other streams, held until those streams are done (``insert_events``)."""
         block = self.live.pop(handle, None)
         if block is None:
+            if handle in self._empty:  # a 0-byte allocation: nothing to give back
+                self._empty.discard(handle)
+                return
             raise KeyError(f"free of handle {handle!r}, which is not allocated")
         block.allocated = False
         st = self.stats
