@@ -327,6 +327,7 @@ class CachingAllocatorSim:
         self.allowed_max = int(frac * capacity) if frac is not None and capacity else 0
         self.gc_enabled = self.set_fraction and conf.garbage_collection_threshold > 0.0
         self._max_split = conf.max_split_size
+        self._plain_rounding = max(conf.roundup_power2_divisions) <= 1
         self._max_nsr = conf.max_non_split_rounding_size
 
     # -- the public calls ----------------------------------------------------------------------
@@ -342,8 +343,10 @@ class CachingAllocatorSim:
         if self.pending:
             self._process_events()
         self.mallocs += 1
-        conf = self.conf
-        rsize = round_size(size, conf)
+        if self._plain_rounding:  # no roundup_power2_divisions: round_size's last branch
+            rsize = K_MIN_BLOCK_SIZE if size < K_MIN_BLOCK_SIZE else (size + 511) & ~511
+        else:
+            rsize = round_size(size, self.conf)
         pool = self.small if rsize <= K_SMALL_SIZE else self.large  # get_pool
         block = self._get_free_block(pool, stream, rsize)
         if block is None:
