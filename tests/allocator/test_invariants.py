@@ -2,6 +2,8 @@
 their memory, reserved and allocated are the sums they stand for, no two free neighbours stay
 unmerged, and freeing everything then emptying the cache gives every byte back."""
 
+import itertools
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -48,7 +50,7 @@ def check(sim):
         seg = sim._segments[base]
         bs.sort(key=lambda b: b.addr)
         assert bs[0].addr == base and bs[0].prev is None and bs[-1].next is None
-        for a, b in zip(bs, bs[1:], strict=False):
+        for a, b in itertools.pairwise(bs):
             assert a.addr + a.size == b.addr and a.next is b and b.prev is a  # tiled, linked
             free_a = not a.allocated and not a.pending
             free_b = not b.allocated and not b.pending
