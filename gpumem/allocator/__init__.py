@@ -6,6 +6,14 @@ its tensors hold (rounding, 2 MiB / 20 MiB segments, splitting, fragmentation).
     r = simulate(events, "expandable_segments:True")
     r.peak_reserved, r.peak_allocated, r.fragmentation, r.largest_free_at_peak
 
+Feeding it: events are plain tuples, ``("alloc", handle, nbytes[, stream])`` and ``("free",
+handle)`` (plus ``record_stream``, ``free_completed``, ``synchronize``, ``empty_cache``), sizes as
+asked for (``storage.nbytes()``): the simulator rounds. An estimator builds one layer's events
+once with a ``Trace`` and stamps them per layer (``Trace.extend(layer, times=n)``, handles
+renumbered per copy, the offsets returned so a backward trace can free a forward copy's
+tensors); a planner shares a prefix with ``CachingAllocatorSim.fork()`` and
+``simulate(..., sim=fork)``; ``segment_map=False`` halves the cost when only the figures matter.
+
 Modules:
 
     alloc_conf ``PYTORCH_CUDA_ALLOC_CONF`` parsed (``AllocConf``; errors name the option)
