@@ -9,9 +9,12 @@ bad setting here is a one-line ``ValueError`` naming the option and the known on
 
 Settings that change what the caching allocator reserves are kept (``max_split_size_mb``,
 ``max_non_split_rounding_mb``, ``roundup_power2_divisions``, ``garbage_collection_threshold``,
-``expandable_segments``, ``per_process_memory_fraction``); the others (pinned-memory and locking
-options, ``backend:native``) are accepted and ignored, as they do not change device memory;
-``backend:cudaMallocAsync`` is refused (a different allocator, not simulated).
+``expandable_segments``, ``per_process_memory_fraction`` and, in newer torch,
+``large_segment_size_mb``, seen in use as ``expandable_segments:True,large_segment_size_mb:12``;
+its C++ parser was not read: checked here only as >= 2 and <= ``max_split_size_mb``); the
+others (pinned-memory and locking options, ``backend:native``) are accepted and ignored, as
+they do not change device memory; ``backend:cudaMallocAsync`` is refused (a different
+allocator, not simulated).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ ENV_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 SIMULATED_KEYS = (
     "max_split_size_mb",
+    "large_segment_size_mb",
     "max_non_split_rounding_mb",
     "roundup_power2_divisions",
     "garbage_collection_threshold",
@@ -69,6 +73,9 @@ class AllocConf:
     """Divisions per power-of-two interval, 1 MiB .. 64 GiB (0 or 1: plain 512-byte rounding)."""
     garbage_collection_threshold: float = 0.0
     expandable_segments: bool = False
+    large_segment_size: int = K_LARGE_BUFFER
+    """The segment of a 1-10 MiB request and the large pool's page with expandable segments
+    (``large_segment_size_mb``, newer torch; default kLargeBuffer, 20 MiB)."""
     per_process_memory_fraction: float | None = None
     text: str = field(default="", compare=False)
     """The setting string it was parsed from."""
@@ -196,6 +203,11 @@ def _parse(text: str, source: str) -> AllocConf:
                 raise p.bad(f"is {v}, must be >= {K_LARGE_BUFFER // MB}")
             name = "max_split_size" if key == "max_split_size_mb" else "max_non_split_rounding_size"
             kw[name] = min(v, SIZE_MAX // MB) * MB
+        elif key == "large_segment_size_mb":
+            v = p.size_t(i)
+            if v < 2:
+                raise p.bad(f"is {v}, must be >= 2")
+            kw["large_segment_size"] = v * MB
         elif key == "garbage_collection_threshold":
             g = p.real(i)
             if not 0.0 < g < 1.0:  # parseGarbageCollectionThreshold
@@ -228,7 +240,14 @@ def _parse(text: str, source: str) -> AllocConf:
             i += 1
             if i == len(toks):
                 raise p.fail("ends with ','")
-    return AllocConf(text=text, **kw)  # type: ignore[arg-type]
+    conf = AllocConf(text=text, **kw)  # type: ignore[arg-type]
+    if "max_split_size" in kw and conf.max_split_size < conf.large_segment_size:
+        p.key = "max_split_size_mb"
+        raise p.bad(
+            f"is {conf.max_split_size // MB}, must be >= large_segment_size_mb "
+            f"({conf.large_segment_size // MB})"
+        )
+    return conf
 
 
 def _parse_divisions(p: _Parser, i: int, divs: list[int]) -> int:

@@ -68,14 +68,16 @@ def round_size(size: int, conf: AllocConf) -> int:
     return K_MIN_BLOCK_SIZE * ((size + K_MIN_BLOCK_SIZE - 1) // K_MIN_BLOCK_SIZE)
 
 
-def get_allocation_size(size: int) -> int:
+def get_allocation_size(size: int, large_segment: int = K_LARGE_BUFFER) -> int:
     """``get_allocation_size``: the segment cudaMalloc'ed for a request no cached block holds:
-    2 MiB for small requests, 20 MiB below 10 MiB, else the size rounded up to 2 MiB."""
+    2 MiB for small requests, 20 MiB (``large_segment_size_mb``) below 10 MiB, else the size
+    rounded up to 2 MiB (never less than the request, whatever the large segment size)."""
+    rounded = K_ROUND_LARGE * ((size + K_ROUND_LARGE - 1) // K_ROUND_LARGE)
     if size <= K_SMALL_SIZE:
         return K_SMALL_BUFFER
     if size < K_MIN_LARGE_ALLOC:
-        return K_LARGE_BUFFER
-    return K_ROUND_LARGE * ((size + K_ROUND_LARGE - 1) // K_ROUND_LARGE)
+        return max(large_segment, rounded)
+    return rounded
 
 
 class _Segment:
@@ -576,7 +578,7 @@ class CachingAllocatorSim:
         room."""
         if retry:
             self.stats.num_alloc_retries += 1
-        alloc_size = get_allocation_size(size)
+        alloc_size = get_allocation_size(size, self.conf.large_segment_size)
         if self.set_fraction and self.stats.reserved + alloc_size > self.allowed_max:
             return None
         if self.conf.expandable_segments:
@@ -613,7 +615,7 @@ class CachingAllocatorSim:
             if room >= size:
                 return c
             i += 1
-        page = K_SMALL_BUFFER if pool.small else K_LARGE_BUFFER
+        page = K_SMALL_BUFFER if pool.small else self.conf.large_segment_size
         cap = self.capacity
         space = cap + cap // 8 if cap is not None else _NO_CAPACITY_SPACE
         space = -(-space // page) * page

@@ -39,6 +39,8 @@ from gpumem.profiler.tracker import DataDependentError
 if TYPE_CHECKING:
     import torch
 
+    from gpumem.allocator.alloc_conf import AllocConf
+
 
 def profile(
     model: torch.nn.Module,
@@ -47,7 +49,7 @@ def profile(
     snapshot: str | None = None,
     timeline: bool = True,
     mode: str = "exact",
-    alloc_conf: str | None = None,
+    alloc_conf: str | AllocConf | None = None,
 ) -> Profile:
     """Measure the memory of the training steps run inside a ``with`` block.
 

@@ -152,3 +152,21 @@ def test_profile_on_cuda_is_within_the_measured_reserved_peak():
     # what was cached before the region: a lower bound of the real peak, here the same segments
     assert rep.peak_reserved_bytes == 52 * MiB
     assert measured >= 50 * MiB
+
+
+# -- the command line -----------------------------------------------------------------------------
+def test_cli_alloc_conf(capsys, monkeypatch):
+    from gpumem.cli import main
+
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    args = ["profile", "llama", "--steps", "1", "--json", "-"]
+    assert main([*args, "--alloc-conf", "expandable_segments:True"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["simulated_allocator"]["alloc_conf"] == "expandable_segments:True"
+    assert d["peak_reserved_bytes"] == d["simulated_allocator"]["peak_reserved_bytes"] > 0
+    assert main([*args, "--alloc-conf", "max_split_size_mb:1"]) == 2
+    err = capsys.readouterr().err
+    assert "--alloc-conf 'max_split_size_mb:1': option 'max_split_size_mb' is 1, must be >= 20" in (
+        err
+    )

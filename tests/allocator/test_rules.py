@@ -52,6 +52,22 @@ def test_allocation_size():
     assert got == [2 * MiB, 2 * MiB, 20 * MiB, 20 * MiB, 10 * MiB, 12 * MiB]
 
 
+def test_large_segment_size_mb():
+    # newer torch: the 1-10 MiB segment (and the large pool's expandable page) is configurable;
+    # a 2 MiB request then reserves 40 MiB (as torch.empty(2 << 20) does under
+    # large_segment_size_mb:40)
+    r = simulate([("alloc", 0, 2 * MiB)], "large_segment_size_mb:40")
+    assert (r.peak_reserved, r.peak_allocated) == (40 * MiB, 2 * MiB)
+    exp = simulate(
+        [("alloc", 0, 2 * MiB), ("alloc", 1, 15 * MiB)],
+        "expandable_segments:True,large_segment_size_mb:12",
+    )
+    # 12 MiB pages: 2 MiB in the first, 15 more need a second page: 24 MiB
+    assert exp.peak_reserved == 24 * MiB
+    with pytest.raises(ValueError, match="must be >= large_segment_size_mb"):
+        AllocConf.parse("large_segment_size_mb:64,max_split_size_mb:32")
+
+
 # -- pools, splitting, best fit -------------------------------------------------------------------
 def test_small_pool_packs_2mib_segments():
     sim = CachingAllocatorSim("")
