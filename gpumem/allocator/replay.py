@@ -8,7 +8,11 @@ Each trace entry is a dict with ``action`` and ``addr``/``size``/``stream``:
   ``free_completed`` is not the very next entry of that address, the block was used on other
   streams (``record_stream``): the free is held until that ``free_completed``.
 - ``segment_alloc``/``segment_free``/``segment_map``/``segment_unmap`` are what the real
-  allocator reserved; summed, they give the trace's own reserved peak to compare with.
+  allocator reserved; summed, they give the trace's own reserved peak to compare with. The
+  first ``segment_free``/``segment_unmap`` of a run of them also empties the simulated cache
+  (``empty_cache()`` and the out-of-memory retry both call ``release_cached_blocks``; the
+  garbage collector and ``release_available_cached_blocks`` free less, which this
+  over-approximates).
 - ``snapshot``, ``oom`` and ``user_defined`` entries are skipped.
 
 A free of an address the trace never allocated (the tensor predates the recording) is
@@ -29,6 +33,7 @@ from gpumem.allocator.caching import Event, SimResult, round_size, simulate
 
 _SKIP = frozenset({"snapshot", "oom", "user_defined"})
 _SEGMENT = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
+_RELEASES = ("segment_free", "segment_unmap")
 _ACTIONS = ("alloc", "free_requested", "free_completed", *_SEGMENT, *sorted(_SKIP))
 
 
@@ -101,6 +106,7 @@ def trace_events(
     held: dict[int, int] = {}  # addr -> handle of a free waiting for its free_completed
     reserved = res_peak = allocated = alloc_peak = unmatched = 0
     skip_next = -1
+    prev_action = ""
     for i, e in enumerate(trace):
         where = f"device_traces[{device}][{i}]"
         if not isinstance(e, dict):
@@ -113,9 +119,16 @@ def trace_events(
         if action in _SKIP or i == skip_next:
             continue
         if action in _SEGMENT:
-            reserved += _SEGMENT[action] * _field(e, "size", where)
+            sign = _SEGMENT[action]
+            reserved += sign * _field(e, "size", where)
             res_peak = max(res_peak, reserved)
+            if sign < 0 and prev_action not in _RELEASES:
+                # the allocator gave memory back: empty_cache, or the release before a retry
+                # (release_cached_blocks is what both do); the simulated cache is emptied too
+                events.append(("empty_cache",))
+            prev_action = action
             continue
+        prev_action = action
         addr = _field(e, "addr", where)
         if action == "alloc":
             size = _field(e, "size", where)

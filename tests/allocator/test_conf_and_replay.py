@@ -198,3 +198,27 @@ def test_trace_file_round_trip_and_errors(tmp_path):
     p.write_text('["resize", 1]\n')
     with pytest.raises(ValueError, match=r"line 1: \['resize', 1\] is not an allocator event"):
         Trace.load(p)
+
+
+def test_replay_counts_expandable_maps_and_skips_ooms():
+    e = _entry
+    snap = {
+        "device_traces": [
+            [
+                e("segment_map", 0x10000000, 20 * MiB),
+                e("alloc", 0x10000000, 3 * MiB),
+                e("segment_map", 0x11400000, 20 * MiB),
+                e("alloc", 0x10300000, 30 * MiB),
+                e("free_requested", 0x10300000, 30 * MiB),
+                e("free_completed", 0x10300000, 30 * MiB),
+                e("segment_unmap", 0x11400000, 20 * MiB),
+                {"action": "oom", "size": 1 << 40, "device_free": 0, "stream": 0},
+            ]
+        ]
+    }
+    r = replay_snapshot(snap, "expandable_segments:True")
+    # the trace: 20 + 20 mapped, then 20 unmapped: its peak is 40 MiB, as simulated
+    assert (r.trace_reserved_peak, r.sim.peak_reserved) == (40 * MiB, 40 * MiB)
+    # the unmap empties the simulated cache too: the free second page goes, a's first stays
+    assert r.sim.reserved_at_end == 20 * MiB
+    assert [ev[0] for ev in r.events] == ["alloc", "alloc", "free", "empty_cache"]
