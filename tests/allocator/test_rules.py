@@ -324,3 +324,12 @@ def test_bad_calls():
         sim.malloc("a", 10)
     with pytest.raises(ValueError, match="unknown allocator event 'alloc_x'"):
         simulate([("alloc_x", 1)], "")
+
+
+def test_the_simulator_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, gpumem.allocator; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
