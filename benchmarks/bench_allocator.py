@@ -104,7 +104,7 @@ def main() -> None:
                 [
                     what,
                     f"{len(events)}",
-                    f"{f.p50:.0f}",
+                    f"{f.p50:.2f}",
                     f"{len(events) / (f.p50 / 1e3) / 1e6:.2f}",
                     f"{f.p50 / 1e3:.3f}x",
                     f"{r.peak_reserved / GiB:.2f}",
