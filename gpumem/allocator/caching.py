@@ -424,7 +424,38 @@ class CachingAllocatorSim:
     def fork(self) -> CachingAllocatorSim:
         """An independent copy of this allocator's state (to try several continuations of one
         prefix, e.g. one per planner candidate)."""
-        return copy.deepcopy(self)
+        new = copy.copy(self)
+        memo: dict[int, _Block] = {}
+
+        def dup(b: _Block) -> _Block:
+            nb = _Block.__new__(_Block)
+            for slot in _Block.__slots__:
+                setattr(nb, slot, getattr(b, slot))
+            if b.uses:
+                nb.uses = set(b.uses)
+            memo[id(b)] = nb
+            return nb
+
+        new.live = {h: dup(b) for h, b in self.live.items()}
+        new.pending = {h: dup(b) for h, b in self.pending.items()}
+        for name in ("small", "large"):
+            old_pool: _Pool = getattr(self, name)
+            pool = _Pool(old_pool.small)
+            pool.gc_calls = old_pool.gc_calls
+            pool.blocks = list(old_pool.blocks)
+            pool.by_key = {k: dup(b) for k, b in old_pool.by_key.items()}
+            pool.unmapped = list(old_pool.unmapped)
+            pool.unmapped_by_key = {k: dup(b) for k, b in old_pool.unmapped_by_key.items()}
+            setattr(new, name, pool)
+        for nb in memo.values():  # relink: every block is live, held, cached or unmapped
+            if nb.prev is not None:
+                nb.prev = memo[id(nb.prev)]
+            if nb.next is not None:
+                nb.next = memo[id(nb.next)]
+        new.stats = copy.copy(self.stats)
+        new._empty = set(self._empty)
+        new._segments = dict(self._segments)  # segments do not change once made: shared
+        return new
 
     # -- the state -----------------------------------------------------------------------------
     def largest_free_block(self) -> int:

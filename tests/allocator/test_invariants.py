@@ -103,8 +103,13 @@ def test_invariants_hold_after_every_event(trace, conf, lag):
         else:
             sim.empty_cache()
         check(sim)
-    for h in live:
-        sim.free(h)
+    twin = sim.fork()  # a copy that goes on the same way
+    check(twin)
+    for s in (sim, twin):
+        for h in live:
+            s.free(h)
+            check(s)
+    assert twin.stats == sim.stats and twin.segments() == sim.segments()
     sim.empty_cache()  # synchronizes: held frees complete, then everything unsplit goes
     check(sim)
     assert (sim.stats.reserved, sim.stats.allocated) == (0, 0) and sim.segments() == []

@@ -315,6 +315,22 @@ def test_fork_continues_independently():
     assert sim.stats.reserved == 20 * MiB  # the original is untouched
 
 
+def test_fork_of_a_long_mapping_copies_every_block():
+    # 3000 blocks linked in one expandable mapping: copied without recursion, and independent
+    sim = CachingAllocatorSim("expandable_segments:True")
+    for h in range(3000):
+        sim.malloc(h, 2 * MiB)
+    sim.record_stream(0, 1)
+    sim.free(0)  # held: copied as held
+    f = sim.fork()
+    for h in range(1, 3000):
+        f.free(h)
+    f.synchronize()
+    assert f.empty_cache() == 6000 * MiB and f.stats.reserved == 0
+    assert sim.stats.reserved == 6000 * MiB and len(sim.live) == 2999 and len(sim.pending) == 1
+    assert sum(s.size for s in sim.segments()) == 6000 * MiB
+
+
 def test_bad_calls():
     sim = CachingAllocatorSim("")
     with pytest.raises(KeyError, match="not allocated"):
