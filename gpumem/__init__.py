@@ -11,6 +11,7 @@ neither torch, triton nor numba and creates no CUDA context until a feature is u
 Subpackages (the data flows measure -> report -> calibrate -> estimate -> plan; then the rest):
 
     profiler/       measure: where a training step's memory goes, per layer and phase
+    allocator/      the CUDA caching allocator simulated: what a run reserves, not only holds
     calibrate/      this machine and its checkpoint storage, measured: calibration.json
     estimator/      estimate: the per-GPU memory bill of a job, before booking GPUs
     planner/        plan: which layouts fit, and what preemptions cost

@@ -58,6 +58,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="exact: every op (default); light: hooks only, no temporaries on CPU",
     )
     p.add_argument(
+        "--alloc-conf",
+        metavar="SETTINGS",
+        type=_alloc_conf,
+        default=None,
+        help="PYTORCH_CUDA_ALLOC_CONF for the simulated reserved peak (default: the "
+        "environment's), e.g. expandable_segments:True",
+    )
+    p.add_argument(
         "--depth",
         type=_args.non_negative_int,
         default=2,
@@ -86,6 +94,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _alloc_conf(text: str) -> str:
+    from gpumem.allocator.alloc_conf import AllocConf
+
+    try:
+        AllocConf.parse(text, source="--alloc-conf")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def run(args: argparse.Namespace) -> int:
     from gpumem.profiler.runner import profile_model
 
@@ -108,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
             steps=args.steps,
             mode=args.mode,
             progress=bar,
+            alloc_conf=args.alloc_conf,
         )
     if args.json == "-":
         print(rep.to_json(timeline=False))

@@ -9,6 +9,7 @@ Modules, bottom up:
     categories    the memory categories and training phases every report speaks in
     fsdp_tp       FSDP2 units, DTensor (tensor parallelism) and collectives, as seen here
     tracker       live storages per category (a TorchDispatchMode and weakref finalizers)
+    reserved      what the caching allocator would reserve for them (gpumem.allocator, simulated)
     records       what a profile keeps while it runs: call frames, snapshots, steps
     fake          ``gpumem.fake()``: fake tensors, fake CUDA
     cuda          what the caching allocator and the driver say (CUDA only)
@@ -38,6 +39,8 @@ from gpumem.profiler.tracker import DataDependentError
 if TYPE_CHECKING:
     import torch
 
+    from gpumem.allocator.alloc_conf import AllocConf
+
 
 def profile(
     model: torch.nn.Module,
@@ -46,6 +49,7 @@ def profile(
     snapshot: str | None = None,
     timeline: bool = True,
     mode: str = "exact",
+    alloc_conf: str | AllocConf | None = None,
 ) -> Profile:
     """Measure the memory of the training steps run inside a ``with`` block.
 
@@ -77,6 +81,9 @@ def profile(
             ``torch.OutOfMemoryError`` (open it at https://pytorch.org/memory_viz).
         timeline: keep the memory-over-time samples for ``plot`` and ``to_chrome_trace``.
         mode: ``"exact"`` or ``"light"`` (above).
+        alloc_conf: the ``PYTORCH_CUDA_ALLOC_CONF`` the report's ``peak_reserved_bytes`` is
+            simulated under (exact mode); ``None`` reads ``PYTORCH_ALLOC_CONF`` /
+            ``PYTORCH_CUDA_ALLOC_CONF`` from the environment. A bad setting is a ``ValueError``.
 
     Returns:
         A :class:`Profile`; call ``.report()`` on it during or after the region.
@@ -86,7 +93,9 @@ def profile(
         ...     loss = model(x).sum(); loss.backward(); opt.step(); opt.zero_grad()
         >>> print(prof.report().table())
     """
-    return Profile(model, optimizer, snapshot=snapshot, timeline=timeline, mode=mode)
+    return Profile(
+        model, optimizer, snapshot=snapshot, timeline=timeline, mode=mode, alloc_conf=alloc_conf
+    )
 
 
 __all__ = [

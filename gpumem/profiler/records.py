@@ -122,3 +122,6 @@ class ProfileRecord:
     error: str | None
     allocator: dict[str, Any] | None
     """The CUDA allocator's and driver's summary, when the model runs on CUDA."""
+    reserved: dict[str, Any] | None = None
+    """The caching allocator simulator's figures for the storages' allocations and frees
+    (exact mode; ``profiler.reserved``)."""

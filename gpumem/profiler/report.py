@@ -123,6 +123,13 @@ class Report:
     """``"exact"`` (dispatch mode, every op) or ``"light"`` (hook boundaries only)."""
     measured: list[str] = field(default_factory=lambda: list(CATEGORIES))
     """The categories measured; the others are ``None`` (light mode on CPU: ``temporary``)."""
+    peak_reserved_bytes: int | None = None
+    """What PyTorch's CUDA caching allocator would reserve at its peak for this region's
+    storages (``reserved_bytes.all.peak`` from the region's start), simulated on any device
+    (``gpumem.allocator``; exact mode only, else ``None``)."""
+    simulated_allocator: dict[str, Any] | None = None
+    """The simulation behind ``peak_reserved_bytes``: allocated peak, fragmentation and the
+    largest free block at the peak, segments, the ``alloc_conf`` it followed."""
     schema_version: int = SCHEMA_VERSION
 
     # -- machine-readable ----------------------------------------------------------------------
@@ -228,6 +235,16 @@ class Report:
                     if a.get("outside_allocator") is not None
                     else "unknown"
                 )
+            )
+        sim = self.simulated_allocator
+        if sim is not None:
+            conf = sim.get("alloc_conf") or "default"
+            out.append(
+                f"reserved (simulated caching allocator, alloc_conf {conf}): peak "
+                f"{format_bytes(sim['peak_reserved_bytes'])}, allocated peak "
+                f"{format_bytes(sim['peak_allocated_bytes'])}, fragmentation at peak "
+                f"{format_bytes(sim['fragmentation_bytes'])}, largest free block "
+                f"{format_bytes(sim['largest_free_block_bytes'])}"
             )
         out += [f"assumption: {a}" for a in self.assumptions]
         if self.error:
@@ -397,6 +414,8 @@ def build_report(prof: ProfileRecord) -> Report:
         world_size=world,
         mode=prof.mode,
         measured=prof.measured,
+        peak_reserved_bytes=None if prof.reserved is None else prof.reserved["peak_reserved_bytes"],
+        simulated_allocator=prof.reserved,
     )
 
 

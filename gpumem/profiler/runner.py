@@ -100,6 +100,7 @@ def profile_model(
     steps: int = 2,
     mode: str = "exact",
     progress: Any = None,
+    alloc_conf: str | None = None,
 ) -> Report:
     """Build ``model``, run ``steps`` training steps inside ``gpumem.profile``, return the report.
 
@@ -113,15 +114,19 @@ def profile_model(
         mode: ``"exact"`` or ``"light"`` (see :func:`gpumem.profile`).
         progress: called as ``progress(done, total, description)`` while the model is built and
             stepped (a CLI progress bar).
+        alloc_conf: the ``PYTORCH_CUDA_ALLOC_CONF`` the report's simulated reserved peak follows
+            (``None``: the environment's), checked before anything is built.
 
     Raises:
         ValueError: an unknown model or size, a bad count, a sequence longer than the model's,
             before anything is built.
     """
+    from gpumem.allocator.alloc_conf import resolve
     from gpumem.models import build_model, example_batch
     from gpumem.profiler import fake as fake_ctx
     from gpumem.profiler import profile
 
+    conf = resolve(alloc_conf)  # a bad setting fails before anything is built
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     if precision not in PRECISIONS:
@@ -171,7 +176,7 @@ def profile_model(
                 x = x.to(dtype)
         net.train()
         opt = _optimizer(optimizer, net.parameters())
-        with profile(net, opt, mode=mode) as prof:
+        with profile(net, opt, mode=mode, alloc_conf=conf) as prof:
             for i in range(steps):
                 tick(i + 1, steps + 1, f"training step {i + 1} of {steps}")
                 with torch.autocast(dev.type, dtype=amp) if amp else contextlib.nullcontext():

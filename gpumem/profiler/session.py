@@ -34,6 +34,8 @@ from typing import Any
 import torch
 
 from gpumem._assumptions import listen, unlisten
+from gpumem.allocator.alloc_conf import AllocConf, NotSimulated
+from gpumem.allocator.alloc_conf import resolve as resolve_alloc_conf
 from gpumem.profiler import cuda, fsdp_tp
 from gpumem.profiler.categories import (
     ACTIVATIONS,
@@ -62,6 +64,7 @@ from gpumem.profiler.records import (
     ancestors,
 )
 from gpumem.profiler.report import Report, build_report
+from gpumem.profiler.reserved import simulated_reserved
 from gpumem.profiler.tracker import Entry, StorageTracker, storages_of, tensors_in, views_of
 
 _graph_task_id = torch._C._current_graph_task_id
@@ -91,6 +94,7 @@ class Profile:
         snapshot: str | None = None,
         timeline: bool = True,
         mode: str = "exact",
+        alloc_conf: str | AllocConf | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(
@@ -129,6 +133,20 @@ class Profile:
         self._sync = self._boundary if self.light else self._after_op
         self.tracker = StorageTracker(self._context, self._sync, self._where)
         self.tracker.on_comm = self._comm_changed
+        # exact mode: every allocation and free, for the caching allocator simulator
+        self.alloc_conf: AllocConf | None = None
+        self._conf_note = ""
+        try:
+            self.alloc_conf = resolve_alloc_conf(alloc_conf)
+        except NotSimulated as exc:
+            if alloc_conf is not None:  # the caller asked for a simulation of it
+                raise
+            # the environment's valid setting the simulator does not reproduce (torch's
+            # backend:cudaMallocAsync) must not stop a profile: no reserved figure, said so
+            self._conf_note = f"peak_reserved_bytes not simulated: {exc}"
+        if not self.light and self.alloc_conf is not None:
+            self.tracker.alloc_log = []
+        self._reserved: tuple[int, dict[str, Any]] | None = None  # (log length, figures)
         # FSDP2 units, found on entry; the units gathering or reducing now (innermost last); the
         # entries of unsharded parameters (never activations)
         self.fsdp_units: list[fsdp_tp.Unit] = []
@@ -143,7 +161,7 @@ class Profile:
         self.steps: list[StepAcc] = [StepAcc(0)]
         self.peak = PeakRecord()
         self.weights: dict[str, int] = {}
-        self.assumptions: list[str] = []
+        self.assumptions: list[str] = [self._conf_note] if self._conf_note else []
         self.error: str | None = None
         self.device_types: set[str] = set()
         self.allocator: Any = None
@@ -290,7 +308,16 @@ class Profile:
             allocator=dict(self.allocator.summary)
             if self.allocator is not None and self.allocator.summary
             else None,
+            reserved=self._simulated_reserved(),
         )
+
+    def _simulated_reserved(self) -> dict[str, Any] | None:
+        log = self.tracker.alloc_log
+        if log is None or self.alloc_conf is None:
+            return None
+        if self._reserved is None or self._reserved[0] != len(log):
+            self._reserved = (len(log), simulated_reserved(log, self.alloc_conf))
+        return dict(self._reserved[1])
 
     def probe_view(self) -> ProbeView:
         """What the CUDA allocator probe reads at a boundary: running frames, phase, step."""

@@ -121,6 +121,7 @@ class Entry:
         "category",
         "device",
         "died",
+        "hid",
         "key",
         "module",
         "nbytes",
@@ -136,6 +137,7 @@ class Entry:
         self.died: int | None = None  # event counter at free
         self.ref: weakref.ref | None = None
         self.key = 0  # id() of the storage: the key in StorageTracker.entries
+        self.hid = -1  # its handle in StorageTracker.alloc_log (-1: not logged)
 
 
 class StorageTracker(TorchDispatchMode):
@@ -168,6 +170,11 @@ class StorageTracker(TorchDispatchMode):
         self._where = where
         self.on_new: Callable[[Entry], None] | None = None
         self.on_comm: Callable[[Entry, int], None] | None = None
+        # when a list: every storage's allocation and free in order, for the caching allocator
+        # simulator (gpumem.allocator): (handle, bytes, device type) on allocation, (handle, -1,
+        # "") on free; a resize is an allocation of the new size, then the free of the old
+        self.alloc_log: list[tuple[int, int, str]] | None = None
+        self._next_hid = 0
         # not counted while set: our own bookkeeping ops (the saved-tensor detach), and DTensor's
         # sharding propagation (shape inference on fake tensors, of our own mode under fake())
         self.paused = False
@@ -210,6 +217,11 @@ class StorageTracker(TorchDispatchMode):
         self.level += n
         self.by_category[category] += n
         self.by_device[device_type] = self.by_device.get(device_type, 0) + n
+        log = self.alloc_log
+        if log is not None:
+            e.hid = hid = self._next_hid
+            self._next_hid = hid + 1
+            log.append((hid, n, device_type))
         if category == COMMUNICATION and self.on_comm is not None:
             self.on_comm(e, n)
         if self.on_new is not None:
@@ -230,6 +242,8 @@ class StorageTracker(TorchDispatchMode):
         self.level -= e.nbytes
         self.by_category[e.category] -= e.nbytes
         self.by_device[e.device] -= e.nbytes
+        if e.hid >= 0 and self.alloc_log is not None:
+            self.alloc_log.append((e.hid, -1, ""))
         if e.category == COMMUNICATION and self.on_comm is not None:
             self.on_comm(e, -e.nbytes)
 
@@ -254,6 +268,12 @@ class StorageTracker(TorchDispatchMode):
         if n != e.nbytes and e.died is None:
             d = n - e.nbytes
             e.nbytes = n
+            log = self.alloc_log
+            if log is not None and e.hid >= 0:  # a new buffer, the data copied, the old freed
+                old, e.hid = e.hid, self._next_hid
+                self._next_hid += 1
+                log.append((e.hid, n, e.device))
+                log.append((old, -1, ""))
             self.level += d
             self.by_category[e.category] += d
             self.by_device[e.device] += d

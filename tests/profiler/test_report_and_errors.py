@@ -72,7 +72,9 @@ def test_json_roundtrip_markdown_table_trace_and_plot(tmp_path):
     with pytest.raises(ValueError, match="schema_version"):
         Report.from_dict({**d, "schema_version": 99})
     table = rep.table()
-    assert "activations" in table.splitlines()[len(rep.steps) + 3]
+    # headline, at peak, one line per step, the simulated reserved line, a blank, the columns
+    assert table.splitlines()[len(rep.steps) + 2].startswith("reserved (simulated caching")
+    assert "activations" in table.splitlines()[len(rep.steps) + 4]
     assert f"({rep.peak_bytes} B)" in table and "KiB" in table
     md = rep.to_markdown()
     assert md.startswith("### Memory profile: Sequential") and "| `0` |" in md

@@ -9,6 +9,15 @@ from __future__ import annotations
 from typing_extensions import assert_type
 
 import gpumem
+from gpumem.allocator import (
+    AllocConf,
+    CachingAllocatorSim,
+    ReplayResult,
+    SimResult,
+    Trace,
+    replay_snapshot,
+    simulate,
+)
 from gpumem.checkpoint import Checkpointer, SaveStats
 from gpumem.dcp import StorageReader
 from gpumem.estimator import Bill, Layout
@@ -30,6 +39,17 @@ def public_api(model: object, optimizer: object) -> None:
     assert_type(prof, Profile)
     assert_type(prof.report(), Report)
     assert_type(prof.report().peak_bytes, int)
+    assert_type(prof.report().peak_reserved_bytes, int | None)
+    assert_type(gpumem.profile(model, alloc_conf="expandable_segments:True"), Profile)
+    sim = simulate([("alloc", 0, 512), ("free", 0)], "expandable_segments:True")
+    assert_type(sim, SimResult)
+    assert_type(sim.peak_reserved, int)
+    assert_type(sim.fragmentation, int)
+    trace = Trace()
+    assert_type(trace.alloc(4096), int)
+    assert_type(trace.simulate(AllocConf.parse("max_split_size_mb:256")), SimResult)
+    assert_type(CachingAllocatorSim(capacity=80 << 30).empty_cache(), int)
+    assert_type(replay_snapshot("snapshot.pickle"), ReplayResult)
     reports = gather(prof.report())
     assert_type(reports, list[Report] | None)
     if reports is not None:
