@@ -297,7 +297,7 @@ def _stream_file(
             parts += [(g, min(window, off - g), -1) for g in range(end, off, window)]
             end = max(end, off + length)
     parts.sort()
-    buf = _host_bytes(min(window, max((n for _, n, _ in parts), default=0)), file)
+    buf = _host_bytes(min(window, sum(n for _, n, _ in parts)), file)
     batch: list[tuple[int, int, int]] = []
     used = 0
     for part in [*parts, (0, -1, 0)]:  # a sentinel flushes the last batch
