@@ -21,6 +21,8 @@ framework     conventions (sources in docs/estimator.md)
               (a layer) unsharded, the next one prefetched, one group's gradients unsharded before
               their reduce-scatter. Context parallelism: all-gather of K and V (torchtitan's
               default rotate method).
+``torchtitan`` torchtitan's Llama recipe on FSDP2: its modules, SAC policies, loss and FSDP units
+              (``torchtitan.py``); the peak terms are its own.
 ``torch``     plain DDP: ``gradient_as_bucket_view=False`` (the default) keeps a flat bucket
               buffer beside ``.grad`` for every gradient (one gradient-size copy) when more than
               one data-parallel rank reduces. Context parallelism as fsdp2.
@@ -34,13 +36,14 @@ from __future__ import annotations
 
 from gpumem.estimator.layout import Layout
 
-FRAMEWORKS = ("megatron", "deepspeed", "fsdp2", "torch")
+FRAMEWORKS = ("megatron", "deepspeed", "fsdp2", "torchtitan", "torch")
 DEEPSPEED_BUCKET = 500_000_000  # reduce_bucket_size / allgather_bucket_size default (elements)
 # what each framework accepts, in the words of the error message
 _ALLOWED = {
     "megatron": "zero 0 or 1 (1 = the distributed optimizer), no fsdp",
     "deepspeed": "zero 0-3, no fsdp",
     "fsdp2": "fsdp='full' or 'hybrid' (zero 0)",
+    "torchtitan": "fsdp='full' or 'hybrid' (zero 0), no pp",
     "torch": "zero 0, no fsdp (plain DDP)",
 }
 
@@ -70,10 +73,13 @@ def resolve_framework(framework: str | None, layout: Layout) -> str:
         "megatron": layout.zero in (0, 1) and not layout.fsdp,
         "deepspeed": not layout.fsdp,
         "fsdp2": bool(layout.fsdp),
+        "torchtitan": bool(layout.fsdp) and layout.pp == 1,
         "torch": layout.zero == 0 and not layout.fsdp,
     }[fw]
     if not ok:
         got = f"fsdp={layout.fsdp!r}" if layout.fsdp else f"zero={layout.zero}"
+        if fw == "torchtitan" and layout.fsdp:
+            got = f"pp={layout.pp}"
         raise ValueError(
             f"framework={fw!r} does not run {got}: {fw} takes {_ALLOWED[fw]}; "
             f"for {got} use framework={default_framework(layout)!r}"

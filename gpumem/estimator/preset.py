@@ -12,7 +12,7 @@ from typing import Any
 
 from gpumem.estimator import activations as act
 from gpumem.estimator import backward as bwd
-from gpumem.estimator import hf_ops, inputs, peak
+from gpumem.estimator import hf_ops, inputs, peak, torchtitan
 from gpumem.estimator.bill import Bill, make_bill
 from gpumem.estimator.frameworks import cp_exchange_bytes, default_fused_ops
 from gpumem.estimator.gpus import GPU
@@ -466,6 +466,7 @@ def estimate_preset(
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
     check_moe_args(spec, moe_imbalance, moe_dispatcher, moe_grouped_gemm)
     check_fused_ops(fused_ops)
+    torchtitan.check_recompute(recompute, framework)
     terms = PresetTerms(
         spec,
         training,
@@ -483,10 +484,32 @@ def estimate_preset(
         None if fused_ops is None else tuple(fused_ops),
     )
     stages = list(range(layout.pp))
+    if framework == "torchtitan":
+        if spec.arch != "llama" or spec.is_moe:
+            raise ValueError(
+                f"framework='torchtitan' models torchtitan's dense Llama; got {spec.name!r} "
+                f"({spec.arch}{', MoE' if spec.is_moe else ''})"
+            )
+        if grad_accum != 1:
+            raise ValueError("framework='torchtitan' models one micro-batch per step: grad_accum=1")
+        rows = [
+            torchtitan.terms(
+                spec,
+                training,
+                layout,
+                gpu,
+                batch=batch_size,
+                seq=seq,
+                recompute=recompute,
+                cuda=device == "cuda",
+            )
+        ]
+    else:
+        rows = terms.terms(layout, batch_size, recompute, grad_accum, persistent_grads, stages)
     return make_bill(
         spec,
         spec.n_params,
-        terms.terms(layout, batch_size, recompute, grad_accum, persistent_grads, stages),
+        rows,
         stages,
         layout=layout,
         training=training,

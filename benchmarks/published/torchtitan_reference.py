@@ -1,0 +1,228 @@
+"""The reference for the estimator's ``framework="torchtitan"`` recipe: torchtitan's own Llama 3
+model, its own activation-checkpointing and FSDP2 code, one rank of the job on torch's fake
+process group, one training step profiled under fake tensors (``gpumem.profile``).
+
+What is torchtitan's (0.3.0, read in site-packages):
+
+- the model: ``torchtitan.models.llama3`` (``Llama3Model``, fused ``wqkv``, complex RoPE,
+  ``nn.RMSNorm``, SwiGLU ``w2(silu(w1 x) * w3 x)``), built from the same config as ``_8b`` /
+  ``_70b`` (``models/llama3/__init__.py``) with ``rope.max_seq_len`` set to the training
+  sequence, as ``Decoder.Config.update_from_config`` does;
+- activation checkpointing: ``SelectiveAC`` (per-op SAC: save the outputs of the partitioner's
+  compute-intensive ops and its extra list, recompute every second mm) and ``FullAC``
+  (``distributed/activation_checkpoint.py``); layer SAC (``selective_ac_option`` = N in
+  torchtitan before 0.3) as that code did: ``FullAC`` on every N-th block;
+- FSDP2: ``apply_fsdp_to_decoder`` (``distributed/fsdp.py``): bf16 params, fp32 reduce, the
+  embedding and each block resharded after forward, ``[norm, lm_head]`` not, the root;
+- the step: ``Trainer._forward_backward_body`` (``trainer.py``): ``pred = model(tokens)``,
+  ``cross_entropy_loss`` (``components/loss.py``: ``pred.flatten(0, 1).float()``, sum) over
+  the global token count, ``del pred``, ``loss.backward()``, then ``clip_grad_norm_`` and the
+  fused AdamW (``OptimizersContainer``'s default ``implementation="fused"``).
+
+Deviations, each to make a CPU fake run save what the CUDA run saves:
+
+- attention: torchtitan 0.3.0's language models use FlexAttention (compiled; it cannot run on
+  fake CPU tensors). The published runs used SDPA, whose CUDA flash kernel saves q, k, v, the
+  output and the fp32 log-sum-exp, as Flex does (plus its small block mask). The reference
+  calls ``aten._scaled_dot_product_flash_attention`` (the op CUDA SDPA dispatches to; it is in
+  the SAC save list through ``compute_intensive_ops``) directly on the fake tensors, with the
+  un-repeated K/V heads (flash supports GQA). On CPU SDPA would pick
+  ``_scaled_dot_product_flash_attention_for_cpu``, which is not in the save list.
+- the loss: 0.3.0's llama3 recipes wrap it in ``ChunkedLossWrapper``; the published runs (and
+  the default ``CrossEntropyLoss``) compute it on the whole logits. The reference does the
+  latter.
+- no torch.compile, no float8 (neither runs on fake CPU tensors).
+
+    python benchmarks/published/torchtitan_reference.py --flavor 8B --world 8 --batch 2 \
+        --seq 8192 --ac selective
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any
+
+import torch
+from torch import nn
+
+import gpumem
+from gpumem.profiler import fake_process_group
+
+FLAVORS = {
+    # dim, layers, heads, kv heads, ffn multiplier, multiple_of (models/llama3/__init__.py)
+    "8B": (4096, 32, 32, 8, 1.3, 1024),
+    "70B": (8192, 80, 64, 8, 1.3, 4096),
+}
+VOCAB = 128256
+
+
+class FlashSDPA(nn.Module):
+    """torchtitan's ``ScaledDotProductAttention`` (causal, ``(B, L, N, H)`` in and out) as the
+    CUDA run executes it: the flash kernel on the transposed views, GQA without repeating K/V."""
+
+    def forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, **kw):
+        out = torch.ops.aten._scaled_dot_product_flash_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, True, False, scale=scale
+        )[0]
+        return out.transpose(1, 2)
+
+
+def model_config(
+    dim: int,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int,
+    ffn_dim_multiplier: float | None,
+    multiple_of: int,
+    vocab: int,
+    seq_len: int,
+) -> Any:
+    """A ``Llama3Model.Config`` built as torchtitan's ``_8b`` builds its own."""
+    from torchtitan.models.common import (
+        ComplexRoPE,
+        Embedding,
+        Linear,
+        RMSNorm,
+        compute_ffn_hidden_dim,
+    )
+    from torchtitan.models.llama3 import _build_llama3_layers
+    from torchtitan.models.llama3.model import Llama3Model
+
+    return Llama3Model.Config(
+        dim=dim,
+        vocab_size=vocab,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim),
+        norm=RMSNorm.Config(normalized_shape=dim),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab),
+        layers=_build_llama3_layers(
+            fuse_qkv=True,
+            n_layers=n_layers,
+            dim=dim,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            hidden_dim=compute_ffn_hidden_dim(
+                dim, multiple_of=multiple_of, ffn_dim_multiplier=ffn_dim_multiplier
+            ),
+            # the trainer sets the RoPE cache to the training sequence (update_from_config)
+            rope=ComplexRoPE.Config(
+                dim=dim // n_heads, max_seq_len=seq_len, theta=500000, scaling="llama"
+            ),
+            attn_backend="flex",
+        ),
+    )
+
+
+def _apply_ac(model: nn.Module, ac: str) -> None:
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    if ac == "none":
+        return
+    if ac == "full":
+        FullAC.Config().build(dump_folder="").apply(model)
+    elif ac == "selective":
+        SelectiveAC.Config().build(dump_folder="").apply(model)
+    else:  # layer SAC every N blocks (torchtitan < 0.3: ptd_checkpoint_wrapper on every N-th)
+        n = int(ac)
+        policy = FullAC.Config().build(dump_folder="")
+        layers = model.get_submodule("layers")
+        for i, (name, block) in enumerate(list(layers.named_children())):
+            if (i + 1) % n == 0:
+                layers.register_module(name, policy._wrap_block(block))
+
+
+@dataclasses.dataclass
+class Result:
+    peak_bytes: int
+    at_peak: dict[str, int | None]
+    peak_phase: str
+    steps: list[int]
+
+
+def profile_step(
+    *,
+    dim: int,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int,
+    ffn_dim_multiplier: float | None,
+    multiple_of: int,
+    vocab: int = VOCAB,
+    world: int,
+    batch: int,
+    seq: int,
+    ac: str,
+    steps: int = 2,
+) -> Result:
+    """Per-rank peak allocated bytes of ``steps`` torchtitan training steps (rank 0 of
+    ``world`` FSDP ranks), on fake CPU tensors."""
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+    from torchtitan.models.llama3.model import Llama3Model
+
+    cfg = model_config(
+        dim, n_layers, n_heads, n_kv_heads, ffn_dim_multiplier, multiple_of, vocab, seq
+    )
+    with fake_process_group(world) as mesh, gpumem.fake():
+        model = Llama3Model(cfg)
+        for block in model.layers.values():
+            block.attention.inner_attention = FlashSDPA()
+        _apply_ac(model, ac)
+        apply_fsdp_to_decoder(
+            model,
+            mesh,
+            param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32,
+            pp_enabled=False,
+        )
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True
+        )
+        tokens = torch.randint(0, vocab, (batch, seq))
+        labels = torch.randint(0, vocab, (batch, seq))
+        n_tokens = torch.tensor(batch * seq * world)
+
+        def step() -> None:
+            opt.zero_grad()
+            pred = model(tokens)
+            loss = cross_entropy_loss(pred, labels) / n_tokens
+            del pred
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+            opt.step()
+
+        with gpumem.profile(model, opt) as prof:
+            for _ in range(steps):
+                step()
+        rep = prof.report()
+    return Result(rep.peak_bytes, dict(rep.at_peak), rep.peak_phase, [s.peak for s in rep.steps])
+
+
+def profile_flavor(flavor: str, **kw: Any) -> Result:
+    dim, n_layers, n_heads, n_kv, mult, multiple_of = FLAVORS[flavor]
+    return profile_step(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        ffn_dim_multiplier=mult,
+        multiple_of=multiple_of,
+        **kw,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--flavor", default="8B", choices=sorted(FLAVORS))
+    ap.add_argument("--world", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--ac", default="selective", help="none, selective, full or N (layer SAC)")
+    args = ap.parse_args()
+    r = profile_flavor(args.flavor, world=args.world, batch=args.batch, seq=args.seq, ac=args.ac)
+    print(json.dumps(dataclasses.asdict(r), indent=1))
+
+
+if __name__ == "__main__":
+    main()

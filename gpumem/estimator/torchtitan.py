@@ -1,0 +1,231 @@
+"""torchtitan's conventions: what its Llama training step keeps, as peak terms.
+
+torchtitan (0.3.0, ``torchtitan/``) differs from what ``hf_ops.py`` follows (transformers'
+modules, Megatron's recompute) in every part that decides the peak:
+
+- **Modules** (``models/common/``): ``nn.RMSNorm`` on the bf16 stream runs the composite
+  ``rms_norm`` (``x.float()``, ``pow``, ``mean``, ``rsqrt``, two ``mul``, a cast back), which
+  saves the fp32 input, the fp32 rstd and the fp32 normalised product (8 B per element, plus 4 B
+  per row); one fused ``wqkv`` matmul (``attention.py``: ``FusedQKVLinear``) whose q, k and v
+  are copies; complex RoPE (``rope.py``: ``view_as_complex(x.float()) * freqs_cis``) saves
+  nothing (the cache needs no grad) and casts q and k back; SDPA with ``enable_gqa`` (no repeated
+  K/V) saves q, k, v, the output and the fp32 log-sum-exp; SwiGLU ``w2(silu(w1 x) * w3 x)``
+  (``feed_forward.py``) saves four ffn-wide tensors. The RoPE cache is a complex64 buffer per
+  layer, ``seq · head_dim / 2`` entries (the trainer sizes it to the training sequence).
+- **Activation checkpointing** (``distributed/activation_checkpoint.py``), by torchtitan's own
+  names: ``selective`` = per-op SAC (``selective:op``): every op of a block is recomputed except
+  those in its save list, whose outputs are cached: of the five matmuls (``wqkv``, ``wo``,
+  ``w1``, ``w3``, ``w2``) every second one is recomputed (``wqkv``, ``w1``, ``w2`` saved), the
+  flash attention's outputs are saved, and so is the block's input (the checkpoint's argument);
+  ``selective:N`` = layer SAC (torchtitan before 0.3, ``selective_ac_option=N``): every N-th
+  block fully recomputed, the others not at all; ``full``: only block inputs; ``none``.
+- **The loss** (``components/loss.py``, ``trainer.py``): ``cross_entropy(pred.flatten(0, 1)
+  .float(), sum)``; the trainer drops ``pred`` before ``backward`` (``del pred``), so only
+  log-softmax's fp32 output is held; its backward holds that, nll's fp32 gradient and
+  log-softmax's fp32 gradient at once (12 B per logit: the start-of-backward peak).
+- **FSDP2** (``distributed/fsdp.py``, ``apply_fsdp_to_decoder``): fp32 sharded parameters are
+  the master weights (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), so a rank
+  keeps 4 B weights + 4 B gradients + 8 B AdamW state per parameter over the shard degree; the
+  embedding and every block reshard after forward, the ``[norm, lm_head]`` unit does not
+  (``reshard_after_forward_policy == "always"`` only), so its bf16 copy stays gathered from its
+  forward to its backward. The fused AdamW (``implementation="fused"``) allocates nothing.
+
+Not modelled (left for later): torch.compile (Inductor fuses and re-plans what is saved), float8
+(``torchao``), the chunked loss of 0.3.0's recipes (``ChunkedLossWrapper``), pipeline
+parallelism. Tensor parallelism follows torchtitan's sequence-parallel plan and its
+loss-parallel cross-entropy by rule (block inputs and norms sequence-sharded, heads and ffn
+split, vocabulary split); it is not checked against a profile.
+"""
+
+from __future__ import annotations
+
+from gpumem.estimator import peak
+from gpumem.estimator.gpus import GPU
+from gpumem.estimator.layout import Layout
+from gpumem.estimator.specs import ModelSpec
+from gpumem.estimator.states import Training
+
+RECOMPUTE = ("none", "selective", "selective:op", "selective:N", "full")
+"""torchtitan's activation checkpointing, by its names (``selective:N``: N an integer >= 1)."""
+_BF16 = 2
+
+
+def layer_sac_every(recompute: str) -> int:
+    """N of a torchtitan policy: 0 for per-op SAC / none / full, N for ``selective:N``.
+
+    Raises:
+        ValueError: a policy torchtitan does not have, naming the valid ones.
+    """
+    if recompute in ("none", "full", "selective", "selective:op"):
+        return 0
+    if recompute.startswith("selective:"):
+        tail = recompute.split(":", 1)[1]
+        if tail.isdigit() and int(tail) >= 1:
+            return int(tail)
+    raise ValueError(
+        f"recompute={recompute!r} is not a torchtitan policy; framework='torchtitan' takes "
+        f"{', '.join(RECOMPUTE)}"
+    )
+
+
+def check_recompute(recompute: str, framework: str) -> None:
+    """A policy of torchtitan's under another framework, or another's under torchtitan: one
+    line naming both and the valid choices."""
+    if framework == "torchtitan":
+        layer_sac_every(recompute)
+    elif isinstance(recompute, str) and recompute.startswith("selective:"):
+        raise ValueError(
+            f"recompute={recompute!r} is torchtitan's SAC; framework={framework!r} takes none, "
+            "selective, full or every-K (use framework='torchtitan' for torchtitan's policies)"
+        )
+
+
+def _norm_saved(rows: int, h: int) -> int:
+    """Composite ``rms_norm`` on a 16-bit input: fp32 input, fp32 normalised, fp32 rstd."""
+    return 8 * rows * h + 4 * rows
+
+
+class Shapes:
+    """The per-rank sizes of one micro-batch (``n`` tokens on this rank, TP degree ``t``)."""
+
+    def __init__(self, spec: ModelSpec, layout: Layout, batch: int, seq: int) -> None:
+        t = layout.tp
+        self.t, self.b = t, batch
+        self.s = seq // layout.cp
+        self.n = batch * self.s
+        self.n_sp = self.n // t  # sequence-parallel rows (norms, block inputs) under TP
+        self.h, self.f, self.v = spec.hidden, spec.ffn // t, spec.vocab // t
+        self.q = spec.n_heads * spec.dhead // t
+        self.kv = spec.kv_heads * spec.dhead // t
+        self.heads = spec.n_heads // t
+
+    @property
+    def lse(self) -> int:
+        """Flash attention's fp32 log-sum-exp (b, heads, s) and its 16-byte RNG state."""
+        return self.b * self.heads * self.s * 4 + 16
+
+
+def layer_saved(sh: Shapes, policy: str) -> dict[str, int]:
+    """What one block keeps between its forward and its backward under ``policy`` (``none``,
+    ``op``, ``full``), by tensor."""
+    n, h, A = sh.n, sh.h, _BF16
+    block_in = sh.n_sp * h * A
+    if policy == "full":
+        return {"block_input": block_in}
+    if policy == "op":
+        # SAC's cache: wqkv (mm 1), w1 (mm 3), w2 (mm 5), flash out + lse; wo and w3 recomputed.
+        # Under TP the row-wise w2's partial sums are saved whole, and its reduce-scatter output
+        # (in the save list) as well.
+        w2 = n * h * A + (sh.n_sp * h * A if sh.t > 1 else 0)
+        return {
+            "block_input": block_in,
+            "wqkv_out": n * (sh.q + 2 * sh.kv) * A,
+            "w1_out": n * sh.f * A,
+            "w2_out": w2,
+            "attn_out": n * sh.q * A,
+            "attn_lse": sh.lse,
+        }
+    return {
+        "norms": 2 * _norm_saved(sh.n_sp, h),
+        # the matmuls' inputs: the (gathered) norm outputs, read by wqkv and by w1/w3
+        "norm_outs": 2 * n * h * A,
+        "q_k_v": n * (sh.q + 2 * sh.kv) * A,
+        "attn_out": n * sh.q * A,
+        "attn_lse": sh.lse,
+        # silu's input, its output, w3's output (the product's inputs), the product (w2's input)
+        "swiglu": 4 * n * sh.f * A,
+    }
+
+
+def mean_layer_saved(sh: Shapes, recompute: str, n_layers: int) -> float:
+    """Bytes per block averaged over the stage's blocks."""
+    every = layer_sac_every(recompute)
+    if every:
+        full = n_layers // every  # blocks i with (i + 1) % N == 0
+        none = sum(layer_saved(sh, "none").values())
+        inp = sum(layer_saved(sh, "full").values())
+        return ((n_layers - full) * none + full * inp) / n_layers
+    policy = {"selective": "op", "selective:op": "op"}.get(recompute, recompute)
+    return float(sum(layer_saved(sh, policy).values()))
+
+
+def head_saved(sh: Shapes) -> dict[str, int]:
+    """The final norm, the lm_head's input, log-softmax's fp32 output and nll's targets."""
+    return {
+        "final_norm": _norm_saved(sh.n_sp, sh.h),
+        "lm_head_input": sh.n * sh.h * _BF16,
+        "log_softmax": sh.n * sh.v * 4,
+        "targets": sh.n * 8 + 4,
+    }
+
+
+def block_params(spec: ModelSpec, t: int) -> int:
+    h, f = spec.hidden, spec.ffn
+    qkv = h * (spec.n_heads + 2 * spec.kv_heads) * spec.dhead
+    return (qkv + spec.n_heads * spec.dhead * h + 3 * h * f) // t + 2 * h
+
+
+def terms(
+    spec: ModelSpec,
+    training: Training,
+    layout: Layout,
+    gpu: GPU,
+    *,
+    batch: int,
+    seq: int,
+    recompute: str,
+    cuda: bool,
+) -> list[float]:
+    """The peak terms (``peak.py``) of one torchtitan rank.
+
+    The three moments: the start of backward (every block's saved tensors, the head's, and the
+    loss backward's two fp32 logits-sized gradients beside log-softmax's output, with the
+    ``[norm, lm_head]`` unit still gathered); the last block's backward (its recomputed tensors,
+    two blocks gathered and one block's unsharded gradients, the head's sharded gradients); the
+    optimizer step (all states).
+    """
+    if training.precision != "bf16-mixed":
+        raise ValueError(
+            f"framework='torchtitan' models its FSDP2 mixed precision (bf16 params, fp32 "
+            f"master/reduce): precision='bf16-mixed', got {training.precision!r}"
+        )
+    sh = Shapes(spec, layout, batch, seq)
+    t, L, h = layout.tp, spec.n_layers, spec.hidden
+    head_params = (spec.vocab * h) // t + h
+    embed_params = 0 if spec.tied_embeddings else (spec.vocab * h) // t
+    blk = block_params(spec, t)
+    x = [0.0] * peak.N_TERMS
+    # FSDP2 mixed precision: the fp32 sharded parameter is the master; fp32 grads, AdamW m, v
+    x[peak.P_TRAIN] = L * blk + head_params + embed_params
+    x[peak.W_BYTES], x[peak.W_FROZEN_BYTES], x[peak.G_BYTES], x[peak.O_BYTES] = 4, 4, 4, 8
+    x[peak.N_SHARD] = x[peak.N_SHARD_EXP] = layout.shard_degree(gpu.gpus_per_node)
+    x[peak.STAGE] = 3
+    # the per-layer complex64 RoPE cache (seq · head_dim/2 · 8 B), not sharded
+    x[peak.W_BUFFERS] = L * seq * (spec.dhead // 2) * 8
+    x[peak.A_LAYER], x[peak.N_LAYERS], x[peak.INFLIGHT] = (
+        mean_layer_saved(sh, recompute, L),
+        L,
+        1.0,
+    )
+    x[peak.IDS] = sh.n * 8
+    x[peak.A_FIRST] = x[peak.IDS]
+    head = head_saved(sh)
+    x[peak.A_LAST] = sum(head.values())
+    # loss backward: nll_loss's fp32 gradient and log_softmax's, beside its saved output
+    x[peak.T_BWD0] = 2 * sh.n * sh.v * 4
+    # the [norm, lm_head] unit is not resharded after forward: gathered (bf16) until backward
+    x[peak.GATHER] = head_params * _BF16
+    # the last block's backward ("backward end" row): the head's sharded grads exist; the
+    # other blocks' saved tensors, this block's whole recomputed set, its incoming gradient
+    # and one ffn-wide gradient pair; two blocks gathered and one block's unsharded grads
+    x[peak.P_PEND] = L * blk + embed_params
+    none = sum(layer_saved(sh, "none").values())
+    x[peak.A_END] = (L - 1) * x[peak.A_LAYER] + none - x[peak.A_FIRST]
+    x[peak.T_LAYER] = (
+        sh.n_sp * h * _BF16 + 2 * sh.n * sh.f * _BF16 + 3 * blk * _BF16 - head_params * _BF16
+    )
+    if cuda:
+        x[peak.CONTEXT] = gpu.context_bytes
+        x[peak.NCCL] = gpu.nccl_bytes if layout.n_gpus > 1 else 0
+        x[peak.FRAG] = gpu.fragmentation
+    return x
