@@ -1,0 +1,158 @@
+"""``framework="torchtitan"``: torchtitan's recipe against a fake profile of torchtitan's own
+model (``benchmarks/published/torchtitan_reference.py``), and its rules on a hand computation.
+
+The reference tests need torchtitan (``pip install --no-deps torchtitan==0.3.0`` and its small
+imports: spmd_types, tyro); the others run without it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import gpumem
+from gpumem.estimator.specs import ModelSpec
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "published"
+
+# a shrunken torchtitan Llama: dim 256, 4 blocks, 8 heads (2 KV heads), ffn of _8b's rule
+# (compute_ffn_hidden_dim(256, multiple_of=256, ffn_dim_multiplier=1.3) = 768), vocab 8192
+# (vocab / dim = 32, as Llama 3 8B's 128256 / 4096), batch 2 × 512
+TINY = {
+    "dim": 256,
+    "n_layers": 4,
+    "n_heads": 8,
+    "n_kv_heads": 2,
+    "ffn_dim_multiplier": 1.3,
+    "multiple_of": 256,
+    "vocab": 8192,
+}
+FFN, BATCH, SEQ = 768, 2, 512
+
+
+def tiny_spec(vocab: int = 8192) -> ModelSpec:
+    return ModelSpec(
+        name="titan-tiny",
+        arch="llama",
+        n_layers=4,
+        hidden=256,
+        n_heads=8,
+        n_kv_heads=2,
+        ffn=FFN,
+        vocab=vocab,
+        max_seq=SEQ,
+    )
+
+
+def allocated(bill: gpumem.Bill) -> int:
+    return sum(v for k, v in bill.per_gpu.items() if k not in ("overhead", "total"))
+
+
+def estimate(recompute: str, world: int, **kw) -> gpumem.Bill:
+    return gpumem.estimate(
+        kw.pop("spec", tiny_spec()),
+        batch_size=BATCH,
+        seq_len=SEQ,
+        framework="torchtitan",
+        recompute=recompute,
+        layout=gpumem.Layout(dp=world, fsdp="full"),
+        device="cpu",
+        **kw,
+    )
+
+
+# --- the rules, by hand (no torchtitan needed) ------------------------------------------------
+
+
+def test_start_of_backward_by_hand() -> None:
+    """Per-op SAC, 2 ranks: the states, every block's SAC cache and input, the head's saved
+    tensors, the loss backward's two fp32 logits gradients and the gathered [norm, lm_head]."""
+    n, h, f, v, kv, L, N = BATCH * SEQ, 256, FFN, 8192, 64, 4, 2
+    block = h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h
+    params = L * block + 2 * v * h + h
+    states = params * (4 + 8) // N  # fp32 sharded master weights + AdamW m, v
+    rope = L * SEQ * (32 // 2) * 8  # complex64 cache per block
+    lse = BATCH * 8 * SEQ * 4 + 16
+    per_block = 2 * n * h + 2 * n * (h + 2 * kv) + 2 * n * f + 2 * n * h + 2 * n * h + lse
+    head = (8 * n * h + 4 * n) + 2 * n * h + 4 * n * v + (8 * n + 4)
+    expected = states + rope + L * per_block + 8 * n + head + 8 * n * v + (v * h + h) * 2
+    bill = estimate("selective", 2)
+    assert bill.phase == "backward start"
+    assert allocated(bill) == expected
+
+
+def test_policies_order_and_layer_sac_by_hand() -> None:
+    """none > selective:2 > selective > full, and layer SAC every 2 is the mean of none and
+    full blocks."""
+    peaks = {r: allocated(estimate(r, 1)) for r in ("none", "selective:2", "selective", "full")}
+    assert peaks["none"] > peaks["selective:2"] > peaks["selective"] > peaks["full"]
+    assert peaks["selective:2"] - peaks["full"] == (peaks["none"] - peaks["full"]) // 2
+    assert allocated(estimate("selective:op", 1)) == peaks["selective"]
+
+
+def test_llama3_8b_table1_equals_recorded_reference() -> None:
+    """Table 1 (8B, FSDP 8, 2 × 8192, per-op SAC): the fake profile of torchtitan's model
+    (benchmarks/results/torchtitan_reference.md) was 73,544,711,828 bytes."""
+    bill = gpumem.estimate(
+        "llama-3.1-8b",
+        batch_size=2,
+        seq_len=8192,
+        framework="torchtitan",
+        recompute="selective",
+        layout=gpumem.Layout(dp=8, fsdp="full"),
+    )
+    assert abs(allocated(bill) / 73_544_711_828 - 1) < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"framework": "megatron", "recompute": "selective:op"}, ("torchtitan", "megatron")),
+        ({"framework": "torchtitan", "recompute": "every-2"}, ("torchtitan", "selective:N")),
+        ({"framework": "torchtitan", "recompute": "selective:0"}, ("torchtitan", "full")),
+        ({"framework": "torchtitan", "precision": "bf16"}, ("torchtitan", "bf16-mixed")),
+    ],
+)
+def test_bad_recipe_is_one_line(kwargs: dict, words: tuple[str, ...]) -> None:
+    layout = gpumem.Layout(dp=8, fsdp="full") if kwargs["framework"] == "torchtitan" else None
+    kwargs.setdefault("recompute", "none")
+    with pytest.raises(ValueError) as e:
+        gpumem.estimate("llama-3.1-8b", batch_size=1, seq_len=1024, layout=layout, **kwargs)
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_torchtitan_needs_fsdp_and_no_pp() -> None:
+    with pytest.raises(ValueError, match="torchtitan"):
+        gpumem.estimate("llama-3.1-8b", framework="torchtitan", layout=gpumem.Layout(dp=8))
+    with pytest.raises(ValueError, match="pp=2"):
+        gpumem.estimate(
+            "llama-3.1-8b", framework="torchtitan", layout=gpumem.Layout(dp=4, pp=2, fsdp="full")
+        )
+
+
+# --- against torchtitan's own model, fake-profiled --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference():
+    pytest.importorskip("torchtitan")
+    sys.path.insert(0, str(BENCH))
+    try:
+        import torchtitan_reference
+    finally:
+        sys.path.remove(str(BENCH))
+    return torchtitan_reference
+
+
+@pytest.mark.parametrize("world", [1, 2, 8])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full", "selective:2"])
+def test_estimate_equals_fake_profile(reference, recompute: str, world: int) -> None:
+    ac = recompute.split(":")[1] if ":" in recompute else recompute
+    ref = reference.profile_step(**TINY, world=world, batch=BATCH, seq=SEQ, ac=ac)
+    bill = estimate(recompute, world)
+    assert ref.peak_phase == "backward" and bill.phase == "backward start"
+    # the flash attention's RNG state and the loss's scalars: a few hundred bytes
+    assert abs(allocated(bill) - ref.peak_bytes) < 512
