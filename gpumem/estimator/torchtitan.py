@@ -137,6 +137,24 @@ def layer_saved(sh: Shapes, policy: str) -> dict[str, int]:
     }
 
 
+def block_checkpointed(recompute: str, i: int) -> bool:
+    """Whether block i runs under a checkpoint (and so keeps its input)."""
+    every = layer_sac_every(recompute)
+    if every:
+        return (i + 1) % every == 0
+    return recompute != "none"
+
+
+def block_saved(sh: Shapes, recompute: str, i: int) -> int:
+    """Bytes block i keeps between forward and backward."""
+    every = layer_sac_every(recompute)
+    if every:
+        policy = "full" if (i + 1) % every == 0 else "none"
+    else:
+        policy = {"selective": "op", "selective:op": "op"}.get(recompute, recompute)
+    return sum(layer_saved(sh, policy).values())
+
+
 def mean_layer_saved(sh: Shapes, recompute: str, n_layers: int) -> float:
     """Bytes per block averaged over the stage's blocks."""
     every = layer_sac_every(recompute)
@@ -178,11 +196,12 @@ def terms(
 ) -> list[float]:
     """The peak terms (``peak.py``) of one torchtitan rank.
 
-    The three moments: the start of backward (every block's saved tensors, the head's, and the
-    loss backward's two fp32 logits-sized gradients beside log-softmax's output, with the
-    ``[norm, lm_head]`` unit still gathered); the last block's backward (its recomputed tensors,
-    two blocks gathered and one block's unsharded gradients, the head's sharded gradients); the
-    optimizer step (all states).
+    The moments: the start of backward, the wider of the loss's backward (every block's saved
+    tensors, the head's, and the loss backward's two fp32 logits-sized gradients beside
+    log-softmax's output, with the ``[norm, lm_head]`` unit still gathered) and the widest
+    moment of block L-1 or L-2; the end of backward (block 1 or 0, with every other gradient);
+    the optimizer step (all states). Checked to a few hundred bytes against the fake profile of
+    torchtitan's model (tests/estimator/test_torchtitan.py).
     """
     if training.precision != "bf16-mixed":
         raise ValueError(
@@ -215,15 +234,45 @@ def terms(
     x[peak.T_BWD0] = 2 * sh.n * sh.v * 4
     # the [norm, lm_head] unit is not resharded after forward: gathered (bf16) until backward
     x[peak.GATHER] = head_params * _BF16
-    # the last block's backward ("backward end" row): the head's sharded grads exist; the
-    # other blocks' saved tensors, this block's whole recomputed set, its incoming gradient
-    # and one ffn-wide gradient pair; two blocks gathered and one block's unsharded grads
-    x[peak.P_PEND] = L * blk + embed_params
+    # Inside a block's backward the widest moment is SwiGLU's product backward (``mul``): the
+    # block's whole saved set (recomputed under AC: temporaries in the profiler's view) less the
+    # product (released with w2's backward), the incoming gradient, w2's input gradient and the
+    # two ffn-wide gradients of the product's inputs. FSDP then holds the block's bf16 params,
+    # the previous unit's in backward order (block i-1) prefetched (not on a single rank), w2's
+    # unsharded bf16 gradient and the previous unit's fp32 reduce-scatter input (kept until the
+    # next unit reduces). Across the stack the saved bytes fall and the sharded gradients grow
+    # linearly, so the widest block is one of the ends: L-1 or L-2, 1 or 0.
+    n_shard = x[peak.N_SHARD]
     none = sum(layer_saved(sh, "none").values())
-    x[peak.A_END] = (L - 1) * x[peak.A_LAYER] + none - x[peak.A_FIRST]
-    x[peak.T_LAYER] = (
-        sh.n_sp * h * _BF16 + 2 * sh.n * sh.f * _BF16 + 3 * blk * _BF16 - head_params * _BF16
-    )
+    widest = sh.n_sp * h * _BF16 + 2 * sh.n * sh.f * _BF16
+    labels = sh.n * 8  # the step's label tensor, alive until the step ends
+
+    def moment(i: int) -> tuple[float, float, float, float]:
+        """Block i's widest backward moment: (sharded grads done, activations held by the
+        blocks below and by block i outside the moment's temporaries, block i's temporaries,
+        communication)."""
+        grads = 4 * (head_params + (L - 1 - i) * blk) / n_shard
+        below = sum(block_saved(sh, recompute, j) for j in range(i))
+        own = (sh.n_sp * h * _BF16 if block_checkpointed(recompute, i) else 0) + none
+        prev = head_params if i == L - 1 else blk
+        fetch = blk if i > 0 and n_shard > 1 else 0
+        comm = (blk + fetch) * _BF16 + prev * 4 + h * sh.f * _BF16
+        return grads, below + own, widest, comm
+
+    # start, the alternative to the loss: the last blocks' backward (the head's saved tensors
+    # gone but the labels, its sharded grads done, its unit resharded)
+    loss_moment = L * x[peak.A_LAYER] + x[peak.A_LAST] + x[peak.T_BWD0] + x[peak.GATHER]
+    g, acts, temp, comm = max((moment(i) for i in {L - 1, max(L - 2, 0)}), key=sum)
+    if g + acts + labels + temp + comm > loss_moment:
+        x[peak.G_START], x[peak.A_GONE] = g, x[peak.A_LAST] - labels
+        x[peak.T_BWD0] = acts + temp + comm - L * x[peak.A_LAYER] - x[peak.GATHER]
+    # end of backward: block 0 or 1 (every gradient but theirs and the embedding's)
+    i = max((0, min(1, L - 1)), key=lambda j: sum(moment(j)))
+    g, acts, temp, comm = moment(i)
+    x[peak.P_PEND] = embed_params + (i + 1) * blk
+    x[peak.A_END] = acts + labels
+    x[peak.T_LAYER] = temp + comm - x[peak.GATHER]
+    x[peak.T_STEP] = labels
     if cuda:
         x[peak.CONTEXT] = gpu.context_bytes
         x[peak.NCCL] = gpu.nccl_bytes if layout.n_gpus > 1 else 0
