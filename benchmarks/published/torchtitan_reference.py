@@ -40,15 +40,17 @@ Deviations, each to make a CPU fake run save what the CUDA run saves:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 import gpumem
-from gpumem.profiler import fake_process_group
 
 FLAVORS = {
     # dim, layers, heads, kv heads, ffn multiplier, multiple_of (models/llama3/__init__.py)
@@ -58,15 +60,68 @@ FLAVORS = {
 VOCAB = 128256
 
 
-class FlashSDPA(nn.Module):
-    """torchtitan's ``ScaledDotProductAttention`` (causal, ``(B, L, N, H)`` in and out) as the
-    CUDA run executes it: the flash kernel on the transposed views, GQA without repeating K/V."""
+def flash_forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, **kw):
+    """torchtitan's ``ScaledDotProductAttention.forward`` (causal, ``(B, L, N, H)`` in and out)
+    as the CUDA run executes it: the flash kernel on the transposed views, GQA without repeating
+    K/V. It replaces the inner attention's forward before ``parallelize``, so that torchtitan's
+    own sharding (``local_map`` of the inner attention under TP) wraps it."""
+    out = torch.ops.aten._scaled_dot_product_flash_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, True, False, scale=scale
+    )[0]
+    return out.transpose(1, 2)
 
-    def forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, **kw):
-        out = torch.ops.aten._scaled_dot_product_flash_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, True, False, scale=scale
-        )[0]
-        return out.transpose(1, 2)
+
+@contextlib.contextmanager
+def fake_job(dp: int, tp: int = 1, cp: int = 1) -> Iterator[Any]:
+    """torchtitan's ``ParallelDims`` (legacy ``partial_dtensor`` backend) over a fake process
+    group of ``dp · tp · cp`` ranks, this process rank 0.
+
+    A ``DeviceMesh`` holds real rank tensors: FSDP builds new meshes (the dp × tp mesh of a
+    TP-sharded parameter) inside the fake region, so mesh construction runs outside fake mode.
+    """
+    import torch.distributed as dist
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+    from torchtitan.distributed.utils import get_spmd_backend, set_spmd_backend
+
+    world = dp * tp * cp
+    init, mesh_fget = DeviceMesh.__init__, DeviceMesh.mesh.fget
+    device_type, backend = parallel_dims.device_type, get_spmd_backend()
+
+    def real_init(self, *a, **kw):
+        with unset_fake_temporarily():
+            init(self, *a, **kw)
+
+    def real_mesh(self):
+        with unset_fake_temporarily():
+            return mesh_fget(self)
+
+    DeviceMesh.__init__ = real_init  # type: ignore[method-assign]
+    DeviceMesh.mesh = property(real_mesh)  # type: ignore[method-assign,assignment]
+    parallel_dims.device_type = "cpu"  # torchtitan defaults to "cuda" without a device
+    set_spmd_backend("partial_dtensor")
+    with unset_fake_temporarily():
+        dist.init_process_group("fake", rank=0, world_size=world)
+    try:
+        dims = parallel_dims.ParallelDims(
+            dp_replicate=1,
+            dp_shard=dp,
+            cp=cp,
+            tp=tp,
+            pp=1,
+            ep=1,
+            world_size=world,
+            spmd_backend="partial_dtensor",
+        )
+        dims.build_mesh()
+        yield dims
+    finally:
+        dist.destroy_process_group()
+        DeviceMesh.__init__ = init  # type: ignore[method-assign]
+        DeviceMesh.mesh = property(mesh_fget)  # type: ignore[method-assign,assignment]
+        parallel_dims.device_type = device_type
+        set_spmd_backend(backend)
 
 
 def model_config(
@@ -153,25 +208,33 @@ def profile_step(
     batch: int,
     seq: int,
     ac: str,
+    tp: int = 1,
     steps: int = 2,
 ) -> Result:
     """Per-rank peak allocated bytes of ``steps`` torchtitan training steps (rank 0 of
-    ``world`` FSDP ranks), on fake CPU tensors."""
+    ``world`` FSDP ranks, each a group of ``tp`` tensor-parallel ranks with sequence
+    parallelism), on fake CPU tensors; ``batch`` is the local batch of an FSDP rank."""
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+    from torchtitan.distributed.utils import clip_grad_norm_
     from torchtitan.models.llama3.model import Llama3Model
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
     cfg = model_config(
         dim, n_layers, n_heads, n_kv_heads, ffn_dim_multiplier, multiple_of, vocab, seq
     )
-    with fake_process_group(world) as mesh, gpumem.fake():
+    set_llama3_sharding_config(cfg, enable_sp=True)  # Llama3Model.Config.update_from_config
+    with fake_job(world, tp) as dims, gpumem.fake():
         model = Llama3Model(cfg)
         for block in model.layers.values():
-            block.attention.inner_attention = FlashSDPA()
+            inner = block.attention.inner_attention
+            inner.forward = types.MethodType(flash_forward, inner)
+        if tp > 1:  # parallelize_llama: TP (model.parallelize), then AC, then FSDP
+            model.parallelize(dims)
         _apply_ac(model, ac)
         apply_fsdp_to_decoder(
             model,
-            mesh,
+            dims.get_mesh(["fsdp"]),
             param_dtype=torch.bfloat16,
             reduce_dtype=torch.float32,
             pp_enabled=False,
@@ -181,7 +244,7 @@ def profile_step(
         )
         tokens = torch.randint(0, vocab, (batch, seq))
         labels = torch.randint(0, vocab, (batch, seq))
-        n_tokens = torch.tensor(batch * seq * world)
+        n_tokens = torch.tensor(batch * seq * world)  # global valid tokens
 
         def step() -> None:
             opt.zero_grad()
@@ -189,7 +252,7 @@ def profile_step(
             loss = cross_entropy_loss(pred, labels) / n_tokens
             del pred
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+            clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
             opt.step()
 
         with gpumem.profile(model, opt) as prof:

@@ -114,17 +114,19 @@ def layer_saved(sh: Shapes, policy: str) -> dict[str, int]:
         return {"block_input": block_in}
     if policy == "op":
         # SAC's cache: wqkv (mm 1), w1 (mm 3), w2 (mm 5), flash out + lse; wo and w3 recomputed.
-        # Under TP the row-wise w2's partial sums are saved whole, and its reduce-scatter output
-        # (in the save list) as well.
-        w2 = n * h * A + (sh.n_sp * h * A if sh.t > 1 else 0)
-        return {
+        # Under TP the row-wise w2's partial sums are saved whole, and the reduce-scatter
+        # outputs of wo and w2 (reduce_scatter_tensor is in the save list) as well.
+        out = {
             "block_input": block_in,
             "wqkv_out": n * (sh.q + 2 * sh.kv) * A,
             "w1_out": n * sh.f * A,
-            "w2_out": w2,
+            "w2_out": n * h * A,
             "attn_out": n * sh.q * A,
             "attn_lse": sh.lse,
         }
+        if sh.t > 1:
+            out["reduce_scatter_outs"] = 2 * sh.n_sp * h * A
+        return out
     return {
         "norms": 2 * _norm_saved(sh.n_sp, h),
         # the matmuls' inputs: the (gathered) norm outputs, read by wqkv and by w1/w3
@@ -227,11 +229,17 @@ def terms(
         1.0,
     )
     x[peak.IDS] = sh.n * 8
-    x[peak.A_FIRST] = x[peak.IDS]
+    # under TP the vocab-parallel embedding saves its local indices and a bf16 mask
+    # (embedding.py: ``(input - offset).clamp(...)``, ``mask.to(out.dtype)``)
+    x[peak.A_FIRST] = x[peak.IDS] + (sh.n * 10 if t > 1 else 0)
     head = head_saved(sh)
     x[peak.A_LAST] = sum(head.values())
     # loss backward: nll_loss's fp32 gradient and log_softmax's, beside its saved output
     x[peak.T_BWD0] = 2 * sh.n * sh.v * 4
+    if t > 1:
+        # loss parallel (_LossParallelCrossEntropy.backward): zeros_like(log_probs), exp of it
+        # and their sum at once, and its int64/fp32/bool per-token bookkeeping
+        x[peak.T_BWD0] = 3 * sh.n * sh.v * 4 + 33 * sh.n
     # the [norm, lm_head] unit is not resharded after forward: gathered (bf16) until backward
     x[peak.GATHER] = head_params * _BF16
     # Inside a block's backward the widest moment is SwiGLU's product backward (``mul``): the
