@@ -209,12 +209,16 @@ def profile_step(
     seq: int,
     ac: str,
     tp: int = 1,
+    cp: int = 1,
     steps: int = 2,
 ) -> Result:
     """Per-rank peak allocated bytes of ``steps`` torchtitan training steps (rank 0 of
     ``world`` FSDP ranks, each a group of ``tp`` tensor-parallel ranks with sequence
-    parallelism), on fake CPU tensors; ``batch`` is the local batch of an FSDP rank."""
+    parallelism) and ``cp`` context-parallel ranks (torchtitan's FlexAttention CP: K and V
+    all-gathered along the sequence; FSDP then shards over ``world · cp``), on fake CPU tensors;
+    ``batch`` is the local batch of an FSDP rank, ``seq`` the whole sequence."""
     from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.distributed.context_parallel import apply_cp_to_forward
     from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
     from torchtitan.distributed.utils import clip_grad_norm_
     from torchtitan.models.llama3.model import Llama3Model
@@ -224,11 +228,13 @@ def profile_step(
         dim, n_layers, n_heads, n_kv_heads, ffn_dim_multiplier, multiple_of, vocab, seq
     )
     set_llama3_sharding_config(cfg, enable_sp=True)  # Llama3Model.Config.update_from_config
-    with fake_job(world, tp) as dims, gpumem.fake():
+    with fake_job(world, tp, cp) as dims, gpumem.fake():
         model = Llama3Model(cfg)
-        for block in model.layers.values():
-            inner = block.attention.inner_attention
+        inners = [block.attention.inner_attention for block in model.layers.values()]
+        for inner in inners:
             inner.forward = types.MethodType(flash_forward, inner)
+        if cp > 1:  # parallelize_llama: CP wraps the inner attention first
+            apply_cp_to_forward(inners, dims.get_mesh("cp"))
         if tp > 1:  # parallelize_llama: TP (model.parallelize), then AC, then FSDP
             model.parallelize(dims)
         _apply_ac(model, ac)
@@ -242,8 +248,9 @@ def profile_step(
         opt = torch.optim.AdamW(
             model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True
         )
-        tokens = torch.randint(0, vocab, (batch, seq))
-        labels = torch.randint(0, vocab, (batch, seq))
+        # each CP rank holds seq / cp tokens of every sequence
+        tokens = torch.randint(0, vocab, (batch, seq // cp))
+        labels = torch.randint(0, vocab, (batch, seq // cp))
         n_tokens = torch.tensor(batch * seq * world)  # global valid tokens
 
         def step() -> None:

@@ -4,8 +4,9 @@
 
 Published figures are peak *reserved* (torchtitan's ``max_reserved_gib``, with torch.compile
 and float8 where the table says so); both columns here are peak *allocated* of eager bf16 runs,
-so the published figure is context, not a target. Rows whose layout the fake reference cannot
-run (tensor and context parallelism) give the estimate alone.
+so the published figure is context, not a target. Every row runs on the fake group: tensor
+parallelism through torchtitan's ``ParallelDims`` and ``model.parallelize``, context parallelism
+through its ``apply_cp_to_forward`` (FlexAttention's K/V all-gather).
 
     python benchmarks/published/torchtitan_results.py [--only ROW]
 """
@@ -44,10 +45,6 @@ class Row:
     tp: int = 1
     cp: int = 1
     note: str = ""
-
-    @property
-    def referenced(self) -> bool:
-        return self.tp == 1 and self.cp == 1
 
 
 ROWS = [
@@ -91,20 +88,22 @@ def main() -> None:
         if args.only and args.only not in row.name:
             continue
         est, phase = estimate(row)
-        ref = ""
-        err = ""
-        secs = ""
-        if row.referenced:
-            t0 = time.perf_counter()
-            r = profile_flavor(
-                row.flavor, world=row.dp, batch=row.batch, seq=row.seq, ac=row.ac, steps=2
-            )
-            secs = f"{time.perf_counter() - t0:.0f}"
-            ref = f"{r.peak_bytes / GIB:.2f}"
-            err = f"{est / r.peak_bytes - 1:+.2%}"
+        t0 = time.perf_counter()
+        r = profile_flavor(
+            row.flavor,
+            world=row.dp,
+            batch=row.batch,
+            seq=row.seq,
+            ac=row.ac,
+            tp=row.tp,
+            cp=row.cp,
+        )
+        secs = f"{time.perf_counter() - t0:.0f}"
+        ref = f"{r.peak_bytes / GIB:.2f}"
+        err = f"{est / r.peak_bytes - 1:+.2%}"
         lines.append(
             f"| {row.name} | {row.flavor} | {row.batch} × {row.seq} | {row.ac} | "
-            f"{ref or 'not run'} | {est / GIB:.2f} ({phase}) | {err or '—'} | "
+            f"{ref} | {est / GIB:.2f} ({phase}) | {err} | "
             f"{row.published} | {secs} | {row.note} |"
         )
         print(lines[-1], flush=True)
@@ -132,11 +131,11 @@ def main() -> None:
     ]
     tail = [
         "",
-        "Not run as a reference: context parallelism (torchtitan's `context_parallel` swaps "
-        "SDPA for ring/all-gather attention on DTensors, which the fake CPU run cannot drive) "
-        "and tensor parallelism (0.3.0's `model.parallelize(parallel_dims)` needs its "
-        "`ParallelDims`/sharding-config machinery); their estimates follow the rules in "
-        "`gpumem/estimator/torchtitan.py` unchecked. torch.compile and float8 are not modelled.",
+        "TP rows: torchtitan's `ParallelDims` (legacy `partial_dtensor` backend) and "
+        "`model.parallelize` (sequence parallel, loss parallel) on the fake group. CP rows: "
+        "torchtitan 0.3.0's CP for its FlexAttention (`apply_cp_to_forward`: K and V "
+        "all-gathered along the sequence), not the SDPA ring attention of the published runs. "
+        "torch.compile and float8 are neither run nor modelled.",
         f"Flavors: {', '.join(FLAVORS)}.",
     ]
     if not args.only:

@@ -30,11 +30,21 @@ modules, Megatron's recompute) in every part that decides the peak:
   (``reshard_after_forward_policy == "always"`` only), so its bf16 copy stays gathered from its
   forward to its backward. The fused AdamW (``implementation="fused"``) allocates nothing.
 
+- **Tensor parallelism** (``models/llama3/sharding.py``, sequence parallel): norms and block
+  inputs sequence-sharded, heads and ffn split; under per-op SAC the row-wise matmuls' partial
+  sums and the reduce-scatter outputs (in the save list) are saved; the vocab-parallel embedding
+  saves its local indices and a bf16 mask; loss parallel (``_LossParallelCrossEntropy``) holds
+  three fp32 logits-sized tensors in its backward beside the saved log-probabilities.
+- **Context parallelism** (``distributed/context_parallel/api.py``, FlexAttention's CP): each rank
+  holds ``seq / cp`` tokens; the attention saves the all-gathered K and V; FSDP shards over
+  ``dp · cp``; the RoPE cache holds the whole sequence.
+
 Not modelled (left for later): torch.compile (Inductor fuses and re-plans what is saved), float8
-(``torchao``), the chunked loss of 0.3.0's recipes (``ChunkedLossWrapper``), pipeline
-parallelism. Tensor parallelism follows torchtitan's sequence-parallel plan and its
-loss-parallel cross-entropy by rule (block inputs and norms sequence-sharded, heads and ffn
-split, vocabulary split); it is not checked against a profile.
+(``torchao``), the chunked loss of 0.3.0's recipes (``ChunkedLossWrapper``), FlexAttention's
+block masks and the RoPE cache gathered by explicit positions (0.3.0's default backend: small),
+pipeline parallelism, HSDP's replicate all-reduce buffers. Under TP a block's widest backward
+moment is the sequence-parallel all-gather's backward, approximated here by SwiGLU's (within 1 %
+on the tests' model).
 """
 
 from __future__ import annotations
@@ -98,6 +108,7 @@ class Shapes:
         self.q = spec.n_heads * spec.dhead // t
         self.kv = spec.kv_heads * spec.dhead // t
         self.heads = spec.n_heads // t
+        self.cp = layout.cp
 
     @property
     def lse(self) -> int:
@@ -131,7 +142,9 @@ def layer_saved(sh: Shapes, policy: str) -> dict[str, int]:
         "norms": 2 * _norm_saved(sh.n_sp, h),
         # the matmuls' inputs: the (gathered) norm outputs, read by wqkv and by w1/w3
         "norm_outs": 2 * n * h * A,
-        "q_k_v": n * (sh.q + 2 * sh.kv) * A,
+        # under CP the attention saves the all-gathered K and V (context_parallel/api.py:
+        # flex_cp_allgather along the sequence), the local q
+        "q_k_v": n * (sh.q + 2 * sh.kv * sh.cp) * A,
         "attn_out": n * sh.q * A,
         "attn_lse": sh.lse,
         # silu's input, its output, w3's output (the product's inputs), the product (w2's input)

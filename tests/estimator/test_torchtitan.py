@@ -7,6 +7,7 @@ imports: spmd_types, tyro); the others run without it.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -50,14 +51,14 @@ def allocated(bill: gpumem.Bill) -> int:
     return sum(v for k, v in bill.per_gpu.items() if k not in ("overhead", "total"))
 
 
-def estimate(recompute: str, world: int, tp: int = 1, **kw) -> gpumem.Bill:
+def estimate(recompute: str, world: int, tp: int = 1, cp: int = 1, **kw) -> gpumem.Bill:
     return gpumem.estimate(
         kw.pop("spec", tiny_spec()),
         batch_size=BATCH,
-        seq_len=SEQ,
+        seq_len=kw.pop("seq", SEQ),
         framework="torchtitan",
         recompute=recompute,
-        layout=gpumem.Layout(dp=world, tp=tp, fsdp="full", sp=tp > 1),
+        layout=gpumem.Layout(dp=world, tp=tp, cp=cp, fsdp="full", sp=tp > 1),
         device="cpu",
         **kw,
     )
@@ -200,3 +201,19 @@ def test_tensor_parallel_block_moment_within_one_percent(reference) -> None:
     )
     bill = estimate("full", 2, tp=2, spec=tiny_spec(vocab=512))
     assert abs(allocated(bill) / ref.peak_bytes - 1) < 0.01
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_context_parallel_equals_fake_profile(reference, recompute: str) -> None:
+    """CP 2 of a 1024-token sequence (torchtitan's FlexAttention CP: the attention saves the
+    all-gathered K and V; FSDP shards over dp · cp; the RoPE cache holds the whole sequence)."""
+    ref = reference.profile_step(**TINY, world=1, batch=BATCH, seq=1024, ac=recompute, cp=2)
+    spec = dataclasses.replace(tiny_spec(), max_seq=1024)
+    bill = estimate(recompute, 1, cp=2, spec=spec, seq=1024)
+    assert bill.phase == "backward start"
+    assert abs(allocated(bill) - ref.peak_bytes) < 512
+
+
+def test_planner_refuses_torchtitan() -> None:
+    with pytest.raises(ValueError, match="planner does not sweep framework='torchtitan'"):
+        gpumem.plan("llama-3.1-8b", framework="torchtitan")
