@@ -53,10 +53,12 @@ ROWS = [
     Row("Trainy FSDP 32", "8B", 32, 2, 8192, "selective", 47.96, note="compile+float8 published"),
     Row("Trainy FSDP 64", "8B", 64, 2, 8192, "selective", 46.97, note="compile+float8 published"),
     Row("T2 FSDP 8 CP 1", "8B", 8, 1, 32768, "full", 83.9, note="compile+float8 published"),
-    Row("T2 FSDP 4 CP 2", "8B", 4, 1, 65536, "full", 84.2, cp=2),
-    Row("T2 FSDP 2 CP 4", "8B", 2, 1, 131072, "full", 84.0, cp=4),
-    Row("T2 FSDP 1 CP 8", "8B", 1, 1, 262144, "full", 84.5, cp=8),
-    Row("T4 FSDP 32 TP 8", "70B", 32, 16, 8192, "full", 71.9, tp=8),
+    Row("T2 FSDP 4 CP 2", "8B", 4, 1, 65536, "full", 84.2, cp=2, note="compile+float8 published"),
+    Row("T2 FSDP 2 CP 4", "8B", 2, 1, 131072, "full", 84.0, cp=4, note="compile+float8 published"),
+    Row("T2 FSDP 1 CP 8", "8B", 1, 1, 262144, "full", 84.5, cp=8, note="compile+float8 published"),
+    Row(
+        "T4 FSDP 32 TP 8", "70B", 32, 16, 8192, "full", 71.9, tp=8, note="compile+float8 published"
+    ),
 ]
 
 
@@ -100,10 +102,10 @@ def main() -> None:
         )
         secs = f"{time.perf_counter() - t0:.0f}"
         ref = f"{r.peak_bytes / GIB:.2f}"
-        err = f"{est / r.peak_bytes - 1:+.2%}"
+        err = f"{est / r.peak_bytes - 1:+.4%}"
         lines.append(
             f"| {row.name} | {row.flavor} | {row.batch} × {row.seq} | {row.ac} | "
-            f"{ref} | {est / GIB:.2f} ({phase}) | {err} | "
+            f"{ref} ({r.peak_bytes:,} B) | {est / GIB:.2f} ({est:,} B, {phase}) | {err} | "
             f"{row.published} | {secs} | {row.note} |"
         )
         print(lines[-1], flush=True)

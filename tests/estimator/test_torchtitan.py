@@ -93,18 +93,28 @@ def test_policies_order_and_layer_sac_by_hand() -> None:
     assert allocated(estimate("selective:op", 1)) == peaks["selective"]
 
 
-def test_llama3_8b_table1_equals_recorded_reference() -> None:
-    """Table 1 (8B, FSDP 8, 2 × 8192, per-op SAC): the fake profile of torchtitan's model
-    (benchmarks/results/torchtitan_reference.md) was 73,544,711,828 bytes."""
+# the fake profiles of torchtitan's model (benchmarks/results/torchtitan_reference.md)
+RECORDED = [
+    # model, dp, tp, cp, batch, seq, recompute, peak allocated bytes of the fake profile
+    ("llama-3.1-8b", 8, 1, 1, 2, 8192, "selective", 73_544_711_828),  # Table 1
+    ("llama-3.1-8b", 128, 1, 1, 2, 8192, "selective", 62_252_156_948),  # Table 3
+    ("llama-3.1-8b", 1, 1, 8, 1, 262144, "full", 77_756_119_956),  # Table 2, CP 8
+    ("llama-3.1-70b", 32, 8, 1, 16, 8192, "full", 62_231_270_616),  # Table 4
+]
+
+
+@pytest.mark.parametrize(("model", "dp", "tp", "cp", "batch", "seq", "recompute", "ref"), RECORDED)
+def test_published_rows_equal_recorded_reference(model, dp, tp, cp, batch, seq, recompute, ref):
+    spec = dataclasses.replace(gpumem.estimator.resolve_model(model), max_seq=seq)
     bill = gpumem.estimate(
-        "llama-3.1-8b",
-        batch_size=2,
-        seq_len=8192,
+        spec,
+        batch_size=batch,
+        seq_len=seq,
         framework="torchtitan",
-        recompute="selective",
-        layout=gpumem.Layout(dp=8, fsdp="full"),
+        recompute=recompute,
+        layout=gpumem.Layout(dp=dp, tp=tp, cp=cp, fsdp="full", sp=tp > 1),
     )
-    assert abs(allocated(bill) / 73_544_711_828 - 1) < 1e-6
+    assert abs(allocated(bill) / ref - 1) < 1e-6
 
 
 @pytest.mark.parametrize(
