@@ -540,5 +540,9 @@ def estimate_preset(
             recompute=recompute,
             training=training,
         ),
-        items=terms.layer_items(layout, batch_size),
+        items=(
+            torchtitan.layer_items(spec, layout, batch_size, seq, recompute)
+            if framework == "torchtitan"
+            else terms.layer_items(layout, batch_size)
+        ),
     )

@@ -50,6 +50,7 @@ on the tests' model).
 from __future__ import annotations
 
 from gpumem.estimator import peak
+from gpumem.estimator.activations import Item
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.specs import ModelSpec
@@ -168,6 +169,18 @@ def block_saved(sh: Shapes, recompute: str, i: int) -> int:
     else:
         policy = {"selective": "op", "selective:op": "op"}.get(recompute, recompute)
     return sum(layer_saved(sh, policy).values())
+
+
+def layer_items(
+    spec: ModelSpec, layout: Layout, batch: int, seq: int, recompute: str
+) -> list[Item]:
+    """The tensors one block keeps under ``recompute`` (the bill's itemised layer); under layer
+    SAC those of a block that is not checkpointed."""
+    sh = Shapes(spec, layout, batch, seq)
+    policy = {"selective": "op", "selective:op": "op"}.get(recompute, recompute)
+    if layer_sac_every(recompute):
+        policy = "none"
+    return [Item(name, nbytes) for name, nbytes in layer_saved(sh, policy).items()]
 
 
 def mean_layer_saved(sh: Shapes, recompute: str, n_layers: int) -> float:

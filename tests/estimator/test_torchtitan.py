@@ -227,3 +227,24 @@ def test_context_parallel_equals_fake_profile(reference, recompute: str) -> None
 def test_planner_refuses_torchtitan() -> None:
     with pytest.raises(ValueError, match="planner does not sweep framework='torchtitan'"):
         gpumem.plan("llama-3.1-8b", framework="torchtitan")
+
+
+def test_bill_items_are_torchtitans_block() -> None:
+    """The bill's itemised layer is torchtitan's block under the policy (per-op SAC: its cache
+    and the block input), and sums to the per-block term."""
+    bill = estimate("selective", 2)
+    names = [i.name for i in bill.items]
+    assert names == ["block_input", "wqkv_out", "w1_out", "w2_out", "attn_out", "attn_lse"]
+    n, h, kv = BATCH * SEQ, 256, 64
+    assert bill.items[1].nbytes == 2 * n * (h + 2 * kv)
+
+
+def test_reference_attention_op_is_in_the_sac_save_list(reference) -> None:
+    """The reference's attention op is the one torchtitan's per-op SAC saves on CUDA."""
+    import torch
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    save = SelectiveAC.Config().build(dump_folder="").get_save_ops()
+    assert torch.ops.aten._scaled_dot_product_flash_attention.default in save
+    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default not in save
+    assert torch.ops.aten.mm.default in save
