@@ -492,6 +492,11 @@ def estimate_preset(
             )
         if grad_accum != 1:
             raise ValueError("framework='torchtitan' models one micro-batch per step: grad_accum=1")
+        if spec.tied_embeddings:
+            raise ValueError(
+                "framework='torchtitan' does not model tied embeddings yet (torchtitan's 1B/3B "
+                "gather [tok_embeddings, norm, lm_head] as one FSDP unit for the whole step)"
+            )
         rows = [
             torchtitan.terms(
                 spec,

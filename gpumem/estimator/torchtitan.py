@@ -272,7 +272,8 @@ def terms(
     # block's whole saved set (recomputed under AC: temporaries in the profiler's view) less the
     # product (released with w2's backward), the incoming gradient, w2's input gradient and the
     # two ffn-wide gradients of the product's inputs. FSDP then holds the block's bf16 params,
-    # the previous unit's in backward order (block i-1) prefetched (not on a single rank), w2's
+    # the next unit's in backward order (block i-1, or the embedding) prefetched (not on a single
+    # rank), w2's
     # unsharded bf16 gradient and the previous unit's fp32 reduce-scatter input (kept until the
     # next unit reduces). Across the stack the saved bytes fall and the sharded gradients grow
     # linearly, so the widest block is one of the ends: L-1 or L-2, 1 or 0.
@@ -289,7 +290,7 @@ def terms(
         below = sum(block_saved(sh, recompute, j) for j in range(i))
         own = (sh.n_sp * h * _BF16 if block_checkpointed(recompute, i) else 0) + none
         prev = head_params if i == L - 1 else blk
-        fetch = blk if i > 0 and n_shard > 1 else 0
+        fetch = (blk if i > 0 else embed_params) if n_shard > 1 else 0
         comm = (blk + fetch) * _BF16 + prev * 4 + h * sh.f * _BF16
         return grads, below + own, widest, comm
 

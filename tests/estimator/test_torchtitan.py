@@ -135,6 +135,14 @@ def test_bad_recipe_is_one_line(kwargs: dict, words: tuple[str, ...]) -> None:
     assert "\n" not in msg and all(w in msg for w in words), msg
 
 
+def test_torchtitan_refuses_what_it_does_not_model() -> None:
+    tied = dataclasses.replace(tiny_spec(), tied_embeddings=True)
+    with pytest.raises(ValueError, match="tied embeddings"):
+        estimate("selective", 2, spec=tied)
+    with pytest.raises(ValueError, match="grad_accum=1"):
+        estimate("selective", 2, grad_accum=2)
+
+
 def test_torchtitan_needs_fsdp_and_no_pp() -> None:
     with pytest.raises(ValueError, match="torchtitan"):
         gpumem.estimate("llama-3.1-8b", framework="torchtitan", layout=gpumem.Layout(dp=8))
@@ -248,3 +256,35 @@ def test_reference_attention_op_is_in_the_sac_save_list(reference) -> None:
     assert torch.ops.aten._scaled_dot_product_flash_attention.default in save
     assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default not in save
     assert torch.ops.aten.mm.default in save
+
+
+def test_two_blocks_mha_small_vocab_equals_fake_profile(reference) -> None:
+    """Two MHA blocks (dim 128, 4 heads), vocabulary 256, full AC on 4 ranks: block 0's
+    backward is the peak, with the embedding's unit prefetched."""
+    from torchtitan.models.common import compute_ffn_hidden_dim
+
+    cfg = {"dim": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "vocab": 256}
+    ref = reference.profile_step(
+        **cfg, ffn_dim_multiplier=None, multiple_of=128, world=4, batch=1, seq=256, ac="full"
+    )
+    spec = ModelSpec(
+        name="titan-mha",
+        arch="llama",
+        n_layers=2,
+        hidden=128,
+        n_heads=4,
+        n_kv_heads=4,
+        ffn=compute_ffn_hidden_dim(128, multiple_of=128),
+        vocab=256,
+        max_seq=256,
+    )
+    bill = gpumem.estimate(
+        spec,
+        batch_size=1,
+        seq_len=256,
+        framework="torchtitan",
+        recompute="full",
+        layout=gpumem.Layout(dp=4, fsdp="full"),
+        device="cpu",
+    )
+    assert abs(allocated(bill) - ref.peak_bytes) < 512
