@@ -211,12 +211,17 @@ def profile_step(
     tp: int = 1,
     cp: int = 1,
     steps: int = 2,
+    set_to_none: bool = True,
 ) -> Result:
     """Per-rank peak allocated bytes of ``steps`` torchtitan training steps (rank 0 of
     ``world`` FSDP ranks, each a group of ``tp`` tensor-parallel ranks with sequence
     parallelism) and ``cp`` context-parallel ranks (torchtitan's FlexAttention CP: K and V
     all-gathered along the sequence; FSDP then shards over ``world · cp``), on fake CPU tensors;
-    ``batch`` is the local batch of an FSDP rank, ``seq`` the whole sequence."""
+    ``batch`` is the local batch of an FSDP rank, ``seq`` the whole sequence.
+
+    ``set_to_none``: the trainer's ``zero_grad(set_to_none=disable_cuda_graphs)``; 0.3.0 captures
+    forward and backward in a CUDA graph by default and so keeps the gradients (False); the
+    published runs, and 0.3.0 with ``--training.disable_cuda_graphs``, free them (True)."""
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.distributed.context_parallel import apply_cp_to_forward
     from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
@@ -254,7 +259,7 @@ def profile_step(
         n_tokens = torch.tensor(batch * seq * world)  # global valid tokens
 
         def step() -> None:
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)
             pred = model(tokens)
             loss = cross_entropy_loss(pred, labels) / n_tokens
             del pred

@@ -83,7 +83,9 @@ def estimate(
         keep_logits: the training loop holds the logits (``logits = model(x)`` lives until the
             next forward replaces it: through backward and the optimizer step).
         persistent_grads: gradients stay allocated across steps (default: when distributed or
-            accumulating; plain single-GPU ``zero_grad(set_to_none=True)`` frees them).
+            accumulating; plain single-GPU ``zero_grad(set_to_none=True)`` frees them; under
+            ``framework="torchtitan"`` default False, its ``set_to_none=True`` step: True is
+            0.3.0's CUDA-graph default, ``zero_grad(set_to_none=False)``).
         foreach / fused: torch.optim's step implementation (see Training.step_temp_bytes).
         example_input: for an ``nn.Module``: one micro-batch of its forward's inputs, a
             tensor, a tuple (positional) or a dict (keyword), real, meta or fake; dim 0 of every

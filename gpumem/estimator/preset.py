@@ -507,6 +507,7 @@ def estimate_preset(
                 seq=seq,
                 recompute=recompute,
                 cuda=device == "cuda",
+                persistent_grads=bool(persistent_grads),
             )
         ]
     else:

@@ -221,6 +221,7 @@ def terms(
     seq: int,
     recompute: str,
     cuda: bool,
+    persistent_grads: bool = False,
 ) -> list[float]:
     """The peak terms (``peak.py``) of one torchtitan rank.
 
@@ -230,6 +231,11 @@ def terms(
     moment of block L-1 or L-2; the end of backward (block 1 or 0, with every other gradient);
     the optimizer step (all states). Checked to a few hundred bytes against the fake profile of
     torchtitan's model (tests/estimator/test_torchtitan.py).
+
+    ``persistent_grads``: the sharded gradients live across steps. torchtitan's train step runs
+    ``zero_grad(set_to_none=disable_cuda_graphs)``: 0.3.0's default CUDA-graph capture keeps
+    them (True); the published runs and ``--training.disable_cuda_graphs`` free them (False,
+    the default here).
     """
     if training.precision != "bf16-mixed":
         raise ValueError(
@@ -285,8 +291,8 @@ def terms(
     def moment(i: int) -> tuple[float, float, float, float]:
         """Block i's widest backward moment: (sharded grads done, activations held by the
         blocks below and by block i outside the moment's temporaries, block i's temporaries,
-        communication)."""
-        grads = 4 * (head_params + (L - 1 - i) * blk) / n_shard
+        communication); with persistent gradients none are new (all are counted as kept)."""
+        grads = 0.0 if persistent_grads else 4 * (head_params + (L - 1 - i) * blk) / n_shard
         below = sum(block_saved(sh, recompute, j) for j in range(i))
         own = (sh.n_sp * h * _BF16 if block_checkpointed(recompute, i) else 0) + none
         prev = head_params if i == L - 1 else blk
@@ -304,7 +310,8 @@ def terms(
     # end of backward: block 0 or 1 (every gradient but theirs and the embedding's)
     i = max((0, min(1, L - 1)), key=lambda j: sum(moment(j)))
     g, acts, temp, comm = moment(i)
-    x[peak.P_PEND] = embed_params + (i + 1) * blk
+    x[peak.P_PEND] = 0 if persistent_grads else embed_params + (i + 1) * blk
+    x[peak.G_PERSIST] = 1.0 if persistent_grads else 0.0
     x[peak.A_END] = acts + labels
     x[peak.T_LAYER] = temp + comm - x[peak.GATHER]
     x[peak.T_STEP] = labels

@@ -288,3 +288,27 @@ def test_two_blocks_mha_small_vocab_equals_fake_profile(reference) -> None:
         device="cpu",
     )
     assert abs(allocated(bill) - ref.peak_bytes) < 512
+
+
+def test_persistent_grads_add_every_sharded_grad_at_the_loss() -> None:
+    """0.3.0's CUDA-graph default (``zero_grad(set_to_none=False)``): at the loss's backward
+    every fp32 sharded gradient is already there, 4 B per parameter over the shard degree."""
+    kept = allocated(estimate("selective", 2, persistent_grads=True))
+    freed = allocated(estimate("selective", 2))
+    assert kept - freed == 4 * tiny_spec().n_params // 2
+
+
+@pytest.mark.parametrize(
+    ("vocab", "recompute", "world"), [(8192, "selective", 2), (512, "full", 8)]
+)
+def test_persistent_grads_equal_fake_profile(reference, vocab: int, recompute: str, world: int):
+    ref = reference.profile_step(
+        **{**TINY, "vocab": vocab},
+        world=world,
+        batch=BATCH,
+        seq=SEQ,
+        ac=recompute,
+        set_to_none=False,
+    )
+    bill = estimate(recompute, world, spec=tiny_spec(vocab), persistent_grads=True)
+    assert abs(allocated(bill) - ref.peak_bytes) < 512
