@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import types
 from collections.abc import Iterator
@@ -212,6 +213,7 @@ def profile_step(
     cp: int = 1,
     steps: int = 2,
     set_to_none: bool = True,
+    loss_chunks: int = 0,
 ) -> Result:
     """Per-rank peak allocated bytes of ``steps`` torchtitan training steps (rank 0 of
     ``world`` FSDP ranks, each a group of ``tp`` tensor-parallel ranks with sequence
@@ -221,8 +223,11 @@ def profile_step(
 
     ``set_to_none``: the trainer's ``zero_grad(set_to_none=disable_cuda_graphs)``; 0.3.0 captures
     forward and backward in a CUDA graph by default and so keeps the gradients (False); the
-    published runs, and 0.3.0 with ``--training.disable_cuda_graphs``, free them (True)."""
-    from torchtitan.components.loss import cross_entropy_loss
+    published runs, and 0.3.0 with ``--training.disable_cuda_graphs``, free them (True).
+    ``loss_chunks``: 0 for ``CrossEntropyLoss`` on the whole logits (the published runs), N for
+    0.3.0's llama3 recipes' ``ChunkedLossWrapper(num_chunks=N)`` (default 8): lm_head and the
+    loss run per sequence chunk, each chunk's backward before the decoder's."""
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.distributed.context_parallel import apply_cp_to_forward
     from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
     from torchtitan.distributed.utils import clip_grad_norm_
@@ -253,6 +258,14 @@ def profile_step(
         opt = torch.optim.AdamW(
             model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True
         )
+        if loss_chunks:  # Trainer.__init__: set_lm_head, _skip_lm_head
+            loss_fn = ChunkedLossWrapper.Config(
+                num_chunks=loss_chunks, loss_fn=CrossEntropyLoss.Config(global_vocab_size=vocab)
+            ).build()
+            loss_fn.set_lm_head(model.lm_head)
+            model._skip_lm_head = True
+        else:
+            loss_fn = CrossEntropyLoss.Config(global_vocab_size=vocab).build()
         # each CP rank holds seq / cp tokens of every sequence
         tokens = torch.randint(0, vocab, (batch, seq // cp))
         labels = torch.randint(0, vocab, (batch, seq // cp))
@@ -261,15 +274,25 @@ def profile_step(
         def step() -> None:
             opt.zero_grad(set_to_none=set_to_none)
             pred = model(tokens)
-            loss = cross_entropy_loss(pred, labels) / n_tokens
+            loss, _ = loss_fn(pred, labels, n_tokens)
             del pred
             loss.backward()
             clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
             opt.step()
 
-        with gpumem.profile(model, opt) as prof:
-            for _ in range(steps):
-                step()
+        # torchtitan's GarbageCollection: automatic gc off during training, a collection every
+        # gc_freq steps; here before each step, so that every step starts as one after a
+        # collection (the chunked loss leaves reference cycles that gc would free at random)
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with gpumem.profile(model, opt) as prof:
+                for _ in range(steps):
+                    gc.collect()
+                    step()
+        finally:
+            if enabled:
+                gc.enable()
         rep = prof.report()
     return Result(rep.peak_bytes, dict(rep.at_peak), rep.peak_phase, [s.peak for s in rep.steps])
 

@@ -45,6 +45,7 @@ class Row:
     tp: int = 1
     cp: int = 1
     note: str = ""
+    loss_chunks: int = 0
 
 
 ROWS = [
@@ -73,6 +74,7 @@ def estimate(row: Row) -> tuple[int, str]:
         recompute=row.ac,
         layout=gpumem.Layout(dp=row.dp, tp=row.tp, cp=row.cp, fsdp="full", sp=row.tp > 1),
         gpu="H100-80GB",
+        loss_chunks=row.loss_chunks,
     )
     allocated = sum(v for k, v in bill.per_gpu.items() if k not in ("overhead", "total"))
     return allocated, bill.phase
@@ -99,6 +101,7 @@ def main() -> None:
             ac=row.ac,
             tp=row.tp,
             cp=row.cp,
+            loss_chunks=row.loss_chunks,
         )
         secs = f"{time.perf_counter() - t0:.0f}"
         ref = f"{r.peak_bytes / GIB:.2f}"

@@ -63,6 +63,7 @@ def estimate(
     moe_grouped_gemm: bool | None = None,
     fused_ops: tuple[str, ...] | None = None,
     calibration: Any = None,
+    loss_chunks: int = 0,
 ) -> Bill:
     """Estimate the per-GPU peak memory of training ``model``.
 
@@ -107,6 +108,10 @@ def estimate(
         fused_ops: which of ``norm``, ``swiglu``, ``rope``, ``ce`` run as fused kernels
             (Transformer Engine, Apex, Liger; default: the framework's, Megatron fuses the
             first three, the others none).
+        loss_chunks: ``framework="torchtitan"`` only: 0 computes the loss on the whole logits
+            (``CrossEntropyLoss``, the published runs), N as 0.3.0's llama3 recipes do with
+            ``ChunkedLossWrapper(num_chunks=N)`` (their default 8): lm_head and the loss per
+            sequence chunk, each chunk's backward before the decoder's.
         calibration: a ``gpumem.Calibration`` or the path of a calibration.json: the GPU gets
             the reserve measured there (``Calibration.apply_to``), and with a ``memory``
             section (``gpumem calibrate --memory``) its fitted coefficients scale the
@@ -166,7 +171,17 @@ def estimate(
         "persistent_grads": persistent_grads,
         "framework": fw,
     }
+    if fw != "torchtitan" and loss_chunks:
+        raise ValueError(
+            f"loss_chunks is torchtitan's ChunkedLossWrapper; framework={fw!r} has none "
+            "(use framework='torchtitan', or loss_chunks=0)"
+        )
     if is_module(model):
+        if fw == "torchtitan":
+            raise ValueError(
+                "framework='torchtitan' prices torchtitan's own Llama from a described model "
+                "(a preset, config.json or ModelSpec), not an nn.Module"
+            )
         # imported here, not above: the module path needs torch, presets and configs do not
         from gpumem.estimator.module_estimate import estimate_module
 
@@ -183,6 +198,7 @@ def estimate(
         moe_dispatcher=moe_dispatcher,
         moe_grouped_gemm=moe_grouped_gemm,
         fused_ops=fused_ops,
+        loss_chunks=loss_chunks,
         **common,
     )
     if mem is not None:

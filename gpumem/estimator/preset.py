@@ -454,6 +454,7 @@ def estimate_preset(
     moe_dispatcher: str = "alltoall",
     moe_grouped_gemm: bool | None = None,
     fused_ops: tuple[str, ...] | None = None,
+    loss_chunks: int = 0,
 ) -> Bill:
     """The bill of training a described model (see ``gpumem.estimate``)."""
     seq, seq_source = inputs.seq_len(spec, seq_len)
@@ -508,6 +509,7 @@ def estimate_preset(
                 recompute=recompute,
                 cuda=device == "cuda",
                 persistent_grads=bool(persistent_grads),
+                loss_chunks=loss_chunks,
             )
         ]
     else:

@@ -39,8 +39,10 @@ modules, Megatron's recompute) in every part that decides the peak:
   holds ``seq / cp`` tokens; the attention saves the all-gathered K and V; FSDP shards over
   ``dp · cp``; the RoPE cache holds the whole sequence.
 
+- **The chunked loss** of 0.3.0's llama3 recipes (``ChunkedLossWrapper``): ``loss_chunks``.
+
 Not modelled (left for later): torch.compile (Inductor fuses and re-plans what is saved), float8
-(``torchao``), the chunked loss of 0.3.0's recipes (``ChunkedLossWrapper``), FlexAttention's
+(``torchao``), the chunked loss under TP (loss parallel per chunk), FlexAttention's
 block masks and the RoPE cache gathered by explicit positions (0.3.0's default backend: small),
 pipeline parallelism, HSDP's replicate all-reduce buffers. Under TP a block's widest backward
 moment is the sequence-parallel all-gather's backward, approximated here by SwiGLU's (within 1 %
@@ -222,6 +224,7 @@ def terms(
     recompute: str,
     cuda: bool,
     persistent_grads: bool = False,
+    loss_chunks: int = 0,
 ) -> list[float]:
     """The peak terms (``peak.py``) of one torchtitan rank.
 
@@ -236,14 +239,36 @@ def terms(
     ``zero_grad(set_to_none=disable_cuda_graphs)``: 0.3.0's default CUDA-graph capture keeps
     them (True); the published runs and ``--training.disable_cuda_graphs`` free them (False,
     the default here).
+
+    ``loss_chunks`` (N > 0): ``ChunkedLossWrapper`` (``components/loss.py``). The model returns
+    the final norm's output; the wrapper keeps it, N contiguous chunk copies of it and of the
+    labels, an fp32 gradient accumulator of the hidden states, and the lm_head gathered with
+    its unsharded fp32 gradient accumulated over the chunks (``set_requires_gradient_sync(False)``
+    until the last); each chunk runs lm_head, the loss and its backward at once, so the loss
+    moment holds one chunk's bf16 logits, log-softmax output and its two fp32 gradients, or the
+    last chunk's reduce-scatter of the head unit. A reference cycle in the wrapper keeps one
+    hidden-state-sized tensor per step until torchtitan's periodic gc (``gc_freq``, 50): counted
+    once (the step right after a collection; each step since adds ``b · s · dim · 2`` bytes).
     """
     if training.precision != "bf16-mixed":
         raise ValueError(
             f"framework='torchtitan' models its FSDP2 mixed precision (bf16 params, fp32 "
             f"master/reduce): precision='bf16-mixed', got {training.precision!r}"
         )
+    if isinstance(loss_chunks, bool) or not isinstance(loss_chunks, int) or loss_chunks < 0:
+        raise ValueError(f"loss_chunks must be an integer >= 0, got {loss_chunks!r}")
     sh = Shapes(spec, layout, batch, seq)
     t, L, h = layout.tp, spec.n_layers, spec.hidden
+    if loss_chunks and t > 1:
+        raise ValueError(
+            "framework='torchtitan': loss_chunks with tensor parallelism is not modelled yet "
+            "(loss parallel per chunk); use loss_chunks=0 or tp=1"
+        )
+    if loss_chunks and sh.s % loss_chunks:
+        raise ValueError(
+            f"loss_chunks={loss_chunks} must divide the local sequence {sh.s} "
+            "(ChunkedLossWrapper splits it evenly)"
+        )
     head_params = (spec.vocab * h) // t + h
     embed_params = 0 if spec.tied_embeddings else (spec.vocab * h) // t
     blk = block_params(spec, t)
@@ -274,6 +299,26 @@ def terms(
         x[peak.T_BWD0] = 3 * sh.n * sh.v * 4 + 33 * sh.n
     # the [norm, lm_head] unit is not resharded after forward: gathered (bf16) until backward
     x[peak.GATHER] = head_params * _BF16
+    if loss_chunks:
+        m, n = sh.n // loss_chunks, sh.n
+        x[peak.A_LAST] = (
+            head["final_norm"]
+            + 2 * n * 8  # the labels and their chunk copies
+            + 4
+            + 2 * n * h * _BF16  # the final norm's output and its chunk copies
+            + 4 * n * h  # GradAccumulator's fp32 buffer
+            + 4 * m * sh.v  # this chunk's log-softmax
+        )
+        # the lm_head's unsharded fp32 gradient, accumulated across the chunks
+        x[peak.GATHER] += 4 * (spec.vocab * h)
+        # the wider of: a chunk's log-softmax backward (nll's and log-softmax's fp32 gradients
+        # beside the chunk's bf16 logits), and the last chunk's reduce-scatter of the head unit
+        # (its fp32 input and output; the chunk's logits and input gradient, log-softmax gone)
+        n_shard = x[peak.N_SHARD]
+        x[peak.T_BWD0] = max(
+            8 * m * sh.v + 2 * m * sh.v,
+            2 * m * sh.v + 2 * m * h + 4 * head_params * (1 + 1 / n_shard) - 4 * m * sh.v,
+        )
     # Inside a block's backward the widest moment is SwiGLU's product backward (``mul``): the
     # block's whole saved set (recomputed under AC: temporaries in the profiler's view) less the
     # product (released with w2's backward), the incoming gradient, w2's input gradient and the
@@ -287,6 +332,11 @@ def terms(
     none = sum(layer_saved(sh, "none").values())
     widest = sh.n_sp * h * _BF16 + 2 * sh.n * sh.f * _BF16
     labels = sh.n * 8  # the step's label tensor, alive until the step ends
+    if loss_chunks:
+        # ChunkedLossWrapper leaves a reference cycle holding one hidden-state-sized bf16
+        # tensor per step, which torchtitan's GarbageCollection (automatic gc off, a collection
+        # every gc_freq steps) frees only then: counted once, as in the step after a collection
+        labels += sh.n * h * _BF16
 
     def moment(i: int) -> tuple[float, float, float, float]:
         """Block i's widest backward moment: (sharded grads done, activations held by the

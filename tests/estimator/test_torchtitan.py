@@ -312,3 +312,54 @@ def test_persistent_grads_equal_fake_profile(reference, vocab: int, recompute: s
     )
     bill = estimate(recompute, world, spec=tiny_spec(vocab), persistent_grads=True)
     assert abs(allocated(bill) - ref.peak_bytes) < 512
+
+
+@pytest.mark.parametrize(
+    ("vocab", "recompute", "world", "chunks", "cp"),
+    [
+        (8192, "selective", 2, 4, 1),  # a chunk's log-softmax backward
+        (8192, "none", 1, 8, 1),  # the last chunk's reduce-scatter of the head unit
+        (32768, "full", 2, 8, 1),
+        (512, "selective", 2, 4, 1),  # the last block: the wrapper's cycle holds the hidden
+        (8192, "selective", 1, 4, 2),  # CP 2: chunks of the local sequence
+    ],
+)
+def test_chunked_loss_equals_fake_profile(reference, vocab, recompute, world, chunks, cp):
+    """0.3.0's llama3 recipes' ``ChunkedLossWrapper`` (``loss_chunks``)."""
+    seq = SEQ * cp
+    ref = reference.profile_step(
+        **{**TINY, "vocab": vocab},
+        world=world,
+        batch=BATCH,
+        seq=seq,
+        ac=recompute,
+        cp=cp,
+        loss_chunks=chunks,
+    )
+    spec = dataclasses.replace(tiny_spec(vocab), max_seq=seq)
+    bill = estimate(recompute, world, cp=cp, spec=spec, seq=seq, loss_chunks=chunks)
+    assert abs(allocated(bill) - ref.peak_bytes) < 4096
+
+
+def test_chunked_loss_by_hand() -> None:
+    """At the loss moment of N chunks the whole-logits terms (log-softmax and its two fp32
+    gradients: 12 B per logit) become one chunk's plus its bf16 logits, beside the wrapper's
+    chunk copies (of the hidden states and the labels), its fp32 accumulator and the lm_head's
+    unsharded fp32 grad."""
+    n, h, v, N = BATCH * SEQ, 256, 8192, 4
+    m = n // N
+    whole = allocated(estimate("selective", 2))
+    chunked = allocated(estimate("selective", 2, loss_chunks=N))
+    wrapper = n * h * 2 + 8 * n + 4 * n * h + 4 * v * h
+    assert whole - chunked == 12 * n * v - (14 * m * v + wrapper)
+
+
+def test_chunked_loss_bad_input() -> None:
+    with pytest.raises(ValueError, match="loss_chunks is torchtitan's"):
+        gpumem.estimate("llama-3.1-8b", framework="megatron", loss_chunks=8)
+    with pytest.raises(ValueError, match="must divide the local sequence"):
+        estimate("selective", 2, loss_chunks=3)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        estimate("selective", 2, tp=2, loss_chunks=4)
+    with pytest.raises(ValueError, match="integer >= 0"):
+        estimate("selective", 2, loss_chunks=-1)
