@@ -96,10 +96,13 @@ def estimate(
         loss_fn: for an ``nn.Module``: ``output -> scalar loss`` (default: cross-entropy over the
             output's last dimension against integer targets; a scalar output or ``.loss`` is
             the loss itself).
-        framework: whose buffer conventions: ``megatron``, ``deepspeed``, ``fsdp2`` or
-            ``torch`` (default: fsdp2 when ``layout.fsdp``, deepspeed when ``layout.zero >= 1``,
-            else torch); see ``gpumem/estimator/frameworks.py``. ``grads`` defaults to the
-            framework's (Megatron: fp32 main grads under mixed precision; else ``compute``).
+        framework: whose buffer conventions: ``megatron``, ``deepspeed``, ``fsdp2``,
+            ``torchtitan`` or ``torch`` (default: fsdp2 when ``layout.fsdp``, deepspeed when
+            ``layout.zero >= 1``, else torch); see ``gpumem/estimator/frameworks.py``.
+            ``grads`` defaults to the framework's (Megatron: fp32 main grads under mixed
+            precision; else ``compute``). ``torchtitan`` is its Llama recipe with its own
+            ``recompute`` names (``selective`` = per-op SAC, ``selective:N`` = layer SAC,
+            ``full``, ``none``; ``gpumem/estimator/torchtitan.py``).
         moe_imbalance: tokens of the most loaded expert-parallel rank over the mean (default
             1.25, the usual capacity factor; applies when ``layout.ep > 1``).
         moe_dispatcher: ``alltoall`` or ``allgather`` token dispatch under expert parallelism.
