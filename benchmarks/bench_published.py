@@ -1,7 +1,8 @@
 """The estimate against what others measured or published, source by source (issue #19):
 
-- **Megatron-LM CI golden values** (real H100/A100 runs, `benchmarks/published/megatron_golden.json`):
-  peak allocated and steady allocated of the last pipeline stage, `framework="megatron"`;
+- **Megatron-LM CI golden values** (real H100/A100 runs,
+  `benchmarks/published/megatron_golden.json`): peak allocated and steady allocated of the last
+  pipeline stage, `framework="megatron"`;
 - **torchtitan** (Tables 1-4, the Trainy rows): the `"torchtitan"` estimate's peak *allocated*
   against the fake-tensor profile of torchtitan's own model with its own parallelize function
   (`benchmarks/published/torchtitan_reference.py`; the published figures are *reserved* GiB,
@@ -140,11 +141,43 @@ def deepspeed_rows() -> list[list[object]]:
 
 
 def torchtitan_rows() -> tuple[list[list[object]], list[float]]:
+    """Each published torchtitan row: the estimate against the fake profile of torchtitan's own
+    model under the same settings (``torchtitan_results``; needs the ``[published]`` extra)."""
     try:
-        import torchtitan_reference
+        import torchtitan_results
     except ImportError as exc:  # torchtitan is an optional extra
         return [["torchtitan not installed", str(exc)[:80], "-", "-", "-", "-"]], []
-    return torchtitan_reference.published_rows()
+    rows, errors = [], []
+    for row in torchtitan_results.ROWS:
+        est, _ = torchtitan_results.estimate(row)
+        ref = torchtitan_results.profile_flavor(
+            row.flavor,
+            world=row.dp,
+            batch=row.batch,
+            seq=row.seq,
+            ac=row.ac,
+            tp=row.tp,
+            cp=row.cp,
+            loss_chunks=row.loss_chunks,
+        ).peak_bytes
+        errors.append(abs(est / ref - 1))
+        settings = f"{row.flavor}, {row.batch} x {row.seq}, AC {row.ac}, {row.note or 'eager'}"
+        rows.append(
+            [
+                row.name,
+                f"{ref / GiB:.2f}",
+                f"{est / GiB:.2f}",
+                f"{100 * (est / ref - 1):+.4f} %",
+                row.published,
+                settings,
+            ]
+        )
+        print(rows[-1], flush=True)
+    return rows, errors
+
+
+TITAN_COLS = ["row", "fake profile GiB", "estimate GiB", "error", "published reserved GiB", "how"]
+HF_COLS = ["model, precision", "measured peak (B)", "estimated (B)", "error", "phase (meas / est)"]
 
 
 def _share(errors: list[float]) -> str:
@@ -178,7 +211,8 @@ def main() -> None:
     from _report import markdown_table
 
     notes = f"""
-**Megatron-LM** (`framework="megatron"`, last pipeline stage, `allocated_bytes`): {_share(mega_err)}.
+**Megatron-LM** (`framework="megatron"`, last pipeline stage, `allocated_bytes`):
+{_share(mega_err)}.
 The split into a tuned half and a held-out half was fixed in `megatron_golden.json` before any
 rule was fitted; the only fitted number is the library workspace (median of the tuned half's
 steady residuals: `megatron.WORKSPACE_BYTES`).
@@ -187,13 +221,13 @@ steady residuals: `megatron.WORKSPACE_BYTES`).
 
 {_share(titan_err)}.
 
-{markdown_table(["row", "fake profile GiB", "estimate GiB", "error", "published (reserved) GiB", "settings"], titan)}
+{markdown_table(TITAN_COLS, titan)}
 
 ## transformers, trained as `Trainer` trains them (real CPU runs, default convention)
 
 {_share(hf_err)}.
 
-{markdown_table(["model, precision", "measured peak (B)", "estimated (B)", "error", "phase (measured / estimated)"], hf)}
+{markdown_table(HF_COLS, hf)}
 
 ## DeepSpeed's published estimator (t5-3b, 8 GPUs; CPU GB per node / GPU GB per GPU)
 

@@ -142,7 +142,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage")
     p.add_argument("--fsdp", default=None, choices=("full", "hybrid"), help="FSDP sharding")
-    p.add_argument("--recompute", default="none", help="none, selective, full or every-K")
+    p.add_argument(
+        "--recompute",
+        default="none",
+        help="none, selective, full or every-K; under --framework torchtitan its own: none, "
+        "selective (= selective:op, per-op SAC), selective:N (layer SAC), full",
+    )
     p.add_argument("--attention", default="sdpa", help="sdpa, flash, efficient, eager")
     p.add_argument("--activation-model", default="ops", choices=("ops", "korthikanti"))
     p.add_argument("--offload-optimizer", action="store_true", help="optimizer state in CPU memory")

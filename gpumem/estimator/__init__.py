@@ -21,6 +21,7 @@ Modules, bottom up:
     terms              the peak terms every model shares
     inputs             the inputs a bill states (seq_len, micro-batch, ...) and their sources
     bill               the ``Bill``, and how terms become one
+    torchtitan         torchtitan's recipe: its modules, SAC policies, loss and FSDP units
     preset             a described model's terms for any layout
     module_structure   an ``nn.Module``'s repeated blocks and counts
     module_inputs      its fake copy and the fake inputs of one micro-batch
