@@ -363,3 +363,21 @@ def test_chunked_loss_bad_input() -> None:
         estimate("selective", 2, tp=2, loss_chunks=4)
     with pytest.raises(ValueError, match="integer >= 0"):
         estimate("selective", 2, loss_chunks=-1)
+
+
+def test_float8_under_torchtitan_is_refused_with_what_to_do():
+    """torchtitan has float8, gpumem does not model it yet: the error says so (not that fp8 is
+    a Megatron-only knob)."""
+    import gpumem
+
+    for kw in ({"precision": "fp8"}, {"fp8_recipe": "tensorwise"}):
+        with pytest.raises(ValueError, match="float8 training under framework='torchtitan'"):
+            gpumem.estimate(
+                "llama-3.1-8b",
+                batch_size=2,
+                seq_len=8192,
+                framework="torchtitan",
+                recompute="selective",
+                layout=gpumem.Layout(dp=8, fsdp="full"),
+                **kw,
+            )
