@@ -48,6 +48,13 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
         "else fsdp2 with --fsdp, deepspeed with --zero, else torch)",
     )
     p.add_argument(
+        "--loss-chunks",
+        type=_args.non_negative_int,
+        default=0,
+        help="--framework torchtitan: its ChunkedLossWrapper(num_chunks=N) (0.3.0's llama3 "
+        "recipes use 8; default 0: the loss on the whole logits)",
+    )
+    p.add_argument(
         "--keep-logits",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -339,6 +346,7 @@ def run(args: argparse.Namespace) -> int:
         deepspeed=knobs_from_cli(args.deepspeed, args.ds_config),
         offload_param=args.offload_param,
         keep_logits=args.keep_logits,
+        loss_chunks=args.loss_chunks,
         **({"moe_imbalance": args.moe_imbalance} if args.moe_imbalance is not None else {}),
         **megatron_kwargs(args),
     )

@@ -8,6 +8,7 @@ imports: spmd_types, tyro); the others run without it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -381,3 +382,17 @@ def test_float8_under_torchtitan_is_refused_with_what_to_do():
                 layout=gpumem.Layout(dp=8, fsdp="full"),
                 **kw,
             )
+
+
+def test_the_chunked_loss_on_the_command_line(capsys):
+    from gpumem.cli import main
+
+    args = ["estimate", "llama-3.1-8b", "--gpus", "8", "--fsdp", "full", "--framework"]
+    args += ["torchtitan", "--batch-size", "2", "--seq-len", "8192", "--json"]
+    assert main(args) == 0
+    whole = json.loads(capsys.readouterr().out)["per_gpu"]["total"]
+    assert main([*args, "--loss-chunks", "8"]) == 0
+    chunked = json.loads(capsys.readouterr().out)["per_gpu"]["total"]
+    assert chunked < whole
+    assert main(["plan", "llama-3.1-8b", "--gpus", "8", "--loss-chunks", "8"]) != 0
+    assert "does not sweep torchtitan" in capsys.readouterr().err
