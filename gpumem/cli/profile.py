@@ -169,7 +169,7 @@ def _refuse_what_cannot_fit(args: argparse.Namespace, job: dict) -> None:
 
     argv = ["gpumem", "profile", args.model]
     if not is_config_path(args.model):  # a config.json sets its own size (--size is refused)
-        argv += ["--size", args.size or "tiny"]
+        argv += ["--size", "tiny" if args.size is None else args.size]
     argv += ["--batch-size", str(args.batch_size)]
     if args.seq_len is not None:
         argv += ["--seq-len", str(args.seq_len)]

@@ -85,7 +85,7 @@ def profile_preflight(
         from gpumem.estimator.specs import from_model_config
         from gpumem.models import get_config
 
-        spec = from_model_config(get_config(model, size or "tiny"))
+        spec = from_model_config(get_config(model, "tiny" if size is None else size))
         peak = _estimate(
             spec, device, checkpointing, **_job(batch_size, seq_len, optimizer, precision)
         )

@@ -161,7 +161,11 @@ def profile_model(
     if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
         raise ValueError(f"seq_len must be an integer >= 1, got {seq_len!r}")
     check_size(model, size)
-    cfg = None if is_config_path(model) else _builtin_config(model, size or "tiny", seq_len)
+    cfg = (
+        None
+        if is_config_path(model)
+        else _builtin_config(model, "tiny" if size is None else size, seq_len)
+    )
     tick = progress or (lambda *a, **k: None)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     amp = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(precision)
