@@ -95,8 +95,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--memory-snapshot",
         metavar="FILE",
         type=_args.output_file,
-        help="write PyTorch's memory-snapshot pickle for pytorch.org/memory_viz (the timeline "
-        "as synthetic allocations by step and phase)",
+        help="write PyTorch's memory-snapshot pickle for pytorch.org/memory_viz and `python -m "
+        "torch.cuda._memory_viz stats|trace_plot` (the timeline as synthetic allocations by "
+        "step and phase)",
     )
     p.set_defaults(func=run)
 

@@ -524,10 +524,8 @@ def estimate_preset(
 ) -> Bill:
     """The bill of training a described model (see ``gpumem.estimate``; ``batch_size`` None:
     the default, and the bill says so)."""
-    given_batch, batch_size = (
-        batch_size,
-        inputs.DEFAULT_BATCH_SIZE if batch_size is None else batch_size,
-    )
+    given_batch = batch_size
+    batch_size = inputs.DEFAULT_BATCH_SIZE if batch_size is None else batch_size
     seq, seq_source = inputs.seq_len(spec, seq_len)
     knobs = knobs or megatron.MegatronKnobs()
     layout.check(spec, seq_len=seq, even_split=not megatron.uneven(knobs))
