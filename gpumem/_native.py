@@ -96,11 +96,26 @@ def cuda_runtime() -> CudaRuntime:
     status = C.cuda_load(disabled, library)
     if status["available"]:
         return CudaRuntime(True, status["library"], status["device_count"], "")
+    reason = status["reason"]
+    # libcudart answers "driver version is insufficient" also when there is no driver at all
+    if "insufficient" in reason and not nvidia_driver_present():
+        reason = "no NVIDIA driver on this machine (libcuda.so.1 not found)"
     message = (
-        f"CUDA runtime not loaded: {status['reason']}{torch_note}; "
+        f"CUDA runtime not loaded: {reason}{torch_note}; "
         "CUDA paths (pinned host memory) are disabled"
     )
     return CudaRuntime(False, status["library"], status["device_count"], message)
+
+
+def nvidia_driver_present() -> bool:
+    """Whether the NVIDIA driver's user-space library (libcuda) can be loaded."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
 
 
 def _is_torch_tensor(obj: Any) -> bool:

@@ -14,7 +14,10 @@ from typing import Any
 
 from gpumem.units import format_bytes, format_rate
 
-_PACKAGES = ("torch", "triton", "numba", "nanobind", "nvidia-ml-py", "numpy")
+# what gpumem runs with (pyproject's dependencies) and what only builds its native core
+# (build-system requires): a missing build tool is no problem of an installed gpumem
+_PACKAGES = ("torch", "triton", "numba", "nvidia-ml-py", "numpy", "matplotlib", "rich")
+_BUILD_PACKAGES = ("nanobind", "cmake", "ninja")
 
 
 @dataclass
@@ -31,11 +34,14 @@ class Bandwidth:
 @dataclass
 class DoctorReport:
     versions: dict[str, str]
+    """Python, gpumem and its runtime dependencies."""
     native: dict[str, Any]
     machine: dict[str, Any]
     gpus: dict[str, Any]
     bandwidth: list[Bandwidth] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    build: dict[str, str] = field(default_factory=dict)
+    """The tools that build gpumem._C (only needed to rebuild it)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -45,6 +51,9 @@ class DoctorReport:
     def text(self) -> str:
         lines = ["gpumem doctor", "", "versions"]
         lines += [f"  {k:<14} {v}" for k, v in self.versions.items()]
+        if self.build:
+            lines += ["", "build tools (only to rebuild gpumem._C)"]
+            lines += [f"  {k:<14} {v}" for k, v in self.build.items()]
         lines += ["", "native core (gpumem._C)"]
         lines += [f"  {k:<14} {v}" for k, v in self.native.items()]
         lines += ["", "machine"]
@@ -75,8 +84,16 @@ class DoctorReport:
 
 
 def _versions() -> dict[str, str]:
-    out = {"python": platform.python_version(), "gpumem": _gpumem_version()}
-    for pkg in _PACKAGES:
+    return {
+        "python": platform.python_version(),
+        "gpumem": _gpumem_version(),
+        **_installed(_PACKAGES),
+    }
+
+
+def _installed(packages: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for pkg in packages:
         try:
             out[pkg] = importlib.metadata.version(pkg)
         except importlib.metadata.PackageNotFoundError:
@@ -183,6 +200,7 @@ def run_doctor(
     problems: list[str] = []
     report = DoctorReport(
         versions=_versions(),
+        build=_installed(_BUILD_PACKAGES),
         native=_native(problems),
         machine=_machine(),
         gpus=device.query().to_dict(),

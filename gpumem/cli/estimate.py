@@ -122,7 +122,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_job_arguments(p)
     p.add_argument(
-        "--batch-size", type=_args.positive_int, default=1, help="micro-batch per GPU (default 1)"
+        "--batch-size",
+        type=_args.positive_int,
+        default=None,  # None, not 1: the bill labels a --batch-size 1 given, its absence default
+        help="micro-batch per GPU (default 1)",
     )
     p.add_argument(
         "--grad-accum", type=_args.positive_int, default=1, help="micro-batches per step"
@@ -306,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
         tp, pp, note = inference_layout(args)
         bill = estimate_inference(
             args.model,
-            batch_size=args.batch_size,
+            batch_size=args.batch_size or 1,
             context=args.seq_len,
             precision=inference_precision(args.precision),
             kv_dtype=args.kv_dtype,

@@ -16,6 +16,7 @@ from gpumem.planner.economics import (
     DEFAULT_STALL_S,
     DEFAULT_STARTUP_S,
 )
+from gpumem.planner.margin import DEFAULT_HEADROOM, Margin
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,6 +35,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--top", type=_args.positive_int, default=10, help="layouts to list (default 10)"
+    )
+    p.add_argument(
+        "--headroom",
+        type=_headroom,
+        default=None,
+        help="memory each GPU keeps free beyond the estimated peak: a share (5%%) or a size "
+        f"(4GiB); default {DEFAULT_HEADROOM.replace('%', '%%')}",
     )
     p.add_argument(
         "--inference",
@@ -113,6 +121,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _headroom(text: str) -> Margin:
+    try:
+        return Margin.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.inference:
         return _inference(args)
@@ -140,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         "framework": args.framework,
         "deepspeed": knobs_from_cli(args.deepspeed, args.ds_config),
         "keep_logits": args.keep_logits,
+        "headroom": args.headroom,
     }
     with progress_bar("searching layouts", enabled=not args.json) as bar:
         if args.min_gpus:

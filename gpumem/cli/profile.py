@@ -20,7 +20,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "exceeds the memory available (--force runs it anyway).",
     )
     p.add_argument("model", help="gpt2 | llama | mixtral | vit | resnet | path/to/config.json")
-    p.add_argument("--size", default="tiny", help="preset size (tiny, small, 7b, 70b, 8x7b, ...)")
+    p.add_argument(
+        "--size",
+        default=None,
+        help="preset size of a built-in model (tiny, small, 7b, 70b, 8x7b, ...; default tiny); "
+        "a config.json sets its own",
+    )
     p.add_argument("--batch-size", type=_args.positive_int, default=2)
     p.add_argument(
         "--seq-len", type=_args.positive_int, default=None, help="tokens per sample (LMs)"
@@ -30,9 +35,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--precision",
-        default="fp32",
+        default=None,
         choices=("fp32", "bf16", "fp16", "amp-bf16", "amp-fp16"),
-        help="parameter dtype, or fp32 weights under autocast (amp-*)",
+        help="parameter dtype, or fp32 weights under autocast (amp-*); default: a config.json's "
+        "torch_dtype, else fp32",
     )
     p.add_argument(
         "--checkpointing", action="store_true", help="activation checkpointing per block"
@@ -68,8 +74,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--depth",
         type=_args.non_negative_int,
-        default=2,
-        help="module depth shown in the table (default 2)",
+        default=None,
+        help="module depth of the table (default 2) and of --plot's bars (default: the "
+        "repeated blocks and the embedding, norm and head around them)",
     )
     p.add_argument(
         "--json", metavar="FILE", type=_args.output_file, help="write the JSON report ('-': stdout)"
@@ -88,8 +95,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--memory-snapshot",
         metavar="FILE",
         type=_args.output_file,
-        help="write PyTorch's memory-snapshot pickle for pytorch.org/memory_viz (the timeline "
-        "as synthetic allocations by step and phase)",
+        help="write PyTorch's memory-snapshot pickle for pytorch.org/memory_viz and `python -m "
+        "torch.cuda._memory_viz stats|trace_plot` (the timeline as synthetic allocations by "
+        "step and phase)",
     )
     p.set_defaults(func=run)
 
@@ -133,9 +141,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         if args.json:
             rep.to_json(args.json)
-        print(rep.to_markdown(args.depth) if args.markdown else rep.table(args.depth))
+        depth = 2 if args.depth is None else args.depth
+        print(rep.to_markdown(depth) if args.markdown else rep.table(depth))
     for flag, write in (
-        ("plot", rep.plot),
+        ("plot", lambda path: rep.plot(path, args.depth)),
         ("trace", rep.to_chrome_trace),
         ("memory_snapshot", rep.to_memory_snapshot),
     ):
@@ -146,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-_DEFAULTS = {"optimizer": "adamw", "precision": "fp32", "device": "cpu"}
+_DEFAULTS = {"optimizer": "adamw", "precision": None, "device": "cpu"}
 
 
 def _refuse_what_cannot_fit(args: argparse.Namespace, job: dict) -> None:
@@ -157,7 +166,11 @@ def _refuse_what_cannot_fit(args: argparse.Namespace, job: dict) -> None:
     check = profile_preflight(args.model, device=args.device, **job)
     if check.fits:
         return
-    argv = ["gpumem", "profile", args.model, "--size", args.size]
+    from gpumem.profiler.runner import is_config_path
+
+    argv = ["gpumem", "profile", args.model]
+    if not is_config_path(args.model):  # a config.json sets its own size (--size is refused)
+        argv += ["--size", "tiny" if args.size is None else args.size]
     argv += ["--batch-size", str(args.batch_size)]
     if args.seq_len is not None:
         argv += ["--seq-len", str(args.seq_len)]

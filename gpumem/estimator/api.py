@@ -275,7 +275,7 @@ def estimate(
         )
     bill = estimate_preset(
         spec,
-        batch_size=1 if batch_size is None else batch_size,
+        batch_size=batch_size,
         moe_imbalance=moe_imbalance,
         moe_dispatcher=moe_dispatcher,
         moe_grouped_gemm=moe_grouped_gemm,

@@ -86,7 +86,8 @@ def sources(
     """Where each shown input came from (``seq_source`` from :func:`seq_len`)."""
     return {
         "seq_len": seq_source,
-        "batch_size": "default" if batch_size is None else source(batch_size, DEFAULT_BATCH_SIZE),
+        # None is the default; a value passed in is given, even the default's (batch_size=1)
+        "batch_size": "default" if batch_size is None else "given",
         "grad_accum": source(grad_accum, DEFAULT_GRAD_ACCUM),
         "recompute": source(recompute, DEFAULT_RECOMPUTE),
         "precision": source(training.precision, DEFAULT_PRECISION),

@@ -39,6 +39,8 @@ class Preflight:
     available_bytes: int
     where: str
     method: str
+    precision: str = "fp32"
+    """What the model will be built in (a config.json's torch_dtype unless one was given)."""
 
     @property
     def fits(self) -> bool:
@@ -47,7 +49,8 @@ class Preflight:
     def message(self) -> str:
         verdict = "fits in" if self.fits else "exceeds"
         return (
-            f"the run's estimated peak {format_bytes(self.estimate_bytes)} ({self.method}) "
+            f"the run's estimated peak {format_bytes(self.estimate_bytes)} ({self.method}, "
+            f"{self.precision}) "
             f"{verdict} the {format_bytes(self.available_bytes)} {self.where}"
         )
 
@@ -55,29 +58,34 @@ class Preflight:
 def profile_preflight(
     model: str,
     *,
-    size: str = "tiny",
+    size: str | None = None,
     batch_size: int = 2,
     seq_len: int | None = None,
     optimizer: str = "adamw",
-    precision: str = "fp32",
+    precision: str | None = None,
     checkpointing: bool = False,
     device: str = "cpu",
 ) -> Preflight:
     """Estimate the peak of ``gpumem.profiler.runner.profile_model`` with these arguments (not
-    fake) and the memory ``device`` has available.
+    fake) and the memory ``device`` has available; in the precision the model will be built in
+    (a config.json's ``torch_dtype`` unless ``precision`` is given).
 
     Raises:
         ValueError: unknown model, size or names (as ``profile_model`` would).
     """
+    from gpumem.profiler.runner import build_precision, check_size, is_config_path
+
+    check_size(model, size)
+    precision = build_precision(model, precision)
     avail, where = available_bytes(device)
     path = Path(model)
-    if path.suffix == ".json" or path.is_file():
+    if is_config_path(model):
         peak, method = _config_peak(path, device, **_job(batch_size, seq_len, optimizer, precision))
     else:
         from gpumem.estimator.specs import from_model_config
         from gpumem.models import get_config
 
-        spec = from_model_config(get_config(model, size))
+        spec = from_model_config(get_config(model, "tiny" if size is None else size))
         peak = _estimate(
             spec, device, checkpointing, **_job(batch_size, seq_len, optimizer, precision)
         )
@@ -97,7 +105,7 @@ def profile_preflight(
             steps=1,
         )
         peak, method = rep.peak_bytes, "one step under fake tensors"
-    return Preflight(int(peak), int(avail), where, method)
+    return Preflight(int(peak), int(avail), where, method, precision)
 
 
 def _job(batch_size: int, seq_len: int | None, optimizer: str, precision: str) -> dict:

@@ -505,7 +505,7 @@ def estimate_preset(
     training: Training,
     layout: Layout,
     gpu: GPU,
-    batch_size: int,
+    batch_size: int | None,
     seq_len: int | None,
     recompute: str,
     grad_accum: int,
@@ -523,7 +523,10 @@ def estimate_preset(
     knobs: megatron.MegatronKnobs | None = None,
     loss_chunks: int = 0,
 ) -> Bill:
-    """The bill of training a described model (see ``gpumem.estimate``)."""
+    """The bill of training a described model (see ``gpumem.estimate``; ``batch_size`` None:
+    the default, and the bill says so)."""
+    given_batch = batch_size
+    batch_size = inputs.DEFAULT_BATCH_SIZE if batch_size is None else batch_size
     seq, seq_source = inputs.seq_len(spec, seq_len)
     knobs = knobs or megatron.MegatronKnobs()
     layout.check(spec, seq_len=seq, even_split=not megatron.uneven(knobs))
@@ -614,7 +617,7 @@ def estimate_preset(
         sources={
             **inputs.sources(
                 seq_source=seq_source,
-                batch_size=batch_size,
+                batch_size=given_batch,
                 grad_accum=grad_accum,
                 recompute=recompute,
                 training=training,

@@ -9,6 +9,7 @@ Modules, bottom up:
     economics          Young/Daly, expected completion time and cost with and without
                        checkpoints; the planner's default guesses
     checkpoint_times   C, P, R: given, calibrated for the best layout, or the defaults
+    margin             the headroom a plan keeps free on every GPU (``--headroom``)
     search             the numba sweep: ``plan`` and ``PlanResult``
     schedulers         Slurm and Kubernetes job scripts wired for preemption
     layout_chart       bills of layouts side by side (``gpumem estimate --plot``)

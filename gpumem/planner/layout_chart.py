@@ -10,16 +10,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from gpumem.estimator import bill as bills
 from gpumem.estimator.bill import Bill
 from gpumem.estimator.specs import ModelSpec
 from gpumem.planner.search import plan
 
-CATEGORIES = ("weights", "gradients", "optimizer", "activations", "temporary", "overhead")
+# every category of the bill's table, so that a bar is as tall as the table's total
+CATEGORIES = tuple(c for c in bills.CATEGORIES if c != "total")
 COLORS = {
     "weights": "#4e79a7",
     "gradients": "#f28e2b",
     "optimizer": "#e15759",
     "activations": "#76b7b2",
+    "communication": "#59a14f",
     "temporary": "#edc948",
     "overhead": "#bab0ac",
 }

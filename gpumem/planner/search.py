@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import time
@@ -54,6 +55,14 @@ from gpumem.planner.economics import (
     Economics,
     economics,
 )
+from gpumem.planner.margin import DEFAULT_HEADROOM, Margin
+
+SWEPT_SOURCES = {
+    "batch_size": "searched",
+    "recompute": "searched",
+    "grad_accum": "derived: global batch / (dp x micro-batch)",
+}
+"""The sources of a candidate's bill inputs that the sweep chose, not the caller."""
 
 RECOMPUTE_COST = {"none": 0.0, "selective": 0.05, "full": 1 / 3}
 MFU = 0.4
@@ -183,7 +192,7 @@ class PlanResult:
         fw = resolve_framework(kw.get("framework"), c.layout, hf=self.model.is_hf)
         if engine(fw, c.layout) != "deepspeed":
             kw.pop("deepspeed", None)  # DeepSpeed's knobs apply to its layouts only
-        return estimate(
+        bill = estimate(
             self.model,
             layout=c.layout,
             batch_size=c.micro_batch,
@@ -192,6 +201,8 @@ class PlanResult:
             gpu=self.gpu,
             **kw,
         )
+        # the estimator sees these as passed in; here the sweep chose them
+        return dataclasses.replace(bill, sources={**bill.sources, **SWEPT_SOURCES})
 
     def table(self, top: int = 10) -> str:
         head = (
@@ -202,7 +213,8 @@ class PlanResult:
         if not self.candidates:
             return (
                 head
-                + "\nnothing fits: add GPUs (--min-gpus), recompute, ZeRO-3, or a shorter seq_len"
+                + "\nnothing fits: add GPUs (--min-gpus), recompute, ZeRO-3, a shorter seq_len, "
+                "or less --headroom"
             )
         lines = [head, f"{'rank':<5}{'layout':<44}{'peak GiB':>10}{'step s':>9}{'bubble':>8}"]
         for i, c in enumerate(self.candidates[:top], 1):
@@ -283,6 +295,7 @@ def plan(
     context_parallel: tuple[int, ...] | None = None,
     calibration: Any = None,
     progress: Any = None,
+    headroom: str | int | float | Margin | None = None,
     **estimate_kwargs: Any,
 ) -> PlanResult:
     """Every layout of ``model`` on ``n_gpus`` that fits, ranked by the throughput proxy.
@@ -301,6 +314,8 @@ def plan(
             category by the fitted coefficients and :meth:`PlanResult.bill` is calibrated.
         progress: called as ``progress(done, total)`` while layouts are enumerated (a CLI
             progress bar).
+        headroom: memory every GPU keeps free beyond the peak: a share (``"5%"``, ``0.05``)
+            or a size (``"4GiB"``, bytes); default ``DEFAULT_HEADROOM`` (``gpumem.planner.margin``).
         estimate_kwargs: passed to the estimator (grads, attention, lora_rank, ...).
     """
     t0 = time.perf_counter()
@@ -319,6 +334,8 @@ def plan(
             "the planner does not sweep framework='torchtitan' (its peak terms are its own); "
             "estimate each layout with gpumem.estimate(..., framework='torchtitan')"
         )
+    margin = Margin.parse(DEFAULT_HEADROOM if headroom is None else headroom)
+    usable = g.total_bytes - margin.bytes_of(g.total_bytes)
     if framework is not None:
         resolve_framework(framework, Layout())  # an unknown name fails here, once
     if estimate_kwargs.get("deepspeed") is not None:  # once, checked; a stage in it is moot
@@ -363,6 +380,10 @@ def plan(
         "recompute": (tuple(recompute), "searched"),
         "precision": (training.precision, job_inputs.source(precision, "bf16-mixed")),
         "optimizer": (training.optimizer, job_inputs.source(optimizer, "adamw")),
+        "headroom": (
+            f"{margin.describe(g.total_bytes)} kept free",
+            "default" if headroom is None else "given",
+        ),
     }
     extra = {
         "inputs": {k: v for k, (v, _) in shown.items()},
@@ -417,7 +438,7 @@ def plan(
     cands = []
     for (lay, mb, rc, ga), r in zip(configs, res, strict=True):
         total = int(r[peak.OUT_TOTAL])
-        if total <= g.total_bytes:
+        if total <= usable:
             step, bubble, comm = _proxy(spec, g, lay, mb, rc, ga, seq, training)
             states = {
                 "weight_bytes": int(r[0]),

@@ -6,9 +6,11 @@ rise of the live total is one synthetic block, labelled with its step and phase 
 names); each fall frees the most recent blocks (splitting the last one where the fall is
 smaller). The "Active Memory Timeline" view therefore shows the same curve as ``Report.plot``,
 coloured by step and phase, to the byte. It does *not* contain the real allocations: addresses
-are synthetic, no Python stacks, no allocator segments or caching (the profiler counts tensor
-storages, not the CUDA allocator's blocks; on CUDA, ``gpumem.profile(snapshot=...)`` keeps the
-allocator's own snapshot of an out-of-memory error).
+are synthetic, no Python stacks, no allocator caching (the profiler counts tensor storages, not
+the CUDA allocator's blocks; on CUDA, ``gpumem.profile(snapshot=...)`` keeps the allocator's own
+snapshot of an out-of-memory error). Its one segment is synthetic too: as large as the peak,
+holding at the end the blocks still alive and one free block, so that torch's
+``python -m torch.cuda._memory_viz stats`` and ``trace_plot`` read the file.
 
 The file is a pickle of plain dicts, lists, ints and strings, as memory_viz expects.
 """
@@ -79,12 +81,44 @@ def memory_snapshot(rep: TimelineLike) -> dict[str, Any]:
                 event("alloc", addr, delta, frames, t)
                 top += delta
                 delta = 0
-    peak = max(tl["bytes"])
+    return {"segments": [_segment(live, max(tl["bytes"]))], "device_traces": [events]}
+
+
+def _segment(live: list[list[Any]], peak: int) -> dict[str, Any]:
+    """One segment as large as the peak, in its state at the end of the trace: the blocks still
+    alive (laid out from ``_BASE`` without gaps), then one free block. Its blocks sum to its
+    size, which ``torch.cuda._memory_viz stats`` checks."""
+    blocks = [
+        {
+            "address": addr,
+            "size": size,
+            "requested_size": size,
+            "state": "active_allocated",
+            "frames": frames,
+        }
+        for addr, size, frames in live
+    ]
+    used = sum(b["size"] for b in blocks)
+    if peak > used:
+        blocks.append(
+            {
+                "address": _BASE + used,
+                "size": peak - used,
+                "requested_size": 0,
+                "state": "inactive",
+                "frames": [],
+            }
+        )
     return {
-        "segments": [
-            {"device": 0, "address": _BASE, "total_size": peak, "stream": 0, "blocks": []}
-        ],
-        "device_traces": [events],
+        "device": 0,
+        "address": _BASE,
+        "total_size": peak,
+        "allocated_size": used,
+        "active_size": used,
+        "requested_size": used,
+        "stream": 0,
+        "segment_type": "large",
+        "blocks": blocks,
     }
 
 

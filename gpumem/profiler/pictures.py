@@ -51,17 +51,38 @@ def _unit(n: int) -> tuple[str, int]:
 
 
 def _bar_layers(rep: ReportLike, depth: int | None) -> list[str]:
-    """Modules drawn as bars: the top level, with numbered containers (ModuleList, Sequential
-    stacks of blocks) replaced by their blocks; or exactly the modules at ``depth``."""
+    """Modules drawn as bars.
+
+    Default: every module on the way down to a numbered container (a ModuleList or Sequential
+    of blocks) is replaced by its children and the container by its blocks, so the bars are
+    the repeated blocks *and* what surrounds them (embedding, final norm, head), however deep
+    a wrapper (``model.layers`` of a transformers model) puts them. With ``depth``: the tree
+    cut there, the modules at that depth and the shallower ones that have no children.
+    """
     names = [n for n in rep.layers if n]
+    kids: dict[str, list[str]] = {}
+    for n in names:
+        kids.setdefault(n.rsplit(".", 1)[0] if "." in n else "", []).append(n)
     if depth is not None:
-        return [n for n in names if n.count(".") + 1 == depth] or [""]
-    out = []
-    for n in (n for n in names if "." not in n):
-        kids = [k for k in names if k.startswith(n + ".") and k.count(".") == 1]
-        numbered = kids and all(k.rsplit(".", 1)[1].isdigit() for k in kids)
-        out += kids if numbered and len(kids) <= 96 else [n]
-    return out or [""]
+        level = {n: n.count(".") + 1 for n in names}
+        cut = [n for n in names if level[n] == depth or (level[n] < depth and n not in kids)]
+        return cut or [""]
+
+    def numbered(n: str) -> bool:
+        ks = kids.get(n, [])
+        return 0 < len(ks) <= 96 and all(k.rsplit(".", 1)[1].isdigit() for k in ks)
+
+    def has_blocks(n: str) -> bool:
+        return numbered(n) or any(has_blocks(k) for k in kids.get(n, []))
+
+    def expand(n: str) -> list[str]:
+        if numbered(n):
+            return kids[n]
+        if has_blocks(n):
+            return [x for k in kids[n] for x in expand(k)]
+        return [n]
+
+    return [x for n in kids.get("", []) for x in expand(n)] or [""]
 
 
 def plot_report(rep: ReportLike, path: Path, depth: int | None = None) -> Path:

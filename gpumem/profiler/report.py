@@ -282,7 +282,14 @@ class Report:
         return "\n".join(md) + "\n"
 
     def plot(self, path: str | Path, depth: int | None = None) -> Path:
-        """PNG: stacked per-layer bars (left) and memory over time with phase bands (right)."""
+        """PNG: stacked per-layer bars (left) and memory over time with phase bands (right).
+
+        Args:
+            depth: the modules drawn as bars. Default: the repeated blocks and the modules
+                around them (embedding, final norm, head), however deep a wrapper puts them;
+                a number: the module tree cut at that depth (the modules there, and shallower
+                ones without children).
+        """
         from gpumem.profiler.pictures import plot_report
 
         return plot_report(self, Path(path), depth)

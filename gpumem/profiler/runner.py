@@ -75,25 +75,46 @@ def hf_config(path: Path) -> Any:
     return cfg
 
 
+# a config.json's dtype names -> profile precisions; transformers builds in the config's dtype
+# unless told otherwise, so that is the default precision of a config.json
+_CONFIG_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def build_precision(model: str, precision: str | None) -> str:
+    """The precision ``profile_model`` builds ``model`` in: ``precision`` when given, else the
+    ``torch_dtype`` (``dtype``) of a config.json, else ``fp32``."""
+    if precision is not None or not is_config_path(model):
+        return precision or "fp32"
+    try:
+        raw = json.loads(Path(model).read_text())
+    except (OSError, ValueError):
+        return "fp32"  # the runner reports what is wrong with the file
+    name = (raw.get("dtype") or raw.get("torch_dtype")) if isinstance(raw, dict) else None
+    return _CONFIG_DTYPES.get(str(name).removeprefix("torch."), "fp32")
+
+
 def _hf_model(path: Path, dtype: torch.dtype | None):
     import transformers
 
     cfg = hf_config(path)
     from gpumem.models import default_dtype
 
+    # explicit: from_config would otherwise build in the config's dtype, whatever was asked
+    # (transformers 5 calls the keyword dtype, 4 torch_dtype)
+    key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     with default_dtype(dtype):
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, **{key: dtype or torch.float32})
     return model, getattr(cfg, "vocab_size", 32000)
 
 
 def profile_model(
     model: str,
     *,
-    size: str = "tiny",
+    size: str | None = None,
     batch_size: int = 2,
     seq_len: int | None = None,
     optimizer: str = "adamw",
-    precision: str = "fp32",
+    precision: str | None = None,
     checkpointing: bool = False,
     fake: bool = False,
     device: str = "cpu",
@@ -107,9 +128,11 @@ def profile_model(
     Args:
         model: ``gpt2``, ``llama``, ``mixtral``, ``vit``, ``resnet``, or a path to a local
             transformers ``config.json`` (causal LMs; nothing is downloaded).
-        size: preset size of a built-in model (see ``gpumem.models.PRESETS``).
+        size: preset size of a built-in model (see ``gpumem.models.PRESETS``; default
+            ``tiny``); a config.json gives its own size, so a size with one is an error.
         precision: parameter dtype (``fp32``, ``bf16``, ``fp16``) or fp32 weights under autocast
-            (``amp-bf16``, ``amp-fp16``).
+            (``amp-bf16``, ``amp-fp16``); default: a config.json's ``torch_dtype``, else fp32
+            (:func:`build_precision`).
         fake: build everything under ``gpumem.fake()``: any size, no memory.
         mode: ``"exact"`` or ``"light"`` (see :func:`gpumem.profile`).
         progress: called as ``progress(done, total, description)`` while the model is built and
@@ -129,6 +152,7 @@ def profile_model(
     conf = resolve(alloc_conf)  # a bad setting fails before anything is built
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    precision = build_precision(model, precision)
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
     for name, v in (("batch_size", batch_size), ("steps", steps)):
@@ -136,7 +160,12 @@ def profile_model(
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
     if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
         raise ValueError(f"seq_len must be an integer >= 1, got {seq_len!r}")
-    cfg = None if is_config_path(model) else _builtin_config(model, size, seq_len)
+    check_size(model, size)
+    cfg = (
+        None
+        if is_config_path(model)
+        else _builtin_config(model, "tiny" if size is None else size, seq_len)
+    )
     tick = progress or (lambda *a, **k: None)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     amp = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(precision)
@@ -198,6 +227,19 @@ def is_config_path(model: str) -> bool:
     """Whether ``model`` names a config.json rather than a built-in model."""
     path = Path(model)
     return path.suffix == ".json" or path.is_file()
+
+
+def check_size(model: str, size: str | None) -> None:
+    """A preset size picks a built-in model's shape; with a config.json it would be ignored.
+
+    Raises:
+        ValueError: a size given with a config.json.
+    """
+    if size is not None and is_config_path(model):
+        raise ValueError(
+            f"--size {size} picks a built-in model's preset; {model} sets its own size "
+            "(hidden_size, num_hidden_layers, ...): leave --size out"
+        )
 
 
 def _builtin_config(model: str, size: str, seq_len: int | None) -> Any:

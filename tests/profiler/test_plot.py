@@ -3,6 +3,7 @@ layouts chart, and the memory-snapshot export read back by PyTorch's own memory_
 
 from __future__ import annotations
 
+import json
 import pickle
 import struct
 
@@ -111,3 +112,97 @@ def test_memory_snapshot_replays_the_timeline(rep, tmp_path):
     from torch.cuda._memory_viz import trace_plot
 
     assert "snapshot.pickle" in trace_plot(snap)
+
+
+def test_estimate_chart_shows_every_category_of_the_table():
+    """Issue 23 (6): the chart left out communication, so a ZeRO-3 bar fell short of the
+    table's total."""
+    import matplotlib.pyplot as plt
+
+    import gpumem
+    from gpumem.estimator.bill import CATEGORIES as TABLE
+    from gpumem.planner.layout_chart import bills_figure
+
+    bill = gpumem.estimate("llama-2-7b", layout=gpumem.Layout(dp=8, zero=3))
+    assert bill.per_gpu["communication"] == 2909533440  # a category the chart must draw
+    fig = bills_figure([("asked", bill)])
+    try:
+        ax = fig.axes[0]
+        assert [c.get_label() for c in ax.containers] == [c for c in TABLE if c != "total"]
+        top = sum(bars[0].get_height() for bars in ax.containers)
+        assert top == pytest.approx(bill.per_gpu["total"] / 2**30)
+    finally:
+        plt.close(fig)
+
+
+@pytest.fixture(scope="module")
+def hf_rep(tmp_path_factory):
+    pytest.importorskip("transformers")
+    cfg = tmp_path_factory.mktemp("hf") / "config.json"
+    cfg.write_text(json.dumps(TINY_LLAMA))
+    return profile_model(str(cfg), batch_size=2, seq_len=16, steps=1)
+
+
+TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 128,
+}
+HF_BARS = [
+    "model.embed_tokens",
+    "model.layers.0",
+    "model.layers.1",
+    "model.norm",
+    "model.rotary_emb",
+    "lm_head",
+]
+
+
+def test_plot_of_a_transformers_model_shows_blocks_and_what_surrounds_them(hf_rep):
+    """Issue 23 (6): the bars of an HF model were `model` and `lm_head` only."""
+    assert _bar_layers(hf_rep, None) == HF_BARS
+
+
+def test_plot_depth_cuts_the_tree_and_keeps_the_shallower_leaves(hf_rep):
+    """Issue 23 (6): depth=3 dropped the embedding, norm and head (depth 2 and 1 leaves)."""
+    assert _bar_layers(hf_rep, 3) == HF_BARS
+    assert _bar_layers(hf_rep, 1) == ["model", "lm_head"]
+    assert _bar_layers(hf_rep, 2) == [
+        "model.embed_tokens",
+        "model.layers",
+        "model.norm",
+        "model.rotary_emb",
+        "lm_head",
+    ]
+
+
+def test_cli_profile_depth_is_documented_and_reaches_the_plot(tmp_path, capsys, monkeypatch):
+    import gpumem.profiler.report as report
+
+    seen = []
+    monkeypatch.setattr(report.Report, "plot", lambda self, path, depth=None: seen.append(depth))
+    assert main(["profile", "--help"]) == 0
+    assert "--plot's bars" in " ".join(capsys.readouterr().out.split())
+    out = str(tmp_path / "p.png")
+    assert main(["profile", "gpt2", "--steps", "1", "--plot", out]) == 0
+    assert main(["profile", "gpt2", "--steps", "1", "--plot", out, "--depth", "1"]) == 0
+    assert seen == [None, 1]
+
+
+def test_memory_snapshot_passes_memory_viz_stats(rep, tmp_path):
+    """Issue 23 (6): `python -m torch.cuda._memory_viz stats` raised "Segment size mismatch"
+    (the segment had no blocks)."""
+    from torch.cuda._memory_viz import segsum, trace_plot
+
+    snap = pickle.loads(rep.to_memory_snapshot(tmp_path / "snap.pickle").read_bytes())
+    seg = snap["segments"][0]
+    assert sum(b["size"] for b in seg["blocks"]) == seg["total_size"] == max(rep.timeline["bytes"])
+    active = sum(b["size"] for b in seg["blocks"] if b["state"] == "active_allocated")
+    assert active == rep.timeline["bytes"][-1]  # the end of the trace: what is still alive
+    text = segsum(snap)
+    assert "total_reserved" in text and "snapshot.pickle" in trace_plot(snap)
