@@ -21,6 +21,7 @@ import dataclasses
 import sys
 from typing import Any
 
+from gpumem.allocator.alloc_conf import AllocConf, NotSimulated, resolve
 from gpumem.calibrate.calibration import split_calibration
 from gpumem.calibrate.memory import apply_memory_calibration
 from gpumem.estimator.bill import Bill
@@ -82,6 +83,7 @@ def estimate(
     pipeline_split_loss: bool = False,
     deepspeed: dict[str, Any] | ZeroConfig | None = None,
     offload_param: bool = False,
+    alloc_conf: Any = None,
 ) -> Bill:
     """Estimate the per-GPU peak memory of training ``model``.
 
@@ -139,6 +141,14 @@ def estimate(
             ``gpumem/estimator/deepspeed.py``. ``bill.host_bytes`` is then the pinned host memory
             per node that offload needs.
         offload_param: DeepSpeed ZeRO-3's ``offload_param`` to the CPU (also a ``deepspeed`` key).
+        alloc_conf: the ``PYTORCH_CUDA_ALLOC_CONF`` (string or ``gpumem.allocator.AllocConf``)
+            under which the step's allocations run through the simulated caching allocator:
+            ``bill.peak_reserved_bytes`` and the fragmentation in ``overhead`` come from it
+            (docs/estimator.md, "Reserved memory"). None (default): the environment's. A
+            malformed setting is a ``ValueError`` naming the option; an environment setting
+            the simulator does not reproduce (``backend:cudaMallocAsync``) falls back to the
+            flat fragmentation share with ``bill.reserved_note`` saying why. The nn.Module
+            path and ``device="cpu"`` keep the flat share.
         calibration: a ``gpumem.Calibration`` or the path of a calibration.json: the GPU gets
             the reserve measured there (``Calibration.apply_to``), and with a ``memory``
             section (``gpumem calibrate --memory``) its fitted coefficients scale the
@@ -248,8 +258,11 @@ def estimate(
         return estimate_module(
             model, batch_size=batch_size, example_input=example_input, loss_fn=loss_fn, **common
         )
+    conf, note = resolve_alloc_conf(alloc_conf)
     bill = estimate_preset(
         spec,
+        alloc_conf=conf,
+        reserved_note=note,
         batch_size=1 if batch_size is None else batch_size,
         moe_imbalance=moe_imbalance,
         moe_dispatcher=moe_dispatcher,
@@ -261,6 +274,18 @@ def estimate(
     if mem is not None:
         bill = apply_memory_calibration(bill, mem)
     return with_host_bytes(bill, g)
+
+
+def resolve_alloc_conf(alloc_conf: Any) -> tuple[AllocConf | None, str]:
+    """(the settings to simulate, or None with the reason): ``alloc_conf=`` as given, or the
+    environment's; a given setting the simulator does not reproduce is an error, an
+    environment's one a note (the estimate then uses the flat fragmentation share)."""
+    try:
+        return resolve(alloc_conf), ""
+    except NotSimulated as exc:
+        if alloc_conf is not None:
+            raise
+        return None, f"{exc}; fragmentation as the flat share"
 
 
 def zero_config(

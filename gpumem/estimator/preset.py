@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from gpumem.allocator.alloc_conf import AllocConf
 from gpumem.estimator import activations as act
 from gpumem.estimator import backward as bwd
 from gpumem.estimator import hf_ops, inputs, megatron, peak
@@ -23,6 +24,7 @@ from gpumem.estimator.frameworks import (
 )
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
+from gpumem.estimator.rank_shapes import fill_fragmentation
 from gpumem.estimator.specs import ModelSpec, ParamGroups, param_groups
 from gpumem.estimator.states import ParamMix, Training, ns_width
 from gpumem.estimator.terms import (
@@ -66,6 +68,9 @@ class PresetTerms:
     moe_grouped_gemm: bool | None = None
     fused_ops: tuple[str, ...] | None = None
     knobs: megatron.MegatronKnobs = field(default_factory=megatron.MegatronKnobs)
+    alloc_conf: AllocConf | None = None
+    """The caching allocator's settings the fragmentation is simulated under (``rank_shapes``);
+    None: the flat ``gpu.fragmentation`` fraction instead."""
 
     @property
     def mcore(self) -> bool:
@@ -342,6 +347,11 @@ class PresetTerms:
                 layer_comm=max(acts["dense"][10], acts["moe"][10] if n_moe else 0.0),
                 mix=preset_mix(spec, pg),
             )
+            if self.alloc_conf is not None:
+                fill_fragmentation(
+                    self, self.alloc_conf, x, layout, batch, recompute,
+                    first=is_first, last=is_last, moe=n_moe > n_dense,
+                )  # fmt: skip
             out.append(x)
         return out
 
@@ -521,8 +531,11 @@ def estimate_preset(
     moe_grouped_gemm: bool | None = None,
     fused_ops: tuple[str, ...] | None = None,
     knobs: megatron.MegatronKnobs | None = None,
+    alloc_conf: AllocConf | None = None,
+    reserved_note: str = "",
 ) -> Bill:
-    """The bill of training a described model (see ``gpumem.estimate``)."""
+    """The bill of training a described model (see ``gpumem.estimate``); ``alloc_conf``:
+    simulate the caching allocator under it (None: the flat fragmentation fraction)."""
     seq, seq_source = inputs.seq_len(spec, seq_len)
     knobs = knobs or megatron.MegatronKnobs()
     layout.check(spec, seq_len=seq, even_split=not megatron.uneven(knobs))
@@ -550,6 +563,7 @@ def estimate_preset(
         moe_grouped_gemm,
         None if fused_ops is None else tuple(fused_ops),
         knobs,
+        alloc_conf if device == "cuda" else None,
     )
     stages = list(range(layout.pp))
     return make_bill(
@@ -593,6 +607,8 @@ def estimate_preset(
             else f"default: the {framework} loop",
         },
         items=terms.layer_items(layout, batch_size),
+        alloc_conf=None if terms.alloc_conf is None else terms.alloc_conf.text or "default",
+        reserved_note=reserved_note,
     )
 
 
