@@ -147,8 +147,9 @@ def estimate(
             (docs/estimator.md, "Reserved memory"). None (default): the environment's. A
             malformed setting is a ``ValueError`` naming the option; an environment setting
             the simulator does not reproduce (``backend:cudaMallocAsync``) falls back to the
-            flat fragmentation share with ``bill.reserved_note`` saying why. The nn.Module
-            path and ``device="cpu"`` keep the flat share.
+            flat fragmentation share with ``bill.reserved_note`` saying why. ``False``: the
+            flat share without simulating. The nn.Module path and ``device="cpu"`` keep the
+            flat share.
         calibration: a ``gpumem.Calibration`` or the path of a calibration.json: the GPU gets
             the reserve measured there (``Calibration.apply_to``), and with a ``memory``
             section (``gpumem calibrate --memory``) its fitted coefficients scale the
@@ -280,6 +281,8 @@ def resolve_alloc_conf(alloc_conf: Any) -> tuple[AllocConf | None, str]:
     """(the settings to simulate, or None with the reason): ``alloc_conf=`` as given, or the
     environment's; a given setting the simulator does not reproduce is an error, an
     environment's one a note (the estimate then uses the flat fragmentation share)."""
+    if alloc_conf is False:
+        return None, "alloc_conf=False"
     try:
         return resolve(alloc_conf), ""
     except NotSimulated as exc:

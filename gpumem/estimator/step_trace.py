@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpumem.allocator.alloc_conf import AllocConf
 from gpumem.allocator.caching import CachingAllocatorSim
 from gpumem.allocator.trace import Trace
 
-K = 8
+K = 4
 """Layers simulated exactly; a rank of more than ``2 K`` is extrapolated from ``K`` and ``2 K``."""
 
 
@@ -75,9 +75,21 @@ class StepShape:
 def frag_bytes(
     conf: AllocConf, states: StatesShape, step: StepShape, n_layers: int
 ) -> tuple[int, int]:
-    """(unreleasable, reserved) bytes over the requested peak, for ``n_layers`` layers."""
-    a, b = scaled(conf, states, n_layers), scaled(conf, step, n_layers)
-    return a[0] + b[0], a[1] + b[1]
+    """(unreleasable, reserved) bytes over the requested peak, for ``n_layers`` layers.
+
+    Simulated apart so that shapes repeat across a planner's candidates: the states' layers
+    (``StatesShape`` without ``outer``), the tensors outside them, the held micro-batches'
+    activations (allocations only: ``held`` micro-batches of the layer's saved tensors) and
+    the step of one micro-batch (``held=0``)."""
+    parts = [
+        scaled(conf, replace(states, outer=()), n_layers),
+        fragmentation(conf, StatesShape((), states.outer), 0),
+        scaled(conf, replace(step, held=0.0), n_layers),
+    ]
+    passes = round(step.held * n_layers)
+    if passes and step.saved:
+        parts.append(scaled(conf, StatesShape(step.saved), passes))
+    return sum(p[0] for p in parts), sum(p[1] for p in parts)
 
 
 def scaled(conf: AllocConf, shape: StatesShape | StepShape, n: int) -> tuple[int, int]:
@@ -90,7 +102,7 @@ def scaled(conf: AllocConf, shape: StatesShape | StepShape, n: int) -> tuple[int
     return u, r
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=65536)
 def fragmentation(conf: AllocConf, shape: StatesShape | StepShape, n: int) -> tuple[int, int]:
     """(unreleasable, reserved) over the requested peak of ``shape``'s trace of ``n`` layers,
     simulated (cached: the planner asks for the same shapes again and again)."""
@@ -185,4 +197,13 @@ def step_trace(s: StepShape, n: int) -> tuple[Trace, int]:
     return t, t.peak
 
 
-__all__ = ["K", "StatesShape", "StepShape", "frag_bytes", "fragmentation", "scaled", "states_trace", "step_trace"]
+__all__ = [
+    "K",
+    "StatesShape",
+    "StepShape",
+    "frag_bytes",
+    "fragmentation",
+    "scaled",
+    "states_trace",
+    "step_trace",
+]
