@@ -563,7 +563,7 @@ def estimate_preset(
         moe_grouped_gemm,
         None if fused_ops is None else tuple(fused_ops),
         knobs,
-        alloc_conf if device == "cuda" else None,
+        alloc_conf,
     )
     stages = list(range(layout.pp))
     return make_bill(

@@ -43,6 +43,8 @@ def fill_fragmentation(
     step = step_shape(pt, x, layout, batch, recompute, first=first, last=last, moe=moe)
     unreleasable, reserved = frag_bytes(conf, states, step, n)
     x[peak.FRAG_BYTES], x[peak.RESERVED_FRAG] = float(unreleasable), float(reserved)
+    if not pt.cuda:  # a CPU run has no caching allocator: reserved is reported, not billed
+        x[peak.FRAG_BYTES] = 0.0
     x[peak.FRAG] = 0.0
 
 

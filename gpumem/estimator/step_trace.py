@@ -19,10 +19,12 @@ asked for at its peak (``frag_bytes``): the reserved peak with ample memory (wha
 release: the largest ``reserved - releasable`` at a moment it needs a new segment, where
 ``releasable`` is the cached segments (pages) ``release_cached_blocks`` frees before an
 allocation fails and is retried. The bill's reserved peak is its allocated peak plus the first;
-its verdict counts the second. Identical layers make the traces periodic, so a rank of many layers is simulated for
-``K`` and ``2 K`` layers and the rest extrapolated linearly (``scaled``); results are cached
-per shape, which is what lets the planner's thousands of candidates share a few hundred
-simulations.
+its verdict counts the second.
+
+Identical layers make the traces periodic, so a rank of many layers is simulated for ``K`` and
+``2 K`` layers and the rest extrapolated linearly (``scaled``); results are cached per shape
+(the held micro-batches, the states' layers and the rest apart, so that shapes repeat), which
+is what lets the planner's candidates share a few thousand simulations.
 """
 
 from __future__ import annotations
