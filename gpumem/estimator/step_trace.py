@@ -107,20 +107,106 @@ def scaled(conf: AllocConf, shape: StatesShape | StepShape, n: int) -> tuple[int
 @functools.lru_cache(maxsize=65536)
 def fragmentation(conf: AllocConf, shape: StatesShape | StepShape, n: int) -> tuple[int, int]:
     """(unreleasable, reserved) over the requested peak of ``shape``'s trace of ``n`` layers,
-    simulated (cached: the planner asks for the same shapes again and again)."""
-    t, peak = states_trace(shape, n) if isinstance(shape, StatesShape) else step_trace(shape, n)
-    sim = CachingAllocatorSim(conf)
-    st = sim.stats
-    pinned = 0
+    simulated (cached: the planner asks for the same shapes again and again). A step is run in
+    three cached stages (forward; backward; optimizer step), each continuing a fork of the
+    one before, so that steps differing only in their later transients share the rest."""
+    if isinstance(shape, StepShape) and not shape.held:
+        run = _walk_stage(conf, replace(shape, t_step=0), n).fork()
+        if shape.t_step:
+            run.give(run.take(shape.t_step))
+        return run.result()
+    t, _ = states_trace(shape, n) if isinstance(shape, StatesShape) else step_trace(shape, n)
+    run = _Run(conf)
     for ev in t.events:
         if ev[0] == "alloc":
-            before = st.reserved
-            sim.malloc(ev[1], ev[2])
-            if st.reserved > before:  # a new segment: where a full GPU would release and retry
-                pinned = max(pinned, st.reserved - sim.releasable())
+            run.take(ev[2], ev[1])
         else:
-            sim.free(ev[1])
-    return max(0, pinned - peak), max(0, st.reserved_peak - peak)
+            run.give(ev[1])
+    return run.result()
+
+
+class _Run:
+    """A simulator with the requested bytes alive, their peak, and the unreleasable peak."""
+
+    def __init__(self, conf: AllocConf | None = None) -> None:
+        if conf is not None:
+            self.sim = CachingAllocatorSim(conf)
+        self.sizes: dict[int, int] = {}
+        self.live = self.peak = self.pinned = self.next = 0
+        self.layers: list[list[int]] = []
+        self.ends: list[int | None] = []
+
+    def take(self, size: int, h: int | None = None) -> int:
+        if h is None:
+            h = self.next
+            self.next += 1
+        st = self.sim.stats
+        before = st.reserved
+        self.sim.malloc(h, size)
+        if st.reserved > before:  # a new segment: where a full GPU would release and retry
+            self.pinned = max(self.pinned, st.reserved - self.sim.releasable())
+        self.sizes[h] = size
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        return h
+
+    def give(self, h: int) -> None:
+        self.sim.free(h)
+        self.live -= self.sizes.pop(h)
+
+    def fork(self) -> _Run:
+        new = _Run()
+        new.sim = self.sim.fork()
+        new.sizes = dict(self.sizes)
+        new.live, new.peak, new.pinned, new.next = self.live, self.peak, self.pinned, self.next
+        new.layers = [list(x) for x in self.layers]
+        new.ends = list(self.ends)
+        return new
+
+    def result(self) -> tuple[int, int]:
+        return max(0, self.pinned - self.peak), max(0, self.sim.stats.reserved_peak - self.peak)
+
+
+@functools.lru_cache(maxsize=4096)
+def _step_stage(
+    conf: AllocConf, saved: tuple[int, ...], gather: int, first: int, last: int, n: int
+) -> _Run:
+    """The forward of one micro-batch and its head (see ``step_trace``); never mutated."""
+    run = _Run(conf)
+    f = run.take(first) if first else None
+    for _ in range(n):
+        g = run.take(gather) if gather else None
+        run.layers.append([run.take(size) for size in saved])
+        if g is not None:
+            run.give(g)
+    run.ends = [f, run.take(last) if last else None]
+    return run
+
+
+@functools.lru_cache(maxsize=4096)
+def _walk_stage(conf: AllocConf, s: StepShape, n: int) -> _Run:
+    """The forward, then the backward (start transient, then layer by layer from the last);
+    never mutated."""
+    run = _step_stage(conf, s.saved, s.gather, s.first, s.last, n).fork()
+    first, last = run.ends
+    if s.t_start:
+        run.give(run.take(s.t_start))
+    if last is not None:
+        run.give(last)
+    for saved in reversed(run.layers):
+        g = run.take(s.gather) if s.gather else None
+        rc = [run.take(size) for size in s.recomputed]
+        tl = run.take(s.t_layer) if s.t_layer else None
+        for h in reversed(saved):
+            run.give(h)
+        for size in s.grads:
+            run.take(size)
+        for h in (*rc, tl, g):
+            if h is not None:
+                run.give(h)
+    if first is not None:
+        run.give(first)
+    return run
 
 
 class _Live(Trace):

@@ -204,3 +204,37 @@ def test_reserved_against_the_profiler(case):
     err = c.bill.peak_reserved_bytes - c.measured_reserved
     assert abs(err) <= 0.06 * c.measured_reserved
     assert c.bill.peak_reserved_bytes > c.bill.allocated_bytes
+
+
+def test_the_staged_step_equals_its_plain_trace():
+    # fragmentation() runs a step in cached stages (forks); the plain trace, event by event,
+    # must give the same figures under every setting
+    import random
+
+    from gpumem.estimator.step_trace import _Run, step_trace
+
+    rng = random.Random(3)
+    sizes = [1000, 300_000, 3 * MiB, 7 * MiB, 30 * MiB, 112 * MiB]
+    for conf in (DEFAULT, EXPANDABLE, AllocConf.parse("max_split_size_mb:64")):
+        for _ in range(20):
+            pick = lambda: rng.choice([0, *sizes])  # noqa: E731
+            shape = StepShape(
+                saved=tuple(rng.choice(sizes) for _ in range(rng.randint(1, 5))),
+                recomputed=tuple(rng.choice(sizes) for _ in range(rng.randint(0, 2))),
+                grads=tuple(rng.choice(sizes) for _ in range(rng.randint(0, 3))),
+                gather=pick(),
+                t_layer=pick(),
+                t_start=pick(),
+                t_step=pick(),
+                first=pick(),
+                last=pick(),
+            )
+            n = rng.randint(1, 6)
+            t, _ = step_trace(shape, n)
+            run = _Run(conf)
+            for ev in t.events:
+                if ev[0] == "alloc":
+                    run.take(ev[2], ev[1])
+                else:
+                    run.give(ev[1])
+            assert fragmentation(conf, shape, n) == run.result()
