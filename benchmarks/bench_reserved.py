@@ -1,6 +1,6 @@
 """The estimator's reserved memory: what simulating each step's allocations through the caching
 allocator costs an estimate and a planner sweep, against the flat fragmentation share
-(``alloc_conf=False``). "cold": the simulation cache cleared before every call (a fresh
+(``alloc_conf=False``). "cold": the simulation caches cleared before every call (a fresh
 process, as the CLI runs); "warm": its shapes already simulated.
 
     python benchmarks/bench_reserved.py       # writes benchmarks/results/estimator_reserved.md
@@ -25,7 +25,8 @@ JOBS = [
 
 def _cold(fn):
     def run():
-        step_trace.fragmentation.cache_clear()
+        for cache in (step_trace.fragmentation, step_trace._step_stage, step_trace._walk_stage):
+            cache.cache_clear()
         return fn()
 
     return run
@@ -66,7 +67,7 @@ def main() -> None:
         )
     notes = """
 "flat": `alloc_conf=False`, the flat 5 % fragmentation share (the estimator before the
-simulator). "cold" clears the simulation cache (`step_trace.fragmentation`) before each call;
+simulator). "cold" clears the simulation caches (`step_trace`'s three) before each call;
 "warm" reuses it. The planner simulates only the configurations whose allocated peak fits, each
 rank's shapes simulated for K and 2K layers (K = 4) and extrapolated. Last column: the bill's
 (the plan's best layout's) allocated and simulated reserved peaks, GiB.
