@@ -46,7 +46,8 @@ class Bill:
     Attributes:
         n_params: parameters of the whole model.
         per_gpu: bytes by category at the peak of the most loaded rank (profiler categories).
-        fits: ``per_gpu["total"] <= gpu.total_bytes``.
+        fits: ``per_gpu["total"] <= gpu.total_bytes`` (allocated + the caching allocator's
+            unreleasable fragmentation + CUDA context + NCCL; see ``unreleasable_bytes``).
         headroom_bytes: capacity minus total (negative when it does not fit).
         cluster_model_state_bytes: unique weights + gradients + optimizer state of the job.
         model_states: per-GPU weights/gradients/optimizer outside any phase (steady state).
