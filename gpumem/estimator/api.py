@@ -32,7 +32,7 @@ from gpumem.estimator.frameworks import (
     engine,
     resolve_framework,
 )
-from gpumem.estimator.gpus import GPU, find_gpu
+from gpumem.estimator.gpus import FRAGMENTATION, GPU, find_gpu
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.megatron import MegatronKnobs, check_knobs
 from gpumem.estimator.preset import MOE_IMBALANCE, estimate_preset
@@ -259,7 +259,7 @@ def estimate(
         return estimate_module(
             model, batch_size=batch_size, example_input=example_input, loss_fn=loss_fn, **common
         )
-    conf, note = resolve_alloc_conf(alloc_conf)
+    conf, note = resolve_alloc_conf(alloc_conf, g)
     bill = estimate_preset(
         spec,
         alloc_conf=conf,
@@ -277,12 +277,16 @@ def estimate(
     return with_host_bytes(bill, g)
 
 
-def resolve_alloc_conf(alloc_conf: Any) -> tuple[AllocConf | None, str]:
+def resolve_alloc_conf(alloc_conf: Any, gpu: GPU | None = None) -> tuple[AllocConf | None, str]:
     """(the settings to simulate, or None with the reason): ``alloc_conf=`` as given, or the
     environment's; a given setting the simulator does not reproduce is an error, an
-    environment's one a note (the estimate then uses the flat fragmentation share)."""
+    environment's one a note (the estimate then uses the flat fragmentation share). A GPU
+    carrying a measured fragmentation (a calibration's profile of the user's own step) keeps
+    that measured share unless ``alloc_conf`` is given: a measurement beats the simulation."""
     if alloc_conf is False:
         return None, "alloc_conf=False"
+    if alloc_conf is None and gpu is not None and gpu.fragmentation != FRAGMENTATION:
+        return None, f"the calibration's measured fragmentation, {gpu.fragmentation:.2%}"
     try:
         return resolve(alloc_conf), ""
     except NotSimulated as exc:

@@ -341,11 +341,11 @@ def plan(
     """
     t0 = time.perf_counter()
     spec = resolve_model(model)
-    conf, conf_note = resolve_alloc_conf(alloc_conf)
     cal, mem = split_calibration(calibration)
     g = gpu if isinstance(gpu, GPU) else find_gpu(gpu, gpu_memory)
     if cal is not None:
         g = cal.apply_to(g)
+    conf, conf_note = resolve_alloc_conf(alloc_conf, g)
     if not isinstance(n_gpus, int) or isinstance(n_gpus, bool) or n_gpus <= 0:
         raise ValueError(f"n_gpus must be a positive integer, got {n_gpus!r}")
     if global_batch is not None and (not isinstance(global_batch, int) or global_batch <= 0):

@@ -238,3 +238,12 @@ def test_the_staged_step_equals_its_plain_trace():
                 else:
                     run.give(ev[1])
             assert fragmentation(conf, shape, n) == run.result()
+
+
+def test_a_measured_fragmentation_beats_the_simulation():
+    gpu = dataclasses.replace(find_gpu("H100-80GB"), fragmentation=0.1)  # a calibration's
+    b = gpumem.estimate("llama-3-8b", seq_len=2048, gpu=gpu)
+    assert b.peak_reserved_bytes is None and "measured fragmentation" in b.reserved_note
+    assert b.per_gpu["overhead"] == gpu.context_bytes + int(b.allocated_bytes * 0.1)
+    given = gpumem.estimate("llama-3-8b", seq_len=2048, gpu=gpu, alloc_conf="")
+    assert given.peak_reserved_bytes is not None  # asked for explicitly: simulated
