@@ -56,6 +56,13 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
         "else fsdp2 with --fsdp, deepspeed with --zero, else torch)",
     )
     p.add_argument(
+        "--loss-chunks",
+        type=_args.non_negative_int,
+        default=0,
+        help="--framework torchtitan: its ChunkedLossWrapper(num_chunks=N) (0.3.0's llama3 "
+        "recipes use 8; default 0: the loss on the whole logits)",
+    )
+    p.add_argument(
         "--keep-logits",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -150,7 +157,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage")
     p.add_argument("--fsdp", default=None, choices=("full", "hybrid"), help="FSDP sharding")
-    p.add_argument("--recompute", default="none", help="none, selective, full or every-K")
+    p.add_argument(
+        "--recompute",
+        default="none",
+        help="none, selective, full or every-K; under --framework torchtitan its own: none, "
+        "selective (= selective:op, per-op SAC), selective:N (layer SAC), full",
+    )
     p.add_argument("--attention", default="sdpa", help="sdpa, flash, efficient, eager")
     p.add_argument("--activation-model", default="ops", choices=("ops", "korthikanti"))
     p.add_argument("--offload-optimizer", action="store_true", help="optimizer state in CPU memory")
@@ -343,6 +355,7 @@ def run(args: argparse.Namespace) -> int:
         offload_param=args.offload_param,
         keep_logits=args.keep_logits,
         alloc_conf=args.alloc_conf,
+        loss_chunks=args.loss_chunks,
         **({"moe_imbalance": args.moe_imbalance} if args.moe_imbalance is not None else {}),
         **megatron_kwargs(args),
     )

@@ -119,6 +119,13 @@ def run(args: argparse.Namespace) -> int:
     from gpumem.estimator.deepspeed import knobs_from_cli
     from gpumem.planner import min_gpus, plan, realised, schedulers
 
+    if args.loss_chunks:
+        raise ValueError(
+            "--loss-chunks is torchtitan's chunked loss, and the planner does not sweep "
+            "torchtitan: estimate its layouts one by one with gpumem estimate --framework "
+            "torchtitan"
+        )
+
     kw = {
         "gpu": args.gpu,
         "gpu_memory": args.gpu_memory,

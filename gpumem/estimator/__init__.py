@@ -24,6 +24,7 @@ Modules, bottom up:
     param_tensors      a described model's parameters as the tensors its modules register
     step_trace         a rank's step as allocations, through the simulated caching allocator
     rank_shapes        a preset rank's tensors for step_trace, and its fragmentation term
+    torchtitan         torchtitan's recipe: its modules, SAC policies, loss and FSDP units
     preset             a described model's terms for any layout
     module_structure   an ``nn.Module``'s repeated blocks and counts
     module_inputs      its fake copy and the fake inputs of one micro-batch

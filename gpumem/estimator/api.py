@@ -84,6 +84,7 @@ def estimate(
     deepspeed: dict[str, Any] | ZeroConfig | None = None,
     offload_param: bool = False,
     alloc_conf: Any = None,
+    loss_chunks: int = 0,
 ) -> Bill:
     """Estimate the per-GPU peak memory of training ``model``.
 
@@ -106,7 +107,9 @@ def estimate(
             framework's loop (``transformers``' ``Trainer`` keeps only the loss, Megatron's model
             computes it inside forward: False; the others' ``logits = model(x)``: True).
         persistent_grads: gradients stay allocated across steps (default: when distributed or
-            accumulating; plain single-GPU ``zero_grad(set_to_none=True)`` frees them).
+            accumulating; plain single-GPU ``zero_grad(set_to_none=True)`` frees them; under
+            ``framework="torchtitan"`` default False, its ``set_to_none=True`` step: True is
+            0.3.0's CUDA-graph default, ``zero_grad(set_to_none=False)``).
         foreach / fused: torch.optim's step implementation (see Training.step_temp_bytes).
         example_input: for an ``nn.Module``: one micro-batch of its forward's inputs, a
             tensor, a tuple (positional) or a dict (keyword), real, meta or fake; dim 0 of every
@@ -117,10 +120,13 @@ def estimate(
             output's last dimension against integer targets; a scalar output or ``.loss`` is
             the loss itself).
         framework: whose recipe and buffer conventions: ``transformers``, ``megatron``,
-            ``deepspeed``, ``fsdp2`` or ``torch`` (default: transformers for a config.json
-            model; else fsdp2 when ``layout.fsdp``, deepspeed when ``layout.zero >= 1``, else
-            torch); see ``gpumem/estimator/frameworks.py``. ``grads`` defaults to the
-            framework's (Megatron: fp32 main grads under mixed precision; else ``compute``).
+            ``deepspeed``, ``fsdp2``, ``torchtitan`` or ``torch`` (default: transformers for a
+            config.json model; else fsdp2 when ``layout.fsdp``, deepspeed when
+            ``layout.zero >= 1``, else torch); see ``gpumem/estimator/frameworks.py``. ``grads``
+            defaults to the framework's (Megatron: fp32 main grads under mixed precision; else
+            ``compute``). ``torchtitan`` is its Llama recipe with its own ``recompute`` names
+            (``selective`` = per-op SAC, ``selective:N`` = layer SAC, ``full``, ``none``;
+            ``gpumem/estimator/torchtitan.py``).
         moe_imbalance: tokens of the most loaded expert-parallel rank over the mean (default
             1.25, the usual capacity factor; applies when ``layout.ep > 1``).
         moe_dispatcher: ``alltoall`` or ``allgather`` token dispatch under expert parallelism.
@@ -150,6 +156,10 @@ def estimate(
             flat fragmentation share with ``bill.reserved_note`` saying why. ``False``: the
             flat share without simulating. The nn.Module path and ``device="cpu"`` keep the
             flat share.
+        loss_chunks: ``framework="torchtitan"`` only: 0 computes the loss on the whole logits
+            (``CrossEntropyLoss``, the published runs), N as 0.3.0's llama3 recipes do with
+            ``ChunkedLossWrapper(num_chunks=N)`` (their default 8): lm_head and the loss per
+            sequence chunk, each chunk's backward before the decoder's.
         calibration: a ``gpumem.Calibration`` or the path of a calibration.json: the GPU gets
             the reserve measured there (``Calibration.apply_to``), and with a ``memory``
             section (``gpumem calibrate --memory``) its fitted coefficients scale the
@@ -248,7 +258,22 @@ def estimate(
         "persistent_grads": persistent_grads,
         "framework": fw,
     }
+    if fw != "torchtitan" and loss_chunks:
+        raise ValueError(
+            f"loss_chunks is torchtitan's ChunkedLossWrapper; framework={fw!r} has none "
+            "(use framework='torchtitan', or loss_chunks=0)"
+        )
+    if fw == "torchtitan" and keep_logits:
+        raise ValueError(
+            "keep_logits=True does not apply to framework='torchtitan': its train step deletes "
+            "pred before backward (leave keep_logits unset)"
+        )
     if spec is None:
+        if fw == "torchtitan":
+            raise ValueError(
+                "framework='torchtitan' prices torchtitan's own Llama from a described model "
+                "(a preset, config.json or ModelSpec), not an nn.Module"
+            )
         # imported here, not above: the module path needs torch, presets and configs do not
         from gpumem.estimator.module_estimate import estimate_module
 
@@ -270,6 +295,7 @@ def estimate(
         moe_grouped_gemm=moe_grouped_gemm,
         fused_ops=fused_ops,
         knobs=knobs,
+        loss_chunks=loss_chunks,
         **common,
     )
     if mem is not None:

@@ -28,6 +28,8 @@ framework     conventions (sources in docs/estimator.md)
               their reduce-scatter. Context parallelism: all-gather of K and V (torchtitan's
               default rotate method).
 ``transformers`` ``Trainer``'s loop (below); buffers of the engine the layout implies.
+``torchtitan`` torchtitan's Llama recipe on FSDP2: its modules, SAC policies, loss and FSDP units
+              (``torchtitan.py``); the peak terms are its own.
 ``torch``     plain DDP: ``gradient_as_bucket_view=False`` (the default) keeps a flat bucket
               buffer beside ``.grad`` for every gradient (one gradient-size copy) when more than
               one data-parallel rank reduces. Context parallelism as fsdp2.
@@ -52,12 +54,13 @@ from __future__ import annotations
 from gpumem.estimator import deepspeed
 from gpumem.estimator.layout import Layout
 
-FRAMEWORKS = ("transformers", "megatron", "deepspeed", "fsdp2", "torch")
+FRAMEWORKS = ("transformers", "megatron", "deepspeed", "fsdp2", "torchtitan", "torch")
 # what each framework accepts, in the words of the error message
 _ALLOWED = {
     "megatron": "zero 0, 1 (the distributed optimizer) or 3 (Megatron-FSDP), no fsdp",
     "deepspeed": "zero 0-3, no fsdp",
     "fsdp2": "fsdp='full' or 'hybrid' (zero 0)",
+    "torchtitan": "fsdp='full' or 'hybrid' (zero 0), no pp",
     "torch": "zero 0, no fsdp (plain DDP)",
     "transformers": "any layout (DDP, FSDP or DeepSpeed ZeRO under accelerate)",
 }
@@ -79,8 +82,9 @@ def engine(framework: str, layout: Layout) -> str:
 def default_keep_logits(framework: str) -> bool:
     """Whether the framework's loop holds the logits through backward: not ``transformers``
     (``Trainer`` keeps only the loss) nor ``megatron`` (its model computes the loss inside
-    forward and returns it); the generic loop ``logits = model(x)`` does."""
-    return framework not in ("transformers", "megatron")
+    forward and returns it) nor ``torchtitan`` (``del pred`` before backward); the generic loop
+    ``logits = model(x)`` does."""
+    return framework not in ("transformers", "megatron", "torchtitan")
 
 
 def upcasts_logits(framework: str) -> bool:
@@ -93,6 +97,7 @@ def loss_convention(framework: str, keep_logits: bool) -> str:
     where = {
         "transformers": "inside the model (model(**batch, labels=).loss), fp32 log-softmax",
         "megatron": "inside the model (GPTModel returns the loss), fp32 softmax",
+        "torchtitan": "outside the model on logits.float() (its loss_fn), pred deleted",
     }.get(framework, "outside the model (loss_fn(model(x)))")
     return f"{where}, logits {'held' if keep_logits else 'not held'} through backward"
 
@@ -117,11 +122,14 @@ def resolve_framework(framework: str | None, layout: Layout, hf: bool = False) -
         "megatron": layout.zero in (0, 1, 3) and not layout.fsdp,
         "deepspeed": not layout.fsdp,
         "fsdp2": bool(layout.fsdp),
+        "torchtitan": bool(layout.fsdp) and layout.pp == 1,
         "torch": layout.zero == 0 and not layout.fsdp,
         "transformers": True,
     }[fw]
     if not ok:
         got = f"fsdp={layout.fsdp!r}" if layout.fsdp else f"zero={layout.zero}"
+        if fw == "torchtitan" and layout.fsdp:
+            got = f"pp={layout.pp}"
         raise ValueError(
             f"framework={fw!r} does not run {got}: {fw} takes {_ALLOWED[fw]}; "
             f"for {got} use framework={default_framework(layout)!r}"

@@ -13,7 +13,7 @@ from typing import Any
 from gpumem.allocator.alloc_conf import AllocConf
 from gpumem.estimator import activations as act
 from gpumem.estimator import backward as bwd
-from gpumem.estimator import hf_ops, inputs, megatron, peak
+from gpumem.estimator import hf_ops, inputs, megatron, peak, torchtitan
 from gpumem.estimator.bill import Bill, make_bill
 from gpumem.estimator.frameworks import (
     cp_exchange_bytes,
@@ -533,6 +533,7 @@ def estimate_preset(
     knobs: megatron.MegatronKnobs | None = None,
     alloc_conf: AllocConf | None = None,
     reserved_note: str = "",
+    loss_chunks: int = 0,
 ) -> Bill:
     """The bill of training a described model (see ``gpumem.estimate``); ``alloc_conf``:
     simulate the caching allocator under it (None: the flat fragmentation fraction)."""
@@ -547,6 +548,7 @@ def estimate_preset(
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
     check_moe_args(spec, moe_imbalance, moe_dispatcher, moe_grouped_gemm)
     check_fused_ops(fused_ops)
+    torchtitan.check_recompute(recompute, framework)
     terms = PresetTerms(
         spec,
         training,
@@ -566,10 +568,39 @@ def estimate_preset(
         alloc_conf,
     )
     stages = list(range(layout.pp))
+    if framework == "torchtitan":
+        if spec.arch != "llama" or spec.is_moe:
+            raise ValueError(
+                f"framework='torchtitan' models torchtitan's dense Llama; got {spec.name!r} "
+                f"({spec.arch}{', MoE' if spec.is_moe else ''})"
+            )
+        if grad_accum != 1:
+            raise ValueError("framework='torchtitan' models one micro-batch per step: grad_accum=1")
+        if spec.tied_embeddings:
+            raise ValueError(
+                "framework='torchtitan' does not model tied embeddings yet (torchtitan's 1B/3B "
+                "gather [tok_embeddings, norm, lm_head] as one FSDP unit for the whole step)"
+            )
+        rows = [
+            torchtitan.terms(
+                spec,
+                training,
+                layout,
+                gpu,
+                batch=batch_size,
+                seq=seq,
+                recompute=recompute,
+                cuda=device == "cuda",
+                persistent_grads=bool(persistent_grads),
+                loss_chunks=loss_chunks,
+            )
+        ]
+    else:
+        rows = terms.terms(layout, batch_size, recompute, grad_accum, persistent_grads, stages)
     return make_bill(
         spec,
         spec.n_params,
-        terms.terms(layout, batch_size, recompute, grad_accum, persistent_grads, stages),
+        rows,
         stages,
         layout=layout,
         training=training,
@@ -606,9 +637,18 @@ def estimate_preset(
             if keep_logits is not None
             else f"default: the {framework} loop",
         },
-        items=terms.layer_items(layout, batch_size),
-        alloc_conf=None if terms.alloc_conf is None else terms.alloc_conf.text or "default",
-        reserved_note=reserved_note,
+        items=(
+            torchtitan.layer_items(spec, layout, batch_size, seq, recompute)
+            if framework == "torchtitan"
+            else terms.layer_items(layout, batch_size)
+        ),
+        # torchtitan's terms come from its own recipe, not the simulated rank shapes
+        alloc_conf=None
+        if terms.alloc_conf is None or framework == "torchtitan"
+        else terms.alloc_conf.text or "default",
+        reserved_note="framework='torchtitan' keeps the flat share"
+        if framework == "torchtitan" and terms.alloc_conf is not None
+        else reserved_note,
     )
 
 

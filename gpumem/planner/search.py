@@ -351,6 +351,11 @@ def plan(
     if global_batch is not None and (not isinstance(global_batch, int) or global_batch <= 0):
         raise ValueError(f"global_batch must be a positive integer, got {global_batch!r}")
     gb = global_batch or max(n_gpus, 256)
+    if framework == "torchtitan":
+        raise ValueError(
+            "the planner does not sweep framework='torchtitan' (its peak terms are its own); "
+            "estimate each layout with gpumem.estimate(..., framework='torchtitan')"
+        )
     if framework is not None:
         resolve_framework(framework, Layout())  # an unknown name fails here, once
     if estimate_kwargs.get("deepspeed") is not None:  # once, checked; a stage in it is moot

@@ -198,3 +198,75 @@ def test_pointer_reads_racing_its_replacement_are_never_torn(tmp_path):
         stop.set()
         t.join()
     assert seen <= {1, 22}
+
+
+def _hole(root: Path, nbytes: int) -> None:
+    """Step 2 gains ``extra.hole``: ``nbytes`` of zeros in a file of its own that is one hole
+    (no disk blocks), every chunk CRC valid, referenced from ``extra``."""
+    import google_crc32c
+    from ckpt_files import encode_manifest, read_manifest
+
+    step = root / STEP2
+    name = "data-r00000-0001.bin"
+
+    def mutate(body):
+        chunk = body["chunk_bytes"]
+        zero = google_crc32c.value(b"\0" * chunk)
+        body["files"][name] = nbytes
+        body["tensors"].append(
+            {
+                "name": "extra.hole",
+                "dtype": "uint8",
+                "shape": [nbytes],
+                "nbytes": nbytes,
+                "crc32c": [zero] * (nbytes // chunk),
+                "extents": [[name, 0, nbytes]],
+            }
+        )
+        body["state"]["extra"] = {"hole": {"__tensor__": "extra.hole"}}
+
+    forge(step, mutate)
+    with open(step / name, "wb") as f:
+        f.truncate(nbytes)
+    main, _ = read_manifest(step / "MANIFEST")
+    shard, _ = read_manifest(step / "manifest-r00000")
+    main["shards"][0]["nbytes"] = sum(t["nbytes"] for t in shard["tensors"])
+    (step / "MANIFEST").write_bytes(encode_manifest(main)[0])
+    (root / "latest").unlink(missing_ok=True)
+
+
+def test_a_sparse_file_costs_no_memory_nobody_asked_for(tmp_path):
+    """Issue #25, finding 2: a manifest entry over a 1 GiB file that is one hole, with valid
+    zero-chunk CRCs, referenced from ``extra``. verify() checks its every byte through a bounded
+    stream (it held the whole tensor: 2.9 GB RSS at 2.5 GiB), and restore(model=, optimizer=)
+    verifies it without holding it (it read ``extra`` nobody asked for); the peak RSS grows by
+    less than a quarter of the hole."""
+    from hostile_lib import peak_rss_reset, rss_kib
+
+    from gpumem.checkpoint.restore.files import STREAM_BYTES
+
+    hole = 1 << 30
+    want = _two_steps(tmp_path)
+    _hole(tmp_path, hole)
+    if not peak_rss_reset():
+        pytest.skip("this kernel does not let a process reset its peak RSS")
+    before = rss_kib("VmHWM")
+    info = gpumem.checkpoint.verify(tmp_path / STEP2)
+    assert info.step == 2
+    verify_growth = (rss_kib("VmHWM") - before) * 1024
+    peak_rss_reset()
+    before = rss_kib("VmHWM")
+    step, got, said = _restore(tmp_path)
+    restore_growth = (rss_kib("VmHWM") - before) * 1024
+    assert step == 2 and got != want[1] and not said
+    assert verify_growth < 2 * STREAM_BYTES + (64 << 20), verify_growth
+    assert restore_growth < 2 * STREAM_BYTES + (64 << 20), restore_growth
+    # the bytes are still checked: one flipped byte in the hole is found by both
+    with open(tmp_path / STEP2 / "data-r00000-0001.bin", "r+b") as f:
+        f.seek(hole // 2)
+        f.write(b"\1")
+    with pytest.raises(CheckpointCorruptError, match=r"extra\.hole"):
+        gpumem.checkpoint.verify(tmp_path / STEP2)
+    step, got, said = _restore(tmp_path)
+    assert step == 1 and got == want[1]
+    assert any("extra.hole" in w and "fail their CRC32C" in w for w in said)

@@ -297,6 +297,28 @@ def _encode_key(key: Any, path: str) -> Any:
 _NO_TENSORS = TensorTable()  # for dict keys, which are scalars or tuples of them: never written
 
 
+def tensor_refs(node: Any) -> set[str]:
+    """The names of the plain tensors a JSON state tree refers to (``{"__tensor__": name}``,
+    NumPy arrays' ``{"__ndarray__": {"tensor": name, ...}}``); an explicit stack: a hostile
+    tree's depth costs no recursion."""
+    out: set[str] = set()
+    stack = [node]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            if len(x) == 1 and isinstance(x.get("__tensor__"), str):
+                out.add(x["__tensor__"])
+            elif len(x) == 1 and isinstance(x.get("__ndarray__"), dict):
+                ref = x["__ndarray__"].get("tensor")
+                if isinstance(ref, str):
+                    out.add(ref)
+            else:
+                stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return out
+
+
 def decode(
     node: Any,
     tensors: Mapping[str, Any],

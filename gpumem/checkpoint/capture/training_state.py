@@ -30,6 +30,21 @@ CLASSES = "classes"  # tree key: the class names of the objects a restore must m
 CHECKED_CLASSES = ("optimizer", "scheduler")
 
 
+def unrequested(state: TrainingState) -> frozenset[str]:
+    """The sections of a saved tree a restore into ``state`` does not load (its object is None;
+    RNG when ``rng=False``): their tensors are verified but never held in memory."""
+    skip = {
+        k
+        for k in ("model", "optimizer", "scheduler", "scaler", "extra")
+        if getattr(state, k) is None
+    }
+    if state.stateful is None:
+        skip.add("stateful")
+    if not state.rng:
+        skip.add("rng")
+    return frozenset(skip)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainingState:
     """The objects of one save or restore, as the caller passed them.

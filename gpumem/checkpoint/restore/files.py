@@ -175,22 +175,37 @@ def load_shard(
     CheckpointCorruptError.
 
     Each tensor is read into its own fresh buffer (restored tensors own their memory). Without
-    ``keep`` each file's buffers are dropped once it is read (its checksums are kept), so memory
-    stays bounded by the largest file.
+    ``keep`` the bytes are only checked, through ``STREAM_BYTES`` of memory.
     """
     shard = load_shard_manifest(step, info, rank)
     return shard, read_tensors(step, shard, keep=keep)
 
 
+STREAM_BYTES = 64 << 20
+"""Host memory through which the bytes nobody keeps are checked (verify, and the tensors of
+sections a restore was not asked for): at most ``max(STREAM_BYTES, chunk_bytes)`` at a time,
+however large the files (a sparse one costs its apparent size in reads, not in memory)."""
+
+
 def read_tensors(
-    step: Dir, shard: ShardManifest, names: list[str] | None = None, *, keep: bool = True
+    step: Dir,
+    shard: ShardManifest,
+    names: list[str] | None = None,
+    *,
+    keep: bool = True,
+    keep_only: set[str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read and verify tensors of a shard whose manifest is loaded: all of them (``names``
     None: every byte of its data files, the zero padding too) or only those named (only their
     extents are read). Every chunk's CRC32C is checked; sizes of the shard's files too.
 
+    Args:
+        keep: return the tensors (False: only check them, through ``STREAM_BYTES`` of memory).
+        keep_only: of the tensors read, return only these; the others are checked through the
+            bounded stream, never held whole (a restore not asked for ``extra``, say).
+
     Returns:
-        name -> tensor (empty without ``keep``: then each file's buffers are dropped once read).
+        name -> tensor (empty without ``keep``).
 
     Raises:
         CheckpointCorruptError: naming the file and the tensor.
@@ -210,6 +225,7 @@ def read_tensors(
                 tensor=missing[0],
             )
         entries = [held[n] for n in names]
+    kept = {t for t, e in enumerate(entries) if keep and (keep_only is None or e.name in keep_only)}
     chunk = shard.chunk_bytes
     base, slots = [], 0  # each tensor's first chunk-CRC slot
     for entry in entries:
@@ -223,31 +239,115 @@ def read_tensors(
             by_file.setdefault(f, []).append((t, pos, off, length))
             pos += length
     buffers: dict[int, torch.Tensor] = {}
-    remaining = [len(e.extents) for e in entries]  # extents not read yet, per tensor
     # the whole shard: every file, empty ones included (their padding is checked, trivially)
     files = sorted(shard.files) if names is None else sorted(by_file)
     for f in files:
-        extents, touched = [], []
-        for t, pos, off, length in by_file.pop(f, []):
-            if t not in buffers:
-                buffers[t] = _host_bytes(entries[t].nbytes, path / f)
-            extents.append((off, buffers[t][pos : pos + length], base[t] + pos // chunk))
-            touched.append(t)
-        _read_file(step, f, shard.files[f], extents, chunk, crcs, padding=names is None)
+        extents, streamed = [], []
+        spans = by_file.pop(f, [])
+        for t, pos, off, length in spans:
+            if t in kept:
+                if t not in buffers:
+                    buffers[t] = _host_bytes(entries[t].nbytes, path / f)
+                extents.append((off, buffers[t][pos : pos + length], base[t] + pos // chunk))
+            else:
+                streamed.append((off, length, base[t] + pos // chunk))
+        if extents:
+            _read_file(step, f, shard.files[f], extents, chunk, crcs, padding=False)
         del extents
-        for t in touched:
-            remaining[t] -= 1
-            if not keep and not remaining[t]:  # its checksums are taken: the bytes can go
-                del buffers[t]
+        occupied = [(off, length) for _, _, off, length in spans]
+        _stream_file(
+            step, f, shard.files[f], streamed, occupied, chunk, crcs, padding=names is None
+        )
     _check_crcs(path, entries, chunk, crcs, base)
-    if not keep:
-        return {}
     return {
         e.name: buffers[t].view(e.torch_dtype).view(e.shape)
         if e.nbytes
         else torch.empty(e.shape, dtype=e.torch_dtype)
         for t, e in enumerate(entries)
+        if t in kept
     }
+
+
+def _stream_file(
+    step: Dir,
+    name: str,
+    size: int,
+    spans: list[tuple[int, int, int]],
+    occupied: list[tuple[int, int]],
+    chunk: int,
+    crcs: np.ndarray,
+    padding: bool,
+) -> None:
+    """Check the ``(offset, length, first CRC slot)`` spans of the data file ``name`` (and with
+    ``padding`` that every byte no extent of ``occupied`` covers is zero) through one reused
+    buffer: pieces of at most a window (a multiple of ``chunk``, so each starts on a chunk
+    boundary of its tensor), read a window at a time."""
+    if not spans and not padding:
+        return
+    file = step.path / name
+    window = max(STREAM_BYTES // chunk, 1) * chunk
+    parts: list[tuple[int, int, int]] = []  # (file offset, length, CRC slot; -1: padding)
+    for off, length, slot in spans:
+        parts += [
+            (off + p, min(window, length - p), slot + p // chunk) for p in range(0, length, window)
+        ]
+    if padding:
+        end = 0
+        for off, length in [*sorted(occupied), (size, 0)]:
+            parts += [(g, min(window, off - g), -1) for g in range(end, off, window)]
+            end = max(end, off + length)
+    parts.sort()
+    buf = _host_bytes(min(window, sum(n for _, n, _ in parts)), file)
+    batch: list[tuple[int, int, int]] = []
+    used = 0
+    for part in [*parts, (0, -1, 0)]:  # a sentinel flushes the last batch
+        if part[1] < 0 or used + part[1] > buf.numel():
+            if batch:
+                _read_window(step, name, size, batch, buf, chunk, crcs)
+            batch, used = [], 0
+        if part[1] > 0:
+            batch.append(part)
+            used += part[1]
+
+
+def _read_window(
+    step: Dir,
+    name: str,
+    size: int,
+    batch: list[tuple[int, int, int]],
+    buf: torch.Tensor,
+    chunk: int,
+    crcs: np.ndarray,
+) -> None:
+    file = step.path / name
+    pieces, index, pads, at = [], [], [], 0
+    for off, length, slot in batch:
+        view = buf[at : at + length]
+        pieces.append((off, view))
+        index.append(slot)
+        if slot < 0:
+            pads.append((off, view))
+        at += length
+    try:
+        read_file(
+            name,
+            pieces,
+            threads=io_threads(),
+            direct=True,
+            chunk_bytes=chunk,
+            crc_index=index,
+            crc_out=crcs,
+            dir_fd=step.fd,
+            expect_size=size,
+        )
+    except OSError as exc:
+        raise read_error(exc, file, f"reading {len(pieces)} extents of") from None
+    for off, gap in pads:
+        if gap.any():
+            raise CheckpointCorruptError(
+                f"{file}: alignment padding at bytes {off}-{off + gap.numel()} is not zero",
+                path=str(file),
+            )
 
 
 def open_checkpoint(path: str | bytes | os.PathLike) -> Dir:

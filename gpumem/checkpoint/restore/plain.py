@@ -25,14 +25,14 @@ import torch
 from gpumem._native import as_bytes
 from gpumem.checksum import chunk_crc32c
 
-from ..capture.codec import TensorTable, decode
+from ..capture.codec import TensorTable, decode, tensor_refs
 from ..capture.replicated import REPLICATED_KEYS
-from ..capture.training_state import TrainingState, capture
+from ..capture.training_state import TrainingState, capture, unrequested
 from ..errors import CheckpointCorruptError, CheckpointStateError
 from ..storage.directory import load_shard_manifest
 from ..storage.format import CheckpointInfo, ShardManifest, TensorEntry
 from ..storage.safe_fs import Dir
-from .files import load_shard, read_tensors
+from .files import read_tensors
 from .load import apply
 from .validate import check_targets
 
@@ -72,7 +72,7 @@ class PlainRestore:
             if not info.replicated:  # replicated=True declared it at save time
                 check_replicated(self.step, info, self.world_size)
             src = self.rank % info.world_size
-        self.tree, self.shard = restore_tree(self.step, info, src)
+        self.tree, self.shard = restore_tree(self.step, info, src, unrequested(self.state))
         check_targets(self.tree, self.state)
         return self
 
@@ -88,14 +88,18 @@ class PlainRestore:
 
 
 def read_replicated(
-    step: Dir, info: CheckpointInfo, shard: ShardManifest, out: dict[str, torch.Tensor]
+    step: Dir,
+    info: CheckpointInfo,
+    shard: ShardManifest,
+    out: dict[str, torch.Tensor],
+    needed: set[str] | None = None,
 ) -> tuple[TensorEntry, ...]:
-    """Add to ``out`` the replicated tensors ``shard`` refers to that other shards hold, each
-    read and verified from its owner's shard, whose manifest must agree with ``shard``'s
-    (``check_same``). Returns their manifest entries."""
+    """Add to ``out`` the replicated tensors ``shard`` refers to that other shards hold (of
+    ``needed``, when given), each read and verified from its owner's shard, whose manifest must
+    agree with ``shard``'s (``check_same``). Returns their manifest entries."""
     wanted: dict[int, list[str]] = {}
     for name, owner in shard.owners.items():
-        if owner != shard.rank:
+        if owner != shard.rank and (needed is None or name in needed):
             wanted.setdefault(owner, []).append(name)
     entries: list[TensorEntry] = []
     for owner, names in sorted(wanted.items()):
@@ -148,19 +152,26 @@ def check_replicated(step: Dir, info: CheckpointInfo, world_size: int) -> None:
 
 
 def restore_tree(
-    step: Dir, info: CheckpointInfo, rank: int
+    step: Dir, info: CheckpointInfo, rank: int, skip: frozenset[str] = frozenset()
 ) -> tuple[dict[str, Any], ShardManifest]:
     """The verified, decoded state tree of ``rank`` (tensors loaded into fresh host memory) and
-    its shard manifest. For a replicated checkpoint, the replicated tensors other shards hold
-    are read from them, and the returned manifest's ``tensors`` also lists their entries (every
-    tensor the tree holds, for ``verify_loaded``)."""
+    its shard manifest, without the sections in ``skip`` (their bytes are verified, not held).
+    For a replicated checkpoint, the replicated tensors other shards hold are read from them,
+    and the returned manifest's ``tensors`` also lists their entries (every tensor the tree
+    holds, for ``verify_loaded``)."""
     path = step.path
-    shard, tensors = load_shard(step, info, rank)
+    shard = load_shard_manifest(step, info, rank)
+    state = shard.state
+    if skip and isinstance(state, dict):  # sections nobody asked for are never held
+        state = {k: v for k, v in state.items() if k not in skip}
+    needed = tensor_refs(state)
+    # every byte of the shard is verified; only the tensors the kept sections refer to are held
+    tensors = read_tensors(step, shard, keep_only=needed)
     if shard.replicated:
-        foreign = read_replicated(step, info, shard, tensors)
+        foreign = read_replicated(step, info, shard, tensors, needed)
         shard = dataclasses.replace(shard, tensors=shard.tensors + foreign)
     # a plain checkpoint has no global tensors: a __dtensor__ reference is damage, as verify says
-    tree = decode(shard.state, tensors, f"{path.name}.rank{rank}", dtensors={})
+    tree = decode(state, tensors, f"{path.name}.rank{rank}", dtensors={})
     if not isinstance(tree, dict) or tree.get("step") != info.step:
         raise CheckpointCorruptError(
             f"{path}: rank {rank} state does not record step {info.step}", path=str(path)

@@ -1,0 +1,372 @@
+"""torchtitan's conventions: what its Llama training step keeps, as peak terms.
+
+torchtitan (0.3.0, ``torchtitan/``) differs from what ``hf_ops.py`` follows (transformers'
+modules, Megatron's recompute) in every part that decides the peak:
+
+- **Modules** (``models/common/``): ``nn.RMSNorm`` on the bf16 stream runs the composite
+  ``rms_norm`` (``x.float()``, ``pow``, ``mean``, ``rsqrt``, two ``mul``, a cast back), which
+  saves the fp32 input, the fp32 rstd and the fp32 normalised product (8 B per element, plus 4 B
+  per row); one fused ``wqkv`` matmul (``attention.py``: ``FusedQKVLinear``) whose q, k and v
+  are copies; complex RoPE (``rope.py``: ``view_as_complex(x.float()) * freqs_cis``) saves
+  nothing (the cache needs no grad) and casts q and k back; SDPA with ``enable_gqa`` (no repeated
+  K/V) saves q, k, v, the output and the fp32 log-sum-exp; SwiGLU ``w2(silu(w1 x) * w3 x)``
+  (``feed_forward.py``) saves four ffn-wide tensors. The RoPE cache is a complex64 buffer per
+  layer, ``seq · head_dim / 2`` entries (the trainer sizes it to the training sequence).
+- **Activation checkpointing** (``distributed/activation_checkpoint.py``), by torchtitan's own
+  names: ``selective`` = per-op SAC (``selective:op``): every op of a block is recomputed except
+  those in its save list, whose outputs are cached: of the five matmuls (``wqkv``, ``wo``,
+  ``w1``, ``w3``, ``w2``) every second one is recomputed (``wqkv``, ``w1``, ``w2`` saved), the
+  flash attention's outputs are saved, and so is the block's input (the checkpoint's argument);
+  ``selective:N`` = layer SAC (torchtitan before 0.3, ``selective_ac_option=N``): every N-th
+  block fully recomputed, the others not at all; ``full``: only block inputs; ``none``.
+- **The loss** (``components/loss.py``, ``trainer.py``): ``cross_entropy(pred.flatten(0, 1)
+  .float(), sum)``; the trainer drops ``pred`` before ``backward`` (``del pred``), so only
+  log-softmax's fp32 output is held; its backward holds that, nll's fp32 gradient and
+  log-softmax's fp32 gradient at once (12 B per logit: the start-of-backward peak).
+- **FSDP2** (``distributed/fsdp.py``, ``apply_fsdp_to_decoder``): fp32 sharded parameters are
+  the master weights (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), so a rank
+  keeps 4 B weights + 4 B gradients + 8 B AdamW state per parameter over the shard degree; the
+  embedding and every block reshard after forward, the ``[norm, lm_head]`` unit does not
+  (``reshard_after_forward_policy == "always"`` only), so its bf16 copy stays gathered from its
+  forward to its backward. The fused AdamW (``implementation="fused"``) allocates nothing.
+
+- **Tensor parallelism** (``models/llama3/sharding.py``, sequence parallel): norms and block
+  inputs sequence-sharded, heads and ffn split; under per-op SAC the row-wise matmuls' partial
+  sums and the reduce-scatter outputs (in the save list) are saved; the vocab-parallel embedding
+  saves its local indices and a bf16 mask; loss parallel (``_LossParallelCrossEntropy``) holds
+  three fp32 logits-sized tensors in its backward beside the saved log-probabilities.
+- **Context parallelism** (``distributed/context_parallel/api.py``, FlexAttention's CP): each rank
+  holds ``seq / cp`` tokens; the attention saves the all-gathered K and V; FSDP shards over
+  ``dp · cp``; the RoPE cache holds the whole sequence.
+
+- **The chunked loss** of 0.3.0's llama3 recipes (``ChunkedLossWrapper``): ``loss_chunks``.
+
+Not modelled (left for later): torch.compile (Inductor fuses and re-plans what is saved), float8
+(``torchao``), the chunked loss under TP (loss parallel per chunk), FlexAttention's
+block masks and the RoPE cache gathered by explicit positions (0.3.0's default backend: small),
+pipeline parallelism, HSDP's replicate all-reduce buffers. Under TP a block's widest backward
+moment is the sequence-parallel all-gather's backward, approximated here by SwiGLU's (within 1 %
+on the tests' model).
+"""
+
+from __future__ import annotations
+
+from gpumem.estimator import peak
+from gpumem.estimator.activations import Item
+from gpumem.estimator.gpus import GPU
+from gpumem.estimator.layout import Layout
+from gpumem.estimator.specs import ModelSpec
+from gpumem.estimator.states import Training
+
+RECOMPUTE = ("none", "selective", "selective:op", "selective:N", "full")
+"""torchtitan's activation checkpointing, by its names (``selective:N``: N an integer >= 1)."""
+_BF16 = 2
+
+
+def layer_sac_every(recompute: str) -> int:
+    """N of a torchtitan policy: 0 for per-op SAC / none / full, N for ``selective:N``.
+
+    Raises:
+        ValueError: a policy torchtitan does not have, naming the valid ones.
+    """
+    if recompute in ("none", "full", "selective", "selective:op"):
+        return 0
+    if recompute.startswith("selective:"):
+        tail = recompute.split(":", 1)[1]
+        if tail.isdigit() and int(tail) >= 1:
+            return int(tail)
+    raise ValueError(
+        f"recompute={recompute!r} is not a torchtitan policy; framework='torchtitan' takes "
+        f"{', '.join(RECOMPUTE)}"
+    )
+
+
+def check_recompute(recompute: str, framework: str) -> None:
+    """A policy of torchtitan's under another framework, or another's under torchtitan: one
+    line naming both and the valid choices."""
+    if framework == "torchtitan":
+        layer_sac_every(recompute)
+    elif isinstance(recompute, str) and recompute.startswith("selective:"):
+        raise ValueError(
+            f"recompute={recompute!r} is torchtitan's SAC; framework={framework!r} takes none, "
+            "selective, full or every-K (use framework='torchtitan' for torchtitan's policies)"
+        )
+
+
+def _norm_saved(rows: int, h: int) -> int:
+    """Composite ``rms_norm`` on a 16-bit input: fp32 input, fp32 normalised, fp32 rstd."""
+    return 8 * rows * h + 4 * rows
+
+
+class Shapes:
+    """The per-rank sizes of one micro-batch (``n`` tokens on this rank, TP degree ``t``)."""
+
+    def __init__(self, spec: ModelSpec, layout: Layout, batch: int, seq: int) -> None:
+        t = layout.tp
+        self.t, self.b = t, batch
+        self.s = seq // layout.cp
+        self.n = batch * self.s
+        self.n_sp = self.n // t  # sequence-parallel rows (norms, block inputs) under TP
+        self.h, self.f, self.v = spec.hidden, spec.ffn // t, spec.vocab // t
+        self.q = spec.n_heads * spec.dhead // t
+        self.kv = spec.kv_heads * spec.dhead // t
+        self.heads = spec.n_heads // t
+        self.cp = layout.cp
+
+    @property
+    def lse(self) -> int:
+        """Flash attention's fp32 log-sum-exp (b, heads, s) and its 16-byte RNG state."""
+        return self.b * self.heads * self.s * 4 + 16
+
+
+def layer_saved(sh: Shapes, policy: str) -> dict[str, int]:
+    """What one block keeps between its forward and its backward under ``policy`` (``none``,
+    ``op``, ``full``), by tensor."""
+    n, h, A = sh.n, sh.h, _BF16
+    block_in = sh.n_sp * h * A
+    if policy == "full":
+        return {"block_input": block_in}
+    if policy == "op":
+        # SAC's cache: wqkv (mm 1), w1 (mm 3), w2 (mm 5), flash out + lse; wo and w3 recomputed.
+        # Under TP the row-wise w2's partial sums are saved whole, and the reduce-scatter
+        # outputs of wo and w2 (reduce_scatter_tensor is in the save list) as well.
+        out = {
+            "block_input": block_in,
+            "wqkv_out": n * (sh.q + 2 * sh.kv) * A,
+            "w1_out": n * sh.f * A,
+            "w2_out": n * h * A,
+            "attn_out": n * sh.q * A,
+            "attn_lse": sh.lse,
+        }
+        if sh.t > 1:
+            out["reduce_scatter_outs"] = 2 * sh.n_sp * h * A
+        return out
+    return {
+        "norms": 2 * _norm_saved(sh.n_sp, h),
+        # the matmuls' inputs: the (gathered) norm outputs, read by wqkv and by w1/w3
+        "norm_outs": 2 * n * h * A,
+        # under CP the attention saves the all-gathered K and V (context_parallel/api.py:
+        # flex_cp_allgather along the sequence), the local q
+        "q_k_v": n * (sh.q + 2 * sh.kv * sh.cp) * A,
+        "attn_out": n * sh.q * A,
+        "attn_lse": sh.lse,
+        # silu's input, its output, w3's output (the product's inputs), the product (w2's input)
+        "swiglu": 4 * n * sh.f * A,
+    }
+
+
+def block_checkpointed(recompute: str, i: int) -> bool:
+    """Whether block i runs under a checkpoint (and so keeps its input)."""
+    every = layer_sac_every(recompute)
+    if every:
+        return (i + 1) % every == 0
+    return recompute != "none"
+
+
+def block_saved(sh: Shapes, recompute: str, i: int) -> int:
+    """Bytes block i keeps between forward and backward."""
+    every = layer_sac_every(recompute)
+    if every:
+        policy = "full" if (i + 1) % every == 0 else "none"
+    else:
+        policy = {"selective": "op", "selective:op": "op"}.get(recompute, recompute)
+    return sum(layer_saved(sh, policy).values())
+
+
+def layer_items(
+    spec: ModelSpec, layout: Layout, batch: int, seq: int, recompute: str
+) -> list[Item]:
+    """The tensors one block keeps under ``recompute`` (the bill's itemised layer); under layer
+    SAC those of a block that is not checkpointed."""
+    sh = Shapes(spec, layout, batch, seq)
+    policy = {"selective": "op", "selective:op": "op"}.get(recompute, recompute)
+    if layer_sac_every(recompute):
+        policy = "none"
+    return [Item(name, nbytes) for name, nbytes in layer_saved(sh, policy).items()]
+
+
+def mean_layer_saved(sh: Shapes, recompute: str, n_layers: int) -> float:
+    """Bytes per block averaged over the stage's blocks."""
+    every = layer_sac_every(recompute)
+    if every:
+        full = n_layers // every  # blocks i with (i + 1) % N == 0
+        none = sum(layer_saved(sh, "none").values())
+        inp = sum(layer_saved(sh, "full").values())
+        return ((n_layers - full) * none + full * inp) / n_layers
+    policy = {"selective": "op", "selective:op": "op"}.get(recompute, recompute)
+    return float(sum(layer_saved(sh, policy).values()))
+
+
+def head_saved(sh: Shapes) -> dict[str, int]:
+    """The final norm, the lm_head's input, log-softmax's fp32 output and nll's targets."""
+    return {
+        "final_norm": _norm_saved(sh.n_sp, sh.h),
+        "lm_head_input": sh.n * sh.h * _BF16,
+        "log_softmax": sh.n * sh.v * 4,
+        "targets": sh.n * 8 + 4,
+    }
+
+
+def block_params(spec: ModelSpec, t: int) -> int:
+    h, f = spec.hidden, spec.ffn
+    qkv = h * (spec.n_heads + 2 * spec.kv_heads) * spec.dhead
+    return (qkv + spec.n_heads * spec.dhead * h + 3 * h * f) // t + 2 * h
+
+
+def terms(
+    spec: ModelSpec,
+    training: Training,
+    layout: Layout,
+    gpu: GPU,
+    *,
+    batch: int,
+    seq: int,
+    recompute: str,
+    cuda: bool,
+    persistent_grads: bool = False,
+    loss_chunks: int = 0,
+) -> list[float]:
+    """The peak terms (``peak.py``) of one torchtitan rank.
+
+    The moments: the start of backward, the wider of the loss's backward (every block's saved
+    tensors, the head's, and the loss backward's two fp32 logits-sized gradients beside
+    log-softmax's output, with the ``[norm, lm_head]`` unit still gathered) and the widest
+    moment of block L-1 or L-2; the end of backward (block 1 or 0, with every other gradient);
+    the optimizer step (all states). Checked to a few hundred bytes against the fake profile of
+    torchtitan's model (tests/estimator/test_torchtitan.py).
+
+    ``persistent_grads``: the sharded gradients live across steps. torchtitan's train step runs
+    ``zero_grad(set_to_none=disable_cuda_graphs)``: 0.3.0's default CUDA-graph capture keeps
+    them (True); the published runs and ``--training.disable_cuda_graphs`` free them (False,
+    the default here).
+
+    ``loss_chunks`` (N > 0): ``ChunkedLossWrapper`` (``components/loss.py``). The model returns
+    the final norm's output; the wrapper keeps it, N contiguous chunk copies of it and of the
+    labels, an fp32 gradient accumulator of the hidden states, and the lm_head gathered with
+    its unsharded fp32 gradient accumulated over the chunks (``set_requires_gradient_sync(False)``
+    until the last); each chunk runs lm_head, the loss and its backward at once, so the loss
+    moment holds one chunk's bf16 logits, log-softmax output and its two fp32 gradients, or the
+    last chunk's reduce-scatter of the head unit. A reference cycle in the wrapper keeps one
+    hidden-state-sized tensor per step until torchtitan's periodic gc (``gc_freq``, 50): counted
+    once (the step right after a collection; each step since adds ``b · s · dim · 2`` bytes).
+    """
+    if training.precision != "bf16-mixed":
+        raise ValueError(
+            f"framework='torchtitan' models its FSDP2 mixed precision (bf16 params, fp32 "
+            f"master/reduce): precision='bf16-mixed', got {training.precision!r}"
+        )
+    if isinstance(loss_chunks, bool) or not isinstance(loss_chunks, int) or loss_chunks < 0:
+        raise ValueError(f"loss_chunks must be an integer >= 0, got {loss_chunks!r}")
+    sh = Shapes(spec, layout, batch, seq)
+    t, L, h = layout.tp, spec.n_layers, spec.hidden
+    if loss_chunks and t > 1:
+        raise ValueError(
+            "framework='torchtitan': loss_chunks with tensor parallelism is not modelled yet "
+            "(loss parallel per chunk); use loss_chunks=0 or tp=1"
+        )
+    if loss_chunks and sh.s % loss_chunks:
+        raise ValueError(
+            f"loss_chunks={loss_chunks} must divide the local sequence {sh.s} "
+            "(ChunkedLossWrapper splits it evenly)"
+        )
+    head_params = (spec.vocab * h) // t + h
+    embed_params = 0 if spec.tied_embeddings else (spec.vocab * h) // t
+    blk = block_params(spec, t)
+    x = [0.0] * peak.N_TERMS
+    # FSDP2 mixed precision: the fp32 sharded parameter is the master; fp32 grads, AdamW m, v
+    x[peak.P_TRAIN] = L * blk + head_params + embed_params
+    x[peak.W_BYTES], x[peak.W_FROZEN_BYTES], x[peak.G_BYTES], x[peak.O_BYTES] = 4, 4, 4, 8
+    x[peak.N_SHARD] = x[peak.N_SHARD_EXP] = layout.shard_degree(gpu.gpus_per_node)
+    x[peak.STAGE] = 3
+    # the per-layer complex64 RoPE cache (seq · head_dim/2 · 8 B), not sharded
+    x[peak.W_BUFFERS] = L * seq * (spec.dhead // 2) * 8
+    x[peak.A_LAYER], x[peak.N_LAYERS], x[peak.INFLIGHT] = (
+        mean_layer_saved(sh, recompute, L),
+        L,
+        1.0,
+    )
+    x[peak.IDS] = sh.n * 8
+    # under TP the vocab-parallel embedding saves its local indices and a bf16 mask
+    # (embedding.py: ``(input - offset).clamp(...)``, ``mask.to(out.dtype)``)
+    x[peak.A_FIRST] = x[peak.IDS] + (sh.n * 10 if t > 1 else 0)
+    head = head_saved(sh)
+    x[peak.A_LAST] = sum(head.values())
+    # loss backward: nll_loss's fp32 gradient and log_softmax's, beside its saved output
+    x[peak.T_BWD0] = 2 * sh.n * sh.v * 4
+    if t > 1:
+        # loss parallel (_LossParallelCrossEntropy.backward): zeros_like(log_probs), exp of it
+        # and their sum at once, and its int64/fp32/bool per-token bookkeeping
+        x[peak.T_BWD0] = 3 * sh.n * sh.v * 4 + 33 * sh.n
+    # the [norm, lm_head] unit is not resharded after forward: gathered (bf16) until backward
+    x[peak.GATHER] = head_params * _BF16
+    if loss_chunks:
+        m, n = sh.n // loss_chunks, sh.n
+        x[peak.A_LAST] = (
+            head["final_norm"]
+            + 2 * n * 8  # the labels and their chunk copies
+            + 4
+            + 2 * n * h * _BF16  # the final norm's output and its chunk copies
+            + 4 * n * h  # GradAccumulator's fp32 buffer
+            + 4 * m * sh.v  # this chunk's log-softmax
+        )
+        # the lm_head's unsharded fp32 gradient, accumulated across the chunks
+        x[peak.GATHER] += 4 * (spec.vocab * h)
+        # the wider of: a chunk's log-softmax backward (nll's and log-softmax's fp32 gradients
+        # beside the chunk's bf16 logits), and the last chunk's reduce-scatter of the head unit
+        # (its fp32 input and output; the chunk's logits and input gradient, log-softmax gone)
+        n_shard = x[peak.N_SHARD]
+        x[peak.T_BWD0] = max(
+            8 * m * sh.v + 2 * m * sh.v,
+            2 * m * sh.v + 2 * m * h + 4 * head_params * (1 + 1 / n_shard) - 4 * m * sh.v,
+        )
+    # Inside a block's backward the widest moment is SwiGLU's product backward (``mul``): the
+    # block's whole saved set (recomputed under AC: temporaries in the profiler's view) less the
+    # product (released with w2's backward), the incoming gradient, w2's input gradient and the
+    # two ffn-wide gradients of the product's inputs. FSDP then holds the block's bf16 params,
+    # the next unit's in backward order (block i-1, or the embedding) prefetched (not on a single
+    # rank), w2's
+    # unsharded bf16 gradient and the previous unit's fp32 reduce-scatter input (kept until the
+    # next unit reduces). Across the stack the saved bytes fall and the sharded gradients grow
+    # linearly, so the widest block is one of the ends: L-1 or L-2, 1 or 0.
+    n_shard = x[peak.N_SHARD]
+    none = sum(layer_saved(sh, "none").values())
+    widest = sh.n_sp * h * _BF16 + 2 * sh.n * sh.f * _BF16
+    labels = sh.n * 8  # the step's label tensor, alive until the step ends
+    if loss_chunks:
+        # ChunkedLossWrapper leaves a reference cycle holding one hidden-state-sized bf16
+        # tensor per step, which torchtitan's GarbageCollection (automatic gc off, a collection
+        # every gc_freq steps) frees only then: counted once, as in the step after a collection
+        labels += sh.n * h * _BF16
+
+    def moment(i: int) -> tuple[float, float, float, float]:
+        """Block i's widest backward moment: (sharded grads done, activations held by the
+        blocks below and by block i outside the moment's temporaries, block i's temporaries,
+        communication); with persistent gradients none are new (all are counted as kept)."""
+        grads = 0.0 if persistent_grads else 4 * (head_params + (L - 1 - i) * blk) / n_shard
+        below = sum(block_saved(sh, recompute, j) for j in range(i))
+        own = (sh.n_sp * h * _BF16 if block_checkpointed(recompute, i) else 0) + none
+        prev = head_params if i == L - 1 else blk
+        fetch = (blk if i > 0 else embed_params) if n_shard > 1 else 0
+        comm = (blk + fetch) * _BF16 + prev * 4 + h * sh.f * _BF16
+        return grads, below + own, widest, comm
+
+    # start, the alternative to the loss: the last blocks' backward (the head's saved tensors
+    # gone but the labels, its sharded grads done, its unit resharded)
+    loss_moment = L * x[peak.A_LAYER] + x[peak.A_LAST] + x[peak.T_BWD0] + x[peak.GATHER]
+    g, acts, temp, comm = max((moment(i) for i in {L - 1, max(L - 2, 0)}), key=sum)
+    if g + acts + labels + temp + comm > loss_moment:
+        x[peak.G_START], x[peak.A_GONE] = g, x[peak.A_LAST] - labels
+        x[peak.T_BWD0] = acts + temp + comm - L * x[peak.A_LAYER] - x[peak.GATHER]
+    # end of backward: block 0 or 1 (every gradient but theirs and the embedding's)
+    i = max((0, min(1, L - 1)), key=lambda j: sum(moment(j)))
+    g, acts, temp, comm = moment(i)
+    x[peak.P_PEND] = 0 if persistent_grads else embed_params + (i + 1) * blk
+    x[peak.G_PERSIST] = 1.0 if persistent_grads else 0.0
+    x[peak.A_END] = acts + labels
+    x[peak.T_LAYER] = temp + comm - x[peak.GATHER]
+    x[peak.T_STEP] = labels
+    if cuda:
+        x[peak.CONTEXT] = gpu.context_bytes
+        x[peak.NCCL] = gpu.nccl_bytes if layout.n_gpus > 1 else 0
+        x[peak.FRAG] = gpu.fragmentation
+    return x
