@@ -471,6 +471,24 @@ class CachingAllocatorSim:
                 i = bisect_left(keys, (k[0],))
         return best
 
+    def releasable(self) -> int:
+        """Cached bytes ``release_cached_blocks`` would give back now (every unsplit free
+        segment; the whole free pages of expandable segments): what an allocation that finds
+        no room frees before it fails. Reserved minus this is what the allocator cannot
+        release."""
+        out = 0
+        for pool in (self.small, self.large):
+            for b in pool.by_key.values():
+                seg = b.seg
+                if seg.expandable:
+                    page = seg.page
+                    begin = -(-(b.addr - seg.base) // page)
+                    end = (b.addr + b.size - seg.base) // page
+                    out += max(0, end - begin) * page
+                elif b.prev is None and b.next is None and not b.pending:
+                    out += b.size
+        return out
+
     def segments(self) -> list[SegmentInfo]:
         """The segment map, ordered by address (``snapshot()``: for an expandable segment, one
         entry per contiguous mapped range)."""

@@ -202,6 +202,8 @@ def _scaled(bill: Any, mem: MemoryCalibration) -> Any:
     if mem.fragmentation is not None and bill.inputs.get("device", "cuda") == "cuda":
         allocated = sum(per[c] for c in CATEGORIES)
         frag_before = int(allocated * bill.gpu.fragmentation)
+        if bill.peak_reserved_bytes is not None:  # the simulated fragmentation in overhead
+            frag_before = bill.unreleasable_bytes
         per["overhead"] = max(0, per["overhead"] - frag_before) + int(allocated * mem.fragmentation)
     per["total"] = sum(per[c] for c in CATEGORIES) + per["overhead"]
     cal = {

@@ -129,3 +129,14 @@ def new_or_existing_dir(text: str) -> str:
             f"the parent of {text} ({p.parent}) does not exist; create it or choose another"
         )
     return text
+
+
+def alloc_conf(text: str) -> str:
+    """A ``PYTORCH_CUDA_ALLOC_CONF`` string the simulator reproduces (checked, kept as text)."""
+    from gpumem.allocator.alloc_conf import AllocConf
+
+    try:
+        AllocConf.parse(text, source="--alloc-conf")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text

@@ -16,6 +16,14 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
         "model", help="preset name (case-insensitive), config.json, or a directory holding one"
     )
     p.add_argument(
+        "--alloc-conf",
+        metavar="SETTINGS",
+        type=_args.alloc_conf,
+        default=None,
+        help="PYTORCH_CUDA_ALLOC_CONF the simulated caching allocator follows for the reserved "
+        "peak and the verdict (default: the environment's), e.g. expandable_segments:True",
+    )
+    p.add_argument(
         "--seq-len",
         type=_args.positive_int,
         default=None,
@@ -349,6 +357,7 @@ def run(args: argparse.Namespace) -> int:
         deepspeed=knobs_from_cli(args.deepspeed, args.ds_config),
         offload_param=args.offload_param,
         keep_logits=args.keep_logits,
+        alloc_conf=args.alloc_conf,
         loss_chunks=args.loss_chunks,
         **({"moe_imbalance": args.moe_imbalance} if args.moe_imbalance is not None else {}),
         **megatron_kwargs(args),

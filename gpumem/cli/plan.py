@@ -156,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
         "deepspeed": knobs_from_cli(args.deepspeed, args.ds_config),
         "keep_logits": args.keep_logits,
         "headroom": args.headroom,
+        "alloc_conf": args.alloc_conf,
     }
     with progress_bar("searching layouts", enabled=not args.json) as bar:
         if args.min_gpus:
@@ -170,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
             {"layout": c.describe(), "peak_bytes": c.total_bytes, "step_s": c.step_seconds}
             for c in result.candidates[: args.top]
         ],
+        "reserved": result.reserved_line(),
     }
     text = [result.table(args.top)]
     if result.best is not None:

@@ -21,6 +21,9 @@ Modules, bottom up:
     terms              the peak terms every model shares
     inputs             the inputs a bill states (seq_len, micro-batch, ...) and their sources
     bill               the ``Bill``, and how terms become one
+    param_tensors      a described model's parameters as the tensors its modules register
+    step_trace         a rank's step as allocations, through the simulated caching allocator
+    rank_shapes        a preset rank's tensors for step_trace, and its fragmentation term
     torchtitan         torchtitan's recipe: its modules, SAC policies, loss and FSDP units
     preset             a described model's terms for any layout
     module_structure   an ``nn.Module``'s repeated blocks and counts

@@ -70,6 +70,8 @@ class Comparison:
     measured_step: int
     bill: Bill
     estimated: dict[str, int]
+    measured_reserved: int | None = None
+    """The profile's simulated reserved peak (its logged allocations through the simulator)."""
     routing_imbalance: float | None = None
     """MoE only: tokens per expert, max / mean over experts and layers (1.0 = balanced)."""
     assumptions: list[str] = field(default_factory=list)
@@ -137,6 +139,7 @@ def compare(case: Case, seed: int = 0, device: str = "cpu") -> Comparison:
         measured_step=rep.peak_step,
         bill=bill,
         estimated=bill.profiler_categories(),
+        measured_reserved=rep.peak_reserved_bytes,
         routing_imbalance=imbalance,
         assumptions=list(rep.assumptions),
     )

@@ -21,6 +21,7 @@ import dataclasses
 import sys
 from typing import Any
 
+from gpumem.allocator.alloc_conf import AllocConf, NotSimulated, resolve
 from gpumem.calibrate.calibration import split_calibration
 from gpumem.calibrate.memory import apply_memory_calibration
 from gpumem.estimator.bill import Bill
@@ -31,7 +32,7 @@ from gpumem.estimator.frameworks import (
     engine,
     resolve_framework,
 )
-from gpumem.estimator.gpus import GPU, find_gpu
+from gpumem.estimator.gpus import FRAGMENTATION, GPU, find_gpu
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.megatron import MegatronKnobs, check_knobs
 from gpumem.estimator.preset import MOE_IMBALANCE, estimate_preset
@@ -82,6 +83,7 @@ def estimate(
     pipeline_split_loss: bool = False,
     deepspeed: dict[str, Any] | ZeroConfig | None = None,
     offload_param: bool = False,
+    alloc_conf: Any = None,
     loss_chunks: int = 0,
 ) -> Bill:
     """Estimate the per-GPU peak memory of training ``model``.
@@ -145,6 +147,15 @@ def estimate(
             ``gpumem/estimator/deepspeed.py``. ``bill.host_bytes`` is then the pinned host memory
             per node that offload needs.
         offload_param: DeepSpeed ZeRO-3's ``offload_param`` to the CPU (also a ``deepspeed`` key).
+        alloc_conf: the ``PYTORCH_CUDA_ALLOC_CONF`` (string or ``gpumem.allocator.AllocConf``)
+            under which the step's allocations run through the simulated caching allocator:
+            ``bill.peak_reserved_bytes`` and the fragmentation in ``overhead`` come from it
+            (docs/estimator.md, "Reserved memory"). None (default): the environment's. A
+            malformed setting is a ``ValueError`` naming the option; an environment setting
+            the simulator does not reproduce (``backend:cudaMallocAsync``) falls back to the
+            flat fragmentation share with ``bill.reserved_note`` saying why. ``False``: the
+            flat share without simulating. The nn.Module path and ``device="cpu"`` keep the
+            flat share.
         loss_chunks: ``framework="torchtitan"`` only: 0 computes the loss on the whole logits
             (``CrossEntropyLoss``, the published runs), N as 0.3.0's llama3 recipes do with
             ``ChunkedLossWrapper(num_chunks=N)`` (their default 8): lm_head and the loss per
@@ -273,8 +284,11 @@ def estimate(
         return estimate_module(
             model, batch_size=batch_size, example_input=example_input, loss_fn=loss_fn, **common
         )
+    conf, note = resolve_alloc_conf(alloc_conf, g)
     bill = estimate_preset(
         spec,
+        alloc_conf=conf,
+        reserved_note=note,
         batch_size=batch_size,
         moe_imbalance=moe_imbalance,
         moe_dispatcher=moe_dispatcher,
@@ -287,6 +301,24 @@ def estimate(
     if mem is not None:
         bill = apply_memory_calibration(bill, mem)
     return with_host_bytes(bill, g)
+
+
+def resolve_alloc_conf(alloc_conf: Any, gpu: GPU | None = None) -> tuple[AllocConf | None, str]:
+    """(the settings to simulate, or None with the reason): ``alloc_conf=`` as given, or the
+    environment's; a given setting the simulator does not reproduce is an error, an
+    environment's one a note (the estimate then uses the flat fragmentation share). A GPU
+    carrying a measured fragmentation (a calibration's profile of the user's own step) keeps
+    that measured share unless ``alloc_conf`` is given: a measurement beats the simulation."""
+    if alloc_conf is False:
+        return None, "alloc_conf=False"
+    if alloc_conf is None and gpu is not None and gpu.fragmentation != FRAGMENTATION:
+        return None, f"the calibration's measured fragmentation, {gpu.fragmentation:.2%}"
+    try:
+        return resolve(alloc_conf), ""
+    except NotSimulated as exc:
+        if alloc_conf is not None:
+            raise
+        return None, f"{exc}; fragmentation as the flat share"
 
 
 def zero_config(

@@ -46,7 +46,8 @@ class Bill:
     Attributes:
         n_params: parameters of the whole model.
         per_gpu: bytes by category at the peak of the most loaded rank (profiler categories).
-        fits: ``per_gpu["total"] <= gpu.total_bytes``.
+        fits: ``per_gpu["total"] <= gpu.total_bytes`` (allocated + the caching allocator's
+            unreleasable fragmentation + CUDA context + NCCL; see ``unreleasable_bytes``).
         headroom_bytes: capacity minus total (negative when it does not fit).
         cluster_model_state_bytes: unique weights + gradients + optimizer state of the job.
         model_states: per-GPU weights/gradients/optimizer outside any phase (steady state).
@@ -59,6 +60,17 @@ class Bill:
         items: the itemised activations of one layer (one micro-batch), for the table.
         host_bytes: pinned host memory per node that DeepSpeed's offload needs (0 without;
             ``deepspeed.host_bytes``; DeepSpeed's own estimator adds half again as headroom).
+        peak_reserved_bytes: what PyTorch's caching allocator reserves at its peak with ample
+            memory (``reserved_bytes.all.peak``), simulated (``step_trace.py``): the allocated
+            peak plus ``fragmentation_bytes``; None when not simulated (CPU, an nn.Module, an
+            alloc conf the simulator does not reproduce).
+        fragmentation_bytes: that reserved peak minus the allocated peak.
+        unreleasable_bytes: the part of the fragmentation the allocator cannot give back when
+            the GPU fills (it frees cached segments and retries before an OOM), inside
+            ``per_gpu["overhead"]`` with the CUDA context and NCCL: ``per_gpu["total"]`` =
+            allocated + this + context + NCCL decides ``fits``. Without the simulator, the
+            flat ``gpu.fragmentation`` share of the allocated peak.
+        alloc_conf: the ``PYTORCH_CUDA_ALLOC_CONF`` simulated (``"default"``: none set).
     """
 
     model: ModelSpec
@@ -86,6 +98,17 @@ class Bill:
     input_bytes: int = 0
     """Bytes of ``per_gpu["activations"]`` that are the model's input (token ids)."""
     host_bytes: int = 0
+    peak_reserved_bytes: int | None = None
+    fragmentation_bytes: int = 0
+    unreleasable_bytes: int = 0
+    alloc_conf: str | None = None
+    reserved_note: str = ""
+    """Why reserved memory was not simulated, when it was asked for and could not be."""
+
+    @property
+    def allocated_bytes(self) -> int:
+        """The allocated peak: every category but overhead."""
+        return self.per_gpu["total"] - self.per_gpu["overhead"]
 
     def profiler_categories(self, categories: tuple[str, ...] | None = None) -> dict[str, int]:
         """The peak in ``gpumem.profile``'s categories, to compare with ``rep.at_peak``.
@@ -138,9 +161,42 @@ class Bill:
         }
         if self.host_bytes:  # DeepSpeed offload's pinned host memory
             out["host_bytes_per_node"] = self.host_bytes
+        out["reserved"] = self.reserved_dict()
         if self.calibration is not None:
             out["calibration"] = self.calibration
         return out
+
+    def reserved_dict(self) -> dict[str, Any]:
+        """allocated / reserved / fragmentation bytes and the alloc conf (JSON's ``reserved``)."""
+        return {
+            "allocated_bytes": self.allocated_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "fragmentation_bytes": self.fragmentation_bytes,
+            "unreleasable_bytes": self.unreleasable_bytes,
+            "required_reserved_bytes": self.allocated_bytes + self.unreleasable_bytes,
+            "alloc_conf": self.alloc_conf,
+            "simulated": self.peak_reserved_bytes is not None,
+            **({"note": self.reserved_note} if self.reserved_note else {}),
+        }
+
+    def reserved_lines(self) -> list[str]:
+        """The allocated, reserved and fragmentation lines of the table."""
+        alloc = self.allocated_bytes
+        if self.peak_reserved_bytes is None:
+            how = self.reserved_note or "not simulated"
+            return [
+                f"allocated {format_bytes(alloc)}; reserved not simulated ({how}): "
+                f"fragmentation as {format_bytes(self.unreleasable_bytes)} "
+                f"({self.gpu.fragmentation:.0%} of allocated) in overhead"
+            ]
+        frag = self.fragmentation_bytes
+        return [
+            f"allocated {format_bytes(alloc)}, reserved {format_bytes(self.peak_reserved_bytes)} "
+            f"(simulated caching allocator, alloc_conf {self.alloc_conf}), fragmentation "
+            f"{format_bytes(frag)} ({100 * frag / max(alloc, 1):.1f}%)",
+            f"of which {format_bytes(self.unreleasable_bytes)} cannot be released when the GPU "
+            "fills (in overhead; cached segments are freed and retried before an OOM)",
+        ]
 
     def inputs_line(self) -> str:
         """``inputs: seq_len 4096 (default: the model's context), micro-batch 1 (default), ...``"""
@@ -176,12 +232,12 @@ class Bill:
             lines += [
                 f"| {c} | {b} | {b / 2**30:.2f} | {100 * b / max(total, 1):.1f}% |" for c, b in rows
             ]
-            return "\n".join([*lines, "", verdict])
+            return "\n".join([*lines, "", *self.reserved_lines(), "", verdict])
         lines = [head, self.inputs_line(), f"{'category':<12}{'bytes':>18}{'GiB':>10}{'share':>8}"]
         lines += [
             f"{c:<12}{b:>18,}{b / 2**30:>10.2f}{100 * b / max(total, 1):>7.1f}%" for c, b in rows
         ]
-        return "\n".join([*lines, verdict])
+        return "\n".join([*lines, *self.reserved_lines(), verdict])
 
     def __str__(self) -> str:
         return self.table()
@@ -214,12 +270,16 @@ def make_bill(
         terms_by_stage: peak terms of the ranks in ``stages`` (every rank for an estimate).
     """
     gpu = fields["gpu"]
+    simulated = fields.get("alloc_conf") is not None
     ranks = []
     for i, x in zip(stages, terms_by_stage, strict=True):
         out = peak.assemble(x)
         per_gpu = dict(zip(CATEGORIES, out[: peak.OUT_TOTAL + 1], strict=True))
         # the held logits and the inputs inside the peak's activations (profiler: temporary, inputs)
         ids = x[peak.IDS] * (x[peak.INFLIGHT] if out[peak.OUT_PHASE] == 0 else 1)
+        allocated = out[peak.OUT_TOTAL] - out[peak.OUT_OVERHEAD]
+        frag = int(x[peak.RESERVED_FRAG]) if simulated else 0
+        pinned = int(x[peak.FRAG_BYTES]) if simulated else int(allocated * x[peak.FRAG])
         ranks.append(
             Bill(
                 model=model,
@@ -232,6 +292,9 @@ def make_bill(
                 stage=i,
                 held_logits=int(x[peak.HELD]),
                 input_bytes=int(ids),
+                peak_reserved_bytes=allocated + frag if simulated else None,
+                fragmentation_bytes=frag,
+                unreleasable_bytes=pinned,
                 **fields,
             )
         )

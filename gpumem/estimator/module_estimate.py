@@ -110,6 +110,7 @@ def estimate_module(
         training=training,
         gpu=gpu,
         framework=framework,
+        reserved_note="the nn.Module path keeps the flat share",
         cluster_model_state_bytes=cluster_states(
             training, ms.n_trainable, ms.n_params - ms.n_trainable
         ),

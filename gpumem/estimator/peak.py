@@ -43,7 +43,12 @@ P_PEND, P_PEND_EXP, G_WALK, A_END, W_BUFFERS, HELD, IDS = 27, 28, 29, 30, 31, 32
 # the start moment inside the last layer's backward: the head's saved tensors already released
 # (A_GONE) and the weight grads produced by then (G_START), so that T_BWD0 is only temporaries
 A_GONE, G_START = 34, 35
-N_TERMS = 36
+# the simulated caching allocator's fragmentation (step_trace.py), bytes: what it cannot
+# release when the GPU fills (FRAG_BYTES, in the overhead: replaces FRAG's flat share when the
+# simulator ran), and reserved minus allocated at its peak with ample memory (RESERVED_FRAG,
+# reported only)
+FRAG_BYTES, RESERVED_FRAG = 36, 37
+N_TERMS = 38
 # positions in assemble()'s result
 OUT_COMM, OUT_TEMP, OUT_OVERHEAD, OUT_TOTAL, OUT_PHASE = 4, 5, 6, 7, 8
 N_OUT = 9
@@ -102,7 +107,7 @@ def assemble(x):
     w_i, g_i, o_i = int(min(LIMIT, weights)), int(min(LIMIT, g)), int(min(LIMIT, optim))
     a_i, c_i, t_i = int(min(LIMIT, a)), int(min(LIMIT, c)), int(min(LIMIT, t))
     allocated = w_i + g_i + o_i + a_i + c_i + t_i
-    overhead = int(min(LIMIT, x[CONTEXT] + x[NCCL] + allocated * x[FRAG]))
+    overhead = int(min(LIMIT, x[CONTEXT] + x[NCCL] + allocated * x[FRAG] + x[FRAG_BYTES]))
     return w_i, g_i, o_i, a_i, c_i, t_i, overhead, allocated + overhead, phase
 
 

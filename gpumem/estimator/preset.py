@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from gpumem.allocator.alloc_conf import AllocConf
 from gpumem.estimator import activations as act
 from gpumem.estimator import backward as bwd
 from gpumem.estimator import hf_ops, inputs, megatron, peak, torchtitan
@@ -23,6 +24,7 @@ from gpumem.estimator.frameworks import (
 )
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
+from gpumem.estimator.rank_shapes import fill_fragmentation
 from gpumem.estimator.specs import ModelSpec, ParamGroups, param_groups
 from gpumem.estimator.states import ParamMix, Training, ns_width
 from gpumem.estimator.terms import (
@@ -66,6 +68,9 @@ class PresetTerms:
     moe_grouped_gemm: bool | None = None
     fused_ops: tuple[str, ...] | None = None
     knobs: megatron.MegatronKnobs = field(default_factory=megatron.MegatronKnobs)
+    alloc_conf: AllocConf | None = None
+    """The caching allocator's settings the fragmentation is simulated under (``rank_shapes``);
+    None: the flat ``gpu.fragmentation`` fraction instead."""
 
     @property
     def mcore(self) -> bool:
@@ -342,6 +347,11 @@ class PresetTerms:
                 layer_comm=max(acts["dense"][10], acts["moe"][10] if n_moe else 0.0),
                 mix=preset_mix(spec, pg),
             )
+            if self.alloc_conf is not None:
+                fill_fragmentation(
+                    self, self.alloc_conf, x, layout, batch, recompute,
+                    first=is_first, last=is_last, moe=n_moe > n_dense,
+                )  # fmt: skip
             out.append(x)
         return out
 
@@ -521,10 +531,13 @@ def estimate_preset(
     moe_grouped_gemm: bool | None = None,
     fused_ops: tuple[str, ...] | None = None,
     knobs: megatron.MegatronKnobs | None = None,
+    alloc_conf: AllocConf | None = None,
+    reserved_note: str = "",
     loss_chunks: int = 0,
 ) -> Bill:
     """The bill of training a described model (see ``gpumem.estimate``; ``batch_size`` None:
-    the default, and the bill says so)."""
+    the default, and the bill says so); ``alloc_conf``: simulate the caching allocator under it
+    (None: the flat fragmentation fraction)."""
     given_batch = batch_size
     batch_size = inputs.DEFAULT_BATCH_SIZE if batch_size is None else batch_size
     seq, seq_source = inputs.seq_len(spec, seq_len)
@@ -555,6 +568,7 @@ def estimate_preset(
         moe_grouped_gemm,
         None if fused_ops is None else tuple(fused_ops),
         knobs,
+        alloc_conf,
     )
     stages = list(range(layout.pp))
     if framework == "torchtitan":
@@ -631,6 +645,13 @@ def estimate_preset(
             if framework == "torchtitan"
             else terms.layer_items(layout, batch_size)
         ),
+        # torchtitan's terms come from its own recipe, not the simulated rank shapes
+        alloc_conf=None
+        if terms.alloc_conf is None or framework == "torchtitan"
+        else terms.alloc_conf.text or "default",
+        reserved_note="framework='torchtitan' keeps the flat share"
+        if framework == "torchtitan" and terms.alloc_conf is not None
+        else reserved_note,
     )
 
 

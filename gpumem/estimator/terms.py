@@ -214,6 +214,8 @@ def steady_states(x) -> dict[str, int]:
         peak.CONTEXT,
         peak.NCCL,
         peak.FRAG,
+        peak.FRAG_BYTES,
+        peak.RESERVED_FRAG,
     ):
         y[k] = 0.0
     w, g, o = peak.assemble(y)[:3]

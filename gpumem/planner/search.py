@@ -35,11 +35,12 @@ from typing import Any
 
 import numpy as np
 
+from gpumem.allocator.alloc_conf import AllocConf
 from gpumem.calibrate.calibration import Calibration, split_calibration
 from gpumem.calibrate.memory import category_scales
 from gpumem.estimator import inputs as job_inputs
 from gpumem.estimator import peak
-from gpumem.estimator.api import estimate
+from gpumem.estimator.api import estimate, resolve_alloc_conf
 from gpumem.estimator.bill import Bill
 from gpumem.estimator.deepspeed import ZeroConfig
 from gpumem.estimator.frameworks import default_grads, engine, resolve_framework
@@ -56,6 +57,7 @@ from gpumem.planner.economics import (
     economics,
 )
 from gpumem.planner.margin import DEFAULT_HEADROOM, Margin
+from gpumem.units import format_bytes
 
 SWEPT_SOURCES = {
     "batch_size": "searched",
@@ -113,6 +115,32 @@ class PlanResult:
     """Where each of :attr:`inputs` came from (given, default, searched)."""
     calibration: Calibration | None = field(default=None, repr=False)
     """The calibration given to :func:`plan` (its reserve is already in :attr:`gpu`)."""
+    alloc_note: str = ""
+    """Why the caching allocator was not simulated (empty when it was)."""
+
+    def reserved_line(self) -> str:
+        """The best layout's allocated, reserved and unreleasable bytes under the plan's alloc
+        conf, and what ``expandable_segments:True`` would save there."""
+        if self.best is None:
+            return ""
+        b = self.bill()
+        if b.peak_reserved_bytes is None:
+            return f"reserved not simulated ({self.alloc_note or b.reserved_note})"
+        line = (
+            f"best layout: allocated {format_bytes(b.allocated_bytes)}, reserved "
+            f"{format_bytes(b.peak_reserved_bytes)} (alloc_conf {b.alloc_conf}), "
+            f"{format_bytes(b.unreleasable_bytes)} of it unreleasable"
+        )
+        conf = self.kwargs.get("alloc_conf")
+        if isinstance(conf, AllocConf) and not conf.expandable_segments:
+            e = self.bill(alloc_conf=dataclasses.replace(conf, expandable_segments=True))
+            assert e.peak_reserved_bytes is not None
+            line += (
+                f"; with expandable_segments:True reserved {format_bytes(e.peak_reserved_bytes)}"
+                f" (saves {format_bytes(b.peak_reserved_bytes - e.peak_reserved_bytes)}), "
+                f"{format_bytes(e.unreleasable_bytes)} unreleasable"
+            )
+        return line
 
     @property
     def best(self) -> Candidate | None:
@@ -183,12 +211,13 @@ class PlanResult:
             **t.values(),
         )
 
-    def bill(self, candidate: Candidate | None = None) -> Bill:
-        """The full estimator bill of a candidate (the best by default)."""
+    def bill(self, candidate: Candidate | None = None, **overrides: Any) -> Bill:
+        """The full estimator bill of a candidate (the best by default); ``overrides``
+        replace the plan's estimator arguments (e.g. ``alloc_conf=``)."""
         c = candidate or self.best
         if c is None:
             raise ValueError(f"no layout of {self.model.name} fits {self.n_gpus} x {self.gpu.name}")
-        kw = dict(self.kwargs)
+        kw = {**self.kwargs, **overrides}
         fw = resolve_framework(kw.get("framework"), c.layout, hf=self.model.is_hf)
         if engine(fw, c.layout) != "deepspeed":
             kw.pop("deepspeed", None)  # DeepSpeed's knobs apply to its layouts only
@@ -222,6 +251,7 @@ class PlanResult:
                 f"{i:<5}{c.describe():<44}{c.total_bytes / 2**30:>10.2f}"
                 f"{c.step_seconds:>9.2f}{c.bubble:>8.1%}"
             )
+        lines.append(self.reserved_line())
         return "\n".join(lines)
 
 
@@ -296,6 +326,7 @@ def plan(
     calibration: Any = None,
     progress: Any = None,
     headroom: str | int | float | Margin | None = None,
+    alloc_conf: Any = None,
     **estimate_kwargs: Any,
 ) -> PlanResult:
     """Every layout of ``model`` on ``n_gpus`` that fits, ranked by the throughput proxy.
@@ -316,6 +347,10 @@ def plan(
             progress bar).
         headroom: memory every GPU keeps free beyond the peak: a share (``"5%"``, ``0.05``)
             or a size (``"4GiB"``, bytes); default ``DEFAULT_HEADROOM`` (``gpumem.planner.margin``).
+        alloc_conf: the ``PYTORCH_CUDA_ALLOC_CONF`` every candidate's step is simulated under
+            (as ``gpumem.estimate``: None reads the environment, False keeps the flat
+            fragmentation share): a layout fits, and ties rank, on allocated plus what the
+            caching allocator cannot release, plus the CUDA context and NCCL.
         estimate_kwargs: passed to the estimator (grads, attention, lora_rank, ...).
     """
     t0 = time.perf_counter()
@@ -324,6 +359,7 @@ def plan(
     g = gpu if isinstance(gpu, GPU) else find_gpu(gpu, gpu_memory)
     if cal is not None:
         g = cal.apply_to(g)
+    conf, conf_note = resolve_alloc_conf(alloc_conf, g)
     if not isinstance(n_gpus, int) or isinstance(n_gpus, bool) or n_gpus <= 0:
         raise ValueError(f"n_gpus must be a positive integer, got {n_gpus!r}")
     if global_batch is not None and (not isinstance(global_batch, int) or global_batch <= 0):
@@ -349,8 +385,8 @@ def plan(
     }
     jobs: dict[str, PresetTerms] = {}
 
-    def job_for(fw: str) -> PresetTerms:
-        if fw not in jobs:
+    def job_for(fw: str, simulated: bool = False) -> PresetTerms:
+        if (fw, simulated) not in jobs:
             grads = estimate_kwargs.get("grads") or default_grads(
                 fw, Training(precision).master_bytes > 0
             )
@@ -368,8 +404,11 @@ def plan(
                 estimate_kwargs.get("base_quant"),
                 deepspeed=zero,
             )
-            jobs[fw] = PresetTerms(spec, training, g, seq, framework=fw, **job_kw)
-        return jobs[fw]
+            jobs[fw, simulated] = PresetTerms(
+                spec, training, g, seq, framework=fw, alloc_conf=conf if simulated else None,
+                **job_kw,
+            )  # fmt: skip
+        return jobs[fw, simulated]
 
     training = job_for(resolve_framework(framework, Layout(), hf=spec.is_hf)).training
     shown = {
@@ -389,6 +428,7 @@ def plan(
         "inputs": {k: v for k, (v, _) in shown.items()},
         "sources": {k: s for k, (_, s) in shown.items()},
         "calibration": cal,
+        "alloc_note": conf_note,
     }
     # the bill of a candidate: the GPU above already carries the reserve; the memory fit rides
     bill_kwargs = dict(
@@ -397,6 +437,7 @@ def plan(
         seq_len=seq_len,
         framework=framework,
         calibration=mem,
+        alloc_conf=False if conf is None else conf,
         **estimate_kwargs,
     )
     configs, rows, owner = [], [], []
@@ -425,9 +466,11 @@ def plan(
                 continue
             ga = gb // (dp * mb)
             for x in job_for(fw).terms(lay, mb, rc, ga, None):
+                if conf is not None:  # the allocated peak first: fragmentation only adds
+                    x[peak.FRAG] = 0.0
                 rows.append(x)
                 owner.append(len(configs))
-            configs.append((lay, mb, rc, ga))
+            configs.append((lay, mb, rc, ga, fw))
     if progress is not None:
         progress(len(grid), len(grid))
     if not configs:
@@ -435,8 +478,10 @@ def plan(
     res = evaluate(rows, owner, len(configs))
     if scale is not None:
         res = scaled_totals(res, scale)
+    if conf is not None:
+        res = _with_fragmentation(res, configs, lambda fw: job_for(fw, True), usable, scale)
     cands = []
-    for (lay, mb, rc, ga), r in zip(configs, res, strict=True):
+    for (lay, mb, rc, ga, _), r in zip(configs, res, strict=True):
         total = int(r[peak.OUT_TOTAL])
         if total <= usable:
             step, bubble, comm = _proxy(spec, g, lay, mb, rc, ga, seq, training)
@@ -450,6 +495,27 @@ def plan(
     return PlanResult(
         spec, g, n_gpus, cands, len(configs), time.perf_counter() - t0, bill_kwargs, **extra
     )
+
+
+def _with_fragmentation(
+    res: np.ndarray, configs: list, job_for: Any, capacity: int, scale: dict | None
+) -> np.ndarray:
+    """The sweep's rows with the simulated caching allocator's fragmentation, for the
+    configurations whose allocated peak fits (the rest cannot fit with more): the simulations
+    are cached per layer shape (``step_trace``), so the survivors share a few hundred."""
+    keep = [i for i in range(len(configs)) if res[i, peak.OUT_TOTAL] <= capacity]
+    rows, owner = [], []
+    for j, i in enumerate(keep):
+        lay, mb, rc, ga, fw = configs[i]
+        for x in job_for(fw).terms(lay, mb, rc, ga, None):
+            rows.append(x)
+            owner.append(j)
+    if not keep:
+        return res
+    sim = evaluate(rows, owner, len(keep))
+    out = res.copy()
+    out[keep] = scaled_totals(sim, scale) if scale is not None else sim
+    return out
 
 
 def scaled_totals(res: np.ndarray, scale: dict[str, float]) -> np.ndarray:

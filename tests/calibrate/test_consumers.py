@@ -83,8 +83,12 @@ def test_estimate_with_a_calibrated_gpu_uses_the_measured_reserve(valid):
     p = bill.per_gpu
     allocated = sum(p[c] for c in CATS)
     assert p["overhead"] == int(900 * MiB + allocated * 0.1)  # one GPU: no NCCL
-    default = gpumem.estimate("gpt2", batch_size=2, seq_len=512, gpu="H100-80GB").per_gpu
-    assert default["overhead"] == int(CONTEXT_BYTES + allocated * FRAGMENTATION)
+    # the catalog GPU: the default context and, for fragmentation, the simulated caching
+    # allocator (the measured share above wins over it; alloc_conf=False is the flat default)
+    default = gpumem.estimate("gpt2", batch_size=2, seq_len=512, gpu="H100-80GB")
+    assert default.per_gpu["overhead"] == CONTEXT_BYTES + default.unreleasable_bytes
+    flat = gpumem.estimate("gpt2", batch_size=2, seq_len=512, gpu="H100-80GB", alloc_conf=False)
+    assert flat.per_gpu["overhead"] == int(CONTEXT_BYTES + allocated * FRAGMENTATION)
 
 
 ALLOC = {

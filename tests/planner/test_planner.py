@@ -101,6 +101,7 @@ def test_cli_never_tracebacks(capsys):
         "headroom_bytes",
         "cluster_model_state_bytes",
         "pipeline_ranks",
+        "reserved",  # allocated / simulated reserved / fragmentation (docs/estimator.md)
     }
     assert out["framework"] == "torch" and len(out["pipeline_ranks"]) == 1
     assert out["per_gpu"] == estimate("llama-2-7b", seq_len=512).per_gpu

@@ -1,0 +1,297 @@
+"""Reserved memory of a training step: the allocations one pipeline rank makes, in the order
+the framework makes them, run through the caching allocator simulator (``gpumem.allocator``).
+
+Two traces per rank, simulated apart (their blocks never meet: the states are never freed):
+
+* ``StatesShape`` — the long-lived tensors: every parameter tensor's weight, the persistent
+  gradients and the optimizer states (one tensor per state and parameter; a flat buffer per
+  state where Megatron's distributed optimizer or DeepSpeed keep one), the steady
+  communication buckets. Allocations only.
+* ``StepShape`` — one step's dynamic tensors: the in-flight micro-batches' saved activations
+  layer by layer (each ``Item`` one allocation; a layer's gathered parameters around it),
+  then one micro-batch's backward: the start transient, and per layer from the last the
+  recomputed tensors, the layer's temporaries, the frees of its saved tensors and the weight
+  gradients it makes; then the optimizer step's temporaries.
+
+What a bill takes from them is the fragmentation, two figures over the bytes the trace itself
+asked for at its peak (``frag_bytes``): the reserved peak with ample memory (what
+``reserved_bytes.all.peak`` reads on a GPU that never fills), and what the allocator cannot
+release: the largest ``reserved - releasable`` at a moment it needs a new segment, where
+``releasable`` is the cached segments (pages) ``release_cached_blocks`` frees before an
+allocation fails and is retried. The bill's reserved peak is its allocated peak plus the first;
+its verdict counts the second.
+
+Identical layers make the traces periodic, so a rank of many layers is simulated for ``K`` and
+``2 K`` layers and the rest extrapolated linearly (``scaled``); results are cached per shape
+(the held micro-batches, the states' layers and the rest apart, so that shapes repeat), which
+is what lets the planner's candidates share a few thousand simulations.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, replace
+
+from gpumem.allocator.alloc_conf import AllocConf
+from gpumem.allocator.caching import CachingAllocatorSim
+from gpumem.allocator.trace import Trace
+
+K = 4
+"""Layers simulated exactly; a rank of more than ``2 K`` is extrapolated from ``K`` and ``2 K``."""
+
+
+@dataclass(frozen=True)
+class StatesShape:
+    """The long-lived tensors of a rank (bytes per tensor, as asked for)."""
+
+    layer: tuple[int, ...]
+    """One layer's tensors: weights, then (persistent) gradients, then optimizer states."""
+    outer: tuple[int, ...] = ()
+    """Tensors outside the layers: embedding, head, flat buffers, buckets."""
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One step's dynamic tensors on a rank (bytes per tensor, as asked for)."""
+
+    saved: tuple[int, ...]
+    """One layer's saved tensors, in forward order."""
+    recomputed: tuple[int, ...] = ()
+    """Made again in the layer's backward (recompute), freed after it."""
+    grads: tuple[int, ...] = ()
+    """The weight gradients a layer's backward makes (none when gradients persist)."""
+    gather: int = 0
+    """A layer's gathered buffer (FSDP/ZeRO-3 parameters, CP's KV, MoE dispatch), fwd and bwd."""
+    t_layer: int = 0
+    t_start: int = 0
+    t_step: int = 0
+    first: int = 0
+    """The embedding's saved tensors (first stage), per micro-batch."""
+    last: int = 0
+    """The head's and the loss's (last stage), of the micro-batch that runs backward."""
+    held: float = 0.0
+    """Further micro-batches in flight whose activations stay through this backward."""
+
+
+def frag_bytes(
+    conf: AllocConf, states: StatesShape, step: StepShape, n_layers: int
+) -> tuple[int, int]:
+    """(unreleasable, reserved) bytes over the requested peak, for ``n_layers`` layers.
+
+    Simulated apart so that shapes repeat across a planner's candidates: the states' layers
+    (``StatesShape`` without ``outer``), the tensors outside them, the held micro-batches'
+    activations (allocations only: ``held`` micro-batches of the layer's saved tensors) and
+    the step of one micro-batch (``held=0``)."""
+    parts = [
+        scaled(conf, replace(states, outer=()), n_layers),
+        fragmentation(conf, StatesShape((), states.outer), 0),
+        scaled(conf, replace(step, held=0.0), n_layers),
+    ]
+    passes = round(step.held * n_layers)
+    if passes and step.saved:
+        parts.append(scaled(conf, StatesShape(step.saved), passes))
+    return sum(p[0] for p in parts), sum(p[1] for p in parts)
+
+
+def scaled(conf: AllocConf, shape: StatesShape | StepShape, n: int) -> tuple[int, int]:
+    """``fragmentation`` of ``n`` layers: exact up to ``2 K``, else linear through ``K`` and
+    ``2 K`` (periodic traces: exact when the period divides ``K``)."""
+    if n <= 2 * K:
+        return fragmentation(conf, shape, n)
+    f1, f2 = fragmentation(conf, shape, K), fragmentation(conf, shape, 2 * K)
+    u, r = (max(0, a + (n - K) * (b - a) // K) for a, b in zip(f1, f2, strict=True))
+    return u, r
+
+
+@functools.lru_cache(maxsize=65536)
+def fragmentation(conf: AllocConf, shape: StatesShape | StepShape, n: int) -> tuple[int, int]:
+    """(unreleasable, reserved) over the requested peak of ``shape``'s trace of ``n`` layers,
+    simulated (cached: the planner asks for the same shapes again and again). A step is run in
+    three cached stages (forward; backward; optimizer step), each continuing a fork of the
+    one before, so that steps differing only in their later transients share the rest."""
+    if isinstance(shape, StepShape) and not shape.held:
+        run = _walk_stage(conf, replace(shape, t_step=0), n).fork()
+        if shape.t_step:
+            run.give(run.take(shape.t_step))
+        return run.result()
+    t, _ = states_trace(shape, n) if isinstance(shape, StatesShape) else step_trace(shape, n)
+    run = _Run(conf)
+    for ev in t.events:
+        if ev[0] == "alloc":
+            run.take(ev[2], ev[1])
+        else:
+            run.give(ev[1])
+    return run.result()
+
+
+class _Run:
+    """A simulator with the requested bytes alive, their peak, and the unreleasable peak."""
+
+    def __init__(self, conf: AllocConf | None = None) -> None:
+        if conf is not None:
+            self.sim = CachingAllocatorSim(conf)
+        self.sizes: dict[int, int] = {}
+        self.live = self.peak = self.pinned = self.next = 0
+        self.layers: list[list[int]] = []
+        self.ends: list[int | None] = []
+
+    def take(self, size: int, h: int | None = None) -> int:
+        if h is None:
+            h = self.next
+            self.next += 1
+        st = self.sim.stats
+        before = st.reserved
+        self.sim.malloc(h, size)
+        if st.reserved > before:  # a new segment: where a full GPU would release and retry
+            self.pinned = max(self.pinned, st.reserved - self.sim.releasable())
+        self.sizes[h] = size
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        return h
+
+    def give(self, h: int) -> None:
+        self.sim.free(h)
+        self.live -= self.sizes.pop(h)
+
+    def fork(self) -> _Run:
+        new = _Run()
+        new.sim = self.sim.fork()
+        new.sizes = dict(self.sizes)
+        new.live, new.peak, new.pinned, new.next = self.live, self.peak, self.pinned, self.next
+        new.layers = [list(x) for x in self.layers]
+        new.ends = list(self.ends)
+        return new
+
+    def result(self) -> tuple[int, int]:
+        return max(0, self.pinned - self.peak), max(0, self.sim.stats.reserved_peak - self.peak)
+
+
+@functools.lru_cache(maxsize=4096)
+def _step_stage(
+    conf: AllocConf, saved: tuple[int, ...], gather: int, first: int, last: int, n: int
+) -> _Run:
+    """The forward of one micro-batch and its head (see ``step_trace``); never mutated."""
+    run = _Run(conf)
+    f = run.take(first) if first else None
+    for _ in range(n):
+        g = run.take(gather) if gather else None
+        run.layers.append([run.take(size) for size in saved])
+        if g is not None:
+            run.give(g)
+    run.ends = [f, run.take(last) if last else None]
+    return run
+
+
+@functools.lru_cache(maxsize=4096)
+def _walk_stage(conf: AllocConf, s: StepShape, n: int) -> _Run:
+    """The forward, then the backward (start transient, then layer by layer from the last);
+    never mutated."""
+    run = _step_stage(conf, s.saved, s.gather, s.first, s.last, n).fork()
+    first, last = run.ends
+    if s.t_start:
+        run.give(run.take(s.t_start))
+    if last is not None:
+        run.give(last)
+    for saved in reversed(run.layers):
+        g = run.take(s.gather) if s.gather else None
+        rc = [run.take(size) for size in s.recomputed]
+        tl = run.take(s.t_layer) if s.t_layer else None
+        for h in reversed(saved):
+            run.give(h)
+        for size in s.grads:
+            run.take(size)
+        for h in (*rc, tl, g):
+            if h is not None:
+                run.give(h)
+    if first is not None:
+        run.give(first)
+    return run
+
+
+class _Live(Trace):
+    """A trace that also keeps the requested bytes alive and their peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def take(self, size: int) -> int:
+        h = self.alloc(size)
+        self.sizes[h] = size
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        return h
+
+    def give(self, h: int) -> None:
+        self.free(h)
+        self.live -= self.sizes.pop(h)
+
+
+def states_trace(s: StatesShape, n: int) -> tuple[Trace, int]:
+    """The long-lived tensors of ``n`` layers: allocations only; (trace, requested bytes)."""
+    t = _Live()
+    for size in s.outer[:1]:  # the embedding is built first, the rest after the layers
+        t.take(size)
+    for _ in range(n):
+        for size in s.layer:
+            t.take(size)
+    for size in s.outer[1:]:
+        t.take(size)
+    return t, t.peak
+
+
+def step_trace(s: StepShape, n: int) -> tuple[Trace, int]:
+    """One step of ``n`` layers (see the module docstring); (trace, peak requested bytes)."""
+    t = _Live()
+    held = math.ceil(s.held)
+    for _ in range(held):  # the micro-batches whose backward comes later
+        if s.first:
+            t.take(s.first)
+        for _ in range(round(s.held / held * n) if held else 0):
+            g = t.take(s.gather) if s.gather else None
+            for size in s.saved:
+                t.take(size)
+            if g is not None:
+                t.give(g)
+    first = t.take(s.first) if s.first else None
+    layers = []
+    for _ in range(n):
+        g = t.take(s.gather) if s.gather else None
+        layers.append([t.take(size) for size in s.saved])
+        if g is not None:
+            t.give(g)
+    last = t.take(s.last) if s.last else None
+    if s.t_start:
+        t.give(t.take(s.t_start))
+    if last is not None:
+        t.give(last)
+    for saved in reversed(layers):
+        g = t.take(s.gather) if s.gather else None
+        rc = [t.take(size) for size in s.recomputed]
+        tl = t.take(s.t_layer) if s.t_layer else None
+        for h in reversed(saved):
+            t.give(h)
+        for size in s.grads:
+            t.take(size)
+        for h in (*rc, tl, g):
+            if h is not None:
+                t.give(h)
+    if first is not None:
+        t.give(first)
+    if s.t_step:
+        t.give(t.take(s.t_step))
+    return t, t.peak
+
+
+__all__ = [
+    "K",
+    "StatesShape",
+    "StepShape",
+    "frag_bytes",
+    "fragmentation",
+    "scaled",
+    "states_trace",
+    "step_trace",
+]
