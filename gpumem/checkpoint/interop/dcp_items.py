@@ -95,6 +95,18 @@ def next_step(root: Path) -> int:
     return found[0][0] + 1 if found else 0
 
 
+def has_step(root: Path, step: int) -> bool:
+    """Whether ``step`` is committed in ``root`` (a missing directory holds none)."""
+    try:
+        d = Dir.open(root)
+    except CheckpointIOError as exc:
+        if exc.errno == errno.ENOENT:
+            return False
+        raise
+    with d:
+        return any(s == step for s, _ in directory.step_dirs(d))
+
+
 def prepare_tmp(root: Path, step: int) -> None:
     """The coordinator, before any rank writes: a fresh temporary directory for ``step``."""
     with Dir.open(root, create=True) as d:
