@@ -87,7 +87,7 @@ def reshard(root: Path, world: int) -> list[str]:
     for i, (src, layout) in enumerate(named.items()):
         dcp.save(
             dtensor_state(layout, 1.0 + i),
-            storage_writer=gpumem.dcp.StorageWriter(root / f"reshard-{world}" / f"step-{i}"),
+            storage_writer=gpumem.dcp.StorageWriter(root / f"reshard-{world}" / f"step-{i}", keep=None),
         )
         for dst, target in named.items():
             state = empty_like(dtensor_state(target), target)
@@ -177,10 +177,12 @@ def _result(future: Any) -> None:
 
 
 def async_save(root: Path, world: int) -> list[str]:
-    """dcp.async_save twice through one writer that caches its staged state dict."""
+    """dcp.async_save twice through one writer (caching its staged state dict on a GPU box)."""
     layout = layouts(world)["1d-shard0"]
     side = dist.new_group(backend="gloo")  # the save's collectives run on a background thread
-    writer = gpumem.dcp.StorageWriter(root / "async", cache_staged_state_dict=True, keep=None)
+    # caching pins the CPU copy, which needs an accelerator (FileSystemWriter's too)
+    cache = torch.cuda.is_available()
+    writer = gpumem.dcp.StorageWriter(root / "async", cache_staged_state_dict=cache, keep=None)
     for scale in (1.0, 2.0):
         _result(dcp.async_save(dtensor_state(layout, scale), storage_writer=writer, process_group=side))
     bad = []

@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint.api import CheckpointException
 
 import gpumem.dcp
 from gpumem.checkpoint.capture.dtensor import sharding_supported
-from gpumem.checkpoint.errors import CheckpointStateError
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not sharding_supported(),
@@ -115,13 +115,27 @@ def test_constructors_take_every_filesystem_argument_in_order():
 def test_overwrite_false_refuses_a_committed_step_in_one_process(tmp_path):
     state = {"w": torch.arange(4.0)}
     dcp.save(state, storage_writer=gpumem.dcp.StorageWriter(tmp_path / "step-5", overwrite=False))
-    with pytest.raises(Exception, match="already exists"):
+    with pytest.raises(CheckpointException, match="already exists"):
         dcp.save(
             state, storage_writer=gpumem.dcp.StorageWriter(tmp_path / "step-5", overwrite=False)
         )
     # a step chosen as one more than the newest is always new
     dcp.save(state, storage_writer=gpumem.dcp.StorageWriter(tmp_path, overwrite=False))
     assert json.loads((tmp_path / "latest").read_text())["step"] == 6
+
+
+def test_the_writer_stages_as_filesystem_writer_does(tmp_path):
+    from torch.distributed.checkpoint.staging import AsyncStager
+
+    state = {"w": torch.arange(4.0), "n": 3}
+    ours = gpumem.dcp.StorageWriter(tmp_path / "g")
+    theirs = dcp.FileSystemWriter(tmp_path / "p")
+    assert isinstance(ours, AsyncStager)
+    for writer in (ours, theirs):
+        staged = writer.stage(state)
+        assert torch.equal(staged["w"], state["w"]) and staged["n"] == 3
+        assert staged["w"].data_ptr() != state["w"].data_ptr()  # a copy, safe from training
+    assert ours.should_synchronize_after_execute == theirs.should_synchronize_after_execute
 
 
 def test_extensions_are_warned_about(tmp_path):
@@ -131,7 +145,7 @@ def test_extensions_are_warned_about(tmp_path):
 
 def test_a_plain_dcp_directory_names_the_import_command(tmp_path):
     dcp.save({"w": torch.arange(4.0)}, storage_writer=dcp.FileSystemWriter(tmp_path / "plain"))
-    with pytest.raises(CheckpointStateError, match="gpumem ckpt import"):
+    with pytest.raises(CheckpointException, match="gpumem ckpt import"):
         dcp.load({"w": torch.zeros(4)}, storage_reader=gpumem.dcp.StorageReader(tmp_path / "plain"))
 
 
@@ -139,6 +153,7 @@ def test_format_utils_equivalents_round_trip(tmp_path):
     """What docs/checkpoint.md gives for format_utils' dcp_to_torch_save / torch_save_to_dcp
     (which open FileSystemReader / FileSystemWriter themselves)."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     original = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "step": 4}
     torch.save(original, tmp_path / "full.pt")
@@ -149,7 +164,7 @@ def test_format_utils_equivalents_round_trip(tmp_path):
     back: dict = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(
+        _load_state_dict(  # what dcp_to_torch_save calls (dcp.load keeps to the keys given)
             back,
             storage_reader=gpumem.dcp.StorageReader(tmp_path / "ck"),
             planner=_EmptyStateDictLoadPlanner(),

@@ -17,6 +17,7 @@ the byte ranges the manifests name must lie inside their files.
 from __future__ import annotations
 
 import dataclasses
+import os
 import errno
 import re
 import warnings
@@ -332,10 +333,13 @@ def open_step_dir(path: Path) -> Dir:
         CheckpointCorruptError: nothing readable there.
         CheckpointIOError: the operating system refused (errno and path kept).
     """
+    m = STEP_DIR.match(path.name)
+    if m and not os.path.lexists(path):  # the step as DCP's callers name it (step-5)
+        with open_checkpoint(path.parent) as parent:
+            return directory.open_step(parent, step_dir_name(int(m.group(1))))
     d = open_checkpoint(path)
     if d.lstat(MAIN_MANIFEST) is not None:
         return d
-    m = STEP_DIR.match(path.name)
     if m:  # the step named, as gpumem names its directory (step-100 -> step-000000100)
         d.close()
         with open_checkpoint(path.parent) as parent:
