@@ -8,20 +8,20 @@
     trainer.train(resume_from_checkpoint=cb.resume_from(trainer))
     sys.exit(cb.exit_code)             # 143 after a preemption with a durable final save
 
-Every ``every_n_train_steps`` optimizer steps (and on SIGTERM / SIGUSR1 with ``preemption=True``) the
-callback saves the model, the optimizer, the LR scheduler, every rank's RNG states and the
-``TrainerState`` with a ``gpumem.Checkpointer`` (all ranks, in the background). The Trainer
-itself skips the batches a resumed run has already consumed, from the ``TrainerState`` it reads
-in ``resume_from_checkpoint``; a callback cannot reach that, so ``resume_from(trainer)`` gives
-the Trainer a small *resume stub* (a local temporary directory) holding the saved
-``trainer_state.json`` and a weight index that tells it the weights come from elsewhere (one
-empty safetensors file: the Trainer loads nothing); the callback deletes it once the Trainer
-has read it. The callback then restores model, optimizer, scheduler and RNG from the newest
-gpumem checkpoint in ``on_train_begin``, after the Trainer has built the optimizer and scheduler.
-When the resumed epoch starts mid-way, the Trainer then skips the consumed batches, drawing
-from the global generators, and would reload the RNG from its own ``rng_state.pth`` after the
-skip; the stub has none (gpumem writes no pickle), so the callback sets the restored RNG states
-again at that same point, the first ``on_step_begin``: the resumed run draws what the
+Every ``every_n_train_steps`` optimizer steps (and on SIGTERM / SIGUSR1 with
+``preemption=True``) the callback saves the model, the optimizer, the LR scheduler, every rank's
+RNG states and the ``TrainerState`` with a ``gpumem.Checkpointer`` (all ranks, in the
+background). The Trainer itself skips the batches a resumed run has already consumed, from the
+``TrainerState`` it reads in ``resume_from_checkpoint``; a callback cannot reach that, so
+``resume_from(trainer)`` gives the Trainer a small *resume stub* (a local temporary directory)
+holding the saved ``trainer_state.json`` and a weight index that tells it the weights come from
+elsewhere (one empty safetensors file: the Trainer loads nothing); the callback deletes it once
+the Trainer has read it. The callback then restores model, optimizer, scheduler and RNG from the
+newest gpumem checkpoint in ``on_train_begin``, after the Trainer has built the optimizer and
+scheduler. When the resumed epoch starts mid-way, the Trainer then skips the consumed batches,
+drawing from the global generators, and would reload the RNG from its own ``rng_state.pth``
+after the skip; the stub has none (gpumem writes no pickle), so the callback sets the restored
+RNG states again at that same point, the first ``on_step_begin``: the resumed run draws what the
 uninterrupted one drew, dropout included. ``resume_from`` returns None when there is nothing to
 resume; call it on every rank (it builds the Checkpointer, a collective).
 

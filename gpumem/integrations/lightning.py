@@ -94,7 +94,9 @@ class CheckpointCallback(GuardedCallback, Callback):
                 if _mid_epoch(trainer):
                     self._rng = rng_state()
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._rng is not None:  # the loader is set up: draw on from the saved point
             set_rng_state(self._rng)
             self._rng = None

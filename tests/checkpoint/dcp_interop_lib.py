@@ -87,7 +87,9 @@ def reshard(root: Path, world: int) -> list[str]:
     for i, (src, layout) in enumerate(named.items()):
         dcp.save(
             dtensor_state(layout, 1.0 + i),
-            storage_writer=gpumem.dcp.StorageWriter(root / f"reshard-{world}" / f"step-{i}", keep=None),
+            storage_writer=gpumem.dcp.StorageWriter(
+                root / f"reshard-{world}" / f"step-{i}", keep=None
+            ),
         )
         for dst, target in named.items():
             state = empty_like(dtensor_state(target), target)
@@ -161,7 +163,11 @@ def overwrite(root: Path, world: int) -> list[str]:
                 _refused(lambda: save(3.0, True)),
             ]
     bad = []
-    if outcomes["gpumem"] != outcomes["dcp"] or outcomes["dcp"] != ["written", "refused", "written"]:
+    if outcomes["gpumem"] != outcomes["dcp"] or outcomes["dcp"] != [
+        "written",
+        "refused",
+        "written",
+    ]:
         bad.append(f"overwrite outcomes differ: {outcomes}")
     state = empty_like(dtensor_state(layout), layout)
     dcp.load(state, storage_reader=gpumem.dcp.StorageReader(root / "ow"))
@@ -184,7 +190,9 @@ def async_save(root: Path, world: int) -> list[str]:
     cache = torch.cuda.is_available()
     writer = gpumem.dcp.StorageWriter(root / "async", cache_staged_state_dict=cache, keep=None)
     for scale in (1.0, 2.0):
-        _result(dcp.async_save(dtensor_state(layout, scale), storage_writer=writer, process_group=side))
+        _result(
+            dcp.async_save(dtensor_state(layout, scale), storage_writer=writer, process_group=side)
+        )
     bad = []
     for step, scale in ((0, 1.0), (1, 2.0)):
         state = empty_like(dtensor_state(layout), layout)

@@ -4,11 +4,12 @@ test_integrations.py:
 RANK=r WORLD_SIZE=2 INIT=file:///tmp/rdzv \
     python hf_train.py [--straight CK OUT N] CK OUT N [STOP_AT]
 
-Trains a tiny regressor with dropout (0.1) on the Trainer's shuffled sampler with the real
-Trainer and gpumem's CheckpointCallback (saves every 2 steps, PreemptionGuard installed), resuming from CKPT_DIR when it holds a checkpoint. With
-STOP_AT, rank 0 sends itself SIGTERM after that step. Writes the final weights (rank 0) and
-exits with the callback's exit code. With --straight, an uninterrupted run to N in another
-directory comes first (the reference the test compares with).
+Trains a tiny regressor with dropout (0.1) on the Trainer's shuffled sampler (12 steps an
+epoch: the stop at step 4 falls mid-epoch) with the real Trainer and gpumem's
+CheckpointCallback (saves every 2 steps, PreemptionGuard installed), resuming from CKPT_DIR when
+it holds a checkpoint. With STOP_AT, rank 0 sends itself SIGTERM after that step. Writes the
+final weights (rank 0) and exits with the callback's exit code. With --straight, an
+uninterrupted run to N in another directory comes first (the reference the test compares with).
 """
 
 import json

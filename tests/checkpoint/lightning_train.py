@@ -7,9 +7,9 @@ RANK=r WORLD_SIZE=2 INIT=file:///tmp/rdzv \
 Trains a tiny regressor with dropout (0.1) with Lightning's DDP strategy and gpumem's
 CheckpointCallback (saves every 2 steps, PreemptionGuard installed), from torchdata's
 StatefulDataLoader (shuffled: Lightning's DistributedSampler; 6 batches per rank and epoch, so
-the stop at step 4 falls mid-epoch). Rank 0 also writes what each step saw and its loss., resuming from CKPT_DIR. With STOP_AT, rank 0 sends
-itself SIGTERM after that step. Writes the final weights (rank 0) and exits with the callback's
-exit code.
+the stop at step 4 falls mid-epoch), resuming from CKPT_DIR. With STOP_AT, rank 0 sends itself
+SIGTERM after that step. Writes the final weights and what each step saw and its loss (rank 0)
+and exits with the callback's exit code.
 """
 
 import json

@@ -17,8 +17,8 @@ the byte ranges the manifests name must lie inside their files.
 from __future__ import annotations
 
 import dataclasses
-import os
 import errno
+import os
 import re
 import warnings
 from collections.abc import Iterable

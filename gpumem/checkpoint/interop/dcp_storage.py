@@ -63,7 +63,6 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import StorageReader as _StorageReader
 from torch.distributed.checkpoint import StorageWriter as _StorageWriter
-from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -81,11 +80,11 @@ from torch.distributed.checkpoint.planner import (
     SavePlanner,
     WriteItemType,
 )
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ..errors import CheckpointStateError
-from .dcp_plain import is_plain_dcp
 from .dcp_items import (
     Chunk,
     Located,
@@ -98,6 +97,7 @@ from .dcp_items import (
     read_items,
     write_shard,
 )
+from .dcp_plain import is_plain_dcp
 
 __all__ = ["StorageReader", "StorageWriter"]
 
