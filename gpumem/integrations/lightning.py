@@ -18,11 +18,14 @@ what the restored progress says is done. Pass ``ckpt_path`` to ``fit()`` for Lig
 checkpoints only; with both, gpumem's restore runs last.
 
 Exact mid-epoch resume needs a resumable loader: Lightning saves a loader's position only when
-it has ``state_dict``/``load_state_dict`` (torchdata's ``StatefulDataLoader``; its state rides in
-the fit loop's, so gpumem saves and restores it). A plain ``DataLoader`` (shuffled or not)
+it has ``state_dict``/``load_state_dict`` (torchdata's ``StatefulDataLoader``; its state rides
+in the fit loop's, so gpumem saves and restores it). A plain ``DataLoader`` (shuffled or not)
 restarts the interrupted epoch from its first batch (Lightning warns), so only a stop at an
-epoch boundary resumes exactly. Between the restore and the first resumed batch Lightning
-builds the loader's iterator and restores its position, which draws from the global
+epoch boundary resumes exactly. Under DDP shuffle with
+``sampler=torch.utils.data.RandomSampler`` (Lightning swaps it for its seeded
+``DistributedSampler``), not ``shuffle=True``, whose torchdata sampler Lightning wraps, drawing
+each epoch's order from the global generator. Between the restore and the first resumed batch
+Lightning builds the loader's iterator and restores its position, which draws from the global
 generators; the uninterrupted run drew that at the epoch's start. So after a mid-epoch restore
 the callback sets the restored RNG states again in the first ``on_train_batch_start``: dropout
 draws what it drew in the uninterrupted run.
