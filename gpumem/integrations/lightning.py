@@ -149,8 +149,9 @@ class CheckpointCallback(GuardedCallback, Callback):
 
 def _mid_epoch(trainer: Any) -> bool:
     """Whether the restored fit loop stopped inside an epoch (not after its last batch)."""
+    # saved in on_train_batch_end: "ready" counts this epoch's batches, "completed" lags by one
     progress = trainer.fit_loop.epoch_loop.batch_progress
-    return progress.current.completed > 0 and not progress.is_last_batch
+    return progress.current.ready > 0 and not progress.is_last_batch
 
 
 def _is_ddp(trainer: Any) -> bool:
