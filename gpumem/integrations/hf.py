@@ -2,22 +2,32 @@
 
     from gpumem.integrations.hf import CheckpointCallback
 
-    cb = CheckpointCallback("ckpts", save_steps=100, preemption=True)
+    args = TrainingArguments(..., save_strategy="no")  # gpumem saves: no checkpoint-N as well
+    cb = CheckpointCallback("ckpts", every_n_train_steps=100, preemption=True)
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb])
     trainer.train(resume_from_checkpoint=cb.resume_from(trainer))
     sys.exit(cb.exit_code)             # 143 after a preemption with a durable final save
 
-Every ``save_steps`` optimizer steps (and on SIGTERM / SIGUSR1 with ``preemption=True``) the
-callback saves the model, the optimizer, the LR scheduler, every rank's RNG states and the
-``TrainerState`` with a ``gpumem.Checkpointer`` (all ranks, in the background). The Trainer
-itself skips the batches a resumed run has already consumed, from the ``TrainerState`` it reads
-in ``resume_from_checkpoint``; a callback cannot reach that, so ``resume_from(trainer)`` gives
-the Trainer a small *resume stub* (a local temporary directory) holding the saved
-``trainer_state.json`` and a weight index that tells it the weights come from elsewhere (one
-empty safetensors file: the Trainer loads nothing). The callback then restores model,
-optimizer, scheduler and RNG from the newest gpumem checkpoint in ``on_train_begin``, after
-the Trainer has built the optimizer and scheduler. ``resume_from`` returns None when there is
-nothing to resume; call it on every rank (it builds the Checkpointer, a collective).
+Every ``every_n_train_steps`` optimizer steps (and on SIGTERM / SIGUSR1 with
+``preemption=True``) the callback saves the model, the optimizer, the LR scheduler, every rank's
+RNG states and the ``TrainerState`` with a ``gpumem.Checkpointer`` (all ranks, in the
+background). The Trainer itself skips the batches a resumed run has already consumed, from the
+``TrainerState`` it reads in ``resume_from_checkpoint``; a callback cannot reach that, so
+``resume_from(trainer)`` gives the Trainer a small *resume stub* (a local temporary directory)
+holding the saved ``trainer_state.json`` and a weight index that tells it the weights come from
+elsewhere (one empty safetensors file: the Trainer loads nothing); the callback deletes it once
+the Trainer has read it. The callback then restores model, optimizer, scheduler and RNG from the
+newest gpumem checkpoint in ``on_train_begin``, after the Trainer has built the optimizer and
+scheduler. When the resumed epoch starts mid-way, the Trainer then skips the consumed batches,
+drawing from the global generators, and would reload the RNG from its own ``rng_state.pth``
+after the skip; the stub has none (gpumem writes no pickle), so the callback sets the restored
+RNG states again at that same point, the first ``on_step_begin``: the resumed run draws what the
+uninterrupted one drew, dropout included. ``resume_from`` returns None when there is nothing to
+resume; call it on every rank (it builds the Checkpointer, a collective).
+
+Set ``save_strategy="no"`` in the ``TrainingArguments``: otherwise the Trainer writes its own
+``checkpoint-N`` (weights, ``optimizer.pt``, RNG pickles) beside gpumem's, and the callback
+warns.
 
 Under DDP the replicated state is written once, spread over the ranks
 (``Checkpointer(replicated=True)``), unless ``replicated=False`` is passed.
@@ -28,7 +38,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +52,8 @@ from gpumem.checkpoint import (
     CheckpointStateError,
     PreemptionGuard,
 )
+from gpumem.checkpoint.capture.training_state import rng_state
+from gpumem.checkpoint.restore.load import set_rng_state
 from gpumem.integrations._guarded import GuardedCallback
 
 _STATE_KEY = "hf_trainer_state"
@@ -51,7 +65,9 @@ class CheckpointCallback(GuardedCallback, TrainerCallback):
 
     Args:
         directory: the checkpoint directory.
-        save_steps: save every this many optimizer steps (None: only on preemption).
+        every_n_train_steps: save every this many optimizer steps (None: only on preemption);
+            the name of the Lightning callback's setting (``save_steps`` is the Trainer's own,
+            which ``save_strategy="no"`` turns off; it is accepted here, deprecated).
         preemption: install a ``PreemptionGuard``: on SIGTERM / SIGUSR1 the run saves at the
             next step boundary, waits for it to be durable and stops; ``exit_code`` tells what
             to exit with.
@@ -63,20 +79,32 @@ class CheckpointCallback(GuardedCallback, TrainerCallback):
         self,
         directory: str | os.PathLike,
         *,
-        save_steps: int | None = None,
+        every_n_train_steps: int | None = None,
         preemption: bool = False,
         grace_s: float = 30.0,
+        save_steps: int | None = None,
         **checkpointer: Any,
     ) -> None:
-        if save_steps is not None and (not isinstance(save_steps, int) or save_steps < 1):
-            raise CheckpointStateError(f"save_steps={save_steps!r} must be a positive int")
-        self.directory, self.save_steps = Path(directory), save_steps
+        if save_steps is not None:
+            warnings.warn(
+                "CheckpointCallback(save_steps=...) is deprecated: pass every_n_train_steps "
+                "(save_steps is the TrainingArguments setting, which should be off)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            every_n_train_steps = every_n_train_steps or save_steps
+        n = every_n_train_steps
+        if n is not None and (not isinstance(n, int) or n < 1):
+            raise CheckpointStateError(f"every_n_train_steps={n!r} must be a positive int")
+        self.directory, self.every = Path(directory), n
         self.preemption, self.grace_s, self.options = preemption, grace_s, checkpointer
         self.trainer: Any = None
         self.ckpt: Checkpointer | None = None
         self.guard: PreemptionGuard | None = None
         self.stopped = False
         self._resume: Path | None = None  # the gpumem checkpoint to restore in on_train_begin
+        self._stub: Path | None = None  # the resume stub, deleted once the Trainer read it
+        self._rng: dict[str, Any] | None = None  # RNG states to set again after the batch skip
 
     # ------------------------------------------------------------------ resume
 
@@ -89,7 +117,8 @@ class CheckpointCallback(GuardedCallback, TrainerCallback):
         if found is None:
             return None
         self._resume, state_json = found
-        stub = Path(tempfile.mkdtemp(prefix="gpumem-hf-resume-"))
+        self._drop_stub()
+        stub = self._stub = Path(tempfile.mkdtemp(prefix="gpumem-hf-resume-"))
         (stub / "trainer_state.json").write_text(state_json)
         keys = list(trainer.model.state_dict())
         index = {
@@ -118,7 +147,16 @@ class CheckpointCallback(GuardedCallback, TrainerCallback):
                 "CheckpointCallback needs the Trainer: call "
                 "trainer.train(resume_from_checkpoint=callback.resume_from(trainer))"
             )
+        strategy = getattr(args.save_strategy, "value", args.save_strategy)  # an enum in 4.x/5.x
+        if strategy != "no":
+            warnings.warn(
+                f"TrainingArguments(save_strategy={strategy!r}): the Trainer "
+                "writes its own checkpoint-N (weights, optimizer, RNG) beside gpumem's; set "
+                'save_strategy="no"',
+                stacklevel=2,
+            )
         ckpt = self._checkpointer()
+        self._drop_stub()  # read by now: trainer_state.json, the weight index
         if self._resume is not None:
             step = ckpt.restore(**self._objects(), path=self._resume)
             if step != state.global_step:
@@ -126,13 +164,22 @@ class CheckpointCallback(GuardedCallback, TrainerCallback):
                     f"restored step {step} from {self._resume}, but the Trainer resumes at "
                     f"step {state.global_step}: pass the stub resume_from() returned"
                 )
+            if _skips_batches(args, state, kwargs.get("train_dataloader")):
+                self._rng = rng_state()
+            self._resume = None
         if self.preemption and self.guard is None:
             self.guard = PreemptionGuard(ckpt, grace_s=self.grace_s)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # where the Trainer's own resume loads rng_state.pth: after its batch skip
+        if self._rng is not None:
+            set_rng_state(self._rng)
+            self._rng = None
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step = state.global_step
         objects = {**self._objects(), "extra": {_STATE_KEY: _state_json(state)}}
-        if self.save_steps and step % self.save_steps == 0:
+        if self.every and step % self.every == 0:
             self._checkpointer().save(step, **objects)
         if self.guard is not None and self.guard.should_stop(step, **objects):
             control.should_training_stop = True
@@ -142,6 +189,15 @@ class CheckpointCallback(GuardedCallback, TrainerCallback):
         if self.ckpt is not None:
             self.ckpt.wait()
 
+    def close(self) -> None:
+        self._drop_stub()
+        super().close()
+
+    def _drop_stub(self) -> None:
+        if self._stub is not None:
+            shutil.rmtree(self._stub, ignore_errors=True)
+            self._stub = None
+
     def _objects(self) -> dict[str, Any]:
         t = self.trainer
         optimizer = getattr(t.optimizer, "optimizer", t.optimizer)  # accelerate's wrapper
@@ -150,6 +206,19 @@ class CheckpointCallback(GuardedCallback, TrainerCallback):
 
 def _state_json(state: Any) -> str:
     return json.dumps(dataclasses.asdict(state), sort_keys=True)
+
+
+def _skips_batches(args: Any, state: Any, loader: Any) -> bool:
+    """Whether the Trainer resumes mid-epoch, skipping batches (its ``_init_training_state``):
+    an epoch is ``ceil(len(loader) / gradient_accumulation_steps)`` updates, ``max_steps``
+    without a length."""
+    if args.ignore_data_skip:
+        return False
+    try:
+        n = -(-len(loader) // args.gradient_accumulation_steps)
+    except TypeError:
+        n = args.max_steps
+    return state.global_step % max(n, 1) != 0
 
 
 def _is_ddp(trainer: Any) -> bool:

@@ -16,6 +16,19 @@ up the model and optimizers and before the first batch, it restores the newest c
 verifies, so ``trainer.fit()`` continues where the saved run stopped, Lightning's loops skipping
 what the restored progress says is done. Pass ``ckpt_path`` to ``fit()`` for Lightning's own
 checkpoints only; with both, gpumem's restore runs last.
+
+Exact mid-epoch resume needs a resumable loader: Lightning saves a loader's position only when
+it has ``state_dict``/``load_state_dict`` (torchdata's ``StatefulDataLoader``; its state rides
+in the fit loop's, so gpumem saves and restores it). A plain ``DataLoader`` (shuffled or not)
+restarts the interrupted epoch from its first batch (Lightning warns), so only a stop at an
+epoch boundary resumes exactly. Under DDP shuffle with
+``sampler=torch.utils.data.RandomSampler`` (Lightning swaps it for its seeded
+``DistributedSampler``), not ``shuffle=True``, whose torchdata sampler Lightning wraps, drawing
+each epoch's order from the global generator. Between the restore and the first resumed batch
+Lightning builds the loader's iterator and restores its position, which draws from the global
+generators; the uninterrupted run drew that at the epoch's start. So after a mid-epoch restore
+the callback sets the restored RNG states again in the first ``on_train_batch_start``: dropout
+draws what it drew in the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -27,6 +40,8 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 
 from gpumem.checkpoint import Checkpointer, CheckpointStateError, PreemptionGuard
+from gpumem.checkpoint.capture.training_state import rng_state
+from gpumem.checkpoint.restore.load import set_rng_state
 from gpumem.integrations._guarded import GuardedCallback
 
 
@@ -65,6 +80,7 @@ class CheckpointCallback(GuardedCallback, Callback):
         self.restored_step: int | None = None
         self.stopped = False
         self._last = -1
+        self._rng: dict[str, Any] | None = None  # RNG states to set again at the first batch
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit" and self.ckpt is None:
@@ -78,6 +94,15 @@ class CheckpointCallback(GuardedCallback, Callback):
             self.restored_step = self.ckpt.restore(**self._objects(trainer, pl_module))
             if self.restored_step is not None:
                 self._last = self.restored_step
+                if _mid_epoch(trainer):
+                    self._rng = rng_state()
+
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._rng is not None:  # the loader is set up: draw on from the saved point
+            set_rng_state(self._rng)
+            self._rng = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # installed after Lightning's own SIGTERM handler (registered once fit starts), so a
@@ -120,6 +145,13 @@ class CheckpointCallback(GuardedCallback, Callback):
             "scheduler": schedulers[0] if schedulers else None,
             "stateful": stateful,
         }
+
+
+def _mid_epoch(trainer: Any) -> bool:
+    """Whether the restored fit loop stopped inside an epoch (not after its last batch)."""
+    # saved in on_train_batch_end: "ready" counts this epoch's batches, "completed" lags by one
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return progress.current.ready > 0 and not progress.is_last_batch
 
 
 def _is_ddp(trainer: Any) -> bool:

@@ -4,11 +4,12 @@ test_integrations.py:
 RANK=r WORLD_SIZE=2 INIT=file:///tmp/rdzv \
     python hf_train.py [--straight CK OUT N] CK OUT N [STOP_AT]
 
-Trains a tiny regressor with the real Trainer and gpumem's CheckpointCallback (saves every 2
-steps, PreemptionGuard installed), resuming from CKPT_DIR when it holds a checkpoint. With
-STOP_AT, rank 0 sends itself SIGTERM after that step. Writes the final weights (rank 0) and
-exits with the callback's exit code. With --straight, an uninterrupted run to N in another
-directory comes first (the reference the test compares with).
+Trains a tiny regressor with dropout (0.1) on the Trainer's shuffled sampler (12 steps an
+epoch: the stop at step 4 falls mid-epoch) with the real Trainer and gpumem's
+CheckpointCallback (saves every 2 steps, PreemptionGuard installed), resuming from CKPT_DIR when
+it holds a checkpoint. With STOP_AT, rank 0 sends itself SIGTERM after that step. Writes the
+final weights (rank 0) and exits with the callback's exit code. With --straight, an
+uninterrupted run to N in another directory comes first (the reference the test compares with).
 """
 
 import json
@@ -40,7 +41,7 @@ from gpumem.integrations.hf import CheckpointCallback  # noqa: E402
 class Regressor(nn.Module):
     def __init__(self):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 1))
 
     def forward(self, x, labels=None):
         out = self.net(x)
@@ -84,7 +85,7 @@ def run(ckdir: str, out: str, max_steps: int, stop_at: int | None) -> int:
         seed=0,
         disable_tqdm=True,
     )
-    cb = CheckpointCallback(ckdir, save_steps=2, preemption=True)
+    cb = CheckpointCallback(ckdir, every_n_train_steps=2, preemption=True)
     callbacks = [cb] + ([StopAt(stop_at)] if stop_at else [])
     trainer = Trainer(model=Regressor(), args=args, train_dataset=Data(), callbacks=callbacks)
     resume = cb.resume_from(trainer)

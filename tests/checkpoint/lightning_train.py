@@ -4,10 +4,12 @@ test_integrations.py:
 RANK=r WORLD_SIZE=2 INIT=file:///tmp/rdzv \
     python lightning_train.py [--straight CK OUT N] CK OUT N [STOP_AT]
 
-Trains a tiny regressor with Lightning's DDP strategy and gpumem's CheckpointCallback (saves
-every 2 steps, PreemptionGuard installed), resuming from CKPT_DIR. With STOP_AT, rank 0 sends
-itself SIGTERM after that step. Writes the final weights (rank 0) and exits with the callback's
-exit code.
+Trains a tiny regressor with dropout (0.1) with Lightning's DDP strategy and gpumem's
+CheckpointCallback (saves every 2 steps, PreemptionGuard installed), from torchdata's
+StatefulDataLoader (shuffled: Lightning's DistributedSampler; 6 batches per rank and epoch, so
+the stop at step 4 falls mid-epoch), resuming from CKPT_DIR. With STOP_AT, rank 0 sends itself
+SIGTERM after that step. Writes the final weights and what each step saw and its loss (rank 0)
+and exits with the callback's exit code.
 """
 
 import json
@@ -33,6 +35,7 @@ dist.init_process_group(
 )
 
 import lightning.pytorch as pl  # noqa: E402
+from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
 from gpumem.integrations.lightning import CheckpointCallback  # noqa: E402
 
@@ -40,11 +43,15 @@ from gpumem.integrations.lightning import CheckpointCallback  # noqa: E402
 class Regressor(pl.LightningModule):
     def __init__(self):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.trace = []
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 1))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
+        loss = nn.functional.mse_loss(self.net(x), y)
+        # what each step saw and computed: the resumed run's tail must equal the reference's
+        self.trace.append([self.trainer.global_step, x.sum().item(), loss.item()])
+        return loss
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=0.05)
@@ -52,9 +59,14 @@ class Regressor(pl.LightningModule):
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(32, 8, generator=g)
+        x = torch.randn(48, 8, generator=g)
         ds = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True))
-        return torch.utils.data.DataLoader(ds, batch_size=4)  # 4 batches per rank and epoch
+        # a plain DataLoader restarts an interrupted epoch from its start (not resumable); torch's
+        # RandomSampler, not shuffle=True: under DDP Lightning swaps it for its DistributedSampler
+        # (shuffled by seed and epoch), but wraps torchdata's own RandomSampler, whose order is
+        # then drawn afresh each epoch and is not resumable
+        sampler = torch.utils.data.RandomSampler(ds)
+        return StatefulDataLoader(ds, batch_size=4, sampler=sampler)
 
 
 class StopAt(pl.Callback):
@@ -87,6 +99,7 @@ def run(ckdir: str, out: str, max_steps: int, stop_at: int | None) -> int:
         weights = {k: v.flatten().tolist() for k, v in model.state_dict().items()}
         with open(out, "w") as f:
             json.dump({"step": trainer.global_step, "restored": cb.restored_step,
+                       "trace": model.trace,
                        "weights": weights}, f)  # fmt: skip
     dist.barrier()
     return cb.exit_code

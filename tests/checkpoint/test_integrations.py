@@ -3,7 +3,8 @@
 ``gpumem.integrations.lightning.CheckpointCallback`` in Lightning.
 
 Per library, two launches of two processes (``hf_train.py`` / ``lightning_train.py``): an
-uninterrupted run to 8 steps (the reference) followed, in the same processes, by a run to 8 in
+uninterrupted run to 8 steps (the reference; the model has dropout 0.1, the sampler shuffles and
+the stop falls mid-epoch) followed, in the same processes, by a run to 8 in
 which rank 0 gets SIGTERM after step 3 (the guard saves at the next step boundary, step 4,
 durable, and both ranks exit 143); then a run in the same directory that resumes and finishes.
 The resumed run's final weights equal the uninterrupted run's bit for bit: model, optimizer,
@@ -18,15 +19,20 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 HERE = Path(__file__).parent
 
 
 def _launch(script: str, root: Path, tag: str, *argv: str) -> list[tuple[int, str]]:
+    tmp = root / "tmp"  # the ranks' TMPDIR: what a resume leaves behind is seen here
+    tmp.mkdir(exist_ok=True)
     env = dict(os.environ, WORLD_SIZE="2", INIT=f"file://{root}/rdzv-{tag}", OMP_NUM_THREADS="1")
+    env["TMPDIR"] = str(tmp)
     procs = [
         subprocess.Popen(
             [sys.executable, str(HERE / script), *argv],
@@ -52,6 +58,7 @@ def _run(script: str, root: Path) -> dict:
     assert json.loads((ck / "latest").read_text())["step"] == 4
     for rc, log in _launch(script, root, "resumed", str(ck), str(root / "resumed.json"), "8"):
         assert rc == 0, log[-3000:]
+    assert not list((root / "tmp").glob("gpumem-*")), "a resume left temporary files behind"
     resumed = json.loads((root / "resumed.json").read_text())
     straight = json.loads((root / "straight.json").read_text())
     assert resumed["step"] == straight["step"] == 8
@@ -68,5 +75,57 @@ def test_transformers_trainer_resumes_bit_exact_after_sigterm(tmp_path):
 
 def test_lightning_trainer_resumes_bit_exact_after_sigterm(tmp_path):
     pytest.importorskip("lightning")
+    pytest.importorskip("torchdata.stateful_dataloader")
     resumed = _run("lightning_train.py", tmp_path)
     assert resumed["restored"] == 4
+    # the same batches (a StatefulDataLoader's position restored) and the same losses (dropout)
+    straight = json.loads((tmp_path / "straight.json").read_text())
+    assert resumed["trace"] == straight["trace"][4:]
+
+
+def _tiny_trainer(tmp_path, cb, **args):
+    from torch import nn
+    from transformers import Trainer, TrainingArguments
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 1)
+
+        def forward(self, x, labels=None):
+            return {"loss": nn.functional.mse_loss(self.lin(x), labels)}
+
+    x = torch.arange(16.0).reshape(8, 2)
+    data = [{"x": x[i], "labels": x[i].sum(0, keepdim=True)} for i in range(8)]
+    kw = {"output_dir": str(tmp_path / "hf"), "use_cpu": True, "report_to": []}
+    return Trainer(
+        model=Tiny(),
+        args=TrainingArguments(**{**kw, **args}),
+        train_dataset=data,
+        callbacks=[cb],
+    )
+
+
+def test_hf_callback_interval_is_named_as_in_lightning_and_save_strategy_is_checked(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from gpumem.integrations.hf import CheckpointCallback
+
+    with pytest.warns(DeprecationWarning, match="every_n_train_steps"):
+        old = CheckpointCallback(tmp_path / "a", save_steps=3)
+    assert old.every == 3
+    cb = CheckpointCallback(tmp_path / "b", every_n_train_steps=1)
+    trainer = _tiny_trainer(tmp_path, cb, max_steps=1)  # the default save_strategy: "steps"
+    with pytest.warns(UserWarning, match='save_strategy="no"'):
+        trainer.train(resume_from_checkpoint=cb.resume_from(trainer))
+    cb.close()
+    again = CheckpointCallback(tmp_path / "b", every_n_train_steps=1)
+    trainer = _tiny_trainer(tmp_path, again, max_steps=2, save_strategy="no")
+    stub = again.resume_from(trainer)
+    assert stub is not None and Path(stub).is_dir()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*save_strategy")
+        trainer.train(resume_from_checkpoint=stub)  # resumes at step 1
+    again.close()
+    assert trainer.state.global_step == 2
+    assert not Path(stub).exists()  # the stub is gone once the Trainer read it

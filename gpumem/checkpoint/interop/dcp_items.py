@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import os
 import re
 import warnings
 from collections.abc import Iterable
@@ -93,6 +94,18 @@ def next_step(root: Path) -> int:
     with d:
         found = directory.step_dirs(d)
     return found[0][0] + 1 if found else 0
+
+
+def has_step(root: Path, step: int) -> bool:
+    """Whether ``step`` is committed in ``root`` (a missing directory holds none)."""
+    try:
+        d = Dir.open(root)
+    except CheckpointIOError as exc:
+        if exc.errno == errno.ENOENT:
+            return False
+        raise
+    with d:
+        return any(s == step for s, _ in directory.step_dirs(d))
 
 
 def prepare_tmp(root: Path, step: int) -> None:
@@ -320,10 +333,13 @@ def open_step_dir(path: Path) -> Dir:
         CheckpointCorruptError: nothing readable there.
         CheckpointIOError: the operating system refused (errno and path kept).
     """
+    m = STEP_DIR.match(path.name)
+    if m and not os.path.lexists(path):  # the step as DCP's callers name it (step-5)
+        with open_checkpoint(path.parent) as parent:
+            return directory.open_step(parent, step_dir_name(int(m.group(1))))
     d = open_checkpoint(path)
     if d.lstat(MAIN_MANIFEST) is not None:
         return d
-    m = STEP_DIR.match(path.name)
     if m:  # the step named, as gpumem names its directory (step-100 -> step-000000100)
         d.close()
         with open_checkpoint(path.parent) as parent:

@@ -24,6 +24,29 @@ unpickles anything.
 
 The step: ``checkpoint_id`` (a ``step-<N>`` path or an int), else ``step=`` of the writer, else
 one more than the newest committed step (0 in an empty directory).
+
+Both classes take every argument of DCP's ``FileSystemWriter`` / ``FileSystemReader``, in the
+same order, so either swaps in for the other:
+
+    overwrite               honoured: False refuses to write a step that is already committed
+                            (RuntimeError on every rank, as DCP raises); True replaces it. A
+                            step chosen as "one more than the newest" never exists.
+    thread_count            accepted: the native writer writes each file in parallel with
+                            ``GPUMEM_THREADS`` threads (default: the core count).
+    cache_staged_state_dict honoured: the writer stages ``dcp.async_save`` state as DCP's
+                            ``BlockingAsyncStager`` does, keeping the CPU copy when True.
+    sync_files              accepted: gpumem always syncs each file before the commit, its
+                            atomicity rests on that.
+    single_file_per_rank    accepted: a rank writes segments of about 256 MiB whatever the value.
+    per_thread_copy_ahead   accepted: items are copied to the host one by one as they are written.
+    serialization_format    accepted: tensors are stored as raw bytes with CRC32Cs (no torch.save,
+                            no safetensors); byte items are the planner's bytes, stored opaque.
+    _extensions             accepted, warned about when not empty: no stream transform
+                            (compression) is applied to gpumem's files.
+    _extension_registry     (reader) accepted: nothing in gpumem's files needs one.
+
+A plain DCP directory (``.metadata``) given to ``StorageReader`` is refused with the command
+that converts it (``gpumem ckpt import``).
 """
 
 from __future__ import annotations
@@ -32,6 +55,7 @@ import dataclasses
 import io
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,6 +80,7 @@ from torch.distributed.checkpoint.planner import (
     SavePlanner,
     WriteItemType,
 )
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -64,6 +89,7 @@ from .dcp_items import (
     Chunk,
     Located,
     commit,
+    has_step,
     load_items,
     next_step,
     parse_checkpoint_id,
@@ -71,6 +97,7 @@ from .dcp_items import (
     read_items,
     write_shard,
 )
+from .dcp_plain import is_plain_dcp
 
 __all__ = ["StorageReader", "StorageWriter"]
 
@@ -85,12 +112,15 @@ class _Plan:
     world_size: int
 
 
-class StorageWriter(_StorageWriter):
+class StorageWriter(_StorageWriter, BlockingAsyncStager):
     """Write DCP checkpoints as gpumem checkpoints (see the module docs).
 
     Args:
         path: the checkpoint directory (holds ``step-<N>`` and ``latest``), or a ``step-<N>``
             directory inside it.
+        single_file_per_rank, sync_files, thread_count, per_thread_copy_ahead,
+            cache_staged_state_dict, overwrite, _extensions, serialization_format: DCP's
+            ``FileSystemWriter`` arguments, in its order (what each does here: module docs).
         step: the step to write when ``checkpoint_id`` does not name one.
         keep: checkpoints to keep after each commit (newest first); None keeps all.
         chunk_bytes: CRC32C granularity (power of two >= 4096).
@@ -104,13 +134,33 @@ class StorageWriter(_StorageWriter):
     def __init__(
         self,
         path: str | os.PathLike,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        thread_count: int = 1,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        _extensions: Any = None,
+        serialization_format: Any = None,
         *,
         step: int | None = None,
         keep: int | None = 3,
         chunk_bytes: int = 1 << 20,
         direct_io: bool = True,
     ) -> None:
-        super().__init__()
+        _StorageWriter.__init__(self)
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
+        if not isinstance(thread_count, int) or thread_count < 1:
+            raise CheckpointStateError(f"thread_count={thread_count!r} must be a positive int")
+        if _extensions:
+            warnings.warn(
+                "gpumem.dcp.StorageWriter applies no stream extensions (_extensions): its files "
+                "hold raw bytes with a CRC32C per chunk",
+                stacklevel=2,
+            )
+        self.single_file_per_rank, self.sync_files = single_file_per_rank, sync_files
+        self.thread_count, self.per_thread_copy_ahead = thread_count, per_thread_copy_ahead
+        self.overwrite, self.serialization_format = overwrite, serialization_format
         if chunk_bytes < 4096 or chunk_bytes & (chunk_bytes - 1):
             raise CheckpointStateError(f"chunk_bytes={chunk_bytes} must be a power of two >= 4096")
         if keep is not None and (not isinstance(keep, int) or keep < 1):
@@ -130,6 +180,12 @@ class StorageWriter(_StorageWriter):
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # every rank, as FileSystemWriter checks: DCP gathers the error onto all of them
+        if not self.overwrite and self.step is not None and has_step(self.root, self.step):
+            raise RuntimeError(
+                f"Checkpoint already exists and self.overwrite=False: step {self.step} in "
+                f"{self.root}"
+            )
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -188,13 +244,14 @@ class StorageReader(_StorageReader):
     Args:
         path: the checkpoint directory (its newest checkpoint that verifies is read, as
             ``latest`` names it), or one ``step-<N>`` directory.
+        _extension_registry: ``FileSystemReader``'s argument, accepted: gpumem's files need none.
 
     Example:
         >>> reader = gpumem.dcp.StorageReader("ckpts")                         # doctest: +SKIP
         >>> dcp.load({"model": model}, storage_reader=reader)                  # doctest: +SKIP
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, _extension_registry: Any = None) -> None:
         super().__init__()
         self.path = Path(path)
         self.load_id = f"{os.getpid()}-{time.time_ns()}"
@@ -273,6 +330,12 @@ class StorageReader(_StorageReader):
 
     def _load(self) -> Any:
         if self._layout is None:
+            if is_plain_dcp(self.path):
+                raise CheckpointStateError(
+                    f"{self.path} is a plain DCP checkpoint (FileSystemWriter's .metadata), not a "
+                    "gpumem one: read it with dcp.FileSystemReader, or convert it once with "
+                    f"`gpumem ckpt import {self.path} OUT` and read OUT here"
+                )
             self._layout = load_items(self.path)
         return self._layout
 
