@@ -31,13 +31,13 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--precision",
-        default="bf16-mixed",
+        default=None,  # None: the default, and the bill says so (a given bf16-mixed is given)
         help="fp32, bf16-mixed, fp16-mixed, bf16-autocast, bf16 (default bf16-mixed); with "
         "--inference the weights: fp32, bf16, fp16, fp8, int8, int4, nf4",
     )
     p.add_argument(
         "--optimizer",
-        default="adamw",
+        default=None,
         help="sgd, sgd-momentum, adam, adamw, adafactor, adam8bit, muon (Muon for the hidden "
         "matrices, AdamW for the rest) (default adamw)",
     )
@@ -136,7 +136,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="micro-batch per GPU (default 1)",
     )
     p.add_argument(
-        "--grad-accum", type=_args.positive_int, default=1, help="micro-batches per step"
+        "--grad-accum",
+        type=_args.positive_int,
+        default=None,
+        help="micro-batches per step (default 1)",
     )
     p.add_argument("--gpus", type=_args.gpu_count, default=1, help="number of GPUs (default 1)")
     for flag in ("dp", "tp", "pp", "ep", "cp", "etp"):
@@ -162,9 +165,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fsdp", default=None, choices=("full", "hybrid"), help="FSDP sharding")
     p.add_argument(
         "--recompute",
-        default="none",
-        help="none, selective, full or every-K; under --framework torchtitan its own: none, "
-        "selective (= selective:op, per-op SAC), selective:N (layer SAC), full",
+        default=None,
+        help="none (the default), selective, full or every-K; under --framework torchtitan "
+        "its own: none, selective (= selective:op, per-op SAC), selective:N (layer SAC), full",
     )
     p.add_argument("--attention", default="sdpa", help="sdpa, flash, efficient, eager")
     p.add_argument("--activation-model", default="ops", choices=("ops", "korthikanti"))
@@ -299,9 +302,10 @@ def inference_layout(args: argparse.Namespace) -> tuple[int, int, str]:
     return tp, pp, note
 
 
-def inference_precision(precision: str) -> str:
-    """A training precision name read as the weights' dtype for serving (bf16-mixed -> bf16)."""
-    p = precision.lower()
+def inference_precision(precision: str | None) -> str:
+    """A training precision name read as the weights' dtype for serving (bf16-mixed -> bf16;
+    None: the default, bf16)."""
+    p = (precision or "bf16-mixed").lower()
     for train, serve in (("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32")):
         if p.startswith(train):
             return serve

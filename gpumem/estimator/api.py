@@ -24,6 +24,7 @@ from typing import Any
 from gpumem.allocator.alloc_conf import AllocConf, NotSimulated, resolve
 from gpumem.calibrate.calibration import split_calibration
 from gpumem.calibrate.memory import apply_memory_calibration
+from gpumem.estimator import inputs
 from gpumem.estimator.bill import Bill
 from gpumem.estimator.deepspeed import ZeroConfig, host_bytes
 from gpumem.estimator.frameworks import (
@@ -45,13 +46,13 @@ def estimate(
     *,
     batch_size: int | None = None,
     seq_len: int | None = None,
-    precision: str = "bf16-mixed",
-    optimizer: str = "adamw",
+    precision: str | None = None,
+    optimizer: str | None = None,
     gpu: str | GPU | None = "H100-80GB",
     gpu_memory: str | int | None = None,
     layout: Layout | None = None,
-    recompute: str = "none",
-    grad_accum: int = 1,
+    recompute: str | None = None,
+    grad_accum: int | None = None,
     attention: str = "sdpa",
     dropout: float = 0.0,
     grads: str | None = None,
@@ -194,6 +195,14 @@ def estimate(
     Raises:
         ValueError / LookupError: bad sizes, unknown names, invalid layouts, with the reason.
     """
+    # what the caller passed is "given" in the bill, even a default's value
+    given = inputs.given_inputs(
+        precision=precision, optimizer=optimizer, recompute=recompute, grad_accum=grad_accum
+    )
+    precision = inputs.DEFAULT_PRECISION if precision is None else precision
+    optimizer = inputs.DEFAULT_OPTIMIZER if optimizer is None else optimizer
+    recompute = inputs.DEFAULT_RECOMPUTE if recompute is None else recompute
+    grad_accum = inputs.DEFAULT_GRAD_ACCUM if grad_accum is None else grad_accum
     layout = layout or Layout()
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be a gpumem.Layout, got {type(layout).__name__}")
@@ -257,6 +266,7 @@ def estimate(
         "keep_logits": keep_logits,
         "persistent_grads": persistent_grads,
         "framework": fw,
+        "given": given,
     }
     if fw != "torchtitan" and loss_chunks:
         raise ValueError(

@@ -81,18 +81,37 @@ def source(value: Any, default: Any) -> str:
 
 
 def sources(
-    *, seq_source: str, batch_size: int | None, grad_accum: int, recompute: str, training: Any
+    *,
+    seq_source: str,
+    batch_size: int | None,
+    grad_accum: int,
+    recompute: str,
+    training: Any,
+    given: frozenset[str] | None = None,
 ) -> dict[str, str]:
-    """Where each shown input came from (``seq_source`` from :func:`seq_len`)."""
+    """Where each shown input came from (``seq_source`` from :func:`seq_len`). ``given``: the
+    inputs the caller passed (a value passed in is given even when it equals the default's:
+    ``precision="bf16-mixed"``); None: judged by value, for callers that cannot tell."""
+
+    def src(name: str, value: Any, default: Any) -> str:
+        if given is None:
+            return source(value, default)
+        return "given" if name in given else "default"
+
     return {
         "seq_len": seq_source,
         # None is the default; a value passed in is given, even the default's (batch_size=1)
         "batch_size": "default" if batch_size is None else "given",
-        "grad_accum": source(grad_accum, DEFAULT_GRAD_ACCUM),
-        "recompute": source(recompute, DEFAULT_RECOMPUTE),
-        "precision": source(training.precision, DEFAULT_PRECISION),
-        "optimizer": source(training.optimizer, DEFAULT_OPTIMIZER),
+        "grad_accum": src("grad_accum", grad_accum, DEFAULT_GRAD_ACCUM),
+        "recompute": src("recompute", recompute, DEFAULT_RECOMPUTE),
+        "precision": src("precision", training.precision, DEFAULT_PRECISION),
+        "optimizer": src("optimizer", training.optimizer, DEFAULT_OPTIMIZER),
     }
+
+
+def given_inputs(**values: Any) -> frozenset[str]:
+    """The names among ``values`` the caller passed (not None)."""
+    return frozenset(k for k, v in values.items() if v is not None)
 
 
 def describe(values: dict[str, Any], sources: dict[str, str]) -> str:

@@ -70,6 +70,7 @@ def estimate_module(
     example_input: Any,
     loss_fn: Any,
     framework: str = "torch",
+    given: frozenset[str] | None = None,
 ) -> Bill:
     """The bill of training ``module`` (see ``gpumem.estimate`` and above)."""
     _check(module, training, layout, recompute, attention, dropout, activation_model, seq_len)
@@ -132,6 +133,7 @@ def estimate_module(
                 grad_accum=grad_accum,
                 recompute=recompute,
                 training=training,
+                given=given,
             ),
             **({} if batch_size is not None else {"batch_size": "the example input's"}),
         },

@@ -534,6 +534,7 @@ def estimate_preset(
     alloc_conf: AllocConf | None = None,
     reserved_note: str = "",
     loss_chunks: int = 0,
+    given: frozenset[str] | None = None,
 ) -> Bill:
     """The bill of training a described model (see ``gpumem.estimate``; ``batch_size`` None:
     the default, and the bill says so); ``alloc_conf``: simulate the caching allocator under it
@@ -635,6 +636,7 @@ def estimate_preset(
                 grad_accum=grad_accum,
                 recompute=recompute,
                 training=training,
+                given=given,
             ),
             "loss": "keep_logits given"
             if keep_logits is not None

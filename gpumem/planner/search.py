@@ -315,8 +315,8 @@ def plan(
     gpu_memory: str | int | None = None,
     seq_len: int | None = None,
     global_batch: int | None = None,
-    precision: str = "bf16-mixed",
-    optimizer: str = "adamw",
+    precision: str | None = None,
+    optimizer: str | None = None,
     micro_batches: tuple[int, ...] = (1, 2, 4, 8),
     recompute: tuple[str, ...] = ("none", "selective", "full"),
     zero: tuple[int, ...] = (0, 1, 2, 3),
@@ -354,6 +354,10 @@ def plan(
         estimate_kwargs: passed to the estimator (grads, attention, lora_rank, ...).
     """
     t0 = time.perf_counter()
+    # what the caller passed is "given" in the plan, even a default's value
+    given = job_inputs.given_inputs(precision=precision, optimizer=optimizer)
+    precision = job_inputs.DEFAULT_PRECISION if precision is None else precision
+    optimizer = job_inputs.DEFAULT_OPTIMIZER if optimizer is None else optimizer
     spec = resolve_model(model)
     cal, mem = split_calibration(calibration)
     g = gpu if isinstance(gpu, GPU) else find_gpu(gpu, gpu_memory)
@@ -417,8 +421,8 @@ def plan(
         "micro_batch": (tuple(micro_batches), "searched"),
         "grad_accum": ("global batch / (dp x micro-batch)", "derived"),
         "recompute": (tuple(recompute), "searched"),
-        "precision": (training.precision, job_inputs.source(precision, "bf16-mixed")),
-        "optimizer": (training.optimizer, job_inputs.source(optimizer, "adamw")),
+        "precision": (training.precision, "given" if "precision" in given else "default"),
+        "optimizer": (training.optimizer, "given" if "optimizer" in given else "default"),
         "headroom": (
             f"{margin.describe(g.total_bytes)} kept free",
             "default" if headroom is None else "given",
@@ -432,8 +436,8 @@ def plan(
     }
     # the bill of a candidate: the GPU above already carries the reserve; the memory fit rides
     bill_kwargs = dict(
-        precision=precision,
-        optimizer=optimizer,
+        precision=precision if "precision" in given else None,
+        optimizer=optimizer if "optimizer" in given else None,
         seq_len=seq_len,
         framework=framework,
         calibration=mem,

@@ -83,3 +83,30 @@ def test_profile_config_without_the_family_fields(tmp_path, capsys):
     cfg.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 64, "n_embd": 32}))
     assert main(["profile", str(cfg), "--fake"]) == 2
     assert "num_hidden_layers (n_layer), num_attention_heads (n_head)" in capsys.readouterr().err
+
+
+def test_a_value_passed_in_is_given_even_when_it_is_the_default(capsys):
+    """Issue #23: inputs are labelled by whether the caller passed them, not by their value:
+    precision="bf16-mixed", optimizer="adamw", recompute="none", grad_accum=1 passed in are
+    given; left out they are defaults (library, estimate and plan command lines)."""
+    passed = gpumem.estimate(
+        "llama-2-7b", precision="bf16-mixed", optimizer="adamw", recompute="none", grad_accum=1
+    )
+    assert {
+        k: passed.sources[k] for k in ("precision", "optimizer", "recompute", "grad_accum")
+    } == {
+        "precision": "given",
+        "optimizer": "given",
+        "recompute": "given",
+        "grad_accum": "given",
+    }
+    left = gpumem.estimate("llama-2-7b")
+    assert {left.sources[k] for k in ("precision", "optimizer", "recompute", "grad_accum")} == {
+        "default"
+    }
+    assert main(["estimate", "llama-2-7b", "--precision", "bf16-mixed", "--json"]) == 0
+    inputs = json.loads(capsys.readouterr().out)["inputs"]
+    assert inputs["precision"]["source"] == "given" and inputs["optimizer"]["source"] == "default"
+    assert main(["plan", "qwen2-72b", "--gpus", "64", "--optimizer", "adamw", "--json"]) == 0
+    inputs = json.loads(capsys.readouterr().out)["inputs"]
+    assert inputs["optimizer"]["source"] == "given" and inputs["precision"]["source"] == "default"
