@@ -150,16 +150,7 @@ def torchtitan_rows() -> tuple[list[list[object]], list[float]]:
     rows, errors = [], []
     for row in torchtitan_results.ROWS:
         est, _ = torchtitan_results.estimate(row)
-        ref = torchtitan_results.profile_flavor(
-            row.flavor,
-            world=row.dp,
-            batch=row.batch,
-            seq=row.seq,
-            ac=row.ac,
-            tp=row.tp,
-            cp=row.cp,
-            loss_chunks=row.loss_chunks,
-        ).peak_bytes
+        ref = torchtitan_results.reference(row).peak_bytes
         errors.append(abs(est / ref - 1))
         settings = f"{row.flavor}, {row.batch} x {row.seq}, AC {row.ac}, {row.note or 'eager'}"
         rows.append(

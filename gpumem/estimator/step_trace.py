@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 from gpumem.allocator.alloc_conf import AllocConf
 from gpumem.allocator.caching import CachingAllocatorSim
@@ -183,17 +184,16 @@ def _step_stage(
     return run
 
 
-@functools.lru_cache(maxsize=4096)
-def _walk_stage(conf: AllocConf, s: StepShape, n: int) -> _Run:
-    """The forward, then the backward (start transient, then layer by layer from the last);
-    never mutated."""
-    run = _step_stage(conf, s.saved, s.gather, s.first, s.last, n).fork()
-    first, last = run.ends
+def _backward(run: Any, s: StepShape, layers: list, first: Any, last: Any) -> None:
+    """The backward on ``run`` (a ``_Run`` or a ``_Live``: both take and give): the start
+    transient, the head's saved tensors, then layer by layer from the last (gather, recomputed
+    tensors and the layer's temporary taken, its saved tensors freed, its weight grads made),
+    the first stage's tensors last. One walk for the cached stages and the plain trace."""
     if s.t_start:
         run.give(run.take(s.t_start))
     if last is not None:
         run.give(last)
-    for saved in reversed(run.layers):
+    for saved in reversed(layers):
         g = run.take(s.gather) if s.gather else None
         rc = [run.take(size) for size in s.recomputed]
         tl = run.take(s.t_layer) if s.t_layer else None
@@ -206,6 +206,15 @@ def _walk_stage(conf: AllocConf, s: StepShape, n: int) -> _Run:
                 run.give(h)
     if first is not None:
         run.give(first)
+
+
+@functools.lru_cache(maxsize=4096)
+def _walk_stage(conf: AllocConf, s: StepShape, n: int) -> _Run:
+    """The forward, then the backward (start transient, then layer by layer from the last);
+    never mutated."""
+    run = _step_stage(conf, s.saved, s.gather, s.first, s.last, n).fork()
+    first, last = run.ends
+    _backward(run, s, run.layers, first, last)
     return run
 
 
@@ -263,23 +272,7 @@ def step_trace(s: StepShape, n: int) -> tuple[Trace, int]:
         if g is not None:
             t.give(g)
     last = t.take(s.last) if s.last else None
-    if s.t_start:
-        t.give(t.take(s.t_start))
-    if last is not None:
-        t.give(last)
-    for saved in reversed(layers):
-        g = t.take(s.gather) if s.gather else None
-        rc = [t.take(size) for size in s.recomputed]
-        tl = t.take(s.t_layer) if s.t_layer else None
-        for h in reversed(saved):
-            t.give(h)
-        for size in s.grads:
-            t.take(size)
-        for h in (*rc, tl, g):
-            if h is not None:
-                t.give(h)
-    if first is not None:
-        t.give(first)
+    _backward(t, s, layers, first, last)
     if s.t_step:
         t.give(t.take(s.t_step))
     return t, t.peak

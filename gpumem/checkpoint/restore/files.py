@@ -82,37 +82,43 @@ def _read_file(
     extents: list[tuple[int, torch.Tensor, int]],
     chunk: int,
     crcs: np.ndarray,
-    padding: bool = True,
 ) -> None:
     """Read the ``size``-byte data file ``name``'s extents ``(offset, buffer, first CRC slot)``
-    and their chunk CRCs into ``crcs``; with ``padding`` (the file's every extent) the bytes
-    between them must be zero."""
+    into their buffers and their chunk CRCs into ``crcs`` (the padding between extents is
+    checked by ``_stream_file``)."""
+    ordered = sorted(extents, key=lambda x: x[0])
+    pieces = [(off, buf) for off, buf, _ in ordered]
+    _read_checked(step, name, size, pieces, [slot for *_, slot in ordered], [], chunk, crcs)
+
+
+def _read_checked(
+    step: Dir,
+    name: str,
+    size: int,
+    pieces: list[tuple[int, torch.Tensor]],
+    index: list[int],
+    pads: list[tuple[int, torch.Tensor]],
+    chunk: int = 0,
+    crcs: Any = None,
+) -> None:
+    """One ``read_file`` of ``pieces`` (``index``: each piece's first CRC slot, -1: none), then
+    the ``pads`` among them (views of padding bytes) must be zero."""
     file = step.path / name
-    pieces: list[tuple[int, torch.Tensor]] = []
-    index: list[int] = []
-    gaps: list[tuple[int, torch.Tensor]] = []
-    end = 0
-    for off, buf, slot in sorted(extents, key=lambda x: x[0]):
-        if padding and off > end:
-            gaps.append((end, _host_bytes(off - end, file)))
-        pieces.append((off, buf))
-        index.append(slot)
-        end = off + buf.numel()
     try:
         read_file(
             name,
-            pieces + gaps,
+            pieces,
             threads=io_threads(),
             direct=True,
             chunk_bytes=chunk,
-            crc_index=index + [-1] * len(gaps),
+            crc_index=index,
             crc_out=crcs,
             dir_fd=step.fd,
             expect_size=size,
         )
     except OSError as exc:
-        raise read_error(exc, file, f"reading {len(pieces)} tensor extents of") from None
-    for off, gap in gaps:
+        raise read_error(exc, file, f"reading {len(pieces)} extents of") from None
+    for off, gap in pads:
         if gap.any():
             raise CheckpointCorruptError(
                 f"{file}: alignment padding at bytes {off}-{off + gap.numel()} is not zero",
@@ -252,7 +258,7 @@ def read_tensors(
             else:
                 streamed.append((off, length, base[t] + pos // chunk))
         if extents:
-            _read_file(step, f, shard.files[f], extents, chunk, crcs, padding=False)
+            _read_file(step, f, shard.files[f], extents, chunk, crcs)
         del extents
         occupied = [(off, length) for _, _, off, length in spans]
         _stream_file(
@@ -319,7 +325,6 @@ def _read_window(
     chunk: int,
     crcs: np.ndarray,
 ) -> None:
-    file = step.path / name
     pieces, index, pads, at = [], [], [], 0
     for off, length, slot in batch:
         view = buf[at : at + length]
@@ -328,26 +333,7 @@ def _read_window(
         if slot < 0:
             pads.append((off, view))
         at += length
-    try:
-        read_file(
-            name,
-            pieces,
-            threads=io_threads(),
-            direct=True,
-            chunk_bytes=chunk,
-            crc_index=index,
-            crc_out=crcs,
-            dir_fd=step.fd,
-            expect_size=size,
-        )
-    except OSError as exc:
-        raise read_error(exc, file, f"reading {len(pieces)} extents of") from None
-    for off, gap in pads:
-        if gap.any():
-            raise CheckpointCorruptError(
-                f"{file}: alignment padding at bytes {off}-{off + gap.numel()} is not zero",
-                path=str(file),
-            )
+    _read_checked(step, name, size, pieces, index, pads, chunk, crcs)
 
 
 def open_checkpoint(path: str | bytes | os.PathLike) -> Dir:
