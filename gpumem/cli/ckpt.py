@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "ls", help="list the checkpoints of a directory (manifests checked, data not read)"
     )
     ls.add_argument(
-        "dir", type=_args.existing_dir, help="checkpoint directory (holds step-<N>/ and latest)"
+        "dir", type=_args.checkpoint_dir, help="checkpoint directory (holds step-<N>/ and latest)"
     )
     ls.add_argument("--json", action="store_true", help="print JSON")
     ver = cmds.add_parser(
@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     ver.add_argument(
         "path",
-        type=_args.existing_dir,
+        type=_args.checkpoint_dir,
         help="a step-<N> directory, a checkpoint directory to verify them all, or a plain "
         "torch.distributed.checkpoint directory (with .metadata)",
     )
@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     ins.add_argument(
         "path",
-        type=_args.existing_dir,
+        type=_args.checkpoint_dir,
         help="a step-<N> directory, or a checkpoint directory (its newest)",
     )
     ins.add_argument("--json", action="store_true", help="print JSON")
@@ -63,7 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     exp.add_argument(
         "dir",
-        type=_args.existing_dir,
+        type=_args.checkpoint_dir,
         help="a checkpoint directory (its newest) or a step-<N> directory",
     )
     exp.add_argument("--format", choices=["safetensors"], default="safetensors")
@@ -87,7 +87,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     imp.add_argument(
         "dcp_dir",
-        type=_args.existing_dir,
+        type=_args.checkpoint_dir,
         help="a DCP directory (FileSystemWriter: .metadata, *.distcp)",
     )
     imp.add_argument(

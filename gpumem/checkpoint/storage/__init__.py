@@ -9,4 +9,5 @@ Modules:
     root       the directory as an open Checkpointer holds it: opened, locked, agreed on
     lock       one job per directory: the advisory lock rank 0 holds
     safe_fs    descriptor-relative, no-follow file access a hostile directory cannot redirect
+    location   where a root is: a local directory, or a URL (refused, or an s3:// ObjectURL)
 """
