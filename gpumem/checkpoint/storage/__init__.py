@@ -10,4 +10,5 @@ Modules:
     lock       one job per directory: the advisory lock rank 0 holds
     safe_fs    descriptor-relative, no-follow file access a hostile directory cannot redirect
     location   where a root is: a local directory, or a URL (refused, or an s3:// ObjectURL)
+    object_store  an S3-protocol store (boto3): multipart from memory, conditional put, ranged read
 """
