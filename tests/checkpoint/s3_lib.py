@@ -302,3 +302,34 @@ def new_bucket(endpoint: str) -> str:
     name = f"b-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=name)
     return name
+
+
+# ---------------------------------------------------------------------- the fixtures' bodies
+# (conftest.py: s3_server, s3_proxy, s3_bucket)
+
+
+def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A moto server for a module's tests, stopped after them."""
+    with env({**CREDENTIALS, "AWS_ENDPOINT_URL": None, "AWS_PROFILE": None}):
+        srv = S3Server(tmp_path_factory.mktemp("moto"))
+        try:
+            yield srv
+        finally:
+            srv.stop()
+
+
+def proxy_for(server: S3Server) -> Iterator[FaultProxy]:
+    """A fault proxy in front of ``server``."""
+    p = FaultProxy(("127.0.0.1", server.port))
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def open_store(endpoint: str, bucket: str, prefix: str = "run", **kw: object):
+    """An ``S3Store`` on ``s3://bucket/prefix`` at ``endpoint`` with the test credentials."""
+    from gpumem.checkpoint.storage.object_store import S3Store
+
+    with env(CREDENTIALS):
+        return S3Store(f"s3://{bucket}/{prefix}", endpoint_url=endpoint, **kw)

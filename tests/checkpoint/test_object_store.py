@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 from s3_lib import (
     CREDENTIALS,
-    FaultProxy,
     S3Server,
     env,
     is_conditional_put,
     is_part,
     is_ranged_get,
-    new_bucket,
+    open_store,
 )
 
 from gpumem.checkpoint import CheckpointCorruptError, CheckpointIOError, CheckpointStateError
@@ -33,32 +32,8 @@ from gpumem.checkpoint.storage.object_store import S3Store  # noqa: E402
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with env({**CREDENTIALS, "AWS_ENDPOINT_URL": None, "AWS_PROFILE": None}):
-        srv = S3Server(tmp_path_factory.mktemp("moto"))
-        try:
-            yield srv
-        finally:
-            srv.stop()
-
-
-@pytest.fixture
-def proxy(server):
-    p = FaultProxy(("127.0.0.1", server.port))
-    yield p
-    p.close()
-
-
-@pytest.fixture
-def bucket(server):
-    with env(CREDENTIALS):
-        return new_bucket(server.url)
-
-
 def _store(endpoint: str, bucket: str, prefix: str = "run", **kw) -> S3Store:
-    with env(CREDENTIALS):
-        return S3Store(f"s3://{bucket}/{prefix}", endpoint_url=endpoint, **kw)
+    return open_store(endpoint, bucket, prefix, **kw)
 
 
 def _data(n: int, seed: int = 0) -> np.ndarray:
@@ -72,10 +47,10 @@ def _raw(endpoint: str):
 # ---------------------------------------------------------------------- round trips
 
 
-def test_multipart_round_trip_is_bit_identical_and_carries_crc32c(server, bucket):
+def test_multipart_round_trip_is_bit_identical_and_carries_crc32c(s3_server, s3_bucket):
     from google_crc32c import value as ref_crc  # an independent CRC32C
 
-    store = _store(server.url, bucket)
+    store = _store(s3_server.url, s3_bucket)
     a, b = _data(12 * MiB, 1), _data(5 * MiB + 123, 2)  # 2 + 1 parts (of 6 MiB, one of 5 MiB + 123)
     up = store.upload("run/shard-0", [a, b], part_bytes=6 * MiB, budget_bytes=7 * MiB)
     whole = np.concatenate([a, b])
@@ -93,14 +68,14 @@ def test_multipart_round_trip_is_bit_identical_and_carries_crc32c(server, bucket
     store.read_into("run/shard-0", 11 * MiB, part, object_size=whole.nbytes)
     assert np.array_equal(part, whole[11 * MiB : 14 * MiB + 7])
     # what an independent client reads is the same bytes
-    body = _raw(server.url).get_object(Bucket=bucket, Key="run/shard-0")["Body"].read()
+    body = _raw(s3_server.url).get_object(Bucket=s3_bucket, Key="run/shard-0")["Body"].read()
     assert body == whole.tobytes()
 
 
-def test_a_small_object_is_one_put_and_a_tensor_uploads_as_it_is(server, bucket):
+def test_a_small_object_is_one_put_and_a_tensor_uploads_as_it_is(s3_server, s3_bucket):
     import torch
 
-    store = _store(server.url, bucket)
+    store = _store(s3_server.url, s3_bucket)
     t = torch.arange(1000, dtype=torch.float32)
     up = store.upload("run/t", [t])
     assert up.size == 4000 and len(up.part_crcs) == 1
@@ -110,8 +85,8 @@ def test_a_small_object_is_one_put_and_a_tensor_uploads_as_it_is(server, bucket)
     assert store.get("run/t")[0] == t.numpy().tobytes()
 
 
-def test_list_and_delete(server, bucket):
-    store = _store(server.url, bucket)
+def test_list_and_delete(s3_server, s3_bucket):
+    store = _store(s3_server.url, s3_bucket)
     for name in ("run/a", "run/b/c", "other/x"):
         store.put(name, name.encode())
     assert [o.key for o in store.list()] == ["run/a", "run/b/c"]
@@ -124,19 +99,21 @@ def test_list_and_delete(server, bucket):
 # ---------------------------------------------------------------------- integrity
 
 
-def test_parts_carry_their_crc32c_and_a_damaged_one_fails_the_upload(server, proxy, bucket):
+def test_parts_carry_their_crc32c_and_a_damaged_one_fails_the_upload(
+    s3_server, s3_proxy, s3_bucket
+):
     from google_crc32c import value as ref_crc
 
-    store = _store(proxy.url, bucket)
-    first = len(proxy.puts)
+    store = _store(s3_proxy.url, s3_bucket)
+    first = len(s3_proxy.puts)
     store.upload("run/ok", [_data(12 * MiB, 5)], part_bytes=6 * MiB)
-    sent = proxy.puts[first:]
+    sent = s3_proxy.puts[first:]
     assert len(sent) == 2  # each part's header is the CRC32C of the bytes that went out
     assert all(h == osm.crc32c_header(ref_crc(body)) for h, body in sent)
     # a byte changed on the wire after gpumem checksummed it. moto (unlike S3) does not check
     # the part's header, but it computes the object's CRC32C from what it assembled, and gpumem
     # compares that with its own: the object is deleted, the save fails
-    proxy.add("flip_request", is_part, times=1)
+    s3_proxy.add("flip_request", is_part, times=1)
     with pytest.raises(
         CheckpointIOError, match=r"CRC32C \(.*\) differs from the one gpumem"
     ) as info:
@@ -145,11 +122,11 @@ def test_parts_carry_their_crc32c_and_a_damaged_one_fails_the_upload(server, pro
     assert store.head("run/s") is None and store.uploads() == []
 
 
-def test_a_store_refusing_a_damaged_body_is_one_clear_error(server, proxy, bucket):
+def test_a_store_refusing_a_damaged_body_is_one_clear_error(s3_server, s3_proxy, s3_bucket):
     # S3 answers 400 BadDigest to a body that fails its x-amz-checksum-crc32c (moto does not
     # check it, so the proxy answers as S3 does)
-    store = _store(proxy.url, bucket)
-    proxy.add("bad_digest", lambda m, p, q, h: m == "PUT", times=None)
+    store = _store(s3_proxy.url, s3_bucket)
+    s3_proxy.add("bad_digest", lambda m, p, q, h: m == "PUT", times=None)
     with pytest.raises(CheckpointIOError, match="CRC32C differs from the one gpumem computed"):
         store.put("run/m", b"manifest bytes")
     with pytest.raises(CheckpointIOError, match="BadDigest"):
@@ -158,24 +135,24 @@ def test_a_store_refusing_a_damaged_body_is_one_clear_error(server, proxy, bucke
     assert store.uploads() == []
 
 
-def test_a_changed_object_is_detected_by_crc_and_by_etag(server, proxy, bucket):
-    store = _store(proxy.url, bucket)
+def test_a_changed_object_is_detected_by_crc_and_by_etag(s3_server, s3_proxy, s3_bucket):
+    store = _store(s3_proxy.url, s3_bucket)
     data = _data(MiB)
     up = store.upload("run/s", [data])
     out = np.zeros_like(data)
-    proxy.add("flip_response", is_ranged_get)  # damaged on the way out
+    s3_proxy.add("flip_response", is_ranged_get)  # damaged on the way out
     with pytest.raises(CheckpointCorruptError, match="fail their CRC32C"):
         store.read_into("run/s", 0, out, object_size=data.nbytes, crc=up.crc32c)
     # replaced behind gpumem's back (same size): the ETag no longer matches
-    _raw(server.url).put_object(Bucket=bucket, Key="run/s", Body=_data(MiB, 9).tobytes())
+    _raw(s3_server.url).put_object(Bucket=s3_bucket, Key="run/s", Body=_data(MiB, 9).tobytes())
     with pytest.raises(CheckpointCorruptError, match="changed after it was written"):
         store.read_into("run/s", 0, out, object_size=data.nbytes, etag=up.etag)
     with pytest.raises(CheckpointCorruptError, match="fail their CRC32C"):
         store.read_into("run/s", 0, out, object_size=data.nbytes, crc=up.crc32c)
 
 
-def test_sizes_are_checked_against_the_manifest_before_reading(server, bucket):
-    store = _store(server.url, bucket)
+def test_sizes_are_checked_against_the_manifest_before_reading(s3_server, s3_bucket):
+    store = _store(s3_server.url, s3_bucket)
     store.put("run/s", b"x" * 100)
     out = bytearray(10)
     with pytest.raises(CheckpointCorruptError, match="not the 200 its manifest records"):
@@ -191,15 +168,15 @@ def test_sizes_are_checked_against_the_manifest_before_reading(server, bucket):
 # ---------------------------------------------------------------------- conditional writes
 
 
-def test_put_new_creates_once(server, bucket):
-    store = _store(server.url, bucket)
+def test_put_new_creates_once(s3_server, s3_bucket):
+    store = _store(s3_server.url, s3_bucket)
     assert store.put_new("run/manifest", b"one")
     assert not store.put_new("run/manifest", b"two")
     assert store.get("run/manifest")[0] == b"one"
 
 
-def test_two_writers_race_for_one_commit_and_exactly_one_wins(server, bucket):
-    stores = [_store(server.url, bucket) for _ in range(8)]
+def test_two_writers_race_for_one_commit_and_exactly_one_wins(s3_server, s3_bucket):
+    stores = [_store(s3_server.url, s3_bucket) for _ in range(8)]
     results: dict[int, bool] = {}
     barrier = threading.Barrier(len(stores))
 
@@ -217,20 +194,20 @@ def test_two_writers_race_for_one_commit_and_exactly_one_wins(server, bucket):
     assert stores[0].get("run/step-7/manifest")[0] == f"writer {winners[0]}".encode()
 
 
-def test_a_commit_whose_response_was_lost_is_still_its_win(server, proxy, bucket):
+def test_a_commit_whose_response_was_lost_is_still_its_win(s3_server, s3_proxy, s3_bucket):
     # the server stores the object, the client never hears it, botocore retries, and the retry
     # fails the precondition: the writer tag says it was this writer's own write
-    store = _store(proxy.url, bucket)
-    before = proxy.count("PUT")
-    rule = proxy.add("drop_response", is_conditional_put)
+    store = _store(s3_proxy.url, s3_bucket)
+    before = s3_proxy.count("PUT")
+    rule = s3_proxy.add("drop_response", is_conditional_put)
     assert store.put_new("run/latest", b"7")
-    assert rule.hits == 1 and proxy.count("PUT") - before == 2
-    other = _store(server.url, bucket)
+    assert rule.hits == 1 and s3_proxy.count("PUT") - before == 2
+    other = _store(s3_server.url, s3_bucket)
     assert not other.put_new("run/latest", b"8")
 
 
-def test_put_over_moves_a_pointer_only_from_the_version_read(server, bucket):
-    store = _store(server.url, bucket)
+def test_put_over_moves_a_pointer_only_from_the_version_read(s3_server, s3_bucket):
+    store = _store(s3_server.url, s3_bucket)
     assert store.put_new("run/latest", b"1")
     _, etag = store.get("run/latest")
     new = store.put_over("run/latest", b"2", etag)
@@ -242,48 +219,50 @@ def test_put_over_moves_a_pointer_only_from_the_version_read(server, bucket):
 # ---------------------------------------------------------------------- faults and retries
 
 
-def test_a_reset_mid_part_and_slowdowns_are_retried(server, proxy, bucket):
-    store = _store(proxy.url, bucket)
+def test_a_reset_mid_part_and_slowdowns_are_retried(s3_server, s3_proxy, s3_bucket):
+    store = _store(s3_proxy.url, s3_bucket)
     data = _data(18 * MiB, 3)
-    proxy.add("reset_request", is_part, times=2)
-    proxy.add("slowdown", is_part, times=2)
+    s3_proxy.add("reset_request", is_part, times=2)
+    s3_proxy.add("slowdown", is_part, times=2)
     up = store.upload("run/s", [data], part_bytes=6 * MiB)
-    assert proxy.count("PUT", "partNumber") == 3 + 4  # three parts, four failed attempts
+    assert s3_proxy.count("PUT", "partNumber") == 3 + 4  # three parts, four failed attempts
     out = np.zeros_like(data)
     store.read_into("run/s", 0, out, object_size=data.nbytes, crc=up.crc32c)
     assert np.array_equal(out, data)
 
 
-def test_a_read_whose_body_breaks_off_resumes(server, proxy, bucket):
-    store = _store(proxy.url, bucket)
+def test_a_read_whose_body_breaks_off_resumes(s3_server, s3_proxy, s3_bucket):
+    store = _store(s3_proxy.url, s3_bucket)
     data = _data(9 * MiB, 4)
     up = store.upload("run/s", [data])
-    proxy.add("reset_response", is_ranged_get, times=2)
+    s3_proxy.add("reset_response", is_ranged_get, times=2)
     out = np.zeros_like(data)
     store.read_into("run/s", 0, out, object_size=data.nbytes, crc=up.crc32c)
     assert np.array_equal(out, data)
-    gets = [q for m, _, q, s in proxy.seen if m == "GET" and s == 206]
+    gets = [q for m, _, q, s in s3_proxy.seen if m == "GET" and s == 206]
     assert len(gets) == 3
 
 
-def test_a_part_that_keeps_failing_aborts_the_upload(server, proxy, bucket):
-    store = _store(proxy.url, bucket, max_attempts=3)
-    proxy.add("slowdown", lambda m, p, q, h: is_part(m, p, q, h) and q["partNumber"] == ["2"], None)
+def test_a_part_that_keeps_failing_aborts_the_upload(s3_server, s3_proxy, s3_bucket):
+    store = _store(s3_proxy.url, s3_bucket, max_attempts=3)
+    s3_proxy.add(
+        "slowdown", lambda m, p, q, h: is_part(m, p, q, h) and q["partNumber"] == ["2"], None
+    )
     with pytest.raises(CheckpointIOError, match="SlowDown"):
         store.upload("run/s", [_data(18 * MiB)], part_bytes=6 * MiB)
     assert store.head("run/s") is None
     assert store.uploads() == []  # aborted: no parts left billed or listed
-    assert proxy.count("PUT", "partNumber=2") == 3
+    assert s3_proxy.count("PUT", "partNumber=2") == 3
 
 
-def test_a_killed_uploader_leaves_an_upload_listed_and_abortable(server, bucket):
-    store = _store(server.url, bucket)
+def test_a_killed_uploader_leaves_an_upload_listed_and_abortable(s3_server, s3_bucket):
+    store = _store(s3_server.url, s3_bucket)
     # what a writer killed between parts leaves behind: an upload, no object
-    raw = _raw(server.url)
-    uid = raw.create_multipart_upload(Bucket=bucket, Key="run/s", ChecksumAlgorithm="CRC32C")[
+    raw = _raw(s3_server.url)
+    uid = raw.create_multipart_upload(Bucket=s3_bucket, Key="run/s", ChecksumAlgorithm="CRC32C")[
         "UploadId"
     ]
-    raw.upload_part(Bucket=bucket, Key="run/s", UploadId=uid, PartNumber=1, Body=b"x" * MiB)
+    raw.upload_part(Bucket=s3_bucket, Key="run/s", UploadId=uid, PartNumber=1, Body=b"x" * MiB)
     left = store.uploads()
     assert [(u.key, u.upload_id) for u in left] == [("run/s", uid)]
     assert store.head("run/s") is None and list(store.list()) == []
@@ -321,11 +300,11 @@ def test_the_budget_bounds_the_bytes_in_flight():
         "s3://bucket_name/x",
         "s3://b..b/x",
         "s3://192.168.0.1/x",
-        "s3://bucket/a//b",
-        "s3://bucket/a/../b",
-        "s3://bucket/x?versionId=1",
-        "s3://bucket/x#frag",
-        "gs://bucket/x",
+        "s3://s3_bucket/a//b",
+        "s3://s3_bucket/a/../b",
+        "s3://s3_bucket/x?versionId=1",
+        "s3://s3_bucket/x#frag",
+        "gs://s3_bucket/x",
         "/local/path",
     ],
 )
@@ -343,9 +322,9 @@ def test_urls_parse():
     assert str(ObjectURL.parse("s3://b12/x/")) == "s3://b12/x"
 
 
-def test_a_missing_bucket_is_one_clear_error(server):
+def test_a_missing_bucket_is_one_clear_error(s3_server):
     with pytest.raises(CheckpointIOError, match="'no-such-bucket' does not exist") as info:
-        _store(server.url, "no-such-bucket")
+        _store(s3_server.url, "no-such-bucket")
     assert info.value.errno == errno.ENOENT
 
 
@@ -367,7 +346,7 @@ def test_denied_credentials_are_one_clear_error(tmp_path):
         srv.stop()
 
 
-def test_missing_credentials_are_one_clear_error(server, bucket, tmp_path):
+def test_missing_credentials_are_one_clear_error(s3_server, s3_bucket, tmp_path):
     nothing = {k: None for k in CREDENTIALS if k != "AWS_REGION"}
     none = str(tmp_path / "none")
     with (
@@ -375,20 +354,20 @@ def test_missing_credentials_are_one_clear_error(server, bucket, tmp_path):
         env({"AWS_EC2_METADATA_DISABLED": "true", "AWS_PROFILE": None}),
         pytest.raises(CheckpointIOError, match="no AWS credentials found"),
     ):
-        S3Store(f"s3://{bucket}/run", endpoint_url=server.url)
+        S3Store(f"s3://{s3_bucket}/run", endpoint_url=s3_server.url)
 
 
-def test_a_store_without_conditional_writes_is_refused_at_open(server, proxy, bucket):
-    proxy.add("strip_conditions", is_conditional_put, times=None)
+def test_a_store_without_conditional_writes_is_refused_at_open(s3_server, s3_proxy, s3_bucket):
+    s3_proxy.add("strip_conditions", is_conditional_put, times=None)
     with pytest.raises(CheckpointIOError, match="ignores conditional writes") as info:
-        _store(proxy.url, bucket)
+        _store(s3_proxy.url, s3_bucket)
     assert info.value.errno == errno.EOPNOTSUPP
-    assert list(_store(server.url, bucket).list("")) == []  # the probe left nothing
+    assert list(_store(s3_server.url, s3_bucket).list("")) == []  # the probe left nothing
 
 
-def test_the_endpoint_and_region_come_from_the_environment(server, bucket):
-    with env({**CREDENTIALS, "AWS_ENDPOINT_URL": server.url}):
-        store = S3Store(f"s3://{bucket}/run")
-    assert store.endpoint == server.url
+def test_the_endpoint_and_region_come_from_the_environment(s3_server, s3_bucket):
+    with env({**CREDENTIALS, "AWS_ENDPOINT_URL": s3_server.url}):
+        store = S3Store(f"s3://{s3_bucket}/run")
+    assert store.endpoint == s3_server.url
     store.put("run/x", b"1")
     assert store.get("run/x")[0] == b"1"

@@ -11,4 +11,5 @@ Modules:
     safe_fs    descriptor-relative, no-follow file access a hostile directory cannot redirect
     location   where a root is: a local directory, or a URL (refused, or an s3:// ObjectURL)
     object_store  an S3-protocol store (boto3): multipart from memory, conditional put, ranged read
+    object_root   checkpoints in an object store: a step uploaded, committed by conditional put
 """
