@@ -96,6 +96,21 @@ def checkpoint_dir(text: str) -> str:
     return existing_dir(not_url(text))
 
 
+def checkpoint_root(text: str) -> str:
+    """An existing checkpoint directory, or an ``s3://bucket/prefix`` root (checked for form
+    here, for existence when opened); any other URL is refused by name."""
+    if text.lower().startswith("s3://"):
+        from gpumem.checkpoint import CheckpointStateError
+        from gpumem.checkpoint.storage.location import ObjectURL
+
+        try:
+            ObjectURL.parse(text)
+        except CheckpointStateError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+    return checkpoint_dir(text)
+
+
 def not_url(text: str) -> str:
     """``text`` unless it is a URL (``s3://...``): that is refused by name, never looked up or
     created as a local path (``Path("s3://b")`` is a directory named ``s3:``)."""

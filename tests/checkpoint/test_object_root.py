@@ -194,3 +194,41 @@ def test_what_a_killed_save_leaves_is_never_read_and_is_cleaned(s3_server, s3_bu
     assert root.store.uploads() == [] and root.store.head(orphan) is None
     assert all(up.save in o.key or o.key.endswith(("COMMIT", "latest")) for o in root.store.list())
     assert root.download_step(1, tmp_path / "cache").is_dir()
+
+
+def test_the_cli_lists_and_verifies_an_s3_root(s3_server, s3_bucket, tmp_path, capsys):
+    from gpumem.cli import main
+
+    _save(tmp_path / "local", [1, 2])
+    root = _root(s3_server, s3_bucket)
+    for step in (1, 2):
+        root.upload_step(tmp_path / "local" / f"step-{step:09d}")
+    raw = _raw(s3_server.url)
+    raw.create_multipart_upload(Bucket=s3_bucket, Key="run/step-000000003/x/data")
+    url = f"s3://{s3_bucket}/run"
+    with env({**CREDENTIALS, "AWS_ENDPOINT_URL": s3_server.url}):
+        assert main(["ckpt", "ls", "--json", url]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        assert [(r["step"], r["ok"], r["latest"]) for r in rows] == [
+            (1, True, False),
+            (2, True, True),
+        ]
+        assert main(["ckpt", "ls", "--all", url]) == 0
+        out = capsys.readouterr().out
+        assert (
+            "step-000000002  <- latest" in out
+            and "incomplete upload run/step-000000003/x/data" in out
+        )
+        assert main(["ckpt", "verify", url]) == 0
+        out = capsys.readouterr().out
+        assert out.count("every byte checked") == 2
+        data = next(o for o in root.store.list("step-000000001/") if "/data-" in o.key)
+        body = bytearray(raw.get_object(Bucket=s3_bucket, Key=data.key)["Body"].read())
+        body[100] ^= 1
+        raw.put_object(Bucket=s3_bucket, Key=data.key, Body=bytes(body))
+        assert main(["ckpt", "verify", url]) == 1
+        out = capsys.readouterr().out
+        assert "CORRUPT  step 1:" in out and "OK       step 2:" in out
+        assert main(["ckpt", "ls", "s3://no-such-bucket/run"]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "'no-such-bucket' does not exist" in err[0]

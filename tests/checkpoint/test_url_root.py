@@ -69,9 +69,9 @@ def test_url_scheme():
 @pytest.mark.parametrize(
     "argv",
     [
-        ["ckpt", "ls", "s3://bucket/run"],
-        ["ckpt", "ls", "--json", "s3://bucket/run"],
-        ["ckpt", "verify", "s3://bucket/run"],
+        ["ckpt", "ls", "s3://bucket/run?x=1"],  # ls and verify read s3:// roots: a bad one
+        ["ckpt", "ls", "--json", "s3://Bucket/run"],
+        ["ckpt", "verify", "s3://bucket/a//b"],
         ["ckpt", "inspect", "s3://bucket/run/step-3"],
         ["ckpt", "export", "s3://bucket/run", "--out", "weights"],
         ["ckpt", "export", "ckpt", "--out", "s3://bucket/weights"],
@@ -87,5 +87,13 @@ def test_the_cli_refuses_a_url_in_one_line(in_tmp, argv, capsys):
     assert out == ""
     lines = err.strip().splitlines()
     assert "Traceback" not in err
-    assert "s3://bucket/" in lines[-1] and "is a s3:// URL" in lines[-1], err
+    assert "s3://" in lines[-1], err
+    assert "is a s3:// URL" in lines[-1] or "is not an object-store root" in lines[-1], err
     assert sorted(p.name for p in in_tmp.iterdir()) == ["ckpt", "dcp"]
+
+
+@pytest.mark.parametrize("verb", ["ls", "verify"])
+def test_ls_and_verify_refuse_other_schemes(in_tmp, verb, capsys):
+    assert main(["ckpt", verb, "gs://bucket/run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "'gs://bucket/run' is a gs:// URL" in err

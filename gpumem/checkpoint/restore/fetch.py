@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import warnings
 from pathlib import Path
 
 from ..errors import CheckpointCorruptError, CheckpointFallbackWarning
-from ..storage.format import step_dir_name
+from ..storage.format import CheckpointInfo, step_dir_name
 from ..storage.object_root import ObjectRoot
 from .verify import verify
 
@@ -40,3 +41,14 @@ def fetch(root: ObjectRoot, dest: str | os.PathLike) -> Path | None:
                 f"skipped step {step} at {root.url}: {exc}", CheckpointFallbackWarning, stacklevel=2
             )
     return None
+
+
+def verify_step(root: ObjectRoot, step: int) -> CheckpointInfo:
+    """Check committed step ``step`` of ``root`` completely (as ``verify`` checks a directory):
+    copied into a temporary directory, verified there, removed.
+
+    Raises:
+        CheckpointCorruptError: naming the object at fault.
+    """
+    with tempfile.TemporaryDirectory(prefix="gpumem-verify-") as tmp:
+        return verify(root.download_step(step, tmp))
