@@ -371,3 +371,22 @@ def test_the_endpoint_and_region_come_from_the_environment(s3_server, s3_bucket)
     assert store.endpoint == s3_server.url
     store.put("run/x", b"1")
     assert store.get("run/x")[0] == b"1"
+
+
+def test_an_upload_sends_the_callers_memory_without_a_host_copy(s3_server, s3_bucket):
+    import tracemalloc
+
+    store = _store(s3_server.url, s3_bucket)
+    data = _data(24 * MiB, 6)
+    store.upload("run/warm", [data[: 12 * MiB]], part_bytes=6 * MiB)  # imports, pools, caches
+    tracemalloc.start()  # numpy's and Python's allocations are both traced
+    try:
+        up = store.upload("run/s", [data], part_bytes=6 * MiB, budget_bytes=24 * MiB)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # four 6 MiB parts in flight at once: a copy of any one of them would show as >= 6 MiB
+    assert peak < 2 * MiB, peak
+    out = np.zeros_like(data)
+    store.read_into("run/s", 0, out, object_size=data.nbytes, crc=up.crc32c)
+    assert np.array_equal(out, data)

@@ -62,6 +62,11 @@ def check_root(root: str | bytes | os.PathLike, argument: str = "directory") -> 
             text = f"{first}/{text[len(first) :]}"  # as the user wrote it, before Path()
     problem = url_problem(text)
     if problem is not None:
+        if url_scheme(text) == "s3":  # what exists for it so far
+            problem += (
+                "; Checkpointer does not save to s3:// yet: save to a local directory and "
+                "upload committed steps with gpumem.checkpoint.storage.object_root.ObjectRoot"
+            )
         raise CheckpointStateError(f"{argument}={problem}")
     return Path(text)
 
