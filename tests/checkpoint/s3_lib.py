@@ -105,7 +105,8 @@ class Rule:
     without answering: the write happened, the client never hears it), "slowdown" (503
     SlowDown), "bad_digest" (400 BadDigest, what S3 answers to a body that fails its checksum
     header, not forwarded), "flip_request" / "flip_response" (one byte of the body changed),
-    "strip_conditions" (If-None-Match and If-Match removed before forwarding).
+    "strip_conditions" (If-None-Match and If-Match removed before forwarding), "hang" (hold the
+    request unanswered until the proxy closes: a writer stuck mid-part, to be killed).
     """
 
     action: str
@@ -161,6 +162,7 @@ class FaultProxy:
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self._thread.start()
         self._lock = threading.Lock()
+        self._release = threading.Event()
 
     def add(self, action: str, match: Callable[..., bool], times: int | None = 1) -> Rule:
         rule = Rule(action, match, times)
@@ -169,6 +171,7 @@ class FaultProxy:
         return rule
 
     def close(self) -> None:
+        self._release.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -198,6 +201,11 @@ class FaultProxy:
             _reset(h)
             return
         body = h.rfile.read(length) if length else b""
+        if action == "hang":
+            self.seen.append((method, parsed.path, parsed.query, -1))
+            self._release.wait(120)
+            _reset(h)
+            return
         if method == "PUT":
             self.puts.append((headers.get("x-amz-checksum-crc32c"), body))
         if action in ("slowdown", "bad_digest"):

@@ -232,3 +232,59 @@ def test_the_cli_lists_and_verifies_an_s3_root(s3_server, s3_bucket, tmp_path, c
         assert main(["ckpt", "ls", "s3://no-such-bucket/run"]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "'no-such-bucket' does not exist" in err[0]
+
+
+def test_a_killed_uploader_commits_nothing_and_the_older_step_restores(
+    s3_server, s3_proxy, s3_bucket, tmp_path
+):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from s3_lib import is_part
+
+    _save(tmp_path / "local", [1, 2])
+    root = _root(s3_server, s3_bucket)
+    root.upload_step(tmp_path / "local" / "step-000000001")
+    # the uploader of step 2 gets stuck on a part (the proxy holds it) and is killed there
+    s3_proxy.add("hang", is_part, times=None)
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "from s3_lib import open_store\n"
+        "from gpumem.checkpoint.storage.object_root import ObjectRoot\n"
+        "root = ObjectRoot(open_store(sys.argv[2], sys.argv[3]), part_bytes=5 << 20)\n"
+        "root.upload_step(sys.argv[4])\n"
+    )
+    here = str(Path(__file__).parent)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            code,
+            here,
+            s3_proxy.url,
+            s3_bucket,
+            str(tmp_path / "local" / "step-000000002"),
+        ],
+        env={**os.environ, **CREDENTIALS},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not any(status == -1 for *_, status in s3_proxy.seen):
+            assert child.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert root.steps() == [1]  # nothing of step 2 is visible
+    assert [u.key.rsplit("/", 1)[-1] for u in root.store.uploads()] == ["data-r00000-0000.bin"]
+    assert json.loads(root.store.get("run/latest")[0])["step"] == 1
+    assert fetch(root, tmp_path / "cache").name == "step-000000001"
+    removed = root.clean_stale(older_than_s=0)
+    assert any(r.startswith("upload:") for r in removed) and root.store.uploads() == []
