@@ -390,3 +390,17 @@ def test_an_upload_sends_the_callers_memory_without_a_host_copy(s3_server, s3_bu
     out = np.zeros_like(data)
     store.read_into("run/s", 0, out, object_size=data.nbytes, crc=up.crc32c)
     assert np.array_equal(out, data)
+
+
+def test_a_large_read_goes_in_parallel_ranges_of_one_version(s3_server, s3_proxy, s3_bucket):
+    store = _store(s3_proxy.url, s3_bucket, max_concurrency=4)
+    data = _data(40 * MiB, 7)
+    up = store.upload("run/s", [data], part_bytes=8 * MiB)
+    s3_proxy.add("reset_response", is_ranged_get, times=1)
+    first = len(s3_proxy.seen)
+    out = np.zeros_like(data)
+    store.read_into("run/s", 0, out, object_size=data.nbytes, crc=up.crc32c, range_bytes=8 * MiB)
+    assert np.array_equal(out, data)
+    seen = s3_proxy.seen[first:]
+    assert [m for m, *_ in seen].count("HEAD") == 1  # the version every range is pinned to
+    assert [m for m, *_ in seen].count("GET") == 5 + 1  # five ranges, one resumed

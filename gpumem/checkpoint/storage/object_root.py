@@ -382,7 +382,9 @@ class ObjectRoot:
                             key = f"{files.key}/{fname}"
                             self._check_size(key, size)  # before memory is taken for it
                             buf = np.empty(size, dtype=np.uint8)
-                            self.store.read_into(key, 0, buf, object_size=size)
+                            self.store.read_into(
+                                key, 0, buf, object_size=size, range_bytes=self.part_bytes
+                            )
                             out.write_pieces(fname, [(0, buf)] if size else [], size, False)
                     for manifest in [*(ref.file for ref in info.shards), MAIN_MANIFEST]:
                         data = files.read_small(manifest, MAX_MANIFEST_BYTES, "manifest")

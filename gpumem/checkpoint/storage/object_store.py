@@ -561,9 +561,12 @@ class S3Store:
         object_size: int,
         etag: str | None = None,
         crc: int | None = None,
+        range_bytes: int = 16 << 20,
     ) -> None:
         """Fill ``out`` (a writable bytes-like, array or CPU tensor) with the object's bytes
-        ``[offset, offset + len(out))`` by a ranged GET.
+        ``[offset, offset + len(out))`` by ranged GETs: one, or for more than two
+        ``range_bytes`` that many at a time (``max_concurrency``), all pinned to one version of
+        the object (``If-Match`` on the ETag a HEAD gave, or ``etag``).
 
         ``object_size`` is what the manifest says the object holds: the range is checked
         against it before any request, and the store's answer (``Content-Range``) against it
@@ -586,23 +589,55 @@ class S3Store:
             )
         if n == 0:
             return
-        done = 0
-        for attempt in range(1, self.max_attempts + 1):
-            try:
-                done = self._read_range(key, offset, view, done, object_size, etag)
-                break
-            except _Transient as exc:
-                if attempt == self.max_attempts:
-                    raise CheckpointIOError(
-                        f"reading {name} failed after {attempt} attempts: {exc.__cause__}"
-                    ) from exc
-                _back_off(attempt)
+        if n <= 2 * range_bytes or self.max_concurrency == 1:
+            self._read_resuming(key, offset, view, object_size, etag)
+        else:
+            if etag is None:  # every range from the same object, not a mix of two versions
+                found = self.head(key)
+                if found is None:
+                    raise CheckpointCorruptError(f"{name} is missing", path=name)
+                assert isinstance(found, ObjectInfo)
+                etag = found.etag
+            starts = range(0, n, range_bytes)
+            with ThreadPoolExecutor(
+                min(self.max_concurrency, len(starts)), thread_name_prefix="gpumem-s3-get"
+            ) as pool:
+                for f in [
+                    pool.submit(
+                        self._read_resuming,
+                        key,
+                        offset + a,
+                        view[a : a + range_bytes],
+                        object_size,
+                        etag,
+                    )
+                    for a in starts
+                ]:
+                    f.result()
         if crc is not None and crc32c(view) != crc:
             raise CheckpointCorruptError(
                 f"{name}: bytes [{offset}, {offset + n}) fail their CRC32C (expected "
                 f"{crc:#010x}); the object was damaged or replaced",
                 path=name,
             )
+
+    def _read_resuming(
+        self, key: str, offset: int, view: memoryview, size: int, etag: str | None
+    ) -> None:
+        """One ranged GET into ``view``, resumed from where its body broke off."""
+        done = 0
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                self._read_range(key, offset, view, done, size, etag)
+                return
+            except _Transient as exc:
+                done = exc.done
+                if attempt == self.max_attempts:
+                    raise CheckpointIOError(
+                        f"reading {self._name(key)} failed after {attempt} attempts: "
+                        f"{exc.__cause__}"
+                    ) from exc
+                _back_off(attempt)
 
     def _read_range(
         self, key: str, offset: int, view: memoryview, done: int, size: int, etag: str | None
@@ -640,13 +675,13 @@ class S3Store:
                 while done < len(view):
                     block = body.read(min(_READ_BLOCK, len(view) - done))
                     if not block:
-                        raise _Transient() from ConnectionError(
+                        raise _Transient(done) from ConnectionError(
                             f"the body ended after {done} of {len(view)} bytes"
                         )
                     view[done : done + len(block)] = block
                     done += len(block)
             except self._transient_read_errors() as exc:
-                raise _Transient() from exc
+                raise _Transient(done) from exc
         finally:
             body.close()
         return done
@@ -824,7 +859,11 @@ class _NotFound(Exception):
 
 
 class _Transient(Exception):
-    """A ranged read's body broke off: resumed by ``read_into``."""
+    """A ranged read's body broke off after ``done`` bytes: resumed by ``_read_resuming``."""
+
+    def __init__(self, done: int):
+        super().__init__(f"broke off after {done} bytes")
+        self.done = done
 
 
 def _range_total(content_range: str | None) -> int | None:
