@@ -404,3 +404,32 @@ def test_a_large_read_goes_in_parallel_ranges_of_one_version(s3_server, s3_proxy
     seen = s3_proxy.seen[first:]
     assert [m for m, *_ in seen].count("HEAD") == 1  # the version every range is pinned to
     assert [m for m, *_ in seen].count("GET") == 5 + 1  # five ranges, one resumed
+
+
+def test_pieces_with_padding_make_the_same_bytes_as_the_local_writer(
+    s3_server, s3_bucket, tmp_path
+):
+    from gpumem.checkpoint.storage.safe_fs import Dir
+
+    store = _store(s3_server.url, s3_bucket)
+    # extents of an arena as a data file holds them: aligned, zero gaps, a tail of padding,
+    # small and large ones, so that parts span several extents and gaps
+    rng = np.random.default_rng(8)
+    pieces, at = [], 0
+    for n in (100, 7 * MiB + 3, 4096, 1, 6 * MiB, 12345):
+        at = -(-at // 4096) * 4096
+        pieces.append((at, rng.integers(0, 256, n, dtype=np.uint8)))
+        at += n
+    size = -(-at // 4096) * 4096 + 4096
+    with Dir.open(tmp_path) as d:  # the reference: the directory backend's own writer
+        d.write_pieces("ref.bin", pieces, size, False)
+    ref = (tmp_path / "ref.bin").read_bytes()
+    up = store.upload_pieces("run/data", pieces[::-1], size, part_bytes=5 * MiB)
+    assert up.size == size == len(ref) and len(up.part_crcs) == 3
+    out = bytearray(size)
+    store.read_into("run/data", 0, out, object_size=size, crc=up.crc32c)
+    assert bytes(out) == ref
+    with pytest.raises(ValueError, match="overlaps"):
+        store.upload_pieces("run/x", [(0, b"abc"), (2, b"d")], 10)
+    with pytest.raises(ValueError, match="past the file"):
+        store.upload_pieces("run/x", [(8, b"abc")], 10)

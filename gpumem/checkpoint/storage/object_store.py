@@ -27,8 +27,10 @@ object whose size or checksum is not what the caller expected is ``CheckpointCor
 from __future__ import annotations
 
 import base64
+import bisect
 import contextlib
 import errno
+import itertools
 import threading
 import time
 import uuid
@@ -140,35 +142,77 @@ class _Budget:
 
 
 class _Body:
-    """A read-only, seekable file over a memoryview whose ``read`` returns slices of it: the
-    HTTP stack sends the caller's memory as it is (no host copy), and botocore can rewind it to
-    sign the payload or to retry."""
+    """A read-only, seekable file over memoryview segments whose ``read`` returns slices of
+    them: the HTTP stack sends the caller's memory as it is (no host copy; a read may be short,
+    ending at a segment's end), and botocore can rewind it to sign the payload or to retry."""
 
-    def __init__(self, view: memoryview):
-        self._view, self._pos = view, 0
+    def __init__(self, segments: Sequence[memoryview]):
+        self._segs = [s for s in segments if len(s)]
+        self._starts = list(itertools.accumulate((len(s) for s in self._segs), initial=0))
+        self._len, self._pos = self._starts[-1], 0
 
-    def read(self, n: int = -1) -> memoryview:
-        end = len(self._view) if n is None or n < 0 else min(len(self._view), self._pos + n)
-        out = self._view[self._pos : end]
-        self._pos = end
-        return out
+    def read(self, n: int | None = -1) -> memoryview:
+        if self._pos >= self._len or n == 0:
+            return memoryview(b"")
+        i = bisect.bisect_right(self._starts, self._pos) - 1
+        seg, at = self._segs[i], self._pos - self._starts[i]
+        end = len(seg) if n is None or n < 0 else min(len(seg), at + n)
+        self._pos += end - at
+        return seg[at:end]
 
     def seek(self, pos: int, whence: int = 0) -> int:
-        base = (0, self._pos, len(self._view))[whence]
-        self._pos = max(0, min(len(self._view), base + pos))
+        base = (0, self._pos, self._len)[whence]
+        self._pos = max(0, min(self._len, base + pos))
         return self._pos
 
     def tell(self) -> int:
         return self._pos
 
     def __len__(self) -> int:
-        return len(self._view)
+        return self._len
 
     def readable(self) -> bool:
         return True
 
     def seekable(self) -> bool:
         return True
+
+
+_ZEROS = memoryview(bytes(1 << 20))
+
+
+def _zeros(n: int) -> list[memoryview]:
+    """``n`` zero bytes as views of one shared buffer."""
+    return [_ZEROS[: min(len(_ZEROS), n - i)] for i in range(0, n, len(_ZEROS))]
+
+
+def _crc_of(segments: Sequence[memoryview]) -> int:
+    crc = 0
+    for seg in segments:
+        crc = crc32c(seg, crc)
+    return crc
+
+
+def _cut(views: Sequence[memoryview], part_bytes: int) -> list[list[memoryview]]:
+    """The concatenation of ``views`` cut into parts of ``part_bytes`` (the last shorter), each
+    a list of slices of the views: a part may span several of them (small ones, the zero
+    padding between extents), nothing is copied."""
+    parts: list[list[memoryview]] = []
+    cur: list[memoryview] = []
+    cur_len = 0
+    for v in views:
+        pos = 0
+        while pos < len(v):
+            take = min(len(v) - pos, part_bytes - cur_len)
+            cur.append(v[pos : pos + take])
+            cur_len += take
+            pos += take
+            if cur_len == part_bytes:
+                parts.append(cur)
+                cur, cur_len = [], 0
+    if cur:
+        parts.append(cur)
+    return parts
 
 
 def as_bytes_view(data: Any, writable: bool = False) -> memoryview:
@@ -284,8 +328,10 @@ class S3Store:
     def put(self, key: str, data: Any) -> str:
         """Store ``data`` (bytes-like, array or CPU tensor) at ``key`` unconditionally; its
         CRC32C is checked by the store. Returns the ETag."""
-        view = as_bytes_view(data)
-        resp = self._call("write", self.client.put_object, **self._put_args(key, view))
+        return self._put([as_bytes_view(data)], key)
+
+    def _put(self, segments: Sequence[memoryview], key: str) -> str:
+        resp = self._call("write", self.client.put_object, **self._put_args(key, segments))
         return str(resp["ETag"])
 
     def put_new(self, key: str, data: Any, *, _check_winner: bool = True) -> bool:
@@ -297,8 +343,7 @@ class S3Store:
         the retry fail the precondition: so on a failed precondition the object's writer tag is
         read back, and a retry of this call's own write counts as the win it was.
         """
-        view = as_bytes_view(data)
-        args = self._put_args(key, view, IfNoneMatch="*")
+        args = self._put_args(key, [as_bytes_view(data)], IfNoneMatch="*")
         try:
             self._call("commit", self.client.put_object, retry_conflict=True, **args)
             return True
@@ -312,25 +357,25 @@ class S3Store:
         """Replace the object at ``key`` only if its ETag is still ``etag`` (``If-Match``):
         moving a pointer without losing a concurrent move. Returns the new ETag, or None where
         another writer moved it first (or it is gone)."""
-        view = as_bytes_view(data)
         try:
             resp = self._call(
                 "write",
                 self.client.put_object,
                 retry_conflict=True,
-                **self._put_args(key, view, IfMatch=etag),
+                **self._put_args(key, [as_bytes_view(data)], IfMatch=etag),
             )
         except (_PreconditionFailed, _NotFound):
             return None
         return str(resp["ETag"])
 
-    def _put_args(self, key: str, view: memoryview, **extra: Any) -> dict[str, Any]:
+    def _put_args(self, key: str, segments: Sequence[memoryview], **extra: Any) -> dict[str, Any]:
+        body = _Body(segments)
         return {
             "Bucket": self.url.bucket,
             "Key": key,
-            "Body": _Body(view),
-            "ContentLength": len(view),
-            "ChecksumCRC32C": crc32c_header(crc32c(view)),
+            "Body": body,
+            "ContentLength": len(body),
+            "ChecksumCRC32C": crc32c_header(_crc_of(segments)),
             "Metadata": {_WRITER: f"{self._writer}-{uuid.uuid4().hex}"},
             **extra,
         }
@@ -384,11 +429,11 @@ class S3Store:
         """Store the concatenation of ``buffers`` (bytes-like, arrays, CPU tensors: e.g. the
         staging arena's segments) as one object, sent from that memory as it is.
 
-        Parts of ``part_bytes`` (at least 5 MiB; a part never spans two buffers, so each buffer
-        but the last should be a multiple of it) are sent ``max_concurrency`` at a time with at
-        most ``budget_bytes`` of them in flight, each with its CRC32C; the object is completed
-        with the CRC32C of the whole. On any failure the upload is aborted (nothing is left
-        that a list or a restore would see) and the error raised.
+        Parts of ``part_bytes`` (at least 5 MiB; a part may span several buffers) are sent
+        ``max_concurrency`` at a time with at most ``budget_bytes`` of them in flight, each with
+        its CRC32C; the object is completed with the CRC32C of the whole. On any failure the
+        upload is aborted (nothing is left that a list or a restore would see) and the error
+        raised.
 
         Raises:
             CheckpointStateError: a part size below 5 MiB, or more than 10,000 parts.
@@ -398,18 +443,18 @@ class S3Store:
             raise CheckpointStateError(f"part_bytes={part_bytes!r} must be an int >= {MIN_PART}")
         if not isinstance(budget_bytes, int) or budget_bytes < 1:
             raise CheckpointStateError(f"budget_bytes={budget_bytes!r} must be a positive int")
-        views = [as_bytes_view(b) for b in buffers]
-        parts = [v[i : i + part_bytes] for v in views for i in range(0, len(v), part_bytes)]
+        parts = _cut([as_bytes_view(b) for b in buffers], part_bytes)
         if len(parts) > MAX_PARTS:
             raise CheckpointStateError(
                 f"{self._name(key)}: {len(parts)} parts of {part_bytes} bytes exceed S3's "
                 f"{MAX_PARTS}; raise part_bytes"
             )
-        total = sum(len(p) for p in parts)
+        sizes = [sum(len(seg) for seg in p) for p in parts]
+        total = sum(sizes)
         if len(parts) <= 1:  # one request: a plain put carries the object's CRC32C
-            view = parts[0] if parts else memoryview(b"")
-            crc = crc32c(view)
-            etag = self.put(key, view)
+            segments = parts[0] if parts else []
+            crc = _crc_of(segments)
+            etag = self._put(segments, key)
             return Uploaded(key, total, crc, etag, (crc,))
         created = self._call(
             "write",
@@ -424,8 +469,8 @@ class S3Store:
         try:
             crcs, etags = self._send_parts(key, upload_id, parts, budget_bytes)
             whole = crcs[0]
-            for part, crc in zip(parts[1:], crcs[1:], strict=True):
-                whole = crc32c_combine(whole, crc, len(part))
+            for size, crc in zip(sizes[1:], crcs[1:], strict=True):
+                whole = crc32c_combine(whole, crc, size)
             done = self._call(
                 "write",
                 self.client.complete_multipart_upload,
@@ -478,8 +523,33 @@ class S3Store:
                 filename=self._name(key),
             )
 
+    def upload_pieces(
+        self, key: str, pieces: Sequence[tuple[int, Any]], size: int, **kw: Any
+    ) -> Uploaded:
+        """Store a ``size``-byte data file given as ``safe_fs.Dir.write_pieces`` takes one:
+        ``(offset, buffer)`` extents (e.g. views of the staging arena), zero bytes between and
+        after them; sent as ``upload`` sends (``kw``: its options), the zeros from one shared
+        buffer.
+
+        Raises:
+            ValueError: extents that overlap or end past ``size``.
+        """
+        views: list[memoryview] = []
+        at = 0
+        for off, buf in sorted(pieces, key=lambda p: p[0]):
+            view = as_bytes_view(buf)
+            if off < at:
+                raise ValueError(f"{key}: the extent at {off} overlaps the one ending at {at}")
+            views += _zeros(off - at)
+            views.append(view)
+            at = off + len(view)
+        if at > size:
+            raise ValueError(f"{key}: the extents end at {at}, past the file's {size} bytes")
+        views += _zeros(size - at)
+        return self.upload(key, views, **kw)
+
     def _send_parts(
-        self, key: str, upload_id: str, parts: list[memoryview], budget_bytes: int
+        self, key: str, upload_id: str, parts: list[list[memoryview]], budget_bytes: int
     ) -> tuple[list[int], list[str]]:
         """Send every part (see ``upload``); their CRC32Cs and ETags."""
         budget = _Budget(budget_bytes)
@@ -491,7 +561,8 @@ class S3Store:
             try:
                 if failed.is_set():
                     return
-                crcs[i] = crc32c(parts[i])
+                crcs[i] = _crc_of(parts[i])
+                body = _Body(parts[i])
                 resp = self._call(
                     "write",
                     self.client.upload_part,
@@ -499,8 +570,8 @@ class S3Store:
                     Key=key,
                     UploadId=upload_id,
                     PartNumber=i + 1,
-                    Body=_Body(parts[i]),
-                    ContentLength=len(parts[i]),
+                    Body=body,
+                    ContentLength=len(body),
                     ChecksumAlgorithm="CRC32C",
                     ChecksumCRC32C=crc32c_header(crcs[i]),
                 )
@@ -514,7 +585,7 @@ class S3Store:
         futures: list[Future[None]] = []
         with ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="gpumem-s3") as pool:
             for i, part in enumerate(parts):
-                taken = budget.take(len(part))
+                taken = budget.take(sum(len(seg) for seg in part))
                 if failed.is_set():
                     budget.give(taken)
                     break
