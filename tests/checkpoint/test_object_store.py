@@ -433,3 +433,46 @@ def test_pieces_with_padding_make_the_same_bytes_as_the_local_writer(
         store.upload_pieces("run/x", [(0, b"abc"), (2, b"d")], 10)
     with pytest.raises(ValueError, match="past the file"):
         store.upload_pieces("run/x", [(8, b"abc")], 10)
+
+
+def test_read_pieces_keeps_the_native_readers_contract(s3_server, s3_bucket, tmp_path):
+    from gpumem.checkpoint.storage.safe_fs import Dir
+    from gpumem.reader import read_file
+
+    store = _store(s3_server.url, s3_bucket)
+    rng = np.random.default_rng(9)
+    extents, at = [], 0
+    for n in (5000, 3 * MiB + 17, 8192, 1):
+        at = -(-at // 4096) * 4096
+        extents.append((at, n))
+        at += n
+    size = -(-at // 4096) * 4096
+    pieces = [(off, rng.integers(0, 256, n, dtype=np.uint8)) for off, n in extents]
+    with Dir.open(tmp_path) as d:
+        d.write_pieces("f.bin", pieces, size, False)
+    store.upload_pieces("run/f.bin", pieces, size, part_bytes=5 * MiB)
+    chunk = 4096
+    slots, total = [], 0
+    for _, n in extents:
+        slots.append(total if n != 8192 else -1)  # one piece without checksums
+        total += -(-n // chunk)
+
+    def fresh():
+        return [(off, np.zeros(n, dtype=np.uint8)) for off, n in extents], np.full(total, -7)
+
+    ref_pieces, ref_crcs = fresh()  # the reference: the native reader on the local file
+    read_file(tmp_path / "f.bin", ref_pieces, chunk_bytes=chunk, crc_index=slots, crc_out=ref_crcs)
+    got_pieces, got_crcs = fresh()
+    n = store.read_pieces(
+        "run/f.bin",
+        got_pieces,
+        expect_size=size,
+        chunk_bytes=chunk,
+        crc_index=slots,
+        crc_out=got_crcs,
+    )
+    assert n == sum(b.nbytes for _, b in got_pieces)
+    assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(ref_pieces, got_pieces, strict=True))
+    assert np.array_equal(ref_crcs, got_crcs) and (got_crcs != -7).sum() == total - 2
+    with pytest.raises(CheckpointCorruptError, match="not the 999 its manifest records"):
+        store.read_pieces("run/f.bin", got_pieces, expect_size=999)

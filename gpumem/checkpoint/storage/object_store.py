@@ -39,7 +39,9 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
-from gpumem._native import byte_view
+import numpy as np
+
+from gpumem._native import byte_view, load
 from gpumem.checksum import crc32c, crc32c_combine
 
 from ..errors import CheckpointCorruptError, CheckpointIOError, CheckpointStateError
@@ -691,6 +693,64 @@ class S3Store:
                 f"{crc:#010x}); the object was damaged or replaced",
                 path=name,
             )
+
+    def read_pieces(
+        self,
+        key: str,
+        pieces: Sequence[tuple[int, Any]],
+        *,
+        expect_size: int,
+        chunk_bytes: int = 0,
+        crc_index: Sequence[int] | None = None,
+        crc_out: Any = None,
+    ) -> int:
+        """``gpumem.reader.read_file``'s contract on an object: fill every ``(offset, buffer)``
+        piece (``max_concurrency`` ranged GETs at once, all pinned to one version), and with
+        ``chunk_bytes`` put the CRC32C of every chunk of each piece (from its start) into
+        ``crc_out[crc_index[i] + k]`` (a negative index: none). The object must hold exactly
+        ``expect_size`` bytes, checked before a byte is read. Returns the bytes read.
+
+        Raises:
+            CheckpointCorruptError: the object is missing, of another size, or changed.
+            CheckpointIOError: the store failed after the retries.
+            ValueError: CRC slots out of range, or chunk_bytes without crc_out.
+        """
+        name = self._name(key)
+        found = self.head(key)
+        if found is None:
+            raise CheckpointCorruptError(f"{name} is missing", path=name)
+        assert isinstance(found, ObjectInfo)
+        if found.size != expect_size:
+            raise CheckpointCorruptError(
+                f"{name} holds {found.size} bytes, not the {expect_size} its manifest records: "
+                "not read",
+                path=name,
+            )
+        views = [(off, as_bytes_view(buf, writable=True)) for off, buf in pieces]
+        index = [-1] * len(views) if crc_index is None else list(crc_index)
+        out = None
+        if chunk_bytes:
+            if crc_out is None or len(index) != len(views):
+                raise ValueError("chunk_bytes > 0 needs crc_out and one crc_index per piece")
+            out = crc_out.numpy() if hasattr(crc_out, "numpy") else crc_out
+            for (_, view), slot in zip(views, index, strict=True):
+                if slot >= 0 and slot + -(-len(view) // chunk_bytes) > len(out):
+                    raise ValueError(f"crc_index {slot} leaves too few slots in crc_out")
+
+        def one(i: int) -> None:
+            off, view = views[i]
+            self.read_into(
+                key, off, view, object_size=expect_size, etag=found.etag, range_bytes=1 << 62
+            )
+            if out is not None and index[i] >= 0 and len(view):
+                count = -(-len(view) // chunk_bytes)
+                data = np.frombuffer(view, dtype=np.uint8)  # a view: nothing copied
+                load().chunk_crc32c(data, chunk_bytes, out[index[i] : index[i] + count])
+
+        with ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="gpumem-s3-get") as pool:
+            for f in [pool.submit(one, i) for i in range(len(views))]:
+                f.result()
+        return sum(len(v) for _, v in views)
 
     def _read_resuming(
         self, key: str, offset: int, view: memoryview, size: int, etag: str | None
