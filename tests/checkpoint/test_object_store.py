@@ -22,11 +22,11 @@ from s3_lib import (
 
 from gpumem.checkpoint import CheckpointCorruptError, CheckpointIOError, CheckpointStateError
 from gpumem.checkpoint.storage.location import ObjectURL
+from gpumem.checkpoint.storage.object_body import Budget, crc32c_header
 
 boto3 = pytest.importorskip("boto3", reason="the object-store tests need boto3 (gpumem[s3])")
 pytest.importorskip("moto", reason="the object-store tests need moto[server]")
 
-from gpumem.checkpoint.storage import object_store as osm  # noqa: E402
 from gpumem.checkpoint.storage.object_store import S3Store  # noqa: E402
 
 MiB = 1 << 20
@@ -109,7 +109,7 @@ def test_parts_carry_their_crc32c_and_a_damaged_one_fails_the_upload(
     store.upload("run/ok", [_data(12 * MiB, 5)], part_bytes=6 * MiB)
     sent = s3_proxy.puts[first:]
     assert len(sent) == 2  # each part's header is the CRC32C of the bytes that went out
-    assert all(h == osm.crc32c_header(ref_crc(body)) for h, body in sent)
+    assert all(h == crc32c_header(ref_crc(body)) for h, body in sent)
     # a byte changed on the wire after gpumem checksummed it. moto (unlike S3) does not check
     # the part's header, but it computes the object's CRC32C from what it assembled, and gpumem
     # compares that with its own: the object is deleted, the save fails
@@ -272,7 +272,7 @@ def test_a_killed_uploader_leaves_an_upload_listed_and_abortable(s3_server, s3_b
 
 
 def test_the_budget_bounds_the_bytes_in_flight():
-    budget = osm._Budget(10)
+    budget = Budget(10)
     assert budget.take(6) == 6
     got: list[int] = []
     t = threading.Thread(target=lambda: got.append(budget.take(6)))

@@ -12,4 +12,5 @@ Modules:
     location   where a root is: a local directory, or a URL (refused, or an s3:// ObjectURL)
     object_store  an S3-protocol store (boto3): multipart from memory, conditional put, ranged read
     object_root   checkpoints in an object store: a step uploaded, committed by conditional put
+    object_body   a request's bytes as views of caller memory: body, parts, CRC32C headers, budget
 """

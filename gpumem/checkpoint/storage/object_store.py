@@ -26,11 +26,8 @@ object whose size or checksum is not what the caller expected is ``CheckpointCor
 
 from __future__ import annotations
 
-import base64
-import bisect
 import contextlib
 import errno
-import itertools
 import threading
 import time
 import uuid
@@ -41,11 +38,21 @@ from typing import Any
 
 import numpy as np
 
-from gpumem._native import byte_view, load
+from gpumem._native import load
 from gpumem.checksum import crc32c, crc32c_combine
 
 from ..errors import CheckpointCorruptError, CheckpointIOError, CheckpointStateError
 from .location import ObjectURL
+from .object_body import (
+    Body,
+    Budget,
+    as_bytes_view,
+    crc32c_header,
+    crc_of,
+    cut_parts,
+    parse_crc32c_header,
+    zeros,
+)
 
 MIN_PART = 5 << 20  # S3: every part but the last is at least 5 MiB
 MAX_PARTS = 10_000  # S3: parts of one upload
@@ -68,21 +75,6 @@ _NO_KEY = {"NoSuchKey", "NoSuchUpload", "404", "NotFound"}
 _PRECONDITION = {"PreconditionFailed", "412"}
 _CONFLICT = {"ConditionalRequestConflict", "409"}
 _BAD_DIGEST = {"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch", "InvalidChecksum"}
-
-
-def crc32c_header(value: int) -> str:
-    """A CRC32C as the S3 checksum headers carry it: base64 of its 4 big-endian bytes."""
-    return base64.b64encode(value.to_bytes(4, "big")).decode()
-
-
-def parse_crc32c_header(text: str) -> int | None:
-    """The CRC32C of an ``x-amz-checksum-crc32c`` value (None: a composite ``...-N`` one)."""
-    if "-" in text:
-        return None
-    raw = base64.b64decode(text)
-    if len(raw) != 4:
-        raise ValueError(f"{text!r} is not a CRC32C checksum header")
-    return int.from_bytes(raw, "big")
 
 
 @dataclass(frozen=True)
@@ -120,107 +112,6 @@ class Uploaded:
     crc32c: int
     etag: str
     part_crcs: tuple[int, ...]
-
-
-class _Budget:
-    """Bytes of parts in flight: ``take`` waits until they fit (one part larger than the whole
-    budget goes alone)."""
-
-    def __init__(self, nbytes: int):
-        self._total = self._free = nbytes
-        self._cv = threading.Condition()
-
-    def take(self, n: int) -> int:
-        need = min(n, self._total)
-        with self._cv:
-            self._cv.wait_for(lambda: self._free >= need)
-            self._free -= need
-        return need
-
-    def give(self, n: int) -> None:
-        with self._cv:
-            self._free += n
-            self._cv.notify_all()
-
-
-class _Body:
-    """A read-only, seekable file over memoryview segments whose ``read`` returns slices of
-    them: the HTTP stack sends the caller's memory as it is (no host copy; a read may be short,
-    ending at a segment's end), and botocore can rewind it to sign the payload or to retry."""
-
-    def __init__(self, segments: Sequence[memoryview]):
-        self._segs = [s for s in segments if len(s)]
-        self._starts = list(itertools.accumulate((len(s) for s in self._segs), initial=0))
-        self._len, self._pos = self._starts[-1], 0
-
-    def read(self, n: int | None = -1) -> memoryview:
-        if self._pos >= self._len or n == 0:
-            return memoryview(b"")
-        i = bisect.bisect_right(self._starts, self._pos) - 1
-        seg, at = self._segs[i], self._pos - self._starts[i]
-        end = len(seg) if n is None or n < 0 else min(len(seg), at + n)
-        self._pos += end - at
-        return seg[at:end]
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = (0, self._pos, self._len)[whence]
-        self._pos = max(0, min(self._len, base + pos))
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def __len__(self) -> int:
-        return self._len
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-
-_ZEROS = memoryview(bytes(1 << 20))
-
-
-def _zeros(n: int) -> list[memoryview]:
-    """``n`` zero bytes as views of one shared buffer."""
-    return [_ZEROS[: min(len(_ZEROS), n - i)] for i in range(0, n, len(_ZEROS))]
-
-
-def _crc_of(segments: Sequence[memoryview]) -> int:
-    crc = 0
-    for seg in segments:
-        crc = crc32c(seg, crc)
-    return crc
-
-
-def _cut(views: Sequence[memoryview], part_bytes: int) -> list[list[memoryview]]:
-    """The concatenation of ``views`` cut into parts of ``part_bytes`` (the last shorter), each
-    a list of slices of the views: a part may span several of them (small ones, the zero
-    padding between extents), nothing is copied."""
-    parts: list[list[memoryview]] = []
-    cur: list[memoryview] = []
-    cur_len = 0
-    for v in views:
-        pos = 0
-        while pos < len(v):
-            take = min(len(v) - pos, part_bytes - cur_len)
-            cur.append(v[pos : pos + take])
-            cur_len += take
-            pos += take
-            if cur_len == part_bytes:
-                parts.append(cur)
-                cur, cur_len = [], 0
-    if cur:
-        parts.append(cur)
-    return parts
-
-
-def as_bytes_view(data: Any, writable: bool = False) -> memoryview:
-    """A flat ``uint8`` memoryview of bytes-like data, a numpy array or a CPU tensor (no copy)."""
-    view = memoryview(byte_view(data, writable=writable))
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
 class S3Store:
@@ -371,13 +262,13 @@ class S3Store:
         return str(resp["ETag"])
 
     def _put_args(self, key: str, segments: Sequence[memoryview], **extra: Any) -> dict[str, Any]:
-        body = _Body(segments)
+        body = Body(segments)
         return {
             "Bucket": self.url.bucket,
             "Key": key,
             "Body": body,
             "ContentLength": len(body),
-            "ChecksumCRC32C": crc32c_header(_crc_of(segments)),
+            "ChecksumCRC32C": crc32c_header(crc_of(segments)),
             "Metadata": {_WRITER: f"{self._writer}-{uuid.uuid4().hex}"},
             **extra,
         }
@@ -445,7 +336,7 @@ class S3Store:
             raise CheckpointStateError(f"part_bytes={part_bytes!r} must be an int >= {MIN_PART}")
         if not isinstance(budget_bytes, int) or budget_bytes < 1:
             raise CheckpointStateError(f"budget_bytes={budget_bytes!r} must be a positive int")
-        parts = _cut([as_bytes_view(b) for b in buffers], part_bytes)
+        parts = cut_parts([as_bytes_view(b) for b in buffers], part_bytes)
         if len(parts) > MAX_PARTS:
             raise CheckpointStateError(
                 f"{self._name(key)}: {len(parts)} parts of {part_bytes} bytes exceed S3's "
@@ -455,7 +346,7 @@ class S3Store:
         total = sum(sizes)
         if len(parts) <= 1:  # one request: a plain put carries the object's CRC32C
             segments = parts[0] if parts else []
-            crc = _crc_of(segments)
+            crc = crc_of(segments)
             etag = self._put(segments, key)
             return Uploaded(key, total, crc, etag, (crc,))
         created = self._call(
@@ -542,19 +433,19 @@ class S3Store:
             view = as_bytes_view(buf)
             if off < at:
                 raise ValueError(f"{key}: the extent at {off} overlaps the one ending at {at}")
-            views += _zeros(off - at)
+            views += zeros(off - at)
             views.append(view)
             at = off + len(view)
         if at > size:
             raise ValueError(f"{key}: the extents end at {at}, past the file's {size} bytes")
-        views += _zeros(size - at)
+        views += zeros(size - at)
         return self.upload(key, views, **kw)
 
     def _send_parts(
         self, key: str, upload_id: str, parts: list[list[memoryview]], budget_bytes: int
     ) -> tuple[list[int], list[str]]:
         """Send every part (see ``upload``); their CRC32Cs and ETags."""
-        budget = _Budget(budget_bytes)
+        budget = Budget(budget_bytes)
         crcs = [0] * len(parts)
         etags = [""] * len(parts)
         failed = threading.Event()
@@ -563,8 +454,8 @@ class S3Store:
             try:
                 if failed.is_set():
                     return
-                crcs[i] = _crc_of(parts[i])
-                body = _Body(parts[i])
+                crcs[i] = crc_of(parts[i])
+                body = Body(parts[i])
                 resp = self._call(
                     "write",
                     self.client.upload_part,
