@@ -8,13 +8,13 @@ created on disk or in memory. The stages take the values from here; nothing re-c
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 from .errors import CheckpointStateError
 from .stage.pieces import DEFAULT_CHUNK, MIN_CHUNK
+from .storage.location import check_root
 
 MIN_BUDGET = 64 << 20  # the default staging budget's floor
 MAX_STEP = 2**63 - 1  # steps are stored as JSON integers and read back as int64-sized values
@@ -116,8 +116,8 @@ class CheckpointerConfig:
     device_spill_bytes: int = 0
 
     def __post_init__(self) -> None:
-        try:  # any bytes the OS accepts
-            object.__setattr__(self, "directory", Path(os.fsdecode(self.directory)))
+        try:  # any bytes the OS accepts; a URL is refused, never taken as a local path
+            object.__setattr__(self, "directory", check_root(self.directory))
         except TypeError:
             raise CheckpointStateError(
                 f"directory={self.directory!r} must be a path (str, bytes or os.PathLike)"

@@ -90,6 +90,38 @@ def existing_dir(text: str) -> str:
     return text
 
 
+def checkpoint_dir(text: str) -> str:
+    """An existing checkpoint directory; a URL (``s3://...``) is refused by name, never looked up
+    as a local path."""
+    return existing_dir(not_url(text))
+
+
+def checkpoint_root(text: str) -> str:
+    """An existing checkpoint directory, or an ``s3://bucket/prefix`` root (checked for form
+    here, for existence when opened); any other URL is refused by name."""
+    if text.lower().startswith("s3://"):
+        from gpumem.checkpoint import CheckpointStateError
+        from gpumem.checkpoint.storage.location import ObjectURL
+
+        try:
+            ObjectURL.parse(text)
+        except CheckpointStateError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+    return checkpoint_dir(text)
+
+
+def not_url(text: str) -> str:
+    """``text`` unless it is a URL (``s3://...``): that is refused by name, never looked up or
+    created as a local path (``Path("s3://b")`` is a directory named ``s3:``)."""
+    from gpumem.checkpoint.storage.location import url_problem
+
+    problem = url_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
 def existing_path(text: str) -> str:
     if not Path(text).exists():
         raise argparse.ArgumentTypeError(f"{text} does not exist")
@@ -120,8 +152,9 @@ def png_file(text: str) -> str:
 
 
 def new_or_existing_dir(text: str) -> str:
-    """A directory to write into: an existing one, or a new one whose parent exists."""
-    p = Path(text)
+    """A directory to write into: an existing one, or a new one whose parent exists (never a
+    URL)."""
+    p = Path(not_url(text))
     if p.exists() and not p.is_dir():
         raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
     if not p.exists() and not p.parent.is_dir():

@@ -25,16 +25,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         "ls", help="list the checkpoints of a directory (manifests checked, data not read)"
     )
     ls.add_argument(
-        "dir", type=_args.existing_dir, help="checkpoint directory (holds step-<N>/ and latest)"
+        "dir",
+        type=_args.checkpoint_root,
+        help="checkpoint directory (holds step-<N>/ and latest), or an s3://BUCKET/PREFIX root "
+        "(endpoint and credentials from the AWS environment: AWS_ENDPOINT_URL, AWS_PROFILE, ...)",
     )
     ls.add_argument("--json", action="store_true", help="print JSON")
+    ls.add_argument(
+        "--all",
+        action="store_true",
+        help="s3:// roots: also list incomplete multipart uploads (killed or failed saves)",
+    )
     ver = cmds.add_parser(
         "verify", help="check every byte of a checkpoint (or of all in a directory)"
     )
     ver.add_argument(
         "path",
-        type=_args.existing_dir,
-        help="a step-<N> directory, a checkpoint directory to verify them all, or a plain "
+        type=_args.checkpoint_root,
+        help="a step-<N> directory, a checkpoint directory to verify them all, an "
+        "s3://BUCKET/PREFIX root (every committed step), or a plain "
         "torch.distributed.checkpoint directory (with .metadata)",
     )
     ver.add_argument(
@@ -48,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     ins.add_argument(
         "path",
-        type=_args.existing_dir,
+        type=_args.checkpoint_dir,
         help="a step-<N> directory, or a checkpoint directory (its newest)",
     )
     ins.add_argument("--json", action="store_true", help="print JSON")
@@ -63,7 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     exp.add_argument(
         "dir",
-        type=_args.existing_dir,
+        type=_args.checkpoint_dir,
         help="a checkpoint directory (its newest) or a step-<N> directory",
     )
     exp.add_argument("--format", choices=["safetensors"], default="safetensors")
@@ -87,7 +96,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     imp.add_argument(
         "dcp_dir",
-        type=_args.existing_dir,
+        type=_args.checkpoint_dir,
         help="a DCP directory (FileSystemWriter: .metadata, *.distcp)",
     )
     imp.add_argument(
@@ -129,6 +138,8 @@ def _ls(args: argparse.Namespace) -> int:
     from gpumem.checkpoint.storage.directory import list_checkpoints, read_latest, step_dirs
     from gpumem.checkpoint.storage.safe_fs import Dir
 
+    if args.dir.lower().startswith("s3://"):
+        return _ls_object(args)
     root = Path(args.dir)
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a directory")
@@ -155,12 +166,77 @@ def _ls(args: argparse.Namespace) -> int:
                 "latest": bool(ptr and ptr["path"] == name),
             }
         )
-    if args.json:
+    if not _print_rows(rows, str(root), args.json):
+        return 0
+    if aside:
+        print(
+            "\n"
+            f"{aside} checkpoint(s) of abandoned branches in "
+            f"{root / 'abandoned'} (set aside when training went back; not "
+            "restored, not counted by keep): delete them when no longer needed"
+        )
+    return 0
+
+
+def _ls_object(args: argparse.Namespace) -> int:
+    """``ls`` of an s3:// root: its committed steps (manifests checked), ``latest``, and with
+    ``--all`` the incomplete uploads."""
+    from gpumem.checkpoint import CheckpointError
+    from gpumem.checkpoint.storage.format import LATEST, step_dir_name
+
+    root = _object_root(args.dir)
+    rows = []
+    for step in sorted(root.steps()):
+        try:
+            info = root.open_step(step)[1]
+        except CheckpointError:
+            info = None
+        rows.append(
+            {
+                "step": step,
+                "path": f"{root.url}/{step_dir_name(step)}",
+                "ok": info is not None,
+                "nbytes": info.nbytes if info else None,
+                "created": info.created if info else None,
+                "world_size": info.world_size if info else None,
+                "latest": False,
+            }
+        )
+    got = root.store.get(root.store.url.key(LATEST), max_bytes=4096)
+    if got is not None:
+        try:
+            pointer = json.loads(got[0])
+        except ValueError:
+            pointer = None
+        for r in rows:
+            r["latest"] = isinstance(pointer, dict) and pointer.get("step") == r["step"]
+    uploads = root.store.uploads() if args.all else []
+    if args.json and args.all:  # --all adds a section: the rows alone keep their shape
+        found = [{"key": u.key, "upload_id": u.upload_id} for u in uploads]
+        print(json.dumps({"checkpoints": rows, "incomplete_uploads": found}, indent=2))
+        return 0
+    if not _print_rows(rows, root.url, args.json) and not uploads:
+        return 0
+    for u in uploads:
+        print(f"incomplete upload {u.key} (id {u.upload_id[:16]}...): never committed, not read")
+    return 0
+
+
+def _object_root(url: str) -> Any:
+    from gpumem.checkpoint.storage.object_root import ObjectRoot
+    from gpumem.checkpoint.storage.object_store import S3Store
+
+    return ObjectRoot(S3Store(url, writable=False))
+
+
+def _print_rows(rows: list[dict[str, Any]], where: str, as_json: bool) -> bool:
+    """Print ``ls``'s rows; False when there were none (said so)."""
+    if as_json:
         print(json.dumps(rows, indent=2))
-        return 0
+        return False
     if not rows:
-        print(f"no checkpoints in {root}")
-        return 0
+        print(f"no checkpoints in {where}")
+        return False
     print(f"{'step':>10}  {'size':>10}  {'ranks':>5}  {'created (UTC)':<19}  name")
     for r in rows:
         created = (
@@ -172,16 +248,9 @@ def _ls(args: argparse.Namespace) -> int:
         mark = "  <- latest" if r["latest"] else ""
         print(
             f"{r['step']:>10}  {size:>10}  {r['world_size'] or '-':>5} "
-            f" {created:<19}  {Path(r['path']).name}{mark}"
+            f" {created:<19}  {r['path'].rsplit('/', 1)[-1]}{mark}"
         )
-    if aside:
-        print(
-            "\n"
-            f"{aside} checkpoint(s) of abandoned branches in "
-            f"{root / 'abandoned'} (set aside when training went back; not "
-            "restored, not counted by keep): delete them when no longer needed"
-        )
-    return 0
+    return True
 
 
 def _abandoned(root: Any) -> int:
@@ -219,6 +288,8 @@ def _verify(args: argparse.Namespace) -> int:
     from gpumem.checkpoint import CheckpointCorruptError, verify
     from gpumem.checkpoint.interop.dcp_plain import is_plain_dcp, pickled_items, verify_plain
 
+    if args.path.lower().startswith("s3://"):
+        return _verify_object(args.path)
     if is_plain_dcp(Path(args.path)):
         try:
             r = verify_plain(Path(args.path), trust_pickle=args.trust_pickle)
@@ -262,6 +333,31 @@ def _verify(args: argparse.Namespace) -> int:
         else:
             bad += 1
             print(f"CORRUPT  {p.name}: {exc}")
+    return 1 if bad else 0
+
+
+def _verify_object(url: str) -> int:
+    """``verify`` of an s3:// root: every committed step copied into a temporary directory and
+    checked there as a directory is."""
+    from gpumem.checkpoint import CheckpointCorruptError
+    from gpumem.checkpoint.restore.fetch import verify_step
+
+    root = _object_root(url)
+    steps = sorted(root.steps())
+    if not steps:
+        raise FileNotFoundError(f"{root.url} holds no committed checkpoint")
+    bad = 0
+    for step in steps:
+        try:
+            info = verify_step(root, step)
+        except CheckpointCorruptError as exc:
+            bad += 1
+            print(f"CORRUPT  step {step}: {exc}")
+            continue
+        print(
+            f"OK       step {info.step}: {format_bytes(info.nbytes)}, {info.world_size} "
+            f"rank(s), every byte checked"
+        )
     return 1 if bad else 0
 
 

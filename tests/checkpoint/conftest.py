@@ -21,3 +21,26 @@ def _quiet_threads(monkeypatch):
     native.set_num_threads(NATIVE_THREADS)
     yield
     native.set_num_threads(before)
+
+
+# the object-store tests: a local S3 server in a child process and a fault proxy (see s3_lib)
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory):
+    from s3_lib import serve
+
+    yield from serve(tmp_path_factory)
+
+
+@pytest.fixture
+def s3_proxy(s3_server):
+    from s3_lib import proxy_for
+
+    yield from proxy_for(s3_server)
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    from s3_lib import CREDENTIALS, env, new_bucket
+
+    with env(CREDENTIALS):
+        return new_bucket(s3_server.url)

@@ -10,4 +10,5 @@ Modules:
     validate    does a decoded tree fit the objects? checked before any is touched
     load        apply(): the tree loaded into the objects with rollback
     verify      verify(): a whole checkpoint directory checked without objects
+    fetch       fetch(): an object-store root's newest good step copied locally and verified
 """

@@ -9,4 +9,8 @@ Modules:
     root       the directory as an open Checkpointer holds it: opened, locked, agreed on
     lock       one job per directory: the advisory lock rank 0 holds
     safe_fs    descriptor-relative, no-follow file access a hostile directory cannot redirect
+    location   where a root is: a local directory, or a URL (refused, or an s3:// ObjectURL)
+    object_store  an S3-protocol store (boto3): multipart from memory, conditional put, ranged read
+    object_root   checkpoints in an object store: a step uploaded, committed by conditional put
+    object_body   a request's bytes as views of caller memory: body, parts, CRC32C headers, budget
 """

@@ -1,0 +1,416 @@
+"""A checkpoint root in an object store (``s3://bucket/prefix``): the directory's format and commit
+rules, on objects.
+
+Layout under the prefix::
+
+    step-<N>/<save>/MANIFEST, manifest-r*, data-r*-*.bin   one save's files, named as in a step
+                                                          directory, under the save's own id
+    step-<N>/COMMIT        {"save": id, "manifest_crc32c": crc}: the commit of step N
+    latest                 the directory's pointer, same fields, moved by conditional put
+
+Commit rules (the directory's, with a conditional put where it has a rename):
+
+- a save uploads its data files (multipart from memory, each part and object with its CRC32C),
+  then its shard manifests, then its main manifest, and only then writes ``COMMIT`` with
+  ``If-None-Match: *``: **that put is the commit**. Of two jobs committing one step exactly one
+  wins; the other's objects are deleted and it gets ``CheckpointStateError``;
+- each save's files live under a fresh id, so a failed, killed or losing save never touches a
+  byte of a committed one, and what it leaves (objects, incomplete uploads) is never read:
+  only a ``COMMIT`` makes a step visible, and ``clean_stale`` removes the rest;
+- ``latest`` moves by ``If-Match`` on the version it replaces (``If-None-Match`` where there is
+  none) and never back to an older step; restore does not depend on it;
+- retention runs after a commit and deletes a step's ``COMMIT`` first (it stops being visible),
+  then its files; never the step just committed.
+
+Reading applies the directory's trust rules: every manifest is read through ``ObjectStep`` (the
+read side of ``safe_fs.Dir``) by the directory's own ``load_info`` and ``load_shard_manifest``, so
+size caps, framing, CRC32C and every field are checked as for files; a data object's size is
+checked against its shard manifest before a byte is read; ``fetch`` downloads a step into a
+local directory, where ``restore.fetch`` runs the full ``verify`` on it and falls back to the
+next older step (with a ``CheckpointFallbackWarning``) when one is damaged.
+
+Today this is what a node-local tier needs (upload a committed local step, fetch one back) and
+what ``gpumem ckpt ls`` / ``verify`` read; ``Checkpointer`` does not save here directly yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpumem import _strict_json
+
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointStateError,
+)
+from .directory import load_info, load_shard_manifest
+from .format import (
+    LATEST,
+    MAIN_MANIFEST,
+    MAX_MANIFEST_BYTES,
+    CheckpointInfo,
+    step_dir_name,
+)
+from .object_store import ObjectInfo, S3Store
+from .safe_fs import Dir
+
+COMMIT = "COMMIT"
+_COMMIT_KEY = re.compile(r"^step-(\d{1,19})/COMMIT$")
+_SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
+_SMALL = 4096  # COMMIT and latest are a line of JSON
+
+
+class _ObjectPath:
+    """``Path``'s ``/``, ``name`` and ``str`` for an object key prefix, for messages."""
+
+    def __init__(self, text: str):
+        self._text = text.rstrip("/")
+
+    def __truediv__(self, name: str) -> _ObjectPath:
+        return _ObjectPath(f"{self._text}/{name}")
+
+    @property
+    def name(self) -> str:
+        return self._text.rsplit("/", 1)[-1]
+
+    def __str__(self) -> str:
+        return self._text
+
+    def __fspath__(self) -> str:  # never opened: for os.fsdecode in messages only
+        return self._text
+
+
+class ObjectStep:
+    """One save's files in the store, as the directory code reads a step directory
+    (``path``, ``read_small``): manifests are checked by the same functions."""
+
+    def __init__(self, store: S3Store, key: str):
+        self.store, self.key = store, key.rstrip("/")
+        self.path = _ObjectPath(f"s3://{store.url.bucket}/{self.key}")
+
+    def read_small(self, name: str, cap: int, what: str) -> bytes:
+        got = self.store.get(f"{self.key}/{name}", max_bytes=cap)
+        if got is None:
+            path = str(self.path / name)
+            raise CheckpointCorruptError(f"{path}: {what} unreadable: missing", path=path)
+        return got[0]
+
+    def __enter__(self) -> ObjectStep:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@dataclass
+class UploadedStep:
+    """What ``upload_step`` did: the step and save committed, the bytes sent, the steps that
+    retention removed, and why ``latest`` was not moved (None: it was)."""
+
+    step: int
+    save: str
+    nbytes: int
+    removed: list[int] = field(default_factory=list)
+    pointer_error: CheckpointError | None = None
+
+
+class ObjectRoot:
+    """The checkpoints under one ``s3://`` root (see the module docstring).
+
+    Args:
+        store: the opened store (``S3Store``: endpoint, credentials and probe done there).
+        part_bytes, budget_bytes: of the multipart uploads (see ``S3Store.upload``).
+    """
+
+    def __init__(
+        self, store: S3Store, *, part_bytes: int = 64 << 20, budget_bytes: int = 512 << 20
+    ):
+        self.store = store
+        self.part_bytes, self.budget_bytes = part_bytes, budget_bytes
+
+    @property
+    def url(self) -> str:
+        return str(self.store.url)
+
+    def _key(self, name: str) -> str:
+        return self.store.url.key(name)
+
+    # ------------------------------------------------------------------ writing
+
+    def upload_step(self, local: str | os.PathLike, keep: int | None = None) -> UploadedStep:
+        """Upload the committed local checkpoint directory ``local`` (a ``step-<N>``) and commit
+        it here as step N; then move ``latest`` and apply retention (``keep`` newest).
+
+        The local step is checked first (its manifests, as restore checks them); its data
+        files are sent from the page cache (``mmap``), not read into a copy.
+
+        Raises:
+            CheckpointStateError: step N is already committed here (by this or another job).
+            CheckpointCorruptError: the local step is damaged.
+            CheckpointIOError: the store failed (what was uploaded is deleted again).
+        """
+        with Dir.open(local) as src:
+            info = load_info(src)
+            shards = [load_shard_manifest(src, info, r) for r in range(info.world_size)]
+            save = uuid.uuid4().hex
+            base = f"{step_dir_name(info.step)}/{save}"
+            sent = 0
+            try:
+                for shard in shards:  # data first, then the manifests that describe it
+                    for name, size in shard.files.items():
+                        sent += self._upload_file(src, name, size, f"{base}/{name}")
+                # the shard manifests, then the main one, last: a listing of the save's files
+                # never shows a manifest before what it describes
+                for name in [*(ref.file for ref in info.shards), MAIN_MANIFEST]:
+                    data = src.read_small(name, MAX_MANIFEST_BYTES, "manifest")
+                    self.store.put(self._key(f"{base}/{name}"), data)
+                won = self.store.put_new(
+                    self._key(f"{step_dir_name(info.step)}/{COMMIT}"),
+                    _json({"save": save, "manifest_crc32c": info.manifest_crc32c}),
+                )
+            except BaseException:
+                self._delete_prefix(f"{base}/")
+                raise
+        if not won:
+            self._delete_prefix(f"{base}/")
+            raise CheckpointStateError(
+                f"step {info.step} is already committed at {self.url} (by another save or job); "
+                "its checkpoint was kept and this one discarded"
+            )
+        done = UploadedStep(info.step, save, sent)
+        try:
+            self._move_latest(info.step, info.manifest_crc32c)
+        except CheckpointError as exc:
+            done.pointer_error = exc
+        done.removed = self.apply_retention(keep, info.step)
+        return done
+
+    def _upload_file(self, src: Dir, name: str, size: int, key: str) -> int:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), dir_fd=src.fd)
+        try:
+            actual = os.fstat(fd).st_size
+            if actual != size:
+                path = str(src.path / name)
+                raise CheckpointCorruptError(
+                    f"{path}: {actual} bytes on disk, manifest says {size}", path=path
+                )
+            if size == 0:
+                self.store.upload(self._key(key), [b""])
+                return 0
+            with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm:
+                view = memoryview(mm)
+                try:
+                    self.store.upload(
+                        self._key(key),
+                        [view],
+                        part_bytes=self.part_bytes,
+                        budget_bytes=self.budget_bytes,
+                    )
+                finally:
+                    view.release()
+        finally:
+            os.close(fd)
+        return size
+
+    def _move_latest(self, step: int, crc: int) -> None:
+        """Point ``latest`` at ``step`` unless it points at a newer one, by conditional put."""
+        key = self._key(LATEST)
+        data = _json({"step": step, "path": step_dir_name(step), "manifest_crc32c": crc})
+        for _ in range(self.store.max_attempts):
+            got = self.store.get(key, max_bytes=_SMALL)
+            if got is None:
+                if self.store.put_new(key, data):
+                    return
+                continue
+            current, etag = got
+            try:
+                old = _strict_json.loads(current)
+                if (
+                    isinstance(old, dict)
+                    and isinstance(old.get("step"), int)
+                    and old["step"] > step
+                ):
+                    return  # a newer commit moved it already
+            except (ValueError, RecursionError):
+                pass  # a damaged pointer is replaced
+            if self.store.put_over(key, data, etag) is not None:
+                return
+        raise CheckpointStateError(f"{self.url}/latest kept moving under concurrent commits")
+
+    def apply_retention(self, keep: int | None, committed: int) -> list[int]:
+        """Delete all but the ``keep`` newest committed steps (never ``committed``): each one's
+        ``COMMIT`` first, then its files. Returns the steps removed."""
+        if keep is None:
+            return []
+        removed = []
+        for i, step in enumerate(self.steps()):
+            if i < keep or step == committed:
+                continue
+            self.store.delete([self._key(f"{step_dir_name(step)}/{COMMIT}")])
+            self._delete_prefix(f"{step_dir_name(step)}/")
+            removed.append(step)
+        return removed
+
+    def clean_stale(self, older_than_s: float = 24 * 3600.0) -> list[str]:
+        """Remove what killed or losing saves left, older than ``older_than_s`` (a live job's
+        upload in progress is younger): incomplete multipart uploads, and files of saves that
+        no ``COMMIT`` names. Returns what was removed (keys, and ``upload:<key>``)."""
+        cutoff = time.time() - older_than_s
+        removed = []
+        for up in self.store.uploads():
+            if up.initiated < cutoff:
+                self.store.abort(up)
+                removed.append(f"upload:{up.key}")
+        committed = {}
+        for step in self.steps():
+            with contextlib.suppress(CheckpointCorruptError):
+                committed[step] = self._commit_record(step)["save"]
+        orphans = []
+        for obj, modified in self._objects_with_times():
+            rel = obj[len(self._key("")) :] if self.store.url.prefix else obj
+            m = re.match(r"^step-(\d{1,19})/([0-9a-f]{32})/", rel)
+            if m and committed.get(int(m.group(1))) != m.group(2) and modified < cutoff:
+                orphans.append(obj)
+        self.store.delete(orphans)
+        return removed + orphans
+
+    def _objects_with_times(self) -> Iterator[tuple[str, float]]:
+        pages = self.store.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.store.url.bucket, Prefix=self._key("") if self.store.url.prefix else ""
+        )
+        for page in self.store._pages("list", pages):
+            for item in page.get("Contents", []):
+                yield item["Key"], item["LastModified"].timestamp()
+
+    def _delete_prefix(self, prefix: str) -> None:
+        self.store.delete([o.key for o in self.store.list(prefix)])
+
+    # ------------------------------------------------------------------ reading
+
+    def steps(self) -> list[int]:
+        """The committed steps (a ``COMMIT`` exists), newest first."""
+        found = []
+        for obj in self.store.list("step-"):
+            rel = obj.key[len(self._key("")) :] if self.store.url.prefix else obj.key
+            m = _COMMIT_KEY.match(rel)
+            if m:
+                found.append(int(m.group(1)))
+        return sorted(found, reverse=True)
+
+    def _commit_record(self, step: int) -> dict[str, Any]:
+        key = self._key(f"{step_dir_name(step)}/{COMMIT}")
+        name = f"s3://{self.store.url.bucket}/{key}"
+        got = self.store.get(key, max_bytes=_SMALL)
+        if got is None:
+            raise CheckpointCorruptError(f"{name}: the commit record is missing", path=name)
+        try:
+            data = _strict_json.loads(got[0])
+        except (ValueError, RecursionError):
+            data = None
+        if not (
+            isinstance(data, dict)
+            and set(data) == {"save", "manifest_crc32c"}
+            and isinstance(data["save"], str)
+            and _SAVE_ID.match(data["save"])
+            and isinstance(data["manifest_crc32c"], int)
+        ):
+            raise CheckpointCorruptError(f"{name}: damaged commit record", path=name)
+        return data
+
+    def open_step(self, step: int) -> tuple[ObjectStep, CheckpointInfo]:
+        """The committed step ``step``: its files and its main manifest, checked (the manifest's
+        CRC32C against the commit record, its step against N).
+
+        Raises:
+            CheckpointCorruptError: naming the object at fault.
+        """
+        record = self._commit_record(step)
+        files = ObjectStep(self.store, self._key(f"{step_dir_name(step)}/{record['save']}"))
+        info = load_info(files)
+        manifest = str(files.path / MAIN_MANIFEST)
+        if info.manifest_crc32c != record["manifest_crc32c"]:
+            raise CheckpointCorruptError(
+                f"{manifest}: CRC32C {info.manifest_crc32c:08x} is not the committed "
+                f"{record['manifest_crc32c']:08x}",
+                path=manifest,
+            )
+        if info.step != step:
+            raise CheckpointCorruptError(
+                f"{manifest}: records step {info.step} but is committed as step {step}",
+                path=manifest,
+            )
+        return files, info
+
+    def list_checkpoints(self) -> list[CheckpointInfo]:
+        """Committed checkpoints whose manifests are intact, oldest first (data not read)."""
+        infos = []
+        for step in self.steps():
+            with contextlib.suppress(CheckpointCorruptError):
+                infos.append(self.open_step(step)[1])
+        return sorted(infos, key=lambda i: i.step)
+
+    def download_step(self, step: int, dest: str | os.PathLike) -> Path:
+        """Copy committed step ``step`` into ``dest/step-<N>`` (which must not exist), manifests
+        checked as read, each data object's size checked against its shard manifest before it
+        is read; one file is in memory at a time. ``restore.fetch`` then checks every byte
+        (``verify``); a failure removes what was written locally.
+
+        Raises:
+            CheckpointCorruptError: the step is damaged.
+        """
+        files, info = self.open_step(step)
+        name = step_dir_name(step)
+        with Dir.open(dest, create=True) as root:
+            out = root.make_sub(name)
+            try:
+                with out:
+                    for r in range(info.world_size):
+                        shard = load_shard_manifest(files, info, r)
+                        for fname, size in shard.files.items():
+                            key = f"{files.key}/{fname}"
+                            self._check_size(key, size)  # before memory is taken for it
+                            buf = np.empty(size, dtype=np.uint8)
+                            self.store.read_into(
+                                key, 0, buf, object_size=size, range_bytes=self.part_bytes
+                            )
+                            out.write_pieces(fname, [(0, buf)] if size else [], size, False)
+                    for manifest in [*(ref.file for ref in info.shards), MAIN_MANIFEST]:
+                        data = files.read_small(manifest, MAX_MANIFEST_BYTES, "manifest")
+                        out.write_new(manifest, data)
+                    out.fsync()
+            except BaseException:
+                root.discard_tree(name)
+                raise
+        return Path(os.fsdecode(dest)) / name
+
+    def _check_size(self, key: str, size: int) -> None:
+        """The data object ``key`` exists and holds the ``size`` bytes its manifest records."""
+        found = self.store.head(key)
+        name = f"s3://{self.store.url.bucket}/{key}"
+        if found is None:
+            raise CheckpointCorruptError(f"{name}: data object missing", path=name)
+        assert isinstance(found, ObjectInfo)
+        if found.size != size:
+            raise CheckpointCorruptError(
+                f"{name} holds {found.size} bytes, not the {size} its manifest records "
+                "(truncated or replaced): not read",
+                path=name,
+            )
+
+
+def _json(obj: dict[str, Any]) -> bytes:
+    import json
+
+    return json.dumps(obj).encode() + b"\n"
