@@ -317,6 +317,41 @@ def float8_moment(sh: Shapes, spec: ModelSpec, recipe: str, all_gather: bool) ->
     return n * h * _BF16 + n * f * _BF16 + 2 * n * h + weight_cast + 9 * n * f + scales
 
 
+def float8_forward_moment(
+    sh: Shapes, spec: ModelSpec, recipe: str, recompute: str, n_layers: int, gathered: int
+) -> tuple[float, float, float, float] | None:
+    """The last block's forward under float8 when it is not checkpointed, as (grads,
+    activations, temporaries, communication) of ``terms``' moments: every block's saved set
+    (its own whole: w2's input is the last), the block's input (the decoder's loop variable)
+    and its residual stream, the cast of w2's input with its scale, the block gathered twice
+    (FSDP2 keeps the all-gather's flat output beside the unsharded parameters until the next
+    unit's all-gather). No gradient exists yet (``zero_grad(set_to_none=True)``). The
+    peak of ``rowwise_with_gw_hp`` without AC, whose backward casts no ffn-wide tensor for the
+    weight gradient (None when the block is checkpointed or w2 not converted)."""
+    i = n_layers - 1
+    h, f, n = sh.h, sh.f, sh.n
+    if block_checkpointed(recompute, i) or (f, h) not in float8_linears(spec):
+        return None
+    acts = sum(block_saved(sh, recompute, j) for j in range(n_layers))
+    scale = 4 * n if recipe.startswith("rowwise") else 4
+    return 0.0, float(acts), float(2 * n * h * _BF16 + 9 * n * f + scale), float(2 * gathered)
+
+
+def float8_recompute_moment(sh: Shapes, spec: ModelSpec, recipe: str, per_op: bool) -> int | None:
+    """The widest moment of a checkpointed block's recomputed forward under float8, as
+    temporaries beyond the block's saved set (None when w2 is not converted): the cast of w2's
+    input (9 B per element, as in ``float8_moment``) with its scale (rowwise: one fp32 per
+    row), the incoming gradient and the residual stream (alive until the block's output), and
+    under per-op SAC w2's cached output, not yet replayed. It is the widest for
+    ``rowwise_with_gw_hp``, whose backward casts no ffn-wide tensor for the weight gradient."""
+    h, f, n = sh.h, sh.f, sh.n
+    if (f, h) not in float8_linears(spec):
+        return None
+    scale = 4 * n if recipe.startswith("rowwise") else 4
+    cached = n * h * _BF16 if per_op else 0
+    return 2 * n * h * _BF16 + 9 * n * f + scale + cached
+
+
 def terms(
     spec: ModelSpec,
     training: Training,
@@ -454,6 +489,11 @@ def terms(
     if f8 is not None and f8 > widest + w2_grad:
         widest, w2_grad = f8, 0
     gathered = float8_gathered(spec, t, fsdp_float8_all_gather)
+    rec8 = (
+        float8_recompute_moment(sh, spec, fp8_recipe, recompute in ("selective", "selective:op"))
+        if fp8_recipe
+        else None
+    )
     labels = sh.n * 8  # the step's label tensor, alive until the step ends
     if loss_chunks:
         # ChunkedLossWrapper leaves a reference cycle holding one hidden-state-sized bf16
@@ -470,13 +510,20 @@ def terms(
         own = (sh.n_sp * h * _BF16 if block_checkpointed(recompute, i) else 0) + none
         prev = head_params if i == L - 1 else blk
         fetch = (gathered if i > 0 else embed_params * _BF16) if n_shard > 1 else 0
-        comm = gathered + fetch + prev * 4 + w2_grad
-        return grads, below + own, widest, comm
+        temp, w2g = widest, w2_grad
+        if rec8 is not None and block_checkpointed(recompute, i) and rec8 > temp + w2g:
+            temp, w2g = rec8, 0  # the recomputed forward's cast of w2's input
+        comm = gathered + fetch + prev * 4 + w2g
+        return grads, below + own, temp, comm
 
     # start, the alternative to the loss: the last blocks' backward (the head's saved tensors
     # gone but the labels, its sharded grads done, its unit resharded)
     loss_moment = L * x[peak.A_LAYER] + x[peak.A_LAST] + x[peak.T_BWD0] + x[peak.GATHER]
     g, acts, temp, comm = max((moment(i) for i in {L - 1, max(L - 2, 0)}), key=sum)
+    if fp8_recipe is not None:  # the last block's forward, counted as this moment's rival
+        fwd = float8_forward_moment(sh, spec, fp8_recipe, recompute, L, gathered)
+        if fwd is not None and sum(fwd) > g + acts + temp + comm:
+            g, acts, temp, comm = fwd
     if g + acts + labels + temp + comm > loss_moment:
         x[peak.G_START], x[peak.A_GONE] = g, x[peak.A_LAST] - labels
         x[peak.T_BWD0] = acts + temp + comm - L * x[peak.A_LAYER] - x[peak.GATHER]
