@@ -627,6 +627,11 @@ def estimate_preset(
             "loss": loss_convention(framework, terms.holds_logits),
             "fused_ops": tuple(sorted(terms.fused)),
             **(
+                {"float8": torchtitan.float8_label(*titan_float8)}
+                if titan_float8[0] is not None
+                else {}
+            ),
+            **(
                 {"moe_imbalance": moe_imbalance, "moe_dispatcher": moe_dispatcher}
                 if spec.is_moe
                 else {}
@@ -641,6 +646,7 @@ def estimate_preset(
                 training=training,
                 given=given,
             ),
+            "float8": "given",
             "loss": "keep_logits given"
             if keep_logits is not None
             else f"default: the {framework} loop",

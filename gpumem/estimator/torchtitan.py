@@ -260,6 +260,11 @@ def check_float8(recipe: str | None, all_gather: bool, tp: int) -> None:
         )
 
 
+def float8_label(recipe: str | None, all_gather: bool) -> str:
+    """The bill's float8 input: ``tensorwise, FSDP float8 all-gather``."""
+    return f"{recipe}, FSDP float8 all-gather" if all_gather else str(recipe)
+
+
 def float8_linears(spec: ModelSpec) -> list[tuple[int, int]]:
     """(in, out) of a block's Linears that torchtitan converts to Float8Linear: every one whose
     dims are multiples of 16 (``module_filter_fn``); the lm_head is filtered out
