@@ -53,8 +53,9 @@ modules, Megatron's recompute) in every part that decides the peak:
   all-gather gathers 1-byte weights.
 
 Not modelled (left for later): torch.compile (Inductor fuses and re-plans what is saved; see
-docs/estimator.md, "torch.compile"), float8 with tensor parallelism, the chunked loss under TP (loss parallel per chunk), FlexAttention's
-block masks and the RoPE cache gathered by explicit positions (0.3.0's default backend: small),
+docs/estimator.md, "torch.compile"), float8 with tensor parallelism, the chunked loss under TP
+(loss parallel per chunk), FlexAttention's block masks and the RoPE cache gathered by explicit
+positions (0.3.0's default backend: small),
 pipeline parallelism, HSDP's replicate all-reduce buffers. Under TP a block's widest backward
 moment is the sequence-parallel all-gather's backward, approximated here by SwiGLU's (within 1 %
 on the tests' model).
@@ -315,10 +316,9 @@ def float8_moment(sh: Shapes, spec: ModelSpec, recipe: str, all_gather: bool) ->
     if recipe == "rowwise_with_gw_hp":
         return None
     weight_cast = 0 if all_gather else h * f
-    if recipe == "rowwise":
-        scales = 4 * (n + h + f + f)
-    else:  # tensorwise: fp32 scalars (the gathered float8 weight carries its own)
-        scales = 4 * (3 if all_gather else 4)
+    # rowwise: one fp32 per row or column; tensorwise: scalars (a float8-gathered weight
+    # carries its own)
+    scales = 4 * (n + h + f + f) if recipe == "rowwise" else 4 * (3 if all_gather else 4)
     return n * h * _BF16 + n * f * _BF16 + 2 * n * h + weight_cast + 9 * n * f + scales
 
 

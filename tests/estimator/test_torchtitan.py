@@ -391,9 +391,10 @@ def test_float8_gathered_weight_bytes_by_hand() -> None:
     # a Linear whose dims are not multiples of 16 stays bf16 (torchtitan's module_filter_fn)
     odd = dataclasses.replace(spec, ffn=1000)
     assert torchtitan.float8_linears(odd) == [(h, h + 2 * kv), (h, h)]
-    assert torchtitan.float8_gathered(odd, 1, True) == h * (h + 2 * kv) + h * h + (
-        3 * h * 1000 + 2 * h
-    ) * 2
+    assert (
+        torchtitan.float8_gathered(odd, 1, True)
+        == h * (h + 2 * kv) + h * h + (3 * h * 1000 + 2 * h) * 2
+    )
 
 
 def test_float8_block_moment_by_hand() -> None:
@@ -522,8 +523,9 @@ def test_float8_bad_input_is_one_line(kwargs: dict, words: tuple[str, ...]) -> N
 def test_float8_precision_names_the_recipe() -> None:
     """``precision="fp8-tensorwise"`` is ``fp8_recipe="tensorwise"`` under torchtitan too."""
     kw = {"framework": "torchtitan", "layout": gpumem.Layout(dp=8, fsdp="full")}
-    a = gpumem.estimate("llama-3.1-8b", batch_size=2, seq_len=8192, precision="fp8-tensorwise", **kw)
-    b = gpumem.estimate("llama-3.1-8b", batch_size=2, seq_len=8192, fp8_recipe="tensorwise", **kw)
+    kw.update(batch_size=2, seq_len=8192)
+    a = gpumem.estimate("llama-3.1-8b", precision="fp8-tensorwise", **kw)
+    b = gpumem.estimate("llama-3.1-8b", fp8_recipe="tensorwise", **kw)
     assert a.per_gpu == b.per_gpu
     assert "float8 tensorwise" in b.inputs_line()
 
