@@ -169,14 +169,14 @@ def torchtitan_rows() -> tuple[list[list[object]], list[float]]:
     return rows, errors
 
 
-def titan_section(titan: list[list[object]], titan_err: list[float]) -> str:
+def titan_section(titan: list[list[object]], titan_err: list[float], rerun: str = "") -> str:
     """The torchtitan section of published.md (its own, so that ``--only torchtitan`` can
-    replace it alone)."""
+    replace it alone; ``rerun``: when and at which commit that happened)."""
     from _report import markdown_table
 
     return f"""## torchtitan (peak allocated: estimate vs fake profile of torchtitan's own model)
 
-{_share(titan_err)}.
+{rerun}{_share(titan_err)}.
 
 {markdown_table(TITAN_COLS, titan)}
 """
@@ -193,18 +193,24 @@ def only_torchtitan() -> None:
 
     from _report import RESULTS
 
+    info = machine_info()
     titan, titan_err = torchtitan_rows()
     md, js = RESULTS / "published.md", RESULTS / "published.json"
     text = md.read_text()
     start = text.index("## torchtitan")
     end = text.index("\n## ", start + 1) + 1
-    md.write_text(text[:start] + titan_section(titan, titan_err) + "\n" + text[end:])
+    rerun = (
+        f"Rerun alone (`bench_published.py --only torchtitan`, {info['date']}, git commit "
+        f"{info['git commit']}); the other sections are from the run in the header. "
+    )
+    section = titan_section(titan, titan_err, rerun)
+    md.write_text(text[:start] + section + "\n" + text[end:])
     record = json.loads(js.read_text())
     fig = value_figure(TITAN_FIGURE, "%", 100 * statistics.median(titan_err))
     record["figures"] = [f for f in record["figures"] if f["name"] != TITAN_FIGURE]
     record["figures"].append(dataclasses.asdict(fig))
     js.write_text(json.dumps(record, indent=1) + "\n")
-    print(titan_section(titan, titan_err))
+    print(section)
 
 
 TITAN_COLS = ["row", "fake profile GiB", "estimate GiB", "error", "published reserved GiB", "how"]
