@@ -323,14 +323,20 @@ def float8_moment(sh: Shapes, spec: ModelSpec, recipe: str, all_gather: bool) ->
 
 
 def float8_forward_moment(
-    sh: Shapes, spec: ModelSpec, recipe: str, recompute: str, n_layers: int, gathered: int
+    sh: Shapes,
+    spec: ModelSpec,
+    recipe: str,
+    recompute: str,
+    n_layers: int,
+    gathered: int,
+    n_shard: float,
 ) -> tuple[float, float, float, float] | None:
     """The last block's forward under float8 when it is not checkpointed, as (grads,
     activations, temporaries, communication) of ``terms``' moments: every block's saved set
     (its own whole: w2's input is the last), the block's input (the decoder's loop variable)
     and its residual stream, the cast of w2's input with its scale, the block gathered twice
-    (FSDP2 keeps the all-gather's flat output beside the unsharded parameters until the next
-    unit's all-gather). No gradient exists yet (``zero_grad(set_to_none=True)``). The
+    on more than one rank (FSDP2 keeps the all-gather's flat output beside the unsharded
+    parameters until the next unit's all-gather). No gradient exists yet (``zero_grad(set_to_none=True)``). The
     peak of ``rowwise_with_gw_hp`` without AC, whose backward casts no ffn-wide tensor for the
     weight gradient (None when the block is checkpointed or w2 not converted)."""
     i = n_layers - 1
@@ -339,7 +345,8 @@ def float8_forward_moment(
         return None
     acts = sum(block_saved(sh, recompute, j) for j in range(n_layers))
     scale = 4 * n if recipe.startswith("rowwise") else 4
-    return 0.0, float(acts), float(2 * n * h * _BF16 + 9 * n * f + scale), float(2 * gathered)
+    comm = gathered * (2 if n_shard > 1 else 1)
+    return 0.0, float(acts), float(2 * n * h * _BF16 + 9 * n * f + scale), float(comm)
 
 
 def float8_recompute_moment(sh: Shapes, spec: ModelSpec, recipe: str, per_op: bool) -> int | None:
@@ -526,7 +533,7 @@ def terms(
     loss_moment = L * x[peak.A_LAYER] + x[peak.A_LAST] + x[peak.T_BWD0] + x[peak.GATHER]
     g, acts, temp, comm = max((moment(i) for i in {L - 1, max(L - 2, 0)}), key=sum)
     if fp8_recipe is not None:  # the last block's forward, counted as this moment's rival
-        fwd = float8_forward_moment(sh, spec, fp8_recipe, recompute, L, gathered)
+        fwd = float8_forward_moment(sh, spec, fp8_recipe, recompute, L, gathered, n_shard)
         if fwd is not None and sum(fwd) > g + acts + temp + comm:
             g, acts, temp, comm = fwd
     if g + acts + labels + temp + comm > loss_moment:

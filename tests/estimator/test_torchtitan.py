@@ -445,6 +445,7 @@ def float8_reference(reference):
         (512, 8, "selective", "rowwise_with_gw_hp", False),
         (512, 8, "selective", "tensorwise", True),
         (512, 1, "selective:2", "rowwise", False),
+        (512, 1, "none", "rowwise_with_gw_hp", False),  # the forward, one rank: no flat buffer
         # the loss's backward (vocabulary 32 × dim): SAC's amax scalars, the precomputed scales
         (8192, 2, "selective", "tensorwise", False),
         (8192, 2, "selective", "tensorwise", True),
