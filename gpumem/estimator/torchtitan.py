@@ -336,9 +336,10 @@ def float8_forward_moment(
     (its own whole: w2's input is the last), the block's input (the decoder's loop variable)
     and its residual stream, the cast of w2's input with its scale, the block gathered twice
     on more than one rank (FSDP2 keeps the all-gather's flat output beside the unsharded
-    parameters until the next unit's all-gather). No gradient exists yet (``zero_grad(set_to_none=True)``). The
-    peak of ``rowwise_with_gw_hp`` without AC, whose backward casts no ffn-wide tensor for the
-    weight gradient (None when the block is checkpointed or w2 not converted)."""
+    parameters until the next unit's all-gather). No gradient exists yet
+    (``zero_grad(set_to_none=True)``). The peak of ``rowwise_with_gw_hp`` without AC, whose
+    backward casts no ffn-wide tensor for the weight gradient (None when the block is
+    checkpointed or w2 not converted)."""
     i = n_layers - 1
     h, f, n = sh.h, sh.f, sh.n
     if block_checkpointed(recompute, i) or (f, h) not in float8_linears(spec):
