@@ -245,9 +245,10 @@ def check_float8(recipe: str | None, all_gather: bool, tp: int) -> None:
             )
         return
     if recipe not in FLOAT8_RECIPES:
+        megatron = " (Transformer Engine's, as precision='fp8' is)" if recipe == "delayed" else ""
         raise ValueError(
-            f"fp8_recipe={recipe!r} is not a torchtitan float8 recipe; framework='torchtitan' "
-            f"takes {', '.join(FLOAT8_RECIPES)}"
+            f"fp8_recipe={recipe!r}{megatron} is not a torchtitan float8 recipe; "
+            f"framework='torchtitan' takes {', '.join(FLOAT8_RECIPES)}"
         )
     if all_gather and recipe != "tensorwise":
         raise ValueError(
