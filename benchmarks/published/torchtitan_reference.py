@@ -31,7 +31,13 @@ Deviations, each to make a CPU fake run save what the CUDA run saves:
 - the loss: 0.3.0's llama3 recipes wrap it in ``ChunkedLossWrapper``; the published runs (and
   the default ``CrossEntropyLoss``) compute it on the whole logits. The reference does the
   latter.
-- no torch.compile, no float8 (neither runs on fake CPU tensors).
+- float8 (``float8=``): torchtitan's ``Float8LinearConverter`` for its rowwise recipes with its
+  CUDA-capability check patched (``emulate=True`` would compute in high precision and save
+  other tensors; nothing is computed here), torchao's ``convert_to_float8_training`` for
+  tensorwise (0.3.0's converter never wraps the weight for FSDP's float8 all-gather). torchao's
+  eager casts run as on CUDA; ``_scaled_mm`` runs on fake CPU tensors through its meta kernel.
+- no torch.compile: under ``gpumem.profile`` Dynamo skips frames (the profiler's dispatch mode),
+  see docs/estimator.md, "torch.compile".
 
     python benchmarks/published/torchtitan_reference.py --flavor 8B --world 8 --batch 2 \
         --seq 8192 --ac selective
