@@ -468,6 +468,41 @@ def test_float8_equals_fake_profile(float8_reference, vocab, world, recompute, r
     assert abs(est - ref.peak_bytes) < 512
 
 
+@pytest.mark.parametrize(
+    ("vocab", "recompute", "recipe", "all_gather", "chunks", "persistent"),
+    [
+        (8192, "selective", "rowwise", False, 4, False),  # with the chunked loss
+        (512, "selective", "tensorwise", True, 4, False),
+        (512, "full", "rowwise", False, 0, True),  # with 0.3.0's kept gradients
+        (8192, "none", "rowwise_with_gw_hp", False, 0, True),
+    ],
+)
+def test_float8_with_other_knobs_equals_fake_profile(
+    float8_reference, vocab, recompute, recipe, all_gather, chunks, persistent
+):
+    ref = float8_reference.profile_step(
+        **{**TINY, "vocab": vocab},
+        world=2,
+        batch=BATCH,
+        seq=SEQ,
+        ac=recompute,
+        float8=recipe,
+        float8_all_gather=all_gather,
+        loss_chunks=chunks,
+        set_to_none=not persistent,
+    )
+    est = f8_estimate(
+        recompute,
+        2,
+        recipe,
+        all_gather,
+        spec=tiny_spec(vocab),
+        loss_chunks=chunks,
+        persistent_grads=persistent,
+    )
+    assert abs(est - ref.peak_bytes) < 512
+
+
 def test_float8_reference_sees_what_cuda_saves(float8_reference) -> None:
     """The save list that decides what per-op SAC keeps of a float8 block: ``aten.max`` (the
     tensorwise amax) and ``aten._scaled_mm`` are in it, and SAC's policy sees the ``aten.mm``
