@@ -13,6 +13,7 @@
   measurements): reproduced, and gpumem's training-time bill beside them.
 
     python benchmarks/bench_published.py        # writes benchmarks/results/published.md
+    python benchmarks/bench_published.py --only torchtitan   # reruns that section alone
 """
 
 from __future__ import annotations
@@ -142,29 +143,74 @@ def deepspeed_rows() -> list[list[object]]:
 
 def torchtitan_rows() -> tuple[list[list[object]], list[float]]:
     """Each published torchtitan row: the estimate against the fake profile of torchtitan's own
-    model under the same settings (``torchtitan_results``; needs the ``[published]`` extra)."""
+    model under the same settings (``torchtitan_results``; needs the ``[published]`` extra and
+    torchao for the float8 rows); the same runs write ``torchtitan_reference.md``."""
     try:
         import torchtitan_results
     except ImportError as exc:  # torchtitan is an optional extra
         return [["torchtitan not installed", str(exc)[:80], "-", "-", "-", "-"]], []
+    measured = torchtitan_results.run()
+    torchtitan_results.write(measured)
     rows, errors = [], []
-    for row in torchtitan_results.ROWS:
-        est, _ = torchtitan_results.estimate(row)
-        ref = torchtitan_results.reference(row).peak_bytes
-        errors.append(abs(est / ref - 1))
+    for m in measured:
+        row = m.row
+        errors.append(abs(m.error))
         settings = f"{row.flavor}, {row.batch} x {row.seq}, AC {row.ac}, {row.note or 'eager'}"
         rows.append(
             [
                 row.name,
-                f"{ref / GiB:.2f}",
-                f"{est / GiB:.2f}",
-                f"{100 * (est / ref - 1):+.4f} %",
+                f"{m.reference / GiB:.2f}",
+                f"{m.estimate / GiB:.2f}",
+                f"{100 * m.error:+.4f} %",
                 row.published,
                 settings,
             ]
         )
-        print(rows[-1], flush=True)
     return rows, errors
+
+
+def titan_section(titan: list[list[object]], titan_err: list[float], rerun: str = "") -> str:
+    """The torchtitan section of published.md (its own, so that ``--only torchtitan`` can
+    replace it alone; ``rerun``: when and at which commit that happened)."""
+    from _report import markdown_table
+
+    return f"""## torchtitan (peak allocated: estimate vs fake profile of torchtitan's own model)
+
+{rerun}{_share(titan_err)}.
+
+{markdown_table(TITAN_COLS, titan)}
+"""
+
+
+TITAN_FIGURE = "torchtitan median |error|"
+
+
+def only_torchtitan() -> None:
+    """Rerun the torchtitan rows and replace their section and figure in published.md/.json,
+    leaving the other sources' figures as their last full run measured them."""
+    import dataclasses
+    import json
+
+    from _report import RESULTS
+
+    info = machine_info()
+    titan, titan_err = torchtitan_rows()
+    md, js = RESULTS / "published.md", RESULTS / "published.json"
+    text = md.read_text()
+    start = text.index("## torchtitan")
+    end = text.index("\n## ", start + 1) + 1
+    rerun = (
+        f"Rerun alone (`bench_published.py --only torchtitan`, {info['date']}, git commit "
+        f"{info['git commit']}); the other sections are from the run in the header. "
+    )
+    section = titan_section(titan, titan_err, rerun)
+    md.write_text(text[:start] + section + "\n" + text[end:])
+    record = json.loads(js.read_text())
+    fig = value_figure(TITAN_FIGURE, "%", 100 * statistics.median(titan_err))
+    record["figures"] = [f for f in record["figures"] if f["name"] != TITAN_FIGURE]
+    record["figures"].append(dataclasses.asdict(fig))
+    js.write_text(json.dumps(record, indent=1) + "\n")
+    print(section)
 
 
 TITAN_COLS = ["row", "fake profile GiB", "estimate GiB", "error", "published reserved GiB", "how"]
@@ -182,6 +228,13 @@ def _share(errors: list[float]) -> str:
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", choices=["torchtitan"], help="rerun this source's section alone")
+    if ap.parse_args().only:
+        only_torchtitan()
+        return
     info = machine_info()
     mega, mega_err = megatron_rows()
     titan, titan_err = torchtitan_rows()
@@ -208,12 +261,7 @@ The split into a tuned half and a held-out half was fixed in `megatron_golden.js
 rule was fitted; the only fitted number is the library workspace (median of the tuned half's
 steady residuals: `megatron.WORKSPACE_BYTES`).
 
-## torchtitan (peak allocated: estimate vs fake profile of torchtitan's own model)
-
-{_share(titan_err)}.
-
-{markdown_table(TITAN_COLS, titan)}
-
+{titan_section(titan, titan_err)}
 ## transformers, trained as `Trainer` trains them (real CPU runs, default convention)
 
 {_share(hf_err)}.
@@ -234,9 +282,7 @@ this rank's partition plus the IPG bucket, not whole).
         value_figure("transformers median |error|", "%", 100 * statistics.median(hf_err)),
     ]
     if titan_err:
-        figures.append(
-            value_figure("torchtitan median |error|", "%", 100 * statistics.median(titan_err))
-        )
+        figures.append(value_figure(TITAN_FIGURE, "%", 100 * statistics.median(titan_err)))
     write_results(
         "published",
         "The estimate against published and measured memory of real training jobs",

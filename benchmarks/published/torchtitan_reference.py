@@ -31,7 +31,13 @@ Deviations, each to make a CPU fake run save what the CUDA run saves:
 - the loss: 0.3.0's llama3 recipes wrap it in ``ChunkedLossWrapper``; the published runs (and
   the default ``CrossEntropyLoss``) compute it on the whole logits. The reference does the
   latter.
-- no torch.compile, no float8 (neither runs on fake CPU tensors).
+- float8 (``float8=``): torchtitan's ``Float8LinearConverter`` for its rowwise recipes with its
+  CUDA-capability check patched (``emulate=True`` would compute in high precision and save
+  other tensors; nothing is computed here), torchao's ``convert_to_float8_training`` for
+  tensorwise (0.3.0's converter never wraps the weight for FSDP's float8 all-gather). torchao's
+  eager casts run as on CUDA; ``_scaled_mm`` runs on fake CPU tensors through its meta kernel.
+- no torch.compile: under ``gpumem.profile`` Dynamo skips frames (the profiler's dispatch mode),
+  see docs/estimator.md, "torch.compile".
 
     python benchmarks/published/torchtitan_reference.py --flavor 8B --world 8 --batch 2 \
         --seq 8192 --ac selective
@@ -170,6 +176,49 @@ def model_config(
     )
 
 
+FLOAT8 = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+"""The float8 recipes the reference runs: torchtitan 0.3.0's own (``rowwise``,
+``rowwise_with_gw_hp``: ``Float8LinearConverter``) and torchao's ``tensorwise``, the recipe of
+the published Dec-2024 runs (with ``enable_fsdp_float8_all_gather``)."""
+
+
+def _float8_filter(fqn: str, in_features: int, out_features: int) -> bool:
+    """torchtitan's ``module_filter_fn`` with ``filter_fqns=["lm_head"]`` (0.3.0's 405B recipe;
+    torchtitan before 0.3 skipped its ``output`` projection always): a Linear is converted
+    unless it is the head or a dim is not a multiple of 16."""
+    return "lm_head" not in fqn and in_features % 16 == 0 and out_features % 16 == 0
+
+
+def _float8_rowwise_config(cfg: Any, recipe: str) -> Any:
+    """torchtitan's ``Float8LinearConverter`` applied to the model config, as the trainer does.
+    Its hardware check (``has_cuda_capability(8, 9)``) is patched to pass: the fake run computes
+    nothing, and ``emulate=True`` would compute in high precision (other saved tensors)."""
+    from torchtitan.components.quantization import float8 as tt_float8
+
+    check = tt_float8.has_cuda_capability
+    tt_float8.has_cuda_capability = lambda *a: True  # type: ignore[assignment]
+    try:
+        conv = tt_float8.Float8LinearConverter(
+            tt_float8.Float8LinearConverter.Config(recipe_name=recipe, filter_fqns=["lm_head"])
+        )
+    finally:
+        tt_float8.has_cuda_capability = check  # type: ignore[assignment]
+    return conv.convert(cfg)
+
+
+def _float8_tensorwise(model: nn.Module, all_gather: bool) -> None:
+    """torchao's tensorwise Float8Linear swapped into the built model, as torchtitan before 0.3
+    did (``convert_to_float8_training``; 0.3.0's converter builds the Float8Linear from the config
+    and never wraps the weight for FSDP's float8 all-gather)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    convert_to_float8_training(
+        model,
+        config=Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather),
+        module_filter_fn=lambda m, fqn: _float8_filter(fqn, m.in_features, m.out_features),
+    )
+
+
 def _apply_ac(model: nn.Module, ac: str) -> None:
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
@@ -214,6 +263,8 @@ def profile_step(
     steps: int = 2,
     set_to_none: bool = True,
     loss_chunks: int = 0,
+    float8: str = "",
+    float8_all_gather: bool = False,
 ) -> Result:
     """Per-rank peak allocated bytes of ``steps`` torchtitan training steps (rank 0 of
     ``world`` FSDP ranks, each a group of ``tp`` tensor-parallel ranks with sequence
@@ -226,7 +277,14 @@ def profile_step(
     published runs, and 0.3.0 with ``--training.disable_cuda_graphs``, free them (True).
     ``loss_chunks``: 0 for ``CrossEntropyLoss`` on the whole logits (the published runs), N for
     0.3.0's llama3 recipes' ``ChunkedLossWrapper(num_chunks=N)`` (default 8): lm_head and the
-    loss run per sequence chunk, each chunk's backward before the decoder's."""
+    loss run per sequence chunk, each chunk's backward before the decoder's.
+    ``float8``: one of ``FLOAT8`` (``""``: bf16); ``float8_all_gather``: tensorwise only,
+    torchao's ``enable_fsdp_float8_all_gather`` with ``precompute_float8_dynamic_scale_for_fsdp``
+    after each optimizer step (the 405B toml and Trainy's command line)."""
+    if float8 not in ("", *FLOAT8):
+        raise ValueError(f"float8={float8!r}: one of {', '.join(FLOAT8)} or ''")
+    if float8_all_gather and float8 != "tensorwise":
+        raise ValueError("float8_all_gather is torchao's tensorwise option")
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.distributed.context_parallel import apply_cp_to_forward
     from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
@@ -234,12 +292,19 @@ def profile_step(
     from torchtitan.models.llama3.model import Llama3Model
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
+    if float8_all_gather:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
     cfg = model_config(
         dim, n_layers, n_heads, n_kv_heads, ffn_dim_multiplier, multiple_of, vocab, seq
     )
+    if float8.startswith("rowwise"):  # the trainer converts the config before building
+        cfg = _float8_rowwise_config(cfg, float8)
     set_llama3_sharding_config(cfg, enable_sp=True)  # Llama3Model.Config.update_from_config
     with fake_job(world, tp, cp) as dims, gpumem.fake():
         model = Llama3Model(cfg)
+        if float8 == "tensorwise":
+            _float8_tensorwise(model, float8_all_gather)
         inners = [block.attention.inner_attention for block in model.layers.values()]
         for inner in inners:
             inner.forward = types.MethodType(flash_forward, inner)
@@ -279,6 +344,8 @@ def profile_step(
             loss.backward()
             clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
             opt.step()
+            if float8_all_gather:  # torchtitan's Float8 converter's post-optimizer hook
+                precompute_float8_dynamic_scale_for_fsdp(model)
 
         # torchtitan's GarbageCollection: automatic gc off during training, a collection every
         # gc_freq steps; here before each step, so that every step starts as one after a

@@ -32,6 +32,7 @@ import gpumem  # noqa: E402
 from gpumem.estimator.specs import resolve_model  # noqa: E402
 
 GIB = 2**30
+RESULT = HERE.parent / "results" / "torchtitan_reference.md"
 
 
 @dataclasses.dataclass
@@ -47,8 +48,11 @@ class Row:
     cp: int = 1
     note: str = ""
     loss_chunks: int = 0
+    float8: str = ""  # torchtitan_reference.FLOAT8; "" is bf16
+    float8_all_gather: bool = False
 
 
+F8 = "float8 tensorwise + FSDP float8 all-gather (the published runs' float8; no compile)"
 ROWS = [
     Row("T1 FSDP 8", "8B", 8, 2, 8192, "selective", 82.4),
     Row("T3 FSDP 128", "8B", 128, 2, 8192, "selective", 67.0),
@@ -72,6 +76,103 @@ ROWS = [
         loss_chunks=8,
         note="ChunkedLossWrapper(8): not the published run's loss",
     ),
+    # float8: the published recipe (torchao tensorwise, FSDP float8 all-gather, precomputed
+    # scales), and torchtitan 0.3.0's own rowwise recipes
+    Row(
+        "T1 FSDP 8 float8",
+        "8B",
+        8,
+        2,
+        8192,
+        "selective",
+        76.8,
+        note=F8,
+        float8="tensorwise",
+        float8_all_gather=True,
+    ),
+    Row(
+        "T1 FSDP 8 float8 rowwise",
+        "8B",
+        8,
+        2,
+        8192,
+        "selective",
+        76.8,
+        note="0.3.0's rowwise recipe",
+        float8="rowwise",
+    ),
+    Row(
+        "T1 FSDP 8 float8 rowwise_with_gw_hp",
+        "8B",
+        8,
+        2,
+        8192,
+        "selective",
+        76.8,
+        note="0.3.0's rowwise_with_gw_hp recipe",
+        float8="rowwise_with_gw_hp",
+    ),
+    Row(
+        "T3 FSDP 128 float8",
+        "8B",
+        128,
+        2,
+        8192,
+        "selective",
+        61.8,
+        note=F8,
+        float8="tensorwise",
+        float8_all_gather=True,
+    ),
+    Row(
+        "Trainy FSDP 32 float8",
+        "8B",
+        32,
+        2,
+        8192,
+        "selective",
+        47.96,
+        note=F8,
+        float8="tensorwise",
+        float8_all_gather=True,
+    ),
+    Row(
+        "Trainy FSDP 64 float8",
+        "8B",
+        64,
+        2,
+        8192,
+        "selective",
+        46.97,
+        note=F8,
+        float8="tensorwise",
+        float8_all_gather=True,
+    ),
+    Row(
+        "T2 FSDP 8 CP 1 float8",
+        "8B",
+        8,
+        1,
+        32768,
+        "full",
+        83.9,
+        note=F8,
+        float8="tensorwise",
+        float8_all_gather=True,
+    ),
+    Row(
+        "T2 FSDP 1 CP 8 float8",
+        "8B",
+        1,
+        1,
+        262144,
+        "full",
+        84.5,
+        cp=8,
+        note=F8,
+        float8="tensorwise",
+        float8_all_gather=True,
+    ),
 ]
 
 
@@ -87,6 +188,8 @@ def estimate(row: Row) -> tuple[int, str]:
         layout=gpumem.Layout(dp=row.dp, tp=row.tp, cp=row.cp, fsdp="full", sp=row.tp > 1),
         gpu="H100-80GB",
         loss_chunks=row.loss_chunks,
+        fp8_recipe=row.float8 or None,
+        fsdp_float8_all_gather=row.float8_all_gather,
     )
     allocated = sum(v for k, v in bill.per_gpu.items() if k not in ("overhead", "total"))
     return allocated, bill.phase
@@ -103,36 +206,58 @@ def reference(row: Row) -> Any:
         tp=row.tp,
         cp=row.cp,
         loss_chunks=row.loss_chunks,
+        float8=row.float8,
+        float8_all_gather=row.float8_all_gather,
     )
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default=None, help="run the rows whose name contains this")
-    ap.add_argument("--out", default=str(HERE.parent / "results" / "torchtitan_reference.md"))
-    args = ap.parse_args()
-    import torchtitan
+@dataclasses.dataclass
+class Measured:
+    """One row run: the estimate (allocated bytes, phase) and the fake profile's peak."""
 
-    lines = []
+    row: Row
+    estimate: int
+    phase: str
+    reference: int
+    seconds: float
+
+    @property
+    def error(self) -> float:
+        return self.estimate / self.reference - 1
+
+    def line(self) -> str:
+        r, est, ref = self.row, self.estimate, self.reference
+        return (
+            f"| {r.name} | {r.flavor} | {r.batch} × {r.seq} | {r.ac} | "
+            f"{ref / GIB:.2f} ({ref:,} B) | {est / GIB:.2f} ({est:,} B, {self.phase}) | "
+            f"{self.error:+.4%} | {r.published} | {self.seconds:.0f} | {r.note} |"
+        )
+
+
+def run(only: str | None = None) -> list[Measured]:
+    """Every row (or those whose name contains ``only``), each printed as it is measured."""
+    out = []
     for row in ROWS:
-        if args.only and args.only not in row.name:
+        if only and only not in row.name:
             continue
         est, phase = estimate(row)
         t0 = time.perf_counter()
-        r = reference(row)
-        secs = f"{time.perf_counter() - t0:.0f}"
-        ref = f"{r.peak_bytes / GIB:.2f}"
-        err = f"{est / r.peak_bytes - 1:+.4%}"
-        lines.append(
-            f"| {row.name} | {row.flavor} | {row.batch} × {row.seq} | {row.ac} | "
-            f"{ref} ({r.peak_bytes:,} B) | {est / GIB:.2f} ({est:,} B, {phase}) | {err} | "
-            f"{row.published} | {secs} | {row.note} |"
-        )
-        print(lines[-1], flush=True)
+        ref = reference(row).peak_bytes
+        out.append(Measured(row, est, phase, ref, time.perf_counter() - t0))
+        print(out[-1].line(), flush=True)
+    return out
+
+
+def write(measured: list[Measured], out: str | Path = RESULT) -> None:
+    """``benchmarks/results/torchtitan_reference.md`` from a run of every row."""
+    import torchtitan
+
+    lines = [m.line() for m in measured]
     head = [
         "# torchtitan: fake profile of its own model vs the estimate",
         "",
-        "`python benchmarks/published/torchtitan_results.py` "
+        "`python benchmarks/published/torchtitan_results.py` (or `benchmarks/bench_published.py`, "
+        "which writes this file from the same runs) "
         f"({datetime.date.today().isoformat()}; {platform.machine()}, "
         f"{platform.python_version()}, torch {torch.__version__}, torchtitan "
         f"{getattr(torchtitan, '__version__', '0.3.0')}, 2 CPU cores, no GPU).",
@@ -157,11 +282,27 @@ def main() -> None:
         "`model.parallelize` (sequence parallel, loss parallel) on the fake group. CP rows: "
         "torchtitan 0.3.0's CP for its FlexAttention (`apply_cp_to_forward`: K and V "
         "all-gathered along the sequence), not the SDPA ring attention of the published runs. "
-        "torch.compile and float8 are neither run nor modelled.",
+        "float8 rows: torchao 0.18's Float8Linear on the blocks' Linears (lm_head filtered, as "
+        "the published runs and 0.3.0's 405B recipe), tensorwise through "
+        "`convert_to_float8_training` with `enable_fsdp_float8_all_gather` and "
+        "`precompute_float8_dynamic_scale_for_fsdp` (what the published runs and Trainy's "
+        "command line enable), rowwise through torchtitan's `Float8LinearConverter` (its CUDA "
+        "capability check patched: nothing is computed); eager, so the casts' temporaries are "
+        "those of torchao's eager code. torch.compile is neither run nor modelled "
+        '(docs/estimator.md, "torch.compile"); float8 with TP is not modelled.',
         f"Flavors: {', '.join(FLAVORS)}.",
     ]
+    Path(out).write_text("\n".join(head + lines + tail) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default=None, help="run the rows whose name contains this")
+    ap.add_argument("--out", default=str(RESULT))
+    args = ap.parse_args()
+    measured = run(args.only)
     if not args.only:
-        Path(args.out).write_text("\n".join(head + lines + tail) + "\n")
+        write(measured, args.out)
 
 
 if __name__ == "__main__":

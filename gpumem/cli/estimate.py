@@ -63,6 +63,12 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
         "recipes use 8; default 0: the loss on the whole logits)",
     )
     p.add_argument(
+        "--fsdp-float8-all-gather",
+        action="store_true",
+        help="--framework torchtitan --fp8-recipe tensorwise: FSDP gathers the float8 weights "
+        "(torchao's enable_fsdp_float8_all_gather)",
+    )
+    p.add_argument(
         "--keep-logits",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -198,9 +204,17 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     """Megatron-LM's arguments of the same names (``--framework megatron``; see
     gpumem/estimator/megatron.py)."""
     from gpumem.estimator.megatron import FP8_RECIPES
+    from gpumem.estimator.torchtitan import FLOAT8_RECIPES
 
     g = p.add_argument_group("Megatron-LM (--framework megatron)")
-    g.add_argument("--fp8-recipe", default=None, choices=FP8_RECIPES, help="TE fp8 recipe")
+    g.add_argument(
+        "--fp8-recipe",
+        default=None,
+        choices=tuple(dict.fromkeys(FP8_RECIPES + FLOAT8_RECIPES)),
+        help="fp8 recipe: Transformer Engine's under --framework megatron (delayed, tensorwise, "
+        "mxfp8, blockwise); torchao's under --framework torchtitan (tensorwise, rowwise, "
+        "rowwise_with_gw_hp)",
+    )
     g.add_argument("--fp8-param-gather", action="store_true", help="fp8 primary weights")
     g.add_argument(
         "--hidden-dropout", type=float, default=0.0, help="--hidden-dropout (Megatron: 0.1)"
@@ -363,6 +377,7 @@ def run(args: argparse.Namespace) -> int:
         keep_logits=args.keep_logits,
         alloc_conf=args.alloc_conf,
         loss_chunks=args.loss_chunks,
+        fsdp_float8_all_gather=args.fsdp_float8_all_gather,
         **({"moe_imbalance": args.moe_imbalance} if args.moe_imbalance is not None else {}),
         **megatron_kwargs(args),
     )

@@ -86,6 +86,7 @@ def estimate(
     offload_param: bool = False,
     alloc_conf: Any = None,
     loss_chunks: int = 0,
+    fsdp_float8_all_gather: bool = False,
 ) -> Bill:
     """Estimate the per-GPU peak memory of training ``model``.
 
@@ -161,6 +162,10 @@ def estimate(
             (``CrossEntropyLoss``, the published runs), N as 0.3.0's llama3 recipes do with
             ``ChunkedLossWrapper(num_chunks=N)`` (their default 8): lm_head and the loss per
             sequence chunk, each chunk's backward before the decoder's.
+        fsdp_float8_all_gather: ``framework="torchtitan"`` with ``fp8_recipe="tensorwise"``
+            only: torchao's ``enable_fsdp_float8_all_gather`` (with
+            ``precompute_float8_dynamic_scale_for_fsdp``): FSDP gathers the converted weights
+            in float8.
         calibration: a ``gpumem.Calibration`` or the path of a calibration.json: the GPU gets
             the reserve measured there (``Calibration.apply_to``), and with a ``memory``
             section (``gpumem calibrate --memory``) its fitted coefficients scale the
@@ -175,8 +180,12 @@ def estimate(
             ``dropout`` is the attention's), ``--defer-embedding-wgrad-compute``,
             ``--wgrad-deferral-limit``, ``--decoder-first/last-pipeline-num-layers``,
             ``--account-for-embedding/loss-in-pipeline-split``; ``framework="megatron"`` only
-            (``gpumem/estimator/megatron.py``). MTP layers and the MoE layer pattern are model
-            shape: ``ModelSpec.mtp_layers``, ``ModelSpec.moe_layer_freq``.
+            (``gpumem/estimator/megatron.py``), except ``fp8_recipe``, which
+            ``framework="torchtitan"`` takes with its own recipes: ``tensorwise`` (torchao's,
+            the published runs), ``rowwise``, ``rowwise_with_gw_hp`` (0.3.0's
+            ``Float8LinearConverter``; ``gpumem/estimator/torchtitan.py``). MTP layers and the
+            MoE layer pattern are model shape: ``ModelSpec.mtp_layers``,
+            ``ModelSpec.moe_layer_freq``.
 
     An ``nn.Module`` is never run, moved or changed, and nothing of its size is allocated:
     parameters are counted exactly (tied tensors once; trainable = ``requires_grad``; the
@@ -214,6 +223,14 @@ def estimate(
     precision, fp8_recipe = split_fp8_precision(precision, fp8_recipe)
     if fp8_recipe is not None and framework is None:
         fw = "megatron" if layout.zero in (0, 1, 3) and not layout.fsdp else fw
+    # torchtitan's float8 (torchao) is its own recipe, not Transformer Engine's: checked there
+    titan_fp8, fp8_recipe = (fp8_recipe, None) if fw == "torchtitan" else (None, fp8_recipe)
+    if fw != "torchtitan" and fsdp_float8_all_gather:
+        raise ValueError(
+            f"fsdp_float8_all_gather is torchtitan's (torchao's FSDP float8 all-gather); "
+            f"framework={fw!r} has no such knob (use framework='torchtitan' with "
+            "fp8_recipe='tensorwise'; Megatron's counterpart is fp8_param_gather)"
+        )
     knobs = check_knobs(
         fw,
         fp8_recipe=fp8_recipe,
@@ -306,6 +323,7 @@ def estimate(
         fused_ops=fused_ops,
         knobs=knobs,
         loss_chunks=loss_chunks,
+        titan_float8=(titan_fp8, fsdp_float8_all_gather),
         **common,
     )
     if mem is not None:

@@ -27,13 +27,23 @@ DEFAULT_GRAD_ACCUM = 1
 DEFAULT_RECOMPUTE = "none"
 DEFAULT_PRECISION = "bf16-mixed"
 DEFAULT_OPTIMIZER = "adamw"
-SHOWN = ("seq_len", "batch_size", "grad_accum", "recompute", "precision", "optimizer", "loss")
+SHOWN = (
+    "seq_len",
+    "batch_size",
+    "grad_accum",
+    "recompute",
+    "precision",
+    "float8",  # torchtitan's float8 training, when given (framework="torchtitan")
+    "optimizer",
+    "loss",
+)
 LABELS = {
     "seq_len": "seq_len",
     "batch_size": "micro-batch",
     "grad_accum": "grad accumulation",
     "recompute": "recompute",
     "precision": "precision",
+    "float8": "float8",
     "optimizer": "optimizer",
     "loss": "loss",
 }

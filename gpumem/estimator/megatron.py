@@ -73,6 +73,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpumem.estimator import torchtitan
 from gpumem.estimator.activations import Item, Workload, expert_tokens
 from gpumem.estimator.specs import ModelSpec
 
@@ -118,19 +119,15 @@ def check_knobs(framework: str, **given: object) -> MegatronKnobs:
         ValueError: one line naming the knob, the framework and the valid choices.
     """
     for name, value in given.items():
-        if framework == "torchtitan" and name == "fp8_recipe" and value is not None:
-            # torchtitan has float8 (torchao's Float8Linear, FSDP float8 all-gather), but no
-            # fake-tensor reference of it runs on a CPU, so its rules are not written yet
-            raise ValueError(
-                "float8 training under framework='torchtitan' (torchao Float8Linear, "
-                "enable_fsdp_float8_all_gather) is not modelled yet: no CPU reference of it "
-                "exists to check the rules against; estimate the bf16 run (an upper bound for "
-                "its activations) or use framework='megatron' for Transformer Engine fp8"
-            )
         if framework != "megatron" and value != getattr(_DEFAULTS, name):
+            also = (
+                f"; torchtitan's are {', '.join(torchtitan.FLOAT8_RECIPES)}"
+                if name == "fp8_recipe"
+                else ""
+            )
             raise ValueError(
                 f"{name} is a Megatron-LM option; framework={framework!r} has no such knob "
-                "(use framework='megatron' or leave it at its default)"
+                f"(use framework='megatron' or leave it at its default{also})"
             )
     k = MegatronKnobs(**given)  # type: ignore[arg-type]
     if k.fp8_recipe is not None and k.fp8_recipe not in FP8_RECIPES:

@@ -535,6 +535,7 @@ def estimate_preset(
     reserved_note: str = "",
     loss_chunks: int = 0,
     given: frozenset[str] | None = None,
+    titan_float8: tuple[str | None, bool] = (None, False),
 ) -> Bill:
     """The bill of training a described model (see ``gpumem.estimate``; ``batch_size`` None:
     the default, and the bill says so); ``alloc_conf``: simulate the caching allocator under it
@@ -597,6 +598,8 @@ def estimate_preset(
                 cuda=device == "cuda",
                 persistent_grads=bool(persistent_grads),
                 loss_chunks=loss_chunks,
+                fp8_recipe=titan_float8[0],
+                fsdp_float8_all_gather=titan_float8[1],
             )
         ]
     else:
@@ -624,6 +627,11 @@ def estimate_preset(
             "loss": loss_convention(framework, terms.holds_logits),
             "fused_ops": tuple(sorted(terms.fused)),
             **(
+                {"float8": torchtitan.float8_label(*titan_float8)}
+                if titan_float8[0] is not None
+                else {}
+            ),
+            **(
                 {"moe_imbalance": moe_imbalance, "moe_dispatcher": moe_dispatcher}
                 if spec.is_moe
                 else {}
@@ -638,6 +646,7 @@ def estimate_preset(
                 training=training,
                 given=given,
             ),
+            "float8": "given",
             "loss": "keep_logits given"
             if keep_logits is not None
             else f"default: the {framework} loop",

@@ -41,9 +41,21 @@ modules, Megatron's recompute) in every part that decides the peak:
 
 - **The chunked loss** of 0.3.0's llama3 recipes (``ChunkedLossWrapper``): ``loss_chunks``.
 
-Not modelled (left for later): torch.compile (Inductor fuses and re-plans what is saved), float8
-(``torchao``), the chunked loss under TP (loss parallel per chunk), FlexAttention's
-block masks and the RoPE cache gathered by explicit positions (0.3.0's default backend: small),
+- **Float8** (``components/quantization/float8.py``: ``Float8LinearConverter``, recipes
+  ``rowwise`` and ``rowwise_with_gw_hp``; torchao's ``tensorwise`` with
+  ``enable_fsdp_float8_all_gather``, the recipe of the published Dec-2024 runs): see
+  ``float8_moment`` and ``float8_sac_saved``. torchao's ``Float8Linear`` saves its
+  *high-precision* input and weight (``matmul_with_hp_or_float8_args``) and casts again in
+  backward, so the saved activations are the bf16 ones; SAC's policy sees the ``aten.mm`` of the
+  float8 tensors (a dispatch mode runs before the tensor subclass) and saves every second one as
+  in bf16, plus the outputs of ``aten.max`` (tensorwise amax, a 16-bit scalar per cast) from its
+  save list. What float8 adds is the casts' temporaries in a block's backward, and FSDP's float8
+  all-gather gathers 1-byte weights.
+
+Not modelled (left for later): torch.compile (Inductor fuses and re-plans what is saved; see
+docs/estimator.md, "torch.compile"), float8 with tensor parallelism, the chunked loss under TP
+(loss parallel per chunk), FlexAttention's block masks and the RoPE cache gathered by explicit
+positions (0.3.0's default backend: small),
 pipeline parallelism, HSDP's replicate all-reduce buffers. Under TP a block's widest backward
 moment is the sequence-parallel all-gather's backward, approximated here by SwiGLU's (within 1 %
 on the tests' model).
@@ -213,6 +225,147 @@ def block_params(spec: ModelSpec, t: int) -> int:
     return (qkv + spec.n_heads * spec.dhead * h + 3 * h * f) // t + 2 * h
 
 
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+"""torchtitan's float8 recipes (``fp8_recipe``): 0.3.0's ``Float8LinearConverter`` has
+``rowwise`` and ``rowwise_with_gw_hp``; ``tensorwise`` is torchao's dynamic per-tensor scaling
+that torchtitan ran before 0.3 (the published runs), the only one with FSDP float8 all-gather."""
+
+
+def check_float8(recipe: str | None, all_gather: bool, tp: int) -> None:
+    """torchtitan's float8 knobs, checked.
+
+    Raises:
+        ValueError: one line naming the problem and the valid choices.
+    """
+    if recipe is None:
+        if all_gather:
+            raise ValueError(
+                "fsdp_float8_all_gather needs fp8_recipe='tensorwise' (torchao's "
+                "enable_fsdp_float8_all_gather gathers tensorwise-scaled float8 weights)"
+            )
+        return
+    if recipe not in FLOAT8_RECIPES:
+        megatron = " (Transformer Engine's, as precision='fp8' is)" if recipe == "delayed" else ""
+        raise ValueError(
+            f"fp8_recipe={recipe!r}{megatron} is not a torchtitan float8 recipe; "
+            f"framework='torchtitan' takes {', '.join(FLOAT8_RECIPES)}"
+        )
+    if all_gather and recipe != "tensorwise":
+        raise ValueError(
+            f"fsdp_float8_all_gather is tensorwise only (torchao), got fp8_recipe={recipe!r}; "
+            "use fp8_recipe='tensorwise' or drop fsdp_float8_all_gather"
+        )
+    if tp > 1:
+        raise ValueError(
+            "framework='torchtitan': float8 with tensor parallelism (torchao's float8 TP "
+            "styles) is not modelled yet; use tp=1 or no fp8_recipe"
+        )
+
+
+def float8_label(recipe: str | None, all_gather: bool) -> str:
+    """The bill's float8 input: ``tensorwise, FSDP float8 all-gather``."""
+    return f"{recipe}, FSDP float8 all-gather" if all_gather else str(recipe)
+
+
+def float8_linears(spec: ModelSpec) -> list[tuple[int, int]]:
+    """(in, out) of a block's Linears that torchtitan converts to Float8Linear: every one whose
+    dims are multiples of 16 (``module_filter_fn``); the lm_head is filtered out
+    (``filter_fqns=["lm_head"]``, as 0.3.0's 405B recipe and torchtitan before 0.3)."""
+    h, f = spec.hidden, spec.ffn
+    q, kv = spec.n_heads * spec.dhead, spec.kv_heads * spec.dhead
+    shapes = [(h, q + 2 * kv), (q, h), (h, f), (h, f), (f, h)]  # wqkv, wo, w1, w3, w2
+    return [(i, o) for i, o in shapes if i % 16 == 0 and o % 16 == 0]
+
+
+def float8_sac_saved(spec: ModelSpec, recipe: str, all_gather: bool) -> int:
+    """Bytes per-op SAC saves per block beyond bf16: tensorwise casts compute their amax with
+    ``aten.max`` (in torchtitan's save list), a 16-bit scalar per cast of a bf16 input and of a
+    bf16 weight (none for a weight FSDP gathered in float8); rowwise uses ``aten.amax`` (not
+    in the list, recomputed)."""
+    if recipe != "tensorwise":
+        return 0
+    return len(float8_linears(spec)) * (1 if all_gather else 2) * _BF16
+
+
+def float8_gathered(spec: ModelSpec, t: int, all_gather: bool) -> int:
+    """Bytes of one block's parameters gathered by FSDP: bf16, or under float8 all-gather 1 B
+    for the converted Linears' weights."""
+    blk = block_params(spec, t)
+    if not all_gather:
+        return blk * _BF16
+    f8 = sum(i * o for i, o in float8_linears(spec)) // t
+    return f8 + (blk - f8) * _BF16
+
+
+def float8_moment(sh: Shapes, spec: ModelSpec, recipe: str, all_gather: bool) -> int | None:
+    """The widest moment of a block's backward under float8, as temporaries beyond the block's
+    saved set (None when w2 is not converted: the bf16 moment stands).
+
+    ``w2``'s backward (``matmul_with_hp_or_float8_args.backward``): the incoming gradient
+    (bf16), w2's input gradient (n · ffn, bf16; before its weight gradient, so w2's unsharded
+    gradient does not exist yet), the gradient's two fp8 casts (dim 0 for the input gradient,
+    dim 1 for the weight's) and the weight's fp8 cast (none when FSDP gathered it in float8),
+    then the cast of w2's saved bf16 input for the weight gradient: ``x.float() * scale``,
+    its ``clamp`` and the fp8 result alive at once (9 B per element: ``_ToFloat8ConstrFunc``,
+    ``to_fp8_saturated``), beside the fp32 scales (rowwise: one per row or column; tensorwise:
+    scalars). ``rowwise_with_gw_hp`` computes the weight gradient in bf16 (no dim-1 casts).
+    """
+    h, f = sh.h, sh.f
+    if (f, h) not in float8_linears(spec):
+        return None
+    n = sh.n
+    if recipe == "rowwise_with_gw_hp":
+        return None
+    weight_cast = 0 if all_gather else h * f
+    # rowwise: one fp32 per row or column; tensorwise: scalars (a float8-gathered weight
+    # carries its own)
+    scales = 4 * (n + h + f + f) if recipe == "rowwise" else 4 * (3 if all_gather else 4)
+    return n * h * _BF16 + n * f * _BF16 + 2 * n * h + weight_cast + 9 * n * f + scales
+
+
+def float8_forward_moment(
+    sh: Shapes,
+    spec: ModelSpec,
+    recipe: str,
+    recompute: str,
+    n_layers: int,
+    gathered: int,
+    n_shard: float,
+) -> tuple[float, float, float, float] | None:
+    """The last block's forward under float8 when it is not checkpointed, as (grads,
+    activations, temporaries, communication) of ``terms``' moments: every block's saved set
+    (its own whole: w2's input is the last), the block's input (the decoder's loop variable)
+    and its residual stream, the cast of w2's input with its scale, the block gathered twice
+    on more than one rank (FSDP2 keeps the all-gather's flat output beside the unsharded
+    parameters until the next unit's all-gather). No gradient exists yet
+    (``zero_grad(set_to_none=True)``). The peak of ``rowwise_with_gw_hp`` without AC, whose
+    backward casts no ffn-wide tensor for the weight gradient (None when the block is
+    checkpointed or w2 not converted)."""
+    i = n_layers - 1
+    h, f, n = sh.h, sh.f, sh.n
+    if block_checkpointed(recompute, i) or (f, h) not in float8_linears(spec):
+        return None
+    acts = sum(block_saved(sh, recompute, j) for j in range(n_layers))
+    scale = 4 * n if recipe.startswith("rowwise") else 4
+    comm = gathered * (2 if n_shard > 1 else 1)
+    return 0.0, float(acts), float(2 * n * h * _BF16 + 9 * n * f + scale), float(comm)
+
+
+def float8_recompute_moment(sh: Shapes, spec: ModelSpec, recipe: str, per_op: bool) -> int | None:
+    """The widest moment of a checkpointed block's recomputed forward under float8, as
+    temporaries beyond the block's saved set (None when w2 is not converted): the cast of w2's
+    input (9 B per element, as in ``float8_moment``) with its scale (rowwise: one fp32 per
+    row), the incoming gradient and the residual stream (alive until the block's output), and
+    under per-op SAC w2's cached output, not yet replayed. It is the widest for
+    ``rowwise_with_gw_hp``, whose backward casts no ffn-wide tensor for the weight gradient."""
+    h, f, n = sh.h, sh.f, sh.n
+    if (f, h) not in float8_linears(spec):
+        return None
+    scale = 4 * n if recipe.startswith("rowwise") else 4
+    cached = n * h * _BF16 if per_op else 0
+    return 2 * n * h * _BF16 + 9 * n * f + scale + cached
+
+
 def terms(
     spec: ModelSpec,
     training: Training,
@@ -225,6 +378,8 @@ def terms(
     cuda: bool,
     persistent_grads: bool = False,
     loss_chunks: int = 0,
+    fp8_recipe: str | None = None,
+    fsdp_float8_all_gather: bool = False,
 ) -> list[float]:
     """The peak terms (``peak.py``) of one torchtitan rank.
 
@@ -249,7 +404,13 @@ def terms(
     last chunk's reduce-scatter of the head unit. A reference cycle in the wrapper keeps one
     hidden-state-sized tensor per step until torchtitan's periodic gc (``gc_freq``, 50): counted
     once (the step right after a collection; each step since adds ``b · s · dim · 2`` bytes).
+
+    ``fp8_recipe`` (``FLOAT8_RECIPES``) / ``fsdp_float8_all_gather``: float8 training of the
+    blocks' Linears (``float8_moment``, ``float8_sac_saved``, ``float8_gathered``); with the
+    all-gather, ``precompute_float8_dynamic_scale_for_fsdp`` keeps one fp32 scale per
+    converted weight across steps.
     """
+    check_float8(fp8_recipe, fsdp_float8_all_gather, layout.tp)
     if training.precision != "bf16-mixed":
         raise ValueError(
             f"framework='torchtitan' models its FSDP2 mixed precision (bf16 params, fp32 "
@@ -280,8 +441,14 @@ def terms(
     x[peak.STAGE] = 3
     # the per-layer complex64 RoPE cache (seq · head_dim/2 · 8 B), not sharded
     x[peak.W_BUFFERS] = L * seq * (spec.dhead // 2) * 8
+    if fsdp_float8_all_gather:  # the precomputed scales, one stacked fp32 tensor
+        x[peak.W_BUFFERS] += 4 * L * len(float8_linears(spec))
+    # per-op SAC's extra saved bytes per block under float8 (tensorwise amax scalars)
+    sac8 = 0
+    if fp8_recipe is not None and recompute in ("selective", "selective:op"):
+        sac8 = float8_sac_saved(spec, fp8_recipe, fsdp_float8_all_gather)
     x[peak.A_LAYER], x[peak.N_LAYERS], x[peak.INFLIGHT] = (
-        mean_layer_saved(sh, recompute, L),
+        mean_layer_saved(sh, recompute, L) + sac8,
         L,
         1.0,
     )
@@ -331,6 +498,16 @@ def terms(
     n_shard = x[peak.N_SHARD]
     none = sum(layer_saved(sh, "none").values())
     widest = sh.n_sp * h * _BF16 + 2 * sh.n * sh.f * _BF16
+    w2_grad = h * sh.f * _BF16  # w2's unsharded bf16 gradient, there at SwiGLU's moment
+    f8 = float8_moment(sh, spec, fp8_recipe, fsdp_float8_all_gather) if fp8_recipe else None
+    if f8 is not None and f8 > widest + w2_grad:
+        widest, w2_grad = f8, 0
+    gathered = float8_gathered(spec, t, fsdp_float8_all_gather)
+    rec8 = (
+        float8_recompute_moment(sh, spec, fp8_recipe, recompute in ("selective", "selective:op"))
+        if fp8_recipe
+        else None
+    )
     labels = sh.n * 8  # the step's label tensor, alive until the step ends
     if loss_chunks:
         # ChunkedLossWrapper leaves a reference cycle holding one hidden-state-sized bf16
@@ -343,17 +520,24 @@ def terms(
         blocks below and by block i outside the moment's temporaries, block i's temporaries,
         communication); with persistent gradients none are new (all are counted as kept)."""
         grads = 0.0 if persistent_grads else 4 * (head_params + (L - 1 - i) * blk) / n_shard
-        below = sum(block_saved(sh, recompute, j) for j in range(i))
+        below = sum(block_saved(sh, recompute, j) for j in range(i)) + i * sac8
         own = (sh.n_sp * h * _BF16 if block_checkpointed(recompute, i) else 0) + none
         prev = head_params if i == L - 1 else blk
-        fetch = (blk if i > 0 else embed_params) if n_shard > 1 else 0
-        comm = (blk + fetch) * _BF16 + prev * 4 + h * sh.f * _BF16
-        return grads, below + own, widest, comm
+        fetch = (gathered if i > 0 else embed_params * _BF16) if n_shard > 1 else 0
+        temp, w2g = widest, w2_grad
+        if rec8 is not None and block_checkpointed(recompute, i) and rec8 > temp + w2g:
+            temp, w2g = rec8, 0  # the recomputed forward's cast of w2's input
+        comm = gathered + fetch + prev * 4 + w2g
+        return grads, below + own, temp, comm
 
     # start, the alternative to the loss: the last blocks' backward (the head's saved tensors
     # gone but the labels, its sharded grads done, its unit resharded)
     loss_moment = L * x[peak.A_LAYER] + x[peak.A_LAST] + x[peak.T_BWD0] + x[peak.GATHER]
     g, acts, temp, comm = max((moment(i) for i in {L - 1, max(L - 2, 0)}), key=sum)
+    if fp8_recipe is not None:  # the last block's forward, counted as this moment's rival
+        fwd = float8_forward_moment(sh, spec, fp8_recipe, recompute, L, gathered, n_shard)
+        if fwd is not None and sum(fwd) > g + acts + temp + comm:
+            g, acts, temp, comm = fwd
     if g + acts + labels + temp + comm > loss_moment:
         x[peak.G_START], x[peak.A_GONE] = g, x[peak.A_LAST] - labels
         x[peak.T_BWD0] = acts + temp + comm - L * x[peak.A_LAYER] - x[peak.GATHER]

@@ -366,22 +366,229 @@ def test_chunked_loss_bad_input() -> None:
         estimate("selective", 2, loss_chunks=-1)
 
 
-def test_float8_under_torchtitan_is_refused_with_what_to_do():
-    """torchtitan has float8, gpumem does not model it yet: the error says so (not that fp8 is
-    a Megatron-only knob)."""
-    import gpumem
+# --- float8 (torchao's Float8Linear through torchtitan's converter) ----------------------------
 
-    for kw in ({"precision": "fp8"}, {"fp8_recipe": "tensorwise"}):
-        with pytest.raises(ValueError, match="float8 training under framework='torchtitan'"):
-            gpumem.estimate(
-                "llama-3.1-8b",
-                batch_size=2,
-                seq_len=8192,
-                framework="torchtitan",
-                recompute="selective",
-                layout=gpumem.Layout(dp=8, fsdp="full"),
-                **kw,
-            )
+F8_RECIPES = [("rowwise", False), ("rowwise_with_gw_hp", False), ("tensorwise", False)]
+F8_RECIPES.append(("tensorwise", True))  # FSDP float8 all-gather
+
+
+def f8_estimate(recompute: str, world: int, recipe: str | None, all_gather: bool = False, **kw):
+    return allocated(
+        estimate(recompute, world, fp8_recipe=recipe, fsdp_float8_all_gather=all_gather, **kw)
+    )
+
+
+def test_float8_gathered_weight_bytes_by_hand() -> None:
+    """FSDP's float8 all-gather gathers the five converted Linears of a block in 1 B per weight
+    and its two norms in bf16; the block moment (the block and its prefetched neighbour
+    gathered) is cheaper by one byte per converted weight of each."""
+    from gpumem.estimator import torchtitan
+
+    spec, h, f, kv = tiny_spec(), 256, FFN, 64
+    linears = h * (h + 2 * kv) + h * h + 3 * h * f
+    assert torchtitan.float8_gathered(spec, 1, True) == linears + 2 * h * 2
+    assert torchtitan.float8_gathered(spec, 1, False) == (linears + 2 * h) * 2
+    # a Linear whose dims are not multiples of 16 stays bf16 (torchtitan's module_filter_fn)
+    odd = dataclasses.replace(spec, ffn=1000)
+    assert torchtitan.float8_linears(odd) == [(h, h + 2 * kv), (h, h)]
+    assert (
+        torchtitan.float8_gathered(odd, 1, True)
+        == h * (h + 2 * kv) + h * h + (3 * h * 1000 + 2 * h) * 2
+    )
+
+
+def test_float8_block_moment_by_hand() -> None:
+    """Vocabulary 512 (a block's backward is the peak), 2 ranks, no AC. Rowwise: w2's backward
+    holds its bf16 input gradient (n·f·2), the gradient's two fp8 casts (2·n·h), the weight's
+    (h·f) and the 9 B per element cast of its saved input (9·n·f), with fp32 row/column scales
+    (4·(n + h + 2f)), where bf16's SwiGLU moment held two ffn-wide gradients (4·n·f) and w2's
+    unsharded gradient (2·h·f). Tensorwise: scalar scales. Its FSDP float8 all-gather: no weight
+    cast, the block and the prefetched one gathered in 1 B per converted weight, and the
+    precomputed fp32 scales of every converted weight (4 B each)."""
+    n, h, f, L = BATCH * SEQ, 256, FFN, 4
+    spec = tiny_spec(vocab=512)
+    bf16 = f8_estimate("none", 2, None, spec=spec)
+    delta = 7 * n * f + 2 * n * h - h * f
+    assert f8_estimate("none", 2, "rowwise", spec=spec) - bf16 == delta + 4 * (n + h + 2 * f)
+    assert f8_estimate("none", 2, "tensorwise", spec=spec) - bf16 == delta + 16
+    linears = h * (h + 2 * 64) + h * h + 3 * h * f
+    ag = delta - h * f - 2 * linears + 12 + 4 * 5 * L
+    assert f8_estimate("none", 2, "tensorwise", True, spec=spec) - bf16 == ag
+
+
+def test_float8_loss_moment_by_hand() -> None:
+    """Llama's proportions (the loss's backward is the peak): float8 saves what bf16 saves
+    (torchao keeps the high-precision input and weight); per-op SAC adds the tensorwise amax
+    scalars of its save list (``aten.max``: 2 B per cast of a bf16 input or weight, 5 Linears
+    per block), rowwise nothing; the all-gather keeps one fp32 scale per converted weight."""
+    L = 4
+    bf16 = f8_estimate("selective", 2, None)
+    assert f8_estimate("selective", 2, "rowwise") == bf16
+    assert f8_estimate("selective", 2, "rowwise_with_gw_hp") == bf16
+    assert f8_estimate("selective", 2, "tensorwise") - bf16 == L * 5 * 2 * 2
+    assert f8_estimate("selective", 2, "tensorwise", True) - bf16 == L * 5 * 2 + L * 5 * 4
+    assert f8_estimate("none", 2, "tensorwise") == f8_estimate("none", 2, None)
+
+
+@pytest.fixture(scope="module")
+def float8_reference(reference):
+    pytest.importorskip("torchao")
+    return reference
+
+
+@pytest.mark.parametrize(
+    ("vocab", "world", "recompute", "recipe", "all_gather"),
+    [
+        # a block's backward (vocabulary 2 × dim): w2's cast moment, its recomputed forward
+        *[(512, 2, "none", r, g) for r, g in F8_RECIPES],
+        *[(512, 2, "full", r, g) for r, g in F8_RECIPES[1:3]],
+        (512, 8, "selective", "rowwise_with_gw_hp", False),
+        (512, 8, "selective", "tensorwise", True),
+        (512, 1, "selective:2", "rowwise", False),
+        (512, 1, "none", "rowwise_with_gw_hp", False),  # the forward, one rank: no flat buffer
+        # the loss's backward (vocabulary 32 × dim): SAC's amax scalars, the precomputed scales
+        (8192, 2, "selective", "tensorwise", False),
+        (8192, 2, "selective", "tensorwise", True),
+    ],
+)
+def test_float8_equals_fake_profile(float8_reference, vocab, world, recompute, recipe, all_gather):
+    """torchtitan's ``Float8LinearConverter`` (rowwise recipes) or torchao's tensorwise
+    ``convert_to_float8_training`` (with FSDP float8 all-gather) on torchtitan's model."""
+    ac = recompute.split(":")[1] if ":" in recompute else recompute
+    ref = float8_reference.profile_step(
+        **{**TINY, "vocab": vocab},
+        world=world,
+        batch=BATCH,
+        seq=SEQ,
+        ac=ac,
+        float8=recipe,
+        float8_all_gather=all_gather,
+    )
+    est = f8_estimate(recompute, world, recipe, all_gather, spec=tiny_spec(vocab))
+    assert abs(est - ref.peak_bytes) < 512
+
+
+@pytest.mark.parametrize(
+    ("vocab", "recompute", "recipe", "all_gather", "chunks", "persistent"),
+    [
+        (8192, "selective", "rowwise", False, 4, False),  # with the chunked loss
+        (512, "selective", "tensorwise", True, 4, False),
+        (512, "full", "rowwise", False, 0, True),  # with 0.3.0's kept gradients
+        (8192, "none", "rowwise_with_gw_hp", False, 0, True),
+    ],
+)
+def test_float8_with_other_knobs_equals_fake_profile(
+    float8_reference, vocab, recompute, recipe, all_gather, chunks, persistent
+):
+    ref = float8_reference.profile_step(
+        **{**TINY, "vocab": vocab},
+        world=2,
+        batch=BATCH,
+        seq=SEQ,
+        ac=recompute,
+        float8=recipe,
+        float8_all_gather=all_gather,
+        loss_chunks=chunks,
+        set_to_none=not persistent,
+    )
+    est = f8_estimate(
+        recompute,
+        2,
+        recipe,
+        all_gather,
+        spec=tiny_spec(vocab),
+        loss_chunks=chunks,
+        persistent_grads=persistent,
+    )
+    assert abs(est - ref.peak_bytes) < 512
+
+
+def test_float8_reference_sees_what_cuda_saves(float8_reference) -> None:
+    """The save list that decides what per-op SAC keeps of a float8 block: ``aten.max`` (the
+    tensorwise amax) and ``aten._scaled_mm`` are in it, and SAC's policy sees the ``aten.mm``
+    of the float8 tensors (a dispatch mode runs before the tensor subclass), so every second
+    matmul is recomputed as in bf16: the rowwise loss moment equals bf16's."""
+    import torch
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    save = SelectiveAC.Config().build(dump_folder="").get_save_ops()
+    assert torch.ops.aten.max.default in save
+    assert torch.ops.aten._scaled_mm.default in save
+    assert torch.ops.aten.amax.default not in save
+    kw = {**TINY, "world": 2, "batch": BATCH, "seq": SEQ, "ac": "selective"}
+    bf16 = float8_reference.profile_step(**kw).peak_bytes
+    assert float8_reference.profile_step(**kw, float8="rowwise").peak_bytes == bf16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"fp8_recipe": "delayed"}, ("torchtitan", "tensorwise, rowwise, rowwise_with_gw_hp")),
+        ({"precision": "fp8"}, ("'delayed'", "rowwise_with_gw_hp")),
+        (
+            {"fp8_recipe": "rowwise", "fsdp_float8_all_gather": True},
+            ("tensorwise only", "rowwise"),
+        ),
+        ({"fsdp_float8_all_gather": True}, ("needs fp8_recipe='tensorwise'",)),
+        (
+            {"fp8_recipe": "rowwise", "layout": gpumem.Layout(dp=4, tp=2, fsdp="full", sp=True)},
+            ("tensor parallelism", "tp=1"),
+        ),
+        (
+            {"framework": "fsdp2", "fsdp_float8_all_gather": True},
+            ("torchtitan", "framework='fsdp2'", "tensorwise"),
+        ),
+        (
+            {"framework": "fsdp2", "fp8_recipe": "rowwise"},
+            ("Megatron-LM", "framework='fsdp2'", "rowwise_with_gw_hp"),
+        ),
+        (
+            {"framework": "megatron", "layout": gpumem.Layout(dp=8), "fp8_recipe": "rowwise"},
+            ("unknown fp8 recipe 'rowwise'", "delayed, tensorwise, mxfp8, blockwise"),
+        ),
+    ],
+)
+def test_float8_bad_input_is_one_line(kwargs: dict, words: tuple[str, ...]) -> None:
+    kw = {"framework": "torchtitan", "layout": gpumem.Layout(dp=8, fsdp="full"), **kwargs}
+    with pytest.raises(ValueError) as e:
+        gpumem.estimate("llama-3.1-8b", batch_size=1, seq_len=1024, recompute="selective", **kw)
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_float8_precision_names_the_recipe() -> None:
+    """``precision="fp8-tensorwise"`` is ``fp8_recipe="tensorwise"`` under torchtitan too."""
+    kw = {"framework": "torchtitan", "layout": gpumem.Layout(dp=8, fsdp="full")}
+    kw.update(batch_size=2, seq_len=8192)
+    a = gpumem.estimate("llama-3.1-8b", precision="fp8-tensorwise", **kw)
+    b = gpumem.estimate("llama-3.1-8b", fp8_recipe="tensorwise", **kw)
+    assert a.per_gpu == b.per_gpu
+    assert "float8 tensorwise" in b.inputs_line()
+
+
+def test_float8_on_the_command_line(capsys) -> None:
+    from gpumem.cli import main
+
+    args = ["estimate", "llama-3.1-8b", "--gpus", "8", "--fsdp", "full", "--framework"]
+    args += ["torchtitan", "--batch-size", "1", "--seq-len", "2048", "--recompute", "selective"]
+
+    def allocated_out() -> int:
+        per_gpu = json.loads(capsys.readouterr().out)["per_gpu"]
+        return per_gpu["total"] - per_gpu["overhead"]
+
+    assert main([*args, "--json"]) == 0
+    bf16 = allocated_out()
+    assert main([*args, "--json", "--fp8-recipe", "tensorwise"]) == 0
+    # 32 blocks · 5 Linears · 2 amax scalars of 2 B (SAC's save list)
+    assert allocated_out() - bf16 == 32 * 5 * 2 * 2
+    f8 = [*args, "--fp8-recipe", "tensorwise", "--fsdp-float8-all-gather"]
+    assert main(f8) == 0
+    assert "FSDP float8 all-gather" in capsys.readouterr().out
+    assert main([*args, "--fsdp-float8-all-gather"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "needs fp8_recipe='tensorwise'" in err and "\n" not in err
+    assert main(["plan", "llama-3.1-8b", "--gpus", "8", "--fsdp-float8-all-gather"]) != 0
+    assert "does not sweep torchtitan" in capsys.readouterr().err
 
 
 def test_the_chunked_loss_on_the_command_line(capsys):
