@@ -293,6 +293,8 @@ def _watch_blocks(blocks: list[torch.nn.Module], bar: _StepProgress) -> Any:
             bar.forward()
 
     def post(_mod: Any, _args: Any, out: Any) -> None:
+        if isinstance(out, (tuple, list)) and out:  # transformers' layers of some versions
+            out = out[0]
         if graph_task() == -1 and isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda _grad: bar.backward())
 

@@ -158,11 +158,15 @@ def test_sliding_window_layers_hf(tmp_path, monkeypatch):
     }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    reps = []
+    reps, ticks = [], []
     for full in ("1", "0"):
         monkeypatch.setenv("GPUMEM_FAKE_FULL_DISPATCH", full)
-        reps.append(profile_model(str(path), seq_len=16, steps=2, fake=True))
+        # the fast run with the progress hooks too: neither changes the report
+        bar = (lambda *a: ticks.append(a)) if full == "0" else None
+        reps.append(profile_model(str(path), seq_len=16, steps=2, fake=True, progress=bar))
     assert _comparable(reps[0]) == _comparable(reps[1])
+    said = [t[2] for t in ticks[1:-1]]
+    assert "step 2 of 2: backward block 4/4" in said and "step 2 of 2: forward block 4/4" in said
 
 
 def _tensor(mode, *shape, **kw):
