@@ -57,6 +57,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument(
+        "--fake-rounds",
+        type=int,
+        default=3,
+        help="rounds of the full fake Llama-2-70B profile (fast path and full dispatch)",
+    )
     args = ap.parse_args()
     load_start = _load()
     torch.manual_seed(0)
@@ -181,6 +187,9 @@ def main() -> None:
                 f"peak {rep.peak_bytes / 2**30:.2f} GiB",
             ]
         )
+    fake_rows, fake_figures, fake_notes = _fake_70b(args.fake_rounds)
+    rows += fake_rows
+    figures += fake_figures
     op_share = 100 * per_op_us * counter.n / 1e6 / base_cpu
     notes = f"""
 GPT-style model: 6 layers, d 512, 8 heads, seq {args.seq_len}, batch {args.batch_size}, vocab
@@ -211,7 +220,7 @@ What each configuration measures:
 - torch.profiler: op events with allocation records (analysis happens afterwards).
 The dispatch-mode tools pay per op (a Python call), so their ratio falls as ops get bigger
 (larger batch, sequence or hidden size); light mode pays per module call.
-"""
+{fake_notes}"""
     info = machine_info()
     info["load average at start / end"] = f"{load_start} / {load_end}"
     write_results(
@@ -232,6 +241,98 @@ The dispatch-mode tools pay per op (a Python call), so their ratio falls as ops 
         info=info,
         figures=figures,
     )
+
+
+_FULL = "GPUMEM_FAKE_FULL_DISPATCH"
+_CLI = [sys.executable, "-m", "gpumem", "profile", "llama", "--size", "70b", "--fake"]
+_IMPORTS = [sys.executable, "-c", "import torch, torch._dynamo, gpumem.cli, gpumem.profiler.runner"]
+
+
+def _comparable(rep) -> dict:
+    d = rep.to_dict()
+    d["timeline"] = {k: v for k, v in d["timeline"].items() if k != "t_ns"}
+    d["spans"] = [{k: v for k, v in s.items() if not k.endswith("_ns")} for s in d["spans"]]
+    return d
+
+
+def _child(argv: list[str], full: bool) -> tuple[float, float, str]:
+    """Wall seconds, CPU seconds (user + system) and stdout of a fresh process."""
+    import resource
+    import subprocess
+
+    env = {**os.environ, _FULL: "1" if full else "0"}
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    w0 = time.perf_counter()
+    out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True).stdout
+    wall = time.perf_counter() - w0
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime), out
+
+
+def _fake_70b(rounds: int) -> tuple[list[list[str]], list, str]:
+    """The full fake Llama-2-70B profile (80 blocks, batch 2 x 4096 tokens, 2 AdamW steps, what
+    ``gpumem profile llama --size 70b --fake`` runs): the fast path against the full dispatch
+    (``GPUMEM_FAKE_FULL_DISPATCH=1``), interleaved in rotated order, in this process (CPU and
+    wall time of ``profile_model``) and end to end in fresh processes (the command line); the
+    two reports are checked equal field by field."""
+    from gpumem.profiler.runner import profile_model
+
+    kinds = [("fast path", False), ("full dispatch", True)]
+    cpu: dict[str, list[float]] = {k: [] for k, _ in kinds}
+    wall: dict[str, list[float]] = {k: [] for k, _ in kinds}
+    reports = {}
+    for r in range(rounds):
+        for name, full in kinds[r % 2 :] + kinds[: r % 2]:
+            os.environ[_FULL] = "1" if full else "0"
+            w0, c0 = time.perf_counter(), time.process_time()
+            rep = profile_model("llama", size="70b", fake=True)
+            cpu[name].append(time.process_time() - c0)
+            wall[name].append(time.perf_counter() - w0)
+            reports[name] = _comparable(rep)
+            del rep
+    os.environ.pop(_FULL, None)
+    if reports["fast path"] != reports["full dispatch"]:
+        raise SystemExit("the fast path's report differs from the full dispatch's")
+    cli = {name: _child(_CLI, full) for name, full in kinds}
+    if cli["fast path"][2] != cli["full dispatch"][2]:
+        raise SystemExit("gpumem profile prints different tables on the two paths")
+    imports = _child(_IMPORTS, False)
+    per_round = [f / s for f, s in zip(cpu["full dispatch"], cpu["fast path"], strict=True)]
+    rows, figures = [], []
+    for name, _ in kinds:
+        what = f"fake Llama-2-70B, 2 AdamW steps, {name}"
+        figures.append(figure(f"{what}: profile_model CPU", "s", cpu[name]))
+        figures.append(figure(f"{what}: profile_model wall", "s", wall[name]))
+        figures.append(value_figure(f"{what}: gpumem profile CPU", "s", cli[name][1]))
+        figures.append(value_figure(f"{what}: gpumem profile wall", "s", cli[name][0]))
+        ratio = "1.000x" if name == "full dispatch" else f"{statistics.median(per_round):.3f}x"
+        rows.append(
+            [
+                f"{what}: profile_model (CLI: {cli[name][1]:.1f} s CPU, {cli[name][0]:.1f} s wall)",
+                f"{statistics.median(wall[name]) * 1e3:.0f}",
+                f"{min(wall[name]) * 1e3:.0f}",
+                "-",
+                "-",
+                f"{statistics.median(cpu[name]) * 1e3:.0f}",
+                f"full/fast {ratio}",
+                f"full/fast {min(cpu['full dispatch']) / min(cpu[name]):.3f}x",
+            ]
+        )
+    figures.append(figure("fake Llama-2-70B: full dispatch / fast path CPU", "x", per_round))
+    figures.append(
+        value_figure("python startup and imports (torch, dynamo, gpumem) CPU", "s", imports[1])
+    )
+    notes = f"""
+The fake Llama-2-70B rows: the whole model (80 blocks, batch 2 x 4096 tokens, fp32, AdamW, 2
+steps: what `gpumem profile llama --size 70b --fake` runs), {rounds} rounds of `profile_model` in
+this process, the fast path and the full dispatch (`GPUMEM_FAKE_FULL_DISPATCH=1`) interleaved;
+"full/fast": the full dispatch's CPU time over the fast path's in the same round (median), and
+best over best. In brackets: the command line once per path in a fresh process, CPU (user +
+system) and wall seconds; starting Python and importing torch, dynamo and gpumem alone costs
+{imports[1]:.1f} s CPU ({imports[0]:.1f} s wall) of that. The two reports are equal field by
+field (wall-clock times aside) and the two tables byte for byte, checked in the run.
+"""
+    return rows, figures, notes
 
 
 if __name__ == "__main__":

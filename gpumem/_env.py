@@ -8,6 +8,7 @@
 | GPUMEM_CUDA_LIBRARY   | path of libcudart to dlopen instead of searching | (search)           |
 | GPUMEM_STAGING_BYTES  | default host staging budget of the Checkpointer  | (share of RAM)     |
 | GPUMEM_DEBUG          | 1: the CLI prints a traceback with its one line  | 0                  |
+| GPUMEM_FAKE_FULL_DISPATCH | 1: fake tensors take torch's full dispatch path | 0         |
 
 (n: the machine's cores.)
 """

@@ -39,6 +39,7 @@ from collections.abc import Iterator
 
 import torch
 
+from gpumem._env import env_flag
 from gpumem.profiler.tracker import views_of
 
 
@@ -88,8 +89,23 @@ def _fake_mode_class() -> type:
     """``FakeTensorMode`` that places fused-attention RNG state where eager CUDA does."""
     if _MODE_CLASS:
         return _MODE_CLASS[0]
+    from torch._subclasses import fake_tensor as ft
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    # the pieces of FakeTensorMode's cache a hit is answered from; on a torch without them
+    # hits take torch's own path (the key memo still applies)
+    state_cls = getattr(ft, "_CacheKeyState", None)
+    valid_entry = getattr(ft, "_DispatchCacheValidEntry", None)
+    answers_hits = (
+        state_cls is not None
+        and valid_entry is not None
+        and _takes(
+            FakeTensorMode._output_from_cache_entry, ("state", "entry", "key", "func", "args")
+        )
+    )
+    # metadata queries FakeTensorMode answers first thing (prim.device: half the calls of a
+    # training step, autograd asks every tensor's device), answered here before the cache path
+    meta_handlers = getattr(ft, "_DISPATCH_META_HANDLERS", {})
     host_outputs = {}
     for name, slots in _HOST_RNG_OUTPUTS.items():
         packet = getattr(torch.ops.aten, name, None)
@@ -97,8 +113,58 @@ def _fake_mode_class() -> type:
             host_outputs[packet.default] = slots
 
     class CudaFaithfulFakeTensorMode(FakeTensorMode):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # fast key -> FakeTensorMode's dispatch cache key (see _cache_key below)
+            self._gpumem_keys: dict[tuple, object] | None = (
+                None if env_flag("GPUMEM_FAKE_FULL_DISPATCH") else {}
+            )
+
+        def _cache_key(self, *a):
+            """FakeTensorMode's cache key, memoised on a cheaper key of the same inputs.
+
+            Building torch's key (every tensor argument's metadata flattened into a list) costs
+            more than the cached dispatch it guards: a third of a fake profile's time. The
+            identical blocks of a model repeat the same calls, so the key computed once is
+            looked up by a tuple of the same inputs (``_fast_key``) taken with C getters. Every
+            input torch's key reads is in the fast key, so equal fast keys mean equal torch
+            keys; calls it cannot describe (symbolic shapes, other tensor types) take torch's
+            own path. ``GPUMEM_FAKE_FULL_DISPATCH=1`` turns the memo off."""
+            memo = self._gpumem_keys
+            func, args, kwargs = a[-3:]  # (state,) func, args, kwargs across torch versions
+            fast = None if memo is None else _fast_key(self, func, args, kwargs)
+            if fast is None:
+                return super()._cache_key(*a)
+            key = memo.get(fast)
+            if key is None:
+                key = super()._cache_key(*a)  # may raise torch's bypass: nothing memoised
+                if not getattr(a[0], "known_symbols", None):
+                    memo[fast] = key
+            return key
+
+        def _memo_hit(self, func, args, kwargs):
+            """The output of a call whose key is memoised and cached, made as torch makes a
+            cache hit's, without building torch's key; ``_MISS`` otherwise."""
+            memo = self._gpumem_keys
+            if memo is None or not self.cache_enabled or self.cache_crosscheck_enabled:
+                return _MISS
+            fast = _fast_key(self, func, args, kwargs)
+            key = None if fast is None else memo.get(fast)
+            if key is None:
+                return _MISS
+            entry = FakeTensorMode.cache.get(key)
+            if type(entry) is not valid_entry:  # absent, evicted, or torch's bypass entry
+                return _MISS
+            FakeTensorMode.cache_hits += 1
+            return self._output_from_cache_entry(state_cls(None), entry, key, func, args)
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = super().__torch_dispatch__(func, types, args, kwargs)
+            handler = meta_handlers.get(func) if self._gpumem_keys is not None else None
+            if handler is not None:
+                return handler(args)
+            out = self._memo_hit(func, args, kwargs or {}) if answers_hits else _MISS
+            if out is _MISS:
+                out = super().__torch_dispatch__(func, types, args, kwargs)
             slots = host_outputs.get(func)
             if slots is None:
                 return out
@@ -116,6 +182,109 @@ def _fake_mode_class() -> type:
 
     _MODE_CLASS.append(CudaFaithfulFakeTensorMode)
     return CudaFaithfulFakeTensorMode
+
+
+_MISS = object()
+
+
+def _takes(fn: object, names: tuple[str, ...]) -> bool:
+    """Whether ``fn`` (a method) takes exactly these parameters after ``self``."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(fn).parameters)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return tuple(params[1:]) == names
+
+
+_KEY_LEAVES = frozenset(
+    {
+        int,
+        float,
+        bool,
+        str,
+        type(None),
+        torch.dtype,
+        torch.device,
+        torch.layout,
+        torch.memory_format,
+    }
+)
+
+
+def _fast_key(mode: object, func: object, args: object, kwargs: object) -> tuple | None:
+    """A hashable tuple of everything FakeTensorMode's cache key reads for this call, or
+    ``None`` when a call has something it does not describe (then torch builds its own key).
+
+    Global state: the default dtype and device, inference and grad mode, the thread's
+    dispatch-key sets (autocast and the like) and whether a proxy mode traces. Per tensor
+    argument (plain strided fake tensors of this mode only): dtype, shape, strides, device,
+    storage offset and bytes, ``requires_grad``, quantized, conjugate, negative and inference
+    bits, the tensor metadata torch's key is made of."""
+    if getattr(mode, "shape_env", None) is not None:
+        return None  # symbolic shapes: torch's key converts them, never memoised
+    out: list[object] = [
+        func,
+        torch.get_default_dtype(),
+        torch._C._get_default_device(),
+        torch.is_inference_mode_enabled(),
+        torch.is_grad_enabled(),
+        torch._C._dispatch_tls_local_include_set().raw_repr(),
+        torch._C._dispatch_tls_local_exclude_set().raw_repr(),
+        _proxy_mode() is not None,
+    ]
+    if not _flatten_key(mode, args, out):
+        return None
+    if kwargs:
+        out.append(tuple(kwargs))
+        if not _flatten_key(mode, tuple(kwargs.values()), out):
+            return None
+    return tuple(out)
+
+
+def _flatten_key(mode: object, values: object, out: list[object]) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if not isinstance(values, (list, tuple)):
+        return False
+    out.append(type(values))
+    out.append(len(values))
+    for v in values:
+        cls = type(v)
+        if cls is FakeTensor:
+            if v.fake_mode is not mode or v.constant is not None or v.layout is not torch.strided:
+                return False
+            out.append(
+                (
+                    v.dtype,
+                    v.shape,
+                    v.stride(),
+                    v.device,
+                    v.storage_offset(),
+                    v.untyped_storage().nbytes(),
+                    v.requires_grad,
+                    v.is_quantized,
+                    v.is_conj(),
+                    v.is_neg(),
+                    v.is_inference(),
+                )
+            )
+        elif cls in _KEY_LEAVES:
+            out.append(cls)
+            out.append(v)
+        elif cls is list or cls is tuple:
+            if not _flatten_key(mode, v, out):
+                return False
+        else:
+            return False  # SymInts, other tensors, callables, dicts: torch's own key
+    return True
+
+
+def _proxy_mode() -> object:
+    """``torch.fx.experimental.proxy_tensor.get_proxy_mode()`` without its import and checks."""
+    key = torch._C._TorchDispatchModeKey.PROXY
+    return torch._C._get_dispatch_mode(key) or torch._ops._get_dispatch_mode_pre_dispatch(key)
 
 
 @contextlib.contextmanager

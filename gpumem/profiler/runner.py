@@ -184,7 +184,7 @@ def profile_model(
         fake_ctx(device=device if dev.type != "cpu" else None) if fake else contextlib.nullcontext()
     )
     with outer:
-        tick(0, steps + 1, "building the model")
+        tick(0, None, "building the model")
         path = Path(model)
         if cfg is None:
             if not path.is_file():
@@ -205,22 +205,108 @@ def profile_model(
                 x = x.to(dtype)
         net.train()
         opt = _optimizer(optimizer, net.parameters())
-        with profile(net, opt, mode=mode, alloc_conf=conf) as prof:
-            for i in range(steps):
-                tick(i + 1, steps + 1, f"training step {i + 1} of {steps}")
-                with torch.autocast(dev.type, dtype=amp) if amp else contextlib.nullcontext():
-                    out = net(x)
-                    logits = out.logits if hasattr(out, "logits") else out
-                    loss = F.cross_entropy(
-                        logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)
-                    )
-                loss.backward()
-                if opt is not None:
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                del out, logits, loss
-    tick(steps + 1, steps + 1)
+        blocks = _repeated_blocks(net)
+        bar = _StepProgress(tick, steps, len(blocks))
+        with contextlib.ExitStack() as hooks:
+            if progress is not None:
+                hooks.callback(_watch_blocks(blocks, bar))
+            with profile(net, opt, mode=mode, alloc_conf=conf) as prof:
+                _train(net, opt, x, y, steps, dev, amp, bar)
+    bar.done()
     return prof.report()
+
+
+def _train(net, opt, x, y, steps: int, dev: torch.device, amp, bar: _StepProgress) -> None:
+    for i in range(steps):
+        bar.step(i)
+        with torch.autocast(dev.type, dtype=amp) if amp else contextlib.nullcontext():
+            out = net(x)
+            logits = out.logits if hasattr(out, "logits") else out
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+        loss.backward()
+        if opt is not None:
+            bar.optimizer()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        del out, logits, loss
+
+
+class _StepProgress:
+    """``progress(done, total, description)`` in units of work: the build, then per step each
+    repeated block's forward and backward and the optimizer step, so a large model's bar moves
+    layer by layer."""
+
+    def __init__(self, tick: Any, steps: int, blocks: int) -> None:
+        self.tick, self.steps, self.blocks = tick, steps, blocks
+        self.per_step = 2 * blocks + 1
+        self.total = 1 + steps * self.per_step
+        self.index = 0
+        self.at = 0
+        self.fwd = self.bwd = 0
+        tick(1, self.total, "model built")
+
+    def _show(self, at: int, what: str) -> None:
+        self.at = min(max(self.at, at), self.total)
+        self.tick(self.at, self.total, f"step {self.index + 1} of {self.steps}: {what}")
+
+    def step(self, i: int) -> None:
+        self.index, self.fwd, self.bwd = i, 0, 0
+        self._show(1 + i * self.per_step, "forward")
+
+    def forward(self) -> None:
+        self.fwd += 1
+        self._show(
+            1 + self.index * self.per_step + self.fwd, f"forward block {self.fwd}/{self.blocks}"
+        )
+
+    def backward(self) -> None:
+        self.bwd += 1
+        done = 1 + self.index * self.per_step + self.blocks + self.bwd
+        self._show(done, f"backward block {self.bwd}/{self.blocks}")
+
+    def optimizer(self) -> None:
+        self._show(1 + self.index * self.per_step + 2 * self.blocks, "optimizer step")
+
+    def done(self) -> None:
+        self.tick(self.total, self.total)
+
+
+def _repeated_blocks(net: torch.nn.Module) -> list[torch.nn.Module]:
+    """The children of the ``ModuleList`` holding the most parameters (a transformer's layers;
+    not the experts inside one), or none."""
+    lists = [m for m in net.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    if not lists:
+        return []
+    best = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    return list(best)
+
+
+def _watch_blocks(blocks: list[torch.nn.Module], bar: _StepProgress) -> Any:
+    """Hooks that move ``bar`` as each block's forward and backward runs; returns their
+    removal. They run no tensor op (a forward pre-hook, and a hook on the block's output
+    gradient), so the profile is the same with and without them; forwards recomputed inside
+    backward (checkpointing) are not counted again."""
+    graph_task = torch._C._current_graph_task_id
+
+    def pre(_mod: Any, _args: Any) -> None:
+        if graph_task() == -1:
+            bar.forward()
+
+    def post(_mod: Any, _args: Any, out: Any) -> None:
+        if isinstance(out, (tuple, list)) and out:  # transformers' layers of some versions
+            out = out[0]
+        if graph_task() == -1 and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda _grad: bar.backward())
+
+    handles = [
+        h for b in blocks for h in (b.register_forward_pre_hook(pre), b.register_forward_hook(post))
+    ]
+
+    def remove() -> None:
+        for h in handles:
+            h.remove()
+
+    return remove
 
 
 def is_config_path(model: str) -> bool:

@@ -81,6 +81,7 @@ def storages_of(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
 _Tensor = torch.Tensor
 _FakeTensor = FakeTensor
 _FLAT_LEAVES = frozenset({torch.Tensor, FakeTensor, type(None), int, float, bool})
+_NO_TENSOR = frozenset({torch.device, torch.dtype, torch.layout, type(None), int, float, bool})
 _RESIZES: dict[Any, bool] = {}
 
 
@@ -302,6 +303,8 @@ class StorageTracker(TorchDispatchMode):
         cls = type(out)
         if cls is _Tensor or cls is _FakeTensor:
             outs: Any = (out,)
+        elif cls in _NO_TENSOR:  # metadata queries (prim.device, sym_size): nothing to walk
+            outs = ()
         elif (cls is tuple or cls is list) and all(type(o) in _FLAT_LEAVES for o in out):
             outs = out
         else:
