@@ -112,9 +112,14 @@ def fragmentation(conf: AllocConf, shape: StatesShape | StepShape, n: int) -> tu
     three cached stages (forward; backward; optimizer step), each continuing a fork of the
     one before, so that steps differing only in their later transients share the rest."""
     if isinstance(shape, StepShape) and not shape.held:
-        run = _walk_stage(conf, replace(shape, t_step=0), n).fork()
-        if shape.t_step:
-            run.give(run.take(shape.t_step))
+        walked = _walk_stage(conf, replace(shape, t_step=0), n)
+        if not shape.t_step:
+            return walked.result()
+        grow = walked.sim.would_reserve(shape.t_step)
+        if grow is not None:  # the step's one temporary, taken and given back, without a fork
+            return walked.result_with(shape.t_step, grow)
+        run = walked.fork()
+        run.give(run.take(shape.t_step))
         return run.result()
     t, _ = states_trace(shape, n) if isinstance(shape, StatesShape) else step_trace(shape, n)
     run = _Run(conf)
@@ -166,6 +171,19 @@ class _Run:
 
     def result(self) -> tuple[int, int]:
         return max(0, self.pinned - self.peak), max(0, self.sim.stats.reserved_peak - self.peak)
+
+    def result_with(self, size: int, grow: int) -> tuple[int, int]:
+        """``result`` after ``give(take(size))``, the take reserving ``grow`` new bytes
+        (``CachingAllocatorSim.would_reserve``), computed without running it: the peak takes
+        the temporary; a new segment raises reserved (and its peak) by ``grow``, and since it
+        holds the temporary, the releasable bytes stay as they are."""
+        st = self.sim.stats
+        peak = max(self.peak, self.live + size)
+        pinned, reserved_peak = self.pinned, st.reserved_peak
+        if grow:
+            pinned = max(pinned, st.reserved + grow - self.sim.releasable())
+            reserved_peak = max(reserved_peak, st.reserved + grow)
+        return max(0, pinned - peak), max(0, reserved_peak - peak)
 
 
 @functools.lru_cache(maxsize=4096)
