@@ -92,6 +92,25 @@ def estimate(row: Row) -> tuple[int, str]:
     return allocated, bill.phase
 
 
+def estimate_reserved(row: Row) -> int:
+    """The estimate's ``peak_reserved_bytes`` (the caching allocator simulated under default
+    settings over torchtitan's step, ``gpumem.estimator.titan_trace``)."""
+    spec = resolve_model("llama-3.1-8b" if row.flavor == "8B" else "llama-3.1-70b")
+    spec = dataclasses.replace(spec, max_seq=max(spec.max_seq, row.seq))
+    bill = gpumem.estimate(
+        spec,
+        batch_size=row.batch,
+        seq_len=row.seq,
+        framework="torchtitan",
+        recompute=row.ac,
+        layout=gpumem.Layout(dp=row.dp, tp=row.tp, cp=row.cp, fsdp="full", sp=row.tp > 1),
+        gpu="H100-80GB",  # ample memory: the simulated peak does not depend on the capacity
+        loss_chunks=row.loss_chunks,
+        alloc_conf="",
+    )
+    return bill.peak_reserved_bytes or 0
+
+
 def reference(row: Row) -> Any:
     """The fake profile of torchtitan's own model under ``row``'s settings."""
     return profile_flavor(

@@ -597,10 +597,14 @@ def estimate_preset(
                 cuda=device == "cuda",
                 persistent_grads=bool(persistent_grads),
                 loss_chunks=loss_chunks,
+                alloc_conf=terms.alloc_conf,
             )
         ]
     else:
         rows = terms.terms(layout, batch_size, recompute, grad_accum, persistent_grads, stages)
+    titan_simulated = framework != "torchtitan" or torchtitan.simulated(
+        terms.alloc_conf, loss_chunks, bool(persistent_grads)
+    )
     return make_bill(
         spec,
         spec.n_params,
@@ -647,12 +651,14 @@ def estimate_preset(
             if framework == "torchtitan"
             else terms.layer_items(layout, batch_size)
         ),
-        # torchtitan's terms come from its own recipe, not the simulated rank shapes
+        # torchtitan's step is simulated from its own allocation order (titan_trace), except
+        # for what that order does not cover
         alloc_conf=None
-        if terms.alloc_conf is None or framework == "torchtitan"
+        if terms.alloc_conf is None or not titan_simulated
         else terms.alloc_conf.text or "default",
-        reserved_note="framework='torchtitan' keeps the flat share"
-        if framework == "torchtitan" and terms.alloc_conf is not None
+        reserved_note="framework='torchtitan' keeps the flat share with loss_chunks or "
+        "persistent gradients"
+        if not titan_simulated and terms.alloc_conf is not None
         else reserved_note,
     )
 

@@ -142,13 +142,13 @@ class _Run:
         self.layers: list[list[int]] = []
         self.ends: list[int | None] = []
 
-    def take(self, size: int, h: int | None = None) -> int:
+    def take(self, size: int, h: int | None = None, stream: int = 0) -> int:
         if h is None:
             h = self.next
             self.next += 1
         st = self.sim.stats
         before = st.reserved
-        self.sim.malloc(h, size)
+        self.sim.malloc(h, size, stream)
         if st.reserved > before:  # a new segment: where a full GPU would release and retry
             self.pinned = max(self.pinned, st.reserved - self.sim.releasable())
         self.sizes[h] = size
