@@ -187,10 +187,9 @@ class _Run:
 
 
 @functools.lru_cache(maxsize=4096)
-def _step_stage(
-    conf: AllocConf, saved: tuple[int, ...], gather: int, first: int, last: int, n: int
-) -> _Run:
-    """The forward of one micro-batch and its head (see ``step_trace``); never mutated."""
+def _step_stage(conf: AllocConf, saved: tuple[int, ...], gather: int, first: int, n: int) -> _Run:
+    """The forward of one micro-batch's layers (see ``step_trace``), the head's tensors not
+    yet taken (so that ranks differing only in them share it); never mutated."""
     run = _Run(conf)
     f = run.take(first) if first else None
     for _ in range(n):
@@ -198,7 +197,7 @@ def _step_stage(
         run.layers.append([run.take(size) for size in saved])
         if g is not None:
             run.give(g)
-    run.ends = [f, run.take(last) if last else None]
+    run.ends = [f]
     return run
 
 
@@ -230,8 +229,9 @@ def _backward(run: Any, s: StepShape, layers: list, first: Any, last: Any) -> No
 def _walk_stage(conf: AllocConf, s: StepShape, n: int) -> _Run:
     """The forward, then the backward (start transient, then layer by layer from the last);
     never mutated."""
-    run = _step_stage(conf, s.saved, s.gather, s.first, s.last, n).fork()
-    first, last = run.ends
+    run = _step_stage(conf, s.saved, s.gather, s.first, n).fork()
+    first = run.ends[0]
+    last = run.take(s.last) if s.last else None
     _backward(run, s, run.layers, first, last)
     return run
 
