@@ -30,6 +30,7 @@ is what lets the planner's candidates share a few thousand simulations.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -37,6 +38,7 @@ from typing import Any
 from gpumem.allocator.alloc_conf import AllocConf
 from gpumem.allocator.caching import CachingAllocatorSim
 from gpumem.allocator.trace import Trace
+from gpumem.estimator import sim_cache
 
 K = 4
 """Layers simulated exactly; a rank of more than ``2 K`` is extrapolated from ``K`` and ``2 K``."""
@@ -108,9 +110,21 @@ def scaled(conf: AllocConf, shape: StatesShape | StepShape, n: int) -> tuple[int
 @functools.lru_cache(maxsize=65536)
 def fragmentation(conf: AllocConf, shape: StatesShape | StepShape, n: int) -> tuple[int, int]:
     """(unreleasable, reserved) over the requested peak of ``shape``'s trace of ``n`` layers,
-    simulated (cached: the planner asks for the same shapes again and again). A step is run in
-    three cached stages (forward; backward; optimizer step), each continuing a fork of the
-    one before, so that steps differing only in their later transients share the rest."""
+    simulated (cached: the planner asks for the same shapes again and again; and on disk,
+    ``sim_cache``, for the next process)."""
+    key = hashlib.blake2b(repr((conf, shape, n)).encode(), digest_size=16).hexdigest()
+    hit = sim_cache.lookup(key)
+    if hit is not None:
+        return hit
+    out = _simulated(conf, shape, n)
+    sim_cache.store(key, out)
+    return out
+
+
+def _simulated(conf: AllocConf, shape: StatesShape | StepShape, n: int) -> tuple[int, int]:
+    """``fragmentation``, simulated. A step is run in three cached stages (forward; backward;
+    optimizer step), each continuing a fork of the one before, so that steps differing only in
+    their later transients share the rest."""
     if isinstance(shape, StepShape) and not shape.held:
         walked = _walk_stage(conf, replace(shape, t_step=0), n)
         if not shape.t_step:

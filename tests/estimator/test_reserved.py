@@ -247,3 +247,74 @@ def test_a_measured_fragmentation_beats_the_simulation():
     assert b.per_gpu["overhead"] == gpu.context_bytes + int(b.allocated_bytes * 0.1)
     given = gpumem.estimate("llama-3-8b", seq_len=2048, gpu=gpu, alloc_conf="")
     assert given.peak_reserved_bytes is not None  # asked for explicitly: simulated
+
+
+def _cold() -> None:
+    for cache in (step_trace.fragmentation, step_trace._step_stage, step_trace._walk_stage):
+        cache.cache_clear()
+
+
+@pytest.fixture
+def disk_cache(tmp_path, monkeypatch):
+    from gpumem.estimator import sim_cache
+
+    monkeypatch.setenv("GPUMEM_CACHE_DIR", str(tmp_path))
+    sim_cache.reset()
+    _cold()
+    yield sim_cache
+    sim_cache.reset()
+    _cold()
+
+
+def test_disk_cache_returns_what_simulating_does(disk_cache, tmp_path, monkeypatch):
+    kw = {"seq_len": 2048, "layout": gpumem.Layout(dp=8, zero=3)}
+    first = gpumem.estimate("llama-3-8b", **kw)
+    disk_cache.flush()
+    (path,) = tmp_path.glob("reserved-*.json")
+    assert path.name.startswith(f"reserved-{gpumem.__version__}-")
+    # a fresh process: nothing in memory, every simulation read back from the file
+    disk_cache.reset()
+    _cold()
+
+    def no_simulation(*a):
+        raise AssertionError("simulated although cached on disk")
+
+    monkeypatch.setattr(step_trace, "_simulated", no_simulation)
+    again = gpumem.estimate("llama-3-8b", **kw)
+    assert (again.peak_reserved_bytes, again.unreleasable_bytes, again.per_gpu) == (
+        first.peak_reserved_bytes,
+        first.unreleasable_bytes,
+        first.per_gpu,
+    )
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"not json", b'["a list"]', b'{"k": [1, -2]}', b'{"k": [true, 1]}', b"\x80\x04K\x01."],
+)
+def test_disk_cache_ignores_a_file_it_did_not_write(disk_cache, tmp_path, content):
+    bill = gpumem.estimate("llama-3-8b", seq_len=2048)  # writes nothing yet: learns the name
+    disk_cache.flush()
+    (path,) = tmp_path.glob("reserved-*.json")
+    path.write_bytes(content)  # a corrupt file, wrong values, a pickle: all ignored
+    disk_cache.reset()
+    _cold()
+    again = gpumem.estimate("llama-3-8b", seq_len=2048)
+    assert again.peak_reserved_bytes == bill.peak_reserved_bytes
+    disk_cache.flush()
+    import json
+
+    data = json.loads(path.read_text())  # rewritten whole, valid
+    assert data and all(len(v) == 2 and min(v) >= 0 for v in data.values())
+
+
+def test_disk_cache_off_writes_nothing(tmp_path, monkeypatch):
+    from gpumem.estimator import sim_cache
+
+    monkeypatch.setenv("GPUMEM_CACHE_DIR", "off")
+    sim_cache.reset()
+    _cold()
+    gpumem.estimate("llama-3-8b", seq_len=2048)
+    sim_cache.flush()
+    assert sim_cache.cache_dir() is None and sim_cache.lookup("x") is None
+    sim_cache.reset()
