@@ -169,9 +169,9 @@ def torchtitan_rows() -> tuple[list[list[object]], list[float], list[tuple[str, 
                 f"{est / GiB:.2f}",
                 f"{100 * (est / ref - 1):+.4f} %",
                 f"{r.reserved_one_stream_bytes / GiB:.2f} / {r.reserved_bytes / GiB:.2f}",
-                f"{est_res / GiB:.2f}",
+                f"{est_res / GiB:.2f}" if est_res else "flat share (not simulated)",
                 row.published,
-                f"{100 * vs_pub:+.1f} %",
+                f"{100 * vs_pub:+.1f} %" if est_res else "-",
                 settings,
             ]
         )
