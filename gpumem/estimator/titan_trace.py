@@ -91,11 +91,12 @@ class _Unit:
 
 def simulate(conf: AllocConf, s: TitanShape) -> tuple[int, int]:
     """(unreleasable, reserved) bytes over the trace's requested peak (see the module)."""
-    return _simulate(conf, s)
+    return simulated_run(conf, s).result()
 
 
 @functools.lru_cache(maxsize=256)
-def _simulate(conf: AllocConf, s: TitanShape) -> tuple[int, int]:
+def simulated_run(conf: AllocConf, s: TitanShape) -> _Run:
+    """The allocator after ``STEPS`` steps (its segments, peaks); never mutated."""
     run = _Run(conf)
     ns = s.shard
     units = [_Unit(s.embed, ns)] + [_Unit(s.block, ns) for _ in s.saved]
@@ -118,7 +119,7 @@ def _simulate(conf: AllocConf, s: TitanShape) -> tuple[int, int]:
             for u in order:
                 for n in u.params:
                     states += [run.take(-(-n // ns) * 4), run.take(-(-n // ns) * 4)]
-    return run.result()
+    return run
 
 
 def _all_gather(run: _Run, u: _Unit) -> int:
@@ -219,4 +220,12 @@ def _step(run: _Run, s: TitanShape, order: list[_Unit], sharded: list[int]) -> N
         run.give(h)
 
 
-__all__ = ["COPY_IN", "DEFAULT", "REDUCE_SCATTER", "STEPS", "TitanShape", "simulate"]
+__all__ = [
+    "COPY_IN",
+    "DEFAULT",
+    "REDUCE_SCATTER",
+    "STEPS",
+    "TitanShape",
+    "simulate",
+    "simulated_run",
+]
