@@ -318,3 +318,25 @@ def test_disk_cache_off_writes_nothing(tmp_path, monkeypatch):
     sim_cache.flush()
     assert sim_cache.cache_dir() is None and sim_cache.lookup("x") is None
     sim_cache.reset()
+
+
+def test_planner_answer_unchanged_by_the_disk_cache(disk_cache, tmp_path, monkeypatch):
+    def answer():
+        r = gpumem.plan("llama-3-8b", n_gpus=8, seq_len=2048)
+        return [(c.layout, c.micro_batch, c.recompute, c.total_bytes) for c in r.candidates], (
+            r.reserved_line()
+        )
+
+    monkeypatch.setenv("GPUMEM_CACHE_DIR", "off")  # simulated, nothing on disk
+    disk_cache.reset()
+    _cold()
+    plain = answer()
+    monkeypatch.setenv("GPUMEM_CACHE_DIR", str(tmp_path))
+    for reads in (False, True):  # the first run writes the file, the second reads it back
+        disk_cache.reset()
+        _cold()
+        if reads:
+            monkeypatch.setattr(step_trace, "_simulated", lambda *a: pytest.fail("simulated"))
+        assert answer() == plain
+        disk_cache.flush()
+    assert plain[0] and list(tmp_path.glob("reserved-*.json"))  # some layouts fit
