@@ -23,6 +23,10 @@ from gpumem.planner.search import sweep
 
 
 def main() -> None:
+    import os
+
+    # the in-process rows simulate (the on-disk cache is measured by the CLI rows only)
+    os.environ["GPUMEM_CACHE_DIR"] = "off"
     info = machine_info()
     rows, figures = [], []
     # 1. kernel: real term vectors of a 70B plan, tiled to 1M configurations
@@ -74,9 +78,13 @@ def main() -> None:
             )
         )
     del base
-    cli_row, cli_cpu_ms = _cli_row()
-    rows.append(cli_row)
-    figures.append(value_figure("plan 70b --gpus 1024 CLI CPU beyond start", "ms", cli_cpu_ms))
+    for cached in (False, True):
+        cli_row, cli_cpu_ms = _cli_row(cached)
+        rows.append(cli_row)
+        what = "disk-cached" if cached else "cold"
+        figures.append(
+            value_figure(f"plan 70b --gpus 1024 CLI CPU beyond start, {what}", "ms", cli_cpu_ms)
+        )
     write_results(
         "planner",
         "Planner speed (gpumem.plan)",
@@ -86,34 +94,50 @@ def main() -> None:
         "term vectors, against the same function in pure Python measured in the same run. Plan "
         "rows: warm (numba cache loaded), everything from layout enumeration to the ranked list; "
         "configurations = dp x tp x pp x ZeRO x SP x micro-batch {1,2,4,8} x recompute "
-        "{none, selective, full}, global batch 256 sequences of 4096 tokens. CLI row: the "
+        "{none, selective, full}, global batch 256 sequences of 4096 tokens; the in-process "
+        "rows run with the on-disk simulation cache off (GPUMEM_CACHE_DIR=off). CLI rows: the "
         "median CPU time (and wall time) of the whole `gpumem plan llama-2-70b --gpus 1024` "
         "process minus that of `gpumem --version` (process start: interpreter and imports), "
-        "both warm, measured in the same run; below 50k term rows the sweep evaluates the "
-        "formula in Python (numba's import and cache load would cost more than it saves).",
+        "measured in the same run: first with an empty simulation cache at every run (a fresh "
+        "GPUMEM_CACHE_DIR each time: every candidate's step simulated, the cost of a first plan), "
+        "then with the cache an earlier run wrote (gpumem/estimator/sim_cache.py: JSON keyed by "
+        "gpumem's version and the simulator's source hash); below 50k term rows the sweep "
+        "evaluates the formula in Python (numba's import and cache load would cost more than "
+        "it saves).",
         info=info,
         figures=figures,
     )
 
 
-def _cli_row() -> tuple[tuple[str, str, str, str, str], float]:
-    """`gpumem plan llama-2-70b --gpus 1024` beyond process start, warm (issue #12: < 1 s).
+def _cli_row(cached: bool) -> tuple[tuple[str, str, str, str, str], float]:
+    """`gpumem plan llama-2-70b --gpus 1024` beyond process start (issue #12: < 1 s), with the
+    step simulations' on-disk cache (``sim_cache``) empty at every run (``cached=False``: a
+    fresh folder each time, what a first plan of a job costs) or filled by an earlier run.
 
     Wall time on this shared 2-core machine varies with the other tenants' load, so the
     process's own CPU time (user + sys, from ``getrusage``) is measured too, each as the
     median of 5 runs minus the same for `gpumem --version` (interpreter start and imports)."""
     import os
     import resource
+    import shutil
     import statistics
     import subprocess
     import sys
+    import tempfile
     import time
 
+    folder = tempfile.mkdtemp(prefix="gpumem-bench-cache-")
+
     def run(*argv: str) -> tuple[float, float]:
+        fresh = tempfile.mkdtemp(prefix="gpumem-bench-cold-")  # empty: nothing cached
+        env = dict(os.environ, GPUMEM_CACHE_DIR=folder if cached else fresh)
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "gpumem", *argv], check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "gpumem", *argv], check=True, capture_output=True, env=env
+        )
         wall = time.perf_counter() - t0
+        shutil.rmtree(fresh, ignore_errors=True)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         return wall, cpu
@@ -127,8 +151,10 @@ def _cli_row() -> tuple[tuple[str, str, str, str, str], float]:
     start_wall, start_cpu = median("--version")
     wall, cpu = median(*plan_args)
     load = os.getloadavg()[0]
+    shutil.rmtree(folder, ignore_errors=True)
     row = (
-        "gpumem plan llama-2-70b --gpus 1024 (CLI, beyond process start)",
+        "gpumem plan llama-2-70b --gpus 1024 (CLI, beyond process start; simulations "
+        + ("read from the disk cache)" if cached else "not cached on disk)"),
         "-",
         f"{(cpu - start_cpu) * 1e3:.0f} ms CPU",
         "-",

@@ -33,6 +33,9 @@ def _cold(fn):
 
 
 def main() -> None:
+    import os
+
+    os.environ["GPUMEM_CACHE_DIR"] = "off"  # cold means simulated: no on-disk results either
     info = machine_info()
     rows, figures = [], []
     cases = [(name, lambda m=m, kw=kw, **a: gpumem.estimate(m, **kw, **a)) for name, m, kw in JOBS]

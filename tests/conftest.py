@@ -14,6 +14,11 @@ if "TRITON_INTERPRET" not in os.environ:
         _cuda = False
     os.environ["TRITON_INTERPRET"] = "0" if _cuda else "1"
 
+# the step simulations' on-disk cache (gpumem/estimator/sim_cache.py) stays off in tests, and
+# in the CLI processes they start: each test simulates afresh and writes nothing to the home
+# folder; tests/estimator/test_reserved.py turns it on in a temporary folder
+os.environ.setdefault("GPUMEM_CACHE_DIR", "off")
+
 import shutil
 import subprocess
 from pathlib import Path

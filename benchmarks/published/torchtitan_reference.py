@@ -243,6 +243,64 @@ class Result:
     at_peak: dict[str, int | None]
     peak_phase: str
     steps: list[int]
+    reserved_bytes: int = 0
+    """The recorded allocations and frees, each on the stream FSDP2 made it on, replayed
+    through gpumem's caching-allocator simulator (default settings): peak reserved."""
+    reserved_one_stream_bytes: int = 0
+    """The same replay with every allocation on one stream (the profiler's own figure)."""
+
+
+class _StreamLog(list):
+    """The profiler's allocation log, with the stream current at each entry beside it."""
+
+    def __init__(self, entries: list, current: list[int]) -> None:
+        super().__init__(entries)
+        self.current = current
+        self.streams = [0] * len(entries)
+
+    def append(self, entry: Any) -> None:
+        super().append(entry)
+        self.streams.append(self.current[0])
+
+
+@contextlib.contextmanager
+def fsdp_streams() -> Iterator[list[int]]:
+    """Which stream FSDP2 allocates on: it enters ``device_handle.stream(s)`` (``torch.cpu``'s
+    on a CPU device) around its all-gather copy-in and its reduce-scatter; each stream object
+    gets an id (0: the current stream), kept in the yielded one-element list while inside."""
+    current, ids = [0], {}
+    original = torch.cpu.stream
+
+    @contextlib.contextmanager
+    def stream(s: Any) -> Iterator[None]:
+        prev = current[0]
+        current[0] = 0 if s is torch.cpu.current_stream() else ids.setdefault(id(s), len(ids) + 1)
+        try:
+            yield
+        finally:
+            current[0] = prev
+
+    torch.cpu.stream = stream  # type: ignore[assignment]
+    try:
+        yield current
+    finally:
+        torch.cpu.stream = original  # type: ignore[assignment]
+
+
+def replay_reserved(log: _StreamLog, streams: bool = True) -> int:
+    """Peak reserved of the recorded log replayed through gpumem's simulator."""
+    from gpumem.allocator.caching import simulate
+
+    live: set[int] = set()
+    events: list[Any] = []
+    for (hid, n, _dev), st in zip(log, log.streams, strict=True):
+        if n > 0:
+            live.add(hid)
+            events.append(("alloc", hid, n, st if streams else 0))
+        elif n < 0 and hid in live:
+            live.remove(hid)
+            events.append(("free", hid))
+    return simulate(events, "").peak_reserved
 
 
 def profile_step(
@@ -353,7 +411,9 @@ def profile_step(
         enabled = gc.isenabled()
         gc.disable()
         try:
-            with gpumem.profile(model, opt) as prof:
+            with fsdp_streams() as current, gpumem.profile(model, opt) as prof:
+                log = _StreamLog(prof.tracker.alloc_log, current)
+                prof.tracker.alloc_log = log
                 for _ in range(steps):
                     gc.collect()
                     step()
@@ -361,7 +421,14 @@ def profile_step(
             if enabled:
                 gc.enable()
         rep = prof.report()
-    return Result(rep.peak_bytes, dict(rep.at_peak), rep.peak_phase, [s.peak for s in rep.steps])
+    return Result(
+        rep.peak_bytes,
+        dict(rep.at_peak),
+        rep.peak_phase,
+        [s.peak for s in rep.steps],
+        replay_reserved(log),
+        replay_reserved(log, streams=False),
+    )
 
 
 def profile_flavor(flavor: str, **kw: Any) -> Result:

@@ -195,6 +195,27 @@ def estimate(row: Row) -> tuple[int, str]:
     return allocated, bill.phase
 
 
+def estimate_reserved(row: Row) -> int:
+    """The estimate's ``peak_reserved_bytes`` (the caching allocator simulated under default
+    settings over torchtitan's step, ``gpumem.estimator.titan_trace``)."""
+    spec = resolve_model("llama-3.1-8b" if row.flavor == "8B" else "llama-3.1-70b")
+    spec = dataclasses.replace(spec, max_seq=max(spec.max_seq, row.seq))
+    bill = gpumem.estimate(
+        spec,
+        batch_size=row.batch,
+        seq_len=row.seq,
+        framework="torchtitan",
+        recompute=row.ac,
+        layout=gpumem.Layout(dp=row.dp, tp=row.tp, cp=row.cp, fsdp="full", sp=row.tp > 1),
+        gpu="H100-80GB",  # ample memory: the simulated peak does not depend on the capacity
+        loss_chunks=row.loss_chunks,
+        fp8_recipe=row.float8 or None,
+        fsdp_float8_all_gather=row.float8_all_gather,
+        alloc_conf="",
+    )
+    return bill.peak_reserved_bytes or 0
+
+
 def reference(row: Row) -> Any:
     """The fake profile of torchtitan's own model under ``row``'s settings."""
     return profile_flavor(
@@ -220,6 +241,9 @@ class Measured:
     phase: str
     reference: int
     seconds: float
+    reserved_estimate: int = 0  # the estimate's simulated peak reserved (0: flat share)
+    reserved_one_stream: int = 0  # the reference's allocations replayed on one stream
+    reserved_streams: int = 0  # ... on the streams FSDP2 entered
 
     @property
     def error(self) -> float:
@@ -242,8 +266,20 @@ def run(only: str | None = None) -> list[Measured]:
             continue
         est, phase = estimate(row)
         t0 = time.perf_counter()
-        ref = reference(row).peak_bytes
-        out.append(Measured(row, est, phase, ref, time.perf_counter() - t0))
+        r = reference(row)
+        seconds = time.perf_counter() - t0
+        out.append(
+            Measured(
+                row,
+                est,
+                phase,
+                r.peak_bytes,
+                seconds,
+                estimate_reserved(row),
+                r.reserved_one_stream_bytes,
+                r.reserved_bytes,
+            )
+        )
         print(out[-1].line(), flush=True)
     return out
 

@@ -428,11 +428,13 @@ class CachingAllocatorSim:
         memo: dict[int, _Block] = {}
 
         def dup(b: _Block) -> _Block:
+            # every slot of _Block, assigned by name (a loop over __slots__ costs twice as much:
+            # a planner's sweep forks thousands of simulations)
             nb = _Block.__new__(_Block)
-            for slot in _Block.__slots__:
-                setattr(nb, slot, getattr(b, slot))
-            if b.uses:
-                nb.uses = set(b.uses)
+            nb.addr, nb.allocated, nb.due, nb.gc_base = b.addr, b.allocated, b.due, b.gc_base
+            nb.handle, nb.mapped, nb.next, nb.pending = b.handle, b.mapped, b.next, b.pending
+            nb.prev, nb.requested, nb.seg, nb.size = b.prev, b.requested, b.seg, b.size
+            nb.uses = set(b.uses) if b.uses else b.uses
             memo[id(b)] = nb
             return nb
 
@@ -458,6 +460,22 @@ class CachingAllocatorSim:
         return new
 
     # -- the state -----------------------------------------------------------------------------
+    def would_reserve(self, size: int, stream: int = 0) -> int | None:
+        """The bytes a ``malloc(size, stream)`` now would add to the reserved memory (0: a
+        cached block holds it), the allocator left untouched; ``None`` where only running it
+        tells (expandable segments, frees pending on other streams, a capacity or memory
+        fraction: garbage collection and release-and-retry). With none of those ``malloc``
+        takes ``get_free_block``'s block or else one new segment of ``get_allocation_size``."""
+        if self.conf.expandable_segments or self.pending or self.capacity is not None:
+            return None
+        if size <= 0:
+            return 0
+        rsize = round_size(size, self.conf)
+        pool = self.small if rsize <= K_SMALL_SIZE else self.large
+        if self._find_free_block(pool, stream, rsize) is not None:
+            return 0
+        return get_allocation_size(rsize, self.conf.large_segment_size)
+
     def largest_free_block(self) -> int:
         """``cacheInfo``'s largest cached block (free and mapped), 0 when none."""
         best = 0
@@ -534,6 +552,13 @@ class CachingAllocatorSim:
         not, or an oversize request would waste ``max_non_split_rounding_size`` or more."""
         if self.gc_enabled:
             pool.gc_calls += 1
+        b = self._find_free_block(pool, stream, size)
+        if b is not None:
+            pool.erase(b)
+        return b
+
+    def _find_free_block(self, pool: _Pool, stream: int, size: int) -> _Block | None:
+        """``get_free_block``'s choice, the pool left as it is."""
         keys = pool.blocks
         i = bisect_left(keys, (stream, size))
         n = len(keys)
@@ -568,7 +593,6 @@ class CachingAllocatorSim:
             return None
         if size >= ms and b.size >= size + self._max_nsr:  # "rounded up but within a limit"
             return None
-        pool.erase(b)
         return b
 
     def _should_split(self, block: _Block, pool: _Pool, size: int) -> bool:

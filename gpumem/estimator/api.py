@@ -308,8 +308,15 @@ def estimate(
             raise ValueError("the Megatron-LM knobs apply to a described model, not an nn.Module")
         if keep_logits is None:
             common["keep_logits"] = default_keep_logits(fw)
+        conf, note = resolve_alloc_conf(alloc_conf, g)
         return estimate_module(
-            model, batch_size=batch_size, example_input=example_input, loss_fn=loss_fn, **common
+            model,
+            batch_size=batch_size,
+            example_input=example_input,
+            loss_fn=loss_fn,
+            alloc_conf=conf,
+            reserved_note=note,
+            **common,
         )
     conf, note = resolve_alloc_conf(alloc_conf, g)
     bill = estimate_preset(

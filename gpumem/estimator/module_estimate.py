@@ -40,7 +40,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpumem.estimator import inputs
+from gpumem.allocator.alloc_conf import AllocConf
+from gpumem.estimator import inputs, peak
 from gpumem.estimator.bill import Bill, make_bill
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
@@ -48,6 +49,7 @@ from gpumem.estimator.module_inputs import resolve_batch
 from gpumem.estimator.module_pass import measure, module_terms
 from gpumem.estimator.module_structure import find_blocks
 from gpumem.estimator.states import Training
+from gpumem.estimator.step_trace import StatesShape, _Run, fragmentation
 from gpumem.estimator.terms import RECOMPUTE, cluster_states
 
 
@@ -71,8 +73,11 @@ def estimate_module(
     loss_fn: Any,
     framework: str = "torch",
     given: frozenset[str] | None = None,
+    alloc_conf: AllocConf | None = None,
+    reserved_note: str = "",
 ) -> Bill:
-    """The bill of training ``module`` (see ``gpumem.estimate`` and above)."""
+    """The bill of training ``module`` (see ``gpumem.estimate`` and above); ``alloc_conf``:
+    simulate the caching allocator over the measured pass (``replica_fragmentation``)."""
     _check(module, training, layout, recompute, attention, dropout, activation_model, seq_len)
     blocks = find_blocks(module)
     if (layout.pp > 1 or layout.tp > 1) and not blocks:
@@ -102,6 +107,19 @@ def estimate_module(
     terms = module_terms(
         ms, training, layout, gpu, device == "cuda", grad_accum, persistent_grads, framework
     )
+    simulated = alloc_conf is not None and whole_replica(layout) and bool(ms.alloc_events)
+    if simulated:
+        assert alloc_conf is not None
+        for x in terms:
+            unreleasable, reserved = replica_fragmentation(ms, alloc_conf, x)
+            x[peak.FRAG_BYTES] = float(unreleasable) if device == "cuda" else 0.0
+            x[peak.RESERVED_FRAG] = float(reserved)
+            x[peak.FRAG] = 0.0
+    elif alloc_conf is not None:
+        reserved_note = (
+            "the nn.Module path simulates one whole replica (tp, pp, cp 1, no ZeRO/FSDP): "
+            "this layout keeps the flat share"
+        )
     return make_bill(
         ms,
         ms.n_params,
@@ -111,7 +129,8 @@ def estimate_module(
         training=training,
         gpu=gpu,
         framework=framework,
-        reserved_note="the nn.Module path keeps the flat share",
+        alloc_conf=(alloc_conf.text or "default") if simulated and alloc_conf else None,
+        reserved_note=reserved_note,
         cluster_model_state_bytes=cluster_states(
             training, ms.n_trainable, ms.n_params - ms.n_trainable
         ),
@@ -138,6 +157,38 @@ def estimate_module(
             **({} if batch_size is not None else {"batch_size": "the example input's"}),
         },
     )
+
+
+def whole_replica(layout: Layout) -> bool:
+    """Whether a rank holds what the measured pass held: the whole module, unsplit, unsharded."""
+    return layout.tp == layout.pp == layout.cp == 1 and layout.stage == 0
+
+
+def replica_fragmentation(ms: Any, conf: AllocConf, x: list[float]) -> tuple[int, int]:
+    """(unreleasable, reserved) bytes over the requested peak of one replica's step: the
+    measured pass's own allocations and frees in order (weights, forward, loss, backward:
+    the profiler's log) then the optimizer step's temporary (``peak.T_STEP``), and apart the
+    optimizer states (one tensor per fp32 state and trainable tensor) and DDP's buckets, never
+    freed (``step_trace``'s split of states and step)."""
+    run = _Run(conf)
+    for h, n in ms.alloc_events:
+        if n >= 0:
+            run.take(n, h)
+        else:
+            run.give(h)
+    t_step = int(x[peak.T_STEP])
+    grow = run.sim.would_reserve(t_step) if t_step else 0
+    if grow is not None:
+        step = run.result_with(t_step, grow) if t_step else run.result()
+    else:
+        run.give(run.take(t_step))
+        step = run.result()
+    ob = x[peak.O_BYTES] if not x[peak.OFFLOAD] else 0.0
+    k = max(1, round(ob / 4))
+    sizes = [int(n * ob / k) for n in ms.trainable_numels for _ in range(k)] if ob else []
+    sizes += [int(x[peak.COMM])] if x[peak.COMM] else []
+    states = fragmentation(conf, StatesShape(tuple(s for s in sizes if s)), 1)
+    return step[0] + states[0], step[1] + states[1]
 
 
 def _check(

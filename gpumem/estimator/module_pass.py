@@ -248,7 +248,19 @@ def measure(
                 del out
             loss.backward()
         rep = prof.report()
-    return _spec(module, training, blocks, order, io, saved, held, rep)
+        log = prof.tracker.alloc_log or []
+    spec = _spec(module, training, blocks, order, io, saved, held, rep)
+    from gpumem.profiler.reserved import log_events
+
+    spec.alloc_events = tuple((ev[1], ev[2] if ev[0] == "alloc" else -1) for ev in log_events(log))
+    seen: set[int] = set()
+    numels = []
+    for p in module.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            numels.append(p.numel())
+    spec.trainable_numels = tuple(numels)
+    return spec
 
 
 def _muon_split(module, in_block) -> list[tuple[tuple[int, ...], bool]]:

@@ -68,6 +68,10 @@ class ModuleSpec:
     tied_pre_post: int = 0  # trainable elements shared by pre and post (tied embeddings)
     block_params: int = 0  # one block's parameters (ZeRO-3/FSDP gathers one at a time)
     mix: ParamMix = field(default_factory=ParamMix)  # matrices vs the rest (Muon, Adafactor)
+    # the measured pass's storages as the caching allocator sees them, in order: (handle,
+    # bytes) allocations and (handle, -1) frees (the profiler's log; empty when not logged)
+    alloc_events: tuple[tuple[int, int], ...] = ()
+    trainable_numels: tuple[int, ...] = ()  # each trainable tensor's elements, tied ones once
 
     @property
     def n_blocks(self) -> int:

@@ -600,10 +600,14 @@ def estimate_preset(
                 loss_chunks=loss_chunks,
                 fp8_recipe=titan_float8[0],
                 fsdp_float8_all_gather=titan_float8[1],
+                alloc_conf=terms.alloc_conf,
             )
         ]
     else:
         rows = terms.terms(layout, batch_size, recompute, grad_accum, persistent_grads, stages)
+    titan_simulated = framework != "torchtitan" or torchtitan.simulated(
+        terms.alloc_conf, loss_chunks, bool(persistent_grads), titan_float8[0]
+    )
     return make_bill(
         spec,
         spec.n_params,
@@ -656,12 +660,14 @@ def estimate_preset(
             if framework == "torchtitan"
             else terms.layer_items(layout, batch_size)
         ),
-        # torchtitan's terms come from its own recipe, not the simulated rank shapes
+        # torchtitan's step is simulated from its own allocation order (titan_trace), except
+        # for what that order does not cover
         alloc_conf=None
-        if terms.alloc_conf is None or framework == "torchtitan"
+        if terms.alloc_conf is None or not titan_simulated
         else terms.alloc_conf.text or "default",
-        reserved_note="framework='torchtitan' keeps the flat share"
-        if framework == "torchtitan" and terms.alloc_conf is not None
+        reserved_note="framework='torchtitan' keeps the flat share with loss_chunks, "
+        "persistent gradients or float8"
+        if not titan_simulated and terms.alloc_conf is not None
         else reserved_note,
     )
 

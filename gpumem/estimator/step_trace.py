@@ -30,6 +30,7 @@ is what lets the planner's candidates share a few thousand simulations.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -37,6 +38,7 @@ from typing import Any
 from gpumem.allocator.alloc_conf import AllocConf
 from gpumem.allocator.caching import CachingAllocatorSim
 from gpumem.allocator.trace import Trace
+from gpumem.estimator import sim_cache
 
 K = 4
 """Layers simulated exactly; a rank of more than ``2 K`` is extrapolated from ``K`` and ``2 K``."""
@@ -108,13 +110,30 @@ def scaled(conf: AllocConf, shape: StatesShape | StepShape, n: int) -> tuple[int
 @functools.lru_cache(maxsize=65536)
 def fragmentation(conf: AllocConf, shape: StatesShape | StepShape, n: int) -> tuple[int, int]:
     """(unreleasable, reserved) over the requested peak of ``shape``'s trace of ``n`` layers,
-    simulated (cached: the planner asks for the same shapes again and again). A step is run in
-    three cached stages (forward; backward; optimizer step), each continuing a fork of the
-    one before, so that steps differing only in their later transients share the rest."""
+    simulated (cached: the planner asks for the same shapes again and again; and on disk,
+    ``sim_cache``, for the next process)."""
+    key = hashlib.blake2b(repr((conf, shape, n)).encode(), digest_size=16).hexdigest()
+    hit = sim_cache.lookup(key)
+    if hit is not None:
+        return hit
+    out = _simulated(conf, shape, n)
+    sim_cache.store(key, out)
+    return out
+
+
+def _simulated(conf: AllocConf, shape: StatesShape | StepShape, n: int) -> tuple[int, int]:
+    """``fragmentation``, simulated. A step is run in three cached stages (forward; backward;
+    optimizer step), each continuing a fork of the one before, so that steps differing only in
+    their later transients share the rest."""
     if isinstance(shape, StepShape) and not shape.held:
-        run = _walk_stage(conf, replace(shape, t_step=0), n).fork()
-        if shape.t_step:
-            run.give(run.take(shape.t_step))
+        walked = _walk_stage(conf, replace(shape, t_step=0), n)
+        if not shape.t_step:
+            return walked.result()
+        grow = walked.sim.would_reserve(shape.t_step)
+        if grow is not None:  # the step's one temporary, taken and given back, without a fork
+            return walked.result_with(shape.t_step, grow)
+        run = walked.fork()
+        run.give(run.take(shape.t_step))
         return run.result()
     t, _ = states_trace(shape, n) if isinstance(shape, StatesShape) else step_trace(shape, n)
     run = _Run(conf)
@@ -137,13 +156,13 @@ class _Run:
         self.layers: list[list[int]] = []
         self.ends: list[int | None] = []
 
-    def take(self, size: int, h: int | None = None) -> int:
+    def take(self, size: int, h: int | None = None, stream: int = 0) -> int:
         if h is None:
             h = self.next
             self.next += 1
         st = self.sim.stats
         before = st.reserved
-        self.sim.malloc(h, size)
+        self.sim.malloc(h, size, stream)
         if st.reserved > before:  # a new segment: where a full GPU would release and retry
             self.pinned = max(self.pinned, st.reserved - self.sim.releasable())
         self.sizes[h] = size
@@ -167,12 +186,24 @@ class _Run:
     def result(self) -> tuple[int, int]:
         return max(0, self.pinned - self.peak), max(0, self.sim.stats.reserved_peak - self.peak)
 
+    def result_with(self, size: int, grow: int) -> tuple[int, int]:
+        """``result`` after ``give(take(size))``, the take reserving ``grow`` new bytes
+        (``CachingAllocatorSim.would_reserve``), computed without running it: the peak takes
+        the temporary; a new segment raises reserved (and its peak) by ``grow``, and since it
+        holds the temporary, the releasable bytes stay as they are."""
+        st = self.sim.stats
+        peak = max(self.peak, self.live + size)
+        pinned, reserved_peak = self.pinned, st.reserved_peak
+        if grow:
+            pinned = max(pinned, st.reserved + grow - self.sim.releasable())
+            reserved_peak = max(reserved_peak, st.reserved + grow)
+        return max(0, pinned - peak), max(0, reserved_peak - peak)
+
 
 @functools.lru_cache(maxsize=4096)
-def _step_stage(
-    conf: AllocConf, saved: tuple[int, ...], gather: int, first: int, last: int, n: int
-) -> _Run:
-    """The forward of one micro-batch and its head (see ``step_trace``); never mutated."""
+def _step_stage(conf: AllocConf, saved: tuple[int, ...], gather: int, first: int, n: int) -> _Run:
+    """The forward of one micro-batch's layers (see ``step_trace``), the head's tensors not
+    yet taken (so that ranks differing only in them share it); never mutated."""
     run = _Run(conf)
     f = run.take(first) if first else None
     for _ in range(n):
@@ -180,7 +211,7 @@ def _step_stage(
         run.layers.append([run.take(size) for size in saved])
         if g is not None:
             run.give(g)
-    run.ends = [f, run.take(last) if last else None]
+    run.ends = [f]
     return run
 
 
@@ -212,8 +243,9 @@ def _backward(run: Any, s: StepShape, layers: list, first: Any, last: Any) -> No
 def _walk_stage(conf: AllocConf, s: StepShape, n: int) -> _Run:
     """The forward, then the backward (start transient, then layer by layer from the last);
     never mutated."""
-    run = _step_stage(conf, s.saved, s.gather, s.first, s.last, n).fork()
-    first, last = run.ends
+    run = _step_stage(conf, s.saved, s.gather, s.first, n).fork()
+    first = run.ends[0]
+    last = run.take(s.last) if s.last else None
     _backward(run, s, run.layers, first, last)
     return run
 

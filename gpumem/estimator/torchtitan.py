@@ -63,7 +63,8 @@ on the tests' model).
 
 from __future__ import annotations
 
-from gpumem.estimator import peak
+from gpumem.allocator.alloc_conf import AllocConf
+from gpumem.estimator import peak, titan_trace
 from gpumem.estimator.activations import Item
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
@@ -366,6 +367,53 @@ def float8_recompute_moment(sh: Shapes, spec: ModelSpec, recipe: str, per_op: bo
     return 2 * n * h * _BF16 + 9 * n * f + scale + cached
 
 
+def titan_shape(
+    spec: ModelSpec, layout: Layout, gpu: GPU, *, batch: int, seq: int, recompute: str
+) -> titan_trace.TitanShape:
+    """The rank's tensors as ``titan_trace`` allocates them: FSDP units' parameter tensors
+    (the fused ``wqkv``, ``wo``, ``w1``, ``w3``, ``w2`` and the two norms of a block), each
+    block's saved tensors under ``recompute``, its forward and backward temporaries."""
+    sh = Shapes(spec, layout, batch, seq)
+    t, h, n, f = layout.tp, spec.hidden, sh.n, sh.f
+    qkv = h * (spec.n_heads + 2 * spec.kv_heads) * spec.dhead // t
+    block = (h, qkv, spec.n_heads * spec.dhead * h // t, h, h * f, h * f, f * h)
+    every = layer_sac_every(recompute)
+    none = tuple(layer_saved(sh, "none").values())
+    saved, recomputed = [], []
+    for i in range(spec.n_layers):
+        if every:
+            policy = "full" if (i + 1) % every == 0 else "none"
+        else:
+            policy = {"selective": "op", "selective:op": "op"}.get(recompute, recompute)
+        kept = tuple(layer_saved(sh, policy).values())
+        if policy == "full":
+            rc: tuple[int, ...] = none
+        elif policy == "op":
+            # the checkpoint recomputes what SAC did not keep: the norms' fp32 tensors, a
+            # norm's bf16 output, SwiGLU's silu, w3 and product tensors (the rest of ``none``)
+            rc = (4 * sh.n_sp * h,) * 4 + (2 * n * f,) * 3
+            rest = sum(none) - (sum(kept) - kept[0]) - sum(rc)
+            rc += (rest,) if rest > 0 else ()
+        else:
+            rc = ()
+        saved.append(kept)
+        recomputed.append(rc)
+    return titan_trace.TitanShape(
+        block=block,
+        embed=((spec.vocab * h) // t,),
+        head=(h, (spec.vocab * h) // t),
+        shard=layout.shard_degree(gpu.gpus_per_node),
+        saved=tuple(saved),
+        recomputed=tuple(recomputed),
+        fwd_temp=(2 * n * f,) * 3 if recompute != "none" else (),
+        bwd_temp=(2 * sh.n_sp * h, 2 * n * f, 2 * n * f),
+        first=(n * 8, n * 8),
+        head_saved=(_norm_saved(sh.n_sp, h), n * h * _BF16),
+        logits=n * sh.v,
+        buffers=(seq * (spec.dhead // 2) * 8,) * spec.n_layers,
+    )
+
+
 def terms(
     spec: ModelSpec,
     training: Training,
@@ -380,6 +428,7 @@ def terms(
     loss_chunks: int = 0,
     fp8_recipe: str | None = None,
     fsdp_float8_all_gather: bool = False,
+    alloc_conf: AllocConf | None = None,
 ) -> list[float]:
     """The peak terms (``peak.py``) of one torchtitan rank.
 
@@ -553,4 +602,26 @@ def terms(
         x[peak.CONTEXT] = gpu.context_bytes
         x[peak.NCCL] = gpu.nccl_bytes if layout.n_gpus > 1 else 0
         x[peak.FRAG] = gpu.fragmentation
+    if simulated(alloc_conf, loss_chunks, persistent_grads, fp8_recipe):
+        assert alloc_conf is not None
+        shape = titan_shape(spec, layout, gpu, batch=batch, seq=seq, recompute=recompute)
+        unreleasable, reserved = titan_trace.simulate(alloc_conf, shape)
+        x[peak.FRAG_BYTES] = float(unreleasable) if cuda else 0.0
+        x[peak.RESERVED_FRAG] = float(reserved)
+        x[peak.FRAG] = 0.0
     return x
+
+
+def simulated(
+    alloc_conf: AllocConf | None,
+    loss_chunks: int,
+    persistent_grads: bool,
+    fp8_recipe: str | None = None,
+) -> bool:
+    """Whether the rank's step is simulated (``titan_trace``): an alloc conf, the whole-logits
+    loss, gradients freed by ``zero_grad`` and bf16 linears (the chunked loss, CUDA-graph-kept
+    gradients and float8's casts and fp8-gathered weights, which ``titan_trace`` does not
+    allocate, keep the flat share)."""
+    return (
+        alloc_conf is not None and not loss_chunks and not persistent_grads and fp8_recipe is None
+    )

@@ -13,6 +13,7 @@ from gpumem.allocator.caching import (
 
 KiB = 1 << 10
 MiB = 1 << 20
+GiB = 1 << 30
 DEFAULT = AllocConf()
 
 
@@ -349,3 +350,24 @@ def test_the_simulator_imports_no_torch():
     code = "import sys, gpumem.allocator; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_would_reserve_tells_a_malloc_without_running_it():
+    sim = CachingAllocatorSim("")
+    sim.malloc("w", 3 * MiB)  # a 20 MiB segment, 17 MiB of it cached
+    before = (sim.stats.reserved, sim.stats.allocated, sim.largest_free_block())
+    assert sim.would_reserve(17 * MiB) == 0  # the cached rest holds it
+    assert sim.would_reserve(18 * MiB) == 18 * MiB  # >= 10 MiB: a segment of its own size
+    assert sim.would_reserve(1000) == 2 * MiB  # small: a 2 MiB segment
+    assert sim.would_reserve(17 * MiB, stream=1) == 18 * MiB  # another stream's pool is empty
+    assert (sim.stats.reserved, sim.stats.allocated, sim.largest_free_block()) == before
+    for size in (17 * MiB, 18 * MiB, 1000):  # what malloc then really does
+        f = sim.fork()
+        f.malloc("x", size)
+        assert f.stats.reserved - sim.stats.reserved == sim.would_reserve(size)
+    # only running it tells: expandable segments, a capacity, frees pending on other streams
+    assert CachingAllocatorSim("expandable_segments:True").would_reserve(MiB) is None
+    assert CachingAllocatorSim("", capacity=GiB).would_reserve(MiB) is None
+    sim.record_stream("w", 1)
+    sim.free("w")
+    assert sim.would_reserve(MiB) is None
