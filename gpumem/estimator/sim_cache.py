@@ -10,8 +10,8 @@ under ``MAX_BYTES`` and parses as ``{key: [int, int]}`` with non-negative values
 else is ignored and rewritten. A result is a pure function of its key (the settings, the shape,
 the layer count), so a hit returns exactly what simulating would.
 
-Where: ``$GPUMEM_CACHE_DIR``, else ``$XDG_CACHE_HOME/gpumem``, else ``~/.cache/gpumem``;
-``GPUMEM_CACHE_DIR=off`` turns it off (nothing read or written).
+Where: ``$GPUMEM_CACHE_DIR`` only — off unless the user names a folder, because a command
+writes nowhere the user did not point it (``off``/empty is off too; nothing read or written).
 """
 
 from __future__ import annotations
@@ -36,10 +36,9 @@ _state: dict[str, object] = {}
 def cache_dir() -> Path | None:
     """The cache's folder, or None when turned off."""
     env = os.environ.get("GPUMEM_CACHE_DIR")
-    if env is not None:
-        return None if env.strip().lower() in ("", "off", "0", "none") else Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "gpumem"
+    if env is None or env.strip().lower() in ("", "off", "0", "none"):
+        return None
+    return Path(env)
 
 
 def _file(folder: Path) -> Path:

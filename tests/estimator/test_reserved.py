@@ -369,3 +369,20 @@ def test_module_path_reserved_against_the_profiler(arch, overrides):
         model, batch_size=2, seq_len=256, layout=gpumem.Layout(dp=2, zero=3), alloc_conf="", **kw
     )
     assert sharded.peak_reserved_bytes is None and "whole replica" in sharded.reserved_note
+
+
+def test_disk_cache_is_off_unless_a_folder_is_named(tmp_path, monkeypatch):
+    """No variable: nothing is read or written anywhere (not even ~/.cache): a command writes
+    only where the user pointed it."""
+    from gpumem.estimator import sim_cache
+
+    monkeypatch.delenv("GPUMEM_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    sim_cache.reset()
+    _cold()
+    gpumem.estimate("llama-3-8b", seq_len=2048)
+    sim_cache.flush()
+    assert sim_cache.cache_dir() is None
+    assert list(tmp_path.iterdir()) == []
+    sim_cache.reset()
