@@ -30,6 +30,19 @@ def zero_padding(arena, plan: StagingPlan, b: int) -> None:
         end = p.offset + p.nbytes
 
 
+def cold_bytes(arena, plan: StagingPlan, pieces: list[Piece]) -> int:
+    """Bytes of ``pieces`` whose place in the arena is not faulted in yet (``HostArena.prefault``
+    still runs): copying them faults those pages on the copying thread."""
+    ready_from = arena.ready_from
+    if ready_from == 0:
+        return 0
+    bases = plan.bases
+    return sum(
+        max(0, min(bases[p.batch] + p.offset + p.nbytes, ready_from) - bases[p.batch] - p.offset)
+        for p in pieces
+    )
+
+
 def copy_pieces(
     arena,
     plan: StagingPlan,

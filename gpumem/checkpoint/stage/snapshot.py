@@ -32,7 +32,7 @@ import torch
 
 from ..capture.codec import TensorTable
 from ..stats import SaveStats
-from .host_copy import HostViews, copy_pieces, zero_padding
+from .host_copy import HostViews, cold_bytes, copy_pieces, zero_padding
 from .pieces import StagingPlan
 from .spill import SpillControl, spill_at_fence
 
@@ -141,6 +141,7 @@ class Snapshot:
                 self._zero_all_gaps()
                 # buffers/RNG on the compute stream: ordered before the next forward mutates them
                 sync = [p for p in plan.pieces if not deferred[p.index]]
+                self.stats.cold_bytes += cold_bytes(self.arena, plan, sync)
                 self._sync_event = copy_pieces(
                     self.arena, plan, sync, self.table.tensors, self.chunk, views=self.views
                 )
@@ -178,6 +179,7 @@ class Snapshot:
             pieces = plan.batch_pieces(group[0]) if self.batched else plan.pieces
             if want is not None:
                 pieces = [p for p in pieces if want(p)]
+            self.stats.cold_bytes += cold_bytes(self.arena, plan, pieces)
             t = time.perf_counter()
             ev = copy_pieces(
                 self.arena,
