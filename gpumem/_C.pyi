@@ -141,7 +141,6 @@ class HostBuffer:
     def ready_from(self) -> int: ...
     @property
     def locked(self) -> int: ...
-
     def copy_in(
         self,
         sources: Sequence[

@@ -185,6 +185,7 @@ class Checkpointer:
         stateful: dict[str, Any] | None = None,
         rng: bool = True,
         blocking: bool = False,
+        new_staging_bytes: int | None = None,
     ) -> SaveStats:
         """Snapshot the state at ``step`` and persist it in the background.
 
@@ -192,9 +193,18 @@ class Checkpointer:
         copied; parameters and optimizer state follow in the background, fenced by the optimizer
         pre-step hook). A previous save still in flight is waited for first (back-pressure); its
         error, if any, is raised here. Returns the SaveStats of this save (filled in as it goes).
+
+        ``new_staging_bytes`` bounds the host memory this save may allocate: a state larger
+        than the staging arena that exists (none before the first save or ``prepare()``)
+        streams through a buffer of at most that size instead (PreemptionGuard's final save
+        passes ``preemption.FINAL_SAVE_STAGING``). None: up to ``staging_bytes``.
         """
         t0 = time.perf_counter()
         check_step(step)
+        if new_staging_bytes is not None and not is_int(new_staging_bytes, 1):
+            raise CheckpointStateError(
+                f"new_staging_bytes={new_staging_bytes!r} must be a positive int or None"
+            )
         state = TrainingState(model, optimizer, scheduler, scaler, stateful, extra, rng)
         with self._lock:
             self._check_open()
@@ -203,7 +213,9 @@ class Checkpointer:
                 self.wait()
             else:  # no back-pressure: only earlier failures are raised here
                 self._raise_job_error()
-            job = self._stage_and_commit(step, self._capture(step, state), state, blocking, t0)
+            job = self._stage_and_commit(
+                step, self._capture(step, state), state, blocking, t0, new_staging_bytes
+            )
             self._job = job
             self._last_save = (step, state.objects())
             self.history.append(job.stats)
@@ -222,12 +234,18 @@ class Checkpointer:
         )
 
     def _stage_and_commit(
-        self, step: int, captured: Capture, state: TrainingState, blocking: bool, t0: float
+        self,
+        step: int,
+        captured: Capture,
+        state: TrainingState,
+        blocking: bool,
+        t0: float,
+        new_memory: int | None = None,
     ) -> Save:
         """The save's snapshot (its mode and staging slot) and its commit, ready to run."""
         table, cfg = captured.table, self.config
         overlap = cfg.overlap and not blocking and state.optimizer is not None
-        plan = self._staging.plan(table, pipelined=overlap and not table.has_cuda)
+        plan = self._staging.plan(table, overlap and not table.has_cuda, new_memory)
         if plan.streaming and self._staging.coalescer is not None:
             self.wait()  # one slot streams through the whole budget: no second one
         mode = Mode.STREAMING if plan.streaming else Mode.OVERLAP if overlap else Mode.BLOCKING

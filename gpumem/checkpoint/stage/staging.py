@@ -85,14 +85,22 @@ class Staging:
 
     # ------------------------------------------------------------------ a save's snapshot
 
-    def plan(self, table: TensorTable, pipelined: bool) -> StagingPlan:
+    def plan(
+        self, table: TensorTable, pipelined: bool, new_memory: int | None = None
+    ) -> StagingPlan:
         """The staging plan of a save of ``table`` (``pipelined``: an overlap save over host
-        tensors, which writes each data file beside the copy of the next)."""
+        tensors, which writes each data file beside the copy of the next). ``new_memory``: at
+        most this many bytes of staging memory that is not allocated yet (PreemptionGuard's
+        final save): a state larger than the arena there is then streams through at most that
+        much (or through the arena, if larger) instead of allocating all of it."""
         chunk = crc_chunk(table, self.chunk_bytes, self.replicated)
         segment = segment_for(table, self.segment_bytes, chunk, pipelined)
-        return self._plans.plan(
-            table.tensors, table.names, self.budget, self.alignment, chunk, segment
-        )
+        budget = self.budget
+        if new_memory is not None:
+            self._join_thread(None)  # a prepared arena counts as there
+            have = self.arena.nbytes if self.arena is not None else 0
+            budget = min(budget, max(have, new_memory, 2 * chunk))
+        return self._plans.plan(table.tensors, table.names, budget, self.alignment, chunk, segment)
 
     def snapshot(
         self,
