@@ -265,14 +265,16 @@ class Checkpointer:
         nbytes: int | None = None,
         background: bool = True,
     ) -> int:
-        """Allocate and lock (or pre-fault) the host staging arena ahead of the first save(),
-        which otherwise pays seconds per GB for it on the training loop's critical path.
+        """Allocate the host staging arena ahead of the first save() and start faulting it in
+        and locking it (or pre-faulting it) on a native background thread, in chunks, without
+        the GIL; a first save() without it copies into fresh memory and pays its page faults.
 
         The arena is sized from ``model`` and ``optimizer`` (its state as far as it exists now:
         AdamW makes ``exp_avg``/``exp_avg_sq`` in its first ``step()``, so call this after it, or
         pass ``nbytes``, e.g. 3x the parameter bytes), clamped to ``staging_bytes``, and
-        allocated on a background thread unless ``background=False``. A later save() reuses it,
-        waiting only if the allocation still runs, and grows it if the state became larger.
+        allocated on a background thread unless ``background=False`` (which also waits for the
+        fault-in). A later save() reuses it without waiting for the fault-in (it copies beside
+        it; ``SaveStats.cold_bytes``), and grows it if the state became larger.
 
         Returns:
             The staging size in bytes being prepared (0: the current arena is big enough).

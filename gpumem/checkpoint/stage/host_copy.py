@@ -53,13 +53,14 @@ def copy_pieces(
     wait_event=None,
     views: HostViews | None = None,
     spill: SpillControl | None = None,
+    threads: int | None = None,
 ) -> DeviceCopy | None:
     """Copy ``pieces`` of ``tensors`` (as TensorTable holds them: detached, strided, no lazy
     conjugate/negative bit) into the arena. CPU pieces are copied before returning, contiguous
     ones in one native call (``views`` supplies their byte views); CUDA pieces are enqueued in
     one native call and checksummed on the device beside the copies (``device_copy.enqueue``);
     the returned DeviceCopy's events mark their completion. ``spill``: the copier's side of the
-    device spill (overlap mode; see spill.py)."""
+    device spill (overlap mode; see spill.py). ``threads``: native copy threads (None: all)."""
     views = views if views is not None else HostViews()
     cpu_src, cpu_off, cuda, staged = [], [], [], []
     bases = plan.bases
@@ -86,7 +87,7 @@ def copy_pieces(
         else:  # planned whole (never split): let torch gather the strides into the slot
             arena.view(dst, p.nbytes).view(t.dtype).view(t.shape).copy_(t)
     if cpu_src:
-        arena.copy_in(cpu_src, cpu_off)
+        arena.copy_in(cpu_src, cpu_off, threads=threads)
     del staged
     if not cuda:
         return None
