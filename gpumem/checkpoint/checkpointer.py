@@ -210,7 +210,7 @@ class Checkpointer:
             self._check_open()
             self._root.check_writable()
             if self._staging.coalescer is None:
-                self.wait()
+                self._wait_previous()
             else:  # no back-pressure: only earlier failures are raised here
                 self._raise_job_error()
             job = self._stage_and_commit(
@@ -247,7 +247,7 @@ class Checkpointer:
         overlap = cfg.overlap and not blocking and state.optimizer is not None
         plan = self._staging.plan(table, overlap and not table.has_cuda, new_memory)
         if plan.streaming and self._staging.coalescer is not None:
-            self.wait()  # one slot streams through the whole budget: no second one
+            self._wait_previous()  # one slot streams through the whole budget: no second one
         mode = Mode.STREAMING if plan.streaming else Mode.OVERLAP if overlap else Mode.BLOCKING
         if mode is Mode.OVERLAP:
             self._hook(state.optimizer)
@@ -378,6 +378,16 @@ class Checkpointer:
         self._raise_job_error()
         with self._lock:
             return self._staging.join_prepare(timeout)
+
+    def _wait_previous(self) -> None:
+        """save()'s back-pressure: the save in flight is durable (its failure raised) and a
+        prepare() allocation is done (its failure raised), not the arena's fault-in, which the
+        copy goes ahead beside."""
+        job = self._job
+        if job is not None:
+            job.done.wait()
+        self._raise_job_error()
+        self._staging.join_prepare(None, resident=False)
 
     def _raise_job_error(self) -> None:
         err = self._job.take_error() if self._job is not None else None

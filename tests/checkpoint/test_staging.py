@@ -506,3 +506,21 @@ def test_new_staging_bytes_must_be_a_positive_int(tmp_path):
         for bad in (0, -1, 1.5, True):
             with pytest.raises(gpumem.checkpoint.CheckpointStateError, match="new_staging_bytes"):
                 ck.save(0, model=model, optimizer=opt, new_staging_bytes=bad)
+
+
+def test_save_right_after_prepare_does_not_wait_for_the_fault_in(tmp_path, monkeypatch):
+    waits = []
+    real = HostArena.wait_ready
+
+    def recording(self, timeout=None):
+        waits.append(self)
+        return real(self, timeout)
+
+    monkeypatch.setattr(HostArena, "wait_ready", recording)
+    model, opt = _model_and_opt()
+    with gpumem.Checkpointer(tmp_path) as ck:
+        ck.prepare(model=model, optimizer=opt)
+        for step in range(2):
+            ck.save(step, model=model, optimizer=opt, blocking=True)
+            assert waits == []  # neither save() nor its back-pressure waited for the fault-in
+        assert ck.wait() is True and waits == [ck._staging.arena]  # wait() does

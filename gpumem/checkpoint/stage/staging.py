@@ -222,14 +222,14 @@ class Staging:
             self.join_prepare(None)
         return size
 
-    def join_prepare(self, timeout: float | None) -> bool:
-        """Wait for a prepare() allocation and for the arena's pages to be faulted in; install
-        a prepared arena; raise its error (once). Returns False on timeout. While a save in
-        flight still uses the current arena, a larger prepared one is installed at a later call
-        instead."""
+    def join_prepare(self, timeout: float | None, resident: bool = True) -> bool:
+        """Wait for a prepare() allocation and (``resident``) for the arena's pages to be
+        faulted in; install a prepared arena; raise its error (once). Returns False on timeout.
+        While a save in flight still uses the current arena, a larger prepared one is installed
+        at a later call instead."""
         if not self._join_thread(timeout):
             return False
-        return self.arena is None or self.arena.wait_ready(timeout)
+        return not resident or self.arena is None or self.arena.wait_ready(timeout)
 
     def _join_thread(self, timeout: float | None) -> bool:
         """join_prepare's first part: the allocation (not the faulting in)."""
