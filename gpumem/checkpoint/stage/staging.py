@@ -3,11 +3,11 @@ depend on it.
 
 ``Staging`` owns every resource a snapshot needs beyond the tensors themselves, made once and
 reused by every save: the host arena (allocated on first need or ahead of time by ``prepare``,
-faulted in and locked, or pre-faulted, by a native thread while saves already use it), coalescing's second slot, the fixed device spill buffer, the
-background copy's CUDA stream, the plan cache, the CPU tensors' byte views and which arena's
-alignment gaps are known to be zero. ``snapshot()`` plans a save (``plan``), chooses its copy
-mode and slot, and returns the ``Snapshot`` that copies it; a restore borrows the arena for its
-staging (``restore_buffer``).
+faulted in and locked, or pre-faulted, by a native thread while saves already use it),
+coalescing's second slot, the fixed device spill buffer, the background copy's CUDA stream, the
+plan cache, the CPU tensors' byte views and which arena's alignment gaps are known to be zero.
+``snapshot()`` plans a save (``plan``), chooses its copy mode and slot, and returns the
+``Snapshot`` that copies it; a restore borrows the arena for its staging (``restore_buffer``).
 """
 
 from __future__ import annotations
