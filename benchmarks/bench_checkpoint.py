@@ -3,6 +3,7 @@ measured in the same run on the same tensors.
 
     python benchmarks/bench_checkpoint.py                  # ~1 GB and ~4 GB states
     python benchmarks/bench_checkpoint.py --sizes 256MB    # quick
+    python benchmarks/bench_checkpoint.py --only save      # the save-side rows alone
 
 State: a GPT-like stack of fp32 Linear layers plus AdamW state (exp_avg, exp_avg_sq): 12 bytes
 per parameter. Per size:
@@ -1166,6 +1167,7 @@ def main_save_side(args: argparse.Namespace) -> int:
     root = Path(tempfile.mkdtemp(prefix="gpumem-bench-", dir=args.dir))
     rows: list[list[object]] = []
     figures: list[Figure] = []
+    load_before = os.getloadavg()[0]  # this VM is shared: say how busy it was
     try:
         for size in args.sizes.split(","):
             size_rows, size_figures_ = bench_save_side(parse_bytes(size), root, args.repeat)
@@ -1193,6 +1195,10 @@ def main_save_side(args: argparse.Namespace) -> int:
             "runs on the",
             "cores torch leaves free (at least one thread), its checksum and write threads at a "
             "lower priority.",
+            f"Load average (1 min) on this {os.cpu_count()}-core machine: {load_before:.1f} at "
+            f"the start, {os.getloadavg()[0]:.1f} at the end: other jobs shared the cores, so "
+            "absolute times",
+            "are not comparable with a quiet run's; the per-round ratios are.",
         ]
     )
     if args.no_write:
