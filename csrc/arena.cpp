@@ -52,6 +52,8 @@ HostBuffer::HostBuffer(size_t nbytes, size_t alignment) {
   const uintptr_t addr = reinterpret_cast<uintptr_t>(base_);
   data_ = reinterpret_cast<uint8_t*>((addr + align - 1) / align * align);
   size_ = nbytes;
+  ready_from_.store(nbytes);
+  locked_from_ = SIZE_MAX;
 #ifdef MADV_HUGEPAGE
   // Fewer TLB misses and page faults for multi-GiB staging copies; a hint only.
   if (rounded >= 4 * kHugePage) madvise(base_, mapped_, MADV_HUGEPAGE);
@@ -62,6 +64,7 @@ HostBuffer::~HostBuffer() { close(); }
 
 void HostBuffer::close() {
   stop_pinning();
+  unlock();
   unpin_all();
   if (base_) munmap(base_, mapped_);
   base_ = data_ = nullptr;
@@ -124,6 +127,93 @@ void HostBuffer::unpin_all() {
   std::string err;
   for (uint8_t* p : registered_) cuda::host_unregister(p, &err);  // best effort while freeing
   registered_.clear();
+}
+
+void HostBuffer::start_faulting(bool lock, size_t chunk, bool populate) {
+  std::lock_guard<std::mutex> guard(fault_mu_);
+  if (fault_started_.load() || fault_cancel_.load() || !data_) return;
+  const size_t page = page_size();
+  chunk = chunk < page ? page : chunk / page * page;
+  fault_thread_ = std::thread([this, lock, chunk, populate] { fault_all(lock, chunk, populate); });
+  fault_started_.store(true, std::memory_order_release);
+}
+
+namespace {
+
+// One write per page that leaves its byte as it is even while another thread copies into the
+// page: an atomic OR with 0 cannot lose a concurrent store (a plain read-then-write could).
+void touch_pages(uint8_t* p, size_t n, size_t page) {
+  for (size_t off = 0; off < n; off += page)
+    __atomic_fetch_or(reinterpret_cast<volatile uint8_t*>(p + off), uint8_t(0), __ATOMIC_RELAXED);
+}
+
+}  // namespace
+
+void HostBuffer::fault_all(bool lock, size_t chunk, bool populate) {
+  const size_t page = page_size();
+  // mlock/madvise want page-aligned ranges: data_ is aligned, the tail is rounded up to the page
+  // (inside the mapping)
+  const size_t end = (size_ + page - 1) / page * page;
+  bool locking = lock;
+  size_t hi = end;
+  while (hi > 0 && !fault_cancel_.load()) {
+    const size_t lo = hi > chunk ? hi - chunk : 0;
+    uint8_t* p = data_ + lo;
+    const size_t n = hi - lo;
+    if (locking) {
+      if (mlock(p, n) == 0) {
+        std::lock_guard<std::mutex> guard(fault_mu_);
+        locked_from_ = lo;
+      } else {  // RLIMIT_MEMLOCK: all or nothing, so `locked` means the whole buffer
+        std::lock_guard<std::mutex> guard(fault_mu_);
+        if (locked_from_ < end) munlock(data_ + locked_from_, end - locked_from_);
+        locked_from_ = SIZE_MAX;
+        locking = false;
+      }
+    }
+    if (!locking) {
+#ifdef MADV_POPULATE_WRITE
+      if (!populate || madvise(p, n, MADV_POPULATE_WRITE) != 0) touch_pages(p, n, page);
+#else
+      (void)populate;
+      touch_pages(p, n, page);
+#endif
+    }
+    ready_from_.store(lo < size_ ? lo : size_, std::memory_order_release);
+    hi = lo;
+  }
+  locked_.store(hi == 0 ? (locking ? 1 : 0) : -1, std::memory_order_release);
+  fault_done_.store(true, std::memory_order_release);
+}
+
+bool HostBuffer::wait_faulted(double timeout_s) {
+  if (!fault_started_.load(std::memory_order_acquire)) return true;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  while (!fault_done_.load(std::memory_order_acquire)) {
+    if (timeout_s >= 0 && std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  return true;
+}
+
+void HostBuffer::stop_faulting() {
+  std::thread faulter;
+  {
+    std::lock_guard<std::mutex> guard(fault_mu_);
+    fault_cancel_.store(true);
+    faulter = std::move(fault_thread_);
+  }
+  if (faulter.joinable()) faulter.join();
+}
+
+void HostBuffer::unlock() {
+  stop_faulting();
+  std::lock_guard<std::mutex> guard(fault_mu_);
+  const size_t page = page_size();
+  const size_t end = (size_ + page - 1) / page * page;
+  if (data_ && locked_from_ < end) munlock(data_ + locked_from_, end - locked_from_);
+  locked_from_ = SIZE_MAX;
+  if (locked_.load() == 1) locked_.store(0);
 }
 
 bool HostBuffer::wait_pinned(double timeout_s) {

@@ -53,6 +53,26 @@ class HostBuffer {
   bool pinning() const { return pin_started_.load(std::memory_order_acquire); }
   size_t pinned_bytes() const { return pinned_bytes_.load(); }
 
+  // Starts faulting the buffer in (and with `lock`, mlock-ing it) in a background thread, in
+  // chunks of `chunk` bytes from the end toward the start, without the GIL: a first copy, which
+  // runs from the start forward, faults its own pages while this thread works from the other
+  // end, and the two meet instead of contending. [ready_from(), size()) is resident. The first
+  // mlock refusal (RLIMIT_MEMLOCK) unlocks what was locked and pre-faults the rest
+  // (MADV_POPULATE_WRITE; `populate` false or an old kernel: one atomic no-op write per page,
+  // safe beside a concurrent copy). Contents are never changed. Does nothing once started.
+  void start_faulting(bool lock, size_t chunk, bool populate = true);
+  // Waits up to timeout_s (< 0: forever) for the faulting thread; true when it finished (or never
+  // started).
+  bool wait_faulted(double timeout_s);
+  // Stops the faulting thread after its current chunk, joins it and munlocks what it locked (the
+  // memory may outlive its owner through views; locked memory counts against the process).
+  void unlock();
+  bool faulting() const { return fault_started_.load(std::memory_order_acquire); }
+  // Lowest offset from which the buffer is resident (size() until faulting starts, 0 once done).
+  size_t ready_from() const { return ready_from_.load(std::memory_order_acquire); }
+  // 1: faulted and locked; 0: faulted only (or unlocked); -1: still faulting or never started.
+  int locked() const { return locked_.load(std::memory_order_acquire); }
+
   // Multithreaded copy of sources[i] (sizes[i] bytes) to data() + offsets[i]; bounds-checked first
   // (std::invalid_argument naming the piece). Large pieces are split so all threads share the work.
   void copy_in(const std::vector<const uint8_t*>& sources, const std::vector<size_t>& sizes,
@@ -76,6 +96,8 @@ class HostBuffer {
  private:
   void pin_all(int device);
   void unpin_all();
+  void fault_all(bool lock, size_t chunk, bool populate);
+  void stop_faulting();
 
   uint8_t* data_ = nullptr;
   size_t size_ = 0;
@@ -92,6 +114,15 @@ class HostBuffer {
   std::atomic<size_t> pinned_bytes_{0};
   std::vector<uint8_t*> registered_;  // chunk starts registered so far (pin thread, then dtor)
   std::string pin_error_;
+
+  std::atomic<bool> fault_started_{false};
+  std::atomic<bool> fault_done_{false};
+  std::atomic<bool> fault_cancel_{false};
+  std::atomic<size_t> ready_from_{0};  // set to size_ by the constructor
+  std::atomic<int> locked_{-1};
+  size_t locked_from_ = SIZE_MAX;  // [locked_from_, end) is mlock-ed; SIZE_MAX: nothing
+  std::thread fault_thread_;
+  std::mutex fault_mu_;
 };
 
 }  // namespace gpumem::arena

@@ -323,6 +323,17 @@ NB_MODULE(_C, m) {
            "`device` (< 0: the calling thread's current device).")
       .def("wait_pinned", &arena::HostBuffer::wait_pinned, "timeout_s"_a = -1.0,
            nb::call_guard<nb::gil_scoped_release>(), "Wait for pinning; True when done.")
+      .def("start_faulting", &arena::HostBuffer::start_faulting, "lock"_a, "chunk"_a,
+           "populate"_a = true,
+           "Fault in (and with `lock`, mlock) the buffer in `chunk`-byte chunks from the end, in a "
+           "background thread, without the GIL; contents are kept.")
+      .def("wait_faulted", &arena::HostBuffer::wait_faulted, "timeout_s"_a = -1.0,
+           nb::call_guard<nb::gil_scoped_release>(), "Wait for faulting; True when done.")
+      .def("unlock", &arena::HostBuffer::unlock, nb::call_guard<nb::gil_scoped_release>(),
+           "Stop faulting and munlock what was locked.")
+      .def_prop_ro("faulting", &arena::HostBuffer::faulting)
+      .def_prop_ro("ready_from", &arena::HostBuffer::ready_from)
+      .def_prop_ro("locked", &arena::HostBuffer::locked)
       .def(
           "copy_in",
           [](PyHostBuffer& b, const std::vector<Bytes>& sources, const std::vector<int64_t>& offsets,

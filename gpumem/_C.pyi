@@ -123,6 +123,24 @@ class HostBuffer:
     def wait_pinned(self, timeout_s: float = -1.0) -> bool:
         """Wait for pinning; True when done."""
 
+    def start_faulting(self, lock: bool, chunk: int, populate: bool = True) -> None:
+        """
+        Fault in (and with `lock`, mlock) the buffer in `chunk`-byte chunks from the end, in a
+        background thread, without the GIL; contents are kept.
+        """
+
+    def wait_faulted(self, timeout_s: float = -1.0) -> bool:
+        """Wait for faulting; True when done."""
+
+    def unlock(self) -> None:
+        """Stop faulting and munlock what was locked."""
+
+    @property
+    def faulting(self) -> bool: ...
+    @property
+    def ready_from(self) -> int: ...
+    @property
+    def locked(self) -> int: ...
     def copy_in(
         self,
         sources: Sequence[

@@ -3,6 +3,7 @@
 | variable              | meaning                                          | default            |
 |-----------------------|--------------------------------------------------|--------------------|
 | GPUMEM_THREADS        | worker threads of the native core (CRC, copies)  | all cores          |
+| GPUMEM_SAVE_THREADS   | native threads of a save's background work       | cores left free    |
 | GPUMEM_IO_THREADS     | reads in flight when restoring a checkpoint      | max(4, min(16, n)) |
 | GPUMEM_DISABLE_CUDA   | 1: never load the CUDA runtime (a CPU machine)   | 0                  |
 | GPUMEM_CUDA_LIBRARY   | path of libcudart to dlopen instead of searching | (search)           |

@@ -32,7 +32,9 @@ if TYPE_CHECKING:
     import torch
     from typing_extensions import Self
 
-__all__ = ["HostArena", "current_cuda_device"]
+__all__ = ["PREFAULT_CHUNK", "HostArena", "current_cuda_device"]
+
+PREFAULT_CHUNK = 64 << 20  # HostArena.prefault's step: progress visible to a concurrent copy
 
 
 class HostArena:
@@ -103,7 +105,7 @@ class HostArena:
         if pinned:
             self._buf.start_pinning(-1 if device is None else int(device))
         self.nbytes = nbytes
-        self._locked = False
+        self._populate = True  # False: prefault touches pages instead of MADV_POPULATE_WRITE
         self.pinned = bool(pinned)
         self.alignment = alignment
 
@@ -144,29 +146,59 @@ class HostArena:
 
     def lock(self) -> bool:
         """Fault in every page now and lock it in RAM (``mlock``) so that memory reclaim (swap,
-        DAMON pageout) cannot take it back while the arena sits idle between uses.
-
-        Locking needs ``RLIMIT_MEMLOCK`` headroom (or CAP_IPC_LOCK). Without it the pages are only
-        pre-faulted (``MADV_POPULATE_WRITE``, else one write per page), which is still off the
-        first copy's path but may be reclaimed later. Pinned (CUDA-registered) memory is locked
-        by the driver anyway.
+        DAMON pageout) cannot take it back while the arena sits idle between uses: starts
+        :meth:`prefault` and waits for it.
 
         Returns:
-            True if the arena is locked, False if it was only pre-faulted.
+            True if the arena is locked, False if it was only pre-faulted (see :meth:`prefault`).
+        """
+        self.prefault()
+        self.wait_ready()
+        return bool(self.locked)
+
+    def prefault(self, *, lock: bool = True, chunk_bytes: int = PREFAULT_CHUNK) -> None:
+        """Start faulting in every page, and with ``lock`` locking it in RAM (``mlock``), in a
+        native background thread that holds no GIL, ``chunk_bytes`` at a time from the end of
+        the arena toward its start. Contents are kept, and copies into the arena may run
+        meanwhile: a copy from the start faults its own pages while this works from the end
+        (:meth:`cold_bytes` says which part is resident yet). Does nothing after the first call.
+
+        Locking needs ``RLIMIT_MEMLOCK`` headroom (or CAP_IPC_LOCK). Without it the pages are only
+        pre-faulted (``MADV_POPULATE_WRITE``, else one atomic no-op write per page), which is
+        still off the first copy's path but may be reclaimed later. Pinned (CUDA-registered)
+        memory is locked by the driver; there this does nothing.
         """
         buf = self._live_buf()
-        ptr, size = int(buf.data_ptr), self.nbytes
-        libc = _libc()
-        if libc is not None:
-            if self._locked or libc.mlock(ptr, size) == 0:
-                self._locked = True
-                return True
-            if libc.madvise(ptr, size, _MADV_POPULATE_WRITE) == 0:
-                return False
-        assert self._bytes is not None
-        touch = self._bytes[::4096]
-        touch.copy_(touch.clone())  # one write per page faults it in; contents are kept
-        return False
+        if self.pinned:
+            return
+        chunk_bytes = _int(chunk_bytes, "chunk_bytes")
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        buf.start_faulting(bool(lock), chunk_bytes, self._populate)
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait for :meth:`prefault` (GIL released); True once it finished or never started."""
+        return bool(self._live_buf().wait_faulted(-1.0 if timeout is None else float(timeout)))
+
+    @property
+    def ready_from(self) -> int:
+        """The arena is resident from this offset on (``nbytes`` before :meth:`prefault`, 0 once
+        it finished; pinned arenas: 0)."""
+        return 0 if self.pinned else int(self._live_buf().ready_from)
+
+    def cold_bytes(self, offset: int, nbytes: int) -> int:
+        """Bytes of ``[offset, offset + nbytes)`` that :meth:`prefault` has not faulted in yet:
+        a copy there faults those pages itself."""
+        return max(0, min(offset + nbytes, self.ready_from) - offset)
+
+    @property
+    def locked(self) -> bool | None:
+        """True: resident and locked (pinned, or :meth:`prefault` locked it); False: pre-faulted
+        only; None: still faulting in, or never asked to."""
+        if self.pinned:
+            return True
+        state = int(self._live_buf().locked)
+        return None if state < 0 else bool(state)
 
     # ---- views ----
 
@@ -291,13 +323,10 @@ class HostArena:
 
     def close(self) -> None:
         """Drop the arena's hold on the memory (freed once no view is alive). Idempotent."""
-        if self._locked and self._buf is not None:
-            # unlock now: views may outlive the arena, and memory it no longer owns should not
-            # stay locked (RLIMIT_MEMLOCK is per process)
-            libc = _libc()
-            if libc is not None:
-                libc.munlock(int(self._buf.data_ptr), self.nbytes)
-            self._locked = False
+        if self._buf is not None:
+            # stop faulting and unlock now: views may outlive the arena, and memory it no longer
+            # owns should not stay locked (RLIMIT_MEMLOCK is per process)
+            self._buf.unlock()
         self._bytes = None
         self._buf = None
 
@@ -349,23 +378,6 @@ def _split(offset: int, nbytes: int, step: int) -> list[tuple[int, int]]:
         pieces.append((offset, n))
         offset += n
     return pieces
-
-
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels return EINVAL and the pages are touched
-
-
-def _libc() -> Any:
-    """libc with mlock/madvise typed, or None where it cannot be loaded (non-POSIX)."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    except (OSError, AttributeError):
-        return None
-    return libc
 
 
 def _int(value: Any, name: str) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import operator
 from typing import TYPE_CHECKING, Any
 
-from gpumem._native import byte_view, load, tensor_bytes
+from gpumem._native import byte_view, load, resolve_threads, tensor_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -59,7 +59,9 @@ def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     return load().crc32c_combine(_crc_arg(crc_a, "crc_a"), _crc_arg(crc_b, "crc_b"), n)
 
 
-def chunk_crc32c(tensor: torch.Tensor, chunk_bytes: int, backend: str = "auto") -> torch.Tensor:
+def chunk_crc32c(
+    tensor: torch.Tensor, chunk_bytes: int, backend: str = "auto", *, threads: int | None = None
+) -> torch.Tensor:
     """One CRC32C per fixed-size chunk of a contiguous tensor's bytes.
 
     Chunk ``i`` covers bytes ``[i * chunk_bytes, (i + 1) * chunk_bytes)`` of the tensor viewed as
@@ -71,6 +73,7 @@ def chunk_crc32c(tensor: torch.Tensor, chunk_bytes: int, backend: str = "auto") 
         backend: ``"auto"`` (Triton for CUDA tensors, native for CPU ones), ``"native"`` (CPU
             only) or ``"triton"`` (``gpumem.kernels.crc32c``; on a CPU tensor only under
             ``TRITON_INTERPRET=1``).
+        threads: native threads for a CPU tensor (default: GPUMEM_THREADS or the number of cores).
 
     Returns:
         An int64 tensor of ``ceil(nbytes / chunk_bytes)`` CRCs on the tensor's device (empty for
@@ -109,7 +112,7 @@ def chunk_crc32c(tensor: torch.Tensor, chunk_bytes: int, backend: str = "auto") 
 
         return chunk_crc32c_triton(data, chunk_bytes)
     out = torch.empty(count, dtype=torch.int64)
-    load().chunk_crc32c(data.numpy(), chunk_bytes, out.numpy())
+    load().chunk_crc32c(data.numpy(), chunk_bytes, out.numpy(), "auto", resolve_threads(threads))
     return out
 
 

@@ -185,6 +185,7 @@ class Checkpointer:
         stateful: dict[str, Any] | None = None,
         rng: bool = True,
         blocking: bool = False,
+        new_staging_bytes: int | None = None,
     ) -> SaveStats:
         """Snapshot the state at ``step`` and persist it in the background.
 
@@ -192,18 +193,29 @@ class Checkpointer:
         copied; parameters and optimizer state follow in the background, fenced by the optimizer
         pre-step hook). A previous save still in flight is waited for first (back-pressure); its
         error, if any, is raised here. Returns the SaveStats of this save (filled in as it goes).
+
+        ``new_staging_bytes`` bounds the host memory this save may allocate: a state larger
+        than the staging arena that exists (none before the first save or ``prepare()``)
+        streams through a buffer of at most that size instead (PreemptionGuard's final save
+        passes ``preemption.FINAL_SAVE_STAGING``). None: up to ``staging_bytes``.
         """
         t0 = time.perf_counter()
         check_step(step)
+        if new_staging_bytes is not None and not is_int(new_staging_bytes, 1):
+            raise CheckpointStateError(
+                f"new_staging_bytes={new_staging_bytes!r} must be a positive int or None"
+            )
         state = TrainingState(model, optimizer, scheduler, scaler, stateful, extra, rng)
         with self._lock:
             self._check_open()
             self._root.check_writable()
             if self._staging.coalescer is None:
-                self.wait()
+                self._wait_previous()
             else:  # no back-pressure: only earlier failures are raised here
                 self._raise_job_error()
-            job = self._stage_and_commit(step, self._capture(step, state), state, blocking, t0)
+            job = self._stage_and_commit(
+                step, self._capture(step, state), state, blocking, t0, new_staging_bytes
+            )
             self._job = job
             self._last_save = (step, state.objects())
             self.history.append(job.stats)
@@ -222,14 +234,20 @@ class Checkpointer:
         )
 
     def _stage_and_commit(
-        self, step: int, captured: Capture, state: TrainingState, blocking: bool, t0: float
+        self,
+        step: int,
+        captured: Capture,
+        state: TrainingState,
+        blocking: bool,
+        t0: float,
+        new_memory: int | None = None,
     ) -> Save:
         """The save's snapshot (its mode and staging slot) and its commit, ready to run."""
         table, cfg = captured.table, self.config
         overlap = cfg.overlap and not blocking and state.optimizer is not None
-        plan = self._staging.plan(table, pipelined=overlap and not table.has_cuda)
+        plan = self._staging.plan(table, overlap and not table.has_cuda, new_memory)
         if plan.streaming and self._staging.coalescer is not None:
-            self.wait()  # one slot streams through the whole budget: no second one
+            self._wait_previous()  # one slot streams through the whole budget: no second one
         mode = Mode.STREAMING if plan.streaming else Mode.OVERLAP if overlap else Mode.BLOCKING
         if mode is Mode.OVERLAP:
             self._hook(state.optimizer)
@@ -247,14 +265,16 @@ class Checkpointer:
         nbytes: int | None = None,
         background: bool = True,
     ) -> int:
-        """Allocate and lock (or pre-fault) the host staging arena ahead of the first save(),
-        which otherwise pays seconds per GB for it on the training loop's critical path.
+        """Allocate the host staging arena ahead of the first save() and start faulting it in
+        and locking it (or pre-faulting it) on a native background thread, in chunks, without
+        the GIL; a first save() without it copies into fresh memory and pays its page faults.
 
         The arena is sized from ``model`` and ``optimizer`` (its state as far as it exists now:
         AdamW makes ``exp_avg``/``exp_avg_sq`` in its first ``step()``, so call this after it, or
         pass ``nbytes``, e.g. 3x the parameter bytes), clamped to ``staging_bytes``, and
-        allocated on a background thread unless ``background=False``. A later save() reuses it,
-        waiting only if the allocation still runs, and grows it if the state became larger.
+        allocated on a background thread unless ``background=False`` (which also waits for the
+        fault-in). A later save() reuses it without waiting for the fault-in (it copies beside
+        it; ``SaveStats.cold_bytes``), and grows it if the state became larger.
 
         Returns:
             The staging size in bytes being prepared (0: the current arena is big enough).
@@ -358,6 +378,16 @@ class Checkpointer:
         self._raise_job_error()
         with self._lock:
             return self._staging.join_prepare(timeout)
+
+    def _wait_previous(self) -> None:
+        """save()'s back-pressure: the save in flight is durable (its failure raised) and a
+        prepare() allocation is done (its failure raised), not the arena's fault-in, which the
+        copy goes ahead beside."""
+        job = self._job
+        if job is not None:
+            job.done.wait()
+        self._raise_job_error()
+        self._staging.join_prepare(None, resident=False)
 
     def _raise_job_error(self) -> None:
         err = self._job.take_error() if self._job is not None else None

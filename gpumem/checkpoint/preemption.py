@@ -7,7 +7,9 @@ that arrive elsewhere). Under torch.distributed the flag is all-reduced (MAX, on
 group), so every rank stops at the same step and saves the same one. The final save reuses the
 save of this very step if one was already taken (it is fresh: nothing changed since), otherwise
 saves the objects of the last save(); then it waits for durability up to the grace deadline,
-counted from the signal's arrival, and reports the outcome on stderr.
+counted from the signal's arrival, and reports the outcome on stderr. It allocates at most
+``FINAL_SAVE_STAGING`` bytes of new host memory: with no (or too small a) staging arena it
+streams through a buffer that size rather than allocating the whole state at the signal.
 
 Exit codes: ``exit_code`` (the requeue code) when the final step is committed, whether or not the
 ``latest`` pointer could be moved (restore() does not need it), and also when there was nothing
@@ -26,6 +28,11 @@ from typing import Any
 
 from .errors import CheckpointError, CheckpointStateError
 from .group import Group
+
+# Host memory the final save may allocate when no staging arena is there yet (a signal before the
+# first save, or a state that outgrew it): it streams through this much instead of allocating and
+# faulting in the whole state during the grace period, at a time memory may be short.
+FINAL_SAVE_STAGING = 256 << 20
 
 
 class PreemptionGuard:
@@ -148,13 +155,14 @@ class PreemptionGuard:
                 ckpt.wait(timeout=max(0.0, deadline - time.monotonic()))
             except CheckpointError as exc:
                 earlier = f"an earlier save had failed ({exc}); "
-            stats = ckpt.save(step, **objects)
+            stats = ckpt.save(step, **objects, new_staging_bytes=FINAL_SAVE_STAGING)
         try:
             self.durable = ckpt.wait(timeout=max(0.0, deadline - time.monotonic()))
         except CheckpointError as exc:
             if not reused or objects is None:
                 raise CheckpointError(f"{earlier}{exc}") from exc
-            stats = ckpt.save(step, **objects)  # the reused save had failed: one fresh attempt
+            # the reused save had failed: one fresh attempt
+            stats = ckpt.save(step, **objects, new_staging_bytes=FINAL_SAVE_STAGING)
             self.durable = ckpt.wait(timeout=max(0.0, deadline - time.monotonic()))
         self.saved_step = step
         how = "reused the save of this step" if reused else "saved"

@@ -22,6 +22,10 @@ class SaveStats:
             0 without a fence, or when the copy had completed before the stream got there).
         spill_bytes: bytes the fence copied into the device spill buffer (``device_spill_bytes``;
             0: none).
+        cold_bytes: of ``nbytes``, the bytes that waited for staging memory: copied into arena
+            pages not yet faulted in (a save right after ``prepare()``, or the first save
+            without it, while the arena's pages are still being faulted in and locked in the
+            background), so the copy faulted them itself. 0 once the arena is ready.
         staged_s: from save() entry until every tensor was in host memory.
         d2h_s: of that, the time from enqueuing the first device-to-host copy until the copies
             and the device CRCs completed (0 without CUDA tensors); ``nbytes / d2h_s`` is the
@@ -49,6 +53,7 @@ class SaveStats:
     d2h_s: float = 0.0
     fence_s: float = 0.0
     spill_bytes: int = 0
+    cold_bytes: int = 0
     copy_device_s: float = 0.0
     crc_device_s: float = 0.0
     durable_s: float = 0.0

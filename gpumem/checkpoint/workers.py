@@ -1,10 +1,56 @@
-"""The long-lived background threads of a Checkpointer's saves (persist, overlap copy)."""
+"""The background threads of a Checkpointer's saves: the long-lived workers (persist, overlap
+copy), and how much of the machine the background work of a save may take beside training.
+
+Overlap mode copies, checksums and writes while the next steps train. torch's intra-op pool
+(``torch.get_num_threads()``, every core by default) keeps all cores busy, and its parallel
+regions end at a barrier: a background thread that takes a core from one of its threads stalls
+the whole region, so the loop loses far more than the background work costs. Two rules keep
+it small: the background work runs on at most ``background_threads()`` native threads, the
+cores the training process leaves free (at least one), and the checksum and write threads,
+which have until the next save to finish, run at a lower priority (``lower_priority``) than
+training, so the scheduler gives training its cores first; the overlap copy keeps the normal
+priority, since the next ``optimizer.step()`` waits for it.
+"""
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from typing import Any
+
+BACKGROUND_NICE = 5  # niceness added to a save's checksum and write threads in overlap mode
+
+
+def background_threads() -> int:
+    """Native threads a save's background work may use: GPUMEM_SAVE_THREADS, else the cores
+    this process may run on (its CPU affinity) less the threads torch computes with, at least
+    1."""
+    from gpumem._env import env_int
+
+    value = env_int("GPUMEM_SAVE_THREADS")
+    if value is not None:
+        if value < 1:
+            raise ValueError(f"GPUMEM_SAVE_THREADS={value} must be >= 1; unset it for the default")
+        return value
+    import torch
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, cores - torch.get_num_threads())
+
+
+def lower_priority() -> None:
+    """Lower the calling thread's scheduling priority by ``BACKGROUND_NICE`` (Linux sets it per
+    thread); best effort elsewhere. A thread cannot raise it again: call it only on threads made
+    for this purpose."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE)
+    except (AttributeError, OSError):
+        pass
 
 
 class Worker:

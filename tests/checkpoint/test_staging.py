@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import gpumem
-import gpumem.arena as arena_mod
 import gpumem.checkpoint.save as save_mod
 import gpumem.checkpoint.stage.snapshot as snapshot_mod
 import gpumem.checkpoint.stage.staging as staging_mod
@@ -51,43 +50,65 @@ def test_lock_keeps_contents_and_is_reported_by_the_kernel():
             assert soft != resource.RLIM_INFINITY and soft < nbytes
 
 
-class _RefusingLibc:
-    def __init__(self, madvise_ok):
-        self.madvise_ok = madvise_ok
-        self.calls = []
-
-    def mlock(self, ptr, size):
-        self.calls.append("mlock")
-        return -1  # EPERM/ENOMEM: RLIMIT_MEMLOCK exhausted
-
-    def madvise(self, ptr, size, advice):
-        self.calls.append(("madvise", advice))
-        return 0 if self.madvise_ok else -1
-
-
-@pytest.mark.parametrize("libc", ["madvise", "touch", "none"])
-def test_lock_falls_back_to_prefaulting_without_memlock(monkeypatch, libc):
-    fake = None if libc == "none" else _RefusingLibc(madvise_ok=libc == "madvise")
-    monkeypatch.setattr(arena_mod, "_libc", lambda: fake)
+@pytest.mark.parametrize("populate", [True, False])
+def test_prefault_without_locking_keeps_contents(populate):
     nbytes = 5 * 4096 + 100
     with HostArena(nbytes, pinned=False) as a:
+        a._populate = populate  # False: the one-atomic-write-per-page path of old kernels
         data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
         a.copy_in([data], [0])
-        assert a.lock() is False
-        assert torch.equal(a.view(0, nbytes), data)  # the page-touch fallback keeps contents
-    if fake is not None:
-        assert fake.calls == ["mlock", ("madvise", 23)]
+        assert a.ready_from == nbytes and a.locked is None  # nothing faulted in by prefault yet
+        a.prefault(lock=False, chunk_bytes=8192)
+        assert a.wait_ready() is True
+        assert a.ready_from == 0 and a.locked is False
+        assert torch.equal(a.view(0, nbytes), data)
+
+
+_REFUSED = """
+import os, resource, sys
+import torch
+from gpumem.arena import HostArena
+n = 32 << 20
+a = HostArena(n, pinned=False)
+data = torch.randint(0, 256, (n,), dtype=torch.uint8)
+a.copy_in([data], [0])
+if os.getuid() == 0:
+    os.setuid(65534)  # CAP_IPC_LOCK ignores RLIMIT_MEMLOCK: become a user it binds
+soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+if soft == resource.RLIM_INFINITY or soft >= n // 2:
+    print("unlimited")
+    sys.exit(0)
+a.prefault(chunk_bytes=soft // 2)  # the first chunks lock, a later one is refused
+a.wait_ready()
+vm = [l for l in open("/proc/self/status") if l.startswith("VmLck:")][0].split()[1]
+print(a.locked, torch.equal(a.view(0, n), data), a.ready_from, vm)
+"""
+
+
+def test_lock_refused_by_rlimit_memlock_unlocks_and_prefaults():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _REFUSED], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    if out.stdout.strip() == "unlimited":
+        pytest.skip("RLIMIT_MEMLOCK is unlimited here: mlock is never refused")
+    # all or nothing: the chunks locked before the refusal were unlocked (VmLck 0 kB), the rest
+    # pre-faulted, the contents kept
+    assert out.stdout.split() == ["False", "True", "0", "0"]
 
 
 def test_checkpointer_locks_its_staging_arena_once(tmp_path, monkeypatch):
     calls = []
-    real = HostArena.lock
+    real = HostArena.prefault
 
-    def counting_lock(self):
+    def counting_prefault(self, **kwargs):
         calls.append(self.nbytes)
-        return real(self)
+        return real(self, **kwargs)
 
-    monkeypatch.setattr(HostArena, "lock", counting_lock)
+    monkeypatch.setattr(HostArena, "prefault", counting_prefault)
     model, opt = _model_and_opt()
     with gpumem.Checkpointer(tmp_path) as ck:
         assert ck.staging_locked is None
@@ -372,3 +393,134 @@ def test_default_staging_is_a_quarter_of_what_the_host_or_its_container_has(monk
     assert default_staging_bytes() == 64 << 20  # the floor
     monkeypatch.setenv("GPUMEM_STAGING_BYTES", str(3 << 20))
     assert default_staging_bytes() == 3 << 20
+
+
+# ---- no first-save cliff: a save before the arena is faulted in, the final save's bound ----
+
+
+def _bytes_of(model, opt):
+    """Every parameter and optimizer-state tensor, cloned (what a restore must give back)."""
+    out = [p.detach().clone() for p in model.parameters()]
+    for st in opt.state.values():
+        out += [v.detach().clone() for v in st.values() if torch.is_tensor(v)]
+    return out
+
+
+def _bit_equal(a, b):
+    return len(a) == len(b) and all(
+        x.dtype == y.dtype
+        and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_save_before_the_arena_is_faulted_in_is_bit_identical_and_counted(
+    tmp_path, monkeypatch, blocking
+):
+    started = []
+    real = HostArena.prefault
+    # the background fault-in has not got anywhere yet when the save copies: every byte lands
+    # in pages the copy faults itself
+    monkeypatch.setattr(HostArena, "prefault", lambda self, **kw: started.append(self))
+    model, opt = _model_and_opt()
+    want = _bytes_of(model, opt)
+    with gpumem.Checkpointer(tmp_path, keep=None) as ck:
+        st = ck.save(0, model=model, optimizer=opt, blocking=blocking)
+        ck.wait()
+        assert st.committed and st.nbytes > 0 and st.cold_bytes == st.nbytes
+        assert len(started) == 1 and ck._staging.arena is started[0]
+        assert ck.staging_locked is None  # never faulted in by the background: not known
+        real(started[0])  # now it runs, and the next save finds every page resident
+        ck.wait()
+        assert isinstance(ck.staging_locked, bool) and started[0].ready_from == 0
+        st = ck.save(1, model=model, optimizer=opt, blocking=blocking)
+        ck.wait()
+        assert st.committed and st.cold_bytes == 0
+        for p in model.parameters():
+            p.data.add_(1.0)
+        assert ck.restore(model=model, optimizer=opt, path=ck.list()[0].path) == 0
+    assert _bit_equal(_bytes_of(model, opt), want)
+
+
+def test_cold_bytes_counts_the_pieces_below_the_resident_part():
+    from gpumem.checkpoint.stage.host_copy import cold_bytes
+    from gpumem.checkpoint.stage.pieces import Piece, StagingPlan
+
+    plan = StagingPlan(capacity=1 << 20, streaming=False, bases=[0, 10_000])
+    pieces = [Piece(0, 0, 4000, 0, 0), Piece(1, 0, 3000, 0, 4096), Piece(2, 0, 500, 1, 100)]
+
+    class Arena:
+        ready_from = 5000  # [5000, end) is resident
+
+    # piece 0: [0, 4000) all cold; piece 1: [4096, 7096) cold up to 5000; piece 2 at 10100: warm
+    assert cold_bytes(Arena, plan, pieces) == 4000 + (5000 - 4096)
+    Arena.ready_from = 0
+    assert cold_bytes(Arena, plan, pieces) == 0
+
+
+def test_the_guards_final_save_without_an_arena_streams_through_its_bound(tmp_path, monkeypatch):
+    import os
+    import signal
+
+    import gpumem.checkpoint.preemption as preemption_mod
+
+    bound = 2 << 20
+    monkeypatch.setattr(preemption_mod, "FINAL_SAVE_STAGING", bound)
+    sizes = []
+    real = staging_mod.HostArena
+
+    def counting(nbytes, *args, **kwargs):
+        sizes.append(nbytes)
+        return real(nbytes, *args, **kwargs)
+
+    monkeypatch.setattr(staging_mod, "HostArena", counting)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 512)).sum().backward()
+    opt.step()
+    want = _bytes_of(model, opt)
+    assert sum(t.numel() * t.element_size() for t in want) > 3 * bound
+    with gpumem.Checkpointer(tmp_path) as ck:
+        guard = gpumem.PreemptionGuard(
+            ck, signals=("SIGUSR1",), state={"model": model, "optimizer": opt}
+        )
+        try:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert guard.should_stop(7) and guard.durable
+        finally:
+            guard.close()
+        st = ck.history[-1]
+        assert st.step == 7 and st.committed and st.mode == "streaming"
+        assert sizes and max(sizes) <= bound  # never more host memory than the bound
+        for p in model.parameters():
+            p.data.zero_()
+        assert ck.restore(model=model, optimizer=opt) == 7
+    assert _bit_equal(_bytes_of(model, opt), want)
+
+
+def test_new_staging_bytes_must_be_a_positive_int(tmp_path):
+    model, opt = _model_and_opt()
+    with gpumem.Checkpointer(tmp_path) as ck:
+        for bad in (0, -1, 1.5, True):
+            with pytest.raises(gpumem.checkpoint.CheckpointStateError, match="new_staging_bytes"):
+                ck.save(0, model=model, optimizer=opt, new_staging_bytes=bad)
+
+
+def test_save_right_after_prepare_does_not_wait_for_the_fault_in(tmp_path, monkeypatch):
+    waits = []
+    real = HostArena.wait_ready
+
+    def recording(self, timeout=None):
+        waits.append(self)
+        return real(self, timeout)
+
+    monkeypatch.setattr(HostArena, "wait_ready", recording)
+    model, opt = _model_and_opt()
+    with gpumem.Checkpointer(tmp_path) as ck:
+        ck.prepare(model=model, optimizer=opt)
+        for step in range(2):
+            ck.save(step, model=model, optimizer=opt, blocking=True)
+            assert waits == []  # neither save() nor its back-pressure waited for the fault-in
+        assert ck.wait() is True and waits == [ck._staging.arena]  # wait() does

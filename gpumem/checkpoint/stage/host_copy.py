@@ -30,6 +30,19 @@ def zero_padding(arena, plan: StagingPlan, b: int) -> None:
         end = p.offset + p.nbytes
 
 
+def cold_bytes(arena, plan: StagingPlan, pieces: list[Piece]) -> int:
+    """Bytes of ``pieces`` whose place in the arena is not faulted in yet (``HostArena.prefault``
+    still runs): copying them faults those pages on the copying thread."""
+    ready_from = arena.ready_from
+    if ready_from == 0:
+        return 0
+    bases = plan.bases
+    return sum(
+        max(0, min(bases[p.batch] + p.offset + p.nbytes, ready_from) - bases[p.batch] - p.offset)
+        for p in pieces
+    )
+
+
 def copy_pieces(
     arena,
     plan: StagingPlan,
@@ -40,13 +53,14 @@ def copy_pieces(
     wait_event=None,
     views: HostViews | None = None,
     spill: SpillControl | None = None,
+    threads: int | None = None,
 ) -> DeviceCopy | None:
     """Copy ``pieces`` of ``tensors`` (as TensorTable holds them: detached, strided, no lazy
     conjugate/negative bit) into the arena. CPU pieces are copied before returning, contiguous
     ones in one native call (``views`` supplies their byte views); CUDA pieces are enqueued in
     one native call and checksummed on the device beside the copies (``device_copy.enqueue``);
     the returned DeviceCopy's events mark their completion. ``spill``: the copier's side of the
-    device spill (overlap mode; see spill.py)."""
+    device spill (overlap mode; see spill.py). ``threads``: native copy threads (None: all)."""
     views = views if views is not None else HostViews()
     cpu_src, cpu_off, cuda, staged = [], [], [], []
     bases = plan.bases
@@ -73,7 +87,7 @@ def copy_pieces(
         else:  # planned whole (never split): let torch gather the strides into the slot
             arena.view(dst, p.nbytes).view(t.dtype).view(t.shape).copy_(t)
     if cpu_src:
-        arena.copy_in(cpu_src, cpu_off)
+        arena.copy_in(cpu_src, cpu_off, threads=threads)
     del staged
     if not cuda:
         return None

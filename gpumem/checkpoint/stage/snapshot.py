@@ -32,7 +32,8 @@ import torch
 
 from ..capture.codec import TensorTable
 from ..stats import SaveStats
-from .host_copy import HostViews, copy_pieces, zero_padding
+from ..workers import background_threads
+from .host_copy import HostViews, cold_bytes, copy_pieces, zero_padding
 from .pieces import StagingPlan
 from .spill import SpillControl, spill_at_fence
 
@@ -115,6 +116,9 @@ class Snapshot:
             }
             one = next(iter(devices)) if len(devices) == 1 else None
             self.fence_device = one.index if one is not None and one.type == "cuda" else None
+        # overlap mode: the native threads of the work done beside training (the copier's copy,
+        # the checksums, the writes), the cores training leaves free (workers.py); None: all
+        self.threads: int | None = background_threads() if mode is Mode.OVERLAP else None
         self.spill: SpillControl | None = None  # the device spill (overlap mode, opt-in)
         self.copy_event: Any = None  # the background copy's completion event, once enqueued
         self.enqueued = threading.Event()  # set once the background copy is enqueued (or failed)
@@ -141,6 +145,7 @@ class Snapshot:
                 self._zero_all_gaps()
                 # buffers/RNG on the compute stream: ordered before the next forward mutates them
                 sync = [p for p in plan.pieces if not deferred[p.index]]
+                self.stats.cold_bytes += cold_bytes(self.arena, plan, sync)
                 self._sync_event = copy_pieces(
                     self.arena, plan, sync, self.table.tensors, self.chunk, views=self.views
                 )
@@ -154,7 +159,9 @@ class Snapshot:
             self.caller_failed = True
             self.fail(exc)
 
-    def _produce(self, want: Any, stream: Any, wait_event: Any, sync_event: Any) -> None:
+    def _produce(
+        self, want: Any, stream: Any, wait_event: Any, sync_event: Any, threads: int | None = None
+    ) -> None:
         """Copy the pieces ``want`` selects (None: all). Streaming: batch after batch, each marked
         ready once complete, so the persist thread writes batch b while batch b+1 is copied (a
         slot is reused only once written); overlap mode over host tensors does the same with
@@ -178,6 +185,7 @@ class Snapshot:
             pieces = plan.batch_pieces(group[0]) if self.batched else plan.pieces
             if want is not None:
                 pieces = [p for p in pieces if want(p)]
+            self.stats.cold_bytes += cold_bytes(self.arena, plan, pieces)
             t = time.perf_counter()
             ev = copy_pieces(
                 self.arena,
@@ -189,6 +197,7 @@ class Snapshot:
                 wait_event=wait_event,
                 views=self.views,
                 spill=self.spill if stream is not None else None,  # the copier's deferred part
+                threads=threads,
             )
             # host pieces are copied by now; the device ones are ordered before ev
             self.copy_event = ev
@@ -221,7 +230,11 @@ class Snapshot:
         deferred = self.table.deferred
         try:
             self._produce(
-                lambda p: deferred[p.index], self.side_stream, self._save_event, self._sync_event
+                lambda p: deferred[p.index],
+                self.side_stream,
+                self._save_event,
+                self._sync_event,
+                self.threads,
             )
         except BaseException as exc:
             self.fail(exc)

@@ -2,12 +2,12 @@
 depend on it.
 
 ``Staging`` owns every resource a snapshot needs beyond the tensors themselves, made once and
-reused by every save: the host arena (allocated and locked, or pre-faulted, on first need or
-ahead of time by ``prepare``), coalescing's second slot, the fixed device spill buffer, the
-background copy's CUDA stream, the plan cache, the CPU tensors' byte views and which arena's
-alignment gaps are known to be zero. ``snapshot()`` plans a save (``plan``), chooses its copy
-mode and slot, and returns the ``Snapshot`` that copies it; a restore borrows the arena for its
-staging (``restore_buffer``).
+reused by every save: the host arena (allocated on first need or ahead of time by ``prepare``,
+faulted in and locked, or pre-faulted, by a native thread while saves already use it),
+coalescing's second slot, the fixed device spill buffer, the background copy's CUDA stream, the
+plan cache, the CPU tensors' byte views and which arena's alignment gaps are known to be zero.
+``snapshot()`` plans a save (``plan``), chooses its copy mode and slot, and returns the
+``Snapshot`` that copies it; a restore borrows the arena for its staging (``restore_buffer``).
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ class Staging:
         )
         self.coalescer: Coalescer | None = Coalescer() if coalesce else None
         self.arena: Any = None
-        self.locked: bool | None = None  # None until allocated; False: pre-faulted only
         self._spare: Any = None  # coalescing's second slot
         self._prep: _Prepare | None = None  # a staging allocation started by prepare()
         self._spill_buffer: Any = None  # made at the first save that can spill
@@ -86,14 +85,22 @@ class Staging:
 
     # ------------------------------------------------------------------ a save's snapshot
 
-    def plan(self, table: TensorTable, pipelined: bool) -> StagingPlan:
+    def plan(
+        self, table: TensorTable, pipelined: bool, new_memory: int | None = None
+    ) -> StagingPlan:
         """The staging plan of a save of ``table`` (``pipelined``: an overlap save over host
-        tensors, which writes each data file beside the copy of the next)."""
+        tensors, which writes each data file beside the copy of the next). ``new_memory``: at
+        most this many bytes of staging memory that is not allocated yet (PreemptionGuard's
+        final save): a state larger than the arena there is then streams through at most that
+        much (or through the arena, if larger) instead of allocating all of it."""
         chunk = crc_chunk(table, self.chunk_bytes, self.replicated)
         segment = segment_for(table, self.segment_bytes, chunk, pipelined)
-        return self._plans.plan(
-            table.tensors, table.names, self.budget, self.alignment, chunk, segment
-        )
+        budget = self.budget
+        if new_memory is not None:
+            self._join_thread(None)  # a prepared arena counts as there
+            have = self.arena.nbytes if self.arena is not None else 0
+            budget = min(budget, max(have, new_memory, 2 * chunk))
+        return self._plans.plan(table.tensors, table.names, budget, self.alignment, chunk, segment)
 
     def snapshot(
         self,
@@ -151,17 +158,25 @@ class Staging:
         if self._spare is None or self._spare.nbytes < nbytes:
             if self._spare is not None:
                 self._spare.close()
-            self._spare, _ = _allocate(nbytes)
+            self._spare = _allocate(nbytes)
         return self._spare
 
     def _ensure_arena(self, nbytes: int) -> Any:
-        self.join_prepare(None)  # the previous save was waited for, so this installs it
+        # the previous save was waited for, so this installs a prepared arena (its allocation
+        # only: its pages may still be faulting in, and the copy goes ahead beside that)
+        self._join_thread(None)
         if self.arena is None or self.arena.nbytes < nbytes:
             if self.arena is not None:
                 self.arena.close()
                 self.arena = None
-            self.arena, self.locked = _allocate(nbytes)
+            self.arena = _allocate(nbytes)
         return self.arena
+
+    @property
+    def locked(self) -> bool | None:
+        """The arena's residency: None until allocated and faulted in; False: pre-faulted only
+        (RLIMIT_MEMLOCK); True: locked (or pinned)."""
+        return self.arena.locked if self.arena is not None else None
 
     def _spill_control(self, device: int) -> SpillControl:
         """A SpillControl over the device spill buffer on ``device`` (made once, fixed size);
@@ -207,10 +222,17 @@ class Staging:
             self.join_prepare(None)
         return size
 
-    def join_prepare(self, timeout: float | None) -> bool:
-        """Wait for a prepare() allocation; install its arena; raise its error (once). Returns
-        False on timeout. While a save in flight still uses the current arena, a larger prepared
-        one is installed at a later call instead."""
+    def join_prepare(self, timeout: float | None, resident: bool = True) -> bool:
+        """Wait for a prepare() allocation and (``resident``) for the arena's pages to be
+        faulted in; install a prepared arena; raise its error (once). Returns False on timeout.
+        While a save in flight still uses the current arena, a larger prepared one is installed
+        at a later call instead."""
+        if not self._join_thread(timeout):
+            return False
+        return not resident or self.arena is None or self.arena.wait_ready(timeout)
+
+    def _join_thread(self, timeout: float | None) -> bool:
+        """join_prepare's first part: the allocation (not the faulting in)."""
         prep = self._prep
         if prep is None:
             return True
@@ -231,7 +253,7 @@ class Staging:
         else:
             if self.arena is not None:
                 self.arena.close()
-            self.arena, self.locked = arena, prep.locked
+            self.arena = arena
         return True
 
     # ------------------------------------------------------------------ restore, close
@@ -241,7 +263,7 @@ class Staging:
         (pinned on CUDA machines: prepare() before restore() gets that), else fresh host memory,
         faulted in by the reads themselves (allocating and locking an arena here would fault it
         in first, a pass over memory the reads do anyway)."""
-        self.join_prepare(None)
+        self._join_thread(None)
         if self.arena is not None and self.arena.nbytes >= nbytes:
             return self.arena.view(0, nbytes)
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -259,13 +281,20 @@ class Staging:
         self.arena = self._spare = self._spill_buffer = None
 
 
-def _allocate(nbytes: int) -> tuple[Any, bool]:
-    """A host arena of ``nbytes`` and whether it is locked: every page is faulted in once and
-    locked (False: pre-faulted only, RLIMIT_MEMLOCK), so later saves copy into warm memory, as a
-    copy into preallocated buffers would, instead of re-faulting pages that reclaim took back
-    while the arena sat idle between saves. Pinned arenas are locked by the driver."""
-    arena = HostArena(max(nbytes, 1))
-    return arena, True if arena.pinned else arena.lock()
+def _allocate(nbytes: int, device: int | None = None) -> Any:
+    """A host arena of ``nbytes`` whose pages a native thread faults in and locks (pre-faults
+    only under RLIMIT_MEMLOCK) from its end while the first copy, if one comes before that is
+    done, fills it from its start (``HostArena.prefault``): later saves copy into warm memory, as
+    a copy into preallocated buffers would, instead of re-faulting pages that reclaim took back
+    while the arena sat idle between saves, and no save waits for all of it. Pinned arenas are
+    locked by the driver."""
+    arena = HostArena(max(nbytes, 1), device=device)
+    try:
+        arena.prefault()
+    except BaseException:
+        arena.close()
+        raise
+    return arena
 
 
 class _Prepare:
@@ -275,18 +304,12 @@ class _Prepare:
         self.nbytes, self.device = nbytes, device
         self.thread: threading.Thread | None = None
         self.arena: Any = None
-        self.locked: bool | None = None
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        arena = None
         try:
-            arena = HostArena(max(self.nbytes, 1), device=self.device)
-            self.locked = True if arena.pinned else arena.lock()
-            self.arena = arena
+            self.arena = _allocate(self.nbytes, self.device)
         except BaseException as exc:
-            if arena is not None:
-                arena.close()
             self.error = exc
 
     def failure(self) -> BaseException:

@@ -233,11 +233,24 @@ class Dir:
         )
 
     def write_pieces(
-        self, name: str, pieces: list[tuple[int, Any]], size: int, direct: bool
+        self,
+        name: str,
+        pieces: list[tuple[int, Any]],
+        size: int,
+        direct: bool,
+        threads: int | None = None,
     ) -> None:
-        """Create the data file ``name`` (exclusively) from ``pieces``, fdatasync'ed."""
+        """Create the data file ``name`` (exclusively) from ``pieces``, fdatasync'ed, on
+        ``threads`` native threads (None: all cores)."""
         write_file(
-            name, pieces, size=size, fsync=True, direct=direct, dir_fd=self.fd, exclusive=True
+            name,
+            pieces,
+            size=size,
+            fsync=True,
+            direct=direct,
+            dir_fd=self.fd,
+            exclusive=True,
+            threads=threads,
         )
 
     def fsync(self) -> None:

@@ -19,7 +19,8 @@ from gpumem.checksum import chunk_crc32c
 
 from ..capture.training_state import Capture
 from ..stage.pieces import Piece, StagingPlan
-from ..stage.snapshot import Snapshot
+from ..stage.snapshot import Mode, Snapshot
+from ..workers import lower_priority
 from .format import Manifest, data_file_name, shard_manifest, tensor_entry
 from .safe_fs import Dir
 
@@ -40,6 +41,8 @@ def write_batches(
     lock = threading.Lock()
 
     def worker() -> None:
+        if snapshot.mode is Mode.OVERLAP:  # beside training, which must keep its cores
+            lower_priority()
         while not errors:
             with lock:
                 i = next(todo, None)
@@ -68,7 +71,7 @@ def _write_batch(tmp: Dir, snapshot: Snapshot, rank: int, b: int, direct: bool) 
     plan = snapshot.plan
     name, size = data_file_name(rank, b), plan.batch_sizes[b]
     buf = snapshot.arena.view(plan.slot_base(b), size) if size else None
-    tmp.write_pieces(name, [(0, buf)] if buf is not None else [], size, direct)
+    tmp.write_pieces(name, [(0, buf)] if buf is not None else [], size, direct, snapshot.threads)
     return name, size
 
 
@@ -90,12 +93,16 @@ class HostChecksums:
     def _main(self) -> None:
         snap = self.snapshot
         plan = snap.plan
+        if snap.mode is Mode.OVERLAP:  # beside training, which must keep its cores
+            lower_priority()
         try:
             if not snap.batched:
                 snap.staged.wait()
             for b in range(len(plan.batch_sizes)):
                 snap.wait_ready(b)
-                checksum_host_pieces(snap.arena, plan, plan.batch_pieces(b), snap.chunk)
+                checksum_host_pieces(
+                    snap.arena, plan, plan.batch_pieces(b), snap.chunk, snap.threads
+                )
                 self.done[b].set()
         except BaseException as exc:  # the save's own failure, or this thread's
             snap.fail(exc)
@@ -111,11 +118,15 @@ class HostChecksums:
         self._thread.join()
 
 
-def checksum_host_pieces(arena: Any, plan: StagingPlan, pieces: list[Piece], chunk: int) -> None:
-    """CRCs of pieces staged from host tensors, from the staged copy (off the training thread)."""
+def checksum_host_pieces(
+    arena: Any, plan: StagingPlan, pieces: list[Piece], chunk: int, threads: int | None = None
+) -> None:
+    """CRCs of pieces staged from host tensors, from the staged copy (off the training thread),
+    on ``threads`` native threads (None: all cores)."""
     for p in pieces:
         if p.crc is None:
-            p.crc = chunk_crc32c(arena.view(plan.slot_base(p.batch) + p.offset, p.nbytes), chunk)
+            view = arena.view(plan.slot_base(p.batch) + p.offset, p.nbytes)
+            p.crc = chunk_crc32c(view, chunk, threads=threads)
 
 
 def tensor_crcs(plan: StagingPlan, count: int) -> list[list[int]]:
