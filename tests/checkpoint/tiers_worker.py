@@ -68,6 +68,8 @@ def ranks(local: str, url: str, endpoint: str, layout: str) -> int:
             assert "ranks [1] do not see rank 0's files" in str(exc), exc
             assert "per-rank uploads" in str(exc), exc
             print(f"rank {rank} refused", flush=True)
+            dist.barrier()  # no rank leaves while another still talks to it
+            dist.destroy_process_group()
             return 0
         raise AssertionError("a node-local directory with 2 ranks was accepted")
     model, opt = _state(10 + rank)  # each rank its own state: its own shards
@@ -91,6 +93,8 @@ def ranks(local: str, url: str, endpoint: str, layout: str) -> int:
             for k, v in opt.state_dict()["state"][group].items():
                 assert torch.equal(v, fresh_opt.state_dict()["state"][group][k]), k
     print(f"rank {rank} restored", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
     return 0
 
 
