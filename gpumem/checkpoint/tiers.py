@@ -203,7 +203,8 @@ class Tiers:
         job.done.wait()
         stats = job.stats
         if not stats.committed:
-            stats.remote = "not uploaded: not committed locally"
+            why = stats.status if stats.superseded_by is not None else "not committed locally"
+            stats.remote = f"not uploaded: {why}"
             return
         path = self.directory / step_dir_name(job.step)
         stats.remote = "uploading"
