@@ -13,11 +13,19 @@ server in a child process on 127.0.0.1):
     straight into the restore targets, which is not built yet (fetch goes through a local
     copy): the figure says how far this path is from it.
 
+  * tiers (``--what tiers``): the training loop's stall (``SaveStats.stall_s``: save() time plus
+    optimizer-hook waits) with ``Checkpointer(local, remote="s3://...")`` against the same loop
+    saving to the local directory only, alternated in one run: the upload runs in the
+    background, so it should not add to the stall (target: ratio <= 1.2). The loop's wall time
+    is reported beside it: on 2 shared cores the uploader and the server take CPU from the
+    training steps, which a node with spare cores would not see.
+
 The server is a Python process on the same 2 cores as the client, so absolute MB/s say little
 about a real store; the ratios compare like with like.
 
     python benchmarks/bench_checkpoint_storage.py                # 128 MiB state
     python benchmarks/bench_checkpoint_storage.py --size 512M --rounds 5
+    python benchmarks/bench_checkpoint_storage.py --what tiers --name checkpoint_storage_tiers
 """
 
 from __future__ import annotations
@@ -124,73 +132,147 @@ def raw_download(client, bucket: str, keys_sizes, part: int, workers: int) -> No
             list(pool.map(lambda a, key=key, buf=buf: get(key, buf, a), range(0, size, part)))
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", default="128M", help="state size (default 128M)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--part", default="16M", help="multipart part size (default 16M)")
-    ap.add_argument("--workers", type=int, default=4, help="parts in flight (default 4)")
-    ap.add_argument("--name", default="checkpoint_storage")
-    args = ap.parse_args()
-    nbytes, part = parse_size(args.size), parse_size(args.part)
-    os.environ.update(CREDS)
-    os.environ.pop("AWS_ENDPOINT_URL", None)
-    import boto3
-    from botocore.config import Config
+def tiered_loop(
+    directory: Path, remote: str | None, endpoint: str, dim: int, steps: int, every: int
+) -> tuple[float, float, list[float]]:
+    """A training loop of ``steps`` Adam steps on a ``dim`` x ``dim`` MLP saving every ``every``
+    steps (overlap mode) to ``directory``, with ``remote`` as its remote tier (None: local only).
+    Returns (total stall s, loop wall s, the uploads' seconds)."""
+    import torch
 
+    import gpumem
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(4)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    x = torch.randn(64, dim)
+    state_bytes = 3 * sum(p.numel() * 4 for p in model.parameters())
+    ck = gpumem.Checkpointer(
+        directory,
+        keep=2,
+        staging_bytes=2 * state_bytes + (64 << 20),
+        remote=remote,
+        endpoint_url=endpoint if remote else None,
+    )
+    saves = []
+    model(x).square().mean().backward()  # Adam's state exists before the arena is sized
+    opt.step()
+    ck.prepare(model=model, optimizer=opt, background=False)
+    t0 = time.perf_counter()
+    for s in range(1, steps + 1):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        if s % every == 0:
+            saves.append(ck.save(s, model=model, optimizer=opt))
+    loop_s = time.perf_counter() - t0
+    ck.wait()
+    ck.tiers.wait()
+    ck.close()
+    return sum(st.stall_s for st in saves), loop_s, [st.remote_s for st in saves if st.remote_s]
+
+
+def tiers_rows(args: argparse.Namespace, endpoint: str, bucket: str, tmp: Path) -> tuple:
+    """The tiers figures: stall and loop time with a remote tier against local only."""
+    local_stall, tier_stall, local_loop, tier_loop, uploads = [], [], [], [], []
+    for r in range(args.rounds + 1):  # round 0 warms both up, untimed
+        a = tiered_loop(tmp / f"l-{r}", None, endpoint, args.dim, args.steps, args.every)
+        b = tiered_loop(
+            tmp / f"t-{r}", f"s3://{bucket}/tiers-{r}", endpoint, args.dim, args.steps, args.every
+        )
+        if r:
+            local_stall.append(a[0])
+            local_loop.append(a[1])
+            tier_stall.append(b[0])
+            tier_loop.append(b[1])
+            uploads.extend(b[2])
+    stall = figure(
+        "tiers_stall_vs_local",
+        "x",
+        [t / max(lo, 1e-9) for t, lo in zip(tier_stall, local_stall, strict=True)],
+    )
+    loop = figure(
+        "tiers_loop_vs_local", "x", [t / lo for t, lo in zip(tier_loop, local_loop, strict=True)]
+    )
+    figures = [
+        figure("local_stall_s", "s", local_stall),
+        figure("tiers_stall_s", "s", tier_stall),
+        stall,
+        figure("local_loop_s", "s", local_loop),
+        figure("tiers_loop_s", "s", tier_loop),
+        loop,
+        figure("upload_s", "s", uploads or [0.0]),
+    ]
+    band = lambda f: f"{f.p50:.2f} ({f.p20:.2f}-{f.p80:.2f})"  # noqa: E731
+    rows = [
+        [
+            "tiers: training-loop stall (save + hook waits)",
+            f"{np.median(tier_stall):.3f}",
+            f"{np.median(local_stall):.3f}",
+            band(stall),
+            "<= 1.2",
+            "yes" if stall.p50 <= 1.2 else "no",
+        ],
+        [
+            "tiers: training-loop wall time",
+            f"{np.median(tier_loop):.2f}",
+            f"{np.median(local_loop):.2f}",
+            band(loop),
+            "(reported)",
+            "-",
+        ],
+    ]
+    state = 3 * 4 * (4 * args.dim * (args.dim + 1))
+    notes = (
+        f"Tiers: a 4-layer {args.dim}x{args.dim} MLP with Adam ({state} bytes of state), "
+        f"{args.steps} steps saving every {args.every} (overlap mode, keep=2), local only "
+        f"against local + remote (moto on 127.0.0.1), alternated, {args.rounds} rounds after "
+        f"an untimed warm-up. {len(uploads)} uploads committed, median "
+        f"{np.median(uploads) if uploads else 0:.2f} s each (steps committed while one ran "
+        "were skipped, newest queued)."
+    )
+    return rows, figures, notes
+
+
+def store_rows(
+    args: argparse.Namespace, client, endpoint: str, bucket: str, tmp: Path, nbytes: int, part: int
+) -> tuple:
+    """The store figures: upload_step and fetch against raw boto3 transfers of the same bytes."""
     from gpumem.checkpoint.restore.fetch import fetch
     from gpumem.checkpoint.storage.object_root import ObjectRoot
     from gpumem.checkpoint.storage.object_store import S3Store
 
-    info = machine_info()
-    info["boto3"] = boto3.__version__
-    proc, endpoint = start_server()
-    try:
-        bucket = f"bench-{uuid.uuid4().hex[:8]}"
-        config = Config(
-            retries={"mode": "standard"},
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-            max_pool_connections=args.workers + 4,
-            s3={"addressing_style": "path"},
+    step = make_checkpoint(tmp / "local", nbytes)
+    files = data_files(step)
+    total = sum(f.stat().st_size for f in files)
+    ours_up, raw_up, ours_down, raw_down = [], [], [], []
+    for r in range(args.rounds + 1):  # round 0 warms both paths up, untimed
+        root = ObjectRoot(
+            S3Store(
+                f"s3://{bucket}/ours-{r}",
+                endpoint_url=endpoint,
+                max_concurrency=args.workers,
+            ),
+            part_bytes=part,
+            budget_bytes=args.workers * part,
         )
-        client = boto3.client("s3", endpoint_url=endpoint, config=config)
-        client.create_bucket(Bucket=bucket)
-        with tempfile.TemporaryDirectory(prefix="gpumem-bench-s3-") as tmp:
-            step = make_checkpoint(Path(tmp) / "local", nbytes)
-            files = data_files(step)
-            total = sum(f.stat().st_size for f in files)
-            ours_up, raw_up, ours_down, raw_down = [], [], [], []
-            for r in range(args.rounds + 1):  # round 0 warms both paths up, untimed
-                root = ObjectRoot(
-                    S3Store(
-                        f"s3://{bucket}/ours-{r}",
-                        endpoint_url=endpoint,
-                        max_concurrency=args.workers,
-                    ),
-                    part_bytes=part,
-                    budget_bytes=args.workers * part,
-                )
-                t0 = time.perf_counter()
-                root.upload_step(step)
-                t1 = time.perf_counter()
-                raw_upload(client, bucket, f"raw-{r}", files, part, args.workers)
-                t2 = time.perf_counter()
-                dest = Path(tmp) / f"fetch-{r}"
-                t3 = time.perf_counter()
-                assert fetch(root, dest) is not None
-                t4 = time.perf_counter()
-                sizes = [(f"raw-{r}/{f.name}", f.stat().st_size) for f in files]
-                raw_download(client, bucket, sizes, part, args.workers)
-                t5 = time.perf_counter()
-                if r:
-                    ours_up.append(t1 - t0)
-                    raw_up.append(t2 - t1)
-                    ours_down.append(t4 - t3)
-                    raw_down.append(t5 - t4)
-    finally:
-        proc.terminate()
-        proc.wait(10)
+        t0 = time.perf_counter()
+        root.upload_step(step)
+        t1 = time.perf_counter()
+        raw_upload(client, bucket, f"raw-{r}", files, part, args.workers)
+        t2 = time.perf_counter()
+        dest = tmp / f"fetch-{r}"
+        t3 = time.perf_counter()
+        assert fetch(root, dest) is not None
+        t4 = time.perf_counter()
+        sizes = [(f"raw-{r}/{f.name}", f.stat().st_size) for f in files]
+        raw_download(client, bucket, sizes, part, args.workers)
+        t5 = time.perf_counter()
+        if r:
+            ours_up.append(t1 - t0)
+            raw_up.append(t2 - t1)
+            ours_down.append(t4 - t3)
+            raw_down.append(t5 - t4)
     up_ratio = figure("upload_vs_raw", "x", [a / b for a, b in zip(ours_up, raw_up, strict=True)])
     down_ratio = figure(
         "fetch_vs_raw", "x", [a / b for a, b in zip(ours_down, raw_down, strict=True)]
@@ -221,15 +303,68 @@ def main() -> int:
         "one copy per part; gpumem sends from the mmap'ed file as it is), sends no checksum and "
         "checks nothing; the raw download reads into memory only (same range size and ranges "
         "in flight), while fetch also writes the local copy and verifies every "
-        f"chunk CRC from it. Load average at start: {os.getloadavg()[0]:.1f} on "
-        f"{os.cpu_count()} cores (shared machine; moto server in the same machine)."
+        "chunk CRC from it."
+    )
+    return rows, figures, notes
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="128M", help="state size (default 128M)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--part", default="16M", help="multipart part size (default 16M)")
+    ap.add_argument("--workers", type=int, default=4, help="parts in flight (default 4)")
+    ap.add_argument("--name", default="checkpoint_storage")
+    ap.add_argument("--what", choices=["store", "tiers", "all"], default="all")
+    ap.add_argument("--dim", type=int, default=1024, help="tiers: the MLP's width")
+    ap.add_argument("--steps", type=int, default=24, help="tiers: steps per loop")
+    ap.add_argument("--every", type=int, default=4, help="tiers: save every N steps")
+    args = ap.parse_args()
+    nbytes, part = parse_size(args.size), parse_size(args.part)
+    os.environ.update(CREDS)
+    os.environ.pop("AWS_ENDPOINT_URL", None)
+    import boto3
+    from botocore.config import Config
+
+    info = machine_info()
+    info["boto3"] = boto3.__version__
+    load = os.getloadavg()[0]
+    rows, figures, notes = [], [], []
+    proc, endpoint = start_server()
+    try:
+        bucket = f"bench-{uuid.uuid4().hex[:8]}"
+        config = Config(
+            retries={"mode": "standard"},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            max_pool_connections=args.workers + 4,
+            s3={"addressing_style": "path"},
+        )
+        client = boto3.client("s3", endpoint_url=endpoint, config=config)
+        client.create_bucket(Bucket=bucket)
+        with tempfile.TemporaryDirectory(prefix="gpumem-bench-s3-") as tmp:
+            parts = []
+            if args.what in ("store", "all"):
+                parts.append(store_rows(args, client, endpoint, bucket, Path(tmp), nbytes, part))
+            if args.what in ("tiers", "all"):
+                parts.append(tiers_rows(args, endpoint, bucket, Path(tmp)))
+            for r, f, n in parts:
+                rows += r
+                figures += f
+                notes.append(n)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    notes.append(
+        f"Load average at start: {load:.1f} on {os.cpu_count()} cores (shared machine; moto "
+        "server in the same machine)."
     )
     path = write_results(
         args.name,
-        "Object-store checkpoint root (s3://) against raw boto3 transfers",
+        "Object-store checkpoint root (s3://) against raw boto3 transfers, and tiers",
         COLUMNS,
         rows,
-        notes=notes,
+        notes=" ".join(notes),
         info=info,
         figures=figures,
     )

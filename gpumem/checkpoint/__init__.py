@@ -16,6 +16,7 @@ Modules:
     settings      CheckpointerConfig: every argument documented and validated once
     save          Save: one save in flight (its snapshot, its commit, the persist thread)
     preemption    PreemptionGuard: SIGTERM / SIGUSR1 -> a durable checkpoint and a requeue code
+    tiers         Tiers: a local directory first, an s3:// remote uploaded in the background
     stats         SaveStats: what one save cost
     group         the private gloo group of checkpoint collectives and its roll call
     workers       the long-lived background threads (persist, overlap copy)

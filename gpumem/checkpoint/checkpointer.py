@@ -45,6 +45,7 @@ from .storage.commit import Commit, CommitOptions
 from .storage.directory import list_checkpoints
 from .storage.format import CheckpointInfo
 from .storage.root import Root
+from .tiers import Tiers
 from .workers import Worker
 
 _LIVE: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
@@ -54,12 +55,12 @@ class Checkpointer:
     """Save training state in the background; restore the newest checkpoint that verifies.
 
     Args:
-        directory: where ``step-<N>`` directories and the ``latest`` pointer live.
+        directory: where ``step-<N>`` directories and the ``latest`` pointer live (``local=``).
         keep: how many checkpoints to keep (the newest ones); None keeps all.
         staging_bytes: cap on host staging memory; None: ``default_staging_bytes()``.
         overlap, chunk_bytes, alignment, direct_io, segment_bytes, lock_timeout_s, replicated,
-            collective_timeout_s, read_only, coalesce, device_spill_bytes: see
-            ``CheckpointerConfig``, which documents and validates every argument.
+            collective_timeout_s, read_only, coalesce, device_spill_bytes, remote (the tiers),
+            endpoint_url: see ``CheckpointerConfig``, which documents and checks every one.
 
     Sharded state (FSDP2 ``fully_shard``, tensor parallel, 2-D meshes): pass the wrapped model and
     its optimizer as they are. Each rank writes the blocks of its local shards (a replicated
@@ -83,7 +84,7 @@ class Checkpointer:
 
     def __init__(
         self,
-        directory: str | bytes | os.PathLike,
+        directory: str | bytes | os.PathLike | None = None,
         keep: int | None = 3,
         staging_bytes: int | None = None,
         *,
@@ -98,6 +99,9 @@ class Checkpointer:
         read_only: bool = False,
         coalesce: bool = False,
         device_spill_bytes: int = 0,
+        remote: str | None = None,
+        endpoint_url: str | None = None,
+        local: str | bytes | os.PathLike | None = None,
     ):
         arguments = {k: v for k, v in locals().items() if k != "self"}  # the config's fields
         cfg = self.config = CheckpointerConfig(**arguments)  # checks every one of them
@@ -122,8 +126,10 @@ class Checkpointer:
         self._closed = False
         self.last_restore: StagedRestore | None = None  # a sharded one says what it read
         self.history: collections.deque[SaveStats] = collections.deque(maxlen=256)  # newest last
-        try:
+        try:  # the remote (if any) is probed before the local directory is created
+            self.tiers = Tiers.from_config(cfg, self._group)
             self._root = Root.from_config(cfg, self._group)
+            self.tiers.check_shared(self._root)  # closes it when refused
         except BaseException:
             _stop_workers(self._workers)
             raise
@@ -220,6 +226,7 @@ class Checkpointer:
             self._last_save = (step, state.objects())
             self.history.append(job.stats)
             job.run()
+            self.tiers.submit(job)  # uploaded once committed locally, with a remote tier
             self._staging.copied(job.snapshot)
             job.stats.save_s = time.perf_counter() - t0
             if job.snapshot.caller_failed:  # a failure on this thread is raised here, not later
@@ -355,6 +362,7 @@ class Checkpointer:
         self._check_open()
         self.wait()
         self._group.join("restore()")
+        self.tiers.before_restore(self._root, path)  # a newer remote step is fetched first
         step, staged = restore(
             TrainingState(model, optimizer, scheduler, scaler, stateful, extra, rng),
             self._group,
@@ -402,6 +410,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
+            self.tiers.close()
             _stop_workers(self._workers)
             for handle in self._hooked.values():
                 handle.remove()
@@ -414,21 +423,25 @@ class Checkpointer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        try:
-            self.close()
-        except CheckpointError as err:
-            if exc_type is None:
-                raise
-            # do not hide the original exception behind a save error
-            print(
-                f"gpumem: checkpoint save failed while handling another error: {err}",
-                file=sys.stderr,
-            )
+        _close_after(self, exc_type is not None)
         return False
 
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; create a new one")
+
+
+def _close_after(ckpt: Checkpointer, failing: bool) -> None:
+    """close() at the end of a ``with`` block: a save error is raised, or printed when another
+    exception is on its way already (it must not be hidden behind the save error)."""
+    try:
+        ckpt.close()
+    except CheckpointError as err:
+        if not failing:
+            raise
+        print(
+            f"gpumem: checkpoint save failed while handling another error: {err}", file=sys.stderr
+        )
 
 
 def _stop_workers(workers: tuple[Worker, ...]) -> None:

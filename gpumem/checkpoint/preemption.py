@@ -10,6 +10,9 @@ saves the objects of the last save(); then it waits for durability up to the gra
 counted from the signal's arrival, and reports the outcome on stderr. It allocates at most
 ``FINAL_SAVE_STAGING`` bytes of new host memory: with no (or too small a) staging arena it
 streams through a buffer that size rather than allocating the whole state at the signal.
+With tiers (``remote=``) durability is the local commit; the upload then gets what is left of
+the grace period and the report names the tier(s) holding the final step (the upload still in
+flight at the deadline is abandoned: never committed remotely).
 
 Exit codes: ``exit_code`` (the requeue code) when the final step is committed, whether or not the
 ``latest`` pointer could be moved (restore() does not need it), and also when there was nothing
@@ -80,6 +83,7 @@ class PreemptionGuard:
         self.saved_step: int | None = None
         self.durable = False
         self.nothing_to_save = False  # the signal came before anything could be saved
+        self.uploaded = False  # with tiers: the final step reached the remote in time
         self.outcome = ""
         self._flag = False
         self._stopped = False
@@ -171,6 +175,15 @@ class PreemptionGuard:
             self.outcome = f"{earlier}{how}; {status}; durable in {time.monotonic() - t0:.2f} s"
         else:
             self.outcome = f"{earlier}{how}; NOT durable within the {self.grace_s:g} s grace period"
+        tiers = getattr(ckpt, "tiers", None)
+        if (
+            tiers is not None and tiers.url is not None
+        ):  # the upload gets what is left of the grace period, no more
+            if self.durable:
+                idle = tiers.wait(timeout=max(0.0, deadline - time.monotonic()))
+                self.uploaded = idle and tiers.uploaded == step
+            tiers.stop_waiting()  # close() at exit must not outlast the grace period either
+            self.outcome += f"; {tiers.where(step)}" if self.durable else ""
 
     def close(self) -> None:
         """Reinstate the previous signal handlers."""

@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 from .errors import CheckpointStateError
 from .stage.pieces import DEFAULT_CHUNK, MIN_CHUNK
-from .storage.location import check_root
+from .storage.location import ObjectURL, check_root
 
 MIN_BUDGET = 64 << 20  # the default staging budget's floor
 MAX_STEP = 2**63 - 1  # steps are stored as JSON integers and read back as int64-sized values
@@ -95,6 +95,14 @@ class CheckpointerConfig:
             are copied into it device to device, in copy order as far as they fit, and drained
             to host afterwards; the step waits for the rest (``SaveStats.spill_bytes``,
             ``fence_s``). 0 (default): off.
+        remote: an ``s3://bucket/prefix`` root: the tiers (``gpumem.checkpoint.tiers``). Each
+            step committed in ``directory`` (the local tier, e.g. node-local NVMe) is uploaded
+            there in the background, and restore() takes the newest step of either tier. One
+            upload at a time; of the steps committed while one runs only the newest is uploaded
+            next. Several ranks need a ``directory`` they all share. None: local only.
+        endpoint_url: the S3 endpoint of ``remote`` (MinIO, a local server); None: from the
+            AWS environment (``AWS_ENDPOINT_URL``) or AWS itself.
+        local: ``directory`` by another name, as tiers spell it (give one of the two).
 
     Raises:
         CheckpointStateError: an argument of the wrong type or outside its range, naming it.
@@ -114,8 +122,15 @@ class CheckpointerConfig:
     read_only: bool = False
     coalesce: bool = False
     device_spill_bytes: int = 0
+    remote: str | None = None
+    endpoint_url: str | None = None
+    local: Any = None
 
     def __post_init__(self) -> None:
+        if self.local is not None:  # the tiers' spelling: Checkpointer(local=..., remote=...)
+            if self.directory is not None:
+                raise CheckpointStateError("give directory or local (the same argument), not both")
+            object.__setattr__(self, "directory", self.local)
         try:  # any bytes the OS accepts; a URL is refused, never taken as a local path
             object.__setattr__(self, "directory", check_root(self.directory))
         except TypeError:
@@ -160,12 +175,34 @@ class CheckpointerConfig:
             _refuse(
                 "device_spill_bytes", self.device_spill_bytes, "must be an int >= 0 (0: no spill)"
             )
+        self._check_remote()
         if not _seconds(self.collective_timeout_s, zero=False):
             _refuse(
                 "collective_timeout_s",
                 self.collective_timeout_s,
                 "must be a positive, finite number of seconds",
             )
+
+    def _check_remote(self) -> None:
+        if self.remote is not None:
+            if not isinstance(self.remote, str):
+                _refuse("remote", self.remote, "must be an s3://BUCKET/PREFIX text, or None")
+            try:
+                ObjectURL.parse(self.remote)
+            except CheckpointStateError as exc:
+                raise CheckpointStateError(f"remote={exc}") from None
+            if self.read_only:
+                raise CheckpointStateError(
+                    f"remote={self.remote!r} with read_only=True: a restore from the remote is "
+                    "fetched into the local directory, which must be writable; drop read_only"
+                )
+        url = self.endpoint_url
+        if url is not None and not (
+            isinstance(url, str) and url.startswith(("http://", "https://")) and len(url) > 8
+        ):
+            _refuse("endpoint_url", url, "must be an http:// or https:// URL, or None")
+        if url is not None and self.remote is None:
+            _refuse("endpoint_url", url, "is for remote=, which is not given")
 
 
 def is_int(value: Any, lo: int) -> bool:

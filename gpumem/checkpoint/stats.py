@@ -42,6 +42,11 @@ class SaveStats:
         superseded_by: with ``coalesce=True``, the step whose snapshot replaced this one before
             it was written (None: not superseded; such a save is never committed).
         supersedes: with ``coalesce=True``, the step this save replaced (None: none).
+        remote: with ``remote=`` (tiers), where its upload stands: "queued", "uploading",
+            "uploaded", "not uploaded: superseded by step N while an upload ran", "upload
+            failed: ..." ("": no remote tier). See ``tiers``.
+        remote_committed: the step is committed in the object store too.
+        remote_s: how long its upload took, from start to the remote commit.
     """
 
     step: int
@@ -62,6 +67,15 @@ class SaveStats:
     latest_error: str = ""
     superseded_by: int | None = None
     supersedes: int | None = None
+    remote: str = ""
+    remote_committed: bool = False
+    remote_s: float = 0.0
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """The tiers that hold this step committed: ("local",), ("local", "remote"), ()."""
+        held = (("local", self.committed), ("remote", self.remote_committed))
+        return tuple(name for name, ok in held if ok)
 
     @property
     def stall_s(self) -> float:

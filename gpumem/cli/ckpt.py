@@ -36,6 +36,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="s3:// roots: also list incomplete multipart uploads (killed or failed saves)",
     )
+    ls.add_argument(
+        "--remote",
+        metavar="s3://BUCKET/PREFIX",
+        help="tiers: the remote of a local directory (Checkpointer(dir, remote=...)); each "
+        "step is listed with the tiers holding it (local, remote)",
+    )
     ver = cmds.add_parser(
         "verify", help="check every byte of a checkpoint (or of all in a directory)"
     )
@@ -134,11 +140,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from gpumem.checkpoint import CheckpointError
+    from gpumem.checkpoint import CheckpointError, CheckpointStateError
     from gpumem.checkpoint.storage.directory import list_checkpoints, read_latest, step_dirs
     from gpumem.checkpoint.storage.safe_fs import Dir
 
     if args.dir.lower().startswith("s3://"):
+        if args.remote:
+            raise CheckpointStateError(
+                "--remote is for a local directory's remote tier; give a directory"
+            )
         return _ls_object(args)
     root = Path(args.dir)
     if not root.is_dir():
@@ -166,6 +176,8 @@ def _ls(args: argparse.Namespace) -> int:
                 "latest": bool(ptr and ptr["path"] == name),
             }
         )
+    if args.remote:
+        rows = _with_remote(rows, list(infos), args.remote)
     if not _print_rows(rows, str(root), args.json):
         return 0
     if aside:
@@ -178,13 +190,47 @@ def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _with_remote(rows: list[dict[str, Any]], local: list[int], url: str) -> list[dict[str, Any]]:
+    """The local rows and the remote's, one per step, each with the tiers holding it committed
+    (a local step whose manifest is damaged is held by neither)."""
+    from gpumem.checkpoint.tiers import tier_rows
+
+    remote_rows = {r["step"]: r for r in _object_rows(_object_root(url))}
+    held = {
+        t.step: t.tiers for t in tier_rows(local, [s for s, r in remote_rows.items() if r["ok"]])
+    }
+    by_step = {**remote_rows, **{r["step"]: r for r in rows}}
+    out = []
+    for step in sorted(by_step):
+        row = dict(by_step[step], tiers=list(held.get(step, ())))
+        if step not in {r["step"] for r in rows}:
+            row["latest"] = False  # the local pointer is the one shown
+        out.append(row)
+    return out
+
+
 def _ls_object(args: argparse.Namespace) -> int:
     """``ls`` of an s3:// root: its committed steps (manifests checked), ``latest``, and with
     ``--all`` the incomplete uploads."""
+    root = _object_root(args.dir)
+    rows = _object_rows(root)
+    uploads = root.store.uploads() if args.all else []
+    if args.json and args.all:  # --all adds a section: the rows alone keep their shape
+        found = [{"key": u.key, "upload_id": u.upload_id} for u in uploads]
+        print(json.dumps({"checkpoints": rows, "incomplete_uploads": found}, indent=2))
+        return 0
+    if not _print_rows(rows, root.url, args.json) and not uploads:
+        return 0
+    for u in uploads:
+        print(f"incomplete upload {u.key} (id {u.upload_id[:16]}...): never committed, not read")
+    return 0
+
+
+def _object_rows(root: Any) -> list[dict[str, Any]]:
+    """``ls``'s rows of an object root: its committed steps, manifests checked, ``latest``."""
     from gpumem.checkpoint import CheckpointError
     from gpumem.checkpoint.storage.format import LATEST, step_dir_name
 
-    root = _object_root(args.dir)
     rows = []
     for step in sorted(root.steps()):
         try:
@@ -210,16 +256,7 @@ def _ls_object(args: argparse.Namespace) -> int:
             pointer = None
         for r in rows:
             r["latest"] = isinstance(pointer, dict) and pointer.get("step") == r["step"]
-    uploads = root.store.uploads() if args.all else []
-    if args.json and args.all:  # --all adds a section: the rows alone keep their shape
-        found = [{"key": u.key, "upload_id": u.upload_id} for u in uploads]
-        print(json.dumps({"checkpoints": rows, "incomplete_uploads": found}, indent=2))
-        return 0
-    if not _print_rows(rows, root.url, args.json) and not uploads:
-        return 0
-    for u in uploads:
-        print(f"incomplete upload {u.key} (id {u.upload_id[:16]}...): never committed, not read")
-    return 0
+    return rows
 
 
 def _object_root(url: str) -> Any:
@@ -246,6 +283,8 @@ def _print_rows(rows: list[dict[str, Any]], where: str, as_json: bool) -> bool:
         )
         size = format_bytes(r["nbytes"]) if r["ok"] else "DAMAGED MANIFEST"
         mark = "  <- latest" if r["latest"] else ""
+        if "tiers" in r:
+            mark += f"  [{', '.join(r['tiers']) or 'no tier: damaged'}]"
         print(
             f"{r['step']:>10}  {size:>10}  {r['world_size'] or '-':>5} "
             f" {created:<19}  {r['path'].rsplit('/', 1)[-1]}{mark}"

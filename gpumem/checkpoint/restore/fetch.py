@@ -20,15 +20,18 @@ from ..storage.object_root import ObjectRoot
 from .verify import verify
 
 
-def fetch(root: ObjectRoot, dest: str | os.PathLike) -> Path | None:
+def fetch(root: ObjectRoot, dest: str | os.PathLike, newer_than: int | None = None) -> Path | None:
     """The newest committed step of ``root`` that downloads and verifies, as
     ``dest/step-<N>``; a damaged one is skipped with a ``CheckpointFallbackWarning``. None when
-    no step is committed (or none is intact).
+    no step is committed (or none is intact); with ``newer_than``, only steps above it are
+    tried (the tiers: older ones are in the local directory already).
 
     Raises:
         CheckpointIOError: the store or the local disk failed (not a damaged checkpoint).
     """
     for step in root.steps():
+        if newer_than is not None and step <= newer_than:
+            break
         path = Path(os.fsdecode(dest)) / step_dir_name(step)
         try:
             root.download_step(step, dest)

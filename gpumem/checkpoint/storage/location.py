@@ -64,8 +64,9 @@ def check_root(root: str | bytes | os.PathLike, argument: str = "directory") -> 
     if problem is not None:
         if url_scheme(text) == "s3":  # what exists for it so far
             problem += (
-                "; Checkpointer does not save to s3:// yet: save to a local directory and "
-                "upload committed steps with gpumem.checkpoint.storage.object_root.ObjectRoot"
+                "; for an object store give a local directory and the URL as remote= "
+                f"(Checkpointer('/nvme/ckpt', remote={text!r})): saved locally first, "
+                "uploaded in the background"
             )
         raise CheckpointStateError(f"{argument}={problem}")
     return Path(text)

@@ -209,7 +209,8 @@ class ObjectRoot:
             if size == 0:
                 self.store.upload(self._key(key), [b""])
                 return 0
-            with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm:
+            mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+            try:
                 view = memoryview(mm)
                 try:
                     self.store.upload(
@@ -220,6 +221,12 @@ class ObjectRoot:
                     )
                 finally:
                     view.release()
+            finally:
+                # a failed upload's traceback still holds slices of the map: closing it then
+                # raises BufferError, which would replace the upload's own error; the map goes
+                # with the last slice instead
+                with contextlib.suppress(BufferError):
+                    mm.close()
         finally:
             os.close(fd)
         return size

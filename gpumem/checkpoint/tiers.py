@@ -1,0 +1,346 @@
+"""Tiers: a checkpoint durable on the node-local disk first, then copied to an object store in
+the background (``Checkpointer(directory, remote="s3://bucket/prefix")``).
+
+- **Save**: the local save is today's, at today's speed; once a step is committed locally, the
+  uploader thread sends it with ``ObjectRoot.upload_step`` (data, shard manifests, main manifest,
+  then the conditional put of ``step-<N>/COMMIT``; ``latest`` and the remote's retention after
+  that commit). One upload runs at a time; a step committed while one runs waits, and a newer
+  one replaces it (only the newest waits: intermediate steps are not uploaded, and say so in
+  their ``SaveStats.remote``). A failed upload leaves the local step as it was; the remote
+  catches up with the next save's upload.
+- **Restore**: the newest step complete in a tier the job reaches. Rank 0 compares the local
+  directory's committed steps with the remote's; when the remote holds a newer one it is fetched
+  into the local directory (``restore.fetch``: downloaded, verified, older ones tried when it is
+  damaged) and the normal restore reads it from there. An unreachable remote is a warning when
+  the local directory holds a checkpoint, an error when it holds none (starting from scratch
+  because the store did not answer would lose the run).
+- **Ranks**: rank 0 uploads, so every rank's shards must be in the directory rank 0 sees: a
+  directory on a shared file system. A node-local directory per node with several ranks is
+  refused at construction (each rank's shards are on its own node; per-rank uploads are not
+  built yet, and rank 0 alone would commit an incomplete step).
+
+The uploader is a daemon thread: a process that exits (``PreemptionGuard`` after its grace
+period, see ``stop_waiting``) abandons the upload in flight; what it sent is never committed
+(no ``COMMIT``) and ``ObjectRoot.clean_stale`` removes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+import uuid
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import CheckpointError, CheckpointIOError, CheckpointStateError
+from .group import Group
+from .storage.directory import list_checkpoints
+from .storage.format import step_dir_name
+from .storage.root import Root
+
+LOCAL, REMOTE = "local", "remote"
+
+
+@dataclass(frozen=True)
+class TierRow:
+    """One step and the tiers that hold it committed (``ls``, ``Tiers.holding``)."""
+
+    step: int
+    tiers: tuple[str, ...]
+
+
+def tier_rows(local_steps: list[int], remote_steps: list[int]) -> list[TierRow]:
+    """Every step of either tier, oldest first, with the tiers holding it."""
+    local, remote = set(local_steps), set(remote_steps)
+    return [
+        TierRow(s, tuple(t for t, held in ((LOCAL, s in local), (REMOTE, s in remote)) if held))
+        for s in sorted(local | remote)
+    ]
+
+
+def open_remote(url: str, endpoint_url: str | None, writable: bool = True) -> Any:
+    """The ``ObjectRoot`` at ``url``, probed (bucket, credentials, conditional writes)."""
+    from .storage.object_root import ObjectRoot
+    from .storage.object_store import S3Store
+
+    return ObjectRoot(S3Store(url, endpoint_url=endpoint_url, writable=writable))
+
+
+class Tiers:
+    """The remote tier of one Checkpointer and its uploader (see the module docstring).
+
+    Without a remote (``url`` None) there is one tier, the local directory, and every method
+    is a no-op: ``Checkpointer.tiers`` always exists, ``url`` says whether there is a remote.
+
+    Args:
+        url: the ``s3://`` root (already parsed by the config), or None.
+        endpoint_url: the S3 endpoint, or None for the AWS environment's.
+        directory: the local directory (the local tier).
+        keep: the remote's retention (the Checkpointer's ``keep``).
+        group: the job's ranks; rank 0 opens the store and uploads.
+        timeout_s: how long the other ranks wait for rank 0's word on opening the store.
+
+    Raises:
+        CheckpointIOError: the store cannot be used (missing bucket, denied credentials, no
+            conditional writes, unreachable): on rank 0 its error, on the others that rank 0
+            failed. Raised before the local directory is created.
+    """
+
+    def __init__(
+        self,
+        url: str | None,
+        endpoint_url: str | None,
+        directory: Path,
+        keep: int | None,
+        group: Group,
+        timeout_s: float,
+    ):
+        self.url, self.directory, self.keep, self.group = url, directory, keep, group
+        self.root: Any = None  # the ObjectRoot, on rank 0
+        failure: Exception | None = None
+        if group.rank == 0 and url is not None:
+            try:
+                self.root = open_remote(url, endpoint_url)
+            except Exception as exc:  # raised below, once every rank has heard of it
+                failure = exc
+        if group.world_size > 1 and url is not None:
+            code = group.from_rank0(
+                "remote-open", int(failure is not None), timeout_s, f"whether it opened {url}"
+            )
+            if code and failure is None:
+                failure = CheckpointError(
+                    f"rank 0 could not open remote={url} (its error is there)"
+                )
+        if failure is not None:
+            raise failure
+        self._cond = threading.Condition()
+        self._pending: Any = None  # the newest committed-or-committing save not yet uploaded
+        self._running: Any = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._abandon = False
+        self.uploaded: int | None = None  # the newest step this tier committed remotely
+        self.last_error: CheckpointError | None = None
+        self.restored_from: str | None = None  # the tier the last restore() read ("local"...)
+
+    @classmethod
+    def from_config(cls, cfg: Any, group: Group) -> Tiers:
+        """The tiers of a Checkpointer with ``cfg`` (a remote one where ``cfg.remote`` is set)."""
+        return cls(
+            cfg.remote, cfg.endpoint_url, cfg.directory, cfg.keep, group, cfg.collective_timeout_s
+        )
+
+    def check_shared(self, root: Root) -> None:
+        """Several ranks: every rank must see rank 0's directory (a shared file system), else
+        CheckpointStateError on every rank naming what is missing (``root`` is closed then)."""
+        g = self.group
+        if g.world_size == 1 or self.url is None:
+            return
+        name = f".gpumem-shared-{uuid.uuid4().hex}" if g.rank == 0 else ""
+        if g.rank == 0:
+            root.dir.write_new(name, b"")
+        name = g.broadcast_text(name, 0)
+        sees = int((self.directory / name).is_file())
+        seen = g.all_gather([sees])
+        if g.rank == 0:
+            root.dir.unlink(name)
+        blind = [r for r, (v,) in enumerate(seen) if not v]
+        if blind:
+            root.close()
+            raise CheckpointStateError(
+                f"remote={self.url} with directory={self.directory}: ranks {blind} do not see "
+                f"rank 0's files there (a node-local directory, not shared); rank 0 uploads "
+                "committed steps, which would then miss those ranks' shards, and per-rank "
+                "uploads from node-local disks are not supported yet: use a directory every "
+                "rank shares (NFS, Lustre), or remote=None"
+            )
+
+    # ------------------------------------------------------------------ save
+
+    def submit(self, job: Any) -> None:
+        """Upload ``job`` (a ``save.Save``) once it is committed locally; only the newest
+        waiting save is kept."""
+        if self.url is None:
+            return
+        if self.group.rank != 0:
+            job.stats.remote = "uploaded by rank 0 (see its SaveStats)"
+            return
+        with self._cond:
+            if self._pending is not None:
+                self._pending.stats.remote = (
+                    f"not uploaded: superseded by step {job.step} while an upload ran"
+                )
+            job.stats.remote = "queued"
+            self._pending = job
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._serve, name="gpumem-ckpt-upload", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                if self._pending is None:
+                    return
+                job, self._pending = self._pending, None
+                self._running = job
+            try:
+                self._upload(job)
+            finally:
+                with self._cond:
+                    self._running = None
+                    self._cond.notify_all()
+
+    def _upload(self, job: Any) -> None:
+        job.done.wait()
+        stats = job.stats
+        if not stats.committed:
+            why = stats.status if stats.superseded_by is not None else "not committed locally"
+            stats.remote = f"not uploaded: {why}"
+            return
+        path = self.directory / step_dir_name(job.step)
+        stats.remote = "uploading"
+        t0 = time.perf_counter()
+        try:
+            done = self.root.upload_step(path, keep=self.keep)
+        except Exception as exc:  # the thread never dies; the local step stays as it was
+            if not path.is_dir():  # local retention removed it while it went up
+                stats.remote = "not uploaded: removed locally (keep) during its upload"
+                return
+            err = exc if isinstance(exc, CheckpointError) else CheckpointIOError(str(exc))
+            self.last_error = err
+            stats.remote = f"upload failed: {err}"
+            with contextlib.suppress(Exception):  # a warnings filter of "error" must not kill it
+                warnings.warn(
+                    f"step {job.step} is committed in {self.directory} but its upload to "
+                    f"{self.url} failed ({err}); the next save uploads again",
+                    RuntimeWarning,
+                    stacklevel=1,
+                )
+            return
+        stats.remote_s = time.perf_counter() - t0
+        stats.remote_committed = True
+        stats.remote = "uploaded" + (
+            f"; latest not moved ({done.pointer_error})" if done.pointer_error else ""
+        )
+        self.uploaded = max(self.uploaded or -1, job.step)
+        self.last_error = None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until no upload runs or waits (False: ``timeout`` passed first)."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self._pending is None and self._running is None, timeout
+            )
+
+    @property
+    def uploading(self) -> int | None:
+        """The step being uploaded now, or None."""
+        job = self._running
+        return job.step if job is not None else None
+
+    def stop_waiting(self) -> None:
+        """``close()`` no longer waits for uploads (the process is leaving: PreemptionGuard's
+        grace period is over); the one in flight is abandoned, never committed."""
+        self._abandon = True
+
+    def where(self, step: int) -> str:
+        """Which tier holds ``step``, as the guard reports it (no request to the store)."""
+        local = f"step {step} durable in {self.directory} (local)"
+        if self.uploaded == step:
+            return f"{local} and in {self.url} (remote)"
+        if self.group.rank != 0:
+            return f"{local}; rank 0 reports the remote"
+        newest = f"step {self.uploaded}" if self.uploaded is not None else "no step of this job"
+        running = self.uploading
+        doing = f", step {running} was still uploading" if running is not None else ""
+        return f"{local} only: NOT in {self.url} in time{doing} (it holds {newest})"
+
+    def holding(self) -> list[TierRow]:
+        """Every committed step of either tier and which tiers hold it (rank 0; lists the
+        store)."""
+        from .storage.safe_fs import Dir
+
+        local: list[int] = []
+        if self.directory.is_dir():
+            with Dir.open(self.directory) as d:
+                local = [i.step for i in list_checkpoints(d)]
+        remote = self.root.steps() if self.root is not None else []
+        return tier_rows(local, remote)
+
+    # ------------------------------------------------------------------ restore
+
+    def before_restore(self, root: Root, path: Any = None) -> None:
+        """Rank 0: fetch the remote's newest step into the local directory when it is newer than
+        the local ones (every rank waits for the outcome: the restore that follows reads it).
+        Nothing to do for a restore of a given ``path``."""
+        if self.url is None or path is not None:
+            return
+        failure: Exception | None = None
+        if self.group.rank == 0:
+            try:
+                self.restored_from = self._fetch_if_newer(root)
+            except Exception as exc:
+                failure = exc
+        # a collective, not a timed wait: a fetch takes long
+        failed = self.group.all_reduce(int(failure is not None), "max")
+        if failed and failure is None:
+            failure = CheckpointError(
+                f"rank 0 could not fetch from remote={self.url} (its error is there)"
+            )
+        if failure is not None:
+            raise failure
+
+    def _fetch_if_newer(self, root: Root) -> str | None:
+        from .restore.fetch import fetch
+
+        d = root.maybe()
+        local = max((i.step for i in list_checkpoints(d)), default=None) if d else None
+        try:
+            remote = self.root.steps()
+            newer = remote and (local is None or remote[0] > local)
+            got = fetch(self.root, self.directory, newer_than=local) if newer else None
+        except CheckpointError as exc:
+            if local is None:
+                raise CheckpointIOError(
+                    f"the local directory {self.directory} holds no checkpoint and remote="
+                    f"{self.url} could not be read ({exc}); not starting from scratch while the "
+                    "store may hold the run: fix the store's access and restart"
+                ) from exc
+            warnings.warn(
+                f"remote={self.url} could not be read ({exc}); restoring from {self.directory}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return LOCAL
+        if got is not None:
+            return REMOTE
+        return LOCAL if local is not None else None
+
+    # ------------------------------------------------------------------ close
+
+    def close(self) -> None:
+        """Wait for the uploads (unless ``stop_waiting``), end the thread; say on stderr when
+        the newest upload failed."""
+        if self.url is None:
+            return
+        if not self._abandon:
+            self.wait()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self.last_error is not None and not self._abandon:
+            print(
+                f"gpumem: the last upload to {self.url} failed ({self.last_error}); the local "
+                f"directory {self.directory} holds the newer step",
+                file=sys.stderr,
+                flush=True,
+            )

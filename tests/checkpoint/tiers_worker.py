@@ -1,0 +1,105 @@
+"""Processes of test_tiers.py.
+
+python tiers_worker.py sigterm LOCAL URL ENDPOINT GRACE_S
+    one process: saves step 1 (uploaded), prints "ready", reads a line from stdin (the test
+    makes the store hang meanwhile), saves step 2 and polls a PreemptionGuard until the
+    test's SIGTERM stops it; exits with the guard's exit code.
+RANK=r WORLD_SIZE=2 INIT=file://... python tiers_worker.py ranks LOCAL URL ENDPOINT shared|node
+    two gloo ranks: "shared": a save uploaded by rank 0 with both ranks' shards, the
+    directory deleted, restored from the remote bit-identical on every rank; "node": each
+    rank its own directory, refused at construction on every rank.
+"""
+
+import os
+import shutil
+import sys
+
+import torch
+
+import gpumem
+
+
+def _state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def sigterm(local: str, url: str, endpoint: str, grace_s: float) -> int:
+    ck = gpumem.Checkpointer(
+        local, staging_bytes=64 << 20, overlap=False, remote=url, endpoint_url=endpoint
+    )
+    model, opt = _state(1)
+    guard = gpumem.PreemptionGuard(ck, grace_s=grace_s, exit_code=42)
+    ck.save(1, model=model, optimizer=opt, blocking=True)
+    assert ck.tiers.wait(120) and ck.tiers.uploaded == 1
+    print("ready", flush=True)
+    sys.stdin.readline()
+    model, opt = _state(2)
+    ck.save(2, model=model, optimizer=opt, blocking=True)
+    print("saved 2", flush=True)
+    while not guard.should_stop(2):
+        torch.randn(64, 64).sum()  # "training" until the signal
+    print(f"durable={guard.durable} uploaded={guard.uploaded}", flush=True)
+    return guard.exit_code  # atexit closes the Checkpointer: it must not wait past the grace
+
+
+def ranks(local: str, url: str, endpoint: str, layout: str) -> int:
+    import torch.distributed as dist
+
+    from gpumem.checkpoint import CheckpointStateError
+
+    dist.init_process_group(
+        "gloo",
+        init_method=os.environ["INIT"],
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
+    rank = dist.get_rank()
+    directory = local if layout == "shared" else f"{local}-node{rank}"
+    kw = {"staging_bytes": 64 << 20, "overlap": False, "remote": url, "endpoint_url": endpoint}
+    if layout == "node":
+        try:
+            gpumem.Checkpointer(directory, **kw)
+        except CheckpointStateError as exc:
+            assert "ranks [1] do not see rank 0's files" in str(exc), exc
+            assert "per-rank uploads" in str(exc), exc
+            print(f"rank {rank} refused", flush=True)
+            dist.barrier()  # no rank leaves while another still talks to it
+            dist.destroy_process_group()
+            return 0
+        raise AssertionError("a node-local directory with 2 ranks was accepted")
+    model, opt = _state(10 + rank)  # each rank its own state: its own shards
+    with gpumem.Checkpointer(directory, **kw) as ck:
+        stats = ck.save(3, model=model, optimizer=opt, blocking=True)
+        assert ck.tiers.wait(120)
+        if rank == 0:
+            assert stats.tiers == ("local", "remote"), stats
+            infos = ck.tiers.root.list_checkpoints()
+            assert [(i.step, i.world_size) for i in infos] == [(3, 2)], infos
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(directory)  # the node's disk is gone
+    dist.barrier()
+    fresh, fresh_opt = _state(99)
+    with gpumem.Checkpointer(directory, **kw) as ck:
+        assert ck.restore(model=fresh, optimizer=fresh_opt) == 3
+        for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
+            assert torch.equal(a, b)
+        for group in opt.state_dict()["state"]:
+            for k, v in opt.state_dict()["state"][group].items():
+                assert torch.equal(v, fresh_opt.state_dict()["state"][group][k]), k
+    print(f"rank {rank} restored", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    mode, args = sys.argv[1], sys.argv[2:]
+    if mode == "sigterm":
+        sys.exit(sigterm(args[0], args[1], args[2], float(args[3])))
+    sys.exit(ranks(*args))
