@@ -22,10 +22,8 @@ scaler, extras and stateful objects are always captured before save() returns.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import os
-import sys
 import threading
 import time
 import warnings
@@ -35,9 +33,10 @@ from typing import Any
 from .capture.training_state import Capture, TrainingState, capture
 from .errors import CheckpointError, CheckpointStateError
 from .group import Group
+from .lifecycle import LIVE, close_after, stop_workers
 from .restore.candidates import StagedRestore, restore
 from .save import Save
-from .settings import CheckpointerConfig, check_step, is_int
+from .settings import CheckpointerConfig, check_positive, check_step
 from .stage.snapshot import Mode, Snapshot, fence_hook
 from .stage.staging import Staging
 from .stats import SaveStats
@@ -47,8 +46,6 @@ from .storage.format import CheckpointInfo
 from .storage.root import Root
 from .tiers import Tiers
 from .workers import Worker
-
-_LIVE: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
 
 class Checkpointer:
@@ -119,7 +116,7 @@ class Checkpointer:
         self._job: Save | None = None
         # background threads of every save (persist, overlap copy), started once: see Worker
         self._workers = (Worker("gpumem-ckpt-persist"), Worker("gpumem-ckpt-copy"))
-        weakref.finalize(self, _stop_workers, self._workers)
+        weakref.finalize(self, stop_workers, self._workers)
         self._lock = threading.RLock()
         self._hooked: dict[int, Any] = {}
         self._last_save: tuple[int, dict[str, Any]] | None = None
@@ -131,9 +128,9 @@ class Checkpointer:
             self._root = Root.from_config(cfg, self._group)
             self.tiers.check_shared(self._root)  # closes it when refused
         except BaseException:
-            _stop_workers(self._workers)
+            stop_workers(self._workers)
             raise
-        _LIVE.add(self)
+        LIVE.add(self)
 
     # ------------------------------------------------------------------ what it holds
 
@@ -207,10 +204,7 @@ class Checkpointer:
         """
         t0 = time.perf_counter()
         check_step(step)
-        if new_staging_bytes is not None and not is_int(new_staging_bytes, 1):
-            raise CheckpointStateError(
-                f"new_staging_bytes={new_staging_bytes!r} must be a positive int or None"
-            )
+        check_positive("new_staging_bytes", new_staging_bytes)
         state = TrainingState(model, optimizer, scheduler, scaler, stateful, extra, rng)
         with self._lock:
             self._check_open()
@@ -219,8 +213,8 @@ class Checkpointer:
                 self._wait_previous()
             else:  # no back-pressure: only earlier failures are raised here
                 self._raise_job_error()
-            job = self._stage_and_commit(
-                step, self._capture(step, state), state, blocking, t0, new_staging_bytes
+            job = _stage_and_commit(
+                self, step, self._capture(step, state), state, blocking, t0, new_staging_bytes
             )
             self._job = job
             self._last_save = (step, state.objects())
@@ -239,31 +233,6 @@ class Checkpointer:
         return capture(
             step, state, replicated=self.config.replicated, rank=g.rank, world=g.world_size
         )
-
-    def _stage_and_commit(
-        self,
-        step: int,
-        captured: Capture,
-        state: TrainingState,
-        blocking: bool,
-        t0: float,
-        new_memory: int | None = None,
-    ) -> Save:
-        """The save's snapshot (its mode and staging slot) and its commit, ready to run."""
-        table, cfg = captured.table, self.config
-        overlap = cfg.overlap and not blocking and state.optimizer is not None
-        plan = self._staging.plan(table, overlap and not table.has_cuda, new_memory)
-        if plan.streaming and self._staging.coalescer is not None:
-            self._wait_previous()  # one slot streams through the whole budget: no second one
-        mode = Mode.STREAMING if plan.streaming else Mode.OVERLAP if overlap else Mode.BLOCKING
-        if mode is Mode.OVERLAP:
-            self._hook(state.optimizer)
-        stats = SaveStats(step, sum(p.nbytes for p in plan.pieces), mode.value)
-        snap, slot, victim = self._staging.snapshot(
-            table, plan, mode, stats=stats, t0=t0, copier=self._workers[1]
-        )
-        commit = Commit(self._commit, self._root.opened, step, captured, snap)
-        return Save(snap, commit, self._workers[0], self._staging.coalescer, slot, victim)
 
     def prepare(
         self,
@@ -293,25 +262,13 @@ class Checkpointer:
         """
         with self._lock:
             self._check_open()
-            if nbytes is not None and not is_int(nbytes, 1):
-                raise CheckpointStateError(f"nbytes={nbytes!r} must be a positive int")
+            check_positive("nbytes", nbytes)
             if nbytes is None and model is None and optimizer is None:
                 raise CheckpointStateError("prepare() needs a model, an optimizer or nbytes")
             if nbytes is None:  # what a save of these objects stages (replicated: this share)
                 state = TrainingState(model=model, optimizer=optimizer)
                 nbytes = self._staging.arena_bytes(self._capture(0, state).table)
             return self._staging.prepare(nbytes, background)
-
-    def _hook(self, optimizer: Any) -> None:
-        """The optimizer's pre-step hook that fences overlap mode's background copy (once)."""
-        if id(optimizer) not in self._hooked:
-            ref = weakref.ref(self)
-
-            def snapshot() -> Snapshot | None:
-                job = ckpt._job if (ckpt := ref()) is not None else None
-                return job.snapshot if job is not None else None
-
-            self._hooked[id(optimizer)] = optimizer.register_step_pre_hook(fence_hook(snapshot))
 
     # ------------------------------------------------------------------ restore
 
@@ -411,19 +368,19 @@ class Checkpointer:
         finally:
             self._closed = True
             self.tiers.close()
-            _stop_workers(self._workers)
+            stop_workers(self._workers)
             for handle in self._hooked.values():
                 handle.remove()
             self._hooked.clear()
             self._staging.close()
             self._root.close()
-            _LIVE.discard(self)
+            LIVE.discard(self)
 
     def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        _close_after(self, exc_type is not None)
+        close_after(self, exc_type is not None)
         return False
 
     def _check_open(self) -> None:
@@ -431,35 +388,39 @@ class Checkpointer:
             raise CheckpointError("this Checkpointer is closed; create a new one")
 
 
-def _close_after(ckpt: Checkpointer, failing: bool) -> None:
-    """close() at the end of a ``with`` block: a save error is raised, or printed when another
-    exception is on its way already (it must not be hidden behind the save error)."""
-    try:
-        ckpt.close()
-    except CheckpointError as err:
-        if not failing:
-            raise
-        print(
-            f"gpumem: checkpoint save failed while handling another error: {err}", file=sys.stderr
-        )
+def _fence_once(ckpt: Checkpointer, optimizer: Any) -> None:
+    """The optimizer's pre-step hook that fences overlap mode's background copy (once)."""
+    if id(optimizer) not in ckpt._hooked:
+        ref = weakref.ref(ckpt)
+
+        def snapshot() -> Snapshot | None:
+            job = c._job if (c := ref()) is not None else None
+            return job.snapshot if job is not None else None
+
+        ckpt._hooked[id(optimizer)] = optimizer.register_step_pre_hook(fence_hook(snapshot))
 
 
-def _stop_workers(workers: tuple[Worker, ...]) -> None:
-    for w in workers:
-        w.stop()
-
-
-@atexit.register
-def _close_all_at_exit() -> None:
-    """Interpreter exit: finish every save in flight; a failed one is reported loudly and the
-    process exits non-zero (an async failure must never look like success)."""
-    failed = False
-    for ckpt in list(_LIVE):
-        try:
-            ckpt.close()
-        except CheckpointError as exc:
-            failed = True
-            print(f"\ngpumem: CHECKPOINT SAVE FAILED at exit: {exc}\n", file=sys.stderr, flush=True)
-    if failed:
-        sys.stdout.flush()
-        os._exit(1)
+def _stage_and_commit(
+    ckpt: Checkpointer,
+    step: int,
+    captured: Capture,
+    state: TrainingState,
+    blocking: bool,
+    t0: float,
+    new_memory: int | None = None,
+) -> Save:
+    """The save's snapshot (its mode and staging slot) and its commit, ready to run."""
+    table, cfg = captured.table, ckpt.config
+    overlap = cfg.overlap and not blocking and state.optimizer is not None
+    plan = ckpt._staging.plan(table, overlap and not table.has_cuda, new_memory)
+    if plan.streaming and ckpt._staging.coalescer is not None:
+        ckpt._wait_previous()  # one slot streams through the whole budget: no second one
+    mode = Mode.STREAMING if plan.streaming else Mode.OVERLAP if overlap else Mode.BLOCKING
+    if mode is Mode.OVERLAP:
+        _fence_once(ckpt, state.optimizer)
+    stats = SaveStats(step, sum(p.nbytes for p in plan.pieces), mode.value)
+    snap, slot, victim = ckpt._staging.snapshot(
+        table, plan, mode, stats=stats, t0=t0, copier=ckpt._workers[1]
+    )
+    commit = Commit(ckpt._commit, ckpt._root.opened, step, captured, snap)
+    return Save(snap, commit, ckpt._workers[0], ckpt._staging.coalescer, slot, victim)

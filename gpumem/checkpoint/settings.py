@@ -210,6 +210,12 @@ def is_int(value: Any, lo: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= lo
 
 
+def check_positive(name: str, value: Any) -> None:
+    """An optional byte count: None or a positive int."""
+    if value is not None and not is_int(value, 1):
+        raise CheckpointStateError(f"{name}={value!r} must be a positive int or None")
+
+
 def check_step(step: Any) -> None:
     """A step save() can store."""
     if not is_int(step, 0) or step > MAX_STEP:

@@ -114,109 +114,240 @@ class Uploaded:
     part_crcs: tuple[int, ...]
 
 
-class S3Store:
-    """The objects under one ``s3://bucket/prefix`` root (see the module docstring).
+class _S3Requests:
+    """The requests under a root: small reads, listing, deletion, incomplete uploads, and the
+    one funnel every call goes through (``_call``: retries, and one clear error per cause).
+    Split from ``S3Store`` by what it does; only ``S3Store`` is built."""
 
-    Args:
-        url: the root (``ObjectURL`` or its text).
-        endpoint_url: the S3 endpoint (a local server, MinIO, R2, ...); None: ``AWS_ENDPOINT_URL``
-            (``AWS_ENDPOINT_URL_S3``) or AWS itself, as boto3 resolves it.
-        region: None: ``AWS_REGION`` / ``AWS_DEFAULT_REGION`` / the profile's, else us-east-1.
-        profile: a named profile of ``~/.aws/config``; None: ``AWS_PROFILE`` or the default.
-        max_attempts: attempts per request (botocore's standard retry mode), and per ranged
-            read whose body breaks off.
-        max_concurrency: requests in flight at once in ``upload`` and ``read_ranges``.
-        connect_timeout_s, read_timeout_s: per request.
-        check: probe the root at once (``check``), so a bad URL, bucket or credentials fail here.
-        writable: the probe also checks that the bucket honours conditional writes.
+    url: ObjectURL
+    client: Any
+    endpoint: str
+    max_attempts: int
+    max_concurrency: int
+    _botocore: Any
+    _writer: str
 
-    Raises:
-        CheckpointStateError: boto3 is not installed (``pip install 'gpumem[s3]'``), or the URL
-            is malformed.
-        CheckpointIOError: from the probe (see ``check``).
-    """
-
-    def __init__(
-        self,
-        url: ObjectURL | str,
-        *,
-        endpoint_url: str | None = None,
-        region: str | None = None,
-        profile: str | None = None,
-        max_attempts: int = 8,
-        max_concurrency: int = 8,
-        connect_timeout_s: float = 10.0,
-        read_timeout_s: float = 60.0,
-        check: bool = True,
-        writable: bool = True,
-    ):
-        self.url = url if isinstance(url, ObjectURL) else ObjectURL.parse(url)
-        if not isinstance(max_attempts, int) or max_attempts < 1:
-            raise CheckpointStateError(f"max_attempts={max_attempts!r} must be an int >= 1")
-        if not isinstance(max_concurrency, int) or max_concurrency < 1:
-            raise CheckpointStateError(f"max_concurrency={max_concurrency!r} must be an int >= 1")
-        boto3, self._botocore = _import_boto3()
-        from botocore.config import Config
-
+    def head(
+        self, key: str, metadata: bool = False
+    ) -> ObjectInfo | tuple[ObjectInfo, dict[str, str]] | None:
+        """The object at ``key`` (with its user metadata when asked), or None if there is none."""
         try:
-            session = boto3.session.Session(profile_name=profile, region_name=region)
-        except self._botocore.exceptions.ProfileNotFound as exc:
-            raise CheckpointStateError(
-                f"{self.url}: {exc}; name a profile of ~/.aws/config or unset AWS_PROFILE"
-            ) from None
-        config = Config(
-            retries={"mode": "standard", "total_max_attempts": max_attempts},
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-            max_pool_connections=max_concurrency + 4,
-            connect_timeout=connect_timeout_s,
-            read_timeout=read_timeout_s,
-            # a custom endpoint (MinIO, a local server) rarely resolves bucket.host names
-            s3={"addressing_style": "path"} if endpoint_url else None,
+            resp = self._call(
+                "read",
+                self.client.head_object,
+                Bucket=self.url.bucket,
+                Key=key,
+                ChecksumMode="ENABLED",
+            )
+        except _NotFound:
+            return None
+        crc_text = resp.get("ChecksumCRC32C")
+        info = ObjectInfo(
+            key,
+            int(resp["ContentLength"]),
+            str(resp["ETag"]),
+            parse_crc32c_header(crc_text) if crc_text else None,
         )
-        self.client = session.client(
-            "s3",
-            endpoint_url=endpoint_url,
-            region_name=session.region_name or "us-east-1",
-            config=config,
-        )
-        self.endpoint = endpoint_url or self.client.meta.endpoint_url
-        self.max_attempts, self.max_concurrency = max_attempts, max_concurrency
-        self._writer = uuid.uuid4().hex
-        if check:
-            self.check(writable=writable)
+        return (info, dict(resp.get("Metadata", {}))) if metadata else info
 
-    # ------------------------------------------------------------------ the probe
-
-    def check(self, writable: bool = True) -> None:
-        """Fail now, with one clear error, where the root cannot hold checkpoints: the bucket
-        does not exist, the credentials are missing or denied, the endpoint cannot be reached,
-        or (``writable``) the store ignores ``If-None-Match`` (two jobs could both commit a
-        step). The conditional-write probe writes one object twice under the prefix and
-        deletes it.
+    def get(self, key: str, max_bytes: int = SMALL_OBJECT) -> tuple[bytes, str] | None:
+        """The bytes and ETag of a small object (a manifest, a pointer); None if there is none.
 
         Raises:
-            CheckpointIOError: naming the URL, the cause and what to do.
+            CheckpointCorruptError: it is larger than ``max_bytes`` (checked before reading),
+                or shorter than it said.
         """
-        self._call("open", self.client.head_bucket, Bucket=self.url.bucket)
-        if not writable:
-            return
-        probe = self.url.key(f".gpumem-probe-{uuid.uuid4().hex}")
         try:
-            if not self.put_new(probe, b"probe"):
-                raise CheckpointIOError(f"{self.url}: a fresh probe object already existed")
-            if self.put_new(probe, b"again", _check_winner=False):
-                raise CheckpointIOError(
-                    f"{self.url} ({self.endpoint}) ignores conditional writes (If-None-Match: "
-                    "* overwrote an existing object), so two jobs could both commit one step; "
-                    "use a store that supports them (AWS S3, MinIO, R2, Ceph RGW >= 18)",
-                    errno=errno.EOPNOTSUPP,
-                    filename=str(self.url),
+            resp = self._call("read", self.client.get_object, Bucket=self.url.bucket, Key=key)
+        except _NotFound:
+            return None
+        body = resp["Body"]
+        try:
+            size = int(resp["ContentLength"])
+            if size > max_bytes:
+                raise CheckpointCorruptError(
+                    f"{self._name(key)} is {size} bytes, more than the {max_bytes} such an "
+                    "object may have: not read",
+                    path=self._name(key),
+                )
+            data = self._read_body(body, key)
+            if len(data) != size:
+                raise CheckpointCorruptError(
+                    f"{self._name(key)} ended after {len(data)} of its {size} bytes",
+                    path=self._name(key),
                 )
         finally:
-            self.delete([probe])
+            body.close()
+        return data, str(resp["ETag"])
 
-    # ------------------------------------------------------------------ small objects
+    def _read_body(self, body: Any, key: str) -> bytes:
+        try:
+            return bytes(body.read())
+        except self._transient_read_errors() as exc:
+            raise CheckpointIOError(f"reading {self._name(key)} failed: {exc}") from exc
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object whose key starts with the root's prefix + ``prefix``, in key order."""
+        full = (
+            self.url.key(prefix) if prefix else (f"{self.url.prefix}/" if self.url.prefix else "")
+        )
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.url.bucket, Prefix=full
+        )
+        for page in self._pages("list", pages):
+            for item in page.get("Contents", []):
+                yield ObjectInfo(item["Key"], int(item["Size"]), str(item["ETag"]))
+
+    def delete(self, keys: Sequence[str]) -> None:
+        """Delete the objects at ``keys`` (missing ones are no error).
+
+        Raises:
+            CheckpointIOError: the store refused to delete some (naming the first).
+        """
+        keys = list(keys)
+        for i in range(0, len(keys), 1000):  # S3: at most 1000 keys a request
+            resp = self._call(
+                "delete",
+                self.client.delete_objects,
+                Bucket=self.url.bucket,
+                Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True},
+            )
+            errors = resp.get("Errors", [])
+            if errors:
+                e = errors[0]
+                raise CheckpointIOError(
+                    f"deleting {len(errors)} objects under {self.url} failed; first: "
+                    f"{e.get('Key')}: {e.get('Code')} {e.get('Message')}",
+                    errno=errno.EACCES if e.get("Code") in _DENIED else errno.EIO,
+                    filename=str(self.url),
+                )
+
+    def uploads(self) -> list[Upload]:
+        """The incomplete multipart uploads under the root (a killed writer's, say)."""
+        pages = self.client.get_paginator("list_multipart_uploads").paginate(
+            Bucket=self.url.bucket, Prefix=self.url.key("") if self.url.prefix else ""
+        )
+        found = []
+        for page in self._pages("list uploads", pages):
+            for u in page.get("Uploads", []):
+                found.append(Upload(u["Key"], u["UploadId"], u["Initiated"].timestamp()))
+        return found
+
+    def abort(self, upload: Upload) -> None:
+        """Abort an incomplete upload: the store drops its parts (a gone upload is no error)."""
+        with contextlib.suppress(_NotFound):
+            self._call(
+                "abort",
+                self.client.abort_multipart_upload,
+                Bucket=self.url.bucket,
+                Key=upload.key,
+                UploadId=upload.upload_id,
+            )
+
+    def _name(self, key: str) -> str:
+        return f"s3://{self.url.bucket}/{key}"
+
+    def _pages(self, doing: str, pages: Any) -> Iterator[Any]:
+        it = iter(pages)
+        while True:
+            try:
+                page = self._call(doing, next, it)
+            except StopIteration:
+                return
+            yield page
+
+    def _call(self, doing: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` with botocore's errors as gpumem's (see the module
+        docstring); ``retry_conflict``: a 409 ConditionalRequestConflict (a concurrent
+        conditional write in progress) is retried with back-off."""
+        retry_conflict = kwargs.pop("retry_conflict", False)
+        exc_mod = self._botocore.exceptions
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                return fn(*args, **kwargs)
+            except exc_mod.ClientError as exc:
+                err = exc.response.get("Error", {})
+                code = str(err.get("Code", ""))
+                status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if code in _PRECONDITION or status == 412:
+                    raise _PreconditionFailed() from exc
+                conflict = code in _CONFLICT or status == 409
+                if conflict and retry_conflict and attempt < self.max_attempts:
+                    _back_off(attempt)
+                    continue
+                if doing != "open" and (
+                    code in _NO_KEY or (status == 404 and code not in _MISSING)
+                ):
+                    raise _NotFound() from exc
+                raise self._client_error(doing, code, status, err.get("Message", "")) from exc
+            except exc_mod.NoCredentialsError:
+                raise CheckpointIOError(
+                    f"{self.url}: no AWS credentials found; set AWS_ACCESS_KEY_ID and "
+                    "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or run on a machine with an "
+                    "instance role",
+                    errno=errno.EACCES,
+                    filename=str(self.url),
+                ) from None
+            except (exc_mod.EndpointConnectionError, exc_mod.ConnectTimeoutError) as exc:
+                raise CheckpointIOError(
+                    f"{self.url}: cannot reach the store at {self.endpoint} ({exc}); check "
+                    "endpoint_url / AWS_ENDPOINT_URL and the network",
+                    errno=errno.ECONNREFUSED,
+                    filename=str(self.url),
+                ) from None
+            except (exc_mod.ConnectionError, exc_mod.HTTPClientError) as exc:
+                raise CheckpointIOError(
+                    f"{doing} {self.url} failed after {self.max_attempts} attempts: {exc}",
+                    errno=errno.EIO,
+                    filename=str(self.url),
+                ) from exc
+        raise AssertionError("unreachable")
+
+    def _client_error(self, doing: str, code: str, status: Any, message: str) -> Exception:
+        where = f"{self.url} ({self.endpoint})"
+        if code in _MISSING or (doing == "open" and status == 404):
+            return CheckpointIOError(
+                f"{where}: the bucket {self.url.bucket!r} does not exist; create it or fix the URL",
+                errno=errno.ENOENT,
+                filename=str(self.url),
+            )
+        if code in _DENIED or status == 403:
+            return CheckpointIOError(
+                f"{where}: access denied ({code or status}: {message}); check the credentials "
+                "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE) and that they may "
+                f"read and write {self.url}",
+                errno=errno.EACCES,
+                filename=str(self.url),
+            )
+        if code in _BAD_DIGEST:
+            return CheckpointIOError(
+                f"{doing} {where}: the store received bytes whose CRC32C differs from the one "
+                f"gpumem computed ({code}): damaged in transit; the save failed",
+                errno=errno.EIO,
+                filename=str(self.url),
+            )
+        return CheckpointIOError(
+            f"{doing} {where} failed: {code or status}: {message}",
+            errno=errno.EIO,
+            filename=str(self.url),
+        )
+
+    def _transient_read_errors(self) -> tuple[type[BaseException], ...]:
+        exc = self._botocore.exceptions
+        from urllib3.exceptions import HTTPError as Urllib3Error
+
+        return (
+            exc.IncompleteReadError,
+            exc.ResponseStreamingError,
+            exc.ReadTimeoutError,
+            exc.ConnectionError,
+            Urllib3Error,
+            ConnectionError,
+        )
+
+
+class _S3Writes(_S3Requests):
+    """Writes: small objects (plain and conditional) and multipart uploads from memory."""
 
     def put(self, key: str, data: Any) -> str:
         """Store ``data`` (bytes-like, array or CPU tensor) at ``key`` unconditionally; its
@@ -272,44 +403,6 @@ class S3Store:
             "Metadata": {_WRITER: f"{self._writer}-{uuid.uuid4().hex}"},
             **extra,
         }
-
-    def get(self, key: str, max_bytes: int = SMALL_OBJECT) -> tuple[bytes, str] | None:
-        """The bytes and ETag of a small object (a manifest, a pointer); None if there is none.
-
-        Raises:
-            CheckpointCorruptError: it is larger than ``max_bytes`` (checked before reading),
-                or shorter than it said.
-        """
-        try:
-            resp = self._call("read", self.client.get_object, Bucket=self.url.bucket, Key=key)
-        except _NotFound:
-            return None
-        body = resp["Body"]
-        try:
-            size = int(resp["ContentLength"])
-            if size > max_bytes:
-                raise CheckpointCorruptError(
-                    f"{self._name(key)} is {size} bytes, more than the {max_bytes} such an "
-                    "object may have: not read",
-                    path=self._name(key),
-                )
-            data = self._read_body(body, key)
-            if len(data) != size:
-                raise CheckpointCorruptError(
-                    f"{self._name(key)} ended after {len(data)} of its {size} bytes",
-                    path=self._name(key),
-                )
-        finally:
-            body.close()
-        return data, str(resp["ETag"])
-
-    def _read_body(self, body: Any, key: str) -> bytes:
-        try:
-            return bytes(body.read())
-        except self._transient_read_errors() as exc:
-            raise CheckpointIOError(f"reading {self._name(key)} failed: {exc}") from exc
-
-    # ------------------------------------------------------------------ multipart upload
 
     def upload(
         self,
@@ -491,30 +584,110 @@ class S3Store:
                 raise failed_futures[0].exception()  # type: ignore[misc]
         return crcs, etags
 
-    # ------------------------------------------------------------------ reads
 
-    def head(
-        self, key: str, metadata: bool = False
-    ) -> ObjectInfo | tuple[ObjectInfo, dict[str, str]] | None:
-        """The object at ``key`` (with its user metadata when asked), or None if there is none."""
+class S3Store(_S3Writes):
+    """The objects under one ``s3://bucket/prefix`` root (see the module docstring).
+
+    Args:
+        url: the root (``ObjectURL`` or its text).
+        endpoint_url: the S3 endpoint (a local server, MinIO, R2, ...); None: ``AWS_ENDPOINT_URL``
+            (``AWS_ENDPOINT_URL_S3``) or AWS itself, as boto3 resolves it.
+        region: None: ``AWS_REGION`` / ``AWS_DEFAULT_REGION`` / the profile's, else us-east-1.
+        profile: a named profile of ``~/.aws/config``; None: ``AWS_PROFILE`` or the default.
+        max_attempts: attempts per request (botocore's standard retry mode), and per ranged
+            read whose body breaks off.
+        max_concurrency: requests in flight at once in ``upload`` and ``read_ranges``.
+        connect_timeout_s, read_timeout_s: per request.
+        check: probe the root at once (``check``), so a bad URL, bucket or credentials fail here.
+        writable: the probe also checks that the bucket honours conditional writes.
+
+    Raises:
+        CheckpointStateError: boto3 is not installed (``pip install 'gpumem[s3]'``), or the URL
+            is malformed.
+        CheckpointIOError: from the probe (see ``check``).
+    """
+
+    def __init__(
+        self,
+        url: ObjectURL | str,
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        profile: str | None = None,
+        max_attempts: int = 8,
+        max_concurrency: int = 8,
+        connect_timeout_s: float = 10.0,
+        read_timeout_s: float = 60.0,
+        check: bool = True,
+        writable: bool = True,
+    ):
+        self.url = url if isinstance(url, ObjectURL) else ObjectURL.parse(url)
+        if not isinstance(max_attempts, int) or max_attempts < 1:
+            raise CheckpointStateError(f"max_attempts={max_attempts!r} must be an int >= 1")
+        if not isinstance(max_concurrency, int) or max_concurrency < 1:
+            raise CheckpointStateError(f"max_concurrency={max_concurrency!r} must be an int >= 1")
+        boto3, self._botocore = _import_boto3()
+        from botocore.config import Config
+
         try:
-            resp = self._call(
-                "read",
-                self.client.head_object,
-                Bucket=self.url.bucket,
-                Key=key,
-                ChecksumMode="ENABLED",
-            )
-        except _NotFound:
-            return None
-        crc_text = resp.get("ChecksumCRC32C")
-        info = ObjectInfo(
-            key,
-            int(resp["ContentLength"]),
-            str(resp["ETag"]),
-            parse_crc32c_header(crc_text) if crc_text else None,
+            session = boto3.session.Session(profile_name=profile, region_name=region)
+        except self._botocore.exceptions.ProfileNotFound as exc:
+            raise CheckpointStateError(
+                f"{self.url}: {exc}; name a profile of ~/.aws/config or unset AWS_PROFILE"
+            ) from None
+        config = Config(
+            retries={"mode": "standard", "total_max_attempts": max_attempts},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            max_pool_connections=max_concurrency + 4,
+            connect_timeout=connect_timeout_s,
+            read_timeout=read_timeout_s,
+            # a custom endpoint (MinIO, a local server) rarely resolves bucket.host names
+            s3={"addressing_style": "path"} if endpoint_url else None,
         )
-        return (info, dict(resp.get("Metadata", {}))) if metadata else info
+        self.client = session.client(
+            "s3",
+            endpoint_url=endpoint_url,
+            region_name=session.region_name or "us-east-1",
+            config=config,
+        )
+        self.endpoint = endpoint_url or self.client.meta.endpoint_url
+        self.max_attempts, self.max_concurrency = max_attempts, max_concurrency
+        self._writer = uuid.uuid4().hex
+        if check:
+            self.check(writable=writable)
+
+    # ------------------------------------------------------------------ the probe
+
+    def check(self, writable: bool = True) -> None:
+        """Fail now, with one clear error, where the root cannot hold checkpoints: the bucket
+        does not exist, the credentials are missing or denied, the endpoint cannot be reached,
+        or (``writable``) the store ignores ``If-None-Match`` (two jobs could both commit a
+        step). The conditional-write probe writes one object twice under the prefix and
+        deletes it.
+
+        Raises:
+            CheckpointIOError: naming the URL, the cause and what to do.
+        """
+        self._call("open", self.client.head_bucket, Bucket=self.url.bucket)
+        if not writable:
+            return
+        probe = self.url.key(f".gpumem-probe-{uuid.uuid4().hex}")
+        try:
+            if not self.put_new(probe, b"probe"):
+                raise CheckpointIOError(f"{self.url}: a fresh probe object already existed")
+            if self.put_new(probe, b"again", _check_winner=False):
+                raise CheckpointIOError(
+                    f"{self.url} ({self.endpoint}) ignores conditional writes (If-None-Match: "
+                    "* overwrote an existing object), so two jobs could both commit one step; "
+                    "use a store that supports them (AWS S3, MinIO, R2, Ceph RGW >= 18)",
+                    errno=errno.EOPNOTSUPP,
+                    filename=str(self.url),
+                )
+        finally:
+            self.delete([probe])
+
+    # ------------------------------------------------------------------ reads
 
     def read_into(
         self,
@@ -707,169 +880,6 @@ class S3Store:
         finally:
             body.close()
         return done
-
-    def _transient_read_errors(self) -> tuple[type[BaseException], ...]:
-        exc = self._botocore.exceptions
-        from urllib3.exceptions import HTTPError as Urllib3Error
-
-        return (
-            exc.IncompleteReadError,
-            exc.ResponseStreamingError,
-            exc.ReadTimeoutError,
-            exc.ConnectionError,
-            Urllib3Error,
-            ConnectionError,
-        )
-
-    # ------------------------------------------------------------------ listing, deleting
-
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        """Every object whose key starts with the root's prefix + ``prefix``, in key order."""
-        full = (
-            self.url.key(prefix) if prefix else (f"{self.url.prefix}/" if self.url.prefix else "")
-        )
-        pages = self.client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.url.bucket, Prefix=full
-        )
-        for page in self._pages("list", pages):
-            for item in page.get("Contents", []):
-                yield ObjectInfo(item["Key"], int(item["Size"]), str(item["ETag"]))
-
-    def delete(self, keys: Sequence[str]) -> None:
-        """Delete the objects at ``keys`` (missing ones are no error).
-
-        Raises:
-            CheckpointIOError: the store refused to delete some (naming the first).
-        """
-        keys = list(keys)
-        for i in range(0, len(keys), 1000):  # S3: at most 1000 keys a request
-            resp = self._call(
-                "delete",
-                self.client.delete_objects,
-                Bucket=self.url.bucket,
-                Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True},
-            )
-            errors = resp.get("Errors", [])
-            if errors:
-                e = errors[0]
-                raise CheckpointIOError(
-                    f"deleting {len(errors)} objects under {self.url} failed; first: "
-                    f"{e.get('Key')}: {e.get('Code')} {e.get('Message')}",
-                    errno=errno.EACCES if e.get("Code") in _DENIED else errno.EIO,
-                    filename=str(self.url),
-                )
-
-    def uploads(self) -> list[Upload]:
-        """The incomplete multipart uploads under the root (a killed writer's, say)."""
-        pages = self.client.get_paginator("list_multipart_uploads").paginate(
-            Bucket=self.url.bucket, Prefix=self.url.key("") if self.url.prefix else ""
-        )
-        found = []
-        for page in self._pages("list uploads", pages):
-            for u in page.get("Uploads", []):
-                found.append(Upload(u["Key"], u["UploadId"], u["Initiated"].timestamp()))
-        return found
-
-    def abort(self, upload: Upload) -> None:
-        """Abort an incomplete upload: the store drops its parts (a gone upload is no error)."""
-        with contextlib.suppress(_NotFound):
-            self._call(
-                "abort",
-                self.client.abort_multipart_upload,
-                Bucket=self.url.bucket,
-                Key=upload.key,
-                UploadId=upload.upload_id,
-            )
-
-    # ------------------------------------------------------------------ errors
-
-    def _name(self, key: str) -> str:
-        return f"s3://{self.url.bucket}/{key}"
-
-    def _pages(self, doing: str, pages: Any) -> Iterator[Any]:
-        it = iter(pages)
-        while True:
-            try:
-                page = self._call(doing, next, it)
-            except StopIteration:
-                return
-            yield page
-
-    def _call(self, doing: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` with botocore's errors as gpumem's (see the module
-        docstring); ``retry_conflict``: a 409 ConditionalRequestConflict (a concurrent
-        conditional write in progress) is retried with back-off."""
-        retry_conflict = kwargs.pop("retry_conflict", False)
-        exc_mod = self._botocore.exceptions
-        for attempt in range(1, self.max_attempts + 1):
-            try:
-                return fn(*args, **kwargs)
-            except exc_mod.ClientError as exc:
-                err = exc.response.get("Error", {})
-                code = str(err.get("Code", ""))
-                status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-                if code in _PRECONDITION or status == 412:
-                    raise _PreconditionFailed() from exc
-                conflict = code in _CONFLICT or status == 409
-                if conflict and retry_conflict and attempt < self.max_attempts:
-                    _back_off(attempt)
-                    continue
-                if doing != "open" and (
-                    code in _NO_KEY or (status == 404 and code not in _MISSING)
-                ):
-                    raise _NotFound() from exc
-                raise self._client_error(doing, code, status, err.get("Message", "")) from exc
-            except exc_mod.NoCredentialsError:
-                raise CheckpointIOError(
-                    f"{self.url}: no AWS credentials found; set AWS_ACCESS_KEY_ID and "
-                    "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or run on a machine with an "
-                    "instance role",
-                    errno=errno.EACCES,
-                    filename=str(self.url),
-                ) from None
-            except (exc_mod.EndpointConnectionError, exc_mod.ConnectTimeoutError) as exc:
-                raise CheckpointIOError(
-                    f"{self.url}: cannot reach the store at {self.endpoint} ({exc}); check "
-                    "endpoint_url / AWS_ENDPOINT_URL and the network",
-                    errno=errno.ECONNREFUSED,
-                    filename=str(self.url),
-                ) from None
-            except (exc_mod.ConnectionError, exc_mod.HTTPClientError) as exc:
-                raise CheckpointIOError(
-                    f"{doing} {self.url} failed after {self.max_attempts} attempts: {exc}",
-                    errno=errno.EIO,
-                    filename=str(self.url),
-                ) from exc
-        raise AssertionError("unreachable")
-
-    def _client_error(self, doing: str, code: str, status: Any, message: str) -> Exception:
-        where = f"{self.url} ({self.endpoint})"
-        if code in _MISSING or (doing == "open" and status == 404):
-            return CheckpointIOError(
-                f"{where}: the bucket {self.url.bucket!r} does not exist; create it or fix the URL",
-                errno=errno.ENOENT,
-                filename=str(self.url),
-            )
-        if code in _DENIED or status == 403:
-            return CheckpointIOError(
-                f"{where}: access denied ({code or status}: {message}); check the credentials "
-                "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE) and that they may "
-                f"read and write {self.url}",
-                errno=errno.EACCES,
-                filename=str(self.url),
-            )
-        if code in _BAD_DIGEST:
-            return CheckpointIOError(
-                f"{doing} {where}: the store received bytes whose CRC32C differs from the one "
-                f"gpumem computed ({code}): damaged in transit; the save failed",
-                errno=errno.EIO,
-                filename=str(self.url),
-            )
-        return CheckpointIOError(
-            f"{doing} {where} failed: {code or status}: {message}",
-            errno=errno.EIO,
-            filename=str(self.url),
-        )
 
 
 class _PreconditionFailed(Exception):
