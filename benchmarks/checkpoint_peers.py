@@ -1,6 +1,6 @@
-"""Peer checkpointers that bench_checkpoint.py --peers measures beside gpumem, on the same state and
-disk in the same run: torch.distributed.checkpoint.async_save with its DefaultStager, torchsnapshot's
-Snapshot.async_take, nvidia-resiliency-ext's async checkpoint writer and Lightning's
+"""Peer checkpointers that bench_checkpoint.py --peers measures beside gpumem, on the same state
+and disk in the same run: torch.distributed.checkpoint.async_save with its DefaultStager,
+torchsnapshot's Snapshot.async_take, nvidia-resiliency-ext's async checkpoint writer and Lightning's
 AsyncCheckpointIO. Install them with ``pip install -e ".[peers]"`` (see pyproject.toml).
 
 Each peer is used the way its documentation sets it up for a single process, and measured with the
@@ -54,8 +54,10 @@ def fsync_tree(path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-    dirs = [] if path.is_file() else sorted(
-        (p for p in path.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)
+    dirs = (
+        []
+        if path.is_file()
+        else sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts))
     )
     for d in [*dirs, *([path] if path.is_dir() else []), path.parent]:
         fd = os.open(d, os.O_RDONLY)
@@ -375,9 +377,7 @@ class GPUMem(Peer):
                 raise RuntimeError(f"no gpumem checkpoint under {path}")
 
 
-PEERS: dict[str, type[Peer]] = {
-    p.key: p for p in (GPUMem, DCP, TorchSnapshot, NVRx, Lightning)
-}
+PEERS: dict[str, type[Peer]] = {p.key: p for p in (GPUMem, DCP, TorchSnapshot, NVRx, Lightning)}
 
 
 # ------------------------------------------------------------------------------------- driver
@@ -472,8 +472,12 @@ def rows_and_figures(
                 ratio = f"{statistics.median(r[k]) / g:.2f}x"
                 verdict = "gpumem ahead" if g < statistics.median(r[k]) else "**gpumem behind**"
                 figures.append(
-                    figure(f"{label}: {key} / gpumem: {name}", "x", [x / g for x in r[k]],
-                           better="higher")
+                    figure(
+                        f"{label}: {key} / gpumem: {name}",
+                        "x",
+                        [x / g for x in r[k]],
+                        better="higher",
+                    )
                 )
             how = {"durable": peer.durable_how, "restore": peer.restore_how}.get(k, "")
             rows.append(
@@ -489,8 +493,9 @@ def rows_and_figures(
             )
     for key, reason in skipped.items():
         peer = PEERS[key]()
-        rows.append([label, f"{peer.label} {peer.version() or ''}".strip(), "not run", "", "", "",
-                     reason])
+        rows.append(
+            [label, f"{peer.label} {peer.version() or ''}".strip(), "not run", "", "", "", reason]
+        )
     return rows, figures
 
 
@@ -556,5 +561,8 @@ with a noisy virtual disk.
 nvidia-resiliency-ext on a CPU build of torch: its preload calls torch.cuda.synchronize()
 unconditionally, which raises (torch not compiled with CUDA); the harness makes that call a no-op
 during the save call only. It runs with persistent=False (a forked writer per save: the
-copy-on-write fork is its snapshot of CPU tensors).
+copy-on-write fork is its snapshot of CPU tensors; the page copies a training loop would pay on its
+first writes after each fork, while the writer lives, are not in its stall row, since the harness
+does not change the state during the write). Without the no-op the save fails with
+"AssertionError: Torch not compiled with CUDA enabled".
 """

@@ -1,6 +1,6 @@
-"""benchmarks/checkpoint_peers.py: every peer adapter's save and restore round-trip a small model and
-AdamW state bit for bit (behaviour only; the timings are the benchmark's). A peer whose package is
-not installed is skipped."""
+"""benchmarks/checkpoint_peers.py: every peer adapter's save and restore round-trip a small model
+and AdamW state bit for bit, while the state changes under a background write (behaviour only; the
+timings are the benchmark's). A peer whose package is not installed is skipped."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 def _peers_module():
     sys.path.insert(0, str(BENCH))  # checkpoint_peers imports its sibling _report
     try:
-        spec = importlib.util.spec_from_file_location("checkpoint_peers", BENCH / "checkpoint_peers.py")
+        spec = importlib.util.spec_from_file_location(
+            "checkpoint_peers", BENCH / "checkpoint_peers.py"
+        )
         assert spec is not None and spec.loader is not None
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
@@ -31,7 +33,9 @@ peers = _peers_module()
 
 def _state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 8))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 8)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     return model, opt
 
