@@ -78,6 +78,7 @@ class Peer:
     durable_how = ""  # what the peer itself does for durability, and what the harness adds
     restore_how = ""
     imports: tuple[str, ...] = ()  # modules restore() uses, imported before its clock starts
+    owns_dir = False  # True: the checkpointer manages its directory (the harness leaves it alone)
 
     def version(self) -> str | None:
         return _version(self.dist)
@@ -89,8 +90,9 @@ class Peer:
                 return f"{d} is not installed (pip install -e '.[peers]')"
         return None
 
-    def open(self) -> None:
-        """Set up what a training job sets up once (a stager, a queue)."""
+    def open(self, model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path) -> None:
+        """Set up what a training job sets up once (a stager, a queue), for saving ``model`` and
+        ``opt`` under ``path``."""
 
     def close(self) -> None:
         """Release what ``open`` set up."""
@@ -148,7 +150,7 @@ class DCP(Peer):
     restore_how = "get_state_dict + dcp.load + set_state_dict (DCP's state-dict API)"
     imports = ("torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict")
 
-    def open(self) -> None:
+    def open(self, model, opt, path):
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         # async_save's pinned-memory stager, reused across saves (it caches its staging
@@ -244,7 +246,7 @@ class NVRx(Peer):
     restore_how = "get_state_dict + dcp.load + set_state_dict (it writes DCP's format)"
     imports = DCP.imports
 
-    def open(self) -> None:
+    def open(self, model, opt, path):
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
 
         # persistent=False: each save forks its writer (TemporalAsyncCaller), whose copy-on-write
@@ -311,7 +313,7 @@ class Lightning(Peer):
     restore_how = "TorchCheckpointIO.load_checkpoint + load_state_dict (model, optimizer)"
     imports = ("lightning.pytorch.plugins.io",)
 
-    def open(self) -> None:
+    def open(self, model, opt, path):
         from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
         self._io = AsyncCheckpointIO(TorchCheckpointIO())
@@ -350,7 +352,9 @@ class GPUMem(Peer):
     restore_how = "Checkpointer.restore (verify + load)"
     imports = ("gpumem",)
 
-    def open_for(self, model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path) -> None:
+    owns_dir = True
+
+    def open(self, model, opt, path):
         import gpumem
 
         self._ck = gpumem.Checkpointer(path, keep=1)
@@ -415,13 +419,10 @@ def measure(
         r: dict[str, list[float]] = {"stall": [], "durable": [], "restore": []}
         path = root / f"peer-{key}"
         try:
-            if isinstance(peer, GPUMem):
-                peer.open_for(model, opt, path)
-            else:
-                peer.open()
+            peer.open(model, opt, path)
             try:
                 for i in range(repeat + 1):
-                    if not isinstance(peer, GPUMem):
+                    if not peer.owns_dir:
                         shutil.rmtree(path, ignore_errors=True)  # the previous one, untimed
                     gc.collect()
                     stall, durable = peer.save(model, opt, path)

@@ -66,10 +66,7 @@ def test_peer_restore_is_bit_identical(key: str, tmp_path: Path) -> None:
     model, opt = _trained()
     expected = {k: v.clone() for k, v in _flat(model, opt).items()}
     path = tmp_path / key
-    if isinstance(peer, peers.GPUMem):
-        peer.open_for(model, opt, path)
-    else:
-        peer.open()
+    peer.open(model, opt, path)
     try:
         wait = peer.begin(model, opt, path)
         # the saved bytes are the state at the save call: the loop changing the state while the
