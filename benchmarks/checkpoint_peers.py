@@ -516,6 +516,10 @@ def run(
 
     rows: list[list[object]] = []
     figures: list[Figure] = []
+    columns = ["state", "checkpointer", "row", "median", "runs", "peer / gpumem", "note"]
+    info = machine_info()
+    for key, cls in PEERS.items():
+        info[f"{cls.dist} ({key})"] = cls().version() or "not installed"
     for nbytes in sizes:
         model, opt, tensors = make_state(nbytes)
         label = format_bytes(sum(t.numel() * t.element_size() for t in tensors))
@@ -526,22 +530,19 @@ def run(
         figures += size_figures
         del model, opt, tensors
         gc.collect()
-    columns = ["state", "checkpointer", "row", "median", "runs", "peer / gpumem", "note"]
-    if not write:
-        print(markdown_table(columns, rows))
-        return
-    info = machine_info()
-    for key, cls in PEERS.items():
-        info[f"{cls.dist} ({key})"] = cls().version() or "not installed"
-    write_results(
-        "checkpoint_peers",
-        "Checkpoint: gpumem against its peers, same state, disk and run",
-        columns,
-        rows,
-        notes=NOTES,
-        info=info,
-        figures=figures,
-    )
+        # written after every size, so a time limit or a killed run keeps what was measured
+        if not write:
+            print(markdown_table(columns, rows))
+            continue
+        write_results(
+            "checkpoint_peers",
+            "Checkpoint: gpumem against its peers, same state, disk and run",
+            columns,
+            rows,
+            notes=NOTES,
+            info=info,
+            figures=figures,
+        )
 
 
 NOTES = """\
