@@ -108,15 +108,22 @@ class Peer:
         raise NotImplementedError
 
     def save(
-        self, model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path
-    ) -> tuple[float, float]:
-        """(stall, time to durable) in seconds of one save of ``model`` and ``opt`` to ``path``."""
+        self,
+        model: torch.nn.Module,
+        opt: torch.optim.Optimizer,
+        path: Path,
+        step: Callable[[], float] = lambda: 0.0,
+    ) -> tuple[float, float, float]:
+        """(stall, time to durable, ``step()``'s seconds) of one save of ``model`` and ``opt`` to
+        ``path``, with ``step`` (the loop's next writes of the state) run right after the stall,
+        while the peer writes in the background."""
         t0 = time.perf_counter()
         wait = self.begin(model, opt, path)
         stall = time.perf_counter() - t0
+        step_s = step()
         wait()
         fsync_tree(path)
-        return stall, time.perf_counter() - t0
+        return stall, time.perf_counter() - t0, step_s
 
 
 # ------------------------------------------------------------------ torch.distributed.checkpoint
@@ -369,9 +376,11 @@ class GPUMem(Peer):
         self._last = self._ck.save(self._step, model=model, optimizer=opt, rng=False, blocking=True)
         return self._ck.wait
 
-    def save(self, model, opt, path):
-        self.begin(model, opt, path)()
-        return self._last.stall_s, self._last.durable_s
+    def save(self, model, opt, path, step=lambda: 0.0):
+        wait = self.begin(model, opt, path)
+        step_s = step()
+        wait()
+        return self._last.stall_s, self._last.durable_s, step_s
 
     def restore(self, path, model, opt):
         import gpumem
@@ -387,6 +396,22 @@ PEERS: dict[str, type[Peer]] = {p.key: p for p in (GPUMem, DCP, TorchSnapshot, N
 # ------------------------------------------------------------------------------------- driver
 
 RestoreInChild = Callable[[str, Path, int], float]
+
+
+def write_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
+    """Seconds to write every parameter and optimizer-state tensor once in place (x *= 1, the
+    values unchanged): the writes of the optimizer step that follows a save. Run right after the
+    stall, it shows what a save leaves for the loop to pay later (a forked writer's copy-on-write
+    copies, a background thread's share of the cores)."""
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.0)
+        for st in opt.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and v.numel() > 1:
+                    v.mul_(1.0)
+    return time.perf_counter() - t0
 
 
 def measure(
@@ -416,7 +441,7 @@ def measure(
         if reason:
             skipped[key] = reason
             continue
-        r: dict[str, list[float]] = {"stall": [], "durable": [], "restore": []}
+        r: dict[str, list[float]] = {"stall": [], "durable": [], "restore": [], "loop": []}
         path = root / f"peer-{key}"
         try:
             peer.open(model, opt, path)
@@ -425,10 +450,14 @@ def measure(
                     if not peer.owns_dir:
                         shutil.rmtree(path, ignore_errors=True)  # the previous one, untimed
                     gc.collect()
-                    stall, durable = peer.save(model, opt, path)
+                    plain = write_state(model, opt)
+                    stall, durable, after = peer.save(
+                        model, opt, path, lambda: write_state(model, opt)
+                    )
                     if i:
                         r["stall"].append(stall)
                         r["durable"].append(durable)
+                        r["loop"].append(stall + max(0.0, after - plain))
             finally:
                 peer.close()
         except Exception as exc:  # a peer that fails here is listed with its error
@@ -461,7 +490,12 @@ def rows_and_figures(
     rows: list[list[object]] = []
     figures: list[Figure] = []
     ref = results.get("gpumem")
-    what = {"stall": "stall", "durable": "time to durable", "restore": "restore, fresh process"}
+    what = {
+        "stall": "stall",
+        "loop": "stall + slowdown of the next state write",
+        "durable": "time to durable",
+        "restore": "restore, fresh process",
+    }
     for key, r in results.items():
         peer = PEERS[key]()
         for k, name in what.items():
@@ -555,6 +589,11 @@ dcp.async_save with async staging, until its staging future completes; gpumem: b
 which returns once the state is copied). Time to durable: from the save call until every byte
 is on disk; for each peer, its completion (see the note) and then an fsync of every file and
 directory of the checkpoint by the harness (only the system call where the peer synced already).
+Stall + slowdown of the next state write: right after the stall the harness writes every tensor
+of the state once in place (x *= 1, an optimizer step's writes) and adds how much longer that took
+than the same writes just before the save: what the save costs the loop beyond its stall (for
+nvidia-resiliency-ext's forked writer, the copy-on-write copies; for a background thread, its
+share of the cores).
 Restore: a fresh process that has just built the model and optimizer (no optimizer state yet)
 loads the checkpoint the peer's own way, page cache of the files dropped first; the restores of
 all checkpointers alternate, one untimed round first. 'peer / gpumem': the peer's median over
@@ -563,8 +602,7 @@ with a noisy virtual disk.
 nvidia-resiliency-ext on a CPU build of torch: its preload calls torch.cuda.synchronize()
 unconditionally, which raises (torch not compiled with CUDA); the harness makes that call a no-op
 during the save call only. It runs with persistent=False (a forked writer per save: the
-copy-on-write fork is its snapshot of CPU tensors; the page copies a training loop would pay on its
-first writes after each fork, while the writer lives, are not in its stall row, since the harness
-does not change the state during the write). Without the no-op the save fails with
-"AssertionError: Torch not compiled with CUDA enabled".
+copy-on-write fork is its snapshot of CPU tensors: the loop pays the page copies on its first
+writes after each fork, while the writer lives, which the 'stall + slowdown' row shows). Without
+the no-op the save fails with "AssertionError: Torch not compiled with CUDA enabled".
 """
