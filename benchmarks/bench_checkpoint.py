@@ -19,12 +19,17 @@ per parameter. Per size:
   into the same tensors, and a raw read of the bytes; the page cache of every file read is dropped
   first (fdatasync, then posix_fadvise(DONTNEED)), so reads come from the disk.
 - step-time overhead of overlap mode in a CPU training loop that checkpoints every N steps.
+
+``--peers`` measures gpumem against dcp.async_save, torchsnapshot, nvidia-resiliency-ext and
+Lightning instead (stall, time to durable, restore; benchmarks/checkpoint_peers.py,
+results/checkpoint_peers.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import os
 import shutil
 import statistics
@@ -37,6 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import checkpoint_peers
 from _report import Figure, figure, machine_info, ratio_figure, write_results
 
 import gpumem
@@ -447,8 +453,13 @@ def restore_child(kind: str, path: str, nbytes: int) -> None:
     # imports them at start-up (gpumem's are lazy, and compiled from source where
     # PYTHONDONTWRITEBYTECODE is set; torch.load's were imported with torch)
     checkpointer = gpumem.Checkpointer
+    peer = checkpoint_peers.PEERS[kind]() if kind in checkpoint_peers.PEERS else None
+    for name in peer.imports if peer else ():
+        importlib.import_module(name)
     t0 = time.perf_counter()
-    if kind == "restore":
+    if peer is not None:
+        peer.restore(Path(path), model, opt)
+    elif kind == "restore":
         with checkpointer(path, keep=1) as ck:
             assert ck.restore(model=model, optimizer=opt, rng=False) is not None
     else:
@@ -1045,6 +1056,12 @@ def main(argv: list[str] | None = None) -> int:
         "training loop), written to results/checkpoint_save.md",
     )
     ap.add_argument(
+        "--peers",
+        action="store_true",
+        help="gpumem against dcp.async_save, torchsnapshot, nvidia-resiliency-ext and Lightning "
+        "on --sizes (results/checkpoint_peers.md) instead of the main table",
+    )
+    ap.add_argument(
         "--restore-child", nargs=3, metavar=("KIND", "PATH", "NBYTES"), help=argparse.SUPPRESS
     )
     args = ap.parse_args(argv)
@@ -1056,6 +1073,21 @@ def main(argv: list[str] | None = None) -> int:
         return main_cuda(args)
     if args.only == "save":
         return main_save_side(args)
+    if args.peers:
+        root = Path(tempfile.mkdtemp(prefix="gpumem-bench-", dir=args.dir))
+        try:
+            checkpoint_peers.run(
+                [parse_bytes(s) for s in args.sizes.split(",")],
+                root,
+                args.repeat,
+                args.repeat,  # restore rounds too: the peers' run time is the limit
+                make_state,
+                restore_in_child,
+                write=not args.no_write,
+            )
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        return 0
     root = Path(tempfile.mkdtemp(prefix="gpumem-bench-", dir=args.dir))
     rows, notes = [], []
     figures: list[Figure] = []
