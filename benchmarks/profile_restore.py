@@ -114,7 +114,7 @@ def child_parts(ck_dir: Path, nbytes: int) -> dict[str, float]:
 
 def child_restore(ck_dir: Path, nbytes: int) -> dict[str, float]:
     """One restore with its phases timed (seconds, summed over calls)."""
-    from gpumem.checkpoint.restore import candidates, files, load, plain
+    from gpumem.checkpoint.restore import candidates, files, plain
 
     spent: dict[str, float] = defaultdict(float)
 
@@ -138,6 +138,8 @@ def child_restore(ck_dir: Path, nbytes: int) -> dict[str, float]:
     timed(plain, "decode", "decode")
     timed(plain, "check_targets", "validate")
     timed(plain, "apply", "apply (load_state_dict)")
+    if hasattr(plain, "copy_many"):
+        timed(plain, "copy_many", "  native copy into the model (commit)")
     timed(candidates, "load_info", "main manifest")
     model = GPTish(nbytes // 12, 1024)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)

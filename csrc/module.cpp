@@ -274,6 +274,33 @@ NB_MODULE(_C, m) {
       "path"_a, "offset"_a, "out"_a.noconvert(), "threads"_a = 0,
       "Read exactly len(out) bytes at offset into out.");
 
+  m.def(
+      "copy_many",
+      [](const std::vector<Bytes>& srcs, const std::vector<MutBytes>& dsts, int threads) {
+        if (srcs.size() != dsts.size())
+          throw std::invalid_argument("copy_many got " + std::to_string(srcs.size()) + " sources and " +
+                                      std::to_string(dsts.size()) + " destinations");
+        struct Task {
+          const uint8_t* src;
+          uint8_t* dst;
+          size_t size;
+        };
+        std::vector<Task> tasks;
+        for (size_t i = 0; i < srcs.size(); ++i) {
+          require_dense(srcs[i], "each source");
+          require_dense(dsts[i], "each destination");
+          const size_t n = srcs[i].shape(0);
+          if (dsts[i].shape(0) != n)
+            throw std::invalid_argument("copy_many: source " + std::to_string(i) + " has " + std::to_string(n) +
+                                        " bytes, its destination " + std::to_string(dsts[i].shape(0)));
+          for (size_t b = 0; b < n; b += io::kSplit)
+            tasks.push_back({srcs[i].data() + b, dsts[i].data() + b, b + io::kSplit < n ? io::kSplit : n - b});
+        }
+        nb::gil_scoped_release release;
+        parallel_for(tasks.size(), [&](size_t i) { std::memcpy(tasks[i].dst, tasks[i].src, tasks[i].size); }, threads);
+      },
+      "srcs"_a, "dsts"_a.noconvert(), "threads"_a = 0,
+      "Copy each source's bytes into its destination of the same size, 8 MiB pieces on the pool.");
   // Both read bindings fill io::read_file's pieces: one buffer per piece (tensors), or spans of
   // one buffer given as arrays (a hundred thousand extents without a Python object each).
   m.def(

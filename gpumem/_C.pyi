@@ -62,6 +62,16 @@ def write_file(
 def fsync_dir(path: bytes) -> None:
     """fsync a directory."""
 
+def copy_many(
+    srcs: Sequence[
+        Annotated[NDArray[numpy.uint8], dict(shape=(None,), device="cpu", writable=False)]
+    ],
+    dsts: Sequence[Annotated[NDArray[numpy.uint8], dict(shape=(None,), device="cpu")]],
+    threads: int = 0,
+) -> None:
+    """Copy each source's bytes into its destination of the same size, 8 MiB pieces on the
+    pool."""
+
 def read_file(
     path: bytes,
     offsets: Sequence[int],

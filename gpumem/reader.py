@@ -35,7 +35,12 @@ from gpumem._native import (
     split_pieces,
 )
 
-__all__ = ["drop_page_cache", "read_file", "read_into", "read_spans"]  # and UnexpectedFileError (lazy)
+__all__ = [
+    "drop_page_cache",
+    "read_file",
+    "read_into",
+    "read_spans",
+]  # and UnexpectedFileError (lazy)
 
 PathLike = str | bytes | os.PathLike
 

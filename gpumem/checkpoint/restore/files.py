@@ -289,7 +289,9 @@ def _stream_file(
     while first < len(todo):  # greedy batches of at most a window
         last = int(np.searchsorted(ends, ends[first] + window, side="right")) - 1
         batch = todo[first:last]
-        spans_ = np.stack([batch[:, 0], ends[first:last] - ends[first], batch[:, 1], batch[:, 2]], 1)
+        spans_ = np.stack(
+            [batch[:, 0], ends[first:last] - ends[first], batch[:, 1], batch[:, 2]], 1
+        )
         _read_spans(step, name, size, buf, spans_, chunk, crcs)
         first = last
 
