@@ -162,12 +162,18 @@ def child_restore(ck_dir: Path, nbytes: int) -> dict[str, float]:
     return dict(spent)
 
 
-def run_child(kind: str, ck_dir: Path, nbytes: int) -> dict[str, float]:
+def run_child(
+    kind: str, ck_dir: Path, nbytes: int, pythonpath: str | None = None
+) -> dict[str, float]:
+    env = None
+    if pythonpath:  # a baseline gpumem package (e.g. a copy of main's), the same phases timed
+        env = {**os.environ, "PYTHONPATH": pythonpath, "PYTHONDONTWRITEBYTECODE": "1"}
     out = subprocess.run(
         [sys.executable, __file__, "--child", kind, str(ck_dir), str(nbytes)],
         capture_output=True,
         text=True,
         check=False,
+        env=env,
     )
     if out.returncode:
         raise RuntimeError(f"child {kind} failed:\n{out.stderr[-3000:]}")
@@ -190,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument(
+        "--baseline", default=None, help="a directory holding another gpumem package to profile too"
+    )
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -209,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         samples: dict[str, list[float]] = defaultdict(list)
         for _ in range(args.repeat + 1):  # the first round warms up (imports, disk)
             got = {**run_child("parts", ck_dir, nbytes), **run_child("restore", ck_dir, nbytes)}
+            if args.baseline:
+                base = run_child("restore", ck_dir, nbytes, args.baseline)
+                got.update({f"baseline: {k}": v for k, v in base.items()})
             for k, v in got.items():
                 samples[k].append(v)
         samples = {k: v[1:] for k, v in samples.items()}
@@ -235,16 +247,20 @@ def main(argv: list[str] | None = None) -> int:
     for key, what in PARTS.items():
         row(what, key, "alone")
     for key in samples:
-        if key in PARTS or key.endswith("_bytes"):
+        if key in PARTS or key.endswith("_bytes") or key.startswith("baseline: "):
             continue
         row(key, key, "restore phase")
+    for key in samples:
+        if key.startswith("baseline: "):
+            row(key.removeprefix("baseline: "), key, "baseline restore phase")
     notes = (
         f"Ratios against the O_DIRECT read into a warm buffer ({base * 1e3:.0f} ms, "
         f"{med['total_bytes'] / base / 1e9:.2f} GB/s). The model's parameters are "
         f"{format_bytes(int(med['model_bytes']))} of the {format_bytes(int(med['total_bytes']))}; "
         "the rest is AdamW state, which a fresh optimizer does not have yet, so it lands in "
         "fresh memory whatever the reader does. Phases are wall time summed over calls, "
-        "indented ones inside the phase above them; medians of "
+        "indented ones inside the phase above them; 'baseline' rows time the same phases of "
+        "the --baseline package (main's) in the same rounds; medians of "
         f"{args.repeat} fresh-process rounds after one warm-up round."
     )
     if args.no_write:

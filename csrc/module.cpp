@@ -307,13 +307,11 @@ NB_MODULE(_C, m) {
       "read_file",
       [](const nb::bytes& path, const std::vector<int64_t>& offsets, const std::vector<MutBytes>& buffers,
          const std::vector<int64_t>& crc_index, int64_t chunk_bytes, MutInt64 crc_out, int threads, bool direct,
-         int dir_fd, int64_t expect_size, const std::vector<MutBytes>& saves) {
-        if (offsets.size() != buffers.size() || crc_index.size() != buffers.size() ||
-            (!saves.empty() && saves.size() != buffers.size()))
+         int dir_fd, int64_t expect_size) {
+        if (offsets.size() != buffers.size() || crc_index.size() != buffers.size())
           throw std::invalid_argument("got " + std::to_string(offsets.size()) + " offsets, " +
-                                      std::to_string(buffers.size()) + " buffers, " +
-                                      std::to_string(crc_index.size()) + " CRC indices and " +
-                                      std::to_string(saves.size()) + " saves; they must match");
+                                      std::to_string(buffers.size()) + " buffers and " +
+                                      std::to_string(crc_index.size()) + " CRC indices; they must match");
         const size_t chunk = check_chunk(chunk_bytes, crc_out);
         std::vector<io::ReadPiece> pieces;
         pieces.reserve(buffers.size());
@@ -321,26 +319,15 @@ NB_MODULE(_C, m) {
           check_piece(buffers[i], offsets[i], i);
           const size_t size = buffers[i].shape(0);
           check_slots(crc_index[i], size, chunk, crc_out, i);
-          uint8_t* save = nullptr;
-          if (!saves.empty() && saves[i].shape(0) > 0) {
-            require_dense(saves[i], "each save buffer");
-            if (saves[i].shape(0) != size)
-              throw std::invalid_argument("save buffer " + std::to_string(i) + " has " +
-                                          std::to_string(saves[i].shape(0)) + " bytes, its piece " +
-                                          std::to_string(size));
-            save = saves[i].data();
-          }
-          pieces.push_back({static_cast<uint64_t>(offsets[i]), buffers[i].data(), size, crc_index[i], save});
+          pieces.push_back({static_cast<uint64_t>(offsets[i]), buffers[i].data(), size, crc_index[i]});
         }
         return run_read(path, pieces, chunk, crc_out, threads, direct, dir_fd, expect_size);
       },
       "path"_a, "offsets"_a, "buffers"_a.noconvert(), "crc_index"_a, "chunk_bytes"_a, "crc_out"_a.noconvert(),
       "threads"_a = 0, "direct"_a = false, "dir_fd"_a = -1, "expect_size"_a = -1,
-      "saves"_a.noconvert() = std::vector<MutBytes>(),
       "Read pieces in parallel (O_DIRECT for aligned middles), optionally CRC32C each chunk (CRC "
-      "index -2: the piece must be all zero); saves[i] (non-empty) receives piece i's previous "
-      "bytes before the read lands; path relative to dir_fd when >= 0; expect_size >= 0: only a "
-      "regular file of that size, never through a symlink. Returns (bytes read, bytes via "
+      "index -2: the piece must be all zero); path relative to dir_fd when >= 0; expect_size >= 0: "
+      "only a regular file of that size, never through a symlink. Returns (bytes read, bytes via "
       "O_DIRECT, lowest file offset of a nonzero byte in a must-be-zero piece or -1).");
   m.def(
       "read_spans",

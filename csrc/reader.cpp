@@ -141,14 +141,14 @@ ReadResult read_file(const std::string& path, const std::vector<ReadPiece>& piec
   std::vector<ReadTask> tasks;
   for (size_t i = 0; i < pieces.size();) {
     const ReadPiece& p = pieces[i];
-    if (p.size >= step || p.save != nullptr) {
+    if (p.size >= step) {
       for (size_t b = 0; b < p.size; b += step)
         tasks.push_back({i, i + 1, b, b + step < p.size ? b + step : p.size});
       ++i;
       continue;
     }
     size_t j = i + 1, total = p.size;
-    while (j < pieces.size() && pieces[j].save == nullptr && total + pieces[j].size <= step &&
+    while (j < pieces.size() && total + pieces[j].size <= step &&
            pieces[j].offset == pieces[j - 1].offset + pieces[j - 1].size &&
            pieces[j].data == pieces[j - 1].data + pieces[j - 1].size) {
       total += pieces[j].size;
@@ -206,7 +206,6 @@ ReadResult read_file(const std::string& path, const std::vector<ReadPiece>& piec
         const ReadPiece& p = pieces[t.first];
         const uint64_t off = p.offset + t.begin;
         const uint64_t end = p.offset + (t.last == t.first + 1 ? t.end : pieces[t.last - 1].offset - p.offset + pieces[t.last - 1].size);
-        if (p.save != nullptr && !error.set()) std::memcpy(p.save + t.begin, p.data + t.begin, end - off);
         // The buffer and the file offset must be misaligned by the same amount for the middle of
         // the range to be aligned in both (as in write_file).
         const bool same_phase = (reinterpret_cast<uintptr_t>(p.data) - p.offset) % kAlign == 0;

@@ -25,8 +25,6 @@ struct ReadPiece {
   size_t size;
   int64_t crc_index;   // first slot of this piece's chunk CRCs in ReadOptions::crc_out, or
                        // kNoCheck, or kMustBeZero
-  uint8_t* save = nullptr;  // non-null: data's previous bytes are copied here before the read
-                            // lands (what a rollback needs when data is live storage)
 };
 
 struct ReadOptions {

@@ -83,12 +83,10 @@ def read_file(
     direct: bool = False,
     dir_fd: int = -1,
     expect_size: int = -1,
-    saves: Sequence[Annotated[NDArray[numpy.uint8], dict(shape=(None,), device="cpu")]] = [],
 ) -> tuple[int, int, int]:
     """Read pieces in parallel (O_DIRECT for aligned middles), optionally CRC32C each chunk (CRC
-    index -2: the piece must be all zero); saves[i] (non-empty) receives piece i's previous
-    bytes before the read lands; path relative to dir_fd when >= 0; expect_size >= 0: only a
-    regular file of that size, never through a symlink. Returns (bytes read, bytes via
+    index -2: the piece must be all zero); path relative to dir_fd when >= 0; expect_size >= 0:
+    only a regular file of that size, never through a symlink. Returns (bytes read, bytes via
     O_DIRECT, lowest file offset of a nonzero byte in a must-be-zero piece or -1)."""
 
 def read_spans(

@@ -63,7 +63,6 @@ def read_file(
     crc_out: Any = None,
     dir_fd: int | None = None,
     expect_size: int | None = None,
-    saves: Iterable[Any] | None = None,
 ) -> int:
     """Fill every ``(file_offset, buffer)`` piece from ``path``, in parallel; optionally checksum.
 
@@ -87,9 +86,6 @@ def read_file(
         dir_fd: an open directory descriptor ``path`` is relative to (``openat``).
         expect_size: the file must be a regular file of exactly this many bytes, not a symbolic
             link (checked before and after opening it; a FIFO or device is never opened).
-        saves: for each piece, None or a buffer of its size that receives the piece's previous
-            bytes right before the read overwrites them (a restore into live storage keeps what
-            a rollback needs this way, the copy overlapping the other reads).
 
     Returns:
         Bytes read (the sum of the piece lengths).
@@ -100,7 +96,6 @@ def read_file(
         OSError: with ``errno`` and ``filename``; EIO when the file ends before a piece.
         ValueError: negative offsets, read-only or non-contiguous buffers, CRC slots out of range.
     """
-    import numpy as np
 
     offsets, buffers = split_pieces(pieces, writable=True)
     chunk = nonneg(chunk_bytes, "chunk_bytes")
@@ -108,9 +103,6 @@ def read_file(
     if any(i < -1 for i in index):
         raise ValueError("crc_index entries must be >= 0 or -1 (none)")
     out = _crc_out(chunk, crc_out)
-    empty = np.empty(0, dtype=np.uint8)
-    kept = [] if saves is None else [empty if b is None else b for b in saves]
-    kept = [byte_view(b, writable=True, what=f"saves[{i}]") for i, b in enumerate(kept)]
     read, _direct_bytes, _ = load().read_file(
         fs_path(path),
         offsets,
@@ -122,7 +114,6 @@ def read_file(
         bool(direct),
         dir_fd_arg(dir_fd),
         -1 if expect_size is None else nonneg(expect_size, "expect_size"),
-        kept,
     )
     return read
 

@@ -82,15 +82,12 @@ def _read_file(
     extents: list[tuple[int, torch.Tensor, int]],
     chunk: int,
     crcs: np.ndarray,
-    saves: dict[int, torch.Tensor] | None = None,
 ) -> None:
     """Read the ``size``-byte data file ``name``'s extents ``(offset, buffer, first CRC slot)``
     into their buffers and their chunk CRCs into ``crcs`` (the padding between extents is
-    checked by ``_stream_file``). ``saves``: file offset -> where that extent's buffer's previous
-    bytes go before the read lands (a read into live storage keeps what a rollback needs)."""
+    checked by ``_stream_file``)."""
     ordered = sorted(extents, key=lambda x: x[0])
     pieces = [(off, buf) for off, buf, _ in ordered]
-    kept = None if not saves else [saves.get(off) for off, _, _ in ordered]
     file = step.path / name
     try:
         read_file(
@@ -103,7 +100,6 @@ def _read_file(
             crc_out=crcs,
             dir_fd=step.fd,
             expect_size=size,
-            saves=kept,
         )
     except OSError as exc:
         raise read_error(exc, file, f"reading {len(pieces)} extents of") from None
