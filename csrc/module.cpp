@@ -64,6 +64,46 @@ uint32_t crc_value(int64_t value) {
 
 std::string path_of(const nb::bytes& path) { return std::string(path.c_str(), path.size()); }
 
+using Int64s = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+size_t check_chunk(int64_t chunk_bytes, const MutInt64& crc_out) {
+  if (chunk_bytes < 0) throw std::invalid_argument("chunk_bytes must be >= 0, got " + std::to_string(chunk_bytes));
+  require_dense(crc_out, "crc_out");
+  return static_cast<size_t>(chunk_bytes);
+}
+
+// A piece's CRC slots must lie inside crc_out; -1 (none) and -2 (must be zero) take none.
+void check_slots(int64_t index, size_t size, size_t chunk, const MutInt64& crc_out, size_t i) {
+  if (index < gpumem::io::kMustBeZero)
+    throw std::invalid_argument("piece " + std::to_string(i) + " has CRC index " + std::to_string(index) +
+                                " (>= 0, -1: none, -2: must be zero)");
+  if (chunk > 0 && index >= 0) {
+    const size_t need = static_cast<size_t>(index) + (size + chunk - 1) / chunk;
+    if (need > crc_out.shape(0))
+      throw std::invalid_argument("piece " + std::to_string(i) + " needs CRC slots up to " + std::to_string(need) +
+                                  " but crc_out has " + std::to_string(crc_out.shape(0)));
+  }
+}
+
+std::tuple<uint64_t, uint64_t, int64_t> run_read(const nb::bytes& path, const std::vector<gpumem::io::ReadPiece>& pieces,
+                                                  size_t chunk, MutInt64& crc_out, int threads, bool direct,
+                                                  int dir_fd, int64_t expect_size) {
+  gpumem::io::ReadOptions opts;
+  opts.threads = threads;
+  opts.direct = direct;
+  opts.chunk = chunk;
+  opts.crc_out = crc_out.data();
+  opts.dir_fd = dir_fd < 0 ? gpumem::io::kCwd : dir_fd;
+  opts.expect_size = expect_size;
+  gpumem::io::ReadResult r;
+  const std::string p = path_of(path);
+  {
+    nb::gil_scoped_release release;
+    r = gpumem::io::read_file(p, pieces, opts);
+  }
+  return std::make_tuple(r.bytes, r.direct_bytes, r.nonzero_at);
+}
+
 // gpumem._C.UnexpectedFileError (an OSError): the file is not the regular file of the expected
 // size the caller asked for (io::UnexpectedFile). Created once, when the module loads.
 PyObject* unexpected_file_error = nullptr;
@@ -235,6 +275,35 @@ NB_MODULE(_C, m) {
       "Read exactly len(out) bytes at offset into out.");
 
   m.def(
+      "copy_many",
+      [](const std::vector<Bytes>& srcs, const std::vector<MutBytes>& dsts, int threads) {
+        if (srcs.size() != dsts.size())
+          throw std::invalid_argument("copy_many got " + std::to_string(srcs.size()) + " sources and " +
+                                      std::to_string(dsts.size()) + " destinations");
+        struct Task {
+          const uint8_t* src;
+          uint8_t* dst;
+          size_t size;
+        };
+        std::vector<Task> tasks;
+        for (size_t i = 0; i < srcs.size(); ++i) {
+          require_dense(srcs[i], "each source");
+          require_dense(dsts[i], "each destination");
+          const size_t n = srcs[i].shape(0);
+          if (dsts[i].shape(0) != n)
+            throw std::invalid_argument("copy_many: source " + std::to_string(i) + " has " + std::to_string(n) +
+                                        " bytes, its destination " + std::to_string(dsts[i].shape(0)));
+          for (size_t b = 0; b < n; b += io::kSplit)
+            tasks.push_back({srcs[i].data() + b, dsts[i].data() + b, b + io::kSplit < n ? io::kSplit : n - b});
+        }
+        nb::gil_scoped_release release;
+        parallel_for(tasks.size(), [&](size_t i) { std::memcpy(tasks[i].dst, tasks[i].src, tasks[i].size); }, threads);
+      },
+      "srcs"_a, "dsts"_a.noconvert(), "threads"_a = 0,
+      "Copy each source's bytes into its destination of the same size, 8 MiB pieces on the pool.");
+  // Both read bindings fill io::read_file's pieces: one buffer per piece (tensors), or spans of
+  // one buffer given as arrays (a hundred thousand extents without a Python object each).
+  m.def(
       "read_file",
       [](const nb::bytes& path, const std::vector<int64_t>& offsets, const std::vector<MutBytes>& buffers,
          const std::vector<int64_t>& crc_index, int64_t chunk_bytes, MutInt64 crc_out, int threads, bool direct,
@@ -243,42 +312,53 @@ NB_MODULE(_C, m) {
           throw std::invalid_argument("got " + std::to_string(offsets.size()) + " offsets, " +
                                       std::to_string(buffers.size()) + " buffers and " +
                                       std::to_string(crc_index.size()) + " CRC indices; they must match");
-        if (chunk_bytes < 0) throw std::invalid_argument("chunk_bytes must be >= 0, got " + std::to_string(chunk_bytes));
-        require_dense(crc_out, "crc_out");
-        const size_t chunk = static_cast<size_t>(chunk_bytes);
+        const size_t chunk = check_chunk(chunk_bytes, crc_out);
         std::vector<io::ReadPiece> pieces;
         pieces.reserve(buffers.size());
         for (size_t i = 0; i < buffers.size(); ++i) {
           check_piece(buffers[i], offsets[i], i);
           const size_t size = buffers[i].shape(0);
-          if (chunk > 0 && crc_index[i] >= 0) {
-            const size_t need = static_cast<size_t>(crc_index[i]) + (size + chunk - 1) / chunk;
-            if (need > crc_out.shape(0))
-              throw std::invalid_argument("piece " + std::to_string(i) + " needs CRC slots up to " +
-                                          std::to_string(need) + " but crc_out has " +
-                                          std::to_string(crc_out.shape(0)));
-          }
+          check_slots(crc_index[i], size, chunk, crc_out, i);
           pieces.push_back({static_cast<uint64_t>(offsets[i]), buffers[i].data(), size, crc_index[i]});
         }
-        io::ReadOptions opts;
-        opts.threads = threads;
-        opts.direct = direct;
-        opts.chunk = chunk;
-        opts.crc_out = crc_out.data();
-        opts.dir_fd = dir_fd < 0 ? io::kCwd : dir_fd;
-        opts.expect_size = expect_size;
-        io::ReadResult r;
-        {
-          nb::gil_scoped_release release;
-          r = io::read_file(path_of(path), pieces, opts);
-        }
-        return std::make_tuple(r.bytes, r.direct_bytes);
+        return run_read(path, pieces, chunk, crc_out, threads, direct, dir_fd, expect_size);
       },
       "path"_a, "offsets"_a, "buffers"_a.noconvert(), "crc_index"_a, "chunk_bytes"_a, "crc_out"_a.noconvert(),
       "threads"_a = 0, "direct"_a = false, "dir_fd"_a = -1, "expect_size"_a = -1,
-      "Read pieces in parallel (O_DIRECT for aligned middles), optionally CRC32C each chunk; path "
-      "relative to dir_fd when >= 0; expect_size >= 0: only a regular file of that size, never "
-      "through a symlink. Returns (bytes read, bytes via O_DIRECT).");
+      "Read pieces in parallel (O_DIRECT for aligned middles), optionally CRC32C each chunk (CRC "
+      "index -2: the piece must be all zero); path relative to dir_fd when >= 0; expect_size >= 0: "
+      "only a regular file of that size, never through a symlink. Returns (bytes read, bytes via "
+      "O_DIRECT, lowest file offset of a nonzero byte in a must-be-zero piece or -1).");
+  m.def(
+      "read_spans",
+      [](const nb::bytes& path, MutBytes buffer, Int64s file_offsets, Int64s buffer_offsets, Int64s lengths,
+         Int64s crc_index, int64_t chunk_bytes, MutInt64 crc_out, int threads, bool direct, int dir_fd,
+         int64_t expect_size) {
+        require_dense(buffer, "buffer");
+        const size_t n = file_offsets.shape(0);
+        if (buffer_offsets.shape(0) != n || lengths.shape(0) != n || crc_index.shape(0) != n)
+          throw std::invalid_argument("file_offsets, buffer_offsets, lengths and crc_index must have one entry per span");
+        const size_t chunk = check_chunk(chunk_bytes, crc_out);
+        const uint64_t cap = buffer.shape(0);
+        std::vector<io::ReadPiece> pieces;
+        pieces.reserve(n);
+        for (size_t i = 0; i < n; ++i) {
+          const int64_t off = file_offsets(i), at = buffer_offsets(i), len = lengths(i);
+          if (off < 0 || at < 0 || len < 0 || static_cast<uint64_t>(at) + static_cast<uint64_t>(len) > cap)
+            throw std::invalid_argument("span " + std::to_string(i) + " (file offset " + std::to_string(off) +
+                                        ", buffer offset " + std::to_string(at) + ", length " +
+                                        std::to_string(len) + ") lies outside the buffer of " +
+                                        std::to_string(cap) + " bytes or is negative");
+          check_slots(crc_index(i), static_cast<size_t>(len), chunk, crc_out, i);
+          pieces.push_back({static_cast<uint64_t>(off), buffer.data() + at, static_cast<size_t>(len), crc_index(i)});
+        }
+        return run_read(path, pieces, chunk, crc_out, threads, direct, dir_fd, expect_size);
+      },
+      "path"_a, "buffer"_a.noconvert(), "file_offsets"_a, "buffer_offsets"_a, "lengths"_a, "crc_index"_a,
+      "chunk_bytes"_a, "crc_out"_a.noconvert(), "threads"_a = 0, "direct"_a = false, "dir_fd"_a = -1,
+      "expect_size"_a = -1,
+      "read_file for spans of one buffer given as int64 arrays (file offset, buffer offset, length, "
+      "CRC index); spans adjacent in the file and the buffer are read by one pread. Same returns.");
 
   // ---- CUDA runtime ----
   m.def(

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstring>
 
 #include "crc32c.h"
 #include "parallel.h"
@@ -111,22 +112,54 @@ uint64_t read_into(const std::string& path, uint64_t offset, uint8_t* out, size_
   return size;
 }
 
+// Lowest offset of a nonzero byte in [data, data + size), or -1. Eight bytes at a time: padding
+// is mostly long runs of zeros.
+static int64_t first_nonzero(const uint8_t* data, size_t size) {
+  size_t i = 0;
+  for (; i + 8 <= size; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, data + i, 8);
+    if (w != 0) break;
+  }
+  for (; i < size; ++i)
+    if (data[i] != 0) return static_cast<int64_t>(i);
+  return -1;
+}
+
 ReadResult read_file(const std::string& path, const std::vector<ReadPiece>& pieces, const ReadOptions& opts) {
   Fd fd = open_for_reading(path, opts, 0);
   Fd dfd = opts.direct ? open_direct(path, opts, fd) : Fd();
   // Tasks never straddle a checksum chunk, so each task hashes whole chunks it has just read (hot
   // in cache).
   const size_t step = opts.chunk >= kSplit ? opts.chunk : opts.chunk > 0 ? kSplit / opts.chunk * opts.chunk : kSplit;
+  // A task reads one contiguous range: part [begin, end) of one piece, or whole pieces
+  // [first, last) that follow each other in the file and in memory (one pread for all of them).
   struct ReadTask {
-    size_t piece;
-    size_t begin, end;  // byte range within the piece
+    size_t first, last;
+    size_t begin, end;  // byte range within piece `first` (whole pieces: 0 and the last's size)
   };
   std::vector<ReadTask> tasks;
-  for (size_t i = 0; i < pieces.size(); ++i)
-    for (size_t b = 0; b < pieces[i].size; b += step)
-      tasks.push_back({i, b, b + step < pieces[i].size ? b + step : pieces[i].size});
+  for (size_t i = 0; i < pieces.size();) {
+    const ReadPiece& p = pieces[i];
+    if (p.size >= step) {
+      for (size_t b = 0; b < p.size; b += step)
+        tasks.push_back({i, i + 1, b, b + step < p.size ? b + step : p.size});
+      ++i;
+      continue;
+    }
+    size_t j = i + 1, total = p.size;
+    while (j < pieces.size() && total + pieces[j].size <= step &&
+           pieces[j].offset == pieces[j - 1].offset + pieces[j - 1].size &&
+           pieces[j].data == pieces[j - 1].data + pieces[j - 1].size) {
+      total += pieces[j].size;
+      ++j;
+    }
+    tasks.push_back({i, j, 0, total});
+    i = j;
+  }
   std::atomic<bool> direct_ok{dfd.valid()};
   std::atomic<uint64_t> direct_bytes{0};
+  std::atomic<int64_t> nonzero_at{-1};
   FirstError error;
   auto read_range = [&](uint8_t* data, size_t size, uint64_t offset, bool direct) {
     if (size == 0 || error.set()) return;
@@ -149,13 +182,30 @@ ReadResult read_file(const std::string& path, const std::vector<ReadPiece>& piec
     else if (rc != 0)
       error.record(rc, describe("pread", size, offset));
   };
+  // Checks [b, e) of piece k once its bytes landed: its chunk CRCs, or that it is all zero.
+  auto check = [&](const ReadPiece& p, size_t b, size_t e) {
+    if (p.crc_index == kMustBeZero) {
+      const int64_t at = first_nonzero(p.data + b, e - b);
+      if (at < 0) return;
+      const int64_t off = static_cast<int64_t>(p.offset + b) + at;
+      int64_t seen = nonzero_at.load();
+      while ((seen < 0 || off < seen) && !nonzero_at.compare_exchange_weak(seen, off)) {
+      }
+      return;
+    }
+    if (opts.chunk == 0 || p.crc_index < 0) return;
+    for (size_t c = b; c < e; c += opts.chunk) {
+      const size_t n = c + opts.chunk < p.size ? opts.chunk : p.size - c;
+      opts.crc_out[p.crc_index + c / opts.chunk] = crc32c::extend(0, p.data + c, n);
+    }
+  };
   parallel_for(
       tasks.size(),
       [&](size_t i) {
         const ReadTask& t = tasks[i];
-        const ReadPiece& p = pieces[t.piece];
+        const ReadPiece& p = pieces[t.first];
         const uint64_t off = p.offset + t.begin;
-        const uint64_t end = p.offset + t.end;
+        const uint64_t end = p.offset + (t.last == t.first + 1 ? t.end : pieces[t.last - 1].offset - p.offset + pieces[t.last - 1].size);
         // The buffer and the file offset must be misaligned by the same amount for the middle of
         // the range to be aligned in both (as in write_file).
         const bool same_phase = (reinterpret_cast<uintptr_t>(p.data) - p.offset) % kAlign == 0;
@@ -163,14 +213,15 @@ ReadResult read_file(const std::string& path, const std::vector<ReadPiece>& piec
         uint64_t hi = end / kAlign * kAlign;
         if (!dfd.valid() || !same_phase || lo >= hi) lo = hi = end;
         // Destinations are p.data + (file offset - p.offset): every pointer formed stays inside
-        // the piece's buffer.
+        // the task's pieces, which are contiguous in memory.
         read_range(p.data + t.begin, lo - off, off, false);
         read_range(p.data + (lo - p.offset), hi - lo, lo, true);
         read_range(p.data + (hi - p.offset), end - hi, hi, false);
-        if (opts.chunk == 0 || p.crc_index < 0 || error.set()) return;
-        for (size_t c = t.begin; c < t.end; c += opts.chunk) {
-          const size_t n = c + opts.chunk < p.size ? opts.chunk : p.size - c;
-          opts.crc_out[p.crc_index + c / opts.chunk] = crc32c::extend(0, p.data + c, n);
+        if (error.set()) return;
+        if (t.last == t.first + 1) {
+          check(p, t.begin, t.end);
+        } else {
+          for (size_t k = t.first; k < t.last; ++k) check(pieces[k], 0, pieces[k].size);
         }
       },
       opts.threads);
@@ -178,6 +229,7 @@ ReadResult read_file(const std::string& path, const std::vector<ReadPiece>& piec
   ReadResult result;
   for (const ReadPiece& p : pieces) result.bytes += p.size;
   result.direct_bytes = direct_bytes.load();
+  result.nonzero_at = nonzero_at.load();
   return result;
 }
 

@@ -16,11 +16,15 @@ namespace gpumem::io {
 // Reads exactly `size` bytes at `offset` into `out`; EOF before that is an error (EIO).
 uint64_t read_into(const std::string& path, uint64_t offset, uint8_t* out, size_t size, int threads);
 
+constexpr int64_t kNoCheck = -1;   // ReadPiece::crc_index: the bytes are only read
+constexpr int64_t kMustBeZero = -2;  // ReadPiece::crc_index: every byte must be 0 (padding)
+
 struct ReadPiece {
   uint64_t offset;     // in the file
   uint8_t* data;       // destination
   size_t size;
-  int64_t crc_index;   // first slot of this piece's chunk CRCs in ReadOptions::crc_out; < 0: none
+  int64_t crc_index;   // first slot of this piece's chunk CRCs in ReadOptions::crc_out, or
+                       // kNoCheck, or kMustBeZero
 };
 
 struct ReadOptions {
@@ -35,6 +39,7 @@ struct ReadOptions {
 struct ReadResult {
   uint64_t bytes = 0;
   uint64_t direct_bytes = 0;  // of which through O_DIRECT
+  int64_t nonzero_at = -1;    // lowest file offset of a nonzero byte in a kMustBeZero piece
 };
 
 // Reads every piece of `path` on the thread pool, as write_file writes them: with direct, the part
@@ -45,6 +50,9 @@ struct ReadResult {
 // than a piece is an error (EIO); EINTR is retried and short reads continued. With expect_size
 // the file is opened only if it is a regular file of that size (open_regular): no symlink is
 // followed and no FIFO or device is opened, so the call cannot block or read outside.
+// Pieces that follow each other in the file and in memory (sorted by offset) are read by one
+// pread per task, up to kSplit bytes: a hundred thousand tiny extents cost a few dozen calls,
+// each piece still checked on its own (its chunk CRCs, or that it is all zero).
 ReadResult read_file(const std::string& path, const std::vector<ReadPiece>& pieces, const ReadOptions& opts);
 
 }  // namespace gpumem::io

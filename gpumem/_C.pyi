@@ -62,6 +62,16 @@ def write_file(
 def fsync_dir(path: bytes) -> None:
     """fsync a directory."""
 
+def copy_many(
+    srcs: Sequence[
+        Annotated[NDArray[numpy.uint8], dict(shape=(None,), device="cpu", writable=False)]
+    ],
+    dsts: Sequence[Annotated[NDArray[numpy.uint8], dict(shape=(None,), device="cpu")]],
+    threads: int = 0,
+) -> None:
+    """Copy each source's bytes into its destination of the same size, 8 MiB pieces on the
+    pool."""
+
 def read_file(
     path: bytes,
     offsets: Sequence[int],
@@ -73,10 +83,37 @@ def read_file(
     direct: bool = False,
     dir_fd: int = -1,
     expect_size: int = -1,
-) -> tuple[int, int]:
-    """Read pieces in parallel (O_DIRECT for aligned middles), optionally CRC32C each chunk; path
-    relative to dir_fd when >= 0; expect_size >= 0: only a regular file of that size, never
-    through a symlink. Returns (bytes read, bytes via O_DIRECT)."""
+) -> tuple[int, int, int]:
+    """Read pieces in parallel (O_DIRECT for aligned middles), optionally CRC32C each chunk (CRC
+    index -2: the piece must be all zero); path relative to dir_fd when >= 0; expect_size >= 0:
+    only a regular file of that size, never through a symlink. Returns (bytes read, bytes via
+    O_DIRECT, lowest file offset of a nonzero byte in a must-be-zero piece or -1)."""
+
+def read_spans(
+    path: bytes,
+    buffer: Annotated[NDArray[numpy.uint8], dict(shape=(None,), device="cpu")],
+    file_offsets: Annotated[
+        NDArray[numpy.int64], dict(shape=(None,), order="C", device="cpu", writable=False)
+    ],
+    buffer_offsets: Annotated[
+        NDArray[numpy.int64], dict(shape=(None,), order="C", device="cpu", writable=False)
+    ],
+    lengths: Annotated[
+        NDArray[numpy.int64], dict(shape=(None,), order="C", device="cpu", writable=False)
+    ],
+    crc_index: Annotated[
+        NDArray[numpy.int64], dict(shape=(None,), order="C", device="cpu", writable=False)
+    ],
+    chunk_bytes: int,
+    crc_out: Annotated[NDArray[numpy.int64], dict(shape=(None,), device="cpu")],
+    threads: int = 0,
+    direct: bool = False,
+    dir_fd: int = -1,
+    expect_size: int = -1,
+) -> tuple[int, int, int]:
+    """read_file for spans of one buffer given as int64 arrays (file offset, buffer offset,
+    length, CRC index); spans adjacent in the file and the buffer are read by one pread. Same
+    returns."""
 
 def read_into(
     path: bytes,

@@ -246,3 +246,16 @@ def nonneg(value: Any, name: str) -> int:
     if v < 0:
         raise ValueError(f"{name} must be >= 0, got {v}")
     return v
+
+
+def copy_many(
+    sources: Iterable[Any], destinations: Iterable[Any], threads: int | None = None
+) -> None:
+    """Copy each source's bytes into its destination of the same size (contiguous CPU tensors or
+    buffers), in 8 MiB pieces on the native pool: one call for hundreds of tensors, without the
+    intra-op thread hand-offs of a ``copy_`` each."""
+    srcs = [byte_view(s, what=f"sources[{i}]") for i, s in enumerate(sources)]
+    dsts = [
+        byte_view(d, writable=True, what=f"destinations[{i}]") for i, d in enumerate(destinations)
+    ]
+    load().copy_many(srcs, dsts, resolve_threads(threads))

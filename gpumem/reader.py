@@ -35,7 +35,12 @@ from gpumem._native import (
     split_pieces,
 )
 
-__all__ = ["drop_page_cache", "read_file", "read_into"]  # and UnexpectedFileError (lazy)
+__all__ = [
+    "drop_page_cache",
+    "read_file",
+    "read_into",
+    "read_spans",
+]  # and UnexpectedFileError (lazy)
 
 PathLike = str | bytes | os.PathLike
 
@@ -91,19 +96,14 @@ def read_file(
         OSError: with ``errno`` and ``filename``; EIO when the file ends before a piece.
         ValueError: negative offsets, read-only or non-contiguous buffers, CRC slots out of range.
     """
-    import numpy as np
 
     offsets, buffers = split_pieces(pieces, writable=True)
     chunk = nonneg(chunk_bytes, "chunk_bytes")
     index = [-1] * len(buffers) if crc_index is None else [operator.index(i) for i in crc_index]
-    if chunk and crc_out is None:
-        raise ValueError("chunk_bytes > 0 needs crc_out (an int64 array) and crc_index")
-    out = np.empty(0, dtype=np.int64) if crc_out is None else crc_out
-    if hasattr(out, "numpy"):  # a torch tensor
-        out = out.numpy()
-    if not isinstance(out, np.ndarray) or out.dtype != np.int64 or out.ndim != 1:
-        raise ValueError("crc_out must be a 1-D int64 numpy array or CPU tensor")
-    read, _direct_bytes = load().read_file(
+    if any(i < -1 for i in index):
+        raise ValueError("crc_index entries must be >= 0 or -1 (none)")
+    out = _crc_out(chunk, crc_out)
+    read, _direct_bytes, _ = load().read_file(
         fs_path(path),
         offsets,
         buffers,
@@ -116,6 +116,71 @@ def read_file(
         -1 if expect_size is None else nonneg(expect_size, "expect_size"),
     )
     return read
+
+
+MUST_BE_ZERO = -2
+"""A span's CRC index for bytes that must all be zero (alignment padding)."""
+
+
+def read_spans(
+    path: PathLike,
+    buffer: Any,
+    spans: Any,
+    *,
+    threads: int | None = None,
+    direct: bool = False,
+    chunk_bytes: int = 0,
+    crc_out: Any = None,
+    dir_fd: int | None = None,
+    expect_size: int | None = None,
+) -> int:
+    """:func:`read_file` for many spans of one buffer, given as one array: no Python object per
+    span, and spans that follow each other in the file and in the buffer (sorted by offset) are
+    read by one ``pread`` (up to 8 MiB), each still checked on its own.
+
+    Args:
+        buffer: the writable buffer every span lands in.
+        spans: an ``(n, 4)`` int64 array of (file offset, buffer offset, length, CRC index); the
+            CRC index is the span's first slot in ``crc_out``, -1 for none, or ``MUST_BE_ZERO``.
+        The others: as for :func:`read_file`.
+
+    Returns:
+        The lowest file offset of a nonzero byte among the ``MUST_BE_ZERO`` spans, or -1.
+
+    Raises:
+        As :func:`read_file`; ValueError also for a span outside the buffer.
+    """
+    import numpy as np
+
+    arr = np.ascontiguousarray(spans, dtype=np.int64)
+    if arr.ndim != 2 or arr.shape[1] != 4:
+        raise ValueError(f"spans must be an (n, 4) int64 array, got shape {arr.shape}")
+    cols = [np.ascontiguousarray(arr[:, k]) for k in range(4)]
+    _read, _direct_bytes, nonzero = load().read_spans(
+        fs_path(path),
+        byte_view(buffer, writable=True, what="buffer"),
+        *cols,
+        nonneg(chunk_bytes, "chunk_bytes"),
+        _crc_out(nonneg(chunk_bytes, "chunk_bytes"), crc_out),
+        resolve_threads(threads),
+        bool(direct),
+        dir_fd_arg(dir_fd),
+        -1 if expect_size is None else nonneg(expect_size, "expect_size"),
+    )
+    return int(nonzero)
+
+
+def _crc_out(chunk: int, crc_out: Any) -> Any:
+    import numpy as np
+
+    if chunk and crc_out is None:
+        raise ValueError("chunk_bytes > 0 needs crc_out (an int64 array) and crc_index")
+    out = np.empty(0, dtype=np.int64) if crc_out is None else crc_out
+    if hasattr(out, "numpy"):  # a torch tensor
+        out = out.numpy()
+    if not isinstance(out, np.ndarray) or out.dtype != np.int64 or out.ndim != 1:
+        raise ValueError("crc_out must be a 1-D int64 numpy array or CPU tensor")
+    return out
 
 
 def read_into(path: PathLike, offset: int, out: Any, *, threads: int | None = None) -> int:

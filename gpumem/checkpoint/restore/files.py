@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpumem.reader import read_file
+from gpumem.reader import MUST_BE_ZERO, read_file, read_spans
 
 from ..errors import CheckpointCorruptError, CheckpointIOError
 from ..storage.directory import load_shard_manifest
@@ -88,21 +88,6 @@ def _read_file(
     checked by ``_stream_file``)."""
     ordered = sorted(extents, key=lambda x: x[0])
     pieces = [(off, buf) for off, buf, _ in ordered]
-    _read_checked(step, name, size, pieces, [slot for *_, slot in ordered], [], chunk, crcs)
-
-
-def _read_checked(
-    step: Dir,
-    name: str,
-    size: int,
-    pieces: list[tuple[int, torch.Tensor]],
-    index: list[int],
-    pads: list[tuple[int, torch.Tensor]],
-    chunk: int = 0,
-    crcs: Any = None,
-) -> None:
-    """One ``read_file`` of ``pieces`` (``index``: each piece's first CRC slot, -1: none), then
-    the ``pads`` among them (views of padding bytes) must be zero."""
     file = step.path / name
     try:
         read_file(
@@ -111,19 +96,13 @@ def _read_checked(
             threads=io_threads(),
             direct=True,
             chunk_bytes=chunk,
-            crc_index=index,
+            crc_index=[slot for *_, slot in ordered],
             crc_out=crcs,
             dir_fd=step.fd,
             expect_size=size,
         )
     except OSError as exc:
         raise read_error(exc, file, f"reading {len(pieces)} extents of") from None
-    for off, gap in pads:
-        if gap.any():
-            raise CheckpointCorruptError(
-                f"{file}: alignment padding at bytes {off}-{off + gap.numel()} is not zero",
-                path=str(file),
-            )
 
 
 def _host_bytes(n: int, file: Any) -> torch.Tensor:
@@ -286,54 +265,93 @@ def _stream_file(
 ) -> None:
     """Check the ``(offset, length, first CRC slot)`` spans of the data file ``name`` (and with
     ``padding`` that every byte no extent of ``occupied`` covers is zero) through one reused
-    buffer: pieces of at most a window (a multiple of ``chunk``, so each starts on a chunk
-    boundary of its tensor), read a window at a time."""
+    buffer of at most a window (a multiple of ``chunk``, so each piece starts on a chunk boundary
+    of its tensor). The pieces are arrays, never a Python object each, and pieces that follow
+    each other in the file are read by one ``pread`` (``reader.read_spans``): a hundred thousand
+    one-byte extents cost a few dozen calls."""
     if not spans and not padding:
         return
-    file = step.path / name
     window = max(STREAM_BYTES // chunk, 1) * chunk
-    parts: list[tuple[int, int, int]] = []  # (file offset, length, CRC slot; -1: padding)
-    for off, length, slot in spans:
-        parts += [
-            (off + p, min(window, length - p), slot + p // chunk) for p in range(0, length, window)
-        ]
+    parts = [_split(np.array(spans, dtype=np.int64).reshape(-1, 3), window, chunk)]
     if padding:
-        end = 0
-        for off, length in [*sorted(occupied), (size, 0)]:
-            parts += [(g, min(window, off - g), -1) for g in range(end, off, window)]
-            end = max(end, off + length)
-    parts.sort()
-    buf = _host_bytes(min(window, sum(n for _, n, _ in parts)), file)
-    batch: list[tuple[int, int, int]] = []
-    used = 0
-    for part in [*parts, (0, -1, 0)]:  # a sentinel flushes the last batch
-        if part[1] < 0 or used + part[1] > buf.numel():
-            if batch:
-                _read_window(step, name, size, batch, buf, chunk, crcs)
-            batch, used = [], 0
-        if part[1] > 0:
-            batch.append(part)
-            used += part[1]
+        parts.append(_split(_gaps(occupied, size), window, chunk))
+    todo = np.concatenate(parts)
+    todo = todo[np.argsort(todo[:, 0], kind="stable")]
+    if not len(todo):
+        return
+    ends = np.concatenate([[0], np.cumsum(todo[:, 1])])  # each piece's place in the stream
+    buf = _host_bytes(int(min(window, ends[-1])), step.path / name)
+    first = 0
+    while first < len(todo):  # greedy batches of at most a window
+        last = int(np.searchsorted(ends, ends[first] + window, side="right")) - 1
+        batch = todo[first:last]
+        spans_ = np.stack(
+            [batch[:, 0], ends[first:last] - ends[first], batch[:, 1], batch[:, 2]], 1
+        )
+        _read_spans(step, name, size, buf, spans_, chunk, crcs)
+        first = last
 
 
-def _read_window(
+def _split(parts: np.ndarray, window: int, chunk: int) -> np.ndarray:
+    """``(offset, length, slot)`` rows cut into pieces of at most ``window`` bytes (a multiple of
+    ``chunk``: each piece's first CRC slot is ``slot + position // chunk``; a negative slot,
+    none or padding, stays as it is)."""
+    if not len(parts):
+        return parts.reshape(0, 3)
+    counts = -(-parts[:, 1] // window)
+    row = np.repeat(np.arange(len(parts)), counts)
+    k = np.arange(len(row)) - np.repeat(np.cumsum(counts) - counts, counts)
+    pos = k * window
+    slot = parts[row, 2]
+    return np.stack(
+        [
+            parts[row, 0] + pos,
+            np.minimum(window, parts[row, 1] - pos),
+            np.where(slot >= 0, slot + pos // chunk, slot),
+        ],
+        1,
+    )
+
+
+def _gaps(occupied: list[tuple[int, int]], size: int) -> np.ndarray:
+    """The bytes of a ``size``-byte file that no ``(offset, length)`` extent covers, as
+    ``(offset, length, MUST_BE_ZERO)`` rows."""
+    occ = np.array(sorted(occupied), dtype=np.int64).reshape(-1, 2)
+    stops = np.concatenate([occ[:, 0], [size]])
+    starts = np.concatenate([[0], np.maximum.accumulate(occ[:, 0] + occ[:, 1])])
+    keep = stops > starts
+    n = int(keep.sum())
+    return np.stack([starts[keep], (stops - starts)[keep], np.full(n, MUST_BE_ZERO)], 1)
+
+
+def _read_spans(
     step: Dir,
     name: str,
     size: int,
-    batch: list[tuple[int, int, int]],
     buf: torch.Tensor,
+    spans: np.ndarray,
     chunk: int,
     crcs: np.ndarray,
 ) -> None:
-    pieces, index, pads, at = [], [], [], 0
-    for off, length, slot in batch:
-        view = buf[at : at + length]
-        pieces.append((off, view))
-        index.append(slot)
-        if slot < 0:
-            pads.append((off, view))
-        at += length
-    _read_checked(step, name, size, pieces, index, pads, chunk, crcs)
+    file = step.path / name
+    try:
+        nonzero = read_spans(
+            name,
+            buf,
+            spans,
+            threads=io_threads(),
+            direct=True,
+            chunk_bytes=chunk,
+            crc_out=crcs,
+            dir_fd=step.fd,
+            expect_size=size,
+        )
+    except OSError as exc:
+        raise read_error(exc, file, f"reading {len(spans)} extents of") from None
+    if nonzero >= 0:
+        raise CheckpointCorruptError(
+            f"{file}: alignment padding at byte {nonzero} is not zero", path=str(file)
+        )
 
 
 def open_checkpoint(path: str | bytes | os.PathLike) -> Dir:

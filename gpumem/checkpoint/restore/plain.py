@@ -22,12 +22,18 @@ from typing import Any
 
 import torch
 
-from gpumem._native import as_bytes
+from gpumem._native import as_bytes, copy_many
 from gpumem.checksum import chunk_crc32c
 
 from ..capture.codec import TensorTable, decode, tensor_refs
 from ..capture.replicated import REPLICATED_KEYS
-from ..capture.training_state import TrainingState, capture, unrequested
+from ..capture.training_state import (
+    TrainingState,
+    canonical_key,
+    capture,
+    unrequested,
+    unwrap_model,
+)
 from ..errors import CheckpointCorruptError, CheckpointStateError
 from ..storage.directory import load_shard_manifest
 from ..storage.format import CheckpointInfo, ShardManifest, TensorEntry
@@ -77,14 +83,67 @@ class PlainRestore:
         return self
 
     def apply(self, agree: Callable[[bool], bool] | None = None) -> None:
-        """Load the prepared tree into the objects, all or nothing (``load.apply``)."""
-        apply(self.tree, self.state, agree=agree)
+        """Load the prepared tree into the objects, all or nothing (``load.apply``).
+
+        The model's tensors that can take the verified bytes as they are (CPU, contiguous, the
+        saved dtype and shape, a storage of their own) get them in one native copy once every
+        object that may refuse its state has taken it and every rank agreed (``commit``); the
+        model's ``load_state_dict`` then finds them already in place (torch skips a copy of a
+        tensor onto itself). Why not read them straight into the parameters: torch's allocator
+        places a parameter 64 bytes past a page, so an O_DIRECT read cannot land there, and a
+        read into live storage needs a rollback copy of what it overwrites: two copies where
+        this takes one (``benchmarks/results/checkpoint_restore.md``).
+        """
+        tree, staged, live = in_place(self.tree, self.state.model)
+        commit = (lambda: copy_many(staged, live)) if staged else None
+        apply(tree, self.state, agree=agree, commit=commit)
 
     def verify_loaded(self) -> int:
         """CRC32C of the loaded tensors against the manifest, where they live; how many."""
         objects = dataclasses.replace(self.state, extra=None, rng=False)
         assert self.shard is not None
         return verify_loaded(self.path, self.shard, capture(self.info.step, objects).table)
+
+
+def in_place(
+    tree: dict[str, Any], model: Any
+) -> tuple[dict[str, Any], list[torch.Tensor], list[torch.Tensor]]:
+    """``tree`` with each model tensor that the live tensor of its key can take byte for byte
+    (CPU, strided, contiguous, the same dtype and shape, no storage shared with another key)
+    replaced by that live tensor, and the (staged, live) pairs to copy before the model loads."""
+    saved = tree.get("model") if model is not None else None
+    if not isinstance(saved, dict):
+        return tree, [], []
+    module = unwrap_model(model)
+    live = {canonical_key(k): v for k, v in module.state_dict().items()}
+    fits = {}
+    for k, v in saved.items():
+        t = live.get(k)
+        if (
+            isinstance(v, torch.Tensor)
+            and isinstance(t, torch.Tensor)
+            and type(t) is torch.Tensor
+            and t.device.type == "cpu"
+            and t.layout == torch.strided
+            and t.is_contiguous()
+            and not (t.is_conj() or t.is_neg())
+            and t.dtype == v.dtype
+            and t.shape == v.shape
+            and t.numel() > 0
+            and v.is_contiguous()
+        ):
+            fits[k] = t
+    storages: dict[int, int] = {}
+    for t in live.values():
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            ptr = t.untyped_storage().data_ptr()
+            storages[ptr] = storages.get(ptr, 0) + 1
+    fits = {k: t for k, t in fits.items() if storages[t.untyped_storage().data_ptr()] == 1}
+    if not fits:
+        return tree, [], []
+    model_tree = {k: fits.get(k, v) for k, v in saved.items()}
+    staged = [as_bytes(saved[k]) for k in fits]
+    return {**tree, "model": model_tree}, staged, [as_bytes(t) for t in fits.values()]
 
 
 def read_replicated(

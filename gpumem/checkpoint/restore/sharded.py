@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from gpumem._gc import paused as paused_gc
 from gpumem._native import as_bytes
 from gpumem.checksum import chunk_crc32c
 
@@ -180,7 +181,8 @@ class ShardedRestore:
             CheckpointIOError: the operating system failed a read.
         """
         shards = [load_shard_manifest(self.step, self.info, r) for r in range(self.info.world_size)]
-        index = GlobalIndex(self.path, shards)
+        with paused_gc():  # a hundred thousand blocks make as many boxes (gpumem._gc)
+            index = GlobalIndex(self.path, shards)
         model, optimizer = self.state.model, self.state.optimizer
         src = _source_rank(shards, self.rank, model)
         source = shards[src]

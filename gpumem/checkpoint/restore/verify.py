@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from gpumem._gc import paused as paused_gc
+
 from ..capture.codec import decode
 from ..storage.directory import load_info
 from ..storage.format import CheckpointInfo
@@ -34,7 +36,7 @@ def verify(path: str | os.PathLike) -> CheckpointInfo:
     Example:
         >>> gpumem.checkpoint.verify("ckpts/step-000001000")  # doctest: +SKIP
     """
-    with open_checkpoint(path) as step:
+    with open_checkpoint(path) as step, paused_gc():  # bulk decoding: see gpumem._gc
         return _verify(step)
 
 
