@@ -85,10 +85,11 @@ def test_read_file_uses_o_direct_for_aligned_middles(tmp_path):
     path.write_bytes(raw)
     with HostArena(len(raw) + 4096, pinned=False) as arena:
         out = arena.view(0, len(raw))
-        nbytes, direct_bytes = C.read_file(
+        nbytes, direct_bytes, nonzero = C.read_file(
             os.fsencode(path), [0], [out.numpy()], [-1], 0, np.empty(0, np.int64), 0, True
         )
         assert nbytes == len(raw) and out.numpy().tobytes() == raw
+        assert nonzero == -1  # no must-be-zero piece was asked for
         if direct_bytes == 0:
             pytest.skip(f"{tmp_path} refuses O_DIRECT (read buffered instead, content verified)")
         assert (

@@ -621,11 +621,7 @@ def _fast_tensor(
     name, dtype, shape = t.get("name"), t.get("dtype"), t.get("shape")
     nbytes, crcs, raw_ext = t.get("nbytes"), t.get("crc32c"), t.get("extents")
     if (
-        type(name) is not str
-        or not 0 < len(name) <= MAX_NAME
-        or "/" in name
-        or "\\" in name
-        or "\0" in name
+        not _fast_name(name)
         or type(dtype) is not str
         or dtype not in DTYPES
         or type(shape) is not list
@@ -650,6 +646,46 @@ def _fast_tensor(
     for x in crcs:
         if type(x) is not int or not 0 <= x < 2**32:
             return None
+    extents = _fast_extents(raw_ext, files, align, chunk, nbytes)
+    if extents is None:
+        return None
+    fields = {
+        "name": name,
+        "dtype": dtype,
+        "shape": tuple(shape),
+        "nbytes": nbytes,
+        "crc32c": tuple(crcs),
+        "extents": tuple(extents),
+        "box": None,
+        "mesh": -1,
+        "placements": (),
+        "tensor": "",
+    }
+    if "global" in t:
+        placed = _fast_global(t["global"], name, fields["shape"], meshes) if sharded else None
+        if placed is None:
+            return None
+        fields.update(placed)
+    entry = object.__new__(TensorEntry)  # every field checked above: no __init__ to rerun
+    entry.__dict__.update(fields)
+    return entry
+
+
+def _fast_name(x: Any) -> bool:
+    """``_fast_tensor``'s check of a name (``_parse_tensor``'s rule for names)."""
+    return (
+        type(x) is str
+        and 0 < len(x) <= MAX_NAME
+        and "/" not in x
+        and "\\" not in x
+        and "\0" not in x
+    )
+
+
+def _fast_extents(
+    raw_ext: list[Any], files: dict[str, int], align: int, chunk: int, nbytes: int
+) -> tuple[tuple[str, int, int], ...] | None:
+    """``_fast_tensor``'s extents, or None where ``_parse_tensor`` would refuse them."""
     extents, total, last = [], 0, len(raw_ext) - 1
     for j, e in enumerate(raw_ext):
         if type(e) is not list or len(e) != 3:
@@ -669,64 +705,47 @@ def _fast_tensor(
             return None
         extents.append((f, off, length))
         total += length
-    if total != nbytes:
+    return tuple(extents) if total == nbytes else None
+
+
+def _fast_global(
+    g: Any, name: str, shape: tuple[int, ...], meshes: tuple[Mesh, ...]
+) -> dict[str, Any] | None:
+    """``_fast_tensor``'s fields of a sharded block's ``global`` record, or None where
+    ``_parse_tensor`` would refuse it."""
+    if type(g) is not dict:
         return None
-    fields = {
-        "name": name,
-        "dtype": dtype,
-        "shape": tuple(shape),
-        "nbytes": nbytes,
-        "crc32c": tuple(crcs),
-        "extents": tuple(extents),
-        "box": None,
-        "mesh": -1,
-        "placements": (),
-        "tensor": "",
+    gshape, offsets = g.get("shape"), g.get("offsets")
+    if type(gshape) is not list or type(offsets) is not list:
+        return None
+    if len(gshape) != len(shape) or len(offsets) != len(shape):
+        return None
+    for o, n, d in zip(offsets, shape, gshape, strict=True):
+        if type(o) is not int or type(d) is not int or o < 0 or not 0 <= d <= MAX_FILE_BYTES:
+            return None
+        if o + n > d:
+            return None
+    tensor = name
+    if "tensor" in g:
+        tensor = g["tensor"]
+        if not _fast_name(tensor):
+            return None
+    mesh, placements = -1, ()
+    if "mesh" in g or "placements" in g:
+        mesh, raw_pl = g.get("mesh"), g.get("placements")
+        if type(mesh) is not int or not 0 <= mesh < len(meshes) or type(raw_pl) is not list:
+            return None
+        if len(raw_pl) != len(meshes[mesh].shape) or not all(
+            type(p) is str and _PLACEMENT.match(p) for p in raw_pl
+        ):
+            return None
+        placements = tuple(raw_pl)
+    return {
+        "box": Box(tuple(gshape), tuple(offsets), shape),
+        "mesh": mesh,
+        "placements": placements,
+        "tensor": tensor,
     }
-    if "global" in t:
-        g = t["global"]
-        if not sharded or type(g) is not dict:
-            return None
-        gshape, offsets = g.get("shape"), g.get("offsets")
-        if type(gshape) is not list or type(offsets) is not list:
-            return None
-        if len(gshape) != len(shape) or len(offsets) != len(shape):
-            return None
-        for o, n, d in zip(offsets, shape, gshape, strict=True):
-            if type(o) is not int or type(d) is not int or o < 0 or not 0 <= d <= MAX_FILE_BYTES:
-                return None
-            if o + n > d:
-                return None
-        tensor = name
-        if "tensor" in g:
-            tensor = g["tensor"]
-            if (
-                type(tensor) is not str
-                or not 0 < len(tensor) <= MAX_NAME
-                or "/" in tensor
-                or "\\" in tensor
-                or "\0" in tensor
-            ):
-                return None
-        mesh, placements = -1, ()
-        if "mesh" in g or "placements" in g:
-            mesh, raw_pl = g.get("mesh"), g.get("placements")
-            if type(mesh) is not int or not 0 <= mesh < len(meshes) or type(raw_pl) is not list:
-                return None
-            if len(raw_pl) != len(meshes[mesh].shape) or not all(
-                type(p) is str and _PLACEMENT.match(p) for p in raw_pl
-            ):
-                return None
-            placements = tuple(raw_pl)
-        fields.update(
-            box=Box(tuple(gshape), tuple(offsets), fields["shape"]),
-            mesh=mesh,
-            placements=placements,
-            tensor=tensor,
-        )
-    entry = object.__new__(TensorEntry)  # every field checked above: no __init__ to rerun
-    entry.__dict__.update(fields)
-    return entry
 
 
 # ---------------------------------------------------------------------------------------------
