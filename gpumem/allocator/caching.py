@@ -350,8 +350,12 @@ class CachingAllocatorSim:
         else:
             rsize = round_size(size, self.conf)
         pool = self.small if rsize <= K_SMALL_SIZE else self.large  # get_pool
-        block = self._get_free_block(pool, stream, rsize)
-        if block is None:
+        if self.gc_enabled:  # get_free_block, its pool left as it is until a block is taken
+            pool.gc_calls += 1
+        block = self._find_free_block(pool, stream, rsize)
+        if block is not None:
+            pool.erase(block)
+        else:
             if self.gc_enabled:
                 self._garbage_collect()
             # malloc: alloc_block || (release_available_cached_blocks && alloc_block)
@@ -546,19 +550,11 @@ class CachingAllocatorSim:
         for h in done:
             self.free_completed(h)
 
-    def _get_free_block(self, pool: _Pool, stream: int, size: int) -> _Block | None:
-        """``get_free_block``: the smallest cached block of this stream that fits (lowest
-        address among equals), unless it is oversize (>= max_split_size) for a request that is
-        not, or an oversize request would waste ``max_non_split_rounding_size`` or more."""
-        if self.gc_enabled:
-            pool.gc_calls += 1
-        b = self._find_free_block(pool, stream, size)
-        if b is not None:
-            pool.erase(b)
-        return b
-
     def _find_free_block(self, pool: _Pool, stream: int, size: int) -> _Block | None:
-        """``get_free_block``'s choice, the pool left as it is."""
+        """``get_free_block``'s choice, the pool left as it is (``malloc`` erases it from the
+        pool): the smallest cached block of this stream that fits (lowest address among
+        equals), unless it is oversize (>= max_split_size) for a request that is not, or an
+        oversize request would waste ``max_non_split_rounding_size`` or more."""
         keys = pool.blocks
         i = bisect_left(keys, (stream, size))
         n = len(keys)
@@ -808,8 +804,14 @@ class CachingAllocatorSim:
         pool = self.small if b.seg.small else self.large
         b.handle = None
         b.requested = 0
-        self._try_merge(b, b.prev, pool)
-        self._try_merge(b, b.next, pool)
+        # an allocated (or absent) neighbour never merges: skip the call (the hot path of a
+        # planner's sweep, which frees some 100k blocks)
+        p = b.prev
+        if p is not None and not p.allocated:
+            self._try_merge(b, p, pool)
+        n = b.next
+        if n is not None and not n.allocated:
+            self._try_merge(b, n, pool)
         pool.insert(b)
 
     def _release_block(self, pool: _Pool, b: _Block) -> None:

@@ -160,14 +160,18 @@ class _Run:
         if h is None:
             h = self.next
             self.next += 1
-        st = self.sim.stats
+        sim = self.sim
+        st = sim.stats
         before = st.reserved
-        self.sim.malloc(h, size, stream)
+        sim.malloc(h, size, stream)
         if st.reserved > before:  # a new segment: where a full GPU would release and retry
-            self.pinned = max(self.pinned, st.reserved - self.sim.releasable())
+            pinned = st.reserved - sim.releasable()
+            if pinned > self.pinned:
+                self.pinned = pinned
         self.sizes[h] = size
-        self.live += size
-        self.peak = max(self.peak, self.live)
+        live = self.live = self.live + size
+        if live > self.peak:  # not max(): the sweep's hot path
+            self.peak = live
         return h
 
     def give(self, h: int) -> None:

@@ -386,3 +386,38 @@ def test_disk_cache_is_off_unless_a_folder_is_named(tmp_path, monkeypatch):
     assert sim_cache.cache_dir() is None
     assert list(tmp_path.iterdir()) == []
     sim_cache.reset()
+
+
+@pytest.mark.parametrize("alloc_conf", ["", "expandable_segments:True", "max_split_size_mb:64"])
+def test_planner_figures_equal_the_plain_simulation(alloc_conf, monkeypatch):
+    # the reference, the slow way: every shape's trace built whole (step_trace/states_trace)
+    # and replayed event by event on a fresh simulator, no staged forks, no shortcuts; the
+    # planner's whole candidate list and every figure must be the same
+    def answer():
+        r = gpumem.plan("llama-3-8b", n_gpus=8, seq_len=2048, alloc_conf=alloc_conf)
+        rows = [
+            (c.layout, c.micro_batch, c.recompute, c.grad_accum, c.total_bytes, c.step_seconds)
+            for c in r.candidates
+        ]
+        return rows, r.reserved_line()
+
+    def plain(conf, shape, n):
+        whole = step_trace.states_trace if isinstance(shape, StatesShape) else step_trace.step_trace
+        t, _ = whole(shape, n)
+        run = step_trace._Run(conf)
+        for ev in t.events:
+            if ev[0] == "alloc":
+                run.take(ev[2], ev[1])
+            else:
+                run.give(ev[1])
+        return run.result()
+
+    monkeypatch.setenv("GPUMEM_CACHE_DIR", "off")
+    _cold()
+    fast = answer()
+    _cold()
+    calls = []
+    monkeypatch.setattr(step_trace, "_simulated", lambda *a: calls.append(a) or plain(*a))
+    slow = answer()
+    _cold()
+    assert calls and fast[0] and fast == slow
