@@ -718,20 +718,14 @@ def _fast_tensor(
             ):
                 return None
             placements = tuple(raw_pl)
-        box = object.__new__(Box)  # checked above, as for the entry below
-        object.__setattr__(
-            box,
-            "__dict__",
-            {"global_shape": tuple(gshape), "offsets": tuple(offsets), "shape": fields["shape"]},
-        )
         fields.update(
-            box=box,
+            box=Box(tuple(gshape), tuple(offsets), fields["shape"]),
             mesh=mesh,
             placements=placements,
             tensor=tensor,
         )
     entry = object.__new__(TensorEntry)  # every field checked above: no __init__ to rerun
-    object.__setattr__(entry, "__dict__", fields)
+    entry.__dict__.update(fields)
     return entry
 
 
