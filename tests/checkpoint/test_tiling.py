@@ -183,3 +183,45 @@ def test_a_block_outside_the_tensor_is_named():
     ]
     with pytest.raises(TilingError, match=r"rank 1's block \[3:5\] of \(4,\) lies outside"):
         tile("w", bs)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 4).flatmap(
+        lambda n: st.tuples(
+            st.tuples(*[st.integers(0, 4)] * n),
+            st.lists(
+                st.tuples(
+                    st.tuples(*[st.integers(-1, 5)] * n), st.tuples(*[st.integers(-1, 5)] * n)
+                ),
+                min_size=1,
+                max_size=6,
+            ),
+        )
+    )
+)
+def test_the_array_checks_agree_with_the_exact_ones(case):
+    """``covers_once`` on arrays (int64 corner keys, one sort) against ``corner_sum_exact``
+    (Python integers, a dict of corners) and the brute force; ``_in_bounds`` against
+    ``_check_bounds``, on small layouts in and out of bounds."""
+    gshape, raw = case
+    bs = [Box(gshape, off, shape) for off, shape in raw]
+    arrays = boxes.box_arrays(gshape, bs)
+    assert arrays is not None
+    try:
+        boxes._check_bounds("w", [Planned(0, b, "uint8") for b in bs], gshape)
+        inside = True
+    except TilingError:
+        inside = False
+    assert boxes._in_bounds(gshape, *arrays) == inside
+    if inside:
+        fast = boxes.covers_once("w", gshape, bs, arrays)
+        assert fast == boxes.corner_sum_exact("w", gshape, bs) == _brute(gshape, bs)
+
+
+def test_coordinates_past_int64_take_the_exact_sum():
+    big = 1 << 70
+    bs = [Box((2, big), (0, 0), (1, big)), Box((2, big), (1, 0), (1, big))]
+    assert boxes.box_arrays((2, big), bs) is None
+    assert boxes.covers_once("w", (2, big), bs)
+    assert not boxes.covers_once("w", (2, big), bs[:1])

@@ -6,15 +6,19 @@ per dimension. ``tile`` is the rule every check of a sharded checkpoint applies,
 at restore and verify time (the blocks the shard manifests record, see ``restore.reshard``): the
 blocks of one global tensor agree on dtype and global shape, and tile it exactly once. A box that
 several ranks hold is taken once, from the lowest rank, and where both copies' chunk CRC32Cs are
-known they must be equal. Pure geometry: nothing here imports torch.
+known they must be equal. Pure geometry: nothing here imports torch (numpy adds up the corners
+of many blocks).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -138,9 +142,11 @@ def tile(name: str, blocks: Sequence[B], *, copies: bool = True) -> tuple[list[B
                 f"global tensor {name!r} is {first.dtype} {gshape} on rank {first.rank} but "
                 f"{b.dtype} {b.box.global_shape} on rank {b.rank}"
             )
-    _check_bounds(name, out, gshape)
     boxes = [b.box for b in out]
-    if _rows_tile(gshape, boxes) or covers_once(name, gshape, boxes):
+    arrays = box_arrays(gshape, boxes)
+    if arrays is None or not _in_bounds(gshape, *arrays):
+        _check_bounds(name, out, gshape)  # names the first block at fault (or passes, exactly)
+    if _rows_tile(gshape, boxes) or covers_once(name, gshape, boxes, arrays):
         return out, shared
     total = sum(b.numel for b in boxes)
     want = math.prod(gshape)
@@ -182,6 +188,37 @@ def _check_bounds(name: str, out: Sequence[Placed], gshape: tuple[int, ...]) -> 
             )
 
 
+def box_arrays(
+    gshape: tuple[int, ...], boxes: Sequence[Box]
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The boxes' offsets and shapes as two (blocks, dimensions) int64 arrays, built once for the
+    checks below; None where a box has other dimensions than ``gshape`` or a number past int64
+    (the per-box checks decide those)."""
+    n, d = len(boxes), len(gshape)
+    if not n or not d or max(gshape) >= 1 << 62:
+        return None
+    try:
+        offs = np.fromiter(itertools.chain.from_iterable(b.offsets for b in boxes), np.int64)
+        shp = np.fromiter(itertools.chain.from_iterable(b.shape for b in boxes), np.int64)
+    except (OverflowError, TypeError, ValueError):
+        return None
+    if offs.size != n * d or shp.size != n * d:
+        return None
+    offs, shp = offs.reshape(n, d), shp.reshape(n, d)
+    if any(len(b.offsets) != d or len(b.shape) != d for b in boxes):
+        return None  # same total but ragged
+    return offs, shp
+
+
+def _in_bounds(gshape: tuple[int, ...], offs: np.ndarray, shp: np.ndarray) -> bool:
+    """``_check_bounds`` on arrays: every block that holds elements lies inside the tensor."""
+    top = np.array(gshape, dtype=np.int64)
+    live = (shp != 0).all(axis=1)
+    # shp <= top first, so top - shp cannot wrap where it decides
+    out = (offs < 0) | (shp < 0) | (shp > top) | (offs > top - shp)
+    return not (out.any(axis=1) & live).any()
+
+
 MAX_CORNERS = 1 << 22
 """Work cap of ``covers_once``: blocks x corners per block (2 ** dimensions the blocks split).
 Real layouts split one or two dimensions (FSDP rows, TP columns, DCP's chunk grids): 100,000
@@ -190,9 +227,14 @@ DIAGNOSIS_BUDGET = 250_000
 """Box pairs ``overlaps`` compares, at most, to name the two blocks of a failed tiling."""
 
 
-def covers_once(name: str, gshape: tuple[int, ...], boxes: Sequence[Box]) -> bool:
+def covers_once(
+    name: str,
+    gshape: tuple[int, ...],
+    boxes: Sequence[Box],
+    arrays: tuple[np.ndarray, np.ndarray] | None = None,
+) -> bool:
     """Whether ``boxes`` (each within ``gshape``) cover the tensor exactly once, in time linear
-    in the blocks.
+    in the blocks (one sort of their corners).
 
     The coverage count c(x) = number of boxes holding element x is the d-dimensional prefix
     sum of the boxes' signed corners (a box [a, b) puts (-1)^|S| at the corner taking b on the
@@ -200,19 +242,60 @@ def covers_once(name: str, gshape: tuple[int, ...], boxes: Sequence[Box]) -> boo
     boxes' corners, summed, equal the tensor's own corners: every other corner cancels. Only
     dimensions some box splits matter (elsewhere every box spans the tensor).
 
+    The corners are summed as arrays (each corner one int64 key, mixed-radix over the split
+    dimensions); coordinates too large for that take ``corner_sum_exact``, the same sum on
+    Python integers (a slow path no real layout takes).
+
+    ``arrays``: ``box_arrays(gshape, boxes)`` where the caller has it.
+
     Raises:
         TilingError: more corners than ``MAX_CORNERS`` to add up.
     """
+    radix = [g + 1 for g in gshape]
+    if arrays is None:
+        arrays = box_arrays(gshape, boxes)
+    if arrays is None or math.prod(gshape) == 0 or math.prod(radix) >= 1 << 62:
+        return corner_sum_exact(name, gshape, boxes)  # nothing to cover, or keys past int64
+    offs, shp = arrays
+    top = np.array(gshape, dtype=np.int64)
+    live = (shp != 0).all(axis=1)  # numel != 0
+    offs, shp = offs[live], shp[live]
+    dims = np.flatnonzero(((offs != 0) | (shp != top)).any(axis=0))
+    k = len(dims)
+    _corner_cap(name, len(offs), k)
+    if not k:  # every live box spans the tensor
+        return len(offs) == 1
+    stride = np.cumprod([1] + [radix[d] for d in dims[:-1]]).astype(np.int64)
+    lo = offs[:, dims] @ stride  # each box's lower corner as one key
+    step = (shp[:, dims] * stride).T  # (k, n): what taking the upper end adds per dimension
+    bits = (np.arange(1 << k)[:, None] >> np.arange(k)) & 1  # (2^k, k): dims at the upper end
+    sign = 1 - 2 * (bits.sum(axis=1) % 2)
+    keys = np.concatenate([(lo + bits @ step).ravel(), bits @ (top[dims] * stride)])
+    weights = np.concatenate([np.repeat(sign, len(lo)), -sign])  # minus the tensor's corners
+    order = np.argsort(keys, kind="stable")
+    keys, weights = keys[order], weights[order]
+    starts = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]]))
+    return not np.add.reduceat(weights, starts).any()
+
+
+def _corner_cap(name: str, live: int, k: int) -> None:
+    """Refuse ``live`` blocks splitting ``k`` dimensions past ``MAX_CORNERS`` corners."""
+    if live << k > MAX_CORNERS:
+        raise TilingError(
+            f"global tensor {name!r}: {live} blocks splitting {k} dimensions are "
+            f"more than gpumem checks ({MAX_CORNERS} block corners); a checkpoint of FSDP, TP or "
+            "DCP chunks splits one or two"
+        )
+
+
+def corner_sum_exact(name: str, gshape: tuple[int, ...], boxes: Sequence[Box]) -> bool:
+    """``covers_once`` on Python integers, one corner at a time: for coordinates past int64,
+    and the reference the array version is tested against."""
     live = [b for b in boxes if b.numel]
     dims = [
         d for d in range(len(gshape)) if any(b.offsets[d] or b.shape[d] != gshape[d] for b in live)
     ]
-    if len(live) << len(dims) > MAX_CORNERS:
-        raise TilingError(
-            f"global tensor {name!r}: {len(live)} blocks splitting {len(dims)} dimensions are "
-            f"more than gpumem checks ({MAX_CORNERS} block corners); a checkpoint of FSDP, TP or "
-            "DCP chunks splits one or two"
-        )
+    _corner_cap(name, len(live), len(dims))
     if math.prod(gshape) == 0:
         return not live
     signs = [-1 if bin(m).count("1") % 2 else 1 for m in range(1 << len(dims))]

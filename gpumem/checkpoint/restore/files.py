@@ -26,6 +26,7 @@ refuses ``O_DIRECT`` (tmpfs) is read buffered.
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import stat
 from typing import Any
@@ -127,7 +128,9 @@ def _host_bytes(n: int, file: Any) -> torch.Tensor:
 def _check_crcs(
     path: Any, entries: list[TensorEntry], chunk: int, crcs: np.ndarray, base: list[int]
 ) -> None:
-    expected = np.fromiter((c for e in entries for c in e.crc32c), dtype=np.int64, count=len(crcs))
+    expected = np.fromiter(
+        itertools.chain.from_iterable(e.crc32c for e in entries), dtype=np.int64, count=len(crcs)
+    )
     bad = np.flatnonzero(crcs != expected)
     if not len(bad):
         return
@@ -212,11 +215,8 @@ def read_tensors(
         entries = [held[n] for n in names]
     kept = {t for t, e in enumerate(entries) if keep and (keep_only is None or e.name in keep_only)}
     chunk = shard.chunk_bytes
-    base, slots = [], 0  # each tensor's first chunk-CRC slot
-    for entry in entries:
-        base.append(slots)
-        slots += len(entry.crc32c)
-    crcs = np.zeros(slots, dtype=np.int64)
+    base = [0, *itertools.accumulate(len(e.crc32c) for e in entries)]  # first chunk-CRC slots
+    crcs = np.zeros(base.pop(), dtype=np.int64)
     by_file: dict[str, list[tuple[int, int, int, int]]] = {}
     for t, entry in enumerate(entries):
         pos = 0
