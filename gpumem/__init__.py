@@ -36,6 +36,7 @@ Modules:
     _env            every GPUMEM_* switch, parsed in one place
     _native         loads the native core ``gpumem._C`` (csrc/) and says what is missing
     _strict_json    the one strict JSON reader (manifests, calibration files)
+    _gc             the cyclic garbage collector paused over a bulk decode (manifests)
     _assumptions    assumptions a model follows under fake tensors, for whoever listens
     __main__        ``python -m gpumem``: the command line
 """

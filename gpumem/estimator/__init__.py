@@ -24,7 +24,9 @@ Modules, bottom up:
     param_tensors      a described model's parameters as the tensors its modules register
     step_trace         a rank's step as allocations, through the simulated caching allocator
     rank_shapes        a preset rank's tensors for step_trace, and its fragmentation term
+    sim_cache          an opt-in on-disk cache of step simulations (GPUMEM_CACHE_DIR), JSON only
     torchtitan         torchtitan's recipe: its modules, SAC policies, loss and FSDP units
+    titan_trace        torchtitan's step as allocations on FSDP2's streams (its reserved memory)
     preset             a described model's terms for any layout
     module_structure   an ``nn.Module``'s repeated blocks and counts
     module_inputs      its fake copy and the fake inputs of one micro-batch
