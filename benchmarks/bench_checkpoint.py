@@ -433,22 +433,27 @@ def bench_size(nbytes: int, root: Path, repeat: int) -> tuple[list[list[object]]
 RESTORE_RUNS = 5  # fresh-process runs of each restore side, at least (issue #14)
 
 
-def restore_in_child(kind: str, path: Path, nbytes: int, pythonpath: str | None = None) -> float:
-    """Seconds a fresh process takes to load ``path`` into a just-built model and optimizer
+def child_lines(
+    script: str, args: list[str], what: str, pythonpath: str | None = None
+) -> list[str]:
+    """Run ``script`` with ``args`` in a fresh interpreter and return its stdout lines
     (``pythonpath``: import gpumem from there instead, a baseline checkout's package)."""
     env = None
     if pythonpath:
         env = {**os.environ, "PYTHONPATH": pythonpath, "PYTHONDONTWRITEBYTECODE": "1"}
     out = subprocess.run(
-        [sys.executable, __file__, "--restore-child", kind, str(path), str(nbytes)],
-        capture_output=True,
-        text=True,
-        check=False,
-        env=env,
+        [sys.executable, script, *args], capture_output=True, text=True, check=False, env=env
     )
     if out.returncode:
-        raise RuntimeError(f"restore child ({kind}) failed:\n{out.stderr[-3000:]}")
-    return float(out.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"{what} failed:\n{out.stderr[-3000:]}")
+    return out.stdout.strip().splitlines()
+
+
+def restore_in_child(kind: str, path: Path, nbytes: int, pythonpath: str | None = None) -> float:
+    """Seconds a fresh process takes to load ``path`` into a just-built model and optimizer
+    (``pythonpath``: import gpumem from there instead, a baseline checkout's package)."""
+    args = ["--restore-child", kind, str(path), str(nbytes)]
+    return float(child_lines(__file__, args, f"restore child ({kind})", pythonpath)[-1])
 
 
 def restore_child(kind: str, path: str, nbytes: int) -> None:

@@ -24,7 +24,6 @@ import ctypes
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import figure, machine_info, write_results
-from bench_checkpoint import GPTish, files_under, make_state
+from bench_checkpoint import GPTish, child_lines, files_under, make_state
 
 import gpumem
 from gpumem.reader import drop_page_cache, read_file
@@ -165,19 +164,10 @@ def child_restore(ck_dir: Path, nbytes: int) -> dict[str, float]:
 def run_child(
     kind: str, ck_dir: Path, nbytes: int, pythonpath: str | None = None
 ) -> dict[str, float]:
-    env = None
-    if pythonpath:  # a baseline gpumem package (e.g. a copy of main's), the same phases timed
-        env = {**os.environ, "PYTHONPATH": pythonpath, "PYTHONDONTWRITEBYTECODE": "1"}
-    out = subprocess.run(
-        [sys.executable, __file__, "--child", kind, str(ck_dir), str(nbytes)],
-        capture_output=True,
-        text=True,
-        check=False,
-        env=env,
-    )
-    if out.returncode:
-        raise RuntimeError(f"child {kind} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """One child's timed phases (``pythonpath``: a baseline gpumem package, e.g. a copy of
+    main's, the same phases timed)."""
+    args = ["--child", kind, str(ck_dir), str(nbytes)]
+    return json.loads(child_lines(__file__, args, f"child {kind}", pythonpath)[-1])
 
 
 PARTS = {

@@ -176,10 +176,12 @@ ROWS = [
 ]
 
 
-def estimate(row: Row) -> tuple[int, str]:
+def _bill(row: Row, **kw: Any) -> Any:
+    """``gpumem.estimate`` of ``row``'s job under ``framework="torchtitan"`` (H100-80GB: ample
+    memory, so neither peak depends on the capacity)."""
     spec = resolve_model("llama-3.1-8b" if row.flavor == "8B" else "llama-3.1-70b")
     spec = dataclasses.replace(spec, max_seq=max(spec.max_seq, row.seq))
-    bill = gpumem.estimate(
+    return gpumem.estimate(
         spec,
         batch_size=row.batch,
         seq_len=row.seq,
@@ -190,7 +192,12 @@ def estimate(row: Row) -> tuple[int, str]:
         loss_chunks=row.loss_chunks,
         fp8_recipe=row.float8 or None,
         fsdp_float8_all_gather=row.float8_all_gather,
+        **kw,
     )
+
+
+def estimate(row: Row) -> tuple[int, str]:
+    bill = _bill(row)
     allocated = sum(v for k, v in bill.per_gpu.items() if k not in ("overhead", "total"))
     return allocated, bill.phase
 
@@ -198,22 +205,7 @@ def estimate(row: Row) -> tuple[int, str]:
 def estimate_reserved(row: Row) -> int:
     """The estimate's ``peak_reserved_bytes`` (the caching allocator simulated under default
     settings over torchtitan's step, ``gpumem.estimator.titan_trace``)."""
-    spec = resolve_model("llama-3.1-8b" if row.flavor == "8B" else "llama-3.1-70b")
-    spec = dataclasses.replace(spec, max_seq=max(spec.max_seq, row.seq))
-    bill = gpumem.estimate(
-        spec,
-        batch_size=row.batch,
-        seq_len=row.seq,
-        framework="torchtitan",
-        recompute=row.ac,
-        layout=gpumem.Layout(dp=row.dp, tp=row.tp, cp=row.cp, fsdp="full", sp=row.tp > 1),
-        gpu="H100-80GB",  # ample memory: the simulated peak does not depend on the capacity
-        loss_chunks=row.loss_chunks,
-        fp8_recipe=row.float8 or None,
-        fsdp_float8_all_gather=row.float8_all_gather,
-        alloc_conf="",
-    )
-    return bill.peak_reserved_bytes or 0
+    return _bill(row, alloc_conf="").peak_reserved_bytes or 0
 
 
 def reference(row: Row) -> Any:
