@@ -27,6 +27,7 @@ Modules, bottom up:
     sim_cache          an opt-in on-disk cache of step simulations (GPUMEM_CACHE_DIR), JSON only
     torchtitan         torchtitan's recipe: its modules, SAC policies, loss and FSDP units
     titan_trace        torchtitan's step as allocations on FSDP2's streams (its reserved memory)
+    titan_compile      torchtitan's Inductor-compiled loss (--training.compile): what it keeps
     preset             a described model's terms for any layout
     module_structure   an ``nn.Module``'s repeated blocks and counts
     module_inputs      its fake copy and the fake inputs of one micro-batch

@@ -87,6 +87,7 @@ def estimate(
     alloc_conf: Any = None,
     loss_chunks: int = 0,
     fsdp_float8_all_gather: bool = False,
+    compiled_loss: bool = False,
 ) -> Bill:
     """Estimate the per-GPU peak memory of training ``model``.
 
@@ -166,6 +167,10 @@ def estimate(
             only: torchao's ``enable_fsdp_float8_all_gather`` (with
             ``precompute_float8_dynamic_scale_for_fsdp``): FSDP gathers the converted weights
             in float8.
+        compiled_loss: ``framework="torchtitan"`` only: the loss compiled by Inductor, as
+            ``--training.compile`` does from 2025 (``build_cross_entropy_loss``; e7c0cae): the
+            logits stay saved and no fp32 logits-sized tensor is made
+            (``gpumem/estimator/titan_compile.py``); the compiled blocks are priced as eager.
         calibration: a ``gpumem.Calibration`` or the path of a calibration.json: the GPU gets
             the reserve measured there (``Calibration.apply_to``), and with a ``memory``
             section (``gpumem calibrate --memory``) its fitted coefficients scale the
@@ -230,6 +235,11 @@ def estimate(
             f"fsdp_float8_all_gather is torchtitan's (torchao's FSDP float8 all-gather); "
             f"framework={fw!r} has no such knob (use framework='torchtitan' with "
             "fp8_recipe='tensorwise'; Megatron's counterpart is fp8_param_gather)"
+        )
+    if fw != "torchtitan" and compiled_loss:
+        raise ValueError(
+            f"compiled_loss is torchtitan's (--training.compile compiles its loss); "
+            f"framework={fw!r} does not model torch.compile"
         )
     knobs = check_knobs(
         fw,
@@ -331,6 +341,7 @@ def estimate(
         knobs=knobs,
         loss_chunks=loss_chunks,
         titan_float8=(titan_fp8, fsdp_float8_all_gather),
+        titan_compiled_loss=compiled_loss,
         **common,
     )
     if mem is not None:

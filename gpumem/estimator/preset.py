@@ -536,6 +536,7 @@ def estimate_preset(
     loss_chunks: int = 0,
     given: frozenset[str] | None = None,
     titan_float8: tuple[str | None, bool] = (None, False),
+    titan_compiled_loss: bool = False,
 ) -> Bill:
     """The bill of training a described model (see ``gpumem.estimate``; ``batch_size`` None:
     the default, and the bill says so); ``alloc_conf``: simulate the caching allocator under it
@@ -601,6 +602,7 @@ def estimate_preset(
                 fp8_recipe=titan_float8[0],
                 fsdp_float8_all_gather=titan_float8[1],
                 alloc_conf=terms.alloc_conf,
+                compiled_loss=titan_compiled_loss,
             )
         ]
     else:
@@ -635,6 +637,7 @@ def estimate_preset(
                 if titan_float8[0] is not None
                 else {}
             ),
+            **({"compiled_loss": True} if titan_compiled_loss else {}),
             **(
                 {"moe_imbalance": moe_imbalance, "moe_dispatcher": moe_dispatcher}
                 if spec.is_moe

@@ -29,7 +29,9 @@ torchtitan 0.3.0; sizes per rank, ``torchtitan.py`` gives the saved tensors):
 - **The loss** (``components/loss.py``): the bf16 logits, their fp32 copy (``.float()``),
   log-softmax's fp32 output, the copy freed; ``del pred`` frees the logits; backward allocates
   nll's fp32 gradient, log-softmax's, the bf16 gradient of the logits, each freeing the one
-  before.
+  before. Compiled (``compiled_loss``, ``titan_compile``): the forward keeps the logits and two
+  per-row fp32 statistics; the backward allocates a per-row buffer and the bf16 gradient, then
+  frees what the forward kept.
 - **The optimizer**: fused AdamW allocates ``exp_avg`` and ``exp_avg_sq`` per sharded parameter
   at its first step; ``zero_grad(set_to_none=True)`` frees the sharded gradients before the next
   step's forward.
@@ -37,7 +39,7 @@ torchtitan 0.3.0; sizes per rank, ``torchtitan.py`` gives the saved tensors):
 Three steps are simulated (the first lacks the optimizer states; the reserved figure is steady
 from the second on), which is what torchtitan's ``reserved_bytes.all.peak`` reads at its log
 steps. Not modelled: the small per-step tensors (the grad-norm's, RoPE's per-step casts),
-torch.compile and float8.
+the compiled blocks (priced as eager) and float8.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from dataclasses import dataclass
 
 from gpumem.allocator.alloc_conf import AllocConf
 from gpumem.estimator.step_trace import _Run
+from gpumem.estimator.titan_compile import compiled_loss_bwd, compiled_loss_saved
 
 DEFAULT, COPY_IN, REDUCE_SCATTER = 0, 1, 2
 """The streams: the default one, FSDP2's all-gather copy-in stream, its reduce-scatter stream."""
@@ -77,6 +80,8 @@ class TitanShape:
     """Elements of the logits (tokens x local vocabulary)."""
     buffers: tuple[int, ...] = ()
     """Long-lived buffers (the RoPE caches)."""
+    compiled_loss: bool = False
+    """The loss compiled by Inductor (``titan_compile``)."""
 
 
 class _Unit:
@@ -152,6 +157,37 @@ def _reduce(run: _Run, u: _Unit, grads: list[int], rs: list[int], sharded: list[
     rs[:] = [flat]
 
 
+def _eager_loss(run: _Run, s: TitanShape, logits: int) -> int:
+    """The eager loss forward and backward; returns the logits' gradient."""
+    upcast = run.take(4 * s.logits)
+    log_probs = run.take(4 * s.logits)
+    run.give(upcast)
+    run.give(logits)  # del pred
+    g_nll = run.take(4 * s.logits)
+    g_lsm = run.take(4 * s.logits)
+    run.give(g_nll)
+    run.give(log_probs)
+    g_logits = run.take(2 * s.logits)
+    run.give(g_lsm)
+    return g_logits
+
+
+def _compiled_loss(run: _Run, s: TitanShape, logits: int) -> int:
+    """Inductor's loss (``titan_compile``): the forward keeps the logits (``del pred`` drops
+    only a reference) and per-row statistics, the backward a per-row buffer and the gradient;
+    the saved tensors are freed as it returns."""
+    n = s.first[0] // 8  # tokens (the int64 token ids)
+    v = s.logits // n
+    stats = [run.take(b) for k, b in compiled_loss_saved(n, v).items() if k != "logits"]
+    row, grad = compiled_loss_bwd(n, v)
+    row_buf = run.take(row)
+    g_logits = run.take(grad)
+    run.give(row_buf)
+    for h in (*stats, logits):
+        run.give(h)
+    return g_logits
+
+
 def _step(run: _Run, s: TitanShape, order: list[_Unit], sharded: list[int]) -> None:
     embed, blocks, head = order[0], order[1:-1], order[-1]
     first = [run.take(n) for n in s.first]
@@ -175,17 +211,7 @@ def _step(run: _Run, s: TitanShape, order: list[_Unit], sharded: list[int]) -> N
     logits = run.take(2 * s.logits)
     if held is not None:  # the root's post-forward frees the last all-gather output
         run.give(held)
-    upcast = run.take(4 * s.logits)
-    log_probs = run.take(4 * s.logits)
-    run.give(upcast)
-    run.give(logits)  # del pred
-    # backward: the loss
-    g_nll = run.take(4 * s.logits)
-    g_lsm = run.take(4 * s.logits)
-    run.give(g_nll)
-    run.give(log_probs)
-    g_logits = run.take(2 * s.logits)
-    run.give(g_lsm)
+    g_logits = (_compiled_loss if s.compiled_loss else _eager_loss)(run, s, logits)
     grads = [run.take(2 * n) for n in head.params]
     run.give(g_logits)
     for h in hs:

@@ -52,8 +52,10 @@ modules, Megatron's recompute) in every part that decides the peak:
   save list. What float8 adds is the casts' temporaries in a block's backward, and FSDP's float8
   all-gather gathers 1-byte weights.
 
-Not modelled (left for later): torch.compile (Inductor fuses and re-plans what is saved; see
-docs/estimator.md, "torch.compile"), float8 with tensor parallelism, the chunked loss under TP
+- **torch.compile** of the loss (``compiled_loss``, ``titan_compile``). The compiled blocks are
+  not modelled (priced as eager; docs/estimator.md, "torch.compile").
+
+Not modelled (left for later): float8 with tensor parallelism, the chunked loss under TP
 (loss parallel per chunk), FlexAttention's block masks and the RoPE cache gathered by explicit
 positions (0.3.0's default backend: small),
 pipeline parallelism, HSDP's replicate all-reduce buffers. Under TP a block's widest backward
@@ -70,6 +72,11 @@ from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.specs import ModelSpec
 from gpumem.estimator.states import Training
+from gpumem.estimator.titan_compile import (
+    check_compiled_loss,
+    compiled_loss_bwd,
+    compiled_loss_saved,
+)
 
 RECOMPUTE = ("none", "selective", "selective:op", "selective:N", "full")
 """torchtitan's activation checkpointing, by its names (``selective:N``: N an integer >= 1)."""
@@ -210,14 +217,13 @@ def mean_layer_saved(sh: Shapes, recompute: str, n_layers: int) -> float:
     return float(sum(layer_saved(sh, policy).values()))
 
 
-def head_saved(sh: Shapes) -> dict[str, int]:
-    """The final norm, the lm_head's input, log-softmax's fp32 output and nll's targets."""
-    return {
-        "final_norm": _norm_saved(sh.n_sp, sh.h),
-        "lm_head_input": sh.n * sh.h * _BF16,
-        "log_softmax": sh.n * sh.v * 4,
-        "targets": sh.n * 8 + 4,
-    }
+def head_saved(sh: Shapes, compiled_loss: bool = False) -> dict[str, int]:
+    """The final norm, the lm_head's input, log-softmax's fp32 output and nll's targets (the
+    compiled loss: the logits and per-row statistics instead, ``titan_compile``)."""
+    head = {"final_norm": _norm_saved(sh.n_sp, sh.h), "lm_head_input": sh.n * sh.h * _BF16}
+    if compiled_loss:
+        return {**head, **compiled_loss_saved(sh.n, sh.v), "targets": sh.n * 8}
+    return {**head, "log_softmax": sh.n * sh.v * 4, "targets": sh.n * 8 + 4}
 
 
 def block_params(spec: ModelSpec, t: int) -> int:
@@ -368,7 +374,14 @@ def float8_recompute_moment(sh: Shapes, spec: ModelSpec, recipe: str, per_op: bo
 
 
 def titan_shape(
-    spec: ModelSpec, layout: Layout, gpu: GPU, *, batch: int, seq: int, recompute: str
+    spec: ModelSpec,
+    layout: Layout,
+    gpu: GPU,
+    *,
+    batch: int,
+    seq: int,
+    recompute: str,
+    compiled: bool = False,
 ) -> titan_trace.TitanShape:
     """The rank's tensors as ``titan_trace`` allocates them: FSDP units' parameter tensors
     (the fused ``wqkv``, ``wo``, ``w1``, ``w3``, ``w2`` and the two norms of a block), each
@@ -411,6 +424,7 @@ def titan_shape(
         head_saved=(_norm_saved(sh.n_sp, h), n * h * _BF16),
         logits=n * sh.v,
         buffers=(seq * (spec.dhead // 2) * 8,) * spec.n_layers,
+        compiled_loss=compiled,
     )
 
 
@@ -429,6 +443,7 @@ def terms(
     fp8_recipe: str | None = None,
     fsdp_float8_all_gather: bool = False,
     alloc_conf: AllocConf | None = None,
+    compiled_loss: bool = False,
 ) -> list[float]:
     """The peak terms (``peak.py``) of one torchtitan rank.
 
@@ -458,8 +473,12 @@ def terms(
     blocks' Linears (``float8_moment``, ``float8_sac_saved``, ``float8_gathered``); with the
     all-gather, ``precompute_float8_dynamic_scale_for_fsdp`` keeps one fp32 scale per
     converted weight across steps.
+
+    ``compiled_loss``: the loss compiled by Inductor (``--training.compile`` at e7c0cae,
+    ``titan_compile``): the logits stay saved, nothing fp32 logits-sized is made.
     """
     check_float8(fp8_recipe, fsdp_float8_all_gather, layout.tp)
+    check_compiled_loss(compiled_loss, loss_chunks, layout.tp)
     if training.precision != "bf16-mixed":
         raise ValueError(
             f"framework='torchtitan' models its FSDP2 mixed precision (bf16 params, fp32 "
@@ -505,10 +524,12 @@ def terms(
     # under TP the vocab-parallel embedding saves its local indices and a bf16 mask
     # (embedding.py: ``(input - offset).clamp(...)``, ``mask.to(out.dtype)``)
     x[peak.A_FIRST] = x[peak.IDS] + (sh.n * 10 if t > 1 else 0)
-    head = head_saved(sh)
+    head = head_saved(sh, compiled_loss)
     x[peak.A_LAST] = sum(head.values())
     # loss backward: nll_loss's fp32 gradient and log_softmax's, beside its saved output
     x[peak.T_BWD0] = 2 * sh.n * sh.v * 4
+    if compiled_loss:  # Inductor's: a per-row buffer and the bf16 logits' gradient
+        x[peak.T_BWD0] = sum(compiled_loss_bwd(sh.n, sh.v))
     if t > 1:
         # loss parallel (_LossParallelCrossEntropy.backward): zeros_like(log_probs), exp of it
         # and their sum at once, and its int64/fp32/bool per-token bookkeeping
@@ -604,7 +625,9 @@ def terms(
         x[peak.FRAG] = gpu.fragmentation
     if simulated(alloc_conf, loss_chunks, persistent_grads, fp8_recipe):
         assert alloc_conf is not None
-        shape = titan_shape(spec, layout, gpu, batch=batch, seq=seq, recompute=recompute)
+        shape = titan_shape(
+            spec, layout, gpu, batch=batch, seq=seq, recompute=recompute, compiled=compiled_loss
+        )
         unreleasable, reserved = titan_trace.simulate(alloc_conf, shape)
         x[peak.FRAG_BYTES] = float(unreleasable) if cuda else 0.0
         x[peak.RESERVED_FRAG] = float(reserved)
