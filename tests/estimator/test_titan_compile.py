@@ -127,7 +127,7 @@ def test_inductor_buffer_plan_equals_the_model() -> None:
     stats = sorted([want["row_max"], want["row_lse"], want["weight"]])
     # the forward: nothing logits-sized; what it returns beside the loss is the statistics
     assert max(fw_order) < n * v
-    fw_sizes = dict(zip(re.findall(r"(buf\d+) = empty_strided", codes[0]), fw_order))
+    fw_sizes = dict(zip(re.findall(r"(buf\d+) = empty_strided", codes[0]), fw_order, strict=True))
     kept = sorted(fw_sizes[x] for x in fw_out if x in fw_sizes)
     assert sorted(kept) == sorted([*stats, 4])  # + the loss itself (a 4 B scalar)
     assert "primals_1" in codes[0].split("return (")[-1]  # the bf16 logits are saved
@@ -165,15 +165,15 @@ def test_compiled_loss_terms_by_hand() -> None:
 
 def test_compiled_loss_bill_and_trace_agree() -> None:
     spec = dataclasses.replace(resolve_model("llama-3.1-8b"), max_seq=8192)
-    kw = dict(
-        batch_size=2,
-        seq_len=8192,
-        framework="torchtitan",
-        recompute="selective",
-        layout=gpumem.Layout(dp=32, fsdp="full"),
-        gpu="H100-80GB",
-        alloc_conf="",
-    )
+    kw = {
+        "batch_size": 2,
+        "seq_len": 8192,
+        "framework": "torchtitan",
+        "recompute": "selective",
+        "layout": gpumem.Layout(dp=32, fsdp="full"),
+        "gpu": "H100-80GB",
+        "alloc_conf": "",
+    }
     eager = gpumem.estimate(spec, **kw)
     comp = gpumem.estimate(spec, compiled_loss=True, **kw)
     alloc = sum(x for k, x in comp.per_gpu.items() if k not in ("overhead", "total"))
@@ -204,12 +204,12 @@ def test_compiled_loss_bill_and_trace_agree() -> None:
 @pytest.mark.parametrize(
     ("kw", "words"),
     [
-        (dict(framework="torchtitan", loss_chunks=8), ("compiled_loss", "loss_chunks")),
+        ({"framework": "torchtitan", "loss_chunks": 8}, ("compiled_loss", "loss_chunks")),
         (
-            dict(framework="torchtitan", layout=gpumem.Layout(dp=2, tp=2, fsdp="full", sp=True)),
+            {"framework": "torchtitan", "layout": gpumem.Layout(dp=2, tp=2, fsdp="full", sp=True)},
             ("compiled_loss", "tp > 1"),
         ),
-        (dict(framework="fsdp2"), ("compiled_loss", "torchtitan")),
+        ({"framework": "fsdp2"}, ("compiled_loss", "torchtitan")),
     ],
 )
 def test_compiled_loss_bad_input_is_one_line(kw: dict, words: tuple[str, ...]) -> None:
