@@ -15,7 +15,7 @@
 
     python benchmarks/bench_published.py        # writes benchmarks/results/published.md
     python benchmarks/bench_published.py --only torchtitan   # reruns that section alone
-    python benchmarks/bench_published.py --only torchtitan --rows "Trainy FSDP"  # those rows
+    python benchmarks/bench_published.py --only torchtitan --rows "Trainy FSDP 32,Trainy FSDP 64"
 """
 
 from __future__ import annotations
@@ -152,13 +152,13 @@ def torchtitan_rows(
     ``[published]`` extra and torchao for the float8 rows), and its reserved peak against the
     reference's recorded allocations replayed through the simulator on FSDP2's streams and
     against the published figure; the same runs write ``torchtitan_reference.md``.
-    ``only``: the rows whose name contains it (``torchtitan_reference.md`` is then left as it
-    is). Returns (rows, allocated errors, (row, reserved error vs published))."""
+    ``only``: the rows so named (comma-separated; ``torchtitan_reference.md`` is then left
+    as it is). Returns (rows, allocated errors, (row, reserved error vs published))."""
     try:
         import torchtitan_results
     except ImportError as exc:  # torchtitan is an optional extra
         return [["torchtitan not installed", str(exc)[:80], *["-"] * 7]], [], []
-    measured = torchtitan_results.run(only)
+    measured = torchtitan_results.run(names=[n.strip() for n in only.split(",")] if only else ())
     if not only:
         torchtitan_results.write(measured)
     rows, errors, reserved_errors = [], [], []
@@ -268,7 +268,7 @@ def _merge_rows(
 
 
 def only_torchtitan(rows: str | None = None) -> None:
-    """Rerun the torchtitan rows (``rows``: those whose name contains it, the others kept as
+    """Rerun the torchtitan rows (``rows``: those named, comma-separated, the others kept as
     recorded) and replace their section and figures in published.md/.json, leaving the other
     sources' figures as their last full run measured them."""
     import dataclasses
@@ -349,7 +349,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", choices=["torchtitan"], help="rerun this source's section alone")
     ap.add_argument(
-        "--rows", default=None, help="with --only torchtitan: rerun the rows whose name has this"
+        "--rows", default=None, help="with --only torchtitan: rerun these rows (comma-separated)"
     )
     args = ap.parse_args()
     if args.rows and not args.only:
