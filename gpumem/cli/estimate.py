@@ -69,6 +69,12 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
         "(torchao's enable_fsdp_float8_all_gather)",
     )
     p.add_argument(
+        "--compiled-loss",
+        action="store_true",
+        help="--framework torchtitan: its loss compiled by Inductor, as --training.compile "
+        "does from 2025 (the blocks are priced eager)",
+    )
+    p.add_argument(
         "--keep-logits",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -378,6 +384,7 @@ def run(args: argparse.Namespace) -> int:
         alloc_conf=args.alloc_conf,
         loss_chunks=args.loss_chunks,
         fsdp_float8_all_gather=args.fsdp_float8_all_gather,
+        compiled_loss=args.compiled_loss,
         **({"moe_imbalance": args.moe_imbalance} if args.moe_imbalance is not None else {}),
         **megatron_kwargs(args),
     )

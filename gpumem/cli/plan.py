@@ -140,6 +140,12 @@ def run(args: argparse.Namespace) -> int:
             "torchtitan: estimate its layouts one by one with gpumem estimate --framework "
             "torchtitan"
         )
+    if args.compiled_loss:
+        raise ValueError(
+            "--compiled-loss is torchtitan's compiled loss, and the planner does not sweep "
+            "torchtitan: estimate its layouts one by one with gpumem estimate --framework "
+            "torchtitan"
+        )
     if args.fsdp_float8_all_gather:
         raise ValueError(
             "--fsdp-float8-all-gather is torchtitan's float8 all-gather, and the planner does "

@@ -218,3 +218,33 @@ def test_compiled_loss_bad_input_is_one_line(kw: dict, words: tuple[str, ...]) -
         gpumem.estimate("llama-3.1-8b", batch_size=1, seq_len=1024, compiled_loss=True, **kw)
     msg = str(e.value)
     assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_compiled_loss_on_the_command_line(capsys) -> None:
+    import json
+
+    from gpumem.cli import main
+
+    args = ["estimate", "llama-3.1-8b", "--gpus", "8", "--fsdp", "full", "--framework"]
+    args += ["torchtitan", "--batch-size", "1", "--seq-len", "2048", "--json"]
+
+    def allocated_out() -> int:
+        per_gpu = json.loads(capsys.readouterr().out)["per_gpu"]
+        return per_gpu["total"] - per_gpu["overhead"]
+
+    assert main(args) == 0
+    eager = allocated_out()
+    assert main([*args, "--compiled-loss"]) == 0
+    bill = gpumem.estimate(
+        "llama-3.1-8b",
+        batch_size=1,
+        seq_len=2048,
+        framework="torchtitan",
+        layout=gpumem.Layout(dp=8, fsdp="full"),
+        compiled_loss=True,
+    )
+    compiled = allocated_out()
+    assert compiled == bill.per_gpu["total"] - bill.per_gpu["overhead"] < eager
+    assert main(["plan", "llama-3.1-8b", "--gpus", "8", "--compiled-loss"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "does not sweep torchtitan" in err and "\n" not in err
