@@ -286,20 +286,28 @@ def only_torchtitan(rows: str | None = None) -> None:
         f"Rerun alone (`bench_published.py --only torchtitan`, {info['date']}, git commit "
         f"{info['git commit']}); the other sections are from the run in the header. "
     )
+    fresh = titan_figures(titan_err, titan_res)[1:]  # the rerun rows' reserved, unrounded
     if rows:
         titan, titan_err, titan_res = _merge_rows(text[start:end], titan)
         rerun = (
-            f"Rows matching {rows!r} rerun alone (`bench_published.py --only torchtitan "
+            f"Rows {rows!r} rerun alone (`bench_published.py --only torchtitan "
             f"--rows {rows!r}`, {info['date']}, git commit {info['git commit']}); the other "
             "rows as last recorded. "
         )
     section = titan_section(titan, titan_err, titan_res, rerun)
     md.write_text(text[:start] + section + "\n" + text[end:])
     record = json.loads(js.read_text())
-    record["figures"] = [
-        f for f in record["figures"] if not f["name"].startswith((TITAN_FIGURE, RESERVED_FIGURE))
-    ]
-    record["figures"] += [dataclasses.asdict(f) for f in titan_figures(titan_err, titan_res)]
+    if rows:  # the other rows' figures stay as recorded (the table rounds them)
+        names = {f.name for f in fresh}
+        record["figures"] = [f for f in record["figures"] if f["name"] not in names]
+        record["figures"] += [dataclasses.asdict(f) for f in fresh]
+    else:
+        record["figures"] = [
+            f
+            for f in record["figures"]
+            if not f["name"].startswith((TITAN_FIGURE, RESERVED_FIGURE))
+        ]
+        record["figures"] += [dataclasses.asdict(f) for f in titan_figures(titan_err, titan_res)]
     js.write_text(json.dumps(record, indent=1) + "\n")
     print(section)
 
