@@ -46,7 +46,7 @@ import functools
 from dataclasses import dataclass
 
 from gpumem.allocator.alloc_conf import AllocConf
-from gpumem.estimator.step_trace import _Run
+from gpumem.estimator.step_trace import Run, new_run
 
 DEFAULT, COPY_IN, REDUCE_SCATTER = 0, 1, 2
 """The streams: the default one, FSDP2's all-gather copy-in stream, its reduce-scatter stream."""
@@ -95,9 +95,9 @@ def simulate(conf: AllocConf, s: TitanShape) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=256)
-def simulated_run(conf: AllocConf, s: TitanShape) -> _Run:
+def simulated_run(conf: AllocConf, s: TitanShape) -> Run:
     """The allocator after ``STEPS`` steps (its segments, peaks); never mutated."""
-    run = _Run(conf)
+    run = new_run(conf)
     ns = s.shard
     units = [_Unit(s.embed, ns)] + [_Unit(s.block, ns) for _ in s.saved]
     head = _Unit(s.head, ns)
@@ -122,7 +122,7 @@ def simulated_run(conf: AllocConf, s: TitanShape) -> _Run:
     return run
 
 
-def _all_gather(run: _Run, u: _Unit) -> int:
+def _all_gather(run: Run, u: _Unit) -> int:
     """``foreach_all_gather``: the shard's flat bf16 copy and the flat output, copy-in stream."""
     send = run.take(2 * -(-u.flat // u.shard), stream=COPY_IN)
     out = run.take(2 * -(-u.flat // u.shard) * u.shard, stream=COPY_IN)
@@ -130,17 +130,17 @@ def _all_gather(run: _Run, u: _Unit) -> int:
     return out
 
 
-def _copy_out(run: _Run, u: _Unit) -> None:
+def _copy_out(run: Run, u: _Unit) -> None:
     u.unsharded = [run.take(2 * n) for n in u.params]
 
 
-def _reshard(run: _Run, u: _Unit) -> None:
+def _reshard(run: Run, u: _Unit) -> None:
     for h in u.unsharded:
         run.give(h)
     u.unsharded = []
 
 
-def _reduce(run: _Run, u: _Unit, grads: list[int], rs: list[int], sharded: list[int]) -> None:
+def _reduce(run: Run, u: _Unit, grads: list[int], rs: list[int], sharded: list[int]) -> None:
     """``foreach_reduce``: the flat fp32 input (kept until the next unit's), the unsharded grads
     freed, the sharded fp32 gradient on the reduce-scatter stream."""
     flat = run.take(4 * -(-u.flat // u.shard) * u.shard)
@@ -152,7 +152,7 @@ def _reduce(run: _Run, u: _Unit, grads: list[int], rs: list[int], sharded: list[
     rs[:] = [flat]
 
 
-def _step(run: _Run, s: TitanShape, order: list[_Unit], sharded: list[int]) -> None:
+def _step(run: Run, s: TitanShape, order: list[_Unit], sharded: list[int]) -> None:
     embed, blocks, head = order[0], order[1:-1], order[-1]
     first = [run.take(n) for n in s.first]
     # forward: each unit gathered (the previous unit's flat output kept until this copy-out)
