@@ -391,9 +391,9 @@ def step_trace(s: StepShape, n: int) -> tuple[Trace, int]:
 
 __all__ = [
     "K",
+    "Run",
     "StatesShape",
     "StepShape",
-    "Run",
     "frag_bytes",
     "fragmentation",
     "new_run",

@@ -395,6 +395,7 @@ def test_planner_figures_equal_the_plain_simulation(alloc_conf, monkeypatch):
     if "expandable" not in alloc_conf:
         pytest.importorskip("gpumem._C")
         assert plain_sim(AllocConf.parse(alloc_conf)) is not None
+
     def answer():
         r = gpumem.plan("llama-3-8b", n_gpus=8, seq_len=2048, alloc_conf=alloc_conf)
         rows = [
