@@ -113,15 +113,18 @@ def fragmentation(conf: AllocConf, shape: StatesShape | StepShape, n: int) -> tu
     """(unreleasable, reserved) over the requested peak of ``shape``'s trace of ``n`` layers,
     simulated (cached: the planner asks for the same shapes again and again; and on disk,
     ``sim_cache``, for the next process)."""
-    key = hashlib.blake2b(repr((conf, shape, n)).encode(), digest_size=16).hexdigest()
-    hit = sim_cache.lookup(key)
-    if hit is not None:
-        return hit
+    key = None
+    if sim_cache.enabled():  # the key (repr and hash) costs a cold plan 5 %: only when used
+        key = hashlib.blake2b(repr((conf, shape, n)).encode(), digest_size=16).hexdigest()
+        hit = sim_cache.lookup(key)
+        if hit is not None:
+            return hit
     try:
         out = _simulated(conf, shape, n)
     except (OverflowError, TypeError):  # sizes beyond int64 (absurd inputs): in Python
         out = replayed(conf, shape, n, compiled=False)
-    sim_cache.store(key, out)
+    if key is not None:
+        sim_cache.store(key, out)
     return out
 
 
