@@ -74,7 +74,8 @@ def main() -> None:
                 f"{res.n_configs:,}",
                 f"{t * 1e3:.0f} ms",
                 f"{res.n_configs / t:,.0f}",
-                f"{len(res.candidates)} fit; < 1 s: {'yes' if t < 1 else 'NO'}",
+                f"{len(res.candidates)} fit; < 1 s: {'yes' if t < 1 else 'NO'} "
+                f"(wall; load average {os.getloadavg()[0]:.1f} on 2 cores)",
             )
         )
     del base

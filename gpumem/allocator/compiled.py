@@ -14,6 +14,7 @@ the native core not built, or ``GPUMEM_PY_ALLOCATOR=1``.
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import Any
 
 from gpumem._env import env_flag
@@ -25,11 +26,11 @@ _INT64_MAX = 2**63 - 1
 
 @functools.cache
 def _native() -> Any:
-    try:
-        from gpumem import _C
+    try:  # by name: `from gpumem import _C` would be an import of the package above
+        native = importlib.import_module("gpumem._C")
     except ImportError:  # not built: the Python simulator does the work, slower
         return None
-    return _C if hasattr(_C, "alloc_sim") else None
+    return native if hasattr(native, "alloc_sim") else None
 
 
 def plain_sim(conf: AllocConf) -> Any:
