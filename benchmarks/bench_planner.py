@@ -74,16 +74,15 @@ def main() -> None:
                 f"{res.n_configs:,}",
                 f"{t * 1e3:.0f} ms",
                 f"{res.n_configs / t:,.0f}",
-                f"{len(res.candidates)} fit; < 1 s: {'yes' if t < 1 else 'NO'}",
+                f"{len(res.candidates)} fit; < 1 s: {'yes' if t < 1 else 'NO'} "
+                f"(wall; load average {os.getloadavg()[0]:.1f} on 2 cores)",
             )
         )
     del base
-    for cached in (False, True):
-        cli_row, cli_cpu_ms = _cli_row(cached)
+    for cli_row, name, cpu_ms in _cli_rows():
         rows.append(cli_row)
-        what = "disk-cached" if cached else "cold"
         figures.append(
-            value_figure(f"plan 70b --gpus 1024 CLI CPU beyond start, {what}", "ms", cli_cpu_ms)
+            value_figure(f"plan 70b --gpus 1024 CLI CPU beyond start, {name}", "ms", cpu_ms)
         )
     write_results(
         "planner",
@@ -98,25 +97,27 @@ def main() -> None:
         "rows run with the on-disk simulation cache off (GPUMEM_CACHE_DIR=off). CLI rows: the "
         "median CPU time (and wall time) of the whole `gpumem plan llama-2-70b --gpus 1024` "
         "process minus that of `gpumem --version` (process start: interpreter and imports), "
-        "measured in the same run: first with an empty simulation cache at every run (a fresh "
-        "GPUMEM_CACHE_DIR each time: every candidate's step simulated, the cost of a first plan), "
-        "then with the cache an earlier run wrote (gpumem/estimator/sim_cache.py: JSON keyed by "
-        "gpumem's version and the simulator's source hash); below 50k term rows the sweep "
-        "evaluates the formula in Python (numba's import and cache load would cost more than "
-        "it saves).",
+        "5 interleaved rounds of the four commands in the same run: cold (GPUMEM_CACHE_DIR "
+        "unset, the default: every candidate's step simulated, on the compiled simulator, "
+        "gpumem/allocator/compiled.py; it is ahead-of-time C++, so there is no JIT to warm); "
+        "the same on the Python simulator (GPUMEM_PY_ALLOCATOR=1, the reference it is checked "
+        "against event by event); and with the on-disk cache an earlier run wrote "
+        "(gpumem/estimator/sim_cache.py). Below 50k term rows the sweep evaluates the formula "
+        "in Python (numba's import and cache load would cost more than it saves).",
         info=info,
         figures=figures,
     )
 
 
-def _cli_row(cached: bool) -> tuple[tuple[str, str, str, str, str], float]:
-    """`gpumem plan llama-2-70b --gpus 1024` beyond process start (issue #12: < 1 s), with the
-    step simulations' on-disk cache (``sim_cache``) empty at every run (``cached=False``: a
-    fresh folder each time, what a first plan of a job costs) or filled by an earlier run.
+def _cli_rows() -> list[tuple[tuple[str, str, str, str, str], str, float]]:
+    """`gpumem plan llama-2-70b --gpus 1024` beyond process start (issue #12: < 1 s): cold (no
+    on-disk cache, the default), cold on the Python simulator, and with the on-disk cache of
+    the step simulations (``sim_cache``) an earlier run filled.
 
     Wall time on this shared 2-core machine varies with the other tenants' load, so the
     process's own CPU time (user + sys, from ``getrusage``) is measured too, each as the
-    median of 5 runs minus the same for `gpumem --version` (interpreter start and imports)."""
+    median of 5 interleaved rounds minus the same for `gpumem --version` (interpreter start
+    and imports)."""
     import os
     import resource
     import shutil
@@ -127,41 +128,64 @@ def _cli_row(cached: bool) -> tuple[tuple[str, str, str, str, str], float]:
     import time
 
     folder = tempfile.mkdtemp(prefix="gpumem-bench-cache-")
+    base = {
+        k: v for k, v in os.environ.items() if k not in ("GPUMEM_CACHE_DIR", "GPUMEM_PY_ALLOCATOR")
+    }
 
-    def run(*argv: str) -> tuple[float, float]:
-        fresh = tempfile.mkdtemp(prefix="gpumem-bench-cold-")  # empty: nothing cached
-        env = dict(os.environ, GPUMEM_CACHE_DIR=folder if cached else fresh)
+    def run(argv: tuple[str, ...], **env: str) -> tuple[float, float]:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         subprocess.run(
-            [sys.executable, "-m", "gpumem", *argv], check=True, capture_output=True, env=env
+            [sys.executable, "-m", "gpumem", *argv],
+            check=True,
+            capture_output=True,
+            env=dict(base, **env),
         )
         wall = time.perf_counter() - t0
-        shutil.rmtree(fresh, ignore_errors=True)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         return wall, cpu
 
-    def median(*argv: str) -> tuple[float, float]:
-        runs = [run(*argv) for _ in range(5)]
-        return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
-
     plan_args = ("plan", "llama-2-70b", "--gpus", "1024")
-    run(*plan_args)  # warm: numba's and Python's caches written
-    start_wall, start_cpu = median("--version")
-    wall, cpu = median(*plan_args)
+    kinds = {
+        "start": (("--version",), {}),
+        "cold": (plan_args, {}),
+        "cold, Python simulator": (plan_args, {"GPUMEM_PY_ALLOCATOR": "1"}),
+        "disk-cached": (plan_args, {"GPUMEM_CACHE_DIR": folder}),
+    }
+    run(plan_args, GPUMEM_CACHE_DIR=folder)  # warm: Python's bytecode and the disk cache written
+    got: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}
+    for _ in range(5):
+        for k, (argv, env) in kinds.items():
+            got[k].append(run(argv, **env))
     load = os.getloadavg()[0]
     shutil.rmtree(folder, ignore_errors=True)
-    row = (
-        "gpumem plan llama-2-70b --gpus 1024 (CLI, beyond process start; simulations "
-        + ("read from the disk cache)" if cached else "not cached on disk)"),
-        "-",
-        f"{(cpu - start_cpu) * 1e3:.0f} ms CPU",
-        "-",
-        f"wall {(wall - start_wall) * 1e3:.0f} ms (load average {load:.1f} on 2 cores); "
-        f"< 1 s: {'yes' if cpu - start_cpu < 1 else 'NO'}",
-    )
-    return row, (cpu - start_cpu) * 1e3
+    wall = {k: statistics.median(r[0] for r in v) for k, v in got.items()}
+    cpu = {k: statistics.median(r[1] for r in v) for k, v in got.items()}
+    what = {
+        "cold": "simulations not cached on disk (the default), compiled simulator",
+        "cold, Python simulator": "the same on the Python simulator, GPUMEM_PY_ALLOCATOR=1",
+        "disk-cached": "simulations read from the disk cache",
+    }
+    out = []
+    for k, text in what.items():
+        c, w = cpu[k] - cpu["start"], wall[k] - wall["start"]
+        ratio = (
+            f"; {(cpu['cold, Python simulator'] - cpu['start']) / c:.1f}x less CPU than on the "
+            "Python simulator"
+            if k == "cold"
+            else ""
+        )
+        row = (
+            f"gpumem plan llama-2-70b --gpus 1024 (CLI, beyond process start; {text})",
+            "-",
+            f"{c * 1e3:.0f} ms CPU",
+            "-",
+            f"wall {w * 1e3:.0f} ms (load average {load:.1f} on 2 cores); "
+            f"< 1 s: {'yes' if c < 1 else 'NO'}{ratio}",
+        )
+        out.append((row, k, c * 1e3))
+    return out
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@
 #include <Python.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/array.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -12,10 +14,12 @@
 
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "alloc_sim.h"
 #include "arena.h"
 #include "crc32c.h"
 #include "cuda_api.h"
@@ -447,4 +451,80 @@ NB_MODULE(_C, m) {
           "Enqueue cudaMemcpyAsync device-to-host of every row (device address, bytes, buffer "
           "offset) of a C-contiguous (n, 3) uint64 array on `stream`, cut at PIN_CHUNK_BYTES; "
           "returns the number of cudaMemcpyAsync calls.");
+
+  // ---- the caching allocator simulator's plain case (gpumem/allocator/native.py) ----
+  using alloc::PlainSim;
+  m.def(
+      "alloc_sim",
+      [](int64_t max_split, int64_t max_non_split_rounding, int64_t large_segment,
+         const std::vector<int64_t>& divisions) {
+        if (divisions.size() != 16) throw std::invalid_argument("alloc_sim: 16 divisions");
+        alloc::Conf c;
+        c.max_split = max_split;
+        c.max_non_split_rounding = max_non_split_rounding;
+        c.large_segment = large_segment;
+        std::copy(divisions.begin(), divisions.end(), c.divisions.begin());
+        return PlainSim(c);
+      },
+      "max_split"_a, "max_non_split_rounding"_a, "large_segment"_a, "divisions"_a,
+      "A caching allocator simulator without expandable segments, capacity or record_stream.");
+  nb::class_<PlainSim>(m, "PlainSim", "CachingAllocatorSim's plain case, compiled.")
+      .def("malloc", &PlainSim::malloc, "handle"_a, "size"_a, "stream"_a = 0)
+      .def(
+          "free",
+          [](PlainSim& s, int64_t h) {
+            try {
+              s.free(h);
+            } catch (const std::out_of_range& e) {
+              throw nb::key_error(e.what());
+            }
+          },
+          "handle"_a)
+      .def(
+          "take",
+          [](PlainSim& s, int64_t size, std::optional<int64_t> handle, int64_t stream) {
+            return s.take(size, handle ? *handle : s.next_handle++, stream);
+          },
+          "size"_a, "handle"_a = nb::none(), "stream"_a = 0,
+          "malloc, keeping the requested bytes alive, their peak and the unreleasable peak; "
+          "returns the handle (the next of a counter when none is given).")
+      .def(
+          "give",
+          [](PlainSim& s, int64_t h) {
+            try {
+              s.give(h);
+            } catch (const std::out_of_range& e) {
+              throw nb::key_error(e.what());
+            }
+          },
+          "handle"_a)
+      .def("fork", [](const PlainSim& s) { return PlainSim(s); })
+      .def("empty_cache", &PlainSim::empty_cache)
+      .def("would_reserve", &PlainSim::would_reserve, "size"_a, "stream"_a = 0)
+      .def("largest_free_block", &PlainSim::largest_free_block)
+      .def("releasable", &PlainSim::releasable)
+      .def("round_size", &PlainSim::round_size, "size"_a)
+      .def(
+          "segments",
+          [](const PlainSim& s) {
+            nb::list out;
+            for (const auto& r : s.segments())
+              out.append(nb::make_tuple(r.address, r.size, r.stream, r.small, r.blocks));
+            return out;
+          },
+          "The segment map by address: (address, size, stream, small, [(size, allocated, "
+          "requested)]).")
+      .def_ro("reserved", &PlainSim::reserved)
+      .def_ro("reserved_peak", &PlainSim::reserved_peak)
+      .def_ro("allocated", &PlainSim::allocated)
+      .def_ro("allocated_peak", &PlainSim::allocated_peak)
+      .def_ro("requested", &PlainSim::requested)
+      .def_ro("requested_peak", &PlainSim::requested_peak)
+      .def_ro("segments_count", &PlainSim::segments_count)
+      .def_ro("num_device_alloc", &PlainSim::num_device_alloc)
+      .def_ro("num_device_free", &PlainSim::num_device_free)
+      .def_ro("mallocs", &PlainSim::mallocs)
+      .def_ro("live", &PlainSim::live)
+      .def_ro("peak", &PlainSim::peak)
+      .def_ro("pinned", &PlainSim::pinned);
 }

@@ -18,6 +18,7 @@ Modules:
 
     alloc_conf ``PYTORCH_CUDA_ALLOC_CONF`` parsed (``AllocConf``; errors name the option)
     caching   the simulator (``CachingAllocatorSim``, ``simulate``), rule by rule after the C++
+    compiled  its plain case compiled (``gpumem._C.PlainSim``): what the estimator's traces run on
     trace     building event lists cheaply (``Trace``): what the profiler and an estimator feed
     replay    a ``torch.cuda.memory._snapshot()``'s ``device_traces`` replayed through it
 """

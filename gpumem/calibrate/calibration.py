@@ -21,7 +21,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
 import os
 import platform
@@ -355,6 +354,8 @@ def versions() -> dict[str, str]:
 
     torch_v = getattr(sys.modules.get("torch"), "__version__", None)
     if torch_v is None:
+        import importlib.metadata  # here: its import (email, zipfile) costs every CLI run 0.1 s
+
         try:
             torch_v = importlib.metadata.version("torch")
         except importlib.metadata.PackageNotFoundError:

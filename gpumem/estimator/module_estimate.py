@@ -49,7 +49,7 @@ from gpumem.estimator.module_inputs import resolve_batch
 from gpumem.estimator.module_pass import measure, module_terms
 from gpumem.estimator.module_structure import find_blocks
 from gpumem.estimator.states import Training
-from gpumem.estimator.step_trace import StatesShape, _Run, fragmentation
+from gpumem.estimator.step_trace import StatesShape, fragmentation, new_run
 from gpumem.estimator.terms import RECOMPUTE, cluster_states
 
 
@@ -170,7 +170,7 @@ def replica_fragmentation(ms: Any, conf: AllocConf, x: list[float]) -> tuple[int
     the profiler's log) then the optimizer step's temporary (``peak.T_STEP``), and apart the
     optimizer states (one tensor per fp32 state and trainable tensor) and DDP's buckets, never
     freed (``step_trace``'s split of states and step)."""
-    run = _Run(conf)
+    run = new_run(conf)
     for h, n in ms.alloc_events:
         if n >= 0:
             run.take(n, h)

@@ -84,6 +84,11 @@ def _load() -> dict[str, tuple[int, int]] | None:
     return _state["entries"]  # type: ignore[return-value]
 
 
+def enabled() -> bool:
+    """Whether the cache is on (a caller skips building keys when it is not)."""
+    return _load() is not None
+
+
 def lookup(key: str) -> tuple[int, int] | None:
     entries = _load()
     return None if entries is None else entries.get(key)
@@ -128,4 +133,4 @@ def reset() -> None:
     _state.clear()
 
 
-__all__ = ["MAX_BYTES", "cache_dir", "flush", "lookup", "reset", "store"]
+__all__ = ["MAX_BYTES", "cache_dir", "enabled", "flush", "lookup", "reset", "store"]

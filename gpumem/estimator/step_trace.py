@@ -36,7 +36,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gpumem.allocator.alloc_conf import AllocConf
-from gpumem.allocator.caching import CachingAllocatorSim
+from gpumem.allocator.caching import CachingAllocatorSim, SegmentInfo
+from gpumem.allocator.compiled import compiled_segments, plain_sim
 from gpumem.allocator.trace import Trace
 from gpumem.estimator import sim_cache
 
@@ -112,12 +113,18 @@ def fragmentation(conf: AllocConf, shape: StatesShape | StepShape, n: int) -> tu
     """(unreleasable, reserved) over the requested peak of ``shape``'s trace of ``n`` layers,
     simulated (cached: the planner asks for the same shapes again and again; and on disk,
     ``sim_cache``, for the next process)."""
-    key = hashlib.blake2b(repr((conf, shape, n)).encode(), digest_size=16).hexdigest()
-    hit = sim_cache.lookup(key)
-    if hit is not None:
-        return hit
-    out = _simulated(conf, shape, n)
-    sim_cache.store(key, out)
+    key = None
+    if sim_cache.enabled():  # the key (repr and hash) costs a cold plan 5 %: only when used
+        key = hashlib.blake2b(repr((conf, shape, n)).encode(), digest_size=16).hexdigest()
+        hit = sim_cache.lookup(key)
+        if hit is not None:
+            return hit
+    try:
+        out = _simulated(conf, shape, n)
+    except (OverflowError, TypeError):  # sizes beyond int64 (absurd inputs): in Python
+        out = replayed(conf, shape, n, compiled=False)
+    if key is not None:
+        sim_cache.store(key, out)
     return out
 
 
@@ -135,8 +142,16 @@ def _simulated(conf: AllocConf, shape: StatesShape | StepShape, n: int) -> tuple
         run = walked.fork()
         run.give(run.take(shape.t_step))
         return run.result()
+    return replayed(conf, shape, n)
+
+
+def replayed(
+    conf: AllocConf, shape: StatesShape | StepShape, n: int, *, compiled: bool = True
+) -> tuple[int, int]:
+    """``fragmentation`` the plain way: the whole trace built and run event by event, no
+    staged forks (``compiled=False``: on the Python simulator, the reference)."""
     t, _ = states_trace(shape, n) if isinstance(shape, StatesShape) else step_trace(shape, n)
-    run = _Run(conf)
+    run = new_run(conf, compiled=compiled)
     for ev in t.events:
         if ev[0] == "alloc":
             run.take(ev[2], ev[1])
@@ -145,7 +160,73 @@ def _simulated(conf: AllocConf, shape: StatesShape | StepShape, n: int) -> tuple
     return run.result()
 
 
-class _Run:
+def new_run(conf: AllocConf, *, compiled: bool = True) -> Run:
+    """A ``_Run`` on the compiled simulator where it applies (``allocator.compiled``), else on
+    ``CachingAllocatorSim``; ``compiled=False``: always the latter (the reference)."""
+    sim = plain_sim(conf) if compiled else None
+    return _Run(conf) if sim is None else _CompiledRun(sim)
+
+
+class _Figures:
+    """What a bill takes from a run, from its counters (shared by both kinds of run)."""
+
+    def counters(self) -> tuple[int, int, int, int, int]:
+        """(requested alive, their peak, unreleasable peak, reserved, reserved peak)."""
+        raise NotImplementedError
+
+    def releasable(self) -> int:
+        raise NotImplementedError
+
+    def segments(self) -> list[SegmentInfo]:
+        """The simulator's segment map now (``CachingAllocatorSim.segments``)."""
+        raise NotImplementedError
+
+    def result(self) -> tuple[int, int]:
+        _, peak, pinned, _, reserved_peak = self.counters()
+        return max(0, pinned - peak), max(0, reserved_peak - peak)
+
+    def result_with(self, size: int, grow: int) -> tuple[int, int]:
+        """``result`` after ``give(take(size))``, the take reserving ``grow`` new bytes
+        (``CachingAllocatorSim.would_reserve``), computed without running it: the peak takes
+        the temporary; a new segment raises reserved (and its peak) by ``grow``, and since it
+        holds the temporary, the releasable bytes stay as they are."""
+        live, peak, pinned, reserved, reserved_peak = self.counters()
+        peak = max(peak, live + size)
+        if grow:
+            pinned = max(pinned, reserved + grow - self.releasable())
+            reserved_peak = max(reserved_peak, reserved + grow)
+        return max(0, pinned - peak), max(0, reserved_peak - peak)
+
+
+class _CompiledRun(_Figures):
+    """``_Run`` on ``gpumem._C.PlainSim``, which keeps the counters itself: ``take`` and
+    ``give`` are its own methods, one native call per event."""
+
+    def __init__(self, sim: Any) -> None:
+        self.sim = sim
+        self.take = sim.take
+        self.give = sim.give
+        self.layers: list[list[int]] = []
+        self.ends: list[int | None] = []
+
+    def counters(self) -> tuple[int, int, int, int, int]:
+        s = self.sim
+        return s.live, s.peak, s.pinned, s.reserved, s.reserved_peak
+
+    def releasable(self) -> int:
+        return int(self.sim.releasable())
+
+    def segments(self) -> list[SegmentInfo]:
+        return compiled_segments(self.sim)
+
+    def fork(self) -> _CompiledRun:
+        new = _CompiledRun(self.sim.fork())
+        new.layers = [list(x) for x in self.layers]
+        new.ends = list(self.ends)
+        return new
+
+
+class _Run(_Figures):
     """A simulator with the requested bytes alive, their peak, and the unreleasable peak."""
 
     def __init__(self, conf: AllocConf | None = None) -> None:
@@ -187,28 +268,25 @@ class _Run:
         new.ends = list(self.ends)
         return new
 
-    def result(self) -> tuple[int, int]:
-        return max(0, self.pinned - self.peak), max(0, self.sim.stats.reserved_peak - self.peak)
-
-    def result_with(self, size: int, grow: int) -> tuple[int, int]:
-        """``result`` after ``give(take(size))``, the take reserving ``grow`` new bytes
-        (``CachingAllocatorSim.would_reserve``), computed without running it: the peak takes
-        the temporary; a new segment raises reserved (and its peak) by ``grow``, and since it
-        holds the temporary, the releasable bytes stay as they are."""
+    def counters(self) -> tuple[int, int, int, int, int]:
         st = self.sim.stats
-        peak = max(self.peak, self.live + size)
-        pinned, reserved_peak = self.pinned, st.reserved_peak
-        if grow:
-            pinned = max(pinned, st.reserved + grow - self.sim.releasable())
-            reserved_peak = max(reserved_peak, st.reserved + grow)
-        return max(0, pinned - peak), max(0, reserved_peak - peak)
+        return self.live, self.peak, self.pinned, st.reserved, st.reserved_peak
+
+    def releasable(self) -> int:
+        return self.sim.releasable()
+
+    def segments(self) -> list[SegmentInfo]:
+        return self.sim.segments()
+
+
+Run = _Run | _CompiledRun
 
 
 @functools.lru_cache(maxsize=4096)
-def _step_stage(conf: AllocConf, saved: tuple[int, ...], gather: int, first: int, n: int) -> _Run:
+def _step_stage(conf: AllocConf, saved: tuple[int, ...], gather: int, first: int, n: int) -> Run:
     """The forward of one micro-batch's layers (see ``step_trace``), the head's tensors not
     yet taken (so that ranks differing only in them share it); never mutated."""
-    run = _Run(conf)
+    run = new_run(conf)
     f = run.take(first) if first else None
     for _ in range(n):
         g = run.take(gather) if gather else None
@@ -244,7 +322,7 @@ def _backward(run: Any, s: StepShape, layers: list, first: Any, last: Any) -> No
 
 
 @functools.lru_cache(maxsize=4096)
-def _walk_stage(conf: AllocConf, s: StepShape, n: int) -> _Run:
+def _walk_stage(conf: AllocConf, s: StepShape, n: int) -> Run:
     """The forward, then the backward (start transient, then layer by layer from the last);
     never mutated."""
     run = _step_stage(conf, s.saved, s.gather, s.first, n).fork()
@@ -316,10 +394,13 @@ def step_trace(s: StepShape, n: int) -> tuple[Trace, int]:
 
 __all__ = [
     "K",
+    "Run",
     "StatesShape",
     "StepShape",
     "frag_bytes",
     "fragmentation",
+    "new_run",
+    "replayed",
     "scaled",
     "states_trace",
     "step_trace",

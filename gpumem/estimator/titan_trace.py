@@ -48,7 +48,7 @@ import functools
 from dataclasses import dataclass
 
 from gpumem.allocator.alloc_conf import AllocConf
-from gpumem.estimator.step_trace import _Run
+from gpumem.estimator.step_trace import Run, new_run
 from gpumem.estimator.titan_compile import compiled_loss_bwd, compiled_loss_saved
 
 DEFAULT, COPY_IN, REDUCE_SCATTER = 0, 1, 2
@@ -100,9 +100,9 @@ def simulate(conf: AllocConf, s: TitanShape) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=256)
-def simulated_run(conf: AllocConf, s: TitanShape) -> _Run:
+def simulated_run(conf: AllocConf, s: TitanShape) -> Run:
     """The allocator after ``STEPS`` steps (its segments, peaks); never mutated."""
-    run = _Run(conf)
+    run = new_run(conf)
     ns = s.shard
     units = [_Unit(s.embed, ns)] + [_Unit(s.block, ns) for _ in s.saved]
     head = _Unit(s.head, ns)
@@ -127,7 +127,7 @@ def simulated_run(conf: AllocConf, s: TitanShape) -> _Run:
     return run
 
 
-def _all_gather(run: _Run, u: _Unit) -> int:
+def _all_gather(run: Run, u: _Unit) -> int:
     """``foreach_all_gather``: the shard's flat bf16 copy and the flat output, copy-in stream."""
     send = run.take(2 * -(-u.flat // u.shard), stream=COPY_IN)
     out = run.take(2 * -(-u.flat // u.shard) * u.shard, stream=COPY_IN)
@@ -135,17 +135,17 @@ def _all_gather(run: _Run, u: _Unit) -> int:
     return out
 
 
-def _copy_out(run: _Run, u: _Unit) -> None:
+def _copy_out(run: Run, u: _Unit) -> None:
     u.unsharded = [run.take(2 * n) for n in u.params]
 
 
-def _reshard(run: _Run, u: _Unit) -> None:
+def _reshard(run: Run, u: _Unit) -> None:
     for h in u.unsharded:
         run.give(h)
     u.unsharded = []
 
 
-def _reduce(run: _Run, u: _Unit, grads: list[int], rs: list[int], sharded: list[int]) -> None:
+def _reduce(run: Run, u: _Unit, grads: list[int], rs: list[int], sharded: list[int]) -> None:
     """``foreach_reduce``: the flat fp32 input (kept until the next unit's), the unsharded grads
     freed, the sharded fp32 gradient on the reduce-scatter stream."""
     flat = run.take(4 * -(-u.flat // u.shard) * u.shard)
@@ -157,7 +157,7 @@ def _reduce(run: _Run, u: _Unit, grads: list[int], rs: list[int], sharded: list[
     rs[:] = [flat]
 
 
-def _eager_loss(run: _Run, s: TitanShape, logits: int) -> int:
+def _eager_loss(run: Run, s: TitanShape, logits: int) -> int:
     """The eager loss forward and backward; returns the logits' gradient."""
     upcast = run.take(4 * s.logits)
     log_probs = run.take(4 * s.logits)
@@ -172,7 +172,7 @@ def _eager_loss(run: _Run, s: TitanShape, logits: int) -> int:
     return g_logits
 
 
-def _compiled_loss(run: _Run, s: TitanShape, logits: int) -> int:
+def _compiled_loss(run: Run, s: TitanShape, logits: int) -> int:
     """Inductor's loss (``titan_compile``): the forward keeps the logits (``del pred`` drops
     only a reference) and per-row statistics, the backward a per-row buffer and the gradient;
     the saved tensors are freed as it returns."""
@@ -188,7 +188,7 @@ def _compiled_loss(run: _Run, s: TitanShape, logits: int) -> int:
     return g_logits
 
 
-def _step(run: _Run, s: TitanShape, order: list[_Unit], sharded: list[int]) -> None:
+def _step(run: Run, s: TitanShape, order: list[_Unit], sharded: list[int]) -> None:
     embed, blocks, head = order[0], order[1:-1], order[-1]
     first = [run.take(n) for n in s.first]
     # forward: each unit gathered (the previous unit's flat output kept until this copy-out)

@@ -211,7 +211,7 @@ def test_the_staged_step_equals_its_plain_trace():
     # must give the same figures under every setting
     import random
 
-    from gpumem.estimator.step_trace import _Run, step_trace
+    from gpumem.estimator.step_trace import replayed
 
     rng = random.Random(3)
     sizes = [1000, 300_000, 3 * MiB, 7 * MiB, 30 * MiB, 112 * MiB]
@@ -230,14 +230,7 @@ def test_the_staged_step_equals_its_plain_trace():
                 last=pick(),
             )
             n = rng.randint(1, 6)
-            t, _ = step_trace(shape, n)
-            run = _Run(conf)
-            for ev in t.events:
-                if ev[0] == "alloc":
-                    run.take(ev[2], ev[1])
-                else:
-                    run.give(ev[1])
-            assert fragmentation(conf, shape, n) == run.result()
+            assert fragmentation(conf, shape, n) == replayed(conf, shape, n, compiled=False)
 
 
 def test_a_measured_fragmentation_beats_the_simulation():
@@ -388,11 +381,21 @@ def test_disk_cache_is_off_unless_a_folder_is_named(tmp_path, monkeypatch):
     sim_cache.reset()
 
 
-@pytest.mark.parametrize("alloc_conf", ["", "expandable_segments:True", "max_split_size_mb:64"])
+@pytest.mark.parametrize(
+    "alloc_conf",
+    ["", "expandable_segments:True", "max_split_size_mb:64", "roundup_power2_divisions:4"],
+)
 def test_planner_figures_equal_the_plain_simulation(alloc_conf, monkeypatch):
     # the reference, the slow way: every shape's trace built whole (step_trace/states_trace)
-    # and replayed event by event on a fresh simulator, no staged forks, no shortcuts; the
+    # and replayed event by event on a fresh Python simulator, no staged forks, no shortcuts,
+    # no compiled simulator (which the fast way runs on, but for expandable segments); the
     # planner's whole candidate list and every figure must be the same
+    from gpumem.allocator.compiled import plain_sim
+
+    if "expandable" not in alloc_conf:
+        pytest.importorskip("gpumem._C")
+        assert plain_sim(AllocConf.parse(alloc_conf)) is not None
+
     def answer():
         r = gpumem.plan("llama-3-8b", n_gpus=8, seq_len=2048, alloc_conf=alloc_conf)
         rows = [
@@ -401,16 +404,8 @@ def test_planner_figures_equal_the_plain_simulation(alloc_conf, monkeypatch):
         ]
         return rows, r.reserved_line()
 
-    def plain(conf, shape, n):
-        whole = step_trace.states_trace if isinstance(shape, StatesShape) else step_trace.step_trace
-        t, _ = whole(shape, n)
-        run = step_trace._Run(conf)
-        for ev in t.events:
-            if ev[0] == "alloc":
-                run.take(ev[2], ev[1])
-            else:
-                run.give(ev[1])
-        return run.result()
+    def plain(conf, shape, n):  # on the Python simulator: the compiled one is checked too
+        return step_trace.replayed(conf, shape, n, compiled=False)
 
     monkeypatch.setenv("GPUMEM_CACHE_DIR", "off")
     _cold()
