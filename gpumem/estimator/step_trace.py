@@ -213,6 +213,11 @@ class _CompiledRun(_Figures):
         s = self.sim
         return s.live, s.peak, s.pinned, s.reserved, s.reserved_peak
 
+    @property
+    def peak(self) -> int:
+        """The requested bytes' peak (``_Run.peak``)."""
+        return int(self.sim.peak)
+
     def releasable(self) -> int:
         return int(self.sim.releasable())
 
