@@ -10,6 +10,7 @@
 | GPUMEM_STAGING_BYTES  | default host staging budget of the Checkpointer  | (share of RAM)     |
 | GPUMEM_DEBUG          | 1: the CLI prints a traceback with its one line  | 0                  |
 | GPUMEM_FAKE_FULL_DISPATCH | 1: fake tensors take torch's full dispatch path | 0         |
+| GPUMEM_NODE           | this rank's node (node-local checkpoints, replicas) | GROUP_RANK, host |
 
 (n: the machine's cores.)
 """

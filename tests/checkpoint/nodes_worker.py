@@ -5,8 +5,9 @@ RANK=r WORLD_SIZE=n INIT=file://... GPUMEM_NODE=k python nodes_worker.py MODE BA
 Each simulated node k has its own directory BASE/node<k> (NODE_DIR overrides the name). Modes:
 ``save`` trains and saves steps 2 and 4 (the state at each step written to BASE/ref-<step>.pt by
 rank 0 for the test to compare with); ``crash`` saves step 2, then rank CRASH_RANK kills itself
-(SIGKILL) while step 4 is being written; ``restore`` restores and writes what it restored to
-BASE/got-<world>.pt; ``refuse`` constructs a Checkpointer and prints the error it raises.
+(SIGKILL) in the middle of step 4's save (its shard written, its replicas not sent yet);
+``restore`` restores and writes what it restored to BASE/got-<world>.pt; ``refuse`` constructs a
+Checkpointer and prints the error it raises.
 """
 
 import os
@@ -22,6 +23,7 @@ from sharded_lib import build, full_state, train
 
 import gpumem
 from gpumem.checkpoint import CheckpointError
+from gpumem.checkpoint.storage import commit as commit_module
 
 
 def main() -> None:
@@ -44,6 +46,15 @@ def main() -> None:
         dist.barrier()
         return
     model, opt = build(layout, seed=0)
+    if mode == "crash" and rank == int(os.environ["CRASH_RANK"]):
+        spread = commit_module.spread
+
+        def die_mid_save(nodes, group, tmp, files, main):
+            if "step-000000004" in str(tmp.path):  # its shard written, nothing sent yet
+                os.kill(os.getpid(), signal.SIGKILL)
+            return spread(nodes, group, tmp, files, main)
+
+        commit_module.spread = die_mid_save
     ck = gpumem.Checkpointer(node_dir, keep=3, replicas=replicas, chunk_bytes=4096)
     if mode in ("save", "crash"):
         for step in (2, 4):
@@ -52,8 +63,6 @@ def main() -> None:
             if rank == 0 and mode == "save":
                 torch.save(ref, os.path.join(base, f"ref-{step}.pt"))
             ck.save(step, model=model, optimizer=opt)
-            if mode == "crash" and step == 4 and rank == int(os.environ["CRASH_RANK"]):
-                os.kill(os.getpid(), signal.SIGKILL)  # mid-save: the persist thread is writing
             try:
                 ck.wait()
             except CheckpointError as exc:

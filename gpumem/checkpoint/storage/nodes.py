@@ -17,11 +17,12 @@ match it: ranks of one node share one directory, ranks of two nodes do not.
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+from gpumem._env import env_str
 
 from ..errors import CheckpointStateError
 from ..group import Group
@@ -99,9 +100,9 @@ def detect(directory: Path, group: Group, replicas: int, probe: bool = True) -> 
     for r, name in enumerate(names):
         by_name.setdefault(name, []).append(r)
     nodes = tuple(sorted((tuple(rs) for rs in by_name.values()), key=lambda rs: rs[0]))
-    seen = _probe(directory, g) if probe else [(1 << g.world_size) - 1] * g.world_size
-    everyone = (1 << g.world_size) - 1
-    if all(mask == everyone for mask in seen):
+    everyone = set(range(g.world_size))
+    seen = _probe(directory, g) if probe else [everyone] * g.world_size
+    if all(ranks == everyone for ranks in seen):
         if replicas > 1:
             raise CheckpointStateError(
                 f"replicas={replicas} with directory={directory}: every rank sees that "
@@ -110,10 +111,9 @@ def detect(directory: Path, group: Group, replicas: int, probe: bool = True) -> 
             )
         return Nodes(False, nodes, g.rank)
     for ranks in nodes:
-        want = sum(1 << r for r in ranks)
-        wrong = [r for r in ranks if seen[r] != want]
+        wrong = [r for r in ranks if seen[r] != set(ranks)]
         if wrong:
-            saw = [sorted(i for i in range(g.world_size) if seen[r] >> i & 1) for r in wrong]
+            saw = [sorted(seen[r]) for r in wrong]
             raise CheckpointStateError(
                 f"directory={directory} is neither shared by every rank nor node-local: ranks "
                 f"{list(ranks)} are one node (GPUMEM_NODE / GROUP_RANK / host name), but rank(s) "
@@ -134,14 +134,14 @@ def _too_many(replicas: int, n: int, directory: Path) -> CheckpointStateError:
 
 def _node_names(g: Group) -> list[str]:
     """Every rank's node name: GPUMEM_NODE, else GROUP_RANK, else the host name."""
-    name = os.environ.get("GPUMEM_NODE") or os.environ.get("GROUP_RANK") or socket.gethostname()
+    name = env_str("GPUMEM_NODE") or env_str("GROUP_RANK") or socket.gethostname()
     data = name.encode()[:255]
     sizes = [row[0] for row in g.all_gather([len(data)])]
     return [b.decode(errors="replace") for b in g.all_gather_bytes(data, sizes)]
 
 
-def _probe(directory: Path, g: Group) -> list[int]:
-    """Per rank, a bit mask of the ranks whose marker it sees in its ``directory``."""
+def _probe(directory: Path, g: Group) -> list[set[int]]:
+    """Per rank, the ranks whose marker it sees in its ``directory``."""
     token = g.broadcast_text(uuid.uuid4().hex if g.rank == 0 else "", 0)
     mine = directory / f"{_PROBE}{token}-{g.rank}"
     wrote = 1
