@@ -59,7 +59,7 @@ class Checkpointer:
         staging_bytes: cap on host staging memory; None: ``default_staging_bytes()``.
         overlap, chunk_bytes, alignment, direct_io, segment_bytes, lock_timeout_s, replicated,
             collective_timeout_s, read_only, coalesce, device_spill_bytes, remote (the tiers),
-            endpoint_url: see ``CheckpointerConfig``, which documents and checks every one.
+            endpoint_url, replicas: see ``CheckpointerConfig``, which documents and checks each.
 
     Sharded state (FSDP2 ``fully_shard``, tensor parallel, 2-D meshes): pass the wrapped model and
     its optimizer as they are. Each rank writes the blocks of its local shards (a replicated
