@@ -126,7 +126,8 @@ class Checkpointer:
         try:  # the remote (if any) is probed before the local directory is created
             self.tiers = Tiers.from_config(cfg, self._group)
             # a shared directory, or one node-local per node (storage.nodes)
-            self._nodes = detect(cfg.directory, self._group, cfg.replicas, not cfg.read_only)
+            probe = not cfg.read_only and cfg.remote is None  # tiers: check_shared says
+            self._nodes = detect(cfg.directory, self._group, cfg.replicas, probe)
             self._commit = CommitOptions(
                 cfg.directory, cfg.alignment, cfg.direct_io, self._group, cfg.keep, self._nodes
             )

@@ -163,3 +163,20 @@ def test_replicas_must_be_a_positive_int(tmp_path, bad):
     with pytest.raises(CheckpointStateError, match="replicas"):
         gpumem.Checkpointer(tmp_path / "c", replicas=bad)
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize(
+    ("kw", "why"),
+    [
+        ({"remote": "s3://bucket/run"}, "not with remote="),
+        ({"read_only": True}, "read_only=True"),
+        ({}, r"the job has 1 node\(s\).*use replicas <= 1"),
+    ],
+)
+def test_replicas_where_they_cannot_apply_are_refused(tmp_path, kw, why):
+    import gpumem
+    from gpumem.checkpoint import CheckpointStateError
+
+    with pytest.raises(CheckpointStateError, match=why):
+        gpumem.Checkpointer(tmp_path / "c", replicas=2, **kw)
+    assert not (tmp_path / "c").exists()
