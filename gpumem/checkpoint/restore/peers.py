@@ -139,7 +139,6 @@ class Restore:
 
     def __init__(self, nodes: Nodes):
         self.nodes = nodes
-        self.fetched = 0  # files received by this rank in the last call (for tests, benchmarks)
 
     def __call__(
         self,
@@ -261,7 +260,6 @@ class Restore:
             d.close()
         if target is not None:
             target.close()
-        self.fetched = sum(1 for t in mine)
         bad = [r for r, (ok,) in enumerate(group.all_gather([int(failure is None)])) if not ok]
         if bad:
             raise CheckpointCorruptError(
