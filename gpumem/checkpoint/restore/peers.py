@@ -248,7 +248,7 @@ class Restore:
             group,
             transfers,
             source=source,
-            target=lambda t: target if target is not None else _sink(root),
+            target=lambda t: target,
             allowed=allowed,
         )
         failure = failure or err
@@ -274,7 +274,3 @@ def _files_of(d: Dir, rank: int) -> list[str]:
     info = dirs.load_info(d)
     shard = dirs.load_shard_manifest(d, info, rank)
     return [shard_manifest_name(rank), *sorted(shard.files)]
-
-
-def _sink(root: Dir | None) -> Dir:
-    raise CheckpointCorruptError(f"no directory to receive into ({root and root.path})")

@@ -16,10 +16,12 @@ deadlock.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -48,28 +50,33 @@ def run(
     group: Group,
     transfers: list[Transfer],
     source: Callable[[Transfer], Dir],
-    target: Callable[[Transfer], Dir],
+    target: Callable[[Transfer], Dir | None],
     allowed: Callable[[Transfer, str], bool],
 ) -> BaseException | None:
     """This rank's part of ``transfers`` (the same list on every rank), in order: the first
     failure here (later transfers still run, to keep the peers in step), or None."""
     failure: BaseException | None = None
     for t in transfers:
-        if group.rank == t.src:
-            err = send(group, t.dst, source(t), t.names)
-        elif group.rank == t.dst:
-            err = receive(group, t.src, target(t), lambda name, t=t: allowed(t, name))
-        else:
-            continue
-        failure = failure or err
+        if t.src == group.rank:
+            d: Dir | None = None
+            try:
+                d = source(t)
+            except Exception as exc:  # announce no files: the peer stays in step
+                failure = failure or exc
+            failure = failure or send(group, t.dst, d, t.names if d is not None else [])
+        elif t.dst == group.rank:
+            into = target(t)  # None: drained, nothing kept (this side failed already)
+            err = receive(group, t.src, into, functools.partial(allowed, t))
+            failure = failure or err or (None if into is not None else OSError("no directory"))
     return failure
 
 
-def send(group: Group, dst: int, d: Dir, names: list[str]) -> BaseException | None:
+def send(group: Group, dst: int, d: Dir | None, names: list[str]) -> BaseException | None:
     dist, failure = _dist(), None
     sizes = []
     for name in names:
         try:
+            assert d is not None
             sizes.append(os.stat(name, dir_fd=d.fd, follow_symlinks=False).st_size)
         except OSError as exc:
             failure = failure or exc
@@ -79,6 +86,7 @@ def send(group: Group, dst: int, d: Dir, names: list[str]) -> BaseException | No
         dist.send(torch.tensor([len(header)], dtype=torch.int64), dst, group=group.pg)
         dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=group.pg)
         for name, size in zip(names, sizes, strict=True):
+            assert d is not None
             fd, crc, broken = -1, 0, False
             try:
                 fd = os.open(name, _READ, dir_fd=d.fd)
@@ -104,12 +112,16 @@ def send(group: Group, dst: int, d: Dir, names: list[str]) -> BaseException | No
     return failure
 
 
-def receive(group: Group, src: int, d: Dir, allowed: Callable[[str], bool]) -> BaseException | None:
-    dist, failure = _dist(), None
+def receive(
+    group: Group, src: int, d: Dir | None, allowed: Callable[[str], bool]
+) -> BaseException | None:
+    dist = _dist()
+    failure: BaseException | None = None
+    where = d.path if d is not None else Path("(not kept)")
     with _peers_gone():
         n = torch.empty(1, dtype=torch.int64)
         dist.recv(n, src, group=group.pg)
-        if not 0 < int(n.item()) <= _MAX_HEADER:
+        if not 2 <= int(n.item()) <= _MAX_HEADER:
             raise CheckpointCorruptError(f"rank {src} sent a header of {int(n.item())} bytes")
         raw = torch.empty(int(n.item()), dtype=torch.uint8)
         dist.recv(raw, src, group=group.pg)
@@ -117,8 +129,9 @@ def receive(group: Group, src: int, d: Dir, allowed: Callable[[str], bool]) -> B
         for name, size in files:
             tmp, fd, crc = f".recv-{name}", -1, 0
             try:
-                d.remove_tree(tmp)
-                fd = os.open(tmp, _WRITE, 0o644, dir_fd=d.fd)
+                if d is not None:
+                    d.remove_tree(tmp)
+                    fd = os.open(tmp, _WRITE, 0o644, dir_fd=d.fd)
             except OSError as exc:
                 failure = failure or exc
             for off in range(0, size, CHUNK):
@@ -135,21 +148,33 @@ def receive(group: Group, src: int, d: Dir, allowed: Callable[[str], bool]) -> B
             dist.recv(want, src, group=group.pg)
             if int(want.item()) != crc:
                 failure = failure or CheckpointCorruptError(
-                    f"{d.path / name}: received from rank {src} with CRC32C {crc:08x}, sent as "
+                    f"{where / name}: received from rank {src} with CRC32C {crc:08x}, sent as "
                     f"{int(want.item()):08x} (unreadable at the sender or damaged on the way)"
                 )
             if fd >= 0:
-                try:
-                    os.fdatasync(fd)
-                finally:
-                    os.close(fd)
-                if failure is None:
-                    d.replace(tmp, name)
-                else:
-                    d.discard_tree(tmp)
-    if failure is None:
-        d.fsync()
+                assert d is not None
+                failure = failure or _keep(d, fd, tmp, name, failure is None)
+    if failure is None and d is not None:
+        try:
+            d.fsync()
+        except OSError as exc:
+            failure = exc
     return failure
+
+
+def _keep(d: Dir, fd: int, tmp: str, name: str, ok: bool) -> OSError | None:
+    """Make the received ``tmp`` durable as ``name`` (``ok``), else remove it."""
+    try:
+        os.fdatasync(fd)
+        if ok:
+            d.replace(tmp, name)
+            return None
+    except OSError as exc:
+        return exc
+    finally:
+        os.close(fd)
+    d.discard_tree(tmp)
+    return None
 
 
 def _header(raw: bytes, src: int, allowed: Callable[[str], bool]) -> list[tuple[str, int]]:
