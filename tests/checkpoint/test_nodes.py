@@ -84,6 +84,25 @@ def test_fsdp_replicas_survive_a_lost_node_on_4_and_2_ranks(tmp_path):
     assert got["step"] == 4 and differences(load(base / "ref-4.pt"), got["state"]) == []
 
 
+def test_a_damaged_replica_is_found_and_the_older_step_restored(tmp_path):
+    """The survivor's copy of a lost rank's data is damaged: the fetched step fails the restore's
+    CRC checks on every rank, and the next step held whole is fetched and restored."""
+    outs, codes = launch(tmp_path, "save", 4)
+    assert codes == [0] * 4, outs
+    base = tmp_path / "run"
+    shutil.rmtree(base / "node1")
+    data = base / "node0" / "step-000000004" / "data-r00003-0000.bin"
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    outs, codes = launch(tmp_path, "restore", 4)
+    assert codes == [0] * 4, outs
+    assert all(f"rank {r} restored 2 OK" in outs[r] for r in range(4)), outs
+    assert "skipping damaged checkpoint step-000000004" in outs[0]
+    got = load(base / "got-4.pt")
+    assert got["step"] == 2 and differences(load(base / "ref-2.pt"), got["state"]) == []
+
+
 def test_kill_9_of_a_rank_mid_save_leaves_the_previous_step(tmp_path):
     outs, codes = launch(tmp_path, "crash", 4, env={"CRASH_RANK": "3"})
     assert codes[3] == -9, outs

@@ -10,8 +10,8 @@ creates the step's temporary directory, writes the main manifest and renames the
 
 Node identity, for placing replicas on other nodes (``replicas=``), comes from the launcher:
 ``GPUMEM_NODE`` if set (tests simulate nodes with it), else ``GROUP_RANK`` (torchrun's node
-index), else the host name; ranks are gathered over torch.distributed. A node-local layout must
-match it: ranks of one node share one directory, ranks of two nodes do not.
+index), else ``rank // LOCAL_WORLD_SIZE``, else the host name, gathered over torch.distributed.
+A node-local layout must match it: ranks of one node share one directory, two nodes do not.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpumem._env import env_str
+from gpumem._env import env_int, env_str
 
 from ..errors import CheckpointStateError
 from ..group import Group
@@ -116,9 +116,9 @@ def detect(directory: Path, group: Group, replicas: int, probe: bool = True) -> 
             saw = [sorted(seen[r]) for r in wrong]
             raise CheckpointStateError(
                 f"directory={directory} is neither shared by every rank nor node-local: ranks "
-                f"{list(ranks)} are one node (GPUMEM_NODE / GROUP_RANK / host name), but rank(s) "
-                f"{wrong} see the files of ranks {saw} there. Give every rank one shared "
-                "directory, or each node one local directory its ranks share"
+                f"{list(ranks)} are one node (GPUMEM_NODE, GROUP_RANK, LOCAL_WORLD_SIZE or host "
+                f"name), but rank(s) {wrong} see the files of ranks {saw} there. Give every "
+                "rank one shared directory, or each node one local directory its ranks share"
             )
     if replicas > len(nodes):
         raise _too_many(replicas, len(nodes), directory)
@@ -133,8 +133,13 @@ def _too_many(replicas: int, n: int, directory: Path) -> CheckpointStateError:
 
 
 def _node_names(g: Group) -> list[str]:
-    """Every rank's node name: GPUMEM_NODE, else GROUP_RANK, else the host name."""
-    name = env_str("GPUMEM_NODE") or env_str("GROUP_RANK") or socket.gethostname()
+    """Every rank's node name: GPUMEM_NODE, else GROUP_RANK, else rank // LOCAL_WORLD_SIZE, else
+    the host name."""
+    name = env_str("GPUMEM_NODE") or env_str("GROUP_RANK")
+    local = env_int("LOCAL_WORLD_SIZE")
+    if name is None and local:  # torchrun without GROUP_RANK: consecutive ranks per node
+        name = str(g.rank // local)
+    name = name or socket.gethostname()
     data = name.encode()[:255]
     sizes = [row[0] for row in g.all_gather([len(data)])]
     return [b.decode(errors="replace") for b in g.all_gather_bytes(data, sizes)]
