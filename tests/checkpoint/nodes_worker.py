@@ -37,6 +37,8 @@ def main() -> None:
     )
     rank, world = dist.get_rank(), dist.get_world_size()
     node_dir = os.path.join(base, os.environ.get("NODE_DIR") or f"node{os.environ['GPUMEM_NODE']}")
+    if os.environ.get("DIR_PER_RANK"):  # neither shared nor one a node: refused
+        node_dir = os.path.join(base, f"rank{rank}")
     if mode == "refuse":
         try:
             gpumem.Checkpointer(node_dir, replicas=replicas)

@@ -140,6 +140,12 @@ def test_replicas_beyond_the_nodes_and_on_a_shared_directory_are_refused(tmp_pat
     assert codes == [0, 0], outs
     assert all("a shared file system" in o and "use replicas=1" in o for o in outs), outs
     assert not os.listdir(tmp_path / "run" / "shared")  # the probe left nothing behind
+    # two ranks of one node (GPUMEM_NODE) that do not see each other's files
+    outs, codes = launch(tmp_path, "refuse", 2, replicas=1, env={"DIR_PER_RANK": "1"})
+    assert codes == [0, 0], outs
+    for o in outs:
+        assert "neither shared by every rank nor node-local: ranks [0, 1] are one node" in o, o
+        assert "rank(s) [0, 1] see the files of ranks [[0], [1]]" in o
 
 
 def held(*pairs):
