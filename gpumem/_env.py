@@ -11,6 +11,7 @@
 | GPUMEM_DEBUG          | 1: the CLI prints a traceback with its one line  | 0                  |
 | GPUMEM_FAKE_FULL_DISPATCH | 1: fake tensors take torch's full dispatch path | 0         |
 | GPUMEM_PY_ALLOCATOR   | 1: step traces on the Python allocator simulator | 0 (compiled)       |
+| GPUMEM_NODE           | this rank's node (node-local checkpoints, replicas) | GROUP_RANK, host |
 
 (n: the machine's cores.)
 """

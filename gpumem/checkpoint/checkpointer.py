@@ -34,6 +34,7 @@ from .capture.training_state import Capture, TrainingState, capture
 from .errors import CheckpointError, CheckpointStateError
 from .group import Group
 from .lifecycle import LIVE, close_after, stop_workers
+from .restore import peers
 from .restore.candidates import StagedRestore, restore
 from .save import Save
 from .settings import CheckpointerConfig, check_positive, check_step
@@ -43,6 +44,7 @@ from .stats import SaveStats
 from .storage.commit import Commit, CommitOptions
 from .storage.directory import list_checkpoints
 from .storage.format import CheckpointInfo
+from .storage.nodes import detect
 from .storage.root import Root
 from .tiers import Tiers
 from .workers import Worker
@@ -57,7 +59,7 @@ class Checkpointer:
         staging_bytes: cap on host staging memory; None: ``default_staging_bytes()``.
         overlap, chunk_bytes, alignment, direct_io, segment_bytes, lock_timeout_s, replicated,
             collective_timeout_s, read_only, coalesce, device_spill_bytes, remote (the tiers),
-            endpoint_url: see ``CheckpointerConfig``, which documents and checks every one.
+            endpoint_url, replicas: see ``CheckpointerConfig``, which documents and checks each.
 
     Sharded state (FSDP2 ``fully_shard``, tensor parallel, 2-D meshes): pass the wrapped model and
     its optimizer as they are. Each rank writes the blocks of its local shards (a replicated
@@ -99,6 +101,7 @@ class Checkpointer:
         remote: str | None = None,
         endpoint_url: str | None = None,
         local: str | bytes | os.PathLike | None = None,
+        replicas: int = 1,
     ):
         arguments = {k: v for k, v in locals().items() if k != "self"}  # the config's fields
         cfg = self.config = CheckpointerConfig(**arguments)  # checks every one of them
@@ -110,9 +113,6 @@ class Checkpointer:
                 "ranks, which would have to agree on which saves to skip); use coalesce=False"
             )
         self._staging = Staging.from_config(cfg)
-        self._commit = CommitOptions(
-            cfg.directory, cfg.alignment, cfg.direct_io, self._group, cfg.keep
-        )
         self._job: Save | None = None
         # background threads of every save (persist, overlap copy), started once: see Worker
         self._workers = (Worker("gpumem-ckpt-persist"), Worker("gpumem-ckpt-copy"))
@@ -125,7 +125,13 @@ class Checkpointer:
         self.history: collections.deque[SaveStats] = collections.deque(maxlen=256)  # newest last
         try:  # the remote (if any) is probed before the local directory is created
             self.tiers = Tiers.from_config(cfg, self._group)
-            self._root = Root.from_config(cfg, self._group)
+            # a shared directory, or one node-local per node (storage.nodes)
+            probe = not cfg.read_only and cfg.remote is None  # tiers: check_shared says
+            self._nodes = detect(cfg.directory, self._group, cfg.replicas, probe)
+            self._commit = CommitOptions(
+                cfg.directory, cfg.alignment, cfg.direct_io, self._group, cfg.keep, self._nodes
+            )
+            self._root = Root.from_config(cfg, self._group, self._nodes)
             self.tiers.check_shared(self._root)  # closes it when refused
         except BaseException:
             stop_workers(self._workers)
@@ -320,7 +326,8 @@ class Checkpointer:
         self.wait()
         self._group.join("restore()")
         self.tiers.before_restore(self._root, path)  # a newer remote step is fetched first
-        step, staged = restore(
+        run = restore if path is not None or not self._nodes.local else peers.Restore(self._nodes)
+        step, staged = run(
             TrainingState(model, optimizer, scheduler, scaler, stateful, extra, rng),
             self._group,
             self._staging.restore_buffer,

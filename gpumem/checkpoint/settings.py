@@ -103,6 +103,9 @@ class CheckpointerConfig:
         endpoint_url: the S3 endpoint of ``remote`` (MinIO, a local server); None: from the
             AWS environment (``AWS_ENDPOINT_URL``) or AWS itself.
         local: ``directory`` by another name, as tiers spell it (give one of the two).
+        replicas: with node-local directories (each node its own disk), on how many nodes each
+            rank's data files are kept (its own and the next ``replicas - 1``); a step survives
+            the loss of ``replicas - 1`` nodes. At most the number of nodes; 1: no copies.
 
     Raises:
         CheckpointStateError: an argument of the wrong type or outside its range, naming it.
@@ -125,6 +128,7 @@ class CheckpointerConfig:
     remote: str | None = None
     endpoint_url: str | None = None
     local: Any = None
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         if self.local is not None:  # the tiers' spelling: Checkpointer(local=..., remote=...)
@@ -174,6 +178,15 @@ class CheckpointerConfig:
         if not is_int(self.device_spill_bytes, 0):
             _refuse(
                 "device_spill_bytes", self.device_spill_bytes, "must be an int >= 0 (0: no spill)"
+            )
+        if not is_int(self.replicas, 1):
+            _refuse("replicas", self.replicas, "must be an int >= 1 (1: no copies on other nodes)")
+        if self.replicas > 1 and (self.remote is not None or self.read_only):
+            _refuse(
+                "replicas",
+                self.replicas,
+                "is for node-local directories written by this job: not with remote= (tiers "
+                "need a shared directory) or read_only=True",
             )
         self._check_remote()
         if not _seconds(self.collective_timeout_s, zero=False):

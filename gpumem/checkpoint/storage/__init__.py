@@ -13,4 +13,7 @@ Modules:
     object_store  an S3-protocol store (boto3): multipart from memory, conditional put, ranged read
     object_root   checkpoints in an object store: a step uploaded, committed by conditional put
     object_body   a request's bytes as views of caller memory: body, parts, CRC32C headers, budget
+    nodes      one shared directory or one per node (detected): nodes, leaders, replica holders
+    replicas   a node-local save: manifests on every node, replicas sent, one main manifest
+    peer_files checkpoint files sent between two ranks over the gloo group, CRC-checked
 """

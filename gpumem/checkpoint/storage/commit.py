@@ -42,7 +42,9 @@ from ..group import Group
 from ..stage.snapshot import Snapshot
 from . import directory
 from .agreement import check_agreement, check_complete, check_layout, layout_blob
-from .format import MAIN_MANIFEST, main_manifest, shard_manifest_name
+from .format import MAIN_MANIFEST, Manifest, main_manifest, shard_manifest_name
+from .nodes import Nodes
+from .replicas import spread
 from .safe_fs import Dir
 from .writes import HostChecksums, rank_manifest, write_batches
 
@@ -59,6 +61,9 @@ class CommitOptions:
         direct: write data files with O_DIRECT where the file system allows.
         group: the process group (rank, world size, collectives).
         keep: checkpoints to keep (None: all).
+        nodes: node-local directories (``nodes.Nodes``): each node's leader plays rank 0's
+            part in its own directory, and ``replicas.spread`` completes each node's copy
+            before it commits. None: one directory every rank shares.
     """
 
     root_path: Path
@@ -66,6 +71,7 @@ class CommitOptions:
     direct: bool
     group: Group
     keep: int | None
+    nodes: Nodes | None = None
 
 
 class Commit:
@@ -87,6 +93,11 @@ class Commit:
         self._tmp: Dir | None = None  # the open temporary directory of this save
         self._shared_blocks = False  # several ranks write one DTensor block (check_layout)
         self._committed_name: str | None = None
+        self._files: list[str] = []  # this rank's data files (sent as replicas)
+        nodes = options.nodes
+        self._local = nodes if nodes is not None and nodes.local else None
+        # rank 0 in a shared directory; each node's leader in its own node-local one
+        self._leads = self.group.rank == 0 if self._local is None else self._local.leads
 
     def run(self) -> None:
         """Steps 1-5 of the module docstring, on the persist thread."""
@@ -102,10 +113,10 @@ class Commit:
 
     def _prepare_tmp(self) -> BaseException | None:
         """Rank 0: clean up and create the temporary directory; what failed, or None."""
-        if self.group.rank != 0:
+        if not self._leads:
             return None
         try:
-            assert self.root is not None  # rank 0 opened it in the constructor
+            assert self.root is not None  # the leader opened it in the constructor
             directory.clean_stale(self.root)
             self._tmp = directory.prepare_tmp(self.root, self.step)
         except OSError as exc:
@@ -177,6 +188,7 @@ class Commit:
                 _raise(snap.error)
                 b = todo[-1] + 1
                 snap.release(b)
+            self._files = list(files)
             manifest = rank_manifest(
                 self.captured,
                 snap,
@@ -215,10 +227,17 @@ class Commit:
                 "committed",
                 errno=theirs,
             )
-        ok = 1
-        if g.rank == 0:
+        main = None
+        if self._local is not None:  # every node's copy whole before any node commits
             try:
-                self._commit(gathered)
+                main = spread(self._local, g, self._open_tmp(), self._files, self._main(gathered))
+            except CheckpointError:
+                self._discard()
+                raise
+        ok = 1
+        if self._leads:
+            try:
+                self._commit(gathered, main)
             except BaseException as exc:
                 local_error, ok = exc, 0
                 # not committed: its space is freed now, not at the next start (a full disk
@@ -230,7 +249,7 @@ class Commit:
         if not self.stats.durable_s:  # ranks other than 0: durable once rank 0 committed
             self.stats.durable_s = time.perf_counter() - self.snapshot.t0
         self.stats.committed = True
-        if g.rank == 0 and self._committed_name is not None:
+        if self._leads and self._committed_name is not None:
             self._retain(self._committed_name)
 
     def _raise_commit_failure(self, local_error: BaseException | None) -> None:
@@ -246,20 +265,31 @@ class Commit:
             raise CheckpointStateError(reason[len(_STATE) :])
         raise CheckpointIOError(f"rank 0 failed to commit step {self.step}: {reason}")
 
-    def _commit(self, gathered: list[list[int]]) -> None:
-        """Rank 0: the main manifest, the rename into place, ``latest``."""
-        tmp = self._open_tmp()
-        sharded = any(row[3] for row in gathered)
-        manifest = main_manifest(
+    def _main(self, gathered: list[list[int]]) -> Manifest | None:
+        """Rank 0's main manifest (None on the other ranks)."""
+        if self.group.rank != 0:
+            return None
+        return main_manifest(
             step=self.step,
             world_size=self.group.world_size,
             shards=[(row[1], row[2]) for row in gathered],
             replicated=self.captured.replication is not None,
-            sharded=sharded,
+            sharded=any(row[3] for row in gathered),
         )
-        if sharded and self._shared_blocks:  # the tiling was checked before writing
+
+    def _commit(self, gathered: list[list[int]], main: tuple[bytes, int] | None) -> None:
+        """The leader: the main manifest (``main``: rank 0's bytes, node-local), the rename
+        into place, ``latest``."""
+        tmp = self._open_tmp()
+        if any(row[3] for row in gathered) and self._shared_blocks:  # tiling checked before
             check_complete(tmp, [row[1] for row in gathered])
-        crc = directory.write_manifest(tmp, MAIN_MANIFEST, manifest)
+        if main is None:
+            manifest = self._main(gathered)
+            assert manifest is not None
+            crc = directory.write_manifest(tmp, MAIN_MANIFEST, manifest)
+        else:
+            tmp.write_new(MAIN_MANIFEST, main[0])
+            crc = main[1]
         assert self.root is not None
         done = directory.commit(self.root, tmp, self.step, crc)
         # committed: from here on nothing fails the save (the pointer and retention are cleanup)
@@ -308,9 +338,9 @@ class Commit:
         return self._tmp
 
     def _discard(self) -> None:
-        """Rank 0: remove a failed save's temporary directory (best effort: the next save or
-        start retries)."""
-        if self.group.rank == 0 and self.root is not None:
+        """The leader: remove a failed save's temporary directory (best effort: the next save
+        or start retries)."""
+        if self._leads and self.root is not None:
             self.root.discard_tree(self._tmp_name)
 
 

@@ -21,6 +21,7 @@ from ..errors import CheckpointError, CheckpointIOError, CheckpointStateError
 from ..group import Group
 from .directory import clean_stale
 from .lock import READ_ONLY_ERRNOS, DirLock
+from .nodes import Nodes
 from .safe_fs import Dir
 
 # what rank 0 tells the others after opening the directory (else: the errno that made it
@@ -54,14 +55,17 @@ class Root:
         read_only: bool,
         lock_timeout_s: float,
         collective_timeout_s: float,
+        nodes: Nodes | None = None,
     ):
         self.path, self.group = path, group
+        # node-local directories: each node's leader opens and locks its own
+        self._leader = nodes.leader() if nodes is not None and nodes.local else None
         self.read_only: str | None = "opened with read_only=True" if read_only else None
         self._errno: int | None = None  # why it cannot be written (None: asked for)
         self._lock: DirLock | None = None
         self._dir: Dir | None = None
         failure: Exception | None = None
-        if group.rank == 0:
+        if group.rank == (self._leader or 0):
             try:
                 self._open(lock_timeout_s)
             except Exception as exc:  # raised below, once every rank has heard of it
@@ -73,7 +77,7 @@ class Root:
             raise failure
 
     @classmethod
-    def from_config(cls, cfg: Any, group: Group) -> Root:
+    def from_config(cls, cfg: Any, group: Group, nodes: Nodes | None = None) -> Root:
         """The directory of a Checkpointer with ``cfg`` (a ``config.CheckpointerConfig``)."""
         return cls(
             cfg.directory,
@@ -81,6 +85,7 @@ class Root:
             read_only=cfg.read_only,
             lock_timeout_s=cfg.lock_timeout_s,
             collective_timeout_s=cfg.collective_timeout_s,
+            nodes=nodes,
         )
 
     def _open(self, lock_timeout_s: float) -> None:
@@ -115,7 +120,11 @@ class Root:
         if failure is None and self.read_only is not None:
             code = self._errno or 0
         try:
-            code = self.group.from_rank0("open", code, timeout_s, f"whether it opened {self.path}")
+            if self._leader is None:
+                what = f"whether it opened {self.path}"
+                code = self.group.from_rank0("open", code, timeout_s, what)
+            else:  # each rank hears its own node's leader
+                code = self.group.all_gather([code])[self._leader][0]
         except CheckpointError as exc:
             failure = failure or exc
         if code == _FAILED and failure is None:

@@ -1,0 +1,276 @@
+"""Restore from node-local directories: the newest step the reachable nodes hold whole, its
+missing files fetched from the nodes that hold them.
+
+Each node's directory holds the main manifest and every shard manifest of each step it
+committed, its own ranks' data files, and (``replicas=k``) those of the ranks on the k-1 nodes
+before it. A node that was replaced has an empty directory; a node that died mid-commit may
+lack the newest step. So, collectively:
+
+1. each node's leader lists its steps: main-manifest CRC32C, saved world size, and the saved
+   ranks whose shard manifest checks against the main manifest and whose data files are all
+   there at their recorded sizes (nothing is read beyond the manifests); the lists are
+   all-gathered;
+2. every rank computes the same plan from them: the newest step whose holders (the nodes with
+   the same main manifest) together hold every saved rank's files. Newer steps held in part
+   only (the nodes holding some rank's files were lost, and no replica survived) are skipped
+   with a CheckpointFallbackWarning naming the missing ranks; none held whole is a
+   CheckpointCorruptError (a step no reachable node holds whole is not restorable);
+3. each node's leader receives what its ranks need and its directory lacks, over
+   torch.distributed (``storage.peer_files``, CRC-checked): the manifests where the step is
+   missing (renamed into place as a committed step once complete), the data files of its own
+   ranks at the same world size, of every saved rank otherwise (resharding, replicated state);
+4. every rank restores that one step from its own directory (``candidates.restore`` with the
+   step's path, so all ranks load the same step), verifying every byte as usual. A step that
+   fails verification there falls back to the next one held whole (steps 3-4 again).
+"""
+
+from __future__ import annotations
+
+import json
+import stat
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..capture.training_state import TrainingState
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointFallbackWarning
+from ..group import Group
+from ..storage import directory as dirs
+from ..storage import peer_files
+from ..storage.format import MAIN_MANIFEST, shard_manifest_name, step_dir_name
+from ..storage.nodes import Nodes
+from ..storage.safe_fs import Dir
+from .candidates import StagedRestore, restore
+
+# step -> (main manifest CRC, saved world size, replicated, saved ranks held whole)
+Held = dict[int, tuple[int, int, bool, set[int]]]
+
+
+def inventory(root: Dir | None) -> Held:
+    """What this node's directory holds whole, per committed step (step 1)."""
+    held: Held = {}
+    if root is None:
+        return held
+    for step, name in dirs.step_dirs(root):
+        try:
+            with dirs.open_step(root, name) as d:
+                info = dirs.load_info(d)
+                ranks = {r for r in range(info.world_size) if _whole(d, info, r)}
+        except CheckpointError:
+            continue
+        held[step] = (info.manifest_crc32c, info.world_size, info.replicated, ranks)
+    return held
+
+
+def _whole(d: Dir, info: Any, rank: int) -> bool:
+    try:
+        shard = dirs.load_shard_manifest(d, info, rank)
+        for name, size in shard.files.items():
+            st = d.lstat(name)
+            if st is None or not stat.S_ISREG(st.st_mode) or st.st_size < size:
+                return False
+    except (CheckpointError, OSError):
+        return False
+    return True
+
+
+def gather(group: Group, nodes: Nodes, held: Held) -> list[Held]:
+    """Every node's inventory, by node index (only leaders' count)."""
+    mine = b""
+    if group.rank == nodes.leader():
+        rows = [[s, c, w, int(rep), sorted(r)] for s, (c, w, rep, r) in held.items()]
+        mine = json.dumps(rows).encode()
+    sizes = [row[0] for row in group.all_gather([len(mine)])]
+    blobs = group.all_gather_bytes(mine, sizes)
+    out = []
+    for n in range(len(nodes.nodes)):
+        rows = json.loads(blobs[nodes.leader(n)] or b"[]")
+        out.append({int(s): (int(c), int(w), bool(rep), set(r)) for s, c, w, rep, r in rows})
+    return out
+
+
+def complete_steps(
+    per_node: list[Held],
+) -> tuple[list[tuple[int, list[int]]], list[tuple[int, list[int]]]]:
+    """(the steps held whole, newest first, with the nodes holding them), and the steps held in
+    part with the saved ranks whose files no node holds (step 2)."""
+    steps = sorted({s for held in per_node for s in held}, reverse=True)
+    whole, partial = [], []
+    for step in steps:
+        crcs = [held[step][0] for held in per_node if step in held]
+        crc = max(set(crcs), key=lambda c: (crcs.count(c), -crcs.index(c)))
+        holders = [n for n, held in enumerate(per_node) if step in held and held[step][0] == crc]
+        world = per_node[holders[0]][step][1]
+        have = set().union(*(per_node[n][step][3] for n in holders))
+        missing = sorted(set(range(world)) - have)
+        if missing:
+            partial.append((step, missing))
+        else:
+            whole.append((step, holders))
+    return whole, partial
+
+
+def plan(
+    nodes: Nodes, per_node: list[Held], step: int, holders: list[int], world_size: int
+) -> list[peer_files.Transfer]:
+    """The transfers that give every node what its ranks need of ``step`` (step 3)."""
+    _, saved, replicated, _ = per_node[holders[0]][step]
+    everything = saved != world_size or replicated
+    out = []
+    for n, ranks in enumerate(nodes.nodes):
+        have = per_node[n][step][3] if n in holders else set()
+        need = set(range(saved)) if everything else {r for r in ranks if r < saved}
+        if n not in holders:
+            src = nodes.leader(holders[n % len(holders)])
+            metas = [MAIN_MANIFEST, *(shard_manifest_name(r) for r in range(saved))]
+            out.append(peer_files.Transfer(src, nodes.leader(n), metas))
+        for r in sorted(need - have):
+            sources = [h for h in holders if r in per_node[h][step][3]]
+            src = nodes.leader(sources[n % len(sources)])
+            out.append(peer_files.Transfer(src, nodes.leader(n), [f"rank:{r}"]))
+    return out
+
+
+class Restore:
+    """``candidates.restore``'s signature, for node-local directories (the module docstring)."""
+
+    def __init__(self, nodes: Nodes):
+        self.nodes = nodes
+
+    def __call__(
+        self,
+        state: TrainingState,
+        group: Group,
+        stage: Callable[[int], torch.Tensor],
+        *,
+        root: Dir | None,
+        directory: Path,
+        path: Any = None,
+        verify_loaded: bool = False,
+    ) -> tuple[int | None, StagedRestore | None]:
+        per_node = gather(group, self.nodes, inventory(root) if self._leads(group) else {})
+        whole, partial = complete_steps(per_node)
+        newest_whole = whole[0][0] if whole else -1
+        skipped = [
+            f"step {s}: the files of saved rank(s) {missing} are on no node"
+            for s, missing in partial
+            if s > newest_whole
+        ]
+        if not whole and skipped:
+            raise CheckpointCorruptError(
+                f"{directory}: no step is held whole by the nodes this job reaches ("
+                + "; ".join(skipped)
+                + "): they were on lost nodes, with no replica elsewhere (replicas=k keeps each "
+                "rank's files on k nodes). Bring those nodes' directories back, or start afresh",
+                path=str(directory),
+            )
+        for line in skipped:
+            warnings.warn(
+                f"skipping {line} (lost nodes, no replica left)",
+                CheckpointFallbackWarning,
+                stacklevel=3,
+            )
+        failures: list[CheckpointError] = []
+        for step, holders in whole:
+            self._fetch(group, per_node, step, holders, root)
+            label = directory / step_dir_name(step)
+            try:
+                return restore(
+                    state,
+                    group,
+                    stage,
+                    root=root,
+                    directory=directory,
+                    path=label,
+                    verify_loaded=verify_loaded,
+                )
+            except CheckpointCorruptError as exc:
+                failures.append(exc)
+                warnings.warn(
+                    f"skipping damaged checkpoint {label.name}: {exc}",
+                    CheckpointFallbackWarning,
+                    stacklevel=3,
+                )
+        if failures:
+            raise (
+                failures[0]
+                if len(failures) == 1
+                else CheckpointCorruptError(
+                    f"all {len(failures)} checkpoints the nodes hold whole are damaged; newest: "
+                    f"{failures[0]}",
+                    path=str(directory),
+                )
+            )
+        return None, None
+
+    def _leads(self, group: Group) -> bool:
+        return group.rank == self.nodes.leader()
+
+    def _fetch(
+        self, group: Group, per_node: list[Held], step: int, holders: list[int], root: Dir | None
+    ) -> None:
+        """Step 3 on this rank; raises on every rank when any transfer failed."""
+        transfers = plan(self.nodes, per_node, step, holders, group.world_size)
+        if not transfers:
+            return
+        name, tmp_name = step_dir_name(step), dirs.tmp_name(step)
+        here = self.nodes.node in holders
+        mine = [t for t in transfers if t.dst == group.rank]
+        target: Dir | None = None
+        failure: BaseException | None = None
+        try:
+            if mine:
+                assert root is not None  # the leader opened (created) it
+                target = dirs.open_step(root, name) if here else dirs.prepare_tmp(root, step)
+        except (CheckpointError, OSError) as exc:
+            failure = exc
+        opened: dict[str, Dir] = {}
+
+        def source(t: peer_files.Transfer) -> Dir:
+            if name not in opened:
+                assert root is not None
+                opened[name] = dirs.open_step(root, name)
+            d = opened[name]
+            if t.names and t.names[0].startswith("rank:"):
+                t.names = _files_of(d, int(t.names[0][5:]))
+            return d
+
+        def allowed(t: peer_files.Transfer, file: str) -> bool:
+            if t.names and t.names[0].startswith("rank:"):
+                r = int(t.names[0][5:])
+                return file == shard_manifest_name(r) or file.startswith(f"data-r{r:05d}-")
+            return file in t.names
+
+        err = peer_files.run(
+            group,
+            transfers,
+            source=source,
+            target=lambda t: target,
+            allowed=allowed,
+        )
+        failure = failure or err
+        if failure is None and mine and not here:
+            assert root is not None and target is not None
+            info = dirs.load_info(target)
+            dirs.commit(root, target, step, info.manifest_crc32c)
+        for d in opened.values():
+            d.close()
+        if target is not None:
+            target.close()
+        bad = [r for r, (ok,) in enumerate(group.all_gather([int(failure is None)])) if not ok]
+        if bad:
+            raise CheckpointCorruptError(
+                f"fetching step {step}'s files from the nodes that hold them failed on rank(s) "
+                f"{bad}" + (f": {failure}" if failure is not None else ""),
+                path=tmp_name,
+            )
+
+
+def _files_of(d: Dir, rank: int) -> list[str]:
+    """Saved rank ``rank``'s shard manifest and data files in the step directory ``d``."""
+    info = dirs.load_info(d)
+    shard = dirs.load_shard_manifest(d, info, rank)
+    return [shard_manifest_name(rank), *sorted(shard.files)]
