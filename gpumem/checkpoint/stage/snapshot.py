@@ -166,8 +166,9 @@ class Snapshot:
     ) -> None:
         """Copy the pieces ``want`` selects (None: all). Streaming: batch after batch, each marked
         ready once complete, so the persist thread writes batch b while batch b+1 is copied (a
-        slot is reused only once written); overlap mode over host tensors does the same with
-        every slot resident. Otherwise nothing is written before the copy ends, so all batches
+        slot is reused only once written); overlap and blocking mode over host tensors do the
+        same with every slot resident. Otherwise (CUDA state, one batch) nothing is written
+        before the copy ends, so all batches
         go in one group: one native call (one fan-out over the threads instead of one per
         batch)."""
         # finish() may drop self.table on failure: keep what is needed here
