@@ -5,8 +5,11 @@
 Runs the loop of bench_checkpoint.py's training-loop row (GPTish, ~108 MiB of state, AdamW)
 with an overlap save every ``--every`` steps and prints, for each position k after a save
 (k = 0 is the step that saves), the median step time against the same loop without saves,
-alternated in blocks, plus the saves' own figures (stall, copy staged, durable). ``--threads``
-sets the native core's thread count for this run (GPUMEM_THREADS).
+alternated in blocks, plus the saves' own figures (stall, copy staged, durable) and the
+process's CPU time per block of each mode. ``--threads`` sets the native core's thread count for
+this run (GPUMEM_THREADS). Run it once more under ``OMP_WAIT_POLICY=PASSIVE`` to see how much of
+the loss is torch's OpenMP threads spinning at a barrier while a core is taken (torch's CPU
+build: every parallel region ends at one).
 """
 
 from __future__ import annotations
@@ -69,9 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     base: list[float] = []
     by_pos: dict[int, list[float]] = {k: [] for k in range(every)}
     stats = []
+    # the process's CPU time (every thread, torch's spinning ones included) per block of each
+    # mode: what the saves cost in CPU, which the machine's load barely moves, unlike wall time
+    cpu: dict[bool, list[float]] = {False: [], True: []}
     try:
         for block in range(max(2, args.steps // (2 * every))):
             for saving in (False, True):
+                c0 = time.process_time()
                 for i in range(2 * every):
                     t0 = time.perf_counter()
                     step()
@@ -82,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                     dt = time.perf_counter() - t0
                     (by_pos[i % every] if saving else base).append(dt)
                 ck.wait()
+                cpu[saving].append(time.process_time() - c0)
     finally:
         ck.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -100,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     def med(f) -> float:
         return statistics.median(f(s) for s in stats) * 1e3
 
+    per_save = (statistics.median(cpu[True]) - statistics.median(cpu[False])) / 2
+    print(
+        f"CPU time (all threads) per block of {2 * every} steps: "
+        f"{statistics.median(cpu[False]) * 1e3:.0f} ms without saves, "
+        f"{statistics.median(cpu[True]) * 1e3:.0f} ms with 2: {per_save * 1e3:.0f} ms per save"
+    )
     print(
         f"lost per save (sum of medians): {lost * 1e3:.0f} ms; "
         f"save(): {med(lambda s: s.save_s):.1f} ms, hook wait {med(lambda s: s.hook_wait_s):.1f}"

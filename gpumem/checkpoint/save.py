@@ -4,7 +4,8 @@
 the tensors, the ``Snapshot`` copies them into host memory (on the caller's thread, and in
 overlap mode on the copier thread), the ``Commit`` writes and commits them on the persist
 thread. ``Save`` starts the persist thread at the point where it has something to do (before
-the copy in streaming mode, which pipelines batch by batch; after it otherwise), runs the copy,
+the copy when the caller's copy pipelines batch by batch: streaming mode, blocking mode over host
+tensors; after it otherwise), runs the copy,
 and after the commit releases what the save held. Its failure, from either side, is kept in the
 snapshot and reported once (``take_error``).
 """
@@ -57,7 +58,8 @@ class Save:
 
     def run(self) -> None:
         """The caller's part: start the persist thread when it has work, and copy."""
-        if self.snapshot.mode is Mode.STREAMING:  # it writes batch b while b+1 is copied
+        snap = self.snapshot
+        if snap.batched and snap.mode is not Mode.OVERLAP:  # it writes batch b while b+1 is copied
             self._start()
         self.snapshot.run_caller()
         self._start()  # also after a failed copy: the persist thread tells the other ranks

@@ -32,7 +32,8 @@ class SaveStats:
             snapshot's D2H throughput.
         copy_device_s, crc_device_s: on the device (CUDA events), from the point the snapshot's
             streams started until the copies, and the CRCs, completed (they run side by side).
-        durable_s: from save() entry until the checkpoint was committed.
+        durable_s: from save() entry until the checkpoint was committed: its directory renamed
+            into place and the rename fsync'ed (``latest`` is moved after it).
         set_aside: checkpoints of an abandoned branch this save moved to ``abandoned/`` (it
             saved a step lower than committed ones; see ``storage.directory.set_aside_newer``).
         committed: the step's directory was renamed into place: the checkpoint is durable and

@@ -12,8 +12,9 @@ streaming mode the caller and the persist thread form a two-slot pipeline: the c
 batch b+1 while batch b is written and checksummed; a slot is reused only after both. Overlap
 mode over host tensors with several batches pipelines the same way, every batch resident: nobody
 waits for its copy, so writing batch b beside the copy of b+1 only makes the checkpoint durable
-sooner. In blocking mode nothing is written before the whole state is staged, so writes and
-checksums never take cores or memory bandwidth from the copy the caller waits for.
+sooner. Blocking mode over host tensors writes batch b beside the copy of b+1 as well (an
+``O_DIRECT`` write costs the copy little CPU), but computes no checksum before the whole state is
+staged, so no checksum thread takes a core from the copy the caller waits for.
 
 Any failure on either side is recorded once (``fail``), wakes the other side and reaches the
 caller through Checkpointer.wait()/save()/close().
@@ -98,10 +99,11 @@ class Snapshot:
         # batch by batch, each written as soon as it is staged: streaming mode, and overlap mode
         # over host tensors with several batches, whose copy no caller waits for (unless the
         # next optimizer step comes first): its write then hides the copy instead of following
-        # it. Blocking mode keeps the copy alone, as the caller waits for it.
-        self.batched = mode is Mode.STREAMING or (
-            mode is Mode.OVERLAP and not table.has_cuda and len(plan.batch_sizes) > 1
-        )
+        # it.
+        # Blocking mode over host tensors pipelines too: the writes then start with the first
+        # batch staged, so the checkpoint is durable about a copy sooner (the time to durable
+        # of a raw write); its checksums still wait for the whole copy (HostChecksums).
+        self.batched = mode is Mode.STREAMING or (not table.has_cuda and len(plan.batch_sizes) > 1)
         self.gaps_zero = False  # set once every batch's gaps are zero in the arena (not streaming)
         self.views = views if views is not None else HostViews()
         # overlap mode: whether this rank copies tensors after save() returns, i.e. whether the
@@ -164,15 +166,16 @@ class Snapshot:
     ) -> None:
         """Copy the pieces ``want`` selects (None: all). Streaming: batch after batch, each marked
         ready once complete, so the persist thread writes batch b while batch b+1 is copied (a
-        slot is reused only once written); overlap mode over host tensors does the same with
-        every slot resident. Otherwise nothing is written before the copy ends, so all batches
+        slot is reused only once written); overlap and blocking mode over host tensors do the
+        same with every slot resident. Otherwise (CUDA state, one batch) nothing is written
+        before the copy ends, so all batches
         go in one group: one native call (one fan-out over the threads instead of one per
         batch)."""
         # finish() may drop self.table on failure: keep what is needed here
         plan, tensors = self.plan, self.table.tensors
         batches = range(len(plan.batch_sizes))
         groups = [[b] for b in batches] if self.batched else [list(batches)]
-        if not self.batched and self.mode is not Mode.OVERLAP:  # overlap zeroed them in save()
+        if self.mode is Mode.BLOCKING:  # overlap zeroed them in save(), streaming does per slot
             self._zero_all_gaps()
         for g, group in enumerate(groups):
             with self._cond:
@@ -180,7 +183,7 @@ class Snapshot:
                     self._cond.wait()
                 if self.error is not None:
                     return
-            if self.batched and self.mode is not Mode.OVERLAP:
+            if self.mode is Mode.STREAMING:
                 zero_padding(self.arena, plan, group[0])
             pieces = plan.batch_pieces(group[0]) if self.batched else plan.pieces
             if want is not None:

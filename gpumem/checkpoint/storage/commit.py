@@ -11,7 +11,9 @@ The protocol, on every rank (``Commit.run``):
    written; a rank that never joins (save() called on some ranks only) makes the roll call
    raise on every rank that did, naming it;
 3. each rank writes its data files from the snapshot as its batches are staged, checksums its
-   host-staged pieces beside the writes (``writes``), and writes its shard manifest;
+   host-staged pieces beside the writes (``writes``), and writes its shard manifest once the
+   checksums are known, beside the data writes still running (with one rank, the main manifest
+   too);
 4. a second collective gathers each rank's outcome, shard-manifest CRC and size; rank 0 writes
    the main manifest and renames the directory into place (**the commit**,
    ``directory.commit``), then moves ``latest``;
@@ -46,7 +48,7 @@ from .format import MAIN_MANIFEST, Manifest, main_manifest, shard_manifest_name
 from .nodes import Nodes
 from .replicas import spread
 from .safe_fs import Dir
-from .writes import HostChecksums, rank_manifest, write_batches
+from .writes import HostChecksums, planned_files, rank_manifest, write_batches
 
 _STATE = "CheckpointStateError: "  # how broadcast_text marks a state error (vs. an I/O one)
 
@@ -98,6 +100,8 @@ class Commit:
         self._local = nodes if nodes is not None and nodes.local else None
         # rank 0 in a shared directory; each node's leader in its own node-local one
         self._leads = self.group.rank == 0 if self._local is None else self._local.leads
+        self._shard_crc = 0  # this rank's shard manifest, once written (_write_manifests)
+        self._main_crc: int | None = None  # the main manifest, if written beside the data
 
     def run(self) -> None:
         """Steps 1-5 of the module docstring, on the persist thread."""
@@ -162,48 +166,65 @@ class Commit:
     def _write_shard(self) -> tuple[BaseException | None, int]:
         """This rank's data files and shard manifest: (what failed or None, the manifest's
         CRC32C). Batch b is written as soon as it is staged, its checksums taken beside the
-        write; outside batched mode the writes start once the copy ends (writing beside it
-        would take memory bandwidth from the copy training waits for) and are then written
-        concurrently."""
+        write (in blocking mode once all is staged); outside batched mode (CUDA state, or one
+        batch) the writes start once the copy ends and are then written concurrently. The
+        manifests are written by the checksum thread once the last checksum is taken, beside
+        the data writes still running (``_write_manifests``)."""
         snap, rank, direct = self.snapshot, self.group.rank, self.options.direct
         n = len(snap.plan.batch_sizes)
-        files: dict[str, int] = {}
-        crcs = HostChecksums(snap, self.step)
+        crcs: HostChecksums | None = None
         try:
             tmp = self._open_tmp()
+            files = planned_files(snap.plan, rank)
+            self._files = list(files)
+            crcs = HostChecksums(snap, self.step, then=lambda: self._write_manifests(tmp, files))
             if not snap.batched:
                 snap.staged.wait()
                 _raise(snap.error)
-                files.update(write_batches(tmp, snap, rank, range(n), direct))
-                crcs.wait(range(n))
-                _raise(snap.error)
+                write_batches(tmp, snap, rank, range(n), direct)
             b = 0
             while snap.batched and b < n:
                 ready = snap.wait_ready(b)
                 # batch b alone while later ones are still being copied (the write hides the
                 # copy); once the rest is staged too, the rest at once
                 todo = range(b, n if ready == n else b + 1)
-                files.update(write_batches(tmp, snap, rank, todo, direct))
-                crcs.wait(todo)  # a slot is reused only once its checksums are taken too
+                write_batches(tmp, snap, rank, todo, direct)
+                if snap.plan.streaming:  # a slot is reused only once its checksums are taken too
+                    crcs.wait(todo)
                 _raise(snap.error)
                 b = todo[-1] + 1
                 snap.release(b)
-            self._files = list(files)
-            manifest = rank_manifest(
-                self.captured,
-                snap,
-                rank=rank,
-                world_size=self.group.world_size,
-                step=self.step,
-                alignment=self.options.alignment,
-                files=files,
-            )
-            return None, directory.write_manifest(tmp, shard_manifest_name(rank), manifest)
+            crcs.join()  # and the manifests
+            _raise(snap.error)
+            return None, self._shard_crc
         except BaseException as exc:
             snap.fail(exc)
             return exc, 0
         finally:
-            crcs.join()
+            if crcs is not None:
+                crcs.join()
+
+    def _write_manifests(self, tmp: Dir, files: dict[str, int]) -> None:
+        """On the checksum thread, once every CRC is known: the shard manifest, and with a single
+        rank (there is no outcome to gather) the main manifest too, so that their fdatasyncs
+        overlap the data writes instead of following them. Both lie in the temporary directory:
+        nothing is committed before every data file is written."""
+        manifest = rank_manifest(
+            self.captured,
+            self.snapshot,
+            rank=self.group.rank,
+            world_size=self.group.world_size,
+            step=self.step,
+            alignment=self.options.alignment,
+            files=files,
+        )
+        name = shard_manifest_name(self.group.rank)
+        self._shard_crc = directory.write_manifest(tmp, name, manifest)
+        if self.group.world_size == 1:
+            sharded = int(self.snapshot.table.sharded)
+            main = self._main([[1, self._shard_crc, self.stats.nbytes, sharded]])
+            assert main is not None
+            self._main_crc = directory.write_manifest(tmp, MAIN_MANIFEST, main)
 
     # ------------------------------------------------------------------ steps 4-5
 
@@ -266,7 +287,8 @@ class Commit:
         raise CheckpointIOError(f"rank 0 failed to commit step {self.step}: {reason}")
 
     def _main(self, gathered: list[list[int]]) -> Manifest | None:
-        """Rank 0's main manifest (None on the other ranks)."""
+        """Rank 0's main manifest from every rank's (ok, shard CRC, bytes, sharded); None on
+        the other ranks."""
         if self.group.rank != 0:
             return None
         return main_manifest(
@@ -283,18 +305,21 @@ class Commit:
         tmp = self._open_tmp()
         if any(row[3] for row in gathered) and self._shared_blocks:  # tiling checked before
             check_complete(tmp, [row[1] for row in gathered])
-        if main is None:
+        if main is not None:  # node-local: rank 0's bytes, spread to every node
+            tmp.write_new(MAIN_MANIFEST, main[0])
+            crc = main[1]
+        elif self._main_crc is not None:  # written beside the data (one rank)
+            crc = self._main_crc
+        else:
             manifest = self._main(gathered)
             assert manifest is not None
             crc = directory.write_manifest(tmp, MAIN_MANIFEST, manifest)
-        else:
-            tmp.write_new(MAIN_MANIFEST, main[0])
-            crc = main[1]
         assert self.root is not None
-        done = directory.commit(self.root, tmp, self.step, crc)
+        done = directory.commit(self.root, self._open_tmp(), self.step, crc)
         # committed: from here on nothing fails the save (the pointer and retention are cleanup)
         self.stats.committed = True
-        self.stats.durable_s = time.perf_counter() - self.snapshot.t0
+        # durable once the rename is: ``latest`` is a hint restore() does not need
+        self.stats.durable_s = done.committed_at - self.snapshot.t0
         if done.set_aside:
             self.stats.set_aside = tuple(done.set_aside)
             _warn_set_aside(self.step, done.set_aside)

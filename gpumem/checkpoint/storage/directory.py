@@ -92,11 +92,13 @@ def read_manifest(d: Dir, name: str) -> tuple[dict[str, Any], int, int]:
 @dataclass
 class Committed:
     """What ``commit`` did: the step directory (committed), the abandoned branch it set aside,
-    and why ``latest`` still points elsewhere (None: it was moved)."""
+    and why ``latest`` still points elsewhere (None: it was moved); ``committed_at``: when the
+    rename was durable (``time.perf_counter``), before ``latest`` moved."""
 
     name: str
     set_aside: list[str] = field(default_factory=list)
     pointer_error: OSError | None = None
+    committed_at: float = 0.0
 
 
 def commit(root: Dir, tmp: Dir, step: int, manifest_crc: int) -> Committed:
@@ -114,7 +116,7 @@ def commit(root: Dir, tmp: Dir, step: int, manifest_crc: int) -> Committed:
         root.rename(final, root, replaced)
     root.rename(tmp_name(step), root, final)
     root.fsync()
-    done = Committed(final, moved)
+    done = Committed(final, moved, committed_at=time.perf_counter())
     try:
         write_latest(root, step, final, manifest_crc)
     except OSError as exc:

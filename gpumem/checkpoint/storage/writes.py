@@ -13,6 +13,7 @@ as they were copied).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from gpumem.checksum import chunk_crc32c
@@ -66,6 +67,11 @@ def write_batches(
     return [r for r in results if r is not None]
 
 
+def planned_files(plan: StagingPlan, rank: int) -> dict[str, int]:
+    """The data files of this rank's plan and their sizes, as ``write_batches`` writes them."""
+    return {data_file_name(rank, b): size for b, size in enumerate(plan.batch_sizes)}
+
+
 def _write_batch(tmp: Dir, snapshot: Snapshot, rank: int, b: int, direct: bool) -> tuple[str, int]:
     """Write batch b's slot as data file b (fdatasync'ed); returns (file name, size)."""
     plan = snapshot.plan
@@ -77,13 +83,16 @@ def _write_batch(tmp: Dir, snapshot: Snapshot, rank: int, b: int, direct: bool) 
 
 class HostChecksums:
     """The chunk CRC32Cs of a snapshot's host-staged pieces, batch by batch on a thread of its
-    own. Outside batched mode it starts only once the whole state is staged: the copy is what
-    training waits for (save() or the optimizer hook) and on a small machine a concurrent CRC
-    would take cores from it; it then runs beside the disk write, which is slower than both.
-    ``done[b]`` is set once batch b is checksummed (or the save failed)."""
+    own. In blocking mode, and outside batched mode, it starts only once the whole state is
+    staged: the copy is what training waits for (save() or the optimizer hook) and on a small
+    machine a concurrent CRC would take cores from it; it then runs beside the disk write, which
+    is slower than both.
+    ``done[b]`` is set once batch b is checksummed (or the save failed); ``then`` runs on this
+    thread once every batch is (its failure fails the save)."""
 
-    def __init__(self, snapshot: Snapshot, step: int):
+    def __init__(self, snapshot: Snapshot, step: int, then: Callable[[], None] | None = None):
         self.snapshot = snapshot
+        self._then = then
         self.done = [threading.Event() for _ in snapshot.plan.batch_sizes]
         self._thread = threading.Thread(
             target=self._main, daemon=True, name=f"gpumem-ckpt-crc-{step}"
@@ -96,7 +105,7 @@ class HostChecksums:
         if snap.mode is Mode.OVERLAP:  # beside training, which must keep its cores
             lower_priority()
         try:
-            if not snap.batched:
+            if not snap.batched or snap.mode is Mode.BLOCKING:  # the caller waits for the copy
                 snap.staged.wait()
             for b in range(len(plan.batch_sizes)):
                 snap.wait_ready(b)
@@ -104,6 +113,8 @@ class HostChecksums:
                     snap.arena, plan, plan.batch_pieces(b), snap.chunk, snap.threads
                 )
                 self.done[b].set()
+            if self._then is not None:
+                self._then()
         except BaseException as exc:  # the save's own failure, or this thread's
             snap.fail(exc)
         finally:
