@@ -297,6 +297,8 @@ def _fake_70b(rounds: int) -> tuple[list[list[str]], list, str]:
     if cli["fast path"][2] != cli["full dispatch"][2]:
         raise SystemExit("gpumem profile prints different tables on the two paths")
     imports = _child(_IMPORTS, False)
+    floor_rows, floor_figures, floor_note = _import_floor()
+    phase_rows, phase_figures, phase_note = _fake_phases(profile_model)
     per_round = [f / s for f, s in zip(cpu["full dispatch"], cpu["fast path"], strict=True)]
     rows, figures = [], []
     for name, _ in kinds:
@@ -322,6 +324,8 @@ def _fake_70b(rounds: int) -> tuple[list[list[str]], list, str]:
     figures.append(
         value_figure("python startup and imports (torch, dynamo, gpumem) CPU", "s", imports[1])
     )
+    rows += floor_rows + phase_rows
+    figures += floor_figures + phase_figures
     notes = f"""
 The fake Llama-2-70B rows: the whole model (80 blocks, batch 2 x 4096 tokens, fp32, AdamW, 2
 steps: what `gpumem profile llama --size 70b --fake` runs), {rounds} rounds of `profile_model` in
@@ -331,8 +335,107 @@ best over best. In brackets: the command line once per path in a fresh process, 
 system) and wall seconds; starting Python and importing torch, dynamo and gpumem alone costs
 {imports[1]:.1f} s CPU ({imports[0]:.1f} s wall) of that. The two reports are equal field by
 field (wall-clock times aside) and the two tables byte for byte, checked in the run.
-"""
+{floor_note}{phase_note}"""
     return rows, figures, notes
+
+
+# what `gpumem profile --fake` cannot go below: each line a fresh process, each adding imports
+_FLOOR = [
+    ("python startup", "pass"),
+    ("+ import torch", "import torch"),
+    ("+ import torch._dynamo", "import torch, torch._dynamo"),
+    (
+        "+ import gpumem (CLI, runner, models)",
+        "import torch, torch._dynamo, gpumem.cli, gpumem.cli.profile, gpumem.profiler.runner, "
+        "gpumem.models",
+    ),
+]
+
+
+def _import_floor(rounds: int = 3) -> tuple[list[list[str]], list, str]:
+    """CPU seconds of fresh processes that only import, interleaved over ``rounds``: torch, then
+    torch._dynamo (``FakeTensorMode.__init__`` imports ``torch._dynamo.config``, and torch
+    wraps every ``TorchDispatchMode.__torch_dispatch__`` in ``torch._disable_dynamo``, which
+    imports dynamo on its first call), then gpumem's own modules."""
+    cpu: dict[str, list[float]] = {name: [] for name, _ in _FLOOR}
+    for _ in range(rounds):
+        for name, code in _FLOOR:
+            cpu[name].append(_child([sys.executable, "-c", code], False)[1])
+    rows, figures = [], []
+    for name, _ in _FLOOR:
+        med = statistics.median(cpu[name])
+        figures.append(figure(f"import floor: {name} CPU", "s", cpu[name]))
+        rows.append(
+            [
+                f"import floor: {name} (fresh process)",
+                "-",
+                "-",
+                "-",
+                "-",
+                f"{med * 1e3:.0f}",
+                "-",
+                "-",
+            ]
+        )
+    note = f"""
+Import floor ("import floor" rows, CPU of fresh processes, median of {rounds} interleaved
+rounds): torch._dynamo comes with any TorchDispatchMode on torch 2.13 (FakeTensorMode imports
+`torch._dynamo.config`; every mode's `__torch_dispatch__` is wrapped in `torch._disable_dynamo`),
+so a fake profile pays it before its first op; gpumem's own modules add little.
+"""
+    return rows, figures, note
+
+
+def _fake_phases(profile_model) -> tuple[list[list[str]], list, str]:
+    """Where the CPU time of one in-process fake Llama-2-70B profile goes, from the progress
+    callback's marks: each interval is charged to the work that starts at its first mark
+    (build; a block's forward; the last block's forward with the head and loss until the first
+    block backward; a block's backward; the optimizer step; the report)."""
+    marks: list[tuple[float, str]] = []
+
+    def tick(_done, _total=None, description=None):
+        marks.append((time.process_time(), description or ""))
+
+    c0 = time.process_time()
+    rep = profile_model("llama", size="70b", fake=True, progress=tick)
+    end = time.process_time()
+    del rep
+    spent: dict[str, float] = {}
+    starts = [(c0, "building the model"), *marks]
+    for (t, what), (t_next, _) in zip(starts, [*marks, (end, "")], strict=True):
+        if "backward" in what:
+            kind = "backward (blocks, embedding)"
+        elif "forward" in what:
+            kind = "forward (blocks, head, loss, head backward)"
+        elif "optimizer" in what:
+            kind = "optimizer steps (AdamW)"
+        elif "buil" in what:
+            kind = "build the fake model"
+        else:
+            kind = "report and the rest"
+        spent[kind] = spent.get(kind, 0.0) + (t_next - t)
+    total = end - c0
+    rows, figures = [], []
+    for kind, s in spent.items():
+        figures.append(value_figure(f"fake Llama-2-70B phase: {kind} CPU", "s", s))
+        rows.append(
+            [
+                f"fake Llama-2-70B, 2 steps, phase: {kind}",
+                "-",
+                "-",
+                "-",
+                "-",
+                f"{s * 1e3:.0f}",
+                f"{100 * s / total:.0f}% of {total:.1f} s",
+                "-",
+            ]
+        )
+    note = """
+Phase rows: one more in-process fast-path profile, its CPU time split at the progress bar's
+marks (a block's forward, a block's backward, the optimizer step); the share is of that run's
+`profile_model` CPU time.
+"""
+    return rows, figures, note
 
 
 if __name__ == "__main__":
