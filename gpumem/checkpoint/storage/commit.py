@@ -221,10 +221,7 @@ class Commit:
                 self._commit(gathered)
             except BaseException as exc:
                 local_error, ok = exc, 0
-                # not committed: its space is freed now, not at the next start (a full disk
-                # would stay full); a step moved aside to be replaced goes back into place
-                assert self.root is not None
-                directory.clean_stale(self.root)
+                self._clean_failed()
         if g.all_reduce(ok, "min") == 0:
             self._raise_commit_failure(local_error)
         if not self.stats.durable_s:  # ranks other than 0: durable once rank 0 committed
@@ -246,9 +243,15 @@ class Commit:
             raise CheckpointStateError(reason[len(_STATE) :])
         raise CheckpointIOError(f"rank 0 failed to commit step {self.step}: {reason}")
 
-    def _commit(self, gathered: list[list[int]]) -> None:
-        """Rank 0: the main manifest, the rename into place, ``latest``."""
-        tmp = self._open_tmp()
+    def _clean_failed(self) -> None:
+        """Rank 0, after a failed commit: its space is freed now, not at the next start (a full
+        disk would stay full); a step moved aside to be replaced goes back into place."""
+        assert self.root is not None
+        directory.clean_stale(self.root)
+
+    def _write_main(self, tmp: Dir, gathered: list[list[int]]) -> int:
+        """Rank 0: the main manifest written into ``tmp`` (after the completeness check of
+        shared DTensor blocks); its CRC32C."""
         sharded = any(row[3] for row in gathered)
         manifest = main_manifest(
             step=self.step,
@@ -259,12 +262,21 @@ class Commit:
         )
         if sharded and self._shared_blocks:  # the tiling was checked before writing
             check_complete(tmp, [row[1] for row in gathered])
-        crc = directory.write_manifest(tmp, MAIN_MANIFEST, manifest)
-        assert self.root is not None
-        done = directory.commit(self.root, tmp, self.step, crc)
-        # committed: from here on nothing fails the save (the pointer and retention are cleanup)
+        return directory.write_manifest(tmp, MAIN_MANIFEST, manifest)
+
+    def _durable(self) -> None:
+        """Committed: from here on nothing fails the save (the pointer and retention are
+        cleanup)."""
         self.stats.committed = True
         self.stats.durable_s = time.perf_counter() - self.snapshot.t0
+
+    def _commit(self, gathered: list[list[int]]) -> None:
+        """Rank 0: the main manifest, the rename into place, ``latest``."""
+        tmp = self._open_tmp()
+        crc = self._write_main(tmp, gathered)
+        assert self.root is not None
+        done = directory.commit(self.root, tmp, self.step, crc)
+        self._durable()
         if done.set_aside:
             self.stats.set_aside = tuple(done.set_aside)
             _warn_set_aside(self.step, done.set_aside)

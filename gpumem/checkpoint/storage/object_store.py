@@ -767,12 +767,14 @@ class S3Store(_S3Writes):
         chunk_bytes: int = 0,
         crc_index: Sequence[int] | None = None,
         crc_out: Any = None,
+        etag: str | None = None,
     ) -> int:
         """``gpumem.reader.read_file``'s contract on an object: fill every ``(offset, buffer)``
         piece (``max_concurrency`` ranged GETs at once, all pinned to one version), and with
         ``chunk_bytes`` put the CRC32C of every chunk of each piece (from its start) into
         ``crc_out[crc_index[i] + k]`` (a negative index: none). The object must hold exactly
-        ``expect_size`` bytes, checked before a byte is read. Returns the bytes read.
+        ``expect_size`` bytes, checked before a byte is read (with ``etag``: by the caller's
+        HEAD, whose version every read is pinned to). Returns the bytes read.
 
         Raises:
             CheckpointCorruptError: the object is missing, of another size, or changed.
@@ -780,7 +782,7 @@ class S3Store(_S3Writes):
             ValueError: CRC slots out of range, or chunk_bytes without crc_out.
         """
         name = self._name(key)
-        found = self.head(key)
+        found = self.head(key) if etag is None else ObjectInfo(key, expect_size, etag)
         if found is None:
             raise CheckpointCorruptError(f"{name} is missing", path=name)
         assert isinstance(found, ObjectInfo)
