@@ -361,3 +361,32 @@ def test_four_fsdp_ranks_save_to_the_store_two_and_one_restore(s3_server, s3_buc
         with _ck(url, s3_server.url, chunk_bytes=CHUNK) as ck:
             assert ck.restore(model=model, optimizer=opt) == 2
     assert differences(torch.load(tmp_path / "f4.pt"), full_state(model, opt)) == []
+
+
+# ------------------------------------------------------------------------------ the cli
+
+
+def test_inspect_and_export_read_an_s3_root(s3_server, s3_bucket, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from gpumem.cli import main
+
+    url = f"s3://{s3_bucket}/cli"
+    states = _save_steps(url, s3_server.url, [4, 6])
+    with env({**CREDENTIALS, "AWS_ENDPOINT_URL": s3_server.url}):
+        assert main(["ckpt", "inspect", url, "--json"]) == 0
+        newest = json.loads(capsys.readouterr().out)
+        assert main(["ckpt", "inspect", url, "--step", "4", "--json"]) == 0
+        older = json.loads(capsys.readouterr().out)
+        assert main(["ckpt", "export", url, "--step", "4", "--out", str(tmp_path / "w")]) == 0
+        capsys.readouterr()
+        assert main(["ckpt", "inspect", url, "--step", "5"]) == 2
+        assert "no committed step 5" in capsys.readouterr().err
+    assert newest["step"] == 6 and older["step"] == 4 and older["world_size"] == 1
+    assert newest["path"].startswith(f"s3://{s3_bucket}/cli/step-000000006/")
+    names = {t["name"] for t in older["ranks"][0]["tensor_list"]}
+    assert "model.0.weight" in names and older["nbytes"] == newest["nbytes"]
+    weights = load_file(str(tmp_path / "w" / "model-00001-of-00001.safetensors"))
+    want = {k[len("m.") :]: v for k, v in states[4].items() if k.startswith("m.")}
+    assert weights.keys() == want.keys()
+    assert all(torch.equal(weights[k], want[k]) for k in want)

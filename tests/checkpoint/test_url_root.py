@@ -79,8 +79,8 @@ def test_url_scheme():
         ["ckpt", "ls", "s3://bucket/run?x=1"],  # ls and verify read s3:// roots: a bad one
         ["ckpt", "ls", "--json", "s3://Bucket/run"],
         ["ckpt", "verify", "s3://bucket/a//b"],
-        ["ckpt", "inspect", "s3://bucket/run/step-3"],
-        ["ckpt", "export", "s3://bucket/run", "--out", "weights"],
+        ["ckpt", "inspect", "s3://bucket/run/./step-3"],
+        ["ckpt", "export", "s3://bucket_/run", "--out", "weights"],
         ["ckpt", "export", "ckpt", "--out", "s3://bucket/weights"],
         ["ckpt", "import", "s3://bucket/dcp", "out"],
         ["ckpt", "import", "dcp", "s3://bucket/out"],
