@@ -103,8 +103,8 @@ class CheckpointerConfig:
             there in the background, and restore() takes the newest step of either tier. One
             upload at a time; of the steps committed while one runs only the newest is uploaded
             next. Several ranks need a ``directory`` they all share. None: local only.
-        endpoint_url: the S3 endpoint of ``remote`` or an s3:// ``directory`` (MinIO, a local server); None: from the
-            AWS environment (``AWS_ENDPOINT_URL``) or AWS itself.
+        endpoint_url: the S3 endpoint of ``remote`` or of an s3:// ``directory`` (MinIO, a
+            local server); None: from the AWS environment (``AWS_ENDPOINT_URL``) or AWS itself.
         local: ``directory`` by another name, as tiers spell it (give one of the two).
 
     Raises:

@@ -6,6 +6,7 @@ over gloo restored by 2 and by 1; bad input refused at construction with nothing
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -180,10 +181,8 @@ def test_a_racing_second_job_loses_the_commit_and_leaves_nothing(s3_server, s3_b
                 errors.append(str(exc))
     finally:
         for ck in (a, b):
-            try:
+            with contextlib.suppress(CheckpointStateError):
                 ck.close()
-            except CheckpointStateError:
-                pass
     assert len(errors) == 1 and "already committed" in errors[0], errors
     assert a.history[-1].committed != b.history[-1].committed
     step, got = _restored(url, s3_server.url)
@@ -233,7 +232,9 @@ def test_a_killed_uploader_leaves_the_previous_step_to_restore(
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1536), torch.nn.Linear(1536, 8))
     with _ck(url, s3_server.url) as ck:
         assert ck.restore(model=model) == 1
-    assert all(torch.equal(a, b) for a, b in zip(want.parameters(), model.parameters()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(want.parameters(), model.parameters(), strict=False)
+    )
     # opening the root for saving aborted the upload: clean_stale takes uploads older than a
     # day, and moto dates every upload's Initiated in 2010
     ups = _raw(s3_server.url).list_multipart_uploads(Bucket=s3_bucket, Prefix="killed/")

@@ -152,6 +152,7 @@ class ObjectFiles:
             crc_index=crc_index,
             crc_out=crc_out,
             etag=self._heads[name].etag,
+            range_bytes=self.part_bytes,
         )
 
     def read_spans(
@@ -170,9 +171,28 @@ class ObjectFiles:
         those, or -1."""
         self.check_size(name, expect_size)
         data = buffer.numpy() if hasattr(buffer, "numpy") else np.asarray(buffer)
-        pieces = [(int(f), data[int(b) : int(b) + int(n)]) for f, b, n, _ in spans if n > 0]
+        # spans that follow each other both in the object and in the buffer (padding, then a
+        # tensor, then padding) go as one range: one GET, not one per span
+        pieces: list[tuple[int, Any]] = []
+        run_f = run_b = run_n = -1
+        for f, b, n, _ in spans:
+            f, b, n = int(f), int(b), int(n)
+            if n <= 0:
+                continue
+            if run_n >= 0 and f == run_f + run_n and b == run_b + run_n:
+                run_n += n
+                continue
+            if run_n > 0:
+                pieces.append((run_f, data[run_b : run_b + run_n]))
+            run_f, run_b, run_n = f, b, n
+        if run_n > 0:
+            pieces.append((run_f, data[run_b : run_b + run_n]))
         self.store.read_pieces(
-            f"{self.key}/{name}", pieces, expect_size=expect_size, etag=self._heads[name].etag
+            f"{self.key}/{name}",
+            pieces,
+            expect_size=expect_size,
+            etag=self._heads[name].etag,
+            range_bytes=self.part_bytes,
         )
         native, nonzero = load(), -1
         for f, b, n, slot in spans:
