@@ -100,14 +100,7 @@ def restore(
         CheckpointIOError: the operating system failed a read.
     """
     dtensors = has_dtensors(state.model, state.optimizer)
-    names: list[str | None] = [None]  # None: the caller's path
-    if path is None and root is not None:
-        if isinstance(root, Dir):
-            names = [n for _, n in step_dirs(root)]
-            _check_pointer(root, directory)
-        else:  # an object store's steps (storage.object_backend.ObjectCandidates)
-            names = list(root.names())
-            root.check_pointer()
+    names = _names(root, directory) if path is None else [None]  # None: the caller's path
     failures: list[CheckpointError] = []
     for name in names:
         label = os.fsdecode(path) if path is not None else str(directory / str(name))
@@ -155,6 +148,18 @@ def restore(
 
 
 REMOVED = "was removed while it was being read"
+
+
+def _names(root: Any, directory: Path) -> list[str | None]:
+    """The committed steps of ``root`` newest first (``latest`` cross-checked): a directory's
+    ``step-<N>`` names, or an object store's (``storage.object_backend.ObjectCandidates``)."""
+    if root is None:
+        return []
+    if not isinstance(root, Dir):
+        root.check_pointer()
+        return list(root.names())
+    _check_pointer(root, directory)
+    return [n for _, n in step_dirs(root)]
 
 
 def _gone(root: Any, name: str) -> bool:

@@ -1,4 +1,5 @@
-"""The storage: the on-disk format and how a save becomes durable and visible in a directory.
+"""The storage: the on-disk format and how a save becomes durable and visible in a directory or
+an object store.
 
 Modules:
     format     the format, reader and writer: manifests framed with CRC32C and version, validated
@@ -13,4 +14,7 @@ Modules:
     object_store  an S3-protocol store (boto3): multipart from memory, conditional put, ranged read
     object_root   checkpoints in an object store: a step uploaded, committed by conditional put
     object_body   a request's bytes as views of caller memory: body, parts, CRC32C headers, budget
+    object_files  one save's objects as a step directory: written from the arena, ranged reads
+    object_commit ObjectCommit: Commit's protocol with a save's own objects and a conditional put
+    object_backend an s3:// root as an open Checkpointer holds it; its steps as restore candidates
 """
