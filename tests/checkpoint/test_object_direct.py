@@ -391,3 +391,59 @@ def test_inspect_and_export_read_an_s3_root(s3_server, s3_bucket, tmp_path, caps
     want = {k[len("m.") :]: v for k, v in states[4].items() if k.startswith("m.")}
     assert weights.keys() == want.keys()
     assert all(torch.equal(weights[k], want[k]) for k in want)
+
+
+def test_going_back_sets_the_newer_steps_aside(s3_server, s3_bucket):
+    from gpumem.checkpoint import CheckpointBranchWarning
+
+    url = f"s3://{s3_bucket}/back"
+    _save_steps(url, s3_server.url, [1, 3])
+    with pytest.warns(CheckpointBranchWarning, match="back-abandoned|abandoned"):
+        states = _save_steps(url, s3_server.url, [2])
+    keys = _keys(s3_server.url, s3_bucket, "back/")
+    assert [k for k in keys if k.endswith("/COMMIT")][-2:] == [
+        "back/step-000000001/COMMIT",
+        "back/step-000000002/COMMIT",
+    ]
+    aside = [k for k in keys if k.startswith("back/abandoned/")]
+    assert len(aside) == 1 and aside[0].startswith("back/abandoned/step-000000003-")
+    latest = _raw(s3_server.url).get_object(Bucket=s3_bucket, Key="back/latest")["Body"].read()
+    assert json.loads(latest)["step"] == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointFallbackWarning)  # latest agrees: no warning
+        step, got = _restored(url, s3_server.url)
+    assert step == 2 and _same(got, states[2])
+    with _ck(url, s3_server.url) as ck:  # the abandoned branch's files are kept by clean_stale
+        ck._root.objects.clean_stale(older_than_s=0)
+    save = aside[0].split("-")[-1].split("/")[0]
+    assert any(f"/step-000000003/{save}/" in k for k in _keys(s3_server.url, s3_bucket, "back/"))
+
+
+def test_going_back_with_tiers_sets_the_remotes_newer_steps_aside(s3_server, s3_bucket, tmp_path):
+    from gpumem.checkpoint import CheckpointBranchWarning
+
+    url = f"s3://{s3_bucket}/tiers-back"
+    kw = {"remote": url, "endpoint_url": s3_server.url, "staging_bytes": 64 * MiB}
+
+    def save(steps) -> dict[int, dict[str, torch.Tensor]]:
+        states = {}
+        with env(CREDENTIALS), gpumem.Checkpointer(tmp_path / "local", overlap=False, **kw) as ck:
+            for step in steps:
+                model, opt = _state(step)
+                ck.save(step, model=model, optimizer=opt, blocking=True)
+                ck.wait()
+                assert ck.tiers.wait(120)
+                states[step] = _snapshot(model, opt)
+        return states
+
+    save([1, 3])
+    with pytest.warns(CheckpointBranchWarning):
+        states = save([2])
+    keys = _keys(s3_server.url, s3_bucket, "tiers-back/")
+    commits = [k.split("/", 1)[1] for k in keys if k.endswith("/COMMIT")]
+    assert commits[0].startswith("abandoned/step-000000003-")
+    assert commits[1:] == ["step-000000001/COMMIT", "step-000000002/COMMIT"]
+    model, opt = _state(999)  # a node that lost its disk: restored from the remote's branch
+    with env(CREDENTIALS), gpumem.Checkpointer(tmp_path / "fresh", **kw) as ck:
+        assert ck.restore(model=model, optimizer=opt) == 2
+    assert _same(_snapshot(model, opt), states[2])

@@ -14,8 +14,11 @@ Every rank, on the persist thread (``ObjectCommit.run``):
    writes the main manifest and puts ``step-<N>/COMMIT`` with ``If-None-Match: *``, **the
    commit** (``ObjectRoot.commit_save``); of two jobs committing one step one wins, the other
    deletes its objects and raises ``CheckpointStateError`` on every rank;
-4. ``latest`` moves by ``If-Match`` (never back); retention (``keep``) deletes only steps older
-   than the one just committed, each one's ``COMMIT`` first.
+4. a step below committed ones (going back) sets the newer ones aside
+   (``ObjectRoot.set_aside_newer``: their ``COMMIT`` records moved to ``abandoned/``, their
+   files kept) with a ``CheckpointBranchWarning``, as the directory does; ``latest`` moves by
+   ``If-Match`` (back only then); retention (``keep``) deletes only steps older than the one
+   just committed, each one's ``COMMIT`` first.
 
 A save that fails or is killed leaves objects no ``COMMIT`` names, and incomplete multipart
 uploads (a failed upload aborts its own; a killed process's are left): a restore never reads
@@ -32,7 +35,7 @@ import warnings
 from ..capture.training_state import Capture
 from ..errors import CheckpointError, CheckpointPointerWarning, CheckpointStateError
 from ..stage.snapshot import Snapshot
-from .commit import Commit, CommitOptions
+from .commit import Commit, CommitOptions, _warn_set_aside
 from .object_files import ObjectFiles
 from .object_root import ObjectRoot
 
@@ -91,8 +94,12 @@ class ObjectCommit(Commit):
                 "or job writing the same root); its checkpoint was kept and this one discarded"
             )
         self._durable()
+        moved = self.objects.set_aside_newer(self.step)  # going back: as a directory does
+        if moved:
+            self.stats.set_aside = tuple(moved)
+            _warn_set_aside(self.step, moved)
         try:
-            self.objects.move_latest(self.step, crc)
+            self.objects.move_latest(self.step, crc, back=bool(moved))
         except CheckpointError as exc:
             self.stats.latest_error = str(exc)
             warnings.warn(

@@ -70,6 +70,7 @@ from .object_store import ObjectInfo, S3Store
 from .safe_fs import Dir
 
 COMMIT = "COMMIT"
+ABANDONED = "abandoned"  # going back: the newer steps' commit records, set aside
 _COMMIT_KEY = re.compile(r"^step-(\d{1,19})/COMMIT$")
 _SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
 _SMALL = 4096  # COMMIT and latest are a line of JSON
@@ -85,6 +86,7 @@ class UploadedStep:
     nbytes: int
     removed: list[int] = field(default_factory=list)
     pointer_error: CheckpointError | None = None
+    set_aside: list[str] = field(default_factory=list)
 
 
 class ObjectRoot:
@@ -110,9 +112,12 @@ class ObjectRoot:
 
     # ------------------------------------------------------------------ writing
 
-    def upload_step(self, local: str | os.PathLike, keep: int | None = None) -> UploadedStep:
+    def upload_step(
+        self, local: str | os.PathLike, keep: int | None = None, back: bool = False
+    ) -> UploadedStep:
         """Upload the committed local checkpoint directory ``local`` (a ``step-<N>``) and commit
-        it here as step N; then move ``latest`` and apply retention (``keep`` newest).
+        it here as step N; then (``back``: the local save went back) set the newer steps aside,
+        move ``latest`` and apply retention (``keep`` newest).
 
         The local step is checked first (its manifests, as restore checks them); its data
         files are sent from the page cache (``mmap``), not read into a copy.
@@ -148,8 +153,10 @@ class ObjectRoot:
                 "its checkpoint was kept and this one discarded"
             )
         done = UploadedStep(info.step, save, sent)
+        if back:
+            done.set_aside = self.set_aside_newer(info.step)
         try:
-            self.move_latest(info.step, info.manifest_crc32c)
+            self.move_latest(info.step, info.manifest_crc32c, back=bool(done.set_aside))
         except CheckpointError as exc:
             done.pointer_error = exc
         done.removed = self.apply_retention(keep, info.step)
@@ -202,8 +209,9 @@ class ObjectRoot:
             os.close(fd)
         return size
 
-    def move_latest(self, step: int, crc: int) -> None:
-        """Point ``latest`` at ``step`` unless it points at a newer one, by conditional put."""
+    def move_latest(self, step: int, crc: int, back: bool = False) -> None:
+        """Point ``latest`` at ``step`` unless it points at a newer one (``back``: even then,
+        after going back), by conditional put."""
         key = self._key(LATEST)
         data = _json({"step": step, "path": step_dir_name(step), "manifest_crc32c": crc})
         for _ in range(self.store.max_attempts):
@@ -219,6 +227,7 @@ class ObjectRoot:
                     isinstance(old, dict)
                     and isinstance(old.get("step"), int)
                     and old["step"] > step
+                    and not back
                 ):
                     return  # a newer commit moved it already
             except (ValueError, RecursionError):
@@ -226,6 +235,33 @@ class ObjectRoot:
             if self.store.put_over(key, data, etag) is not None:
                 return
         raise CheckpointStateError(f"{self.url}/latest kept moving under concurrent commits")
+
+    def set_aside_newer(self, step: int) -> list[str]:
+        """Going back (a save of ``step`` below committed steps): each newer step stops being
+        visible, its ``COMMIT`` record moved to ``abandoned/step-<N>-<save>/COMMIT`` and its
+        files kept (``clean_stale`` leaves them). Returns where each record went."""
+        moved = []
+        for newer in self.steps():
+            if newer <= step:
+                break
+            key = self._key(f"{step_dir_name(newer)}/{COMMIT}")
+            try:
+                record = self._commit_record(newer)
+                name = f"{ABANDONED}/{step_dir_name(newer)}-{record['save']}"
+                self.store.put(self._key(f"{name}/{COMMIT}"), _json(record))
+            except CheckpointCorruptError:
+                name = f"{ABANDONED}/{step_dir_name(newer)}-damaged"
+            self.store.delete([key])
+            moved.append(f"{self.url}/{name}")
+        return moved
+
+    def _abandoned_saves(self) -> set[str]:
+        found = set()
+        for obj in self.store.list(f"{ABANDONED}/"):
+            m = re.search(r"/step-\d{1,19}-([0-9a-f]{32})/COMMIT$", obj.key)
+            if m:
+                found.add(m.group(1))
+        return found
 
     def apply_retention(self, keep: int | None, committed: int) -> list[int]:
         """Delete all but the ``keep`` newest committed steps (never ``committed``): each one's
@@ -255,11 +291,16 @@ class ObjectRoot:
         for step in self.steps():
             with contextlib.suppress(CheckpointCorruptError):
                 committed[step] = self._commit_record(step)["save"]
-        orphans = []
+        orphans, kept = [], self._abandoned_saves()
         for obj, modified in self._objects_with_times():
             rel = obj[len(self._key("")) :] if self.store.url.prefix else obj
             m = re.match(r"^step-(\d{1,19})/([0-9a-f]{32})/", rel)
-            if m and committed.get(int(m.group(1))) != m.group(2) and modified < cutoff:
+            if (
+                m
+                and committed.get(int(m.group(1))) != m.group(2)
+                and m.group(2) not in kept  # an abandoned branch's files stay, as on disk
+                and modified < cutoff
+            ):
                 orphans.append(obj)
         self.store.delete(orphans)
         return removed + orphans
