@@ -41,11 +41,10 @@ from .settings import CheckpointerConfig, check_positive, check_step
 from .stage.snapshot import Mode, Snapshot, fence_hook
 from .stage.staging import Staging
 from .stats import SaveStats
-from .storage.commit import Commit, CommitOptions
-from .storage.directory import list_checkpoints
+from .storage.commit import CommitOptions
 from .storage.format import CheckpointInfo
 from .storage.nodes import detect
-from .storage.root import Root
+from .storage.root import open_root
 from .tiers import Tiers
 from .workers import Worker
 
@@ -54,7 +53,8 @@ class Checkpointer:
     """Save training state in the background; restore the newest checkpoint that verifies.
 
     Args:
-        directory: where ``step-<N>`` directories and the ``latest`` pointer live (``local=``).
+        directory: where ``step-<N>`` directories and the ``latest`` pointer live (``local=``),
+            or an ``s3://bucket/prefix`` store that each rank saves to directly.
         keep: how many checkpoints to keep (the newest ones); None keeps all.
         staging_bytes: cap on host staging memory; None: ``default_staging_bytes()``.
         overlap, chunk_bytes, alignment, direct_io, segment_bytes, lock_timeout_s, replicated,
@@ -125,13 +125,13 @@ class Checkpointer:
         self.history: collections.deque[SaveStats] = collections.deque(maxlen=256)  # newest last
         try:  # the remote (if any) is probed before the local directory is created
             self.tiers = Tiers.from_config(cfg, self._group)
-            # a shared directory, or one node-local per node (storage.nodes)
-            probe = not cfg.read_only and cfg.remote is None  # tiers: check_shared says
+            # a shared directory, or one node-local per node (storage.nodes); a store is shared
+            probe = not cfg.read_only and cfg.remote is None and cfg.url is None
             self._nodes = detect(cfg.directory, self._group, cfg.replicas, probe)
             self._commit = CommitOptions(
                 cfg.directory, cfg.alignment, cfg.direct_io, self._group, cfg.keep, self._nodes
             )
-            self._root = Root.from_config(cfg, self._group, self._nodes)
+            self._root = open_root(cfg, self._group, self._nodes)  # a directory or an s3:// store
             self.tiers.check_shared(self._root)  # closes it when refused
         except BaseException:
             stop_workers(self._workers)
@@ -172,8 +172,7 @@ class Checkpointer:
     def list(self) -> list[CheckpointInfo]:
         """Committed checkpoints with intact manifests, oldest first (data not read; see
         verify())."""
-        root = self._root.maybe()
-        return list_checkpoints(root) if root is not None else []
+        return self._root.list()
 
     def latest(self) -> CheckpointInfo | None:
         """The newest committed checkpoint, or None."""
@@ -429,5 +428,5 @@ def _stage_and_commit(
     snap, slot, victim = ckpt._staging.snapshot(
         table, plan, mode, stats=stats, t0=t0, copier=ckpt._workers[1]
     )
-    commit = Commit(ckpt._commit, ckpt._root.opened, step, captured, snap)
+    commit = ckpt._root.commit(ckpt._commit, step, captured, snap)
     return Save(snap, commit, ckpt._workers[0], ckpt._staging.coalescer, slot, victim)

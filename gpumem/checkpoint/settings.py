@@ -8,13 +8,13 @@ created on disk or in memory. The stages take the values from here; nothing re-c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
 from .errors import CheckpointStateError
 from .stage.pieces import DEFAULT_CHUNK, MIN_CHUNK
-from .storage.location import ObjectURL, check_root
+from .storage.location import ObjectURL, check_root, url_scheme
 
 MIN_BUDGET = 64 << 20  # the default staging budget's floor
 MAX_STEP = 2**63 - 1  # steps are stored as JSON integers and read back as int64-sized values
@@ -38,6 +38,9 @@ class CheckpointerConfig:
 
     Attributes:
         directory: where ``step-<N>`` directories and the ``latest`` pointer live.
+            An ``s3://bucket/prefix`` text is an object store as the root itself
+            (``storage.object_backend``): each rank uploads its shards there, restore reads them
+            back by ranged GETs.
         keep: how many checkpoints to keep (the newest ones); None keeps all.
         staging_bytes: cap on host staging memory. None: ``default_staging_bytes()``, resolved
             when the config is made. A larger state streams through the budget in chunks.
@@ -100,8 +103,8 @@ class CheckpointerConfig:
             there in the background, and restore() takes the newest step of either tier. One
             upload at a time; of the steps committed while one runs only the newest is uploaded
             next. Several ranks need a ``directory`` they all share. None: local only.
-        endpoint_url: the S3 endpoint of ``remote`` (MinIO, a local server); None: from the
-            AWS environment (``AWS_ENDPOINT_URL``) or AWS itself.
+        endpoint_url: the S3 endpoint of ``remote`` or of an s3:// ``directory`` (MinIO, a
+            local server); None: from the AWS environment (``AWS_ENDPOINT_URL``) or AWS itself.
         local: ``directory`` by another name, as tiers spell it (give one of the two).
         replicas: with node-local directories (each node its own disk), on how many nodes each
             rank's data files are kept (its own and the next ``replicas - 1``); a step survives
@@ -129,14 +132,18 @@ class CheckpointerConfig:
     endpoint_url: str | None = None
     local: Any = None
     replicas: int = 1
+    url: str | None = field(default=None, init=False)  # an s3:// directory: the store itself
 
     def __post_init__(self) -> None:
         if self.local is not None:  # the tiers' spelling: Checkpointer(local=..., remote=...)
             if self.directory is not None:
                 raise CheckpointStateError("give directory or local (the same argument), not both")
             object.__setattr__(self, "directory", self.local)
-        try:  # any bytes the OS accepts; a URL is refused, never taken as a local path
-            object.__setattr__(self, "directory", check_root(self.directory))
+        if isinstance(self.directory, str) and url_scheme(self.directory) == "s3":
+            self._object_root(self.directory)
+        try:  # any bytes the OS accepts; another URL is refused, never taken as a local path
+            if self.url is None:
+                object.__setattr__(self, "directory", check_root(self.directory))
         except TypeError:
             raise CheckpointStateError(
                 f"directory={self.directory!r} must be a path (str, bytes or os.PathLike)"
@@ -196,6 +203,22 @@ class CheckpointerConfig:
                 "must be a positive, finite number of seconds",
             )
 
+    def _object_root(self, text: str) -> None:
+        """``directory`` is an ``s3://`` root: saved to and restored from the store directly."""
+        from .storage.object_files import ObjectPath
+
+        try:
+            url = str(ObjectURL.parse(text))
+        except CheckpointStateError as exc:
+            raise CheckpointStateError(f"directory={exc}") from None
+        if self.remote is not None:
+            raise CheckpointStateError(
+                f"directory={text!r} is an object store already; remote= is the store behind a "
+                "local directory (Checkpointer('/nvme/ckpt', remote=...)): give one of the two"
+            )
+        object.__setattr__(self, "url", url)
+        object.__setattr__(self, "directory", ObjectPath(url))
+
     def _check_remote(self) -> None:
         if self.remote is not None:
             if not isinstance(self.remote, str):
@@ -214,8 +237,8 @@ class CheckpointerConfig:
             isinstance(url, str) and url.startswith(("http://", "https://")) and len(url) > 8
         ):
             _refuse("endpoint_url", url, "must be an http:// or https:// URL, or None")
-        if url is not None and self.remote is None:
-            _refuse("endpoint_url", url, "is for remote=, which is not given")
+        if url is not None and self.remote is None and self.url is None:
+            _refuse("endpoint_url", url, "is for an s3:// directory or remote=, neither is given")
 
 
 def is_int(value: Any, lo: int) -> bool:

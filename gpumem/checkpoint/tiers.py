@@ -210,7 +210,8 @@ class Tiers:
         stats.remote = "uploading"
         t0 = time.perf_counter()
         try:
-            done = self.root.upload_step(path, keep=self.keep)
+            # a local save that went back sets the remote's newer steps aside too
+            done = self.root.upload_step(path, keep=self.keep, back=bool(stats.set_aside))
         except Exception as exc:  # the thread never dies; the local step stays as it was
             if not path.is_dir():  # local retention removed it while it went up
                 stats.remote = "not uploaded: removed locally (keep) during its upload"

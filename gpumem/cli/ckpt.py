@@ -63,9 +63,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     ins.add_argument(
         "path",
-        type=_args.checkpoint_dir,
-        help="a step-<N> directory, or a checkpoint directory (its newest)",
+        type=_args.checkpoint_root,
+        help="a step-<N> directory, a checkpoint directory (its newest), or an "
+        "s3://BUCKET/PREFIX root (its newest committed step, or --step)",
     )
+    ins.add_argument("--step", type=_args.non_negative_int, help="s3:// roots: this step")
     ins.add_argument("--json", action="store_true", help="print JSON")
     ins.add_argument(
         "--limit",
@@ -78,9 +80,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     exp.add_argument(
         "dir",
-        type=_args.checkpoint_dir,
-        help="a checkpoint directory (its newest) or a step-<N> directory",
+        type=_args.checkpoint_root,
+        help="a checkpoint directory (its newest), a step-<N> directory, or an "
+        "s3://BUCKET/PREFIX root (its newest committed step, or --step; read by ranged GETs)",
     )
+    exp.add_argument("--step", type=_args.non_negative_int, help="s3:// roots: this step")
     exp.add_argument("--format", choices=["safetensors"], default="safetensors")
     exp.add_argument(
         "--out", required=True, type=_args.new_or_existing_dir, help="output directory"
@@ -266,6 +270,25 @@ def _object_root(url: str) -> Any:
     return ObjectRoot(S3Store(url, writable=False))
 
 
+def _object_step(url: str, step: int | None) -> tuple[Any, Any]:
+    """The committed step ``step`` of an s3:// root (None: the newest whose manifests read):
+    its files (read by ranged GETs) and main manifest."""
+    from gpumem.checkpoint import CheckpointCorruptError
+
+    root = _object_root(url)
+    steps = root.steps()
+    if step is not None:
+        if step not in steps:
+            raise FileNotFoundError(f"{root.url} has no committed step {step} (it has {steps})")
+        return root.open_step(step)
+    for s in steps:
+        try:
+            return root.open_step(s)
+        except CheckpointCorruptError as exc:
+            print(f"skipping damaged step {s}: {exc}", file=sys.stderr)
+    raise FileNotFoundError(f"{root.url} holds no committed checkpoint")
+
+
 def _print_rows(rows: list[dict[str, Any]], where: str, as_json: bool) -> bool:
     """Print ``ls``'s rows; False when there were none (said so)."""
     if as_json:
@@ -404,10 +427,15 @@ def _inspect(args: argparse.Namespace) -> int:
     from gpumem.checkpoint.restore.files import open_checkpoint
     from gpumem.checkpoint.storage.directory import load_info, load_shard_manifest
 
-    path = _targets(Path(args.path))[-1]
-    with open_checkpoint(path) as step:
-        info = load_info(step)
+    if args.path.lower().startswith("s3://"):
+        step, info = _object_step(args.path, args.step)
+        path: Any = step.path
         shards = [(ref, load_shard_manifest(step, info, ref.rank)) for ref in info.shards]
+    else:
+        path = _targets(Path(args.path))[-1]
+        with open_checkpoint(path) as step:
+            info = load_info(step)
+            shards = [(ref, load_shard_manifest(step, info, ref.rank)) for ref in info.shards]
     ranks = []
     for ref, shard in shards:
         state = shard.state if isinstance(shard.state, dict) else {}
@@ -491,8 +519,11 @@ def _inspect(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from gpumem.checkpoint.interop.export import export_safetensors
 
+    src = args.dir
+    if src.lower().startswith("s3://"):
+        src = _object_step(src, args.step)[0]
     files = export_safetensors(
-        args.dir,
+        src,
         args.out,
         config=args.config,
         dtype=args.dtype,

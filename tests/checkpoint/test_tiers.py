@@ -288,7 +288,7 @@ def test_sigterm_with_an_upload_in_flight_exits_within_the_grace_and_says_where(
         ("gs://bucket/run", None, "not s3://"),
         ("s3://bucket/a//b", None, "empty, '.' or '..' segment"),
         (42, None, "must be an s3://BUCKET/PREFIX text"),
-        (None, "http://127.0.0.1:1", "is for remote=, which is not given"),
+        (None, "http://127.0.0.1:1", "is for an s3:// directory or remote=, neither is given"),
         ("s3://bucket/run", "ftp://host", "must be an http:// or https:// URL"),
     ],
 )

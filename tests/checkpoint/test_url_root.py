@@ -13,14 +13,11 @@ from gpumem.checkpoint import CheckpointStateError
 from gpumem.checkpoint.storage.location import check_root, url_scheme
 from gpumem.cli import main
 
-URLS = [
-    "s3://bucket/run",
-    "S3://bucket",
+URLS = [  # s3:// is an object-store root (test_object_direct.py): refused only when malformed
     "gs://bucket/prefix/",
     "az://container/x",
     "file:///tmp/ckpt",
     "https://example.com/ckpt",
-    "s3://",
 ]
 
 
@@ -38,6 +35,16 @@ def test_a_url_root_is_refused_and_nothing_is_written(in_tmp, url):
     assert url in msg and f"{url_scheme(url)}://" in msg and "local directory path" in msg
     assert "\n" not in msg
     assert list(in_tmp.iterdir()) == []  # no "s3:" directory
+
+
+@pytest.mark.parametrize("url", ["s3://", "s3://Bad_Bucket/run", "s3://bucket/a//b", "s3://b?x=1"])
+def test_a_malformed_s3_root_is_refused_and_nothing_is_written(in_tmp, url):
+    with pytest.raises(CheckpointStateError) as info:
+        gpumem.Checkpointer(url)
+    msg = str(info.value)
+    assert msg.startswith(f"directory={url!r} is not an object-store root") and "\n" not in msg
+    assert "s3://BUCKET/PREFIX" in msg
+    assert list(in_tmp.iterdir()) == []
 
 
 def test_bytes_and_a_collapsed_pathlike_are_refused_too(in_tmp):
@@ -72,8 +79,8 @@ def test_url_scheme():
         ["ckpt", "ls", "s3://bucket/run?x=1"],  # ls and verify read s3:// roots: a bad one
         ["ckpt", "ls", "--json", "s3://Bucket/run"],
         ["ckpt", "verify", "s3://bucket/a//b"],
-        ["ckpt", "inspect", "s3://bucket/run/step-3"],
-        ["ckpt", "export", "s3://bucket/run", "--out", "weights"],
+        ["ckpt", "inspect", "s3://bucket/run/./step-3"],
+        ["ckpt", "export", "s3://bucket_/run", "--out", "weights"],
         ["ckpt", "export", "ckpt", "--out", "s3://bucket/weights"],
         ["ckpt", "import", "s3://bucket/dcp", "out"],
         ["ckpt", "import", "dcp", "s3://bucket/out"],

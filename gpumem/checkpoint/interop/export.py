@@ -90,10 +90,11 @@ class Weight:
         return n
 
 
-def model_weights(src: str | os.PathLike) -> tuple[Dir, list[Weight], dict[str, int]]:
+def model_weights(src: Any) -> tuple[Dir, list[Weight], dict[str, int]]:
     """The step directory read (open), its model tensors in saved order, and the sizes of its
-    data files (from the manifests; no data read)."""
-    step = open_step_dir(Path(src))
+    data files (from the manifests; no data read). ``src`` is a path, or a step of an object
+    store opened already (``storage.object_files.ObjectFiles``: read by ranged GETs)."""
+    step = open_step_dir(Path(src)) if isinstance(src, str | os.PathLike) else src
     step_dir = step.path
     body, _, _ = directory.read_manifest(step, MAIN_MANIFEST)
     if DCP_KEY in body:
@@ -158,7 +159,7 @@ def _cleaned(weights: list[Weight], step_dir: Path) -> list[Weight]:
 
 
 def export_safetensors(
-    src: str | os.PathLike,
+    src: Any,
     out: str | os.PathLike,
     *,
     config: str | os.PathLike | None = None,

@@ -28,7 +28,7 @@ import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -76,7 +76,7 @@ def restore(
     group: Group,
     stage: Callable[[int], torch.Tensor],
     *,
-    root: Dir | None,
+    root: Any,
     directory: Path,
     path: str | os.PathLike | None = None,
     verify_loaded: bool = False,
@@ -88,7 +88,8 @@ def restore(
         state: the objects to load.
         group: the ranks that restore together.
         stage: host staging memory of ``n`` bytes for a sharded restore.
-        root: the checkpoint directory, open (None: it does not exist, yet, on this rank).
+        root: the checkpoint directory, open (None: it does not exist, yet, on this rank), or
+            an object store's candidates (``storage.object_backend.ObjectCandidates``).
         directory: its path, for messages.
         path: one checkpoint directory to restore instead of the newest one.
         verify_loaded: check the loaded tensors where they live (on a GPU: the Triton CRC32C).
@@ -99,11 +100,7 @@ def restore(
         CheckpointIOError: the operating system failed a read.
     """
     dtensors = has_dtensors(state.model, state.optimizer)
-    names: list[str | None] = [None]  # None: the caller's path
-    if path is None:
-        names = [n for _, n in step_dirs(root)] if root is not None else []
-        if root is not None:
-            _check_pointer(root, directory)
+    names = _names(root, directory) if path is None else [None]  # None: the caller's path
     failures: list[CheckpointError] = []
     for name in names:
         label = os.fsdecode(path) if path is not None else str(directory / str(name))
@@ -153,9 +150,23 @@ def restore(
 REMOVED = "was removed while it was being read"
 
 
-def _gone(root: Dir | None, name: str) -> bool:
-    """The step directory ``name`` no longer stands in ``root`` (retention renamed it away)."""
+def _names(root: Any, directory: Path) -> list[str | None]:
+    """The committed steps of ``root`` newest first (``latest`` cross-checked): a directory's
+    ``step-<N>`` names, or an object store's (``storage.object_backend.ObjectCandidates``)."""
+    if root is None:
+        return []
+    if not isinstance(root, Dir):
+        root.check_pointer()
+        return list(root.names())
+    _check_pointer(root, directory)
+    return [n for _, n in step_dirs(root)]
+
+
+def _gone(root: Any, name: str) -> bool:
+    """The step ``name`` no longer stands in ``root`` (retention renamed or deleted it)."""
     try:
+        if root is not None and not isinstance(root, Dir):  # an object store's COMMIT
+            return bool(root.gone(name))
         return root is not None and root.lstat(name) is None
     except OSError:
         return False
@@ -199,12 +210,12 @@ def _prepare(
     return staged.prepare()
 
 
-def _open(root: Dir | None, name: str | None, path: str | os.PathLike | None) -> Dir:
+def _open(root: Any, name: str | None, path: str | os.PathLike | None) -> Dir:
     if name is None:
         assert path is not None
         return open_checkpoint(path)
     assert root is not None
-    return open_step(root, name)
+    return open_step(root, name) if isinstance(root, Dir) else root.open(name)
 
 
 def _check_pointer(root: Dir, directory: Path) -> None:

@@ -54,7 +54,12 @@ def io_threads() -> int:
 
 def _check_sizes(step: Dir, shard: ShardManifest) -> None:
     """Every data file a regular file of its recorded size, before a byte is read (the reader
-    checks again once it has the file open)."""
+    checks again once it has the file open). An object store's step checks each object's size
+    by a HEAD (``storage.object_files``)."""
+    if not isinstance(step, Dir):
+        for name, size in shard.files.items():
+            step.check_size(name, size)
+        return
     for name, size in shard.files.items():
         file = step.path / name
         try:
@@ -90,6 +95,16 @@ def _read_file(
     ordered = sorted(extents, key=lambda x: x[0])
     pieces = [(off, buf) for off, buf, _ in ordered]
     file = step.path / name
+    if not isinstance(step, Dir):  # an object store: ranged GETs into the same buffers
+        step.read_file(
+            name,
+            pieces,
+            chunk_bytes=chunk,
+            crc_index=[slot for *_, slot in ordered],
+            crc_out=crcs,
+            expect_size=size,
+        )
+        return
     try:
         read_file(
             name,
@@ -335,7 +350,31 @@ def _read_spans(
 ) -> None:
     file = step.path / name
     try:
-        nonzero = read_spans(
+        if not isinstance(step, Dir):  # an object store: ranged GETs into the same buffer
+            nonzero = step.read_spans(
+                name, buf, spans, chunk_bytes=chunk, crc_out=crcs, expect_size=size
+            )
+        else:
+            nonzero = _read_spans_file(step, name, size, buf, spans, chunk, crcs)
+    except OSError as exc:
+        raise read_error(exc, file, f"reading {len(spans)} extents of") from None
+    if nonzero >= 0:
+        raise CheckpointCorruptError(
+            f"{file}: alignment padding at byte {nonzero} is not zero", path=str(file)
+        )
+
+
+def _read_spans_file(
+    step: Dir,
+    name: str,
+    size: int,
+    buf: torch.Tensor,
+    spans: np.ndarray,
+    chunk: int,
+    crcs: np.ndarray,
+) -> int:
+    return int(
+        read_spans(
             name,
             buf,
             spans,
@@ -346,12 +385,7 @@ def _read_spans(
             dir_fd=step.fd,
             expect_size=size,
         )
-    except OSError as exc:
-        raise read_error(exc, file, f"reading {len(spans)} extents of") from None
-    if nonzero >= 0:
-        raise CheckpointCorruptError(
-            f"{file}: alignment padding at byte {nonzero} is not zero", path=str(file)
-        )
+    )
 
 
 def open_checkpoint(path: str | bytes | os.PathLike) -> Dir:

@@ -1,4 +1,5 @@
-"""The storage: the on-disk format and how a save becomes durable and visible in a directory.
+"""The storage: the on-disk format and how a save becomes durable and visible in a directory or
+an object store.
 
 Modules:
     format     the format, reader and writer: manifests framed with CRC32C and version, validated
@@ -16,4 +17,7 @@ Modules:
     nodes      one shared directory or one per node (detected): nodes, leaders, replica holders
     replicas   a node-local save: manifests on every node, replicas sent, one main manifest
     peer_files checkpoint files sent between two ranks over the gloo group, CRC-checked
+    object_files  one save's objects as a step directory: written from the arena, ranged reads
+    object_commit ObjectCommit: Commit's protocol with a save's own objects and a conditional put
+    object_backend an s3:// root as an open Checkpointer holds it; its steps as restore candidates
 """

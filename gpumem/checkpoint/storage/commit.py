@@ -95,7 +95,7 @@ class Commit:
         self._tmp: Dir | None = None  # the open temporary directory of this save
         self._shared_blocks = False  # several ranks write one DTensor block (check_layout)
         self._committed_name: str | None = None
-        self._files: list[str] = []  # this rank's data files (sent as replicas)
+        self._data_files: list[str] = []  # this rank's data files (sent as replicas)
         nodes = options.nodes
         self._local = nodes if nodes is not None and nodes.local else None
         # rank 0 in a shared directory; each node's leader in its own node-local one
@@ -176,7 +176,7 @@ class Commit:
         try:
             tmp = self._open_tmp()
             files = planned_files(snap.plan, rank)
-            self._files = list(files)
+            self._data_files = list(files)
             crcs = HostChecksums(snap, self.step, then=lambda: self._write_manifests(tmp, files))
             if not snap.batched:
                 snap.staged.wait()
@@ -251,7 +251,9 @@ class Commit:
         main = None
         if self._local is not None:  # every node's copy whole before any node commits
             try:
-                main = spread(self._local, g, self._open_tmp(), self._files, self._main(gathered))
+                main = spread(
+                    self._local, g, self._open_tmp(), self._data_files, self._main(gathered)
+                )
             except CheckpointError:
                 self._discard()
                 raise
@@ -261,10 +263,7 @@ class Commit:
                 self._commit(gathered, main)
             except BaseException as exc:
                 local_error, ok = exc, 0
-                # not committed: its space is freed now, not at the next start (a full disk
-                # would stay full); a step moved aside to be replaced goes back into place
-                assert self.root is not None
-                directory.clean_stale(self.root)
+                self._clean_failed()
         if g.all_reduce(ok, "min") == 0:
             self._raise_commit_failure(local_error)
         if not self.stats.durable_s:  # ranks other than 0: durable once rank 0 committed
@@ -299,27 +298,47 @@ class Commit:
             sharded=any(row[3] for row in gathered),
         )
 
-    def _commit(self, gathered: list[list[int]], main: tuple[bytes, int] | None) -> None:
+    def _clean_failed(self) -> None:
+        """Rank 0, after a failed commit: its space is freed now, not at the next start (a full
+        disk would stay full); a step moved aside to be replaced goes back into place."""
+        assert self.root is not None
+        directory.clean_stale(self.root)
+
+    def _write_main(self, tmp: Dir, gathered: list[list[int]]) -> int:
+        """Rank 0: the main manifest written into ``tmp``, unless the checksum thread wrote it
+        beside the data (one rank, ``_write_manifests``); its CRC32C."""
+        self._check_blocks(tmp, gathered)
+        if self._main_crc is not None:
+            return self._main_crc
+        manifest = self._main(gathered)
+        assert manifest is not None
+        return directory.write_manifest(tmp, MAIN_MANIFEST, manifest)
+
+    def _check_blocks(self, tmp: Dir, gathered: list[list[int]]) -> None:
+        """DTensor blocks several ranks wrote (``check_layout``) cover their tensors: the
+        tiling was checked before writing, the files are checked now."""
+        if any(row[3] for row in gathered) and self._shared_blocks:
+            check_complete(tmp, [row[1] for row in gathered])
+
+    def _durable(self, at: float | None = None) -> None:
+        """Committed (at ``at``, a ``perf_counter`` time; None: now): from here on nothing fails
+        the save (the pointer and retention are cleanup)."""
+        self.stats.committed = True
+        self.stats.durable_s = (time.perf_counter() if at is None else at) - self.snapshot.t0
+
+    def _commit(self, gathered: list[list[int]], main: tuple[bytes, int] | None = None) -> None:
         """The leader: the main manifest (``main``: rank 0's bytes, node-local), the rename
         into place, ``latest``."""
         tmp = self._open_tmp()
-        if any(row[3] for row in gathered) and self._shared_blocks:  # tiling checked before
-            check_complete(tmp, [row[1] for row in gathered])
         if main is not None:  # node-local: rank 0's bytes, spread to every node
+            self._check_blocks(tmp, gathered)
             tmp.write_new(MAIN_MANIFEST, main[0])
             crc = main[1]
-        elif self._main_crc is not None:  # written beside the data (one rank)
-            crc = self._main_crc
         else:
-            manifest = self._main(gathered)
-            assert manifest is not None
-            crc = directory.write_manifest(tmp, MAIN_MANIFEST, manifest)
+            crc = self._write_main(tmp, gathered)
         assert self.root is not None
-        done = directory.commit(self.root, self._open_tmp(), self.step, crc)
-        # committed: from here on nothing fails the save (the pointer and retention are cleanup)
-        self.stats.committed = True
-        # durable once the rename is: ``latest`` is a hint restore() does not need
-        self.stats.durable_s = done.committed_at - self.snapshot.t0
+        done = directory.commit(self.root, tmp, self.step, crc)
+        self._durable(done.committed_at)  # durable once the rename is: ``latest`` is a hint
         if done.set_aside:
             self.stats.set_aside = tuple(done.set_aside)
             _warn_set_aside(self.step, done.set_aside)

@@ -62,11 +62,10 @@ def check_root(root: str | bytes | os.PathLike, argument: str = "directory") -> 
             text = f"{first}/{text[len(first) :]}"  # as the user wrote it, before Path()
     problem = url_problem(text)
     if problem is not None:
-        if url_scheme(text) == "s3":  # what exists for it so far
+        if url_scheme(text) == "s3":  # bytes or a PathLike: the object store takes a str
             problem += (
-                "; for an object store give a local directory and the URL as remote= "
-                f"(Checkpointer('/nvme/ckpt', remote={text!r})): saved locally first, "
-                "uploaded in the background"
+                f"; for an object store give the URL as a str (Checkpointer({text!r})), or a "
+                f"local directory and remote={text!r} (saved locally, uploaded in the background)"
             )
         raise CheckpointStateError(f"{argument}={problem}")
     return Path(text)

@@ -22,15 +22,17 @@ Commit rules (the directory's, with a conditional put where it has a rename):
 - retention runs after a commit and deletes a step's ``COMMIT`` first (it stops being visible),
   then its files; never the step just committed.
 
-Reading applies the directory's trust rules: every manifest is read through ``ObjectStep`` (the
+Reading applies the directory's trust rules: every manifest is read through ``ObjectFiles`` (the
 read side of ``safe_fs.Dir``) by the directory's own ``load_info`` and ``load_shard_manifest``, so
 size caps, framing, CRC32C and every field are checked as for files; a data object's size is
 checked against its shard manifest before a byte is read; ``fetch`` downloads a step into a
 local directory, where ``restore.fetch`` runs the full ``verify`` on it and falls back to the
 next older step (with a ``CheckpointFallbackWarning``) when one is damaged.
 
-Today this is what a node-local tier needs (upload a committed local step, fetch one back) and
-what ``gpumem ckpt ls`` / ``verify`` read; ``Checkpointer`` does not save here directly yet.
+This is what a node-local tier needs (upload a committed local step, fetch one back), what
+``gpumem ckpt`` reads, and what ``Checkpointer("s3://...")`` saves to directly
+(``storage.object_commit``: each rank uploads its own files from the staging arena) and
+restores from (``restore.candidates`` over ``object_backend.ObjectCandidates``).
 """
 
 from __future__ import annotations
@@ -63,55 +65,15 @@ from .format import (
     CheckpointInfo,
     step_dir_name,
 )
+from .object_files import ObjectFiles
 from .object_store import ObjectInfo, S3Store
 from .safe_fs import Dir
 
 COMMIT = "COMMIT"
+ABANDONED = "abandoned"  # going back: the newer steps' commit records, set aside
 _COMMIT_KEY = re.compile(r"^step-(\d{1,19})/COMMIT$")
 _SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
 _SMALL = 4096  # COMMIT and latest are a line of JSON
-
-
-class _ObjectPath:
-    """``Path``'s ``/``, ``name`` and ``str`` for an object key prefix, for messages."""
-
-    def __init__(self, text: str):
-        self._text = text.rstrip("/")
-
-    def __truediv__(self, name: str) -> _ObjectPath:
-        return _ObjectPath(f"{self._text}/{name}")
-
-    @property
-    def name(self) -> str:
-        return self._text.rsplit("/", 1)[-1]
-
-    def __str__(self) -> str:
-        return self._text
-
-    def __fspath__(self) -> str:  # never opened: for os.fsdecode in messages only
-        return self._text
-
-
-class ObjectStep:
-    """One save's files in the store, as the directory code reads a step directory
-    (``path``, ``read_small``): manifests are checked by the same functions."""
-
-    def __init__(self, store: S3Store, key: str):
-        self.store, self.key = store, key.rstrip("/")
-        self.path = _ObjectPath(f"s3://{store.url.bucket}/{self.key}")
-
-    def read_small(self, name: str, cap: int, what: str) -> bytes:
-        got = self.store.get(f"{self.key}/{name}", max_bytes=cap)
-        if got is None:
-            path = str(self.path / name)
-            raise CheckpointCorruptError(f"{path}: {what} unreadable: missing", path=path)
-        return got[0]
-
-    def __enter__(self) -> ObjectStep:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 @dataclass
@@ -124,6 +86,7 @@ class UploadedStep:
     nbytes: int
     removed: list[int] = field(default_factory=list)
     pointer_error: CheckpointError | None = None
+    set_aside: list[str] = field(default_factory=list)
 
 
 class ObjectRoot:
@@ -149,9 +112,12 @@ class ObjectRoot:
 
     # ------------------------------------------------------------------ writing
 
-    def upload_step(self, local: str | os.PathLike, keep: int | None = None) -> UploadedStep:
+    def upload_step(
+        self, local: str | os.PathLike, keep: int | None = None, back: bool = False
+    ) -> UploadedStep:
         """Upload the committed local checkpoint directory ``local`` (a ``step-<N>``) and commit
-        it here as step N; then move ``latest`` and apply retention (``keep`` newest).
+        it here as step N; then (``back``: the local save went back) set the newer steps aside,
+        move ``latest`` and apply retention (``keep`` newest).
 
         The local step is checked first (its manifests, as restore checks them); its data
         files are sent from the page cache (``mmap``), not read into a copy.
@@ -176,10 +142,7 @@ class ObjectRoot:
                 for name in [*(ref.file for ref in info.shards), MAIN_MANIFEST]:
                     data = src.read_small(name, MAX_MANIFEST_BYTES, "manifest")
                     self.store.put(self._key(f"{base}/{name}"), data)
-                won = self.store.put_new(
-                    self._key(f"{step_dir_name(info.step)}/{COMMIT}"),
-                    _json({"save": save, "manifest_crc32c": info.manifest_crc32c}),
-                )
+                won = self.commit_save(info.step, save, info.manifest_crc32c)
             except BaseException:
                 self._delete_prefix(f"{base}/")
                 raise
@@ -190,12 +153,27 @@ class ObjectRoot:
                 "its checkpoint was kept and this one discarded"
             )
         done = UploadedStep(info.step, save, sent)
+        if back:
+            done.set_aside = self.set_aside_newer(info.step)
         try:
-            self._move_latest(info.step, info.manifest_crc32c)
+            self.move_latest(info.step, info.manifest_crc32c, back=bool(done.set_aside))
         except CheckpointError as exc:
             done.pointer_error = exc
         done.removed = self.apply_retention(keep, info.step)
         return done
+
+    def save_files(self, step: int, save: str) -> ObjectFiles:
+        """The files of save ``save`` (a fresh ``uuid4().hex``) of step ``step``, to write."""
+        key = self._key(f"{step_dir_name(step)}/{save}")
+        return ObjectFiles(self.store, key, self.part_bytes, self.budget_bytes)
+
+    def commit_save(self, step: int, save: str, manifest_crc: int) -> bool:
+        """**The commit**: ``step-<N>/COMMIT`` naming ``save`` by conditional put; False when
+        another save committed step N first (nothing was changed then)."""
+        return self.store.put_new(
+            self._key(f"{step_dir_name(step)}/{COMMIT}"),
+            _json({"save": save, "manifest_crc32c": manifest_crc}),
+        )
 
     def _upload_file(self, src: Dir, name: str, size: int, key: str) -> int:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), dir_fd=src.fd)
@@ -231,8 +209,9 @@ class ObjectRoot:
             os.close(fd)
         return size
 
-    def _move_latest(self, step: int, crc: int) -> None:
-        """Point ``latest`` at ``step`` unless it points at a newer one, by conditional put."""
+    def move_latest(self, step: int, crc: int, back: bool = False) -> None:
+        """Point ``latest`` at ``step`` unless it points at a newer one (``back``: even then,
+        after going back), by conditional put."""
         key = self._key(LATEST)
         data = _json({"step": step, "path": step_dir_name(step), "manifest_crc32c": crc})
         for _ in range(self.store.max_attempts):
@@ -248,6 +227,7 @@ class ObjectRoot:
                     isinstance(old, dict)
                     and isinstance(old.get("step"), int)
                     and old["step"] > step
+                    and not back
                 ):
                     return  # a newer commit moved it already
             except (ValueError, RecursionError):
@@ -255,6 +235,33 @@ class ObjectRoot:
             if self.store.put_over(key, data, etag) is not None:
                 return
         raise CheckpointStateError(f"{self.url}/latest kept moving under concurrent commits")
+
+    def set_aside_newer(self, step: int) -> list[str]:
+        """Going back (a save of ``step`` below committed steps): each newer step stops being
+        visible, its ``COMMIT`` record moved to ``abandoned/step-<N>-<save>/COMMIT`` and its
+        files kept (``clean_stale`` leaves them). Returns where each record went."""
+        moved = []
+        for newer in self.steps():
+            if newer <= step:
+                break
+            key = self._key(f"{step_dir_name(newer)}/{COMMIT}")
+            try:
+                record = self._commit_record(newer)
+                name = f"{ABANDONED}/{step_dir_name(newer)}-{record['save']}"
+                self.store.put(self._key(f"{name}/{COMMIT}"), _json(record))
+            except CheckpointCorruptError:
+                name = f"{ABANDONED}/{step_dir_name(newer)}-damaged"
+            self.store.delete([key])
+            moved.append(f"{self.url}/{name}")
+        return moved
+
+    def _abandoned_saves(self) -> set[str]:
+        found = set()
+        for obj in self.store.list(f"{ABANDONED}/"):
+            m = re.search(r"/step-\d{1,19}-([0-9a-f]{32})/COMMIT$", obj.key)
+            if m:
+                found.add(m.group(1))
+        return found
 
     def apply_retention(self, keep: int | None, committed: int) -> list[int]:
         """Delete all but the ``keep`` newest committed steps (never ``committed``): each one's
@@ -284,11 +291,16 @@ class ObjectRoot:
         for step in self.steps():
             with contextlib.suppress(CheckpointCorruptError):
                 committed[step] = self._commit_record(step)["save"]
-        orphans = []
+        orphans, kept = [], self._abandoned_saves()
         for obj, modified in self._objects_with_times():
             rel = obj[len(self._key("")) :] if self.store.url.prefix else obj
             m = re.match(r"^step-(\d{1,19})/([0-9a-f]{32})/", rel)
-            if m and committed.get(int(m.group(1))) != m.group(2) and modified < cutoff:
+            if (
+                m
+                and committed.get(int(m.group(1))) != m.group(2)
+                and m.group(2) not in kept  # an abandoned branch's files stay, as on disk
+                and modified < cutoff
+            ):
                 orphans.append(obj)
         self.store.delete(orphans)
         return removed + orphans
@@ -336,7 +348,7 @@ class ObjectRoot:
             raise CheckpointCorruptError(f"{name}: damaged commit record", path=name)
         return data
 
-    def open_step(self, step: int) -> tuple[ObjectStep, CheckpointInfo]:
+    def open_step(self, step: int) -> tuple[ObjectFiles, CheckpointInfo]:
         """The committed step ``step``: its files and its main manifest, checked (the manifest's
         CRC32C against the commit record, its step against N).
 
@@ -344,7 +356,12 @@ class ObjectRoot:
             CheckpointCorruptError: naming the object at fault.
         """
         record = self._commit_record(step)
-        files = ObjectStep(self.store, self._key(f"{step_dir_name(step)}/{record['save']}"))
+        files = ObjectFiles(
+            self.store,
+            self._key(f"{step_dir_name(step)}/{record['save']}"),
+            self.part_bytes,
+            self.budget_bytes,
+        )
         info = load_info(files)
         manifest = str(files.path / MAIN_MANIFEST)
         if info.manifest_crc32c != record["manifest_crc32c"]:

@@ -767,12 +767,16 @@ class S3Store(_S3Writes):
         chunk_bytes: int = 0,
         crc_index: Sequence[int] | None = None,
         crc_out: Any = None,
+        etag: str | None = None,
+        range_bytes: int = 16 << 20,
     ) -> int:
         """``gpumem.reader.read_file``'s contract on an object: fill every ``(offset, buffer)``
         piece (``max_concurrency`` ranged GETs at once, all pinned to one version), and with
         ``chunk_bytes`` put the CRC32C of every chunk of each piece (from its start) into
         ``crc_out[crc_index[i] + k]`` (a negative index: none). The object must hold exactly
-        ``expect_size`` bytes, checked before a byte is read. Returns the bytes read.
+        ``expect_size`` bytes, checked before a byte is read (with ``etag``: by the caller's
+        HEAD, whose version every read is pinned to). A piece larger than ``range_bytes`` is
+        read as several ranges at once. Returns the bytes read.
 
         Raises:
             CheckpointCorruptError: the object is missing, of another size, or changed.
@@ -780,7 +784,7 @@ class S3Store(_S3Writes):
             ValueError: CRC slots out of range, or chunk_bytes without crc_out.
         """
         name = self._name(key)
-        found = self.head(key)
+        found = self.head(key) if etag is None else ObjectInfo(key, expect_size, etag)
         if found is None:
             raise CheckpointCorruptError(f"{name} is missing", path=name)
         assert isinstance(found, ObjectInfo)
@@ -801,18 +805,31 @@ class S3Store(_S3Writes):
                 if slot >= 0 and slot + -(-len(view) // chunk_bytes) > len(out):
                     raise ValueError(f"crc_index {slot} leaves too few slots in crc_out")
 
-        def one(i: int) -> None:
-            off, view = views[i]
+        # a large piece goes as several ranges in flight, each a whole number of chunks (so
+        # each range's CRC slots follow from its place in the piece)
+        step = max(range_bytes // chunk_bytes, 1) * chunk_bytes if chunk_bytes else range_bytes
+        work = [
+            (
+                off + a,
+                view[a : a + step],
+                slot + a // chunk_bytes if slot >= 0 and out is not None else -1,
+            )
+            for (off, view), slot in zip(views, index, strict=True)
+            for a in range(0, len(view), step)
+        ]
+
+        def one(j: int) -> None:
+            off, view, slot = work[j]
             self.read_into(
                 key, off, view, object_size=expect_size, etag=found.etag, range_bytes=1 << 62
             )
-            if out is not None and index[i] >= 0 and len(view):
+            if out is not None and slot >= 0:
                 count = -(-len(view) // chunk_bytes)
                 data = np.frombuffer(view, dtype=np.uint8)  # a view: nothing copied
-                load().chunk_crc32c(data, chunk_bytes, out[index[i] : index[i] + count])
+                load().chunk_crc32c(data, chunk_bytes, out[slot : slot + count])
 
         with ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="gpumem-s3-get") as pool:
-            for f in [pool.submit(one, i) for i in range(len(views))]:
+            for f in [pool.submit(one, j) for j in range(len(work))]:
                 f.result()
         return sum(len(v) for _, v in views)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import CheckpointError, CheckpointIOError, CheckpointStateError
 from ..group import Group
-from .directory import clean_stale
+from .directory import clean_stale, list_checkpoints
 from .lock import READ_ONLY_ERRNOS, DirLock
 from .nodes import Nodes
 from .safe_fs import Dir
@@ -159,6 +159,17 @@ class Root:
                 raise
             return None
 
+    def list(self) -> list[Any]:
+        """The committed checkpoints with intact manifests, oldest first."""
+        root = self.maybe()
+        return list_checkpoints(root) if root is not None else []
+
+    def commit(self, options: Any, step: int, captured: Any, snapshot: Any) -> Any:
+        """The ``commit.Commit`` of one save into this directory."""
+        from .commit import Commit
+
+        return Commit(options, self.opened, step, captured, snapshot)
+
     def check_writable(self) -> None:
         """Raise why save() is refused, if it is."""
         if self.read_only is None:
@@ -180,3 +191,14 @@ class Root:
             self._lock.release()
         if self._dir is not None:
             self._dir.close()
+
+
+def open_root(cfg: Any, group: Group, nodes: Nodes | None = None) -> Any:
+    """The root of a Checkpointer with ``cfg``: this directory (``Root``; ``nodes``: shared or
+    node-local), or for an ``s3://`` directory the store itself
+    (``object_backend.ObjectBackend``, the same methods)."""
+    if cfg.url is not None:
+        from .object_backend import ObjectBackend
+
+        return ObjectBackend(cfg.url, cfg.endpoint_url, group, read_only=cfg.read_only)
+    return Root.from_config(cfg, group, nodes)
