@@ -56,6 +56,12 @@ def _aligned(n: int, align: int) -> torch.Tensor:
     return raw[skip : skip + n]
 
 
+def _cpu() -> float:
+    """CPU seconds (user + system) this process has used so far, every thread's."""
+    t = os.times()
+    return t.user + t.system
+
+
 def _data_files(ck_dir: Path) -> list[Path]:
     return sorted(p for p in files_under(ck_dir) if p.name.startswith("data-"))
 
@@ -68,20 +74,21 @@ def child_parts(ck_dir: Path, nbytes: int) -> dict[str, float]:
     threads = max(4, os.cpu_count() or 1)
     out: dict[str, float] = {}
 
-    def read_all(buf: torch.Tensor) -> float:
+    def read_all(buf: torch.Tensor, label: str) -> None:
         drop_page_cache(files)
-        t0 = time.perf_counter()
+        c0, t0 = _cpu(), time.perf_counter()
         at = 0
         for f, n in zip(files, sizes, strict=True):
             read_file(str(f), [(0, buf[at : at + n])], direct=True, threads=threads)
             at += n
-        return time.perf_counter() - t0
+        out[label] = time.perf_counter() - t0
+        out[f"cpu: {label}"] = _cpu() - c0
 
     warm = _aligned(total, 4096)
     warm.fill_(1)
-    out["read_warm"] = read_all(warm)
+    read_all(warm, "read_warm")
     del warm
-    out["read_fresh"] = read_all(_aligned(total, 4096))  # the reader's prefault maps it in
+    read_all(_aligned(total, 4096), "read_fresh")  # the reader's prefault maps it in
     for label, huge in (("fault_4k", False), ("fault_2m", True)):
         buf = _aligned(total, _HUGE)
         t0 = time.perf_counter()
@@ -154,10 +161,11 @@ def child_restore(ck_dir: Path, nbytes: int) -> dict[str, float]:
 
         obj.load_state_dict = wrapped
     checkpointer = gpumem.Checkpointer
-    t0 = time.perf_counter()
+    c0, t0 = _cpu(), time.perf_counter()
     with checkpointer(ck_dir, keep=1) as ck:
         assert ck.restore(model=model, optimizer=opt, rng=False) is not None
     spent["total"] = time.perf_counter() - t0
+    spent["cpu: total"] = _cpu() - c0
     return dict(spent)
 
 
@@ -236,13 +244,18 @@ def main(argv: list[str] | None = None) -> int:
 
     for key, what in PARTS.items():
         row(what, key, "alone")
+    for key in ("read_warm", "read_fresh"):
+        row(f"{PARTS[key]}: CPU time, every thread", f"cpu: {key}", "alone")
     for key in samples:
-        if key in PARTS or key.endswith("_bytes") or key.startswith("baseline: "):
+        if key in PARTS or key.endswith("_bytes") or key.startswith(("baseline: ", "cpu: r")):
             continue
-        row(key, key, "restore phase")
+        row(key.replace("cpu: total", "total: CPU time, every thread"), key, "restore phase")
     for key in samples:
         if key.startswith("baseline: "):
-            row(key.removeprefix("baseline: "), key, "baseline restore phase")
+            what = key.removeprefix("baseline: ").replace(
+                "cpu: total", "total: CPU time, every thread"
+            )
+            row(what, key, "baseline restore phase")
     notes = (
         f"Ratios against the O_DIRECT read into a warm buffer ({base * 1e3:.0f} ms, "
         f"{med['total_bytes'] / base / 1e9:.2f} GB/s). The model's parameters are "

@@ -79,6 +79,53 @@ def test_read_file_pieces_and_chunk_crcs(tmp_path, threads, chunk):
         assert crcs[-2:].tolist() == [-1, -1]  # slots past the last piece untouched
 
 
+@pytest.mark.parametrize("threads", [1, 4])
+def test_read_into_fresh_memory(tmp_path, threads):
+    """Never-touched, page-aligned buffers of many tasks (each reader maps its pages in before
+    its O_DIRECT read, as a restore's fresh tensors) land byte-exact with google-crc32c's chunk
+    CRCs; a file that ends early inside a piece is an EIO error."""
+    import google_crc32c
+
+    chunk = 1 << 20
+    raw = rand_bytes((41 << 20) + 4096 * 2, 13)
+    path = tmp_path / "f.bin"
+    path.write_bytes(raw)
+    sizes = [25 << 20, (16 << 20) + 4096, 4096]
+    offsets = [0, sizes[0], sizes[0] + sizes[1]]
+    outs = []
+    for n in sizes:
+        base = torch.empty(n + 4096, dtype=torch.uint8)
+        skip = -base.data_ptr() % 4096
+        outs.append(base[skip : skip + n])
+    counts = [-(-n // chunk) for n in sizes]
+    index = [0, counts[0], counts[0] + counts[1]]
+    crcs = np.full(sum(counts), -1, dtype=np.int64)
+    pieces = list(zip(offsets, outs, strict=True))
+
+    def read() -> int:
+        return read_file(
+            path,
+            pieces,
+            threads=threads,
+            direct=True,
+            chunk_bytes=chunk,
+            crc_index=index,
+            crc_out=crcs,
+        )
+
+    assert read() == sum(sizes)
+    for off, out, n, first in zip(offsets, outs, sizes, index, strict=True):
+        data = raw[off : off + n]
+        assert out.numpy().tobytes() == data
+        want = [google_crc32c.value(data[k : k + chunk]) for k in range(0, n, chunk)]
+        assert crcs[first : first + len(want)].tolist() == want
+    with open(path, "r+b") as f:
+        f.truncate(30 << 20)  # inside the second piece
+    with pytest.raises(OSError) as info:
+        read()
+    assert info.value.errno == errno.EIO
+
+
 def test_read_file_uses_o_direct_for_aligned_middles(tmp_path):
     raw = rand_bytes((8 << 20) + 100, 12)
     path = tmp_path / "d.bin"
