@@ -59,6 +59,7 @@ from gpumem.units import align_up
 from ..capture.boxes import Box, Mesh
 from ..capture.codec import DTYPE_NAMES, DTYPES, ITEMSIZE
 from ..errors import CheckpointCorruptError
+from . import tensor_table
 
 FORMAT_VERSION = 1  # written for every checkpoint that is not replicated
 REPLICATED_VERSION = 2  # written for replicated ones: adds the "replicated" and "owners" fields
@@ -115,9 +116,15 @@ def encode_manifest(body: dict[str, Any], version: int) -> tuple[bytes, int]:
     return prefix + f"{crc:08x}\n".encode() + payload, crc
 
 
-def decode_manifest(data: bytes, path: str) -> tuple[dict[str, Any], int, int]:
+def decode_manifest(
+    data: bytes, path: str, *, native_tensors: bool = False
+) -> tuple[dict[str, Any], int, int]:
     """Check framing and CRC of manifest bytes, then parse the JSON body; returns (body, CRC,
-    version). Its fields are checked against the version by ``parse_main``/``parse_shard``."""
+    version). Its fields are checked against the version by ``parse_main``/``parse_shard``.
+
+    ``native_tensors`` (a shard manifest): decode its tensor table natively where it can
+    (``tensor_table``); the body's ``tensors`` is then a ``tensor_table.Prebuilt`` of entries
+    that ``parse_shard`` takes as they are. Where it cannot, the same body as without it."""
     m = _HEADER.match(data[:64])
     if not m:
         raise CheckpointCorruptError(
@@ -143,6 +150,11 @@ def decode_manifest(data: bytes, path: str) -> tuple[dict[str, Any], int, int]:
             f"{', '.join(map(str, READ_VERSIONS))}",
             path=path,
         )
+    if native_tensors:
+        types = (TensorEntry, Box)
+        body = tensor_table.decode(payload, version, SHARDED_VERSION, types, ITEMSIZE)
+        if body is not None:
+            return body, crc, version
     try:
         body = strict_json.loads(payload)
     except (ValueError, RecursionError) as exc:
@@ -359,11 +371,18 @@ def parse_shard(body: dict[str, Any], path: str, crc: int, version: int) -> Shar
     tensors, names = [], set()
     per_file: dict[str, list[tuple[int, int, str]]] = {f: [] for f in files}
     sharded = version >= SHARDED_VERSION
+    rules = (chunk, align, files, tuple(len(m.shape) for m in meshes), sharded)
+    prebuilt = isinstance(raw, tensor_table.Prebuilt) and raw.rules == rules
+    if isinstance(raw, tensor_table.Prebuilt) and not prebuilt:
+        raise c.fail("manifest tensor table was checked under other fields")  # cannot happen
     for i, t in enumerate(raw):
-        # the fast path only accepts; anything it does not accept gets the full check and its
+        # the fast paths only accept; anything they do not accept gets the full check and its
         # message (a hundred thousand blocks decode in a fraction of the full check's time)
-        entry = _fast_tensor(t, chunk, align, files, meshes, sharded) or _parse_tensor(
-            c, t, i, chunk, align, files, meshes, sharded
+        entry = (
+            t
+            if prebuilt
+            else _fast_tensor(t, chunk, align, files, meshes, sharded)
+            or _parse_tensor(c, t, i, chunk, align, files, meshes, sharded)
         )
         if entry.name in names:
             raise c.fail(f"tensor name {entry.name!r} appears twice", entry.name)
