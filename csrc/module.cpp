@@ -466,6 +466,7 @@ NB_MODULE(_C, m) {
       },
       "data"_a, "start"_a, "stop"_a, "chunk"_a, "align"_a, "files"_a, "itemsize"_a,
       "mesh_ndims"_a, "sharded"_a, "entry_type"_a, "box_type"_a,
-      "format.TensorEntry list of the JSON tensor table data[start:stop], each rule of "
+      "(format.TensorEntry list, extent rows, chunk CRCs as int64 bytes) of the JSON tensor "
+      "table data[start:stop], each rule of "
       "format._parse_tensor checked; None where the Python decoder must decide.");
 }

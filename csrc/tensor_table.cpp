@@ -136,7 +136,7 @@ bool placement(std::string_view s) {  // format._PLACEMENT: R | S(d{1,2}) | SS(d
 
 struct Extent {
   PyObject* file;  // borrowed: the key of the files dict
-  int64_t file_size, off, len;
+  int64_t file_index, file_size, off, len;
 };
 
 struct Entry {
@@ -150,7 +150,11 @@ struct Entry {
 
 struct Rules {
   int64_t chunk, align;
-  std::unordered_map<std::string_view, std::pair<PyObject*, int64_t>> files;  // name -> key, size
+  struct File {
+    PyObject* key;
+    int64_t index, size;
+  };
+  std::unordered_map<std::string_view, File> files;  // name -> key, place in the dict, size
   std::unordered_map<std::string_view, std::pair<PyObject*, int64_t>> dtypes;  // -> key, itemsize
   std::vector<int64_t> mesh_ndims;
   bool sharded;
@@ -226,7 +230,7 @@ void parse_entry(Cursor& c, Entry& e, const Rules& r) {
         c.expect(',');
         const int64_t len = c.num();
         c.expect(']');
-        e.extents.push_back({f->second.first, f->second.second, off, len});
+        e.extents.push_back({f->second.key, f->second.index, f->second.size, off, len});
       });
     } else if (key == "global") {
       once(64), e.has_global = true;
@@ -421,7 +425,8 @@ nb::object build_tensors(const char* data, size_t size, int64_t chunk, int64_t a
                          bool sharded, nb::handle entry_type, nb::handle box_type) {
   if (chunk <= 0 || align <= 0) return nb::none();
   Rules r{chunk, align, {}, {}, std::move(mesh_ndims), sharded};
-  for (auto [k, v] : files) r.files[as_view(k)] = {k.ptr(), nb::cast<int64_t>(v)};
+  int64_t index = 0;
+  for (auto [k, v] : files) r.files[as_view(k)] = {k.ptr(), index++, nb::cast<int64_t>(v)};
   for (auto [k, v] : itemsize) r.dtypes[as_view(k)] = {k.ptr(), nb::cast<int64_t>(v)};
   Cursor c{data, data + size};
   std::vector<Entry> entries;
@@ -440,10 +445,25 @@ nb::object build_tensors(const char* data, size_t size, int64_t chunk, int64_t a
   Cache cache;
   nb::object empty = owned(PyTuple_New(0));
   nb::object out = owned(PyList_New(static_cast<Py_ssize_t>(entries.size())));
-  for (size_t i = 0; i < entries.size(); ++i)
+  // the same table as columns, for readers that need no object per entry: every extent as
+  // (tensor, position in the tensor, file index, offset, length), every chunk CRC in order
+  std::vector<int64_t> extents, crcs;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const Entry& e = entries[i];
+    int64_t pos = 0;
+    for (const Extent& x : e.extents) {
+      extents.insert(extents.end(), {static_cast<int64_t>(i), pos, x.file_index, x.off, x.len});
+      pos += x.len;
+    }
+    crcs.insert(crcs.end(), e.crcs.begin(), e.crcs.end());
     PyList_SET_ITEM(out.ptr(), i,
-                    make(entries[i], r, keys, cache, entry_type, box_type, empty).release().ptr());
-  return out;
+                    make(e, r, keys, cache, entry_type, box_type, empty).release().ptr());
+  }
+  auto raw = [](const std::vector<int64_t>& v) {
+    return owned(PyBytes_FromStringAndSize(reinterpret_cast<const char*>(v.data()),
+                                           static_cast<Py_ssize_t>(v.size() * sizeof(int64_t))));
+  };
+  return nb::make_tuple(out, raw(extents), raw(crcs));
 }
 
 }  // namespace gpumem::table

@@ -13,7 +13,8 @@ namespace gpumem::table {
 // (start, stop) byte range of the top-level "tensors" value of a JSON object, or None.
 nanobind::object find_tensors(const char* data, size_t size);
 
-// The TensorEntry list of a "tensors" JSON array, or None where the Python path must decide.
+// (TensorEntry list, extents, chunk CRCs) of a "tensors" JSON array (the two columns as raw
+// int64 bytes: see tensor_table.cpp), or None where the Python path must decide.
 nanobind::object build_tensors(const char* data, size_t size, int64_t chunk, int64_t align,
                                nanobind::dict files, nanobind::dict itemsize,
                                std::vector<int64_t> mesh_ndims, bool sharded,

@@ -221,6 +221,8 @@ class ShardManifest:
     owners: dict[str, int] = field(default_factory=dict)
     meshes: tuple[Mesh, ...] = ()  # sharded checkpoints: the meshes its global blocks lie on
     version: int = FORMAT_VERSION
+    # ``tensors`` as arrays where the native decoder built them (``tensor_table.Columns``)
+    table: tensor_table.Columns | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -372,9 +374,10 @@ def parse_shard(body: dict[str, Any], path: str, crc: int, version: int) -> Shar
     per_file: dict[str, list[tuple[int, int, str]]] = {f: [] for f in files}
     sharded = version >= SHARDED_VERSION
     rules = (chunk, align, files, tuple(len(m.shape) for m in meshes), sharded)
-    prebuilt = isinstance(raw, tensor_table.Prebuilt) and raw.rules == rules
-    if isinstance(raw, tensor_table.Prebuilt) and not prebuilt:
-        raise c.fail("manifest tensor table was checked under other fields")  # cannot happen
+    native = raw if isinstance(raw, tensor_table.Prebuilt) else None
+    if native is not None and native.rules != rules:  # cannot happen: both read this body
+        raise c.fail("manifest tensor table was checked under other fields")
+    prebuilt = native is not None
     for i, t in enumerate(raw):
         # the fast paths only accept; anything they do not accept gets the full check and its
         # message (a hundred thousand blocks decode in a fraction of the full check's time)
@@ -418,6 +421,7 @@ def parse_shard(body: dict[str, Any], path: str, crc: int, version: int) -> Shar
         owners,
         meshes,
         version,
+        native.columns if native is not None else None,
     )
 
 

@@ -11,7 +11,10 @@ manifest the Python way, so every message stays the Python path's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from gpumem import _strict_json as strict_json
 from gpumem._native import load
@@ -20,14 +23,29 @@ from gpumem._native import load
 _BIG = 1 << 62  # past int64 arithmetic: left to the Python path
 
 
+@dataclass(frozen=True)
+class Columns:
+    """A decoded tensor table as arrays, for readers that need no object per entry.
+
+    Attributes:
+        extents: (extents, 5) int64: tensor index, position in the tensor, file (its index in
+            the manifest's ``files``), offset, length; in tensor order, each tensor's in order.
+        crcs: every chunk CRC32C of every tensor, in tensor order.
+    """
+
+    extents: np.ndarray
+    crcs: np.ndarray
+
+
 class Prebuilt(list):  # type: ignore[type-arg]
     """The entries (``format.TensorEntry``) of a tensor table, checked under ``rules``: (chunk,
-    alignment, files, mesh dimensions, sharded). ``format.parse_shard`` takes them as they are
-    when its validated fields give the same rules."""
+    alignment, files, mesh dimensions, sharded), with its ``columns``. ``format.parse_shard``
+    takes them as they are when its validated fields give the same rules."""
 
-    def __init__(self, entries: list[Any], rules: tuple[Any, ...]):
+    def __init__(self, entries: list[Any], rules: tuple[Any, ...], columns: Columns):
         super().__init__(entries)
         self.rules = rules
+        self.columns = columns
 
 
 def decode(
@@ -55,7 +73,11 @@ def decode(
     )
     if built is None:
         return None
-    body["tensors"] = Prebuilt(built, rules)
+    entries, extents, crcs = built
+    columns = Columns(
+        np.frombuffer(extents, dtype=np.int64).reshape(-1, 5), np.frombuffer(crcs, dtype=np.int64)
+    )
+    body["tensors"] = Prebuilt(entries, rules, columns)
     return body
 
 
