@@ -4,10 +4,11 @@
 // Accept-only, like format._fast_tensor: find_tensors locates the top-level "tensors" value, and
 // build_tensors parses it in a strict subset of JSON (ASCII strings without escapes, non-negative
 // integers without fraction or exponent, each entry's keys once and all known) while checking
-// every rule of format._parse_tensor. Anything outside the subset, or any rule broken, returns
+// every rule of format._parse_tensor and parse_shard's over the table. Anything outside the subset, or any rule broken, returns
 // None and the caller decodes the manifest with the Python path, whose messages name the fault.
 #include "tensor_table.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -287,6 +288,30 @@ void check(const Entry& e, const Rules& r) {
     if (!placement(p)) throw Fail{};
 }
 
+// format.parse_shard's checks over the whole table: no name twice, and each data file's
+// extents laid out canonically (each at the aligned end of the previous, the file ending with
+// the last).
+bool unique_and_canonical(const std::vector<Entry>& entries, const Rules& r) {
+  std::unordered_map<std::string_view, int> names;
+  names.reserve(entries.size() * 2);
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> per_file(r.files.size());
+  for (const Entry& e : entries) {
+    if (!names.emplace(e.name, 0).second) return false;
+    for (const Extent& x : e.extents) per_file[x.file_index].emplace_back(x.off, x.len);
+  }
+  for (const auto& [name, f] : r.files) {
+    auto& spans = per_file[f.index];
+    std::sort(spans.begin(), spans.end());
+    int64_t expected = 0;
+    for (const auto& [off, len] : spans) {
+      if (off != (expected + r.align - 1) / r.align * r.align) return false;
+      expected = off + len;
+    }
+    if (expected != f.size) return false;
+  }
+  return true;
+}
+
 nb::object owned(PyObject* o) {
   if (!o) throw nb::python_error();
   return nb::steal(o);
@@ -441,6 +466,7 @@ nb::object build_tensors(const char* data, size_t size, int64_t chunk, int64_t a
   } catch (const Fail&) {
     return nb::none();
   }
+  if (!unique_and_canonical(entries, r)) return nb::none();
   const Keys keys;
   Cache cache;
   nb::object empty = owned(PyTuple_New(0));

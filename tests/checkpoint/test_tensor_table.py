@@ -11,10 +11,8 @@ import json
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_many_blocks import FILES, GOOD, MESHES, PATHS, VALUES
+from test_many_blocks import GOOD, MESHES, PATHS, VALUES
 
-from gpumem._native import load
-from gpumem.checkpoint.capture.boxes import Box
 from gpumem.checkpoint.errors import CheckpointError
 from gpumem.checkpoint.storage import format
 
@@ -28,18 +26,34 @@ def _edit(t, edits):
             if value == "__drop__":
                 del node[path[-1]]
             else:
-                node[path[-1]] = value
+                node[path[-1]] = copy.deepcopy(value)  # a shared {} must not nest in itself
         except (KeyError, IndexError, TypeError):
             continue
     return t
 
 
-def _native(text: bytes, sharded: bool):
-    ndims = [len(m.shape) for m in MESHES]
-    return load().build_tensors(
-        text, 0, len(text), 4096, 64, FILES, format.ITEMSIZE, ndims, sharded,
-        format.TensorEntry, Box,
-    )  # fmt: skip
+ENTRY = {**GOOD, "extents": [["d.bin", 0, 24]]}  # GOOD, laid out canonically in a 24-byte file
+
+
+def _body(tensors: list, sharded: bool) -> dict:
+    body = {
+        "format": "gpumem-checkpoint-shard",
+        **{"rank": 0, "world_size": 1, "step": 3, "chunk_bytes": 4096, "alignment": 64},
+        "files": {"d.bin": 24},
+        "tensors": tensors,
+        "state": {},
+    }
+    if sharded:
+        body["meshes"] = [m.as_json() for m in MESHES]
+    return body
+
+
+def _both(body: dict, sharded: bool, spelling: dict) -> tuple:
+    """(native outcome, Python outcome, whether the native decoder built the table)."""
+    data = _framed(json.dumps(body, **spelling).encode(), 3 if sharded else 1)
+    decoded, _, _ = format.decode_manifest(data, "m", native_tensors=True)
+    built = type(decoded["tensors"]).__name__ == "Prebuilt"
+    return _outcome(data, native=True), _outcome(data, native=False), built
 
 
 SPELLINGS = st.sampled_from(
@@ -56,27 +70,26 @@ SPELLINGS = st.sampled_from(
     spelling=SPELLINGS,
     name=st.text(min_size=0, max_size=4),
 )
-def test_the_native_table_builds_what_the_full_check_builds(edits, sharded, spelling, name):
-    t = _edit(copy.deepcopy(GOOD), edits)
+def test_the_native_table_decides_as_the_full_check(edits, sharded, spelling, name):
+    t = _edit(copy.deepcopy(ENTRY), edits)
     if isinstance(t, dict) and name:
         t["name"] = name
-    try:
-        full = format._parse_tensor(format._Checker("m"), t, 0, 4096, 64, FILES, MESHES, sharded)
-    except CheckpointError:
-        full = None
-    built = _native(json.dumps([t], **spelling).encode(), sharded)
-    assert built is None or (full is not None and built == [full]), (t, built, full)
-    if built is not None:
-        assert vars(built[0]) == vars(full) and vars(built[0].box or full) == vars(full.box or full)
+    native, python, _ = _both(_body([t], sharded), sharded, spelling)
+    assert native == python
+    if not isinstance(python, tuple):  # the same entries, field by field
+        assert [vars(e) for e in native.tensors] == [vars(e) for e in python.tensors]
 
 
 def test_the_native_table_takes_the_good_entries():
-    plain = {k: v for k, v in GOOD.items() if k != "global"}
-    c = format._Checker("m")
-    for t, sharded in ((GOOD, True), (plain, False), (plain, True)):
-        want = format._parse_tensor(c, t, 0, 4096, 64, FILES, MESHES, sharded)
-        assert _native(json.dumps([t, t]).encode(), sharded) == [want, want]
-    assert _native(b" [ ] ", True) == []
+    plain = {k: v for k, v in ENTRY.items() if k != "global"}
+    for t, sharded in ((ENTRY, True), (plain, False), (plain, True)):
+        for spelling in ({}, {"indent": 1}, {"sort_keys": True}):
+            native, python, built = _both(_body([t], sharded), sharded, spelling)
+            assert built and not isinstance(python, tuple) and native == python
+            assert vars(native.tensors[0]) == vars(python.tensors[0])
+    empty = {**_body([], True), "files": {}}
+    native, python, built = _both(empty, True, {})
+    assert built and native == python and native.tensors == ()
 
 
 # ------------------------------------------------------------------ whole manifests, hostile text
@@ -138,9 +151,7 @@ def _outcome(data: bytes, native: bool):
 @settings(max_examples=800, deadline=None)
 @given(
     cuts=st.lists(
-        st.tuples(
-            st.integers(0, len(PAYLOAD)), st.integers(0, 3), st.sampled_from(PIECES + [b""])
-        ),
+        st.tuples(st.integers(0, len(PAYLOAD)), st.integers(0, 3), st.sampled_from([*PIECES, b""])),
         max_size=3,
     ),
     version=st.sampled_from([1, 2, 3]),
@@ -165,3 +176,23 @@ def test_a_duplicate_tensors_key_is_refused_as_in_python():
     got = _outcome(_framed(payload), native=True)
     assert got == _outcome(_framed(payload), native=False)
     assert "duplicate key 'tensors'" in got[1]
+
+
+def _variant(replace: bytes, by: bytes) -> bytes:
+    assert replace in PAYLOAD
+    return _framed(PAYLOAD.replace(replace, by, 1))
+
+
+def test_a_name_twice_or_a_misplaced_extent_gets_the_python_message():
+    cases = {
+        "appears twice": _variant(b'"name":"b"', b'"name":"a.w"'),
+        "the layout puts it at": _framed(
+            PAYLOAD.replace(b'"data-r00000-0000.bin",4096,24', b'"data-r00000-0000.bin",4160,24')
+            .replace(b'"data-r00000-0000.bin":4120', b'"data-r00000-0000.bin":4184')
+        ),
+        "its extents end at": _variant(b'"data-r00000-0000.bin":4120', b'"data-r00000-0000.bin":4184'),  # noqa: E501
+    }  # fmt: skip
+    for what, data in cases.items():
+        got = _outcome(data, native=True)
+        assert got == _outcome(data, native=False)
+        assert isinstance(got, tuple) and what in got[1], (what, got)

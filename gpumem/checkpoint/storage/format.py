@@ -377,15 +377,13 @@ def parse_shard(body: dict[str, Any], path: str, crc: int, version: int) -> Shar
     native = raw if isinstance(raw, tensor_table.Prebuilt) else None
     if native is not None and native.rules != rules:  # cannot happen: both read this body
         raise c.fail("manifest tensor table was checked under other fields")
-    prebuilt = native is not None
-    for i, t in enumerate(raw):
-        # the fast paths only accept; anything they do not accept gets the full check and its
+    if native is not None:  # built natively: each name once and each file's layout checked
+        tensors, names, per_file = list(native), {t.name for t in native}, {}
+    for i, t in enumerate(raw if native is None else ()):
+        # the fast path only accepts; anything it does not accept gets the full check and its
         # message (a hundred thousand blocks decode in a fraction of the full check's time)
-        entry = (
-            t
-            if prebuilt
-            else _fast_tensor(t, chunk, align, files, meshes, sharded)
-            or _parse_tensor(c, t, i, chunk, align, files, meshes, sharded)
+        entry = _fast_tensor(t, chunk, align, files, meshes, sharded) or _parse_tensor(
+            c, t, i, chunk, align, files, meshes, sharded
         )
         if entry.name in names:
             raise c.fail(f"tensor name {entry.name!r} appears twice", entry.name)

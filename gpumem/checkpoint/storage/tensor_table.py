@@ -19,7 +19,6 @@ import numpy as np
 from gpumem import _strict_json as strict_json
 from gpumem._native import load
 
-
 _BIG = 1 << 62  # past int64 arithmetic: left to the Python path
 
 
