@@ -26,6 +26,7 @@
 #include "fileio.h"
 #include "parallel.h"
 #include "reader.h"
+#include "tensor_table.h"
 #include "writer.h"
 
 namespace nb = nanobind;
@@ -527,4 +528,25 @@ NB_MODULE(_C, m) {
       .def_ro("live", &PlainSim::live)
       .def_ro("peak", &PlainSim::peak)
       .def_ro("pinned", &PlainSim::pinned);
+
+  // ---- manifests ----
+  m.def(
+      "find_tensors",
+      [](nb::bytes data) { return table::find_tensors(data.c_str(), data.size()); },
+      "data"_a, "(start, stop) of the top-level \"tensors\" value of a JSON object, or None.");
+  m.def(
+      "build_tensors",
+      [](nb::bytes data, size_t start, size_t stop, int64_t chunk, int64_t align, nb::dict files,
+         nb::dict itemsize, std::vector<int64_t> mesh_ndims, bool sharded, nb::handle entry_type,
+         nb::handle box_type) {
+        if (start > stop || stop > data.size()) throw std::invalid_argument("bad byte range");
+        return table::build_tensors(data.c_str() + start, stop - start, chunk, align, files,
+                                    itemsize, std::move(mesh_ndims), sharded, entry_type,
+                                    box_type);
+      },
+      "data"_a, "start"_a, "stop"_a, "chunk"_a, "align"_a, "files"_a, "itemsize"_a,
+      "mesh_ndims"_a, "sharded"_a, "entry_type"_a, "box_type"_a,
+      "(format.TensorEntry list, extent rows, chunk CRCs as int64 bytes) of the JSON tensor "
+      "table data[start:stop], each rule of "
+      "format._parse_tensor checked; None where the Python decoder must decide.");
 }

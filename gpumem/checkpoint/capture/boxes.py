@@ -12,7 +12,6 @@ of many blocks).
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -197,16 +196,13 @@ def box_arrays(
     n, d = len(boxes), len(gshape)
     if not n or not d or max(gshape) >= 1 << 62:
         return None
-    try:
-        offs = np.fromiter(itertools.chain.from_iterable(b.offsets for b in boxes), np.int64)
-        shp = np.fromiter(itertools.chain.from_iterable(b.shape for b in boxes), np.int64)
+    try:  # one C loop over the tuples; ragged ones raise ValueError
+        offs = np.array([b.offsets for b in boxes], dtype=np.int64)
+        shp = np.array([b.shape for b in boxes], dtype=np.int64)
     except (OverflowError, TypeError, ValueError):
         return None
-    if offs.size != n * d or shp.size != n * d:
+    if offs.shape != (n, d) or shp.shape != (n, d):
         return None
-    offs, shp = offs.reshape(n, d), shp.reshape(n, d)
-    if any(len(b.offsets) != d or len(b.shape) != d for b in boxes):
-        return None  # same total but ragged
     return offs, shp
 
 

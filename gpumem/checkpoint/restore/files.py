@@ -29,6 +29,7 @@ import errno
 import itertools
 import os
 import stat
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,7 @@ from ..errors import CheckpointCorruptError, CheckpointIOError
 from ..storage.directory import load_shard_manifest
 from ..storage.format import CheckpointInfo, ShardManifest, TensorEntry, shard_manifest_name
 from ..storage.safe_fs import Dir, describe, read_error
+from ..storage.tensor_table import Columns
 
 DIRECT_MIN_BYTES = 1 << 20  # tensors read with O_DIRECT; page alignment costs them <= 0.4 %
 _PAGE = 4096
@@ -141,17 +143,25 @@ def _host_bytes(n: int, file: Any) -> torch.Tensor:
 
 
 def _check_crcs(
-    path: Any, entries: list[TensorEntry], chunk: int, crcs: np.ndarray, base: list[int]
+    path: Any,
+    entries: list[TensorEntry],
+    chunk: int,
+    crcs: np.ndarray,
+    base: Sequence[int] | np.ndarray,
+    expected: np.ndarray | None = None,
 ) -> None:
-    expected = np.fromiter(
-        itertools.chain.from_iterable(e.crc32c for e in entries), dtype=np.int64, count=len(crcs)
-    )
+    """Every computed chunk CRC equals the manifest's (``expected``: those CRCs as one array,
+    where the decoder made it); the first that does not is named with its file and bytes."""
+    if expected is None:
+        expected = np.fromiter(
+            itertools.chain.from_iterable(e.crc32c for e in entries), np.int64, count=len(crcs)
+        )
     bad = np.flatnonzero(crcs != expected)
     if not len(bad):
         return
     i = int(bad[0])
     t = int(np.searchsorted(np.asarray(base), i, side="right")) - 1
-    entry, k = entries[t], i - base[t]
+    entry, k = entries[t], i - int(base[t])
     lo = k * chunk
     raise CheckpointCorruptError(
         f"{_file_of(path, entry, lo)}: tensor {entry.name!r} bytes "
@@ -230,6 +240,9 @@ def read_tensors(
         entries = [held[n] for n in names]
     kept = {t for t, e in enumerate(entries) if keep and (keep_only is None or e.name in keep_only)}
     chunk = shard.chunk_bytes
+    if names is None and not kept and shard.table is not None:
+        _check_columns(step, shard, shard.table)  # no object per entry (verify)
+        return {}
     base = [0, *itertools.accumulate(len(e.crc32c) for e in entries)]  # first chunk-CRC slots
     crcs = np.zeros(base.pop(), dtype=np.int64)
     by_file: dict[str, list[tuple[int, int, int, int]]] = {}
@@ -268,12 +281,30 @@ def read_tensors(
     }
 
 
+def _check_columns(step: Dir, shard: ShardManifest, table: Columns) -> None:
+    """``read_tensors`` of every byte of a shard, nothing kept, from the decoded table's arrays:
+    the same pieces, files in the same order, the same checks, no Python object per extent."""
+    chunk = shard.chunk_bytes
+    ext = table.extents
+    counts = np.fromiter((len(e.crc32c) for e in shard.tensors), np.int64, len(shard.tensors))
+    base = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    slots = base[ext[:, 0]] + ext[:, 1] // chunk
+    crcs = np.zeros(int(base[-1]), dtype=np.int64)
+    index = {f: i for i, f in enumerate(shard.files)}
+    for f in sorted(shard.files):
+        mine = ext[:, 2] == index[f]
+        rows = ext[mine]
+        spans = np.stack([rows[:, 3], rows[:, 4], slots[mine]], 1)
+        _stream_file(step, f, shard.files[f], spans, rows[:, 3:5], chunk, crcs, padding=True)
+    _check_crcs(step.path, list(shard.tensors), chunk, crcs, base, expected=table.crcs)
+
+
 def _stream_file(
     step: Dir,
     name: str,
     size: int,
-    spans: list[tuple[int, int, int]],
-    occupied: list[tuple[int, int]],
+    spans: list[tuple[int, int, int]] | np.ndarray,
+    occupied: list[tuple[int, int]] | np.ndarray,
     chunk: int,
     crcs: np.ndarray,
     padding: bool,
@@ -284,7 +315,7 @@ def _stream_file(
     of its tensor). The pieces are arrays, never a Python object each, and pieces that follow
     each other in the file are read by one ``pread`` (``reader.read_spans``): a hundred thousand
     one-byte extents cost a few dozen calls."""
-    if not spans and not padding:
+    if not len(spans) and not padding:
         return
     window = max(STREAM_BYTES // chunk, 1) * chunk
     parts = [_split(np.array(spans, dtype=np.int64).reshape(-1, 3), window, chunk)]
@@ -328,10 +359,11 @@ def _split(parts: np.ndarray, window: int, chunk: int) -> np.ndarray:
     )
 
 
-def _gaps(occupied: list[tuple[int, int]], size: int) -> np.ndarray:
+def _gaps(occupied: list[tuple[int, int]] | np.ndarray, size: int) -> np.ndarray:
     """The bytes of a ``size``-byte file that no ``(offset, length)`` extent covers, as
     ``(offset, length, MUST_BE_ZERO)`` rows."""
-    occ = np.array(sorted(occupied), dtype=np.int64).reshape(-1, 2)
+    occ = np.asarray(occupied, dtype=np.int64).reshape(-1, 2)
+    occ = occ[np.lexsort((occ[:, 1], occ[:, 0]))]  # by offset, then length (as sorted() does)
     stops = np.concatenate([occ[:, 0], [size]])
     starts = np.concatenate([[0], np.maximum.accumulate(occ[:, 0] + occ[:, 1])])
     keep = stops > starts

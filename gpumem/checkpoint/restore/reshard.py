@@ -64,12 +64,16 @@ class GlobalIndex:
         self.path = path
         self.blocks: dict[str, list[SavedBlock]] = {}
         self._checked: dict[str, list[SavedBlock]] = {}
+        new = object.__new__
         for shard in shards:
             for e in shard.tensors:
                 if e.box is not None:
-                    self.blocks.setdefault(e.tensor, []).append(
-                        SavedBlock(shard.rank, e, e.box, shard.chunk_bytes)
+                    # a hundred thousand blocks: fields set at once, not by the frozen __init__
+                    block = new(SavedBlock)
+                    block.__dict__.update(
+                        rank=shard.rank, entry=e, box=e.box, chunk=shard.chunk_bytes
                     )
+                    self.blocks.setdefault(e.tensor, []).append(block)
 
     def __contains__(self, name: object) -> bool:
         return name in self.blocks

@@ -3,6 +3,7 @@ an object store.
 
 Modules:
     format     the format, reader and writer: manifests framed with CRC32C and version, validated
+    tensor_table  a shard manifest's tensor table decoded natively (accept-only: Python decides)
     directory  the checkpoint directory: manifest files, the commit rename, latest, retention
     commit     Commit: one save's collectives, writes, manifests, commit and retention
     writes     one rank's data files from the snapshot, its host CRCs, its shard manifest

@@ -82,11 +82,13 @@ def write_manifest(d: Dir, name: str, manifest: Manifest) -> int:
     return crc
 
 
-def read_manifest(d: Dir, name: str) -> tuple[dict[str, Any], int, int]:
+def read_manifest(
+    d: Dir, name: str, *, native_tensors: bool = False
+) -> tuple[dict[str, Any], int, int]:
     """Read (a regular file, size bounded before reading) and decode one manifest: (body, CRC32C,
-    version)."""
+    version); ``native_tensors``: see ``format.decode_manifest``."""
     data = d.read_small(name, MAX_MANIFEST_BYTES, "manifest")
-    return decode_manifest(data, str(d.path / name))
+    return decode_manifest(data, str(d.path / name), native_tensors=native_tensors)
 
 
 @dataclass
@@ -236,7 +238,7 @@ def load_shard_manifest(step: Dir, info: CheckpointInfo, rank: int) -> ShardMani
     ref = info.shards[rank]
     file = step.path / ref.file
     with paused_gc():  # millions of small acyclic objects for a large shard (gpumem._gc)
-        body, crc, version = read_manifest(step, ref.file)
+        body, crc, version = read_manifest(step, ref.file, native_tensors=True)
         if crc == ref.crc32c:
             shard = parse_shard(body, str(file), crc, version)
     if crc != ref.crc32c:

@@ -59,6 +59,7 @@ from gpumem.units import align_up
 from ..capture.boxes import Box, Mesh
 from ..capture.codec import DTYPE_NAMES, DTYPES, ITEMSIZE
 from ..errors import CheckpointCorruptError
+from . import tensor_table
 
 FORMAT_VERSION = 1  # written for every checkpoint that is not replicated
 REPLICATED_VERSION = 2  # written for replicated ones: adds the "replicated" and "owners" fields
@@ -115,9 +116,15 @@ def encode_manifest(body: dict[str, Any], version: int) -> tuple[bytes, int]:
     return prefix + f"{crc:08x}\n".encode() + payload, crc
 
 
-def decode_manifest(data: bytes, path: str) -> tuple[dict[str, Any], int, int]:
+def decode_manifest(
+    data: bytes, path: str, *, native_tensors: bool = False
+) -> tuple[dict[str, Any], int, int]:
     """Check framing and CRC of manifest bytes, then parse the JSON body; returns (body, CRC,
-    version). Its fields are checked against the version by ``parse_main``/``parse_shard``."""
+    version). Its fields are checked against the version by ``parse_main``/``parse_shard``.
+
+    ``native_tensors`` (a shard manifest): decode its tensor table natively where it can
+    (``tensor_table``); the body's ``tensors`` is then a ``tensor_table.Prebuilt`` of entries
+    that ``parse_shard`` takes as they are. Where it cannot, the same body as without it."""
     m = _HEADER.match(data[:64])
     if not m:
         raise CheckpointCorruptError(
@@ -143,6 +150,11 @@ def decode_manifest(data: bytes, path: str) -> tuple[dict[str, Any], int, int]:
             f"{', '.join(map(str, READ_VERSIONS))}",
             path=path,
         )
+    if native_tensors:
+        types = (TensorEntry, Box)
+        body = tensor_table.decode(payload, version, SHARDED_VERSION, types, ITEMSIZE)
+        if body is not None:
+            return body, crc, version
     try:
         body = strict_json.loads(payload)
     except (ValueError, RecursionError) as exc:
@@ -209,6 +221,8 @@ class ShardManifest:
     owners: dict[str, int] = field(default_factory=dict)
     meshes: tuple[Mesh, ...] = ()  # sharded checkpoints: the meshes its global blocks lie on
     version: int = FORMAT_VERSION
+    # ``tensors`` as arrays where the native decoder built them (``tensor_table.Columns``)
+    table: tensor_table.Columns | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -359,7 +373,13 @@ def parse_shard(body: dict[str, Any], path: str, crc: int, version: int) -> Shar
     tensors, names = [], set()
     per_file: dict[str, list[tuple[int, int, str]]] = {f: [] for f in files}
     sharded = version >= SHARDED_VERSION
-    for i, t in enumerate(raw):
+    rules = (chunk, align, files, tuple(len(m.shape) for m in meshes), sharded)
+    native = raw if isinstance(raw, tensor_table.Prebuilt) else None
+    if native is not None and native.rules != rules:  # cannot happen: both read this body
+        raise c.fail("manifest tensor table was checked under other fields")
+    if native is not None:  # built natively: each name once and each file's layout checked
+        tensors, names, per_file = list(native), {t.name for t in native}, {}
+    for i, t in enumerate(raw if native is None else ()):
         # the fast path only accepts; anything it does not accept gets the full check and its
         # message (a hundred thousand blocks decode in a fraction of the full check's time)
         entry = _fast_tensor(t, chunk, align, files, meshes, sharded) or _parse_tensor(
@@ -399,6 +419,7 @@ def parse_shard(body: dict[str, Any], path: str, crc: int, version: int) -> Shar
         owners,
         meshes,
         version,
+        native.columns if native is not None else None,
     )
 
 
