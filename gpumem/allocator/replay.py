@@ -55,15 +55,27 @@ class ReplayResult:
     events: list[Event]
 
 
+class _PlainUnpickler(pickle.Unpickler):
+    """A snapshot is dicts, lists, strings and numbers only: any class or function the pickle
+    names (the way a hostile pickle runs code) is refused, never imported or called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(
+            f"it names {module}.{name}; a memory snapshot holds only plain data, so nothing it "
+            "names is loaded"
+        )
+
+
 def load_snapshot(snapshot: str | Path | dict[str, Any]) -> dict[str, Any]:
-    """The snapshot dict: given as it is, or read from a pickle file."""
+    """The snapshot dict: given as it is, or read from a pickle file (plain data only:
+    ``_PlainUnpickler``)."""
     if isinstance(snapshot, dict):
         return snapshot
     path = Path(snapshot)
     try:
         with path.open("rb") as f:
-            obj = pickle.load(f)  # the user's own snapshot file
-    except (pickle.UnpicklingError, EOFError, ValueError) as e:
+            obj = _PlainUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError) as e:
         raise ValueError(f"{path}: not a memory snapshot pickle ({e})") from None
     if not isinstance(obj, dict) or "device_traces" not in obj:
         raise ValueError(

@@ -222,3 +222,24 @@ def test_replay_counts_expandable_maps_and_skips_ooms():
     # the unmap empties the simulated cache too: the free second page goes, a's first stays
     assert r.sim.reserved_at_end == 20 * MiB
     assert [ev[0] for ev in r.events] == ["alloc", "alloc", "free", "empty_cache"]
+
+
+class _Hostile:
+    """Unpickles by calling a function: what a hostile snapshot file does."""
+
+    def __reduce__(self):
+        return (_ran.append, ("code ran",))
+
+
+_ran: list[str] = []
+
+
+def test_replay_never_runs_what_a_pickle_names(tmp_path):
+    p = tmp_path / "hostile.pickle"
+    p.write_bytes(pickle.dumps({"device_traces": [[]], "x": _Hostile()}))
+    with pytest.raises(ValueError, match=r"not a memory snapshot pickle \(it names builtins\."):
+        replay_snapshot(p)
+    assert _ran == []
+    # the same snapshot as plain data loads (the check refuses classes, not snapshots)
+    p.write_bytes(pickle.dumps({"device_traces": [[]]}))
+    assert replay_snapshot(p).unmatched_frees == 0
