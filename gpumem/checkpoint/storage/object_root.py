@@ -127,16 +127,52 @@ class ObjectRoot:
             CheckpointCorruptError: the local step is damaged.
             CheckpointIOError: the store failed (what was uploaded is deleted again).
         """
+        save = uuid.uuid4().hex
         with Dir.open(local) as src:
             info = load_info(src)
             shards = [load_shard_manifest(src, info, r) for r in range(info.world_size)]
-            save = uuid.uuid4().hex
-            base = f"{step_dir_name(info.step)}/{save}"
-            sent = 0
             try:
-                for shard in shards:  # data first, then the manifests that describe it
-                    for name, size in shard.files.items():
-                        sent += self._upload_file(src, name, size, f"{base}/{name}")
+                sent = sum(self._upload_shard(src, s, info.step, save) for s in shards)
+            except BaseException:
+                self._delete_prefix(f"{step_dir_name(info.step)}/{save}/")
+                raise
+        done = self.commit_uploaded(local, save, keep, back)
+        done.nbytes = sent
+        return done
+
+    def upload_rank(self, local: str | os.PathLike, rank: int, save: str) -> int:
+        """Upload the data files of saved rank ``rank`` of the committed local step ``local``
+        under save ``save`` (tiers on node-local directories: each rank sends its own, then rank
+        0 calls ``commit_uploaded``). Returns the bytes sent; what it sent stays on a failure
+        (``commit_uploaded`` is never called then; rank 0 deletes the save's objects)."""
+        with Dir.open(local) as src:
+            info = load_info(src)
+            return self._upload_shard(src, load_shard_manifest(src, info, rank), info.step, save)
+
+    def _upload_shard(self, src: Dir, shard: Any, step: int, save: str) -> int:
+        base = f"{step_dir_name(step)}/{save}"
+        return sum(
+            self._upload_file(src, name, size, f"{base}/{name}")
+            for name, size in shard.files.items()
+        )
+
+    def commit_uploaded(
+        self, local: str | os.PathLike, save: str, keep: int | None = None, back: bool = False
+    ) -> UploadedStep:
+        """Once every saved rank's data files of the local step ``local`` are up under ``save``:
+        its shard manifests, then its main manifest, then the commit; then (``back``) the newer
+        steps set aside, ``latest`` moved and retention applied (``keep`` newest). A failure
+        before the commit deletes the save's objects.
+
+        Raises:
+            CheckpointStateError: step N is already committed here (by this or another job).
+            CheckpointCorruptError: the local step is damaged.
+            CheckpointIOError: the store failed.
+        """
+        with Dir.open(local) as src:
+            info = load_info(src)
+            base = f"{step_dir_name(info.step)}/{save}"
+            try:
                 # the shard manifests, then the main one, last: a listing of the save's files
                 # never shows a manifest before what it describes
                 for name in [*(ref.file for ref in info.shards), MAIN_MANIFEST]:
@@ -152,7 +188,7 @@ class ObjectRoot:
                 f"step {info.step} is already committed at {self.url} (by another save or job); "
                 "its checkpoint was kept and this one discarded"
             )
-        done = UploadedStep(info.step, save, sent)
+        done = UploadedStep(info.step, save, 0)
         if back:
             done.set_aside = self.set_aside_newer(info.step)
         try:
@@ -161,6 +197,11 @@ class ObjectRoot:
             done.pointer_error = exc
         done.removed = self.apply_retention(keep, info.step)
         return done
+
+    def discard_save(self, step: int, save: str) -> None:
+        """Delete the objects of an uncommitted save ``save`` of ``step`` (best effort)."""
+        with contextlib.suppress(CheckpointError):
+            self._delete_prefix(f"{step_dir_name(step)}/{save}/")
 
     def save_files(self, step: int, save: str) -> ObjectFiles:
         """The files of save ``save`` (a fresh ``uuid4().hex``) of step ``step``, to write."""
