@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError, CheckpointIOError, CheckpointStateError
+from .errors import CheckpointError, CheckpointIOError
 from .group import Group
 from .storage.directory import list_checkpoints
 from .storage.format import step_dir_name
