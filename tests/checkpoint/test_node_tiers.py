@@ -31,8 +31,14 @@ def launch(tmp_path, mode, url, endpoint, world=4, per_node=2, env=None, timeout
     rdv = tmp_path / f"rdv-{mode}-{world}-{len(os.listdir(tmp_path))}"
     procs = [
         subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "node_tiers_worker.py"), mode, str(base), url]
-            + [endpoint],
+            [
+                sys.executable,
+                os.path.join(HERE, "node_tiers_worker.py"),
+                mode,
+                str(base),
+                url,
+                endpoint,
+            ],
             env={
                 **os.environ,
                 **CREDENTIALS,
@@ -89,7 +95,7 @@ def test_a_lost_node_restores_from_the_remote_on_4_and_2_ranks(
     root = remote(s3_server.url, s3_bucket, "run")
     files, info = root.open_step(4)
     assert info.world_size == 4
-    keys = {o.key.rsplit("/", 1)[1] for o in root.store.list(f"step-000000004/")}
+    keys = {o.key.rsplit("/", 1)[1] for o in root.store.list("step-000000004/")}
     assert set(DATA) <= keys  # every rank's shards, from both nodes
     main = (base / "node0" / "step-000000004" / "MANIFEST").read_bytes()
     assert files.read_small("MANIFEST", 1 << 20, "manifest") == main
