@@ -245,7 +245,7 @@ class Tiers:
     def uploading(self) -> int | None:
         """The step being uploaded now, or None."""
         if self.per_rank is not None:
-            return self.per_rank.uploading  # type: ignore[no-any-return]
+            return self.per_rank.uploading
         job = self._running
         return job.step if job is not None else None
 

@@ -147,7 +147,8 @@ class ObjectRoot:
         (``commit_uploaded`` is never called then; rank 0 deletes the save's objects)."""
         with Dir.open(local) as src:
             info = load_info(src)
-            return self._upload_shard(src, load_shard_manifest(src, info, rank), info.step, save)
+            sent = self._upload_shard(src, load_shard_manifest(src, info, rank), info.step, save)
+        return sent
 
     def _upload_shard(self, src: Dir, shard: Any, step: int, save: str) -> int:
         base = f"{step_dir_name(step)}/{save}"
