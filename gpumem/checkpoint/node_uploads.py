@@ -41,6 +41,7 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from .errors import CheckpointError, CheckpointIOError
@@ -62,21 +63,19 @@ class NodeUploads:
     Args:
         tiers: the ``Tiers`` (its url, directory, keep, and rank 0's ``root``).
         nodes: the job's nodes (node-local directories).
-        endpoint_url: the S3 endpoint, as for rank 0's store.
+        opener: opens this rank's ``ObjectRoot`` (rank 0's is ``tiers.root``).
 
     Raises:
         CheckpointIOError: a rank could not open the store (every rank raises).
     """
 
-    def __init__(self, tiers: Any, nodes: Nodes, endpoint_url: str | None):
-        from .tiers import open_remote
-
+    def __init__(self, tiers: Any, nodes: Nodes, opener: Callable[[], Any]):
         self.tiers, self.nodes, g = tiers, nodes, tiers.group
         self.root: Any = tiers.root
         failure: Exception | None = None
         if g.rank != 0:
             try:
-                self.root = open_remote(tiers.url, endpoint_url, writable=False)
+                self.root = opener()
             except Exception as exc:  # raised below, once every rank has heard of it
                 failure = exc
         bad = [r for r, (v,) in enumerate(g.all_gather([int(failure is not None)])) if v]

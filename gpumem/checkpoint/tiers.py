@@ -143,7 +143,9 @@ class Tiers:
             from .node_uploads import NodeUploads
 
             try:
-                self.per_rank = NodeUploads(self, nodes, endpoint_url)
+                self.per_rank = NodeUploads(
+                    self, nodes, lambda: open_remote(self.url, endpoint_url, writable=False)
+                )
             except BaseException:
                 root.close()
                 raise
