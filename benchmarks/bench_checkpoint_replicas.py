@@ -13,8 +13,8 @@ Then, in the same processes, alternated rounds:
     step directory deleted: no node holds the step whole, so node 3's leader fetches it from
     the store (``restore.fetch``: the whole step, verified), then the same peer restore.
 The figures are the paired per-round ratios peer / local and store / local (rank 0's wall time
-of ``restore()``, which waits for every rank). Local reads come from the page cache (the files were just written),
-so the local restore is a lower bound and the ratio an upper bound for this machine.
+of ``restore()``, which waits for every rank). Local reads come from the page cache (the files
+were just written), so the local restore is a lower bound and the ratios upper bounds here.
 
     python benchmarks/bench_checkpoint_replicas.py                 # 64 MiB a rank
     python benchmarks/bench_checkpoint_replicas.py --size 16M --rounds 3
