@@ -7,7 +7,8 @@ test's moto server, or its fault proxy). Modes: ``save`` trains and saves steps 
 waited for in both tiers (rank 0 writes the state of each step to BASE/ref-<step>.pt and prints
 the remote's committed steps); ``kill``: the same, but rank CRASH_RANK SIGKILLs itself in step
 4's upload, after its first data file went up; ``restore`` restores and writes what it restored
-to BASE/got-<world>.pt. Every rank prints each step's ``SaveStats.remote`` and its warnings.
+to BASE/got-<world>.pt. REPLICAS (default 1) is ``replicas=``. Every rank prints each step's
+``SaveStats.remote`` and its warnings.
 """
 
 import os
@@ -52,7 +53,12 @@ def main() -> None:
     if mode == "kill" and rank == int(os.environ["CRASH_RANK"]):
         _die_in_step_4_upload()
     ck = gpumem.Checkpointer(
-        local=node_dir, remote=url, endpoint_url=endpoint, keep=3, chunk_bytes=4096
+        local=node_dir,
+        remote=url,
+        endpoint_url=endpoint,
+        keep=3,
+        chunk_bytes=4096,
+        replicas=int(os.environ.get("REPLICAS", "1")),
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -149,3 +149,25 @@ def test_a_rank_killed_mid_upload_never_commits_the_step_remotely(s3_server, s3_
     root = remote(s3_server.url, s3_bucket, "kill")
     assert root.steps() == [2]
     assert root.store.head(root.store.url.key("step-000000004/COMMIT")) is None
+
+
+def test_with_replicas_a_lost_node_restores_from_its_peers_not_the_store(
+    s3_server, s3_bucket, tmp_path
+):
+    url, base = f"s3://{s3_bucket}/replicas", tmp_path / "run"
+    two = {"REPLICAS": "2"}
+    outs, codes = launch(tmp_path, "save", url, s3_server.url, env=two)
+    assert codes == [0] * 4, outs
+    assert "rank 0 remote steps [4, 2]" in outs[0], outs[0]
+    # replicas=2 on 2 nodes: each node's step holds every rank's data; the remote one copy
+    assert sorted(f for f in os.listdir(base / "node1" / "step-000000004") if "data" in f) == DATA
+    root = remote(s3_server.url, s3_bucket, "replicas")
+    keys = [o.key.rsplit("/", 1)[1] for o in root.store.list("step-000000004/")]
+    assert sorted(k for k in keys if k.startswith("data")) == DATA
+
+    shutil.rmtree(base / "node1")
+    outs, codes = launch(tmp_path, "restore", url, s3_server.url, env=two)
+    assert codes == [0] * 4, outs
+    assert all(f"rank {r} restored 4 from local" in outs[r] for r in range(4)), outs
+    got = load(base / "got-4.pt")
+    assert got["step"] == 4 and differences(load(base / "ref-4.pt"), got["state"]) == []
