@@ -126,13 +126,13 @@ class Checkpointer:
         try:  # the remote (if any) is probed before the local directory is created
             self.tiers = Tiers.from_config(cfg, self._group)
             # a shared directory, or one node-local per node (storage.nodes); a store is shared
-            probe = not cfg.read_only and cfg.remote is None and cfg.url is None
+            probe = not cfg.read_only and cfg.url is None
             self._nodes = detect(cfg.directory, self._group, cfg.replicas, probe)
             self._commit = CommitOptions(
                 cfg.directory, cfg.alignment, cfg.direct_io, self._group, cfg.keep, self._nodes
             )
             self._root = open_root(cfg, self._group, self._nodes)  # a directory or an s3:// store
-            self.tiers.check_shared(self._root)  # closes it when refused
+            self.tiers.attach(self._nodes, cfg.endpoint_url, self._root)  # node-local: per rank
         except BaseException:
             stop_workers(self._workers)
             raise

@@ -51,6 +51,19 @@ class Group:
             if store is not None:
                 self.roll = RollCall(store, self.rank, self.world_size, timeout_s)
 
+    @classmethod
+    def private(cls, timeout_s: float) -> Group:
+        """Another gloo group over the same ranks, for one background thread's collectives
+        (they can then never interleave with this group's, nor with the training's), each
+        waiting up to ``timeout_s``; no roll call. Created collectively, like any group."""
+        g = cls.__new__(cls)
+        g.rank, g.world_size, g.pg, g.roll = 0, 1, None, None
+        dist = _dist()
+        if dist is not None and dist.is_initialized() and dist.get_world_size() > 1:
+            g.rank, g.world_size = dist.get_rank(), dist.get_world_size()
+            g.pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        return g
+
     def join(self, what: str) -> None:
         """Wait until every rank has reached this collective (see ``collective.RollCall``)."""
         if self.roll is not None:

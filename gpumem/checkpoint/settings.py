@@ -188,12 +188,11 @@ class CheckpointerConfig:
             )
         if not is_int(self.replicas, 1):
             _refuse("replicas", self.replicas, "must be an int >= 1 (1: no copies on other nodes)")
-        if self.replicas > 1 and (self.remote is not None or self.read_only):
+        if self.replicas > 1 and self.read_only:
             _refuse(
                 "replicas",
                 self.replicas,
-                "is for node-local directories written by this job: not with remote= (tiers "
-                "need a shared directory) or read_only=True",
+                "is for node-local directories written by this job: not with read_only=True",
             )
         self._check_remote()
         if not _seconds(self.collective_timeout_s, zero=False):

@@ -14,10 +14,10 @@ the background (``Checkpointer(directory, remote="s3://bucket/prefix")``).
   damaged) and the normal restore reads it from there. An unreachable remote is a warning when
   the local directory holds a checkpoint, an error when it holds none (starting from scratch
   because the store did not answer would lose the run).
-- **Ranks**: rank 0 uploads, so every rank's shards must be in the directory rank 0 sees: a
-  directory on a shared file system. A node-local directory per node with several ranks is
-  refused at construction (each rank's shards are on its own node; per-rank uploads are not
-  built yet, and rank 0 alone would commit an incomplete step).
+- **Ranks**: with a directory every rank shares, rank 0 uploads the whole step. With node-local
+  directories (``storage.nodes``) each rank uploads its own shards from its node's committed
+  step and rank 0 commits once all succeeded (``node_uploads``); a restore then also fetches
+  the remote's step into the nodes that lack it when it is newer than any step they hold whole.
 
 The uploader is a daemon thread: a process that exits (``PreemptionGuard`` after its grace
 period, see ``stop_waiting``) abandons the upload in flight; what it sent is never committed
@@ -30,16 +30,16 @@ import contextlib
 import sys
 import threading
 import time
-import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError, CheckpointIOError, CheckpointStateError
+from .errors import CheckpointError, CheckpointIOError
 from .group import Group
 from .storage.directory import list_checkpoints
 from .storage.format import step_dir_name
+from .storage.nodes import Nodes
 from .storage.root import Root
 
 LOCAL, REMOTE = "local", "remote"
@@ -126,6 +126,7 @@ class Tiers:
         self.uploaded: int | None = None  # the newest step this tier committed remotely
         self.last_error: CheckpointError | None = None
         self.restored_from: str | None = None  # the tier the last restore() read ("local"...)
+        self.per_rank: Any = None  # node_uploads.NodeUploads, on node-local directories
 
     @classmethod
     def from_config(cls, cfg: Any, group: Group) -> Tiers:
@@ -134,30 +135,20 @@ class Tiers:
             cfg.remote, cfg.endpoint_url, cfg.directory, cfg.keep, group, cfg.collective_timeout_s
         )
 
-    def check_shared(self, root: Root) -> None:
-        """Several ranks: every rank must see rank 0's directory (a shared file system), else
-        CheckpointStateError on every rank naming what is missing (``root`` is closed then)."""
-        g = self.group
-        if g.world_size == 1 or self.url is None:
-            return
-        name = f".gpumem-shared-{uuid.uuid4().hex}" if g.rank == 0 else ""
-        if g.rank == 0:
-            root.dir.write_new(name, b"")
-        name = g.broadcast_text(name, 0)
-        sees = int((self.directory / name).is_file())
-        seen = g.all_gather([sees])
-        if g.rank == 0:
-            root.dir.unlink(name)
-        blind = [r for r, (v,) in enumerate(seen) if not v]
-        if blind:
-            root.close()
-            raise CheckpointStateError(
-                f"remote={self.url} with directory={self.directory}: ranks {blind} do not see "
-                f"rank 0's files there (a node-local directory, not shared); rank 0 uploads "
-                "committed steps, which would then miss those ranks' shards, and per-rank "
-                "uploads from node-local disks are not supported yet: use a directory every "
-                "rank shares (NFS, Lustre), or remote=None"
-            )
+    def attach(self, nodes: Nodes, endpoint_url: str | None, root: Root) -> None:
+        """Node-local directories with several ranks (``nodes.local``): the uploads are per
+        rank (``node_uploads``); every rank opens the store, all raise if one cannot (``root``
+        is closed then)."""
+        if self.url is not None and nodes.local and self.group.world_size > 1:
+            from .node_uploads import NodeUploads
+
+            try:
+                self.per_rank = NodeUploads(
+                    self, nodes, lambda: open_remote(self.url, endpoint_url, writable=False)
+                )
+            except BaseException:
+                root.close()
+                raise
 
     # ------------------------------------------------------------------ save
 
@@ -165,6 +156,9 @@ class Tiers:
         """Upload ``job`` (a ``save.Save``) once it is committed locally; only the newest
         waiting save is kept."""
         if self.url is None:
+            return
+        if self.per_rank is not None:
+            self.per_rank.submit(job)
             return
         if self.group.rank != 0:
             job.stats.remote = "uploaded by rank 0 (see its SaveStats)"
@@ -227,8 +221,12 @@ class Tiers:
                     stacklevel=1,
                 )
             return
-        stats.remote_s = time.perf_counter() - t0
-        stats.remote_committed = True
+        self.committed(job, done, time.perf_counter() - t0)
+
+    def committed(self, job: Any, done: Any, seconds: float) -> None:
+        """``job``'s step is committed remotely (``done``: its ``UploadedStep``)."""
+        stats = job.stats
+        stats.remote_s, stats.remote_committed = seconds, True
         stats.remote = "uploaded" + (
             f"; latest not moved ({done.pointer_error})" if done.pointer_error else ""
         )
@@ -237,6 +235,9 @@ class Tiers:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Until no upload runs or waits (False: ``timeout`` passed first)."""
+        if self.per_rank is not None:
+            with self.per_rank._cond:
+                return self.per_rank._cond.wait_for(lambda: not self.per_rank.pending(), timeout)
         with self._cond:
             return self._cond.wait_for(
                 lambda: self._pending is None and self._running is None, timeout
@@ -245,6 +246,8 @@ class Tiers:
     @property
     def uploading(self) -> int | None:
         """The step being uploaded now, or None."""
+        if self.per_rank is not None:
+            return self.per_rank.uploading
         job = self._running
         return job.step if job is not None else None
 
@@ -284,6 +287,9 @@ class Tiers:
         the local ones (every rank waits for the outcome: the restore that follows reads it).
         Nothing to do for a restore of a given ``path``."""
         if self.url is None or path is not None:
+            return
+        if self.per_rank is not None:
+            self.restored_from = self.per_rank.before_restore(root)
             return
         failure: Exception | None = None
         if self.group.rank == 0:
@@ -338,6 +344,8 @@ class Tiers:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        if self.per_rank is not None:
+            self.per_rank.close()
         if self.last_error is not None and not self._abandon:
             print(
                 f"gpumem: the last upload to {self.url} failed ({self.last_error}); the local "

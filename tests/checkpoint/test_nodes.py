@@ -193,7 +193,6 @@ def test_replicas_must_be_a_positive_int(tmp_path, bad):
 @pytest.mark.parametrize(
     ("kw", "why"),
     [
-        ({"remote": "s3://bucket/run"}, "not with remote="),
         ({"read_only": True}, "read_only=True"),
         ({}, r"the job has 1 node\(s\).*use replicas <= 1"),
     ],

@@ -3,8 +3,8 @@ in a child process: a save committed locally, then uploaded in the background; `
 SaveStats name the tiers holding each step; a lost local directory restored from the remote
 bit-identical; an upload fault leaves the local step and the next save catches up; a SIGTERM with
 an upload in flight exits within the grace period saying which tier holds what; bad input fails
-at construction with nothing written; several ranks: a shared directory uploads every rank's
-shards, node-local directories are refused."""
+at construction with nothing written; several ranks: a shared directory (rank 0 uploads) or
+node-local ones (each rank uploads its own shards)."""
 
 from __future__ import annotations
 
@@ -316,7 +316,7 @@ def test_a_missing_bucket_is_one_error_at_construction_nothing_written(s3_server
 
 
 @pytest.mark.parametrize("layout", ["shared", "node"])
-def test_two_ranks_upload_a_shared_directory_and_refuse_node_local_ones(
+def test_two_ranks_upload_a_shared_or_node_local_directory_and_restore_from_the_remote(
     s3_server, s3_bucket, tmp_path, layout
 ):
     env_ = dict(
@@ -337,7 +337,7 @@ def test_two_ranks_upload_a_shared_directory_and_refuse_node_local_ones(
                 s3_server.url,
                 layout,
             ],
-            env={**env_, "RANK": str(r)},
+            env={**env_, "RANK": str(r), "GPUMEM_NODE": str(r) if layout == "node" else "0"},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -349,11 +349,5 @@ def test_two_ranks_upload_a_shared_directory_and_refuse_node_local_ones(
     finally:
         for p in procs:
             p.kill()
-    word = "restored" if layout == "shared" else "refused"
     for r, (p, out) in enumerate(zip(procs, outs, strict=True)):
-        assert p.returncode == 0 and f"rank {r} {word}" in out, out
-    if layout == "node":
-        from s3_lib import open_store
-
-        store = open_store(s3_server.url, s3_bucket, layout)
-        assert list(store.list()) == []  # nothing uploaded
+        assert p.returncode == 0 and f"rank {r} restored" in out, out

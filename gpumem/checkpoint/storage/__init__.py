@@ -14,6 +14,7 @@ Modules:
     location   where a root is: a local directory, or a URL (refused, or an s3:// ObjectURL)
     object_store  an S3-protocol store (boto3): multipart from memory, conditional put, ranged read
     object_root   checkpoints in an object store: a step uploaded, committed by conditional put
+    object_upload a committed local step uploaded: whole, or each rank its own files, then commit
     object_body   a request's bytes as views of caller memory: body, parts, CRC32C headers, budget
     nodes      one shared directory or one per node (detected): nodes, leaders, replica holders
     replicas   a node-local save: manifests on every node, replicas sent, one main manifest

@@ -38,13 +38,10 @@ restores from (``restore.candidates`` over ``object_backend.ObjectCandidates``).
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import re
 import time
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +51,6 @@ from gpumem import _strict_json
 
 from ..errors import (
     CheckpointCorruptError,
-    CheckpointError,
     CheckpointStateError,
 )
 from .directory import load_info, load_shard_manifest
@@ -67,6 +63,7 @@ from .format import (
 )
 from .object_files import ObjectFiles
 from .object_store import ObjectInfo, S3Store
+from .object_upload import StepUploads
 from .safe_fs import Dir
 
 COMMIT = "COMMIT"
@@ -76,20 +73,7 @@ _SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
 _SMALL = 4096  # COMMIT and latest are a line of JSON
 
 
-@dataclass
-class UploadedStep:
-    """What ``upload_step`` did: the step and save committed, the bytes sent, the steps that
-    retention removed, and why ``latest`` was not moved (None: it was)."""
-
-    step: int
-    save: str
-    nbytes: int
-    removed: list[int] = field(default_factory=list)
-    pointer_error: CheckpointError | None = None
-    set_aside: list[str] = field(default_factory=list)
-
-
-class ObjectRoot:
+class ObjectRoot(StepUploads):
     """The checkpoints under one ``s3://`` root (see the module docstring).
 
     Args:
@@ -112,56 +96,6 @@ class ObjectRoot:
 
     # ------------------------------------------------------------------ writing
 
-    def upload_step(
-        self, local: str | os.PathLike, keep: int | None = None, back: bool = False
-    ) -> UploadedStep:
-        """Upload the committed local checkpoint directory ``local`` (a ``step-<N>``) and commit
-        it here as step N; then (``back``: the local save went back) set the newer steps aside,
-        move ``latest`` and apply retention (``keep`` newest).
-
-        The local step is checked first (its manifests, as restore checks them); its data
-        files are sent from the page cache (``mmap``), not read into a copy.
-
-        Raises:
-            CheckpointStateError: step N is already committed here (by this or another job).
-            CheckpointCorruptError: the local step is damaged.
-            CheckpointIOError: the store failed (what was uploaded is deleted again).
-        """
-        with Dir.open(local) as src:
-            info = load_info(src)
-            shards = [load_shard_manifest(src, info, r) for r in range(info.world_size)]
-            save = uuid.uuid4().hex
-            base = f"{step_dir_name(info.step)}/{save}"
-            sent = 0
-            try:
-                for shard in shards:  # data first, then the manifests that describe it
-                    for name, size in shard.files.items():
-                        sent += self._upload_file(src, name, size, f"{base}/{name}")
-                # the shard manifests, then the main one, last: a listing of the save's files
-                # never shows a manifest before what it describes
-                for name in [*(ref.file for ref in info.shards), MAIN_MANIFEST]:
-                    data = src.read_small(name, MAX_MANIFEST_BYTES, "manifest")
-                    self.store.put(self._key(f"{base}/{name}"), data)
-                won = self.commit_save(info.step, save, info.manifest_crc32c)
-            except BaseException:
-                self._delete_prefix(f"{base}/")
-                raise
-        if not won:
-            self._delete_prefix(f"{base}/")
-            raise CheckpointStateError(
-                f"step {info.step} is already committed at {self.url} (by another save or job); "
-                "its checkpoint was kept and this one discarded"
-            )
-        done = UploadedStep(info.step, save, sent)
-        if back:
-            done.set_aside = self.set_aside_newer(info.step)
-        try:
-            self.move_latest(info.step, info.manifest_crc32c, back=bool(done.set_aside))
-        except CheckpointError as exc:
-            done.pointer_error = exc
-        done.removed = self.apply_retention(keep, info.step)
-        return done
-
     def save_files(self, step: int, save: str) -> ObjectFiles:
         """The files of save ``save`` (a fresh ``uuid4().hex``) of step ``step``, to write."""
         key = self._key(f"{step_dir_name(step)}/{save}")
@@ -174,40 +108,6 @@ class ObjectRoot:
             self._key(f"{step_dir_name(step)}/{COMMIT}"),
             _json({"save": save, "manifest_crc32c": manifest_crc}),
         )
-
-    def _upload_file(self, src: Dir, name: str, size: int, key: str) -> int:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), dir_fd=src.fd)
-        try:
-            actual = os.fstat(fd).st_size
-            if actual != size:
-                path = str(src.path / name)
-                raise CheckpointCorruptError(
-                    f"{path}: {actual} bytes on disk, manifest says {size}", path=path
-                )
-            if size == 0:
-                self.store.upload(self._key(key), [b""])
-                return 0
-            mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
-            try:
-                view = memoryview(mm)
-                try:
-                    self.store.upload(
-                        self._key(key),
-                        [view],
-                        part_bytes=self.part_bytes,
-                        budget_bytes=self.budget_bytes,
-                    )
-                finally:
-                    view.release()
-            finally:
-                # a failed upload's traceback still holds slices of the map: closing it then
-                # raises BufferError, which would replace the upload's own error; the map goes
-                # with the last slice instead
-                with contextlib.suppress(BufferError):
-                    mm.close()
-        finally:
-            os.close(fd)
-        return size
 
     def move_latest(self, step: int, crc: int, back: bool = False) -> None:
         """Point ``latest`` at ``step`` unless it points at a newer one (``back``: even then,
