@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from blocks_lib import BLOCKS_FILE, forge_blocks, save_small
 
+    load0 = tuple(round(x, 2) for x in os.getloadavg())
     root = Path(tempfile.mkdtemp(prefix="gpumem-blocks-", dir=args.dir))
     try:
         step = save_small(root)
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         "Ratios against json.loads of the same manifest in a fresh process (plain "
         "json, no strict checks: what any reader of the format pays). Medians of "
         f"{args.repeat} interleaved rounds after one warm-up round; a shared 2-core VM, so the "
-        "machine's load moves every side: the ratios are the claim."
+        "machine's load moves every side: the ratios are the claim. Load average (1, 5, 15 "
+        f"min) before / after: {load0} / {tuple(round(x, 2) for x in os.getloadavg())}."
     )
     columns = ["directory", "measurement", "time (median)", "ratio", "note"]
     if args.no_write:

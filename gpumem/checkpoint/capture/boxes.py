@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -108,39 +109,21 @@ def tile(name: str, blocks: Sequence[B], *, copies: bool = True) -> tuple[list[B
     """
     if not blocks:
         raise TilingError(f"global tensor {name!r} has no blocks")
-    kept: dict[tuple[tuple[int, ...], tuple[int, ...]], B] = {}
-    shared = False
-    for b in sorted(blocks, key=lambda b: b.rank):
-        key = (b.box.offsets, b.box.shape)
-        other = kept.get(key)
-        if other is None:
-            kept[key] = b
-            continue
-        if not copies and b.box.numel:
-            raise TilingError(
-                f"global tensor {name!r}: rank {other.rank}'s block {other.box.text()} overlaps "
-                f"rank {b.rank}'s {b.box.text()}"
-            )
-        shared = True
-        if (
-            other.crcs is not None
-            and b.crcs is not None
-            and other.chunk == b.chunk
-            and other.crcs != b.crcs
-        ):
-            raise TilingError(
-                f"global tensor {name!r}: ranks {other.rank} and {b.rank} wrote the same block "
-                f"{b.box.text()} with different bytes (diverged replicas)"
-            )
-    out = list(kept.values())
+    order = sorted(blocks, key=_rank)  # stable: the lowest rank's copy first
+    keys = [(b.box.offsets, b.box.shape) for b in order]
+    if len(set(keys)) == len(keys):  # every box once (the usual case): nothing to take once
+        out, shared = order, False
+    else:
+        out, shared = _take_once(name, order, keys, copies)
     first = out[0]
     gshape = first.box.global_shape
-    for b in out[1:]:
-        if b.dtype != first.dtype or b.box.global_shape != gshape:
-            raise TilingError(
-                f"global tensor {name!r} is {first.dtype} {gshape} on rank {first.rank} but "
-                f"{b.dtype} {b.box.global_shape} on rank {b.rank}"
-            )
+    if len({b.dtype for b in out}) > 1 or len({b.box.global_shape for b in out}) > 1:
+        for b in out[1:]:  # name the first block that differs from the first
+            if b.dtype != first.dtype or b.box.global_shape != gshape:
+                raise TilingError(
+                    f"global tensor {name!r} is {first.dtype} {gshape} on rank {first.rank} "
+                    f"but {b.dtype} {b.box.global_shape} on rank {b.rank}"
+                )
     boxes = [b.box for b in out]
     arrays = box_arrays(gshape, boxes)
     if arrays is None or not _in_bounds(gshape, *arrays):
@@ -167,6 +150,45 @@ def tile(name: str, blocks: Sequence[B], *, copies: bool = True) -> tuple[list[B
         f"{'at most ' if not complete else ''}{total} of its {want} elements (shape {gshape}): "
         "a rank's part is missing"
     )
+
+
+def _rank(b: Placed) -> int:
+    return b.rank
+
+
+def _take_once(
+    name: str, order: list[B], keys: list[tuple[Any, Any]], copies: bool
+) -> tuple[list[B], bool]:
+    """``order`` (sorted by rank) with each box once, from the lowest rank, and whether a box
+    appeared twice; ``keys``: each block's (offsets, shape).
+
+    Raises:
+        TilingError: a second copy where ``copies`` is False, or copies with different CRCs.
+    """
+    kept: dict[tuple[Any, Any], B] = {}
+    shared = False
+    for key, b in zip(keys, order, strict=True):
+        other = kept.get(key)
+        if other is None:
+            kept[key] = b
+            continue
+        if not copies and b.box.numel:
+            raise TilingError(
+                f"global tensor {name!r}: rank {other.rank}'s block {other.box.text()} overlaps "
+                f"rank {b.rank}'s {b.box.text()}"
+            )
+        shared = True
+        if (
+            other.crcs is not None
+            and b.crcs is not None
+            and other.chunk == b.chunk
+            and other.crcs != b.crcs
+        ):
+            raise TilingError(
+                f"global tensor {name!r}: ranks {other.rank} and {b.rank} wrote the same block "
+                f"{b.box.text()} with different bytes (diverged replicas)"
+            )
+    return list(kept.values()), shared
 
 
 def _check_bounds(name: str, out: Sequence[Placed], gshape: tuple[int, ...]) -> None:
@@ -196,14 +218,16 @@ def box_arrays(
     n, d = len(boxes), len(gshape)
     if not n or not d or max(gshape) >= 1 << 62:
         return None
-    try:  # one C loop over the tuples; ragged ones raise ValueError
-        offs = np.array([b.offsets for b in boxes], dtype=np.int64)
-        shp = np.array([b.shape for b in boxes], dtype=np.int64)
+    offsets = [b.offsets for b in boxes]
+    shapes = [b.shape for b in boxes]
+    if set(map(len, offsets)) != {d} or set(map(len, shapes)) != {d}:
+        return None
+    try:  # one C loop over the flattened tuples
+        offs = np.fromiter(chain.from_iterable(offsets), dtype=np.int64, count=n * d)
+        shp = np.fromiter(chain.from_iterable(shapes), dtype=np.int64, count=n * d)
     except (OverflowError, TypeError, ValueError):
         return None
-    if offs.shape != (n, d) or shp.shape != (n, d):
-        return None
-    return offs, shp
+    return offs.reshape(n, d), shp.reshape(n, d)
 
 
 def _in_bounds(gshape: tuple[int, ...], offs: np.ndarray, shp: np.ndarray) -> bool:

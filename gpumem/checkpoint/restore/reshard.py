@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -39,9 +40,9 @@ from ..storage.format import ShardManifest, TensorEntry
 from ..storage.safe_fs import Dir, read_error
 
 
-@dataclass(frozen=True)
-class SavedBlock:
-    """A saved block: tensor entry ``entry`` of rank ``rank``'s shard, lying at ``box``."""
+class SavedBlock(NamedTuple):
+    """A saved block: tensor entry ``entry`` of rank ``rank``'s shard, lying at ``box``. A tuple:
+    a hundred thousand of them are built in one pass (``GlobalIndex``)."""
 
     rank: int
     entry: TensorEntry
@@ -64,15 +65,12 @@ class GlobalIndex:
         self.path = path
         self.blocks: dict[str, list[SavedBlock]] = {}
         self._checked: dict[str, list[SavedBlock]] = {}
-        new = object.__new__
+        new = tuple.__new__  # a hundred thousand blocks: no Python-level __new__ per block
         for shard in shards:
+            rank, chunk = shard.rank, shard.chunk_bytes
             for e in shard.tensors:
                 if e.box is not None:
-                    # a hundred thousand blocks: fields set at once, not by the frozen __init__
-                    block = new(SavedBlock)
-                    block.__dict__.update(
-                        rank=shard.rank, entry=e, box=e.box, chunk=shard.chunk_bytes
-                    )
+                    block = new(SavedBlock, (rank, e, e.box, chunk))
                     self.blocks.setdefault(e.tensor, []).append(block)
 
     def __contains__(self, name: object) -> bool:
