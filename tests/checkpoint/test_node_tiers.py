@@ -192,10 +192,8 @@ def test_survivors_close_returns_when_a_peer_hangs_mid_upload(s3_server, s3_buck
     procs[3].wait()
     assert codes == [0, 0, 0], outs
     for r in range(3):
-        assert f"rank {r} closed" in outs[r], outs[r]
-        assert f"rank {r} stopped waiting for the other ranks' upload of step 4 after 5 s" in (
-            outs[r]
-        ), outs[r]
+        gave_up = f"rank {r} stopped waiting for the other ranks' upload of step 4 after 5 s"
+        assert f"rank {r} closed" in outs[r] and gave_up in outs[r], outs[r]
     root = remote(s3_server.url, s3_bucket, "stop")
     assert root.steps() == [2]  # step 4 never committed remotely; step 2 intact
     assert root.store.head(root.store.url.key("step-000000004/COMMIT")) is None
