@@ -23,7 +23,11 @@ the order they were saved (the same order on every rank) and, per step:
 A rank that dies mid-upload fails the collective on the others (gloo sees its connection
 close): that step is never committed remotely, and the uploads stop for the rest of the job
 (its group is gone; a warning says so). A collective waits at most ``UPLOAD_TIMEOUT_S`` for the
-slowest rank's upload.
+slowest rank's upload. ``close()`` (the job's end) waits for the uploads while this rank's own
+part runs, but once this rank waits in a collective for the others, at most
+``collective_timeout_s`` more (``drain``): a peer that died without gloo noticing (its node
+gone, or hung) must not hold the survivors for two hours. Then the thread is abandoned (a
+daemon: the process exits), the step is not committed remotely, and a RuntimeWarning says so.
 
 Restore (``before_restore``): the newest step complete in a tier the job reaches. The leaders'
 inventories (``restore.peers``) give the newest step the nodes hold whole; rank 0 lists the
@@ -94,6 +98,8 @@ class NodeUploads:
         self._thread: threading.Thread | None = None
         self._closed = False
         self.broken: str | None = None  # why the uploads stopped (a rank died mid-upload)
+        self.peer_wait_s = float(tiers.collective_timeout_s)  # close()'s wait for the others
+        self._waiting_since: float | None = None  # this rank's uploader waits for the others
 
     # ------------------------------------------------------------------ save
 
@@ -135,7 +141,7 @@ class NodeUploads:
             stats.remote = f"not uploaded: the uploads stopped ({self.broken})"
             return
         try:
-            rows = g.all_gather([seq, job.step, int(stats.committed), int(newer)])
+            rows = self._gather([seq, job.step, int(stats.committed), int(newer)])
         except CheckpointError as exc:
             self._stop(job, exc)
             return
@@ -157,7 +163,7 @@ class NodeUploads:
         except Exception as exc:
             error = exc
         try:
-            oks = g.all_gather([int(error is None)])
+            oks = self._gather([int(error is None)])
         except CheckpointError as exc:
             if g.rank == 0:
                 self.root.discard_save(job.step, save)
@@ -179,6 +185,18 @@ class NodeUploads:
             path, save, keep=self.tiers.keep, back=bool(stats.set_aside)
         )
         self.tiers.committed(job, done, time.perf_counter() - t0)
+
+    def _gather(self, row: list[int]) -> list[list[int]]:
+        """An all-gather on the private group, noting since when this rank waits in it."""
+        with self._cond:
+            self._waiting_since = time.monotonic()
+            self._cond.notify_all()  # a drain() waiting unbounded now waits bounded
+        try:
+            return self.group.all_gather(row)
+        finally:
+            with self._cond:
+                self._waiting_since = None
+                self._cond.notify_all()
 
     def _failed(self, job: Any, err: CheckpointError | None, why: str) -> None:
         err = err or CheckpointIOError(why)
@@ -205,6 +223,33 @@ class NodeUploads:
     def uploading(self) -> int | None:
         job = self._running
         return job.step if job is not None else None
+
+    def drain(self) -> bool:
+        """Wait until no upload runs or waits, but at most ``peer_wait_s`` in a row while this
+        rank's uploader waits in a collective for the others (False: gave up, warned)."""
+        with self._cond:
+            while self.pending():
+                since = self._waiting_since
+                if since is None:
+                    self._cond.wait()
+                    continue
+                left = since + self.peer_wait_s - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            else:
+                return True
+            step = self.uploading
+        with contextlib.suppress(Exception):  # a warnings filter of "error" must not raise here
+            warnings.warn(
+                f"rank {self.group.rank} stopped waiting for the other ranks' upload of step "
+                f"{step} after {self.peer_wait_s:g} s (collective_timeout_s): a rank died or "
+                f"hangs; step {step} is committed in {self.tiers.directory} but not in "
+                f"{self.tiers.url}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return False
 
     def close(self) -> None:
         with self._cond:

@@ -78,7 +78,8 @@ class CheckpointerConfig:
             one within this many seconds (save() called on rank 0 only, say) makes it raise
             CheckpointStateError on every rank that did, naming the missing ranks. Rank 0's
             wait for the directory lock (``lock_timeout_s``) does not count: the other ranks
-            wait for its result first.
+            wait for its result first. With ``remote=`` on node-local directories, close()
+            waits at most this long for the other ranks' uploads once its own is done.
         read_only: open the directory for restore only: no lock is taken (a job writing it is
             not waited for), nothing is cleaned up, save() is refused. Without it, a directory
             that cannot be written (read-only mount, no write permission) is opened this way

@@ -82,7 +82,8 @@ class Tiers:
         directory: the local directory (the local tier).
         keep: the remote's retention (the Checkpointer's ``keep``).
         group: the job's ranks; rank 0 opens the store and uploads.
-        timeout_s: how long the other ranks wait for rank 0's word on opening the store.
+        timeout_s: how long the other ranks wait for rank 0's word on opening the store (and,
+            on node-local directories, ``close()`` for the other ranks' uploads).
 
     Raises:
         CheckpointIOError: the store cannot be used (missing bucket, denied credentials, no
@@ -100,6 +101,7 @@ class Tiers:
         timeout_s: float,
     ):
         self.url, self.directory, self.keep, self.group = url, directory, keep, group
+        self.collective_timeout_s = timeout_s
         self.root: Any = None  # the ObjectRoot, on rank 0
         failure: Exception | None = None
         if group.rank == 0 and url is not None:
@@ -339,8 +341,8 @@ class Tiers:
         the newest upload failed."""
         if self.url is None:
             return
-        if not self._abandon:
-            self.wait()
+        if not self._abandon:  # per rank: bounded once only the other ranks are awaited
+            self.per_rank.drain() if self.per_rank is not None else self.wait()
         with self._cond:
             self._closed = True
             self._cond.notify_all()
