@@ -104,3 +104,14 @@ def test_ls_and_verify_refuse_other_schemes(in_tmp, verb, capsys):
     assert main(["ckpt", verb, "gs://bucket/run"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "'gs://bucket/run' is a gs:// URL" in err
+
+
+@pytest.mark.parametrize("typo", ["s3:/bucket/run", "gs:/b/x", "S3:/bucket"])
+def test_a_url_typed_with_one_slash_is_refused_and_nothing_is_written(in_tmp, typo):
+    with pytest.raises(CheckpointStateError) as info:
+        gpumem.Checkpointer(typo)
+    msg = str(info.value)
+    assert msg.startswith(f"directory={typo!r} looks like a mistyped") and "\n" not in msg
+    assert f"'./{typo}'" in msg  # how to mean the local directory anyway
+    assert list(in_tmp.iterdir()) == []
+    assert check_root(f"./{typo}") == Path(f"./{typo}")

@@ -61,6 +61,13 @@ def check_root(root: str | bytes | os.PathLike, argument: str = "directory") -> 
         if first.endswith(":") and first[:-1].lower() in _KNOWN and "/" in text:
             text = f"{first}/{text[len(first) :]}"  # as the user wrote it, before Path()
     problem = url_problem(text)
+    first = text.split("/", 1)[0]
+    if problem is None and not is_pathlike and _mistyped(first, text):
+        problem = (
+            f"{text!r} looks like a mistyped {first}// URL (one slash after {first!r}); give "
+            f"{first}//... for an object store, or {'./' + text!r} for a local directory of "
+            "that name (nothing was written)"
+        )
     if problem is not None:
         if url_scheme(text) == "s3":  # bytes or a PathLike: the object store takes a str
             problem += (
@@ -69,6 +76,12 @@ def check_root(root: str | bytes | os.PathLike, argument: str = "directory") -> 
             )
         raise CheckpointStateError(f"{argument}={problem}")
     return Path(text)
+
+
+def _mistyped(first: str, text: str) -> bool:
+    """``s3:/bucket/run`` (a known scheme, one slash, more after it): what ``Path()`` makes of
+    ``s3://bucket/run`` and what a typo of it looks like, never meant as a directory ``s3:``."""
+    return first.endswith(":") and first[:-1].lower() in _KNOWN and len(text) > len(first) + 1
 
 
 @dataclass(frozen=True)
