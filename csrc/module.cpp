@@ -90,7 +90,7 @@ void check_slots(int64_t index, size_t size, size_t chunk, const MutInt64& crc_o
   }
 }
 
-std::tuple<uint64_t, uint64_t, int64_t> run_read(const nb::bytes& path, const std::vector<gpumem::io::ReadPiece>& pieces,
+std::tuple<uint64_t, uint64_t, int64_t, uint64_t> run_read(const nb::bytes& path, const std::vector<gpumem::io::ReadPiece>& pieces,
                                                   size_t chunk, MutInt64& crc_out, int threads, bool direct,
                                                   int dir_fd, int64_t expect_size) {
   gpumem::io::ReadOptions opts;
@@ -106,7 +106,7 @@ std::tuple<uint64_t, uint64_t, int64_t> run_read(const nb::bytes& path, const st
     nb::gil_scoped_release release;
     r = gpumem::io::read_file(p, pieces, opts);
   }
-  return std::make_tuple(r.bytes, r.direct_bytes, r.nonzero_at);
+  return std::make_tuple(r.bytes, r.direct_bytes, r.nonzero_at, r.cached_bytes);
 }
 
 // gpumem._C.UnexpectedFileError (an OSError): the file is not the regular file of the expected
@@ -333,7 +333,8 @@ NB_MODULE(_C, m) {
       "Read pieces in parallel (O_DIRECT for aligned middles), optionally CRC32C each chunk (CRC "
       "index -2: the piece must be all zero); path relative to dir_fd when >= 0; expect_size >= 0: "
       "only a regular file of that size, never through a symlink. Returns (bytes read, bytes via "
-      "O_DIRECT, lowest file offset of a nonzero byte in a must-be-zero piece or -1).");
+      "O_DIRECT, lowest file offset of a nonzero byte in a must-be-zero piece or -1, bytes O_DIRECT "
+      "would have read but the page cache held and gave).");
   m.def(
       "read_spans",
       [](const nb::bytes& path, MutBytes buffer, Int64s file_offsets, Int64s buffer_offsets, Int64s lengths,

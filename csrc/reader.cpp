@@ -4,6 +4,7 @@
 #include "reader.h"
 
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -46,6 +47,39 @@ void prefault(uint8_t* data, size_t size) {
 #else
   (void)data;
   (void)size;
+#endif
+}
+
+// Whether the page cache holds every page of [offset, offset + size), asked with cachestat(2)
+// (Linux 6.5+), which reads nothing and starts no readahead. A range it holds is copied from
+// memory: O_DIRECT would read a file just written (or just read) from the disk again, 4x slower
+// here. Any error (ENOSYS on an older kernel, a file system without it) answers false, and the
+// read stays O_DIRECT.
+#if defined(__linux__) && (defined(__x86_64__) || defined(__aarch64__))
+constexpr long kCachestat = 451;  // __NR_cachestat on both, absent from older headers
+#endif
+
+bool page_cached(int fd, uint64_t offset, size_t size, std::atomic<bool>& supported) {
+#if defined(__linux__) && (defined(__x86_64__) || defined(__aarch64__))
+  if (size == 0 || !supported.load(std::memory_order_relaxed)) return false;
+  struct {
+    uint64_t off, len;
+  } range{offset, size};
+  struct {
+    uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted;
+  } stat{};
+  if (::syscall(kCachestat, fd, &range, &stat, 0) != 0) {
+    if (errno == ENOSYS || errno == EOPNOTSUPP || errno == EBADF) supported.store(false);
+    return false;
+  }
+  const uint64_t first = offset / kAlign, last = (offset + size + kAlign - 1) / kAlign;
+  return stat.nr_cache >= last - first;
+#else
+  (void)fd;
+  (void)offset;
+  (void)size;
+  supported.store(false);
+  return false;
 #endif
 }
 
@@ -112,17 +146,17 @@ uint64_t read_into(const std::string& path, uint64_t offset, uint8_t* out, size_
   return size;
 }
 
-// Lowest offset of a nonzero byte in [data, data + size), or -1. Eight bytes at a time: padding
-// is mostly long runs of zeros.
+// Lowest offset of a nonzero byte in [data, data + size), or -1. Padding is mostly long runs of
+// zeros: compared a page at a time against a zero page with memcmp (libc's vector code, several
+// times the speed of a word loop), and only the page that differs is searched byte by byte.
 static int64_t first_nonzero(const uint8_t* data, size_t size) {
-  size_t i = 0;
-  for (; i + 8 <= size; i += 8) {
-    uint64_t w;
-    std::memcpy(&w, data + i, 8);
-    if (w != 0) break;
+  static const uint8_t zeros[kAlign] = {};
+  for (size_t i = 0; i < size; i += kAlign) {
+    const size_t n = size - i < kAlign ? size - i : kAlign;
+    if (std::memcmp(data + i, zeros, n) == 0) continue;
+    for (size_t j = 0; j < n; ++j)
+      if (data[i + j] != 0) return static_cast<int64_t>(i + j);
   }
-  for (; i < size; ++i)
-    if (data[i] != 0) return static_cast<int64_t>(i);
   return -1;
 }
 
@@ -158,11 +192,16 @@ ReadResult read_file(const std::string& path, const std::vector<ReadPiece>& piec
     i = j;
   }
   std::atomic<bool> direct_ok{dfd.valid()};
-  std::atomic<uint64_t> direct_bytes{0};
+  std::atomic<bool> cachestat_ok{true};
+  std::atomic<uint64_t> direct_bytes{0}, cached_bytes{0};
   std::atomic<int64_t> nonzero_at{-1};
   FirstError error;
   auto read_range = [&](uint8_t* data, size_t size, uint64_t offset, bool direct) {
     if (size == 0 || error.set()) return;
+    if (direct && direct_ok.load(std::memory_order_relaxed) && page_cached(fd.get(), offset, size, cachestat_ok)) {
+      cached_bytes.fetch_add(size, std::memory_order_relaxed);
+      direct = false;  // in memory already: a copy, not a second read from the disk
+    }
     if (direct && direct_ok.load(std::memory_order_relaxed)) {
       prefault(data, size);
       const int rc = pread_all(dfd.get(), data, size, offset);
@@ -229,6 +268,7 @@ ReadResult read_file(const std::string& path, const std::vector<ReadPiece>& piec
   ReadResult result;
   for (const ReadPiece& p : pieces) result.bytes += p.size;
   result.direct_bytes = direct_bytes.load();
+  result.cached_bytes = cached_bytes.load();
   result.nonzero_at = nonzero_at.load();
   return result;
 }

@@ -39,13 +39,15 @@ struct ReadOptions {
 struct ReadResult {
   uint64_t bytes = 0;
   uint64_t direct_bytes = 0;  // of which through O_DIRECT
+  uint64_t cached_bytes = 0;  // of which O_DIRECT would have read but the page cache held
   int64_t nonzero_at = -1;    // lowest file offset of a nonzero byte in a kMustBeZero piece
 };
 
 // Reads every piece of `path` on the thread pool, as write_file writes them: with direct, the part
 // whose file offset and buffer address are equally aligned to 4096 goes through an O_DIRECT
 // descriptor (no page-cache copy, many requests in flight), the rest through the page cache;
-// EINVAL from O_DIRECT (tmpfs) falls back to buffered reads. With a chunk size each piece's chunk
+// EINVAL from O_DIRECT (tmpfs) falls back to buffered reads. A middle the page cache holds whole
+// (cachestat, Linux 6.5+) is copied from it instead (cached_bytes). With a chunk size each piece's chunk
 // CRC32Cs are computed right after its bytes land, while they are still in cache. A file shorter
 // than a piece is an error (EIO); EINTR is retried and short reads continued. With expect_size
 // the file is opened only if it is a regular file of that size (open_regular): no symlink is

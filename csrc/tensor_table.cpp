@@ -81,32 +81,49 @@ struct Cursor {
     while (take(','));
     expect(']');
   }
-  // Skip any value, tracking strings and nesting only (its validity is json.loads's to check).
-  void skip(int depth) {
-    if (depth > kMaxDepth) throw Fail{};
+  // Skip any value, tracking strings and nesting only: its validity is checked by whoever parses
+  // it (build_tensors the tensors array, strict_json the rest with that array cut out), so a
+  // bracketed value is one scan for its closing bracket, strings jumped over with memchr.
+  void skip(int /*depth*/) {
     ws();
     const char c = peek();
     if (c == '"') {
-      for (++p; p < end && *p != '"'; ++p)
-        if (*p == '\\') ++p;
-      if (p >= end) throw Fail{};
       ++p;
-    } else if (c == '[' || c == '{') {
-      ++p;
-      const char close = c == '[' ? ']' : '}';
-      if (take(close)) return;
-      do {
-        if (c == '{') {
-          skip(depth + 1);
-          expect(':');
-        }
-        skip(depth + 1);
-      } while (take(','));
-      expect(close);
-    } else {
+      string_end();
+      return;
+    }
+    if (c != '[' && c != '{') {
       const char* s = p;
       while (p < end && !std::strchr(",]}: \t\n\r\"[{", *p)) ++p;
       if (p == s) throw Fail{};
+      return;
+    }
+    int depth = 0;
+    for (; p < end; ++p) {
+      const char ch = *p;
+      if (ch == '"') {
+        ++p;
+        string_end();
+        --p;
+      } else if (ch == '[' || ch == '{') {
+        if (++depth > kMaxDepth) throw Fail{};
+      } else if ((ch == ']' || ch == '}') && --depth == 0) {
+        ++p;
+        return;
+      }
+    }
+    throw Fail{};
+  }
+  // From inside a string to just past its closing quote (a backslash escapes the next byte).
+  void string_end() {
+    for (;;) {
+      const void* q = std::memchr(p, '"', static_cast<size_t>(end - p));
+      if (!q) throw Fail{};
+      const char* quote = static_cast<const char*>(q);
+      size_t slashes = 0;  // an odd run of backslashes before it escapes the quote
+      for (const char* b = quote; b > p && b[-1] == '\\'; --b) ++slashes;
+      p = quote + 1;
+      if (slashes % 2 == 0) return;
     }
   }
 };
@@ -472,10 +489,13 @@ nb::object build_tensors(const char* data, size_t size, int64_t chunk, int64_t a
   nb::object empty = owned(PyTuple_New(0));
   nb::object out = owned(PyList_New(static_cast<Py_ssize_t>(entries.size())));
   // the same table as columns, for readers that need no object per entry: every extent as
-  // (tensor, position in the tensor, file index, offset, length), every chunk CRC in order
-  std::vector<int64_t> extents, crcs;
+  // (tensor, position in the tensor, file index, offset, length), every chunk CRC in order, and
+  // each tensor's number of chunk CRCs
+  std::vector<int64_t> extents, crcs, counts;
+  counts.reserve(entries.size());
   for (size_t i = 0; i < entries.size(); ++i) {
     const Entry& e = entries[i];
+    counts.push_back(static_cast<int64_t>(e.crcs.size()));
     int64_t pos = 0;
     for (const Extent& x : e.extents) {
       extents.insert(extents.end(), {static_cast<int64_t>(i), pos, x.file_index, x.off, x.len});
@@ -489,7 +509,7 @@ nb::object build_tensors(const char* data, size_t size, int64_t chunk, int64_t a
     return owned(PyBytes_FromStringAndSize(reinterpret_cast<const char*>(v.data()),
                                            static_cast<Py_ssize_t>(v.size() * sizeof(int64_t))));
   };
-  return nb::make_tuple(out, raw(extents), raw(crcs));
+  return nb::make_tuple(out, raw(extents), raw(crcs), raw(counts));
 }
 
 }  // namespace gpumem::table

@@ -103,7 +103,7 @@ def read_file(
     if any(i < -1 for i in index):
         raise ValueError("crc_index entries must be >= 0 or -1 (none)")
     out = _crc_out(chunk, crc_out)
-    read, _direct_bytes, _ = load().read_file(
+    read, _direct_bytes, _, _cached = load().read_file(
         fs_path(path),
         offsets,
         buffers,
@@ -156,7 +156,7 @@ def read_spans(
     if arr.ndim != 2 or arr.shape[1] != 4:
         raise ValueError(f"spans must be an (n, 4) int64 array, got shape {arr.shape}")
     cols = [np.ascontiguousarray(arr[:, k]) for k in range(4)]
-    _read, _direct_bytes, nonzero = load().read_spans(
+    _read, _direct_bytes, nonzero, _cached = load().read_spans(
         fs_path(path),
         byte_view(buffer, writable=True, what="buffer"),
         *cols,

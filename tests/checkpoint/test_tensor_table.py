@@ -171,6 +171,24 @@ def test_the_good_manifest_decodes_natively():
     assert format.parse_shard(body, "m", crc, version) == _outcome(GOOD_TEXT, native=False)
 
 
+def test_strings_with_quotes_backslashes_and_brackets_around_the_table_are_skipped_exactly():
+    """find_tensors jumps over every value but the table (one scan for its closing bracket,
+    strings by memchr): escaped quotes, backslash runs and brackets inside strings must not move
+    the table's bounds, before the table or after it."""
+    tricky = ['a\\"]}b', "c\\\\", '\\\\\\"', "[{", "}]", '"tensors":[]', "é"]
+    for before in (True, False):
+        body = json.loads(PAYLOAD)
+        extra = {"x": tricky, "y": {"[": ["]", {"}": "{"}]}}
+        state = {**extra, **body["state"]} if before else {**body["state"], **extra}
+        rest = {k: v for k, v in body.items() if k != "state"}
+        ordered = {"state": state, **rest} if before else {**rest, "state": state}
+        data = _framed(json.dumps(ordered, separators=(",", ":")).encode())
+        decoded, crc, version = format.decode_manifest(data, "m", native_tensors=True)
+        assert type(decoded["tensors"]).__name__ == "Prebuilt", before
+        assert decoded["state"] == state
+        assert format.parse_shard(decoded, "m", crc, version) == _outcome(data, native=False)
+
+
 def test_a_duplicate_tensors_key_is_refused_as_in_python():
     payload = PAYLOAD[:-1] + b',"tensors":[]}'
     got = _outcome(_framed(payload), native=True)

@@ -238,7 +238,8 @@ def read_tensors(
                 tensor=missing[0],
             )
         entries = [held[n] for n in names]
-    kept = {t for t, e in enumerate(entries) if keep and (keep_only is None or e.name in keep_only)}
+    only = keep_only
+    kept = {t for t, e in enumerate(entries) if only is None or e.name in only} if keep else set()
     chunk = shard.chunk_bytes
     if names is None and not kept and shard.table is not None:
         _check_columns(step, shard, shard.table)  # no object per entry (verify)
@@ -286,7 +287,7 @@ def _check_columns(step: Dir, shard: ShardManifest, table: Columns) -> None:
     the same pieces, files in the same order, the same checks, no Python object per extent."""
     chunk = shard.chunk_bytes
     ext = table.extents
-    counts = np.fromiter((len(e.crc32c) for e in shard.tensors), np.int64, len(shard.tensors))
+    counts = table.counts
     base = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     slots = base[ext[:, 0]] + ext[:, 1] // chunk
     crcs = np.zeros(int(base[-1]), dtype=np.int64)

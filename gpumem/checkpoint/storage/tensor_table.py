@@ -30,10 +30,12 @@ class Columns:
         extents: (extents, 5) int64: tensor index, position in the tensor, file (its index in
             the manifest's ``files``), offset, length; in tensor order, each tensor's in order.
         crcs: every chunk CRC32C of every tensor, in tensor order.
+        counts: each tensor's number of chunk CRC32Cs.
     """
 
     extents: np.ndarray
     crcs: np.ndarray
+    counts: np.ndarray
 
 
 class Prebuilt(list):  # type: ignore[type-arg]
@@ -72,9 +74,11 @@ def decode(
     )
     if built is None:
         return None
-    entries, extents, crcs = built
+    entries, extents, crcs, counts = built
     columns = Columns(
-        np.frombuffer(extents, dtype=np.int64).reshape(-1, 5), np.frombuffer(crcs, dtype=np.int64)
+        np.frombuffer(extents, dtype=np.int64).reshape(-1, 5),
+        np.frombuffer(crcs, dtype=np.int64),
+        np.frombuffer(counts, dtype=np.int64),
     )
     body["tensors"] = Prebuilt(entries, rules, columns)
     return body
