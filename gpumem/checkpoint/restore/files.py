@@ -388,37 +388,23 @@ def _read_spans(
                 name, buf, spans, chunk_bytes=chunk, crc_out=crcs, expect_size=size
             )
         else:
-            nonzero = _read_spans_file(step, name, size, buf, spans, chunk, crcs)
+            nonzero = read_spans(
+                name,
+                buf,
+                spans,
+                threads=io_threads(),
+                direct=True,
+                chunk_bytes=chunk,
+                crc_out=crcs,
+                dir_fd=step.fd,
+                expect_size=size,
+            )
     except OSError as exc:
         raise read_error(exc, file, f"reading {len(spans)} extents of") from None
     if nonzero >= 0:
         raise CheckpointCorruptError(
             f"{file}: alignment padding at byte {nonzero} is not zero", path=str(file)
         )
-
-
-def _read_spans_file(
-    step: Dir,
-    name: str,
-    size: int,
-    buf: torch.Tensor,
-    spans: np.ndarray,
-    chunk: int,
-    crcs: np.ndarray,
-) -> int:
-    return int(
-        read_spans(
-            name,
-            buf,
-            spans,
-            threads=io_threads(),
-            direct=True,
-            chunk_bytes=chunk,
-            crc_out=crcs,
-            dir_fd=step.fd,
-            expect_size=size,
-        )
-    )
 
 
 def open_checkpoint(path: str | bytes | os.PathLike) -> Dir:
