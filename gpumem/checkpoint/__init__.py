@@ -18,6 +18,7 @@ Modules:
     preemption    PreemptionGuard: SIGTERM / SIGUSR1 -> a durable checkpoint and a requeue code
     tiers         Tiers: a local directory first, an s3:// remote uploaded in the background
     node_uploads  the tiers on node-local directories: each rank uploads its shards, rank 0 commits
+    upload_thread the one uploader thread both run their uploads on
     stats         SaveStats: what one save cost
     group         the private gloo group of checkpoint collectives and its roll call
     workers       the long-lived background threads (persist, overlap copy)

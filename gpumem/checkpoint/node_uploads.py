@@ -41,7 +41,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
-import threading
 import time
 import uuid
 import warnings
@@ -52,6 +51,7 @@ from .errors import CheckpointError, CheckpointIOError
 from .group import Group
 from .storage.format import step_dir_name
 from .storage.nodes import Nodes
+from .upload_thread import UploadThread
 
 UPLOAD_TIMEOUT_S = 2 * 3600.0  # the slowest rank's upload of one step, at most
 
@@ -91,12 +91,10 @@ class NodeUploads:
             raise failure
         self.token = g.broadcast_text(uuid.uuid4().hex if g.rank == 0 else "", 0)
         self.group = Group.private(UPLOAD_TIMEOUT_S)
-        self._cond = threading.Condition()
         self._queue: collections.deque[tuple[int, Any]] = collections.deque()
         self._seq = 0
-        self._running: Any = None
-        self._thread: threading.Thread | None = None
-        self._closed = False
+        self._uploads = UploadThread(self._take, self._run)
+        self._cond = self._uploads.cond
         self.broken: str | None = None  # why the uploads stopped (a rank died mid-upload)
         self.peer_wait_s = float(tiers.collective_timeout_s)  # close()'s wait for the others
         self._waiting_since: float | None = None  # this rank's uploader waits for the others
@@ -108,31 +106,20 @@ class NodeUploads:
             self._queue.append((self._seq, job))
             self._seq += 1
             job.stats.remote = "queued"
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._serve, name="gpumem-ckpt-upload", daemon=True
-                )
-                self._thread.start()
-            self._cond.notify_all()
+            self._uploads.wake()
 
-    def _serve(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                seq, job = self._queue.popleft()
-                newer = bool(self._queue)
-                self._running = job
-            try:
-                self._one(seq, job, newer)
-            except Exception as exc:  # the thread never dies; the local step stays as it was
-                self._failed(job, exc if isinstance(exc, CheckpointError) else None, str(exc))
-            finally:
-                with self._cond:
-                    self._running = None
-                    self._cond.notify_all()
+    def _take(self) -> tuple[int, Any, bool] | None:
+        if not self._queue:
+            return None
+        seq, job = self._queue.popleft()
+        return seq, job, bool(self._queue)  # whether a newer save waits
+
+    def _run(self, item: tuple[int, Any, bool]) -> None:
+        seq, job, newer = item
+        try:
+            self._one(seq, job, newer)
+        except Exception as exc:  # the thread never dies; the local step stays as it was
+            self._failed(job, exc if isinstance(exc, CheckpointError) else None, str(exc))
 
     def _one(self, seq: int, job: Any, newer: bool) -> None:
         job.done.wait()
@@ -217,12 +204,12 @@ class NodeUploads:
         self._failed(job, exc, self.broken)
 
     def pending(self) -> bool:
-        return bool(self._queue) or self._running is not None
+        return bool(self._queue) or self._uploads.running is not None
 
     @property
     def uploading(self) -> int | None:
-        job = self._running
-        return job.step if job is not None else None
+        item = self._uploads.running
+        return item[1].step if item is not None else None
 
     def drain(self) -> bool:
         """Wait until no upload runs or waits, but at most ``peer_wait_s`` in a row while this
@@ -252,9 +239,7 @@ class NodeUploads:
         return False
 
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+        self._uploads.close()
 
     # ------------------------------------------------------------------ restore
 

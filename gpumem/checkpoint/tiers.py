@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from .storage.directory import list_checkpoints
 from .storage.format import step_dir_name
 from .storage.nodes import Nodes
 from .storage.root import Root
+from .upload_thread import UploadThread
 
 LOCAL, REMOTE = "local", "remote"
 
@@ -119,11 +119,9 @@ class Tiers:
                 )
         if failure is not None:
             raise failure
-        self._cond = threading.Condition()
         self._pending: Any = None  # the newest committed-or-committing save not yet uploaded
-        self._running: Any = None
-        self._thread: threading.Thread | None = None
-        self._closed = False
+        self._uploads = UploadThread(self._take, self._upload)
+        self._cond = self._uploads.cond
         self._abandon = False
         self.uploaded: int | None = None  # the newest step this tier committed remotely
         self.last_error: CheckpointError | None = None
@@ -172,28 +170,11 @@ class Tiers:
                 )
             job.stats.remote = "queued"
             self._pending = job
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._serve, name="gpumem-ckpt-upload", daemon=True
-                )
-                self._thread.start()
-            self._cond.notify_all()
+            self._uploads.wake()
 
-    def _serve(self) -> None:
-        while True:
-            with self._cond:
-                while self._pending is None and not self._closed:
-                    self._cond.wait()
-                if self._pending is None:
-                    return
-                job, self._pending = self._pending, None
-                self._running = job
-            try:
-                self._upload(job)
-            finally:
-                with self._cond:
-                    self._running = None
-                    self._cond.notify_all()
+    def _take(self) -> Any:
+        job, self._pending = self._pending, None
+        return job
 
     def _upload(self, job: Any) -> None:
         job.done.wait()
@@ -242,7 +223,7 @@ class Tiers:
                 return self.per_rank._cond.wait_for(lambda: not self.per_rank.pending(), timeout)
         with self._cond:
             return self._cond.wait_for(
-                lambda: self._pending is None and self._running is None, timeout
+                lambda: self._pending is None and self._uploads.running is None, timeout
             )
 
     @property
@@ -250,7 +231,7 @@ class Tiers:
         """The step being uploaded now, or None."""
         if self.per_rank is not None:
             return self.per_rank.uploading
-        job = self._running
+        job = self._uploads.running
         return job.step if job is not None else None
 
     def stop_waiting(self) -> None:
@@ -343,9 +324,7 @@ class Tiers:
             return
         if not self._abandon:  # per rank: bounded once only the other ranks are awaited
             self.per_rank.drain() if self.per_rank is not None else self.wait()
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+        self._uploads.close()
         if self.per_rank is not None:
             self.per_rank.close()
         if self.last_error is not None and not self._abandon:
