@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
 import torch.distributed as dist
-from sharded_lib import build, full_state, train
+from sharded_lib import build, full_state, init_rank, train
 
 import gpumem
 from gpumem.checkpoint.storage.object_root import ObjectRoot
@@ -44,14 +44,7 @@ def _die_in_step_4_upload(sig: int) -> None:
 
 def main() -> None:
     mode, base, url, endpoint = sys.argv[1:5]
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=os.environ["INIT"],
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-    )
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = init_rank()
     node_dir = os.path.join(base, f"node{os.environ['GPUMEM_NODE']}")
     model, opt = build("fsdp", seed=0)
     params = list(model.parameters())

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
 import torch.distributed as dist
-from sharded_lib import build, full_state, train
+from sharded_lib import build, full_state, init_rank, train
 
 import gpumem
 from gpumem.checkpoint import CheckpointError
@@ -28,14 +28,7 @@ from gpumem.checkpoint.storage import commit as commit_module
 
 def main() -> None:
     mode, base, layout, replicas = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=os.environ["INIT"],
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-    )
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = init_rank()
     node_dir = os.path.join(base, os.environ.get("NODE_DIR") or f"node{os.environ['GPUMEM_NODE']}")
     if os.environ.get("DIR_PER_RANK"):  # neither shared nor one a node: refused
         node_dir = os.path.join(base, f"rank{rank}")

@@ -92,3 +92,48 @@ def differences(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> l
         or ref[k].shape != got[k].shape
         or not torch.equal(ref[k].view(-1).view(torch.uint8), got[k].view(-1).view(torch.uint8))
     ]
+
+
+def start_ranks(
+    script: str, args: list[str], tmp_path, tag: str, world: int, per_node: int, env=None
+) -> list:
+    """``script`` (next to this file) started on ``world`` ranks, ``per_node`` a node
+    (``GPUMEM_NODE``), rendezvous through a fresh file under ``tmp_path``: the processes."""
+    import os
+    import subprocess
+    import sys
+
+    rdv = tmp_path / f"rdv-{tag}-{world}-{len(os.listdir(tmp_path))}"
+    return [
+        subprocess.Popen(
+            [sys.executable, os.path.join(os.path.dirname(__file__), script), *args],
+            env={
+                **os.environ,
+                **(env or {}),
+                "RANK": str(r),
+                "WORLD_SIZE": str(world),
+                "INIT": f"file://{rdv}",
+                "GPUMEM_NODE": str(r // per_node),
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+
+
+def init_rank() -> tuple[int, int]:
+    """A worker started by ``start_ranks``: one torch thread, gloo joined; (rank, world)."""
+    import os
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=os.environ["INIT"],
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
+    return dist.get_rank(), dist.get_world_size()

@@ -9,13 +9,11 @@ close() returns after a peer was killed or stopped (hung) mid-upload. The model 
 
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 from s3_lib import CREDENTIALS, open_store
-from sharded_lib import differences
+from sharded_lib import differences, start_ranks
 
 from gpumem.checkpoint.storage.object_root import ObjectRoot
 
@@ -53,32 +51,9 @@ def start(tmp_path, mode, url, endpoint, world, per_node, env):
     """The ``world`` worker processes, started."""
     base = tmp_path / "run"
     base.mkdir(exist_ok=True)
-    rdv = tmp_path / f"rdv-{mode}-{world}-{len(os.listdir(tmp_path))}"
-    return [
-        subprocess.Popen(
-            [
-                sys.executable,
-                os.path.join(HERE, "node_tiers_worker.py"),
-                mode,
-                str(base),
-                url,
-                endpoint,
-            ],
-            env={
-                **os.environ,
-                **CREDENTIALS,
-                **(env or {}),
-                "RANK": str(r),
-                "WORLD_SIZE": str(world),
-                "INIT": f"file://{rdv}",
-                "GPUMEM_NODE": str(r // per_node),
-            },
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
+    env = {**CREDENTIALS, **(env or {})}
+    args = [mode, str(base), url, endpoint]
+    return start_ranks("node_tiers_worker.py", args, tmp_path, mode, world, per_node, env)
 
 
 def load(path):

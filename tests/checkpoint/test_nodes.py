@@ -4,12 +4,10 @@ nodes of 2 (``GPUMEM_NODE``), each node its own directory. Losing a node deletes
 
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
-from sharded_lib import differences
+from sharded_lib import differences, start_ranks
 
 from gpumem.checkpoint.restore.peers import complete_steps, plan
 from gpumem.checkpoint.storage.nodes import Nodes
@@ -21,31 +19,8 @@ def launch(tmp_path, mode, world, layout="fsdp", replicas=2, per_node=2, env=Non
     """Run nodes_worker.py on ``world`` ranks, ``per_node`` ranks a node; their outputs."""
     base = tmp_path / "run"
     base.mkdir(exist_ok=True)
-    rdv = tmp_path / f"rdv-{mode}-{world}-{len(os.listdir(tmp_path))}"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                os.path.join(HERE, "nodes_worker.py"),
-                mode,
-                str(base),
-                layout,
-                str(replicas),
-            ],
-            env={
-                **os.environ,
-                **(env or {}),
-                "RANK": str(r),
-                "WORLD_SIZE": str(world),
-                "INIT": f"file://{rdv}",
-                "GPUMEM_NODE": str(r // per_node),
-            },
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
+    args = [mode, str(base), layout, str(replicas)]
+    procs = start_ranks("nodes_worker.py", args, tmp_path, mode, world, per_node, env)
     return [p.communicate(timeout=timeout)[0] for p in procs], [p.returncode for p in procs]
 
 
