@@ -47,6 +47,7 @@ from _report import Figure, figure, machine_info, ratio_figure, write_results
 
 import gpumem
 from gpumem.arena import HostArena
+from gpumem.checkpoint.workers import background_threads
 from gpumem.reader import drop_page_cache, read_file
 from gpumem.units import format_bytes, parse_bytes
 from gpumem.writer import write_file
@@ -653,9 +654,25 @@ def _write_restore(
 
 
 def bench_loop(
-    root: Path, every: int, steps: int, d: int = 512, batch: int = 64
+    root: Path, every: int, steps: int, threads: int | None = None
 ) -> tuple[list[list[object]], list[Figure]]:
-    """Mean step time of a small training loop without checkpoints and with overlap-mode saves."""
+    """Mean step time of a small training loop without checkpoints and with overlap-mode saves;
+    ``threads``: torch's threads for this loop (None: as they are, every core), so that the
+    saves' background work gets the cores training leaves free (``workers.background_threads``)."""
+    old = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _bench_loop(
+            root, every, steps, "" if threads is None else f", torch threads {threads}"
+        )
+    finally:
+        torch.set_num_threads(old)
+
+
+def _bench_loop(
+    root: Path, every: int, steps: int, tag: str, d: int = 512, batch: int = 64
+) -> tuple[list[list[object]], list[Figure]]:
     torch.manual_seed(0)
     model = GPTish(40_000_000 // 12 * 3, d)  # ~40 MB of parameters, ~120 MB of state
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -673,7 +690,7 @@ def bench_loop(
     # the machine is shared and noisy: alternate short blocks of both modes, compare the means
     ck = gpumem.Checkpointer(root / "loop", keep=1)
     ck.prepare(model, opt, background=False)  # the staging allocation stays off the timed steps
-    labels = ("no checkpoint", f"overlap save every {every} steps")
+    labels = (f"no checkpoint{tag}", f"overlap save every {every} steps{tag}")
     ts: dict[str, list[float]] = {k: [] for k in labels}
     stalls: dict[str, list] = {k: [] for k in labels}
     for block in range(max(2, steps // (2 * every))):
@@ -702,7 +719,7 @@ def bench_loop(
         floor.append(time.perf_counter() - t0)
     floor_ms = statistics.median(floor) * 1e3
     times = {k: (statistics.mean(ts[k]), stalls[k]) for k in labels}
-    base = times["no checkpoint"][0]
+    base = times[labels[0]][0]
     rows = []
     figures = [
         figure(f"{format_bytes(state)}: training loop, {label}", "ms/step", ts[label], scale=1e3)
@@ -717,7 +734,8 @@ def bench_loop(
                 f"median stall per save {stall:.1f} ms; all steps together "
                 f"lose {per_save:.0f} ms per save = {per_save / floor_ms:.1f}x "
                 f"the floor copy ({floor_ms:.1f} ms): the background copy, "
-                "checksum and write share the 2 cores with training"
+                f"checksum and write run on {background_threads()} native thread(s) beside "
+                f"training's {torch.get_num_threads()} on {os.cpu_count()} cores"
             )
         rows.append(
             [
@@ -890,8 +908,11 @@ def loop_ratio_figures(figures: list[Figure]) -> list[Figure]:
     """The training loop's same-run ratio (with saves / without), from its two figures."""
     base, saving = figures[0], figures[1]
     name = base.name.split(": ")[0]  # the state's size
+    tag = base.name.split("no checkpoint", 1)[1]  # the torch thread count, if set
     return [
-        ratio_figure(f"{name}: training loop with saves / without", saving, base, better="lower")
+        ratio_figure(
+            f"{name}: training loop with saves / without{tag}", saving, base, better="lower"
+        )
     ]
 
 
@@ -1417,9 +1438,10 @@ def main_save_side(args: argparse.Namespace) -> int:
             size_rows, size_figures_ = bench_save_side(parse_bytes(size), root, args.repeat)
             rows += size_rows
             figures += size_figures_
-        loop_rows, loop_figures = bench_loop(root, args.every, args.steps)
-        rows += loop_rows
-        figures += loop_figures + loop_ratio_figures(loop_figures)
+        for threads in (None, max(1, (os.cpu_count() or 2) - 1)):  # all cores; one left free
+            loop_rows, loop_figures = bench_loop(root, args.every, args.steps, threads)
+            rows += loop_rows
+            figures += loop_figures + loop_ratio_figures(loop_figures)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     columns = ["state", "measurement", "time (median)", "ratio", "note"]
