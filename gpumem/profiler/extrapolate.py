@@ -26,6 +26,7 @@ came from (``Report.extrapolated``).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from typing import Any
 
@@ -121,78 +122,72 @@ def _signature(block: torch.nn.Module) -> list[tuple[Any, ...]]:
 # -- the sample sequences --------------------------------------------------------------------
 
 
-def _stretches(samples: list[list[int]]) -> list[tuple[tuple[int, int], list[list[int]]]]:
+def _table(samples: list[list[int]]) -> torch.Tensor:
+    """Samples as one int64 tensor, a row each (vector arithmetic on tens of thousands)."""
+    return torch.tensor(samples, dtype=torch.int64).reshape(len(samples), -1)
+
+
+def _stretches(t: torch.Tensor) -> list[tuple[tuple[int, int], torch.Tensor]]:
     """The samples cut into runs of one (step, phase)."""
-    out: list[tuple[tuple[int, int], list[list[int]]]] = []
-    for row in samples:
-        key = (row[_STEP], row[_PHASE])
-        if not out or out[-1][0] != key:
-            out.append((key, []))
-        out[-1][1].append(row)
-    return out
+    if not len(t):
+        return []
+    key = t[:, _STEP] * len(PHASES) + t[:, _PHASE]
+    cuts = [0, *((key[1:] != key[:-1]).nonzero().flatten() + 1).tolist(), len(t)]
+    return [
+        ((int(t[i, _STEP]), int(t[i, _PHASE])), t[i:j]) for i, j in zip(cuts, cuts[1:], strict=False)
+    ]
 
 
-def _sub(a: list[int], b: list[int]) -> list[int]:
-    return [x - y for x, y in zip(a, b, strict=True)]
-
-
-def _rule(a: list[list[int]], b: list[list[int]], ka: int) -> Any:
+def _rule(a: torch.Tensor, b: torch.Tensor, ka: int) -> Any:
     """The rule taking the stretch of ``ka`` blocks (``a``) to that of ``ka + 1`` (``b``) and on,
     as ``predict(k)``, or ``None``. The per-sample changes of ``b`` are those of ``a`` aligned
     (``difflib``) with runs inserted, each repeated once per extra block, and runs of as many
     changes replaced, each change affine in k; the first sample is affine in k."""
-    if not a or not b:
+    if not len(a) or not len(b):
         return None
-    da = [tuple(_sub(y, x)) for x, y in zip(a, a[1:])]
-    db = [tuple(_sub(y, x)) for x, y in zip(b, b[1:])]
-    ops = difflib.SequenceMatcher(None, da, db, autojunk=False).get_opcodes()
+    da, db = a[1:] - a[:-1], b[1:] - b[:-1]
+    ops = difflib.SequenceMatcher(
+        None, list(map(tuple, da.tolist())), list(map(tuple, db.tolist())), autojunk=False
+    ).get_opcodes()
     if any(op == "delete" or (op == "replace" and i1 - i0 != j1 - j0) for op, i0, i1, j0, j1 in ops):
         return None
-    start = _sub(b[0], a[0])
+    start = b[0] - a[0]
 
-    def predict(k: int) -> list[list[int]]:
+    def predict(k: int) -> torch.Tensor:
         m = k - ka
-        changes: list[Any] = []
+        changes = [a[:1] + m * start]
         for op, i0, i1, j0, j1 in ops:
             if op == "equal":
-                changes += da[i0:i1]
+                changes.append(da[i0:i1])
             elif op == "insert":
-                changes += db[j0:j1] * m
+                changes.append(db[j0:j1].repeat(m, 1))
             else:  # replace: affine in k
-                changes += [
-                    [x + m * (y - x) for x, y in zip(u, v)]
-                    for u, v in zip(da[i0:i1], db[j0:j1], strict=True)
-                ]
-        row = [x + m * s for x, s in zip(a[0], start, strict=True)]
-        out = [row]
-        for d in changes:
-            row = [x + y for x, y in zip(row, d)]
-            out.append(row)
-        return out
+                changes.append(da[i0:i1] + m * (db[j0:j1] - da[i0:i1]))
+        return torch.cat(changes).cumsum(0)
 
     return predict
 
 
-def extrapolated_samples(runs: dict[int, list[list[int]]], n: int) -> list[list[int]]:
-    """The N-block sample sequence from the 1-, 2- and 3-block ones (see the module docstring).
+def extrapolated_samples(runs: dict[int, torch.Tensor], n: int) -> torch.Tensor:
+    """The N-block samples from the 1-, 2- and 3-block ones (see the module docstring).
 
     Raises:
         NotExtrapolated: the stretches differ in kind, or the rule from 1 and 2 blocks does not
-            give the 3-block sequence exactly."""
-    k1, k2, k3 = PROFILED
+            give the 3-block samples exactly."""
+    k1, _, k3 = PROFILED
     parts = {k: _stretches(runs[k]) for k in PROFILED}
     keys = [key for key, _ in parts[k1]]
     if any([key for key, _ in parts[k]] != keys for k in PROFILED):
-        return _fail("the profiles' steps and phases differ")
-    out: list[list[int]] = []
+        _fail("the profiles' steps and phases differ")
+    out = []
     for i, key in enumerate(keys):
         a, b, c = (parts[k][i][1] for k in PROFILED)
         rule = _rule(a, b, k1)
-        if rule is None or rule(k3) != c:
+        if rule is None or not torch.equal(rule(k3), c):
             step, phase = key
             _fail(f"step {step} {_PHASE_NAME[phase]}'s timeline is not periodic in the blocks")
-        out += rule(n)
-    return out
+        out.append(rule(n))
+    return torch.cat(out)
 
 
 def _fail(why: str) -> Any:
@@ -202,23 +197,23 @@ def _fail(why: str) -> Any:
 # -- figures read off a sample sequence --------------------------------------------------------
 
 
-def peaks_of(samples: list[list[int]]) -> dict[str, Any]:
+def peaks_of(t: torch.Tensor) -> dict[str, Any]:
     """The peaks a profile with these samples reports: the run's and each step's (first
     moment of the highest level: bytes, step, phase, categories) and each step's phase peaks."""
     steps: dict[int, dict[str, Any]] = {}
-    best: list[int] | None = None
-    for row in samples:
-        s = steps.get(row[_STEP])
-        if s is None:
-            s = steps[row[_STEP]] = {"row": row, "phases": dict.fromkeys(PHASES)}
-        phase = _PHASE_NAME[row[_PHASE]]
-        pp = s["phases"][phase]
-        if pp is None or row[_LEVEL] > pp:
-            s["phases"][phase] = row[_LEVEL]
-        if row[_LEVEL] > s["row"][_LEVEL]:
-            s["row"] = row
-        if best is None or row[_LEVEL] > best[_LEVEL]:
-            best = row
+    for (step, phase), part in _stretches(t):
+        s = steps.setdefault(step, {"row": None, "phases": dict.fromkeys(PHASES)})
+        i = int(part[:, _LEVEL].argmax())  # the first of the highest
+        level = int(part[i, _LEVEL])
+        name = _PHASE_NAME[phase]
+        pp = s["phases"][name]
+        s["phases"][name] = level if pp is None else max(pp, level)
+        if s["row"] is None or level > s["row"][_LEVEL]:
+            s["row"] = part[i].tolist()
+    best = None
+    for s in steps.values():
+        if best is None or s["row"][_LEVEL] > best[_LEVEL]:
+            best = s["row"]
     return {"run": best, "steps": steps}
 
 
@@ -226,22 +221,17 @@ def _at(row: list[int]) -> dict[str, int | None]:
     return dict(zip(CATEGORIES, row[_CAT0:], strict=True))
 
 
-def root_temporaries(samples: list[list[int]], calls: list[Any]) -> dict[int, tuple[int, int]]:
+def root_temporaries(t: torch.Tensor, calls: list[Any]) -> dict[int, tuple[int, int]]:
     """Per step, the root module's forward and backward temporary: each call's high-water mark
     (the most bytes, communication left out, while it ran) above its entry level, less what it
     kept. ``calls`` are (step, backward, entry level, kept[, recorded high-water mark]); the
     mark is recomputed from the samples, and must equal the recorded one where there is one."""
-    windows: dict[bool, list[int]] = {False: [], True: []}
+    work = t[:, _LEVEL] - t[:, _COMM]
+    windows: dict[bool, list[int]] = {}
     for flag, bwd in ((_ROOT_FWD, False), (_ROOT_BWD, True)):
-        prev = 0
-        for row in samples:
-            on = row[flag]
-            if on and not prev:
-                windows[bwd].append(-1)
-            if on:
-                work = row[_LEVEL] - row[_COMM]
-                windows[bwd][-1] = max(windows[bwd][-1], work)
-            prev = on
+        on = torch.cat([torch.zeros(1, dtype=torch.int64), t[:, flag], torch.zeros(1)])
+        edges = (on[1:] - on[:-1]).nonzero().flatten().tolist()  # starts and ends, in turn
+        windows[bwd] = [int(work[i:j].max()) for i, j in zip(edges[::2], edges[1::2])]
     seen = {False: 0, True: 0}
     out: dict[int, tuple[int, int]] = {}
     for step, bwd, level, kept, *recorded in calls:
@@ -357,10 +347,11 @@ def extrapolate(
 
     Raises:
         NotExtrapolated: a check failed (the message names it)."""
-    dicts = {}
+    dicts, tables = {}, {}
     for k in PROFILED:
         rep, samples, calls = runs[k]
-        d = rep.to_dict(timeline=False)
+        d = dataclasses.replace(rep, timeline={}, spans=[]).to_dict()
+        tables[k] = samples = _table(samples)
         mine = {**d, "steps": [dict(s, layers=dict(s["layers"])) for s in d["steps"]]}
         mine["layers"] = {**d["layers"], "": dict(d["layers"][""])}
         for s in mine["steps"]:
@@ -392,7 +383,7 @@ def extrapolate(
         s["layers"] = _layers(tuple(t["layers"] for t in trio), prefix, n, f"steps[{i}].layers")  # type: ignore[arg-type]
         steps.append(s)
     out["steps"] = steps
-    samples = extrapolated_samples({k: runs[k][1] for k in PROFILED}, n)
+    samples = extrapolated_samples(tables, n)
     calls = _root_calls({k: runs[k][2] for k in PROFILED}, n)
     _derived(out, peaks_of(samples), root_temporaries(samples, calls))
     for s in out["steps"]:  # key order as in a report

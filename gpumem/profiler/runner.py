@@ -126,6 +126,7 @@ def profile_model(
     progress: Any = None,
     alloc_conf: str | None = None,
     extrapolate: bool = False,
+    notice: Any = None,
 ) -> Report:
     """Build ``model``, run ``steps`` training steps inside ``gpumem.profile``, return the report.
 
@@ -146,7 +147,8 @@ def profile_model(
         extrapolate: under ``fake`` with a built-in transformer of more than 3 blocks, profile
             the model with 1, 2 and 3 blocks and extrapolate (exactly, checked:
             ``gpumem.profiler.extrapolate``; the report has no timeline then); where a check
-            fails every block is profiled, with a :class:`FullProfileNotice` saying why.
+            fails every block is profiled, with a :class:`FullProfileNotice` saying why (or
+            ``notice(text)`` when given).
 
     Raises:
         ValueError: an unknown model or size, a bad count, a sequence longer than the model's,
@@ -245,12 +247,14 @@ def profile_model(
             except NotExtrapolated as exc:
                 why = str(exc)
         if why:
-            warnings.warn(
+            text = (
                 f"profiling all {cfg.num_layers if cfg else 'the'} blocks (k-block "
-                f"extrapolation not used: {why})",
-                FullProfileNotice,
-                stacklevel=2,
+                f"extrapolation not used: {why})"
             )
+            if notice is not None:
+                notice(text)
+            else:
+                warnings.warn(text, FullProfileNotice, stacklevel=2)
     return run(cfg, tick, record=False).report()
 
 
