@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
 from typing import Any
 
 import torch
@@ -133,9 +134,7 @@ def _stretches(t: torch.Tensor) -> list[tuple[tuple[int, int], torch.Tensor]]:
         return []
     key = t[:, _STEP] * len(PHASES) + t[:, _PHASE]
     cuts = [0, *((key[1:] != key[:-1]).nonzero().flatten() + 1).tolist(), len(t)]
-    return [
-        ((int(t[i, _STEP]), int(t[i, _PHASE])), t[i:j]) for i, j in zip(cuts, cuts[1:], strict=False)
-    ]
+    return [((int(t[i, _STEP]), int(t[i, _PHASE])), t[i:j]) for i, j in itertools.pairwise(cuts)]
 
 
 def _rule(a: torch.Tensor, b: torch.Tensor, ka: int) -> Any:
@@ -149,7 +148,9 @@ def _rule(a: torch.Tensor, b: torch.Tensor, ka: int) -> Any:
     ops = difflib.SequenceMatcher(
         None, list(map(tuple, da.tolist())), list(map(tuple, db.tolist())), autojunk=False
     ).get_opcodes()
-    if any(op == "delete" or (op == "replace" and i1 - i0 != j1 - j0) for op, i0, i1, j0, j1 in ops):
+    if any(
+        op == "delete" or (op == "replace" and i1 - i0 != j1 - j0) for op, i0, i1, j0, j1 in ops
+    ):
         return None
     start = b[0] - a[0]
 
@@ -229,9 +230,10 @@ def root_temporaries(t: torch.Tensor, calls: list[Any]) -> dict[int, tuple[int, 
     work = t[:, _LEVEL] - t[:, _COMM]
     windows: dict[bool, list[int]] = {}
     for flag, bwd in ((_ROOT_FWD, False), (_ROOT_BWD, True)):
-        on = torch.cat([torch.zeros(1, dtype=torch.int64), t[:, flag], torch.zeros(1)])
+        zero = torch.zeros(1, dtype=torch.int64)
+        on = torch.cat([zero, t[:, flag], zero])
         edges = (on[1:] - on[:-1]).nonzero().flatten().tolist()  # starts and ends, in turn
-        windows[bwd] = [int(work[i:j].max()) for i, j in zip(edges[::2], edges[1::2])]
+        windows[bwd] = [int(work[i:j].max()) for i, j in zip(edges[::2], edges[1::2], strict=True)]
     seen = {False: 0, True: 0}
     out: dict[int, tuple[int, int]] = {}
     for step, bwd, level, kept, *recorded in calls:
@@ -267,7 +269,10 @@ def _affine(xs: tuple[Any, Any, Any], n: int, where: str) -> Any:
     if isinstance(a, list):
         if not (isinstance(b, list) and isinstance(c, list) and len(a) == len(b) == len(c)):
             _fail(f"{where} has different lengths")
-        return [_affine((x, y, z), n, f"{where}[{i}]") for i, (x, y, z) in enumerate(zip(a, b, c))]
+        return [
+            _affine((x, y, z), n, f"{where}[{i}]")
+            for i, (x, y, z) in enumerate(zip(a, b, c, strict=True))
+        ]
     if not (a == b == c and type(a) is type(b) is type(c)):
         _fail(f"{where} differs between the profiles ({a!r}, {b!r}, {c!r})")
     return c
@@ -287,10 +292,10 @@ def _layers(
         names: list[str | None] = []
         for name, row in layer_rows.items():
             if name.startswith(prefix + "."):
-                index, _, sub = name[len(prefix) + 1 :].partition(".")
+                number, _, sub = name[len(prefix) + 1 :].partition(".")
                 if not blocks:
                     names.append(None)  # where the blocks go
-                blocks.setdefault(int(index), {})[sub] = row
+                blocks.setdefault(int(number), {})[sub] = row
             else:
                 if name == "":  # its temporaries are read off the samples (_derived)
                     row = {f: v for f, v in row.items() if f not in _ROOT_DERIVED}
@@ -298,19 +303,19 @@ def _layers(
                 names.append(name)
         if sorted(blocks) != list(range(k)):
             _fail(f"{where}: the profile of {k} blocks has rows for blocks {sorted(blocks)}")
-        for index, block in blocks.items():
+        for j, block in blocks.items():
             if template is None:
                 template = block
             elif block != template:
-                _fail(f"{where}: {prefix}.{index}'s rows differ from {prefix}.0's (k={k})")
+                _fail(f"{where}: {prefix}.{j}'s rows differ from {prefix}.0's (k={k})")
         others.append(rest)
         order = names
     assert template is not None
     rest_n = _affine((others[0], others[1], others[2]), n, where)
     out: dict[str, Any] = {}
-    for name in order:
-        if name is not None:
-            out[name] = rest_n[name]
+    for entry in order:
+        if entry is not None:
+            out[entry] = rest_n[entry]
             continue
         for index in range(n):
             for sub, row in template.items():
@@ -375,12 +380,12 @@ def extrapolate(
         _fail("the profiles have different numbers of steps")
     for i, trio in enumerate(zip(a["steps"], b["steps"], c["steps"], strict=True)):
         s = {
-            key: _affine(tuple(t[key] for t in trio), n, f"steps[{i}].{key}")  # type: ignore[arg-type]
+            key: _affine((trio[0][key], trio[1][key], trio[2][key]), n, f"steps[{i}].{key}")
             for key in trio[0]
-            if key not in ("layers", "peak", "at_peak", "peak_phase")
-            and not key.endswith("_peak")
+            if key not in ("layers", "peak", "at_peak", "peak_phase") and not key.endswith("_peak")
         }
-        s["layers"] = _layers(tuple(t["layers"] for t in trio), prefix, n, f"steps[{i}].layers")  # type: ignore[arg-type]
+        rows = (trio[0]["layers"], trio[1]["layers"], trio[2]["layers"])
+        s["layers"] = _layers(rows, prefix, n, f"steps[{i}].layers")
         steps.append(s)
     out["steps"] = steps
     samples = extrapolated_samples(tables, n)

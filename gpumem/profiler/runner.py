@@ -190,6 +190,7 @@ def profile_model(
             "without --device (fake CPU tensors of any size: the same storages without the "
             "512-byte CUDA rounding)"
         )
+
     def run(cfg: Any, tick: Any, record: bool) -> Any:
         """Build the model (``cfg``: a built-in config, ``None``: the config.json) and profile
         ``steps`` steps; ``record``: keep the samples ``extrapolate`` reads, after checking the
