@@ -128,6 +128,25 @@ def _table(samples: list[list[int]]) -> torch.Tensor:
     return torch.tensor(samples, dtype=torch.int64).reshape(len(samples), -1)
 
 
+def _records(t: torch.Tensor) -> torch.Tensor:
+    """The samples every figure read here depends on: in each run of one step, phase and root
+    state, its first sample and each one above all before it in the run (every maximum is the
+    first of the highest). Others may differ between equal runs: where a free lands between two
+    ops depends on whether FakeTensorMode's cache answered an op (a cold miss can add a sample
+    at a dip), which never moves a maximum."""
+    if not len(t):
+        return t
+    key = ((t[:, _STEP] * len(PHASES) + t[:, _PHASE]) * 2 + t[:, _ROOT_FWD]) * 2 + t[:, _ROOT_BWD]
+    cuts = [0, *((key[1:] != key[:-1]).nonzero().flatten() + 1).tolist(), len(t)]
+    keep = torch.zeros(len(t), dtype=torch.bool)
+    for i, j in itertools.pairwise(cuts):
+        level = t[i:j, _LEVEL]
+        before = level.cummax(0).values[:-1]
+        keep[i] = True
+        keep[i + 1 : j] = level[1:] > before
+    return t[keep]
+
+
 def _stretches(t: torch.Tensor) -> list[tuple[tuple[int, int], torch.Tensor]]:
     """The samples cut into runs of one (step, phase)."""
     if not len(t):
@@ -356,7 +375,9 @@ def extrapolate(
     for k in PROFILED:
         rep, samples, calls = runs[k]
         d = dataclasses.replace(rep, timeline={}, spans=[]).to_dict()
-        tables[k] = samples = _table(samples)
+        tables[k] = samples = _records(_table(samples))
+        if len(samples) and samples[:, _COMM].any():
+            _fail("communication bytes (sharded models) are not extrapolated")
         mine = {**d, "steps": [dict(s, layers=dict(s["layers"])) for s in d["steps"]]}
         mine["layers"] = {**d["layers"], "": dict(d["layers"][""])}
         for s in mine["steps"]:
