@@ -2,26 +2,26 @@
 
 A fake profile's cost is one Python dispatch per op, so it grows with the block count: 80
 Llama-2-70B blocks take seconds where 3 take a fraction. When the blocks are provably twins
-(:func:`twin_problem`) the step is periodic in the block count, and every figure of the report
-follows from three short profiles:
+(:func:`twin_problem`) the step is periodic in the block count, and the report follows from
+three short profiles (docs/profiler.md, "Identical blocks"):
 
-- the timeline: each (step, phase) stretch of samples, with each sample's bytes per category
+- the timeline: each (step, phase) stretch of samples, each sample with its bytes per category
   and whether the root module's forward or backward is running (``Profile.samples``), is for
-  k + 1 blocks the stretch for k blocks with one more period of per-op changes inserted (or,
-  with as many samples, each sample affine in k). The rule fitted on k = 1 and 2 must give the
-  3-block stretch exactly, sample by sample; it then gives the N-block stretch. Every peak
-  (run, step, phase: bytes, where, and the categories there) and the root module's
-  temporaries are read off that N-block sequence, not extrapolated, so a peak that moves (from
-  the head's backward to the last block's as N grows) moves as it would in the full run;
+  k + 1 blocks the stretch for k blocks with runs of per-op changes inserted (repeated once per
+  extra block) and runs replaced by changes affine in k. The rule fitted on k = 1 and 2 must
+  give the 3-block stretch exactly; it then gives the N-block one. Every peak (run, step,
+  phase: bytes, where, the categories there) and the root module's temporaries are read off
+  those N-block samples, not fitted, so a peak that moves as N grows moves as in the full run.
+  Only the samples a maximum can be at take part (:func:`_records`);
 - the rows of the blocks (and their submodules) are copies: equal in every profile and step;
-- every other figure (the other rows, totals, event counts) must be affine in k, checked on the
-  three profiles, and is extrapolated. That includes the simulated caching allocator's figures,
-  which are the one thing not re-derived from a sequence (its event log is not synthesized).
+- every other figure (the other rows, counts) must be affine in k, checked on the three
+  profiles, and is extrapolated.
 
 Reading the derived figures off each k-block profile's own samples must reproduce that
 profile's report; any check that fails leaves the caller to run the full profile
-(:class:`NotExtrapolated` says why). The result has no timeline or spans, and says where it
-came from (``Report.extrapolated``).
+(:class:`NotExtrapolated` says why). The result has no timeline or spans and no simulated
+caching allocator (which cached block a request reuses depends on the whole history: its
+figures are not periodic in the blocks), and says where it came from (``Report.extrapolated``).
 """
 
 from __future__ import annotations

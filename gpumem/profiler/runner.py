@@ -144,11 +144,11 @@ def profile_model(
             stepped (a CLI progress bar).
         alloc_conf: the ``PYTORCH_CUDA_ALLOC_CONF`` the report's simulated reserved peak follows
             (``None``: the environment's), checked before anything is built.
-        extrapolate: under ``fake`` with a built-in transformer of more than 3 blocks, profile
-            the model with 1, 2 and 3 blocks and extrapolate (exactly, checked:
-            ``gpumem.profiler.extrapolate``; the report has no timeline then); where a check
-            fails every block is profiled, with a :class:`FullProfileNotice` saying why (or
-            ``notice(text)`` when given).
+        extrapolate: under ``fake``, in exact mode, with a built-in transformer of more than 3
+            blocks: profile the model with 1, 2 and 3 blocks and extrapolate (exactly, checked:
+            ``gpumem.profiler.extrapolate``; no timeline and no simulated reserved peak then);
+            where a check fails every block is profiled, with a :class:`FullProfileNotice`
+            saying why (or ``notice(text)`` when given).
 
     Raises:
         ValueError: an unknown model or size, a bad count, a sequence longer than the model's,
@@ -240,18 +240,11 @@ def profile_model(
         bar.done()
         return prof
 
-    if extrapolate:
-        why = _not_extrapolated(cfg, fake, mode)
-        if why is None:
-            try:
-                return _extrapolated(run, cfg, steps, tick)
-            except NotExtrapolated as exc:
-                why = str(exc)
-        if why:
-            text = (
-                f"profiling all {cfg.num_layers if cfg else 'the'} blocks (k-block "
-                f"extrapolation not used: {why})"
-            )
+    if extrapolate and not _not_extrapolated(cfg, fake, mode):
+        try:
+            return _extrapolated(run, cfg, steps, tick)
+        except NotExtrapolated as exc:
+            text = f"profiling all {cfg.num_layers} blocks (k-block extrapolation not used: {exc})"
             if notice is not None:
                 notice(text)
             else:
@@ -263,20 +256,17 @@ class FullProfileNotice(UserWarning):
     """``profile_model(extrapolate=True)`` profiled every block: the message says why."""
 
 
-def _not_extrapolated(cfg: Any, fake: bool, mode: str) -> str | None:
-    """Why a run cannot come from k-block profiles: ``""`` where nothing is gained (not fake, or
-    no more blocks than are profiled), a reason to tell otherwise, ``None`` when it can."""
-    if not fake:
-        return ""
-    if cfg is None:
-        return "only gpumem's built-in transformers are extrapolated, not a config.json's model"
-    if cfg.arch == "resnet":
-        return "a ResNet's stages are not one list of identical blocks"
-    if cfg.num_layers <= max(PROFILED):
-        return ""
-    if mode != "exact":
-        return "light mode (the samples it reads come from exact mode)"
-    return None
+def _not_extrapolated(cfg: Any, fake: bool, mode: str) -> bool:
+    """Whether the run is one k-block profiles could give: fake, exact mode, one of gpumem's
+    transformers (a config.json's layers carry ``layer_idx``, a ResNet's stages differ) with
+    more blocks than are profiled. Otherwise it is profiled whole, quietly: no check failed."""
+    return not (
+        fake
+        and mode == "exact"
+        and cfg is not None
+        and cfg.arch != "resnet"
+        and cfg.num_layers > max(PROFILED)
+    )
 
 
 def _extrapolated(run: Any, cfg: Any, steps: int, tick: Any) -> Report:

@@ -57,7 +57,7 @@ def test_fast_report_equals_the_full_profile(monkeypatch, arch, n, job):
     assert full.peak_reserved_bytes and full.timeline["bytes"] and full.spans
     assert fast.peak_reserved_bytes is None and fast.simulated_allocator is None
     assert fast.timeline == {} and fast.spans == []
-    assert "extrapolated: %d identical blocks" % n in fast.table()
+    assert f"extrapolated: {n} identical blocks" in fast.table()
     assert fast.table().replace(_note(fast.table()), "") == _without_reserved(full.table())
 
 
@@ -103,19 +103,17 @@ def test_memory_not_periodic_in_the_blocks_falls_back(monkeypatch):
     assert _fields(fast) == _fields(profile_model("llama", seq_len=16, fake=True))
 
 
-def test_nothing_to_gain_or_not_applicable_is_the_full_profile(monkeypatch, recwarn):
-    # 2 and 3 blocks: the full profile is as cheap; a real run; quietly
+def test_nothing_to_gain_or_not_applicable_is_the_full_profile_quietly(monkeypatch, recwarn):
+    # 2 and 3 blocks (the full profile is as cheap), a real run, light mode, a ResNet
     for n in (2, 3):
         _blocks(monkeypatch, "llama", n)
         assert profile_model("llama", seq_len=16, fake=True, extrapolate=True).extrapolated is None
     _blocks(monkeypatch, "llama", 6)
-    assert profile_model("llama", seq_len=16, extrapolate=True).extrapolated is None
+    for job in ({}, {"fake": True, "mode": "light"}):
+        assert profile_model("llama", seq_len=16, extrapolate=True, **job).extrapolated is None
+    rep = profile_model("resnet", batch_size=1, steps=1, fake=True, extrapolate=True)
+    assert rep.extrapolated is None
     assert not recwarn.list
-    # light mode and a ResNet: said
-    with pytest.warns(FullProfileNotice, match="light mode"):
-        profile_model("llama", seq_len=16, fake=True, mode="light", extrapolate=True)
-    with pytest.warns(FullProfileNotice, match="ResNet"):
-        profile_model("resnet", batch_size=1, steps=1, fake=True, extrapolate=True)
 
 
 def test_twin_problem_names_what_differs():
@@ -156,13 +154,24 @@ def test_cli_extrapolates_fake_profiles_and_says_so(monkeypatch, capsys, tmp_pat
     assert "extrapolated" not in full.out and "reserved (simulated" in full.out
     assert fast.out.replace(_note(fast.out), "") == _without_reserved(full.out)
     # outputs that need the timeline or the simulation profile every block
-    for extra in (["--plot", str(tmp_path / "p.png")], ["--alloc-conf", "expandable_segments:True"]):
+    for extra in (
+        ["--plot", str(tmp_path / "p.png")],
+        ["--alloc-conf", "expandable_segments:True"],
+    ):
         assert main([*args, *extra]) == 0
         assert "extrapolated" not in capsys.readouterr().out
     # a fallback is one line on stderr
-    assert main([*args, "--mode", "light"]) == 0
+    init = Block.__init__
+    count = iter(range(10**6))
+
+    def numbered(self, *a, **k):
+        init(self, *a, **k)
+        self.layer_idx = next(count)
+
+    monkeypatch.setattr(Block, "__init__", numbered)
+    assert main(args) == 0
     err = capsys.readouterr().err
     assert err == (
-        "gpumem profile: profiling all 6 blocks (k-block extrapolation not used: light mode "
-        "(the samples it reads come from exact mode))\n"
+        "gpumem profile: profiling all 6 blocks (k-block extrapolation not used: the blocks are "
+        "not identical twins: layers.1 differs from layers.0 (in (block)))\n"
     )
