@@ -217,7 +217,7 @@ def test_version_2_json_reads_communication_as_zero():
     assert list(back.at_peak) == list(rep.at_peak) and back.at_peak["communication"] == 0
     assert back.measured == rep.measured and "communication" in back.measured
     assert back.steps[0].at_peak == rep.steps[0].at_peak and back.layers == rep.layers
-    assert back.schema_version == 3
+    assert back.schema_version == 4
 
 
 def test_unknown_mode():
