@@ -244,7 +244,7 @@ The dispatch-mode tools pay per op (a Python call), so their ratio falls as ops 
 
 
 _FULL = "GPUMEM_FAKE_FULL_DISPATCH"
-_CLI = [sys.executable, "-m", "gpumem", "profile", "llama", "--size", "70b", "--fake"]
+_CLI = [sys.executable, "-m", "gpumem", "profile", "llama", "--size", "70b", "--fake", "--full"]
 _IMPORTS = [sys.executable, "-c", "import torch, torch._dynamo, gpumem.cli, gpumem.profiler.runner"]
 
 

@@ -20,6 +20,7 @@ Modules, bottom up:
     report        ``Report``: the records rolled up into tables, JSON and pictures
     session       ``Profile``, the context manager and its accounting
     distributed   per-rank reports gathered on rank 0, ``cluster_table``, a fake process group
+    extrapolate   a fake profile of N identical blocks from profiles with 1, 2 and 3 of them
     runner        profile N steps of a built-in or ``config.json`` model (the CLI's)
 """
 

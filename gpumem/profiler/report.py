@@ -28,9 +28,9 @@ from gpumem.profiler.records import ProfileRecord, StepAcc, ancestors
 from gpumem.units import format_bytes
 
 # 2: ``mode``/``measured``; temporaries are null where not measured. 3: ``communication`` (a
-# category, a layer column and a timeline series)
-SCHEMA_VERSION = 3
-_READS = (1, 2, 3)
+# category, a layer column and a timeline series). 4: ``extrapolated``
+SCHEMA_VERSION = 4
+_READS = (1, 2, 3, 4)
 _LAYER_CATS = (WEIGHTS, GRADIENTS, OPTIMIZER, ACTIVATIONS, COMMUNICATION, TEMPORARY)
 
 
@@ -130,6 +130,10 @@ class Report:
     simulated_allocator: dict[str, Any] | None = None
     """The simulation behind ``peak_reserved_bytes``: allocated peak, fragmentation and the
     largest free block at the peak, segments, the ``alloc_conf`` it followed."""
+    extrapolated: dict[str, Any] | None = None
+    """Set when the figures come from profiles of the same model with fewer identical blocks
+    (``gpumem.profiler.extrapolate``): ``blocks`` (N), ``module`` (their list),
+    ``profiled_blocks``; such a report has no timeline or spans."""
     schema_version: int = SCHEMA_VERSION
 
     # -- machine-readable ----------------------------------------------------------------------
@@ -247,6 +251,14 @@ class Report:
                 f"{format_bytes(sim['largest_free_block_bytes'])}"
             )
         out += [f"assumption: {a}" for a in self.assumptions]
+        ext = self.extrapolated
+        if ext:
+            counts = ", ".join(map(str, ext["profiled_blocks"]))
+            out.append(
+                f"extrapolated: {ext['blocks']} identical blocks ({ext['module']}) from profiles "
+                f"of the model with {counts} of them (timeline periodic, other figures affine in "
+                "the block count: checked); no timeline"
+            )
         if self.error:
             out.append(f"region raised {self.error}; numbers cover the run up to that point")
         return out

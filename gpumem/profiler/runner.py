@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from gpumem.profiler.extrapolate import PROFILED, NotExtrapolated, twin_problem
+from gpumem.profiler.extrapolate import extrapolate as extrapolate_report
 from gpumem.profiler.report import Report
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "none")
@@ -122,6 +125,8 @@ def profile_model(
     mode: str = "exact",
     progress: Any = None,
     alloc_conf: str | None = None,
+    extrapolate: bool = False,
+    notice: Any = None,
 ) -> Report:
     """Build ``model``, run ``steps`` training steps inside ``gpumem.profile``, return the report.
 
@@ -139,6 +144,11 @@ def profile_model(
             stepped (a CLI progress bar).
         alloc_conf: the ``PYTORCH_CUDA_ALLOC_CONF`` the report's simulated reserved peak follows
             (``None``: the environment's), checked before anything is built.
+        extrapolate: under ``fake``, in exact mode, with a built-in transformer of more than 3
+            blocks: profile the model with 1, 2 and 3 blocks and extrapolate (exactly, checked:
+            ``gpumem.profiler.extrapolate``; no timeline and no simulated reserved peak then);
+            where a check fails every block is profiled, with a :class:`FullProfileNotice`
+            saying why (or ``notice(text)`` when given).
 
     Raises:
         ValueError: an unknown model or size, a bad count, a sequence longer than the model's,
@@ -180,40 +190,112 @@ def profile_model(
             "without --device (fake CPU tensors of any size: the same storages without the "
             "512-byte CUDA rounding)"
         )
-    outer = (
-        fake_ctx(device=device if dev.type != "cpu" else None) if fake else contextlib.nullcontext()
+
+    def run(cfg: Any, tick: Any, record: bool) -> Any:
+        """Build the model (``cfg``: a built-in config, ``None``: the config.json) and profile
+        ``steps`` steps; ``record``: keep the samples ``extrapolate`` reads, after checking the
+        blocks are twins. Returns the ``Profile``."""
+        outer = (
+            fake_ctx(device=device if dev.type != "cpu" else None)
+            if fake
+            else contextlib.nullcontext()
+        )
+        with outer:
+            tick(0, None, "building the model")
+            path = Path(model)
+            if cfg is None:
+                if not path.is_file():
+                    raise ValueError(f"config file {path} does not exist")
+                net, vocab = _hf_model(path, dtype)
+                net = net if fake else net.to(dev)
+                seq = seq_len or 128
+                x = torch.randint(0, vocab, (batch_size, seq), device=dev)
+                y = x
+                if checkpointing:
+                    net.gradient_checkpointing_enable()
+            else:
+                net = build_model(cfg, dtype=dtype)
+                net = net if fake else net.to(dev)
+                net.gradient_checkpointing = checkpointing
+                x, y = example_batch(net.config, batch_size, seq_len, device=dev)
+                if x.is_floating_point() and dtype is not None:
+                    x = x.to(dtype)
+            net.train()
+            if record and cfg.num_layers == max(PROFILED):  # the k-block builds share code
+                problem = twin_problem(net, _blocks_fqn(net))
+                if problem is not None:
+                    raise NotExtrapolated(f"the blocks are not identical twins: {problem}")
+            opt = _optimizer(optimizer, net.parameters())
+            blocks = _repeated_blocks(net)
+            bar = _StepProgress(tick, steps, len(blocks))
+            prof = profile(net, opt, mode=mode, alloc_conf=conf)
+            if record:
+                prof.samples = []
+                prof.tracker.alloc_log = None  # no reserved simulation: it does not extrapolate
+            with contextlib.ExitStack() as hooks:
+                if progress is not None:
+                    hooks.callback(_watch_blocks(blocks, bar))
+                with prof:
+                    _train(net, opt, x, y, steps, dev, amp, bar)
+        bar.done()
+        return prof
+
+    if extrapolate and not _not_extrapolated(cfg, fake, mode):
+        try:
+            return _extrapolated(run, cfg, steps, tick)
+        except NotExtrapolated as exc:
+            text = f"profiling all {cfg.num_layers} blocks (k-block extrapolation not used: {exc})"
+            if notice is not None:
+                notice(text)
+            else:
+                warnings.warn(text, FullProfileNotice, stacklevel=2)
+    return run(cfg, tick, record=False).report()
+
+
+class FullProfileNotice(UserWarning):
+    """``profile_model(extrapolate=True)`` profiled every block: the message says why."""
+
+
+def _not_extrapolated(cfg: Any, fake: bool, mode: str) -> bool:
+    """Whether the run is one k-block profiles could give: fake, exact mode, one of gpumem's
+    transformers (a config.json's layers carry ``layer_idx``, a ResNet's stages differ) with
+    more blocks than are profiled. Otherwise it is profiled whole, quietly: no check failed."""
+    return not (
+        fake
+        and mode == "exact"
+        and cfg is not None
+        and cfg.arch != "resnet"
+        and cfg.num_layers > max(PROFILED)
     )
-    with outer:
-        tick(0, None, "building the model")
-        path = Path(model)
-        if cfg is None:
-            if not path.is_file():
-                raise ValueError(f"config file {path} does not exist")
-            net, vocab = _hf_model(path, dtype)
-            net = net if fake else net.to(dev)
-            seq = seq_len or 128
-            x = torch.randint(0, vocab, (batch_size, seq), device=dev)
-            y = x
-            if checkpointing:
-                net.gradient_checkpointing_enable()
-        else:
-            net = build_model(cfg, dtype=dtype)
-            net = net if fake else net.to(dev)
-            net.gradient_checkpointing = checkpointing
-            x, y = example_batch(net.config, batch_size, seq_len, device=dev)
-            if x.is_floating_point() and dtype is not None:
-                x = x.to(dtype)
-        net.train()
-        opt = _optimizer(optimizer, net.parameters())
-        blocks = _repeated_blocks(net)
-        bar = _StepProgress(tick, steps, len(blocks))
-        with contextlib.ExitStack() as hooks:
-            if progress is not None:
-                hooks.callback(_watch_blocks(blocks, bar))
-            with profile(net, opt, mode=mode, alloc_conf=conf) as prof:
-                _train(net, opt, x, y, steps, dev, amp, bar)
-    bar.done()
-    return prof.report()
+
+
+def _extrapolated(run: Any, cfg: Any, steps: int, tick: Any) -> Report:
+    """The report of ``cfg``'s N blocks from profiles with k = 1, 2, 3 of them; the progress
+    runs over the three profiles."""
+    units = {k: 1 + steps * (2 * k + 1) for k in PROFILED}
+    total, done = sum(units.values()), 0
+    runs = {}
+    for k in PROFILED:
+
+        def part(at: Any, _total: Any = None, what: Any = None, k: int = k, base: int = done):
+            label = f"{k}-block profile" + (f": {what}" if what else "")
+            tick(base + (at or 0), total, label)
+
+        prof = run(cfg.replace(num_layers=k), part, record=True)
+        runs[k] = (prof.report(), prof.samples, prof.root_calls)
+        done += units[k]
+    rep = extrapolate_report(runs, _blocks_fqn(prof.model), cfg.num_layers)
+    tick(total, total)
+    return rep
+
+
+def _blocks_fqn(net: torch.nn.Module) -> str:
+    """The name of the list ``_repeated_blocks`` picks."""
+    blocks = _repeated_blocks(net)
+    for name, m in net.named_modules():
+        if isinstance(m, torch.nn.ModuleList) and blocks and list(m) == blocks:
+            return name
+    return ""
 
 
 def _train(net, opt, x, y, steps: int, dev: torch.device, amp, bar: _StepProgress) -> None:

@@ -68,6 +68,8 @@ from gpumem.profiler.reserved import simulated_reserved
 from gpumem.profiler.tracker import Entry, StorageTracker, storages_of, tensors_in, views_of
 
 _graph_task_id = torch._C._current_graph_task_id
+_CAT0 = 6  # where the categories start in a sample (Profile._sample)
+_CAT_INDEX = {c: i for i, c in enumerate(CATEGORIES)}
 _ACTIVE = threading.local()
 
 
@@ -175,6 +177,11 @@ class Profile:
             [],
             [],
         )
+        # gpumem.profiler.extrapolate turns these on (None: off): one vector per timeline sample
+        # (see _sample), their events and optimizer counts, and the root module's calls
+        self.samples: list[list[int]] | None = None
+        self._sample_at: list[tuple[int, int]] = []
+        self.root_calls: list[tuple[int, bool, int, int, int]] = []
         self._in_step = False
         self._in_zero_grad = 0
         self._tail: str | None = None
@@ -404,6 +411,8 @@ class Profile:
             ph.append(PHASE_CODE[phase])
             st.append(step.index)
             cm.append(self._comm_total)
+            if self.samples is not None:
+                self._sample(level, phase, step)
         work = level - self._comm_total
         if work > self._fmark:
             self._fmark = work
@@ -424,6 +433,27 @@ class Profile:
             step.peak = self._snap(level, phase, step)
         if level > self.peak.bytes or self.peak.event < 0:
             self.peak = step.peak
+
+    def _sample(self, level: int, phase: str, step: StepAcc) -> None:
+        """One timeline sample with what a peak snapshot there would hold: level,
+        communication, phase, step, whether the root's forward and backward calls are running,
+        then the bytes per category (kept as ``_snap`` and ``optimizer_exit`` keep a snapshot's)."""
+        assert self.samples is not None
+        root_fwd = int(bool(self.fwd) and self.fwd[0].fqn == "")
+        root_bwd = int(any(f.fqn == "" for f in self.bwd))
+        self.samples.append(
+            [
+                level,
+                self._comm_total,
+                PHASE_CODE[phase],
+                step.index,
+                root_fwd,
+                root_bwd,
+                *self.tracker.by_category.values(),
+            ]
+        )
+        n_opt = len(step.opt_new) if self._in_step else 0
+        self._sample_at.append((self.tracker.events, n_opt))
 
     def _snap(self, level: int, phase: str, step: StepAcc) -> PeakRecord:
         at: dict[str, int | None] = dict(self.tracker.by_category)
@@ -483,6 +513,10 @@ class Profile:
                 if snap.event == self.tracker.events:
                     snap.at[old] -= e.nbytes
                     snap.at[category] += e.nbytes
+            if self.samples and self._sample_at[-1][0] == self.tracker.events:
+                row = self.samples[-1]
+                row[_CAT0 + _CAT_INDEX[old]] -= e.nbytes
+                row[_CAT0 + _CAT_INDEX[category]] += e.nbytes
 
     # -- hook callbacks ------------------------------------------------------------------------
     def forward_enter(self, fqn: str, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
@@ -528,6 +562,8 @@ class Profile:
             temp = max(0, f.hwm - f.level - f.kept)
             if temp > temps.get(f.fqn, -1):
                 temps[f.fqn] = temp
+            if self.samples is not None and f.fqn == "":
+                self.root_calls.append((step.index, backward_call, f.level, f.kept, f.hwm))
         phase = BACKWARD if f.in_backward else FORWARD
         if self.allocator is not None:
             self.allocator.exit(self.probe_view(), f, sample=not self.light)
@@ -740,6 +776,8 @@ class Profile:
                 )
                 snap.at[OPTIMIZER] -= moved
                 snap.at[TEMPORARY] += moved
+        if self.samples:
+            self._move_scratch(step, state)
         for e in scratch:
             self.tracker.reclassify(e, TEMPORARY)
         for e in step.opt_new:
@@ -753,6 +791,23 @@ class Profile:
         self._in_step = False
         self._tail = OPTIMIZER_PHASE
         self._closed = True
+
+    def _move_scratch(self, step: StepAcc, state: dict[int, str]) -> None:
+        """The samples of this optimizer step get the correction its peak snapshots get: what
+        the step created and did not keep, alive then, is temporary, not optimizer state."""
+        assert self.samples is not None
+        code = PHASE_CODE[OPTIMIZER_PHASE]
+        opt, tmp = _CAT0 + _CAT_INDEX[OPTIMIZER], _CAT0 + _CAT_INDEX[TEMPORARY]
+        for row, (event, n_opt) in zip(self.samples, self._sample_at, strict=True):
+            if row[2] != code or row[3] != step.index or not n_opt:
+                continue
+            moved = sum(
+                e.nbytes
+                for e in step.opt_new[:n_opt]
+                if id(e) not in state and (e.died is None or e.died > event)
+            )
+            row[opt] -= moved
+            row[tmp] += moved
 
     # -- FSDP2 ---------------------------------------------------------------------------------
     def fsdp_enter(self, fqn: str, group: Any, call: str) -> None:

@@ -30,7 +30,7 @@ def test_profile_builtin_table_json_plot(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("gpumem profile of CausalLM (cpu)") and "layers.1" in out
     d = json.loads((tmp_path / "r.json").read_text())
-    assert d["schema_version"] == 3 and len(d["steps"]) == 2 and d["mode"] == "exact"
+    assert d["schema_version"] == 4 and len(d["steps"]) == 2 and d["mode"] == "exact"
     assert (tmp_path / "r.png").stat().st_size > 1000
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
 

@@ -183,7 +183,7 @@ def test_light_report_formats_say_what_is_not_measured(tmp_path):
     assert "light mode" in table and "temporaries not measured" in table
     assert "peak of measured categories" in table
     d = rep.to_dict()
-    assert d["schema_version"] == 3 and d["at_peak"]["temporary"] is None
+    assert d["schema_version"] == 4 and d["at_peak"]["temporary"] is None
     back = Report.from_dict(d)
     assert back.layers["1"] == rep.layers["1"] and back.mode == "light"
     assert "| temporary | - | - |" in rep.to_markdown()
@@ -217,7 +217,7 @@ def test_version_2_json_reads_communication_as_zero():
     assert list(back.at_peak) == list(rep.at_peak) and back.at_peak["communication"] == 0
     assert back.measured == rep.measured and "communication" in back.measured
     assert back.steps[0].at_peak == rep.steps[0].at_peak and back.layers == rep.layers
-    assert back.schema_version == 3
+    assert back.schema_version == 4
 
 
 def test_unknown_mode():

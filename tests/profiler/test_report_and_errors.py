@@ -64,7 +64,7 @@ def test_json_roundtrip_markdown_table_trace_and_plot(tmp_path):
     rep, _ = _run(steps=2)
     text = rep.to_json(tmp_path / "p.json")
     d = json.loads(text)
-    assert d["schema_version"] == 3 and d["mode"] == "exact" and "temporary" in d["measured"]
+    assert d["schema_version"] == 4 and d["mode"] == "exact" and "temporary" in d["measured"]
     assert isinstance(d["peak_bytes"], int) and d["peak_bytes"] == rep.peak_bytes
     assert all(isinstance(v, int) for v in d["at_peak"].values())
     back = Report.from_dict(json.loads((tmp_path / "p.json").read_text()))
