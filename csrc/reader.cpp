@@ -18,7 +18,9 @@ namespace gpumem::io {
 
 namespace {
 
-// Reads all of [data, data + size) at offset; returns 0 or errno (EIO when the file ends first).
+constexpr int kEof = -1;  // pread_all: the file ended first (reported as EIO, "shorter than expected")
+
+// Reads all of [data, data + size) at offset; returns 0, errno, or kEof when the file ends first.
 // EINVAL from an O_DIRECT descriptor is returned as is so the caller can retry buffered.
 int pread_all(int fd, uint8_t* data, size_t size, uint64_t offset) {
   while (size > 0) {
@@ -27,7 +29,7 @@ int pread_all(int fd, uint8_t* data, size_t size, uint64_t offset) {
       if (errno == EINTR) continue;
       return errno;
     }
-    if (n == 0) return EIO;  // the file is shorter than the manifest says
+    if (n == 0) return kEof;  // the file is shorter than the manifest says
     data += n;
     size -= static_cast<size_t>(n);
     offset += static_cast<uint64_t>(n);
@@ -209,6 +211,10 @@ ReadResult read_file(const std::string& path, const std::vector<ReadPiece>& piec
         direct_bytes.fetch_add(size, std::memory_order_relaxed);
         return;
       }
+      if (rc == kEof) {
+        error.record(EIO, describe("pread (O_DIRECT)", size, offset) + " reached the end of the file (it is shorter than expected)");
+        return;
+      }
       if (rc != EINVAL) {
         error.record(rc, describe("pread (O_DIRECT)", size, offset));
         return;
@@ -216,7 +222,7 @@ ReadResult read_file(const std::string& path, const std::vector<ReadPiece>& piec
       direct_ok.store(false);  // the file system refuses O_DIRECT here: buffered from now on
     }
     const int rc = pread_all(fd.get(), data, size, offset);
-    if (rc == EIO)
+    if (rc == kEof)
       error.record(EIO, describe("pread", size, offset) + " reached the end of the file (it is shorter than expected)");
     else if (rc != 0)
       error.record(rc, describe("pread", size, offset));
