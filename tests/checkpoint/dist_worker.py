@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
 import torch.distributed as dist
+from sharded_lib import init_rank
 from trainlib import Setup, seed_all
 
 import gpumem
@@ -25,15 +26,7 @@ def snapshot(s: Setup) -> dict:
 
 def main() -> None:
     root = sys.argv[1]
-    torch.set_num_threads(1)
-    # a file rendezvous: a TCP one on a "free" port can lose a race for that port to another process
-    dist.init_process_group(
-        "gloo",
-        init_method=os.environ["INIT"],
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-    )
-    rank = dist.get_rank()
+    rank, _ = init_rank()
     seed_all(rank)
     s = Setup(init_seed=rank, data_seed=100 + rank)
     ck = gpumem.Checkpointer(root, keep=3)

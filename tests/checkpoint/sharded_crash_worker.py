@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
 import torch.distributed as dist
-from sharded_lib import build, full_state, train
+from sharded_lib import build, full_state, init_rank, train
 
 import gpumem
 import gpumem.checkpoint.storage.directory as persist
@@ -25,13 +25,7 @@ from gpumem.checkpoint import CheckpointError
 
 def main() -> None:
     root = sys.argv[1]
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=os.environ["INIT"],
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-    )
+    init_rank()
     model, opt = build("fsdp")
     train(model, opt, 2)
     ck = gpumem.Checkpointer(root, collective_timeout_s=20)
