@@ -10,6 +10,8 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <memory>
+#include <thread>
 
 #include "crc32c.h"
 #include "parallel.h"
@@ -18,6 +20,7 @@ namespace gpumem::io {
 
 namespace {
 
+constexpr uint64_t kPrefaultAhead = uint64_t(32) << 20;  // O_DIRECT bytes worth a prefault thread
 constexpr int kEof = -1;  // pread_all: the file ended first (reported as EIO, "shorter than expected")
 
 // Reads all of [data, data + size) at offset; returns 0, errno, or kEof when the file ends first.
@@ -193,6 +196,31 @@ ReadResult read_file(const std::string& path, const std::vector<ReadPiece>& piec
     tasks.push_back({i, j, 0, total});
     i = j;
   }
+  // Each task's O_DIRECT middle, computed once: the readers read it, the prefaulter maps it in.
+  struct Span {
+    uint64_t off, lo, hi, end;
+  };
+  std::vector<Span> spans(tasks.size());
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    const ReadTask& t = tasks[i];
+    const ReadPiece& p = pieces[t.first];
+    const uint64_t off = p.offset + t.begin;
+    const uint64_t end = p.offset + (t.last == t.first + 1 ? t.end : pieces[t.last - 1].offset - p.offset + pieces[t.last - 1].size);
+    // The buffer and the file offset must be misaligned by the same amount for the middle of
+    // the range to be aligned in both (as in write_file).
+    const bool same_phase = (reinterpret_cast<uintptr_t>(p.data) - p.offset) % kAlign == 0;
+    uint64_t lo = (off + kAlign - 1) / kAlign * kAlign;
+    uint64_t hi = end / kAlign * kAlign;
+    if (!dfd.valid() || !same_phase || lo >= hi) lo = hi = end;
+    spans[i] = {off, lo, hi, end};
+  }
+  // Whether a task's middle has been claimed for mapping in (by the prefaulter or its reader).
+  std::unique_ptr<std::atomic<bool>[]> mapped(new std::atomic<bool>[tasks.size()]);
+  uint64_t direct_total = 0;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    mapped[i].store(false, std::memory_order_relaxed);
+    direct_total += spans[i].hi - spans[i].lo;
+  }
   std::atomic<bool> direct_ok{dfd.valid()};
   std::atomic<bool> cachestat_ok{true};
   std::atomic<uint64_t> direct_bytes{0}, cached_bytes{0};
@@ -205,7 +233,6 @@ ReadResult read_file(const std::string& path, const std::vector<ReadPiece>& piec
       direct = false;  // in memory already: a copy, not a second read from the disk
     }
     if (direct && direct_ok.load(std::memory_order_relaxed)) {
-      prefault(data, size);
       const int rc = pread_all(dfd.get(), data, size, offset);
       if (rc == 0) {
         direct_bytes.fetch_add(size, std::memory_order_relaxed);
@@ -244,19 +271,35 @@ ReadResult read_file(const std::string& path, const std::vector<ReadPiece>& piec
       opts.crc_out[p.crc_index + c / opts.chunk] = crc32c::extend(0, p.data + c, n);
     }
   };
+  // Fresh destinations are mapped in ahead of the readers by a thread of their own, in task
+  // order (the order the pool hands tasks out): a reader that maps its own pages first leaves the
+  // disk queue short of its read meanwhile, so mapping (the kernel zeroing fresh pages, as costly
+  // as the read itself on a VM) and reading add up instead of overlapping. A task the prefaulter
+  // has not reached is mapped by its reader; mapping twice would only cost time, never bytes.
+  auto map_in = [&](size_t i) {
+    if (spans[i].hi == spans[i].lo || mapped[i].exchange(true, std::memory_order_relaxed)) return;
+    const ReadPiece& p = pieces[tasks[i].first];
+    prefault(p.data + (spans[i].lo - p.offset), spans[i].hi - spans[i].lo);
+  };
+  std::thread prefaulter;
+  if (direct_total >= kPrefaultAhead && tasks.size() > 1) {
+    prefaulter = std::thread([&] {
+      for (size_t i = 0; i < tasks.size() && !error.set() && direct_ok.load(std::memory_order_relaxed); ++i) map_in(i);
+    });
+  }
+  struct Joiner {
+    std::thread& t;
+    ~Joiner() {
+      if (t.joinable()) t.join();
+    }
+  } joiner{prefaulter};
   parallel_for(
       tasks.size(),
       [&](size_t i) {
         const ReadTask& t = tasks[i];
         const ReadPiece& p = pieces[t.first];
-        const uint64_t off = p.offset + t.begin;
-        const uint64_t end = p.offset + (t.last == t.first + 1 ? t.end : pieces[t.last - 1].offset - p.offset + pieces[t.last - 1].size);
-        // The buffer and the file offset must be misaligned by the same amount for the middle of
-        // the range to be aligned in both (as in write_file).
-        const bool same_phase = (reinterpret_cast<uintptr_t>(p.data) - p.offset) % kAlign == 0;
-        uint64_t lo = (off + kAlign - 1) / kAlign * kAlign;
-        uint64_t hi = end / kAlign * kAlign;
-        if (!dfd.valid() || !same_phase || lo >= hi) lo = hi = end;
+        const auto [off, lo, hi, end] = spans[i];
+        map_in(i);
         // Destinations are p.data + (file offset - p.offset): every pointer formed stays inside
         // the task's pieces, which are contiguous in memory.
         read_range(p.data + t.begin, lo - off, off, false);
@@ -270,6 +313,7 @@ ReadResult read_file(const std::string& path, const std::vector<ReadPiece>& piec
         }
       },
       opts.threads);
+  if (prefaulter.joinable()) prefaulter.join();
   error.raise(path);
   ReadResult result;
   for (const ReadPiece& p : pieces) result.bytes += p.size;

@@ -47,7 +47,9 @@ struct ReadResult {
 // whose file offset and buffer address are equally aligned to 4096 goes through an O_DIRECT
 // descriptor (no page-cache copy, many requests in flight), the rest through the page cache;
 // EINVAL from O_DIRECT (tmpfs) falls back to buffered reads. A middle the page cache holds whole
-// (cachestat, Linux 6.5+) is copied from it instead (cached_bytes). With a chunk size each piece's chunk
+// (cachestat, Linux 6.5+) is copied from it instead (cached_bytes). Fresh destinations of the
+// O_DIRECT middles are mapped in (MADV_POPULATE_WRITE) by a thread ahead of the readers once they
+// total kPrefaultAhead bytes, so zeroing fresh pages overlaps the reads. With a chunk size each piece's chunk
 // CRC32Cs are computed right after its bytes land, while they are still in cache. A file shorter
 // than a piece is an error (EIO); EINTR is retried and short reads continued. With expect_size
 // the file is opened only if it is a regular file of that size (open_regular): no symlink is

@@ -1,9 +1,10 @@
-"""The native core's thread pool and pin flag, checked in C++ (tests/native/native_checks.cpp).
+"""The native thread pool, pin flag and reader, checked in C++ (tests/native/native_checks.cpp).
 
 The serial path of ``parallel_for`` is unreachable from Python with a throwing item (no function
 the bindings hand it throws), and a data race needs ThreadSanitizer to be seen reliably, so the
-checks link csrc/{parallel,arena,cuda_api}.cpp into a small program: once plainly, once with
-``-fsanitize=thread`` where the compiler supports it (else that part skips, saying so).
+checks link csrc/{parallel,arena,cuda_api,reader,fileio,crc32c}.cpp into a small program: once
+plainly, once with ``-fsanitize=thread`` where the compiler supports it (else that part skips,
+saying so).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = [ROOT / "tests" / "native" / "native_checks.cpp"] + [
-    ROOT / "csrc" / f"{name}.cpp" for name in ("parallel", "arena", "cuda_api")
+    ROOT / "csrc" / f"{name}.cpp"
+    for name in ("parallel", "arena", "cuda_api", "reader", "fileio", "crc32c")
 ]
 
 
@@ -80,8 +82,29 @@ def test_parallel_for_runs_every_item_and_rethrows_the_first_error(plain):
     assert len(lines) == 26 and all(line.startswith("ok ") for line in lines)
 
 
+def _disk_dir() -> Path:
+    """A directory on a disk (the temporary directory may be tmpfs, which refuses O_DIRECT and so
+    never starts the reader's prefault thread)."""
+    d = ROOT / "build" / "native_checks"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def test_read_file_prefaults_ahead_of_the_readers(plain):
+    out = _run(plain, "read_file", str(_disk_dir()))
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == 4 and all(line.startswith("ok ") for line in lines), out.stdout
+    # O_DIRECT took the middles (this directory's file system allows it), so the prefaulter ran
+    assert "(0 bytes through O_DIRECT)" not in out.stdout
+
+
 def test_pin_flag_and_pool_are_race_free_under_thread_sanitizer(tsan, fake_cudart):
-    for args in (("pin_flag", str(fake_cudart)), ("parallel_for",)):
+    for args in (
+        ("pin_flag", str(fake_cudart)),
+        ("parallel_for",),
+        ("read_file", str(_disk_dir())),
+    ):
         out = _run(tsan, *args)
         assert out.returncode == 0 and "ThreadSanitizer" not in out.stderr, (
             out.stdout + out.stderr[-6000:]

@@ -12,15 +12,18 @@ symbolic link is followed, no FIFO or device opened: ``safe_fs``); an operating-
 
 Why O_DIRECT into page-aligned memory from torch's allocator: a tensor of ``DIRECT_MIN_BYTES``
 or more gets a buffer aligned to the page (the allocation is a page larger), so the aligned middle
-of its extent is read with ``O_DIRECT`` (the native reader first maps the fresh pages in with one
-``madvise``) and only the unaligned tail through the page cache; smaller tensors and the padding
-are read buffered. On the 2-vCPU VM of ``benchmarks/results/checkpoint.md``, restoring 3.66 GiB in a
-fresh process took 6.3 s this way against 14.2 s with buffered reads into the same allocator
-(medians of 3 interleaved runs with the page cache dropped; 865 MiB: 1.6 s against 2.7 s): the
-buffered path copies every byte through a page cache that a restore never reads twice. Buffers
-still come from torch's allocator, so restored tensors own their memory (the optimizer keeps
-them) and a process that freed memory gets it back already faulted in. A file system that
-refuses ``O_DIRECT`` (tmpfs) is read buffered.
+of its extent is read with ``O_DIRECT`` and only the unaligned tail through the page cache;
+smaller tensors and the padding are read buffered. The native reader maps the fresh pages in
+(``MADV_POPULATE_WRITE``) on a thread of its own that runs ahead of the readers, so the kernel's
+zeroing of fresh memory overlaps the disk instead of adding to it (865 MiB in a fresh process on
+a 2-vCPU VM: reads 963 ms -> 850 ms, ``benchmarks/results/checkpoint_restore_profile.md``). On
+the 2-vCPU VM of ``benchmarks/results/checkpoint.md``, restoring 3.66 GiB in a fresh process took
+6.3 s this way against 14.2 s with buffered reads into the same allocator (medians of 3
+interleaved runs with the page cache dropped; 865 MiB: 1.6 s against 2.7 s): the buffered path
+copies every byte through a page cache that a restore never reads twice. Buffers still come from
+torch's allocator, so restored tensors own their memory (the optimizer keeps them) and a process
+that freed memory gets it back already faulted in. A file system that refuses ``O_DIRECT``
+(tmpfs) is read buffered.
 """
 
 from __future__ import annotations
