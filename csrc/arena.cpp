@@ -11,6 +11,7 @@
 #include <new>
 #include <stdexcept>
 
+#include "crc32c.h"
 #include "cuda_api.h"
 #include "parallel.h"
 
@@ -18,6 +19,7 @@ namespace gpumem::arena {
 namespace {
 
 constexpr size_t kCopySplit = size_t(4) << 20;  // memcpy task size: a few MiB per thread wake-up
+constexpr size_t kCrcBlock = size_t(64) << 10;   // copy_in with CRCs: copied, then hashed from L2
 constexpr size_t kHugePage = size_t(2) << 20;
 
 size_t page_size() {
@@ -229,14 +231,20 @@ bool HostBuffer::wait_pinned(double timeout_s) {
 }
 
 void HostBuffer::copy_in(const std::vector<const uint8_t*>& sources, const std::vector<size_t>& sizes,
-                         const std::vector<uint64_t>& offsets, int threads) {
-  if (sources.size() != offsets.size() || sources.size() != sizes.size())
+                         const std::vector<uint64_t>& offsets, int threads, size_t chunk,
+                         const std::vector<int64_t>* crc_slots, int64_t* crc_out) {
+  if (sources.size() != offsets.size() || sources.size() != sizes.size() ||
+      (crc_slots != nullptr && crc_slots->size() != sources.size()))
     throw std::invalid_argument("copy_in: got " + std::to_string(sources.size()) + " sources but " +
                                 std::to_string(offsets.size()) + " offsets");
+  const bool crc = chunk > 0 && crc_slots != nullptr && crc_out != nullptr;
+  // With CRCs, tasks hold whole chunks (a chunk's CRC is one thread's running value).
+  const size_t split = !crc ? kCopySplit : chunk >= kCopySplit ? chunk : kCopySplit / chunk * chunk;
   struct Task {
     uint8_t* dst;
     const uint8_t* src;
     size_t n;
+    int64_t slot;  // CRC slot of the task's first chunk, or -1
   };
   std::vector<Task> tasks;
   for (size_t i = 0; i < sources.size(); ++i) {
@@ -245,13 +253,32 @@ void HostBuffer::copy_in(const std::vector<const uint8_t*>& sources, const std::
                               std::to_string(sizes[i]) + " bytes at offset " +
                               std::to_string(offsets[i]) + ") does not fit in the arena of " +
                               std::to_string(size_) + " bytes");
-    for (size_t done = 0; done < sizes[i]; done += kCopySplit) {
-      const size_t n = sizes[i] - done < kCopySplit ? sizes[i] - done : kCopySplit;
-      tasks.push_back({data_ + offsets[i] + done, sources[i] + done, n});
+    const int64_t slot = crc ? (*crc_slots)[i] : -1;
+    for (size_t done = 0; done < sizes[i]; done += split) {
+      const size_t n = sizes[i] - done < split ? sizes[i] - done : split;
+      tasks.push_back({data_ + offsets[i] + done, sources[i] + done, n,
+                       slot < 0 ? -1 : slot + static_cast<int64_t>(done / chunk)});
     }
   }
   parallel_for(
-      tasks.size(), [&](size_t i) { std::memcpy(tasks[i].dst, tasks[i].src, tasks[i].n); },
+      tasks.size(),
+      [&](size_t i) {
+        const Task& t = tasks[i];
+        if (t.slot < 0) {
+          std::memcpy(t.dst, t.src, t.n);
+          return;
+        }
+        for (size_t c = 0, k = 0; c < t.n; c += chunk, ++k) {
+          const size_t end = c + chunk < t.n ? c + chunk : t.n;
+          uint32_t value = 0;
+          for (size_t b = c; b < end; b += kCrcBlock) {
+            const size_t m = end - b < kCrcBlock ? end - b : kCrcBlock;
+            std::memcpy(t.dst + b, t.src + b, m);
+            value = crc32c::extend(value, t.dst + b, m);  // the bytes just stored, from cache
+          }
+          crc_out[t.slot + static_cast<int64_t>(k)] = value;
+        }
+      },
       threads);
 }
 

@@ -75,8 +75,13 @@ class HostBuffer {
 
   // Multithreaded copy of sources[i] (sizes[i] bytes) to data() + offsets[i]; bounds-checked first
   // (std::invalid_argument naming the piece). Large pieces are split so all threads share the work.
+  // With chunk > 0 and crc_slots[i] >= 0, the copy also writes the CRC32C of every chunk of piece i
+  // (relative to its start) to crc_out[crc_slots[i] + k], computed from the copied bytes block by
+  // block while they are still in cache: one pass over memory instead of the copy's and a later
+  // checksum's (the caller bounds-checks the slots).
   void copy_in(const std::vector<const uint8_t*>& sources, const std::vector<size_t>& sizes,
-               const std::vector<uint64_t>& offsets, int threads);
+               const std::vector<uint64_t>& offsets, int threads, size_t chunk = 0,
+               const std::vector<int64_t>* crc_slots = nullptr, int64_t* crc_out = nullptr);
 
   // One device-to-host copy: `nbytes` from device address `src` to data() + `offset`.
   struct DeviceCopy {

@@ -1,11 +1,17 @@
-// CRC32C: hardware paths with three interleaved streams, slicing-by-8 fallback, GF(2) combine.
+// CRC32C: hardware paths with three interleaved streams, carry-less-multiply folding on x86-64,
+// slicing-by-8 fallback, GF(2) combine.
 //
 // One crc32 instruction has a latency of ~3 cycles but a throughput of 1 per cycle, so a single
 // dependency chain runs at a third of the possible speed. The hardware path therefore runs three
 // independent streams over adjacent blocks and merges them by "shifting" a CRC over the length of
-// a block with 4 table lookups (zero-operator tables, as in Mark Adler's crc32c.c).
+// a block with 4 table lookups (zero-operator tables, as in Mark Adler's crc32c.c). That still
+// caps it at 8 bytes a cycle; where the CPU has PCLMULQDQ, long buffers are folded instead (Intel,
+// "Fast CRC Computation for Generic Polynomials Using PCLMULQDQ", 2009): eight 128-bit
+// accumulators, each multiplied forward by x^1024 mod P as the next 128 bytes arrive, ~2x the
+// crc32 instruction's rate, so a checksum of bytes just copied costs a fraction of the copy.
 #include "crc32c.h"
 
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <vector>
@@ -13,12 +19,18 @@
 #include "parallel.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
 #include <nmmintrin.h>
+#include <wmmintrin.h>
 #define GPUMEM_CRC_HW 1
 #if defined(__clang__) && __clang_major__ >= 14
 #define GPUMEM_CRC_TARGET __attribute__((target("sse4.2,crc32")))  // clang split crc32 out
+#define GPUMEM_CLMUL_TARGET __attribute__((target("sse4.2,crc32,pclmul")))
+#define GPUMEM_VCLMUL_TARGET __attribute__((target("sse4.2,crc32,pclmul,avx2,vpclmulqdq")))
 #else
 #define GPUMEM_CRC_TARGET __attribute__((target("sse4.2")))
+#define GPUMEM_CLMUL_TARGET __attribute__((target("sse4.2,pclmul")))
+#define GPUMEM_VCLMUL_TARGET __attribute__((target("sse4.2,pclmul,avx2,vpclmulqdq")))
 #endif
 #elif defined(__aarch64__)
 #include <arm_acle.h>
@@ -200,7 +212,138 @@ GPUMEM_CRC_TARGET inline uint32_t hw_three_way(uint32_t crc0, const uint8_t** pp
   return crc0;
 }
 
+#if defined(__x86_64__) || defined(_M_X64)
+// ---- carry-less-multiply folding (x86-64 with PCLMULQDQ) ----
+//
+// Conventions: a 16-byte block loaded little-endian is a polynomial whose bit t is the
+// coefficient of x^(127-t) (reflected order: the first byte's lowest bit is the highest term).
+// Its low lane L0 holds the high half, so block = L0 * x^64 + L1. Folding a block forward by D
+// bits replaces it by L0 * (x^(64+D) mod P) + L1 * (x^D mod P), congruent mod P and at most 96
+// bits long, XORed into the block D bits later; the CRC of the message is then the CRC of the
+// last 16-byte state, which the crc32 instruction computes. PCLMULQDQ on reflected operands
+// yields the product times x, so each constant is x^(n-1) mod P, its reflected 32 bits placed
+// in the top half of a 64-bit lane (bit 63 - j holds x^j).
+constexpr size_t kFoldMin = 512;  // below this the three-way crc32 path is as fast
+constexpr int kFoldLanes = 8;     // accumulators: enough to cover PCLMULQDQ's latency
+
+struct FoldKey {
+  uint64_t lo, hi;  // multiplier of lane 0 (x^(64+D-1)) and of lane 1 (x^(D-1))
+  explicit FoldKey(uint64_t d)
+      : lo(uint64_t(x2nmodp(64 + d - 1, 0)) << 32), hi(uint64_t(x2nmodp(d - 1, 0)) << 32) {}
+};
+const FoldKey kFold1024(1024);  // one accumulator to itself, 8 blocks on
+const FoldKey kFold128(128);    // one block to the next
+const FoldKey kFold2048(2048);  // the 256-bit path: one accumulator to itself, 16 blocks on
+
+// GPUMEM_CRC32C_FOLD=none|pclmulqdq caps the folding path below what the CPU has (tests run
+// every path on one machine; a user can rule out a suspected miscompile).
+bool fold_allowed(const char* level) {
+  const char* cap = std::getenv("GPUMEM_CRC32C_FOLD");
+  if (cap == nullptr) return true;
+  if (std::strcmp(cap, "none") == 0) return false;
+  return !(std::strcmp(cap, "pclmulqdq") == 0 && std::strcmp(level, "vpclmulqdq") == 0);
+}
+bool detect_clmul() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.2") && fold_allowed("pclmulqdq");
+}
+const bool kHasClmul = detect_clmul();
+// VPCLMULQDQ on 256-bit registers (Ice Lake, Zen 3 and later): two blocks per instruction. Not
+// the 512-bit form, whose frequency licence on some Xeons would slow the training threads beside.
+bool detect_vclmul() {
+  __builtin_cpu_init();
+  return kHasClmul && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("vpclmulqdq") &&
+         fold_allowed("vpclmulqdq");
+}
+const bool kHasVclmul = detect_vclmul();
+
+GPUMEM_CLMUL_TARGET inline __m128i fold(__m128i x, __m128i key) {
+  return _mm_xor_si128(_mm_clmulepi64_si128(x, key, 0x00), _mm_clmulepi64_si128(x, key, 0x11));
+}
+
+GPUMEM_VCLMUL_TARGET inline __m256i fold256(__m256i x, __m256i key) {
+  return _mm256_xor_si256(_mm256_clmulepi64_epi128(x, key, 0x00), _mm256_clmulepi64_epi128(x, key, 0x11));
+}
+
+// clmul_update's first part on 256-bit registers: folds 256-byte groups while at least two
+// remain, then hands the state (as 16 blocks folded into one) back with *pp / *pn advanced.
+GPUMEM_VCLMUL_TARGET __m128i vclmul_groups(uint32_t crc, const uint8_t** pp, size_t* pn) {
+  const uint8_t* p = *pp;
+  size_t n = *pn;
+  __m256i y[kFoldLanes];
+  for (int i = 0; i < kFoldLanes; ++i) y[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i));
+  y[0] = _mm256_xor_si256(y[0], _mm256_zextsi128_si256(_mm_cvtsi32_si128(static_cast<int>(crc))));
+  p += 32 * kFoldLanes;
+  n -= 32 * kFoldLanes;
+  const __m256i k2048 = _mm256_broadcastsi128_si256(
+      _mm_set_epi64x(static_cast<long long>(kFold2048.hi), static_cast<long long>(kFold2048.lo)));
+  while (n >= 32 * kFoldLanes) {
+    __builtin_prefetch(p + kPrefetch);
+    __builtin_prefetch(p + kPrefetch + 64);
+    for (int i = 0; i < kFoldLanes; ++i)
+      y[i] = _mm256_xor_si256(fold256(y[i], k2048), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i)));
+    p += 32 * kFoldLanes;
+    n -= 32 * kFoldLanes;
+  }
+  const __m128i k128 = _mm_set_epi64x(static_cast<long long>(kFold128.hi), static_cast<long long>(kFold128.lo));
+  __m128i acc = _mm256_castsi256_si128(y[0]);
+  acc = _mm_xor_si128(fold(acc, k128), _mm256_extracti128_si256(y[0], 1));
+  for (int i = 1; i < kFoldLanes; ++i) {
+    acc = _mm_xor_si128(fold(acc, k128), _mm256_castsi256_si128(y[i]));
+    acc = _mm_xor_si128(fold(acc, k128), _mm256_extracti128_si256(y[i], 1));
+  }
+  *pp = p;
+  *pn = n;
+  return acc;
+}
+
+// The raw register after [*pp, *pp + *pn), folding whole 16-byte blocks (n >= kFoldMin); leaves
+// the last n % 16 bytes in *pp / *pn for the crc32 instruction.
+GPUMEM_CLMUL_TARGET uint32_t clmul_update(uint32_t crc, const uint8_t** pp, size_t* pn) {
+  const __m128i k128 = _mm_set_epi64x(static_cast<long long>(kFold128.hi), static_cast<long long>(kFold128.lo));
+  __m128i acc;
+  if (kHasVclmul && *pn >= 2 * 32 * kFoldLanes) {
+    acc = vclmul_groups(crc, pp, pn);
+  } else {
+    const uint8_t* p = *pp;
+    size_t n = *pn;
+    __m128i x[kFoldLanes];
+    for (int i = 0; i < kFoldLanes; ++i) x[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i));
+    x[0] = _mm_xor_si128(x[0], _mm_cvtsi32_si128(static_cast<int>(crc)));  // the register enters the first bytes
+    p += 16 * kFoldLanes;
+    n -= 16 * kFoldLanes;
+    const __m128i k1024 = _mm_set_epi64x(static_cast<long long>(kFold1024.hi), static_cast<long long>(kFold1024.lo));
+    while (n >= 16 * kFoldLanes) {
+      __builtin_prefetch(p + kPrefetch);
+      for (int i = 0; i < kFoldLanes; ++i)
+        x[i] = _mm_xor_si128(fold(x[i], k1024), _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i)));
+      p += 16 * kFoldLanes;
+      n -= 16 * kFoldLanes;
+    }
+    acc = x[0];
+    for (int i = 1; i < kFoldLanes; ++i) acc = _mm_xor_si128(fold(acc, k128), x[i]);
+    *pp = p;
+    *pn = n;
+  }
+  const uint8_t* p = *pp;
+  size_t n = *pn;
+  while (n >= 16) {
+    acc = _mm_xor_si128(fold(acc, k128), _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    p += 16;
+    n -= 16;
+  }
+  alignas(16) uint8_t last[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(last), acc);
+  *pp = p;
+  *pn = n;
+  return hw_u64(hw_u64(0, last), last + 8);  // the CRC of the 16-byte state, from a zero register
+}
+#endif
+
 GPUMEM_CRC_TARGET uint32_t hw_update(uint32_t crc, const uint8_t* p, size_t n) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (n >= kFoldMin && kHasClmul) crc = clmul_update(crc, &p, &n);
+#endif
   while (n && (reinterpret_cast<uintptr_t>(p) & 7)) {
     crc = hw_u8(crc, *p++);
     --n;
@@ -238,6 +381,14 @@ constexpr size_t kPartAlign = 4096;
 }  // namespace
 
 const char* hardware_name() { return kHasHardware ? kHardwareName : "table"; }
+
+const char* fold_name() {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (kHasHardware && kHasVclmul) return "vpclmulqdq";
+  if (kHasHardware && kHasClmul) return "pclmulqdq";
+#endif
+  return "none";
+}
 bool has_hardware() { return kHasHardware; }
 
 uint32_t extend(uint32_t crc, const uint8_t* data, size_t n, Impl impl) {

@@ -12,6 +12,8 @@ enum class Impl { Auto, Table, Hardware };
 
 // "sse4.2", "armv8-crc" or "table": what Impl::Auto uses on this CPU.
 const char* hardware_name();
+// "vpclmulqdq", "pclmulqdq" or "none": how the hardware path folds long buffers on this CPU.
+const char* fold_name();
 bool has_hardware();
 
 // Extends a finalized running CRC (0 for a fresh one) by n bytes: extend(extend(0, a), b) == crc(a + b).

@@ -226,6 +226,8 @@ NB_MODULE(_C, m) {
       "Write one CRC32C per chunk_bytes-sized chunk of data into out (int64).");
   m.def("crc32c_hardware", &crc32c::hardware_name,
         "'sse4.2', 'armv8-crc' or 'table': the CRC32C path this CPU uses.");
+  m.def("crc32c_fold", &crc32c::fold_name,
+        "'vpclmulqdq', 'pclmulqdq' or 'none': how the hardware CRC32C path folds long buffers.");
 
   // ---- file I/O ----
   m.def(
@@ -423,7 +425,8 @@ NB_MODULE(_C, m) {
       .def(
           "copy_in",
           [](PyHostBuffer& b, const std::vector<Bytes>& sources, const std::vector<int64_t>& offsets,
-             int threads) {
+             int threads, int64_t chunk_bytes, std::optional<std::vector<int64_t>> crc_index,
+             std::optional<MutInt64> crc_out) {
             std::vector<const uint8_t*> ptrs;
             std::vector<size_t> sizes;
             std::vector<uint64_t> offs;
@@ -436,11 +439,30 @@ NB_MODULE(_C, m) {
               if (o < 0) throw std::invalid_argument("copy_in: negative offset " + std::to_string(o));
               offs.push_back(static_cast<uint64_t>(o));
             }
+            if (crc_index.has_value() != crc_out.has_value() || (crc_out && chunk_bytes <= 0))
+              throw std::invalid_argument("copy_in: crc_index, crc_out and chunk_bytes > 0 go together");
+            if (crc_out) {
+              const size_t chunk = check_chunk(chunk_bytes, *crc_out);
+              if (crc_index->size() != sources.size())
+                throw std::invalid_argument("copy_in: got " + std::to_string(sources.size()) + " sources but " +
+                                            std::to_string(crc_index->size()) + " CRC indices");
+              for (size_t i = 0; i < sources.size(); ++i) {
+                if ((*crc_index)[i] == io::kMustBeZero)
+                  throw std::invalid_argument("copy_in: CRC index -2 (must be zero) is for reads only");
+                check_slots((*crc_index)[i], sizes[i], chunk, *crc_out, i);
+              }
+              nb::gil_scoped_release release;
+              b.copy_in(ptrs, sizes, offs, threads, chunk, &*crc_index, crc_out->data());
+              return;
+            }
             nb::gil_scoped_release release;
             b.copy_in(ptrs, sizes, offs, threads);
           },
-          "sources"_a.noconvert(), "offsets"_a, "threads"_a = 0,
-          "Copy each 1-D uint8 source into the buffer at its offset, in parallel.")
+          "sources"_a.noconvert(), "offsets"_a, "threads"_a = 0, "chunk_bytes"_a = 0,
+          "crc_index"_a = nb::none(), "crc_out"_a.noconvert() = nb::none(),
+          "Copy each 1-D uint8 source into the buffer at its offset, in parallel.\n\nWith crc_index "
+          "and crc_out, also each chunk's CRC32C of the copied bytes:\nsource i's chunk k goes to "
+          "crc_out[crc_index[i] + k] (index -1: none).")
       .def(
           "enqueue_d2h",
           [](PyHostBuffer& b, const DeviceCopies& copies, uintptr_t stream) {

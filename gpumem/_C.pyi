@@ -43,6 +43,9 @@ def chunk_crc32c(
 def crc32c_hardware() -> str:
     """'sse4.2', 'armv8-crc' or 'table': the CRC32C path this CPU uses."""
 
+def crc32c_fold() -> str:
+    """'vpclmulqdq', 'pclmulqdq' or 'none': how the hardware CRC32C path folds long buffers."""
+
 def write_file(
     path: bytes,
     offsets: Sequence[int],
@@ -185,8 +188,16 @@ class HostBuffer:
         ],
         offsets: Sequence[int],
         threads: int = 0,
+        chunk_bytes: int = 0,
+        crc_index: Sequence[int] | None = None,
+        crc_out: Annotated[NDArray[numpy.int64], dict(shape=(None,), device="cpu")] | None = None,
     ) -> None:
-        """Copy each 1-D uint8 source into the buffer at its offset, in parallel."""
+        """
+        Copy each 1-D uint8 source into the buffer at its offset, in parallel.
+
+        With crc_index and crc_out, also each chunk's CRC32C of the copied bytes:
+        source i's chunk k goes to crc_out[crc_index[i] + k] (index -1: none).
+        """
 
     def enqueue_d2h(
         self,

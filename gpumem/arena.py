@@ -229,7 +229,14 @@ class HostArena:
     # ---- copies ----
 
     def copy_in(
-        self, sources: Sequence[Any], offsets: Sequence[int], *, threads: int | None = None
+        self,
+        sources: Sequence[Any],
+        offsets: Sequence[int],
+        *,
+        threads: int | None = None,
+        chunk_bytes: int = 0,
+        crc_index: Sequence[int] | None = None,
+        crc_out: Any = None,
     ) -> None:
         """Copy each source's bytes into the arena at the matching offset, on several threads.
 
@@ -237,10 +244,14 @@ class HostArena:
             sources: contiguous CPU tensors (any dtype), numpy arrays or bytes-like objects.
             offsets: arena byte offset of each source.
             threads: copy threads (default: GPUMEM_THREADS or the number of cores).
+            chunk_bytes, crc_index, crc_out: with all three, the copy also computes the CRC32C of
+                every ``chunk_bytes`` chunk of each source's copied bytes, block by block while
+                they are in cache (one pass over memory, not two): source ``i``'s chunk ``k``
+                goes to ``crc_out[crc_index[i] + k]`` (an int64 NumPy array; index -1: none).
 
         Raises:
-            ValueError: counts differ, a source does not fit (named by index), or a source is
-                non-contiguous or not on the CPU.
+            ValueError: counts differ, a source does not fit (named by index), a source is
+                non-contiguous or not on the CPU, or a CRC slot lies outside ``crc_out``.
         """
         import numpy as np
 
@@ -259,7 +270,10 @@ class HostArena:
         offs = [o if type(o) is int else _int(o, f"offsets[{i}]") for i, o in enumerate(offsets)]
         if len(views) != len(offs):
             raise ValueError(f"copy_in got {len(views)} sources but {len(offs)} offsets")
-        buf.copy_in(views, offs, resolve_threads(threads))
+        if crc_out is None:
+            buf.copy_in(views, offs, resolve_threads(threads))
+        else:
+            buf.copy_in(views, offs, resolve_threads(threads), chunk_bytes, crc_index, crc_out)
 
     def copy_from_device(self, src: torch.Tensor, offset: int) -> None:
         """Enqueue a copy of ``src``'s bytes into the arena at ``offset``, non-blocking on the

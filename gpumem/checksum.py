@@ -120,11 +120,17 @@ def cpu_features() -> dict[str, Any]:
     """What the native core uses on this CPU.
 
     Returns:
-        ``{"crc32c": "sse4.2" | "armv8-crc" | "table", "threads": N}``; ``threads`` is the
-        default worker count (GPUMEM_THREADS or the number of cores).
+        ``{"crc32c": "sse4.2" | "armv8-crc" | "table", "crc32c_fold": "vpclmulqdq" |
+        "pclmulqdq" | "none", "threads": N}``: ``crc32c_fold`` is how long buffers are folded
+        with carry-less multiplies (x86-64; GPUMEM_CRC32C_FOLD=none|pclmulqdq caps it);
+        ``threads`` is the default worker count (GPUMEM_THREADS or the number of cores).
     """
     C = load()
-    return {"crc32c": C.crc32c_hardware(), "threads": C.num_threads()}
+    return {
+        "crc32c": C.crc32c_hardware(),
+        "crc32c_fold": C.crc32c_fold(),
+        "threads": C.num_threads(),
+    }
 
 
 def _index(value: Any) -> int | None:

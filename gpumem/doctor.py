@@ -116,6 +116,7 @@ def _native(problems: list[str]) -> dict[str, Any]:
         return {
             "extension": _native.load().__file__,
             "crc32c": feats.get("crc32c"),
+            "crc32c fold": feats.get("crc32c_fold"),
             "threads": feats.get("threads"),
             "cuda runtime": cuda.message,
         }

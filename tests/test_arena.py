@@ -4,6 +4,7 @@ pinning."""
 from __future__ import annotations
 
 import gc
+import itertools
 import random
 
 import numpy as np
@@ -89,6 +90,51 @@ def test_copy_in_large_sources(threads):
         arena.copy_in([big, small], [5, (11 << 20) + 4096], threads=threads)
         assert torch.equal(arena.view(5, big.numel()), big)
         assert torch.equal(arena.tensor((11 << 20) + 4096, torch.int64, 1000), small)
+
+
+@pytest.mark.parametrize("chunk", [4096, 1 << 20, 8 << 20])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_copy_in_with_crcs_matches_the_reference(chunk, threads):
+    # the CRCs the copy computes (block by block, from the bytes it stored) equal google-crc32c's
+    # of each source's chunks; pieces of odd sizes, one with no CRC slots (-1), one larger than a
+    # copy task (4 MiB) and than the chunk
+    import google_crc32c
+
+    sizes = [(9 << 20) + 12345, 77, 3 * chunk + 1, 5000]
+    srcs = [np.frombuffer(rand_bytes(n, i), np.uint8).copy() for i, n in enumerate(sizes)]
+    offsets = list(itertools.accumulate([0] + [n + 100 for n in sizes[:-1]]))
+    counts = [-(-n // chunk) for n in sizes]
+    index = [0, -1, counts[0], counts[0] + counts[2]]
+    out = np.full(counts[0] + counts[2] + counts[3] + 2, 7, dtype=np.int64)
+    with HostArena(offsets[-1] + sizes[-1], pinned=False) as arena:
+        arena.copy_in(
+            srcs, offsets, threads=threads, chunk_bytes=chunk, crc_index=index, crc_out=out
+        )
+        for src, off in zip(srcs, offsets, strict=True):
+            assert np.array_equal(arena.view(off, src.size).numpy(), src)
+    for src, first in zip(srcs, index, strict=True):
+        if first < 0:
+            continue
+        want = [
+            google_crc32c.value(src[k : k + chunk].tobytes()) for k in range(0, len(src), chunk)
+        ]
+        assert out[first : first + len(want)].tolist() == want
+    assert out[-2:].tolist() == [7, 7]  # nothing written past the last slot
+
+
+def test_copy_in_with_crcs_rejects_bad_slots():
+    with HostArena(1 << 16, pinned=False) as arena:
+        out = np.zeros(2, dtype=np.int64)
+        with pytest.raises(ValueError, match=r"piece 0 needs CRC slots up to 3 but crc_out has 2"):
+            arena.copy_in([b"x" * 9000], [0], chunk_bytes=4096, crc_index=[0], crc_out=out)
+        with pytest.raises(ValueError, match="chunk_bytes > 0 go together"):
+            arena.copy_in([b"x"], [0], chunk_bytes=0, crc_index=[0], crc_out=out)
+        with pytest.raises(ValueError, match="1 sources but 2 CRC indices"):
+            arena.copy_in([b"x"], [0], chunk_bytes=4096, crc_index=[0, 1], crc_out=out)
+        with pytest.raises(ValueError, match="for reads only"):
+            arena.copy_in([b"x"], [0], chunk_bytes=4096, crc_index=[-2], crc_out=out)
+        with pytest.raises(ValueError, match="CRC index -3"):
+            arena.copy_in([b"x"], [0], chunk_bytes=4096, crc_index=[-3], crc_out=out)
 
 
 def test_copy_in_errors():

@@ -23,7 +23,8 @@ C = load()
 HAS_HW = cpu_features()["crc32c"] != "table"
 IMPLS = ["auto", "table"] + (["hardware"] if HAS_HW else [])
 
-# Block edges of the hardware path (8-byte words, 3 x 256 and 3 x 8192 byte stripes) +-1,
+# Block edges of the hardware path (8-byte words, 3 x 256 and 3 x 8192 byte stripes; the
+# folding path's 512-byte floor, 16-byte blocks, 128- and 256-byte groups) +-1,
 # and odd MiB sizes that cross the 1 MiB per-thread split.
 SIZES = [
     0,
@@ -34,6 +35,15 @@ SIZES = [
     63,
     64,
     65,
+    511,
+    512,
+    513,
+    527,
+    528,
+    640,
+    1023,
+    1024,
+    1025,
     767,
     768,
     769,
@@ -307,9 +317,47 @@ def test_pool_works_in_a_forked_child():
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+_FOLD_CHECK = """
+import random, sys
+import google_crc32c
+from gpumem._native import load
+from gpumem.checksum import cpu_features
+C = load()
+rng = random.Random(7)
+for n in [511, 512, 513, 767, 768, 1024, 1535, 4096 + 15, 70001, (1 << 20) + 3]:
+    for start in (0, 1, 5, 8):
+        data = rng.randbytes(n + start)
+        for value in (0, 0xDEADBEEF):
+            got = C.crc32c(memoryview(data)[start:], value, "auto", 1)
+            want = google_crc32c.extend(value, data[start:])
+            assert got == want, (n, start, value, got, want)
+print(cpu_features()["crc32c_fold"])
+"""
+
+
+@pytest.mark.parametrize("cap", [None, "pclmulqdq", "none"])
+def test_every_folding_path_matches_the_reference(cap):
+    # each path this CPU has (VPCLMULQDQ, PCLMULQDQ, the crc32 instruction alone), capped by
+    # GPUMEM_CRC32C_FOLD in a fresh process (the choice is made when the module loads)
+    env = {k: v for k, v in os.environ.items() if k != "GPUMEM_CRC32C_FOLD"}
+    if cap is not None:
+        env["GPUMEM_CRC32C_FOLD"] = cap
+    out = subprocess.run(
+        [sys.executable, "-c", _FOLD_CHECK], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    fold = out.stdout.strip()
+    assert fold in ("vpclmulqdq", "pclmulqdq", "none")
+    if cap == "none":
+        assert fold == "none"
+    elif cap == "pclmulqdq":
+        assert fold in ("pclmulqdq", "none")
+
+
 def test_cpu_features_and_gpumem_threads():
     feats = cpu_features()
     assert feats["crc32c"] in ("sse4.2", "armv8-crc", "table")
+    assert feats["crc32c_fold"] in ("vpclmulqdq", "pclmulqdq", "none")
     assert feats["threads"] >= 1
     code = "from gpumem.checksum import cpu_features; print(cpu_features()['threads'])"
     env = {**os.environ, "GPUMEM_THREADS": "3"}

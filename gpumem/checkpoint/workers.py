@@ -22,24 +22,43 @@ from typing import Any
 BACKGROUND_NICE = 5  # niceness added to a save's checksum and write threads in overlap mode
 
 
-def background_threads() -> int:
-    """Native threads a save's background work may use: GPUMEM_SAVE_THREADS, else the cores
-    this process may run on (its CPU affinity) less the threads torch computes with, at least
-    1."""
+def _save_threads_setting() -> int | None:
     from gpumem._env import env_int
 
     value = env_int("GPUMEM_SAVE_THREADS")
-    if value is not None:
-        if value < 1:
-            raise ValueError(f"GPUMEM_SAVE_THREADS={value} must be >= 1; unset it for the default")
-        return value
+    if value is not None and value < 1:
+        raise ValueError(f"GPUMEM_SAVE_THREADS={value} must be >= 1; unset it for the default")
+    return value
+
+
+def free_cores() -> int:
+    """The cores this process may run on (its CPU affinity) less the threads torch computes
+    with: what training leaves to a save's background work (0 or less: none)."""
     import torch
 
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return max(1, cores - torch.get_num_threads())
+    return cores - torch.get_num_threads()
+
+
+def background_threads() -> int:
+    """Native threads a save's background work may use: GPUMEM_SAVE_THREADS, else
+    ``free_cores()``, at least 1."""
+    value = _save_threads_setting()
+    return value if value is not None else max(1, free_cores())
+
+
+def copy_beside_training() -> bool:
+    """Whether an overlap save of host tensors copies them beside training (a background
+    thread, while the next forward and backward run) or at once on the caller's thread with
+    every core. Beside training only pays where a core is free: torch's parallel regions end at
+    a barrier, so a copy thread that takes a core from one of its threads holds the whole region
+    up, and the loop loses ~2-3x the copy's CPU time (``benchmarks/results/save_timeline.md``);
+    copied at once, it loses the copy itself. GPUMEM_SAVE_THREADS set: beside training, on
+    that many threads."""
+    return _save_threads_setting() is not None or free_cores() > 0
 
 
 def lower_priority() -> None:

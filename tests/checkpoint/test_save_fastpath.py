@@ -417,6 +417,7 @@ def test_saves_reuse_two_threads_which_end_at_close(tmp_path, monkeypatch):
 
     monkeypatch.setattr(save_mod.Save, "_persist", persist_main)
     monkeypatch.setattr(snapshot_mod.Snapshot, "_copier_main", copier_main)
+    monkeypatch.setenv("GPUMEM_SAVE_THREADS", "1")  # the copy beside training, on any machine
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -442,3 +443,47 @@ def test_saves_reuse_two_threads_which_end_at_close(tmp_path, monkeypatch):
     with gpumem.Checkpointer(tmp_path) as ck2:
         assert ck2.restore(model=fresh) == 3
     assert torch.equal(fresh.weight, want)
+
+
+def test_overlap_copies_at_once_when_no_core_is_free(tmp_path, monkeypatch):
+    # torch on every core, GPUMEM_SAVE_THREADS unset: the overlap save copies the host tensors
+    # inside save() (no copier thread, no hook wait), CRCs computed by that copy, and restores
+    # exactly; with a core left free it copies beside training again
+    from gpumem.checkpoint import workers
+
+    monkeypatch.delenv("GPUMEM_SAVE_THREADS", raising=False)
+    copier_ran = []
+    real_copy = snapshot_mod.Snapshot._copier_main
+    monkeypatch.setattr(
+        snapshot_mod.Snapshot,
+        "_copier_main",
+        lambda self, copied: (copier_ran.append(1), real_copy(self, copied)),
+    )
+    threads = torch.get_num_threads()
+    try:
+        for free in (False, True):
+            cores = threads + (1 if free else 0)
+            monkeypatch.setattr(workers.os, "sched_getaffinity", lambda _, n=cores: set(range(n)))
+            assert workers.copy_beside_training() is free
+            copier_ran.clear()
+            torch.manual_seed(0)
+            model = torch.nn.Linear(64, 64)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            model(torch.randn(2, 64)).sum().backward()
+            opt.step()
+            with gpumem.Checkpointer(tmp_path / str(free), keep=1) as ck:
+                st = ck.save(1, model=model, optimizer=opt)
+                want = {k: v.clone() for k, v in model.state_dict().items()}
+                opt.step()
+                ck.wait()
+                assert st.mode == "overlap" and st.committed
+                assert bool(copier_ran) is free
+                if not free:
+                    assert st.hook_wait_s == 0.0 and st.staged_s <= st.save_s
+            fresh = torch.nn.Linear(64, 64)
+            with gpumem.Checkpointer(tmp_path / str(free), keep=1) as ck:
+                assert ck.restore(model=fresh) is not None
+            for k, v in fresh.state_dict().items():
+                assert torch.equal(v, want[k])
+    finally:
+        torch.set_num_threads(threads)

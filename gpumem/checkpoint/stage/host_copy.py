@@ -1,14 +1,19 @@
 """Host copies: a save's pieces copied into the staging arena, and the alignment gaps zeroed.
 
 CPU tensors go through the arena's multithreaded memcpy in one native call (``HostViews`` caches
-their byte views between saves); their CRCs are computed later, from the staged bytes, by the
-persist thread (``storage.writes``). CUDA tensors are copied by one native call and checksummed
+their byte views between saves). Their CRCs are computed either by that copy (``checksum``: block
+by block from the bytes just copied, still in cache: the copy and the checksum then cost ~1.2x
+the copy instead of ~1.6x, one pass over memory instead of two; the overlap copy does this,
+as it runs beside training and every CPU millisecond it saves is the loop's), or later, from the
+staged bytes, by the persist thread (``storage.writes``; blocking mode, whose caller waits for
+the copy alone). CUDA tensors are copied by one native call and checksummed
 on the device by one Triton launch (``device_copy``), on a side stream that first waits on an
 event recorded on the compute stream at save() time.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -54,15 +59,17 @@ def copy_pieces(
     views: HostViews | None = None,
     spill: SpillControl | None = None,
     threads: int | None = None,
+    checksum: bool = False,
 ) -> DeviceCopy | None:
     """Copy ``pieces`` of ``tensors`` (as TensorTable holds them: detached, strided, no lazy
     conjugate/negative bit) into the arena. CPU pieces are copied before returning, contiguous
     ones in one native call (``views`` supplies their byte views); CUDA pieces are enqueued in
     one native call and checksummed on the device beside the copies (``device_copy.enqueue``);
     the returned DeviceCopy's events mark their completion. ``spill``: the copier's side of the
-    device spill (overlap mode; see spill.py). ``threads``: native copy threads (None: all)."""
+    device spill (overlap mode; see spill.py). ``threads``: native copy threads (None: all).
+    ``checksum``: the contiguous CPU pieces' chunk CRCs are computed by the copy (``p.crc``)."""
     views = views if views is not None else HostViews()
-    cpu_src, cpu_off, cuda, staged = [], [], [], []
+    cpu_src, cpu_off, cpu_pieces, cuda, staged = [], [], [], [], []
     bases = plan.bases
     last, flat = -1, None  # byte view of the last tensor: a split tensor's pieces are consecutive
     for p in pieces:
@@ -84,9 +91,24 @@ def copy_pieces(
                 else flat[p.src_offset : p.src_offset + p.nbytes]
             )
             cpu_off.append(dst)
+            cpu_pieces.append(p)
         else:  # planned whole (never split): let torch gather the strides into the slot
             arena.view(dst, p.nbytes).view(t.dtype).view(t.shape).copy_(t)
-    if cpu_src:
+    if cpu_src and checksum:
+        counts = [-(-p.nbytes // chunk) for p in cpu_pieces]
+        slots = list(itertools.accumulate(counts, initial=0))
+        crcs = torch.empty(slots[-1], dtype=torch.int64)
+        arena.copy_in(
+            cpu_src,
+            cpu_off,
+            threads=threads,
+            chunk_bytes=chunk,
+            crc_index=slots[:-1],
+            crc_out=crcs.numpy(),
+        )
+        for p, lo, hi in zip(cpu_pieces, slots, slots[1:], strict=False):
+            p.crc = crcs[lo:hi]
+    elif cpu_src:
         arena.copy_in(cpu_src, cpu_off, threads=threads)
     del staged
     if not cuda:

@@ -5,6 +5,9 @@ returns: everything in blocking and streaming mode, only buffers/RNG/extras in o
 overlap mode a copier thread (a Checkpointer's long-lived ``Worker``) copies the deferred tensors
 (parameters, optimizer state) beside the next forward/backward, and the optimizer's pre-step hook
 waits for it (``fence``: on CUDA the optimizer's stream is ordered after the copy instead).
+Where no core is free for that copy (torch computes on every core, ``workers.copy_beside_training``)
+an overlap save of host tensors copies them at once on the caller's thread with every core, the
+chunk CRCs computed by the copy itself, and only the writes run beside training.
 
 The writes (``storage.commit``, on the persist thread) consume the snapshot batch by batch:
 ``wait_ready(b)`` returns once batch b is staged, ``release(b)`` hands its slot back. In
@@ -12,9 +15,9 @@ streaming mode the caller and the persist thread form a two-slot pipeline: the c
 batch b+1 while batch b is written and checksummed; a slot is reused only after both. Overlap
 mode over host tensors with several batches pipelines the same way, every batch resident: nobody
 waits for its copy, so writing batch b beside the copy of b+1 only makes the checkpoint durable
-sooner. Blocking mode over host tensors writes batch b beside the copy of b+1 as well (an
-``O_DIRECT`` write costs the copy little CPU), but computes no checksum before the whole state is
-staged, so no checksum thread takes a core from the copy the caller waits for.
+sooner. Blocking mode keeps the copy alone (the caller waits for it; writing beside it took its
+memory bandwidth) and computes no checksum before the whole state is staged, so no checksum
+thread takes a core from the copy.
 
 Any failure on either side is recorded once (``fail``), wakes the other side and reaches the
 caller through Checkpointer.wait()/save()/close().
@@ -33,7 +36,7 @@ import torch
 
 from ..capture.codec import TensorTable
 from ..stats import SaveStats
-from ..workers import background_threads
+from ..workers import background_threads, copy_beside_training
 from .host_copy import HostViews, cold_bytes, copy_pieces, zero_padding
 from .pieces import StagingPlan
 from .spill import SpillControl, spill_at_fence
@@ -103,15 +106,26 @@ class Snapshot:
         # took the copy's memory bandwidth (865 MiB on the quiet 2-core machine: the stall went
         # from 1.1x to 1.74x the floor copy, for a time to durable of 1.02x instead of ~1.15x
         # a raw write).
+        # overlap mode over host tensors with no core free for a background copy: copied at
+        # once on the caller's thread with every core, CRCs included (workers.py says why);
+        # only the writes then run beside training
+        self.copy_now = mode is Mode.OVERLAP and not table.has_cuda and not copy_beside_training()
         self.batched = mode is Mode.STREAMING or (
-            mode is Mode.OVERLAP and not table.has_cuda and len(plan.batch_sizes) > 1
+            mode is Mode.OVERLAP
+            and not table.has_cuda
+            and len(plan.batch_sizes) > 1
+            and not self.copy_now
         )
         self.gaps_zero = False  # set once every batch's gaps are zero in the arena (not streaming)
         self.views = views if views is not None else HostViews()
         # overlap mode: whether this rank copies tensors after save() returns, i.e. whether the
         # optimizer hook must wait (a replicated save's rank that owns no parameter or optimizer
         # state has nothing to copy later and never waits)
-        self.defers = mode is Mode.OVERLAP and any(table.deferred[p.index] for p in plan.pieces)
+        self.defers = (
+            mode is Mode.OVERLAP
+            and not self.copy_now
+            and any(table.deferred[p.index] for p in plan.pieces)
+        )
         # the one CUDA device of the deferred tensors (None: none, or several), for fence()
         self.fence_device: int | None = None
         if self.defers and table.has_cuda:
@@ -145,7 +159,7 @@ class Snapshot:
         and flagged in ``caller_failed``, never raised."""
         plan, deferred = self.plan, self.table.deferred
         try:
-            if self.mode is Mode.OVERLAP:
+            if self.mode is Mode.OVERLAP and not self.copy_now:
                 self._zero_all_gaps()
                 # buffers/RNG on the compute stream: ordered before the next forward mutates them
                 sync = [p for p in plan.pieces if not deferred[p.index]]
@@ -177,8 +191,8 @@ class Snapshot:
         plan, tensors = self.plan, self.table.tensors
         batches = range(len(plan.batch_sizes))
         groups = [[b] for b in batches] if self.batched else [list(batches)]
-        if self.mode is Mode.BLOCKING:  # overlap zeroed them in save(), streaming does per slot
-            self._zero_all_gaps()
+        if self.mode is Mode.BLOCKING or self.copy_now:  # overlap zeroed them in save(),
+            self._zero_all_gaps()  # streaming does it per slot
         for g, group in enumerate(groups):
             with self._cond:
                 while group[0] - self._released >= plan.slots and self.error is None:
@@ -203,6 +217,8 @@ class Snapshot:
                 views=self.views,
                 spill=self.spill if stream is not None else None,  # the copier's deferred part
                 threads=threads,
+                # beside training (overlap): one pass over memory for the copy and the CRCs
+                checksum=self.mode is Mode.OVERLAP,
             )
             # host pieces are copied by now; the device ones are ordered before ev
             self.copy_event = ev
