@@ -125,6 +125,9 @@ def test_write_and_checksums_wait_until_the_state_is_staged(tmp_path, monkeypatc
     and every host checksum starts after the whole state is staged. Overlap mode over host
     tensors: no caller waits for the background copy, so each batch is written (and checksummed)
     as soon as it is staged, beside the copy of the next: the write hides the copy."""
+    # the copy beside training on any machine (unset, a machine with no free core copies at
+    # once inside save(): test_save_fastpath covers that path)
+    monkeypatch.setenv("GPUMEM_SAVE_THREADS", "1")
     seen = []
     real_write, real_crc = safe_fs_mod.write_file, writes_mod.checksum_host_pieces
     jobs = []
