@@ -85,6 +85,7 @@ def worker(base: Path, nbytes: int, rounds: int, endpoint: str) -> None:
         t0 = time.perf_counter()
         step = use.restore(model=model)
         took = time.perf_counter() - t0
+        use.wait()  # the staging arena restore() may start for a first save, before the next
         assert step == 1 and torch.equal(model.weight, expect), "not bit-identical"
         assert kind != "store" or tiered.tiers.restored_from == "remote", "not from the store"
         if rank == 0 and i > 0:

@@ -211,6 +211,7 @@ def _restore_worker(rank: int, world: int, root: str, nbytes: int, src: int, rep
         ck.restore(model=model, optimizer=opt, rng=False)
         dist.barrier()
         r["gpumem"].append(time.perf_counter() - t0)
+        ck.wait()  # the staging arena restore() starts for a first save, before dcp's turn
         read, needed = ck.last_restore.bytes_read, ck.last_restore.bytes_needed
         ours = [t.clone() for t in _locals(model, opt)]
         if rank == 0:

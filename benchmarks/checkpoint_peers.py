@@ -385,9 +385,11 @@ class GPUMem(Peer):
     def restore(self, path, model, opt):
         import gpumem
 
-        with gpumem.Checkpointer(path, keep=1) as ck:
-            if ck.restore(model=model, optimizer=opt, rng=False) is None:
-                raise RuntimeError(f"no gpumem checkpoint under {path}")
+        # left open: a resuming job goes on saving with it, and the staging arena restore()
+        # starts for its first save (a background thread) is not part of the restore
+        self._resumed = ck = gpumem.Checkpointer(path, keep=1)
+        if ck.restore(model=model, optimizer=opt, rng=False) is None:
+            raise RuntimeError(f"no gpumem checkpoint under {path}")
 
 
 PEERS: dict[str, type[Peer]] = {p.key: p for p in (GPUMem, DCP, TorchSnapshot, NVRx, Lightning)}

@@ -162,10 +162,11 @@ def child_restore(ck_dir: Path, nbytes: int) -> dict[str, float]:
         obj.load_state_dict = wrapped
     checkpointer = gpumem.Checkpointer
     c0, t0 = _cpu(), time.perf_counter()
-    with checkpointer(ck_dir, keep=1) as ck:
-        assert ck.restore(model=model, optimizer=opt, rng=False) is not None
-    spent["total"] = time.perf_counter() - t0
+    ck = checkpointer(ck_dir, keep=1)
+    assert ck.restore(model=model, optimizer=opt, rng=False) is not None
+    spent["total"] = time.perf_counter() - t0  # until restore() returns (as bench_checkpoint)
     spent["cpu: total"] = _cpu() - c0
+    ck.close()
     return dict(spent)
 
 

@@ -119,6 +119,7 @@ class Checkpointer:
         weakref.finalize(self, stop_workers, self._workers)
         self._lock = threading.RLock()
         self._hooked: dict[int, Any] = {}
+        self._prepare_hook: Any = None  # restore()'s one-shot post-step hook (_prepare_ahead)
         self._last_save: tuple[int, dict[str, Any]] | None = None
         self._closed = False
         self.last_restore: StagedRestore | None = None  # a sharded one says what it read
@@ -308,6 +309,11 @@ class Checkpointer:
         partitioned by rank must re-partition itself, and ranks mapped to one saved rank draw
         the same random numbers unless reseeded (or pass ``rng=False``).
 
+        Then (unless read-only) the staging arena of the first save is allocated and faulted
+        in on a background thread, as ``prepare()`` does, sized from these objects: at once
+        when the optimizer has state (restored, or none given), else after its first
+        ``step()`` (AdamW makes its state there), so the first save() finds warm memory.
+
         Returns the restored step, or None when the directory holds no checkpoint at all.
 
         Raises:
@@ -336,7 +342,34 @@ class Checkpointer:
             verify_loaded=verify_loaded,
         )
         self.last_restore = staged or self.last_restore
+        self._prepare_ahead(model, optimizer)
         return step
+
+    def _prepare_ahead(self, model: Any, optimizer: Any) -> None:
+        """After restore(): start the staging arena of these objects' first save in the
+        background (as ``prepare()``), so that save copies into memory already faulted in
+        instead of paying its page faults on the critical path. An optimizer with no state yet
+        (a fresh start: AdamW makes its state in the first ``step()``) is sized once its first
+        step has made it, by a one-shot post-step hook."""
+        if self.read_only is not None or (model is None and optimizer is None):
+            return
+        if self._staging.allocated or self._prepare_hook is not None:
+            return
+        if optimizer is None or len(optimizer.state) > 0:
+            _prepare_quietly(self, model, optimizer)
+            return
+        ref = weakref.ref(self)
+
+        def after_first_step(opt: Any, args: Any, kwargs: Any) -> None:
+            ck = ref()
+            if ck is None or ck._prepare_hook is None:
+                return
+            ck._prepare_hook.remove()
+            ck._prepare_hook = None
+            if not ck._closed and not ck._staging.allocated:
+                _prepare_quietly(ck, model, opt)
+
+        self._prepare_hook = optimizer.register_step_post_hook(after_first_step)
 
     # ------------------------------------------------------------------ wait / close
 
@@ -378,6 +411,9 @@ class Checkpointer:
             for handle in self._hooked.values():
                 handle.remove()
             self._hooked.clear()
+            if self._prepare_hook is not None:
+                self._prepare_hook.remove()
+                self._prepare_hook = None
             self._staging.close()
             self._root.close()
             LIVE.discard(self)
@@ -392,6 +428,21 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; create a new one")
+
+
+def _prepare_quietly(ckpt: Checkpointer, model: Any, optimizer: Any) -> None:
+    """``prepare()`` on restore()'s behalf: an ahead-of-time allocation, so a failure to size
+    or start it is a warning (the first save() allocates its arena then); a failure of the
+    background allocation itself is raised by the next save() or wait(), as for prepare()."""
+    try:
+        ckpt.prepare(model, optimizer)
+    except Exception as exc:  # never the reason a restore or a training step fails
+        warnings.warn(
+            f"gpumem: could not prepare the staging arena ahead of the first save ({exc}); "
+            "the first save() allocates it instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _fence_once(ckpt: Checkpointer, optimizer: Any) -> None:

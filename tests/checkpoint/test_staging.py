@@ -528,3 +528,79 @@ def test_save_right_after_prepare_does_not_wait_for_the_fault_in(tmp_path, monke
             ck.save(step, model=model, optimizer=opt, blocking=True)
             assert waits == []  # neither save() nor its back-pressure waited for the fault-in
         assert ck.wait() is True and waits == [ck._staging.arena]  # wait() does
+
+
+def _fresh_model_and_opt():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _train_step(model, opt):
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_restore_of_a_fresh_start_prepares_the_arena_after_the_first_step(tmp_path, monkeypatch):
+    """No checkpoint yet and AdamW without state: nothing to size before the first step(); the
+    one-shot post-step hook prepares the arena then, sized for the state that step made, and
+    the first save copies into it without a page fault of its own."""
+    prepared = []
+    real = HostArena.prefault
+    monkeypatch.setattr(
+        HostArena, "prefault", lambda self, **kw: (prepared.append(self), real(self, **kw))[1]
+    )
+    model, opt = _fresh_model_and_opt()
+    with gpumem.Checkpointer(tmp_path) as ck:
+        assert ck.restore(model=model, optimizer=opt) is None
+        assert not ck._staging.allocated and prepared == []
+        _train_step(model, opt)
+        assert ck._staging.allocated and ck._prepare_hook is None
+        assert ck.wait()  # the arena is installed and faulted in
+        _train_step(model, opt)  # the hook ran once: no second arena
+        st = ck.save(1, model=model, optimizer=opt, blocking=True)
+        ck.wait()
+        assert st.committed and st.cold_bytes == 0
+        assert st.nbytes >= sum(t.nbytes for t in _bytes_of(model, opt))
+        assert len(prepared) == 1 and ck._staging.arena is prepared[0]
+        assert prepared[0].nbytes >= st.nbytes
+
+
+def test_restore_of_a_checkpoint_prepares_the_arena_at_once(tmp_path):
+    model, opt = _model_and_opt()
+    with gpumem.Checkpointer(tmp_path) as ck:
+        ck.save(3, model=model, optimizer=opt, blocking=True)
+    model2, opt2 = _fresh_model_and_opt()
+    with gpumem.Checkpointer(tmp_path) as ck:
+        assert ck.restore(model=model2, optimizer=opt2) == 3
+        assert ck._staging.allocated and ck._prepare_hook is None
+        assert ck.wait()
+        st = ck.save(4, model=model2, optimizer=opt2, blocking=True)
+        ck.wait()
+        assert st.committed and st.cold_bytes == 0
+    with gpumem.Checkpointer(tmp_path, read_only=True) as ro:  # never saves: no arena
+        assert ro.restore(model=model2, optimizer=opt2) == 4
+        assert not ro._staging.allocated and ro._prepare_hook is None
+
+
+def test_prepare_ahead_never_fails_the_restore_or_the_step(tmp_path, monkeypatch):
+    model, opt = _fresh_model_and_opt()
+    ck = gpumem.Checkpointer(tmp_path)
+    assert ck.restore(model=model, optimizer=opt) is None
+    ck.close()  # closed before the first step: the hook is gone with it
+    _train_step(model, opt)
+    assert ck._prepare_hook is None and not ck._staging.allocated
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("sizing failed")
+
+    with gpumem.Checkpointer(tmp_path) as ck:
+        monkeypatch.setattr(ck, "prepare", broken)
+        with pytest.warns(RuntimeWarning, match="could not prepare the staging arena"):
+            assert ck.restore(model=model, optimizer=opt) is None  # opt has state: at once
+        assert not ck._staging.allocated
+        monkeypatch.undo()
+        st = ck.save(0, model=model, optimizer=opt, blocking=True)  # allocates it itself
+        ck.wait()
+        assert st.committed

@@ -173,6 +173,11 @@ class Staging:
         return self.arena
 
     @property
+    def allocated(self) -> bool:
+        """Whether an arena exists or a prepare() allocation is under way."""
+        return self.arena is not None or self._prep is not None
+
+    @property
     def locked(self) -> bool | None:
         """The arena's residency: None until allocated and faulted in; False: pre-faulted only
         (RLIMIT_MEMLOCK); True: locked (or pinned)."""
