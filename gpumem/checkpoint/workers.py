@@ -1,7 +1,8 @@
 """The background threads of a Checkpointer's saves: the long-lived workers (persist, overlap
 copy), and how much of the machine the background work of a save may take beside training.
 
-Overlap mode copies, checksums and writes while the next steps train. torch's intra-op pool
+Overlap mode copies, checksums and writes while the next steps train (a blocking save
+checksums and writes then too, once its copy is done). torch's intra-op pool
 (``torch.get_num_threads()``, every core by default) keeps all cores busy, and its parallel
 regions end at a barrier: a background thread that takes a core from one of its threads stalls
 the whole region, so the loop loses far more than the background work costs. Two rules keep

@@ -47,21 +47,46 @@ def test_background_threads_default_to_the_cores_torch_leaves_free(monkeypatch):
         background_threads()
 
 
-def test_only_an_overlap_save_runs_on_the_background_budget(tmp_path, monkeypatch):
+def test_what_runs_after_save_returns_runs_on_the_background_budget(tmp_path, monkeypatch):
+    """Overlap and blocking saves: the checksums and writes run after save() returns, beside
+    training, on the budget and at a lower priority; a blocking save's copy (the caller waits
+    for it) and a streaming save (save() waits for all of it) use every core."""
     import torch
 
     import gpumem
+    import gpumem.checkpoint.stage.snapshot as snapshot_mod
+    import gpumem.checkpoint.storage.writes as writes_mod
 
     monkeypatch.setenv("GPUMEM_SAVE_THREADS", "1")
+    copies, lowered = [], []
+    real_copy = snapshot_mod.copy_pieces
+
+    def recording_copy(*args, threads=None, **kwargs):
+        copies.append(threads)
+        return real_copy(*args, threads=threads, **kwargs)
+
+    monkeypatch.setattr(snapshot_mod, "copy_pieces", recording_copy)
+    monkeypatch.setattr(writes_mod, "lower_priority", lambda: lowered.append(1))
     torch.manual_seed(0)
-    model = torch.nn.Linear(32, 32)
+    model = torch.nn.Linear(512, 512)
     opt = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 32)).sum().backward()
+    model(torch.randn(2, 512)).sum().backward()
     opt.step()
-    with gpumem.Checkpointer(tmp_path) as ck:
+    with gpumem.Checkpointer(tmp_path, segment_bytes=1 << 20) as ck:
         ck.save(0, model=model, optimizer=opt)
-        assert ck._job.snapshot.threads == 1  # beside training: the budget
         ck.wait()
+        snap = ck._job.snapshot
+        assert snap.threads == 1 and snap.beside_training and copies[-1] == 1 and lowered
+        copies.clear(), lowered.clear()
         ck.save(1, model=model, optimizer=opt, blocking=True)
-        assert ck._job.snapshot.threads is None  # the caller waits: every core
         ck.wait()
+        snap = ck._job.snapshot
+        assert snap.threads == 1 and snap.beside_training and lowered
+        assert copies == [None]  # the caller's copy: every core
+    with gpumem.Checkpointer(tmp_path / "s", staging_bytes=2 << 20) as ck:
+        lowered.clear()
+        st = ck.save(2, model=model, optimizer=opt)
+        ck.wait()
+        snap = ck._job.snapshot
+        assert st.mode == "streaming" and snap.threads is None and not snap.beside_training
+        assert not lowered

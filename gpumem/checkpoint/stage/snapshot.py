@@ -134,9 +134,12 @@ class Snapshot:
             }
             one = next(iter(devices)) if len(devices) == 1 else None
             self.fence_device = one.index if one is not None and one.type == "cuda" else None
-        # overlap mode: the native threads of the work done beside training (the copier's copy,
-        # the checksums, the writes), the cores training leaves free (workers.py); None: all
-        self.threads: int | None = background_threads() if mode is Mode.OVERLAP else None
+        # the native threads of the work done beside training, the cores training leaves free
+        # (workers.py): overlap mode's copier, and the checksums and writes of overlap and
+        # blocking saves (both run after save() returns); None (streaming, which save() waits
+        # for): all
+        self.threads: int | None = None if mode is Mode.STREAMING else background_threads()
+        self.beside_training = mode is not Mode.STREAMING
         self.spill: SpillControl | None = None  # the device spill (overlap mode, opt-in)
         self.copy_event: Any = None  # the background copy's completion event, once enqueued
         self.enqueued = threading.Event()  # set once the background copy is enqueued (or failed)

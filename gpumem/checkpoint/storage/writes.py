@@ -42,7 +42,7 @@ def write_batches(
     lock = threading.Lock()
 
     def worker() -> None:
-        if snapshot.mode is Mode.OVERLAP:  # beside training, which must keep its cores
+        if snapshot.beside_training:  # training, which must keep its cores, goes on meanwhile
             lower_priority()
         while not errors:
             with lock:
@@ -102,7 +102,7 @@ class HostChecksums:
     def _main(self) -> None:
         snap = self.snapshot
         plan = snap.plan
-        if snap.mode is Mode.OVERLAP:  # beside training, which must keep its cores
+        if snap.beside_training:  # training, which must keep its cores, goes on meanwhile
             lower_priority()
         try:
             if not snap.batched or snap.mode is Mode.BLOCKING:  # the caller waits for the copy
