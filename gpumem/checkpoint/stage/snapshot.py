@@ -139,7 +139,6 @@ class Snapshot:
         # blocking saves (both run after save() returns); None (streaming, which save() waits
         # for): all
         self.threads: int | None = None if mode is Mode.STREAMING else background_threads()
-        self.beside_training = mode is not Mode.STREAMING
         self.spill: SpillControl | None = None  # the device spill (overlap mode, opt-in)
         self.copy_event: Any = None  # the background copy's completion event, once enqueued
         self.enqueued = threading.Event()  # set once the background copy is enqueued (or failed)
@@ -154,6 +153,12 @@ class Snapshot:
         self._sync_event: Any = None
         self._save_event: Any = None
         self._fence_events: tuple[Any, Any] | None = None  # (before, after) the fence's waits
+
+    @property
+    def beside_training(self) -> bool:
+        """Whether the checksums and writes run while training goes on (after save() returns):
+        every mode but streaming, which save() waits for."""
+        return self.mode is not Mode.STREAMING
 
     # ------------------------------------------------------------------ the caller's thread
 
