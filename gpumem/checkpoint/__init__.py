@@ -23,6 +23,7 @@ Modules:
     group         the private gloo group of checkpoint collectives and its roll call
     workers       the long-lived background threads (persist, overlap copy)
     lifecycle     what outlives a call: worker shutdown, close after `with`, close at exit
+    optimizer_hooks  the hooks on optimizers: overlap's fence, restore()'s prepare-ahead
     errors        CheckpointError and its kinds; the warnings
     capture       what a training state is: TrainingState, codec, replicated, DTensor blocks, boxes
     stage         host memory and the device: staging, plan, snapshot, host/device copies, spill

@@ -23,6 +23,7 @@ scaler, extras and stateful objects are always captured before save() returns.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import threading
 import time
@@ -34,11 +35,12 @@ from .capture.training_state import Capture, TrainingState, capture
 from .errors import CheckpointError, CheckpointStateError
 from .group import Group
 from .lifecycle import LIVE, close_after, stop_workers
+from .optimizer_hooks import OptimizerHooks, prepare_quietly
 from .restore import peers
 from .restore.candidates import StagedRestore, restore
 from .save import Save
 from .settings import CheckpointerConfig, check_positive, check_step
-from .stage.snapshot import Mode, Snapshot, fence_hook
+from .stage.snapshot import Mode, Snapshot
 from .stage.staging import Staging
 from .stats import SaveStats
 from .storage.commit import CommitOptions
@@ -118,8 +120,7 @@ class Checkpointer:
         self._workers = (Worker("gpumem-ckpt-persist"), Worker("gpumem-ckpt-copy"))
         weakref.finalize(self, stop_workers, self._workers)
         self._lock = threading.RLock()
-        self._hooked: dict[int, Any] = {}
-        self._prepare_hook: Any = None  # restore()'s one-shot post-step hook (_prepare_ahead)
+        self._hooks = OptimizerHooks()  # overlap's fences, restore()'s prepare-ahead
         self._last_save: tuple[int, dict[str, Any]] | None = None
         self._closed = False
         self.last_restore: StagedRestore | None = None  # a sharded one says what it read
@@ -342,34 +343,8 @@ class Checkpointer:
             verify_loaded=verify_loaded,
         )
         self.last_restore = staged or self.last_restore
-        self._prepare_ahead(model, optimizer)
+        _prepare_ahead(self, model, optimizer)
         return step
-
-    def _prepare_ahead(self, model: Any, optimizer: Any) -> None:
-        """After restore(): start the staging arena of these objects' first save in the
-        background (as ``prepare()``), so that save copies into memory already faulted in
-        instead of paying its page faults on the critical path. An optimizer with no state yet
-        (a fresh start: AdamW makes its state in the first ``step()``) is sized once its first
-        step has made it, by a one-shot post-step hook."""
-        if self.read_only is not None or (model is None and optimizer is None):
-            return
-        if self._staging.allocated or self._prepare_hook is not None:
-            return
-        if optimizer is None or len(optimizer.state) > 0:
-            _prepare_quietly(self, model, optimizer)
-            return
-        ref = weakref.ref(self)
-
-        def after_first_step(opt: Any, args: Any, kwargs: Any) -> None:
-            ck = ref()
-            if ck is None or ck._prepare_hook is None:
-                return
-            ck._prepare_hook.remove()
-            ck._prepare_hook = None
-            if not ck._closed and not ck._staging.allocated:
-                _prepare_quietly(ck, model, opt)
-
-        self._prepare_hook = optimizer.register_step_post_hook(after_first_step)
 
     # ------------------------------------------------------------------ wait / close
 
@@ -408,12 +383,7 @@ class Checkpointer:
             self._closed = True
             self.tiers.close()
             stop_workers(self._workers)
-            for handle in self._hooked.values():
-                handle.remove()
-            self._hooked.clear()
-            if self._prepare_hook is not None:
-                self._prepare_hook.remove()
-                self._prepare_hook = None
+            self._hooks.remove()
             self._staging.close()
             self._root.close()
             LIVE.discard(self)
@@ -430,31 +400,25 @@ class Checkpointer:
             raise CheckpointError("this Checkpointer is closed; create a new one")
 
 
-def _prepare_quietly(ckpt: Checkpointer, model: Any, optimizer: Any) -> None:
-    """``prepare()`` on restore()'s behalf: an ahead-of-time allocation, so a failure to size
-    or start it is a warning (the first save() allocates its arena then); a failure of the
-    background allocation itself is raised by the next save() or wait(), as for prepare()."""
-    try:
-        ckpt.prepare(model, optimizer)
-    except Exception as exc:  # never the reason a restore or a training step fails
-        warnings.warn(
-            f"gpumem: could not prepare the staging arena ahead of the first save ({exc}); "
-            "the first save() allocates it instead",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+def _prepare_ahead(ckpt: Checkpointer, model: Any, optimizer: Any) -> None:
+    """restore()'s prepare of the first save's arena (see its docstring), so that save copies
+    into memory already faulted in instead of paying its page faults."""
+    if (model is not None or optimizer is not None) and ckpt.read_only is None:
+        prepare = functools.partial(_prepare_later, weakref.ref(ckpt), model)
+        ckpt._hooks.prepare_ahead(optimizer, prepare)
 
 
-def _fence_once(ckpt: Checkpointer, optimizer: Any) -> None:
-    """The optimizer's pre-step hook that fences overlap mode's background copy (once)."""
-    if id(optimizer) not in ckpt._hooked:
-        ref = weakref.ref(ckpt)
+def _prepare_later(ref: weakref.ref[Checkpointer], model: Any, optimizer: Any) -> None:
+    """restore()'s prepare-ahead, unless the arena exists (or the Checkpointer is gone)."""
+    ck = ref()
+    if ck is not None and not ck._closed and not ck._staging.allocated:
+        prepare_quietly(ck.prepare, model, optimizer)
 
-        def snapshot() -> Snapshot | None:
-            job = c._job if (c := ref()) is not None else None
-            return job.snapshot if job is not None else None
 
-        ckpt._hooked[id(optimizer)] = optimizer.register_step_pre_hook(fence_hook(snapshot))
+def _snapshot_in_flight(ref: weakref.ref[Checkpointer]) -> Snapshot | None:
+    """What overlap's fence waits for: the snapshot of the save in flight, if any."""
+    job = ck._job if (ck := ref()) is not None else None
+    return job.snapshot if job is not None else None
 
 
 def _stage_and_commit(
@@ -474,7 +438,9 @@ def _stage_and_commit(
         ckpt._wait_previous()  # one slot streams through the whole budget: no second one
     mode = Mode.STREAMING if plan.streaming else Mode.OVERLAP if overlap else Mode.BLOCKING
     if mode is Mode.OVERLAP:
-        _fence_once(ckpt, state.optimizer)
+        ckpt._hooks.fence(
+            state.optimizer, functools.partial(_snapshot_in_flight, weakref.ref(ckpt))
+        )
     stats = SaveStats(step, sum(p.nbytes for p in plan.pieces), mode.value)
     snap, slot, victim = ckpt._staging.snapshot(
         table, plan, mode, stats=stats, t0=t0, copier=ckpt._workers[1]

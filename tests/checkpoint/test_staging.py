@@ -556,7 +556,7 @@ def test_restore_of_a_fresh_start_prepares_the_arena_after_the_first_step(tmp_pa
         assert ck.restore(model=model, optimizer=opt) is None
         assert not ck._staging.allocated and prepared == []
         _train_step(model, opt)
-        assert ck._staging.allocated and ck._prepare_hook is None
+        assert ck._staging.allocated and not ck._hooks.prepare_pending
         assert ck.wait()  # the arena is installed and faulted in
         _train_step(model, opt)  # the hook ran once: no second arena
         st = ck.save(1, model=model, optimizer=opt, blocking=True)
@@ -574,14 +574,14 @@ def test_restore_of_a_checkpoint_prepares_the_arena_at_once(tmp_path):
     model2, opt2 = _fresh_model_and_opt()
     with gpumem.Checkpointer(tmp_path) as ck:
         assert ck.restore(model=model2, optimizer=opt2) == 3
-        assert ck._staging.allocated and ck._prepare_hook is None
+        assert ck._staging.allocated and not ck._hooks.prepare_pending
         assert ck.wait()
         st = ck.save(4, model=model2, optimizer=opt2, blocking=True)
         ck.wait()
         assert st.committed and st.cold_bytes == 0
     with gpumem.Checkpointer(tmp_path, read_only=True) as ro:  # never saves: no arena
         assert ro.restore(model=model2, optimizer=opt2) == 4
-        assert not ro._staging.allocated and ro._prepare_hook is None
+        assert not ro._staging.allocated and not ro._hooks.prepare_pending
 
 
 def test_prepare_ahead_never_fails_the_restore_or_the_step(tmp_path, monkeypatch):
@@ -590,7 +590,7 @@ def test_prepare_ahead_never_fails_the_restore_or_the_step(tmp_path, monkeypatch
     assert ck.restore(model=model, optimizer=opt) is None
     ck.close()  # closed before the first step: the hook is gone with it
     _train_step(model, opt)
-    assert ck._prepare_hook is None and not ck._staging.allocated
+    assert not ck._hooks.prepare_pending and not ck._staging.allocated
 
     def broken(*args, **kwargs):
         raise RuntimeError("sizing failed")
