@@ -40,7 +40,7 @@ from .restore import peers
 from .restore.candidates import StagedRestore, restore
 from .save import Save
 from .settings import CheckpointerConfig, check_positive, check_step
-from .stage.snapshot import Mode, Snapshot
+from .stage.snapshot import Mode, Snapshot, pipelines
 from .stage.staging import Staging
 from .stats import SaveStats
 from .storage.commit import CommitOptions
@@ -433,7 +433,7 @@ def _stage_and_commit(
     """The save's snapshot (its mode and staging slot) and its commit, ready to run."""
     table, cfg = captured.table, ckpt.config
     overlap = cfg.overlap and not blocking and state.optimizer is not None
-    plan = ckpt._staging.plan(table, not table.has_cuda, new_memory)
+    plan = ckpt._staging.plan(table, pipelines(table, overlap), new_memory)
     if plan.streaming and ckpt._staging.coalescer is not None:
         ckpt._wait_previous()  # one slot streams through the whole budget: no second one
     mode = Mode.STREAMING if plan.streaming else Mode.OVERLAP if overlap else Mode.BLOCKING

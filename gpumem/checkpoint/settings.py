@@ -57,8 +57,10 @@ class CheckpointerConfig:
         segment_bytes: size of each data file when the state fits the budget. A blocking save
             writes the files once the whole state is staged (a write beside the copy would slow
             the copy the caller waits for), so time to durable ~ copy + write; an overlap save
-            of host tensors writes file b while it copies batch b+1, in files of at most an
-            eighth of the state (at least 16 MiB); when streaming, file b is written while batch
+            of host tensors copied beside training writes file b while it copies batch b+1, in
+            files of at most an eighth of the state (at least 16 MiB); one copied at once (no
+            core free beside training) keeps whole segments, as each file adds its creation and
+            sync to the CPU taken from training; when streaming, file b is written while batch
             b+1 is copied.
         lock_timeout_s: rank 0 holds a lock on ``directory`` while the Checkpointer is open, so two
             jobs never write it at once; a new job waits this long for an old one (e.g. a preempted

@@ -445,6 +445,49 @@ def test_saves_reuse_two_threads_which_end_at_close(tmp_path, monkeypatch):
     assert torch.equal(fresh.weight, want)
 
 
+def test_only_a_save_that_writes_beside_its_copy_cuts_its_state_into_small_files(
+    tmp_path, monkeypatch
+):
+    """42 MiB of host state, segment_bytes 256 MiB: an overlap save copied beside training
+    writes 16 MiB files (file b beside the copy of batch b+1); one copied at once (no core
+    free) and a blocking save write one file, as their writes follow the whole copy and every
+    file only adds its creation and sync to the CPU taken from training. Each restores exactly."""
+    from gpumem.checkpoint import workers
+
+    monkeypatch.delenv("GPUMEM_SAVE_THREADS", raising=False)
+    threads = torch.get_num_threads()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1870, 1870)  # 3.5 M parameters: 14 MiB, 42 MiB with AdamW's state
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 1870)).sum().backward()
+    opt.step()
+    state = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+    files = {}
+    try:
+        for case, free, blocking in (
+            ("beside", True, False),
+            ("at once", False, False),
+            ("blocking", True, True),
+        ):
+            cores = threads + (1 if free else 0)
+            monkeypatch.setattr(workers.os, "sched_getaffinity", lambda _, n=cores: set(range(n)))
+            with gpumem.Checkpointer(tmp_path / case, keep=1) as ck:
+                st = ck.save(1, model=model, optimizer=opt, blocking=blocking)
+                want = {k: v.clone() for k, v in model.state_dict().items()}
+                ck.wait()
+                assert st.committed
+            step = tmp_path / case / "step-000000001"
+            files[case] = sorted(p.name for p in step.glob("data-*.bin"))
+            fresh = torch.nn.Linear(1870, 1870)
+            with gpumem.Checkpointer(tmp_path / case) as ck:
+                assert ck.restore(model=fresh) == 1
+            assert all(torch.equal(v, want[k]) for k, v in fresh.state_dict().items())
+    finally:
+        torch.set_num_threads(threads)
+    assert len(files["beside"]) == -(-state // (16 << 20))  # 3 files of at most 16 MiB
+    assert files["at once"] == files["blocking"] == ["data-r00000-0000.bin"]
+
+
 def test_overlap_copies_at_once_when_no_core_is_free(tmp_path, monkeypatch):
     # torch on every core, GPUMEM_SAVE_THREADS unset: the overlap save copies the host tensors
     # inside save() (no copier thread, no hook wait), CRCs computed by that copy, and restores

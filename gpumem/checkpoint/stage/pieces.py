@@ -237,9 +237,10 @@ def crc_chunk(table: TensorTable, chunk_bytes: int | None, replicated: bool) -> 
 
 
 def segment_for(table: TensorTable, segment_bytes: int, chunk: int, pipelined: bool) -> int:
-    """The data file size of a save: ``segment_bytes``; a save over host tensors (``pipelined``)
-    writes each file beside the copy of the next, so it cuts its state into eight or more files
-    (of at least 16 MiB) and the copy before the first write stays short."""
+    """The data file size of a save: ``segment_bytes``; a save that writes each file beside the
+    copy of the next (``pipelined``: overlap mode over host tensors copied beside training) cuts
+    its state into eight or more files (of at least 16 MiB), so the copy before the first write
+    stays short."""
     if not pipelined:
         return segment_bytes
     total = sum(t.numel() * t.element_size() for t in table.tensors)

@@ -109,7 +109,7 @@ class Snapshot:
         # overlap mode over host tensors with no core free for a background copy: copied at
         # once on the caller's thread with every core, CRCs included (workers.py says why);
         # only the writes then run beside training
-        self.copy_now = mode is Mode.OVERLAP and not table.has_cuda and not copy_beside_training()
+        self.copy_now = copies_at_once(table, mode is Mode.OVERLAP)
         self.batched = mode is Mode.STREAMING or (
             mode is Mode.OVERLAP
             and not table.has_cuda
@@ -367,6 +367,20 @@ class Snapshot:
         if not self.staged.is_set():
             self.stats.staged_s = time.perf_counter() - self.t0
             self.staged.set()
+
+
+def copies_at_once(table: TensorTable, overlap: bool) -> bool:
+    """Whether an overlap save of ``table`` copies at once on the caller's thread: host tensors
+    with no core free for a copy beside training (``workers.copy_beside_training``)."""
+    return overlap and not table.has_cuda and not copy_beside_training()
+
+
+def pipelines(table: TensorTable, overlap: bool) -> bool:
+    """Whether a save's data files are written beside the copy of the next (a snapshot in
+    ``batched`` mode when the state fits): overlap mode over host tensors copied beside
+    training. Only then do its files pay to be small (``pieces.segment_for``); elsewhere each
+    file only adds its creation and sync to the CPU the save takes from training."""
+    return overlap and not table.has_cuda and not copies_at_once(table, overlap)
 
 
 def fence_hook(snapshot: Callable[[], Snapshot | None]) -> Callable[..., None]:

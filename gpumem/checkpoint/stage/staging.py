@@ -88,8 +88,8 @@ class Staging:
     def plan(
         self, table: TensorTable, pipelined: bool, new_memory: int | None = None
     ) -> StagingPlan:
-        """The staging plan of a save of ``table`` (``pipelined``: a save over host tensors,
-        which writes each data file beside the copy of the next). ``new_memory``: at
+        """The staging plan of a save of ``table`` (``pipelined``: a save that writes each data
+        file beside the copy of the next, ``snapshot.pipelines``). ``new_memory``: at
         most this many bytes of staging memory that is not allocated yet (PreemptionGuard's
         final save): a state larger than the arena there is then streams through at most that
         much (or through the arena, if larger) instead of allocating all of it."""
