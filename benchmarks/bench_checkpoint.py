@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import checkpoint_peers
-from _report import Figure, figure, machine_info, ratio_figure, write_results
+from _report import Figure, figure, machine_info, ratio_figure, steal_ticks, write_results
 
 import gpumem
 from gpumem.arena import HostArena
@@ -676,16 +676,6 @@ def bench_loop(
         torch.set_num_threads(old)
 
 
-def _steal_ticks() -> int:
-    """This machine's stolen CPU time so far (/proc/stat, clock ticks): the hypervisor running
-    something else, on a VM the host's emulation of this guest's disk I/O among it."""
-    try:
-        with open("/proc/stat") as f:
-            return int(f.readline().split()[8])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
 class _RawCheckpoint:
     """The floor of a checkpoint in the loop: the state copied into a locked buffer on the
     training thread (all cores, as a save with no free core copies), then written with O_DIRECT
@@ -759,7 +749,7 @@ def _bench_loop(
     steal: dict[str, list[int]] = {k: [] for k in labels}  # stolen ticks per block
     for block in range(max(2, steps // (2 * every))):
         for label in labels:
-            s0 = _steal_ticks()
+            s0 = steal_ticks()
             for i in range(2 * every):
                 t0 = time.perf_counter()
                 step()
@@ -772,7 +762,7 @@ def _bench_loop(
                 ts[label].append(time.perf_counter() - t0)
             ck.wait()
             raw.wait()
-            steal[label].append(_steal_ticks() - s0)
+            steal[label].append(steal_ticks() - s0)
     ck.close()
     shutil.rmtree(root / "loop")
     # the floor copy of this state alone: its tensors copied into preallocated buffers
@@ -1341,7 +1331,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--every", type=int, default=5, help="checkpoint interval of the training-loop test"
     )
-    ap.add_argument("--steps", type=int, default=40, help="steps of the training-loop test")
+    ap.add_argument(
+        "--steps", type=int, default=100, help="steps of each mode of the training-loop test"
+    )
     ap.add_argument(
         "--spill-bytes",
         default="0",
