@@ -25,6 +25,7 @@ without the collective deadline (rank 0 may wait ``lock_timeout_s`` for a job be
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import time
@@ -46,7 +47,7 @@ class Group:
         dist = _dist()
         if dist is not None and dist.is_initialized() and dist.get_world_size() > 1:
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-            self.pg = dist.new_group(backend="gloo")
+            self.pg = _new_gloo_group(dist)
             store = default_store()
             if store is not None:
                 self.roll = RollCall(store, self.rank, self.world_size, timeout_s)
@@ -61,7 +62,7 @@ class Group:
         dist = _dist()
         if dist is not None and dist.is_initialized() and dist.get_world_size() > 1:
             g.rank, g.world_size = dist.get_rank(), dist.get_world_size()
-            g.pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            g.pg = _new_gloo_group(dist, timedelta(seconds=timeout_s))
         return g
 
     def join(self, what: str) -> None:
@@ -159,6 +160,31 @@ def _peers_gone() -> Iterator[None]:
             "a collective with the other ranks failed: a rank died, left, or is stuck past "
             f"collective_timeout_s; nothing was committed ({str(exc)[:300]})"
         ) from exc
+
+
+def _new_gloo_group(dist: Any, timeout: timedelta | None = None) -> Any:
+    """A new gloo group over every rank (collectively), ``timeout`` or torch's default."""
+    global _EXIT_HOOK
+    pg = dist.new_group(backend="gloo", **({} if timeout is None else {"timeout": timeout}))
+    if not _EXIT_HOOK:
+        _EXIT_HOOK = True
+        atexit.register(_let_gloo_threads_finish)
+    return pg
+
+
+def _let_gloo_threads_finish() -> None:
+    """At interpreter exit, give gloo's worker threads the GIL once more. A gloo collective's
+    worker drops its last reference to the collective's tensors after the caller has seen it
+    complete, and that needs the GIL; a process that exits right after a collective (say a
+    rank that raised on a directory it cannot open) finalizes Python while the worker waits
+    for it, and Python's finalization ends such a thread with an unwind that aborts the whole
+    process ("terminate called without an active exception", SIGABRT). Sleeping here, before
+    finalization begins and with the GIL released, lets the waiting worker finish."""
+    time.sleep(_EXIT_GRACE_S)
+
+
+_EXIT_HOOK = False  # _let_gloo_threads_finish is registered (once per process)
+_EXIT_GRACE_S = 0.05
 
 
 def _dist():

@@ -54,8 +54,21 @@ def test_two_ranks_gloo(tmp_path):
 def test_a_directory_rank_0_cannot_open_fails_every_rank_at_once(tmp_path):
     """Rank 0 refuses a hostile ``.lock``; the other rank is told so instead of waiting for rank 0
     in a collective (issue #14)."""
+    _open_a_hostile_directory_on_two_ranks(tmp_path)
+
+
+@pytest.mark.slow
+def test_ranks_that_exit_right_after_a_collective_exit_cleanly(tmp_path):
+    """Each rank exits right after the failed open (a gloo collective just done): gloo's worker
+    still had to drop the collective's tensors, which needs the GIL, and without the exit hook
+    of ``group.py`` Python's finalization killed it mid-unwind: SIGABRT in 1 run of 4 here."""
+    for i in range(8):
+        _open_a_hostile_directory_on_two_ranks(tmp_path / str(i))
+
+
+def _open_a_hostile_directory_on_two_ranks(tmp_path):
     root, canary = tmp_path / "ck", tmp_path / "canary"
-    root.mkdir()
+    root.mkdir(parents=True)
     canary.write_text("someone's file")
     (root / ".lock").symlink_to(canary)
     env = dict(
