@@ -54,14 +54,13 @@ class CheckpointerConfig:
         direct_io: write data files with O_DIRECT from the page-aligned arena: no second copy
             into the page cache (less CPU taken from training, no cache pollution). File systems
             that refuse O_DIRECT get buffered writes.
-        segment_bytes: size of each data file when the state fits the budget. A blocking save
-            writes the files once the whole state is staged (a write beside the copy would slow
-            the copy the caller waits for), so time to durable ~ copy + write; an overlap save
-            of host tensors copied beside training writes file b while it copies batch b+1, in
-            files of at most an eighth of the state (at least 16 MiB); one copied at once (no
-            core free beside training) keeps whole segments, as each file adds its creation and
-            sync to the CPU taken from training; when streaming, file b is written while batch
-            b+1 is copied.
+        segment_bytes: size of each data file when the state fits the budget. A save of host
+            tensors, blocking or overlap copied beside training, writes file b while it copies
+            batch b+1, in files of at most an eighth of the state (at least 16 MiB), so time to
+            durable ~ the first file's copy + the write; an overlap save copied at once (no core
+            free beside training) writes whole segments once its copy is done, as each file
+            written beside that copy lengthened the stall of the training loop; when streaming,
+            file b is written while batch b+1 is copied. CUDA state is written once staged.
         lock_timeout_s: rank 0 holds a lock on ``directory`` while the Checkpointer is open, so two
             jobs never write it at once; a new job waits this long for an old one (e.g. a preempted
             pod still flushing its final save) to release it, then raises CheckpointStateError.

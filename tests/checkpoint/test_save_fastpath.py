@@ -448,10 +448,10 @@ def test_saves_reuse_two_threads_which_end_at_close(tmp_path, monkeypatch):
 def test_only_a_save_that_writes_beside_its_copy_cuts_its_state_into_small_files(
     tmp_path, monkeypatch
 ):
-    """42 MiB of host state, segment_bytes 256 MiB: an overlap save copied beside training
-    writes 16 MiB files (file b beside the copy of batch b+1); one copied at once (no core
-    free) and a blocking save write one file, as their writes follow the whole copy and every
-    file only adds its creation and sync to the CPU taken from training. Each restores exactly."""
+    """42 MiB of host state, segment_bytes 256 MiB: an overlap save copied beside training and
+    a blocking save write 16 MiB files (file b beside the copy of batch b+1); one copied at once
+    (no core free) writes one file, as its write follows the whole copy and every file only
+    adds its creation and sync to the CPU taken from training. Each restores exactly."""
     from gpumem.checkpoint import workers
 
     monkeypatch.delenv("GPUMEM_SAVE_THREADS", raising=False)
@@ -485,7 +485,46 @@ def test_only_a_save_that_writes_beside_its_copy_cuts_its_state_into_small_files
     finally:
         torch.set_num_threads(threads)
     assert len(files["beside"]) == -(-state // (16 << 20))  # 3 files of at most 16 MiB
-    assert files["at once"] == files["blocking"] == ["data-r00000-0000.bin"]
+    assert files["blocking"] == files["beside"]
+    assert files["at once"] == ["data-r00000-0000.bin"]
+
+
+def test_a_blocking_save_writes_its_first_file_while_it_copies_the_next(tmp_path, monkeypatch):
+    """A blocking save of host state in several files writes file 0 beside the copy of batch 1
+    (time to durable ~ the first batch's copy + the write, not the whole copy + the write):
+    the copy of batch 1 waits here until the first write has begun, which never happens if the
+    writes wait for the whole copy (the wait then times out)."""
+    import gpumem.checkpoint.storage.commit as commit_mod
+
+    monkeypatch.setenv("GPUMEM_SAVE_THREADS", "1")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1870, 1870)  # 14 MiB of parameters: one 16 MiB file and a rest
+    writing = threading.Event()
+    copies: list[bool] = []
+    real_copy, real_write = snapshot_mod.copy_pieces, commit_mod.write_batches
+
+    def copy(*args, **kwargs):
+        if len(copies) == 1:  # batch 1: the write of file 0 must be under way already
+            copies.append(writing.wait(timeout=60))
+        else:
+            copies.append(True)
+        return real_copy(*args, **kwargs)
+
+    def write(tmp, snap, rank, batches, direct):
+        writing.set()
+        return real_write(tmp, snap, rank, batches, direct)
+
+    monkeypatch.setattr(snapshot_mod, "copy_pieces", copy)
+    monkeypatch.setattr(commit_mod, "write_batches", write)
+    with gpumem.Checkpointer(tmp_path, keep=1, overlap=False, segment_bytes=8 << 20) as ck:
+        st = ck.save(1, model=model)
+        ck.wait()
+        assert st.committed
+    assert len(copies) >= 2 and all(copies)  # one copy call per batch; batch 1's found a write
+    fresh = torch.nn.Linear(1870, 1870)
+    with gpumem.Checkpointer(tmp_path) as ck:
+        assert ck.restore(model=fresh) == 1
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
 
 
 def test_overlap_copies_at_once_when_no_core_is_free(tmp_path, monkeypatch):
