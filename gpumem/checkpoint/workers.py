@@ -9,8 +9,9 @@ the whole region, so the loop loses far more than the background work costs. Two
 it small: the background work runs on at most ``background_threads()`` native threads, the
 cores the training process leaves free (at least one), and the checksum and write threads,
 which have until the next save to finish, run at a lower priority (``lower_priority``) than
-training, so the scheduler gives training its cores first; the overlap copy keeps the normal
-priority, since the next ``optimizer.step()`` waits for it.
+training, so the scheduler gives training its cores first (one file written alone is written
+by the long-lived persist thread, which keeps the normal priority); the overlap copy keeps the
+normal priority, since the next ``optimizer.step()`` waits for it.
 """
 
 from __future__ import annotations

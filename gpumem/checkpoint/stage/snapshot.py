@@ -17,7 +17,7 @@ mode over host tensors copied beside training, and blocking mode over host tenso
 batches pipeline the same way, every batch resident: batch b is written beside the copy of b+1,
 so the write hides the copy instead of following it. Blocking mode computes no checksum before
 the whole state is staged, so no checksum thread takes a core from the copy the caller waits
-for (the writes, lower in priority, take little CPU: DMA from the arena). An overlap save
+for (the writes take little CPU: DMA from the arena). An overlap save
 copied at once (no core free) keeps its copy alone, writing only after it: there the stall is
 the training loop's, and each file written beside the copy lengthened it.
 
