@@ -242,40 +242,45 @@ class Checkpointer:
         )
 
     def prepare(
-        self,
-        model: Any = None,
-        optimizer: Any = None,
-        nbytes: int | None = None,
-        background: bool = True,
+        self, model: Any = None, optimizer: Any = None, nbytes: int | None = None, background=True
     ) -> int:
         """Allocate the host staging arena ahead of the first save() and start faulting it in
         and locking it (or pre-faulting it) on a native background thread, in chunks, without
         the GIL; a first save() without it copies into fresh memory and pays its page faults.
 
-        The arena is sized from ``model`` and ``optimizer`` (its state as far as it exists now:
-        AdamW makes ``exp_avg``/``exp_avg_sq`` in its first ``step()``, so call this after it, or
-        pass ``nbytes``, e.g. 3x the parameter bytes), clamped to ``staging_bytes``, and
-        allocated on a background thread unless ``background=False`` (which also waits for the
-        fault-in). A later save() reuses it without waiting for the fault-in (it copies beside
-        it; ``SaveStats.cold_bytes``), and grows it if the state became larger.
+        The arena is sized from ``model`` and ``optimizer``, clamped to ``staging_bytes``; an
+        optimizer without state yet (AdamW makes ``exp_avg``/``exp_avg_sq`` in its first
+        ``step()``) is sized after that step (a one-shot post-step hook), so call this once
+        before training, or pass ``nbytes``. ``background=False`` allocates on this thread and
+        waits for the fault-in. A later save() reuses the arena without waiting for the
+        fault-in (it copies beside it; ``SaveStats.cold_bytes``) and grows it if need be.
 
         Returns:
-            The staging size in bytes being prepared (0: the current arena is big enough).
+            The staging bytes being prepared now (0: none, the arena is big enough or is sized
+            after the optimizer's first step).
 
         Raises:
             CheckpointError: a background failure of a previous save or prepare(); this
                 allocation's failure is raised by the next save() or wait() (by prepare() itself
                 with ``background=False``).
         """
+        self._check_open()
+        check_positive("nbytes", nbytes)
+        if nbytes is None and model is None and optimizer is None:
+            raise CheckpointStateError("prepare() needs a model, an optimizer or nbytes")
+        if nbytes is None and optimizer is not None and len(optimizer.state) == 0:
+            later = functools.partial(_prepare_later, weakref.ref(self), model)
+            self._hooks.prepare_ahead(optimizer, later)
+            return 0
+        return self._prepare(model, optimizer, nbytes, background)
+
+    def _prepare(self, model: Any, optimizer: Any, nbytes: int | None = None, bg=True) -> int:
         with self._lock:
             self._check_open()
-            check_positive("nbytes", nbytes)
-            if nbytes is None and model is None and optimizer is None:
-                raise CheckpointStateError("prepare() needs a model, an optimizer or nbytes")
             if nbytes is None:  # what a save of these objects stages (replicated: this share)
                 state = TrainingState(model=model, optimizer=optimizer)
                 nbytes = self._staging.arena_bytes(self._capture(0, state).table)
-            return self._staging.prepare(nbytes, background)
+            return self._staging.prepare(nbytes, bg)
 
     # ------------------------------------------------------------------ restore
 
@@ -310,10 +315,8 @@ class Checkpointer:
         partitioned by rank must re-partition itself, and ranks mapped to one saved rank draw
         the same random numbers unless reseeded (or pass ``rng=False``).
 
-        Then (unless read-only) the staging arena of the first save is allocated and faulted
-        in on a background thread, as ``prepare()`` does, sized from these objects: at once
-        when the optimizer has state (restored, or none given), else after its first
-        ``step()`` (AdamW makes its state there), so the first save() finds warm memory.
+        Then (unless read-only) the first save's staging arena is prepared as ``prepare()``
+        does for these objects, so the first save() finds warm memory.
 
         Returns the restored step, or None when the directory holds no checkpoint at all.
 
@@ -401,18 +404,16 @@ class Checkpointer:
 
 
 def _prepare_ahead(ckpt: Checkpointer, model: Any, optimizer: Any) -> None:
-    """restore()'s prepare of the first save's arena (see its docstring), so that save copies
-    into memory already faulted in instead of paying its page faults."""
+    """restore()'s prepare() of the first save's arena; a failure here is only a warning."""
     if (model is not None or optimizer is not None) and ckpt.read_only is None:
-        prepare = functools.partial(_prepare_later, weakref.ref(ckpt), model)
-        ckpt._hooks.prepare_ahead(optimizer, prepare)
+        prepare_quietly(ckpt.prepare, model, optimizer)
 
 
 def _prepare_later(ref: weakref.ref[Checkpointer], model: Any, optimizer: Any) -> None:
-    """restore()'s prepare-ahead, unless the arena exists (or the Checkpointer is gone)."""
+    """prepare() once the optimizer has stepped (its state exists if it keeps any)."""
     ck = ref()
-    if ck is not None and not ck._closed and not ck._staging.allocated:
-        prepare_quietly(ck.prepare, model, optimizer)
+    if ck is not None and not ck._closed:
+        prepare_quietly(ck._prepare, model, optimizer)
 
 
 def _snapshot_in_flight(ref: weakref.ref[Checkpointer]) -> Snapshot | None:

@@ -3,8 +3,9 @@
 - overlap mode's fence: a pre-step hook on each optimizer a save was given, that waits for (or
   on CUDA fences the optimizer's stream behind) the background copy of the save in flight, so
   ``step()`` never mutates a tensor mid-copy (``stage.snapshot.fence_hook``);
-- restore()'s prepare-ahead: a one-shot post-step hook that sizes and starts the first save's
-  staging arena once the first ``step()`` has made the optimizer's state (AdamW makes it there).
+- prepare()'s (and so restore()'s) prepare-ahead: a one-shot post-step hook that sizes and starts
+  the first save's staging arena once the first ``step()`` has made the optimizer's state (AdamW
+  makes it there).
 
 Each hook holds only what it is given (a callable that looks the Checkpointer up through a weak
 reference), so a dropped Checkpointer is never kept alive by the optimizer it hooked.
@@ -37,12 +38,9 @@ class OptimizerHooks:
         return self._prepare is not None
 
     def prepare_ahead(self, optimizer: Any, prepare: Callable[[Any], None]) -> None:
-        """Call ``prepare(optimizer)`` now if the optimizer has state to size (or there is no
-        optimizer), else once after its next ``step()``, which makes it (AdamW's moments)."""
+        """Call ``prepare(optimizer)`` once after its next ``step()``, which makes its state
+        (AdamW's moments); a second call while one is pending is ignored."""
         if self._prepare is not None:
-            return
-        if optimizer is None or len(optimizer.state) > 0:
-            prepare(optimizer)
             return
 
         def once(opt: Any, args: Any, kwargs: Any) -> None:

@@ -129,3 +129,69 @@ def test_hf_callback_interval_is_named_as_in_lightning_and_save_strategy_is_chec
     again.close()
     assert trainer.state.global_step == 2
     assert not Path(stub).exists()  # the stub is gone once the Trainer read it
+
+
+def _arena_at_first_save(monkeypatch) -> list[bool]:
+    """Whether the staging arena existed when each save() began (spying on the Checkpointer)."""
+    from gpumem.checkpoint import Checkpointer
+
+    seen: list[bool] = []
+    real = Checkpointer.save
+
+    def spy(self, *args, **kwargs):
+        seen.append(self._staging.allocated)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Checkpointer, "save", spy)
+    return seen
+
+
+def test_hf_fresh_run_prepares_the_first_saves_arena(tmp_path, monkeypatch):
+    """Nothing to resume: the callback still prepares the arena (after the optimizer's first
+    step, which makes AdamW's state), so the first periodic save does not allocate it."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from gpumem.integrations.hf import CheckpointCallback
+
+    seen = _arena_at_first_save(monkeypatch)
+    cb = CheckpointCallback(tmp_path / "ck", every_n_train_steps=1)
+    trainer = _tiny_trainer(tmp_path, cb, max_steps=2, save_strategy="no")
+    assert cb.resume_from(trainer) is None
+    trainer.train()
+    cb.close()
+    assert seen == [True, True]
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_lightning_fresh_run_prepares_the_first_saves_arena(tmp_path, monkeypatch, resume):
+    pytest.importorskip("lightning")
+    import lightning.pytorch as pl
+    from torch import nn
+
+    from gpumem.integrations.lightning import CheckpointCallback
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.lin(batch).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    seen = _arena_at_first_save(monkeypatch)
+    cb = CheckpointCallback(tmp_path / "ck", every_n_train_steps=1, resume=resume)
+    trainer = pl.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cb],
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(Tiny(), torch.utils.data.DataLoader(torch.randn(8, 2), batch_size=4))
+    assert seen == [True, True]

@@ -605,3 +605,56 @@ def test_prepare_ahead_never_fails_the_restore_or_the_step(tmp_path, monkeypatch
         st = ck.save(0, model=model, optimizer=opt, blocking=True)  # allocates it itself
         ck.wait()
         assert st.committed
+
+
+def test_prepare_before_the_first_step_sizes_the_arena_after_it(tmp_path):
+    """prepare() of a fresh AdamW (no state before its first step()) waits for that step and
+    sizes the arena for the state it made: the first save copies into it, no second arena."""
+    model, opt = _fresh_model_and_opt()
+    with gpumem.Checkpointer(tmp_path) as ck:
+        assert ck.prepare(model, opt) == 0
+        assert not ck._staging.allocated and ck._hooks.prepare_pending
+        _train_step(model, opt)
+        assert ck._staging.allocated and not ck._hooks.prepare_pending
+        assert ck.wait()  # installed and faulted in
+        arena = ck._staging.arena
+        st = ck.save(1, model=model, optimizer=opt, blocking=True)
+        ck.wait()
+        assert st.committed and st.cold_bytes == 0 and ck._staging.arena is arena
+        assert arena.nbytes >= st.nbytes >= sum(t.nbytes for t in _bytes_of(model, opt))
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert st.nbytes >= 3 * params  # the moments AdamW made in that step are in it
+
+
+def test_prepare_of_an_optimizer_that_keeps_no_state_sizes_after_one_step(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # no momentum: nothing to keep
+    opt.state.clear()
+    with gpumem.Checkpointer(tmp_path) as ck:
+        assert ck.prepare(model=model, optimizer=opt) == 0
+        _train_step(model, opt)
+        assert ck._staging.allocated and not ck._hooks.prepare_pending  # not deferred again
+        arena = ck._staging.arena
+        _train_step(model, opt)
+        assert ck._staging.arena is arena and not ck._hooks.prepare_pending
+
+
+def test_a_prepare_after_the_first_step_that_fails_is_a_warning_not_the_steps_failure(
+    tmp_path, monkeypatch
+):
+    model, opt = _fresh_model_and_opt()
+    with gpumem.Checkpointer(tmp_path) as ck:
+        ck.prepare(model, opt)
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("sizing failed")
+
+        monkeypatch.setattr(ck, "_prepare", broken)
+        with pytest.warns(RuntimeWarning, match="could not prepare the staging arena"):
+            _train_step(model, opt)
+        monkeypatch.undo()
+        assert not ck._staging.allocated
+        st = ck.save(0, model=model, optimizer=opt, blocking=True)  # allocates it itself
+        ck.wait()
+        assert st.committed
