@@ -35,7 +35,7 @@ from .capture.training_state import Capture, TrainingState, capture
 from .errors import CheckpointError, CheckpointStateError
 from .group import Group
 from .lifecycle import LIVE, close_after, stop_workers
-from .optimizer_hooks import OptimizerHooks, prepare_quietly
+from .optimizer_hooks import OptimizerHooks, prepare_first_save, prepare_quietly
 from .restore import peers
 from .restore.candidates import StagedRestore, restore
 from .save import Save
@@ -346,7 +346,7 @@ class Checkpointer:
             verify_loaded=verify_loaded,
         )
         self.last_restore = staged or self.last_restore
-        _prepare_ahead(self, model, optimizer)
+        prepare_first_save(self, model, optimizer)
         return step
 
     # ------------------------------------------------------------------ wait / close
@@ -401,12 +401,6 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; create a new one")
-
-
-def _prepare_ahead(ckpt: Checkpointer, model: Any, optimizer: Any) -> None:
-    """restore()'s prepare() of the first save's arena; a failure here is only a warning."""
-    if (model is not None or optimizer is not None) and ckpt.read_only is None:
-        prepare_quietly(ckpt.prepare, model, optimizer)
 
 
 def _prepare_later(ref: weakref.ref[Checkpointer], model: Any, optimizer: Any) -> None:

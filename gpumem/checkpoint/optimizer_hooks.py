@@ -75,3 +75,10 @@ def prepare_quietly(prepare: Callable[[Any, Any], Any], model: Any, optimizer: A
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+def prepare_first_save(ckpt: Any, model: Any, optimizer: Any) -> None:
+    """``ckpt.prepare(model, optimizer)`` when a job starts (restore(), the trainer callbacks on a
+    fresh run), unless the Checkpointer is read-only or has nothing to size; quietly."""
+    if (model is not None or optimizer is not None) and ckpt.read_only is None:
+        prepare_quietly(ckpt.prepare, model, optimizer)

@@ -53,7 +53,7 @@ from gpumem.checkpoint import (
     PreemptionGuard,
 )
 from gpumem.checkpoint.capture.training_state import rng_state
-from gpumem.checkpoint.optimizer_hooks import prepare_quietly
+from gpumem.checkpoint.optimizer_hooks import prepare_first_save
 from gpumem.checkpoint.restore.load import set_rng_state
 from gpumem.integrations._guarded import GuardedCallback
 
@@ -168,9 +168,9 @@ class CheckpointCallback(GuardedCallback, TrainerCallback):
             if _skips_batches(args, state, kwargs.get("train_dataloader")):
                 self._rng = rng_state()
             self._resume = None
-        elif not ckpt.read_only:  # a fresh run: the first save's arena is ready before it
+        else:  # a fresh run: the first save's arena is ready before it
             objects = self._objects()
-            prepare_quietly(ckpt.prepare, objects["model"], objects["optimizer"])
+            prepare_first_save(ckpt, objects["model"], objects["optimizer"])
         if self.preemption and self.guard is None:
             self.guard = PreemptionGuard(ckpt, grace_s=self.grace_s)
 

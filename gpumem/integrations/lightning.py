@@ -41,7 +41,7 @@ from lightning.pytorch.callbacks import Callback
 
 from gpumem.checkpoint import Checkpointer, CheckpointStateError, PreemptionGuard
 from gpumem.checkpoint.capture.training_state import rng_state
-from gpumem.checkpoint.optimizer_hooks import prepare_quietly
+from gpumem.checkpoint.optimizer_hooks import prepare_first_save
 from gpumem.checkpoint.restore.load import set_rng_state
 from gpumem.integrations._guarded import GuardedCallback
 
@@ -97,9 +97,9 @@ class CheckpointCallback(GuardedCallback, Callback):
                 self._last = self.restored_step
                 if _mid_epoch(trainer):
                     self._rng = rng_state()
-        elif not self.ckpt.read_only:  # restore() prepares the first save's arena, so do we
+        else:  # restore() prepares the first save's arena, so do we
             objects = self._objects(trainer, pl_module)
-            prepare_quietly(self.ckpt.prepare, objects["model"], objects["optimizer"])
+            prepare_first_save(self.ckpt, objects["model"], objects["optimizer"])
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
