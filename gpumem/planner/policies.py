@@ -1,0 +1,143 @@
+"""Capacity policies: where a job runs each tick, and how often it checkpoints on each source.
+
+* ``on-demand``: the reliable source only.
+* ``spot``: spot whenever it can be had, else wait (no deadline guard).
+* ``uniform-progress``: Can't Be Late's Uniform Progress (Wu et al., NSDI 2024) as its
+  simulator's baseline implements it: spot while it can be had; when it cannot, the reliable
+  source only if progress is behind the line W·t/D; once on the reliable source stay while
+  behind (t + 2R)·W/D; and the reliable source whenever the remaining work plus one restart no
+  longer fits the ticks left. It knows nothing of checkpoints: the job checkpoints at one fixed
+  interval, Young/Daly's for the MTBF read off the trace (what ``economics()`` does).
+* ``gpumem``: the same line, plus what the others ignore: the cost of a checkpoint.
+  - it switches at a checkpoint: a change of source saves first (paying P), so a switch loses
+    no work;
+  - its deadline guard counts the work a preemption could still take back (nothing when the
+    final save fits the notice; else the work since the last durable checkpoint and one tick)
+    and the save before a switch, not only one restart;
+  - its interval follows the source: on spot Young/Daly for that source's preemptions that come
+    without a saved final step (none when the final save fits the notice), on the reliable
+    source only the job's floor for failures no trace shows (``Job.max_interval_s``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpumem.planner.economics import young_daly
+from gpumem.planner.replay import NONE, RELIABLE, SPOT, Job, Sources, TickState
+
+
+def fixed_interval(job: Job, sources: Sources) -> float:
+    """One interval for the whole run, as a user sets it from the trace's MTBF: Young/Daly,
+    at least P, at most the job's floor (tau 0 when checkpoints are free: ``sky_spot``'s model)."""
+    if job.stall_s == 0 and job.persist_s == 0:
+        return 0.0
+    if not math.isfinite(sources.spot_mtbf_s):
+        return job.max_interval_s
+    return min(max(young_daly(job.stall_s, sources.spot_mtbf_s), job.persist_s), job.max_interval_s)
+
+
+@dataclass(frozen=True)
+class OnDemandOnly:
+    name: str = "on-demand"
+    switch_at_checkpoint: bool = False
+
+    def intervals(self, job: Job, sources: Sources) -> tuple[float, float]:
+        tau = fixed_interval(job, sources)
+        return tau, tau
+
+    def decide(self, s: TickState) -> np.ndarray:
+        return np.full(len(s.progress), RELIABLE, dtype=np.int8)
+
+
+@dataclass(frozen=True)
+class SpotOnly:
+    name: str = "spot"
+    switch_at_checkpoint: bool = False
+
+    def intervals(self, job: Job, sources: Sources) -> tuple[float, float]:
+        tau = fixed_interval(job, sources)
+        return tau, tau
+
+    def decide(self, s: TickState) -> np.ndarray:
+        return np.where(s.has_spot, SPOT, NONE).astype(np.int8)
+
+
+def _behind(s: TickState, ahead_s: float | np.ndarray = 0.0) -> np.ndarray:
+    """Progress behind the uniform-progress line W·(t + ahead)/D (> 0: behind)."""
+    w, d = s.job.work_s, s.job.deadline_s
+    return (s.t + ahead_s) * w / d - s.progress
+
+
+def _line_decision(s: TickState, r_s: float) -> np.ndarray:
+    """Uniform Progress's choice before its deadline guard (module doc)."""
+    has = s.has_spot
+    dec = np.where(has, SPOT, NONE)
+    dec = np.where(_behind(s) > 0, np.where(has, SPOT, RELIABLE), dec)
+    stay = (s.cluster == RELIABLE) & (~has | (_behind(s, 2 * r_s) >= 0))
+    return np.where(stay, RELIABLE, dec)
+
+
+@dataclass(frozen=True)
+class UniformProgress:
+    name: str = "uniform-progress"
+    switch_at_checkpoint: bool = False
+
+    def intervals(self, job: Job, sources: Sources) -> tuple[float, float]:
+        tau = fixed_interval(job, sources)
+        return tau, tau
+
+    def decide(self, s: TickState) -> np.ndarray:
+        if not math.isfinite(s.job.deadline_s):
+            return np.where(s.has_spot, SPOT, NONE).astype(np.int8)
+        r_s = s.job.restart_s
+        dec = _line_decision(s, r_s)
+        remaining = s.job.work_s - s.progress
+        need = np.ceil((remaining + r_s) / s.gap_s)
+        left = math.floor((s.job.deadline_s - s.t) / s.gap_s)
+        out = np.where(need >= left, RELIABLE, np.where(s.has_spot, SPOT, dec))
+        return out.astype(np.int8)
+
+
+@dataclass(frozen=True)
+class GpumemPolicy:
+    name: str = "gpumem"
+    switch_at_checkpoint: bool = True
+
+    def intervals(self, job: Job, sources: Sources) -> tuple[float, float]:
+        if job.stall_s == 0 and job.persist_s == 0:
+            return 0.0, 0.0
+        floor = job.max_interval_s
+        if sources.notice_fits or not math.isfinite(sources.spot_mtbf_s):
+            return floor, floor
+        yd = young_daly(job.stall_s, sources.spot_mtbf_s)
+        return min(max(yd, job.persist_s), floor), floor
+
+    def decide(self, s: TickState) -> np.ndarray:
+        if not math.isfinite(s.job.deadline_s):
+            return np.where(s.has_spot, SPOT, NONE).astype(np.int8)
+        job, src = s.job, s.sources
+        on_spot = s.cluster == SPOT
+        at_risk = np.where(on_spot & ~src.notice_fits, s.progress - s.durable + s.gap_s, 0.0)
+        switch = src.reliable_restart_s + np.where(s.cluster != NONE, job.persist_s, 0.0)
+        remaining = job.work_s - s.progress
+        need = np.ceil((remaining + at_risk + switch) / s.gap_s)
+        left = math.floor((job.deadline_s - s.t) / s.gap_s)
+        dec = _line_decision(s, src.reliable_restart_s)
+        out = np.where(need >= left, RELIABLE, np.where(s.has_spot, SPOT, dec))
+        return out.astype(np.int8)
+
+
+POLICIES = {p.name: p for p in (OnDemandOnly(), SpotOnly(), UniformProgress(), GpumemPolicy())}
+
+__all__ = [
+    "POLICIES",
+    "GpumemPolicy",
+    "OnDemandOnly",
+    "SpotOnly",
+    "UniformProgress",
+    "fixed_interval",
+]

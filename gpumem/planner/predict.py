@@ -1,0 +1,202 @@
+"""Expected wall time, cost and deadline risk of a job on capacity under a policy.
+
+Two answers to one question, kept apart on purpose:
+
+* :func:`replay_windows` is the reference: the job replayed from every tick of a real trace (the
+  trace read as a cycle, so every start has a whole future), the mean over those windows.
+* :func:`predict` is the model the planner prints: the capacity's :class:`Availability` (its
+  run-length distributions, or exponential runs from rates) sampled into ``lanes`` independent
+  paths, each started at a random moment, and the same job and policy run over them. It needs no
+  trace (rates suffice), sees only the run lengths (not their order), and is what
+  ``gpumem plan`` prints in well under a second. ``benchmarks/bench_capacity.py`` measures how
+  far it is from the replay on every shared trace.
+
+Example:
+    >>> from gpumem.planner.capacity import Capacity
+    >>> from gpumem.planner.replay import Job
+    >>> spot = Capacity.from_rates("spot", 1.0, preemptions_per_day=2, mean_outage_h=1)
+    >>> od = Capacity.on_demand(3.0)
+    >>> p = predict(Job(24, deadline_h=36), spot, od, "gpumem")
+    >>> p.expected_hours < 36
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gpumem.planner.capacity import Capacity
+from gpumem.planner.policies import POLICIES
+from gpumem.planner.replay import (
+    HORIZON_FACTOR,
+    MAX_HORIZON_TICKS,
+    Job,
+    Outcome,
+    Policy,
+    Sources,
+    replay,
+)
+
+DEFAULT_LANES = 512
+DEFAULT_SEED = 0
+PREDICTION_TICKS_PER_WORK = 300  # a rates-only capacity's tick: the work in about this many
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Expected outcome of one (capacity pair, policy) for a job.
+
+    Attributes:
+        expected_hours / expected_cost: means over the lanes (inf when some lane never finishes).
+        miss_probability: share of lanes that miss the deadline (or never finish).
+        interval_s: checkpoint interval on (spot, reliable), seconds of work.
+        lanes: how many paths (or trace windows) the means are over.
+        method: "model" (sampled availability) or "replay" (trace windows).
+    """
+
+    policy: str
+    spot: str | None
+    reliable: str | None
+    expected_hours: float
+    expected_cost: float
+    miss_probability: float
+    interval_s: tuple[float, float]
+    expected_preemptions: float
+    expected_lost_hours: float
+    spot_hours: float
+    reliable_hours: float
+    lanes: int
+    method: str
+
+    @classmethod
+    def of(
+        cls, out: Outcome, policy: str, spot: Capacity | None, rel: Capacity | None, method: str
+    ) -> Prediction:
+        return cls(
+            policy=policy,
+            spot=None if spot is None else spot.name,
+            reliable=None if rel is None else rel.name,
+            expected_hours=out.mean_hours(),
+            expected_cost=out.mean_cost(),
+            miss_probability=out.miss_rate(),
+            interval_s=out.interval_s,
+            expected_preemptions=float(out.preemptions.mean()),
+            expected_lost_hours=float(out.lost_h.mean()),
+            spot_hours=float(out.spot_h.mean()),
+            reliable_hours=float(out.reliable_h.mean()),
+            lanes=len(out.cost),
+            method=method,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["interval_s"] = list(self.interval_s)
+        return d
+
+
+def sources_for(job: Job, spot: Capacity | None, reliable: Capacity | None) -> Sources:
+    """What the engine and the policy know of the two sources for this job."""
+    notice = None if spot is None else spot.notice_s
+    fits = job.final_save_s is not None and notice is not None and job.final_save_s <= notice
+    return Sources(
+        spot_price=math.inf if spot is None else spot.price_per_gpu_hour,
+        reliable_price=math.inf if reliable is None else reliable.price_per_gpu_hour,
+        spot_restart_s=job.restart_s + (0.0 if spot is None else spot.queue_wait_s),
+        reliable_restart_s=job.restart_s + (0.0 if reliable is None else reliable.queue_wait_s),
+        notice_fits=fits,
+        spot_mtbf_s=math.inf if spot is None else spot.availability.mtbf_s,
+    )
+
+
+def _policy(policy: str | Policy, spot: Capacity | None, reliable: Capacity | None) -> Policy:
+    if isinstance(policy, str):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        policy = POLICIES[policy]
+    needs_spot = policy.name != "on-demand"
+    needs_rel = policy.name != "spot"
+    if needs_spot and spot is None:
+        raise ValueError(f"policy {policy.name} needs a spot (preemptible) capacity")
+    if needs_rel and reliable is None:
+        raise ValueError(f"policy {policy.name} needs a reliable capacity (on-demand, a tier)")
+    if reliable is not None and reliable.preemptible:
+        raise ValueError(f"{reliable.name} is preemptible: it cannot be the fallback source")
+    return policy
+
+
+def replay_windows(
+    job: Job,
+    spot: Capacity,
+    reliable: Capacity | None,
+    policy: str | Policy,
+    starts: np.ndarray | None = None,
+) -> Prediction:
+    """The reference: ``job`` replayed from every tick of ``spot``'s trace (module doc)."""
+    if spot.trace is None:
+        raise ValueError(f"{spot.name} has no trace to replay (it was built from rates)")
+    pol = _policy(policy, spot, reliable)
+    tr = spot.trace
+    n = tr.ticks
+    starts = np.arange(n) if starts is None else np.asarray(starts, dtype=np.int64)
+    u, prices = tr.unavailable, tr.prices
+
+    def unavailable_at(k: int) -> np.ndarray:
+        return u[(starts + k) % n]
+
+    price_at = None
+    if prices is not None:
+
+        def price_at(k: int) -> np.ndarray:
+            return prices[(starts + max(k, 0)) % n]
+
+    out = replay(
+        job, sources_for(job, spot, reliable), pol, unavailable_at, len(starts), tr.gap_s, price_at
+    )
+    return Prediction.of(out, pol.name, spot, reliable, "replay")
+
+
+def predict(
+    job: Job,
+    spot: Capacity | None,
+    reliable: Capacity | None,
+    policy: str | Policy,
+    *,
+    lanes: int = DEFAULT_LANES,
+    seed: int = DEFAULT_SEED,
+) -> Prediction:
+    """The model's expectation (module doc); deterministic for a given ``seed``."""
+    pol = _policy(policy, spot, reliable)
+    src = sources_for(job, spot, reliable)
+    if spot is None or pol.name == "on-demand":
+        gap = max(60.0, job.work_s / PREDICTION_TICKS_PER_WORK)
+        out = replay(job, src, pol, lambda k: np.zeros(1, dtype=bool), 1, gap)
+        return Prediction.of(out, pol.name, spot, reliable, "model")
+    avail = spot.availability
+    gap = avail.gap_s
+    if spot.trace is None:  # rates: pick a tick that keeps the run short
+        gap = max(avail.gap_s, job.work_s / PREDICTION_TICKS_PER_WORK)
+        avail = type(avail)(gap, mean_up=avail.mtbf_s / gap, mean_down=avail.mean_outage_s / gap)
+    horizon = _horizon_ticks(job, avail, gap)
+    rng = np.random.default_rng(seed)
+    paths = avail.sample(lanes, horizon + 2, rng)
+    out = replay(
+        job, src, pol, lambda k: paths[:, min(k, horizon + 1)], lanes, gap, horizon_ticks=horizon
+    )
+    return Prediction.of(out, pol.name, spot, reliable, "model")
+
+
+def _horizon_ticks(job: Job, avail: Any, gap: float) -> int:
+    """Long enough for a spot-only run to finish in all but hopeless cases: the work over the
+    availability, times a margin, at least the deadline."""
+    frac = max(avail.fraction, 1e-3)
+    span = max(HORIZON_FACTOR * job.work_s, job.work_s / frac * 8.0 + 20 * avail.mean_outage_s)
+    if math.isfinite(job.deadline_s):
+        span = max(span, job.deadline_s)
+    return int(min(math.ceil(span / gap) + 2, MAX_HORIZON_TICKS))
+
+
+__all__ = ["Prediction", "predict", "replay_windows", "sources_for"]
