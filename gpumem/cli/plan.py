@@ -8,6 +8,9 @@ import json
 from gpumem.cli import _args
 from gpumem.cli._progress import progress_bar
 from gpumem.cli.estimate import add_job_arguments
+from gpumem.planner.capacity import Capacity
+from gpumem.planner.capacity_spec import parse_capacity
+from gpumem.planner.decision import DEFAULT_CONFIDENCE
 from gpumem.planner.economics import (
     DEFAULT_PERSIST_S,
     DEFAULT_PRICE_PER_GPU_HOUR,
@@ -112,6 +115,35 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="realised loss of a preemption at this hour of the run",
     )
+    c = p.add_argument_group(
+        "capacity decision",
+        "price the job on real capacity: spot (a trace or rates), on-demand, reserved, a "
+        "cluster's tiers; rank layouts x capacities x policies by expected cost, subject to "
+        "the deadline (docs/capacity.md)",
+    )
+    c.add_argument(
+        "--capacity",
+        action="append",
+        type=_capacity,
+        default=None,
+        metavar="SPEC",
+        help="KIND[,key=value...], repeatable: e.g. spot,trace=us-west-2a.json,price=0.97,"
+        "notice=aws or on-demand,price=3.06 or tier,name=low,price=1,preemptions-per-day=4,"
+        "outage-h=0.5,notice=30 (keys: name price trace nodes gap availability "
+        "preemptions-per-day outage-h notice queue-wait-h)",
+    )
+    c.add_argument(
+        "--deadline",
+        type=_hours,
+        default=None,
+        help="wall-clock deadline from the start: 200h, 8d or hours (default: none)",
+    )
+    c.add_argument(
+        "--confidence",
+        type=_probability,
+        default=DEFAULT_CONFIDENCE,
+        help=f"probability of meeting the deadline required (default {DEFAULT_CONFIDENCE:g})",
+    )
     sched = p.add_mutually_exclusive_group()
     sched.add_argument(
         "--slurm", action="store_true", help="print an sbatch script for the best layout"
@@ -119,6 +151,35 @@ def register(sub: argparse._SubParsersAction) -> None:
     sched.add_argument("--k8s", action="store_true", help="print a Kubernetes Job (Kueue) for it")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
+
+
+def _capacity(text: str) -> Capacity:
+    try:
+        return parse_capacity(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _hours(text: str) -> float:
+    t = text.strip().lower()
+    scale = 24.0 if t.endswith("d") else 1.0
+    try:
+        v = float(t.rstrip("hd")) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration: 200h, 8d or hours") from None
+    if not (v > 0 and v < float("inf")):
+        raise argparse.ArgumentTypeError(f"a deadline must be > 0 hours, got {text!r}")
+    return v
+
+
+def _probability(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a probability") from None
+    if not 0 < v < 1:
+        raise argparse.ArgumentTypeError(f"confidence must be in (0, 1), got {text}")
+    return v
 
 
 def _headroom(text: str) -> Margin:
@@ -227,6 +288,8 @@ def run(args: argparse.Namespace) -> int:
         )
         out["realised_loss"] = loss.to_dict()
         text += ["", loss.line()]
+    if args.capacity or args.deadline is not None:
+        text += ["", *_decision(args, result, times, out)]
     if args.slurm or args.k8s:
         layout = result.best.describe() if result.best else "none fits"
         grace = schedulers.grace_seconds(times.persist_s)
@@ -243,6 +306,37 @@ def run(args: argparse.Namespace) -> int:
         text += ["", script]
     print(json.dumps(out, indent=2) if args.json else "\n".join(text))
     return 0
+
+
+def _decision(args: argparse.Namespace, result, times, out: dict) -> list[str]:
+    """The capacity decision's table and paragraph (and its JSON into ``out``)."""
+    from gpumem.planner.decision import decide, layout_jobs
+
+    if not args.capacity:
+        raise ValueError(
+            "--deadline prices the job on capacity: give at least one --capacity (e.g. "
+            f"on-demand,price={args.price_per_gpu_hour:g} and a spot trace or rates)"
+        )
+    if args.deadline is not None and args.deadline < args.run_hours:
+        raise ValueError(
+            f"--deadline {args.deadline:g} h is shorter than the work, --run-hours "
+            f"{args.run_hours:g} h: no capacity meets it; give a later deadline"
+        )
+    if result.best is None:
+        return ["capacity decision: no layout fits, so there is nothing to price"]
+    jobs = layout_jobs(
+        result,
+        run_hours=args.run_hours,
+        deadline_h=args.deadline,
+        stall_s=args.stall_s,
+        persist_s=args.persist_s,
+        restart_s=args.restart_s,
+        startup_s=args.startup_s,
+    )
+    d = decide(jobs, args.capacity, confidence=args.confidence)
+    out["decision"] = d.to_dict()
+    notes = [n for n in times.notes if "guesses" in n]
+    return [*notes, d.table()]
 
 
 def _inference(args: argparse.Namespace) -> int:

@@ -68,17 +68,26 @@ class SpotOnly:
 
 def _behind(s: TickState, ahead_s: float | np.ndarray = 0.0) -> np.ndarray:
     """Progress behind the uniform-progress line W·(t + ahead)/D (> 0: behind)."""
-    w, d = s.job.work_s, s.job.deadline_s
-    return (s.t + ahead_s) * w / d - s.progress
+    ln = s.lanes
+    return (s.t + ahead_s) * ln.work_s / ln.deadline_s - s.progress
 
 
-def _line_decision(s: TickState, r_s: float) -> np.ndarray:
+def _line_decision(s: TickState, r_s: np.ndarray) -> np.ndarray:
     """Uniform Progress's choice before its deadline guard (module doc)."""
     has = s.has_spot
-    dec = np.where(has, SPOT, NONE)
-    dec = np.where(_behind(s) > 0, np.where(has, SPOT, RELIABLE), dec)
+    dec = np.where(_behind(s) > 0, np.where(has, SPOT, RELIABLE), np.where(has, SPOT, NONE))
     stay = (s.cluster == RELIABLE) & (~has | (_behind(s, 2 * r_s) >= 0))
     return np.where(stay, RELIABLE, dec)
+
+
+def _guarded(s: TickState, need_s: np.ndarray, r_s: np.ndarray) -> np.ndarray:
+    """The reliable source when ``need_s`` no longer fits the whole ticks left; else spot when
+    it can be had, else the line's choice. No deadline: spot when it can be had."""
+    ln = s.lanes
+    left = np.floor((ln.deadline_s - s.t) / s.gap_s)
+    need = np.ceil(need_s / s.gap_s)
+    out = np.where(need >= left, RELIABLE, np.where(s.has_spot, SPOT, _line_decision(s, r_s)))
+    return np.where(np.isfinite(ln.deadline_s), out, np.where(s.has_spot, SPOT, NONE))
 
 
 @dataclass(frozen=True)
@@ -91,15 +100,8 @@ class UniformProgress:
         return tau, tau
 
     def decide(self, s: TickState) -> np.ndarray:
-        if not math.isfinite(s.job.deadline_s):
-            return np.where(s.has_spot, SPOT, NONE).astype(np.int8)
-        r_s = s.job.restart_s
-        dec = _line_decision(s, r_s)
-        remaining = s.job.work_s - s.progress
-        need = np.ceil((remaining + r_s) / s.gap_s)
-        left = math.floor((s.job.deadline_s - s.t) / s.gap_s)
-        out = np.where(need >= left, RELIABLE, np.where(s.has_spot, SPOT, dec))
-        return out.astype(np.int8)
+        r_s = s.lanes.restart_reliable_s
+        return _guarded(s, s.lanes.work_s - s.progress + r_s, r_s)
 
 
 @dataclass(frozen=True)
@@ -117,18 +119,15 @@ class GpumemPolicy:
         return min(max(yd, job.persist_s), floor), floor
 
     def decide(self, s: TickState) -> np.ndarray:
-        if not math.isfinite(s.job.deadline_s):
-            return np.where(s.has_spot, SPOT, NONE).astype(np.int8)
-        job, src = s.job, s.sources
-        on_spot = s.cluster == SPOT
-        at_risk = np.where(on_spot & ~src.notice_fits, s.progress - s.durable + s.gap_s, 0.0)
-        switch = src.reliable_restart_s + np.where(s.cluster != NONE, job.persist_s, 0.0)
-        remaining = job.work_s - s.progress
-        need = np.ceil((remaining + at_risk + switch) / s.gap_s)
-        left = math.floor((job.deadline_s - s.t) / s.gap_s)
-        dec = _line_decision(s, src.reliable_restart_s)
-        out = np.where(need >= left, RELIABLE, np.where(s.has_spot, SPOT, dec))
-        return out.astype(np.int8)
+        ln = s.lanes
+        # what a preemption in the next tick could take back: nothing when the final save fits
+        # the notice or every second is kept; else the work since the last durable checkpoint
+        # and the tick's own
+        exposed = (s.cluster == SPOT) & ~ln.notice_fits & (ln.tau_spot > 0)
+        at_risk = np.where(exposed, s.progress - s.durable + s.gap_s, 0.0)
+        switch = ln.restart_reliable_s + np.where(s.cluster != NONE, ln.persist_s, 0.0)
+        need = ln.work_s - s.progress + at_risk + switch
+        return _guarded(s, need, ln.restart_reliable_s)
 
 
 POLICIES = {p.name: p for p in (OnDemandOnly(), SpotOnly(), UniformProgress(), GpumemPolicy())}

@@ -37,6 +37,7 @@ from gpumem.planner.replay import (
     Job,
     Outcome,
     Policy,
+    Run,
     Sources,
     replay,
 )
@@ -117,8 +118,8 @@ def _policy(policy: str | Policy, spot: Capacity | None, reliable: Capacity | No
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(POLICIES)}")
         policy = POLICIES[policy]
-    needs_spot = policy.name != "on-demand"
-    needs_rel = policy.name != "spot"
+    needs_spot = policy.name not in ("on-demand",)
+    needs_rel = policy.name not in ("spot",)
     if needs_spot and spot is None:
         raise ValueError(f"policy {policy.name} needs a spot (preemptible) capacity")
     if needs_rel and reliable is None:
@@ -128,17 +129,27 @@ def _policy(policy: str | Policy, spot: Capacity | None, reliable: Capacity | No
     return policy
 
 
+Option = tuple[Job, "str | Policy"]
+
+
+def _runs(options: list[Option], spot: Capacity | None, reliable: Capacity | None) -> list[Run]:
+    return [
+        Run(job, sources_for(job, spot, reliable), _policy(pol, spot, reliable))
+        for job, pol in options
+    ]
+
+
 def replay_windows(
-    job: Job,
+    options: list[Option],
     spot: Capacity,
     reliable: Capacity | None,
-    policy: str | Policy,
     starts: np.ndarray | None = None,
-) -> Prediction:
-    """The reference: ``job`` replayed from every tick of ``spot``'s trace (module doc)."""
+) -> list[Prediction]:
+    """The reference: each (job, policy) replayed from every tick of ``spot``'s trace, read as
+    a cycle (module doc); one prediction per option, in order."""
     if spot.trace is None:
         raise ValueError(f"{spot.name} has no trace to replay (it was built from rates)")
-    pol = _policy(policy, spot, reliable)
+    runs = _runs(options, spot, reliable)
     tr = spot.trace
     n = tr.ticks
     starts = np.arange(n) if starts is None else np.asarray(starts, dtype=np.int64)
@@ -153,10 +164,54 @@ def replay_windows(
         def price_at(k: int) -> np.ndarray:
             return prices[(starts + max(k, 0)) % n]
 
-    out = replay(
-        job, sources_for(job, spot, reliable), pol, unavailable_at, len(starts), tr.gap_s, price_at
-    )
-    return Prediction.of(out, pol.name, spot, reliable, "replay")
+    outs = replay(runs, unavailable_at, len(starts), tr.gap_s, price_at)
+    return [
+        Prediction.of(o, r.policy.name, spot, reliable, "replay")
+        for o, r in zip(outs, runs, strict=True)
+    ]
+
+
+def predict_options(
+    options: list[Option],
+    spot: Capacity | None,
+    reliable: Capacity | None,
+    *,
+    lanes: int = DEFAULT_LANES,
+    seed: int = DEFAULT_SEED,
+    horizon_h: float | None = None,
+) -> list[Prediction]:
+    """The model's expectation for each (job, policy) over the same sampled paths (module doc):
+    deterministic for a given ``seed``; every option sees the same paths, so their differences
+    are the policies', not the draw's.
+
+    Args:
+        horizon_h: stop the paths here (lanes unfinished by then never finish: their hours are
+            inf and they miss the deadline); default long enough for spot-only runs to finish.
+    """
+    runs = _runs(options, spot, reliable)
+    if spot is None:
+        gap = max(60.0, max(j.work_s for j, _ in options) / PREDICTION_TICKS_PER_WORK)
+        outs = replay(runs, lambda k: np.ones(1, dtype=bool), 1, gap)
+        return [
+            Prediction.of(o, r.policy.name, spot, reliable, "model")
+            for o, r in zip(outs, runs, strict=True)
+        ]
+    avail = spot.availability
+    gap = avail.gap_s
+    longest = max(runs, key=lambda r: r.job.work_s).job
+    if spot.trace is None:  # rates: a tick that keeps the run short
+        gap = max(avail.gap_s, longest.work_s / PREDICTION_TICKS_PER_WORK)
+        avail = type(avail)(gap, mean_up=avail.mtbf_s / gap, mean_down=avail.mean_outage_s / gap)
+    if horizon_h is None:
+        horizon = _horizon_ticks(longest, avail, gap)
+    else:
+        horizon = math.ceil(horizon_h * 3600.0 / gap)
+    paths = avail.sample(lanes, horizon + 2, np.random.default_rng(seed))
+    outs = replay(runs, lambda k: paths[:, min(k, horizon + 1)], lanes, gap, horizon_ticks=horizon)
+    return [
+        Prediction.of(o, r.policy.name, spot, reliable, "model")
+        for o, r in zip(outs, runs, strict=True)
+    ]
 
 
 def predict(
@@ -164,29 +219,10 @@ def predict(
     spot: Capacity | None,
     reliable: Capacity | None,
     policy: str | Policy,
-    *,
-    lanes: int = DEFAULT_LANES,
-    seed: int = DEFAULT_SEED,
+    **kw: Any,
 ) -> Prediction:
-    """The model's expectation (module doc); deterministic for a given ``seed``."""
-    pol = _policy(policy, spot, reliable)
-    src = sources_for(job, spot, reliable)
-    if spot is None or pol.name == "on-demand":
-        gap = max(60.0, job.work_s / PREDICTION_TICKS_PER_WORK)
-        out = replay(job, src, pol, lambda k: np.zeros(1, dtype=bool), 1, gap)
-        return Prediction.of(out, pol.name, spot, reliable, "model")
-    avail = spot.availability
-    gap = avail.gap_s
-    if spot.trace is None:  # rates: pick a tick that keeps the run short
-        gap = max(avail.gap_s, job.work_s / PREDICTION_TICKS_PER_WORK)
-        avail = type(avail)(gap, mean_up=avail.mtbf_s / gap, mean_down=avail.mean_outage_s / gap)
-    horizon = _horizon_ticks(job, avail, gap)
-    rng = np.random.default_rng(seed)
-    paths = avail.sample(lanes, horizon + 2, rng)
-    out = replay(
-        job, src, pol, lambda k: paths[:, min(k, horizon + 1)], lanes, gap, horizon_ticks=horizon
-    )
-    return Prediction.of(out, pol.name, spot, reliable, "model")
+    """:func:`predict_options` for one job and one policy."""
+    return predict_options([(job, policy)], spot, reliable, **kw)[0]
 
 
 def _horizon_ticks(job: Job, avail: Any, gap: float) -> int:
@@ -199,4 +235,4 @@ def _horizon_ticks(job: Job, avail: Any, gap: float) -> int:
     return int(min(math.ceil(span / gap) + 2, MAX_HORIZON_TICKS))
 
 
-__all__ = ["Prediction", "predict", "replay_windows", "sources_for"]
+__all__ = ["Option", "Prediction", "predict", "predict_options", "replay_windows", "sources_for"]

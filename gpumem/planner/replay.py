@@ -112,14 +112,64 @@ class Sources:
     spot_mtbf_s: float  # mean run before a preemption, as a user would read it off the trace
 
 
+@dataclass(frozen=True)
+class Run:
+    """One job on one pair of sources under one policy: a block of lanes in a replay."""
+
+    job: Job
+    sources: Sources
+    policy: Policy
+
+
+@dataclass(frozen=True)
+class Lanes:
+    """Per-lane parameters of a replay (arrays), so that many runs share one tick loop."""
+
+    work_s: np.ndarray
+    deadline_s: np.ndarray
+    stall_s: np.ndarray
+    persist_s: np.ndarray
+    restart_spot_s: np.ndarray
+    restart_reliable_s: np.ndarray
+    notice_fits: np.ndarray
+    tau_spot: np.ndarray
+    tau_reliable: np.ndarray
+    switch_at_checkpoint: np.ndarray
+    price_spot: np.ndarray
+    price_reliable: np.ndarray
+    gpus: np.ndarray
+
+    @classmethod
+    def of(cls, runs: list[Run], per_run: int) -> Lanes:
+        def rep(values: list[float] | list[bool]) -> np.ndarray:
+            return np.repeat(np.asarray(values), per_run)
+
+        taus = [r.policy.intervals(r.job, r.sources) for r in runs]
+        return cls(
+            work_s=rep([r.job.work_s for r in runs]),
+            deadline_s=rep([r.job.deadline_s for r in runs]),
+            stall_s=rep([r.job.stall_s for r in runs]),
+            persist_s=rep([r.job.persist_s for r in runs]),
+            restart_spot_s=rep([r.sources.spot_restart_s for r in runs]),
+            restart_reliable_s=rep([r.sources.reliable_restart_s for r in runs]),
+            notice_fits=rep([r.sources.notice_fits for r in runs]),
+            tau_spot=rep([t[0] for t in taus]),
+            tau_reliable=rep([t[1] for t in taus]),
+            switch_at_checkpoint=rep([r.policy.switch_at_checkpoint for r in runs]),
+            price_spot=rep([r.sources.spot_price for r in runs]),
+            price_reliable=rep([r.sources.reliable_price for r in runs]),
+            gpus=rep([r.job.gpus for r in runs]),
+        )
+
+
 @dataclass
 class TickState:
-    """What a controller can see at a tick (arrays over lanes; ``t`` is shared)."""
+    """What a controller can see at a tick: arrays over lanes (``t`` is shared), with each
+    lane's job and sources in ``lanes``."""
 
     t: float
     gap_s: float
-    job: Job
-    sources: Sources
+    lanes: Lanes
     progress: np.ndarray  # work done (s), after any rollback this tick
     durable: np.ndarray  # work covered by a durable checkpoint (s)
     cluster: np.ndarray  # where the job runs now (NONE after a preemption)
@@ -138,13 +188,14 @@ class Policy(Protocol):
         ...
 
     def decide(self, s: TickState) -> np.ndarray:
-        """Requested source per lane (NONE, SPOT or RELIABLE)."""
+        """Requested source per lane (NONE, SPOT or RELIABLE); only this policy's lanes are
+        used, but it may compute over all (vectorised)."""
         ...
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """Per-lane results of a replay (arrays), with their means as properties."""
+    """Per-lane results of one run (arrays), with their means."""
 
     wall_h: np.ndarray  # inf: did not finish within the horizon
     cost: np.ndarray
@@ -170,122 +221,138 @@ class Outcome:
         return float(1.0 - self.met.mean())
 
 
-def _work_done(y: np.ndarray, tau: np.ndarray, c: float) -> np.ndarray:
-    """Work in y seconds of running at interval tau and stall c (tau 0: all of it)."""
+def _work_done(y: np.ndarray, tau: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """Work in y seconds of running at interval tau and stall c (tau 0 or inf: all of it)."""
     cyc = tau + c
-    safe = np.where(cyc > 0, cyc, 1.0)
+    cycles = (cyc > 0) & np.isfinite(tau)
+    safe = np.where(cycles, cyc, 1.0)
     n = np.floor(y / safe)
-    cycled = n * tau + np.minimum(y - n * safe, tau)
-    return np.where((cyc > 0) & np.isfinite(tau), cycled, y)
+    return np.where(cycles, n * tau + np.minimum(y - n * safe, tau), y)
 
 
-def _durable(y: np.ndarray, tau: np.ndarray, c: float, p: float) -> tuple[np.ndarray, np.ndarray]:
-    """(work covered by durable checkpoints, checkpoints started) after y seconds of running."""
+def _checkpoints(
+    y: np.ndarray, tau: np.ndarray, c: np.ndarray, p: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(work covered by durable checkpoints, checkpoints started) after y seconds of running;
+    tau 0 with C 0 keeps every second (``sky_spot``), tau inf keeps nothing."""
     cyc = tau + c
-    finite = np.isfinite(tau) & (cyc > 0)
-    safe = np.where(finite, cyc, 1.0)
-    started = np.where(finite, np.floor(np.maximum(y - tau, -1.0) / safe) + 1, 0.0)
-    started = np.maximum(started, 0.0)
-    done = np.where(finite, np.floor(np.maximum(y - tau - p, -1.0) / safe) + 1, 0.0)
-    done = np.maximum(done, 0.0)
-    work = np.where(finite, done * tau, np.where(cyc > 0, 0.0, y))  # tau 0, C 0: all durable
+    cycles = (cyc > 0) & np.isfinite(tau)
+    safe = np.where(cycles, cyc, 1.0)
+    started = np.where(cycles, np.maximum(np.floor((y - tau) / safe) + 1, 0.0), 0.0)
+    durable = np.where(cycles, np.maximum(np.floor((y - tau - p) / safe) + 1, 0.0), 0.0)
+    work = np.where(cycles, durable * tau, np.where(cyc > 0, 0.0, y))
     return work, started
 
 
 def replay(
-    job: Job,
-    sources: Sources,
-    policy: Policy,
+    runs: list[Run],
     unavailable_at: Callable[[int], np.ndarray],
-    lanes: int,
+    per_run: int,
     gap_s: float,
     spot_price_at: Callable[[int], np.ndarray | float] | None = None,
     horizon_ticks: int | None = None,
-) -> Outcome:
-    """Run ``lanes`` copies of ``job`` tick by tick (module doc).
+) -> list[Outcome]:
+    """Replay each run over the same ``per_run`` availability lanes, tick by tick (module doc).
 
     Args:
-        unavailable_at: tick -> bool array over lanes (True: spot cannot run that tick).
-        spot_price_at: tick -> spot dollars per GPU-hour (array or scalar); default constant.
-        horizon_ticks: stop after this many ticks (default: HORIZON_FACTOR x the work or the
-            deadline, whichever is longer).
+        unavailable_at: tick -> bool array over ``per_run`` lanes (True: spot cannot run).
+        spot_price_at: tick -> spot dollars per GPU-hour (array over the lanes, or a scalar);
+            default each run's constant price.
+        horizon_ticks: stop after this many ticks (default: HORIZON_FACTOR x the longest work,
+            or the latest deadline).
     """
-    g, w = float(gap_s), job.work_s
+    g, n = float(gap_s), len(runs) * per_run
+    ln = Lanes.of(runs, per_run)
     if horizon_ticks is None:
-        span = max(HORIZON_FACTOR * w, job.deadline_s if job.deadline_h else 0.0)
+        dl = ln.deadline_s[np.isfinite(ln.deadline_s)]
+        span = max(HORIZON_FACTOR * float(ln.work_s.max()), float(dl.max()) if len(dl) else 0.0)
         horizon_ticks = min(MAX_HORIZON_TICKS, math.ceil(span / g) + 2)
-    tau_spot, tau_rel = policy.intervals(job, sources)
-    c, p_s = job.stall_s, job.persist_s
-    cl = np.full(lanes, NONE, dtype=np.int8)
-    restart = np.zeros(lanes)
-    y = np.zeros(lanes)  # seconds run since the last start
-    base = np.zeros(lanes)  # progress kept at the last start
-    tau = np.zeros(lanes)
-    done = np.zeros(lanes, dtype=bool)
-    finish = np.full(lanes, math.inf)
-    cost, lost, ckpts, preempt = (np.zeros(lanes) for _ in range(4))
-    spot_ticks, rel_ticks = np.zeros(lanes), np.zeros(lanes)
-    price_unit = g / 3600.0 * job.gpus
+    policies = {id(r.policy): r.policy for r in runs}
+    owner = np.repeat([id(r.policy) for r in runs], per_run)
+    masks = [(pol, owner == key) for key, pol in policies.items()]
+    cl = np.full(n, NONE, dtype=np.int8)
+    restart, y, base, tau = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
+    done = np.zeros(n, dtype=bool)
+    finish = np.full(n, math.inf)
+    cost, lost, ckpts, preempt, spot_t, rel_t = (np.zeros(n) for _ in range(6))
     for k in range(horizon_ticks + 1):
-        has = ~unavailable_at(k)
+        has = np.tile(~unavailable_at(k), len(runs))
         running = cl != NONE
         # bill and credit the gap [k-1, k) that ran
-        sp = sources.spot_price if spot_price_at is None else spot_price_at(k - 1)
-        cost += np.where(cl == SPOT, sp, np.where(cl == RELIABLE, sources.reliable_price, 0.0))
-        spot_ticks += cl == SPOT
-        rel_ticks += cl == RELIABLE
-        avail_s = np.where(running, np.maximum(g - restart, 0.0), 0.0)
+        sp = ln.price_spot if spot_price_at is None else np.tile(spot_price_at(k - 1), len(runs))
+        on_spot, on_rel = cl == SPOT, cl == RELIABLE
+        cost += np.where(on_spot, sp, np.where(on_rel, ln.price_reliable, 0.0))
+        spot_t += on_spot
+        rel_t += on_rel
+        y_prev = y
+        y = y + np.where(running, np.maximum(g - restart, 0.0), 0.0)
         restart = np.where(running, np.maximum(restart - g, 0.0), restart)
-        y_prev, y = y, y + avail_s
-        progress = base + _work_done(y, tau, c)
-        durable, started = _durable(y, tau, c, p_s)
-        _, started_prev = _durable(y_prev, tau, c, p_s)
-        ckpts += np.where(running, started - started_prev, 0.0)
-        durable = base + durable
-        newly = ~done & (progress >= w - 1e-6)
-        finish = np.where(newly, k * g, finish)
+        progress = base + _work_done(y, tau, ln.stall_s)
+        kept, started = _checkpoints(y, tau, ln.stall_s, ln.persist_s)
+        ckpts += started - _checkpoints(y_prev, tau, ln.stall_s, ln.persist_s)[1]
+        durable = base + kept
+        newly = ~done & (progress >= ln.work_s - 1e-6)
+        finish[newly] = k * g
         done |= newly
         if done.all():
-            cl[:] = NONE
             break
         # a spot job whose source is gone is preempted at this boundary
-        hit = (cl == SPOT) & ~has & ~done
-        keep = progress if sources.notice_fits else durable
+        hit = on_spot & ~has & ~done
+        keep = np.where(ln.notice_fits, progress, durable)
         lost += np.where(hit, progress - keep, 0.0)
         preempt += hit
-        base = np.where(hit, keep, base)
         progress = np.where(hit, keep, progress)
         durable = np.where(hit, keep, durable)
+        base = np.where(hit, keep, base)
         y = np.where(hit, 0.0, y)
         cur = np.where(hit | done, NONE, cl).astype(np.int8)
-        state = TickState(k * g, g, job, sources, progress, durable, cur, has, restart)
-        req = np.asarray(policy.decide(state), dtype=np.int8)
-        req = np.where(done, NONE, np.where((req == SPOT) & ~has, NONE, req)).astype(np.int8)
+        state = TickState(k * g, g, ln, progress, durable, cur, has, restart)
+        req = np.full(n, NONE, dtype=np.int8)
+        for pol, mask in masks:
+            req = np.where(mask, np.asarray(pol.decide(state), dtype=np.int8), req)
+        req = np.where(done | ((req == SPOT) & ~has), NONE, req).astype(np.int8)
         # a start on another source (or a stop) ends the current run
         change = (req != cur) & ((req != NONE) | (cur != NONE))
         leaving = change & (cur != NONE)
-        keep = progress if policy.switch_at_checkpoint else durable
+        keep = np.where(ln.switch_at_checkpoint, progress, durable)
         lost += np.where(leaving, progress - keep, 0.0)
-        base = np.where(leaving, keep, np.where(change & (cur == NONE), progress, base))
+        base = np.where(leaving, keep, np.where(change, progress, base))
         y = np.where(change, 0.0, y)
-        r_new = np.where(req == SPOT, sources.spot_restart_s, sources.reliable_restart_s)
-        if policy.switch_at_checkpoint:
-            r_new = r_new + np.where(leaving, job.persist_s, 0.0)
+        r_new = np.where(req == SPOT, ln.restart_spot_s, ln.restart_reliable_s)
+        r_new = r_new + np.where(leaving & ln.switch_at_checkpoint, ln.persist_s, 0.0)
         restart = np.where(change & (req != NONE), r_new, restart)
-        tau = np.where(change, np.where(req == SPOT, tau_spot, tau_rel), tau)
+        tau = np.where(change, np.where(req == SPOT, ln.tau_spot, ln.tau_reliable), tau)
         cl = req
-    met = finish <= job.deadline_s + 1e-6
-    return Outcome(
-        wall_h=finish / 3600.0,
-        cost=cost * price_unit,
-        lost_h=lost / 3600.0,
-        checkpoints=ckpts,
-        preemptions=preempt,
-        met=met,
-        spot_h=spot_ticks * g / 3600.0,
-        reliable_h=rel_ticks * g / 3600.0,
-        interval_s=(tau_spot, tau_rel),
-    )
+    unit = g / 3600.0 * ln.gpus
+    outs = []
+    for i, r in enumerate(runs):
+        sl = slice(i * per_run, (i + 1) * per_run)
+        outs.append(
+            Outcome(
+                wall_h=finish[sl] / 3600.0,
+                cost=cost[sl] * unit[sl],
+                lost_h=lost[sl] / 3600.0,
+                checkpoints=ckpts[sl],
+                preemptions=preempt[sl],
+                met=finish[sl] <= ln.deadline_s[sl] + 1e-6,
+                spot_h=spot_t[sl] * g / 3600.0,
+                reliable_h=rel_t[sl] * g / 3600.0,
+                interval_s=r.policy.intervals(r.job, r.sources),
+            )
+        )
+    return outs
 
 
-__all__ = ["NONE", "RELIABLE", "SPOT", "Job", "Outcome", "Policy", "Sources", "TickState", "replay"]
+__all__ = [
+    "NONE",
+    "RELIABLE",
+    "SPOT",
+    "Job",
+    "Lanes",
+    "Outcome",
+    "Policy",
+    "Run",
+    "Sources",
+    "TickState",
+    "replay",
+]
