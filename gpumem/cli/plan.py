@@ -214,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
             "--framework torchtitan"
         )
 
+    _check_capacity_args(args)
     kw = {
         "gpu": args.gpu,
         "gpu_memory": args.gpu_memory,
@@ -288,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
         )
         out["realised_loss"] = loss.to_dict()
         text += ["", loss.line()]
-    if args.capacity or args.deadline is not None:
+    if args.capacity:
         text += ["", *_decision(args, result, times, out)]
     if args.slurm or args.k8s:
         layout = result.best.describe() if result.best else "none fits"
@@ -308,20 +309,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _decision(args: argparse.Namespace, result, times, out: dict) -> list[str]:
-    """The capacity decision's table and paragraph (and its JSON into ``out``)."""
-    from gpumem.planner.decision import decide, layout_jobs
-
-    if not args.capacity:
+def _check_capacity_args(args: argparse.Namespace) -> None:
+    """Refuse, before any search, a deadline nothing can be priced on or meet."""
+    if args.deadline is not None and not args.capacity:
         raise ValueError(
             "--deadline prices the job on capacity: give at least one --capacity (e.g. "
             f"on-demand,price={args.price_per_gpu_hour:g} and a spot trace or rates)"
         )
     if args.deadline is not None and args.deadline < args.run_hours:
         raise ValueError(
-            f"--deadline {args.deadline:g} h is shorter than the work, --run-hours "
-            f"{args.run_hours:g} h: no capacity meets it; give a later deadline"
+            f"--deadline {args.deadline:g} h is shorter than the work (--run-hours "
+            f"{args.run_hours:g} h): no capacity meets it; give a later deadline"
         )
+
+
+def _decision(args: argparse.Namespace, result, times, out: dict) -> list[str]:
+    """The capacity decision's table and paragraph (and its JSON into ``out``)."""
+    from gpumem.planner.decision import decide, layout_jobs
+
     if result.best is None:
         return ["capacity decision: no layout fits, so there is nothing to price"]
     jobs = layout_jobs(

@@ -194,7 +194,10 @@ class Capacity:
             if trace.prices is None:
                 raise ValueError(f"{trace.source}: the trace has no prices: give a price")
             price_per_gpu_hour = float(trace.prices.mean())
-        avail = Availability.from_ticks(trace.unavailable, trace.gap_s)
+        try:
+            avail = Availability.from_ticks(trace.unavailable, trace.gap_s)
+        except TraceError as e:
+            raise TraceError(f"{trace.source}: {e}") from None
         return cls(name or trace.source, price_per_gpu_hour, avail, notice_s, 0.0, trace, kind)
 
     @classmethod

@@ -12,8 +12,9 @@
   - it switches at a checkpoint: a change of source saves first (paying P), so a switch loses
     no work;
   - its deadline guard counts the work a preemption could still take back (nothing when the
-    final save fits the notice; else the work since the last durable checkpoint and one tick)
-    and the save before a switch, not only one restart;
+    final save fits the notice; else the work since the last durable checkpoint and one tick),
+    the save before a switch, and the restart a tick on spot would still spend, not only one
+    restart;
   - its interval follows the source: on spot Young/Daly for that source's preemptions that come
     without a saved final step (none when the final save fits the notice), on the reliable
     source only the job's floor for failures no trace shows (``Job.max_interval_s``).
@@ -126,7 +127,10 @@ class GpumemPolicy:
         exposed = (s.cluster == SPOT) & ~ln.notice_fits & (ln.tau_spot > 0)
         at_risk = np.where(exposed, s.progress - s.durable + s.gap_s, 0.0)
         switch = ln.restart_reliable_s + np.where(s.cluster != NONE, ln.persist_s, 0.0)
-        need = ln.work_s - s.progress + at_risk + switch
+        # a tick on spot that starts (or is still restarting) does less than a tick of work:
+        # decide now whether the deadline still holds after it
+        idle = np.where(s.cluster == SPOT, s.restart_left, ln.restart_spot_s)
+        need = ln.work_s - s.progress + at_risk + switch + np.minimum(idle, s.gap_s)
         return _guarded(s, need, ln.restart_reliable_s)
 
 

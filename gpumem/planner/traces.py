@@ -167,8 +167,10 @@ def _from_csv(text: str, name: str, nodes: int, gap_s: float | None) -> Trace:
     has_header = not _is_number(head[0])
     scale = 1e-3 if (not has_header or head[0] in ("t_ms", "time_ms")) else 1.0
     if has_header and head[0] not in ("t_s", "t_ms", "time", "time_s", "time_ms"):
+        first = ",".join(rows[0])
         raise TraceError(
-            f"{name}: unknown CSV header {rows[0]!r}: the first column must be t_s or t_ms"
+            f"{name}: unknown format: not a JSON trace, and its first line {first[:40]!r} is not "
+            "a CSV header starting with t_s or t_ms"
         )
     body = rows[1:] if has_header else rows
     if not body:
@@ -260,7 +262,7 @@ def _tick_marks(t: np.ndarray, end: float, down: np.ndarray, gap: float) -> np.n
     last = np.ceil((stops - t[0]) / gap - 1e-9).astype(np.int64) - 1
     last = np.maximum(last, first)
     diff = np.zeros(n + 1, dtype=np.int64)
-    sel = down.astype(bool)
+    sel = down.astype(bool) & (stops > t)  # an instant (two rows at one time) holds no tick
     np.add.at(diff, np.clip(first[sel], 0, n), 1)
     np.add.at(diff, np.clip(last[sel] + 1, 0, n), -1)
     return np.cumsum(diff[:n]) > 0
