@@ -21,9 +21,9 @@ job starts again from where the directory stands. ``failure_exit_code`` only whe
 was attempted and did not become durable in time.
 
 The notice: ``grace_s`` is what the scheduler grants from the signal to the kill (the provider's
-notice: ``gpumem.planner.notice``); without it, ``GPUMEM_GRACE_S`` from the environment, else 30
-s. At the stop the guard also says whether the final save fit it: the time from the signal to
-durable against the notice (``final_save_s``, ``notice_fit``), on its own stderr line.
+notice: ``gpumem.planner.notice``); without it, ``GPUMEM_GRACE_S`` from the environment, else
+30 s. At the stop the guard also says whether the final save fit it: the time from the signal
+to durable against the notice (``final_save_s``, ``notice_fit``), on its own stderr line.
 """
 
 from __future__ import annotations
