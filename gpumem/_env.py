@@ -12,6 +12,7 @@
 | GPUMEM_FAKE_FULL_DISPATCH | 1: fake tensors take torch's full dispatch path | 0         |
 | GPUMEM_PY_ALLOCATOR   | 1: step traces on the Python allocator simulator | 0 (compiled)       |
 | GPUMEM_NODE           | this rank's node (node-local checkpoints, replicas) | GROUP_RANK, host |
+| GPUMEM_GRACE_S        | PreemptionGuard's notice: seconds, signal to kill | 30 (or grace_s=)   |
 
 (n: the machine's cores.)
 """
@@ -34,6 +35,16 @@ def env_int(name: str, default: int | None = None) -> int | None:
         return int(value, 0)
     except ValueError:
         raise ValueError(f"{name}={value!r} is not an integer; unset it or give a number") from None
+
+
+def env_float(name: str, default: float | None = None) -> float | None:
+    value = env_str(name)
+    if value is None:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number; unset it or give one") from None
 
 
 def env_flag(name: str, default: bool = False) -> bool:

@@ -19,15 +19,23 @@ Exit codes: ``exit_code`` (the requeue code) when the final step is committed, w
 to save at all (no save() yet and no ``state=``): the job did no harm by stopping, and a requeued
 job starts again from where the directory stands. ``failure_exit_code`` only when a final save
 was attempted and did not become durable in time.
+
+The notice: ``grace_s`` is what the scheduler grants from the signal to the kill (the provider's
+notice: ``gpumem.planner.notice``); without it, ``GPUMEM_GRACE_S`` from the environment, else
+30 s. At the stop the guard also says whether the final save fit it: the time from the signal
+to durable against the notice (``final_save_s``, ``notice_fit``), on its own stderr line.
 """
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 import threading
 import time
 from typing import Any
+
+from gpumem._env import env_float
 
 from .errors import CheckpointError, CheckpointStateError
 from .group import Group
@@ -36,6 +44,7 @@ from .group import Group
 # first save, or a state that outgrew it): it streams through this much instead of allocating and
 # faulting in the whole state during the grace period, at a time memory may be short.
 FINAL_SAVE_STAGING = 256 << 20
+DEFAULT_GRACE_S = 30.0  # where neither grace_s= nor GPUMEM_GRACE_S says (Kubernetes' default)
 
 
 class PreemptionGuard:
@@ -44,7 +53,9 @@ class PreemptionGuard:
     Args:
         checkpointer: the Checkpointer to save with.
         signals: signal names (or numbers) that request a stop.
-        grace_s: seconds from the signal to the deadline for the checkpoint to be durable.
+        grace_s: seconds from the signal to the deadline for the checkpoint to be durable: the
+            notice the scheduler gives (AWS spot 120, GCP and Azure 30, GKE pods 15, Slurm the
+            partition's GraceTime). Default: ``GPUMEM_GRACE_S`` if set, else 30.
         exit_code: the code to exit with after a durable final checkpoint (143 = 128 + SIGTERM;
             set what your scheduler requeues on).
         failure_exit_code: the code when the final checkpoint did not become durable in time.
@@ -65,7 +76,7 @@ class PreemptionGuard:
         self,
         checkpointer: Any,
         signals: tuple[str | int, ...] = ("SIGTERM", "SIGUSR1"),
-        grace_s: float = 30.0,
+        grace_s: float | None = None,
         exit_code: int = 143,
         failure_exit_code: int = 1,
         state: dict[str, Any] | None = None,
@@ -75,7 +86,7 @@ class PreemptionGuard:
                 "PreemptionGuard must be created on the main thread (Python delivers signals there)"
             )
         self.checkpointer = checkpointer
-        self.grace_s = float(grace_s)
+        self.grace_s, self.grace_source = _grace(grace_s)
         self._exit_code, self.failure_exit_code = int(exit_code), int(failure_exit_code)
         self.state = state
         self.signum: int | None = None
@@ -85,6 +96,8 @@ class PreemptionGuard:
         self.nothing_to_save = False  # the signal came before anything could be saved
         self.uploaded = False  # with tiers: the final step reached the remote in time
         self.outcome = ""
+        self.final_save_s: float | None = None  # signal to durable (None: not durable)
+        self.notice_fit: bool | None = None  # durable within grace_s (None: nothing to save)
         self._flag = False
         self._stopped = False
         self._group = Group()
@@ -147,7 +160,26 @@ class PreemptionGuard:
             file=sys.stderr,
             flush=True,
         )
+        if not self.nothing_to_save:
+            self.notice_fit = self.final_save_s is not None and self.final_save_s <= self.grace_s
+            print(f"gpumem: {self._fit_line()}", file=sys.stderr, flush=True)
         return True
+
+    def _fit_line(self) -> str:
+        """Whether the final save was durable within the notice (``grace_s``), and by how much."""
+        notice = f"the {self.grace_s:g} s notice (grace_s: {self.grace_source})"
+        if self.final_save_s is None:
+            return f"final save did NOT fit {notice}: not durable within it"
+        margin = self.grace_s - self.final_save_s
+        if self.notice_fit:
+            return (
+                f"final save fit {notice}: durable {self.final_save_s:.2f} s after the signal, "
+                f"{margin:.2f} s to spare"
+            )
+        return (
+            f"final save did NOT fit {notice}: durable {self.final_save_s:.2f} s after the "
+            f"signal, {-margin:.2f} s late (see `gpumem plan --notice` for what would fit)"
+        )
 
     def _final_save(
         self, step: int, objects: Any, reused: bool, deadline: float, t0: float
@@ -168,11 +200,14 @@ class PreemptionGuard:
             # the reused save had failed: one fresh attempt
             stats = ckpt.save(step, **objects, new_staging_bytes=FINAL_SAVE_STAGING)
             self.durable = ckpt.wait(timeout=max(0.0, deadline - time.monotonic()))
+        done = time.monotonic()
         self.saved_step = step
         how = "reused the save of this step" if reused else "saved"
         if self.durable:
+            assert self.received_at is not None
+            self.final_save_s = done - self.received_at
             status = stats.status if stats is not None else "committed"
-            self.outcome = f"{earlier}{how}; {status}; durable in {time.monotonic() - t0:.2f} s"
+            self.outcome = f"{earlier}{how}; {status}; durable in {done - t0:.2f} s"
         else:
             self.outcome = f"{earlier}{how}; NOT durable within the {self.grace_s:g} s grace period"
         tiers = getattr(ckpt, "tiers", None)
@@ -197,6 +232,19 @@ class PreemptionGuard:
     def __exit__(self, *exc: object) -> bool:
         self.close()
         return False
+
+
+def _grace(grace_s: float | None) -> tuple[float, str]:
+    """(seconds, where they came from): grace_s=, else GPUMEM_GRACE_S, else the default."""
+    value, source = grace_s, "given"
+    if value is None:
+        value, source = env_float("GPUMEM_GRACE_S"), "GPUMEM_GRACE_S"
+    if value is None:
+        return DEFAULT_GRACE_S, "default; set grace_s= or GPUMEM_GRACE_S to the notice"
+    if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
+        where = "grace_s" if source == "given" else "GPUMEM_GRACE_S"
+        raise ValueError(f"{where}={value!r}: the notice must be a number of seconds > 0")
+    return float(value), source
 
 
 def _signum(s: str | int) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from gpumem.cli import _args
 from gpumem.cli._progress import progress_bar
@@ -115,6 +116,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="realised loss of a preemption at this hour of the run",
     )
+    e.add_argument(
+        "--notice",
+        type=_notice,
+        default=None,
+        help="the notice before a node is taken: aws (120 s), gcp or azure (30 s), gke (15 s) "
+        "or seconds (Slurm: the partition's GraceTime); says whether the best layout's final "
+        "save, every rank of a node writing at once, is durable within it",
+    )
     c = p.add_argument_group(
         "capacity decision",
         "price the job on real capacity: spot (a trace or rates), on-demand, reserved, a "
@@ -187,6 +196,34 @@ def _headroom(text: str) -> Margin:
         return Margin.parse(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _notice(text: str) -> float:
+    from gpumem.planner.notice import notice_seconds
+
+    try:
+        return notice_seconds(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _notice_fit(result: Any, notice_s: float) -> tuple[dict | None, list[str]]:
+    """Whether the best layout's final save (after the step in flight, as the planner estimates
+    it) is durable within the notice, with the ranks of a node writing at once, and what would
+    make it fit: ``gpumem.planner.notice``."""
+    from gpumem.planner.notice import final_save_fit
+
+    nbytes = result.checkpoint_bytes()
+    if nbytes is None:
+        return None, ["final save on notice: no layout fits, so there is nothing to save"]
+    fit = final_save_fit(
+        rank_bytes=nbytes,
+        ranks_per_node=min(result.gpu.gpus_per_node, result.n_gpus),
+        notice_s=notice_s,
+        calibration=result.calibration,
+        step_s=result.best.step_seconds,
+    )
+    return fit.to_dict(), fit.lines()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -289,6 +326,9 @@ def run(args: argparse.Namespace) -> int:
         )
         out["realised_loss"] = loss.to_dict()
         text += ["", loss.line()]
+    if args.notice is not None:
+        out["notice"], lines = _notice_fit(result, args.notice)
+        text += ["", *lines]
     if args.capacity:
         text += ["", *_decision(args, result, times, out)]
     if args.slurm or args.k8s:
@@ -340,8 +380,11 @@ def _decision(args: argparse.Namespace, result, times, out: dict) -> list[str]:
     )
     d = decide(jobs, args.capacity, confidence=args.confidence)
     out["decision"] = d.to_dict()
-    notes = [n for n in times.notes if "guesses" in n]
-    return [*notes, d.table()]
+    lines = [n for n in times.notes if "guesses" in n]
+    for notice in sorted({c.notice_s for c in args.capacity if c.notice_s is not None}):
+        if notice != args.notice:  # --notice printed its own
+            lines += _notice_fit(result, notice)[1]
+    return [*lines, d.table()]
 
 
 def _inference(args: argparse.Namespace) -> int:

@@ -72,7 +72,8 @@ class CheckpointCallback(GuardedCallback, TrainerCallback):
         preemption: install a ``PreemptionGuard``: on SIGTERM / SIGUSR1 the run saves at the
             next step boundary, waits for it to be durable and stops; ``exit_code`` tells what
             to exit with.
-        grace_s: the guard's deadline for the final save, from the signal.
+        grace_s: the guard's deadline for the final save, from the signal: the scheduler's
+            notice (default: ``GPUMEM_GRACE_S``, else 30 s).
         **checkpointer: more ``Checkpointer`` arguments (keep, replicated, staging_bytes, ...).
     """
 
@@ -82,7 +83,7 @@ class CheckpointCallback(GuardedCallback, TrainerCallback):
         *,
         every_n_train_steps: int | None = None,
         preemption: bool = False,
-        grace_s: float = 30.0,
+        grace_s: float | None = None,
         save_steps: int | None = None,
         **checkpointer: Any,
     ) -> None:

@@ -54,7 +54,8 @@ class CheckpointCallback(GuardedCallback, Callback):
         every_n_train_steps: save every this many optimizer steps (None: only on preemption).
         preemption: install a ``PreemptionGuard`` (SIGTERM / SIGUSR1: save at the next batch end,
             wait until durable, stop the trainer); ``exit_code`` tells what to exit with.
-        grace_s: the guard's deadline for the final save, from the signal.
+        grace_s: the guard's deadline for the final save, from the signal: the scheduler's
+            notice (default: ``GPUMEM_GRACE_S``, else 30 s).
         resume: restore the newest checkpoint in ``on_fit_start``.
         **checkpointer: more ``Checkpointer`` arguments (keep, replicated, staging_bytes, ...).
     """
@@ -65,7 +66,7 @@ class CheckpointCallback(GuardedCallback, Callback):
         *,
         every_n_train_steps: int | None = None,
         preemption: bool = False,
-        grace_s: float = 30.0,
+        grace_s: float | None = None,
         resume: bool = True,
         **checkpointer: Any,
     ) -> None:

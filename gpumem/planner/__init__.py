@@ -9,6 +9,8 @@ Modules, bottom up:
     economics          Young/Daly, expected completion time and cost with and without
                        checkpoints; the planner's default guesses
     checkpoint_times   C, P, R: given, calibrated for the best layout, or the defaults
+    notice             provider notices (AWS 120 s, GCP/Azure 30 s, GKE 15 s) and whether a
+                       node's final save is durable within one (``--notice``)
     margin             the headroom a plan keeps free on every GPU (``--headroom``)
     search             the numba sweep: ``plan`` and ``PlanResult``
     schedulers         Slurm and Kubernetes job scripts wired for preemption
@@ -24,20 +26,25 @@ from gpumem.planner.economics import (
     realised_loss,
     young_daly,
 )
+from gpumem.planner.notice import NOTICE_S, NoticeFit, final_save_fit, notice_seconds
 from gpumem.planner.schedulers import grace_seconds, k8s_job, sbatch_header
 from gpumem.planner.search import Candidate, PlanResult, min_gpus, plan
 
 __all__ = [
+    "NOTICE_S",
     "Candidate",
     "CheckpointTimes",
     "Economics",
+    "NoticeFit",
     "PlanResult",
     "RealisedLoss",
     "checkpoint_times",
     "economics",
+    "final_save_fit",
     "grace_seconds",
     "k8s_job",
     "min_gpus",
+    "notice_seconds",
     "plan",
     "realised",
     "realised_loss",

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 
 from gpumem.planner.capacity import Capacity
+from gpumem.planner.notice import notice_seconds
 from gpumem.planner.traces import load_trace
 
 KINDS = ("spot", "on-demand", "reserved", "tier")
@@ -46,22 +47,6 @@ KEYS = (
     "notice",
     "queue-wait-h",
 )
-# provider notices (seconds); sources in docs/capacity.md
-NOTICES = {"aws": 120.0, "gcp": 30.0, "azure": 30.0, "gke": 15.0}
-
-
-def notice_seconds(text: str) -> float:
-    """``aws``, ``gcp``, ``azure``, ``gke`` or a positive number of seconds."""
-    key = text.strip().lower()
-    if key in NOTICES:
-        return NOTICES[key]
-    v = _float(key, "notice", f"aws, gcp, azure, gke or seconds > 0, got {text!r}")
-    if v <= 0:
-        raise ValueError(
-            f"notice must be > 0 s (AWS 120, GCP and Azure 30, GKE 15), got {text!r}; "
-            "leave it out when the source gives none"
-        )
-    return v
 
 
 def parse_capacity(spec: str) -> Capacity:
@@ -145,4 +130,4 @@ def _float(text: str, key: str, want: str) -> float:
     return v
 
 
-__all__ = ["KINDS", "NOTICES", "notice_seconds", "parse_capacity"]
+__all__ = ["KINDS", "parse_capacity"]

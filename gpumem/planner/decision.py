@@ -291,21 +291,21 @@ def layout_jobs(
     """The ``top`` fastest layouts of a :class:`~gpumem.planner.search.PlanResult` as jobs:
     the best layout's work is ``run_hours``, the others' is scaled by the planner's throughput
     proxy; C, P, R for each layout's own checkpoint (``times`` overrides them, as
-    ``checkpoint_times`` takes them). The final save on notice is taken to last P: each rank
-    writes its own state at once (the node's disk shared by its ranks is in the calibration's
-    durable time only as far as the calibration measured it)."""
+    ``checkpoint_times`` takes them). The final save on notice lasts the step in flight plus
+    every rank of a node saving at once (``notice.final_save_seconds``)."""
     from gpumem.planner.checkpoint_times import checkpoint_times
+    from gpumem.planner.notice import final_save_seconds
 
     if not result.candidates:
         return []
     best = result.candidates[0]
+    per_node = min(result.gpu.gpus_per_node, result.n_gpus)
     out: list[tuple[str, Job]] = []
     for c in result.candidates:
         if len(out) == top:
             break
-        t = checkpoint_times(
-            result.calibration, checkpoint_bytes=int(c.weight_bytes + c.optimizer_bytes), **times
-        )
+        ckpt = int(c.weight_bytes + c.optimizer_bytes)
+        t = checkpoint_times(result.calibration, checkpoint_bytes=ckpt, **times)
         scale = c.step_seconds / best.step_seconds if best.step_seconds > 0 else 1.0
         job = Job(
             run_hours * scale,
@@ -314,7 +314,10 @@ def layout_jobs(
             stall_s=t.stall_s,
             persist_s=t.persist_s,
             restart_s=t.restart_s,
-            final_save_s=t.persist_s,
+            final_save_s=c.step_seconds
+            + final_save_seconds(
+                rank_bytes=ckpt, ranks_per_node=per_node, calibration=result.calibration
+            ),
         )
         if all(job != j for _, j in out):  # layouts with the same job price the same
             out.append((c.describe(), job))

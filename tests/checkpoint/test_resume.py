@@ -5,7 +5,9 @@ import random
 import signal
 import subprocess
 import sys
+import time
 
+import pytest
 import torch
 from trainlib import Setup, seed_all
 
@@ -118,4 +120,47 @@ def test_guard_without_anything_to_save_exits_with_the_requeue_code(tmp_path):
         assert guard.exit_code == 7 and guard.nothing_to_save and not guard.durable
         assert "nothing to save" in guard.outcome and "state=" in guard.outcome
         assert ck.list() == []
+    ck.close()
+
+
+@pytest.mark.parametrize("grace_s, fit", [(60.0, True), (0.05, False)])
+def test_guard_says_whether_the_final_save_fit_the_notice(tmp_path, capsys, grace_s, fit):
+    """The notice counts from the signal: the rest of the step in flight (0.2 s here) and the
+    final save must both fit in it; the stderr line and ``notice_fit`` say whether they did."""
+    ck = gpumem.Checkpointer(tmp_path)
+    m = torch.nn.Linear(3, 3)
+    state = {"model": m, "optimizer": torch.optim.SGD(m.parameters(), lr=0.1)}
+    with gpumem.PreemptionGuard(ck, signals=("SIGTERM",), grace_s=grace_s, state=state) as guard:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)  # the step in flight finishes before the guard sees the flag
+        assert guard.should_stop(1)
+    ck.close()
+    err = capsys.readouterr().err
+    assert guard.notice_fit is fit
+    if fit:
+        assert 0.2 <= guard.final_save_s < 60 and guard.durable
+        assert "final save fit the 60 s notice (grace_s: given): durable " in err
+        assert "s to spare" in err
+    else:  # durable or not, not within the 0.05 s after the signal
+        assert guard.final_save_s is None or guard.final_save_s >= 0.2
+        assert "final save did NOT fit the 0.05 s notice (grace_s: given)" in err
+
+
+def test_guard_reads_the_notice_from_the_environment(tmp_path, monkeypatch):
+    ck = gpumem.Checkpointer(tmp_path)
+    monkeypatch.delenv("GPUMEM_GRACE_S", raising=False)
+    with gpumem.PreemptionGuard(ck, signals=("SIGUSR1",)) as guard:
+        assert guard.grace_s == 30 and guard.grace_source.startswith("default")
+    monkeypatch.setenv("GPUMEM_GRACE_S", "115")
+    with gpumem.PreemptionGuard(ck, signals=("SIGUSR1",)) as guard:
+        assert (guard.grace_s, guard.grace_source) == (115, "GPUMEM_GRACE_S")
+    with gpumem.PreemptionGuard(ck, signals=("SIGUSR1",), grace_s=12) as guard:
+        assert (guard.grace_s, guard.grace_source) == (12, "given")  # the argument wins
+    for env, match in (("2m", "GPUMEM_GRACE_S='2m' is not a number"), ("0", "GPUMEM_GRACE_S=0")):
+        monkeypatch.setenv("GPUMEM_GRACE_S", env)
+        with pytest.raises(ValueError, match=match):
+            gpumem.PreemptionGuard(ck, signals=("SIGUSR1",))
+    with pytest.raises(ValueError, match=r"grace_s=-1: the notice must be a number of seconds > 0"):
+        gpumem.PreemptionGuard(ck, signals=("SIGUSR1",), grace_s=-1)
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
     ck.close()
