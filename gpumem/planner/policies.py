@@ -51,7 +51,7 @@ class OnDemandOnly:
         return tau, tau
 
     def decide(self, s: TickState) -> np.ndarray:
-        return np.full(len(s.progress), RELIABLE, dtype=np.int8)
+        return np.full_like(s.cluster, RELIABLE)
 
 
 @dataclass(frozen=True)

@@ -140,9 +140,11 @@ class Lanes:
     gpus: np.ndarray
 
     @classmethod
-    def of(cls, runs: list[Run], per_run: int) -> Lanes:
+    def of(cls, runs: list[Run]) -> Lanes:
+        """One row per run (shape runs x 1): it broadcasts over the run's lanes."""
+
         def rep(values: list[float] | list[bool]) -> np.ndarray:
-            return np.repeat(np.asarray(values), per_run)
+            return np.asarray(values)[:, None]
 
         taus = [r.policy.intervals(r.job, r.sources) for r in runs]
         return cls(
@@ -164,8 +166,8 @@ class Lanes:
 
 @dataclass
 class TickState:
-    """What a controller can see at a tick: arrays over lanes (``t`` is shared), with each
-    lane's job and sources in ``lanes``."""
+    """What a controller can see at a tick: arrays of runs x lanes (``t`` is shared), with each
+    run's job and sources in ``lanes`` (runs x 1, broadcasting)."""
 
     t: float
     gap_s: float
@@ -223,11 +225,11 @@ class Outcome:
 
 def _work_done(y: np.ndarray, tau: np.ndarray, c: np.ndarray) -> np.ndarray:
     """Work in y seconds of running at interval tau and stall c (tau 0 or inf: all of it)."""
-    cyc = tau + c
-    cycles = (cyc > 0) & np.isfinite(tau)
-    safe = np.where(cycles, cyc, 1.0)
+    cycles = (tau + c > 0) & np.isfinite(tau)
+    t = np.where(cycles, tau, 0.0)  # inf never enters the arithmetic
+    safe = np.where(cycles, t + c, 1.0)
     n = np.floor(y / safe)
-    return np.where(cycles, n * tau + np.minimum(y - n * safe, tau), y)
+    return np.where(cycles, n * t + np.minimum(y - n * safe, t), y)
 
 
 def _checkpoints(
@@ -235,12 +237,12 @@ def _checkpoints(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(work covered by durable checkpoints, checkpoints started) after y seconds of running;
     tau 0 with C 0 keeps every second (``sky_spot``), tau inf keeps nothing."""
-    cyc = tau + c
-    cycles = (cyc > 0) & np.isfinite(tau)
-    safe = np.where(cycles, cyc, 1.0)
-    started = np.where(cycles, np.maximum(np.floor((y - tau) / safe) + 1, 0.0), 0.0)
-    durable = np.where(cycles, np.maximum(np.floor((y - tau - p) / safe) + 1, 0.0), 0.0)
-    work = np.where(cycles, durable * tau, np.where(cyc > 0, 0.0, y))
+    cycles = (tau + c > 0) & np.isfinite(tau)
+    t = np.where(cycles, tau, 0.0)  # inf never enters the arithmetic
+    safe = np.where(cycles, t + c, 1.0)
+    started = np.where(cycles, np.maximum(np.floor((y - t) / safe) + 1, 0.0), 0.0)
+    durable = np.where(cycles, np.maximum(np.floor((y - t - p) / safe) + 1, 0.0), 0.0)
+    work = np.where(cycles, durable * t, np.where(tau + c > 0, 0.0, y))
     return work, started
 
 
@@ -261,35 +263,36 @@ def replay(
         horizon_ticks: stop after this many ticks (default: HORIZON_FACTOR x the longest work,
             or the latest deadline).
     """
-    g, n = float(gap_s), len(runs) * per_run
-    ln = Lanes.of(runs, per_run)
+    g, shape = float(gap_s), (len(runs), per_run)
+    ln = Lanes.of(runs)
     if horizon_ticks is None:
         dl = ln.deadline_s[np.isfinite(ln.deadline_s)]
         span = max(HORIZON_FACTOR * float(ln.work_s.max()), float(dl.max()) if len(dl) else 0.0)
         horizon_ticks = min(MAX_HORIZON_TICKS, math.ceil(span / g) + 2)
     policies = {id(r.policy): r.policy for r in runs}
-    owner = np.repeat([id(r.policy) for r in runs], per_run)
+    owner = np.asarray([id(r.policy) for r in runs])[:, None]
     masks = [(pol, owner == key) for key, pol in policies.items()]
-    cl = np.full(n, NONE, dtype=np.int8)
-    restart, y, base, tau = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
-    done = np.zeros(n, dtype=bool)
-    finish = np.full(n, math.inf)
-    cost, lost, ckpts, preempt, spot_t, rel_t = (np.zeros(n) for _ in range(6))
+    cl = np.full(shape, NONE, dtype=np.int8)
+    restart, y, base, started = (np.zeros(shape) for _ in range(4))
+    tau = np.full(shape, math.inf)  # no checkpoint cycle before the first start
+    done = np.zeros(shape, dtype=bool)
+    finish = np.full(shape, math.inf)
+    cost, lost, ckpts, preempt, spot_t, rel_t = (np.zeros(shape) for _ in range(6))
     for k in range(horizon_ticks + 1):
-        has = np.tile(~unavailable_at(k), len(runs))
+        has = ~unavailable_at(k)[None, :]  # the same availability for every run's lanes
         running = cl != NONE
         # bill and credit the gap [k-1, k) that ran
-        sp = ln.price_spot if spot_price_at is None else np.tile(spot_price_at(k - 1), len(runs))
+        sp = ln.price_spot if spot_price_at is None else spot_price_at(k - 1)
         on_spot, on_rel = cl == SPOT, cl == RELIABLE
         cost += np.where(on_spot, sp, np.where(on_rel, ln.price_reliable, 0.0))
         spot_t += on_spot
         rel_t += on_rel
-        y_prev = y
         y = y + np.where(running, np.maximum(g - restart, 0.0), 0.0)
         restart = np.where(running, np.maximum(restart - g, 0.0), restart)
         progress = base + _work_done(y, tau, ln.stall_s)
-        kept, started = _checkpoints(y, tau, ln.stall_s, ln.persist_s)
-        ckpts += started - _checkpoints(y_prev, tau, ln.stall_s, ln.persist_s)[1]
+        kept, now_started = _checkpoints(y, tau, ln.stall_s, ln.persist_s)
+        ckpts += now_started - started
+        started = now_started
         durable = base + kept
         newly = ~done & (progress >= ln.work_s - 1e-6)
         finish[newly] = k * g
@@ -305,9 +308,11 @@ def replay(
         durable = np.where(hit, keep, durable)
         base = np.where(hit, keep, base)
         y = np.where(hit, 0.0, y)
+        started = np.where(hit, 0.0, started)
         cur = np.where(hit | done, NONE, cl).astype(np.int8)
-        state = TickState(k * g, g, ln, progress, durable, cur, has, restart)
-        req = np.full(n, NONE, dtype=np.int8)
+        has_all = np.broadcast_to(has, shape)
+        state = TickState(k * g, g, ln, progress, durable, cur, has_all, restart)
+        req = np.full(shape, NONE, dtype=np.int8)
         for pol, mask in masks:
             req = np.where(mask, np.asarray(pol.decide(state), dtype=np.int8), req)
         req = np.where(done | ((req == SPOT) & ~has), NONE, req).astype(np.int8)
@@ -318,6 +323,7 @@ def replay(
         lost += np.where(leaving, progress - keep, 0.0)
         base = np.where(leaving, keep, np.where(change, progress, base))
         y = np.where(change, 0.0, y)
+        started = np.where(change, 0.0, started)
         r_new = np.where(req == SPOT, ln.restart_spot_s, ln.restart_reliable_s)
         r_new = r_new + np.where(leaving & ln.switch_at_checkpoint, ln.persist_s, 0.0)
         restart = np.where(change & (req != NONE), r_new, restart)
@@ -326,17 +332,16 @@ def replay(
     unit = g / 3600.0 * ln.gpus
     outs = []
     for i, r in enumerate(runs):
-        sl = slice(i * per_run, (i + 1) * per_run)
         outs.append(
             Outcome(
-                wall_h=finish[sl] / 3600.0,
-                cost=cost[sl] * unit[sl],
-                lost_h=lost[sl] / 3600.0,
-                checkpoints=ckpts[sl],
-                preemptions=preempt[sl],
-                met=finish[sl] <= ln.deadline_s[sl] + 1e-6,
-                spot_h=spot_t[sl] * g / 3600.0,
-                reliable_h=rel_t[sl] * g / 3600.0,
+                wall_h=finish[i] / 3600.0,
+                cost=cost[i] * unit[i],
+                lost_h=lost[i] / 3600.0,
+                checkpoints=ckpts[i],
+                preemptions=preempt[i],
+                met=finish[i] <= ln.deadline_s[i] + 1e-6,
+                spot_h=spot_t[i] * g / 3600.0,
+                reliable_h=rel_t[i] * g / 3600.0,
                 interval_s=r.policy.intervals(r.job, r.sources),
             )
         )

@@ -43,7 +43,7 @@ class Fixed:
 
     def decide(self, s):
         if self.to_reliable_at is not None and s.t >= self.to_reliable_at * s.gap_s:
-            return np.full(len(s.progress), RELIABLE)
+            return np.full_like(s.cluster, RELIABLE)
         return np.where(s.has_spot, SPOT, NONE)
 
 
