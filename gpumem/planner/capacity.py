@@ -52,8 +52,8 @@ class Availability:
     def from_ticks(cls, unavailable: np.ndarray, gap_s: float) -> Availability:
         """Runs of a tick series, read as a cycle (the last run joins the first)."""
         x = np.asarray(unavailable, dtype=bool)
-        if x.all():
-            raise TraceError("the trace never has capacity: every tick is unavailable")
+        if x.all():  # never obtainable in this window: real traces have such stretches
+            return cls(gap_s, np.zeros(0, dtype=np.int64), np.asarray([len(x)]), 0.0, len(x))
         if not x.any():
             return cls(gap_s, np.asarray([len(x)]), np.zeros(0, dtype=np.int64), math.inf, 0.0)
         # rotate so that the series starts at the beginning of an up run
@@ -85,16 +85,21 @@ class Availability:
         return self.mean_down * self.gap_s
 
     @property
+    def never(self) -> bool:
+        """The source is never there (a trace that never had capacity)."""
+        return self.mean_up == 0.0
+
+    @property
     def preemptions_per_day(self) -> float:
         """Per day of running."""
-        return 0.0 if self.reliable else 86400.0 / self.mtbf_s
+        return 0.0 if self.reliable or self.never else 86400.0 / self.mtbf_s
 
     def sample(self, lanes: int, ticks: int, rng: np.random.Generator) -> np.ndarray:
         """``lanes`` independent tick series (True = unavailable), each started at a random
         moment of the process (so a lane starts inside an outage with the outages' share of
         time, and inside a run with its length-biased remainder)."""
-        if self.reliable:
-            return np.zeros((lanes, ticks), dtype=bool)
+        if self.reliable or self.never:
+            return np.full((lanes, ticks), self.never, dtype=bool)
         cycle = self.mean_up + self.mean_down
         # the start is a uniform moment over the first WARMUP_CYCLES cycles, so that it falls
         # in a cycle with probability in proportion to its length (a renewal process seen at a

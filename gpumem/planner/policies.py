@@ -36,7 +36,7 @@ def fixed_interval(job: Job, sources: Sources) -> float:
     at least P, at most the job's floor (tau 0 when checkpoints are free: ``sky_spot``'s model)."""
     if job.stall_s == 0 and job.persist_s == 0:
         return 0.0
-    if not math.isfinite(sources.spot_mtbf_s):
+    if not 0 < sources.spot_mtbf_s < math.inf:
         return job.max_interval_s
     return min(max(young_daly(job.stall_s, sources.spot_mtbf_s), job.persist_s), job.max_interval_s)
 
@@ -114,7 +114,7 @@ class GpumemPolicy:
         if job.stall_s == 0 and job.persist_s == 0:
             return 0.0, 0.0
         floor = job.max_interval_s
-        if sources.notice_fits or not math.isfinite(sources.spot_mtbf_s):
+        if sources.notice_fits or not 0 < sources.spot_mtbf_s < math.inf:
             return floor, floor
         yd = young_daly(job.stall_s, sources.spot_mtbf_s)
         return min(max(yd, job.persist_s), floor), floor
