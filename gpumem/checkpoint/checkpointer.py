@@ -377,19 +377,31 @@ class Checkpointer:
             raise err
 
     def close(self) -> None:
-        """Wait for the save in flight, release hooks and staging memory; raise if it failed."""
+        """Wait for the save in flight, release hooks, staging memory and the directory; raise if
+        the save failed, else if closing the directory's lock file failed (CheckpointIOError:
+        the lock is released all the same, and every committed step stays committed)."""
         if self._closed:
             return
         try:
             self.wait()
-        finally:
-            self._closed = True
-            self.tiers.close()
-            stop_workers(self._workers)
-            self._hooks.remove()
-            self._staging.close()
+        except BaseException:
+            self._release(failing=True)
+            raise
+        self._release(failing=False)
+
+    def _release(self, failing: bool) -> None:
+        self._closed = True
+        self.tiers.close()
+        stop_workers(self._workers)
+        self._hooks.remove()
+        self._staging.close()
+        LIVE.discard(self)
+        try:
             self._root.close()
-            LIVE.discard(self)
+        except CheckpointError as exc:
+            if not failing:
+                raise
+            warnings.warn(str(exc), RuntimeWarning, stacklevel=3)  # the save's failure comes first
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -12,7 +12,9 @@ snapshot and reported once (``take_error``).
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import warnings
 from typing import Any
 
 from .errors import CheckpointError
@@ -76,11 +78,31 @@ class Save:
         except BaseException as exc:
             self.snapshot.fail(exc)
         finally:
-            if self.coalescer is not None:
-                self.coalescer.release(self)
-            self.snapshot.finish()
-            self.commit.close()
-            self.done.set()
+            try:
+                if self.coalescer is not None:
+                    self.coalescer.release(self)
+                self.snapshot.finish()
+                self.commit.close()
+            except BaseException as exc:
+                self._failed_late(exc)
+            finally:
+                self.done.set()  # on every path: wait(), close() and the next save() wait for it
+
+    def _failed_late(self, exc: BaseException) -> None:
+        """A failure releasing what the save held, once its outcome is decided, never changes
+        that outcome: a committed step stays committed (its files and its rename were fsync'ed)
+        and the failure is a RuntimeWarning; a save not committed fails (with its first
+        failure, else this one)."""
+        if not self.stats.committed:
+            self.snapshot.fail(exc)
+            return
+        with contextlib.suppress(Exception):  # a warnings filter of "error": the save is done
+            warnings.warn(
+                f"step {self.step} is committed, but releasing what its save held failed "
+                f"({type(exc).__name__}: {exc})",
+                RuntimeWarning,
+                stacklevel=1,
+            )
 
     def take_error(self) -> CheckpointError | None:
         """The save's failure as a CheckpointError, once (later calls return None); with a

@@ -147,7 +147,8 @@ class Tiers:
                     self, nodes, lambda: open_remote(self.url, endpoint_url, writable=False)
                 )
             except BaseException:
-                root.close()
+                with contextlib.suppress(CheckpointError):  # what failed is what to raise
+                    root.close()
                 raise
 
     # ------------------------------------------------------------------ save

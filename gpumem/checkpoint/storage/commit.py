@@ -110,6 +110,7 @@ class Commit:
         self._commit_everywhere(local_error, shard_crc)
 
     def close(self) -> None:
+        """Release the temporary directory's descriptor; never raises (``Dir.close``)."""
         if self._tmp is not None:
             self._tmp.close()
 
@@ -338,6 +339,7 @@ class Commit:
             crc = self._write_main(tmp, gathered)
         assert self.root is not None
         done = directory.commit(self.root, tmp, self.step, crc)
+        tmp.path = self.root.path / done.name  # where its descriptor is now, for messages
         self._durable(done.committed_at)  # durable once the rename is: ``latest`` is a hint
         if done.set_aside:
             self.stats.set_aside = tuple(done.set_aside)

@@ -29,7 +29,7 @@ import time
 import warnings
 
 from ..errors import CheckpointCorruptError, CheckpointStateError
-from .safe_fs import Dir, describe, io_error, read_error
+from .safe_fs import Dir, close_fd, describe, io_error, read_error, release_fd
 
 LOCK_FILE = ".lock"
 # directories (device, inode) a Checkpointer of this process holds (waiting on them never ends)
@@ -58,7 +58,7 @@ class DirLock:
                 f"{root.path} is already used by another open Checkpointer of this "
                 "process; close() it first (two writers would delete each other's saves)"
             )
-        path = root.path / LOCK_FILE
+        path = self.path = root.path / LOCK_FILE
         self.fd: int | None = _open_lock(root, path)
         deadline = time.monotonic() + max(0.0, timeout_s)
         try:
@@ -74,8 +74,7 @@ class DirLock:
                             RuntimeWarning,
                             stacklevel=3,
                         )
-                        os.close(self.fd)
-                        self.fd = None
+                        self._forget()
                         return
                     if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                         raise io_error(exc, path, "locking") from None
@@ -88,9 +87,7 @@ class DirLock:
                     )
                 time.sleep(0.1)
         except BaseException:
-            if self.fd is not None:
-                os.close(self.fd)
-                self.fd = None
+            self._forget()
             raise
         try:  # who holds it, for the message of a job that waits; best effort (a full disk)
             os.ftruncate(self.fd, 0)
@@ -107,11 +104,23 @@ class DirLock:
         _HELD.add(self.key)
 
     def release(self) -> None:
-        """Idempotent; also happens when the process exits."""
-        if self.fd is not None:
+        """Idempotent; also happens when the process exits.
+
+        Raises:
+            CheckpointIOError: closing the lock file failed; the lock is released all the same
+                (Linux releases the descriptor, and with it the flock, whatever close() says).
+        """
+        fd, self.fd = self.fd, None  # forgotten first: never closed twice (``close_fd``)
+        if fd is not None:
             _HELD.discard(self.key)
-            os.close(self.fd)  # closing the last descriptor of the open file drops the flock
-            self.fd = None
+            close_fd(fd, self.path)  # closing the last descriptor of the open file drops the flock
+
+    def _forget(self) -> None:
+        """Close the descriptor on the way out of a failed or lockless open: a close failure
+        then must not hide why (nothing of ours was written to it)."""
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            release_fd(fd, self.path)
 
 
 def _open_lock(root: Dir, path: os.PathLike) -> int:
@@ -130,7 +139,7 @@ def _open_lock(root: Dir, path: os.PathLike) -> int:
         if before is not None and (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
             raise CheckpointCorruptError(f"{path} was replaced while it was opened", path=str(path))
     except BaseException:
-        os.close(fd)
+        release_fd(fd, path)
         raise
     return fd
 

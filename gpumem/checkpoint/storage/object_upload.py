@@ -18,7 +18,7 @@ from typing import Any
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointStateError
 from .directory import load_info, load_shard_manifest
 from .format import MAIN_MANIFEST, MAX_MANIFEST_BYTES, step_dir_name
-from .safe_fs import Dir
+from .safe_fs import Dir, release_fd
 
 
 @dataclass
@@ -172,5 +172,5 @@ class StepUploads:
                 with contextlib.suppress(BufferError):
                     mm.close()
         finally:
-            os.close(fd)
+            release_fd(fd, src.path / name)  # read only: its close failing loses nothing
         return size

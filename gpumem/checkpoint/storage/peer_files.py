@@ -29,7 +29,7 @@ from gpumem.checksum import crc32c
 
 from ..errors import CheckpointCorruptError
 from ..group import Group, _dist, _peers_gone
-from .safe_fs import Dir
+from .safe_fs import Dir, close_fd, release_fd
 
 CHUNK = 16 << 20
 _MAX_HEADER = 1 << 20
@@ -105,8 +105,8 @@ def send(group: Group, dst: int, d: Dir | None, names: list[str]) -> BaseExcepti
                     data, broken = bytes(n), True
                 crc = crc32c(data, crc)
                 dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, group=group.pg)
-            if fd >= 0:
-                os.close(fd)
+            if fd >= 0:  # read only: a close failure loses nothing, and the CRC must follow
+                release_fd(fd, d.path / name)
             sent = crc ^ 0xFFFFFFFF if broken else crc
             dist.send(torch.tensor([sent], dtype=torch.int64), dst, group=group.pg)
     return failure
@@ -163,17 +163,26 @@ def receive(
 
 
 def _keep(d: Dir, fd: int, tmp: str, name: str, ok: bool) -> OSError | None:
-    """Make the received ``tmp`` durable as ``name`` (``ok``), else remove it."""
+    """Make the received ``tmp`` durable as ``name`` (``ok``), else remove it. A failure is
+    returned, never raised: the transfers that follow must still run."""
+    failure: OSError | None = None
     try:
         os.fdatasync(fd)
-        if ok:
-            d.replace(tmp, name)
-            return None
+    except OSError as exc:
+        failure = exc
+    try:  # written through: its close failing fails the file (a CheckpointIOError)
+        close_fd(fd, d.path / tmp)
+    except OSError as exc:
+        failure = failure or exc
+    if failure is not None:
+        return failure
+    if not ok:
+        d.discard_tree(tmp)
+        return None
+    try:
+        d.replace(tmp, name)
     except OSError as exc:
         return exc
-    finally:
-        os.close(fd)
-    d.discard_tree(tmp)
     return None
 
 

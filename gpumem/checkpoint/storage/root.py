@@ -10,6 +10,7 @@ first use (rank 0 may be creating it while they start).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import warnings
@@ -73,7 +74,8 @@ class Root:
         if group.world_size > 1:
             failure = self._agree(failure, lock_timeout_s + collective_timeout_s)
         if failure is not None:
-            self.close()
+            with contextlib.suppress(CheckpointError):  # the failure is what to raise
+                self.close()
             raise failure
 
     @classmethod
@@ -187,10 +189,17 @@ class Root:
         )
 
     def close(self) -> None:
-        if self._lock is not None:
-            self._lock.release()
-        if self._dir is not None:
-            self._dir.close()
+        """Release the lock and close the directory (both, whatever fails; idempotent).
+
+        Raises:
+            CheckpointIOError: closing the lock file failed (``DirLock.release``).
+        """
+        try:
+            if self._lock is not None:
+                self._lock.release()
+        finally:
+            if self._dir is not None:
+                self._dir.close()
 
 
 def open_root(cfg: Any, group: Group, nodes: Nodes | None = None) -> Any:

@@ -17,6 +17,7 @@ import contextlib
 import errno
 import os
 import stat
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,32 @@ def io_error(exc: OSError, path: Path | str, doing: str) -> CheckpointIOError:
     return err
 
 
+def close_fd(fd: int, path: Path | str) -> None:
+    """Close ``fd``, which the caller has forgotten already: Linux releases a descriptor even
+    when close() fails (EIO, a write-back error reported late), so it must never be closed again
+    (the number may belong to another file by then).
+
+    Raises:
+        CheckpointIOError: close() failed (errno and ``path`` kept).
+    """
+    try:
+        os.close(fd)
+    except OSError as exc:
+        raise io_error(exc, path, "closing") from None
+
+
+def release_fd(fd: int, path: Path | str) -> None:
+    """``close_fd`` for a descriptor nothing was written through (a directory, a file read):
+    its close failing loses nothing, so it fails no operation and undoes no commit; a
+    RuntimeWarning names ``path`` and the error."""
+    try:
+        close_fd(fd, path)
+    except CheckpointIOError as exc:
+        warnings.warn(
+            f"{exc} (nothing is lost: nothing was written through it)", RuntimeWarning, stacklevel=3
+        )
+
+
 class Dir:
     """An open directory: every name inside it is reached through its descriptor, never through
     a symbolic link. Closed by ``close()`` or when garbage-collected.
@@ -135,10 +162,10 @@ class Dir:
         return self.sub(name)
 
     def close(self) -> None:
-        """Idempotent."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        """Idempotent, and never raises: a failure is a warning (``release_fd``)."""
+        fd, self.fd = self.fd, -1  # forgotten first: never closed twice (``close_fd``)
+        if fd >= 0:
+            release_fd(fd, self.path)
 
     def __del__(self) -> None:
         # also at interpreter exit, when module globals (os) may be gone already
@@ -217,7 +244,7 @@ class Dir:
         except OSError as exc:
             raise read_error(exc, path, f"reading {what}") from None
         finally:
-            os.close(fd)
+            release_fd(fd, path)
         if left:  # truncated while open: a file replaced by rename never is
             raise CheckpointCorruptError(
                 f"{path}: {what} ended {left} bytes short of its {st.st_size}", path=str(path)
