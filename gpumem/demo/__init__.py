@@ -5,7 +5,8 @@
 2. Does Llama-2-70B fit? The model-state wall, why one 80 GB GPU cannot hold it, and the
    cheapest layouts on 64 H100-80GB from the planner.
 3. What does a preemption cost? This machine's checkpoint stall and persist time, measured with
-   the real Checkpointer, priced for that 70B job on spot capacity.
+   the real Checkpointer, priced for that 70B job on spot capacity; then the capacity decision
+   on a real AWS spot trace: spot, on-demand or a policy that mixes them, under a deadline.
 4. Does resume work? A small model trained for real, stopped by SIGTERM mid-run, checkpointed
    inside its grace period, restarted and resumed: its loss curve against an uninterrupted run,
    bit for bit.
@@ -39,6 +40,10 @@ from gpumem.units import format_bytes
 
 GPU, N_GPUS, MODEL, SEQ = "H100-80GB", 64, "llama-2-70b", 4096
 MTBF_HOURS, RUN_HOURS, PRICE, PREEMPTED_AT = 24.0, 168.0, 3.0, 47.0
+# part 3's real market: AWS spot availability (Can't Be Late's traces, gpumem/data/README.md),
+# spot at 0.42x on-demand (p5en.48xlarge $26.57 vs $63.30 an hour, us-east-2, 2026-08)
+SPOT_TRACE = Path(__file__).resolve().parent.parent / "data" / "spot-aws-us-west-2a-v100x8.json"
+SPOT_RATIO, DEADLINE_HOURS = 0.42, 200.0
 REQUEUE_EXIT_CODE = 143  # PreemptionGuard's default after a durable final checkpoint
 
 
@@ -56,6 +61,8 @@ class DemoResult:
     interval_s: float = 0.0
     stall_s: float = 0.0
     persist_s: float = 0.0
+    decision: str = ""
+    decision_cost: float = 0.0
     preempted_exit_code: int | None = None
     resumed_from: int | None = None
     losses: list[str] = field(default_factory=list)
@@ -279,7 +286,32 @@ def _preemption(result: DemoResult, sizes: _Sizes, echo: Echo, bar: Bar) -> None
     )
     echo("")
     echo(f"And the night it happens: {loss.line()}.")
+    _capacity_decision(result, res, echo)
     echo(f"calibration: {result.calibration}  (use it: gpumem plan ... --calibration FILE)")
+
+
+def _capacity_decision(result: DemoResult, res: object, echo: Echo) -> None:
+    """The same job priced on a real spot market: the decision the planner makes."""
+    from gpumem.planner.capacity import Capacity
+    from gpumem.planner.decision import decide, layout_jobs
+    from gpumem.planner.traces import load_trace
+
+    spot = Capacity.from_trace(
+        load_trace(SPOT_TRACE), PRICE * SPOT_RATIO, name="spot us-west-2a p3.16xlarge", notice_s=120
+    )
+    od = Capacity.on_demand(PRICE)
+    jobs = layout_jobs(res, run_hours=RUN_HOURS, deadline_h=DEADLINE_HOURS, top=1)
+    d = decide(jobs, [spot, od])
+    result.decision = d.best.policy
+    result.decision_cost = d.best.prediction.expected_cost
+    echo("")
+    echo(
+        f"But spot capacity also goes away for hours. Priced on a real AWS spot market (8 x V100 "
+        f"in us-west-2a, Oct-Nov 2022: available {spot.availability.fraction:.0%} of the time), "
+        f"spot at ${PRICE * SPOT_RATIO:.2f}/GPU-h (0.42x on-demand, AWS's p5en ratio), "
+        f"on-demand ${PRICE:g}, a {DEADLINE_HOURS:g} h deadline:"
+    )
+    echo(d.table(top=4))
 
 
 # -- 4. preempted and resumed -----------------------------------------------------------------

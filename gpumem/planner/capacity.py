@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpumem.planner.traces import Trace, TraceError
+from gpumem.planner.traces import CapacityTrace, TraceError
 
 WARMUP_CYCLES = 32
 
@@ -150,7 +150,7 @@ class Capacity:
     availability: Availability
     notice_s: float | None = None
     queue_wait_s: float = 0.0
-    trace: Trace | None = None
+    trace: CapacityTrace | None = None
     kind: str = "spot"
 
     def __post_init__(self) -> None:
@@ -187,7 +187,7 @@ class Capacity:
     @classmethod
     def from_trace(
         cls,
-        trace: Trace,
+        trace: CapacityTrace,
         price_per_gpu_hour: float | None = None,
         *,
         name: str | None = None,

@@ -11,7 +11,7 @@ with probability >= ``confidence`` by expected cost, and says why in one paragra
 
 Example:
     >>> from gpumem.planner.capacity import Capacity
-    >>> from gpumem.planner.replay import Job
+    >>> from gpumem.planner.capacity_replay import Job
     >>> spot = Capacity.from_rates("spot", 1.0, preemptions_per_day=2, mean_outage_h=1,
     ...                            notice_s=120)
     >>> d = decide([("one layout", Job(24, deadline_h=30, final_save_s=60))],
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpumem.planner.capacity import Capacity
+from gpumem.planner.capacity_replay import Job
 from gpumem.planner.predict import Prediction, predict_options
-from gpumem.planner.replay import Job
 
 DEFAULT_CONFIDENCE = 0.95
 HORIZON_PAST_DEADLINE = 1.5  # paths stop at 1.5x the deadline: later is a miss either way
@@ -231,7 +231,7 @@ def decide(
     """Rank every layout x capacity pairing x policy (module doc).
 
     Args:
-        layouts: (name, :class:`~gpumem.planner.replay.Job`) per layout: its work, deadline
+        layouts: (name, :class:`~gpumem.planner.capacity_replay.Job`) per layout: its work, deadline
             and checkpoint times (every job the same deadline).
         capacities: at least one; the preemptible ones are tried alone and with each reliable
             one as the fallback.
@@ -324,11 +324,11 @@ def layout_jobs(
     return out
 
 
-def _key(o: Option, meets: bool) -> tuple[float, float]:
+def _key(o: Option, meets: bool) -> tuple[float, ...]:
     p = o.prediction
     if meets:
         return (p.expected_cost, p.expected_hours)
-    return (p.miss_probability, p.expected_cost)
+    return (p.miss_probability, p.expected_hours, p.expected_cost)
 
 
 def _notice_fits(spot: Capacity) -> Any:

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gpumem.planner.capacity_replay import NONE, RELIABLE, SPOT, Job, Sources, TickState
 from gpumem.planner.economics import young_daly
-from gpumem.planner.replay import NONE, RELIABLE, SPOT, Job, Sources, TickState
 
 
 def fixed_interval(job: Job, sources: Sources) -> float:

@@ -13,7 +13,7 @@ Two answers to one question, kept apart on purpose:
 
 Example:
     >>> from gpumem.planner.capacity import Capacity
-    >>> from gpumem.planner.replay import Job
+    >>> from gpumem.planner.capacity_replay import Job
     >>> spot = Capacity.from_rates("spot", 1.0, preemptions_per_day=2, mean_outage_h=1)
     >>> od = Capacity.on_demand(3.0)
     >>> p = predict(Job(24, deadline_h=36), spot, od, "gpumem")
@@ -30,8 +30,7 @@ from typing import Any
 import numpy as np
 
 from gpumem.planner.capacity import Capacity
-from gpumem.planner.policies import POLICIES
-from gpumem.planner.replay import (
+from gpumem.planner.capacity_replay import (
     HORIZON_FACTOR,
     MAX_HORIZON_TICKS,
     Job,
@@ -41,6 +40,7 @@ from gpumem.planner.replay import (
     Sources,
     replay,
 )
+from gpumem.planner.policies import POLICIES
 
 DEFAULT_LANES = 512
 DEFAULT_SEED = 0

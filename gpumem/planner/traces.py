@@ -1,7 +1,8 @@
 """Spot-capacity traces read from files: when a source of GPUs could be had, tick by tick.
 
-Every format becomes one :class:`Trace`: a tick length ``gap_s`` and, per tick, whether a job of
-``nodes`` nodes could *not* run during it (``unavailable``), with an optional price per tick.
+Every format becomes one :class:`CapacityTrace`: a tick length ``gap_s`` and, per tick, whether
+a job of ``nodes`` nodes could *not* run during it (``unavailable``), with an optional price per
+tick.
 Formats (the file is untrusted input: every problem is a :class:`TraceError`, one line naming
 the file and the field):
 
@@ -45,7 +46,7 @@ class TraceError(ValueError):
 
 
 @dataclass(frozen=True)
-class Trace:
+class CapacityTrace:
     """Tick-by-tick capacity: ``unavailable[k]`` is True when the job cannot run in tick k.
 
     Attributes:
@@ -75,7 +76,7 @@ class Trace:
 
 def load_trace(
     path: str | os.PathLike[str], *, nodes: int = 1, gap_s: float | None = None
-) -> Trace:
+) -> CapacityTrace:
     """Read a trace file (module doc) for a job of ``nodes`` nodes.
 
     Args:
@@ -114,7 +115,7 @@ def _read(path: Path, name: str) -> str:
         raise TraceError(f"{name}: not a text file (expected a JSON or CSV trace)") from None
 
 
-def _from_json(text: str, name: str, nodes: int) -> Trace:
+def _from_json(text: str, name: str, nodes: int) -> CapacityTrace:
     try:
         doc = _strict_json.loads(text)
     except (ValueError, RecursionError) as e:
@@ -137,7 +138,7 @@ def _from_json(text: str, name: str, nodes: int) -> Trace:
     notes = ()
     if nodes > 1:
         notes = (f"{name} is one instance type's 0/1: the {nodes} nodes are taken together",)
-    return Trace(name, gap, np.asarray(data, dtype=bool), prices, nodes, notes)
+    return CapacityTrace(name, gap, np.asarray(data, dtype=bool), prices, nodes, notes)
 
 
 def _positive_number(v: object, what: str) -> float:
@@ -158,7 +159,7 @@ def _prices(v: object, n: int, name: str) -> np.ndarray:
 _SAMPLE_KINDS = ("available", "unavailable", "nodes")
 
 
-def _from_csv(text: str, name: str, nodes: int, gap_s: float | None) -> Trace:
+def _from_csv(text: str, name: str, nodes: int, gap_s: float | None) -> CapacityTrace:
     rows = [r for r in csv.reader(io.StringIO(text)) if r and any(c.strip() for c in r)]
     rows = [[c.strip() for c in r] for r in rows if not r[0].lstrip().startswith("#")]
     if not rows:
@@ -222,7 +223,7 @@ def _times(body: list[list[str]], name: str, scale: float) -> np.ndarray:
 
 def _from_samples(
     t: np.ndarray, v: list[float], kind: str, name: str, nodes: int, gap_s: float | None
-) -> Trace:
+) -> CapacityTrace:
     vals = np.asarray(v)
     if kind != "nodes" and np.any((vals != 0) & (vals != 1)):
         raise TraceError(f"{name}: the {kind} column must hold 0 or 1")
@@ -244,7 +245,7 @@ def _from_samples(
         drops = np.concatenate([[False], np.diff(vals) < 0])
         _mark_points(ticks, t, t[drops], gap)  # a drop is taken as one of the job's nodes
         notes = (f"{name}: counts do not say which nodes left; every drop is taken as the job's",)
-    return Trace(name, float(gap), ticks, None, nodes, notes)
+    return CapacityTrace(name, float(gap), ticks, None, nodes, notes)
 
 
 def _mark_points(ticks: np.ndarray, t: np.ndarray, at: np.ndarray, gap: float) -> None:
@@ -268,7 +269,9 @@ def _tick_marks(t: np.ndarray, end: float, down: np.ndarray, gap: float) -> np.n
     return np.cumsum(diff[:n]) > 0
 
 
-def _from_events(body: list[list[str]], name: str, nodes: int, scale: float, gap: float) -> Trace:
+def _from_events(
+    body: list[list[str]], name: str, nodes: int, scale: float, gap: float
+) -> CapacityTrace:
     t = _times(body, name, scale)
     up: dict[str, float] = {}  # node -> time added (insertion order = seniority)
     held: set[str] = set()
@@ -293,7 +296,7 @@ def _from_events(body: list[list[str]], name: str, nodes: int, scale: float, gap
             hits.append(when)
     ticks = _tick_marks(t, t[-1] + gap, np.asarray(short), gap)
     _mark_points(ticks, t, np.asarray(hits, dtype=np.float64), gap)
-    return Trace(name, float(gap), ticks, None, nodes)
+    return CapacityTrace(name, float(gap), ticks, None, nodes)
 
 
-__all__ = ["Trace", "TraceError", "load_trace"]
+__all__ = ["CapacityTrace", "TraceError", "load_trace"]

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from gpumem.planner.capacity import Availability, Capacity
+from gpumem.planner.capacity_replay import NONE, RELIABLE, SPOT, Job, Run, Sources, replay
 from gpumem.planner.policies import POLICIES
 from gpumem.planner.predict import predict, predict_options, replay_windows, sources_for
-from gpumem.planner.replay import NONE, RELIABLE, SPOT, Job, Run, Sources, replay
 from gpumem.planner.traces import TraceError, load_trace
 
 DATA = Path(__file__).parent / "data"
