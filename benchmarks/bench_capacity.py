@@ -120,6 +120,21 @@ def _rel(model: float, replay: float) -> list[float]:
     return [abs(model / replay - 1)]
 
 
+def _economics_error(job: Job, cap: Capacity, mtbf_h: float) -> list[float]:
+    free = Job(job.work_h, stall_s=job.stall_s, persist_s=job.persist_s, restart_s=job.restart_s)
+    (spot_only,) = replay_windows([(free, "spot")], cap, None)
+    e = economics(
+        n_gpus=1,
+        price_per_gpu_hour=SPOT,
+        mtbf_hours=mtbf_h,
+        run_hours=job.work_h,
+        stall_s=job.stall_s,
+        persist_s=max(job.persist_s, job.stall_s),
+        restart_s=job.restart_s,
+    )
+    return _rel(e.expected_hours_with, spot_only.expected_hours)
+
+
 def agreement(traces: list) -> tuple[list[tuple], list, dict]:
     od = Capacity.on_demand(ON_DEMAND)
     errs_h, errs_c, econ = [], [], []
@@ -140,20 +155,9 @@ def agreement(traces: list) -> tuple[list[tuple], list, dict]:
                 per_trace_c += _rel(m.expected_cost, r.expected_cost)
             # economics(): Poisson preemptions on capacity that never goes away, MTBF read off
             # the trace; the same job (no deadline) replayed spot-only
-            free = Job(
-                job.work_h, stall_s=job.stall_s, persist_s=job.persist_s, restart_s=job.restart_s
-            )
-            (spot_only,) = replay_windows([(free, "spot")], cap, None)
-            e = economics(
-                n_gpus=1,
-                price_per_gpu_hour=SPOT,
-                mtbf_hours=cap.availability.mtbf_s / 3600,
-                run_hours=job.work_h,
-                stall_s=job.stall_s,
-                persist_s=max(job.persist_s, job.stall_s),
-                restart_s=job.restart_s,
-            )
-            econ += _rel(e.expected_hours_with, spot_only.expected_hours)
+            mtbf_h = cap.availability.mtbf_s / 3600
+            if 0 < mtbf_h < float("inf"):
+                econ += _economics_error(job, cap, mtbf_h)
         errs_h += per_trace_h
         errs_c += per_trace_c
         a = cap.availability
