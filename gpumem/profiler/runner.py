@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from gpumem.profiler.extrapolate import PROFILED, NotExtrapolated, twin_problem
 from gpumem.profiler.extrapolate import extrapolate as extrapolate_report
 from gpumem.profiler.report import Report
+from gpumem.profiler.samples import SampleRecorder
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "none")
 PRECISIONS = ("fp32", "bf16", "fp16", "amp-bf16", "amp-fp16")
@@ -230,7 +231,7 @@ def profile_model(
             bar = _StepProgress(tick, steps, len(blocks))
             prof = profile(net, opt, mode=mode, alloc_conf=conf)
             if record:
-                prof.samples = []
+                prof.recorder = SampleRecorder()
                 prof.tracker.alloc_log = None  # no reserved simulation: it does not extrapolate
             with contextlib.ExitStack() as hooks:
                 if progress is not None:
@@ -282,7 +283,8 @@ def _extrapolated(run: Any, cfg: Any, steps: int, tick: Any) -> Report:
             tick(base + (at or 0), total, label)
 
         prof = run(cfg.replace(num_layers=k), part, record=True)
-        runs[k] = (prof.report(), prof.samples, prof.root_calls)
+        assert prof.recorder is not None
+        runs[k] = (prof.report(), prof.recorder.samples, prof.recorder.root_calls)
         done += units[k]
     rep = extrapolate_report(runs, _blocks_fqn(prof.model), cfg.num_layers)
     tick(total, total)

@@ -27,7 +27,6 @@ import contextlib
 import os
 import threading
 import time
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,9 +49,11 @@ from gpumem.profiler.categories import (
     TEMPORARY,
     WEIGHTS,
 )
+from gpumem.profiler.communication import CommAccount
 from gpumem.profiler.fake import is_fake_model, real_branches
 from gpumem.profiler.headroom import warn_if_short
 from gpumem.profiler.hooks import HookSet
+from gpumem.profiler.modes import mode_of
 from gpumem.profiler.records import (
     MODES,
     PHASE_CODE,
@@ -61,15 +62,14 @@ from gpumem.profiler.records import (
     ProbeView,
     ProfileRecord,
     StepAcc,
-    ancestors,
+    credit_kept,
 )
 from gpumem.profiler.report import Report, build_report
 from gpumem.profiler.reserved import simulated_reserved
+from gpumem.profiler.samples import SampleRecorder
 from gpumem.profiler.tracker import Entry, StorageTracker, storages_of, tensors_in, views_of
 
 _graph_task_id = torch._C._current_graph_task_id
-_CAT0 = 6  # where the categories start in a sample (Profile._sample)
-_CAT_INDEX = {c: i for i, c in enumerate(CATEGORIES)}
 _ACTIVE = threading.local()
 
 
@@ -86,6 +86,11 @@ class Profile:
         ...     loss = loss_fn(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
         >>> rep = prof.report()
         >>> rep.peak_bytes, rep.at_peak["activations"], rep.layers["layers.0"].temporary
+
+    The session is the accounting the hooks call (``hooks.ProfileEvents``); what differs
+    between the two modes is its ``strategy`` (``modes.py``), FSDP2's communication its
+    ``comm`` (``communication.py``), and a k-block profile's samples its ``recorder``
+    (``samples.py``, set by ``runner.py``).
     """
 
     def __init__(
@@ -98,28 +103,12 @@ class Profile:
         mode: str = "exact",
         alloc_conf: str | AllocConf | None = None,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(
-                f"gpumem.profile(mode={mode!r}) is not a mode; use 'exact' (every storage, every "
-                "op) or 'light' (hook boundaries only, no per-op dispatch)"
-            )
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(
-                f"gpumem.profile(model, ...) needs a torch.nn.Module, got {type(model).__name__}; "
-                "wrap a plain function in an nn.Module or pass the model that owns the parameters"
-            )
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
-            )
-        if snapshot is not None:
-            _check_snapshot_path(snapshot)
+        _check_arguments(model, optimizer, snapshot, mode)
         self.model = model
         self.optimizer = optimizer
         self.snapshot_path = snapshot
         self.record_timeline = timeline
         self.mode = mode
-        self.light = mode == "light"
         self.fqn_of: dict[int, str] = {}
         for fqn, mod in model.named_modules(remove_duplicate=False):
             self.fqn_of.setdefault(id(mod), fqn)
@@ -130,40 +119,19 @@ class Profile:
             for p in mod.parameters(recurse=False):
                 self.param_owner.setdefault(id(p), (p, fqn))
         self._check_optimizer()
-        # exact: the tracker runs as a dispatch mode and calls _after_op after every op; light:
-        # it only keeps the registry of the storages the hooks hand it, sampled at boundaries
-        self._sync = self._boundary if self.light else self._after_op
-        self.tracker = StorageTracker(self._context, self._sync, self._where)
-        self.tracker.on_comm = self._comm_changed
-        # exact mode: every allocation and free, for the caching allocator simulator
-        self.alloc_conf: AllocConf | None = None
-        self._conf_note = ""
-        try:
-            self.alloc_conf = resolve_alloc_conf(alloc_conf)
-        except NotSimulated as exc:
-            if alloc_conf is not None:  # the caller asked for a simulation of it
-                raise
-            # the environment's valid setting the simulator does not reproduce (torch's
-            # backend:cudaMallocAsync) must not stop a profile: no reserved figure, said so
-            self._conf_note = f"peak_reserved_bytes not simulated: {exc}"
-        if not self.light and self.alloc_conf is not None:
-            self.tracker.alloc_log = []
+        self.comm = CommAccount(self)
+        self.strategy = mode_of(mode, self)
+        self.tracker = StorageTracker(self._context, self.strategy.sync, self._where)
+        self.tracker.on_comm = self.comm.changed
+        self.alloc_conf, conf_note = _alloc_conf(alloc_conf)
+        if not self.strategy.light and self.alloc_conf is not None:
+            self.tracker.alloc_log = []  # every allocation and free, for the simulator
         self._reserved: tuple[int, dict[str, Any]] | None = None  # (log length, figures)
-        # FSDP2 units, found on entry; the units gathering or reducing now (innermost last); the
-        # entries of unsharded parameters (never activations)
-        self.fsdp_units: list[fsdp_tp.Unit] = []
-        self._comm_units: list[str] = []
-        self._gathered: weakref.WeakSet[Entry] = weakref.WeakSet()
-        self._unsharded_known: set[str] = set()  # units whose unsharded parameters are claimed
-        # live communication bytes: in all, and per module with its ancestors
-        self._comm_total = 0
-        self._comm_live: dict[str, int] = {}
-        self._chains: dict[str, list[str]] = {}  # module -> ancestors(module), computed once
         self.hooks = HookSet(self)
         self.steps: list[StepAcc] = [StepAcc(0)]
         self.peak = PeakRecord()
         self.weights: dict[str, int] = {}
-        self.assumptions: list[str] = [self._conf_note] if self._conf_note else []
+        self.assumptions: list[str] = [conf_note] if conf_note else []
         self.error: str | None = None
         self.device_types: set[str] = set()
         self.allocator: Any = None
@@ -177,28 +145,18 @@ class Profile:
             [],
             [],
         )
-        # gpumem.profiler.extrapolate turns these on (None: off): one vector per timeline sample
-        # (see _sample), their events and optimizer counts, and the root module's calls
-        self.samples: list[list[int]] | None = None
-        self._sample_at: list[tuple[int, int]] = []
-        self.root_calls: list[tuple[int, bool, int, int, int]] = []
-        self._in_step = False
+        self.recorder: SampleRecorder | None = None  # a k-block profile's (runner.py)
+        self.in_step = False
         self._in_zero_grad = 0
         self._tail: str | None = None
         self._closed = False
         self._bw_tasks: set[int] = set()
-        # _after_op's memory: the last timeline sample, and the highest level already handed to
+        # after_op's memory: the last timeline sample, and the highest level already handed to
         # the peaks and the running frames in the current phase and step
         self._tl_level, self._tl_phase, self._tl_step = -1, "", -1
         self._mark, self._mark_phase, self._mark_step = -1, "", None
         # the highest level less communication already handed to the running frames
         self._fmark = -1
-        # light mode on CUDA: allocated bytes that are not the model's (other tensors alive at
-        # entry), the allocator level at the last boundary, the categories there
-        self._baseline = 0
-        self._forwarded = False
-        self._light_level = 0
-        self._cats_prev: dict[str, int] = {}
         self._entered = False
         self._real_branches: Any = None
         self._exited = False
@@ -218,6 +176,11 @@ class Profile:
                         "model.parameters(), or profile the module that owns it"
                     )
 
+    @property
+    def fsdp_units(self) -> list[fsdp_tp.Unit]:
+        """The model's FSDP2 units, found on entry."""
+        return self.comm.units
+
     # -- context manager -----------------------------------------------------------------------
     def __enter__(self) -> Profile:
         if getattr(_ACTIVE, "profile", None) is not None:
@@ -231,21 +194,15 @@ class Profile:
         if not is_fake_model(self.model):
             warn_if_short(self.model, self.optimizer)
         self.t_start = time.perf_counter_ns()
-        self.fsdp_units = fsdp_tp.fsdp_units(self.model, self.fqn_of)
         self._register_existing()
+        self.comm.find_units(self.model, self.fqn_of)
         self.allocator = cuda.AllocatorProbe.maybe(
             self.model, self.device_types, self.snapshot_path
         )
-        if self.light and self.allocator is not None:
-            self._baseline = self.allocator.start_allocated - self._cuda_tracked()
-            self._light_level = self.tracker.level
-        self._cats_prev = dict(self.tracker.by_category)
+        self.strategy.start()
         try:
             self.hooks.install()
-            if self.light:
-                self.tracker.patch_resize()
-            else:
-                self.tracker.__enter__()
+            self.strategy.install()
         except BaseException:
             self.hooks.remove()
             if self.allocator is not None:
@@ -256,7 +213,7 @@ class Profile:
             self._real_branches.__enter__()
         _ACTIVE.profile = self
         listen(self.note_assumption)
-        self._sync()
+        self.strategy.sync()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -265,11 +222,7 @@ class Profile:
         self._exited = True
         self.t_end = time.perf_counter_ns()
         try:
-            if self.light:
-                self._boundary()
-                self.tracker.unpatch_resize()
-            else:
-                self.tracker.__exit__(exc_type, exc, tb)
+            self.strategy.stop(exc_type, exc, tb)
         finally:
             self.hooks.remove()
             self._leave_real_branches()
@@ -277,7 +230,7 @@ class Profile:
         self._close_forwards(frames)
         if self.bwd or self._bw_tasks:  # an exception inside backward
             self._backward_end()
-        if self._in_step:  # an exception inside optimizer.step(): resolve what was created
+        if self.in_step:  # an exception inside optimizer.step(): resolve what was created
             self.optimizer_exit()
         if exc is not None:
             self.error = f"{exc_type.__name__}: {exc}"
@@ -330,6 +283,10 @@ class Profile:
         """What the CUDA allocator probe reads at a boundary: running frames, phase, step."""
         return ProbeView([*self.fwd, *self.bwd], self._phase(), self.steps[-1])
 
+    def sync(self) -> None:
+        """Bring peaks, frames and the timeline up to date (light mode: a boundary)."""
+        self.strategy.sync()
+
     # -- state at entry ------------------------------------------------------------------------
     def _register_existing(self) -> None:
         tr = self.tracker
@@ -352,14 +309,10 @@ class Profile:
                 owner = self.param_owner.get(id(p), (None, ""))[1]
                 for t in tensors_in(state):
                     tr.track(t, OPTIMIZER, owner)
-        # FSDP keeps the storages of unsharded parameters from the first step on (at size 0
-        # while sharded): known from the start, their resizes are followed
-        for u in self.fsdp_units:
-            self._claim_unsharded(u.fqn, u.group)
 
     # -- tracker callbacks ---------------------------------------------------------------------
     def _phase(self) -> str:
-        if self._in_step or self._in_zero_grad:
+        if self.in_step or self._in_zero_grad:
             return OPTIMIZER_PHASE
         if _graph_task_id() != -1:
             return BACKWARD
@@ -368,16 +321,17 @@ class Profile:
         return self._tail or FORWARD
 
     def _context(self) -> tuple[str, str]:
-        if self._comm_units:
-            return COMMUNICATION, self._comm_units[-1]
-        return (OPTIMIZER if self._in_step else TEMPORARY), ""
+        unit = self.comm.running_unit()
+        if unit is not None:
+            return COMMUNICATION, unit
+        return (OPTIMIZER if self.in_step else TEMPORARY), ""
 
     def _where(self) -> str:
         if self.fwd:
             return self.fwd[-1].fqn
         return self.bwd[-1].fqn if self.bwd else ""
 
-    def _after_op(self, level: int | None = None) -> None:
+    def after_op(self, level: int | None = None) -> None:
         """Called after every op (exact mode) or hook boundary (light mode): peaks and timeline.
 
         Runs once per aten op, so it does as little as it can: the peaks and the step's snapshot
@@ -388,7 +342,7 @@ class Profile:
         """
         if level is None:
             level = self.tracker.level
-        if self._in_step or self._in_zero_grad:
+        if self.in_step or self._in_zero_grad:
             phase = OPTIMIZER_PHASE
         else:
             task = _graph_task_id()
@@ -410,10 +364,15 @@ class Profile:
             lv.append(level)
             ph.append(PHASE_CODE[phase])
             st.append(step.index)
-            cm.append(self._comm_total)
-            if self.samples is not None:
-                self._sample(level, phase, step)
-        work = level - self._comm_total
+            cm.append(self.comm.total)
+            if self.recorder is not None:
+                n_opt = len(step.opt_new) if self.in_step else 0
+                tr = self.tracker
+                frames = (self.fwd, self.bwd)
+                self.recorder.sample(
+                    level, self.comm.total, phase, step, frames, tr.by_category, tr.events, n_opt
+                )
+        work = level - self.comm.total
         if work > self._fmark:
             self._fmark = work
             if self.fwd:  # the innermost only: it hands its mark to its parent on exit
@@ -434,75 +393,17 @@ class Profile:
         if level > self.peak.bytes or self.peak.event < 0:
             self.peak = step.peak
 
-    def _sample(self, level: int, phase: str, step: StepAcc) -> None:
-        """One timeline sample with what a peak snapshot there would hold: level,
-        communication, phase, step, whether the root's forward and backward calls are running,
-        then the bytes per category (kept as ``_snap`` and ``optimizer_exit`` keep a snapshot's)."""
-        assert self.samples is not None
-        root_fwd = int(bool(self.fwd) and self.fwd[0].fqn == "")
-        root_bwd = int(any(f.fqn == "" for f in self.bwd))
-        self.samples.append(
-            [
-                level,
-                self._comm_total,
-                PHASE_CODE[phase],
-                step.index,
-                root_fwd,
-                root_bwd,
-                *self.tracker.by_category.values(),
-            ]
-        )
-        n_opt = len(step.opt_new) if self._in_step else 0
-        self._sample_at.append((self.tracker.events, n_opt))
-
     def _snap(self, level: int, phase: str, step: StepAcc) -> PeakRecord:
-        at: dict[str, int | None] = dict(self.tracker.by_category)
-        if self.light:
-            if self.allocator is None:
-                at[TEMPORARY] = None  # not measured: nothing sees a temporary without the mode
-            else:
-                # the peak lies between two boundaries: per category, count what was alive at
-                # both (the smaller of the two sums); the rest of the allocator's peak is temporary
-                prev = self._cats_prev
-                at = {c: min(v, prev.get(c, v)) for c, v in at.items()}
-                at[TEMPORARY] = 0
-                at[TEMPORARY] = max(0, level - sum(at.values()))
         return PeakRecord(
             level,
-            at,
+            self.strategy.snap_categories(level),
             self.tracker.events,
             phase,
             step.index,
-            len(step.opt_new) if self._in_step else 0,
+            len(step.opt_new) if self.in_step else 0,
         )
 
-    # -- light mode: hook boundaries instead of ops ----------------------------------------------
-    def _cuda_tracked(self) -> int:
-        return self.tracker.by_device.get("cuda", 0)
-
-    def _boundary(self) -> None:
-        """Light mode: bring peaks, frames and the timeline up to date at a hook boundary.
-
-        On CPU the level is the tracked categories (exact at boundaries: they only grow at
-        boundaries). On CUDA it is the caching allocator's peak since the previous boundary,
-        less the bytes that were allocated at entry and are not the model's."""
-        tr = self.tracker
-        tr.events += 1
-        if self.allocator is None:
-            self._after_op()
-        else:
-            peak, now = self.allocator.interval(self.probe_view())
-            other = tr.level - self._cuda_tracked()  # tracked bytes on other devices
-            self._light_level = now - self._baseline + other
-            self._after_op(max(peak - self._baseline + other, tr.level))
-        self._cats_prev = dict(tr.by_category)
-
-    def _level_now(self) -> int:
-        if self.light and self.allocator is not None:
-            return self._light_level
-        return self.tracker.level
-
-    def _reclassify(self, e: Entry, category: str, module: str) -> None:
+    def reclassify(self, e: Entry, category: str, module: str) -> None:
         """Change an entry's category; snapshots taken at this very event follow it."""
         old = e.category
         if old == category:
@@ -513,10 +414,8 @@ class Profile:
                 if snap.event == self.tracker.events:
                     snap.at[old] -= e.nbytes
                     snap.at[category] += e.nbytes
-            if self.samples and self._sample_at[-1][0] == self.tracker.events:
-                row = self.samples[-1]
-                row[_CAT0 + _CAT_INDEX[old]] -= e.nbytes
-                row[_CAT0 + _CAT_INDEX[category]] += e.nbytes
+            if self.recorder is not None:
+                self.recorder.reclassified(self.tracker.events, old, category, e.nbytes)
 
     # -- hook callbacks ------------------------------------------------------------------------
     def forward_enter(self, fqn: str, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
@@ -527,8 +426,7 @@ class Profile:
         self.fwd.append(frame)
 
     def forward_exit(self, fqn: str) -> Frame | None:
-        if self.light:
-            self._boundary()
+        self.strategy.boundary()
         for i in range(len(self.fwd) - 1, -1, -1):
             if self.fwd[i].fqn == fqn:
                 frames = self.fwd[i:]
@@ -539,7 +437,7 @@ class Profile:
 
     def _close_forwards(self, frames: list[Frame]) -> None:
         """Close forward frames innermost first; each hands its high-water mark to its parent
-        (``_after_op`` only updates the innermost running frame)."""
+        (``after_op`` only updates the innermost running frame)."""
         for i in range(len(frames) - 1, -1, -1):
             f = frames[i]
             parent = frames[i - 1] if i else (self.fwd[-1] if self.fwd else None)
@@ -562,40 +460,36 @@ class Profile:
             temp = max(0, f.hwm - f.level - f.kept)
             if temp > temps.get(f.fqn, -1):
                 temps[f.fqn] = temp
-            if self.samples is not None and f.fqn == "":
-                self.root_calls.append((step.index, backward_call, f.level, f.kept, f.hwm))
+            if self.recorder is not None and f.fqn == "":
+                self.recorder.root_call(step.index, backward_call, f)
         phase = BACKWARD if f.in_backward else FORWARD
         if self.allocator is not None:
-            self.allocator.exit(self.probe_view(), f, sample=not self.light)
+            self.allocator.exit(self.probe_view(), f, sample=self.strategy.samples_allocator)
         if self.record_timeline:
             self.spans.append((f.fqn, phase, f.t0, time.perf_counter_ns(), step.index))
 
-    def _open_step(self) -> None:
+    def open_step(self) -> None:
         """A forward starts: after a closed step it opens the next one."""
         if self._closed:
             step = StepAcc(len(self.steps))
-            step.communication = {k: v for k, v in self._comm_live.items() if v > 0}
+            step.communication = {k: v for k, v in self.comm.live.items() if v > 0}
             self.steps.append(step)
             self._closed = False
         self._tail = None
 
     def _root_forward(self, args: Any, kwargs: Any) -> None:
-        self._open_step()
+        self.open_step()
         self.steps[-1].forwards += 1
         for t in tensors_in((args, kwargs)):
             for st in storages_of(t):
                 e = self.tracker.lookup(st)
                 if e is None:
-                    new = self.tracker.track(t, INPUTS, "")
-                    if self.light and self.allocator is not None and not self._forwarded:
-                        # inputs of the region's first forward are taken to predate the region:
-                        # their blocks are in the allocator's level at entry, not the baseline
-                        self._baseline -= sum(x.nbytes for x in new if x.device == "cuda")
+                    self.strategy.inputs_tracked(self.tracker.track(t, INPUTS, ""))
                     break
                 if e.category == TEMPORARY:
-                    self._reclassify(e, INPUTS, "")
-        self._forwarded = True
-        self._sync()
+                    self.reclassify(e, INPUTS, "")
+        self.strategy.root_forward_seen()
+        self.sync()
 
     def backward_enter(self, fqn: str) -> Frame:
         frame = self._new_frame(fqn, True)
@@ -603,21 +497,18 @@ class Profile:
         return frame
 
     def _new_frame(self, fqn: str, in_backward: bool) -> Frame:
-        if self.light:
-            self._boundary()  # the interval before the call belongs to the running frames
-        level = self._level_now() - self._comm_total
+        self.strategy.boundary()  # light: the interval before the call is the running frames'
+        level = self.strategy.level_now() - self.comm.total
         frame = Frame(fqn, level, self.tracker.events, in_backward, time.perf_counter_ns())
         if level < self._fmark:  # the new frame has seen only ``level`` so far
             self._fmark = level
-        if self.light:
-            self.tracker.events += 1  # storages registered from now on are born inside the call
+        self.strategy.frame_opened()
         if self.allocator is not None:
-            self.allocator.enter(self.probe_view(), frame, sample=not self.light)
+            self.allocator.enter(self.probe_view(), frame, sample=self.strategy.samples_allocator)
         return frame
 
     def backward_exit(self, frame: Frame) -> None:
-        if self.light:
-            self._boundary()
+        self.strategy.boundary()
         if frame in self.bwd:
             self.bwd.remove(frame)
             self._close_frame(frame, backward_call=True)
@@ -629,7 +520,7 @@ class Profile:
         )
 
     def _backward_task_done(self, task: int, deferred: bool = False) -> None:
-        if not deferred and fsdp_tp.final_callback_pending(self.fsdp_units):
+        if not deferred and fsdp_tp.final_callback_pending(self.comm.units):
             # FSDP queued its end-of-backward callback (the last reduce-scatters) after ours:
             # the pass ends after it. Once only: FSDP's may belong to an outer graph task.
             torch.autograd.Variable._execution_engine.queue_callback(
@@ -661,7 +552,7 @@ class Profile:
                 continue
             for view, st in views_of(p.grad):
                 e = self.tracker.lookup(st)
-                if e is None and self.light:  # assigned outside autograd: nothing saw it yet
+                if e is None and self.strategy.registers_unseen:  # assigned outside autograd
                     e = self.tracker.add(st, p.grad.device.type, GRADIENTS, owner)
                 if e is not None:
                     n = view.numel() * view.element_size()
@@ -684,36 +575,19 @@ class Profile:
             e = self.tracker.lookup(st)
             if e is None:  # light mode, or created outside the dispatcher (a C++ extension)
                 e = self.tracker.add(st, grad.device.type, GRADIENTS, owner)
-                if self.light:
-                    self._credit(self.bwd, e)
-                self._sync()
+                if self.strategy.registers_unseen:
+                    credit_kept(self.bwd, e)
+                self.sync()
             if e.category != GRADIENTS:
-                self._credit(self.bwd, e)
-                self._reclassify(e, GRADIENTS, owner)
+                credit_kept(self.bwd, e)
+                self.reclassify(e, GRADIENTS, owner)
 
     def saved_for_backward(self, t: torch.Tensor, module: str | None = None) -> None:
-        if self._in_step or _graph_task_id() != -1:
+        if self.in_step or _graph_task_id() != -1:
             return  # recomputation in backward stays temporary
         if module is None:
             module = self.fwd[-1].fqn if self.fwd else ""
-        if self.light:
-            # nothing tracks temporaries here: a storage that is no weight, input, gradient,
-            # optimizer state or earlier activation is new, hence an activation
-            new = False
-            for st in storages_of(t):
-                if self.tracker.lookup(st) is None:
-                    e = self.tracker.add(st, t.device.type, ACTIVATIONS, module)
-                    self._mark_activation(e, module)
-                    new = True
-            if new:
-                self._boundary()
-            return
-        for st in storages_of(t):
-            e = self.tracker.lookup(st)
-            if e is None or e.died is not None:
-                continue
-            if e.category == TEMPORARY or (e.category == COMMUNICATION and e not in self._gathered):
-                self._mark_activation(e, module)
+        self.strategy.saved_for_backward(t, module)
 
     def checkpoint_inputs(self, fn: Any, tensors: list[torch.Tensor]) -> None:
         """The inputs a non-reentrant checkpoint keeps for recomputation are activations, of the
@@ -722,50 +596,22 @@ class Profile:
         for t in tensors:
             self.saved_for_backward(t, module)
 
-    @staticmethod
-    def _credit(frames: list[Frame], e: Entry) -> None:
-        """Storages created inside a call and kept beyond it are not its temporaries."""
-        for f in frames:
-            if e.born > f.event0:
-                f.kept += e.nbytes
-
-    def _mark_activation(self, e: Entry, module: str) -> None:
-        self._credit(self.fwd, e)
+    def mark_activation(self, e: Entry, module: str) -> None:
+        credit_kept(self.fwd, e)
         acts = self.steps[-1].activations
         acts[module] = acts.get(module, 0) + e.nbytes
-        self._reclassify(e, ACTIVATIONS, module)
+        self.reclassify(e, ACTIVATIONS, module)
 
     def optimizer_enter(self) -> None:
-        # close the interval before the step under the phase it belongs to
-        if self.light:
-            self._boundary()
-        elif self.allocator is not None:
-            self.allocator.boundary(self.probe_view())
-        self._in_step = True
+        self.strategy.optimizer_boundary()  # the interval before the step under its own phase
+        self.in_step = True
         self.tracker.on_new = self.steps[-1].opt_new.append
 
     def optimizer_exit(self) -> None:
         """Sort what the step created into optimizer state and scratch, then close the step."""
         step = self.steps[-1]
         self.tracker.on_new = None
-        state: dict[int, str] = {}
-        per: dict[str, int] = {}
-        seen: set[int] = set()
-        for p, s in self.optimizer.state.items():
-            owner = self.param_owner.get(id(p), (None, ""))[1]
-            for t in tensors_in(s):
-                for st in storages_of(t):
-                    e = self.tracker.lookup(st)
-                    if e is None:
-                        if not self.light:
-                            continue
-                        e = self.tracker.add(st, t.device.type, OPTIMIZER, owner)
-                    state[id(e)] = owner
-                    if id(e) not in seen:
-                        seen.add(id(e))
-                        per[owner] = per.get(owner, 0) + e.nbytes
-        for k, v in per.items():
-            step.optimizer[k] = max(v, step.optimizer.get(k, 0))
+        state = self._optimizer_state(step)
         scratch = [e for e in step.opt_new if id(e) not in state]
         for snap in {id(s): s for s in (self.peak, step.peak)}.values():
             if snap.phase == OPTIMIZER_PHASE and snap.step == step.index:
@@ -776,106 +622,57 @@ class Profile:
                 )
                 snap.at[OPTIMIZER] -= moved
                 snap.at[TEMPORARY] += moved
-        if self.samples:
-            self._move_scratch(step, state)
+        if self.recorder is not None:
+            self.recorder.move_scratch(step, state)
         for e in scratch:
             self.tracker.reclassify(e, TEMPORARY)
         for e in step.opt_new:
             if id(e) in state:
                 e.module = state[id(e)]
         step.opt_new.clear()
-        if self.light:
-            self._boundary()  # the new state, and on CUDA the step's peak, in the optimizer phase
-        elif self.allocator is not None:
-            self.allocator.boundary(self.probe_view())
-        self._in_step = False
+        self.strategy.optimizer_boundary()
+        self.in_step = False
         self._tail = OPTIMIZER_PHASE
         self._closed = True
 
-    def _move_scratch(self, step: StepAcc, state: dict[int, str]) -> None:
-        """The samples of this optimizer step get the correction its peak snapshots get: what
-        the step created and did not keep, alive then, is temporary, not optimizer state."""
-        assert self.samples is not None
-        code = PHASE_CODE[OPTIMIZER_PHASE]
-        opt, tmp = _CAT0 + _CAT_INDEX[OPTIMIZER], _CAT0 + _CAT_INDEX[TEMPORARY]
-        for row, (event, n_opt) in zip(self.samples, self._sample_at, strict=True):
-            if row[2] != code or row[3] != step.index or not n_opt:
-                continue
-            moved = sum(
-                e.nbytes
-                for e in step.opt_new[:n_opt]
-                if id(e) not in state and (e.died is None or e.died > event)
-            )
-            row[opt] -= moved
-            row[tmp] += moved
+    def _optimizer_state(self, step: StepAcc) -> dict[int, str]:
+        """id(entry) -> owner of every storage in the optimizer's state, whose bytes per owner
+        raise the step's optimizer figures."""
+        state: dict[int, str] = {}
+        per: dict[str, int] = {}
+        assert self.optimizer is not None
+        for p, s in self.optimizer.state.items():
+            owner = self.param_owner.get(id(p), (None, ""))[1]
+            for t in tensors_in(s):
+                for st in storages_of(t):
+                    e = self.tracker.lookup(st)
+                    if e is None:
+                        if not self.strategy.registers_unseen:
+                            continue
+                        e = self.tracker.add(st, t.device.type, OPTIMIZER, owner)
+                    if id(e) not in state:
+                        per[owner] = per.get(owner, 0) + e.nbytes
+                    state[id(e)] = owner
+        for k, v in per.items():
+            step.optimizer[k] = max(v, step.optimizer.get(k, 0))
+        return state
 
-    # -- FSDP2 ---------------------------------------------------------------------------------
+    # -- FSDP2: the communication account's ------------------------------------------------------
     def fsdp_enter(self, fqn: str, group: Any, call: str) -> None:
-        """A unit's parameter group starts ``call`` (one of ``fsdp_tp.GROUP_CALLS``)."""
-        if call in fsdp_tp.GATHERS and not self._in_step and _graph_task_id() == -1:
-            self._open_step()  # FSDP's pre-forward hook runs before the profiler's
-        if call == "post_backward":
-            # unsharded gradients wait for their reduce-scatter
-            self._claim(fsdp_tp.unsharded_grads(group), fqn, credit=True)
-        self._comm_units.append(fqn)
+        self.comm.enter(fqn, group, call)
 
     def fsdp_exit(self, fqn: str, group: Any, call: str) -> None:
-        self._comm_units.pop()
-        if call == "wait_for_unshard":
-            self._claim_unsharded(fqn, group)
-        elif call == "reshard":
-            self._claim(fsdp_tp.post_forward_shards(group), fqn)
-        self._sync()
-
-    def _claim_unsharded(self, fqn: str, group: Any) -> None:
-        """A unit's unsharded parameters, once they exist (FSDP creates them at its first
-        gather and keeps them): claimed once per unit, their resizes are followed after."""
-        if fqn not in self._unsharded_known:
-            storages = list(fsdp_tp.unsharded_storages(group))
-            if storages:
-                self._claim(storages, fqn, gathered=True)
-                self._unsharded_known.add(fqn)
+        self.comm.exit(fqn, group, call)
 
     def unsharded_grad_ready(self, grad: torch.Tensor, fqn: str) -> None:
         """Autograd accumulated the gradient of an unsharded parameter of unit ``fqn``."""
-        self._claim([grad], fqn, credit=True)
-        self._sync()
+        self.comm.claim([grad], fqn, credit=True)
+        self.sync()
 
     def communication_buffer(self, t: torch.Tensor, fqn: str) -> None:
         """FSDP allocated a gather or reduce-scatter buffer for unit ``fqn``."""
-        self._claim([t], fqn)
-        if self.light:
-            self._sync()
-
-    def _claim(self, tensors: Any, fqn: str, gathered: bool = False, credit: bool = False) -> None:
-        """Make the storages of ``tensors`` communication of unit ``fqn`` (registering those
-        light mode has not seen); ``gathered``: unsharded parameters, never activations;
-        ``credit``: kept beyond the running backward calls, so not their temporaries."""
-        tr = self.tracker
-        for t in tensors:
-            for st in storages_of(t):
-                e = tr.lookup(st)
-                if e is None:
-                    e = tr.add(st, t.device.type, COMMUNICATION, fqn)
-                elif e.category != COMMUNICATION:
-                    if credit and e.category == TEMPORARY:
-                        self._credit(self.bwd, e)
-                    self._reclassify(e, COMMUNICATION, fqn)
-                if gathered:
-                    self._gathered.add(e)
-
-    def _comm_changed(self, e: Entry, delta: int) -> None:
-        """The tracker's report of a change in live communication bytes."""
-        self._comm_total += delta
-        live = self._comm_live
-        peaks = self.steps[-1].communication
-        chain = self._chains.get(e.module)
-        if chain is None:
-            chain = self._chains[e.module] = ancestors(e.module)
-        for a in chain:
-            v = live[a] = live.get(a, 0) + delta
-            if v > peaks.get(a, 0):
-                peaks[a] = v
+        self.comm.claim([t], fqn)
+        self.strategy.registered()
 
     @contextlib.contextmanager
     def optimizer_phase(self) -> Iterator[None]:
@@ -883,13 +680,13 @@ class Profile:
         try:
             yield
         finally:
-            self._sync()
+            self.sync()
             self._in_zero_grad -= 1
 
     @property
     def measures_temporary(self) -> bool:
         """Exact mode always; light mode only where the allocator's peaks are available (CUDA)."""
-        return not self.light or self.allocator is not None
+        return self.strategy.measures_temporary()
 
     @property
     def measured(self) -> list[str]:
@@ -899,6 +696,37 @@ class Profile:
     def note_assumption(self, text: str) -> None:
         if text not in self.assumptions:
             self.assumptions.append(text)
+
+
+def _check_arguments(model: Any, optimizer: Any, snapshot: str | None, mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(
+            f"gpumem.profile(mode={mode!r}) is not a mode; use 'exact' (every storage, every "
+            "op) or 'light' (hook boundaries only, no per-op dispatch)"
+        )
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"gpumem.profile(model, ...) needs a torch.nn.Module, got {type(model).__name__}; "
+            "wrap a plain function in an nn.Module or pass the model that owns the parameters"
+        )
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+        )
+    if snapshot is not None:
+        _check_snapshot_path(snapshot)
+
+
+def _alloc_conf(alloc_conf: str | AllocConf | None) -> tuple[AllocConf | None, str]:
+    """The allocator setting exact mode simulates, and the note to make when there is none."""
+    try:
+        return resolve_alloc_conf(alloc_conf), ""
+    except NotSimulated as exc:
+        if alloc_conf is not None:  # the caller asked for a simulation of it
+            raise
+        # the environment's valid setting the simulator does not reproduce (torch's
+        # backend:cudaMallocAsync) must not stop a profile: no reserved figure, said so
+        return None, f"peak_reserved_bytes not simulated: {exc}"
 
 
 def _check_snapshot_path(path: str) -> None:
