@@ -17,6 +17,7 @@ Modules, bottom up:
     cuda          what the caching allocator and the driver say (CUDA only)
     hooks         every hook a profile installs; ``ProfileEvents``, what they call
     modes         exact and light: what differs between the two ways a profile sees memory
+    levels        where a profiled run is and how high: steps, peaks, module calls, timeline
     headroom      the warning before a profiled step runs out of memory
     pictures      a report's PNG and Chrome trace
     memory_viz    the timeline as PyTorch's memory snapshot (pytorch.org/memory_viz)

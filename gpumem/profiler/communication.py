@@ -10,6 +10,7 @@ with its ancestors, whose peaks each step records.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -27,23 +28,24 @@ _graph_task_id = torch._C._current_graph_task_id
 
 
 class CommHost(Protocol):
-    """What the communication account reads of the session and tells it (``Profile``)."""
+    """What the communication account reads of the run's levels and tells them
+    (``levels.Levels``)."""
 
-    tracker: StorageTracker
     steps: list[StepAcc]
     bwd: list[Frame]
     in_step: bool
 
     def open_step(self) -> None: ...
     def reclassify(self, e: Entry, category: str, module: str) -> None: ...
-    def sync(self) -> None: ...
 
 
 class CommAccount:
     """The FSDP2 units of a profiled model and the communication bytes they hold."""
 
-    def __init__(self, host: CommHost) -> None:
+    def __init__(self, host: CommHost, tracker: StorageTracker, sync: Callable[[], None]) -> None:
         self.host = host
+        self.tracker = tracker
+        self._sync = sync  # the session's: bring the levels up to date
         # the units, found on entry; those gathering or reducing now (innermost last); the
         # entries of unsharded parameters (never activations)
         self.units: list[fsdp_tp.Unit] = []
@@ -85,7 +87,7 @@ class CommAccount:
             self._claim_unsharded(fqn, group)
         elif call == "reshard":
             self.claim(fsdp_tp.post_forward_shards(group), fqn)
-        self.host.sync()
+        self._sync()
 
     def _claim_unsharded(self, fqn: str, group: Any) -> None:
         """A unit's unsharded parameters, once they exist (FSDP creates them at its first
@@ -101,7 +103,7 @@ class CommAccount:
         light mode has not seen); ``gathered``: unsharded parameters, never activations;
         ``credit``: kept beyond the running backward calls, so not their temporaries."""
         host = self.host
-        tr = host.tracker
+        tr = self.tracker
         for t in tensors:
             for st in storages_of(t):
                 e = tr.lookup(st)

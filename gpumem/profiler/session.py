@@ -38,14 +38,11 @@ from gpumem.allocator.alloc_conf import resolve as resolve_alloc_conf
 from gpumem.profiler import cuda, fsdp_tp
 from gpumem.profiler.categories import (
     ACTIVATIONS,
-    BACKWARD,
     CATEGORIES,
     COMMUNICATION,
-    FORWARD,
     GRADIENTS,
     INPUTS,
     OPTIMIZER,
-    OPTIMIZER_PHASE,
     TEMPORARY,
     WEIGHTS,
 )
@@ -53,12 +50,11 @@ from gpumem.profiler.communication import CommAccount
 from gpumem.profiler.fake import is_fake_model, real_branches
 from gpumem.profiler.headroom import warn_if_short
 from gpumem.profiler.hooks import HookSet
+from gpumem.profiler.levels import Levels
 from gpumem.profiler.modes import mode_of
 from gpumem.profiler.records import (
     MODES,
-    PHASE_CODE,
     Frame,
-    PeakRecord,
     ProbeView,
     ProfileRecord,
     StepAcc,
@@ -87,10 +83,11 @@ class Profile:
         >>> rep = prof.report()
         >>> rep.peak_bytes, rep.at_peak["activations"], rep.layers["layers.0"].temporary
 
-    The session is the accounting the hooks call (``hooks.ProfileEvents``); what differs
-    between the two modes is its ``strategy`` (``modes.py``), FSDP2's communication its
-    ``comm`` (``communication.py``), and a k-block profile's samples its ``recorder``
-    (``samples.py``, set by ``runner.py``).
+    The session sorts storages into categories as the hooks report them
+    (``hooks.ProfileEvents``); the steps, peaks, frames and timeline are its ``levels``
+    (``levels.py``), what differs between the two modes its ``strategy`` (``modes.py``), FSDP2's
+    communication its ``comm`` (``communication.py``), and a k-block profile's samples its
+    ``recorder`` (``samples.py``, set by ``runner.py``).
     """
 
     def __init__(
@@ -107,7 +104,6 @@ class Profile:
         self.model = model
         self.optimizer = optimizer
         self.snapshot_path = snapshot
-        self.record_timeline = timeline
         self.mode = mode
         self.fqn_of: dict[int, str] = {}
         for fqn, mod in model.named_modules(remove_duplicate=False):
@@ -118,68 +114,42 @@ class Profile:
         for fqn, mod in model.named_modules():
             for p in mod.parameters(recurse=False):
                 self.param_owner.setdefault(id(p), (p, fqn))
-        self._check_optimizer()
-        self.comm = CommAccount(self)
+        _check_optimizer(optimizer, self.param_owner, model)
+        self.levels = Levels(self, timeline)
+        self.after_op = self.levels.after_op  # what exact mode's tracker calls after every op
         self.strategy = mode_of(mode, self)
-        self.tracker = StorageTracker(self._context, self.strategy.sync, self._where)
+        self.tracker = StorageTracker(self._context, self.strategy.sync, self.levels.where)
+        self.comm = CommAccount(self.levels, self.tracker, self.strategy.sync)
         self.tracker.on_comm = self.comm.changed
         self.alloc_conf, conf_note = _alloc_conf(alloc_conf)
         if not self.strategy.light and self.alloc_conf is not None:
             self.tracker.alloc_log = []  # every allocation and free, for the simulator
         self._reserved: tuple[int, dict[str, Any]] | None = None  # (log length, figures)
         self.hooks = HookSet(self)
-        self.steps: list[StepAcc] = [StepAcc(0)]
-        self.peak = PeakRecord()
         self.weights: dict[str, int] = {}
         self.assumptions: list[str] = [conf_note] if conf_note else []
         self.error: str | None = None
         self.device_types: set[str] = set()
         self.allocator: Any = None
-        self.fwd: list[Frame] = []
-        self.bwd: list[Frame] = []
-        self.spans: list[tuple[str, str, int, int, int]] = []  # (fqn, phase, t0, t1, step)
-        self.timeline: tuple[list[int], list[int], list[int], list[int], list[int]] = (
-            [],
-            [],
-            [],
-            [],
-            [],
-        )
-        self.recorder: SampleRecorder | None = None  # a k-block profile's (runner.py)
-        self.in_step = False
-        self._in_zero_grad = 0
-        self._tail: str | None = None
-        self._closed = False
-        self._bw_tasks: set[int] = set()
-        # after_op's memory: the last timeline sample, and the highest level already handed to
-        # the peaks and the running frames in the current phase and step
-        self._tl_level, self._tl_phase, self._tl_step = -1, "", -1
-        self._mark, self._mark_phase, self._mark_step = -1, "", None
-        # the highest level less communication already handed to the running frames
-        self._fmark = -1
         self._entered = False
         self._real_branches: Any = None
         self._exited = False
         self.t_start = 0
         self.t_end = 0
 
-    def _check_optimizer(self) -> None:
-        if self.optimizer is None:
-            return
-        for gi, group in enumerate(self.optimizer.param_groups):
-            for pi, p in enumerate(group["params"]):
-                if id(p) not in self.param_owner:
-                    raise ValueError(
-                        f"optimizer param_groups[{gi}]['params'][{pi}] (shape "
-                        f"{tuple(p.shape)}) is not a parameter of the profiled "
-                        f"{type(self.model).__name__}; pass the optimizer built from "
-                        "model.parameters(), or profile the module that owns it"
-                    )
-
     @property
     def fsdp_units(self) -> list[fsdp_tp.Unit]:
         """The model's FSDP2 units, found on entry."""
         return self.comm.units
+
+    @property
+    def recorder(self) -> SampleRecorder | None:
+        """A k-block profile's samples (``runner.py`` sets one before entry)."""
+        return self.levels.recorder
+
+    @recorder.setter
+    def recorder(self, recorder: SampleRecorder | None) -> None:
+        self.levels.recorder = recorder
 
     # -- context manager -----------------------------------------------------------------------
     def __enter__(self) -> Profile:
@@ -194,7 +164,7 @@ class Profile:
         if not is_fake_model(self.model):
             warn_if_short(self.model, self.optimizer)
         self.t_start = time.perf_counter_ns()
-        self._register_existing()
+        self.weights = register_existing(self, self.device_types)
         self.comm.find_units(self.model, self.fqn_of)
         self.allocator = cuda.AllocatorProbe.maybe(
             self.model, self.device_types, self.snapshot_path
@@ -226,11 +196,12 @@ class Profile:
         finally:
             self.hooks.remove()
             self._leave_real_branches()
-        frames, self.fwd = self.fwd, []
-        self._close_forwards(frames)
-        if self.bwd or self._bw_tasks:  # an exception inside backward
-            self._backward_end()
-        if self.in_step:  # an exception inside optimizer.step(): resolve what was created
+        levels = self.levels
+        frames, levels.fwd = levels.fwd, []
+        levels.close_forwards(frames)
+        if levels.bwd or levels.bw_tasks:  # an exception inside backward
+            levels.backward_end()
+        if levels.in_step:  # an exception inside optimizer.step(): resolve what was created
             self.optimizer_exit()
         if exc is not None:
             self.error = f"{exc_type.__name__}: {exc}"
@@ -249,6 +220,7 @@ class Profile:
 
     def record(self) -> ProfileRecord:
         """Everything measured so far as plain data (the report is built from it)."""
+        levels = self.levels
         return ProfileRecord(
             mode=self.mode,
             model_name=type(self.model).__name__,
@@ -256,13 +228,13 @@ class Profile:
             device_types=sorted(self.device_types),
             module_names=self.module_names,
             weights=self.weights,
-            steps=self.steps,
-            peak=self.peak,
+            steps=levels.steps,
+            peak=levels.peak,
             measured=self.measured,
             measures_temporary=self.measures_temporary,
-            timeline=self.timeline,
+            timeline=levels.timeline,
             t_start=self.t_start,
-            spans=self.spans,
+            spans=levels.spans,
             assumptions=list(self.assumptions),
             error=self.error,
             allocator=dict(self.allocator.summary)
@@ -281,205 +253,33 @@ class Profile:
 
     def probe_view(self) -> ProbeView:
         """What the CUDA allocator probe reads at a boundary: running frames, phase, step."""
-        return ProbeView([*self.fwd, *self.bwd], self._phase(), self.steps[-1])
+        return self.levels.probe_view()
 
     def sync(self) -> None:
         """Bring peaks, frames and the timeline up to date (light mode: a boundary)."""
         self.strategy.sync()
 
-    # -- state at entry ------------------------------------------------------------------------
-    def _register_existing(self) -> None:
-        tr = self.tracker
-        seen: set[int] = set()
-        for fqn, mod in self.model.named_modules():
-            direct = 0
-            for t in [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]:
-                self.device_types.add(t.device.type)
-                for e in tr.track(t, WEIGHTS, fqn):
-                    if id(e) not in seen:
-                        seen.add(id(e))
-                        direct += e.nbytes
-            self.weights[fqn] = direct
-        for p, owner in self.param_owner.values():
-            if p.grad is not None:
-                for e in tr.track(p.grad, GRADIENTS, owner):
-                    tr.reclassify(e, GRADIENTS, owner)
-        if self.optimizer is not None:
-            for p, state in self.optimizer.state.items():
-                owner = self.param_owner.get(id(p), (None, ""))[1]
-                for t in tensors_in(state):
-                    tr.track(t, OPTIMIZER, owner)
-
-    # -- tracker callbacks ---------------------------------------------------------------------
-    def _phase(self) -> str:
-        if self.in_step or self._in_zero_grad:
-            return OPTIMIZER_PHASE
-        if _graph_task_id() != -1:
-            return BACKWARD
-        # after a backward pass or an optimizer step, until the next forward (grad clipping,
-        # zero_grad, logging) belongs to the phase that just ended
-        return self._tail or FORWARD
-
     def _context(self) -> tuple[str, str]:
+        """The tracker's question: what the storages an op creates now are, and whose."""
         unit = self.comm.running_unit()
         if unit is not None:
             return COMMUNICATION, unit
-        return (OPTIMIZER if self.in_step else TEMPORARY), ""
-
-    def _where(self) -> str:
-        if self.fwd:
-            return self.fwd[-1].fqn
-        return self.bwd[-1].fqn if self.bwd else ""
-
-    def after_op(self, level: int | None = None) -> None:
-        """Called after every op (exact mode) or hook boundary (light mode): peaks and timeline.
-
-        Runs once per aten op, so it does as little as it can: the peaks and the step's snapshot
-        only change when the level rises above ``_mark`` (the highest level already handed to
-        them) or the phase or step changes, the running frames' high-water marks (levels less
-        communication) only when that rises above ``_fmark``; of the forward frames only the
-        innermost is updated (it hands its mark to its parent on exit).
-        """
-        if level is None:
-            level = self.tracker.level
-        if self.in_step or self._in_zero_grad:
-            phase = OPTIMIZER_PHASE
-        else:
-            task = _graph_task_id()
-            if task != -1:
-                phase = BACKWARD
-                if task not in self._bw_tasks:
-                    self._backward_start(task)
-            else:
-                # after a backward pass or an optimizer step, until the next forward (grad
-                # clipping, zero_grad, logging) belongs to the phase that just ended
-                phase = self._tail or FORWARD
-        step = self.steps[-1]
-        if self.record_timeline and (
-            level != self._tl_level or phase is not self._tl_phase or step.index != self._tl_step
-        ):
-            self._tl_level, self._tl_phase, self._tl_step = level, phase, step.index
-            ts, lv, ph, st, cm = self.timeline
-            ts.append(time.perf_counter_ns())
-            lv.append(level)
-            ph.append(PHASE_CODE[phase])
-            st.append(step.index)
-            cm.append(self.comm.total)
-            if self.recorder is not None:
-                n_opt = len(step.opt_new) if self.in_step else 0
-                tr = self.tracker
-                frames = (self.fwd, self.bwd)
-                self.recorder.sample(
-                    level, self.comm.total, phase, step, frames, tr.by_category, tr.events, n_opt
-                )
-        work = level - self.comm.total
-        if work > self._fmark:
-            self._fmark = work
-            if self.fwd:  # the innermost only: it hands its mark to its parent on exit
-                top = self.fwd[-1]
-                if work > top.hwm:
-                    top.hwm = work
-            for f in self.bwd:
-                if work > f.hwm:
-                    f.hwm = work
-        if level <= self._mark and phase is self._mark_phase and step is self._mark_step:
-            return
-        self._mark, self._mark_phase, self._mark_step = level, phase, step
-        pp = step.phase_peak[phase]
-        if pp is None or level > pp:
-            step.phase_peak[phase] = level
-        if level > step.peak.bytes or step.peak.event < 0:
-            step.peak = self._snap(level, phase, step)
-        if level > self.peak.bytes or self.peak.event < 0:
-            self.peak = step.peak
-
-    def _snap(self, level: int, phase: str, step: StepAcc) -> PeakRecord:
-        return PeakRecord(
-            level,
-            self.strategy.snap_categories(level),
-            self.tracker.events,
-            phase,
-            step.index,
-            len(step.opt_new) if self.in_step else 0,
-        )
-
-    def reclassify(self, e: Entry, category: str, module: str) -> None:
-        """Change an entry's category; snapshots taken at this very event follow it."""
-        old = e.category
-        if old == category:
-            return
-        self.tracker.reclassify(e, category, module)
-        if e.died is None:
-            for snap in {id(s): s for s in (self.peak, self.steps[-1].peak)}.values():
-                if snap.event == self.tracker.events:
-                    snap.at[old] -= e.nbytes
-                    snap.at[category] += e.nbytes
-            if self.recorder is not None:
-                self.recorder.reclassified(self.tracker.events, old, category, e.nbytes)
+        return (OPTIMIZER if self.levels.in_step else TEMPORARY), ""
 
     # -- hook callbacks ------------------------------------------------------------------------
     def forward_enter(self, fqn: str, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         in_bw = _graph_task_id() != -1
-        if fqn == "" and not self.fwd and not in_bw:
+        if fqn == "" and not self.levels.fwd and not in_bw:
             self._root_forward(args, kwargs)
-        frame = self._new_frame(fqn, in_bw)
-        self.fwd.append(frame)
+        frame = self.levels.new_frame(fqn, in_bw)
+        self.levels.fwd.append(frame)
 
     def forward_exit(self, fqn: str) -> Frame | None:
-        self.strategy.boundary()
-        for i in range(len(self.fwd) - 1, -1, -1):
-            if self.fwd[i].fqn == fqn:
-                frames = self.fwd[i:]
-                del self.fwd[i:]
-                self._close_forwards(frames)
-                return frames[0]
-        return None
-
-    def _close_forwards(self, frames: list[Frame]) -> None:
-        """Close forward frames innermost first; each hands its high-water mark to its parent
-        (``after_op`` only updates the innermost running frame)."""
-        for i in range(len(frames) - 1, -1, -1):
-            f = frames[i]
-            parent = frames[i - 1] if i else (self.fwd[-1] if self.fwd else None)
-            if parent is not None and f.hwm > parent.hwm:
-                parent.hwm = f.hwm
-            self._close_frame(f, backward_call=False)
-            if parent is not None and f.alloc is not None and parent.alloc is not None:
-                # closing f took the last interval's allocator peak; a parent closed in the same
-                # batch (after a BaseException) is no longer running and must get it from f
-                parent.alloc[2] = max(parent.alloc[2], f.alloc[2])
-                parent.alloc[3] = max(parent.alloc[3], f.alloc[3])
-
-    def _close_frame(self, f: Frame, backward_call: bool) -> None:
-        """Record a finished module call: its temporary high-water mark (under the forward or
-        backward call it was), allocator deltas and timeline span. A forward that runs inside
-        backward (checkpoint recompute) counts as a forward call in the backward phase."""
-        step = self.steps[-1]
-        if self.measures_temporary:
-            temps = step.bwd_temp if backward_call else step.fwd_temp
-            temp = max(0, f.hwm - f.level - f.kept)
-            if temp > temps.get(f.fqn, -1):
-                temps[f.fqn] = temp
-            if self.recorder is not None and f.fqn == "":
-                self.recorder.root_call(step.index, backward_call, f)
-        phase = BACKWARD if f.in_backward else FORWARD
-        if self.allocator is not None:
-            self.allocator.exit(self.probe_view(), f, sample=self.strategy.samples_allocator)
-        if self.record_timeline:
-            self.spans.append((f.fqn, phase, f.t0, time.perf_counter_ns(), step.index))
-
-    def open_step(self) -> None:
-        """A forward starts: after a closed step it opens the next one."""
-        if self._closed:
-            step = StepAcc(len(self.steps))
-            step.communication = {k: v for k, v in self.comm.live.items() if v > 0}
-            self.steps.append(step)
-            self._closed = False
-        self._tail = None
+        return self.levels.forward_exit(fqn)
 
     def _root_forward(self, args: Any, kwargs: Any) -> None:
-        self.open_step()
-        self.steps[-1].forwards += 1
+        self.levels.open_step()
+        self.levels.steps[-1].forwards += 1
         for t in tensors_in((args, kwargs)):
             for st in storages_of(t):
                 e = self.tracker.lookup(st)
@@ -487,88 +287,25 @@ class Profile:
                     self.strategy.inputs_tracked(self.tracker.track(t, INPUTS, ""))
                     break
                 if e.category == TEMPORARY:
-                    self.reclassify(e, INPUTS, "")
+                    self.levels.reclassify(e, INPUTS, "")
         self.strategy.root_forward_seen()
         self.sync()
 
     def backward_enter(self, fqn: str) -> Frame:
-        frame = self._new_frame(fqn, True)
-        self.bwd.append(frame)
-        return frame
-
-    def _new_frame(self, fqn: str, in_backward: bool) -> Frame:
-        self.strategy.boundary()  # light: the interval before the call is the running frames'
-        level = self.strategy.level_now() - self.comm.total
-        frame = Frame(fqn, level, self.tracker.events, in_backward, time.perf_counter_ns())
-        if level < self._fmark:  # the new frame has seen only ``level`` so far
-            self._fmark = level
-        self.strategy.frame_opened()
-        if self.allocator is not None:
-            self.allocator.enter(self.probe_view(), frame, sample=self.strategy.samples_allocator)
+        frame = self.levels.new_frame(fqn, True)
+        self.levels.bwd.append(frame)
         return frame
 
     def backward_exit(self, frame: Frame) -> None:
-        self.strategy.boundary()
-        if frame in self.bwd:
-            self.bwd.remove(frame)
-            self._close_frame(frame, backward_call=True)
+        self.levels.backward_exit(frame)
 
-    def _backward_start(self, task: int) -> None:
-        self._bw_tasks.add(task)
-        torch.autograd.Variable._execution_engine.queue_callback(
-            lambda: self._backward_task_done(task)
-        )
-
-    def _backward_task_done(self, task: int, deferred: bool = False) -> None:
-        if not deferred and fsdp_tp.final_callback_pending(self.comm.units):
-            # FSDP queued its end-of-backward callback (the last reduce-scatters) after ours:
-            # the pass ends after it. Once only: FSDP's may belong to an outer graph task.
-            torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: self._backward_task_done(task, deferred=True)
-            )
-            return
-        self._bw_tasks.discard(task)
-        if not self._bw_tasks:
-            self._backward_end()
-
-    def _backward_end(self) -> None:
-        """A backward pass finished: close open module frames, read the gradients."""
-        for f in reversed(self.bwd):
-            self._close_frame(f, backward_call=True)
-        self.bwd.clear()
-        self._bw_tasks.clear()
-        step = self.steps[-1]
-        step.backwards += 1
-        self._tail = BACKWARD
-        self._record_gradients(step)
-        if self.optimizer is None:
-            self._closed = True
-
-    def _record_gradients(self, step: StepAcc) -> None:
-        # storage -> the parameters whose gradients view it, with the bytes of their views
-        shares: dict[int, tuple[Entry, list[tuple[str, int]]]] = {}
-        for p, owner in self.param_owner.values():
-            if p.grad is None:
-                continue
-            for view, st in views_of(p.grad):
-                e = self.tracker.lookup(st)
-                if e is None and self.strategy.registers_unseen:  # assigned outside autograd
-                    e = self.tracker.add(st, p.grad.device.type, GRADIENTS, owner)
-                if e is not None:
-                    n = view.numel() * view.element_size()
-                    shares.setdefault(id(e), (e, []))[1].append((owner, n))
-        per: dict[str, int] = {}
-        for e, owners in shares.values():
-            # FSDP2 makes a unit's sharded gradients views of one reduce-scatter output: each
-            # parameter's module gets its view, the first also what no view covers (padding)
-            rest = e.nbytes
-            for owner, n in owners[1:]:
-                n = min(n, rest)
-                per[owner] = per.get(owner, 0) + n
-                rest -= n
-            per[owners[0][0]] = per.get(owners[0][0], 0) + rest
+    def backward_done(self, step: StepAcc) -> None:
+        """A backward pass finished (its frames closed): read the gradients."""
+        per = gradient_bytes(self.tracker, self.param_owner, self.strategy.registers_unseen)
         for k, v in per.items():
             step.gradients[k] = max(v, step.gradients.get(k, 0))
+        if self.optimizer is None:
+            self.levels.closed = True
 
     def gradient_ready(self, grad: torch.Tensor, owner: str) -> None:
         for st in storages_of(grad):
@@ -576,17 +313,17 @@ class Profile:
             if e is None:  # light mode, or created outside the dispatcher (a C++ extension)
                 e = self.tracker.add(st, grad.device.type, GRADIENTS, owner)
                 if self.strategy.registers_unseen:
-                    credit_kept(self.bwd, e)
+                    credit_kept(self.levels.bwd, e)
                 self.sync()
             if e.category != GRADIENTS:
-                credit_kept(self.bwd, e)
-                self.reclassify(e, GRADIENTS, owner)
+                credit_kept(self.levels.bwd, e)
+                self.levels.reclassify(e, GRADIENTS, owner)
 
     def saved_for_backward(self, t: torch.Tensor, module: str | None = None) -> None:
-        if self.in_step or _graph_task_id() != -1:
+        if self.levels.in_step or _graph_task_id() != -1:
             return  # recomputation in backward stays temporary
         if module is None:
-            module = self.fwd[-1].fqn if self.fwd else ""
+            module = self.levels.fwd[-1].fqn if self.levels.fwd else ""
         self.strategy.saved_for_backward(t, module)
 
     def checkpoint_inputs(self, fn: Any, tensors: list[torch.Tensor]) -> None:
@@ -597,65 +334,36 @@ class Profile:
             self.saved_for_backward(t, module)
 
     def mark_activation(self, e: Entry, module: str) -> None:
-        credit_kept(self.fwd, e)
-        acts = self.steps[-1].activations
+        credit_kept(self.levels.fwd, e)
+        acts = self.levels.steps[-1].activations
         acts[module] = acts.get(module, 0) + e.nbytes
-        self.reclassify(e, ACTIVATIONS, module)
+        self.levels.reclassify(e, ACTIVATIONS, module)
 
     def optimizer_enter(self) -> None:
         self.strategy.optimizer_boundary()  # the interval before the step under its own phase
-        self.in_step = True
-        self.tracker.on_new = self.steps[-1].opt_new.append
+        self.levels.in_step = True
+        self.tracker.on_new = self.levels.steps[-1].opt_new.append
 
     def optimizer_exit(self) -> None:
         """Sort what the step created into optimizer state and scratch, then close the step."""
-        step = self.steps[-1]
+        step = self.levels.steps[-1]
         self.tracker.on_new = None
-        state = self._optimizer_state(step)
-        scratch = [e for e in step.opt_new if id(e) not in state]
-        for snap in {id(s): s for s in (self.peak, step.peak)}.values():
-            if snap.phase == OPTIMIZER_PHASE and snap.step == step.index:
-                moved = sum(
-                    e.nbytes
-                    for e in step.opt_new[: snap.n_opt_new]
-                    if id(e) not in state and (e.died is None or e.died > snap.event)
-                )
-                snap.at[OPTIMIZER] -= moved
-                snap.at[TEMPORARY] += moved
-        if self.recorder is not None:
-            self.recorder.move_scratch(step, state)
-        for e in scratch:
-            self.tracker.reclassify(e, TEMPORARY)
+        assert self.optimizer is not None
+        state, per = optimizer_state(
+            self.tracker, self.optimizer, self.param_owner, self.strategy.registers_unseen
+        )
+        for k, v in per.items():
+            step.optimizer[k] = max(v, step.optimizer.get(k, 0))
+        self.levels.move_scratch(step, state)
+        for e in step.opt_new:
+            if id(e) not in state:
+                self.tracker.reclassify(e, TEMPORARY)
         for e in step.opt_new:
             if id(e) in state:
                 e.module = state[id(e)]
         step.opt_new.clear()
         self.strategy.optimizer_boundary()
-        self.in_step = False
-        self._tail = OPTIMIZER_PHASE
-        self._closed = True
-
-    def _optimizer_state(self, step: StepAcc) -> dict[int, str]:
-        """id(entry) -> owner of every storage in the optimizer's state, whose bytes per owner
-        raise the step's optimizer figures."""
-        state: dict[int, str] = {}
-        per: dict[str, int] = {}
-        assert self.optimizer is not None
-        for p, s in self.optimizer.state.items():
-            owner = self.param_owner.get(id(p), (None, ""))[1]
-            for t in tensors_in(s):
-                for st in storages_of(t):
-                    e = self.tracker.lookup(st)
-                    if e is None:
-                        if not self.strategy.registers_unseen:
-                            continue
-                        e = self.tracker.add(st, t.device.type, OPTIMIZER, owner)
-                    if id(e) not in state:
-                        per[owner] = per.get(owner, 0) + e.nbytes
-                    state[id(e)] = owner
-        for k, v in per.items():
-            step.optimizer[k] = max(v, step.optimizer.get(k, 0))
-        return state
+        self.levels.optimizer_done()
 
     # -- FSDP2: the communication account's ------------------------------------------------------
     def fsdp_enter(self, fqn: str, group: Any, call: str) -> None:
@@ -676,12 +384,12 @@ class Profile:
 
     @contextlib.contextmanager
     def optimizer_phase(self) -> Iterator[None]:
-        self._in_zero_grad += 1
+        self.levels.in_zero_grad += 1
         try:
             yield
         finally:
             self.sync()
-            self._in_zero_grad -= 1
+            self.levels.in_zero_grad -= 1
 
     @property
     def measures_temporary(self) -> bool:
@@ -696,6 +404,108 @@ class Profile:
     def note_assumption(self, text: str) -> None:
         if text not in self.assumptions:
             self.assumptions.append(text)
+
+
+def _check_optimizer(
+    optimizer: torch.optim.Optimizer | None,
+    param_owner: dict[int, tuple[torch.Tensor, str]],
+    model: torch.nn.Module,
+) -> None:
+    if optimizer is None:
+        return
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            if id(p) not in param_owner:
+                raise ValueError(
+                    f"optimizer param_groups[{gi}]['params'][{pi}] (shape "
+                    f"{tuple(p.shape)}) is not a parameter of the profiled "
+                    f"{type(model).__name__}; pass the optimizer built from "
+                    "model.parameters(), or profile the module that owns it"
+                )
+
+
+def register_existing(prof: Profile, device_types: set[str]) -> dict[str, int]:
+    """On entry: the weights, gradients and optimizer state that exist already, in the
+    tracker; returns each module's own weight bytes and adds their device types."""
+    tr = prof.tracker
+    weights: dict[str, int] = {}
+    seen: set[int] = set()
+    for fqn, mod in prof.model.named_modules():
+        direct = 0
+        for t in [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]:
+            device_types.add(t.device.type)
+            for e in tr.track(t, WEIGHTS, fqn):
+                if id(e) not in seen:
+                    seen.add(id(e))
+                    direct += e.nbytes
+        weights[fqn] = direct
+    for p, owner in prof.param_owner.values():
+        if p.grad is not None:
+            for e in tr.track(p.grad, GRADIENTS, owner):
+                tr.reclassify(e, GRADIENTS, owner)
+    if prof.optimizer is not None:
+        for p, state in prof.optimizer.state.items():
+            owner = prof.param_owner.get(id(p), (None, ""))[1]
+            for t in tensors_in(state):
+                tr.track(t, OPTIMIZER, owner)
+    return weights
+
+
+def gradient_bytes(
+    tracker: StorageTracker,
+    param_owner: dict[int, tuple[torch.Tensor, str]],
+    register_unseen: bool,
+) -> dict[str, int]:
+    """Each module's bytes of its parameters' gradients now (``register_unseen``: a gradient
+    assigned outside autograd, which nothing saw yet, is registered)."""
+    # storage -> the parameters whose gradients view it, with the bytes of their views
+    shares: dict[int, tuple[Entry, list[tuple[str, int]]]] = {}
+    for p, owner in param_owner.values():
+        if p.grad is None:
+            continue
+        for view, st in views_of(p.grad):
+            e = tracker.lookup(st)
+            if e is None and register_unseen:
+                e = tracker.add(st, p.grad.device.type, GRADIENTS, owner)
+            if e is not None:
+                n = view.numel() * view.element_size()
+                shares.setdefault(id(e), (e, []))[1].append((owner, n))
+    per: dict[str, int] = {}
+    for e, owners in shares.values():
+        # FSDP2 makes a unit's sharded gradients views of one reduce-scatter output: each
+        # parameter's module gets its view, the first also what no view covers (padding)
+        rest = e.nbytes
+        for owner, n in owners[1:]:
+            n = min(n, rest)
+            per[owner] = per.get(owner, 0) + n
+            rest -= n
+        per[owners[0][0]] = per.get(owners[0][0], 0) + rest
+    return per
+
+
+def optimizer_state(
+    tracker: StorageTracker,
+    optimizer: torch.optim.Optimizer,
+    param_owner: dict[int, tuple[torch.Tensor, str]],
+    register_unseen: bool,
+) -> tuple[dict[int, str], dict[str, int]]:
+    """id(entry) -> owner of every storage in the optimizer's state, and each owner's bytes of
+    it (``register_unseen``: storages nothing saw created are registered)."""
+    state: dict[int, str] = {}
+    per: dict[str, int] = {}
+    for p, s in optimizer.state.items():
+        owner = param_owner.get(id(p), (None, ""))[1]
+        for t in tensors_in(s):
+            for st in storages_of(t):
+                e = tracker.lookup(st)
+                if e is None:
+                    if not register_unseen:
+                        continue
+                    e = tracker.add(st, t.device.type, OPTIMIZER, owner)
+                if id(e) not in state:
+                    per[owner] = per.get(owner, 0) + e.nbytes
+                state[id(e)] = owner
+    return state, per
 
 
 def _check_arguments(model: Any, optimizer: Any, snapshot: str | None, mode: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from gpumem.profiler.communication import CommHost
 from gpumem.profiler.hooks import ProfileEvents
+from gpumem.profiler.levels import Levels, LevelsHost
 from gpumem.profiler.memory_viz import TimelineLike
 from gpumem.profiler.modes import ModeHost
 from gpumem.profiler.pictures import ReportLike
@@ -24,7 +25,11 @@ def profile_is_what_the_modes_call(prof: Profile) -> ModeHost:
     return prof
 
 
-def profile_is_what_the_communication_account_calls(prof: Profile) -> CommHost:
+def levels_are_what_the_communication_account_calls(levels: Levels) -> CommHost:
+    return levels
+
+
+def profile_is_what_the_levels_call(prof: Profile) -> LevelsHost:
     return prof
 
 
