@@ -12,8 +12,12 @@
 | GPUMEM_FAKE_FULL_DISPATCH | 1: fake tensors take torch's full dispatch path | 0         |
 | GPUMEM_PY_ALLOCATOR   | 1: step traces on the Python allocator simulator | 0 (compiled)       |
 | GPUMEM_NODE           | this rank's node (node-local checkpoints, replicas) | GROUP_RANK, host |
+| GPUMEM_CACHE_DIR      | folder of the estimator's step simulation cache  | off (also: off, 0) |
 
 (n: the machine's cores.)
+
+Modules read these through ``env_str``, ``env_int`` and ``env_flag`` only, and every name they
+read is in the table (tests/test_env_reads.py).
 """
 
 from __future__ import annotations
