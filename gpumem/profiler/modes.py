@@ -44,7 +44,8 @@ class ModeHost(Protocol):
 class ExactMode:
     """Every op: the tracker's dispatch mode calls ``Profile.after_op`` after each one."""
 
-    light = False
+    # every allocation and free is seen, in order: the allocator simulator can replay them
+    logs_allocations = True
     # every storage is seen when created: one the hooks do not know was never the model's
     registers_unseen = False
     # the allocator probe records a sample of its own at every module call
@@ -110,7 +111,7 @@ class ExactMode:
 class LightMode:
     """Hook boundaries only: the level is sampled there (on CUDA from the allocator)."""
 
-    light = True
+    logs_allocations = False
     # storages the hooks meet first (a gradient assigned outside autograd, optimizer state)
     # are registered then: nothing saw them created
     registers_unseen = True

@@ -122,7 +122,7 @@ class Profile:
         self.comm = CommAccount(self.levels, self.tracker, self.strategy.sync)
         self.tracker.on_comm = self.comm.changed
         self.alloc_conf, conf_note = _alloc_conf(alloc_conf)
-        if not self.strategy.light and self.alloc_conf is not None:
+        if self.strategy.logs_allocations and self.alloc_conf is not None:
             self.tracker.alloc_log = []  # every allocation and free, for the simulator
         self._reserved: tuple[int, dict[str, Any]] | None = None  # (log length, figures)
         self.hooks = HookSet(self)
