@@ -1,8 +1,9 @@
 """``gpumem.profile``: the context manager and its accounting.
 
 The tracker (``tracker.py``) keeps live bytes per category; the hooks (``hooks.py``) tell this
-module which phase, step and module is running. Here those two streams become peaks per phase and
-step, per-module activations and temporaries, and a timeline.
+module which phase, step and module is running. Here those two streams become per-module
+activations, gradients, optimizer state and inputs; the levels (``levels.py``) make the peaks per
+phase and step, the temporaries and the timeline of them, in the way of the mode (``modes.py``).
 
 Definitions (issue #3):
 
