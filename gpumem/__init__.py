@@ -37,6 +37,7 @@ Modules:
     _native         loads the native core ``gpumem._C`` (csrc/) and says what is missing
     _strict_json    the one strict JSON reader (manifests, calibration files)
     _gc             the cyclic garbage collector paused over a bulk decode (manifests)
+    _plots          matplotlib on first use, one clear line where it is not installed
     _assumptions    assumptions a model follows under fake tensors, for whoever listens
     __main__        ``python -m gpumem``: the command line
 """

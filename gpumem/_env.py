@@ -13,8 +13,12 @@
 | GPUMEM_PY_ALLOCATOR   | 1: step traces on the Python allocator simulator | 0 (compiled)       |
 | GPUMEM_NODE           | this rank's node (node-local checkpoints, replicas) | GROUP_RANK, host |
 | GPUMEM_GRACE_S        | PreemptionGuard's notice: seconds, signal to kill | 30 (or grace_s=)   |
+| GPUMEM_CACHE_DIR      | folder of the estimator's step simulation cache  | off (also: off, 0) |
 
 (n: the machine's cores.)
+
+Modules read these through ``env_str``, ``env_int``, ``env_float`` and ``env_flag`` only, and
+every name they read is in the table (tests/test_env_reads.py).
 """
 
 from __future__ import annotations

@@ -14,9 +14,11 @@ from typing import Any
 
 from gpumem.units import format_bytes, format_rate
 
-# what gpumem runs with (pyproject's dependencies) and what only builds its native core
-# (build-system requires): a missing build tool is no problem of an installed gpumem
+# what gpumem runs with (pyproject's dependencies and the planner's extra) and what only builds
+# its native core (build-system requires): a missing build tool is no problem of an installed
+# gpumem, nor a missing extra (said with its install line)
 _PACKAGES = ("torch", "triton", "numba", "nvidia-ml-py", "numpy", "matplotlib", "rich")
+_EXTRAS = {"numba": "optional: pip install 'gpumem[plan]' compiles large plan sweeps"}
 _BUILD_PACKAGES = ("nanobind", "cmake", "ninja")
 
 
@@ -97,7 +99,7 @@ def _installed(packages: tuple[str, ...]) -> dict[str, str]:
         try:
             out[pkg] = importlib.metadata.version(pkg)
         except importlib.metadata.PackageNotFoundError:
-            out[pkg] = "not installed"
+            out[pkg] = "not installed" + (f" ({_EXTRAS[pkg]})" if pkg in _EXTRAS else "")
     return out
 
 

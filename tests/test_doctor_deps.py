@@ -51,3 +51,21 @@ def test_no_driver_is_said_so(insufficient, monkeypatch):
 def test_an_old_driver_is_still_insufficient(insufficient, monkeypatch):
     monkeypatch.setattr(_native, "nvidia_driver_present", lambda: True)
     assert "driver version is insufficient" in _native.cuda_runtime().message
+
+
+def test_a_missing_extra_says_how_to_install_it(monkeypatch):
+    import importlib.metadata
+
+    from gpumem import doctor
+
+    real = importlib.metadata.version
+
+    def version(pkg):
+        if pkg == "numba":
+            raise importlib.metadata.PackageNotFoundError(pkg)
+        return real(pkg)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    out = doctor._installed(("numba", "numpy"))
+    assert out["numba"].startswith("not installed (optional: pip install 'gpumem[plan]'")
+    assert out["numpy"] == real("numpy")

@@ -85,3 +85,41 @@ def test_unknown_attribute_is_a_clear_error():
 
     with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
         gpumem.nonexistent  # noqa: B018
+
+
+# a finder that makes the analysis half's libraries absent, as in a --no-deps checkpoint install
+_ABSENT = """
+import sys, importlib.abc
+class _Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('matplotlib', 'numba'):
+            raise ModuleNotFoundError(f'No module named {name!r}', name=name)
+sys.meta_path.insert(0, _Absent())
+"""
+
+
+def test_a_checkpoint_save_and_restore_need_no_matplotlib_or_numba(tmp_path):
+    pytest.importorskip("gpumem._C")
+    code = _ABSENT + (
+        "import json, torch, gpumem.checkpoint\n"
+        "from gpumem.checkpoint import Checkpointer\n"
+        "m = torch.nn.Linear(8, 4); opt = torch.optim.Adam(m.parameters())\n"
+        "m(torch.randn(2, 8)).sum().backward(); opt.step()\n"
+        f"with Checkpointer({str(tmp_path)!r}) as ck:\n"
+        "    ck.save(1, model=m, optimizer=opt); ck.wait()\n"
+        "n = torch.nn.Linear(8, 4); o2 = torch.optim.Adam(n.parameters())\n"
+        f"with Checkpointer({str(tmp_path)!r}) as ck:\n"
+        "    step = ck.restore(model=n, optimizer=o2)\n"
+        "same = torch.equal(m.weight, n.weight)\n"
+        "print(json.dumps({'step': step, 'same': same, "
+        "'loaded': [x for x in ('matplotlib', 'numba') if x in sys.modules]}))"
+    )
+    assert _run(code) == {"step": 1, "same": True, "loaded": []}
+
+
+def test_a_chart_without_matplotlib_says_what_to_install():
+    res = _run(
+        _ABSENT + "import json\nfrom gpumem._plots import pyplot\n"
+        "try:\n    pyplot()\nexcept ModuleNotFoundError as e:\n    print(json.dumps(str(e)))"
+    )
+    assert res == "charts need matplotlib, which is not installed: pip install matplotlib"

@@ -238,11 +238,11 @@ def _grace(grace_s: float | None) -> tuple[float, str]:
     """(seconds, where they came from): grace_s=, else GPUMEM_GRACE_S, else the default."""
     value, source = grace_s, "given"
     if value is None:
-        value, source = env_float("GPUMEM_GRACE_S"), "GPUMEM_GRACE_S"
+        value, source = env_float("GPUMEM_GRACE_S"), "environment: GPUMEM_GRACE_S"
     if value is None:
         return DEFAULT_GRACE_S, "default; set grace_s= or GPUMEM_GRACE_S to the notice"
     if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
-        where = "grace_s" if source == "given" else "GPUMEM_GRACE_S"
+        where = "grace_s" if source == "given" else source.removeprefix("environment: ")
         raise ValueError(f"{where}={value!r}: the notice must be a number of seconds > 0")
     return float(value), source
 

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpumem._plots import pyplot
 from gpumem.units import format_bytes
 
 GPU, N_GPUS, MODEL, SEQ = "H100-80GB", 64, "llama-2-70b", 4096
@@ -390,11 +391,7 @@ def _resume(result: DemoResult, sizes: _Sizes, echo: Echo, bar: Bar) -> None:
 
 
 def _loss_chart(result: DemoResult, k: int) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.5))
     steps = range(1, len(result.reference) + 1)
     ax.plot(steps, [float.fromhex(v) for v in result.reference], lw=3, label="uninterrupted")

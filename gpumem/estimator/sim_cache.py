@@ -23,6 +23,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from gpumem._env import env_str
 from gpumem._version import __version__
 
 MAX_BYTES = 64 << 20
@@ -35,7 +36,7 @@ _state: dict[str, object] = {}
 
 def cache_dir() -> Path | None:
     """The cache's folder, or None when turned off."""
-    env = os.environ.get("GPUMEM_CACHE_DIR")
+    env = env_str("GPUMEM_CACHE_DIR")
     if env is None or env.strip().lower() in ("", "off", "0", "none"):
         return None
     return Path(env)

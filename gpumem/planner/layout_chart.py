@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from gpumem._plots import pyplot
 from gpumem.estimator import bill as bills
 from gpumem.estimator.bill import Bill
 from gpumem.estimator.specs import ModelSpec
@@ -55,11 +56,7 @@ def best_layouts(bill: Bill, n_gpus: int, top: int = 4) -> list[tuple[str, Bill]
 
 def bills_figure(bills: list[tuple[str, Bill]], title: str = "") -> Any:
     """A matplotlib Figure: one stacked bar per (label, bill) in GiB, the GPU's memory dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(bills) + 2), 5.5))
     x = range(len(bills))
     bottom = [0.0] * len(bills)
@@ -90,8 +87,7 @@ def bills_figure(bills: list[tuple[str, Bill]], title: str = "") -> Any:
 
 def plot_layouts(bill: Bill, path: str | Path, *, n_gpus: int, top: int = 4) -> Path:
     """PNG of ``bill`` (labelled "asked") beside :func:`best_layouts`; returns the path."""
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     bills = [(f"asked: {bill.layout.describe()}", bill), *best_layouts(bill, n_gpus, top)]
     fits = "fits" if bill.fits else "does NOT fit"
     title = (

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import itertools
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -287,13 +289,29 @@ second) finishes before numba would have loaded its cached kernel (~1 s of impor
 registry set-up in a fresh process): a single `gpumem plan` stays well under a second."""
 
 
+class PythonSweepNotice(UserWarning):
+    """A large sweep ran in Python because numba is not installed (``gpumem[plan]``)."""
+
+
+def _numba_installed() -> bool:
+    return importlib.util.find_spec("numba") is not None
+
+
 def evaluate(rows: list[list[float]], owner: list[int], n_configs: int) -> np.ndarray:
     """``sweep`` of the rows: the numba kernel for large sweeps, the same function in Python
-    for small ones (identical results: one formula)."""
+    for small ones (identical results: one formula), and for large ones without numba."""
     if len(rows) >= NUMBA_FROM_ROWS:
-        return sweep(
-            np.asarray(rows, dtype=np.float64), np.asarray(owner, dtype=np.int64), n_configs
-        )
+        if not _numba_installed():
+            warnings.warn(
+                f"{len(rows)} term rows evaluated in Python, slower than compiled: numba is "
+                "not installed (pip install 'gpumem[plan]'); the results are the same",
+                PythonSweepNotice,
+                stacklevel=2,
+            )
+        else:
+            return sweep(
+                np.asarray(rows, dtype=np.float64), np.asarray(owner, dtype=np.int64), n_configs
+            )
     out = np.zeros((n_configs, peak.N_OUT), dtype=np.int64)
     best = [-1] * n_configs
     for x, c in zip(rows, owner, strict=True):

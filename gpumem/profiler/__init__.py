@@ -11,9 +11,13 @@ Modules, bottom up:
     tracker       live storages per category (a TorchDispatchMode and weakref finalizers)
     reserved      what the caching allocator would reserve for them (gpumem.allocator, simulated)
     records       what a profile keeps while it runs: call frames, snapshots, steps
+    samples       a k-block profile's per-sample vectors, for extrapolate
+    communication FSDP2's gathers and reduce-scatters: the communication a profile accounts
     fake          ``gpumem.fake()``: fake tensors, fake CUDA
     cuda          what the caching allocator and the driver say (CUDA only)
     hooks         every hook a profile installs; ``ProfileEvents``, what they call
+    modes         exact and light: what differs between the two ways a profile sees memory
+    levels        where a profiled run is and how high: steps, peaks, module calls, timeline
     headroom      the warning before a profiled step runs out of memory
     pictures      a report's PNG and Chrome trace
     memory_viz    the timeline as PyTorch's memory snapshot (pytorch.org/memory_viz)

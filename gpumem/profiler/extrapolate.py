@@ -6,7 +6,7 @@ Llama-2-70B blocks take seconds where 3 take a fraction. When the blocks are pro
 three short profiles (docs/profiler.md, "Identical blocks"):
 
 - the timeline: each (step, phase) stretch of samples, each sample with its bytes per category
-  and whether the root module's forward or backward is running (``Profile.samples``), is for
+  and whether the root module's forward or backward is running (``samples.SampleRecorder``), is for
   k + 1 blocks the stretch for k blocks with runs of per-op changes inserted (repeated once per
   extra block) and runs replaced by changes affine in k. The rule fitted on k = 1 and 2 must
   give the 3-block stretch exactly; it then gives the N-block one. Every peak (run, step,

@@ -47,10 +47,11 @@ class ProfileEvents(Protocol):
     """id(module) -> the fully qualified name it is reported under (its first)."""
     param_owner: dict[int, tuple[torch.Tensor, str]]
     """id(param) -> (param, the fqn of the module that owns it)."""
-    fsdp_units: list[fsdp_tp.Unit]
     tracker: StorageTracker
     """Paused (``tracker.paused``) around work that is no memory of the run."""
 
+    @property
+    def fsdp_units(self) -> list[fsdp_tp.Unit]: ...
     @property
     def measures_temporary(self) -> bool: ...
 

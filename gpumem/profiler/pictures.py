@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
+from gpumem._plots import pyplot
 from gpumem.profiler.categories import CATEGORIES, PHASES
 
 
@@ -87,8 +88,7 @@ def _bar_layers(rep: ReportLike, depth: int | None) -> list[str]:
 
 def plot_report(rep: ReportLike, path: Path, depth: int | None = None) -> Path:
     """Write :func:`report_figure` as a PNG (110 dpi) and close it."""
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig = report_figure(rep, depth)
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
@@ -99,11 +99,7 @@ def report_figure(rep: ReportLike, depth: int | None = None) -> Any:
     """The matplotlib Figure of a report: per-layer bars stacked by category (left axes, one
     ``barh`` container per category, in the unit of the x label) and live memory over time with
     the phases shaded (right axes)."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     layers = _bar_layers(rep, depth)
     # light mode on CPU has no temporaries to draw; communication only under sharding; inputs
     # are no layer's

@@ -44,6 +44,13 @@ class Frame:
         self.hwm = self.level
 
 
+def credit_kept(frames: list[Frame], e: Entry) -> None:
+    """Storages created inside a call and kept beyond it are not its temporaries."""
+    for f in frames:
+        if e.born > f.event0:
+            f.kept += e.nbytes
+
+
 @dataclass
 class PeakRecord:
     """The live bytes at a peak, by category (``at``), and when it was: event, phase, step."""

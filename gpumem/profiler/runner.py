@@ -9,8 +9,10 @@ Used by ``gpumem profile``; handy in notebooks too:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from gpumem.profiler.extrapolate import PROFILED, NotExtrapolated, twin_problem
 from gpumem.profiler.extrapolate import extrapolate as extrapolate_report
 from gpumem.profiler.report import Report
+from gpumem.profiler.samples import SampleRecorder
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "none")
 PRECISIONS = ("fp32", "bf16", "fp16", "amp-bf16", "amp-fp16")
@@ -155,11 +158,50 @@ def profile_model(
             before anything is built.
     """
     from gpumem.allocator.alloc_conf import resolve
-    from gpumem.models import build_model, example_batch
-    from gpumem.profiler import fake as fake_ctx
-    from gpumem.profiler import profile
 
     conf = resolve(alloc_conf)  # a bad setting fails before anything is built
+    precision = _checked_precision(model, size, optimizer, precision, batch_size, steps, seq_len)
+    named = "tiny" if size is None else size
+    cfg = None if is_config_path(model) else _builtin_config(model, named, seq_len)
+    tick = progress or (lambda *a, **k: None)
+    _check_device(torch.device(device), fake)
+    job = _Job(
+        model,
+        batch_size,
+        seq_len,
+        optimizer,
+        precision,
+        checkpointing,
+        fake,
+        device,
+        steps,
+        mode,
+        conf,
+        progress,
+    )
+    run = functools.partial(_run, job)
+    if extrapolate and not _not_extrapolated(cfg, fake, mode):
+        try:
+            return _extrapolated(run, cfg, steps, tick)
+        except NotExtrapolated as exc:
+            text = f"profiling all {cfg.num_layers} blocks (k-block extrapolation not used: {exc})"
+            if notice is not None:
+                notice(text)
+            else:
+                warnings.warn(text, FullProfileNotice, stacklevel=2)
+    return run(cfg, tick, record=False).report()
+
+
+def _checked_precision(
+    model: str,
+    size: str | None,
+    optimizer: str,
+    precision: str | None,
+    batch_size: int,
+    steps: int,
+    seq_len: int | None,
+) -> str:
+    """``profile_model``'s checks, before anything is built; returns the precision to build in."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     precision = build_precision(model, precision)
@@ -171,15 +213,10 @@ def profile_model(
     if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
         raise ValueError(f"seq_len must be an integer >= 1, got {seq_len!r}")
     check_size(model, size)
-    cfg = (
-        None
-        if is_config_path(model)
-        else _builtin_config(model, "tiny" if size is None else size, seq_len)
-    )
-    tick = progress or (lambda *a, **k: None)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    amp = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(precision)
-    dev = torch.device(device)
+    return precision
+
+
+def _check_device(dev: torch.device, fake: bool) -> None:
     if dev.type == "cuda" and not torch.cuda.is_available():
         # fake CUDA tensors cannot record autograd without a usable CUDA device either (fake.py)
         what = "--device cuda"
@@ -191,65 +228,98 @@ def profile_model(
             "512-byte CUDA rounding)"
         )
 
-    def run(cfg: Any, tick: Any, record: bool) -> Any:
-        """Build the model (``cfg``: a built-in config, ``None``: the config.json) and profile
-        ``steps`` steps; ``record``: keep the samples ``extrapolate`` reads, after checking the
-        blocks are twins. Returns the ``Profile``."""
-        outer = (
-            fake_ctx(device=device if dev.type != "cpu" else None)
-            if fake
-            else contextlib.nullcontext()
-        )
-        with outer:
-            tick(0, None, "building the model")
-            path = Path(model)
-            if cfg is None:
-                if not path.is_file():
-                    raise ValueError(f"config file {path} does not exist")
-                net, vocab = _hf_model(path, dtype)
-                net = net if fake else net.to(dev)
-                seq = seq_len or 128
-                x = torch.randint(0, vocab, (batch_size, seq), device=dev)
-                y = x
-                if checkpointing:
-                    net.gradient_checkpointing_enable()
-            else:
-                net = build_model(cfg, dtype=dtype)
-                net = net if fake else net.to(dev)
-                net.gradient_checkpointing = checkpointing
-                x, y = example_batch(net.config, batch_size, seq_len, device=dev)
-                if x.is_floating_point() and dtype is not None:
-                    x = x.to(dtype)
-            net.train()
-            if record and cfg.num_layers == max(PROFILED):  # the k-block builds share code
-                problem = twin_problem(net, _blocks_fqn(net))
-                if problem is not None:
-                    raise NotExtrapolated(f"the blocks are not identical twins: {problem}")
-            opt = _optimizer(optimizer, net.parameters())
-            blocks = _repeated_blocks(net)
-            bar = _StepProgress(tick, steps, len(blocks))
-            prof = profile(net, opt, mode=mode, alloc_conf=conf)
-            if record:
-                prof.samples = []
-                prof.tracker.alloc_log = None  # no reserved simulation: it does not extrapolate
-            with contextlib.ExitStack() as hooks:
-                if progress is not None:
-                    hooks.callback(_watch_blocks(blocks, bar))
-                with prof:
-                    _train(net, opt, x, y, steps, dev, amp, bar)
-        bar.done()
-        return prof
 
-    if extrapolate and not _not_extrapolated(cfg, fake, mode):
-        try:
-            return _extrapolated(run, cfg, steps, tick)
-        except NotExtrapolated as exc:
-            text = f"profiling all {cfg.num_layers} blocks (k-block extrapolation not used: {exc})"
-            if notice is not None:
-                notice(text)
-            else:
-                warnings.warn(text, FullProfileNotice, stacklevel=2)
-    return run(cfg, tick, record=False).report()
+@dataclass(frozen=True)
+class _Job:
+    """What ``profile_model`` was asked for, checked: each profile of it runs from this."""
+
+    model: str
+    batch_size: int
+    seq_len: int | None
+    optimizer: str
+    precision: str
+    checkpointing: bool
+    fake: bool
+    device: str
+    steps: int
+    mode: str
+    conf: Any
+    progress: Any
+
+    @property
+    def dev(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+
+    @property
+    def amp(self) -> torch.dtype | None:
+        return {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(self.precision)
+
+
+def _build(job: _Job, cfg: Any) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """The model (``cfg``: a built-in config, ``None``: the config.json) and one batch."""
+    from gpumem.models import build_model, example_batch
+
+    dev, dtype = job.dev, job.dtype
+    if cfg is None:
+        path = Path(job.model)
+        if not path.is_file():
+            raise ValueError(f"config file {path} does not exist")
+        net, vocab = _hf_model(path, dtype)
+        net = net if job.fake else net.to(dev)
+        seq = job.seq_len or 128
+        x = torch.randint(0, vocab, (job.batch_size, seq), device=dev)
+        y = x
+        if job.checkpointing:
+            net.gradient_checkpointing_enable()
+    else:
+        net = build_model(cfg, dtype=dtype)
+        net = net if job.fake else net.to(dev)
+        net.gradient_checkpointing = job.checkpointing
+        x, y = example_batch(net.config, job.batch_size, job.seq_len, device=dev)
+        if x.is_floating_point() and dtype is not None:
+            x = x.to(dtype)
+    return net, x, y
+
+
+def _run(job: _Job, cfg: Any, tick: Any, record: bool) -> Any:
+    """Build the model (``cfg``: a built-in config, ``None``: the config.json) and profile
+    ``steps`` steps; ``record``: keep the samples ``extrapolate`` reads, after checking the
+    blocks are twins. Returns the ``Profile``."""
+    from gpumem.profiler import fake as fake_ctx
+    from gpumem.profiler import profile
+
+    dev = job.dev
+    outer = (
+        fake_ctx(device=job.device if dev.type != "cpu" else None)
+        if job.fake
+        else contextlib.nullcontext()
+    )
+    with outer:
+        tick(0, None, "building the model")
+        net, x, y = _build(job, cfg)
+        net.train()
+        if record and cfg.num_layers == max(PROFILED):  # the k-block builds share code
+            problem = twin_problem(net, _blocks_fqn(net))
+            if problem is not None:
+                raise NotExtrapolated(f"the blocks are not identical twins: {problem}")
+        opt = _optimizer(job.optimizer, net.parameters())
+        blocks = _repeated_blocks(net)
+        bar = _StepProgress(tick, job.steps, len(blocks))
+        prof = profile(net, opt, mode=job.mode, alloc_conf=job.conf)
+        if record:
+            prof.recorder = SampleRecorder()
+            prof.tracker.alloc_log = None  # no reserved simulation: it does not extrapolate
+        with contextlib.ExitStack() as hooks:
+            if job.progress is not None:
+                hooks.callback(_watch_blocks(blocks, bar))
+            with prof:
+                _train(net, opt, x, y, job.steps, dev, job.amp, bar)
+    bar.done()
+    return prof
 
 
 class FullProfileNotice(UserWarning):
@@ -282,7 +352,8 @@ def _extrapolated(run: Any, cfg: Any, steps: int, tick: Any) -> Report:
             tick(base + (at or 0), total, label)
 
         prof = run(cfg.replace(num_layers=k), part, record=True)
-        runs[k] = (prof.report(), prof.samples, prof.root_calls)
+        assert prof.recorder is not None
+        runs[k] = (prof.report(), prof.recorder.samples, prof.recorder.root_calls)
         done += units[k]
     rep = extrapolate_report(runs, _blocks_fqn(prof.model), cfg.num_layers)
     tick(total, total)

@@ -1,8 +1,9 @@
 """``gpumem.profile``: the context manager and its accounting.
 
 The tracker (``tracker.py``) keeps live bytes per category; the hooks (``hooks.py``) tell this
-module which phase, step and module is running. Here those two streams become peaks per phase and
-step, per-module activations and temporaries, and a timeline.
+module which phase, step and module is running. Here those two streams become per-module
+activations, gradients, optimizer state and inputs; the levels (``levels.py``) make the peaks per
+phase and step, the temporaries and the timeline of them, in the way of the mode (``modes.py``).
 
 Definitions (issue #3):
 
@@ -27,7 +28,6 @@ import contextlib
 import os
 import threading
 import time
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,37 +39,34 @@ from gpumem.allocator.alloc_conf import resolve as resolve_alloc_conf
 from gpumem.profiler import cuda, fsdp_tp
 from gpumem.profiler.categories import (
     ACTIVATIONS,
-    BACKWARD,
     CATEGORIES,
     COMMUNICATION,
-    FORWARD,
     GRADIENTS,
     INPUTS,
     OPTIMIZER,
-    OPTIMIZER_PHASE,
     TEMPORARY,
     WEIGHTS,
 )
+from gpumem.profiler.communication import CommAccount
 from gpumem.profiler.fake import is_fake_model, real_branches
 from gpumem.profiler.headroom import warn_if_short
 from gpumem.profiler.hooks import HookSet
+from gpumem.profiler.levels import Levels
+from gpumem.profiler.modes import mode_of
 from gpumem.profiler.records import (
     MODES,
-    PHASE_CODE,
     Frame,
-    PeakRecord,
     ProbeView,
     ProfileRecord,
     StepAcc,
-    ancestors,
+    credit_kept,
 )
 from gpumem.profiler.report import Report, build_report
 from gpumem.profiler.reserved import simulated_reserved
+from gpumem.profiler.samples import SampleRecorder
 from gpumem.profiler.tracker import Entry, StorageTracker, storages_of, tensors_in, views_of
 
 _graph_task_id = torch._C._current_graph_task_id
-_CAT0 = 6  # where the categories start in a sample (Profile._sample)
-_CAT_INDEX = {c: i for i, c in enumerate(CATEGORIES)}
 _ACTIVE = threading.local()
 
 
@@ -86,6 +83,12 @@ class Profile:
         ...     loss = loss_fn(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
         >>> rep = prof.report()
         >>> rep.peak_bytes, rep.at_peak["activations"], rep.layers["layers.0"].temporary
+
+    The session sorts storages into categories as the hooks report them
+    (``hooks.ProfileEvents``); the steps, peaks, frames and timeline are its ``levels``
+    (``levels.py``), what differs between the two modes its ``strategy`` (``modes.py``), FSDP2's
+    communication its ``comm`` (``communication.py``), and a k-block profile's samples its
+    ``recorder`` (``samples.py``, set by ``runner.py``).
     """
 
     def __init__(
@@ -98,28 +101,11 @@ class Profile:
         mode: str = "exact",
         alloc_conf: str | AllocConf | None = None,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(
-                f"gpumem.profile(mode={mode!r}) is not a mode; use 'exact' (every storage, every "
-                "op) or 'light' (hook boundaries only, no per-op dispatch)"
-            )
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(
-                f"gpumem.profile(model, ...) needs a torch.nn.Module, got {type(model).__name__}; "
-                "wrap a plain function in an nn.Module or pass the model that owns the parameters"
-            )
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
-            )
-        if snapshot is not None:
-            _check_snapshot_path(snapshot)
+        _check_arguments(model, optimizer, snapshot, mode)
         self.model = model
         self.optimizer = optimizer
         self.snapshot_path = snapshot
-        self.record_timeline = timeline
         self.mode = mode
-        self.light = mode == "light"
         self.fqn_of: dict[int, str] = {}
         for fqn, mod in model.named_modules(remove_duplicate=False):
             self.fqn_of.setdefault(id(mod), fqn)
@@ -129,94 +115,42 @@ class Profile:
         for fqn, mod in model.named_modules():
             for p in mod.parameters(recurse=False):
                 self.param_owner.setdefault(id(p), (p, fqn))
-        self._check_optimizer()
-        # exact: the tracker runs as a dispatch mode and calls _after_op after every op; light:
-        # it only keeps the registry of the storages the hooks hand it, sampled at boundaries
-        self._sync = self._boundary if self.light else self._after_op
-        self.tracker = StorageTracker(self._context, self._sync, self._where)
-        self.tracker.on_comm = self._comm_changed
-        # exact mode: every allocation and free, for the caching allocator simulator
-        self.alloc_conf: AllocConf | None = None
-        self._conf_note = ""
-        try:
-            self.alloc_conf = resolve_alloc_conf(alloc_conf)
-        except NotSimulated as exc:
-            if alloc_conf is not None:  # the caller asked for a simulation of it
-                raise
-            # the environment's valid setting the simulator does not reproduce (torch's
-            # backend:cudaMallocAsync) must not stop a profile: no reserved figure, said so
-            self._conf_note = f"peak_reserved_bytes not simulated: {exc}"
-        if not self.light and self.alloc_conf is not None:
-            self.tracker.alloc_log = []
+        _check_optimizer(optimizer, self.param_owner, model)
+        self.levels = Levels(self, timeline)
+        self.after_op = self.levels.after_op  # what exact mode's tracker calls after every op
+        self.strategy = mode_of(mode, self)
+        self.tracker = StorageTracker(self._context, self.strategy.sync, self.levels.where)
+        self.comm = CommAccount(self.levels, self.tracker, self.strategy.sync)
+        self.tracker.on_comm = self.comm.changed
+        self.alloc_conf, conf_note = _alloc_conf(alloc_conf)
+        if self.strategy.logs_allocations and self.alloc_conf is not None:
+            self.tracker.alloc_log = []  # every allocation and free, for the simulator
         self._reserved: tuple[int, dict[str, Any]] | None = None  # (log length, figures)
-        # FSDP2 units, found on entry; the units gathering or reducing now (innermost last); the
-        # entries of unsharded parameters (never activations)
-        self.fsdp_units: list[fsdp_tp.Unit] = []
-        self._comm_units: list[str] = []
-        self._gathered: weakref.WeakSet[Entry] = weakref.WeakSet()
-        self._unsharded_known: set[str] = set()  # units whose unsharded parameters are claimed
-        # live communication bytes: in all, and per module with its ancestors
-        self._comm_total = 0
-        self._comm_live: dict[str, int] = {}
-        self._chains: dict[str, list[str]] = {}  # module -> ancestors(module), computed once
         self.hooks = HookSet(self)
-        self.steps: list[StepAcc] = [StepAcc(0)]
-        self.peak = PeakRecord()
         self.weights: dict[str, int] = {}
-        self.assumptions: list[str] = [self._conf_note] if self._conf_note else []
+        self.assumptions: list[str] = [conf_note] if conf_note else []
         self.error: str | None = None
         self.device_types: set[str] = set()
         self.allocator: Any = None
-        self.fwd: list[Frame] = []
-        self.bwd: list[Frame] = []
-        self.spans: list[tuple[str, str, int, int, int]] = []  # (fqn, phase, t0, t1, step)
-        self.timeline: tuple[list[int], list[int], list[int], list[int], list[int]] = (
-            [],
-            [],
-            [],
-            [],
-            [],
-        )
-        # gpumem.profiler.extrapolate turns these on (None: off): one vector per timeline sample
-        # (see _sample), their events and optimizer counts, and the root module's calls
-        self.samples: list[list[int]] | None = None
-        self._sample_at: list[tuple[int, int]] = []
-        self.root_calls: list[tuple[int, bool, int, int, int]] = []
-        self._in_step = False
-        self._in_zero_grad = 0
-        self._tail: str | None = None
-        self._closed = False
-        self._bw_tasks: set[int] = set()
-        # _after_op's memory: the last timeline sample, and the highest level already handed to
-        # the peaks and the running frames in the current phase and step
-        self._tl_level, self._tl_phase, self._tl_step = -1, "", -1
-        self._mark, self._mark_phase, self._mark_step = -1, "", None
-        # the highest level less communication already handed to the running frames
-        self._fmark = -1
-        # light mode on CUDA: allocated bytes that are not the model's (other tensors alive at
-        # entry), the allocator level at the last boundary, the categories there
-        self._baseline = 0
-        self._forwarded = False
-        self._light_level = 0
-        self._cats_prev: dict[str, int] = {}
         self._entered = False
         self._real_branches: Any = None
         self._exited = False
         self.t_start = 0
         self.t_end = 0
 
-    def _check_optimizer(self) -> None:
-        if self.optimizer is None:
-            return
-        for gi, group in enumerate(self.optimizer.param_groups):
-            for pi, p in enumerate(group["params"]):
-                if id(p) not in self.param_owner:
-                    raise ValueError(
-                        f"optimizer param_groups[{gi}]['params'][{pi}] (shape "
-                        f"{tuple(p.shape)}) is not a parameter of the profiled "
-                        f"{type(self.model).__name__}; pass the optimizer built from "
-                        "model.parameters(), or profile the module that owns it"
-                    )
+    @property
+    def fsdp_units(self) -> list[fsdp_tp.Unit]:
+        """The model's FSDP2 units, found on entry."""
+        return self.comm.units
+
+    @property
+    def recorder(self) -> SampleRecorder | None:
+        """A k-block profile's samples (``runner.py`` sets one before entry)."""
+        return self.levels.recorder
+
+    @recorder.setter
+    def recorder(self, recorder: SampleRecorder | None) -> None:
+        self.levels.recorder = recorder
 
     # -- context manager -----------------------------------------------------------------------
     def __enter__(self) -> Profile:
@@ -231,21 +165,15 @@ class Profile:
         if not is_fake_model(self.model):
             warn_if_short(self.model, self.optimizer)
         self.t_start = time.perf_counter_ns()
-        self.fsdp_units = fsdp_tp.fsdp_units(self.model, self.fqn_of)
-        self._register_existing()
+        self.weights = register_existing(self, self.device_types)
+        self.comm.find_units(self.model, self.fqn_of)
         self.allocator = cuda.AllocatorProbe.maybe(
             self.model, self.device_types, self.snapshot_path
         )
-        if self.light and self.allocator is not None:
-            self._baseline = self.allocator.start_allocated - self._cuda_tracked()
-            self._light_level = self.tracker.level
-        self._cats_prev = dict(self.tracker.by_category)
+        self.strategy.start()
         try:
             self.hooks.install()
-            if self.light:
-                self.tracker.patch_resize()
-            else:
-                self.tracker.__enter__()
+            self.strategy.install()
         except BaseException:
             self.hooks.remove()
             if self.allocator is not None:
@@ -256,7 +184,7 @@ class Profile:
             self._real_branches.__enter__()
         _ACTIVE.profile = self
         listen(self.note_assumption)
-        self._sync()
+        self.strategy.sync()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -265,19 +193,16 @@ class Profile:
         self._exited = True
         self.t_end = time.perf_counter_ns()
         try:
-            if self.light:
-                self._boundary()
-                self.tracker.unpatch_resize()
-            else:
-                self.tracker.__exit__(exc_type, exc, tb)
+            self.strategy.stop(exc_type, exc, tb)
         finally:
             self.hooks.remove()
             self._leave_real_branches()
-        frames, self.fwd = self.fwd, []
-        self._close_forwards(frames)
-        if self.bwd or self._bw_tasks:  # an exception inside backward
-            self._backward_end()
-        if self._in_step:  # an exception inside optimizer.step(): resolve what was created
+        levels = self.levels
+        frames, levels.fwd = levels.fwd, []
+        levels.close_forwards(frames)
+        if levels.bwd or levels.bw_tasks:  # an exception inside backward
+            levels.backward_end()
+        if levels.in_step:  # an exception inside optimizer.step(): resolve what was created
             self.optimizer_exit()
         if exc is not None:
             self.error = f"{exc_type.__name__}: {exc}"
@@ -296,6 +221,7 @@ class Profile:
 
     def record(self) -> ProfileRecord:
         """Everything measured so far as plain data (the report is built from it)."""
+        levels = self.levels
         return ProfileRecord(
             mode=self.mode,
             model_name=type(self.model).__name__,
@@ -303,13 +229,13 @@ class Profile:
             device_types=sorted(self.device_types),
             module_names=self.module_names,
             weights=self.weights,
-            steps=self.steps,
-            peak=self.peak,
+            steps=levels.steps,
+            peak=levels.peak,
             measured=self.measured,
             measures_temporary=self.measures_temporary,
-            timeline=self.timeline,
+            timeline=levels.timeline,
             t_start=self.t_start,
-            spans=self.spans,
+            spans=levels.spans,
             assumptions=list(self.assumptions),
             error=self.error,
             allocator=dict(self.allocator.summary)
@@ -328,392 +254,78 @@ class Profile:
 
     def probe_view(self) -> ProbeView:
         """What the CUDA allocator probe reads at a boundary: running frames, phase, step."""
-        return ProbeView([*self.fwd, *self.bwd], self._phase(), self.steps[-1])
+        return self.levels.probe_view()
 
-    # -- state at entry ------------------------------------------------------------------------
-    def _register_existing(self) -> None:
-        tr = self.tracker
-        seen: set[int] = set()
-        for fqn, mod in self.model.named_modules():
-            direct = 0
-            for t in [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]:
-                self.device_types.add(t.device.type)
-                for e in tr.track(t, WEIGHTS, fqn):
-                    if id(e) not in seen:
-                        seen.add(id(e))
-                        direct += e.nbytes
-            self.weights[fqn] = direct
-        for p, owner in self.param_owner.values():
-            if p.grad is not None:
-                for e in tr.track(p.grad, GRADIENTS, owner):
-                    tr.reclassify(e, GRADIENTS, owner)
-        if self.optimizer is not None:
-            for p, state in self.optimizer.state.items():
-                owner = self.param_owner.get(id(p), (None, ""))[1]
-                for t in tensors_in(state):
-                    tr.track(t, OPTIMIZER, owner)
-        # FSDP keeps the storages of unsharded parameters from the first step on (at size 0
-        # while sharded): known from the start, their resizes are followed
-        for u in self.fsdp_units:
-            self._claim_unsharded(u.fqn, u.group)
-
-    # -- tracker callbacks ---------------------------------------------------------------------
-    def _phase(self) -> str:
-        if self._in_step or self._in_zero_grad:
-            return OPTIMIZER_PHASE
-        if _graph_task_id() != -1:
-            return BACKWARD
-        # after a backward pass or an optimizer step, until the next forward (grad clipping,
-        # zero_grad, logging) belongs to the phase that just ended
-        return self._tail or FORWARD
+    def sync(self) -> None:
+        """Bring peaks, frames and the timeline up to date (light mode: a boundary)."""
+        self.strategy.sync()
 
     def _context(self) -> tuple[str, str]:
-        if self._comm_units:
-            return COMMUNICATION, self._comm_units[-1]
-        return (OPTIMIZER if self._in_step else TEMPORARY), ""
-
-    def _where(self) -> str:
-        if self.fwd:
-            return self.fwd[-1].fqn
-        return self.bwd[-1].fqn if self.bwd else ""
-
-    def _after_op(self, level: int | None = None) -> None:
-        """Called after every op (exact mode) or hook boundary (light mode): peaks and timeline.
-
-        Runs once per aten op, so it does as little as it can: the peaks and the step's snapshot
-        only change when the level rises above ``_mark`` (the highest level already handed to
-        them) or the phase or step changes, the running frames' high-water marks (levels less
-        communication) only when that rises above ``_fmark``; of the forward frames only the
-        innermost is updated (it hands its mark to its parent on exit).
-        """
-        if level is None:
-            level = self.tracker.level
-        if self._in_step or self._in_zero_grad:
-            phase = OPTIMIZER_PHASE
-        else:
-            task = _graph_task_id()
-            if task != -1:
-                phase = BACKWARD
-                if task not in self._bw_tasks:
-                    self._backward_start(task)
-            else:
-                # after a backward pass or an optimizer step, until the next forward (grad
-                # clipping, zero_grad, logging) belongs to the phase that just ended
-                phase = self._tail or FORWARD
-        step = self.steps[-1]
-        if self.record_timeline and (
-            level != self._tl_level or phase is not self._tl_phase or step.index != self._tl_step
-        ):
-            self._tl_level, self._tl_phase, self._tl_step = level, phase, step.index
-            ts, lv, ph, st, cm = self.timeline
-            ts.append(time.perf_counter_ns())
-            lv.append(level)
-            ph.append(PHASE_CODE[phase])
-            st.append(step.index)
-            cm.append(self._comm_total)
-            if self.samples is not None:
-                self._sample(level, phase, step)
-        work = level - self._comm_total
-        if work > self._fmark:
-            self._fmark = work
-            if self.fwd:  # the innermost only: it hands its mark to its parent on exit
-                top = self.fwd[-1]
-                if work > top.hwm:
-                    top.hwm = work
-            for f in self.bwd:
-                if work > f.hwm:
-                    f.hwm = work
-        if level <= self._mark and phase is self._mark_phase and step is self._mark_step:
-            return
-        self._mark, self._mark_phase, self._mark_step = level, phase, step
-        pp = step.phase_peak[phase]
-        if pp is None or level > pp:
-            step.phase_peak[phase] = level
-        if level > step.peak.bytes or step.peak.event < 0:
-            step.peak = self._snap(level, phase, step)
-        if level > self.peak.bytes or self.peak.event < 0:
-            self.peak = step.peak
-
-    def _sample(self, level: int, phase: str, step: StepAcc) -> None:
-        """One timeline sample with what a peak snapshot there would hold: level,
-        communication, phase, step, whether the root's forward and backward calls are running,
-        then the bytes per category (kept as ``_snap`` and ``optimizer_exit`` keep a snapshot's)."""
-        assert self.samples is not None
-        root_fwd = int(bool(self.fwd) and self.fwd[0].fqn == "")
-        root_bwd = int(any(f.fqn == "" for f in self.bwd))
-        self.samples.append(
-            [
-                level,
-                self._comm_total,
-                PHASE_CODE[phase],
-                step.index,
-                root_fwd,
-                root_bwd,
-                *self.tracker.by_category.values(),
-            ]
-        )
-        n_opt = len(step.opt_new) if self._in_step else 0
-        self._sample_at.append((self.tracker.events, n_opt))
-
-    def _snap(self, level: int, phase: str, step: StepAcc) -> PeakRecord:
-        at: dict[str, int | None] = dict(self.tracker.by_category)
-        if self.light:
-            if self.allocator is None:
-                at[TEMPORARY] = None  # not measured: nothing sees a temporary without the mode
-            else:
-                # the peak lies between two boundaries: per category, count what was alive at
-                # both (the smaller of the two sums); the rest of the allocator's peak is temporary
-                prev = self._cats_prev
-                at = {c: min(v, prev.get(c, v)) for c, v in at.items()}
-                at[TEMPORARY] = 0
-                at[TEMPORARY] = max(0, level - sum(at.values()))
-        return PeakRecord(
-            level,
-            at,
-            self.tracker.events,
-            phase,
-            step.index,
-            len(step.opt_new) if self._in_step else 0,
-        )
-
-    # -- light mode: hook boundaries instead of ops ----------------------------------------------
-    def _cuda_tracked(self) -> int:
-        return self.tracker.by_device.get("cuda", 0)
-
-    def _boundary(self) -> None:
-        """Light mode: bring peaks, frames and the timeline up to date at a hook boundary.
-
-        On CPU the level is the tracked categories (exact at boundaries: they only grow at
-        boundaries). On CUDA it is the caching allocator's peak since the previous boundary,
-        less the bytes that were allocated at entry and are not the model's."""
-        tr = self.tracker
-        tr.events += 1
-        if self.allocator is None:
-            self._after_op()
-        else:
-            peak, now = self.allocator.interval(self.probe_view())
-            other = tr.level - self._cuda_tracked()  # tracked bytes on other devices
-            self._light_level = now - self._baseline + other
-            self._after_op(max(peak - self._baseline + other, tr.level))
-        self._cats_prev = dict(tr.by_category)
-
-    def _level_now(self) -> int:
-        if self.light and self.allocator is not None:
-            return self._light_level
-        return self.tracker.level
-
-    def _reclassify(self, e: Entry, category: str, module: str) -> None:
-        """Change an entry's category; snapshots taken at this very event follow it."""
-        old = e.category
-        if old == category:
-            return
-        self.tracker.reclassify(e, category, module)
-        if e.died is None:
-            for snap in {id(s): s for s in (self.peak, self.steps[-1].peak)}.values():
-                if snap.event == self.tracker.events:
-                    snap.at[old] -= e.nbytes
-                    snap.at[category] += e.nbytes
-            if self.samples and self._sample_at[-1][0] == self.tracker.events:
-                row = self.samples[-1]
-                row[_CAT0 + _CAT_INDEX[old]] -= e.nbytes
-                row[_CAT0 + _CAT_INDEX[category]] += e.nbytes
+        """The tracker's question: what the storages an op creates now are, and whose."""
+        unit = self.comm.running_unit()
+        if unit is not None:
+            return COMMUNICATION, unit
+        return (OPTIMIZER if self.levels.in_step else TEMPORARY), ""
 
     # -- hook callbacks ------------------------------------------------------------------------
     def forward_enter(self, fqn: str, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         in_bw = _graph_task_id() != -1
-        if fqn == "" and not self.fwd and not in_bw:
+        if fqn == "" and not self.levels.fwd and not in_bw:
             self._root_forward(args, kwargs)
-        frame = self._new_frame(fqn, in_bw)
-        self.fwd.append(frame)
+        frame = self.levels.new_frame(fqn, in_bw)
+        self.levels.fwd.append(frame)
 
     def forward_exit(self, fqn: str) -> Frame | None:
-        if self.light:
-            self._boundary()
-        for i in range(len(self.fwd) - 1, -1, -1):
-            if self.fwd[i].fqn == fqn:
-                frames = self.fwd[i:]
-                del self.fwd[i:]
-                self._close_forwards(frames)
-                return frames[0]
-        return None
-
-    def _close_forwards(self, frames: list[Frame]) -> None:
-        """Close forward frames innermost first; each hands its high-water mark to its parent
-        (``_after_op`` only updates the innermost running frame)."""
-        for i in range(len(frames) - 1, -1, -1):
-            f = frames[i]
-            parent = frames[i - 1] if i else (self.fwd[-1] if self.fwd else None)
-            if parent is not None and f.hwm > parent.hwm:
-                parent.hwm = f.hwm
-            self._close_frame(f, backward_call=False)
-            if parent is not None and f.alloc is not None and parent.alloc is not None:
-                # closing f took the last interval's allocator peak; a parent closed in the same
-                # batch (after a BaseException) is no longer running and must get it from f
-                parent.alloc[2] = max(parent.alloc[2], f.alloc[2])
-                parent.alloc[3] = max(parent.alloc[3], f.alloc[3])
-
-    def _close_frame(self, f: Frame, backward_call: bool) -> None:
-        """Record a finished module call: its temporary high-water mark (under the forward or
-        backward call it was), allocator deltas and timeline span. A forward that runs inside
-        backward (checkpoint recompute) counts as a forward call in the backward phase."""
-        step = self.steps[-1]
-        if self.measures_temporary:
-            temps = step.bwd_temp if backward_call else step.fwd_temp
-            temp = max(0, f.hwm - f.level - f.kept)
-            if temp > temps.get(f.fqn, -1):
-                temps[f.fqn] = temp
-            if self.samples is not None and f.fqn == "":
-                self.root_calls.append((step.index, backward_call, f.level, f.kept, f.hwm))
-        phase = BACKWARD if f.in_backward else FORWARD
-        if self.allocator is not None:
-            self.allocator.exit(self.probe_view(), f, sample=not self.light)
-        if self.record_timeline:
-            self.spans.append((f.fqn, phase, f.t0, time.perf_counter_ns(), step.index))
-
-    def _open_step(self) -> None:
-        """A forward starts: after a closed step it opens the next one."""
-        if self._closed:
-            step = StepAcc(len(self.steps))
-            step.communication = {k: v for k, v in self._comm_live.items() if v > 0}
-            self.steps.append(step)
-            self._closed = False
-        self._tail = None
+        return self.levels.forward_exit(fqn)
 
     def _root_forward(self, args: Any, kwargs: Any) -> None:
-        self._open_step()
-        self.steps[-1].forwards += 1
+        self.levels.open_step()
+        self.levels.steps[-1].forwards += 1
         for t in tensors_in((args, kwargs)):
             for st in storages_of(t):
                 e = self.tracker.lookup(st)
                 if e is None:
-                    new = self.tracker.track(t, INPUTS, "")
-                    if self.light and self.allocator is not None and not self._forwarded:
-                        # inputs of the region's first forward are taken to predate the region:
-                        # their blocks are in the allocator's level at entry, not the baseline
-                        self._baseline -= sum(x.nbytes for x in new if x.device == "cuda")
+                    self.strategy.inputs_tracked(self.tracker.track(t, INPUTS, ""))
                     break
                 if e.category == TEMPORARY:
-                    self._reclassify(e, INPUTS, "")
-        self._forwarded = True
-        self._sync()
+                    self.levels.reclassify(e, INPUTS, "")
+        self.strategy.root_forward_seen()
+        self.sync()
 
     def backward_enter(self, fqn: str) -> Frame:
-        frame = self._new_frame(fqn, True)
-        self.bwd.append(frame)
-        return frame
-
-    def _new_frame(self, fqn: str, in_backward: bool) -> Frame:
-        if self.light:
-            self._boundary()  # the interval before the call belongs to the running frames
-        level = self._level_now() - self._comm_total
-        frame = Frame(fqn, level, self.tracker.events, in_backward, time.perf_counter_ns())
-        if level < self._fmark:  # the new frame has seen only ``level`` so far
-            self._fmark = level
-        if self.light:
-            self.tracker.events += 1  # storages registered from now on are born inside the call
-        if self.allocator is not None:
-            self.allocator.enter(self.probe_view(), frame, sample=not self.light)
+        frame = self.levels.new_frame(fqn, True)
+        self.levels.bwd.append(frame)
         return frame
 
     def backward_exit(self, frame: Frame) -> None:
-        if self.light:
-            self._boundary()
-        if frame in self.bwd:
-            self.bwd.remove(frame)
-            self._close_frame(frame, backward_call=True)
+        self.levels.backward_exit(frame)
 
-    def _backward_start(self, task: int) -> None:
-        self._bw_tasks.add(task)
-        torch.autograd.Variable._execution_engine.queue_callback(
-            lambda: self._backward_task_done(task)
-        )
-
-    def _backward_task_done(self, task: int, deferred: bool = False) -> None:
-        if not deferred and fsdp_tp.final_callback_pending(self.fsdp_units):
-            # FSDP queued its end-of-backward callback (the last reduce-scatters) after ours:
-            # the pass ends after it. Once only: FSDP's may belong to an outer graph task.
-            torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: self._backward_task_done(task, deferred=True)
-            )
-            return
-        self._bw_tasks.discard(task)
-        if not self._bw_tasks:
-            self._backward_end()
-
-    def _backward_end(self) -> None:
-        """A backward pass finished: close open module frames, read the gradients."""
-        for f in reversed(self.bwd):
-            self._close_frame(f, backward_call=True)
-        self.bwd.clear()
-        self._bw_tasks.clear()
-        step = self.steps[-1]
-        step.backwards += 1
-        self._tail = BACKWARD
-        self._record_gradients(step)
-        if self.optimizer is None:
-            self._closed = True
-
-    def _record_gradients(self, step: StepAcc) -> None:
-        # storage -> the parameters whose gradients view it, with the bytes of their views
-        shares: dict[int, tuple[Entry, list[tuple[str, int]]]] = {}
-        for p, owner in self.param_owner.values():
-            if p.grad is None:
-                continue
-            for view, st in views_of(p.grad):
-                e = self.tracker.lookup(st)
-                if e is None and self.light:  # assigned outside autograd: nothing saw it yet
-                    e = self.tracker.add(st, p.grad.device.type, GRADIENTS, owner)
-                if e is not None:
-                    n = view.numel() * view.element_size()
-                    shares.setdefault(id(e), (e, []))[1].append((owner, n))
-        per: dict[str, int] = {}
-        for e, owners in shares.values():
-            # FSDP2 makes a unit's sharded gradients views of one reduce-scatter output: each
-            # parameter's module gets its view, the first also what no view covers (padding)
-            rest = e.nbytes
-            for owner, n in owners[1:]:
-                n = min(n, rest)
-                per[owner] = per.get(owner, 0) + n
-                rest -= n
-            per[owners[0][0]] = per.get(owners[0][0], 0) + rest
+    def backward_done(self, step: StepAcc) -> None:
+        """A backward pass finished (its frames closed): read the gradients."""
+        per = gradient_bytes(self.tracker, self.param_owner, self.strategy.registers_unseen)
         for k, v in per.items():
             step.gradients[k] = max(v, step.gradients.get(k, 0))
+        if self.optimizer is None:
+            self.levels.closed = True
 
     def gradient_ready(self, grad: torch.Tensor, owner: str) -> None:
         for st in storages_of(grad):
             e = self.tracker.lookup(st)
             if e is None:  # light mode, or created outside the dispatcher (a C++ extension)
                 e = self.tracker.add(st, grad.device.type, GRADIENTS, owner)
-                if self.light:
-                    self._credit(self.bwd, e)
-                self._sync()
+                if self.strategy.registers_unseen:
+                    credit_kept(self.levels.bwd, e)
+                self.sync()
             if e.category != GRADIENTS:
-                self._credit(self.bwd, e)
-                self._reclassify(e, GRADIENTS, owner)
+                credit_kept(self.levels.bwd, e)
+                self.levels.reclassify(e, GRADIENTS, owner)
 
     def saved_for_backward(self, t: torch.Tensor, module: str | None = None) -> None:
-        if self._in_step or _graph_task_id() != -1:
+        if self.levels.in_step or _graph_task_id() != -1:
             return  # recomputation in backward stays temporary
         if module is None:
-            module = self.fwd[-1].fqn if self.fwd else ""
-        if self.light:
-            # nothing tracks temporaries here: a storage that is no weight, input, gradient,
-            # optimizer state or earlier activation is new, hence an activation
-            new = False
-            for st in storages_of(t):
-                if self.tracker.lookup(st) is None:
-                    e = self.tracker.add(st, t.device.type, ACTIVATIONS, module)
-                    self._mark_activation(e, module)
-                    new = True
-            if new:
-                self._boundary()
-            return
-        for st in storages_of(t):
-            e = self.tracker.lookup(st)
-            if e is None or e.died is not None:
-                continue
-            if e.category == TEMPORARY or (e.category == COMMUNICATION and e not in self._gathered):
-                self._mark_activation(e, module)
+            module = self.levels.fwd[-1].fqn if self.levels.fwd else ""
+        self.strategy.saved_for_backward(t, module)
 
     def checkpoint_inputs(self, fn: Any, tensors: list[torch.Tensor]) -> None:
         """The inputs a non-reentrant checkpoint keeps for recomputation are activations, of the
@@ -722,174 +334,68 @@ class Profile:
         for t in tensors:
             self.saved_for_backward(t, module)
 
-    @staticmethod
-    def _credit(frames: list[Frame], e: Entry) -> None:
-        """Storages created inside a call and kept beyond it are not its temporaries."""
-        for f in frames:
-            if e.born > f.event0:
-                f.kept += e.nbytes
-
-    def _mark_activation(self, e: Entry, module: str) -> None:
-        self._credit(self.fwd, e)
-        acts = self.steps[-1].activations
+    def mark_activation(self, e: Entry, module: str) -> None:
+        credit_kept(self.levels.fwd, e)
+        acts = self.levels.steps[-1].activations
         acts[module] = acts.get(module, 0) + e.nbytes
-        self._reclassify(e, ACTIVATIONS, module)
+        self.levels.reclassify(e, ACTIVATIONS, module)
 
     def optimizer_enter(self) -> None:
-        # close the interval before the step under the phase it belongs to
-        if self.light:
-            self._boundary()
-        elif self.allocator is not None:
-            self.allocator.boundary(self.probe_view())
-        self._in_step = True
-        self.tracker.on_new = self.steps[-1].opt_new.append
+        self.strategy.optimizer_boundary()  # the interval before the step under its own phase
+        self.levels.in_step = True
+        self.tracker.on_new = self.levels.steps[-1].opt_new.append
 
     def optimizer_exit(self) -> None:
         """Sort what the step created into optimizer state and scratch, then close the step."""
-        step = self.steps[-1]
+        step = self.levels.steps[-1]
         self.tracker.on_new = None
-        state: dict[int, str] = {}
-        per: dict[str, int] = {}
-        seen: set[int] = set()
-        for p, s in self.optimizer.state.items():
-            owner = self.param_owner.get(id(p), (None, ""))[1]
-            for t in tensors_in(s):
-                for st in storages_of(t):
-                    e = self.tracker.lookup(st)
-                    if e is None:
-                        if not self.light:
-                            continue
-                        e = self.tracker.add(st, t.device.type, OPTIMIZER, owner)
-                    state[id(e)] = owner
-                    if id(e) not in seen:
-                        seen.add(id(e))
-                        per[owner] = per.get(owner, 0) + e.nbytes
+        assert self.optimizer is not None
+        state, per = optimizer_state(
+            self.tracker, self.optimizer, self.param_owner, self.strategy.registers_unseen
+        )
         for k, v in per.items():
             step.optimizer[k] = max(v, step.optimizer.get(k, 0))
-        scratch = [e for e in step.opt_new if id(e) not in state]
-        for snap in {id(s): s for s in (self.peak, step.peak)}.values():
-            if snap.phase == OPTIMIZER_PHASE and snap.step == step.index:
-                moved = sum(
-                    e.nbytes
-                    for e in step.opt_new[: snap.n_opt_new]
-                    if id(e) not in state and (e.died is None or e.died > snap.event)
-                )
-                snap.at[OPTIMIZER] -= moved
-                snap.at[TEMPORARY] += moved
-        if self.samples:
-            self._move_scratch(step, state)
-        for e in scratch:
-            self.tracker.reclassify(e, TEMPORARY)
+        self.levels.move_scratch(step, state)
+        for e in step.opt_new:
+            if id(e) not in state:
+                self.tracker.reclassify(e, TEMPORARY)
         for e in step.opt_new:
             if id(e) in state:
                 e.module = state[id(e)]
         step.opt_new.clear()
-        if self.light:
-            self._boundary()  # the new state, and on CUDA the step's peak, in the optimizer phase
-        elif self.allocator is not None:
-            self.allocator.boundary(self.probe_view())
-        self._in_step = False
-        self._tail = OPTIMIZER_PHASE
-        self._closed = True
+        self.strategy.optimizer_boundary()
+        self.levels.optimizer_done()
 
-    def _move_scratch(self, step: StepAcc, state: dict[int, str]) -> None:
-        """The samples of this optimizer step get the correction its peak snapshots get: what
-        the step created and did not keep, alive then, is temporary, not optimizer state."""
-        assert self.samples is not None
-        code = PHASE_CODE[OPTIMIZER_PHASE]
-        opt, tmp = _CAT0 + _CAT_INDEX[OPTIMIZER], _CAT0 + _CAT_INDEX[TEMPORARY]
-        for row, (event, n_opt) in zip(self.samples, self._sample_at, strict=True):
-            if row[2] != code or row[3] != step.index or not n_opt:
-                continue
-            moved = sum(
-                e.nbytes
-                for e in step.opt_new[:n_opt]
-                if id(e) not in state and (e.died is None or e.died > event)
-            )
-            row[opt] -= moved
-            row[tmp] += moved
-
-    # -- FSDP2 ---------------------------------------------------------------------------------
+    # -- FSDP2: the communication account's ------------------------------------------------------
     def fsdp_enter(self, fqn: str, group: Any, call: str) -> None:
-        """A unit's parameter group starts ``call`` (one of ``fsdp_tp.GROUP_CALLS``)."""
-        if call in fsdp_tp.GATHERS and not self._in_step and _graph_task_id() == -1:
-            self._open_step()  # FSDP's pre-forward hook runs before the profiler's
-        if call == "post_backward":
-            # unsharded gradients wait for their reduce-scatter
-            self._claim(fsdp_tp.unsharded_grads(group), fqn, credit=True)
-        self._comm_units.append(fqn)
+        self.comm.enter(fqn, group, call)
 
     def fsdp_exit(self, fqn: str, group: Any, call: str) -> None:
-        self._comm_units.pop()
-        if call == "wait_for_unshard":
-            self._claim_unsharded(fqn, group)
-        elif call == "reshard":
-            self._claim(fsdp_tp.post_forward_shards(group), fqn)
-        self._sync()
-
-    def _claim_unsharded(self, fqn: str, group: Any) -> None:
-        """A unit's unsharded parameters, once they exist (FSDP creates them at its first
-        gather and keeps them): claimed once per unit, their resizes are followed after."""
-        if fqn not in self._unsharded_known:
-            storages = list(fsdp_tp.unsharded_storages(group))
-            if storages:
-                self._claim(storages, fqn, gathered=True)
-                self._unsharded_known.add(fqn)
+        self.comm.exit(fqn, group, call)
 
     def unsharded_grad_ready(self, grad: torch.Tensor, fqn: str) -> None:
         """Autograd accumulated the gradient of an unsharded parameter of unit ``fqn``."""
-        self._claim([grad], fqn, credit=True)
-        self._sync()
+        self.comm.claim([grad], fqn, credit=True)
+        self.sync()
 
     def communication_buffer(self, t: torch.Tensor, fqn: str) -> None:
         """FSDP allocated a gather or reduce-scatter buffer for unit ``fqn``."""
-        self._claim([t], fqn)
-        if self.light:
-            self._sync()
-
-    def _claim(self, tensors: Any, fqn: str, gathered: bool = False, credit: bool = False) -> None:
-        """Make the storages of ``tensors`` communication of unit ``fqn`` (registering those
-        light mode has not seen); ``gathered``: unsharded parameters, never activations;
-        ``credit``: kept beyond the running backward calls, so not their temporaries."""
-        tr = self.tracker
-        for t in tensors:
-            for st in storages_of(t):
-                e = tr.lookup(st)
-                if e is None:
-                    e = tr.add(st, t.device.type, COMMUNICATION, fqn)
-                elif e.category != COMMUNICATION:
-                    if credit and e.category == TEMPORARY:
-                        self._credit(self.bwd, e)
-                    self._reclassify(e, COMMUNICATION, fqn)
-                if gathered:
-                    self._gathered.add(e)
-
-    def _comm_changed(self, e: Entry, delta: int) -> None:
-        """The tracker's report of a change in live communication bytes."""
-        self._comm_total += delta
-        live = self._comm_live
-        peaks = self.steps[-1].communication
-        chain = self._chains.get(e.module)
-        if chain is None:
-            chain = self._chains[e.module] = ancestors(e.module)
-        for a in chain:
-            v = live[a] = live.get(a, 0) + delta
-            if v > peaks.get(a, 0):
-                peaks[a] = v
+        self.comm.claim([t], fqn)
+        self.strategy.registered()
 
     @contextlib.contextmanager
     def optimizer_phase(self) -> Iterator[None]:
-        self._in_zero_grad += 1
+        self.levels.in_zero_grad += 1
         try:
             yield
         finally:
-            self._sync()
-            self._in_zero_grad -= 1
+            self.sync()
+            self.levels.in_zero_grad -= 1
 
     @property
     def measures_temporary(self) -> bool:
         """Exact mode always; light mode only where the allocator's peaks are available (CUDA)."""
-        return not self.light or self.allocator is not None
+        return self.strategy.measures_temporary()
 
     @property
     def measured(self) -> list[str]:
@@ -899,6 +405,139 @@ class Profile:
     def note_assumption(self, text: str) -> None:
         if text not in self.assumptions:
             self.assumptions.append(text)
+
+
+def _check_optimizer(
+    optimizer: torch.optim.Optimizer | None,
+    param_owner: dict[int, tuple[torch.Tensor, str]],
+    model: torch.nn.Module,
+) -> None:
+    if optimizer is None:
+        return
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            if id(p) not in param_owner:
+                raise ValueError(
+                    f"optimizer param_groups[{gi}]['params'][{pi}] (shape "
+                    f"{tuple(p.shape)}) is not a parameter of the profiled "
+                    f"{type(model).__name__}; pass the optimizer built from "
+                    "model.parameters(), or profile the module that owns it"
+                )
+
+
+def register_existing(prof: Profile, device_types: set[str]) -> dict[str, int]:
+    """On entry: the weights, gradients and optimizer state that exist already, in the
+    tracker; returns each module's own weight bytes and adds their device types."""
+    tr = prof.tracker
+    weights: dict[str, int] = {}
+    seen: set[int] = set()
+    for fqn, mod in prof.model.named_modules():
+        direct = 0
+        for t in [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]:
+            device_types.add(t.device.type)
+            for e in tr.track(t, WEIGHTS, fqn):
+                if id(e) not in seen:
+                    seen.add(id(e))
+                    direct += e.nbytes
+        weights[fqn] = direct
+    for p, owner in prof.param_owner.values():
+        if p.grad is not None:
+            for e in tr.track(p.grad, GRADIENTS, owner):
+                tr.reclassify(e, GRADIENTS, owner)
+    if prof.optimizer is not None:
+        for p, state in prof.optimizer.state.items():
+            owner = prof.param_owner.get(id(p), (None, ""))[1]
+            for t in tensors_in(state):
+                tr.track(t, OPTIMIZER, owner)
+    return weights
+
+
+def gradient_bytes(
+    tracker: StorageTracker,
+    param_owner: dict[int, tuple[torch.Tensor, str]],
+    register_unseen: bool,
+) -> dict[str, int]:
+    """Each module's bytes of its parameters' gradients now (``register_unseen``: a gradient
+    assigned outside autograd, which nothing saw yet, is registered)."""
+    # storage -> the parameters whose gradients view it, with the bytes of their views
+    shares: dict[int, tuple[Entry, list[tuple[str, int]]]] = {}
+    for p, owner in param_owner.values():
+        if p.grad is None:
+            continue
+        for view, st in views_of(p.grad):
+            e = tracker.lookup(st)
+            if e is None and register_unseen:
+                e = tracker.add(st, p.grad.device.type, GRADIENTS, owner)
+            if e is not None:
+                n = view.numel() * view.element_size()
+                shares.setdefault(id(e), (e, []))[1].append((owner, n))
+    per: dict[str, int] = {}
+    for e, owners in shares.values():
+        # FSDP2 makes a unit's sharded gradients views of one reduce-scatter output: each
+        # parameter's module gets its view, the first also what no view covers (padding)
+        rest = e.nbytes
+        for owner, n in owners[1:]:
+            n = min(n, rest)
+            per[owner] = per.get(owner, 0) + n
+            rest -= n
+        per[owners[0][0]] = per.get(owners[0][0], 0) + rest
+    return per
+
+
+def optimizer_state(
+    tracker: StorageTracker,
+    optimizer: torch.optim.Optimizer,
+    param_owner: dict[int, tuple[torch.Tensor, str]],
+    register_unseen: bool,
+) -> tuple[dict[int, str], dict[str, int]]:
+    """id(entry) -> owner of every storage in the optimizer's state, and each owner's bytes of
+    it (``register_unseen``: storages nothing saw created are registered)."""
+    state: dict[int, str] = {}
+    per: dict[str, int] = {}
+    for p, s in optimizer.state.items():
+        owner = param_owner.get(id(p), (None, ""))[1]
+        for t in tensors_in(s):
+            for st in storages_of(t):
+                e = tracker.lookup(st)
+                if e is None:
+                    if not register_unseen:
+                        continue
+                    e = tracker.add(st, t.device.type, OPTIMIZER, owner)
+                if id(e) not in state:
+                    per[owner] = per.get(owner, 0) + e.nbytes
+                state[id(e)] = owner
+    return state, per
+
+
+def _check_arguments(model: Any, optimizer: Any, snapshot: str | None, mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(
+            f"gpumem.profile(mode={mode!r}) is not a mode; use 'exact' (every storage, every "
+            "op) or 'light' (hook boundaries only, no per-op dispatch)"
+        )
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"gpumem.profile(model, ...) needs a torch.nn.Module, got {type(model).__name__}; "
+            "wrap a plain function in an nn.Module or pass the model that owns the parameters"
+        )
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+        )
+    if snapshot is not None:
+        _check_snapshot_path(snapshot)
+
+
+def _alloc_conf(alloc_conf: str | AllocConf | None) -> tuple[AllocConf | None, str]:
+    """The allocator setting exact mode simulates, and the note to make when there is none."""
+    try:
+        return resolve_alloc_conf(alloc_conf), ""
+    except NotSimulated as exc:
+        if alloc_conf is not None:  # the caller asked for a simulation of it
+            raise
+        # the environment's valid setting the simulator does not reproduce (torch's
+        # backend:cudaMallocAsync) must not stop a profile: no reserved figure, said so
+        return None, f"peak_reserved_bytes not simulated: {exc}"
 
 
 def _check_snapshot_path(path: str) -> None:

@@ -153,7 +153,7 @@ def test_guard_reads_the_notice_from_the_environment(tmp_path, monkeypatch):
         assert guard.grace_s == 30 and guard.grace_source.startswith("default")
     monkeypatch.setenv("GPUMEM_GRACE_S", "115")
     with gpumem.PreemptionGuard(ck, signals=("SIGUSR1",)) as guard:
-        assert (guard.grace_s, guard.grace_source) == (115, "GPUMEM_GRACE_S")
+        assert (guard.grace_s, guard.grace_source) == (115, "environment: GPUMEM_GRACE_S")
     with gpumem.PreemptionGuard(ck, signals=("SIGUSR1",), grace_s=12) as guard:
         assert (guard.grace_s, guard.grace_source) == (12, "given")  # the argument wins
     for env, match in (("2m", "GPUMEM_GRACE_S='2m' is not a number"), ("0", "GPUMEM_GRACE_S=0")):

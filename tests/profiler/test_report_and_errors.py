@@ -156,5 +156,5 @@ def test_exception_inside_forward_and_optimizer():
     model = nn.Sequential(nn.Linear(4, 4), Boom())
     with pytest.raises(RuntimeError, match="boom"), gpumem.profile(model) as prof:
         model(torch.randn(2, 4))
-    assert prof.report().peak_bytes > 0 and not prof.fwd
+    assert prof.report().peak_bytes > 0 and not prof.levels.fwd
     assert _hook_counts(model) == 0
