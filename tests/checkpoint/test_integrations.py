@@ -106,13 +106,32 @@ def _tiny_trainer(tmp_path, cb, **args):
     )
 
 
+def test_docs_and_examples_call_the_hf_callback_with_the_new_interval_name():
+    """README, docs, docstrings, tests and benchmarks pass ``every_n_train_steps=`` to
+    ``CheckpointCallback``, never the deprecated ``save_steps=`` (but where that is tested)."""
+    import re
+
+    repo = HERE.parent.parent
+    files = [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]
+    for part in ("gpumem", "tests", "benchmarks"):
+        files += sorted((repo / part).rglob("*.py"))
+    call = re.compile(r"CheckpointCallback\([^)]*\bsave_steps\s*=\s*\w")  # not "=..."
+    found = [
+        f"{f.relative_to(repo)}:{i}"
+        for f in files
+        for i, line in enumerate(f.read_text().splitlines(), start=1)
+        if call.search(line) and "deprecated name, on purpose" not in line
+    ]
+    assert not found, f"CheckpointCallback(save_steps=...) in {found}: use every_n_train_steps="
+
+
 def test_hf_callback_interval_is_named_as_in_lightning_and_save_strategy_is_checked(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from gpumem.integrations.hf import CheckpointCallback
 
     with pytest.warns(DeprecationWarning, match="every_n_train_steps"):
-        old = CheckpointCallback(tmp_path / "a", save_steps=3)
+        old = CheckpointCallback(tmp_path / "a", save_steps=3)  # the deprecated name, on purpose
     assert old.every == 3
     cb = CheckpointCallback(tmp_path / "b", every_n_train_steps=1)
     trainer = _tiny_trainer(tmp_path, cb, max_steps=1)  # the default save_strategy: "steps"
