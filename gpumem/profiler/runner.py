@@ -98,8 +98,9 @@ def _heads_problem(raw: dict, attribute_map: dict[str, str]) -> str | None:
         """(the name the config uses, its value; 0 when absent or not a positive int)."""
         key = name if name in raw else attribute_map.get(name, name)
         value = raw.get(key)
-        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-        return key, value if ok else 0
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return key, value
+        return key, 0
 
     (hn, hidden), (n, heads), (kn, kv) = (
         field(f) for f in ("hidden_size", "num_attention_heads", "num_key_value_heads")
