@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "path",
         type=_args.checkpoint_root,
         help="a step-<N> directory, a checkpoint directory to verify them all, an "
-        "s3://BUCKET/PREFIX root (every committed step), or a plain "
+        "s3://BUCKET/PREFIX root (every committed step) or step (.../step-<N>), or a plain "
         "torch.distributed.checkpoint directory (with .metadata)",
     )
     ver.add_argument(
@@ -64,8 +64,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     ins.add_argument(
         "path",
         type=_args.checkpoint_root,
-        help="a step-<N> directory, a checkpoint directory (its newest), or an "
-        "s3://BUCKET/PREFIX root (its newest committed step, or --step)",
+        help="a step-<N> directory, a checkpoint directory (its newest), an "
+        "s3://BUCKET/PREFIX root (its newest committed step, or --step), or one step of it "
+        "(s3://BUCKET/PREFIX/step-<N>, as `ckpt ls` prints it)",
     )
     ins.add_argument("--step", type=_args.non_negative_int, help="s3:// roots: this step")
     ins.add_argument("--json", action="store_true", help="print JSON")
@@ -82,7 +83,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "dir",
         type=_args.checkpoint_root,
         help="a checkpoint directory (its newest), a step-<N> directory, or an "
-        "s3://BUCKET/PREFIX root (its newest committed step, or --step; read by ranged GETs)",
+        "s3://BUCKET/PREFIX root (its newest committed step, or --step; read by ranged GETs) "
+        "or one step of it (.../step-<N>)",
     )
     exp.add_argument("--step", type=_args.non_negative_int, help="s3:// roots: this step")
     exp.add_argument("--format", choices=["safetensors"], default="safetensors")
@@ -127,20 +129,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpumem.checkpoint import CheckpointError
-
-    try:
-        commands = {
-            "ls": _ls,
-            "verify": _verify,
-            "inspect": _inspect,
-            "export": _export,
-            "import": _import,
-        }
-        return commands[args.ckpt_command](args)
-    except CheckpointError as exc:
-        print(f"gpumem ckpt {args.ckpt_command}: {exc}", file=sys.stderr)
-        return 1
+    # errors reach main(): one line and exit 2 as for every command; only verify's CORRUPT
+    # verdict exits 1
+    commands = {
+        "ls": _ls,
+        "verify": _verify,
+        "inspect": _inspect,
+        "export": _export,
+        "import": _import,
+    }
+    return commands[args.ckpt_command](args)
 
 
 def _ls(args: argparse.Namespace) -> int:
@@ -270,11 +268,29 @@ def _object_root(url: str) -> Any:
     return ObjectRoot(S3Store(url, writable=False))
 
 
+def _step_url(url: str, step: int | None) -> tuple[str, int | None]:
+    """(root, step) of an s3:// URL: one that ends in ``step-<N>`` (as ``ls`` prints a step)
+    names that step of its parent root, else ``step`` (``--step``)."""
+    from gpumem.checkpoint import CheckpointStateError
+    from gpumem.checkpoint.storage.format import STEP_DIR
+    from gpumem.checkpoint.storage.location import ObjectURL
+
+    prefix = ObjectURL.parse(url).prefix
+    m = STEP_DIR.match(prefix.rsplit("/", 1)[-1]) if prefix else None
+    if m is None:
+        return url, step
+    named = int(m.group(1))
+    if step is not None and step != named:
+        raise CheckpointStateError(f"{url} is step {named}, but --step {step} was given")
+    return url.rstrip("/").rsplit("/", 1)[0], named
+
+
 def _object_step(url: str, step: int | None) -> tuple[Any, Any]:
-    """The committed step ``step`` of an s3:// root (None: the newest whose manifests read):
-    its files (read by ranged GETs) and main manifest."""
+    """The committed step ``step`` of an s3:// root or step URL (None: the newest whose
+    manifests read): its files (read by ranged GETs) and main manifest."""
     from gpumem.checkpoint import CheckpointCorruptError
 
+    url, step = _step_url(url, step)
     root = _object_root(url)
     steps = root.steps()
     if step is not None:
@@ -399,13 +415,18 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _verify_object(url: str) -> int:
-    """``verify`` of an s3:// root: every committed step copied into a temporary directory and
-    checked there as a directory is."""
+    """``verify`` of an s3:// root (every committed step) or of one step's URL: each copied into
+    a temporary directory and checked there as a directory is."""
     from gpumem.checkpoint import CheckpointCorruptError
     from gpumem.checkpoint.restore.fetch import verify_step
 
+    url, only = _step_url(url, None)
     root = _object_root(url)
     steps = sorted(root.steps())
+    if only is not None:
+        if only not in steps:
+            raise FileNotFoundError(f"{root.url} has no committed step {only} (it has {steps})")
+        steps = [only]
     if not steps:
         raise FileNotFoundError(f"{root.url} holds no committed checkpoint")
     bad = 0

@@ -405,7 +405,8 @@ def _loss_chart(result: DemoResult, k: int) -> Path:
     ax.axvline(k, color="red", lw=0.8, ls=":")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.legend()
+    # above the axes: where the resume is exact the curves coincide, nothing may hide them
+    ax.legend(loc="lower left", bbox_to_anchor=(0, 1.02), ncol=2, borderaxespad=0, frameon=False)
     fig.tight_layout()
     path = result.out / "loss.png"
     fig.savefig(path, dpi=100)

@@ -17,18 +17,21 @@ verifies, so ``trainer.fit()`` continues where the saved run stopped, Lightning'
 what the restored progress says is done. Pass ``ckpt_path`` to ``fit()`` for Lightning's own
 checkpoints only; with both, gpumem's restore runs last.
 
-Exact mid-epoch resume needs a resumable loader: Lightning saves a loader's position only when
-it has ``state_dict``/``load_state_dict`` (torchdata's ``StatefulDataLoader``; its state rides
-in the fit loop's, so gpumem saves and restores it). A plain ``DataLoader`` (shuffled or not)
-restarts the interrupted epoch from its first batch (Lightning warns), so only a stop at an
-epoch boundary resumes exactly. Under DDP shuffle with
-``sampler=torch.utils.data.RandomSampler`` (Lightning swaps it for its seeded
-``DistributedSampler``), not ``shuffle=True``, whose torchdata sampler Lightning wraps, drawing
-each epoch's order from the global generator. Between the restore and the first resumed batch
-Lightning builds the loader's iterator and restores its position, which draws from the global
-generators; the uninterrupted run drew that at the epoch's start. So after a mid-epoch restore
-the callback sets the restored RNG states again in the first ``on_train_batch_start``: dropout
-draws what it drew in the uninterrupted run.
+Which loaders resume exactly, on one device and under DDP, is the table in docs/checkpoint.md
+(each cell tested). Lightning saves a loader's position only when it has ``state_dict`` /
+``load_state_dict`` (torchdata's ``StatefulDataLoader``; its state rides in the fit loop's, so
+gpumem saves and restores it); a plain ``DataLoader`` resumes exactly only from an epoch's end.
+
+The global RNG states: a sampler without a generator of its own (torch's ``RandomSampler``)
+draws each epoch's order from them when the epoch's iterator is built, and dropout draws from
+them at every step. So the callback keeps the states of the running epoch's start (taken in
+``on_fit_start`` for the first epoch, whose iterator Lightning builds before
+``on_train_epoch_start``, and in that hook for the others) and saves them with the fit loop's
+state. After a mid-epoch restore it sets those before Lightning rebuilds the interrupted epoch's
+iterator (the order is drawn again as it was), and the states saved at the stop in the first
+``on_train_batch_start`` (dropout draws on as it did). After a stop at an epoch's end with a
+resumable loader, Lightning builds the restored loader's iterator once more than the
+uninterrupted run did, so the saved states are set again in the next ``on_train_epoch_start``.
 """
 
 from __future__ import annotations
@@ -82,7 +85,13 @@ class CheckpointCallback(GuardedCallback, Callback):
         self.restored_step: int | None = None
         self.stopped = False
         self._last = -1
-        self._rng: dict[str, Any] | None = None  # RNG states to set again at the first batch
+        # RNG states (module docs): set again at the first batch; of the running epoch's start
+        # (saved with the fit loop); set again at the next epoch's start
+        self._rng: dict[str, Any] | None = None
+        self._epoch_rng: dict[str, Any] | None = None
+        self._epoch_start_rng: dict[str, Any] | None = None
+        self._first_epoch = False
+        self._loader_state = False  # whether the restored fit loop held loaders' positions
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit" and self.ckpt is None:
@@ -92,15 +101,31 @@ class CheckpointCallback(GuardedCallback, Callback):
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         assert self.ckpt is not None
+        self._epoch_rng, self._loader_state = None, False
         if self.resume:
             self.restored_step = self.ckpt.restore(**self._objects(trainer, pl_module))
-            if self.restored_step is not None:
-                self._last = self.restored_step
-                if _mid_epoch(trainer):
-                    self._rng = rng_state()
         else:  # restore() prepares the first save's arena, so do we
             objects = self._objects(trainer, pl_module)
             prepare_first_save(self.ckpt, objects["model"], objects["optimizer"])
+        if self.restored_step is None:  # a fresh start: the first epoch's states are these
+            self._first_epoch, self._epoch_rng = True, rng_state()
+            return
+        self._last = self.restored_step
+        if _mid_epoch(trainer):
+            self._rng = rng_state()
+            if self._epoch_rng is not None:  # the interrupted epoch's order is drawn next
+                set_rng_state(self._epoch_rng)
+        elif self._loader_state:
+            self._epoch_start_rng = rng_state()
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._epoch_start_rng is not None:  # see the module docs
+            set_rng_state(self._epoch_start_rng)
+            self._epoch_start_rng = None
+        if self._first_epoch:  # its states were taken in on_fit_start
+            self._first_epoch = False
+        else:
+            self._epoch_rng = rng_state()
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
@@ -137,11 +162,10 @@ class CheckpointCallback(GuardedCallback, Callback):
         if stage == "fit":
             self.close()
 
-    @staticmethod
-    def _objects(trainer: Any, pl_module: Any) -> dict[str, Any]:
+    def _objects(self, trainer: Any, pl_module: Any) -> dict[str, Any]:
         optimizers = list(trainer.optimizers)
         schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
-        stateful: dict[str, Any] = {"fit_loop": trainer.fit_loop}
+        stateful: dict[str, Any] = {"fit_loop": _FitLoopState(trainer.fit_loop, self)}
         stateful.update((f"optimizer_{i}", o) for i, o in enumerate(optimizers[1:], start=1))
         stateful.update((f"scheduler_{i}", s) for i, s in enumerate(schedulers[1:], start=1))
         return {
@@ -150,6 +174,30 @@ class CheckpointCallback(GuardedCallback, Callback):
             "scheduler": schedulers[0] if schedulers else None,
             "stateful": stateful,
         }
+
+
+class _FitLoopState:
+    """Lightning's fit loop state, plus the RNG states at the start of the epoch it stopped in
+    under one more key (a checkpoint without it restores as before; Lightning ignores it)."""
+
+    KEY = "gpumem_epoch_start_rng"
+
+    def __init__(self, loop: Any, callback: CheckpointCallback) -> None:
+        self.loop, self.callback = loop, callback
+
+    def state_dict(self) -> dict[str, Any]:
+        state = dict(self.loop.state_dict())
+        if self.callback._epoch_rng is not None:
+            state[self.KEY] = self.callback._epoch_rng
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        self.callback._epoch_rng = state.pop(self.KEY, None)
+        # the loaders' positions, where Lightning's loop keeps them (resumable loaders only)
+        loaders = (state.get("state_dict") or {}).get("combined_loader")
+        self.callback._loader_state = bool(loaders)
+        self.loop.load_state_dict(state)
 
 
 def _mid_epoch(trainer: Any) -> bool:

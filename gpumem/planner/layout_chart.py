@@ -55,46 +55,49 @@ def best_layouts(bill: Bill, n_gpus: int, top: int = 4) -> list[tuple[str, Bill]
 
 
 def bills_figure(bills: list[tuple[str, Bill]], title: str = "") -> Any:
-    """A matplotlib Figure: one stacked bar per (label, bill) in GiB, the GPU's memory dashed."""
+    """A matplotlib Figure: one stacked bar per (label, bill) in GiB, the GPU's memory dashed.
+
+    The legend (categories and the GPU's memory) stands right of the axes, never over a bar;
+    ``title`` may hold line breaks, the figure is laid out around it."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(bills) + 2), 5.5))
+    # bars, plus room on the right for the legend (about 2 inches)
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.6 * len(bills) + 4), 5.5))
     x = range(len(bills))
     bottom = [0.0] * len(bills)
     for c in CATEGORIES:
         vals = [b.per_gpu[c] / GiB for _, b in bills]
         ax.bar(x, vals, bottom=bottom, color=COLORS[c], label=c, width=0.6)
         bottom = [a + v for a, v in zip(bottom, vals, strict=True)]
-    caps = {b.gpu.total_bytes for _, b in bills}
-    for cap in caps:
-        ax.axhline(cap / GiB, color="red", ls="--", lw=1)
-    gpu = bills[0][1].gpu
-    ax.text(
-        len(bills) - 0.5,
-        gpu.total_bytes / GiB,
-        f" {gpu.name}: {gpu.total_bytes / GiB:.1f} GiB",
-        color="red",
-        va="bottom",
-        ha="right",
-        fontsize=8,
-    )
+    for gpu in {b.gpu.name: b.gpu for _, b in bills}.values():
+        label = f"{gpu.name}: {gpu.total_bytes / GiB:.1f} GiB"
+        ax.axhline(gpu.total_bytes / GiB, color="red", ls="--", lw=1, label=label)
     ax.set_xticks(list(x), [label for label, _ in bills], rotation=20, ha="right", fontsize=8)
+    ax.set_xlim(-0.6, len(bills) - 0.4)
     ax.set_ylabel("GiB per GPU (most loaded rank)")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     return fig
+
+
+def chart_title(bill: Bill, n_gpus: int, n_best: int) -> str:
+    """Two lines: the job, then what the bars are (the planner's best only when there are)."""
+    fits = "fits" if bill.fits else "does NOT fit"
+    if n_best:
+        what = f"the layout asked for ({fits}) beside the planner's best {n_best}"
+    elif isinstance(bill.model, ModelSpec):
+        what = f"the layout asked for ({fits}); the planner finds no layout that fits"
+    else:  # a measured nn.Module: the planner needs a described model
+        what = f"the layout asked for ({fits})"
+    return f"{bill.model.name} on {n_gpus} x {bill.gpu.name}\n{what}"
 
 
 def plot_layouts(bill: Bill, path: str | Path, *, n_gpus: int, top: int = 4) -> Path:
     """PNG of ``bill`` (labelled "asked") beside :func:`best_layouts`; returns the path."""
     plt = pyplot()
-    bills = [(f"asked: {bill.layout.describe()}", bill), *best_layouts(bill, n_gpus, top)]
-    fits = "fits" if bill.fits else "does NOT fit"
-    title = (
-        f"{bill.model.name} on {n_gpus} x {bill.gpu.name}: the layout asked for ({fits}) and "
-        f"the planner's best {len(bills) - 1}"
-    )
-    fig = bills_figure(bills, title)
+    best = best_layouts(bill, n_gpus, top)
+    bills = [(f"asked: {bill.layout.describe()}", bill), *best]
+    fig = bills_figure(bills, chart_title(bill, n_gpus, len(best)))
     path = Path(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)

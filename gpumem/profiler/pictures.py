@@ -20,6 +20,8 @@ class ReportLike(Protocol):
 
     model: str
     device: str
+    fake: bool
+    mode: str
     estimate: bool
     peak_bytes: int
     measured: list[str]
@@ -98,7 +100,10 @@ def plot_report(rep: ReportLike, path: Path, depth: int | None = None) -> Path:
 def report_figure(rep: ReportLike, depth: int | None = None) -> Any:
     """The matplotlib Figure of a report: per-layer bars stacked by category (left axes, one
     ``barh`` container per category, in the unit of the x label) and live memory over time with
-    the phases shaded (right axes)."""
+    the phases shaded (right axes). Each legend stands right of its axes, never over the data.
+
+    A fake run's timeline is drawn against its operations in order, not time: how long each
+    took is this CPU running fake tensors (its flat stretches are scheduling), not the step."""
     plt = pyplot()
     layers = _bar_layers(rep, depth)
     # light mode on CPU has no temporaries to draw; communication only under sharding; inputs
@@ -127,11 +132,17 @@ def report_figure(rep: ReportLike, depth: int | None = None) -> Any:
     ax1.invert_yaxis()
     ax1.set_xlabel(f"{uname} (max over steps)")
     ax1.set_title("per layer")
-    ax1.legend(fontsize=7, loc="lower right")
+    outside = {
+        "fontsize": 7,
+        "loc": "upper left",
+        "bbox_to_anchor": (1.01, 1.0),
+        "borderaxespad": 0,
+    }
+    ax1.legend(**outside)
 
     tl = rep.timeline
     if tl.get("t_ns"):
-        t = [x / 1e6 for x in tl["t_ns"]]
+        t = list(range(len(tl["t_ns"]))) if rep.fake else [x / 1e6 for x in tl["t_ns"]]
         y = [b / scale for b in tl["bytes"]]
         start = 0
         for i in range(1, len(t) + 1):
@@ -164,12 +175,19 @@ def report_figure(rep: ReportLike, depth: int | None = None) -> Any:
         )
         for ph in PHASES:
             ax2.fill_between([], [], color=_PHASE_COLORS[ph], label=ph)
-        ax2.legend(fontsize=7, loc="upper left")
-    ax2.set_xlabel("time (ms)")
+        ax2.legend(**outside)
+    ax2.set_xlabel(_time_label(rep))
     ax2.set_ylabel(f"live tensor memory ({uname})")
     ax2.set_title(f"{rep.model} on {rep.device}" + (" (estimate)" if rep.estimate else ""))
     fig.tight_layout()
     return fig
+
+
+def _time_label(rep: ReportLike) -> str:
+    if not rep.fake:
+        return "time (ms)"
+    what = "operations" if rep.mode == "exact" else "module boundaries"
+    return f"{what}, in order (a fake run has no real timing)"
 
 
 def chrome_trace(rep: ReportLike) -> dict[str, Any]:

@@ -47,7 +47,8 @@ def hf_config(path: Path) -> Any:
     the model (nothing is downloaded).
 
     Raises:
-        ValueError: not JSON, no ``model_type``, an unknown family, or a missing size field.
+        ValueError: not JSON, no ``model_type``, an unknown family, a missing size field, or
+            attention heads that do not divide (as ``gpumem estimate`` refuses them).
     """
     try:
         import transformers
@@ -61,9 +62,20 @@ def hf_config(path: Path) -> Any:
         raise ValueError(f"{path} is not valid JSON ({exc}); give a config.json") from None
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise ValueError(f"{path} has no 'model_type'; it does not look like a transformers config")
+    families = transformers.CONFIG_MAPPING  # lazy: its .get() finds nothing, `in` and [] do
+    kind = raw["model_type"]
+    family = families[kind] if isinstance(kind, str) and kind in families else None
+    problem = _heads_problem(raw, getattr(family, "attribute_map", {}))
+    if problem:  # else torch's truncated error from deep in the first forward pass
+        raise ValueError(f"{path}: {problem}")
+    errors: tuple[type[Exception], ...] = (ValueError, KeyError, TypeError)
+    with contextlib.suppress(ImportError):  # transformers 5 validates through huggingface_hub
+        from huggingface_hub.errors import StrictDataclassError
+
+        errors += (StrictDataclassError,)
     try:
         cfg = transformers.AutoConfig.for_model(**raw)
-    except (ValueError, KeyError, TypeError) as exc:
+    except errors as exc:
         raise ValueError(f"{path}: transformers cannot read it ({exc})") from None
     aliases = {v: k for k, v in getattr(cfg, "attribute_map", {}).items()}
     missing = [
@@ -79,6 +91,31 @@ def hf_config(path: Path) -> Any:
             "gives none of them, so transformers would build its default size instead: add them"
         )
     return cfg
+
+
+def _heads_problem(raw: dict, attribute_map: dict[str, str]) -> str | None:
+    """What is wrong with a config's attention heads (its own names, or the family's aliases
+    in ``attribute_map``: GPT-2's ``n_head``), None if nothing."""
+
+    def field(name: str) -> tuple[str, int]:
+        """(the name the config uses, its value; 0 when absent or not a positive int)."""
+        key = name if name in raw else attribute_map.get(name, name)
+        value = raw.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return key, value
+        return key, 0
+
+    (hn, hidden), (n, heads), (kn, kv) = (
+        field(f) for f in ("hidden_size", "num_attention_heads", "num_key_value_heads")
+    )
+    if heads and hidden and raw.get("head_dim") is None and hidden % heads:
+        return f"{hn} {hidden} is not divisible by {n} {heads}; change them, or give head_dim"
+    if heads and kv and heads % kv:
+        return (
+            f"{n} {heads} is not a multiple of {kn} {kv}; grouped-query attention needs whole "
+            "groups"
+        )
+    return None
 
 
 # a config.json's dtype names -> profile precisions; transformers builds in the config's dtype

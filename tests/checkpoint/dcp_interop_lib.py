@@ -142,15 +142,16 @@ def _refused(save: Any) -> str:
 
 
 def overwrite(root: Path, world: int) -> list[str]:
-    """overwrite=False refuses an existing checkpoint on every rank, as FileSystemWriter does;
-    overwrite=True replaces it."""
+    """overwrite=False refuses an existing checkpoint on every rank, as FileSystemWriter does,
+    whether the writer names a step or only the directory; overwrite=True replaces it."""
     layout = layouts(world)["1d-shard0"]
+    paths = {"gpumem step": root / "ow" / "step-3", "gpumem dir": root / "ow-dir"}
     outcomes = {}
-    for kind in ("gpumem", "dcp"):
+    for kind in (*paths, "dcp"):
 
         def save(scale: float, ow: bool, kind: str = kind) -> None:
-            if kind == "gpumem":
-                writer: Any = gpumem.dcp.StorageWriter(root / "ow" / "step-3", overwrite=ow)
+            if kind in paths:
+                writer: Any = gpumem.dcp.StorageWriter(paths[kind], overwrite=ow)
             else:
                 writer = dcp.FileSystemWriter(root / "plain-ow", overwrite=ow)
             dcp.save(dtensor_state(layout, scale), storage_writer=writer)
@@ -163,15 +164,13 @@ def overwrite(root: Path, world: int) -> list[str]:
                 _refused(lambda: save(3.0, True)),
             ]
     bad = []
-    if outcomes["gpumem"] != outcomes["dcp"] or outcomes["dcp"] != [
-        "written",
-        "refused",
-        "written",
-    ]:
+    if any(o != ["written", "refused", "written"] for o in outcomes.values()):
         bad.append(f"overwrite outcomes differ: {outcomes}")
-    state = empty_like(dtensor_state(layout), layout)
-    dcp.load(state, storage_reader=gpumem.dcp.StorageReader(root / "ow"))
-    return bad + compare("overwritten", state, 3.0)
+    for kind, where in (("overwritten", root / "ow"), ("newest", root / "ow-dir")):
+        state = empty_like(dtensor_state(layout), layout)
+        dcp.load(state, storage_reader=gpumem.dcp.StorageReader(where))
+        bad += compare(kind, state, 3.0)
+    return bad
 
 
 def _result(future: Any) -> None:

@@ -51,3 +51,18 @@ def test_verify_reports_corruption(tmp_path, capsys):
         and "model.weight" in out
     )
     assert main(["ckpt", "ls", str(tmp_path / "missing")]) == 2
+
+
+def test_import_says_what_a_gpumem_directory_is(tmp_path, capsys):
+    """``ckpt import`` given a gpumem checkpoint (its root or one step) says it is one, and given
+    any other directory that it lacks DCP's ``.metadata``: one line each, exit 2."""
+    _make(tmp_path / "g")
+    (tmp_path / "empty").mkdir()
+    for src in ("g", "g/step-000000002"):
+        assert main(["ckpt", "import", str(tmp_path / src), str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert "is a gpumem checkpoint already" in err and err.count("\n") == 1, err
+    assert main(["ckpt", "import", str(tmp_path / "empty"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "is not a plain DCP directory: it has no .metadata" in err, err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -292,7 +292,7 @@ def test_byte_items_that_load_classes_are_named_and_not_imported_untrusted(tmp_p
     out = capsys.readouterr().out
     assert "WARNING  1 byte item(s) ('hook' loads posix.system)" in out
     dest = tmp_path / "imported"
-    assert main(["ckpt", "import", str(plain), str(dest)]) == 1
+    assert main(["ckpt", "import", str(plain), str(dest)]) == 2
     err = capsys.readouterr()
     said = err.out + err.err
     assert "'hook' loads posix.system" in said and "--trust-pickle" in said

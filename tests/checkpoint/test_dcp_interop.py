@@ -119,9 +119,24 @@ def test_overwrite_false_refuses_a_committed_step_in_one_process(tmp_path):
         dcp.save(
             state, storage_writer=gpumem.dcp.StorageWriter(tmp_path / "step-5", overwrite=False)
         )
-    # a step chosen as one more than the newest is always new
-    dcp.save(state, storage_writer=gpumem.dcp.StorageWriter(tmp_path, overwrite=False))
+    # a new step named in the same directory is written
+    dcp.save(state, storage_writer=gpumem.dcp.StorageWriter(tmp_path / "step-6", overwrite=False))
     assert json.loads((tmp_path / "latest").read_text())["step"] == 6
+
+
+def test_overwrite_as_dcps_own_e2e_test_checks_it(tmp_path):
+    """torch's test_e2e_save_and_load.py::test_overwrite with gpumem's storage swapped in: the
+    directory alone, no step named, refused once it holds a checkpoint."""
+    t1, t2 = torch.randn(10), torch.randn(10)
+    dcp.save({"random": t1}, storage_writer=gpumem.dcp.StorageWriter(tmp_path, overwrite=False))
+    dcp.save({"random": t2}, storage_writer=gpumem.dcp.StorageWriter(tmp_path, overwrite=True))
+    sd = {"random": torch.zeros(10)}
+    dcp.load(sd, storage_reader=gpumem.dcp.StorageReader(tmp_path))
+    assert torch.equal(sd["random"], t2)
+    with pytest.raises(CheckpointException, match="Checkpoint already exists"):
+        dcp.save({"random": t2}, storage_writer=gpumem.dcp.StorageWriter(tmp_path, overwrite=False))
+    # the refused save wrote nothing: the newest is still t2's
+    assert json.loads((tmp_path / "latest").read_text())["step"] == 1
 
 
 def test_the_writer_stages_as_filesystem_writer_does(tmp_path):

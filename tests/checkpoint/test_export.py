@@ -76,4 +76,4 @@ def test_a_damaged_checkpoint_exports_nothing(tmp_path):
     with pytest.raises(CheckpointCorruptError, match="CRC32C"):
         export_safetensors(tmp_path / "ck", tmp_path / "out")
     assert not [p for p in (tmp_path / "out").iterdir() if not p.name.startswith(".")]
-    assert main(["ckpt", "export", str(tmp_path / "ck"), "--out", str(tmp_path / "o2")]) == 1
+    assert main(["ckpt", "export", str(tmp_path / "ck"), "--out", str(tmp_path / "o2")]) == 2

@@ -119,7 +119,7 @@ args = TrainingArguments(output_dir=sys.argv[1] + "/hf", per_device_train_batch_
                          max_steps=int(sys.argv[2]), learning_rate=0.05, save_strategy="no",
                          report_to=[], logging_strategy="no", seed=0, disable_tqdm=True,
                          fsdp="full_shard", fsdp_config={"fsdp_version": 2})
-cb = CheckpointCallback(sys.argv[1], save_steps=2)
+cb = CheckpointCallback(sys.argv[1], every_n_train_steps=2)
 trainer = Trainer(model=Regressor(), args=args, train_dataset=data, callbacks=[cb])
 trainer.train(resume_from_checkpoint=cb.resume_from(trainer))
 cb.close()

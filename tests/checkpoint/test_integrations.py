@@ -11,6 +11,10 @@ The resumed run's final weights equal the uninterrupted run's bit for bit: model
 scheduler, RNG and the trainer's own position (HF's TrainerState, Lightning's fit loop) came
 back, and the trainer skipped what was done. FSDP variants need a GPU in these libraries
 (tests under the ``gpu`` marker in test_gpu_sharded.py).
+
+The docs' loader table is checked cell by cell (``lightning_loaders.py``): five loaders on one
+device and on 2 DDP ranks, stopped in epoch 0, at its end and in epoch 1, each resumed and
+compared with an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -83,6 +87,63 @@ def test_lightning_trainer_resumes_bit_exact_after_sigterm(tmp_path):
     assert resumed["trace"] == straight["trace"][4:]
 
 
+# the docs' loader table (docs/checkpoint.md): its rows by the loader lightning_loaders.py builds
+LOADER_ROWS = {
+    "stateful-sampler": "StatefulDataLoader(ds, sampler=RandomSampler(ds))",
+    "stateful-ordered": "StatefulDataLoader(ds, shuffle=False)",
+    "stateful-shuffle": "StatefulDataLoader(ds, shuffle=True)",
+    "plain-shuffle": "DataLoader(ds, shuffle=True)",
+    "plain-ordered": "DataLoader(ds, shuffle=False)",
+}
+STOPS = ("epoch 0", "epoch end", "epoch 1")  # its columns, on one device and then on 2 ranks
+
+
+def _loader_table() -> dict[str, list[bool]]:
+    """Per loader, whether each of the table's six cells says "exact"."""
+    rows = {}
+    for line in (HERE.parent.parent / "docs" / "checkpoint.md").read_text().splitlines():
+        for kind, code in LOADER_ROWS.items():
+            if line.startswith(f"| `{code}` |"):
+                rows[kind] = [c.strip().startswith("exact") for c in line.split("|")[2:-1]]
+    return rows
+
+
+def test_lightning_resumes_exactly_where_the_docs_loader_table_says(tmp_path):
+    """Issue 43 (1): each loader of the table on one device and on 2 DDP ranks, stopped in epoch
+    0, at its end and in epoch 1, resumed to the uninterrupted run's steps (each batch and loss,
+    dropout 0.1) and final weights exactly where the table says "exact", and not elsewhere.
+    Before the fix, one device with torch's RandomSampler was exact nowhere (the interrupted
+    epoch's order was drawn from the RNG states of the stop), nor any StatefulDataLoader
+    stopped at an epoch's end."""
+    pytest.importorskip("lightning")
+    pytest.importorskip("torchdata.stateful_dataloader")
+    table = _loader_table()
+    assert sorted(table) == sorted(LOADER_ROWS) and {len(r) for r in table.values()} == {6}
+    one = tmp_path / "one"
+    one.mkdir()
+    env = dict(os.environ, WORLD_SIZE="1", OMP_NUM_THREADS="1")
+    argv = [sys.executable, str(HERE / "lightning_loaders.py"), str(one), str(one / "r.json")]
+    done = subprocess.run(
+        [*argv, *LOADER_ROWS], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    two = tmp_path / "two"
+    two.mkdir()
+    for rc, log in _launch(
+        "lightning_loaders.py", two, "loaders", str(two), str(two / "r.json"), *LOADER_ROWS
+    ):
+        assert rc == 0, log[-3000:]
+    results = [json.loads((d / "r.json").read_text()) for d in (one, two)]
+    measured, detail = {}, {}
+    for kind in LOADER_ROWS:
+        cells = [r[f"{kind}/{stop}"] for r in results for stop in STOPS]
+        # every resumed run ran only the steps left, whatever its batches
+        assert all(c["steps_run"] == c["steps_left"] for c in cells), (kind, cells)
+        measured[kind] = [c["exact"] for c in cells]
+        detail[kind] = [c["tensors_equal"] for c in cells]
+    assert measured == table, f"tensors equal per cell: {detail}"
+
+
 def _tiny_trainer(tmp_path, cb, **args):
     from torch import nn
     from transformers import Trainer, TrainingArguments
@@ -106,13 +167,32 @@ def _tiny_trainer(tmp_path, cb, **args):
     )
 
 
+def test_docs_and_examples_call_the_hf_callback_with_the_new_interval_name():
+    """README, docs, docstrings, tests and benchmarks pass ``every_n_train_steps=`` to
+    ``CheckpointCallback``, never the deprecated ``save_steps=`` (but where that is tested)."""
+    import re
+
+    repo = HERE.parent.parent
+    files = [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]
+    for part in ("gpumem", "tests", "benchmarks"):
+        files += sorted((repo / part).rglob("*.py"))
+    call = re.compile(r"CheckpointCallback\([^)]*\bsave_steps\s*=\s*\w")  # not "=..."
+    found = [
+        f"{f.relative_to(repo)}:{i}"
+        for f in files
+        for i, line in enumerate(f.read_text().splitlines(), start=1)
+        if call.search(line) and "deprecated name, on purpose" not in line
+    ]
+    assert not found, f"CheckpointCallback(save_steps=...) in {found}: use every_n_train_steps="
+
+
 def test_hf_callback_interval_is_named_as_in_lightning_and_save_strategy_is_checked(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from gpumem.integrations.hf import CheckpointCallback
 
     with pytest.warns(DeprecationWarning, match="every_n_train_steps"):
-        old = CheckpointCallback(tmp_path / "a", save_steps=3)
+        old = CheckpointCallback(tmp_path / "a", save_steps=3)  # the deprecated name, on purpose
     assert old.every == 3
     cb = CheckpointCallback(tmp_path / "b", every_n_train_steps=1)
     trainer = _tiny_trainer(tmp_path, cb, max_steps=1)  # the default save_strategy: "steps"

@@ -229,9 +229,52 @@ def test_the_cli_lists_and_verifies_an_s3_root(s3_server, s3_bucket, tmp_path, c
         assert main(["ckpt", "verify", url]) == 1
         out = capsys.readouterr().out
         assert "CORRUPT  step 1:" in out and "OK       step 2:" in out
-        assert main(["ckpt", "ls", "s3://no-such-bucket/run"]) == 1
+        # a store error is an error as the README says: one line, exit 2 (1 is for CORRUPT)
+        assert main(["ckpt", "ls", "s3://no-such-bucket/run"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "'no-such-bucket' does not exist" in err[0]
+        assert err[0].startswith("gpumem ckpt ls: error: ")
+
+
+def test_the_cli_inspects_and_verifies_one_step_of_an_s3_root(
+    s3_server, s3_bucket, tmp_path, capsys
+):
+    """The path ``ckpt ls --json`` prints for a step is what ``inspect`` and ``verify`` take."""
+    from gpumem.cli import main
+
+    _save(tmp_path / "local", [1, 2])
+    root = _root(s3_server, s3_bucket)
+    for step in (1, 2):
+        root.upload_step(tmp_path / "local" / f"step-{step:09d}")
+    url = f"s3://{s3_bucket}/run"
+    with env({**CREDENTIALS, "AWS_ENDPOINT_URL": s3_server.url}):
+        assert main(["ckpt", "ls", "--json", url]) == 0
+        first = json.loads(capsys.readouterr().out)[0]["path"]
+        assert first == f"{url}/step-000000001"
+        assert main(["ckpt", "inspect", "--json", first]) == 0
+        assert json.loads(capsys.readouterr().out)["step"] == 1
+        assert main(["ckpt", "inspect", "--json", first + "/", "--step", "1"]) == 0
+        assert json.loads(capsys.readouterr().out)["step"] == 1
+        assert main(["ckpt", "verify", first]) == 0
+        out = capsys.readouterr().out.strip().splitlines()
+        assert len(out) == 1 and out[0].startswith("OK       step 1:"), out
+        # a step the root lacks, or a --step that contradicts the URL: one line, exit 2
+        for argv in (
+            ["verify", f"{url}/step-000000005"],
+            ["inspect", f"{url}/step-5"],
+            ["inspect", first, "--step", "2"],
+        ):
+            assert main(["ckpt", *argv]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and "error: " in err[0], err
+            assert "step 5" in err[0] or "--step 2" in err[0], err
+        raw = _raw(s3_server.url)
+        data = next(o for o in root.store.list("step-000000001/") if "/data-" in o.key)
+        body = bytearray(raw.get_object(Bucket=s3_bucket, Key=data.key)["Body"].read())
+        body[100] ^= 1
+        raw.put_object(Bucket=s3_bucket, Key=data.key, Body=bytes(body))
+        assert main(["ckpt", "verify", first]) == 1
+        assert "CORRUPT  step 1:" in capsys.readouterr().out
 
 
 def test_a_killed_uploader_commits_nothing_and_the_older_step_restores(

@@ -90,3 +90,34 @@ def test_profile_hf_config(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert main(["profile", str(tmp_path / "config.json"), "--seq-len", "16", "--steps", "1"]) == 0
     assert "LlamaForCausalLM" in capsys.readouterr().out
+
+
+_LLAMA = {"model_type": "llama", "vocab_size": 128, "intermediate_size": 64, "num_hidden_layers": 2}
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        (
+            {"hidden_size": 64, "num_attention_heads": 32, "num_key_value_heads": 7},
+            "num_attention_heads 32 is not a multiple of num_key_value_heads 7",
+        ),
+        (
+            {"hidden_size": 64, "num_attention_heads": 28, "num_key_value_heads": 7},
+            "hidden_size 64 is not divisible by num_attention_heads 28",
+        ),
+        (  # GPT-2's own names
+            {"model_type": "gpt2", "n_embd": 64, "n_head": 5, "n_layer": 2},
+            "n_embd 64 is not divisible by n_head 5",
+        ),
+    ],
+)
+def test_profile_fake_refuses_heads_that_do_not_divide(tmp_path, capsys, fields, said):
+    """A config.json whose heads do not divide is one clear line and exit 2, as `estimate` and
+    `plan` refuse it, not torch's or transformers' error passed through as "unexpected"."""
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps({**_LLAMA, **fields}))
+    assert main(["profile", str(tmp_path / "config.json"), "--fake", "--seq-len", "16"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gpumem profile: error: ") and err.count("\n") == 1, err
+    assert said in err and "unexpected" not in err, err

@@ -1,5 +1,6 @@
 """Pictures: the profile PNG (file, size, and the bars against the report), the estimate's
-layouts chart, and the memory-snapshot export read back by PyTorch's own memory_viz code."""
+layouts chart, the memory-snapshot export read back by PyTorch's own memory_viz code, and every
+chart the CLI writes rendered and checked for clipped text and legends over data."""
 
 from __future__ import annotations
 
@@ -206,3 +207,129 @@ def test_memory_snapshot_passes_memory_viz_stats(rep, tmp_path):
     assert active == rep.timeline["bytes"][-1]  # the end of the trace: what is still alive
     text = segsum(snap)
     assert "total_reserved" in text and "snapshot.pickle" in trace_plot(snap)
+
+
+def layout_problems(fig) -> list[str]:
+    """What is wrong with ``fig`` once drawn: its tight bounding box (every drawn artist: tick
+    labels, titles, legends) or a title, axis label or legend text reaching past the figure's
+    edges (clipped in the PNG), a legend over the plotting area of any axes (over data), a title
+    or axis label over another axes."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)  # plt.close() left the saved figure without one
+    canvas.draw()
+    r = canvas.get_renderer()
+    page = fig.bbox  # display pixels
+    w, h = fig.get_size_inches()
+    tight = fig.get_tightbbox(r)  # inches
+    bad = []
+    if tight.x0 < -0.01 or tight.y0 < -0.01 or tight.x1 > w + 0.01 or tight.y1 > h + 0.01:
+        bad.append(f"drawn artists span {tight.bounds} of a {w} x {h} inch figure")
+    texts = [t for ax in fig.axes for t in (ax.title, ax.xaxis.label, ax.yaxis.label)]
+    texts += [
+        t for leg in fig.legends + [ax.get_legend() for ax in fig.axes] if leg for t in leg.texts
+    ]
+    for t in texts + fig.texts:
+        if not t.get_visible() or not t.get_text().strip():
+            continue
+        box = t.get_window_extent(r)
+        if (
+            box.x0 < page.x0 - 1
+            or box.y0 < page.y0 - 1
+            or box.x1 > page.x1 + 1
+            or box.y1 > page.y1 + 1
+        ):
+            bad.append(f"text {t.get_text()!r} at {box.bounds} is clipped by {page.bounds}")
+    for ax in fig.axes:
+        labels = [ax.title, ax.xaxis.label, ax.yaxis.label]
+        for other in fig.axes:
+            for t in labels:
+                if t.get_text() and t.get_window_extent(r).overlaps(other.bbox):
+                    bad.append(f"{t.get_text()!r} lies over the axes {other.get_title()!r}")
+        legend = ax.get_legend()
+        if legend is None:
+            continue
+        box = legend.get_window_extent(r)
+        for other in fig.axes:
+            if box.overlaps(other.bbox):
+                bad.append(f"the legend of {ax.get_title()!r} lies over {other.get_title()!r}")
+    return bad
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures the code under test saves, kept to be checked after it closed them."""
+    from matplotlib.figure import Figure
+
+    figures = []
+    save = Figure.savefig
+
+    def keep(self, *args, **kwargs):
+        figures.append(self)
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    return figures
+
+
+def _config(tmp_path) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_LLAMA))
+    return str(path)
+
+
+ESTIMATES = {
+    "one GPU, one bar": ["llama-2-7b"],
+    "beside the planner's best": ["llama-2-7b", "--seq-len", "2048", "--gpus", "8"],
+    "the demo's suggestion": ["llama-2-70b", "--gpus", "64", "--tp", "8", "--zero", "1"],
+}
+
+
+@pytest.mark.parametrize("case", list(ESTIMATES))
+def test_every_estimate_chart_reads_at_a_glance(case, tmp_path, drawn):
+    """Issue 43 (4): the title was clipped at both edges, said "the planner's best 0" over one
+    bar, and the legend hid the top of the bar."""
+    out = tmp_path / "bill.png"
+    assert main(["estimate", *ESTIMATES[case], "--plot", str(out)]) == 0
+    (fig,) = drawn
+    assert layout_problems(fig) == []
+    w, h = fig.get_size_inches()
+    assert png_size(out) == (round(w * 110), round(h * 110))
+    title, bars = fig.axes[0].get_title(), len(fig.axes[0].containers[0])
+    assert "best 0" not in title
+    assert ("planner's best" in title) == (bars > 1), (title, bars)
+
+
+PROFILES = {
+    "real": ["gpt2"],
+    "fake": ["gpt2", "--fake"],
+    "fake, transformers": ["CONFIG", "--fake"],
+    "fake, 32 blocks": ["llama", "--size", "7b", "--fake", "--seq-len", "64", "--batch-size", "1"],
+}
+
+
+@pytest.mark.parametrize("case", list(PROFILES))
+def test_every_profile_chart_reads_at_a_glance(case, tmp_path, drawn):
+    """Issue 43 (4): fake-mode charts put the legend over `lm_head` and labelled the x axis
+    "time (ms)", which is how long the fake run took on this CPU, not the step's timeline."""
+    if case == "fake, transformers":
+        pytest.importorskip("transformers")
+    argv = [_config(tmp_path) if a == "CONFIG" else a for a in PROFILES[case]]
+    out = tmp_path / "p.png"
+    assert main(["profile", *argv, "--steps", "1", "--plot", str(out)]) == 0
+    (fig,) = drawn
+    assert layout_problems(fig) == []
+    assert png_size(out) == tuple(round(x * DPI) for x in fig.get_size_inches())
+    label = fig.axes[1].get_xlabel()
+    assert (
+        label == "time (ms)" if "--fake" not in argv else label.startswith("operations, in order")
+    )
+
+
+def test_the_demos_loss_chart_reads_at_a_glance(tmp_path, drawn):
+    from gpumem.demo import DemoResult, _loss_chart
+
+    losses = [float.hex(3.0 - 0.05 * i) for i in range(30)]
+    path = _loss_chart(DemoResult(out=tmp_path, losses=losses, reference=losses), 12)
+    (fig,) = drawn
+    assert path.is_file() and layout_problems(fig) == []

@@ -76,6 +76,23 @@ def is_plain_dcp(path: Path) -> bool:
     return (Path(path) / METADATA).is_file()
 
 
+def not_plain_reason(path: Path) -> str:
+    """Why ``path`` is no plain DCP directory, saying what it is when it is gpumem's own."""
+    from ..storage.format import LATEST, MAIN_MANIFEST, STEP_DIR
+
+    names = {p.name for p in path.iterdir()} if path.is_dir() else set()
+    if names & {MAIN_MANIFEST, LATEST} or any(STEP_DIR.match(n) for n in names):
+        return (
+            f"{path} is a gpumem checkpoint already, not a plain DCP directory: nothing to "
+            "import (gpumem.dcp.StorageReader and Checkpointer.restore read it; `gpumem ckpt "
+            f"verify {path}` checks it)"
+        )
+    return (
+        f"{path} is not a plain DCP directory: it has no {METADATA} (FileSystemWriter writes "
+        f"{METADATA} and *.distcp files)"
+    )
+
+
 def _open(path: Path) -> Dir:
     """The DCP directory the caller named; inside it nothing is reached through a link."""
     return open_checkpoint(path)
@@ -398,12 +415,16 @@ def import_plain(
         PickledItemsError: byte items that load classes, without ``trust_pickle``, naming them
             and the class.
         CheckpointCorruptError: the directory fails ``verify_plain``.
+        CheckpointStateError: ``src`` has no ``.metadata`` (saying when it is a gpumem
+            checkpoint already).
     """
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     from .dcp_items import Chunk, commit, prepare_tmp, write_shard
 
     src = Path(src)
+    if not is_plain_dcp(src):
+        raise CheckpointStateError(not_plain_reason(src))
     meta = read_metadata(src, trust_pickle)
     report = verify_plain(src, trust_pickle)  # the whole directory checked before any write
     if report.pickled and not trust_pickle:

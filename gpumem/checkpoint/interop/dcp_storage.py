@@ -28,9 +28,10 @@ one more than the newest committed step (0 in an empty directory).
 Both classes take every argument of DCP's ``FileSystemWriter`` / ``FileSystemReader``, in the
 same order, so either swaps in for the other:
 
-    overwrite               honoured: False refuses to write a step that is already committed
-                            (RuntimeError on every rank, as DCP raises); True replaces it. A
-                            step chosen as "one more than the newest" never exists.
+    overwrite               honoured as FileSystemWriter does (RuntimeError on every rank):
+                            False refuses a named step that is already committed, and a
+                            directory that holds any committed step when no step is named;
+                            True replaces a named step, or writes one more than the newest.
     thread_count            accepted: the native writer writes each file in parallel with
                             ``GPUMEM_THREADS`` threads (default: the core count).
     cache_staged_state_dict honoured: the writer stages ``dcp.async_save`` state as DCP's
@@ -181,11 +182,16 @@ class StorageWriter(_StorageWriter, BlockingAsyncStager):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # every rank, as FileSystemWriter checks: DCP gathers the error onto all of them
-        if not self.overwrite and self.step is not None and has_step(self.root, self.step):
-            raise RuntimeError(
-                f"Checkpoint already exists and self.overwrite=False: step {self.step} in "
-                f"{self.root}"
-            )
+        if not self.overwrite:
+            if self.step is not None and has_step(self.root, self.step):
+                where = f"step {self.step} in {self.root}"
+            elif self.step is None and next_step(self.root) > 0:
+                # FileSystemWriter(path) refuses a path that holds a checkpoint: the same path
+                # given to this writer must too, though it would write a new step there
+                where = f"{self.root} holds committed steps (name a new one: {self.root}/step-N)"
+            else:
+                return plan
+            raise RuntimeError(f"Checkpoint already exists and self.overwrite=False: {where}")
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
