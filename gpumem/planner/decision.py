@@ -91,9 +91,7 @@ class Decision:
         return self.options[0]
 
     def _meets(self, o: Option) -> bool:
-        return o.prediction.miss_probability <= 1 - self.confidence + 1e-12 and math.isfinite(
-            o.prediction.expected_hours
-        )
+        return _meets(o, self.confidence)
 
     def table(self, top: int = 12) -> str:
         dl = f"deadline {self.deadline_h:g} h" if self.deadline_h else "no deadline"
@@ -221,7 +219,7 @@ def _interval(s: float) -> str:
 
 
 def decide(
-    layouts: list[tuple[str, Any]],
+    layouts: list[tuple[str, Job]],
     capacities: list[Capacity],
     *,
     confidence: float = DEFAULT_CONFIDENCE,
@@ -248,36 +246,40 @@ def decide(
     if len(deadlines) != 1:
         raise ValueError("every layout's job must have the same deadline")
     deadline_h = deadlines.pop()
-    spots = [c for c in capacities if c.preemptible]
     reliables = [c for c in capacities if not c.preemptible]
+    # (spot, fallback, policies): every option of the same spot source runs over the same paths
+    groups: list[tuple[Capacity | None, Capacity | None, tuple[str, ...]]] = [
+        (None, rel, ("on-demand",)) for rel in reliables
+    ]
+    for spot in (c for c in capacities if c.preemptible):
+        groups.append((spot, None, ("spot",)))
+        groups += [(spot, rel, ("uniform-progress", "gpumem")) for rel in reliables]
     horizon = None if deadline_h is None else deadline_h * HORIZON_PAST_DEADLINE
     options: list[Option] = []
-    for rel in reliables:
-        jobs = [(name, job) for name, job in layouts]
-        preds = predict_options([(j, "on-demand") for _, j in jobs], None, rel, lanes=lanes)
-        options += [_option(n, j, p, None) for (n, j), p in zip(jobs, preds, strict=True)]
-    for spot in spots:
-        pairs: list[tuple[Capacity | None, str]] = [(None, "spot")]
-        pairs += [(rel, pol) for rel in reliables for pol in ("uniform-progress", "gpumem")]
-        for rel in {id(r): r for r, _ in pairs}.values():
-            pols = [pol for r, pol in pairs if r is rel]
-            runs = [(name, job, pol) for name, job in layouts for pol in pols]
-            preds = predict_options(
-                [(job, pol) for _, job, pol in runs],
-                spot,
-                rel,
-                lanes=lanes,
-                seed=seed,
-                horizon_h=horizon,
+    for spot, rel, pols in groups:
+        runs = [(name, job, pol) for name, job in layouts for pol in pols]
+        preds = predict_options(
+            [(job, pol) for _, job, pol in runs],
+            spot,
+            rel,
+            lanes=lanes,
+            seed=seed,
+            horizon_h=None if spot is None else horizon,
+        )
+        options += [
+            Option(
+                name,
+                p,
+                job.work_h,
+                job.stall_s,
+                job.persist_s,
+                job.restart_s,
+                _notice_fits(spot, job),
             )
-            fits = _notice_fits(spot)
-            options += [
-                _option(name, job, p, fits(job))
-                for (name, job, _), p in zip(runs, preds, strict=True)
-            ]
-    ranked = Decision(options, deadline_h, confidence, capacities)
-    options.sort(key=lambda o: (not ranked._meets(o), _key(o, ranked._meets(o))))
-    return ranked
+            for (name, job, _), p in zip(runs, preds, strict=True)
+        ]
+    options.sort(key=lambda o: _key(o, _meets(o, confidence)))
+    return Decision(options, deadline_h, confidence, capacities)
 
 
 def layout_jobs(
@@ -324,24 +326,25 @@ def layout_jobs(
     return out
 
 
+def _meets(o: Option, confidence: float) -> bool:
+    """Meets the deadline with at least ``confidence`` (and finishes at all)."""
+    p = o.prediction
+    return p.miss_probability <= 1 - confidence + 1e-12 and math.isfinite(p.expected_hours)
+
+
 def _key(o: Option, meets: bool) -> tuple[float, ...]:
+    """Options that meet the deadline first, by cost; then the rest by their risk."""
     p = o.prediction
     if meets:
-        return (p.expected_cost, p.expected_hours)
-    return (p.miss_probability, p.expected_hours, p.expected_cost)
+        return (0.0, p.expected_cost, p.expected_hours)
+    return (1.0, p.miss_probability, p.expected_hours, p.expected_cost)
 
 
-def _notice_fits(spot: Capacity) -> Any:
-    def fits(job: Any) -> bool | None:
-        if spot.notice_s is None or job.final_save_s is None:
-            return None
-        return bool(job.final_save_s <= spot.notice_s)
-
-    return fits
-
-
-def _option(name: str, job: Any, p: Prediction, fits: bool | None) -> Option:
-    return Option(name, p, job.work_h, job.stall_s, job.persist_s, job.restart_s, fits)
+def _notice_fits(spot: Capacity | None, job: Job) -> bool | None:
+    """Whether the job's final save fits the spot source's notice (None: no notice, no guard)."""
+    if spot is None or spot.notice_s is None or job.final_save_s is None:
+        return None
+    return bool(job.final_save_s <= spot.notice_s)
 
 
 __all__ = ["DEFAULT_CONFIDENCE", "Decision", "Option", "decide", "layout_jobs"]
