@@ -365,7 +365,7 @@ def versions() -> dict[str, str]:
 
 def measure(
     directory: str | os.PathLike = ".",
-    sizes: Any = (64 << 20, 256 << 20),
+    sizes: Any = None,
     *,
     device: str = "cpu",
     repeat: int = 5,
@@ -377,7 +377,8 @@ def measure(
     checkpoint cost in ``directory``; optionally read a profile report.
 
     Args:
-        directory / sizes / device / repeat: see :func:`measure_checkpoint`.
+        directory / sizes / device / repeat: see :func:`measure_checkpoint` (default sizes:
+            ``default_sizes``, up to 2 GiB as this host's free memory allows).
         gpu_reserve: measure the GPU reserve (default: when ``device="cuda"``).
         report: a CUDA ``gpumem.profile`` report (object, dict or JSON path): see
             :func:`from_report`.
