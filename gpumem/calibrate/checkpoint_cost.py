@@ -250,9 +250,49 @@ def measure_checkpoint(
     """
     if sizes is None:
         sizes = default_sizes(directory) if Path(directory).is_dir() else []
-    sizes = _check_args(directory, sizes, device, repeat, tensors, warmup)
+    points = measure_points(
+        directory,
+        sizes,
+        device=device,
+        repeat=repeat,
+        tensors=tensors,
+        warmup=warmup,
+        staging_bytes=staging_bytes,
+        drop_cache=drop_cache,
+        progress=progress,
+        least=2,
+    )
+    xs = [p.nbytes for p in points]
+    fits = {q: fit_cost(xs, [p.median(q) for p in points]) for q in QUANTITIES}
     root_dir = Path(directory).resolve()
-    root = Path(tempfile.mkdtemp(prefix=".gpumem-calibrate-", dir=root_dir))
+    return CheckpointCost(
+        directory=str(root_dir),
+        filesystem=filesystem_type(root_dir),
+        device=device,
+        repeat=repeat,
+        points=tuple(points),
+        fits=fits,
+    )
+
+
+def measure_points(
+    directory: str | os.PathLike,
+    sizes: Sequence[int],
+    *,
+    device: str = "cpu",
+    repeat: int = 5,
+    tensors: int = 96,
+    warmup: int = 1,
+    staging_bytes: int | None = None,
+    drop_cache: bool = True,
+    progress: Any = None,
+    least: int = 1,
+) -> list[CheckpointPoint]:
+    """The rounds of :func:`measure_checkpoint` without the fit, for ``least`` sizes or more
+    (one: a state to check a calibration's prediction against). Arguments and errors as there.
+    """
+    sizes = _check_args(directory, sizes, device, repeat, tensors, warmup, least)
+    root = Path(tempfile.mkdtemp(prefix=".gpumem-calibrate-", dir=Path(directory).resolve()))
     try:
         with contextlib.ExitStack() as stack:
             runs = [
@@ -268,22 +308,12 @@ def measure_checkpoint(
                     done += 1
                     if progress is not None:
                         progress(done, total)
-            points = [run.point() for run in runs]
+            return [run.point() for run in runs]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    xs = [p.nbytes for p in points]
-    fits = {q: fit_cost(xs, [p.median(q) for p in points]) for q in QUANTITIES}
-    return CheckpointCost(
-        directory=str(root_dir),
-        filesystem=filesystem_type(root_dir),
-        device=device,
-        repeat=repeat,
-        points=tuple(points),
-        fits=fits,
-    )
 
 
-def _check_args(directory, sizes, device, repeat, tensors, warmup) -> list[int]:
+def _check_args(directory, sizes, device, repeat, tensors, warmup, least) -> list[int]:
     d = Path(directory)
     if not d.is_dir():
         raise CalibrationError(
@@ -304,10 +334,11 @@ def _check_args(directory, sizes, device, repeat, tensors, warmup) -> list[int]:
         if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
             raise CalibrationError(f"{name}={v!r} must be an integer in [{lo}, {hi}]")
     out = sorted({int(s) for s in sizes})
-    if len(out) < 2 or len(out) > MAX_POINTS:
+    if len(out) < least or len(out) > MAX_POINTS:
+        why = "; a cost line a + b*bytes needs two" if least == 2 else ""
         raise CalibrationError(
-            f"sizes={list(sizes)!r}: give 2 to {MAX_POINTS} different "
-            "sizes (e.g. 64MiB,256MiB); a cost line a + b*bytes needs two"
+            f"sizes={list(sizes)!r}: give {least} to {MAX_POINTS} different "
+            f"sizes (e.g. 256MiB,1GiB){why}"
         )
     floor = max(MIN_SIZE, BYTES_PER_PARAM * 2 * tensors)
     if out[0] < floor:
@@ -377,9 +408,11 @@ def synthetic_state(
         torch.nn.Parameter(torch.empty(n, device=device).uniform_(-1, 1, generator=gen))
         for n in sizes
     )
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    # fused, with each parameter its own gradient: a third of the set-up time of random
+    # gradients and an unfused step (the measured saves and restores are the same)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False, fused=True)
     for p in model.parameters():
-        p.grad = torch.empty_like(p).uniform_(-1, 1, generator=gen)
+        p.grad = p.detach()
     opt.step()  # creates exp_avg and exp_avg_sq, with values
     for p in model.parameters():
         p.grad = None

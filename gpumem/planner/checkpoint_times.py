@@ -212,6 +212,7 @@ def _from_calibration(
         extrapolated=fit.extrapolates(nbytes),
         largest_bytes=cal.checkpoint.largest_bytes,
         extrapolation_factor=cal.checkpoint.extrapolation_factor(nbytes),
+        extrapolation_limit=MAX_EXTRAPOLATION,
         directory=cal.checkpoint.directory,
         checkpoint_device=cal.checkpoint.device,
     )

@@ -94,7 +94,7 @@ def test_within_the_checked_factor_the_times_say_how_far_they_reach(valid):
     assert t.extrapolation_limit == 4.0 and not t.beyond_calibration
     assert t.extrapolation_warning is None
     assert "3x the largest: within the 4x the calibration was checked to" in t.notes[0]
-    assert t.calibration["largest_bytes"] == top
+    assert t.calibration["largest_bytes"] == top and t.calibration["extrapolation_limit"] == 4.0
 
 
 def test_past_the_checked_factor_the_headline_line_says_so(valid):

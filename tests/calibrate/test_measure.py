@@ -14,7 +14,12 @@ from gpumem.calibrate import (
     measure_checkpoint,
     synthetic_state,
 )
-from gpumem.calibrate.checkpoint_cost import QUANTITIES, filesystem_type, split_elements
+from gpumem.calibrate.checkpoint_cost import (
+    QUANTITIES,
+    filesystem_type,
+    measure_points,
+    split_elements,
+)
 
 MiB, GiB = 2**20, 2**30
 SIZES = (2 * MiB, 6 * MiB)
@@ -89,6 +94,14 @@ def test_measure_checkpoint_without_sizes_uses_the_defaults(tmp_path, monkeypatc
     monkeypatch.setattr(cc, "default_sizes", lambda d: [2 * MiB, 4 * MiB, 8 * MiB])
     cost = measure_checkpoint(tmp_path, repeat=1, warmup=0, tensors=6, drop_cache=False)
     assert [p.target_bytes for p in cost.points] == [2 * MiB, 4 * MiB, 8 * MiB]
+
+
+def test_one_state_is_measured_alone_to_check_a_prediction(tmp_path):
+    (p,) = measure_points(tmp_path, [3 * MiB], repeat=1, warmup=0, tensors=6, drop_cache=False)
+    assert p.target_bytes == 3 * MiB and all(len(p.samples[q]) == 1 for q in QUANTITIES)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(CalibrationError, match="give 1 to 64 different sizes"):
+        measure_points(tmp_path, [])
 
 
 def test_temporary_directory_is_removed(measured):
