@@ -5,12 +5,14 @@ quantity's predicted / measured ratio (the target: stall, durable and restore wi
     python benchmarks/bench_calibration.py                 # defaults (64 MiB-1 GiB here) -> 4 GiB
     python benchmarks/bench_calibration.py --sizes 64MiB,256MiB --test-size 1GiB --no-write
 
-First the calibration, exactly what ``gpumem calibrate`` does (``measure_checkpoint``: the real
+The calibration is what ``gpumem calibrate`` does (``measure_checkpoint``: the real
 Checkpointer's blocking save, overlap save in its worst case, time to durable, restore with the
-page cache dropped; ``fit_cost``). Then the test state in a second measurement
-(``measure_points``, the same rounds), as a job holds it: alone, not beside the calibration's
-states, whose memory would leave its restore little room. Its staging cap holds it, so it saves
-as a job whose state fits its staging does (``blocking``/``overlap``, not ``streaming``).
+page cache dropped; ``fit_cost`` over the medians), its rounds taken in two halves around the
+test state's (``measure_points``, the same rounds), so that load from other processes that rises
+or falls over the run falls on both alike. The test state is measured as a job holds it: alone,
+not beside the calibration's states, whose memory would leave its restore little room. Its
+staging cap holds it, so it saves as a job whose state fits its staging does
+(``blocking``/``overlap``, not ``streaming``).
 
 Baselines in the same run: the line through every calibration size (``fit_line``, the fit
 before), and the demo's old calibration at 16 and 64 MiB (``fit_line``), measured round-robin
@@ -20,6 +22,7 @@ with the test state.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes = default_sizes(directory)
     test = parse_bytes(args.test_size) if args.test_size else int(MAX_EXTRAPOLATION * sizes[-1])
     steal0, load = steal_ticks(), [os.getloadavg()[0]]
-    cost = measure_checkpoint(directory, sizes, device=args.device, repeat=args.repeat)
+    half = measure_checkpoint(directory, sizes, device=args.device, repeat=(args.repeat + 1) // 2)
     load.append(os.getloadavg()[0])
     checked = measure_points(
         directory,
@@ -71,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         staging_bytes=test + 64 * MiB,
     )
     load.append(os.getloadavg()[0])
+    other = measure_checkpoint(directory, sizes, device=args.device, repeat=args.repeat // 2 or 1)
+    load.append(os.getloadavg()[0])
+    cost = _joined(half, other)
     steal_s = (steal_ticks() - steal0) / 100
     by_size = {p.target_bytes: p for p in checked}
     cal = list(cost.points)
@@ -116,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         "fit_line, same sizes",
         "old demo 16-64 MiB",
     ]
-    notes = _notes(cost, checked, cal[-1], point, misses, f"{steal_s:.1f} s; load average {load}")
+    where = f"{steal_s:.1f} s; load average {[round(x, 1) for x in load]}"
+    notes = _notes(cost, checked, cal[-1], point, misses, where)
     title = "Calibration at the job's size: gpumem calibrate's defaults, a state 4x the largest"
     if args.no_write:
         print(markdown_table(columns, rows))
@@ -125,6 +132,17 @@ def main(argv: list[str] | None = None) -> int:
         write_results(name, title, columns, rows, notes=notes, info=machine_info(), figures=figures)
     print(notes)
     return 0
+
+
+def _joined(a, b):
+    """One calibration of both halves' samples (fit_cost over the medians of all of them)."""
+    points = [
+        dataclasses.replace(p, samples={q: p.samples[q] + o.samples[q] for q in QUANTITIES})
+        for p, o in zip(a.points, b.points, strict=True)
+    ]
+    xs = [p.nbytes for p in points]
+    fits = {q: fit_cost(xs, [p.median(q) for p in points]) for q in QUANTITIES}
+    return dataclasses.replace(a, points=tuple(points), fits=fits, repeat=a.repeat + b.repeat)
 
 
 def _notes(cost, checked, top, point, misses, load) -> str:
@@ -146,8 +164,8 @@ def _notes(cost, checked, top, point, misses, load) -> str:
             f"defaults on this machine unless --sizes); predicted {format_bytes(point.nbytes)} "
             f"({point.nbytes / top.nbytes:.1f}x the largest); tensors on "
             f"{cost.device}, in {cost.directory} ({cost.filesystem}); median of {cost.repeat} "
-            "rounds after one untimed round; the calibration first, then the test state "
-            "round-robin with the old demo's two sizes.",
+            "rounds after an untimed one; the calibration's in two halves around the test "
+            "state's, which go round-robin with the old demo's two sizes.",
             f"Verdict: {verdict}. Ratio = predicted / measured median; the figures in the JSON "
             "give it against every measured round (the measurement's own spread).",
             f"Medians: {medians}.",
@@ -155,7 +173,7 @@ def _notes(cost, checked, top, point, misses, load) -> str:
             "'fit_line, same sizes': one least-squares line through every calibration size (the "
             "fit before); 'old demo': the demo's former calibration at 16 and 64 MiB.",
             "A 2-vCPU VM shared with other engineers' test runs (stolen CPU during the run: "
-            f"{load} before, between and after): the min-max spread shows the noise.",
+            f"{load} at the start and after each part): the min-max spread shows the noise.",
         ]
     )
 

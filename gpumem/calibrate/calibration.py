@@ -31,8 +31,12 @@ from typing import Any
 
 from gpumem import _strict_json as strict_json
 from gpumem.calibrate._schema import REDO, CalibrationError, Fields, check_int, utc_now
+from gpumem.calibrate.checkpoint_cost import (
+    MAX_EXTRAPOLATION,
+    CheckpointCost,
+    measure_checkpoint,
+)
 from gpumem.calibrate.checkpoint_cost import QUANTITIES as _QUANTS
-from gpumem.calibrate.checkpoint_cost import CheckpointCost, measure_checkpoint
 from gpumem.calibrate.memory import MemoryCalibration
 from gpumem.calibrate.reserve import GpuReserve, ReportReserve, from_report, measure_gpu_reserve
 
@@ -495,5 +499,10 @@ def _checkpoint_lines(c: CheckpointCost) -> list[str]:
     lines.append(
         "  * overlap: save() plus the optimizer pre-step hook's wait with optimizer.step() "
         "right after save(), its worst case; a real forward/backward hides part of it"
+    )
+    reach = format_bytes(int(MAX_EXTRAPOLATION * c.largest_bytes))
+    lines.append(
+        f"  predictions are checked up to {MAX_EXTRAPOLATION:g}x the largest size ({reach}); "
+        "the planner says when a checkpoint is larger"
     )
     return lines

@@ -38,6 +38,7 @@ def test_calibrate_end_to_end(tmp_path, capsys, monkeypatch):
     assert "wrote calibration.json (in the current directory)" in out
     assert re.search(r"2\.\d\d MiB\s+384\s+[\d.]+ s\s+[\d.]+ s\s+[\d.]+ s\s+[\d.]+ s", out), out
     assert "s/GiB" in out and "GB/s" in out
+    assert re.search(r"predictions are checked up to 4x the largest size \(20\.0\d MiB\)", out)
     cal = load(tmp_path / "calibration.json")
     assert [p.target_bytes for p in cal.checkpoint.points] == [2 * MiB, 5 * MiB]
     assert cal.checkpoint.directory == str(ckpts.resolve()) and cal.gpu_reserve is None
