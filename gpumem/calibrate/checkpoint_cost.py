@@ -26,7 +26,7 @@ largest size of up to 2 GiB, chosen from the memory and disk free now, and two s
 (a 16th and a quarter of it). States of 16-64 MiB are all fixed cost and noise, and their lines
 put a 28 GiB restore at 175 s where one measured at 1-2 GiB puts it at 14 s. A prediction for
 more than :data:`MAX_EXTRAPOLATION` times the largest size measured is beyond what
-``benchmarks/bench_calibration_scale.py`` checked, and the planner says so.
+``benchmarks/bench_calibration.py`` checks, and the planner says so.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ MODES = ("blocking", "overlap", "streaming")
 BYTES_PER_PARAM = 12  # fp32 weight + AdamW exp_avg + exp_avg_sq
 MIN_SIZE = 1 << 20  # below this only fixed costs would be measured
 MAX_POINTS, MAX_REPEAT = 64, 1000
-# predictions hold (stall, durable, restore within 20 %) up to this factor past the largest
-# size measured: benchmarks/results/calibration_scale.md
+# how far past the largest size measured benchmarks/bench_calibration.py checks predictions
+# (target: within 20 %; benchmarks/results/calibration.md and docs/calibration.md)
 MAX_EXTRAPOLATION = 4.0
 LADDER = (16, 4, 1)  # the default sizes: the largest divided by these
 TOP_MIN, TOP_MAX = 64 << 20, 2 << 30

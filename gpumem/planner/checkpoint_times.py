@@ -9,9 +9,9 @@ a checkpoint is durable only after it was taken (P ≥ C), and nothing takes neg
 extrapolated fit can predict P < C: P is then raised to C and a note says so. Explicit values
 that contradict each other are an error.
 
-A calibrated prediction records how far past the largest size measured it goes
-(``extrapolation_factor``); past ``MAX_EXTRAPOLATION`` (the factor the calibration benchmark
-checked) :attr:`CheckpointTimes.extrapolation_warning` is the line a headline prints.
+A calibrated prediction records how far it reaches (``extrapolation_factor``: the checkpoint
+size over the largest size measured); past ``MAX_EXTRAPOLATION`` (the factor the calibration
+benchmark checked) :attr:`CheckpointTimes.extrapolation_warning` is the line a headline prints.
 
 Example:
     >>> t = checkpoint_times(stall_s=2.0)
@@ -75,7 +75,7 @@ class CheckpointTimes:
             return None
         largest = self.calibration.get("largest_bytes", 0) if self.calibration else 0
         return (
-            f"checkpoint times extrapolated {self.extrapolation_factor:.3g}x past the largest "
+            f"checkpoint times extrapolated to {self.extrapolation_factor:.3g}x the largest "
             f"size calibrated ({format_bytes(largest)}; checked to "
             f"{self.extrapolation_limit:g}x): calibrate nearer the checkpoint size"
         )
@@ -149,8 +149,7 @@ def checkpoint_times(
         record, measured, note = _from_calibration(calibration, checkpoint_bytes, startup_s)
         values.update(measured)
         notes.append(note)
-        if measured and calibration.checkpoint is not None and checkpoint_bytes is not None:
-            factor = calibration.checkpoint.extrapolation_factor(checkpoint_bytes)
+        factor = record.get("extrapolation_factor")
     for key, v in given.items():
         if v is not None:
             values[key] = (float(v), "given")
@@ -239,7 +238,7 @@ def _size_note(cal: Calibration, nbytes: int) -> str:
     factor = c.extrapolation_factor(nbytes)
     if factor > MAX_EXTRAPOLATION:
         line += (
-            f"; extrapolated {factor:.3g}x past the largest size measured "
+            f"; extrapolated to {factor:.3g}x the largest size measured "
             f"({format_bytes(fit.min_bytes)} to {format_bytes(fit.max_bytes)}), beyond the "
             f"{MAX_EXTRAPOLATION:g}x the calibration was checked to: calibrate nearer this size "
             "for a firmer number"

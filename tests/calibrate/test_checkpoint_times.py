@@ -102,10 +102,10 @@ def test_past_the_checked_factor_the_headline_line_says_so(valid):
     t = checkpoint_times(Calibration.from_dict(valid), checkpoint_bytes=28 * GiB)
     assert t.beyond_calibration and t.extrapolation_factor == pytest.approx(112, rel=1e-4)
     assert t.extrapolation_warning == (
-        "checkpoint times extrapolated 112x past the largest size calibrated "
+        "checkpoint times extrapolated to 112x the largest size calibrated "
         "(256.00 MiB; checked to 4x): calibrate nearer the checkpoint size"
     )
-    assert "extrapolated 112x past the largest size measured" in t.notes[0]
+    assert "extrapolated to 112x the largest size measured" in t.notes[0]
     assert "beyond the 4x the calibration was checked to" in t.notes[0]
     d = t.to_dict()
     assert (d["extrapolation_factor"], d["extrapolation_limit"]) == (t.extrapolation_factor, 4.0)
