@@ -6,7 +6,7 @@ import json
 import struct
 
 from gpumem.cli import main
-from gpumem.demo import REQUEUE_EXIT_CODE, run_demo
+from gpumem.demo import FULL, REQUEUE_EXIT_CODE, run_demo
 
 
 def test_demo_quick(tmp_path):
@@ -51,3 +51,8 @@ def test_demo_out_must_be_a_directory(tmp_path, capsys):
     (tmp_path / "f").write_text("")
     assert main(["demo", "--quick", "--out", str(tmp_path / "f")]) == 2
     assert "exists and is not a directory" in capsys.readouterr().err
+
+
+def test_the_full_demo_calibrates_at_gpumem_calibrates_defaults():
+    # its old 16 and 64 MiB put a 28 GiB restore at 175 s where 1-2 GiB put it at 14 s
+    assert FULL.calibrate_sizes is None

@@ -2,7 +2,7 @@
 
 The step between measuring and estimating (measure → report → **calibrate** → estimate → plan):
 
-    cal = gpumem.calibrate.measure("/ckpts", sizes=[64 << 20, 256 << 20], device="cuda")
+    cal = gpumem.calibrate.measure("/ckpts", device="cuda")   # default sizes: up to 2 GiB
     cal.save("calibration.json")                     # or: gpumem calibrate --dir /ckpts
     cal = gpumem.calibrate.load("calibration.json")
     stall_s, persist_s, restore_s = cal.checkpoint_times(nbytes)   # feeds planner economics
@@ -11,7 +11,7 @@ The step between measuring and estimating (measure → report → **calibrate** 
 Modules, bottom up:
 
     _schema           strict reading of calibration JSON: every field typed and in range
-    fit               closed-form cost lines, ``seconds = a + b · bytes``
+    fit               cost lines ``seconds = a + b · bytes``; bandwidth and fixed cost apart
     checkpoint_cost   save, durable and restore times, measured with the real Checkpointer
     reserve           CUDA context and copy bandwidth; fragmentation from a profile report
     memory            the estimator's fitted coefficients (a section), and how they apply
@@ -26,10 +26,11 @@ from gpumem.calibrate.calibration import Calibration, Machine, as_calibration, l
 from gpumem.calibrate.checkpoint_cost import (
     CheckpointCost,
     CheckpointPoint,
+    default_sizes,
     measure_checkpoint,
     synthetic_state,
 )
-from gpumem.calibrate.fit import LinearFit, fit_line
+from gpumem.calibrate.fit import LinearFit, fit_cost, fit_line
 from gpumem.calibrate.reserve import GpuReserve, ReportReserve, from_report, measure_gpu_reserve
 
 __all__ = [
@@ -42,6 +43,8 @@ __all__ = [
     "Machine",
     "ReportReserve",
     "as_calibration",
+    "default_sizes",
+    "fit_cost",
     "fit_line",
     "from_report",
     "load",

@@ -31,8 +31,12 @@ from typing import Any
 
 from gpumem import _strict_json as strict_json
 from gpumem.calibrate._schema import REDO, CalibrationError, Fields, check_int, utc_now
+from gpumem.calibrate.checkpoint_cost import (
+    MAX_EXTRAPOLATION,
+    CheckpointCost,
+    measure_checkpoint,
+)
 from gpumem.calibrate.checkpoint_cost import QUANTITIES as _QUANTS
-from gpumem.calibrate.checkpoint_cost import CheckpointCost, measure_checkpoint
 from gpumem.calibrate.memory import MemoryCalibration
 from gpumem.calibrate.reserve import GpuReserve, ReportReserve, from_report, measure_gpu_reserve
 
@@ -365,7 +369,7 @@ def versions() -> dict[str, str]:
 
 def measure(
     directory: str | os.PathLike = ".",
-    sizes: Any = (64 << 20, 256 << 20),
+    sizes: Any = None,
     *,
     device: str = "cpu",
     repeat: int = 5,
@@ -377,7 +381,8 @@ def measure(
     checkpoint cost in ``directory``; optionally read a profile report.
 
     Args:
-        directory / sizes / device / repeat: see :func:`measure_checkpoint`.
+        directory / sizes / device / repeat: see :func:`measure_checkpoint` (default sizes:
+            ``default_sizes``, up to 2 GiB as this host's free memory allows).
         gpu_reserve: measure the GPU reserve (default: when ``device="cuda"``).
         report: a CUDA ``gpumem.profile`` report (object, dict or JSON path): see
             :func:`from_report`.
@@ -494,5 +499,10 @@ def _checkpoint_lines(c: CheckpointCost) -> list[str]:
     lines.append(
         "  * overlap: save() plus the optimizer pre-step hook's wait with optimizer.step() "
         "right after save(), its worst case; a real forward/backward hides part of it"
+    )
+    reach = format_bytes(int(MAX_EXTRAPOLATION * c.largest_bytes))
+    lines.append(
+        f"  predictions are checked up to {MAX_EXTRAPOLATION:g}x the largest size ({reach}); "
+        "the planner says when a checkpoint is larger"
     )
     return lines

@@ -18,7 +18,15 @@ Each repeat measures, from the real code path's own ``SaveStats``:
 Rounds go round-robin over the sizes (every size's state and Checkpointer exist at once: host
 memory for about twice the sum of the sizes, plus one restored copy at a time), so that load
 from other processes falls on all sizes alike. The medians over repeats are fitted per quantity
-with :func:`fit_line`. The temporary directory is removed afterwards, also on error.
+with :func:`fit_cost`: the bandwidth from the largest sizes, the fixed cost from the smaller.
+The temporary directory is removed afterwards, also on error.
+
+The default sizes (:func:`default_sizes`) reach where bandwidth dominates the fixed costs: a
+largest size of up to 2 GiB, chosen from the memory and disk free now, and two smaller ones
+(a 16th and a quarter of it). States of 16-64 MiB are all fixed cost and noise, and their lines
+put a 28 GiB restore at 175 s where one measured at 1-2 GiB puts it at 14 s. A prediction for
+more than :data:`MAX_EXTRAPOLATION` times the largest size measured is beyond what
+``benchmarks/bench_calibration.py`` checks, and the planner says so.
 """
 
 from __future__ import annotations
@@ -35,13 +43,19 @@ from pathlib import Path
 from typing import Any
 
 from gpumem.calibrate._schema import CalibrationError, Fields, check_float
-from gpumem.calibrate.fit import LinearFit, fit_line
+from gpumem.calibrate.fit import LinearFit, fit_cost
 
 QUANTITIES = ("blocking_stall_s", "overlap_stall_s", "durable_s", "restore_s")
 MODES = ("blocking", "overlap", "streaming")
 BYTES_PER_PARAM = 12  # fp32 weight + AdamW exp_avg + exp_avg_sq
 MIN_SIZE = 1 << 20  # below this only fixed costs would be measured
 MAX_POINTS, MAX_REPEAT = 64, 1000
+# how far past the largest size measured benchmarks/bench_calibration.py checks predictions
+# (target: within 20 %; benchmarks/results/calibration.md and docs/calibration.md)
+MAX_EXTRAPOLATION = 4.0
+LADDER = (16, 4, 1)  # the default sizes: the largest divided by these
+TOP_MIN, TOP_MAX = 64 << 20, 2 << 30
+MEMORY_SHARE = 16  # the largest default size is at most this fraction of the memory free
 
 
 @dataclass(frozen=True)
@@ -125,6 +139,16 @@ class CheckpointCost:
         """Seconds of each quantity for a state of ``nbytes`` tensor bytes."""
         return {q: self.fits[q].predict(nbytes) for q in QUANTITIES}
 
+    @property
+    def largest_bytes(self) -> int:
+        """The largest state measured."""
+        return max(p.nbytes for p in self.points)
+
+    def extrapolation_factor(self, nbytes: int) -> float:
+        """How many times the largest state measured ``nbytes`` is (<= 1: within the sizes
+        measured or below them); past :data:`MAX_EXTRAPOLATION` the prediction is unchecked."""
+        return nbytes / self.largest_bytes
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "directory": self.directory,
@@ -168,9 +192,31 @@ class CheckpointCost:
         return out
 
 
+def default_sizes(directory: str | os.PathLike = ".") -> list[int]:
+    """Sizes that reach where bandwidth dominates, within this host's memory and disk.
+
+    The largest is the largest power of two from 64 MiB to 2 GiB that is at most the memory
+    available now over :data:`MEMORY_SHARE` (the measurement holds about 3.6 times it) and whose
+    checkpoints fit the disk free in ``directory`` twice over; the others are a quarter and a
+    16th of it (the fixed cost, measured where it dominates).
+    """
+    from gpumem.device import host_available_bytes
+
+    total = sum(1 / d for d in LADDER)
+    try:
+        disk = shutil.disk_usage(directory).free
+    except OSError:
+        disk = TOP_MAX
+    room = min(host_available_bytes() // MEMORY_SHARE, disk / (4 * total))
+    top = TOP_MAX
+    while top > TOP_MIN and top > room:
+        top //= 2
+    return [top // d for d in LADDER]
+
+
 def measure_checkpoint(
     directory: str | os.PathLike,
-    sizes: Sequence[int] = (64 << 20, 256 << 20),
+    sizes: Sequence[int] | None = None,
     *,
     device: str = "cpu",
     repeat: int = 5,
@@ -185,7 +231,8 @@ def measure_checkpoint(
     Args:
         directory: where the job's checkpoints will live (an existing directory); a temporary
             ``.gpumem-calibrate-*`` subdirectory is used and removed afterwards.
-        sizes: state sizes in bytes (parameters + AdamW state), at least two different ones.
+        sizes: state sizes in bytes (parameters + AdamW state), at least two different ones
+            (default :func:`default_sizes`).
         device: ``cpu`` or ``cuda`` (the state on the current CUDA device).
         repeat: measured rounds per size (the median is fitted).
         tensors: parameter tensors in the synthetic model (3× as many tensors are saved, plus
@@ -201,9 +248,51 @@ def measure_checkpoint(
             directory's free space cannot hold, or no CUDA device for ``cuda``.
         gpumem.CheckpointError: the Checkpointer itself failed (disk full, permissions).
     """
-    sizes = _check_args(directory, sizes, device, repeat, tensors, warmup)
+    if sizes is None:
+        sizes = default_sizes(directory) if Path(directory).is_dir() else []
+    points = measure_points(
+        directory,
+        sizes,
+        device=device,
+        repeat=repeat,
+        tensors=tensors,
+        warmup=warmup,
+        staging_bytes=staging_bytes,
+        drop_cache=drop_cache,
+        progress=progress,
+        least=2,
+    )
+    xs = [p.nbytes for p in points]
+    fits = {q: fit_cost(xs, [p.median(q) for p in points]) for q in QUANTITIES}
     root_dir = Path(directory).resolve()
-    root = Path(tempfile.mkdtemp(prefix=".gpumem-calibrate-", dir=root_dir))
+    return CheckpointCost(
+        directory=str(root_dir),
+        filesystem=filesystem_type(root_dir),
+        device=device,
+        repeat=repeat,
+        points=tuple(points),
+        fits=fits,
+    )
+
+
+def measure_points(
+    directory: str | os.PathLike,
+    sizes: Sequence[int],
+    *,
+    device: str = "cpu",
+    repeat: int = 5,
+    tensors: int = 96,
+    warmup: int = 1,
+    staging_bytes: int | None = None,
+    drop_cache: bool = True,
+    progress: Any = None,
+    least: int = 1,
+) -> list[CheckpointPoint]:
+    """The rounds of :func:`measure_checkpoint` without the fit, for ``least`` sizes or more
+    (one: a state to check a calibration's prediction against). Arguments and errors as there.
+    """
+    sizes = _check_args(directory, sizes, device, repeat, tensors, warmup, least)
+    root = Path(tempfile.mkdtemp(prefix=".gpumem-calibrate-", dir=Path(directory).resolve()))
     try:
         with contextlib.ExitStack() as stack:
             runs = [
@@ -219,22 +308,12 @@ def measure_checkpoint(
                     done += 1
                     if progress is not None:
                         progress(done, total)
-            points = [run.point() for run in runs]
+            return [run.point() for run in runs]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    xs = [p.nbytes for p in points]
-    fits = {q: fit_line(xs, [p.median(q) for p in points]) for q in QUANTITIES}
-    return CheckpointCost(
-        directory=str(root_dir),
-        filesystem=filesystem_type(root_dir),
-        device=device,
-        repeat=repeat,
-        points=tuple(points),
-        fits=fits,
-    )
 
 
-def _check_args(directory, sizes, device, repeat, tensors, warmup) -> list[int]:
+def _check_args(directory, sizes, device, repeat, tensors, warmup, least) -> list[int]:
     d = Path(directory)
     if not d.is_dir():
         raise CalibrationError(
@@ -255,10 +334,11 @@ def _check_args(directory, sizes, device, repeat, tensors, warmup) -> list[int]:
         if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
             raise CalibrationError(f"{name}={v!r} must be an integer in [{lo}, {hi}]")
     out = sorted({int(s) for s in sizes})
-    if len(out) < 2 or len(out) > MAX_POINTS:
+    if len(out) < least or len(out) > MAX_POINTS:
+        why = "; a cost line a + b*bytes needs two" if least == 2 else ""
         raise CalibrationError(
-            f"sizes={list(sizes)!r}: give 2 to {MAX_POINTS} different "
-            "sizes (e.g. 64MiB,256MiB); a cost line a + b*bytes needs two"
+            f"sizes={list(sizes)!r}: give {least} to {MAX_POINTS} different "
+            f"sizes (e.g. 256MiB,1GiB){why}"
         )
     floor = max(MIN_SIZE, BYTES_PER_PARAM * 2 * tensors)
     if out[0] < floor:
@@ -328,9 +408,11 @@ def synthetic_state(
         torch.nn.Parameter(torch.empty(n, device=device).uniform_(-1, 1, generator=gen))
         for n in sizes
     )
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    # fused, with each parameter its own gradient: a third of the set-up time of random
+    # gradients and an unfused step (the measured saves and restores are the same)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False, fused=True)
     for p in model.parameters():
-        p.grad = torch.empty_like(p).uniform_(-1, 1, generator=gen)
+        p.grad = p.detach()
     opt.step()  # creates exp_avg and exp_avg_sq, with values
     for p in model.parameters():
         p.grad = None

@@ -16,8 +16,6 @@ from typing import Any
 from gpumem.cli import _args
 from gpumem.cli._progress import progress_bar
 
-DEFAULT_SIZES = "64MiB,256MiB"
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -38,8 +36,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--sizes",
         type=_args.size_list,
-        default=DEFAULT_SIZES,
-        help=f"state sizes, comma-separated (default {DEFAULT_SIZES})",
+        default=None,
+        help="state sizes, comma-separated (default: three up to 2 GiB, where bandwidth "
+        "dominates the fixed costs, the largest a 16th of the memory free: 64MiB,256MiB,1GiB "
+        "with 16-32 GiB free)",
     )
     p.add_argument(
         "--device",

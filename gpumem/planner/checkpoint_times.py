@@ -9,6 +9,10 @@ a checkpoint is durable only after it was taken (P ≥ C), and nothing takes neg
 extrapolated fit can predict P < C: P is then raised to C and a note says so. Explicit values
 that contradict each other are an error.
 
+A calibrated prediction records how far it reaches (``extrapolation_factor``: the checkpoint
+size over the largest size measured); past ``MAX_EXTRAPOLATION`` (the factor the calibration
+benchmark checked) :attr:`CheckpointTimes.extrapolation_warning` is the line a headline prints.
+
 Example:
     >>> t = checkpoint_times(stall_s=2.0)
     >>> t.stall_s, t.persist_s, t.sources["persist_s"]
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpumem.calibrate.calibration import Calibration
+from gpumem.calibrate.checkpoint_cost import MAX_EXTRAPOLATION
 from gpumem.planner.economics import (
     DEFAULT_PERSIST_S,
     DEFAULT_RESTART_S,
@@ -42,6 +47,10 @@ class CheckpointTimes:
         sources: per key, ``"given"``, ``"measured: ..."`` or ``"default guess"``.
         notes: sentences about the numbers (what was extrapolated, raised or guessed).
         calibration: the record of the calibration used (None without one), for JSON output.
+        extrapolation_factor: the checkpoint size over the largest size the calibration
+            measured (None without a calibrated prediction); at most ``extrapolation_limit``
+            is what the calibration benchmark checked.
+        extrapolation_limit: ``gpumem.calibrate.checkpoint_cost.MAX_EXTRAPOLATION``.
     """
 
     stall_s: float
@@ -50,6 +59,26 @@ class CheckpointTimes:
     sources: dict[str, str]
     notes: tuple[str, ...] = ()
     calibration: dict[str, Any] | None = None
+    extrapolation_factor: float | None = None
+    extrapolation_limit: float = MAX_EXTRAPOLATION
+
+    @property
+    def beyond_calibration(self) -> bool:
+        """Whether the calibrated times extrapolate past ``extrapolation_limit``."""
+        f = self.extrapolation_factor
+        return f is not None and f > self.extrapolation_limit
+
+    @property
+    def extrapolation_warning(self) -> str | None:
+        """One line for a headline when the times go past the checked factor, else None."""
+        if not self.beyond_calibration:
+            return None
+        largest = self.calibration.get("largest_bytes", 0) if self.calibration else 0
+        return (
+            f"checkpoint times extrapolated to {self.extrapolation_factor:.3g}x the largest "
+            f"size calibrated ({format_bytes(largest)}; checked to "
+            f"{self.extrapolation_limit:g}x): calibrate nearer the checkpoint size"
+        )
 
     @property
     def guessed(self) -> list[str]:
@@ -64,6 +93,8 @@ class CheckpointTimes:
             **{k: {"value": getattr(self, k), "source": self.sources[k]} for k in KEYS},
             "notes": list(self.notes),
             "calibration": self.calibration,
+            "extrapolation_factor": self.extrapolation_factor,
+            "extrapolation_limit": self.extrapolation_limit,
         }
 
     def lines(self) -> list[str]:
@@ -113,10 +144,12 @@ def checkpoint_times(
     }
     notes: list[str] = []
     record: dict[str, Any] | None = None
+    factor = None
     if calibration is not None:
         record, measured, note = _from_calibration(calibration, checkpoint_bytes, startup_s)
         values.update(measured)
         notes.append(note)
+        factor = record.get("extrapolation_factor")
     for key, v in given.items():
         if v is not None:
             values[key] = (float(v), "given")
@@ -149,6 +182,7 @@ def checkpoint_times(
         sources={k: s for k, (_, s) in values.items()},
         notes=tuple(notes),
         calibration=record,
+        extrapolation_factor=factor,
     )
 
 
@@ -175,6 +209,9 @@ def _from_calibration(
         restore_s=restore,
         startup_s=start,
         extrapolated=fit.extrapolates(nbytes),
+        largest_bytes=cal.checkpoint.largest_bytes,
+        extrapolation_factor=cal.checkpoint.extrapolation_factor(nbytes),
+        extrapolation_limit=MAX_EXTRAPOLATION,
         directory=cal.checkpoint.directory,
         checkpoint_device=cal.checkpoint.device,
     )
@@ -198,10 +235,19 @@ def _size_note(cal: Calibration, nbytes: int) -> str:
         f"checkpoint times for {format_bytes(nbytes)} per GPU (weights + optimizer state of the "
         f"best layout), from {cal.origin()}, {where}"
     )
-    if fit.extrapolates(nbytes):
+    factor = c.extrapolation_factor(nbytes)
+    if factor > MAX_EXTRAPOLATION:
+        line += (
+            f"; extrapolated to {factor:.3g}x the largest size measured "
+            f"({format_bytes(fit.min_bytes)} to {format_bytes(fit.max_bytes)}), beyond the "
+            f"{MAX_EXTRAPOLATION:g}x the calibration was checked to: calibrate nearer this size "
+            "for a firmer number"
+        )
+    elif fit.extrapolates(nbytes):
         line += (
             f"; extrapolated beyond the sizes measured ({format_bytes(fit.min_bytes)} to "
-            f"{format_bytes(fit.max_bytes)}): calibrate nearer this size for a firmer number"
+            f"{format_bytes(fit.max_bytes)}), {factor:.3g}x the largest: within the "
+            f"{MAX_EXTRAPOLATION:g}x the calibration was checked to"
         )
     bounded = [k for k, f in c.fits.items() if f.bounded_above(nbytes)]
     if bounded:

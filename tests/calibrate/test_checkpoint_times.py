@@ -84,3 +84,35 @@ def test_plan_with_a_calibration_file_prices_the_best_layout(valid, tmp_path):
     expected = T / tau * (M + restart + persist) * math.expm1((tau + stall) / M)
     assert e.expected_hours_with == pytest.approx(expected / 3600, rel=1e-12)
     assert e.n_gpus == 8 and e.expected_cost_with == pytest.approx(expected / 3600 * 16)
+
+
+def test_within_the_checked_factor_the_times_say_how_far_they_reach(valid):
+    cal = Calibration.from_dict(valid)  # measured up to 256 MiB (+ 4 KiB of step counters)
+    t = checkpoint_times(cal, checkpoint_bytes=768 * MiB)
+    top = 256 * MiB + 4096
+    assert t.extrapolation_factor == pytest.approx(768 * MiB / top)
+    assert t.extrapolation_limit == 4.0 and not t.beyond_calibration
+    assert t.extrapolation_warning is None
+    assert "3x the largest: within the 4x the calibration was checked to" in t.notes[0]
+    assert t.calibration["largest_bytes"] == top and t.calibration["extrapolation_limit"] == 4.0
+
+
+def test_past_the_checked_factor_the_headline_line_says_so(valid):
+    # the demo's case: a 28 GiB state from a calibration that measured up to 256 MiB
+    t = checkpoint_times(Calibration.from_dict(valid), checkpoint_bytes=28 * GiB)
+    assert t.beyond_calibration and t.extrapolation_factor == pytest.approx(112, rel=1e-4)
+    assert t.extrapolation_warning == (
+        "checkpoint times extrapolated to 112x the largest size calibrated "
+        "(256.00 MiB; checked to 4x): calibrate nearer the checkpoint size"
+    )
+    assert "extrapolated to 112x the largest size measured" in t.notes[0]
+    assert "beyond the 4x the calibration was checked to" in t.notes[0]
+    d = t.to_dict()
+    assert (d["extrapolation_factor"], d["extrapolation_limit"]) == (t.extrapolation_factor, 4.0)
+
+
+def test_no_calibrated_prediction_has_no_factor(valid):
+    assert checkpoint_times(stall_s=1).extrapolation_factor is None
+    t = checkpoint_times(Calibration.from_dict(valid), checkpoint_bytes=None)
+    assert t.extrapolation_factor is None and t.extrapolation_warning is None
+    assert not t.beyond_calibration

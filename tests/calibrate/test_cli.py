@@ -38,11 +38,23 @@ def test_calibrate_end_to_end(tmp_path, capsys, monkeypatch):
     assert "wrote calibration.json (in the current directory)" in out
     assert re.search(r"2\.\d\d MiB\s+384\s+[\d.]+ s\s+[\d.]+ s\s+[\d.]+ s\s+[\d.]+ s", out), out
     assert "s/GiB" in out and "GB/s" in out
+    assert re.search(r"predictions are checked up to 4x the largest size \(20\.0\d MiB\)", out)
     cal = load(tmp_path / "calibration.json")
     assert [p.target_bytes for p in cal.checkpoint.points] == [2 * MiB, 5 * MiB]
     assert cal.checkpoint.directory == str(ckpts.resolve()) and cal.gpu_reserve is None
     assert cal.machine.cpu_count >= 1 and cal.versions["gpumem"]
     assert list(ckpts.iterdir()) == []  # the measurement left nothing behind
+
+
+def test_calibrate_without_sizes_measures_the_defaults(tmp_path, capsys, monkeypatch):
+    # default_sizes picks up to 2 GiB from free memory; tiny ones here keep the test quick
+    import gpumem.calibrate.checkpoint_cost as cc
+
+    monkeypatch.setattr(cc, "default_sizes", lambda d: [2 * MiB, 3 * MiB, 5 * MiB])
+    argv = ["calibrate", "--dir", str(tmp_path), "--repeat", "1", "--device", "cpu"]
+    assert main([*argv, "--out", str(tmp_path / "cal.json")]) == 0
+    cal = load(tmp_path / "cal.json")
+    assert [p.target_bytes for p in cal.checkpoint.points] == [2 * MiB, 3 * MiB, 5 * MiB]
 
 
 def test_calibrate_json_with_a_profile_report(tmp_path, capsys):

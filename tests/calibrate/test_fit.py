@@ -1,5 +1,5 @@
 """fit_line: the closed form against hand computations, numpy's least squares, and the KKT
-conditions of the non-negative problem."""
+conditions of the non-negative problem; fit_cost: bandwidth and fixed cost fitted apart."""
 
 import math
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpumem.calibrate import CalibrationError, LinearFit, fit_line
+from gpumem.calibrate import CalibrationError, LinearFit, fit_cost, fit_line
 
 M = 2**20
 
@@ -111,3 +111,52 @@ def test_constrained_least_squares_is_optimal(pts):
     if a0 > 1e-9 and b0 > 1e-9:
         assert a == pytest.approx(a0, rel=1e-6, abs=1e-9 * scale)
         assert b * max(xs) == pytest.approx(b0, rel=1e-6, abs=1e-9 * scale)
+
+
+# -- fit_cost: the bandwidth where it dominates, the fixed cost apart ---------------------------
+
+G = 2**30
+
+
+def test_a_bump_at_the_smallest_size_moves_the_fixed_cost_not_the_bandwidth():
+    # 0.25 s + 0.8 s/GiB at 512 MiB and 1 GiB; 64 MiB measured 0.15 s slow (noise, a first file).
+    # One line through all three takes 20 % off the slope (4 GiB: 2.96 s for 3.45 s); here the
+    # bandwidth is the large sizes' own and the bump lands in a alone (4 GiB: 3.60 s, +4 %).
+    xs, ys = [64 * M, 512 * M, G], [0.25 + 0.05 + 0.15, 0.25 + 0.4, 0.25 + 0.8]
+    f = fit_cost(xs, ys)
+    assert f.seconds_per_byte == pytest.approx(0.8 / G, rel=1e-12)
+    assert f.intercept_s == pytest.approx(0.40, rel=1e-12)
+    assert f.predict(4 * G) == pytest.approx(3.60, rel=1e-9)
+    assert fit_line(xs, ys).predict(4 * G) < 3.0  # the old fit, 14 % low
+    assert (f.n_points, f.min_bytes, f.max_bytes) == (3, 64 * M, G)
+
+
+def test_the_bandwidth_is_the_slope_of_the_sizes_within_a_factor_4_of_the_largest():
+    # 256 MiB, 512 MiB and 1 GiB give the slope (least squares, 1 s/GiB); 16 MiB gives a
+    xs = [16 * M, 256 * M, 512 * M, G]
+    ys = [0.07, 0.30, 0.50, 1.05]
+    f = fit_cost(xs, ys)
+    b = np.polyfit([0.25, 0.5, 1.0], ys[1:], 1)[0] / G
+    assert f.seconds_per_byte == pytest.approx(b, rel=1e-9)
+    assert f.intercept_s == pytest.approx(0.07 - b * 16 * M, rel=1e-9)
+
+
+def test_two_sizes_give_the_line_through_both():
+    f = fit_cost([64 * M, G], [0.1, 0.85])
+    assert f.seconds_per_byte == pytest.approx(0.75 / (G - 64 * M), rel=1e-12)
+    assert f.predict(64 * M) == pytest.approx(0.1) and f.predict(G) == pytest.approx(0.85)
+
+
+def test_no_measurable_fixed_cost_is_zero_not_negative():
+    f = fit_cost([64 * M, 256 * M, G], [0.0, 0.2, 1.0])
+    assert f.intercept_s == 0.0 and f.seconds_per_byte == pytest.approx(0.8 / (0.75 * G))
+
+
+def test_large_sizes_without_growth_fall_back_to_the_constrained_line():
+    xs, ys = [64 * M, 256 * M, G], [0.1, 0.5, 0.4]
+    assert fit_cost(xs, ys) == fit_line(xs, ys)
+
+
+def test_fit_cost_bad_input_names_itself():
+    with pytest.raises(CalibrationError, match="fit_cost: 1 distinct size"):
+        fit_cost([M, M], [0.1, 0.2])

@@ -7,10 +7,21 @@ import statistics
 
 import pytest
 
-from gpumem.calibrate import CalibrationError, fit_line, measure_checkpoint, synthetic_state
-from gpumem.calibrate.checkpoint_cost import QUANTITIES, filesystem_type, split_elements
+from gpumem.calibrate import (
+    CalibrationError,
+    default_sizes,
+    fit_cost,
+    measure_checkpoint,
+    synthetic_state,
+)
+from gpumem.calibrate.checkpoint_cost import (
+    QUANTITIES,
+    filesystem_type,
+    measure_points,
+    split_elements,
+)
 
-MiB = 2**20
+MiB, GiB = 2**20, 2**30
 SIZES = (2 * MiB, 6 * MiB)
 
 
@@ -45,8 +56,52 @@ def test_fits_are_the_fits_of_the_medians(measured):
     xs = [p.nbytes for p in cost.points]
     for q in QUANTITIES:
         ys = [statistics.median(p.samples[q]) for p in cost.points]
-        assert cost.fits[q] == fit_line(xs, ys)
+        assert cost.fits[q] == fit_cost(xs, ys)
         assert cost.predict(xs[0])[q] == cost.fits[q].predict(xs[0])
+
+
+def test_extrapolation_factor_is_over_the_largest_size_measured(measured):
+    _, cost = measured
+    top = cost.points[-1].nbytes
+    assert cost.largest_bytes == top and cost.extrapolation_factor(4 * top) == 4.0
+
+
+@pytest.mark.parametrize(
+    "avail, disk, top",
+    [
+        (64 * GiB, 1 << 50, 2 * GiB),  # a GPU node: the 2 GiB cap
+        (23 * GiB, 1 << 50, GiB),  # this kind of VM: 23 GiB / 16 -> 1 GiB
+        (8 * GiB, 1 << 50, 512 * MiB),
+        (GiB // 2, 1 << 50, 64 * MiB),  # never below 64 MiB: _check_room says what does not fit
+        (64 * GiB, 6 * GiB, 1 * GiB),  # 4 x 1.3125 GiB of checkpoints fit 6 GiB, 2 GiB's do not
+    ],
+)
+def test_default_sizes_reach_the_bandwidth_within_memory_and_disk(
+    tmp_path, monkeypatch, avail, disk, top
+):
+    import shutil
+
+    import gpumem.device
+
+    monkeypatch.setattr(gpumem.device, "host_available_bytes", lambda: avail)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(disk, 0, disk))
+    assert default_sizes(tmp_path) == [top // 16, top // 4, top]
+
+
+def test_measure_checkpoint_without_sizes_uses_the_defaults(tmp_path, monkeypatch):
+    import gpumem.calibrate.checkpoint_cost as cc
+
+    monkeypatch.setattr(cc, "default_sizes", lambda d: [2 * MiB, 4 * MiB, 8 * MiB])
+    cost = measure_checkpoint(tmp_path, repeat=1, warmup=0, tensors=6, drop_cache=False)
+    assert [p.target_bytes for p in cost.points] == [2 * MiB, 4 * MiB, 8 * MiB]
+
+
+def test_one_state_is_measured_alone_to_check_a_prediction(tmp_path):
+    (p,) = measure_points(tmp_path, [3 * MiB], repeat=1, warmup=0, tensors=6, drop_cache=False)
+    assert p.target_bytes == 3 * MiB and all(len(p.samples[q]) == 1 for q in QUANTITIES)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(CalibrationError, match="give 1 to 64 different sizes"):
+        measure_points(tmp_path, [])
 
 
 def test_temporary_directory_is_removed(measured):
