@@ -314,7 +314,8 @@ def run(args: argparse.Namespace) -> int:
             times=times,
         )
         out["economics"] = e.to_dict()
-        text += ["", e.table()]
+        warn = times.extrapolation_warning
+        text += ["", *([f"WARNING: {warn}"] if warn else []), e.table()]
     if args.preempted_at_hours is not None:
         loss = realised(
             hours=args.preempted_at_hours,
@@ -378,7 +379,8 @@ def _decision(args: argparse.Namespace, result, times, out: dict) -> list[str]:
         restart_s=args.restart_s,
         startup_s=args.startup_s,
     )
-    d = decide(jobs, args.capacity, confidence=args.confidence)
+    warn = times.extrapolation_warning
+    d = decide(jobs, args.capacity, confidence=args.confidence, warnings=(warn,) if warn else ())
     out["decision"] = d.to_dict()
     lines = [n for n in times.notes if "guesses" in n]
     for notice in sorted({c.notice_s for c in args.capacity if c.notice_s is not None}):

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gpumem._plots import pyplot
 from gpumem.units import format_bytes
@@ -294,7 +295,7 @@ def _preemption(result: DemoResult, sizes: _Sizes, echo: Echo, bar: Bar) -> None
     echo(f"calibration: {result.calibration}  (use it: gpumem plan ... --calibration FILE)")
 
 
-def _capacity_decision(result: DemoResult, res: object, echo: Echo) -> None:
+def _capacity_decision(result: DemoResult, res: Any, echo: Echo) -> None:
     """The same job priced on a real spot market: the decision the planner makes."""
     from gpumem.planner.capacity import Capacity
     from gpumem.planner.decision import decide, layout_jobs
@@ -305,7 +306,8 @@ def _capacity_decision(result: DemoResult, res: object, echo: Echo) -> None:
     )
     od = Capacity.on_demand(PRICE)
     jobs = layout_jobs(res, run_hours=RUN_HOURS, deadline_h=DEADLINE_HOURS, top=1)
-    d = decide(jobs, [spot, od])
+    warn = res.checkpoint_times().extrapolation_warning
+    d = decide(jobs, [spot, od], warnings=(warn,) if warn else ())
     result.decision = d.best.policy
     result.decision_cost = d.best.prediction.expected_cost
     echo("")

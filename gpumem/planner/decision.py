@@ -81,6 +81,9 @@ class Decision:
     deadline_h: float | None
     confidence: float
     capacities: list[Capacity] = field(repr=False)
+    warnings: tuple[str, ...] = ()
+    """What the reader must know before the numbers (checkpoint times extrapolated past what a
+    calibration checked): the paragraph opens with them."""
 
     @property
     def feasible(self) -> list[Option]:
@@ -123,6 +126,10 @@ class Decision:
 
     def paragraph(self) -> str:
         """Why, in one paragraph a person reads."""
+        warn = "".join(f"Warning: {w}. " for w in self.warnings)
+        return warn + self._why()
+
+    def _why(self) -> str:
         b = self.best
         p = b.prediction
         if not self._meets(b):
@@ -225,6 +232,7 @@ def decide(
     confidence: float = DEFAULT_CONFIDENCE,
     lanes: int = 256,
     seed: int = 0,
+    warnings: tuple[str, ...] = (),
 ) -> Decision:
     """Rank every layout x capacity pairing x policy (module doc).
 
@@ -234,6 +242,7 @@ def decide(
         capacities: at least one; the preemptible ones are tried alone and with each reliable
             one as the fallback.
         confidence: the probability with which the deadline must be met.
+        warnings: sentences the paragraph opens with (e.g. extrapolated checkpoint times).
 
     Raises:
         ValueError: no capacity, a confidence outside (0, 1), jobs with different deadlines.
@@ -279,7 +288,7 @@ def decide(
             for (name, job, _), p in zip(runs, preds, strict=True)
         ]
     options.sort(key=lambda o: _key(o, _meets(o, confidence)))
-    return Decision(options, deadline_h, confidence, capacities)
+    return Decision(options, deadline_h, confidence, capacities, tuple(warnings))
 
 
 def layout_jobs(

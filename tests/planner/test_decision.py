@@ -125,3 +125,8 @@ def test_cli_prints_the_decision_and_its_json(capsys):
     assert len(doc["decision"]["options"]) == 4 * len(
         {o["layout"] for o in doc["decision"]["options"]}
     )
+
+
+def test_the_paragraph_opens_with_what_the_reader_must_know_first():
+    d = decide([("a", _job())], [OD], warnings=("checkpoint times extrapolated to 28x",))
+    assert d.paragraph().startswith("Warning: checkpoint times extrapolated to 28x. Cheapest")
