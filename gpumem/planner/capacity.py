@@ -169,9 +169,6 @@ class Capacity:
     def preemptible(self) -> bool:
         return not self.availability.reliable
 
-    def prices(self) -> np.ndarray | None:
-        return None if self.trace is None else self.trace.prices
-
     @classmethod
     def on_demand(
         cls,

@@ -41,27 +41,27 @@ def fixed_interval(job: Job, sources: Sources) -> float:
     return min(max(young_daly(job.stall_s, sources.spot_mtbf_s), job.persist_s), job.max_interval_s)
 
 
-@dataclass(frozen=True)
-class OnDemandOnly:
-    name: str = "on-demand"
-    switch_at_checkpoint: bool = False
+class _OneInterval:
+    """A policy that knows nothing of checkpoints: one interval on every source."""
+
+    switch_at_checkpoint = False
 
     def intervals(self, job: Job, sources: Sources) -> tuple[float, float]:
         tau = fixed_interval(job, sources)
         return tau, tau
+
+
+@dataclass(frozen=True)
+class OnDemandOnly(_OneInterval):
+    name: str = "on-demand"
 
     def decide(self, s: TickState) -> np.ndarray:
         return np.full_like(s.cluster, RELIABLE)
 
 
 @dataclass(frozen=True)
-class SpotOnly:
+class SpotOnly(_OneInterval):
     name: str = "spot"
-    switch_at_checkpoint: bool = False
-
-    def intervals(self, job: Job, sources: Sources) -> tuple[float, float]:
-        tau = fixed_interval(job, sources)
-        return tau, tau
 
     def decide(self, s: TickState) -> np.ndarray:
         return np.where(s.has_spot, SPOT, NONE).astype(np.int8)
@@ -92,13 +92,8 @@ def _guarded(s: TickState, need_s: np.ndarray, r_s: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class UniformProgress:
+class UniformProgress(_OneInterval):
     name: str = "uniform-progress"
-    switch_at_checkpoint: bool = False
-
-    def intervals(self, job: Job, sources: Sources) -> tuple[float, float]:
-        tau = fixed_interval(job, sources)
-        return tau, tau
 
     def decide(self, s: TickState) -> np.ndarray:
         r_s = s.lanes.restart_reliable_s

@@ -277,3 +277,14 @@ def test_predictions_are_deterministic_and_policies_share_their_paths():
         predict(job, spot, od, "cheapest")
     with pytest.raises(ValueError, match="needs a reliable"):
         predict(job, spot, None, "uniform-progress")
+
+
+def test_a_priced_trace_bills_each_tick_at_its_own_price(tmp_path):
+    """Prices 1, 3, 5 $/GPU-h per 600 s tick, 20 min of work on spot from tick 1: ticks 1 and 2
+    at $3 and $5 = $8 x 600 / 3600 = $1.333; the capacity's price is the mean, $3."""
+    f = tmp_path / "priced.json"
+    f.write_text('{"metadata": {"gap_seconds": 600}, "data": [0, 0, 0], "prices": [1, 3, 5]}')
+    spot = Capacity.from_trace(load_trace(f))
+    assert spot.price_per_gpu_hour == 3.0
+    (o,) = replay_windows([(Job(1 / 3), "spot")], spot, None, starts=np.array([1]))
+    assert o.expected_cost == pytest.approx(8 * 600 / 3600)
