@@ -101,7 +101,7 @@ class Decision:
         lines = [
             f"capacity decision ({dl}, met with probability >= {self.confidence:.0%}; "
             f"expected values of each capacity's availability model, {self._lanes()} paths):",
-            f"  {'layout':<28}{'capacity':<34}{'policy':<18}{'hours':>8}{'cost':>12}"
+            f"  {'layout':<28}{'capacity':<42}{'policy':<18}{'hours':>8}{'cost':>12}"
             f"{'miss':>7}{'interval spot/rel':>19}",
         ]
         for o in self.options[:top]:
@@ -111,7 +111,7 @@ class Decision:
             mark = "" if self._meets(o) else " x"
             cost = ("$" if math.isfinite(p.expected_hours) else ">$") + f"{p.expected_cost:,.0f}"
             lines.append(
-                f"  {o.layout[:27]:<28}{o.capacity[:33]:<34}{o.policy:<18}{hours:>8}"
+                f"  {o.layout[:27]:<28}{o.capacity[:41]:<42}{o.policy:<18}{hours:>8}"
                 f"{cost:>12}{p.miss_probability:>7.1%}"
                 f"{ivl:>19}{mark}"
             )
