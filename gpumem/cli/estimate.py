@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from typing import Any
 
 from gpumem.cli import _args
 from gpumem.estimator.frameworks import FRAMEWORKS
@@ -237,23 +239,55 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mtp-layers", type=_args.non_negative_int, default=0, help="MTP layers")
 
 
-def megatron_kwargs(args: argparse.Namespace) -> dict:
-    """The Megatron knobs given on the command line (defaults left out)."""
-    names = (
-        "fp8_recipe",
-        "fp8_param_gather",
-        "hidden_dropout",
-        "defer_embedding_wgrad",
-        "wgrad_deferral_limit",
-        "pipeline_first_layers",
-        "pipeline_last_layers",
-        "pipeline_split_embedding",
-        "pipeline_split_loss",
-    )
-    defaults = {"hidden_dropout": 0.0, "wgrad_deferral_limit": 0}
+def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The grouped knobs of ``gpumem.estimate`` from the command line (checked as made)."""
+    from gpumem.estimator.deepspeed import ZeroConfig, knobs_from_cli
+    from gpumem.estimator.knobs import ActivationKnobs, MoEKnobs, TrainingKnobs
+    from gpumem.estimator.megatron import MegatronKnobs
+    from gpumem.estimator.torchtitan import TorchtitanKnobs
+
+    titan = args.framework == "torchtitan"  # --fp8-recipe is torchtitan's float8 there
+    megatron = {n: getattr(args, n) for n in MEGATRON if n != "fp8_recipe" or not titan}
+    deepspeed = knobs_from_cli(args.deepspeed, args.ds_config)
+    if args.offload_param:  # ZeRO-3's parameter offload, also a ds_config key
+        deepspeed = dataclasses.replace(ZeroConfig.from_dict(deepspeed), offload_param="cpu")
     return {
-        n: getattr(args, n) for n in names if getattr(args, n) not in (None, False, defaults.get(n))
+        "training": TrainingKnobs(
+            grads=args.grads,
+            offload_optimizer=args.offload_optimizer,
+            lora_rank=args.lora_rank,
+            base_quant="nf4" if args.qlora else None,
+        ),
+        "activations": ActivationKnobs(
+            attention=args.attention,
+            activation_model=args.activation_model,
+            keep_logits=args.keep_logits,
+        ),
+        "megatron": MegatronKnobs(**{k: v for k, v in megatron.items() if v is not None}),
+        "torchtitan": TorchtitanKnobs(
+            fp8_recipe=args.fp8_recipe if titan else None,
+            fsdp_float8_all_gather=args.fsdp_float8_all_gather,
+            loss_chunks=args.loss_chunks,
+            compiled_loss=args.compiled_loss,
+        ),
+        "deepspeed": deepspeed,
+        "moe": MoEKnobs(
+            **({} if args.moe_imbalance is None else {"imbalance": args.moe_imbalance})
+        ),
     }
+
+
+MEGATRON = (
+    "fp8_recipe",
+    "fp8_param_gather",
+    "hidden_dropout",
+    "defer_embedding_wgrad",
+    "wgrad_deferral_limit",
+    "pipeline_first_layers",
+    "pipeline_last_layers",
+    "pipeline_split_embedding",
+    "pipeline_split_loss",
+)
 
 
 def model_with_shape(args: argparse.Namespace):
@@ -355,38 +389,23 @@ def run(args: argparse.Namespace) -> int:
         )
         print(json.dumps(bill.to_dict(), indent=2) if args.json else bill.table())
         return 0
-    from gpumem.estimator import estimate
-    from gpumem.estimator.deepspeed import knobs_from_cli
+    from gpumem.estimator import estimate, find_gpu
 
     layout = layout_from_args(args)
     bill = estimate(
         model_with_shape(args),
         batch_size=args.batch_size,
         seq_len=args.seq_len,
+        gpu=find_gpu(args.gpu, args.gpu_memory),
+        layout=layout,
         precision=args.precision,
         optimizer=args.optimizer,
-        grads=args.grads,
-        gpu=args.gpu,
-        gpu_memory=args.gpu_memory,
-        layout=layout,
         recompute=args.recompute,
         grad_accum=args.grad_accum,
-        attention=args.attention,
-        activation_model=args.activation_model,
-        offload_optimizer=args.offload_optimizer,
-        lora_rank=args.lora_rank,
-        base_quant="nf4" if args.qlora else None,
-        calibration=args.calibration,
         framework=args.framework,
-        deepspeed=knobs_from_cli(args.deepspeed, args.ds_config),
-        offload_param=args.offload_param,
-        keep_logits=args.keep_logits,
+        calibration=args.calibration,
         alloc_conf=args.alloc_conf,
-        loss_chunks=args.loss_chunks,
-        fsdp_float8_all_gather=args.fsdp_float8_all_gather,
-        compiled_loss=args.compiled_loss,
-        **({"moe_imbalance": args.moe_imbalance} if args.moe_imbalance is not None else {}),
-        **megatron_kwargs(args),
+        **knobs_from_args(args),
     )
     if args.json:
         print(bill.to_json())

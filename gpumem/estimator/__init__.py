@@ -33,6 +33,8 @@ Modules, bottom up:
     module_inputs      its fake copy and the fake inputs of one micro-batch
     module_pass        the fake-tensor pass and the terms it yields
     module_estimate    the bill of an ``nn.Module``
+    knobs              ``TrainingKnobs``, ``ActivationKnobs``, ``MoEKnobs``: grouped, checked
+    job                ``Job``: every argument of an estimate checked before any work
     api                ``estimate``, the front door: checks, calibration, then a path above
     preflight          before a real profile: will it fit in this machine's memory?
     inference          KV cache and serving
@@ -42,19 +44,29 @@ Modules, bottom up:
 
 from gpumem.estimator.api import estimate
 from gpumem.estimator.bill import Bill
+from gpumem.estimator.deepspeed import ZeroConfig
 from gpumem.estimator.gpus import CATALOG, GPU, find_gpu
+from gpumem.estimator.knobs import ActivationKnobs, MoEKnobs, TrainingKnobs
 from gpumem.estimator.layout import Layout
+from gpumem.estimator.megatron import MegatronKnobs
 from gpumem.estimator.specs import PRESETS, ModelSpec, module_param_count, resolve_model
 from gpumem.estimator.states import Training
+from gpumem.estimator.torchtitan import TorchtitanKnobs
 
 __all__ = [
     "CATALOG",
     "GPU",
     "PRESETS",
+    "ActivationKnobs",
     "Bill",
     "Layout",
+    "MegatronKnobs",
+    "MoEKnobs",
     "ModelSpec",
+    "TorchtitanKnobs",
     "Training",
+    "TrainingKnobs",
+    "ZeroConfig",
     "estimate",
     "find_gpu",
     "module_param_count",

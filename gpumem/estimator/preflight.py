@@ -124,14 +124,16 @@ def _job(batch_size: int, seq_len: int | None, optimizer: str, precision: str) -
 
 def _estimate(spec, device: str, checkpointing: bool, **job) -> int:
     from gpumem.estimator.api import estimate
+    from gpumem.estimator.gpus import find_gpu
+    from gpumem.estimator.knobs import ActivationKnobs, TrainingKnobs
 
     bill = estimate(
         spec,
         device="cuda" if device.startswith("cuda") else "cpu",
-        gpu_memory=1 << 60,  # the capacity is compared by the caller, not here
+        gpu=find_gpu("H100-80GB", 1 << 60),  # the capacity is compared by the caller, not here
         recompute="full" if checkpointing else "none",
-        persistent_grads=False,
-        keep_logits=True,
+        training=TrainingKnobs(persistent_grads=False),
+        activations=ActivationKnobs(keep_logits=True),
         **job,
     )
     # CPU: what the profiler counts; CUDA: plus the context and allocator reserve

@@ -23,6 +23,8 @@ from gpumem.estimator.frameworks import (
     upcasts_logits,
 )
 from gpumem.estimator.gpus import GPU
+from gpumem.estimator.job import Job
+from gpumem.estimator.knobs import MOE_IMBALANCE
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.rank_shapes import fill_fragmentation
 from gpumem.estimator.specs import ModelSpec, ParamGroups, param_groups
@@ -35,12 +37,6 @@ from gpumem.estimator.terms import (
     recompute_every,
     stage_chunks,
 )
-
-MOE_IMBALANCE = 1.25
-"""Default tokens of the most loaded expert-parallel rank over the mean: the capacity factor
-most MoE recipes use (GShard, Switch Transformer: 1.25). Dropless routing (Megatron's default)
-can exceed it early in training; pass the measured max/mean (``moe_imbalance=``)."""
-MOE_DISPATCHERS = ("alltoall", "allgather")
 
 
 def preset_seq_len(spec: ModelSpec, seq_len: int | None) -> int:
@@ -475,204 +471,143 @@ class PresetTerms:
         return float(saved), float(t_end), float(a_end), float(m.grads), float(t_start)
 
 
-def check_fused_ops(fused_ops: Any) -> None:
-    """``fused_ops`` is None or a tuple of known kernel names."""
-    if fused_ops is None:
-        return
-    if isinstance(fused_ops, str) or not all(isinstance(o, str) for o in fused_ops):
-        raise ValueError(
-            f"fused_ops must be a tuple of names from {', '.join(act.FUSED_OPS)}, got {fused_ops!r}"
-        )
-    bad = [o for o in fused_ops if o not in act.FUSED_OPS]
-    if bad:
-        raise ValueError(
-            f"unknown fused op(s) {', '.join(map(repr, bad))}; known: {', '.join(act.FUSED_OPS)}"
-        )
-
-
-def check_moe_args(
-    spec: ModelSpec, moe_imbalance: float, moe_dispatcher: str, moe_grouped_gemm: bool | None
-) -> None:
-    """One clear message per bad MoE argument."""
-    if isinstance(moe_imbalance, bool) or not isinstance(moe_imbalance, (int, float)):
-        raise ValueError(f"moe_imbalance must be a number >= 1, got {moe_imbalance!r}")
-    if not 1.0 <= moe_imbalance < 1e6:
-        raise ValueError(
-            f"moe_imbalance is the most loaded rank's tokens over the mean: >= 1, got "
-            f"{moe_imbalance!r} (default {MOE_IMBALANCE}, the usual capacity factor)"
-        )
-    if moe_dispatcher not in MOE_DISPATCHERS:
-        raise ValueError(
-            f"moe_dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, got {moe_dispatcher!r}"
-        )
-    if moe_grouped_gemm not in (None, True, False):
-        raise ValueError(f"moe_grouped_gemm must be True, False or None, got {moe_grouped_gemm!r}")
-
-
-def estimate_preset(
-    spec: ModelSpec,
-    *,
-    training: Training,
-    layout: Layout,
-    gpu: GPU,
-    batch_size: int | None,
-    seq_len: int | None,
-    recompute: str,
-    grad_accum: int,
-    attention: str,
-    dropout: float,
-    activation_model: str,
-    device: str,
-    keep_logits: bool | None,
-    persistent_grads: bool | None,
-    framework: str,
-    moe_imbalance: float = MOE_IMBALANCE,
-    moe_dispatcher: str = "alltoall",
-    moe_grouped_gemm: bool | None = None,
-    fused_ops: tuple[str, ...] | None = None,
-    knobs: megatron.MegatronKnobs | None = None,
-    alloc_conf: AllocConf | None = None,
-    reserved_note: str = "",
-    loss_chunks: int = 0,
-    given: frozenset[str] | None = None,
-    titan_float8: tuple[str | None, bool] = (None, False),
-    titan_compiled_loss: bool = False,
-) -> Bill:
-    """The bill of training a described model (see ``gpumem.estimate``; ``batch_size`` None:
-    the default, and the bill says so); ``alloc_conf``: simulate the caching allocator under it
-    (None: the flat fragmentation fraction)."""
-    given_batch = batch_size
-    batch_size = inputs.DEFAULT_BATCH_SIZE if batch_size is None else batch_size
-    seq, seq_source = inputs.seq_len(spec, seq_len)
-    knobs = knobs or megatron.MegatronKnobs()
-    layout.check(spec, seq_len=seq, even_split=not megatron.uneven(knobs))
-    if activation_model not in ("ops", "korthikanti"):
-        raise ValueError(
-            f"activation_model must be 'ops' or 'korthikanti', got {activation_model!r}"
-        )
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-    check_moe_args(spec, moe_imbalance, moe_dispatcher, moe_grouped_gemm)
-    check_fused_ops(fused_ops)
-    torchtitan.check_recompute(recompute, framework)
+def estimate_preset(spec: ModelSpec, job: Job) -> Bill:
+    """The bill of training a described model (see ``gpumem.estimate``; ``job.batch_size``
+    None: the default, and the bill says so); ``job.alloc_conf``: simulate the caching
+    allocator under it (None: the flat fragmentation fraction)."""
+    batch_size = inputs.DEFAULT_BATCH_SIZE if job.batch_size is None else job.batch_size
+    seq, seq_source = inputs.seq_len(spec, job.seq_len)
+    layout, fw, acts, tt = job.layout, job.framework, job.activations, job.torchtitan
+    layout.check(spec, seq_len=seq, even_split=not megatron.uneven(job.megatron))
     terms = PresetTerms(
         spec,
-        training,
-        gpu,
+        job.training,
+        job.gpu,
         seq,
-        attention,
-        dropout,
-        activation_model,
-        device,
-        keep_logits,
-        framework,
-        moe_imbalance,
-        moe_dispatcher,
-        moe_grouped_gemm,
-        None if fused_ops is None else tuple(fused_ops),
-        knobs,
-        alloc_conf,
+        acts.attention,
+        acts.dropout,
+        acts.activation_model,
+        job.device,
+        acts.keep_logits,
+        fw,
+        job.moe.imbalance,
+        job.moe.dispatcher,
+        job.moe.grouped_gemm,
+        acts.fused_ops,
+        job.megatron,
+        job.alloc_conf,
     )
     stages = list(range(layout.pp))
-    if framework == "torchtitan":
-        if spec.arch != "llama" or spec.is_moe:
-            raise ValueError(
-                f"framework='torchtitan' models torchtitan's dense Llama; got {spec.name!r} "
-                f"({spec.arch}{', MoE' if spec.is_moe else ''})"
-            )
-        if grad_accum != 1:
-            raise ValueError("framework='torchtitan' models one micro-batch per step: grad_accum=1")
-        if spec.tied_embeddings:
-            raise ValueError(
-                "framework='torchtitan' does not model tied embeddings yet (torchtitan's 1B/3B "
-                "gather [tok_embeddings, norm, lm_head] as one FSDP unit for the whole step)"
-            )
-        rows = [
-            torchtitan.terms(
-                spec,
-                training,
-                layout,
-                gpu,
-                batch=batch_size,
-                seq=seq,
-                recompute=recompute,
-                cuda=device == "cuda",
-                persistent_grads=bool(persistent_grads),
-                loss_chunks=loss_chunks,
-                fp8_recipe=titan_float8[0],
-                fsdp_float8_all_gather=titan_float8[1],
-                alloc_conf=terms.alloc_conf,
-                compiled_loss=titan_compiled_loss,
-            )
-        ]
+    if fw == "torchtitan":
+        rows = [titan_terms(spec, job, terms, batch_size, seq)]
+        items = torchtitan.layer_items(spec, layout, batch_size, seq, job.recompute)
     else:
-        rows = terms.terms(layout, batch_size, recompute, grad_accum, persistent_grads, stages)
-    titan_simulated = framework != "torchtitan" or torchtitan.simulated(
-        terms.alloc_conf, loss_chunks, bool(persistent_grads), titan_float8[0]
+        rows = terms.terms(
+            layout, batch_size, job.recompute, job.grad_accum, job.persistent_grads, stages
+        )
+        items = terms.layer_items(layout, batch_size)
+    # torchtitan's step is simulated from its own allocation order (titan_trace), except for
+    # what that order does not cover
+    simulated = fw != "torchtitan" or torchtitan.simulated(
+        terms.alloc_conf, tt.loss_chunks, bool(job.persistent_grads), tt.fp8_recipe
     )
+    conf = terms.alloc_conf
     return make_bill(
         spec,
         spec.n_params,
         rows,
         stages,
         layout=layout,
-        training=training,
-        gpu=gpu,
-        framework=framework,
+        training=job.training,
+        gpu=job.gpu,
+        framework=fw,
         cluster_model_state_bytes=terms.cluster_model_states(),
-        inputs={
-            "batch_size": batch_size,
-            "seq_len": seq,
-            "recompute": recompute,
-            "grad_accum": grad_accum,
-            "attention": terms.backend,
-            "device": device,
-            "precision": training.precision,
-            "optimizer": training.optimizer,
-            "framework": framework,
-            "loss": loss_convention(framework, terms.holds_logits),
-            "fused_ops": tuple(sorted(terms.fused)),
-            **(
-                {"float8": torchtitan.float8_label(*titan_float8)}
-                if titan_float8[0] is not None
-                else {}
-            ),
-            **({"compiled_loss": True} if titan_compiled_loss else {}),
-            **(
-                {"moe_imbalance": moe_imbalance, "moe_dispatcher": moe_dispatcher}
-                if spec.is_moe
-                else {}
-            ),
-        },
+        inputs=bill_inputs(spec, job, terms, batch_size, seq),
         sources={
             **inputs.sources(
                 seq_source=seq_source,
-                batch_size=given_batch,
-                grad_accum=grad_accum,
-                recompute=recompute,
-                training=training,
-                given=given,
+                batch_size=job.batch_size,
+                grad_accum=job.grad_accum,
+                recompute=job.recompute,
+                training=job.training,
+                given=job.given,
             ),
             "float8": "given",
             "loss": "keep_logits given"
-            if keep_logits is not None
-            else f"default: the {framework} loop",
+            if acts.keep_logits is not None
+            else f"default: the {fw} loop",
         },
-        items=(
-            torchtitan.layer_items(spec, layout, batch_size, seq, recompute)
-            if framework == "torchtitan"
-            else terms.layer_items(layout, batch_size)
-        ),
-        # torchtitan's step is simulated from its own allocation order (titan_trace), except
-        # for what that order does not cover
-        alloc_conf=None
-        if terms.alloc_conf is None or not titan_simulated
-        else terms.alloc_conf.text or "default",
+        items=items,
+        alloc_conf=None if conf is None or not simulated else conf.text or "default",
         reserved_note="framework='torchtitan' keeps the flat share with loss_chunks, "
         "persistent gradients or float8"
-        if not titan_simulated and terms.alloc_conf is not None
-        else reserved_note,
+        if not simulated and conf is not None
+        else job.reserved_note,
     )
+
+
+def titan_terms(spec: ModelSpec, job: Job, terms: PresetTerms, batch: int, seq: int) -> list:
+    """The peak terms of one torchtitan rank (its dense Llama only)."""
+    if spec.arch != "llama" or spec.is_moe:
+        raise ValueError(
+            f"framework='torchtitan' models torchtitan's dense Llama; got {spec.name!r} "
+            f"({spec.arch}{', MoE' if spec.is_moe else ''})"
+        )
+    if job.grad_accum != 1:
+        raise ValueError("framework='torchtitan' models one micro-batch per step: grad_accum=1")
+    if spec.tied_embeddings:
+        raise ValueError(
+            "framework='torchtitan' does not model tied embeddings yet (torchtitan's 1B/3B "
+            "gather [tok_embeddings, norm, lm_head] as one FSDP unit for the whole step)"
+        )
+    tt = job.torchtitan
+    return torchtitan.terms(
+        spec,
+        job.training,
+        job.layout,
+        job.gpu,
+        batch=batch,
+        seq=seq,
+        recompute=job.recompute,
+        cuda=job.device == "cuda",
+        persistent_grads=bool(job.persistent_grads),
+        loss_chunks=tt.loss_chunks,
+        fp8_recipe=tt.fp8_recipe,
+        fsdp_float8_all_gather=tt.fsdp_float8_all_gather,
+        alloc_conf=terms.alloc_conf,
+        compiled_loss=tt.compiled_loss,
+    )
+
+
+def bill_inputs(
+    spec: ModelSpec, job: Job, terms: PresetTerms, batch: int, seq: int
+) -> dict[str, Any]:
+    """The inputs a described model's bill states."""
+    tt, fw = job.torchtitan, job.framework
+    return {
+        "batch_size": batch,
+        "seq_len": seq,
+        "recompute": job.recompute,
+        "grad_accum": job.grad_accum,
+        "attention": terms.backend,
+        "device": job.device,
+        "precision": job.training.precision,
+        "optimizer": job.training.optimizer,
+        "framework": fw,
+        "loss": loss_convention(fw, terms.holds_logits),
+        "fused_ops": tuple(sorted(terms.fused)),
+        **(
+            {"float8": torchtitan.float8_label(tt.fp8_recipe, tt.fsdp_float8_all_gather)}
+            if tt.fp8_recipe is not None
+            else {}
+        ),
+        **({"compiled_loss": True} if tt.compiled_loss else {}),
+        **(
+            {"moe_imbalance": job.moe.imbalance, "moe_dispatcher": job.moe.dispatcher}
+            if spec.is_moe
+            else {}
+        ),
+    }
 
 
 def preset_mix(spec: ModelSpec, pg: ParamGroups) -> ParamMix:

@@ -887,10 +887,7 @@ def resolve_model(model: Any) -> ModelSpec:
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, (str, Path)):
-        text = str(model)
-        if Path(text).exists() or text.endswith(".json") or "/" in text:
-            return load_config(text)
-        return preset(text)
+        return load_config(model) if _is_config_path(model) else preset(str(model))
     if isinstance(model, dict):
         if "model_type" in model:
             return from_hf_config(model, "dict")
@@ -909,6 +906,21 @@ def resolve_model(model: Any) -> ModelSpec:
         f"cannot use {type(model).__name__} as a model: pass a preset name, a config.json path, "
         "a dict, or a ModelSpec"
     )
+
+
+def _is_config_path(model: str | Path) -> bool:
+    text = str(model)
+    return Path(text).exists() or text.endswith(".json") or "/" in text
+
+
+def describes_hf(model: Any) -> bool:
+    """``model`` (as ``resolve_model`` takes it) is a Hugging Face config, without reading it:
+    its framework defaults to ``transformers``."""
+    if isinstance(model, ModelSpec):
+        return model.is_hf
+    if isinstance(model, (str, Path)):
+        return _is_config_path(model)
+    return isinstance(model, dict) and "model_type" in model
 
 
 def _from_fields(fields: dict[str, Any], what: str) -> ModelSpec:

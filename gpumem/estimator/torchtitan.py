@@ -65,6 +65,8 @@ on the tests' model).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from gpumem.allocator.alloc_conf import AllocConf
 from gpumem.estimator import peak, titan_trace
 from gpumem.estimator.activations import Item
@@ -267,6 +269,54 @@ def check_float8(recipe: str | None, all_gather: bool, tp: int) -> None:
             "framework='torchtitan': float8 with tensor parallelism (torchao's float8 TP "
             "styles) is not modelled yet; use tp=1 or no fp8_recipe"
         )
+
+
+@dataclass(frozen=True)
+class TorchtitanKnobs:
+    """torchtitan's options the estimate takes (``gpumem.estimate(torchtitan=...)``), checked
+    when made (those that depend on the layout: when estimated).
+
+    Attributes:
+        fp8_recipe: float8 training of the blocks' Linears (``FLOAT8_RECIPES``).
+        fsdp_float8_all_gather: torchao's ``enable_fsdp_float8_all_gather`` (tensorwise only).
+        loss_chunks: 0: the loss on the whole logits; N: ``ChunkedLossWrapper(num_chunks=N)``.
+        compiled_loss: the loss compiled by Inductor (``--training.compile``; ``titan_compile``).
+
+    Raises:
+        ValueError: one line naming the problem and the valid choices.
+    """
+
+    fp8_recipe: str | None = None
+    fsdp_float8_all_gather: bool = False
+    loss_chunks: int = 0
+    compiled_loss: bool = False
+
+    def __post_init__(self) -> None:
+        check_float8(self.fp8_recipe, self.fsdp_float8_all_gather, tp=1)
+        n = self.loss_chunks
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"loss_chunks must be an integer >= 0, got {n!r}")
+        check_compiled_loss(self.compiled_loss, n, tp=1)
+
+
+_ELSEWHERE = {
+    "fsdp_float8_all_gather": "torchtitan's (torchao's FSDP float8 all-gather); framework={fw!r} "
+    "has no such knob (use framework='torchtitan' with fp8_recipe='tensorwise'; Megatron's "
+    "counterpart is fp8_param_gather)",
+    "compiled_loss": "torchtitan's (--training.compile compiles its loss); framework={fw!r} does "
+    "not model torch.compile",
+    "loss_chunks": "torchtitan's ChunkedLossWrapper; framework={fw!r} has none (use "
+    "framework='torchtitan', or loss_chunks=0)",
+}
+
+
+def titan_knobs(framework: str, **given: object) -> TorchtitanKnobs:
+    """The torchtitan knobs, checked; one given to another framework is an error (named before
+    its value is checked: the framework is the first thing wrong)."""
+    for name, why in _ELSEWHERE.items():
+        if framework != "torchtitan" and given.get(name):
+            raise ValueError(f"{name} is " + why.format(fw=framework))
+    return TorchtitanKnobs(**given)  # type: ignore[arg-type]
 
 
 def float8_label(recipe: str | None, all_gather: bool) -> str:
