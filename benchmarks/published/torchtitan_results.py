@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from torchtitan_reference import FLAVORS, profile_flavor  # noqa: E402
 
 import gpumem  # noqa: E402
-from gpumem.estimator.specs import resolve_model  # noqa: E402
+from gpumem.estimator.resolver import resolve_model  # noqa: E402
 
 GIB = 2**30
 RESULT = HERE.parent / "results" / "torchtitan_reference.md"

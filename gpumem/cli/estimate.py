@@ -295,7 +295,7 @@ def model_with_shape(args: argparse.Namespace):
     if args.moe_layer_freq is None and not args.mtp_layers:
         return args.model
     from gpumem.estimator.megatron import layer_pattern
-    from gpumem.estimator.specs import resolve_model
+    from gpumem.estimator.resolver import resolve_model
 
     spec = resolve_model(args.model)
     changes: dict = {"mtp_layers": args.mtp_layers}

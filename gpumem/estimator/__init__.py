@@ -7,7 +7,11 @@
 
 Modules, bottom up:
 
-    specs              ``ModelSpec``: presets, config.json, exact parameter counts
+    param_count        exact parameter counts, split the way parallelism splits them
+    model_spec         ``ModelSpec``: the shape of a model, checked when made
+    model_presets      the built-in models (``PRESETS``), one row of named fields each
+    hf_config          a ``ModelSpec`` from a Hugging Face config.json
+    resolver           ``resolve_model``: whatever a user passes as a model, as a ``ModelSpec``
     gpus               the GPU catalog and the reserve a job cannot use
     layout             ``Layout``: dp/tp/pp/ep/zero/fsdp/sp and their checks
     deepspeed          DeepSpeed ZeRO's knobs, buffers, offload and published formulas
@@ -49,7 +53,10 @@ from gpumem.estimator.gpus import CATALOG, GPU, find_gpu
 from gpumem.estimator.knobs import ActivationKnobs, MoEKnobs, TrainingKnobs
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.megatron import MegatronKnobs
-from gpumem.estimator.specs import PRESETS, ModelSpec, module_param_count, resolve_model
+from gpumem.estimator.model_presets import PRESETS
+from gpumem.estimator.model_spec import ModelSpec
+from gpumem.estimator.param_count import module_param_count
+from gpumem.estimator.resolver import resolve_model
 from gpumem.estimator.states import Training
 from gpumem.estimator.torchtitan import TorchtitanKnobs
 

@@ -25,7 +25,7 @@ from gpumem.estimator.api import estimate
 from gpumem.estimator.bill import Bill
 from gpumem.estimator.gpus import find_gpu
 from gpumem.estimator.knobs import ActivationKnobs, TrainingKnobs
-from gpumem.estimator.specs import from_model_config
+from gpumem.estimator.resolver import from_model_config
 
 PROFILER_CATEGORIES = ("weights", "gradients", "optimizer", "activations", "temporary", "inputs")
 

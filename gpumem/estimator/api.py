@@ -34,8 +34,9 @@ from gpumem.estimator.job import Job, check_job
 from gpumem.estimator.knobs import ActivationKnobs, MoEKnobs, TrainingKnobs
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.megatron import MegatronKnobs
+from gpumem.estimator.model_spec import ModelSpec
 from gpumem.estimator.preset import estimate_preset
-from gpumem.estimator.specs import ModelSpec, resolve_model
+from gpumem.estimator.resolver import resolve_model
 from gpumem.estimator.torchtitan import TorchtitanKnobs
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpumem.estimator.activations import expert_tokens, router_copies_input, routing_weight_bytes
-from gpumem.estimator.specs import ModelSpec
+from gpumem.estimator.model_spec import ModelSpec
 
 
 @dataclass(frozen=True)

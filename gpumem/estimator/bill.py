@@ -21,7 +21,7 @@ from gpumem.estimator import inputs as job_inputs
 from gpumem.estimator import peak
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
-from gpumem.estimator.specs import ModelSpec
+from gpumem.estimator.model_spec import ModelSpec
 from gpumem.estimator.states import Training
 from gpumem.estimator.terms import steady_states
 from gpumem.units import format_bytes

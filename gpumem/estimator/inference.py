@@ -33,7 +33,9 @@ from typing import Any
 
 from gpumem.calibrate.calibration import as_calibration
 from gpumem.estimator.gpus import GPU, find_gpu
-from gpumem.estimator.specs import ModelSpec, param_groups, resolve_model
+from gpumem.estimator.model_spec import ModelSpec
+from gpumem.estimator.param_count import param_groups
+from gpumem.estimator.resolver import resolve_model
 from gpumem.estimator.terms import split_layers
 
 # bytes per weight: int4 carries an fp16 scale per group of 128 (GPTQ / AWQ), int8 and fp8 are

@@ -3,7 +3,7 @@
 Every argument is checked here, before the model is read and before a calibration file is
 loaded, so a bad value fails in one line however costly the rest would have been. The
 framework is known here too: a described model's default (``transformers`` for a config.json)
-follows from what was passed (``specs.describes_hf``), not from reading it. ``Job`` is what
+follows from what was passed (``resolver.describes_hf``), not from reading it. ``Job`` is what
 both paths read (``preset.estimate_preset``, ``module_estimate.estimate_module``).
 
 The flat spellings of earlier releases (``grads=``, ``attention=``, ``fp8_recipe=``,
@@ -25,7 +25,7 @@ from gpumem.estimator.gpus import GPU, find_gpu
 from gpumem.estimator.knobs import ActivationKnobs, MoEKnobs, TrainingKnobs
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.megatron import MegatronKnobs, check_knobs
-from gpumem.estimator.specs import describes_hf
+from gpumem.estimator.resolver import describes_hf
 from gpumem.estimator.states import Training, split_fp8_precision
 from gpumem.estimator.torchtitan import TorchtitanKnobs, check_recompute, titan_knobs
 

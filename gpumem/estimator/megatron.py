@@ -75,7 +75,7 @@ from dataclasses import dataclass
 
 from gpumem.estimator import torchtitan
 from gpumem.estimator.activations import Item, Workload, expert_tokens
-from gpumem.estimator.specs import ModelSpec
+from gpumem.estimator.model_spec import ModelSpec
 
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 """TE's fp8 recipes as Megatron names them (``--fp8-recipe``; ``tensorwise`` is current

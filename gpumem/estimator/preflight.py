@@ -82,7 +82,7 @@ def profile_preflight(
     if is_config_path(model):
         peak, method = _config_peak(path, device, **_job(batch_size, seq_len, optimizer, precision))
     else:
-        from gpumem.estimator.specs import from_model_config
+        from gpumem.estimator.resolver import from_model_config
         from gpumem.models import get_config
 
         spec = from_model_config(get_config(model, "tiny" if size is None else size))
@@ -141,7 +141,7 @@ def _estimate(spec, device: str, checkpointing: bool, **job) -> int:
 
 
 def _config_peak(path: Path, device: str, **job) -> tuple[int | None, str]:
-    from gpumem.estimator.specs import HF_FAMILIES, load_config
+    from gpumem.estimator.hf_config import HF_FAMILIES, load_config
 
     try:
         mtype = json.loads(path.read_text()).get("model_type")

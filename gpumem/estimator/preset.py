@@ -26,8 +26,9 @@ from gpumem.estimator.gpus import GPU
 from gpumem.estimator.job import Job
 from gpumem.estimator.knobs import MOE_IMBALANCE
 from gpumem.estimator.layout import Layout
+from gpumem.estimator.model_spec import ModelSpec
+from gpumem.estimator.param_count import ParamGroups, param_groups
 from gpumem.estimator.rank_shapes import fill_fragmentation
-from gpumem.estimator.specs import ModelSpec, ParamGroups, param_groups
 from gpumem.estimator.states import ParamMix, Training, ns_width
 from gpumem.estimator.terms import (
     cluster_states,

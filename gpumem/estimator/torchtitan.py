@@ -72,7 +72,7 @@ from gpumem.estimator import peak, titan_trace
 from gpumem.estimator.activations import Item
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
-from gpumem.estimator.specs import ModelSpec
+from gpumem.estimator.model_spec import ModelSpec
 from gpumem.estimator.states import Training
 from gpumem.estimator.titan_compile import (
     check_compiled_loss,

@@ -46,8 +46,9 @@ from gpumem.estimator.deepspeed import ZeroConfig
 from gpumem.estimator.frameworks import default_grads, engine, resolve_framework
 from gpumem.estimator.gpus import GPU, find_gpu
 from gpumem.estimator.layout import Layout
+from gpumem.estimator.model_spec import ModelSpec
 from gpumem.estimator.preset import PresetTerms
-from gpumem.estimator.specs import ModelSpec, resolve_model
+from gpumem.estimator.resolver import resolve_model
 from gpumem.estimator.states import Training
 from gpumem.planner.checkpoint_times import CheckpointTimes, checkpoint_times
 from gpumem.planner.economics import (

@@ -17,7 +17,8 @@ from gpumem.estimator.deepspeed import (
     step_bytes,
 )
 from gpumem.estimator.gpus import find_gpu
-from gpumem.estimator.specs import param_groups, resolve_model
+from gpumem.estimator.param_count import param_groups
+from gpumem.estimator.resolver import resolve_model
 from gpumem.estimator.states import Training
 from gpumem.estimator.terms import model_states
 

@@ -18,7 +18,7 @@ import torch
 import gpumem
 from gpumem.estimator import peak
 from gpumem.estimator import torchtitan as tt
-from gpumem.estimator.specs import resolve_model
+from gpumem.estimator.resolver import resolve_model
 from gpumem.estimator.titan_compile import compiled_loss_bwd, compiled_loss_saved
 
 

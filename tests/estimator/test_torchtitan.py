@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import gpumem
-from gpumem.estimator.specs import ModelSpec
+from gpumem.estimator.model_spec import ModelSpec
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "published"
 
