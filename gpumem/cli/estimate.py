@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from gpumem.cli import _args
-from gpumem.estimator.frameworks import FRAMEWORKS
+from gpumem.estimator.frameworks.conventions import FRAMEWORKS
 
 
 def add_job_arguments(p: argparse.ArgumentParser) -> None:
@@ -210,9 +210,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     """Megatron-LM's arguments of the same names (``--framework megatron``; see
-    gpumem/estimator/megatron.py)."""
-    from gpumem.estimator.megatron import FP8_RECIPES
-    from gpumem.estimator.torchtitan import FLOAT8_RECIPES
+    gpumem/estimator/frameworks/megatron.py)."""
+    from gpumem.estimator.frameworks.megatron import FP8_RECIPES
+    from gpumem.estimator.frameworks.torchtitan import FLOAT8_RECIPES
 
     g = p.add_argument_group("Megatron-LM (--framework megatron)")
     g.add_argument(
@@ -241,10 +241,10 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
 
 def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The grouped knobs of ``gpumem.estimate`` from the command line (checked as made)."""
-    from gpumem.estimator.deepspeed import ZeroConfig, knobs_from_cli
+    from gpumem.estimator.frameworks.deepspeed import ZeroConfig, knobs_from_cli
+    from gpumem.estimator.frameworks.megatron import MegatronKnobs
+    from gpumem.estimator.frameworks.torchtitan import TorchtitanKnobs
     from gpumem.estimator.knobs import ActivationKnobs, MoEKnobs, TrainingKnobs
-    from gpumem.estimator.megatron import MegatronKnobs
-    from gpumem.estimator.torchtitan import TorchtitanKnobs
 
     titan = args.framework == "torchtitan"  # --fp8-recipe is torchtitan's float8 there
     megatron = {n: getattr(args, n) for n in MEGATRON if n != "fp8_recipe" or not titan}
@@ -294,7 +294,7 @@ def model_with_shape(args: argparse.Namespace):
     """The model, with ``--moe-layer-freq`` / ``--mtp-layers`` applied when given."""
     if args.moe_layer_freq is None and not args.mtp_layers:
         return args.model
-    from gpumem.estimator.megatron import layer_pattern
+    from gpumem.estimator.frameworks.megatron import layer_pattern
     from gpumem.estimator.resolver import resolve_model
 
     spec = resolve_model(args.model)

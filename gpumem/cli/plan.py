@@ -131,7 +131,7 @@ def _headroom(text: str) -> Margin:
 def run(args: argparse.Namespace) -> int:
     if args.inference:
         return _inference(args)
-    from gpumem.estimator.deepspeed import knobs_from_cli
+    from gpumem.estimator.frameworks.deepspeed import knobs_from_cli
     from gpumem.planner import min_gpus, plan, realised, schedulers
 
     if args.loss_chunks:

@@ -14,12 +14,10 @@ Modules, bottom up:
     resolver           ``resolve_model``: whatever a user passes as a model, as a ``ModelSpec``
     gpus               the GPU catalog and the reserve a job cannot use
     layout             ``Layout``: dp/tp/pp/ep/zero/fsdp/sp and their checks
-    deepspeed          DeepSpeed ZeRO's knobs, buffers, offload and published formulas
     states             bytes per parameter of weights, gradients and optimizer state
-    frameworks         which framework's buffer conventions a bill follows, and their cost
     activations        what autograd saves, op by op
     hf_ops             what transformers' decoder modules save for backward
-    megatron           Megatron-LM's conventions: TE tensors, loss, fp8, pipeline splits, MTP
+    frameworks/        each framework's conventions, knobs and buffers (Megatron, torchtitan, ...)
     backward           a layer's widest backward moment
     peak               the one peak formula (numba-compiled for the planner)
     terms              the peak terms every model shares
@@ -29,9 +27,6 @@ Modules, bottom up:
     step_trace         a rank's step as allocations, through the simulated caching allocator
     rank_shapes        a preset rank's tensors for step_trace, and its fragmentation term
     sim_cache          an opt-in on-disk cache of step simulations (GPUMEM_CACHE_DIR), JSON only
-    torchtitan         torchtitan's recipe: its modules, SAC policies, loss and FSDP units
-    titan_trace        torchtitan's step as allocations on FSDP2's streams (its reserved memory)
-    titan_compile      torchtitan's Inductor-compiled loss (--training.compile): what it keeps
     preset             a described model's terms for any layout
     module_structure   an ``nn.Module``'s repeated blocks and counts
     module_inputs      its fake copy and the fake inputs of one micro-batch
@@ -48,17 +43,17 @@ Modules, bottom up:
 
 from gpumem.estimator.api import estimate
 from gpumem.estimator.bill import Bill
-from gpumem.estimator.deepspeed import ZeroConfig
+from gpumem.estimator.frameworks.deepspeed import ZeroConfig
+from gpumem.estimator.frameworks.megatron import MegatronKnobs
+from gpumem.estimator.frameworks.torchtitan import TorchtitanKnobs
 from gpumem.estimator.gpus import CATALOG, GPU, find_gpu
 from gpumem.estimator.knobs import ActivationKnobs, MoEKnobs, TrainingKnobs
 from gpumem.estimator.layout import Layout
-from gpumem.estimator.megatron import MegatronKnobs
 from gpumem.estimator.model_presets import PRESETS
 from gpumem.estimator.model_spec import ModelSpec
 from gpumem.estimator.param_count import module_param_count
 from gpumem.estimator.resolver import resolve_model
 from gpumem.estimator.states import Training
-from gpumem.estimator.torchtitan import TorchtitanKnobs
 
 __all__ = [
     "CATALOG",

@@ -27,17 +27,17 @@ from gpumem.allocator.alloc_conf import AllocConf, NotSimulated, resolve
 from gpumem.calibrate.calibration import split_calibration
 from gpumem.calibrate.memory import MemoryCalibration, apply_memory_calibration
 from gpumem.estimator.bill import Bill
-from gpumem.estimator.deepspeed import ZeroConfig, host_bytes
-from gpumem.estimator.frameworks import engine
+from gpumem.estimator.frameworks.conventions import engine
+from gpumem.estimator.frameworks.deepspeed import ZeroConfig, host_bytes
+from gpumem.estimator.frameworks.megatron import MegatronKnobs
+from gpumem.estimator.frameworks.torchtitan import TorchtitanKnobs
 from gpumem.estimator.gpus import FRAGMENTATION, GPU
 from gpumem.estimator.job import Job, check_job
 from gpumem.estimator.knobs import ActivationKnobs, MoEKnobs, TrainingKnobs
 from gpumem.estimator.layout import Layout
-from gpumem.estimator.megatron import MegatronKnobs
 from gpumem.estimator.model_spec import ModelSpec
 from gpumem.estimator.preset import estimate_preset
 from gpumem.estimator.resolver import resolve_model
-from gpumem.estimator.torchtitan import TorchtitanKnobs
 
 
 def estimate(

@@ -19,15 +19,15 @@ from typing import Any
 
 from gpumem.allocator.alloc_conf import AllocConf
 from gpumem.estimator import inputs
-from gpumem.estimator.deepspeed import ZeroConfig
-from gpumem.estimator.frameworks import default_grads, engine, resolve_framework
+from gpumem.estimator.frameworks.conventions import default_grads, engine, resolve_framework
+from gpumem.estimator.frameworks.deepspeed import ZeroConfig
+from gpumem.estimator.frameworks.megatron import MegatronKnobs, check_knobs
+from gpumem.estimator.frameworks.torchtitan import TorchtitanKnobs, check_recompute, titan_knobs
 from gpumem.estimator.gpus import GPU, find_gpu
 from gpumem.estimator.knobs import ActivationKnobs, MoEKnobs, TrainingKnobs
 from gpumem.estimator.layout import Layout
-from gpumem.estimator.megatron import MegatronKnobs, check_knobs
 from gpumem.estimator.resolver import describes_hf
 from gpumem.estimator.states import Training, split_fp8_precision
-from gpumem.estimator.torchtitan import TorchtitanKnobs, check_recompute, titan_knobs
 
 GROUPS: dict[str, type] = {
     "training": TrainingKnobs,

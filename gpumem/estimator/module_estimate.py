@@ -43,7 +43,7 @@ from typing import Any
 from gpumem.allocator.alloc_conf import AllocConf
 from gpumem.estimator import inputs, peak
 from gpumem.estimator.bill import Bill, make_bill
-from gpumem.estimator.frameworks import default_keep_logits
+from gpumem.estimator.frameworks.conventions import default_keep_logits
 from gpumem.estimator.job import Job
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.module_inputs import resolve_batch

@@ -13,9 +13,10 @@ from typing import Any
 from gpumem.allocator.alloc_conf import AllocConf
 from gpumem.estimator import activations as act
 from gpumem.estimator import backward as bwd
-from gpumem.estimator import hf_ops, inputs, megatron, peak, torchtitan
+from gpumem.estimator import hf_ops, inputs, peak
 from gpumem.estimator.bill import Bill, make_bill
-from gpumem.estimator.frameworks import (
+from gpumem.estimator.frameworks import megatron, torchtitan
+from gpumem.estimator.frameworks.conventions import (
     cp_exchange_bytes,
     default_fused_ops,
     default_keep_logits,
@@ -71,8 +72,8 @@ class PresetTerms:
 
     @property
     def mcore(self) -> bool:
-        """Megatron-core's own saved tensors and loss (``megatron.py``), not the reference
-        modules' or transformers'."""
+        """Megatron-core's own saved tensors and loss (``frameworks/megatron.py``), not the
+        reference modules' or transformers'."""
         return self.framework == "megatron" and self.activation_model == "ops"
 
     @property

@@ -9,7 +9,7 @@ import pytest
 import gpumem
 from gpumem import Layout
 from gpumem.estimator import peak
-from gpumem.estimator.deepspeed import (
+from gpumem.estimator.frameworks.deepspeed import (
     ZeroConfig,
     gpu_buffers,
     host_bytes,
@@ -305,7 +305,7 @@ def test_plan_prices_deepspeed_layouts_with_the_knobs():
 
 
 def test_knobs_from_cli_parse_ds_config_spellings(tmp_path):
-    from gpumem.estimator.deepspeed import knobs_from_cli
+    from gpumem.estimator.frameworks.deepspeed import knobs_from_cli
 
     cfg = tmp_path / "ds.json"
     cfg.write_text('{"zero_optimization": {"reduce_bucket_size": 5e8, "overlap_comm": false}}')

@@ -8,10 +8,10 @@ import inspect
 import pytest
 
 import gpumem
+from gpumem.estimator.frameworks.megatron import MegatronKnobs
+from gpumem.estimator.frameworks.torchtitan import TorchtitanKnobs
 from gpumem.estimator.job import FLAT, GROUPS
 from gpumem.estimator.knobs import ActivationKnobs, MoEKnobs, TrainingKnobs
-from gpumem.estimator.megatron import MegatronKnobs
-from gpumem.estimator.torchtitan import TorchtitanKnobs
 
 
 def test_at_most_twenty_keywords():

@@ -1,13 +1,13 @@
-"""framework="megatron": Megatron-LM's conventions (gpumem/estimator/megatron.py) on the CI's
-golden values and on hand computations."""
+"""framework="megatron": Megatron-LM's conventions (gpumem/estimator/frameworks/megatron.py) on
+the CI's golden values and on hand computations."""
 
 from __future__ import annotations
 
 import pytest
 
 import gpumem
-from gpumem.estimator import megatron
 from gpumem.estimator.activations import Workload, sum_items
+from gpumem.estimator.frameworks import megatron
 from gpumem.estimator.hf_config import from_hf_config
 from gpumem.estimator.model_spec import ModelSpec
 from gpumem.estimator.param_count import param_groups

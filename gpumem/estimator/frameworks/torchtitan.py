@@ -68,17 +68,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpumem.allocator.alloc_conf import AllocConf
-from gpumem.estimator import peak, titan_trace
+from gpumem.estimator import peak
 from gpumem.estimator.activations import Item
-from gpumem.estimator.gpus import GPU
-from gpumem.estimator.layout import Layout
-from gpumem.estimator.model_spec import ModelSpec
-from gpumem.estimator.states import Training
-from gpumem.estimator.titan_compile import (
+from gpumem.estimator.frameworks import titan_trace
+from gpumem.estimator.frameworks.titan_compile import (
     check_compiled_loss,
     compiled_loss_bwd,
     compiled_loss_saved,
 )
+from gpumem.estimator.gpus import GPU
+from gpumem.estimator.layout import Layout
+from gpumem.estimator.model_spec import ModelSpec
+from gpumem.estimator.states import Training
 
 RECOMPUTE = ("none", "selective", "selective:op", "selective:N", "full")
 """torchtitan's activation checkpointing, by its names (``selective:N``: N an integer >= 1)."""

@@ -73,8 +73,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpumem.estimator import torchtitan
 from gpumem.estimator.activations import Item, Workload, expert_tokens
+from gpumem.estimator.frameworks import torchtitan
 from gpumem.estimator.model_spec import ModelSpec
 
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
