@@ -189,169 +189,11 @@ class PresetTerms:
         dense first layers breaks the symmetry (a later rank of all-MoE layers can exceed the
         second): then every rank is a candidate.
         """
-        spec, tr, t = self.spec, self.training, layout.tp
-        pp = layout.pp
-        pg = self.param_groups
+        st = _Stack.of(self, layout, batch, recompute, grad_accum, persistent_grads)
         if stages is None:
-            stages = list(range(pp)) if pg.n_dense else sorted({0, min(1, pp - 1), pp - 1})
-        persist = grads_persist(layout, grad_accum, persistent_grads)
-        # k/v projections replicate across ranks when tp exceeds the KV heads
-        kvp = (
-            2 * spec.hidden * spec.kv_heads * spec.dhead if spec.n_heads and not spec.is_mla else 0
-        )
-        kv_rep = kvp / min(t, max(spec.kv_heads, 1)) - kvp / t
-        moe_tp, dense_tp = pg.layer_tp / t + kv_rep, pg.dense_tp / t + kv_rep
-        expert_layer = pg.layer_expert / (layout.ep * layout.expert_tp)
-        split = self.framework == "megatron" and megatron.uneven(self.knobs)
-        chunks_by_stage = (
-            megatron.stage_chunks(spec.n_layers, pp, layout.vpp, self.knobs) if split else []
-        ) or stage_chunks(spec.n_layers, pp, layout.vpp)
-        mega = self.framework == "megatron"
-        w8 = megatron.fp8_weight_cache_bytes(self.knobs) if mega else 0.0
-        acts = {
-            kind: self._act_terms(layout, batch, recompute, kind == "dense")
-            for kind in ("dense", "moe")
-        }
-        out = []
-        for i in stages:
-            chunks = [c for c in chunks_by_stage[i] if len(c)]
-            n_l = sum(len(c) for c in chunks)
-            # the dense layers (an MoE's dense first layers, or its pattern's) among the ranges
-            n_dense = sum(spec.dense_in(c) for c in chunks)
-            n_moe = n_l - n_dense
-            is_first, is_last = i == 0, i == pp - 1
-            # MTP layers run on the last stage, of the model's last layer's kind
-            mtp = spec.mtp_layers if is_last and self.framework == "megatron" else 0
-            mtp_dense = mtp if spec.is_dense_layer(spec.n_layers - 1) else 0
-            # backward ends in the stage's first layer and starts in its last
-            dense_first = not spec.is_moe or (bool(chunks) and spec.is_dense_layer(chunks[0][0]))
-            dense_last = not spec.is_moe or (bool(chunks) and spec.is_dense_layer(chunks[-1][-1]))
-            first_kind = "dense" if dense_first else "moe"
-            last_kind = "dense" if dense_last else "moe"
-            a_first_layer, a_last_layer = acts[first_kind], acts[last_kind]
-            if spec.is_moe:
-                dense = n_dense * (dense_tp + pg.dense_rep) + n_moe * (moe_tp + pg.layer_rep)
-            else:
-                dense = n_l * (moe_tp + pg.layer_rep)
-            first, last, held, ids_b, ce0 = acts["dense"][5:10]
-            if is_first:
-                dense += pg.embed_tp / t + pg.embed_rep
-            if is_last:
-                dense += pg.head_tp / t + pg.head_rep
-                if (spec.tied_embeddings or mtp) and pp > 1:
-                    dense += pg.embed_tp / t  # Megatron keeps a copy of tied embeddings at the end
-            expert = n_moe * expert_layer
-            mtp_tp = 0.0
-            if mtp:
-                m_tp, m_rep = (dense_tp, pg.dense_rep) if mtp_dense else (moe_tp, pg.layer_rep)
-                mtp_tp, mtp_rep = megatron.mtp_params(spec, m_tp, m_rep, t)
-                dense += mtp_tp + mtp_rep
-                expert += (mtp - mtp_dense) * expert_layer
-            if tr.lora_rank:
-                p_train, p_frozen = self._lora_params(n_l, t), dense
-                p_exp_train, p_exp_frozen = 0.0, expert
-            else:
-                p_train, p_frozen, p_exp_train, p_exp_frozen = dense, 0.0, expert, 0.0
-            trainable = p_train + p_exp_train
-            x = [0.0] * peak.N_TERMS
-            x[peak.P_TRAIN], x[peak.P_FROZEN] = p_train, p_frozen
-            x[peak.P_EXP_TRAIN], x[peak.P_EXP_FROZEN] = p_exp_train, p_exp_frozen
-            stage_acts = n_dense * acts["dense"][0] + n_moe * acts["moe"][0]
-            x[peak.A_LAYER], x[peak.N_LAYERS] = (stage_acts / n_l if n_l else 0.0), n_l
-            x[peak.W_BUFFERS] = spec.buffer_bytes * n_l / max(spec.n_layers, 1)
-            if mega:  # library workspaces, and the pipeline inputs kept after the step
-                x[peak.W_BUFFERS] += megatron.workspace_bytes(
-                    self.cuda, bool(n_moe) and self.grouped_gemm
-                )
-                if spec.is_decoder:
-                    x[peak.W_BUFFERS] += megatron.pipeline_input_bytes(
-                        self.workload(layout, batch), spec.hidden, pp, layout.vpp, i
-                    )
-            if w8:  # fp8 copies of the TE Linears' weights (not norms, biases, embedding, head)
-                lin = n_dense * dense_tp + n_moe * moe_tp if spec.is_moe else n_l * moe_tp
-                x[peak.W_BUFFERS] += w8 * (lin + expert + mtp_tp)
-            # parameters kept in fp32 in a 16-bit model: their extra bytes, as weights
-            x[peak.W_BUFFERS] += n_moe * spec.fp32_moe_params * max(0, 4 - tr.weight_bytes)
-            x[peak.INFLIGHT] = inflight(layout, grad_accum, i)
-            if split and n_l and pp > 1:  # Megatron's uneven chunks weigh by their layers
-                all_chunks = chunks_by_stage[i]
-                x[peak.INFLIGHT] = (
-                    megatron.inflight_layers(all_chunks, pp, layout.vpp, grad_accum, i) / n_l
-                )
-            x[peak.A_FIRST] = first if is_first else 0.0
-            x[peak.A_LAST] = last if is_last else 0.0
-            if mtp:  # MTP layers run once per micro-batch, after the last chunk: not in flight
-                x[peak.A_LAST] += mtp_dense * acts["dense"][0] + (mtp - mtp_dense) * acts["moe"][0]
-            if is_last and pp > 1 and self.mcore:
-                x[peak.A_LAST] += megatron.deferred_wgrad_bytes(
-                    spec, self.workload(layout, batch), self.knobs, grad_accum
-                )
-            # the last layer's widest moment: its temporaries, and the weight grads it made
-            t_start, g_start, gone = a_last_layer[4] - a_last_layer[3], a_last_layer[3], 0.0
-            grad_in = (
-                ce0
-                if is_last
-                else batch * self.seq // layout.cp * spec.hidden * tr.compute_bytes / t
-            )
-            if is_last and spec.is_decoder:
-                # by the last layer's widest moment the loss and head have run: their saved
-                # tensors are gone (the held logits stay), the head's weight grad exists
-                head = (pg.embed_tp if spec.tied_embeddings else pg.head_tp) / t + pg.head_rep
-                g_start += head * tr.grad_bytes
-                gone = last - held
-            if t_start + g_start - gone > grad_in:
-                x[peak.T_BWD0], x[peak.G_START], x[peak.A_GONE] = t_start, g_start, gone
-            else:
-                x[peak.T_BWD0] = grad_in
-            x[peak.T_LAYER] = a_first_layer[1]
-            x[peak.A_END] = a_first_layer[2]
-            x[peak.HELD] = held if is_last else 0.0
-            x[peak.IDS] = ids_b if is_first else 0.0
-            x[peak.G_WALK] = a_first_layer[3]
-            # weight grads not yet produced at the end moment (inside the stage's first layer):
-            # that layer's, and an untied embedding's (a tied one waits in autograd's buffer)
-            first_is_moe = first_kind == "moe"
-            layer_tp = moe_tp if first_is_moe else (dense_tp if spec.is_moe else moe_tp)
-            layer_rep = pg.layer_rep if (first_is_moe or not spec.is_moe) else pg.dense_rep
-            if self.activation_model == "ops" and n_l and not persist:
-                emb = (0.0 if spec.tied_embeddings else pg.embed_tp / t) + pg.embed_rep
-                if tr.lora_rank:
-                    x[peak.P_PEND] = self._lora_params(1, t)
-                else:
-                    x[peak.P_PEND] = layer_tp + layer_rep + (emb if is_first else 0.0)
-                    x[peak.P_PEND_EXP] = expert_layer if first_is_moe else 0.0
-                if spec.tied_embeddings and is_first and is_last and spec.is_decoder:
-                    # the head's gradient of a tied embedding waits in autograd's input buffer
-                    # (a temporary) until the embedding's own backward adds to it and
-                    # AccumulateGrad makes it the .grad
-                    tied = pg.embed_tp / t
-                    x[peak.P_PEND] += tied
-                    x[peak.T_LAYER] += tied * tr.grad_bytes
-            layer_params = max(
-                moe_tp + pg.layer_rep + (expert_layer if spec.is_moe else 0.0),
-                dense_tp + pg.dense_rep if spec.is_moe and n_dense else 0.0,
-            )
-            job_terms(
-                x,
-                tr,
-                layout,
-                self.gpu,
-                self.cuda,
-                trainable=trainable,
-                layer_params=layer_params,
-                scratch=pg.step_scratch / t,
-                persist=persist,
-                framework=self.framework,
-                layer_comm=max(acts["dense"][10], acts["moe"][10] if n_moe else 0.0),
-                mix=preset_mix(spec, pg),
-            )
-            if self.alloc_conf is not None:
-                fill_fragmentation(
-                    self, self.alloc_conf, x, layout, batch, recompute,
-                    first=is_first, last=is_last, moe=n_moe > n_dense,
-                )  # fmt: skip
-            out.append(x)
-        return out
+            pp = layout.pp
+            stages = list(range(pp)) if st.pg.n_dense else sorted({0, min(1, pp - 1), pp - 1})
+        return [stage_terms(self, st, i) for i in stages]
 
     def _act_terms(
         self, layout: Layout, batch: int, recompute: str, dense: bool
@@ -471,6 +313,258 @@ class PresetTerms:
         # backward start: the last layer's widest moment (its recomputation included)
         t_start = m.excess + (full - shared if k else 0)
         return float(saved), float(t_end), float(a_end), float(m.grads), float(t_start)
+
+
+@dataclass
+class _Stack:
+    """What every pipeline rank of one ``PresetTerms.terms`` call shares."""
+
+    layout: Layout
+    batch: int
+    recompute: str
+    grad_accum: int
+    pg: ParamGroups
+    persist: bool
+    moe_tp: float  # an MoE (or any non-dense) layer's tensor-parallel parameters per rank
+    dense_tp: float  # a dense layer's
+    expert_layer: float  # a layer's expert parameters per rank
+    split: bool  # Megatron's uneven pipeline split
+    chunks_by_stage: list[list[range]]
+    w8: float  # bytes per parameter of the fp8 weight copies (Megatron's TE)
+    acts: dict[str, tuple[float, ...]]  # _act_terms of a dense and an MoE layer
+
+    @classmethod
+    def of(
+        cls,
+        pt: PresetTerms,
+        layout: Layout,
+        batch: int,
+        recompute: str,
+        grad_accum: int,
+        persistent_grads: bool | None,
+    ) -> _Stack:
+        spec, t, pg = pt.spec, layout.tp, pt.param_groups
+        # k/v projections replicate across ranks when tp exceeds the KV heads
+        kvp = (
+            2 * spec.hidden * spec.kv_heads * spec.dhead if spec.n_heads and not spec.is_mla else 0
+        )
+        kv_rep = kvp / min(t, max(spec.kv_heads, 1)) - kvp / t
+        split = pt.framework == "megatron" and megatron.uneven(pt.knobs)
+        pp, vpp = layout.pp, layout.vpp
+        chunks = (
+            megatron.stage_chunks(spec.n_layers, pp, vpp, pt.knobs) if split else []
+        ) or stage_chunks(spec.n_layers, pp, vpp)
+        return cls(
+            layout=layout,
+            batch=batch,
+            recompute=recompute,
+            grad_accum=grad_accum,
+            pg=pg,
+            persist=grads_persist(layout, grad_accum, persistent_grads),
+            moe_tp=pg.layer_tp / t + kv_rep,
+            dense_tp=pg.dense_tp / t + kv_rep,
+            expert_layer=pg.layer_expert / (layout.ep * layout.expert_tp),
+            split=split,
+            chunks_by_stage=chunks,
+            w8=megatron.fp8_weight_cache_bytes(pt.knobs) if pt.framework == "megatron" else 0.0,
+            acts={
+                kind: pt._act_terms(layout, batch, recompute, kind == "dense")
+                for kind in ("dense", "moe")
+            },
+        )
+
+
+@dataclass
+class _Rank:
+    """One pipeline rank's layers."""
+
+    i: int
+    chunks: list[range]
+    n_l: int
+    n_dense: int  # the dense layers (an MoE's dense first layers, or its pattern's)
+    n_moe: int
+    is_first: bool
+    is_last: bool
+    mtp: int  # MTP layers run on the last stage, of the model's last layer's kind
+    mtp_dense: int
+    first_kind: str  # backward ends in the stage's first layer and starts in its last
+    last_kind: str
+
+    @classmethod
+    def of(cls, pt: PresetTerms, st: _Stack, i: int) -> _Rank:
+        spec, pp = pt.spec, st.layout.pp
+        chunks = [c for c in st.chunks_by_stage[i] if len(c)]
+        n_l = sum(len(c) for c in chunks)
+        n_dense = sum(spec.dense_in(c) for c in chunks)
+        is_last = i == pp - 1
+        mtp = spec.mtp_layers if is_last and pt.framework == "megatron" else 0
+        dense_first = not spec.is_moe or (bool(chunks) and spec.is_dense_layer(chunks[0][0]))
+        dense_last = not spec.is_moe or (bool(chunks) and spec.is_dense_layer(chunks[-1][-1]))
+        return cls(
+            i=i,
+            chunks=chunks,
+            n_l=n_l,
+            n_dense=n_dense,
+            n_moe=n_l - n_dense,
+            is_first=i == 0,
+            is_last=is_last,
+            mtp=mtp,
+            mtp_dense=mtp if spec.is_dense_layer(spec.n_layers - 1) else 0,
+            first_kind="dense" if dense_first else "moe",
+            last_kind="dense" if dense_last else "moe",
+        )
+
+
+def stage_terms(pt: PresetTerms, st: _Stack, i: int) -> list[float]:
+    """The peak terms of pipeline rank ``i`` (``PresetTerms.terms``)."""
+    spec, t, pg, layout = pt.spec, st.layout.tp, st.pg, st.layout
+    r = _Rank.of(pt, st, i)
+    x = [0.0] * peak.N_TERMS
+    trainable, expert, mtp_tp = _fill_params(pt, st, r, x)
+    _fill_buffers(pt, st, r, x, expert, mtp_tp)
+    _fill_activations(pt, st, r, x)
+    layer_params = max(
+        st.moe_tp + pg.layer_rep + (st.expert_layer if spec.is_moe else 0.0),
+        st.dense_tp + pg.dense_rep if spec.is_moe and r.n_dense else 0.0,
+    )
+    job_terms(
+        x,
+        pt.training,
+        layout,
+        pt.gpu,
+        pt.cuda,
+        trainable=trainable,
+        layer_params=layer_params,
+        scratch=pg.step_scratch / t,
+        persist=st.persist,
+        framework=pt.framework,
+        layer_comm=max(st.acts["dense"][10], st.acts["moe"][10] if r.n_moe else 0.0),
+        mix=preset_mix(spec, pg),
+    )
+    if pt.alloc_conf is not None:
+        fill_fragmentation(
+            pt, pt.alloc_conf, x, layout, st.batch, st.recompute,
+            first=r.is_first, last=r.is_last, moe=r.n_moe > r.n_dense,
+        )  # fmt: skip
+    return x
+
+
+def _fill_params(pt: PresetTerms, st: _Stack, r: _Rank, x: list[float]) -> tuple[float, ...]:
+    """The rank's parameters, trainable and frozen: (trainable, expert, MTP's tp part)."""
+    spec, t, pg, pp = pt.spec, st.layout.tp, st.pg, st.layout.pp
+    if spec.is_moe:
+        dense = r.n_dense * (st.dense_tp + pg.dense_rep) + r.n_moe * (st.moe_tp + pg.layer_rep)
+    else:
+        dense = r.n_l * (st.moe_tp + pg.layer_rep)
+    if r.is_first:
+        dense += pg.embed_tp / t + pg.embed_rep
+    if r.is_last:
+        dense += pg.head_tp / t + pg.head_rep
+        if (spec.tied_embeddings or r.mtp) and pp > 1:
+            dense += pg.embed_tp / t  # Megatron keeps a copy of tied embeddings at the end
+    expert = r.n_moe * st.expert_layer
+    mtp_tp = 0.0
+    if r.mtp:
+        m_tp, m_rep = (st.dense_tp, pg.dense_rep) if r.mtp_dense else (st.moe_tp, pg.layer_rep)
+        mtp_tp, mtp_rep = megatron.mtp_params(spec, m_tp, m_rep, t)
+        dense += mtp_tp + mtp_rep
+        expert += (r.mtp - r.mtp_dense) * st.expert_layer
+    if pt.training.lora_rank:
+        p_train, p_frozen = pt._lora_params(r.n_l, t), dense
+        p_exp_train, p_exp_frozen = 0.0, expert
+    else:
+        p_train, p_frozen, p_exp_train, p_exp_frozen = dense, 0.0, expert, 0.0
+    x[peak.P_TRAIN], x[peak.P_FROZEN] = p_train, p_frozen
+    x[peak.P_EXP_TRAIN], x[peak.P_EXP_FROZEN] = p_exp_train, p_exp_frozen
+    return p_train + p_exp_train, expert, mtp_tp
+
+
+def _fill_buffers(
+    pt: PresetTerms, st: _Stack, r: _Rank, x: list[float], expert: float, mtp_tp: float
+) -> None:
+    """The rank's layer count, per-layer activations, buffers and in-flight micro-batches."""
+    spec, layout, acts, n_l = pt.spec, st.layout, st.acts, r.n_l
+    stage_acts = r.n_dense * acts["dense"][0] + r.n_moe * acts["moe"][0]
+    x[peak.A_LAYER], x[peak.N_LAYERS] = (stage_acts / n_l if n_l else 0.0), n_l
+    x[peak.W_BUFFERS] = spec.buffer_bytes * n_l / max(spec.n_layers, 1)
+    if pt.framework == "megatron":  # library workspaces, and the pipeline inputs kept after
+        x[peak.W_BUFFERS] += megatron.workspace_bytes(pt.cuda, bool(r.n_moe) and pt.grouped_gemm)
+        if spec.is_decoder:
+            x[peak.W_BUFFERS] += megatron.pipeline_input_bytes(
+                pt.workload(layout, st.batch), spec.hidden, layout.pp, layout.vpp, r.i
+            )
+    if st.w8:  # fp8 copies of the TE Linears' weights (not norms, biases, embedding, head)
+        lin = r.n_dense * st.dense_tp + r.n_moe * st.moe_tp if spec.is_moe else n_l * st.moe_tp
+        x[peak.W_BUFFERS] += st.w8 * (lin + expert + mtp_tp)
+    # parameters kept in fp32 in a 16-bit model: their extra bytes, as weights
+    x[peak.W_BUFFERS] += r.n_moe * spec.fp32_moe_params * max(0, 4 - pt.training.weight_bytes)
+    x[peak.INFLIGHT] = inflight(layout, st.grad_accum, r.i)
+    if st.split and n_l and layout.pp > 1:  # Megatron's uneven chunks weigh by their layers
+        x[peak.INFLIGHT] = (
+            megatron.inflight_layers(
+                st.chunks_by_stage[r.i], layout.pp, layout.vpp, st.grad_accum, r.i
+            )
+            / n_l
+        )
+
+
+def _fill_activations(pt: PresetTerms, st: _Stack, r: _Rank, x: list[float]) -> None:
+    """The rank's saved activations and the moments of its backward."""
+    spec, tr, t, pg, layout, acts = pt.spec, pt.training, st.layout.tp, st.pg, st.layout, st.acts
+    a_first_layer, a_last_layer = acts[r.first_kind], acts[r.last_kind]
+    first, last, held, ids_b, ce0 = acts["dense"][5:10]
+    x[peak.A_FIRST] = first if r.is_first else 0.0
+    x[peak.A_LAST] = last if r.is_last else 0.0
+    if r.mtp:  # MTP layers run once per micro-batch, after the last chunk: not in flight
+        x[peak.A_LAST] += r.mtp_dense * acts["dense"][0] + (r.mtp - r.mtp_dense) * acts["moe"][0]
+    if r.is_last and layout.pp > 1 and pt.mcore:
+        x[peak.A_LAST] += megatron.deferred_wgrad_bytes(
+            spec, pt.workload(layout, st.batch), pt.knobs, st.grad_accum
+        )
+    # the last layer's widest moment: its temporaries, and the weight grads it made
+    t_start, g_start, gone = a_last_layer[4] - a_last_layer[3], a_last_layer[3], 0.0
+    grad_in = (
+        ce0 if r.is_last else st.batch * pt.seq // layout.cp * spec.hidden * tr.compute_bytes / t
+    )
+    if r.is_last and spec.is_decoder:
+        # by the last layer's widest moment the loss and head have run: their saved
+        # tensors are gone (the held logits stay), the head's weight grad exists
+        head = (pg.embed_tp if spec.tied_embeddings else pg.head_tp) / t + pg.head_rep
+        g_start += head * tr.grad_bytes
+        gone = last - held
+    if t_start + g_start - gone > grad_in:
+        x[peak.T_BWD0], x[peak.G_START], x[peak.A_GONE] = t_start, g_start, gone
+    else:
+        x[peak.T_BWD0] = grad_in
+    x[peak.T_LAYER] = a_first_layer[1]
+    x[peak.A_END] = a_first_layer[2]
+    x[peak.HELD] = held if r.is_last else 0.0
+    x[peak.IDS] = ids_b if r.is_first else 0.0
+    x[peak.G_WALK] = a_first_layer[3]
+    _fill_pending(pt, st, r, x)
+
+
+def _fill_pending(pt: PresetTerms, st: _Stack, r: _Rank, x: list[float]) -> None:
+    """Weight grads not yet produced at the end moment (inside the stage's first layer):
+    that layer's, and an untied embedding's (a tied one waits in autograd's buffer)."""
+    spec, tr, t, pg = pt.spec, pt.training, st.layout.tp, st.pg
+    first_is_moe = r.first_kind == "moe"
+    layer_tp = st.moe_tp if first_is_moe else (st.dense_tp if spec.is_moe else st.moe_tp)
+    layer_rep = pg.layer_rep if (first_is_moe or not spec.is_moe) else pg.dense_rep
+    if pt.activation_model == "ops" and r.n_l and not st.persist:
+        emb = (0.0 if spec.tied_embeddings else pg.embed_tp / t) + pg.embed_rep
+        if tr.lora_rank:
+            x[peak.P_PEND] = pt._lora_params(1, t)
+        else:
+            x[peak.P_PEND] = layer_tp + layer_rep + (emb if r.is_first else 0.0)
+            x[peak.P_PEND_EXP] = st.expert_layer if first_is_moe else 0.0
+        if spec.tied_embeddings and r.is_first and r.is_last and spec.is_decoder:
+            # the head's gradient of a tied embedding waits in autograd's input buffer
+            # (a temporary) until the embedding's own backward adds to it and
+            # AccumulateGrad makes it the .grad
+            tied = pg.embed_tp / t
+            x[peak.P_PEND] += tied
+            x[peak.T_LAYER] += tied * tr.grad_bytes
 
 
 def estimate_preset(spec: ModelSpec, job: Job) -> Bill:
