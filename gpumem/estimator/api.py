@@ -6,7 +6,18 @@ paths, which meet again in ``bill.make_bill``:
 - a described model (preset name, ``config.json``, dict, ``ModelSpec``): ``preset.py``;
 - an ``nn.Module``: ``module_estimate.py`` (exact counts and a fake-tensor pass; needs torch).
 
-A calibration's memory section scales the categories of either path's bill.
+A calibration's memory section scales the categories of either path's bill (a file fitted for
+another architecture or device is used with a warning naming the mismatch).
+
+``alloc_conf``: a malformed setting is a ``ValueError`` naming the option; an environment setting
+the simulator does not reproduce (``backend:cudaMallocAsync``) falls back to the flat
+fragmentation share, with ``bill.reserved_note`` saying why; the nn.Module path simulates one
+whole replica only, and ``device="cpu"`` keeps the flat share (docs/estimator.md, "Reserved
+memory"). ``example_input``: a tensor, a tuple (positional) or a dict (keyword), real, meta or
+fake; dim 0 of every tensor is set to ``batch_size`` and dim 1 of integer (token id) tensors to
+``seq_len`` when given; built-in ``gpumem.models`` modules default to their example batch.
+``loss_fn`` defaults to cross-entropy over the output's last dimension (a scalar output or
+``.loss`` is the loss itself).
 
 Example:
     >>> import gpumem
