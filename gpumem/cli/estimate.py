@@ -242,12 +242,14 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
 def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The grouped knobs of ``gpumem.estimate`` from the command line (checked as made)."""
     from gpumem.estimator.frameworks.deepspeed import ZeroConfig, knobs_from_cli
-    from gpumem.estimator.frameworks.megatron import MegatronKnobs
-    from gpumem.estimator.frameworks.torchtitan import TorchtitanKnobs
+    from gpumem.estimator.frameworks.megatron import check_knobs
+    from gpumem.estimator.frameworks.torchtitan import titan_knobs
     from gpumem.estimator.knobs import ActivationKnobs, MoEKnobs, TrainingKnobs
 
-    titan = args.framework == "torchtitan"  # --fp8-recipe is torchtitan's float8 there
+    fw = args.framework
+    titan = fw == "torchtitan"  # --fp8-recipe is torchtitan's float8 there
     megatron = {n: getattr(args, n) for n in MEGATRON if n != "fp8_recipe" or not titan}
+    megatron = {k: v for k, v in megatron.items() if v is not None}
     deepspeed = knobs_from_cli(args.deepspeed, args.ds_config)
     if args.offload_param:  # ZeRO-3's parameter offload, also a ds_config key
         deepspeed = dataclasses.replace(ZeroConfig.from_dict(deepspeed), offload_param="cpu")
@@ -263,8 +265,10 @@ def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
             activation_model=args.activation_model,
             keep_logits=args.keep_logits,
         ),
-        "megatron": MegatronKnobs(**{k: v for k, v in megatron.items() if v is not None}),
-        "torchtitan": TorchtitanKnobs(
+        # a knob of a framework not named is named as such, before its value is checked
+        "megatron": check_knobs(fw if fw is not None else "megatron", **megatron),
+        "torchtitan": titan_knobs(
+            fw if fw is not None else "torchtitan",
             fp8_recipe=args.fp8_recipe if titan else None,
             fsdp_float8_all_gather=args.fsdp_float8_all_gather,
             loss_chunks=args.loss_chunks,

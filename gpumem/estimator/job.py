@@ -90,11 +90,13 @@ def regroup(flat: dict[str, Any], groups: dict[str, Any]) -> dict[str, dict[str,
         if name not in FLAT:
             raise TypeError(f"estimate() got an unexpected keyword argument {name!r}")
         g, key = FLAT[name]
-        if groups.get(g) is not None or (name == "fp8_recipe" and value is not None and any(
-            groups.get(k) is not None for k in ("megatron", "torchtitan")
-        )):  # fmt: skip
-            where = g if g != "extra" else "megatron/torchtitan"
-            raise ValueError(f"{name}= and {where}= both given: give {name} in {where}= only")
+        beside = [g] if groups.get(g) is not None else []
+        if name == "fp8_recipe" and value is not None:  # either framework's knobs hold one
+            beside = [k for k in ("megatron", "torchtitan") if groups.get(k) is not None]
+        if beside:
+            raise ValueError(
+                f"{name}= and {beside[0]}= both given: give {name} in {beside[0]}= only"
+            )
         out[g][key] = value
     return out
 

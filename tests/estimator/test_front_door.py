@@ -90,6 +90,8 @@ def test_every_flat_spelling_has_a_group():
 def test_flat_beside_its_group_or_unknown_is_one_line():
     with pytest.raises(ValueError, match="grads= and training= both given"):
         gpumem.estimate("llama-2-7b", grads="fp32", training=TrainingKnobs())
+    with pytest.raises(ValueError, match="fp8_recipe= and megatron= both given"):
+        gpumem.estimate("llama-2-7b", fp8_recipe="delayed", megatron=MegatronKnobs())
     with pytest.raises(TypeError, match="unexpected keyword argument 'gradz'"):
         gpumem.estimate("llama-2-7b", gradz="fp32")
     with pytest.raises(TypeError, match="moe must be a MoEKnobs, got dict"):
