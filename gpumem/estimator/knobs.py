@@ -25,6 +25,7 @@ most MoE recipes use (GShard, Switch Transformer: 1.25). Dropless routing (Megat
 can exceed it early in training; pass the measured max/mean (``MoEKnobs(imbalance=)``)."""
 MOE_DISPATCHERS = ("alltoall", "allgather")
 ACTIVATION_MODELS = ("ops", "korthikanti")
+ATTENTIONS = ("sdpa", "flash", "efficient", "cpu-flash", "eager", "math")
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class ActivationKnobs:
     fused_ops: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        check_attention(self.attention)
         if self.activation_model not in ACTIVATION_MODELS:
             raise ValueError(
                 f"activation_model must be 'ops' or 'korthikanti', got {self.activation_model!r}"
@@ -123,6 +125,14 @@ class MoEKnobs:
             raise ValueError(
                 f"moe_grouped_gemm must be True, False or None, got {self.grouped_gemm!r}"
             )
+
+
+def check_attention(attention: Any) -> None:
+    """``attention`` is one of ``ATTENTIONS``."""
+    if attention not in ATTENTIONS:
+        raise ValueError(
+            f"unknown attention {attention!r}; use sdpa, flash, efficient, cpu-flash, eager"
+        )
 
 
 def check_fused_ops(fused_ops: Any) -> None:

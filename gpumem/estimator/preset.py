@@ -25,7 +25,7 @@ from gpumem.estimator.frameworks.conventions import (
 )
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.job import Job
-from gpumem.estimator.knobs import MOE_IMBALANCE
+from gpumem.estimator.knobs import MOE_IMBALANCE, check_attention
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.model_spec import ModelSpec
 from gpumem.estimator.param_count import ParamGroups, param_groups
@@ -115,10 +115,7 @@ class PresetTerms:
             return "math"
         if a in ("flash", "efficient", "cpu-flash"):
             return a
-        if a != "sdpa":
-            raise ValueError(
-                f"unknown attention {a!r}; use sdpa, flash, efficient, cpu-flash, eager"
-            )
+        check_attention(a)  # what is left is sdpa
         if not self.cuda:
             return "cpu-flash" if self.dropout == 0 else "math"
         return "efficient" if self.training.compute_bytes == 4 else "flash"

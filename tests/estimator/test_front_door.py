@@ -32,6 +32,7 @@ def test_at_most_twenty_keywords():
         (lambda: MoEKnobs(imbalance=0.5), "moe_imbalance is the most loaded rank's"),
         (lambda: MoEKnobs(dispatcher="ring"), "moe_dispatcher must be one of"),
         (lambda: ActivationKnobs(dropout=1.0), r"dropout must be in \[0, 1\)"),
+        (lambda: ActivationKnobs(attention="bogus"), "unknown attention 'bogus'"),
         (lambda: ActivationKnobs(fused_ops=("norm", "gelu")), "unknown fused op"),
     ],
 )
