@@ -35,7 +35,7 @@ import numpy as np
 from _report import ROOT, figure, machine_info, value_figure, write_results
 
 from gpumem.planner.capacity import Capacity
-from gpumem.planner.capacity_replay import Job
+from gpumem.planner.capacity_replay import CapacityJob
 from gpumem.planner.economics import economics
 from gpumem.planner.predict import predict_options, replay_windows
 from gpumem.planner.traces import load_trace
@@ -66,26 +66,30 @@ def _traces(root: Path) -> list[tuple[str, Capacity, int]]:
     return out
 
 
-def _jobs(label: str) -> list[tuple[str, Job]]:
+def _jobs(label: str) -> list[tuple[str, CapacityJob]]:
     """Jobs the agreement is measured on: hours that fit the trace's length."""
     if label.startswith("bamboo"):  # 11 h traces
         return [
             (
                 "4 h, deadline 6 h, C/P/R 10/60/600 s",
-                Job(4, deadline_h=6, stall_s=10, persist_s=60, restart_s=600, final_save_s=60),
+                CapacityJob(
+                    4, deadline_h=6, stall_s=10, persist_s=60, restart_s=600, final_save_s=60
+                ),
             ),
-            ("4 h, deadline 5 h, sky_spot costs", Job(4, deadline_h=5, restart_s=600)),
+            ("4 h, deadline 5 h, sky_spot costs", CapacityJob(4, deadline_h=5, restart_s=600)),
         ]
     return [
         (
             "24 h, deadline 36 h, C/P/R 10/60/600 s",
-            Job(24, deadline_h=36, stall_s=10, persist_s=60, restart_s=600, final_save_s=60),
+            CapacityJob(
+                24, deadline_h=36, stall_s=10, persist_s=60, restart_s=600, final_save_s=60
+            ),
         ),
         (
             "24 h, deadline 30 h, no notice fit",
-            Job(24, deadline_h=30, stall_s=30, persist_s=300, restart_s=900),
+            CapacityJob(24, deadline_h=30, stall_s=30, persist_s=300, restart_s=900),
         ),
-        ("48 h, deadline 52 h, sky_spot costs", Job(48, deadline_h=52, restart_s=720)),
+        ("48 h, deadline 52 h, sky_spot costs", CapacityJob(48, deadline_h=52, restart_s=720)),
     ]
 
 
@@ -95,7 +99,7 @@ def published() -> tuple[list[tuple], list]:
     if not f.is_file():
         f = ROOT / "tests" / "planner" / "data" / "can-t-be-late-us-west-2a_k80_1-window.json"
     spot = Capacity.from_trace(load_trace(f), SPOT)
-    job = Job(48, deadline_h=52, restart_s=720)
+    job = CapacityJob(48, deadline_h=52, restart_s=720)
     (up,) = replay_windows([(job, "uniform-progress")], spot, Capacity.on_demand(ON_DEMAND), [0])
     row = (
         "Uniform Progress, published window",
@@ -120,8 +124,10 @@ def _rel(model: float, replay: float) -> list[float]:
     return [abs(model / replay - 1)]
 
 
-def _economics_error(job: Job, cap: Capacity, mtbf_h: float) -> list[float]:
-    free = Job(job.work_h, stall_s=job.stall_s, persist_s=job.persist_s, restart_s=job.restart_s)
+def _economics_error(job: CapacityJob, cap: Capacity, mtbf_h: float) -> list[float]:
+    free = CapacityJob(
+        job.work_h, stall_s=job.stall_s, persist_s=job.persist_s, restart_s=job.restart_s
+    )
     (spot_only,) = replay_windows([(free, "spot")], cap, None)
     e = economics(
         n_gpus=1,
@@ -203,7 +209,7 @@ def agreement(traces: list) -> tuple[list[tuple], list, dict]:
 
 def _calibrated_job(
     cal_path: str | None, work_h: float, deadline_h: float, node_ranks: int, rank_bytes: int
-) -> tuple[Job, str]:
+) -> tuple[CapacityJob, str]:
     from gpumem.calibrate.calibration import as_calibration
     from gpumem.planner.checkpoint_times import checkpoint_times
     from gpumem.planner.notice import final_save_seconds
@@ -211,7 +217,7 @@ def _calibrated_job(
     cal = as_calibration(cal_path)
     t = checkpoint_times(cal, checkpoint_bytes=rank_bytes)
     save = final_save_seconds(rank_bytes=rank_bytes, ranks_per_node=node_ranks, calibration=cal)
-    job = Job(
+    job = CapacityJob(
         work_h,
         deadline_h=deadline_h,
         stall_s=t.stall_s,

@@ -216,7 +216,8 @@ def step_rows() -> tuple[list[list[object]], list[Figure]]:
     import torch.nn.functional as F
 
     import gpumem
-    from gpumem.estimator.specs import from_model_config, param_groups
+    from gpumem.estimator.param_count import param_groups
+    from gpumem.estimator.resolver import from_model_config
     from gpumem.estimator.states import Training
     from gpumem.models import build_model, example_batch, get_config
 

@@ -34,7 +34,7 @@ def main() -> None:
     from gpumem.estimator.gpus import find_gpu
     from gpumem.estimator.layout import Layout
     from gpumem.estimator.preset import PresetTerms
-    from gpumem.estimator.specs import resolve_model
+    from gpumem.estimator.resolver import resolve_model
     from gpumem.estimator.states import Training
 
     job = PresetTerms(resolve_model("llama-2-70b"), Training(), find_gpu("H100-80GB"), 4096)

@@ -103,7 +103,7 @@ def transformers_rows() -> tuple[list[list[object]], list[float]]:
 def deepspeed_rows() -> list[list[object]]:
     """DeepSpeed's printed t5-3b numbers (docs/code-docs/source/memory.rst) reproduced by
     ``published_estimate``; the counts are DeepSpeed's own (2851M total, 32M largest layer)."""
-    from gpumem.estimator.deepspeed import published_estimate
+    from gpumem.estimator.frameworks.deepspeed import published_estimate
 
     t5 = 2_851_598_336, 32_899_072
     out = []
@@ -206,10 +206,10 @@ def titan_section(
 
 Reserved (`peak_reserved_bytes`, default `PYTORCH_CUDA_ALLOC_CONF`): the estimate simulates
 the caching allocator over torchtitan's step in its own allocation order
-(`gpumem.estimator.titan_trace`: FSDP2's all-gather outputs on its copy-in stream, the sharded
-gradients on its reduce-scatter stream, the rest on the default stream; three steps). The
-independent check is the reference run's own recorded allocations and frees (two steps of
-torchtitan's model on fake tensors), each tagged with the stream FSDP2 entered, replayed
+(`gpumem.estimator.frameworks.titan_trace`: FSDP2's all-gather outputs on its copy-in stream,
+the sharded gradients on its reduce-scatter stream, the rest on the default stream; three
+steps). The independent check is the reference run's own recorded allocations and frees (two
+steps of torchtitan's model on fake tensors), each tagged with the stream FSDP2 entered, replayed
 through the same simulator. Published figures are torchtitan's `max_reserved_gib`.
 {_reserved_verdict(titan_res)}
 
@@ -222,7 +222,7 @@ Table 2's CP rows are torchtitan 0.3.0's FlexAttention CP (K/V all-gathered), no
 ring-attention SDPA. **torch.compile**: Tables 2 and 4 and the Trainy rows were run with
 compile and float8. The Trainy rows' torchtitan (e7c0cae, torch 2.8, June 2025) compiles the
 loss under `--training.compile` (`build_cross_entropy_loss`): their reserved estimate prices it
-compiled (`compiled_loss=True`, `gpumem/estimator/titan_compile.py`: the bf16 logits stay
+compiled (`compiled_loss=True`, `gpumem/estimator/frameworks/titan_compile.py`: the bf16 logits stay
 saved, no fp32 logits-sized tensor is made; checked against Inductor's own buffer plan), which
 takes the eager estimate's +42 % / +43 % to the figures below; their compiled blocks and
 float8 are priced as eager bf16 (not modelled), and their allocated columns are eager (the
@@ -401,9 +401,9 @@ steady residuals: `megatron.WORKSPACE_BYTES`).
 ## DeepSpeed's published estimator (t5-3b, 8 GPUs; CPU GB per node / GPU GB per GPU)
 
 These are DeepSpeed's formulas (`estimate_zero2/3_model_states_mem_needs`), reproduced by
-`gpumem.estimator.deepspeed.published_estimate`; gpumem's `deepspeed` bill follows what its ZeRO
-code allocates instead (docs/estimator.md, "DeepSpeed": at ZeRO-2 the 16-bit gradients live as
-this rank's partition plus the IPG bucket, not whole).
+`gpumem.estimator.frameworks.deepspeed.published_estimate`; gpumem's `deepspeed` bill follows
+what its ZeRO code allocates instead (docs/estimator.md, "DeepSpeed": at ZeRO-2 the 16-bit
+gradients live as this rank's partition plus the IPG bucket, not whole).
 
 {markdown_table(["configuration", "DeepSpeed printed", "reproduced"], ds)}
 """

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import gpumem
-from gpumem.estimator.megatron import layer_pattern
+from gpumem.estimator.frameworks.megatron import layer_pattern
 
 DATA = Path(__file__).with_name("megatron_golden.json")
 PLATFORM_GPU = {"dgx_h100": "H100-80GB", "dgx_a100": "A100-80GB"}
@@ -212,7 +212,9 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     row["peak_est"] = p["total"] - p["overhead"]
     row["steady_est"] = last.model_states["total"]
     # everything but the calibrated constant (what --workspace takes the median of)
-    row["states_est"] = row["steady_est"] - int(gpumem.estimator.megatron.WORKSPACE_BYTES)
+    row["states_est"] = row["steady_est"] - int(
+        gpumem.estimator.frameworks.megatron.WORKSPACE_BYTES
+    )
     row["phase"] = last.phase
     for what in ("peak", "steady"):
         row[what] = case[what]

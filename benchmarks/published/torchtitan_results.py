@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from torchtitan_reference import FLAVORS, profile_flavor  # noqa: E402
 
 import gpumem  # noqa: E402
-from gpumem.estimator.specs import resolve_model  # noqa: E402
+from gpumem.estimator.resolver import resolve_model  # noqa: E402
 
 GIB = 2**30
 RESULT = HERE.parent / "results" / "torchtitan_reference.md"
@@ -212,8 +212,8 @@ def estimate(row: Row) -> tuple[int, str]:
 
 def estimate_reserved(row: Row) -> int:
     """The estimate's ``peak_reserved_bytes`` (the caching allocator simulated under default
-    settings over torchtitan's step, ``gpumem.estimator.titan_trace``), with the loss compiled
-    where the row's torchtitan compiled it (``Row.compiled_loss``)."""
+    settings over torchtitan's step, ``gpumem.estimator.frameworks.titan_trace``), with the loss
+    compiled where the row's torchtitan compiled it (``Row.compiled_loss``)."""
     return _bill(row, alloc_conf="", compiled_loss=row.compiled_loss).peak_reserved_bytes or 0
 
 
@@ -328,8 +328,8 @@ def write(measured: list[Measured], out: str | Path = RESULT) -> None:
         "capability check patched: nothing is computed); eager, so the casts' temporaries are "
         "those of torchao's eager code. torch.compile is not run here; the Trainy rows' reserved "
         "estimate (published.md) prices their compiled loss (`compiled_loss=True`, "
-        '`gpumem/estimator/titan_compile.py`; docs/estimator.md, "torch.compile"); float8 with '
-        "TP is not modelled.",
+        '`gpumem/estimator/frameworks/titan_compile.py`; docs/estimator.md, "torch.compile"); '
+        "float8 with TP is not modelled.",
         f"Flavors: {', '.join(FLAVORS)}.",
     ]
     Path(out).write_text("\n".join(head + lines + tail) + "\n")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from typing import Any
 
 from gpumem.cli import _args
-from gpumem.estimator.frameworks import FRAMEWORKS
+from gpumem.estimator.frameworks.conventions import FRAMEWORKS
 
 
 def add_job_arguments(p: argparse.ArgumentParser) -> None:
@@ -208,9 +210,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     """Megatron-LM's arguments of the same names (``--framework megatron``; see
-    gpumem/estimator/megatron.py)."""
-    from gpumem.estimator.megatron import FP8_RECIPES
-    from gpumem.estimator.torchtitan import FLOAT8_RECIPES
+    gpumem/estimator/frameworks/megatron.py)."""
+    from gpumem.estimator.frameworks.megatron import FP8_RECIPES
+    from gpumem.estimator.frameworks.torchtitan import FLOAT8_RECIPES
 
     g = p.add_argument_group("Megatron-LM (--framework megatron)")
     g.add_argument(
@@ -237,31 +239,67 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mtp-layers", type=_args.non_negative_int, default=0, help="MTP layers")
 
 
-def megatron_kwargs(args: argparse.Namespace) -> dict:
-    """The Megatron knobs given on the command line (defaults left out)."""
-    names = (
-        "fp8_recipe",
-        "fp8_param_gather",
-        "hidden_dropout",
-        "defer_embedding_wgrad",
-        "wgrad_deferral_limit",
-        "pipeline_first_layers",
-        "pipeline_last_layers",
-        "pipeline_split_embedding",
-        "pipeline_split_loss",
-    )
-    defaults = {"hidden_dropout": 0.0, "wgrad_deferral_limit": 0}
+def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The grouped knobs of ``gpumem.estimate`` from the command line (checked as made)."""
+    from gpumem.estimator.frameworks.deepspeed import ZeroConfig, knobs_from_cli
+    from gpumem.estimator.frameworks.megatron import check_knobs
+    from gpumem.estimator.frameworks.torchtitan import titan_knobs
+    from gpumem.estimator.knobs import ActivationKnobs, MoEKnobs, TrainingKnobs
+
+    fw = args.framework
+    titan = fw == "torchtitan"  # --fp8-recipe is torchtitan's float8 there
+    megatron = {n: getattr(args, n) for n in MEGATRON if n != "fp8_recipe" or not titan}
+    megatron = {k: v for k, v in megatron.items() if v is not None}
+    deepspeed = knobs_from_cli(args.deepspeed, args.ds_config)
+    if args.offload_param:  # ZeRO-3's parameter offload, also a ds_config key
+        deepspeed = dataclasses.replace(ZeroConfig.from_dict(deepspeed), offload_param="cpu")
     return {
-        n: getattr(args, n) for n in names if getattr(args, n) not in (None, False, defaults.get(n))
+        "training": TrainingKnobs(
+            grads=args.grads,
+            offload_optimizer=args.offload_optimizer,
+            lora_rank=args.lora_rank,
+            base_quant="nf4" if args.qlora else None,
+        ),
+        "activations": ActivationKnobs(
+            attention=args.attention,
+            activation_model=args.activation_model,
+            keep_logits=args.keep_logits,
+        ),
+        # a knob of a framework not named is named as such, before its value is checked
+        "megatron": check_knobs(fw if fw is not None else "megatron", **megatron),
+        "torchtitan": titan_knobs(
+            fw if fw is not None else "torchtitan",
+            fp8_recipe=args.fp8_recipe if titan else None,
+            fsdp_float8_all_gather=args.fsdp_float8_all_gather,
+            loss_chunks=args.loss_chunks,
+            compiled_loss=args.compiled_loss,
+        ),
+        "deepspeed": deepspeed,
+        "moe": MoEKnobs(
+            **({} if args.moe_imbalance is None else {"imbalance": args.moe_imbalance})
+        ),
     }
+
+
+MEGATRON = (
+    "fp8_recipe",
+    "fp8_param_gather",
+    "hidden_dropout",
+    "defer_embedding_wgrad",
+    "wgrad_deferral_limit",
+    "pipeline_first_layers",
+    "pipeline_last_layers",
+    "pipeline_split_embedding",
+    "pipeline_split_loss",
+)
 
 
 def model_with_shape(args: argparse.Namespace):
     """The model, with ``--moe-layer-freq`` / ``--mtp-layers`` applied when given."""
     if args.moe_layer_freq is None and not args.mtp_layers:
         return args.model
-    from gpumem.estimator.megatron import layer_pattern
-    from gpumem.estimator.specs import resolve_model
+    from gpumem.estimator.frameworks.megatron import layer_pattern
+    from gpumem.estimator.resolver import resolve_model
 
     spec = resolve_model(args.model)
     changes: dict = {"mtp_layers": args.mtp_layers}
@@ -355,38 +393,23 @@ def run(args: argparse.Namespace) -> int:
         )
         print(json.dumps(bill.to_dict(), indent=2) if args.json else bill.table())
         return 0
-    from gpumem.estimator import estimate
-    from gpumem.estimator.deepspeed import knobs_from_cli
+    from gpumem.estimator import estimate, find_gpu
 
     layout = layout_from_args(args)
     bill = estimate(
         model_with_shape(args),
         batch_size=args.batch_size,
         seq_len=args.seq_len,
+        gpu=find_gpu(args.gpu, args.gpu_memory),
+        layout=layout,
         precision=args.precision,
         optimizer=args.optimizer,
-        grads=args.grads,
-        gpu=args.gpu,
-        gpu_memory=args.gpu_memory,
-        layout=layout,
         recompute=args.recompute,
         grad_accum=args.grad_accum,
-        attention=args.attention,
-        activation_model=args.activation_model,
-        offload_optimizer=args.offload_optimizer,
-        lora_rank=args.lora_rank,
-        base_quant="nf4" if args.qlora else None,
-        calibration=args.calibration,
         framework=args.framework,
-        deepspeed=knobs_from_cli(args.deepspeed, args.ds_config),
-        offload_param=args.offload_param,
-        keep_logits=args.keep_logits,
+        calibration=args.calibration,
         alloc_conf=args.alloc_conf,
-        loss_chunks=args.loss_chunks,
-        fsdp_float8_all_gather=args.fsdp_float8_all_gather,
-        compiled_loss=args.compiled_loss,
-        **({"moe_imbalance": args.moe_imbalance} if args.moe_imbalance is not None else {}),
-        **megatron_kwargs(args),
+        **knobs_from_args(args),
     )
     if args.json:
         print(bill.to_json())

@@ -229,7 +229,7 @@ def _notice_fit(result: Any, notice_s: float) -> tuple[dict | None, list[str]]:
 def run(args: argparse.Namespace) -> int:
     if args.inference:
         return _inference(args)
-    from gpumem.estimator.deepspeed import knobs_from_cli
+    from gpumem.estimator.frameworks.deepspeed import knobs_from_cli
     from gpumem.planner import min_gpus, plan, realised, schedulers
 
     if args.loss_chunks:

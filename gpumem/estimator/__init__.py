@@ -7,15 +7,17 @@
 
 Modules, bottom up:
 
-    specs              ``ModelSpec``: presets, config.json, exact parameter counts
+    param_count        exact parameter counts, split the way parallelism splits them
+    model_spec         ``ModelSpec``: the shape of a model, checked when made
+    model_presets      the built-in models (``PRESETS``), one row of named fields each
+    hf_config          a ``ModelSpec`` from a Hugging Face config.json
+    resolver           ``resolve_model``: whatever a user passes as a model, as a ``ModelSpec``
     gpus               the GPU catalog and the reserve a job cannot use
     layout             ``Layout``: dp/tp/pp/ep/zero/fsdp/sp and their checks
-    deepspeed          DeepSpeed ZeRO's knobs, buffers, offload and published formulas
     states             bytes per parameter of weights, gradients and optimizer state
-    frameworks         which framework's buffer conventions a bill follows, and their cost
     activations        what autograd saves, op by op
     hf_ops             what transformers' decoder modules save for backward
-    megatron           Megatron-LM's conventions: TE tensors, loss, fp8, pipeline splits, MTP
+    frameworks/        each framework's conventions, knobs and buffers (Megatron, torchtitan, ...)
     backward           a layer's widest backward moment
     peak               the one peak formula (numba-compiled for the planner)
     terms              the peak terms every model shares
@@ -25,14 +27,13 @@ Modules, bottom up:
     step_trace         a rank's step as allocations, through the simulated caching allocator
     rank_shapes        a preset rank's tensors for step_trace, and its fragmentation term
     sim_cache          an opt-in on-disk cache of step simulations (GPUMEM_CACHE_DIR), JSON only
-    torchtitan         torchtitan's recipe: its modules, SAC policies, loss and FSDP units
-    titan_trace        torchtitan's step as allocations on FSDP2's streams (its reserved memory)
-    titan_compile      torchtitan's Inductor-compiled loss (--training.compile): what it keeps
     preset             a described model's terms for any layout
     module_structure   an ``nn.Module``'s repeated blocks and counts
     module_inputs      its fake copy and the fake inputs of one micro-batch
     module_pass        the fake-tensor pass and the terms it yields
     module_estimate    the bill of an ``nn.Module``
+    knobs              ``TrainingKnobs``, ``ActivationKnobs``, ``MoEKnobs``: grouped, checked
+    job                ``Job``: every argument of an estimate checked before any work
     api                ``estimate``, the front door: checks, calibration, then a path above
     preflight          before a real profile: will it fit in this machine's memory?
     inference          KV cache and serving
@@ -42,19 +43,32 @@ Modules, bottom up:
 
 from gpumem.estimator.api import estimate
 from gpumem.estimator.bill import Bill
+from gpumem.estimator.frameworks.deepspeed import ZeroConfig
+from gpumem.estimator.frameworks.megatron import MegatronKnobs
+from gpumem.estimator.frameworks.torchtitan import TorchtitanKnobs
 from gpumem.estimator.gpus import CATALOG, GPU, find_gpu
+from gpumem.estimator.knobs import ActivationKnobs, MoEKnobs, TrainingKnobs
 from gpumem.estimator.layout import Layout
-from gpumem.estimator.specs import PRESETS, ModelSpec, module_param_count, resolve_model
+from gpumem.estimator.model_presets import PRESETS
+from gpumem.estimator.model_spec import ModelSpec
+from gpumem.estimator.param_count import module_param_count
+from gpumem.estimator.resolver import resolve_model
 from gpumem.estimator.states import Training
 
 __all__ = [
     "CATALOG",
     "GPU",
     "PRESETS",
+    "ActivationKnobs",
     "Bill",
     "Layout",
+    "MegatronKnobs",
+    "MoEKnobs",
     "ModelSpec",
+    "TorchtitanKnobs",
     "Training",
+    "TrainingKnobs",
+    "ZeroConfig",
     "estimate",
     "find_gpu",
     "module_param_count",

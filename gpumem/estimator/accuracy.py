@@ -23,7 +23,9 @@ from typing import Any
 
 from gpumem.estimator.api import estimate
 from gpumem.estimator.bill import Bill
-from gpumem.estimator.specs import from_model_config
+from gpumem.estimator.gpus import find_gpu
+from gpumem.estimator.knobs import ActivationKnobs, TrainingKnobs
+from gpumem.estimator.resolver import from_model_config
 
 PROFILER_CATEGORIES = ("weights", "gradients", "optimizer", "activations", "temporary", "inputs")
 
@@ -94,12 +96,10 @@ def estimate_case(case: Case, device: str = "cpu") -> Bill:
         precision=case.precision,
         optimizer=case.optimizer,
         device=device,
-        attention="sdpa",
-        keep_logits=True,
-        persistent_grads=False,
+        activations=ActivationKnobs(attention="sdpa", keep_logits=True),
+        training=TrainingKnobs(persistent_grads=False, foreach=case.foreach),
         recompute="full" if case.recompute else "none",
-        gpu_memory=2**40,
-        foreach=case.foreach,
+        gpu=find_gpu("H100-80GB", 2**40),
     )
 
 
@@ -289,12 +289,12 @@ def estimate_hf_case(case: HFCase, device: str = "cpu") -> Bill:
         precision=case.precision,
         optimizer="adamw",
         device=device,
-        attention="sdpa",
+        activations=ActivationKnobs(attention="sdpa"),
         # the logits loop computes the loss itself, on the logits' dtype: torch's convention
         framework="torch" if case.loop == "logits" else None,
-        persistent_grads=False,
+        training=TrainingKnobs(persistent_grads=False),
         recompute="full" if case.recompute else "none",
-        gpu_memory=2**40,
+        gpu=find_gpu("H100-80GB", 2**40),
     )
 
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpumem.estimator.specs import ModelSpec, resnet_stages
+from gpumem.estimator.model_spec import ModelSpec
+from gpumem.estimator.param_count import resnet_stages
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FUSED_OPS = ("norm", "swiglu", "rope", "ce")

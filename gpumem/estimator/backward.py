@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpumem.estimator.activations import expert_tokens, router_copies_input, routing_weight_bytes
-from gpumem.estimator.specs import ModelSpec
+from gpumem.estimator.model_spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -255,8 +255,7 @@ def _grouped_moe(spec: ModelSpec, s: Shape, f: int, wk: _Walk, copy: int = 0) ->
     experts'; Qwen2-MoE's (called first) waits, its output's gradient pending, until the
     experts and the router are done; its sigmoid gate, created last, runs first.
     """
-    n, h, R, A = s.tokens, spec.hidden, s.residual, s.compute
-    nk, E_A, gb, E = s.expert_tokens, s.expert_bytes, s.grad_bytes, s.n_experts
+    n, h, R, A, gb = s.tokens, spec.hidden, s.residual, s.compute, s.grad_bytes
     cast = s.autocast
     in_cast = n * h * A if cast else 0  # a Linear's 16-bit copy of the MoE input
     fs = spec.shared_ffn // s.tp if spec.n_shared_experts else 0
@@ -289,6 +288,21 @@ def _grouped_moe(spec: ModelSpec, s: Shape, f: int, wk: _Walk, copy: int = 0) ->
         accumulate(n * h * A)
     elif copy:
         wk.free(t=copy)
+    _experts_backward(spec, s, f, wk)
+    accumulate(n * h * R)
+    if shared_out_grad:  # Qwen2-MoE's shared expert, after the experts and the router
+        wk.linear(n, fs, h, False, A, gb, cast, saved=n * fs * A, consumed=shared_out_grad)
+        _swiglu_rest(wk, n, h, fs, A, gb, cast, in_cast)
+        accumulate(n * h * A)
+        accumulate(n * h * A)
+    return wk.best
+
+
+def _experts_backward(spec: ModelSpec, s: Shape, f: int, wk: _Walk) -> None:
+    """The routed experts' backward (``_grouped_moe``), from the routing-weight product to the
+    gather's scatter back to the tokens; the tokens' gradient is then allocated."""
+    n, h, R = s.tokens, spec.hidden, s.residual
+    nk, E_A, gb, E = s.expert_tokens, s.expert_bytes, s.grad_bytes, s.n_experts
     # the product with the routing weights is in the wider of the two dtypes (fp32 weights:
     # Mixtral, DeepSeek; Qwen-MoE casts them to the router's dtype), cast back to the tokens'
     Wt = max(E_A, s.routing_bytes)
@@ -320,13 +334,6 @@ def _grouped_moe(spec: ModelSpec, s: Shape, f: int, wk: _Walk, copy: int = 0) ->
     wk.free(t=2 * nk * f * E_A, a=nk * h * E_A)
     wk.alloc(t=2 * n * h * R)  # the gather's backward: zeros, and the scatter into them
     wk.free(t=n * h * R + nk * h * E_A, a=2 * nk * 8)  # zeros, the up GEMM's input gradient
-    accumulate(n * h * R)
-    if shared_out_grad:  # Qwen2-MoE's shared expert, after the experts and the router
-        wk.linear(n, fs, h, False, A, gb, cast, saved=n * fs * A, consumed=shared_out_grad)
-        _swiglu_rest(wk, n, h, fs, A, gb, cast, in_cast)
-        accumulate(n * h * A)
-        accumulate(n * h * A)
-    return wk.best
 
 
 def attention_moment(

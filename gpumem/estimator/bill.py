@@ -21,7 +21,7 @@ from gpumem.estimator import inputs as job_inputs
 from gpumem.estimator import peak
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
-from gpumem.estimator.specs import ModelSpec
+from gpumem.estimator.model_spec import ModelSpec
 from gpumem.estimator.states import Training
 from gpumem.estimator.terms import steady_states
 from gpumem.units import format_bytes
@@ -54,7 +54,7 @@ class Bill:
         phase: the moment of the peak (backward start / end, optimizer step).
         stage: the pipeline stage that is most loaded.
         framework: whose buffer conventions the bill follows (megatron, deepspeed, fsdp2,
-            torch; see ``frameworks.py``).
+            torch; see ``frameworks/conventions.py``).
         pipeline_ranks: one Bill per pipeline rank (first to last); this bill is the worst of
             them and decides ``fits``. Without pipelining, the one rank's bill.
         items: the itemised activations of one layer (one micro-batch), for the table.

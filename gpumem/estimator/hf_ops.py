@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from gpumem.estimator import activations as act
 from gpumem.estimator.activations import Item, Workload
-from gpumem.estimator.specs import ModelSpec
+from gpumem.estimator.model_spec import ModelSpec
 
 GEMMA = ("gemma", "gemma2", "gemma3_text", "gemma3")
 

@@ -33,7 +33,9 @@ from typing import Any
 
 from gpumem.calibrate.calibration import as_calibration
 from gpumem.estimator.gpus import GPU, find_gpu
-from gpumem.estimator.specs import ModelSpec, param_groups, resolve_model
+from gpumem.estimator.model_spec import ModelSpec
+from gpumem.estimator.param_count import param_groups
+from gpumem.estimator.resolver import resolve_model
 from gpumem.estimator.terms import split_layers
 
 # bytes per weight: int4 carries an fp16 scale per group of 128 (GPTQ / AWQ), int8 and fp8 are
@@ -202,6 +204,49 @@ def estimate_inference(
     if cal is not None:
         g = cal.apply_to(g)
     ctx = spec.max_seq if context is None else context
+    kv = (
+        kv_dtype or kv_precision or (precision if precision in ("fp32", "bf16", "fp16") else "bf16")
+    )
+    _check(spec, batch_size, ctx, tp, pp, precision, kv, engine)
+    per_gpu, per_tok = _serving_bytes(spec, g, batch_size, ctx, tp, pp, precision, kv, engine)
+    total = per_gpu["total"]
+    return InferenceBill(
+        spec,
+        g,
+        batch_size,
+        ctx,
+        tp,
+        per_gpu,
+        total <= g.total_bytes,
+        g.total_bytes - total,
+        per_tok,
+        pp=pp,
+        engine=engine,
+        precision=precision,
+        kv_dtype=kv,
+        input_sources=_sources(
+            context,
+            batch_size,
+            precision,
+            kv,
+            kv_dtype or kv_precision,
+            engine,
+            layout_source or ("default" if tp == pp == 1 else "given"),
+        ),
+    )
+
+
+def _check(
+    spec: ModelSpec,
+    batch_size: int,
+    ctx: int,
+    tp: int,
+    pp: int,
+    precision: str,
+    kv: str,
+    engine: str,
+) -> None:
+    """The serving arguments against each other and the model: one line each."""
     for name, v in (("batch_size", batch_size), ("context", ctx), ("tp", tp), ("pp", pp)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -211,15 +256,50 @@ def estimate_inference(
             "(max_position_embeddings); serve at most that"
         )
     _choice("precision", precision, WEIGHT_BYTES)
-    kv = (
-        kv_dtype or kv_precision or (precision if precision in ("fp32", "bf16", "fp16") else "bf16")
-    )
     _choice("kv_dtype", kv, KV_BYTES)
     _choice("engine", engine, ENGINES)
     if spec.n_heads % tp:
         raise ValueError(f"attention heads {spec.n_heads} not divisible by tp={tp}")
     if pp > spec.n_layers:
         raise ValueError(f"pp={pp} exceeds the {spec.n_layers} layers")
+
+
+def _sources(
+    context: int | None,
+    batch_size: int,
+    precision: str,
+    kv: str,
+    kv_given: str | None,
+    engine: str,
+    layout: str,
+) -> dict[str, str]:
+    """Where each stated input of a serving bill came from."""
+    return {
+        "context": "default: the model's context" if context is None else "given",
+        "batch_size": "default" if batch_size == 1 else "given",
+        "precision": "default" if precision == "bf16" else "given",
+        "kv_dtype": "given"
+        if kv_given
+        else (
+            "default: the weights'" if kv == precision else "default: 16-bit for 8/4-bit weights"
+        ),
+        "engine": "default" if engine == "vllm" else "given",
+        "layout": layout,
+    }
+
+
+def _serving_bytes(
+    spec: ModelSpec,
+    g: GPU,
+    batch_size: int,
+    ctx: int,
+    tp: int,
+    pp: int,
+    precision: str,
+    kv: str,
+    engine: str,
+) -> tuple[dict[str, int], int]:
+    """(the per-GPU bytes by category, the KV cache's bytes per token) of one serving rank."""
     A = 2 if WEIGHT_BYTES[precision] < 4 else 4
     weights = int(_stage_params(spec, tp, pp) * WEIGHT_BYTES[precision])
     per_tok = kv_bytes_per_token(spec, KV_BYTES[kv], tp, pp)
@@ -239,35 +319,7 @@ def estimate_inference(
     per_gpu = dict(
         zip(CATEGORIES, (weights, kv_cache, acts, reserve, overhead, total), strict=True)
     )
-    return InferenceBill(
-        spec,
-        g,
-        batch_size,
-        ctx,
-        tp,
-        per_gpu,
-        total <= g.total_bytes,
-        g.total_bytes - total,
-        per_tok,
-        pp=pp,
-        engine=engine,
-        precision=precision,
-        kv_dtype=kv,
-        input_sources={
-            "context": "default: the model's context" if context is None else "given",
-            "batch_size": "default" if batch_size == 1 else "given",
-            "precision": "default" if precision == "bf16" else "given",
-            "kv_dtype": "given"
-            if (kv_dtype or kv_precision)
-            else (
-                "default: the weights'"
-                if kv == precision
-                else "default: 16-bit for 8/4-bit weights"
-            ),
-            "engine": "default" if engine == "vllm" else "given",
-            "layout": layout_source or ("default" if tp == pp == 1 else "given"),
-        },
-    )
+    return per_gpu, per_tok
 
 
 def _stage_params(spec: ModelSpec, tp: int, pp: int) -> float:

@@ -8,7 +8,7 @@ context of a rotary model (Llama family) it is a warning (the model was not trai
 memory is estimated as asked).
 
 Example:
-    >>> from gpumem.estimator.specs import resolve_model
+    >>> from gpumem.estimator.resolver import resolve_model
     >>> spec = resolve_model("llama-2-7b")
     >>> seq_len(spec, None)
     (4096, "default: the model's context")
@@ -19,7 +19,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from gpumem.estimator.specs import ModelSpec
+from gpumem.estimator.model_spec import ModelSpec
 
 # the defaults of gpumem.estimate for the inputs every bill states
 DEFAULT_BATCH_SIZE = 1

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpumem.estimator.specs import ModelSpec
+from gpumem.estimator.model_spec import ModelSpec
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ from gpumem.estimator.accuracy import (
     compare,
     compare_hf,
 )
-from gpumem.estimator.specs import from_hf_config, from_model_config
+from gpumem.estimator.hf_config import from_hf_config
+from gpumem.estimator.resolver import from_model_config
 
 BUILTIN = ("gpt2", "llama", "mixtral")
 # (batch, seq, precision) of the proxy runs: enough spread to separate the terms

@@ -43,43 +43,23 @@ from typing import Any
 from gpumem.allocator.alloc_conf import AllocConf
 from gpumem.estimator import inputs, peak
 from gpumem.estimator.bill import Bill, make_bill
-from gpumem.estimator.gpus import GPU
+from gpumem.estimator.frameworks.conventions import default_keep_logits
+from gpumem.estimator.job import Job
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.module_inputs import resolve_batch
 from gpumem.estimator.module_pass import measure, module_terms
 from gpumem.estimator.module_structure import find_blocks
-from gpumem.estimator.states import Training
 from gpumem.estimator.step_trace import StatesShape, fragmentation, new_run
 from gpumem.estimator.terms import RECOMPUTE, cluster_states
 
 
-def estimate_module(
-    module: Any,
-    *,
-    training: Training,
-    layout: Layout,
-    gpu: GPU,
-    batch_size: int | None,
-    seq_len: int | None,
-    recompute: str,
-    grad_accum: int,
-    attention: str,
-    dropout: float,
-    activation_model: str,
-    device: str,
-    keep_logits: bool,
-    persistent_grads: bool | None,
-    example_input: Any,
-    loss_fn: Any,
-    framework: str = "torch",
-    given: frozenset[str] | None = None,
-    alloc_conf: AllocConf | None = None,
-    reserved_note: str = "",
-) -> Bill:
-    """The bill of training ``module`` (see ``gpumem.estimate`` and above); ``alloc_conf``:
-    simulate the caching allocator over the measured pass (``replica_fragmentation``)."""
-    _check(module, training, layout, recompute, attention, dropout, activation_model, seq_len)
+def check_module_job(module: Any, job: Job) -> None:
+    """The checks of an ``nn.Module``'s estimate that need no pass (before any work)."""
+    acts = job.activations
+    _check(module, job.training, job.layout, job.recompute, acts.attention, acts.dropout,
+           acts.activation_model, job.seq_len)  # fmt: skip
     blocks = find_blocks(module)
+    layout = job.layout
     if (layout.pp > 1 or layout.tp > 1) and not blocks:
         raise ValueError(
             f"layout {layout.describe()} is invalid for {type(module).__name__}: tensor and "
@@ -92,21 +72,30 @@ def estimate_module(
         )
     if layout.tp > 1:
         _check_tp(module, layout.tp)
-    batch = resolve_batch(module, example_input, batch_size)
+
+
+def estimate_module(module: Any, job: Job) -> Bill:
+    """The bill of training ``module`` (see ``gpumem.estimate`` and above; checked by
+    ``check_module_job``); ``job.alloc_conf``: simulate the caching allocator over the
+    measured pass (``replica_fragmentation``)."""
+    training, layout, device, fw = job.training, job.layout, job.device, job.framework
+    keep_logits = job.activations.keep_logits
+    batch = resolve_batch(module, job.example_input, job.batch_size)
     ms = measure(
         module,
         training,
-        example_input=example_input,
+        example_input=job.example_input,
         batch=batch,
-        seq=seq_len,
+        seq=job.seq_len,
         device=device,
-        recompute=recompute,
-        keep_logits=keep_logits,
-        loss_fn=loss_fn,
+        recompute=job.recompute,
+        keep_logits=default_keep_logits(fw) if keep_logits is None else keep_logits,
+        loss_fn=job.loss_fn,
     )
     terms = module_terms(
-        ms, training, layout, gpu, device == "cuda", grad_accum, persistent_grads, framework
+        ms, training, layout, job.gpu, device == "cuda", job.grad_accum, job.persistent_grads, fw
     )
+    alloc_conf, reserved_note = job.alloc_conf, job.reserved_note
     simulated = alloc_conf is not None and whole_replica(layout) and bool(ms.alloc_events)
     if simulated:
         assert alloc_conf is not None
@@ -127,8 +116,8 @@ def estimate_module(
         list(range(layout.pp)),
         layout=layout,
         training=training,
-        gpu=gpu,
-        framework=framework,
+        gpu=job.gpu,
+        framework=fw,
         alloc_conf=(alloc_conf.text or "default") if simulated and alloc_conf else None,
         reserved_note=reserved_note,
         cluster_model_state_bytes=cluster_states(
@@ -136,9 +125,9 @@ def estimate_module(
         ),
         inputs={
             "batch_size": batch,
-            "seq_len": seq_len,
-            "recompute": recompute,
-            "grad_accum": grad_accum,
+            "seq_len": job.seq_len,
+            "recompute": job.recompute,
+            "grad_accum": job.grad_accum,
             "device": device,
             "blocks": len(ms.blocks),
             "measured_moment": f"{ms.moment} of backward",
@@ -147,14 +136,14 @@ def estimate_module(
         },
         sources={
             **inputs.sources(
-                seq_source="given" if seq_len is not None else "the example input's",
-                batch_size=batch_size,
-                grad_accum=grad_accum,
-                recompute=recompute,
+                seq_source="given" if job.seq_len is not None else "the example input's",
+                batch_size=job.batch_size,
+                grad_accum=job.grad_accum,
+                recompute=job.recompute,
                 training=training,
-                given=given,
+                given=job.given,
             ),
-            **({} if batch_size is not None else {"batch_size": "the example input's"}),
+            **({} if job.batch_size is not None else {"batch_size": "the example input's"}),
         },
     )
 

@@ -4,7 +4,7 @@ tensor, split by tensor parallelism): what the caching allocator rounds, one ten
     layer_tensors(spec, tp=8)     # one transformer layer's tensors on a tp rank, in order
     outer_tensors(spec, tp=8)     # (embedding's, head's) tensors
 
-The reference layouts (``specs.param_groups`` counts the same parameters in parallelism
+The reference layouts (``param_count.param_groups`` counts the same parameters in parallelism
 buckets): llama-style decoders register ``input_layernorm``, q/k/v/o, ``post_attention_layernorm``,
 gate/up/down; gpt2-style ones ln_1, the fused ``c_attn`` (+ bias), ``c_proj``, ln_2, ``c_fc``,
 ``c_proj``; an MoE layer its router and each local expert's matrices (Hugging Face's grouped
@@ -14,7 +14,8 @@ layer's tensor-parallel parameters as four equal matrices plus one replicated ve
 
 from __future__ import annotations
 
-from gpumem.estimator.specs import ModelSpec, param_groups
+from gpumem.estimator.model_spec import ModelSpec
+from gpumem.estimator.param_count import param_groups
 
 
 def layer_tensors(

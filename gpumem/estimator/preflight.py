@@ -82,7 +82,7 @@ def profile_preflight(
     if is_config_path(model):
         peak, method = _config_peak(path, device, **_job(batch_size, seq_len, optimizer, precision))
     else:
-        from gpumem.estimator.specs import from_model_config
+        from gpumem.estimator.resolver import from_model_config
         from gpumem.models import get_config
 
         spec = from_model_config(get_config(model, "tiny" if size is None else size))
@@ -124,14 +124,16 @@ def _job(batch_size: int, seq_len: int | None, optimizer: str, precision: str) -
 
 def _estimate(spec, device: str, checkpointing: bool, **job) -> int:
     from gpumem.estimator.api import estimate
+    from gpumem.estimator.gpus import find_gpu
+    from gpumem.estimator.knobs import ActivationKnobs, TrainingKnobs
 
     bill = estimate(
         spec,
         device="cuda" if device.startswith("cuda") else "cpu",
-        gpu_memory=1 << 60,  # the capacity is compared by the caller, not here
+        gpu=find_gpu("H100-80GB", 1 << 60),  # the capacity is compared by the caller, not here
         recompute="full" if checkpointing else "none",
-        persistent_grads=False,
-        keep_logits=True,
+        training=TrainingKnobs(persistent_grads=False),
+        activations=ActivationKnobs(keep_logits=True),
         **job,
     )
     # CPU: what the profiler counts; CUDA: plus the context and allocator reserve
@@ -139,7 +141,7 @@ def _estimate(spec, device: str, checkpointing: bool, **job) -> int:
 
 
 def _config_peak(path: Path, device: str, **job) -> tuple[int | None, str]:
-    from gpumem.estimator.specs import HF_FAMILIES, load_config
+    from gpumem.estimator.hf_config import HF_FAMILIES, load_config
 
     try:
         mtype = json.loads(path.read_text()).get("model_type")

@@ -13,9 +13,10 @@ from typing import Any
 from gpumem.allocator.alloc_conf import AllocConf
 from gpumem.estimator import activations as act
 from gpumem.estimator import backward as bwd
-from gpumem.estimator import hf_ops, inputs, megatron, peak, torchtitan
+from gpumem.estimator import hf_ops, inputs, peak
 from gpumem.estimator.bill import Bill, make_bill
-from gpumem.estimator.frameworks import (
+from gpumem.estimator.frameworks import megatron, torchtitan
+from gpumem.estimator.frameworks.conventions import (
     cp_exchange_bytes,
     default_fused_ops,
     default_keep_logits,
@@ -23,9 +24,12 @@ from gpumem.estimator.frameworks import (
     upcasts_logits,
 )
 from gpumem.estimator.gpus import GPU
+from gpumem.estimator.job import Job
+from gpumem.estimator.knobs import MOE_IMBALANCE, check_attention
 from gpumem.estimator.layout import Layout
+from gpumem.estimator.model_spec import ModelSpec
+from gpumem.estimator.param_count import ParamGroups, param_groups
 from gpumem.estimator.rank_shapes import fill_fragmentation
-from gpumem.estimator.specs import ModelSpec, ParamGroups, param_groups
 from gpumem.estimator.states import ParamMix, Training, ns_width
 from gpumem.estimator.terms import (
     cluster_states,
@@ -35,12 +39,6 @@ from gpumem.estimator.terms import (
     recompute_every,
     stage_chunks,
 )
-
-MOE_IMBALANCE = 1.25
-"""Default tokens of the most loaded expert-parallel rank over the mean: the capacity factor
-most MoE recipes use (GShard, Switch Transformer: 1.25). Dropless routing (Megatron's default)
-can exceed it early in training; pass the measured max/mean (``moe_imbalance=``)."""
-MOE_DISPATCHERS = ("alltoall", "allgather")
 
 
 def preset_seq_len(spec: ModelSpec, seq_len: int | None) -> int:
@@ -74,8 +72,8 @@ class PresetTerms:
 
     @property
     def mcore(self) -> bool:
-        """Megatron-core's own saved tensors and loss (``megatron.py``), not the reference
-        modules' or transformers'."""
+        """Megatron-core's own saved tensors and loss (``frameworks/megatron.py``), not the
+        reference modules' or transformers'."""
         return self.framework == "megatron" and self.activation_model == "ops"
 
     @property
@@ -117,10 +115,7 @@ class PresetTerms:
             return "math"
         if a in ("flash", "efficient", "cpu-flash"):
             return a
-        if a != "sdpa":
-            raise ValueError(
-                f"unknown attention {a!r}; use sdpa, flash, efficient, cpu-flash, eager"
-            )
+        check_attention(a)  # what is left is sdpa
         if not self.cuda:
             return "cpu-flash" if self.dropout == 0 else "math"
         return "efficient" if self.training.compute_bytes == 4 else "flash"
@@ -191,169 +186,11 @@ class PresetTerms:
         dense first layers breaks the symmetry (a later rank of all-MoE layers can exceed the
         second): then every rank is a candidate.
         """
-        spec, tr, t = self.spec, self.training, layout.tp
-        pp = layout.pp
-        pg = self.param_groups
+        st = _Stack.of(self, layout, batch, recompute, grad_accum, persistent_grads)
         if stages is None:
-            stages = list(range(pp)) if pg.n_dense else sorted({0, min(1, pp - 1), pp - 1})
-        persist = grads_persist(layout, grad_accum, persistent_grads)
-        # k/v projections replicate across ranks when tp exceeds the KV heads
-        kvp = (
-            2 * spec.hidden * spec.kv_heads * spec.dhead if spec.n_heads and not spec.is_mla else 0
-        )
-        kv_rep = kvp / min(t, max(spec.kv_heads, 1)) - kvp / t
-        moe_tp, dense_tp = pg.layer_tp / t + kv_rep, pg.dense_tp / t + kv_rep
-        expert_layer = pg.layer_expert / (layout.ep * layout.expert_tp)
-        split = self.framework == "megatron" and megatron.uneven(self.knobs)
-        chunks_by_stage = (
-            megatron.stage_chunks(spec.n_layers, pp, layout.vpp, self.knobs) if split else []
-        ) or stage_chunks(spec.n_layers, pp, layout.vpp)
-        mega = self.framework == "megatron"
-        w8 = megatron.fp8_weight_cache_bytes(self.knobs) if mega else 0.0
-        acts = {
-            kind: self._act_terms(layout, batch, recompute, kind == "dense")
-            for kind in ("dense", "moe")
-        }
-        out = []
-        for i in stages:
-            chunks = [c for c in chunks_by_stage[i] if len(c)]
-            n_l = sum(len(c) for c in chunks)
-            # the dense layers (an MoE's dense first layers, or its pattern's) among the ranges
-            n_dense = sum(spec.dense_in(c) for c in chunks)
-            n_moe = n_l - n_dense
-            is_first, is_last = i == 0, i == pp - 1
-            # MTP layers run on the last stage, of the model's last layer's kind
-            mtp = spec.mtp_layers if is_last and self.framework == "megatron" else 0
-            mtp_dense = mtp if spec.is_dense_layer(spec.n_layers - 1) else 0
-            # backward ends in the stage's first layer and starts in its last
-            dense_first = not spec.is_moe or (bool(chunks) and spec.is_dense_layer(chunks[0][0]))
-            dense_last = not spec.is_moe or (bool(chunks) and spec.is_dense_layer(chunks[-1][-1]))
-            first_kind = "dense" if dense_first else "moe"
-            last_kind = "dense" if dense_last else "moe"
-            a_first_layer, a_last_layer = acts[first_kind], acts[last_kind]
-            if spec.is_moe:
-                dense = n_dense * (dense_tp + pg.dense_rep) + n_moe * (moe_tp + pg.layer_rep)
-            else:
-                dense = n_l * (moe_tp + pg.layer_rep)
-            first, last, held, ids_b, ce0 = acts["dense"][5:10]
-            if is_first:
-                dense += pg.embed_tp / t + pg.embed_rep
-            if is_last:
-                dense += pg.head_tp / t + pg.head_rep
-                if (spec.tied_embeddings or mtp) and pp > 1:
-                    dense += pg.embed_tp / t  # Megatron keeps a copy of tied embeddings at the end
-            expert = n_moe * expert_layer
-            mtp_tp = 0.0
-            if mtp:
-                m_tp, m_rep = (dense_tp, pg.dense_rep) if mtp_dense else (moe_tp, pg.layer_rep)
-                mtp_tp, mtp_rep = megatron.mtp_params(spec, m_tp, m_rep, t)
-                dense += mtp_tp + mtp_rep
-                expert += (mtp - mtp_dense) * expert_layer
-            if tr.lora_rank:
-                p_train, p_frozen = self._lora_params(n_l, t), dense
-                p_exp_train, p_exp_frozen = 0.0, expert
-            else:
-                p_train, p_frozen, p_exp_train, p_exp_frozen = dense, 0.0, expert, 0.0
-            trainable = p_train + p_exp_train
-            x = [0.0] * peak.N_TERMS
-            x[peak.P_TRAIN], x[peak.P_FROZEN] = p_train, p_frozen
-            x[peak.P_EXP_TRAIN], x[peak.P_EXP_FROZEN] = p_exp_train, p_exp_frozen
-            stage_acts = n_dense * acts["dense"][0] + n_moe * acts["moe"][0]
-            x[peak.A_LAYER], x[peak.N_LAYERS] = (stage_acts / n_l if n_l else 0.0), n_l
-            x[peak.W_BUFFERS] = spec.buffer_bytes * n_l / max(spec.n_layers, 1)
-            if mega:  # library workspaces, and the pipeline inputs kept after the step
-                x[peak.W_BUFFERS] += megatron.workspace_bytes(
-                    self.cuda, bool(n_moe) and self.grouped_gemm
-                )
-                if spec.is_decoder:
-                    x[peak.W_BUFFERS] += megatron.pipeline_input_bytes(
-                        self.workload(layout, batch), spec.hidden, pp, layout.vpp, i
-                    )
-            if w8:  # fp8 copies of the TE Linears' weights (not norms, biases, embedding, head)
-                lin = n_dense * dense_tp + n_moe * moe_tp if spec.is_moe else n_l * moe_tp
-                x[peak.W_BUFFERS] += w8 * (lin + expert + mtp_tp)
-            # parameters kept in fp32 in a 16-bit model: their extra bytes, as weights
-            x[peak.W_BUFFERS] += n_moe * spec.fp32_moe_params * max(0, 4 - tr.weight_bytes)
-            x[peak.INFLIGHT] = inflight(layout, grad_accum, i)
-            if split and n_l and pp > 1:  # Megatron's uneven chunks weigh by their layers
-                all_chunks = chunks_by_stage[i]
-                x[peak.INFLIGHT] = (
-                    megatron.inflight_layers(all_chunks, pp, layout.vpp, grad_accum, i) / n_l
-                )
-            x[peak.A_FIRST] = first if is_first else 0.0
-            x[peak.A_LAST] = last if is_last else 0.0
-            if mtp:  # MTP layers run once per micro-batch, after the last chunk: not in flight
-                x[peak.A_LAST] += mtp_dense * acts["dense"][0] + (mtp - mtp_dense) * acts["moe"][0]
-            if is_last and pp > 1 and self.mcore:
-                x[peak.A_LAST] += megatron.deferred_wgrad_bytes(
-                    spec, self.workload(layout, batch), self.knobs, grad_accum
-                )
-            # the last layer's widest moment: its temporaries, and the weight grads it made
-            t_start, g_start, gone = a_last_layer[4] - a_last_layer[3], a_last_layer[3], 0.0
-            grad_in = (
-                ce0
-                if is_last
-                else batch * self.seq // layout.cp * spec.hidden * tr.compute_bytes / t
-            )
-            if is_last and spec.is_decoder:
-                # by the last layer's widest moment the loss and head have run: their saved
-                # tensors are gone (the held logits stay), the head's weight grad exists
-                head = (pg.embed_tp if spec.tied_embeddings else pg.head_tp) / t + pg.head_rep
-                g_start += head * tr.grad_bytes
-                gone = last - held
-            if t_start + g_start - gone > grad_in:
-                x[peak.T_BWD0], x[peak.G_START], x[peak.A_GONE] = t_start, g_start, gone
-            else:
-                x[peak.T_BWD0] = grad_in
-            x[peak.T_LAYER] = a_first_layer[1]
-            x[peak.A_END] = a_first_layer[2]
-            x[peak.HELD] = held if is_last else 0.0
-            x[peak.IDS] = ids_b if is_first else 0.0
-            x[peak.G_WALK] = a_first_layer[3]
-            # weight grads not yet produced at the end moment (inside the stage's first layer):
-            # that layer's, and an untied embedding's (a tied one waits in autograd's buffer)
-            first_is_moe = first_kind == "moe"
-            layer_tp = moe_tp if first_is_moe else (dense_tp if spec.is_moe else moe_tp)
-            layer_rep = pg.layer_rep if (first_is_moe or not spec.is_moe) else pg.dense_rep
-            if self.activation_model == "ops" and n_l and not persist:
-                emb = (0.0 if spec.tied_embeddings else pg.embed_tp / t) + pg.embed_rep
-                if tr.lora_rank:
-                    x[peak.P_PEND] = self._lora_params(1, t)
-                else:
-                    x[peak.P_PEND] = layer_tp + layer_rep + (emb if is_first else 0.0)
-                    x[peak.P_PEND_EXP] = expert_layer if first_is_moe else 0.0
-                if spec.tied_embeddings and is_first and is_last and spec.is_decoder:
-                    # the head's gradient of a tied embedding waits in autograd's input buffer
-                    # (a temporary) until the embedding's own backward adds to it and
-                    # AccumulateGrad makes it the .grad
-                    tied = pg.embed_tp / t
-                    x[peak.P_PEND] += tied
-                    x[peak.T_LAYER] += tied * tr.grad_bytes
-            layer_params = max(
-                moe_tp + pg.layer_rep + (expert_layer if spec.is_moe else 0.0),
-                dense_tp + pg.dense_rep if spec.is_moe and n_dense else 0.0,
-            )
-            job_terms(
-                x,
-                tr,
-                layout,
-                self.gpu,
-                self.cuda,
-                trainable=trainable,
-                layer_params=layer_params,
-                scratch=pg.step_scratch / t,
-                persist=persist,
-                framework=self.framework,
-                layer_comm=max(acts["dense"][10], acts["moe"][10] if n_moe else 0.0),
-                mix=preset_mix(spec, pg),
-            )
-            if self.alloc_conf is not None:
-                fill_fragmentation(
-                    self, self.alloc_conf, x, layout, batch, recompute,
-                    first=is_first, last=is_last, moe=n_moe > n_dense,
-                )  # fmt: skip
-            out.append(x)
-        return out
+            pp = layout.pp
+            stages = list(range(pp)) if st.pg.n_dense else sorted({0, min(1, pp - 1), pp - 1})
+        return [stage_terms(self, st, i) for i in stages]
 
     def _act_terms(
         self, layout: Layout, batch: int, recompute: str, dense: bool
@@ -475,204 +312,395 @@ class PresetTerms:
         return float(saved), float(t_end), float(a_end), float(m.grads), float(t_start)
 
 
-def check_fused_ops(fused_ops: Any) -> None:
-    """``fused_ops`` is None or a tuple of known kernel names."""
-    if fused_ops is None:
-        return
-    if isinstance(fused_ops, str) or not all(isinstance(o, str) for o in fused_ops):
-        raise ValueError(
-            f"fused_ops must be a tuple of names from {', '.join(act.FUSED_OPS)}, got {fused_ops!r}"
+@dataclass
+class _Stack:
+    """What every pipeline rank of one ``PresetTerms.terms`` call shares."""
+
+    layout: Layout
+    batch: int
+    recompute: str
+    grad_accum: int
+    pg: ParamGroups
+    persist: bool
+    moe_tp: float  # an MoE (or any non-dense) layer's tensor-parallel parameters per rank
+    dense_tp: float  # a dense layer's
+    expert_layer: float  # a layer's expert parameters per rank
+    split: bool  # Megatron's uneven pipeline split
+    chunks_by_stage: list[list[range]]
+    w8: float  # bytes per parameter of the fp8 weight copies (Megatron's TE)
+    acts: dict[str, tuple[float, ...]]  # _act_terms of a dense and an MoE layer
+
+    @classmethod
+    def of(
+        cls,
+        pt: PresetTerms,
+        layout: Layout,
+        batch: int,
+        recompute: str,
+        grad_accum: int,
+        persistent_grads: bool | None,
+    ) -> _Stack:
+        spec, t, pg = pt.spec, layout.tp, pt.param_groups
+        # k/v projections replicate across ranks when tp exceeds the KV heads
+        kvp = (
+            2 * spec.hidden * spec.kv_heads * spec.dhead if spec.n_heads and not spec.is_mla else 0
         )
-    bad = [o for o in fused_ops if o not in act.FUSED_OPS]
-    if bad:
-        raise ValueError(
-            f"unknown fused op(s) {', '.join(map(repr, bad))}; known: {', '.join(act.FUSED_OPS)}"
+        kv_rep = kvp / min(t, max(spec.kv_heads, 1)) - kvp / t
+        split = pt.framework == "megatron" and megatron.uneven(pt.knobs)
+        pp, vpp = layout.pp, layout.vpp
+        chunks = (
+            megatron.stage_chunks(spec.n_layers, pp, vpp, pt.knobs) if split else []
+        ) or stage_chunks(spec.n_layers, pp, vpp)
+        return cls(
+            layout=layout,
+            batch=batch,
+            recompute=recompute,
+            grad_accum=grad_accum,
+            pg=pg,
+            persist=grads_persist(layout, grad_accum, persistent_grads),
+            moe_tp=pg.layer_tp / t + kv_rep,
+            dense_tp=pg.dense_tp / t + kv_rep,
+            expert_layer=pg.layer_expert / (layout.ep * layout.expert_tp),
+            split=split,
+            chunks_by_stage=chunks,
+            w8=megatron.fp8_weight_cache_bytes(pt.knobs) if pt.framework == "megatron" else 0.0,
+            acts={
+                kind: pt._act_terms(layout, batch, recompute, kind == "dense")
+                for kind in ("dense", "moe")
+            },
         )
 
 
-def check_moe_args(
-    spec: ModelSpec, moe_imbalance: float, moe_dispatcher: str, moe_grouped_gemm: bool | None
+@dataclass
+class _Rank:
+    """One pipeline rank's layers."""
+
+    i: int
+    chunks: list[range]
+    n_l: int
+    n_dense: int  # the dense layers (an MoE's dense first layers, or its pattern's)
+    n_moe: int
+    is_first: bool
+    is_last: bool
+    mtp: int  # MTP layers run on the last stage, of the model's last layer's kind
+    mtp_dense: int
+    first_kind: str  # backward ends in the stage's first layer and starts in its last
+    last_kind: str
+
+    @classmethod
+    def of(cls, pt: PresetTerms, st: _Stack, i: int) -> _Rank:
+        spec, pp = pt.spec, st.layout.pp
+        chunks = [c for c in st.chunks_by_stage[i] if len(c)]
+        n_l = sum(len(c) for c in chunks)
+        n_dense = sum(spec.dense_in(c) for c in chunks)
+        is_last = i == pp - 1
+        mtp = spec.mtp_layers if is_last and pt.framework == "megatron" else 0
+        dense_first = not spec.is_moe or (bool(chunks) and spec.is_dense_layer(chunks[0][0]))
+        dense_last = not spec.is_moe or (bool(chunks) and spec.is_dense_layer(chunks[-1][-1]))
+        return cls(
+            i=i,
+            chunks=chunks,
+            n_l=n_l,
+            n_dense=n_dense,
+            n_moe=n_l - n_dense,
+            is_first=i == 0,
+            is_last=is_last,
+            mtp=mtp,
+            mtp_dense=mtp if spec.is_dense_layer(spec.n_layers - 1) else 0,
+            first_kind="dense" if dense_first else "moe",
+            last_kind="dense" if dense_last else "moe",
+        )
+
+
+def stage_terms(pt: PresetTerms, st: _Stack, i: int) -> list[float]:
+    """The peak terms of pipeline rank ``i`` (``PresetTerms.terms``)."""
+    spec, t, pg, layout = pt.spec, st.layout.tp, st.pg, st.layout
+    r = _Rank.of(pt, st, i)
+    x = [0.0] * peak.N_TERMS
+    trainable, expert, mtp_tp = _fill_params(pt, st, r, x)
+    _fill_buffers(pt, st, r, x, expert, mtp_tp)
+    _fill_activations(pt, st, r, x)
+    layer_params = max(
+        st.moe_tp + pg.layer_rep + (st.expert_layer if spec.is_moe else 0.0),
+        st.dense_tp + pg.dense_rep if spec.is_moe and r.n_dense else 0.0,
+    )
+    job_terms(
+        x,
+        pt.training,
+        layout,
+        pt.gpu,
+        pt.cuda,
+        trainable=trainable,
+        layer_params=layer_params,
+        scratch=pg.step_scratch / t,
+        persist=st.persist,
+        framework=pt.framework,
+        layer_comm=max(st.acts["dense"][10], st.acts["moe"][10] if r.n_moe else 0.0),
+        mix=preset_mix(spec, pg),
+    )
+    if pt.alloc_conf is not None:
+        fill_fragmentation(
+            pt, pt.alloc_conf, x, layout, st.batch, st.recompute,
+            first=r.is_first, last=r.is_last, moe=r.n_moe > r.n_dense,
+        )  # fmt: skip
+    return x
+
+
+def _fill_params(pt: PresetTerms, st: _Stack, r: _Rank, x: list[float]) -> tuple[float, ...]:
+    """The rank's parameters, trainable and frozen: (trainable, expert, MTP's tp part)."""
+    spec, t, pg, pp = pt.spec, st.layout.tp, st.pg, st.layout.pp
+    if spec.is_moe:
+        dense = r.n_dense * (st.dense_tp + pg.dense_rep) + r.n_moe * (st.moe_tp + pg.layer_rep)
+    else:
+        dense = r.n_l * (st.moe_tp + pg.layer_rep)
+    if r.is_first:
+        dense += pg.embed_tp / t + pg.embed_rep
+    if r.is_last:
+        dense += pg.head_tp / t + pg.head_rep
+        if (spec.tied_embeddings or r.mtp) and pp > 1:
+            dense += pg.embed_tp / t  # Megatron keeps a copy of tied embeddings at the end
+    expert = r.n_moe * st.expert_layer
+    mtp_tp = 0.0
+    if r.mtp:
+        m_tp, m_rep = (st.dense_tp, pg.dense_rep) if r.mtp_dense else (st.moe_tp, pg.layer_rep)
+        mtp_tp, mtp_rep = megatron.mtp_params(spec, m_tp, m_rep, t)
+        dense += mtp_tp + mtp_rep
+        expert += (r.mtp - r.mtp_dense) * st.expert_layer
+    if pt.training.lora_rank:
+        p_train, p_frozen = pt._lora_params(r.n_l, t), dense
+        p_exp_train, p_exp_frozen = 0.0, expert
+    else:
+        p_train, p_frozen, p_exp_train, p_exp_frozen = dense, 0.0, expert, 0.0
+    x[peak.P_TRAIN], x[peak.P_FROZEN] = p_train, p_frozen
+    x[peak.P_EXP_TRAIN], x[peak.P_EXP_FROZEN] = p_exp_train, p_exp_frozen
+    return p_train + p_exp_train, expert, mtp_tp
+
+
+def _fill_buffers(
+    pt: PresetTerms, st: _Stack, r: _Rank, x: list[float], expert: float, mtp_tp: float
 ) -> None:
-    """One clear message per bad MoE argument."""
-    if isinstance(moe_imbalance, bool) or not isinstance(moe_imbalance, (int, float)):
-        raise ValueError(f"moe_imbalance must be a number >= 1, got {moe_imbalance!r}")
-    if not 1.0 <= moe_imbalance < 1e6:
-        raise ValueError(
-            f"moe_imbalance is the most loaded rank's tokens over the mean: >= 1, got "
-            f"{moe_imbalance!r} (default {MOE_IMBALANCE}, the usual capacity factor)"
+    """The rank's layer count, per-layer activations, buffers and in-flight micro-batches."""
+    spec, layout, acts, n_l = pt.spec, st.layout, st.acts, r.n_l
+    stage_acts = r.n_dense * acts["dense"][0] + r.n_moe * acts["moe"][0]
+    x[peak.A_LAYER], x[peak.N_LAYERS] = (stage_acts / n_l if n_l else 0.0), n_l
+    x[peak.W_BUFFERS] = spec.buffer_bytes * n_l / max(spec.n_layers, 1)
+    if pt.framework == "megatron":  # library workspaces, and the pipeline inputs kept after
+        x[peak.W_BUFFERS] += megatron.workspace_bytes(pt.cuda, bool(r.n_moe) and pt.grouped_gemm)
+        if spec.is_decoder:
+            x[peak.W_BUFFERS] += megatron.pipeline_input_bytes(
+                pt.workload(layout, st.batch), spec.hidden, layout.pp, layout.vpp, r.i
+            )
+    if st.w8:  # fp8 copies of the TE Linears' weights (not norms, biases, embedding, head)
+        lin = r.n_dense * st.dense_tp + r.n_moe * st.moe_tp if spec.is_moe else n_l * st.moe_tp
+        x[peak.W_BUFFERS] += st.w8 * (lin + expert + mtp_tp)
+    # parameters kept in fp32 in a 16-bit model: their extra bytes, as weights
+    x[peak.W_BUFFERS] += r.n_moe * spec.fp32_moe_params * max(0, 4 - pt.training.weight_bytes)
+    x[peak.INFLIGHT] = inflight(layout, st.grad_accum, r.i)
+    if st.split and n_l and layout.pp > 1:  # Megatron's uneven chunks weigh by their layers
+        x[peak.INFLIGHT] = (
+            megatron.inflight_layers(
+                st.chunks_by_stage[r.i], layout.pp, layout.vpp, st.grad_accum, r.i
+            )
+            / n_l
         )
-    if moe_dispatcher not in MOE_DISPATCHERS:
-        raise ValueError(
-            f"moe_dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, got {moe_dispatcher!r}"
-        )
-    if moe_grouped_gemm not in (None, True, False):
-        raise ValueError(f"moe_grouped_gemm must be True, False or None, got {moe_grouped_gemm!r}")
 
 
-def estimate_preset(
-    spec: ModelSpec,
-    *,
-    training: Training,
-    layout: Layout,
-    gpu: GPU,
-    batch_size: int | None,
-    seq_len: int | None,
-    recompute: str,
-    grad_accum: int,
-    attention: str,
-    dropout: float,
-    activation_model: str,
-    device: str,
-    keep_logits: bool | None,
-    persistent_grads: bool | None,
-    framework: str,
-    moe_imbalance: float = MOE_IMBALANCE,
-    moe_dispatcher: str = "alltoall",
-    moe_grouped_gemm: bool | None = None,
-    fused_ops: tuple[str, ...] | None = None,
-    knobs: megatron.MegatronKnobs | None = None,
-    alloc_conf: AllocConf | None = None,
-    reserved_note: str = "",
-    loss_chunks: int = 0,
-    given: frozenset[str] | None = None,
-    titan_float8: tuple[str | None, bool] = (None, False),
-    titan_compiled_loss: bool = False,
-) -> Bill:
-    """The bill of training a described model (see ``gpumem.estimate``; ``batch_size`` None:
-    the default, and the bill says so); ``alloc_conf``: simulate the caching allocator under it
-    (None: the flat fragmentation fraction)."""
-    given_batch = batch_size
-    batch_size = inputs.DEFAULT_BATCH_SIZE if batch_size is None else batch_size
-    seq, seq_source = inputs.seq_len(spec, seq_len)
-    knobs = knobs or megatron.MegatronKnobs()
-    layout.check(spec, seq_len=seq, even_split=not megatron.uneven(knobs))
-    if activation_model not in ("ops", "korthikanti"):
-        raise ValueError(
-            f"activation_model must be 'ops' or 'korthikanti', got {activation_model!r}"
+def _fill_activations(pt: PresetTerms, st: _Stack, r: _Rank, x: list[float]) -> None:
+    """The rank's saved activations and the moments of its backward."""
+    spec, tr, t, pg, layout, acts = pt.spec, pt.training, st.layout.tp, st.pg, st.layout, st.acts
+    a_first_layer, a_last_layer = acts[r.first_kind], acts[r.last_kind]
+    first, last, held, ids_b, ce0 = acts["dense"][5:10]
+    x[peak.A_FIRST] = first if r.is_first else 0.0
+    x[peak.A_LAST] = last if r.is_last else 0.0
+    if r.mtp:  # MTP layers run once per micro-batch, after the last chunk: not in flight
+        x[peak.A_LAST] += r.mtp_dense * acts["dense"][0] + (r.mtp - r.mtp_dense) * acts["moe"][0]
+    if r.is_last and layout.pp > 1 and pt.mcore:
+        x[peak.A_LAST] += megatron.deferred_wgrad_bytes(
+            spec, pt.workload(layout, st.batch), pt.knobs, st.grad_accum
         )
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-    check_moe_args(spec, moe_imbalance, moe_dispatcher, moe_grouped_gemm)
-    check_fused_ops(fused_ops)
-    torchtitan.check_recompute(recompute, framework)
+    # the last layer's widest moment: its temporaries, and the weight grads it made
+    t_start, g_start, gone = a_last_layer[4] - a_last_layer[3], a_last_layer[3], 0.0
+    grad_in = (
+        ce0 if r.is_last else st.batch * pt.seq // layout.cp * spec.hidden * tr.compute_bytes / t
+    )
+    if r.is_last and spec.is_decoder:
+        # by the last layer's widest moment the loss and head have run: their saved
+        # tensors are gone (the held logits stay), the head's weight grad exists
+        head = (pg.embed_tp if spec.tied_embeddings else pg.head_tp) / t + pg.head_rep
+        g_start += head * tr.grad_bytes
+        gone = last - held
+    if t_start + g_start - gone > grad_in:
+        x[peak.T_BWD0], x[peak.G_START], x[peak.A_GONE] = t_start, g_start, gone
+    else:
+        x[peak.T_BWD0] = grad_in
+    x[peak.T_LAYER] = a_first_layer[1]
+    x[peak.A_END] = a_first_layer[2]
+    x[peak.HELD] = held if r.is_last else 0.0
+    x[peak.IDS] = ids_b if r.is_first else 0.0
+    x[peak.G_WALK] = a_first_layer[3]
+    _fill_pending(pt, st, r, x)
+
+
+def _fill_pending(pt: PresetTerms, st: _Stack, r: _Rank, x: list[float]) -> None:
+    """Weight grads not yet produced at the end moment (inside the stage's first layer):
+    that layer's, and an untied embedding's (a tied one waits in autograd's buffer)."""
+    spec, tr, t, pg = pt.spec, pt.training, st.layout.tp, st.pg
+    first_is_moe = r.first_kind == "moe"
+    layer_tp = st.moe_tp if first_is_moe else (st.dense_tp if spec.is_moe else st.moe_tp)
+    layer_rep = pg.layer_rep if (first_is_moe or not spec.is_moe) else pg.dense_rep
+    if pt.activation_model == "ops" and r.n_l and not st.persist:
+        emb = (0.0 if spec.tied_embeddings else pg.embed_tp / t) + pg.embed_rep
+        if tr.lora_rank:
+            x[peak.P_PEND] = pt._lora_params(1, t)
+        else:
+            x[peak.P_PEND] = layer_tp + layer_rep + (emb if r.is_first else 0.0)
+            x[peak.P_PEND_EXP] = st.expert_layer if first_is_moe else 0.0
+        if spec.tied_embeddings and r.is_first and r.is_last and spec.is_decoder:
+            # the head's gradient of a tied embedding waits in autograd's input buffer
+            # (a temporary) until the embedding's own backward adds to it and
+            # AccumulateGrad makes it the .grad
+            tied = pg.embed_tp / t
+            x[peak.P_PEND] += tied
+            x[peak.T_LAYER] += tied * tr.grad_bytes
+
+
+def estimate_preset(spec: ModelSpec, job: Job) -> Bill:
+    """The bill of training a described model (see ``gpumem.estimate``; ``job.batch_size``
+    None: the default, and the bill says so); ``job.alloc_conf``: simulate the caching
+    allocator under it (None: the flat fragmentation fraction)."""
+    batch_size = inputs.DEFAULT_BATCH_SIZE if job.batch_size is None else job.batch_size
+    seq, seq_source = inputs.seq_len(spec, job.seq_len)
+    layout, fw, acts, tt = job.layout, job.framework, job.activations, job.torchtitan
+    layout.check(spec, seq_len=seq, even_split=not megatron.uneven(job.megatron))
     terms = PresetTerms(
         spec,
-        training,
-        gpu,
+        job.training,
+        job.gpu,
         seq,
-        attention,
-        dropout,
-        activation_model,
-        device,
-        keep_logits,
-        framework,
-        moe_imbalance,
-        moe_dispatcher,
-        moe_grouped_gemm,
-        None if fused_ops is None else tuple(fused_ops),
-        knobs,
-        alloc_conf,
+        acts.attention,
+        acts.dropout,
+        acts.activation_model,
+        job.device,
+        acts.keep_logits,
+        fw,
+        job.moe.imbalance,
+        job.moe.dispatcher,
+        job.moe.grouped_gemm,
+        acts.fused_ops,
+        job.megatron,
+        job.alloc_conf,
     )
     stages = list(range(layout.pp))
-    if framework == "torchtitan":
-        if spec.arch != "llama" or spec.is_moe:
-            raise ValueError(
-                f"framework='torchtitan' models torchtitan's dense Llama; got {spec.name!r} "
-                f"({spec.arch}{', MoE' if spec.is_moe else ''})"
-            )
-        if grad_accum != 1:
-            raise ValueError("framework='torchtitan' models one micro-batch per step: grad_accum=1")
-        if spec.tied_embeddings:
-            raise ValueError(
-                "framework='torchtitan' does not model tied embeddings yet (torchtitan's 1B/3B "
-                "gather [tok_embeddings, norm, lm_head] as one FSDP unit for the whole step)"
-            )
-        rows = [
-            torchtitan.terms(
-                spec,
-                training,
-                layout,
-                gpu,
-                batch=batch_size,
-                seq=seq,
-                recompute=recompute,
-                cuda=device == "cuda",
-                persistent_grads=bool(persistent_grads),
-                loss_chunks=loss_chunks,
-                fp8_recipe=titan_float8[0],
-                fsdp_float8_all_gather=titan_float8[1],
-                alloc_conf=terms.alloc_conf,
-                compiled_loss=titan_compiled_loss,
-            )
-        ]
+    if fw == "torchtitan":
+        rows = [titan_terms(spec, job, terms, batch_size, seq)]
+        items = torchtitan.layer_items(spec, layout, batch_size, seq, job.recompute)
     else:
-        rows = terms.terms(layout, batch_size, recompute, grad_accum, persistent_grads, stages)
-    titan_simulated = framework != "torchtitan" or torchtitan.simulated(
-        terms.alloc_conf, loss_chunks, bool(persistent_grads), titan_float8[0]
+        rows = terms.terms(
+            layout, batch_size, job.recompute, job.grad_accum, job.persistent_grads, stages
+        )
+        items = terms.layer_items(layout, batch_size)
+    # torchtitan's step is simulated from its own allocation order (titan_trace), except for
+    # what that order does not cover
+    simulated = fw != "torchtitan" or torchtitan.simulated(
+        terms.alloc_conf, tt.loss_chunks, bool(job.persistent_grads), tt.fp8_recipe
     )
+    conf = terms.alloc_conf
     return make_bill(
         spec,
         spec.n_params,
         rows,
         stages,
         layout=layout,
-        training=training,
-        gpu=gpu,
-        framework=framework,
+        training=job.training,
+        gpu=job.gpu,
+        framework=fw,
         cluster_model_state_bytes=terms.cluster_model_states(),
-        inputs={
-            "batch_size": batch_size,
-            "seq_len": seq,
-            "recompute": recompute,
-            "grad_accum": grad_accum,
-            "attention": terms.backend,
-            "device": device,
-            "precision": training.precision,
-            "optimizer": training.optimizer,
-            "framework": framework,
-            "loss": loss_convention(framework, terms.holds_logits),
-            "fused_ops": tuple(sorted(terms.fused)),
-            **(
-                {"float8": torchtitan.float8_label(*titan_float8)}
-                if titan_float8[0] is not None
-                else {}
-            ),
-            **({"compiled_loss": True} if titan_compiled_loss else {}),
-            **(
-                {"moe_imbalance": moe_imbalance, "moe_dispatcher": moe_dispatcher}
-                if spec.is_moe
-                else {}
-            ),
-        },
+        inputs=bill_inputs(spec, job, terms, batch_size, seq),
         sources={
             **inputs.sources(
                 seq_source=seq_source,
-                batch_size=given_batch,
-                grad_accum=grad_accum,
-                recompute=recompute,
-                training=training,
-                given=given,
+                batch_size=job.batch_size,
+                grad_accum=job.grad_accum,
+                recompute=job.recompute,
+                training=job.training,
+                given=job.given,
             ),
             "float8": "given",
             "loss": "keep_logits given"
-            if keep_logits is not None
-            else f"default: the {framework} loop",
+            if acts.keep_logits is not None
+            else f"default: the {fw} loop",
         },
-        items=(
-            torchtitan.layer_items(spec, layout, batch_size, seq, recompute)
-            if framework == "torchtitan"
-            else terms.layer_items(layout, batch_size)
-        ),
-        # torchtitan's step is simulated from its own allocation order (titan_trace), except
-        # for what that order does not cover
-        alloc_conf=None
-        if terms.alloc_conf is None or not titan_simulated
-        else terms.alloc_conf.text or "default",
+        items=items,
+        alloc_conf=None if conf is None or not simulated else conf.text or "default",
         reserved_note="framework='torchtitan' keeps the flat share with loss_chunks, "
         "persistent gradients or float8"
-        if not titan_simulated and terms.alloc_conf is not None
-        else reserved_note,
+        if not simulated and conf is not None
+        else job.reserved_note,
     )
+
+
+def titan_terms(spec: ModelSpec, job: Job, terms: PresetTerms, batch: int, seq: int) -> list:
+    """The peak terms of one torchtitan rank (its dense Llama only)."""
+    if spec.arch != "llama" or spec.is_moe:
+        raise ValueError(
+            f"framework='torchtitan' models torchtitan's dense Llama; got {spec.name!r} "
+            f"({spec.arch}{', MoE' if spec.is_moe else ''})"
+        )
+    if job.grad_accum != 1:
+        raise ValueError("framework='torchtitan' models one micro-batch per step: grad_accum=1")
+    if spec.tied_embeddings:
+        raise ValueError(
+            "framework='torchtitan' does not model tied embeddings yet (torchtitan's 1B/3B "
+            "gather [tok_embeddings, norm, lm_head] as one FSDP unit for the whole step)"
+        )
+    tt = job.torchtitan
+    return torchtitan.terms(
+        spec,
+        job.training,
+        job.layout,
+        job.gpu,
+        batch=batch,
+        seq=seq,
+        recompute=job.recompute,
+        cuda=job.device == "cuda",
+        persistent_grads=bool(job.persistent_grads),
+        loss_chunks=tt.loss_chunks,
+        fp8_recipe=tt.fp8_recipe,
+        fsdp_float8_all_gather=tt.fsdp_float8_all_gather,
+        alloc_conf=terms.alloc_conf,
+        compiled_loss=tt.compiled_loss,
+    )
+
+
+def bill_inputs(
+    spec: ModelSpec, job: Job, terms: PresetTerms, batch: int, seq: int
+) -> dict[str, Any]:
+    """The inputs a described model's bill states."""
+    tt, fw = job.torchtitan, job.framework
+    return {
+        "batch_size": batch,
+        "seq_len": seq,
+        "recompute": job.recompute,
+        "grad_accum": job.grad_accum,
+        "attention": terms.backend,
+        "device": job.device,
+        "precision": job.training.precision,
+        "optimizer": job.training.optimizer,
+        "framework": fw,
+        "loss": loss_convention(fw, terms.holds_logits),
+        "fused_ops": tuple(sorted(terms.fused)),
+        **(
+            {"float8": torchtitan.float8_label(tt.fp8_recipe, tt.fsdp_float8_all_gather)}
+            if tt.fp8_recipe is not None
+            else {}
+        ),
+        **({"compiled_loss": True} if tt.compiled_loss else {}),
+        **(
+            {"moe_imbalance": job.moe.imbalance, "moe_dispatcher": job.moe.dispatcher}
+            if spec.is_moe
+            else {}
+        ),
+    }
 
 
 def preset_mix(spec: ModelSpec, pg: ParamGroups) -> ParamMix:

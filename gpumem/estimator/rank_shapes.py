@@ -16,7 +16,7 @@ from typing import Any
 
 from gpumem.allocator.alloc_conf import AllocConf
 from gpumem.estimator import peak
-from gpumem.estimator.frameworks import engine
+from gpumem.estimator.frameworks.conventions import engine
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.param_tensors import layer_tensors, outer_tensors
 from gpumem.estimator.step_trace import StatesShape, StepShape, frag_bytes

@@ -14,7 +14,7 @@ grads                what is kept                                           sour
 
 ``"compute+fp32"`` holds DeepSpeed's fp32 gradient partition throughout (as its published
 formula does); under ``framework="deepspeed"`` the default ``"compute"`` follows its code, which
-makes that partition in the optimizer step only (``deepspeed.py``).
+makes that partition in the optimizer step only (``frameworks/deepspeed.py``).
 
 Example:
     >>> t = Training(precision="bf16-mixed", optimizer="adamw")
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpumem.estimator.deepspeed import ZeroConfig
+from gpumem.estimator.frameworks.deepspeed import ZeroConfig
 
 PRECISIONS = {
     # name: (weight bytes, compute bytes, master fp32 copy, autocast, state bytes)
@@ -85,7 +85,7 @@ FP8_PRECISIONS = {
 
 def split_fp8_precision(precision: str, recipe: str | None) -> tuple[str, str | None]:
     """``precision="fp8..."`` as (``bf16-mixed``, its recipe): fp8 changes what the GEMMs read
-    and save (``megatron.py``), not the model states. Another precision passes through.
+    and save (``frameworks/megatron.py``), not the model states. Another precision passes through.
 
     Raises:
         ValueError: an fp8 precision that names another recipe than ``recipe``.

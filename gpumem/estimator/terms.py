@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import functools
 
-from gpumem.estimator import deepspeed, peak
-from gpumem.estimator.frameworks import communication_bytes, engine
+from gpumem.estimator import peak
+from gpumem.estimator.frameworks import deepspeed
+from gpumem.estimator.frameworks.conventions import communication_bytes, engine
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.states import ParamMix, Training
@@ -93,7 +94,7 @@ def job_terms(
         trainable: trainable parameters on this rank before ZeRO sharding.
         layer_params: parameters of one layer (what ZeRO-3/FSDP gathers at once).
         scratch: elements a per-tensor optimizer step holds at once.
-        framework: whose buffer conventions (``frameworks.py``).
+        framework: whose buffer conventions (``frameworks/conventions.py``).
         layer_comm: per-layer communication buffers of forward and backward besides sharding
             (context parallelism's KV exchange, MoE token dispatch).
         mix: how the trainable parameters split into matrices (Muon, Adafactor).
@@ -137,7 +138,7 @@ def muon_gather_bytes(tr: Training, mix: ParamMix | None) -> float:
 
 
 def deepspeed_states(x: list[float], tr: Training, shard: float, mix: ParamMix | None) -> None:
-    """DeepSpeed ZeRO's own state placement (``deepspeed.py``): the step's fp32 gradient
+    """DeepSpeed ZeRO's own state placement (``frameworks/deepspeed.py``): the step's fp32 gradient
     partition and its flattened 16-bit source replace torch.optim's temporaries (DeepSpeed steps
     a fused Adam on the flat partition); offloading the optimizer moves master weights, state,
     and every gradient partition to the host (the GPU keeps the IPG bucket) and the step to the

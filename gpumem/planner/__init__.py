@@ -25,7 +25,7 @@ Modules, bottom up:
 """
 
 from gpumem.planner.capacity import Availability, Capacity
-from gpumem.planner.capacity_replay import Job
+from gpumem.planner.capacity_replay import CapacityJob
 from gpumem.planner.capacity_spec import parse_capacity
 from gpumem.planner.checkpoint_times import CheckpointTimes, checkpoint_times
 from gpumem.planner.decision import Decision, Option, decide, layout_jobs
@@ -48,11 +48,11 @@ __all__ = [
     "Availability",
     "Candidate",
     "Capacity",
+    "CapacityJob",
     "CapacityTrace",
     "CheckpointTimes",
     "Decision",
     "Economics",
-    "Job",
     "NoticeFit",
     "Option",
     "PlanResult",

@@ -17,7 +17,8 @@ the source's queue wait) that is paid before any work. On top of that, the check
 * work proceeds in cycles of the interval tau of work then a stall C (the checkpoint's copy); the
   checkpoint taken at the end of a cycle's work is durable P after its stall began (P >= C);
 * a preemption rolls progress back to the last durable checkpoint, unless the job's final save
-  (``Job.final_save_s``) fits the source's notice: then nothing is lost (the guard saved it);
+  (``CapacityJob.final_save_s``) fits the source's notice: then nothing is lost (the guard saved
+  it);
 * a switch the policy chooses while running loses the same, unless the policy switches at a
   checkpoint (``Policy.switch_at_checkpoint``): it then saves first, paying P before the restart;
 * ``interval_s == 0`` with C = P = 0 is ``sky_spot``'s model: every second of work is kept.
@@ -41,7 +42,7 @@ MAX_HORIZON_TICKS = 400_000
 
 
 @dataclass(frozen=True)
-class Job:
+class CapacityJob:
     """What is replayed: W hours of work on ``gpus`` GPUs with its checkpoint costs.
 
     Attributes:
@@ -116,7 +117,7 @@ class Sources:
 class Run:
     """One job on one pair of sources under one policy: a block of lanes in a replay."""
 
-    job: Job
+    job: CapacityJob
     sources: Sources
     policy: Policy
 
@@ -185,7 +186,7 @@ class Policy(Protocol):
     name: str
     switch_at_checkpoint: bool
 
-    def intervals(self, job: Job, sources: Sources) -> tuple[float, float]:
+    def intervals(self, job: CapacityJob, sources: Sources) -> tuple[float, float]:
         """(interval on spot, interval on the reliable source), seconds of work."""
         ...
 
@@ -352,7 +353,7 @@ __all__ = [
     "NONE",
     "RELIABLE",
     "SPOT",
-    "Job",
+    "CapacityJob",
     "Lanes",
     "Outcome",
     "Policy",

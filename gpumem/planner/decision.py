@@ -11,10 +11,10 @@ with probability >= ``confidence`` by expected cost, and says why in one paragra
 
 Example:
     >>> from gpumem.planner.capacity import Capacity
-    >>> from gpumem.planner.capacity_replay import Job
+    >>> from gpumem.planner.capacity_replay import CapacityJob
     >>> spot = Capacity.from_rates("spot", 1.0, preemptions_per_day=2, mean_outage_h=1,
     ...                            notice_s=120)
-    >>> d = decide([("one layout", Job(24, deadline_h=30, final_save_s=60))],
+    >>> d = decide([("one layout", CapacityJob(24, deadline_h=30, final_save_s=60))],
     ...            [spot, Capacity.on_demand(3.0)])
     >>> d.best.policy in ("gpumem", "uniform-progress", "on-demand", "spot")
     True
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpumem.planner.capacity import Capacity
-from gpumem.planner.capacity_replay import Job
+from gpumem.planner.capacity_replay import CapacityJob
 from gpumem.planner.predict import Prediction, predict_options
 
 DEFAULT_CONFIDENCE = 0.95
@@ -226,7 +226,7 @@ def _interval(s: float) -> str:
 
 
 def decide(
-    layouts: list[tuple[str, Job]],
+    layouts: list[tuple[str, CapacityJob]],
     capacities: list[Capacity],
     *,
     confidence: float = DEFAULT_CONFIDENCE,
@@ -237,8 +237,8 @@ def decide(
     """Rank every layout x capacity pairing x policy (module doc).
 
     Args:
-        layouts: (name, :class:`~gpumem.planner.capacity_replay.Job`) per layout: its work, deadline
-            and checkpoint times (every job the same deadline).
+        layouts: (name, :class:`~gpumem.planner.capacity_replay.CapacityJob`) per layout: its
+            work, deadline and checkpoint times (every job the same deadline).
         capacities: at least one; the preemptible ones are tried alone and with each reliable
             one as the fallback.
         confidence: the probability with which the deadline must be met.
@@ -298,7 +298,7 @@ def layout_jobs(
     deadline_h: float | None,
     top: int = 3,
     **times: float | None,
-) -> list[tuple[str, Job]]:
+) -> list[tuple[str, CapacityJob]]:
     """The ``top`` fastest layouts of a :class:`~gpumem.planner.search.PlanResult` as jobs:
     the best layout's work is ``run_hours``, the others' is scaled by the planner's throughput
     proxy; C, P, R for each layout's own checkpoint (``times`` overrides them, as
@@ -311,14 +311,14 @@ def layout_jobs(
         return []
     best = result.candidates[0]
     per_node = min(result.gpu.gpus_per_node, result.n_gpus)
-    out: list[tuple[str, Job]] = []
+    out: list[tuple[str, CapacityJob]] = []
     for c in result.candidates:
         if len(out) == top:
             break
         ckpt = int(c.weight_bytes + c.optimizer_bytes)
         t = checkpoint_times(result.calibration, checkpoint_bytes=ckpt, **times)
         scale = c.step_seconds / best.step_seconds if best.step_seconds > 0 else 1.0
-        job = Job(
+        job = CapacityJob(
             run_hours * scale,
             gpus=result.n_gpus,
             deadline_h=deadline_h,
@@ -349,7 +349,7 @@ def _key(o: Option, meets: bool) -> tuple[float, ...]:
     return (1.0, p.miss_probability, p.expected_hours, p.expected_cost)
 
 
-def _notice_fits(spot: Capacity | None, job: Job) -> bool | None:
+def _notice_fits(spot: Capacity | None, job: CapacityJob) -> bool | None:
     """Whether the job's final save fits the spot source's notice (None: no notice, no guard)."""
     if spot is None or spot.notice_s is None or job.final_save_s is None:
         return None

@@ -13,7 +13,7 @@ from typing import Any
 from gpumem._plots import pyplot
 from gpumem.estimator import bill as bills
 from gpumem.estimator.bill import Bill
-from gpumem.estimator.specs import ModelSpec
+from gpumem.estimator.model_spec import ModelSpec
 from gpumem.planner.search import plan
 
 # every category of the bill's table, so that a bar is as tall as the table's total

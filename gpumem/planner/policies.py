@@ -17,7 +17,7 @@
     restart;
   - its interval follows the source: on spot Young/Daly for that source's preemptions that come
     without a saved final step (none when the final save fits the notice), on the reliable
-    source only the job's floor for failures no trace shows (``Job.max_interval_s``).
+    source only the job's floor for failures no trace shows (``CapacityJob.max_interval_s``).
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpumem.planner.capacity_replay import NONE, RELIABLE, SPOT, Job, Sources, TickState
+from gpumem.planner.capacity_replay import NONE, RELIABLE, SPOT, CapacityJob, Sources, TickState
 from gpumem.planner.economics import young_daly
 
 
-def fixed_interval(job: Job, sources: Sources) -> float:
+def fixed_interval(job: CapacityJob, sources: Sources) -> float:
     """One interval for the whole run, as a user sets it from the trace's MTBF: Young/Daly,
     at least P, at most the job's floor (tau 0 when checkpoints are free: ``sky_spot``'s model)."""
     if job.stall_s == 0 and job.persist_s == 0:
@@ -46,7 +46,7 @@ class _OneInterval:
 
     switch_at_checkpoint = False
 
-    def intervals(self, job: Job, sources: Sources) -> tuple[float, float]:
+    def intervals(self, job: CapacityJob, sources: Sources) -> tuple[float, float]:
         tau = fixed_interval(job, sources)
         return tau, tau
 
@@ -105,7 +105,7 @@ class GpumemPolicy:
     name: str = "gpumem"
     switch_at_checkpoint: bool = True
 
-    def intervals(self, job: Job, sources: Sources) -> tuple[float, float]:
+    def intervals(self, job: CapacityJob, sources: Sources) -> tuple[float, float]:
         if job.stall_s == 0 and job.persist_s == 0:
             return 0.0, 0.0
         floor = job.max_interval_s

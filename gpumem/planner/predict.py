@@ -13,10 +13,10 @@ Two answers to one question, kept apart on purpose:
 
 Example:
     >>> from gpumem.planner.capacity import Capacity
-    >>> from gpumem.planner.capacity_replay import Job
+    >>> from gpumem.planner.capacity_replay import CapacityJob
     >>> spot = Capacity.from_rates("spot", 1.0, preemptions_per_day=2, mean_outage_h=1)
     >>> od = Capacity.on_demand(3.0)
-    >>> p = predict(Job(24, deadline_h=36), spot, od, "gpumem")
+    >>> p = predict(CapacityJob(24, deadline_h=36), spot, od, "gpumem")
     >>> p.expected_hours < 36
     True
 """
@@ -33,7 +33,7 @@ from gpumem.planner.capacity import Capacity
 from gpumem.planner.capacity_replay import (
     HORIZON_FACTOR,
     MAX_HORIZON_TICKS,
-    Job,
+    CapacityJob,
     Outcome,
     Policy,
     Run,
@@ -99,7 +99,7 @@ class Prediction:
         return d
 
 
-def sources_for(job: Job, spot: Capacity | None, reliable: Capacity | None) -> Sources:
+def sources_for(job: CapacityJob, spot: Capacity | None, reliable: Capacity | None) -> Sources:
     """What the engine and the policy know of the two sources for this job."""
     notice = None if spot is None else spot.notice_s
     fits = job.final_save_s is not None and notice is not None and job.final_save_s <= notice
@@ -129,7 +129,7 @@ def _policy(policy: str | Policy, spot: Capacity | None, reliable: Capacity | No
     return policy
 
 
-Option = tuple[Job, "str | Policy"]
+Option = tuple[CapacityJob, "str | Policy"]
 
 
 def _runs(options: list[Option], spot: Capacity | None, reliable: Capacity | None) -> list[Run]:
@@ -215,7 +215,7 @@ def predict_options(
 
 
 def predict(
-    job: Job,
+    job: CapacityJob,
     spot: Capacity | None,
     reliable: Capacity | None,
     policy: str | Policy,
@@ -225,7 +225,7 @@ def predict(
     return predict_options([(job, policy)], spot, reliable, **kw)[0]
 
 
-def _horizon_ticks(job: Job, avail: Any, gap: float) -> int:
+def _horizon_ticks(job: CapacityJob, avail: Any, gap: float) -> int:
     """Long enough for a spot-only run to finish in all but hopeless cases: the work over the
     availability, times a margin, at least the deadline."""
     frac = max(avail.fraction, 1e-3)

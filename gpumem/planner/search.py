@@ -44,12 +44,13 @@ from gpumem.estimator import inputs as job_inputs
 from gpumem.estimator import peak
 from gpumem.estimator.api import estimate, resolve_alloc_conf
 from gpumem.estimator.bill import Bill
-from gpumem.estimator.deepspeed import ZeroConfig
-from gpumem.estimator.frameworks import default_grads, engine, resolve_framework
+from gpumem.estimator.frameworks.conventions import default_grads, engine, resolve_framework
+from gpumem.estimator.frameworks.deepspeed import ZeroConfig
 from gpumem.estimator.gpus import GPU, find_gpu
 from gpumem.estimator.layout import Layout
+from gpumem.estimator.model_spec import ModelSpec
 from gpumem.estimator.preset import PresetTerms
-from gpumem.estimator.specs import ModelSpec, resolve_model
+from gpumem.estimator.resolver import resolve_model
 from gpumem.estimator.states import Training
 from gpumem.planner.checkpoint_times import CheckpointTimes, checkpoint_times
 from gpumem.planner.economics import (

@@ -106,3 +106,16 @@ def test_cli_memory_fit_keeps_other_sections(tmp_path, capsys):
     args = ["estimate", "gpt2", "--seq-len", "256", "--calibration", str(out)]
     assert main(args) == 0
     assert "calibrated" in capsys.readouterr().out
+
+
+def test_an_nn_module_estimate_applies_the_memory_section():
+    # the module path returned before the memory section was applied: silently uncalibrated
+    torch = pytest.importorskip("torch")
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))
+    kw = {"example_input": torch.randn(4, 64), "device": "cpu", "alloc_conf": False}
+    base = gpumem.estimate(net, **kw)
+    with pytest.warns(UserWarning, match=r"fitted for architecture 'gpumem/llama'"):
+        cal = gpumem.estimate(net, calibration=_mem(act=1.5), **kw)
+    rec = cal.calibration["per_category"]["activations"]
+    assert rec["uncalibrated"] == base.per_gpu["activations"] > 0
+    assert cal.per_gpu["activations"] == int(base.per_gpu["activations"] * 1.5)

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from gpumem.estimator import activations as act
 from gpumem.estimator import estimate
-from gpumem.estimator.specs import ModelSpec, from_model_config
+from gpumem.estimator.model_spec import ModelSpec
+from gpumem.estimator.resolver import from_model_config
 
 GPT = ModelSpec(
     name="gpt-22b-like", arch="gpt2", n_layers=1, hidden=6144, n_heads=64, ffn=4 * 6144, vocab=51200

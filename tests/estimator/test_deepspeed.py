@@ -9,7 +9,7 @@ import pytest
 import gpumem
 from gpumem import Layout
 from gpumem.estimator import peak
-from gpumem.estimator.deepspeed import (
+from gpumem.estimator.frameworks.deepspeed import (
     ZeroConfig,
     gpu_buffers,
     host_bytes,
@@ -17,7 +17,8 @@ from gpumem.estimator.deepspeed import (
     step_bytes,
 )
 from gpumem.estimator.gpus import find_gpu
-from gpumem.estimator.specs import param_groups, resolve_model
+from gpumem.estimator.param_count import param_groups
+from gpumem.estimator.resolver import resolve_model
 from gpumem.estimator.states import Training
 from gpumem.estimator.terms import model_states
 
@@ -304,7 +305,7 @@ def test_plan_prices_deepspeed_layouts_with_the_knobs():
 
 
 def test_knobs_from_cli_parse_ds_config_spellings(tmp_path):
-    from gpumem.estimator.deepspeed import knobs_from_cli
+    from gpumem.estimator.frameworks.deepspeed import knobs_from_cli
 
     cfg = tmp_path / "ds.json"
     cfg.write_text('{"zero_optimization": {"reduce_bucket_size": 5e8, "overlap_comm": false}}')

@@ -9,7 +9,7 @@ from gpumem.estimator.inference import (
     kv_bytes_per_token,
     plan_inference,
 )
-from gpumem.estimator.specs import resolve_model
+from gpumem.estimator.resolver import resolve_model
 
 
 def test_kv_bytes_per_token_gqa_tp_pp():

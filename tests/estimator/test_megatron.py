@@ -1,14 +1,16 @@
-"""framework="megatron": Megatron-LM's conventions (gpumem/estimator/megatron.py) on the CI's
-golden values and on hand computations."""
+"""framework="megatron": Megatron-LM's conventions (gpumem/estimator/frameworks/megatron.py) on
+the CI's golden values and on hand computations."""
 
 from __future__ import annotations
 
 import pytest
 
 import gpumem
-from gpumem.estimator import megatron
 from gpumem.estimator.activations import Workload, sum_items
-from gpumem.estimator.specs import ModelSpec, from_hf_config, param_groups
+from gpumem.estimator.frameworks import megatron
+from gpumem.estimator.hf_config import from_hf_config
+from gpumem.estimator.model_spec import ModelSpec
+from gpumem.estimator.param_count import param_groups
 
 GIB = 2**30
 # gpt/gpt3_7b_*_memory_speed: GQA 8 groups, 4h GeLU MLP, biases, LayerNorm, learned positions,

@@ -5,7 +5,9 @@ import json
 import pytest
 
 from gpumem.estimator import Layout, Training, estimate, resolve_model
-from gpumem.estimator.specs import PRESETS, from_model_config, module_param_count, preset
+from gpumem.estimator.model_presets import PRESETS, preset
+from gpumem.estimator.param_count import module_param_count
+from gpumem.estimator.resolver import from_model_config
 from gpumem.estimator.terms import model_states
 
 

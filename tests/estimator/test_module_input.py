@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 import gpumem
 from gpumem.estimator.accuracy import Case, compare
-from gpumem.estimator.specs import PRESETS, from_model_config
+from gpumem.estimator.model_presets import PRESETS
+from gpumem.estimator.resolver import from_model_config
 from gpumem.models import build_model, get_config
 
 SMALL = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "vocab_size": 512, "seq_len": 128}

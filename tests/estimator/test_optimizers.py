@@ -149,7 +149,7 @@ def test_sharded_muon_gathers_a_full_matrix_in_the_step():
     from gpumem.estimator import peak
     from gpumem.estimator.gpus import find_gpu
     from gpumem.estimator.preset import PresetTerms
-    from gpumem.estimator.specs import resolve_model
+    from gpumem.estimator.resolver import resolve_model
 
     tr = Training(optimizer="muon", grads="fp32")
     job = PresetTerms(

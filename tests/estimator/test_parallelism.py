@@ -8,8 +8,9 @@ import pytest
 
 from gpumem import Layout, ModelSpec, estimate
 from gpumem.estimator import peak
-from gpumem.estimator.frameworks import default_framework
-from gpumem.estimator.specs import param_groups, resolve_model
+from gpumem.estimator.frameworks.conventions import default_framework
+from gpumem.estimator.param_count import param_groups
+from gpumem.estimator.resolver import resolve_model
 from gpumem.planner import plan
 
 P7B = 6_738_415_616

@@ -1,4 +1,4 @@
-"""torchtitan's compiled loss (``gpumem.estimator.titan_compile``) against Inductor itself.
+"""torchtitan's compiled loss (``estimator.frameworks.titan_compile``) against Inductor itself.
 
 Two independent references: AOTAutograd's min-cut partitioner (the one Inductor uses) with
 Inductor's decompositions, on fake tensors at Llama 3's real vocabulary (what the forward
@@ -17,9 +17,9 @@ import torch
 
 import gpumem
 from gpumem.estimator import peak
-from gpumem.estimator import torchtitan as tt
-from gpumem.estimator.specs import resolve_model
-from gpumem.estimator.titan_compile import compiled_loss_bwd, compiled_loss_saved
+from gpumem.estimator.frameworks import torchtitan as tt
+from gpumem.estimator.frameworks.titan_compile import compiled_loss_bwd, compiled_loss_saved
+from gpumem.estimator.resolver import resolve_model
 
 
 def titan_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -193,7 +193,7 @@ def test_compiled_loss_bill_and_trace_agree() -> None:
         compiled=True,
     )
     from gpumem.allocator.alloc_conf import AllocConf
-    from gpumem.estimator import titan_trace
+    from gpumem.estimator.frameworks import titan_trace
 
     run = titan_trace.simulated_run(AllocConf(), shape)
     assert run.peak == alloc

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import gpumem
-from gpumem.estimator.specs import ModelSpec
+from gpumem.estimator.model_spec import ModelSpec
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "published"
 
@@ -382,7 +382,7 @@ def test_float8_gathered_weight_bytes_by_hand() -> None:
     """FSDP's float8 all-gather gathers the five converted Linears of a block in 1 B per weight
     and its two norms in bf16; the block moment (the block and its prefetched neighbour
     gathered) is cheaper by one byte per converted weight of each."""
-    from gpumem.estimator import torchtitan
+    from gpumem.estimator.frameworks import torchtitan
 
     spec, h, f, kv = tiny_spec(), 256, FFN, 64
     linears = h * (h + 2 * kv) + h * h + 3 * h * f
@@ -635,7 +635,7 @@ def test_fsdp_streams_keep_pools_of_their_own_by_hand() -> None:
     uses, so each stream holds its own 2 MiB segment: 6 MiB reserved (caching allocator:
     get_pool / get_free_block match the block's stream)."""
     from gpumem.allocator.alloc_conf import AllocConf
-    from gpumem.estimator import titan_trace as tt
+    from gpumem.estimator.frameworks import titan_trace as tt
 
     shape = tt.TitanShape(
         block=(64, 64 * 96, 64 * 64, 64, 64 * 128, 64 * 128, 128 * 64),

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from gpumem.planner.capacity import Availability, Capacity
-from gpumem.planner.capacity_replay import NONE, RELIABLE, SPOT, Job, Run, Sources, replay
+from gpumem.planner.capacity_replay import NONE, RELIABLE, SPOT, CapacityJob, Run, Sources, replay
 from gpumem.planner.policies import POLICIES
 from gpumem.planner.predict import predict, predict_options, replay_windows, sources_for
 from gpumem.planner.traces import TraceError, load_trace
@@ -55,7 +55,7 @@ def test_uniform_progress_reproduces_the_published_cost_to_the_cent():
     """Can't Be Late's README: 48 h of work, 52 h deadline, 0.2 h restart, $3.06 / $0.9731 per
     hour, one tick 600 s, on this window: $47.6819 (49 spot hours x $0.9731)."""
     spot = Capacity.from_trace(load_trace(PUBLISHED), 0.9731)
-    job = Job(48, deadline_h=52, restart_s=0.2 * 3600)
+    job = CapacityJob(48, deadline_h=52, restart_s=0.2 * 3600)
     (up,) = replay_windows([(job, "uniform-progress")], spot, Capacity.on_demand(3.06), [0])
     assert round(up.expected_cost, 4) == 47.6819
     assert up.miss_probability == 0.0
@@ -64,7 +64,7 @@ def test_uniform_progress_reproduces_the_published_cost_to_the_cent():
 def test_on_demand_pays_the_restart_then_whole_ticks():
     """48 h of work + a 0.2 h restart = 48.2 h = 289.2 ticks of 600 s, billed as 290 ticks:
     48.333 h x $3.06 = $147.90."""
-    job, od = Job(48, restart_s=720), Capacity.on_demand(3.06)
+    job, od = CapacityJob(48, restart_s=720), Capacity.on_demand(3.06)
     run = Run(job, sources_for(job, None, od), POLICIES["on-demand"])
     (o,) = replay([run], _one_lane([1]), 1, 600.0)
     assert o.wall_h[0] == pytest.approx(290 / 6)
@@ -75,7 +75,7 @@ def test_sky_spot_model_spot_only_by_hand():
     """Trace 0,0,1,0,0 (1 = gone), 1800 s of work, no checkpoint cost (every second kept):
     ticks 0-1 run 1200 s, preempted at tick 2 (kept), waits, runs ticks 3-4: done at tick 5?
     No: 1200 + 600 = 1800 at tick 4. Wall 2400 s; 3 ticks billed at $1/h: $0.50."""
-    job = Job(0.5)
+    job = CapacityJob(0.5)
     (o,) = replay([Run(job, _sources(), Fixed(tau=0.0))], _one_lane([0, 0, 1, 0, 0]), 1, 600.0)
     assert o.wall_h[0] == pytest.approx(2400 / 3600)
     assert o.cost[0] == pytest.approx(0.5)
@@ -90,7 +90,7 @@ def test_a_preemption_rolls_back_to_the_last_durable_checkpoint():
     durable at 1070: 1000 durable. Tick 2: preempted, 180 s lost, progress 1000.
     Ticks 3-4: +590 = 1590; ticks 4-5: +590 = 2180 >= 1760: done at tick 5 (3000 s).
     With a final save that fits the notice nothing is lost: 1180 + 590 = 1770 >= 1760 at tick 4."""
-    job = Job(1760 / 3600, stall_s=10, persist_s=60)
+    job = CapacityJob(1760 / 3600, stall_s=10, persist_s=60)
     trace = _one_lane([0, 0, 1, 0, 0, 0])
     (hard,) = replay([Run(job, _sources(fits=False), Fixed())], trace, 1, 600.0)
     assert hard.lost_h[0] * 3600 == pytest.approx(180)
@@ -106,7 +106,7 @@ def test_a_switch_at_a_checkpoint_keeps_the_work_and_pays_the_persist_time():
     ticks 0-2 run 1100 s: 1000 + 80 s of work, both checkpoints durable (at y = 560 and 1070):
     1000 kept. Without a save first the switch loses 80 s; with one it loses nothing and pays
     R + P = 160 s before working again."""
-    job = Job(2, stall_s=10, persist_s=60, restart_s=100)
+    job = CapacityJob(2, stall_s=10, persist_s=60, restart_s=100)
     trace = _one_lane([0] * 40)
     plain = replay([Run(job, _sources(restart_s=100), Fixed(to_reliable_at=2))], trace, 1, 600.0)
     saved = replay(
@@ -126,7 +126,7 @@ def test_the_model_agrees_with_the_replay_on_a_real_trace():
     and dollars stay within 5 % of the replay's mean over every start."""
     spot = Capacity.from_trace(load_trace(PUBLISHED), 0.9731, notice_s=120)
     od = Capacity.on_demand(3.06)
-    job = Job(24, deadline_h=30, stall_s=10, persist_s=60, restart_s=600, final_save_s=60)
+    job = CapacityJob(24, deadline_h=30, stall_s=10, persist_s=60, restart_s=600, final_save_s=60)
     opts = [(job, p) for p in ("uniform-progress", "gpumem")]
     for r, m in zip(replay_windows(opts, spot, od), predict_options(opts, spot, od), strict=True):
         assert m.expected_hours == pytest.approx(r.expected_hours, rel=0.05)
@@ -135,7 +135,7 @@ def test_the_model_agrees_with_the_replay_on_a_real_trace():
 
 def test_gpumem_policy_never_loses_work_to_a_switch_or_a_noticed_preemption():
     spot = Capacity.from_trace(load_trace(PUBLISHED), 0.9731, notice_s=120)
-    job = Job(24, deadline_h=30, stall_s=10, persist_s=60, restart_s=600, final_save_s=60)
+    job = CapacityJob(24, deadline_h=30, stall_s=10, persist_s=60, restart_s=600, final_save_s=60)
     (g,) = replay_windows([(job, "gpumem")], spot, Capacity.on_demand(3.06))
     assert g.expected_lost_hours == 0 and g.miss_probability == 0
 
@@ -147,7 +147,7 @@ def test_a_trace_that_never_has_capacity_is_waited_out_or_fallen_back_from(tmp_p
     f.write_text('{"metadata": {"gap_seconds": 600}, "data": [1, 1, 1, 1]}')
     spot = Capacity.from_trace(load_trace(f), 1.0)
     assert spot.availability.fraction == 0 and spot.preemptible
-    job = Job(2, deadline_h=3, restart_s=600)
+    job = CapacityJob(2, deadline_h=3, restart_s=600)
     only, up = replay_windows(
         [(job, "spot"), (job, "uniform-progress")], spot, Capacity.on_demand(3.0)
     )
@@ -249,7 +249,7 @@ def test_bad_traces_are_one_line_errors(tmp_path, text, match):
 )
 def test_bad_jobs(kw, match):
     with pytest.raises(ValueError, match=match):
-        Job(**kw)
+        CapacityJob(**kw)
 
 
 def test_bad_capacities():
@@ -261,15 +261,17 @@ def test_bad_capacities():
 
 def test_sources_know_whether_the_final_save_fits_the_notice():
     spot = Capacity.from_rates("s", 1.0, preemptions_per_day=1, mean_outage_h=1, notice_s=30)
-    assert sources_for(Job(1, final_save_s=20), spot, None).notice_fits
-    assert not sources_for(Job(1, final_save_s=40), spot, None).notice_fits
-    assert not sources_for(Job(1), spot, None).notice_fits  # no guard: nothing saved on notice
+    assert sources_for(CapacityJob(1, final_save_s=20), spot, None).notice_fits
+    assert not sources_for(CapacityJob(1, final_save_s=40), spot, None).notice_fits
+    assert not sources_for(
+        CapacityJob(1), spot, None
+    ).notice_fits  # no guard: nothing saved on notice
 
 
 def test_predictions_are_deterministic_and_policies_share_their_paths():
     spot = Capacity.from_rates("s", 1.0, preemptions_per_day=3, mean_outage_h=2)
     od = Capacity.on_demand(3.0)
-    job = Job(12, deadline_h=16, restart_s=300)
+    job = CapacityJob(12, deadline_h=16, restart_s=300)
     a = predict(job, spot, od, "gpumem")
     b = predict(job, spot, od, "gpumem")
     assert a == b
@@ -286,5 +288,5 @@ def test_a_priced_trace_bills_each_tick_at_its_own_price(tmp_path):
     f.write_text('{"metadata": {"gap_seconds": 600}, "data": [0, 0, 0], "prices": [1, 3, 5]}')
     spot = Capacity.from_trace(load_trace(f))
     assert spot.price_per_gpu_hour == 3.0
-    (o,) = replay_windows([(Job(1 / 3), "spot")], spot, None, starts=np.array([1]))
+    (o,) = replay_windows([(CapacityJob(1 / 3), "spot")], spot, None, starts=np.array([1]))
     assert o.expected_cost == pytest.approx(8 * 600 / 3600)

@@ -10,7 +10,7 @@ import pytest
 
 from gpumem.cli import main
 from gpumem.planner.capacity import Capacity
-from gpumem.planner.capacity_replay import Job
+from gpumem.planner.capacity_replay import CapacityJob
 from gpumem.planner.capacity_spec import parse_capacity
 from gpumem.planner.decision import decide, layout_jobs
 from gpumem.planner.traces import load_trace
@@ -19,8 +19,8 @@ TRACE = Path(__file__).parent / "data" / "can-t-be-late-us-west-2a_k80_1-window.
 OD = Capacity.on_demand(3.0)
 
 
-def _job(**kw) -> Job:
-    return Job(
+def _job(**kw) -> CapacityJob:
+    return CapacityJob(
         **{
             "work_h": 24,
             "deadline_h": 36,

@@ -52,7 +52,7 @@ The default follows the model and the layout: a ``config.json`` model → ``tran
 
 from __future__ import annotations
 
-from gpumem.estimator import deepspeed
+from gpumem.estimator.frameworks import deepspeed
 from gpumem.estimator.layout import Layout
 
 FRAMEWORKS = ("transformers", "megatron", "deepspeed", "fsdp2", "torchtitan", "torch")

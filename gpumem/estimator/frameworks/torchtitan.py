@@ -65,18 +65,21 @@ on the tests' model).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from gpumem.allocator.alloc_conf import AllocConf
-from gpumem.estimator import peak, titan_trace
+from gpumem.estimator import peak
 from gpumem.estimator.activations import Item
-from gpumem.estimator.gpus import GPU
-from gpumem.estimator.layout import Layout
-from gpumem.estimator.specs import ModelSpec
-from gpumem.estimator.states import Training
-from gpumem.estimator.titan_compile import (
+from gpumem.estimator.frameworks import titan_trace
+from gpumem.estimator.frameworks.titan_compile import (
     check_compiled_loss,
     compiled_loss_bwd,
     compiled_loss_saved,
 )
+from gpumem.estimator.gpus import GPU
+from gpumem.estimator.layout import Layout
+from gpumem.estimator.model_spec import ModelSpec
+from gpumem.estimator.states import Training
 
 RECOMPUTE = ("none", "selective", "selective:op", "selective:N", "full")
 """torchtitan's activation checkpointing, by its names (``selective:N``: N an integer >= 1)."""
@@ -269,6 +272,54 @@ def check_float8(recipe: str | None, all_gather: bool, tp: int) -> None:
         )
 
 
+@dataclass(frozen=True)
+class TorchtitanKnobs:
+    """torchtitan's options the estimate takes (``gpumem.estimate(torchtitan=...)``), checked
+    when made (those that depend on the layout: when estimated).
+
+    Attributes:
+        fp8_recipe: float8 training of the blocks' Linears (``FLOAT8_RECIPES``).
+        fsdp_float8_all_gather: torchao's ``enable_fsdp_float8_all_gather`` (tensorwise only).
+        loss_chunks: 0: the loss on the whole logits; N: ``ChunkedLossWrapper(num_chunks=N)``.
+        compiled_loss: the loss compiled by Inductor (``--training.compile``; ``titan_compile``).
+
+    Raises:
+        ValueError: one line naming the problem and the valid choices.
+    """
+
+    fp8_recipe: str | None = None
+    fsdp_float8_all_gather: bool = False
+    loss_chunks: int = 0
+    compiled_loss: bool = False
+
+    def __post_init__(self) -> None:
+        check_float8(self.fp8_recipe, self.fsdp_float8_all_gather, tp=1)
+        n = self.loss_chunks
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"loss_chunks must be an integer >= 0, got {n!r}")
+        check_compiled_loss(self.compiled_loss, n, tp=1)
+
+
+_ELSEWHERE = {
+    "fsdp_float8_all_gather": "torchtitan's (torchao's FSDP float8 all-gather); framework={fw!r} "
+    "has no such knob (use framework='torchtitan' with fp8_recipe='tensorwise'; Megatron's "
+    "counterpart is fp8_param_gather)",
+    "compiled_loss": "torchtitan's (--training.compile compiles its loss); framework={fw!r} does "
+    "not model torch.compile",
+    "loss_chunks": "torchtitan's ChunkedLossWrapper; framework={fw!r} has none (use "
+    "framework='torchtitan', or loss_chunks=0)",
+}
+
+
+def titan_knobs(framework: str, **given: object) -> TorchtitanKnobs:
+    """The torchtitan knobs, checked; one given to another framework is an error (named before
+    its value is checked: the framework is the first thing wrong)."""
+    for name, why in _ELSEWHERE.items():
+        if framework != "torchtitan" and given.get(name):
+            raise ValueError(f"{name} is " + why.format(fw=framework))
+    return TorchtitanKnobs(**given)  # type: ignore[arg-type]
+
+
 def float8_label(recipe: str | None, all_gather: bool) -> str:
     """The bill's float8 input: ``tensorwise, FSDP float8 all-gather``."""
     return f"{recipe}, FSDP float8 all-gather" if all_gather else str(recipe)
@@ -371,6 +422,206 @@ def float8_recompute_moment(sh: Shapes, spec: ModelSpec, recipe: str, per_op: bo
     scale = 4 * n if recipe.startswith("rowwise") else 4
     cached = n * h * _BF16 if per_op else 0
     return 2 * n * h * _BF16 + 9 * n * f + scale + cached
+
+
+def _check_terms(
+    training: Training,
+    tp: int,
+    loss_chunks: int,
+    fp8_recipe: str | None,
+    all_gather: bool,
+    compiled_loss: bool,
+) -> None:
+    """The options of ``terms``, checked before any shape is made."""
+    check_float8(fp8_recipe, all_gather, tp)
+    check_compiled_loss(compiled_loss, loss_chunks, tp)
+    if training.precision != "bf16-mixed":
+        raise ValueError(
+            f"framework='torchtitan' models its FSDP2 mixed precision (bf16 params, fp32 "
+            f"master/reduce): precision='bf16-mixed', got {training.precision!r}"
+        )
+    if isinstance(loss_chunks, bool) or not isinstance(loss_chunks, int) or loss_chunks < 0:
+        raise ValueError(f"loss_chunks must be an integer >= 0, got {loss_chunks!r}")
+
+
+def _saved_terms(
+    spec: ModelSpec,
+    layout: Layout,
+    gpu: GPU,
+    sh: Shapes,
+    seq: int,
+    recompute: str,
+    loss_chunks: int,
+    fp8: tuple[str | None, bool],
+    compiled_loss: bool,
+) -> tuple[list[float], float]:
+    """(the states, buffers, saved activations and loss moment of ``terms``; per-op SAC's
+    extra saved bytes per block under float8)."""
+    fp8_recipe, fsdp_float8_all_gather = fp8
+    t, L, h = layout.tp, spec.n_layers, spec.hidden
+    head_params = (spec.vocab * h) // t + h
+    embed_params = 0 if spec.tied_embeddings else (spec.vocab * h) // t
+    blk = block_params(spec, t)
+    x = [0.0] * peak.N_TERMS
+    # FSDP2 mixed precision: the fp32 sharded parameter is the master; fp32 grads, AdamW m, v
+    x[peak.P_TRAIN] = L * blk + head_params + embed_params
+    x[peak.W_BYTES], x[peak.W_FROZEN_BYTES], x[peak.G_BYTES], x[peak.O_BYTES] = 4, 4, 4, 8
+    x[peak.N_SHARD] = x[peak.N_SHARD_EXP] = layout.shard_degree(gpu.gpus_per_node)
+    x[peak.STAGE] = 3
+    # the per-layer complex64 RoPE cache (seq · head_dim/2 · 8 B), not sharded
+    x[peak.W_BUFFERS] = L * seq * (spec.dhead // 2) * 8
+    if fsdp_float8_all_gather:  # the precomputed scales, one stacked fp32 tensor
+        x[peak.W_BUFFERS] += 4 * L * len(float8_linears(spec))
+    # per-op SAC's extra saved bytes per block under float8 (tensorwise amax scalars)
+    sac8 = 0
+    if fp8_recipe is not None and recompute in ("selective", "selective:op"):
+        sac8 = float8_sac_saved(spec, fp8_recipe, fsdp_float8_all_gather)
+    x[peak.A_LAYER], x[peak.N_LAYERS], x[peak.INFLIGHT] = (
+        mean_layer_saved(sh, recompute, L) + sac8,
+        L,
+        1.0,
+    )
+    x[peak.IDS] = sh.n * 8
+    # under TP the vocab-parallel embedding saves its local indices and a bf16 mask
+    # (embedding.py: ``(input - offset).clamp(...)``, ``mask.to(out.dtype)``)
+    x[peak.A_FIRST] = x[peak.IDS] + (sh.n * 10 if t > 1 else 0)
+    head = head_saved(sh, compiled_loss)
+    x[peak.A_LAST] = sum(head.values())
+    # loss backward: nll_loss's fp32 gradient and log_softmax's, beside its saved output
+    x[peak.T_BWD0] = 2 * sh.n * sh.v * 4
+    if compiled_loss:  # Inductor's: a per-row buffer and the bf16 logits' gradient
+        x[peak.T_BWD0] = sum(compiled_loss_bwd(sh.n, sh.v))
+    if t > 1:
+        # loss parallel (_LossParallelCrossEntropy.backward): zeros_like(log_probs), exp of it
+        # and their sum at once, and its int64/fp32/bool per-token bookkeeping
+        x[peak.T_BWD0] = 3 * sh.n * sh.v * 4 + 33 * sh.n
+    # the [norm, lm_head] unit is not resharded after forward: gathered (bf16) until backward
+    x[peak.GATHER] = head_params * _BF16
+    if loss_chunks:
+        m, n = sh.n // loss_chunks, sh.n
+        x[peak.A_LAST] = (
+            head["final_norm"]
+            + 2 * n * 8  # the labels and their chunk copies
+            + 4
+            + 2 * n * h * _BF16  # the final norm's output and its chunk copies
+            + 4 * n * h  # GradAccumulator's fp32 buffer
+            + 4 * m * sh.v  # this chunk's log-softmax
+        )
+        # the lm_head's unsharded fp32 gradient, accumulated across the chunks
+        x[peak.GATHER] += 4 * (spec.vocab * h)
+        # the wider of: a chunk's log-softmax backward (nll's and log-softmax's fp32 gradients
+        # beside the chunk's bf16 logits), and the last chunk's reduce-scatter of the head unit
+        # (its fp32 input and output; the chunk's logits and input gradient, log-softmax gone)
+        n_shard = x[peak.N_SHARD]
+        x[peak.T_BWD0] = max(
+            8 * m * sh.v + 2 * m * sh.v,
+            2 * m * sh.v + 2 * m * h + 4 * head_params * (1 + 1 / n_shard) - 4 * m * sh.v,
+        )
+    return x, sac8
+
+
+class _Blocks:
+    """The blocks' backward moments of ``terms``.
+
+    Inside a block's backward the widest moment is SwiGLU's product backward (``mul``): the
+    block's whole saved set (recomputed under AC: temporaries in the profiler's view) less the
+    product (released with w2's backward), the incoming gradient, w2's input gradient and the
+    two ffn-wide gradients of the product's inputs. FSDP then holds the block's bf16 params,
+    the next unit's in backward order (block i-1, or the embedding) prefetched (not on a single
+    rank), w2's unsharded bf16 gradient and the previous unit's fp32 reduce-scatter input (kept
+    until the next unit reduces). Across the stack the saved bytes fall and the sharded
+    gradients grow linearly, so the widest block is one of the ends: L-1 or L-2, 1 or 0.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        sh: Shapes,
+        x: list[float],
+        recompute: str,
+        persistent_grads: bool,
+        loss_chunks: int,
+        fp8: tuple[str | None, bool],
+        sac8: float,
+    ) -> None:
+        fp8_recipe, fsdp_float8_all_gather = fp8
+        t, h = sh.t, spec.hidden
+        self.spec, self.sh, self.recompute, self.fp8_recipe = spec, sh, recompute, fp8_recipe
+        self.persistent_grads, self.sac8 = persistent_grads, sac8
+        self.L = spec.n_layers
+        self.head_params = (spec.vocab * h) // t + h
+        self.embed_params = 0 if spec.tied_embeddings else (spec.vocab * h) // t
+        self.blk = block_params(spec, t)
+        self.n_shard = x[peak.N_SHARD]
+        self.none = sum(layer_saved(sh, "none").values())
+        widest = sh.n_sp * h * _BF16 + 2 * sh.n * sh.f * _BF16
+        w2_grad = h * sh.f * _BF16  # w2's unsharded bf16 gradient, there at SwiGLU's moment
+        f8 = float8_moment(sh, spec, fp8_recipe, fsdp_float8_all_gather) if fp8_recipe else None
+        if f8 is not None and f8 > widest + w2_grad:
+            widest, w2_grad = f8, 0
+        self.widest, self.w2_grad = widest, w2_grad
+        self.gathered = float8_gathered(spec, t, fsdp_float8_all_gather)
+        self.rec8 = (
+            float8_recompute_moment(
+                sh, spec, fp8_recipe, recompute in ("selective", "selective:op")
+            )
+            if fp8_recipe
+            else None
+        )
+        labels = sh.n * 8  # the step's label tensor, alive until the step ends
+        if loss_chunks:
+            # ChunkedLossWrapper leaves a reference cycle holding one hidden-state-sized bf16
+            # tensor per step, which torchtitan's GarbageCollection (automatic gc off, a
+            # collection every gc_freq steps) frees only then: counted once, as in the step
+            # after a collection
+            labels += sh.n * h * _BF16
+        self.labels = labels
+
+    def moment(self, i: int) -> tuple[float, float, float, float]:
+        """Block i's widest backward moment: (sharded grads done, activations held by the
+        blocks below and by block i outside the moment's temporaries, block i's temporaries,
+        communication); with persistent gradients none are new (all are counted as kept)."""
+        sh, h, L, blk, n_shard = self.sh, self.spec.hidden, self.L, self.blk, self.n_shard
+        grads = (
+            0.0 if self.persistent_grads else 4 * (self.head_params + (L - 1 - i) * blk) / n_shard
+        )
+        below = sum(block_saved(sh, self.recompute, j) for j in range(i)) + i * self.sac8
+        checkpointed = block_checkpointed(self.recompute, i)
+        own = (sh.n_sp * h * _BF16 if checkpointed else 0) + self.none
+        prev = self.head_params if i == L - 1 else blk
+        fetch = (self.gathered if i > 0 else self.embed_params * _BF16) if n_shard > 1 else 0
+        temp, w2g = self.widest, self.w2_grad
+        if self.rec8 is not None and checkpointed and self.rec8 > temp + w2g:
+            temp, w2g = self.rec8, 0  # the recomputed forward's cast of w2's input
+        comm = self.gathered + fetch + prev * 4 + w2g
+        return grads, below + own, temp, comm
+
+    def fill(self, x: list[float]) -> None:
+        """The start of backward (the loss's moment or the last blocks') and its end."""
+        L, labels = self.L, self.labels
+        # start, the alternative to the loss: the last blocks' backward (the head's saved
+        # tensors gone but the labels, its sharded grads done, its unit resharded)
+        loss_moment = L * x[peak.A_LAYER] + x[peak.A_LAST] + x[peak.T_BWD0] + x[peak.GATHER]
+        g, acts, temp, comm = max((self.moment(i) for i in {L - 1, max(L - 2, 0)}), key=sum)
+        if self.fp8_recipe is not None:  # the last block's forward, this moment's rival
+            fwd = float8_forward_moment(
+                self.sh, self.spec, self.fp8_recipe, self.recompute, L, self.gathered,
+                self.n_shard,
+            )  # fmt: skip
+            if fwd is not None and sum(fwd) > g + acts + temp + comm:
+                g, acts, temp, comm = fwd
+        if g + acts + labels + temp + comm > loss_moment:
+            x[peak.G_START], x[peak.A_GONE] = g, x[peak.A_LAST] - labels
+            x[peak.T_BWD0] = acts + temp + comm - L * x[peak.A_LAYER] - x[peak.GATHER]
+        # end of backward: block 0 or 1 (every gradient but theirs and the embedding's)
+        i = max((0, min(1, L - 1)), key=lambda j: sum(self.moment(j)))
+        g, acts, temp, comm = self.moment(i)
+        pend = self.embed_params + (i + 1) * self.blk
+        x[peak.P_PEND] = 0 if self.persistent_grads else pend
+        x[peak.G_PERSIST] = 1.0 if self.persistent_grads else 0.0
+        x[peak.A_END] = acts + labels
+        x[peak.T_LAYER] = temp + comm - x[peak.GATHER]
+        x[peak.T_STEP] = labels
 
 
 def titan_shape(
@@ -477,18 +728,11 @@ def terms(
     ``compiled_loss``: the loss compiled by Inductor (``--training.compile`` at e7c0cae,
     ``titan_compile``): the logits stay saved, nothing fp32 logits-sized is made.
     """
-    check_float8(fp8_recipe, fsdp_float8_all_gather, layout.tp)
-    check_compiled_loss(compiled_loss, loss_chunks, layout.tp)
-    if training.precision != "bf16-mixed":
-        raise ValueError(
-            f"framework='torchtitan' models its FSDP2 mixed precision (bf16 params, fp32 "
-            f"master/reduce): precision='bf16-mixed', got {training.precision!r}"
-        )
-    if isinstance(loss_chunks, bool) or not isinstance(loss_chunks, int) or loss_chunks < 0:
-        raise ValueError(f"loss_chunks must be an integer >= 0, got {loss_chunks!r}")
+    _check_terms(
+        training, layout.tp, loss_chunks, fp8_recipe, fsdp_float8_all_gather, compiled_loss
+    )
     sh = Shapes(spec, layout, batch, seq)
-    t, L, h = layout.tp, spec.n_layers, spec.hidden
-    if loss_chunks and t > 1:
+    if loss_chunks and layout.tp > 1:
         raise ValueError(
             "framework='torchtitan': loss_chunks with tensor parallelism is not modelled yet "
             "(loss parallel per chunk); use loss_chunks=0 or tp=1"
@@ -498,127 +742,9 @@ def terms(
             f"loss_chunks={loss_chunks} must divide the local sequence {sh.s} "
             "(ChunkedLossWrapper splits it evenly)"
         )
-    head_params = (spec.vocab * h) // t + h
-    embed_params = 0 if spec.tied_embeddings else (spec.vocab * h) // t
-    blk = block_params(spec, t)
-    x = [0.0] * peak.N_TERMS
-    # FSDP2 mixed precision: the fp32 sharded parameter is the master; fp32 grads, AdamW m, v
-    x[peak.P_TRAIN] = L * blk + head_params + embed_params
-    x[peak.W_BYTES], x[peak.W_FROZEN_BYTES], x[peak.G_BYTES], x[peak.O_BYTES] = 4, 4, 4, 8
-    x[peak.N_SHARD] = x[peak.N_SHARD_EXP] = layout.shard_degree(gpu.gpus_per_node)
-    x[peak.STAGE] = 3
-    # the per-layer complex64 RoPE cache (seq · head_dim/2 · 8 B), not sharded
-    x[peak.W_BUFFERS] = L * seq * (spec.dhead // 2) * 8
-    if fsdp_float8_all_gather:  # the precomputed scales, one stacked fp32 tensor
-        x[peak.W_BUFFERS] += 4 * L * len(float8_linears(spec))
-    # per-op SAC's extra saved bytes per block under float8 (tensorwise amax scalars)
-    sac8 = 0
-    if fp8_recipe is not None and recompute in ("selective", "selective:op"):
-        sac8 = float8_sac_saved(spec, fp8_recipe, fsdp_float8_all_gather)
-    x[peak.A_LAYER], x[peak.N_LAYERS], x[peak.INFLIGHT] = (
-        mean_layer_saved(sh, recompute, L) + sac8,
-        L,
-        1.0,
-    )
-    x[peak.IDS] = sh.n * 8
-    # under TP the vocab-parallel embedding saves its local indices and a bf16 mask
-    # (embedding.py: ``(input - offset).clamp(...)``, ``mask.to(out.dtype)``)
-    x[peak.A_FIRST] = x[peak.IDS] + (sh.n * 10 if t > 1 else 0)
-    head = head_saved(sh, compiled_loss)
-    x[peak.A_LAST] = sum(head.values())
-    # loss backward: nll_loss's fp32 gradient and log_softmax's, beside its saved output
-    x[peak.T_BWD0] = 2 * sh.n * sh.v * 4
-    if compiled_loss:  # Inductor's: a per-row buffer and the bf16 logits' gradient
-        x[peak.T_BWD0] = sum(compiled_loss_bwd(sh.n, sh.v))
-    if t > 1:
-        # loss parallel (_LossParallelCrossEntropy.backward): zeros_like(log_probs), exp of it
-        # and their sum at once, and its int64/fp32/bool per-token bookkeeping
-        x[peak.T_BWD0] = 3 * sh.n * sh.v * 4 + 33 * sh.n
-    # the [norm, lm_head] unit is not resharded after forward: gathered (bf16) until backward
-    x[peak.GATHER] = head_params * _BF16
-    if loss_chunks:
-        m, n = sh.n // loss_chunks, sh.n
-        x[peak.A_LAST] = (
-            head["final_norm"]
-            + 2 * n * 8  # the labels and their chunk copies
-            + 4
-            + 2 * n * h * _BF16  # the final norm's output and its chunk copies
-            + 4 * n * h  # GradAccumulator's fp32 buffer
-            + 4 * m * sh.v  # this chunk's log-softmax
-        )
-        # the lm_head's unsharded fp32 gradient, accumulated across the chunks
-        x[peak.GATHER] += 4 * (spec.vocab * h)
-        # the wider of: a chunk's log-softmax backward (nll's and log-softmax's fp32 gradients
-        # beside the chunk's bf16 logits), and the last chunk's reduce-scatter of the head unit
-        # (its fp32 input and output; the chunk's logits and input gradient, log-softmax gone)
-        n_shard = x[peak.N_SHARD]
-        x[peak.T_BWD0] = max(
-            8 * m * sh.v + 2 * m * sh.v,
-            2 * m * sh.v + 2 * m * h + 4 * head_params * (1 + 1 / n_shard) - 4 * m * sh.v,
-        )
-    # Inside a block's backward the widest moment is SwiGLU's product backward (``mul``): the
-    # block's whole saved set (recomputed under AC: temporaries in the profiler's view) less the
-    # product (released with w2's backward), the incoming gradient, w2's input gradient and the
-    # two ffn-wide gradients of the product's inputs. FSDP then holds the block's bf16 params,
-    # the next unit's in backward order (block i-1, or the embedding) prefetched (not on a single
-    # rank), w2's
-    # unsharded bf16 gradient and the previous unit's fp32 reduce-scatter input (kept until the
-    # next unit reduces). Across the stack the saved bytes fall and the sharded gradients grow
-    # linearly, so the widest block is one of the ends: L-1 or L-2, 1 or 0.
-    n_shard = x[peak.N_SHARD]
-    none = sum(layer_saved(sh, "none").values())
-    widest = sh.n_sp * h * _BF16 + 2 * sh.n * sh.f * _BF16
-    w2_grad = h * sh.f * _BF16  # w2's unsharded bf16 gradient, there at SwiGLU's moment
-    f8 = float8_moment(sh, spec, fp8_recipe, fsdp_float8_all_gather) if fp8_recipe else None
-    if f8 is not None and f8 > widest + w2_grad:
-        widest, w2_grad = f8, 0
-    gathered = float8_gathered(spec, t, fsdp_float8_all_gather)
-    rec8 = (
-        float8_recompute_moment(sh, spec, fp8_recipe, recompute in ("selective", "selective:op"))
-        if fp8_recipe
-        else None
-    )
-    labels = sh.n * 8  # the step's label tensor, alive until the step ends
-    if loss_chunks:
-        # ChunkedLossWrapper leaves a reference cycle holding one hidden-state-sized bf16
-        # tensor per step, which torchtitan's GarbageCollection (automatic gc off, a collection
-        # every gc_freq steps) frees only then: counted once, as in the step after a collection
-        labels += sh.n * h * _BF16
-
-    def moment(i: int) -> tuple[float, float, float, float]:
-        """Block i's widest backward moment: (sharded grads done, activations held by the
-        blocks below and by block i outside the moment's temporaries, block i's temporaries,
-        communication); with persistent gradients none are new (all are counted as kept)."""
-        grads = 0.0 if persistent_grads else 4 * (head_params + (L - 1 - i) * blk) / n_shard
-        below = sum(block_saved(sh, recompute, j) for j in range(i)) + i * sac8
-        own = (sh.n_sp * h * _BF16 if block_checkpointed(recompute, i) else 0) + none
-        prev = head_params if i == L - 1 else blk
-        fetch = (gathered if i > 0 else embed_params * _BF16) if n_shard > 1 else 0
-        temp, w2g = widest, w2_grad
-        if rec8 is not None and block_checkpointed(recompute, i) and rec8 > temp + w2g:
-            temp, w2g = rec8, 0  # the recomputed forward's cast of w2's input
-        comm = gathered + fetch + prev * 4 + w2g
-        return grads, below + own, temp, comm
-
-    # start, the alternative to the loss: the last blocks' backward (the head's saved tensors
-    # gone but the labels, its sharded grads done, its unit resharded)
-    loss_moment = L * x[peak.A_LAYER] + x[peak.A_LAST] + x[peak.T_BWD0] + x[peak.GATHER]
-    g, acts, temp, comm = max((moment(i) for i in {L - 1, max(L - 2, 0)}), key=sum)
-    if fp8_recipe is not None:  # the last block's forward, counted as this moment's rival
-        fwd = float8_forward_moment(sh, spec, fp8_recipe, recompute, L, gathered, n_shard)
-        if fwd is not None and sum(fwd) > g + acts + temp + comm:
-            g, acts, temp, comm = fwd
-    if g + acts + labels + temp + comm > loss_moment:
-        x[peak.G_START], x[peak.A_GONE] = g, x[peak.A_LAST] - labels
-        x[peak.T_BWD0] = acts + temp + comm - L * x[peak.A_LAYER] - x[peak.GATHER]
-    # end of backward: block 0 or 1 (every gradient but theirs and the embedding's)
-    i = max((0, min(1, L - 1)), key=lambda j: sum(moment(j)))
-    g, acts, temp, comm = moment(i)
-    x[peak.P_PEND] = 0 if persistent_grads else embed_params + (i + 1) * blk
-    x[peak.G_PERSIST] = 1.0 if persistent_grads else 0.0
-    x[peak.A_END] = acts + labels
-    x[peak.T_LAYER] = temp + comm - x[peak.GATHER]
-    x[peak.T_STEP] = labels
+    fp8 = (fp8_recipe, fsdp_float8_all_gather)
+    x, sac8 = _saved_terms(spec, layout, gpu, sh, seq, recompute, loss_chunks, fp8, compiled_loss)
+    _Blocks(spec, sh, x, recompute, persistent_grads, loss_chunks, fp8, sac8).fill(x)
     if cuda:
         x[peak.CONTEXT] = gpu.context_bytes
         x[peak.NCCL] = gpu.nccl_bytes if layout.n_gpus > 1 else 0

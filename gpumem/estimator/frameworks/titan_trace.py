@@ -48,8 +48,8 @@ import functools
 from dataclasses import dataclass
 
 from gpumem.allocator.alloc_conf import AllocConf
+from gpumem.estimator.frameworks.titan_compile import compiled_loss_bwd, compiled_loss_saved
 from gpumem.estimator.step_trace import Run, new_run
-from gpumem.estimator.titan_compile import compiled_loss_bwd, compiled_loss_saved
 
 DEFAULT, COPY_IN, REDUCE_SCATTER = 0, 1, 2
 """The streams: the default one, FSDP2's all-gather copy-in stream, its reduce-scatter stream."""

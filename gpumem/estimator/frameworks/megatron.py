@@ -73,9 +73,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpumem.estimator import torchtitan
 from gpumem.estimator.activations import Item, Workload, expert_tokens
-from gpumem.estimator.specs import ModelSpec
+from gpumem.estimator.frameworks import torchtitan
+from gpumem.estimator.model_spec import ModelSpec
 
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 """TE's fp8 recipes as Megatron names them (``--fp8-recipe``; ``tensorwise`` is current
@@ -96,7 +96,17 @@ GROUPED_GEMM_WORKSPACE = 4 * 32 * 2**20
 
 @dataclass(frozen=True)
 class MegatronKnobs:
-    """Megatron-LM arguments the estimate takes (see ``gpumem.estimate``)."""
+    """Megatron-LM arguments the estimate takes (``gpumem.estimate(megatron=...)``), checked
+    when made: ``--fp8-recipe`` (``delayed``, ``tensorwise``, ``mxfp8``, ``blockwise``;
+    ``precision="fp8"`` is delayed), ``--fp8-param-gather``, ``--hidden-dropout`` (Megatron's
+    default 0.1; the attention's dropout is ``ActivationKnobs.dropout``),
+    ``--defer-embedding-wgrad-compute``, ``--wgrad-deferral-limit``,
+    ``--decoder-first/last-pipeline-num-layers`` and
+    ``--account-for-embedding/loss-in-pipeline-split``.
+
+    Raises:
+        ValueError: one line naming the knob and the valid choices.
+    """
 
     fp8_recipe: str | None = None
     fp8_param_gather: bool = False
@@ -108,12 +118,38 @@ class MegatronKnobs:
     pipeline_split_embedding: bool = False
     pipeline_split_loss: bool = False
 
+    def __post_init__(self) -> None:
+        if self.fp8_recipe is not None and self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(
+                f"unknown fp8 recipe {self.fp8_recipe!r}; choose one of {', '.join(FP8_RECIPES)}"
+            )
+        if self.fp8_param_gather and self.fp8_recipe is None:
+            raise ValueError("fp8_param_gather keeps fp8 primary weights: it needs an fp8_recipe")
+        if not 0.0 <= self.hidden_dropout < 1.0:
+            raise ValueError(f"hidden_dropout must be in [0, 1), got {self.hidden_dropout!r}")
+        for name in ("pipeline_first_layers", "pipeline_last_layers"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+        if (self.pipeline_first_layers is not None or self.pipeline_last_layers is not None) and (
+            self.pipeline_split_embedding or self.pipeline_split_loss
+        ):
+            raise ValueError(
+                "pipeline_first_layers/pipeline_last_layers and pipeline_split_embedding/loss "
+                "are two ways to split the pipeline unevenly: give one (Megatron refuses both)"
+            )
+        if self.wgrad_deferral_limit < 0:
+            raise ValueError(
+                f"wgrad_deferral_limit must be >= 0, got {self.wgrad_deferral_limit!r}"
+            )
+
 
 _DEFAULTS = MegatronKnobs()
 
 
 def check_knobs(framework: str, **given: object) -> MegatronKnobs:
-    """The Megatron knobs, checked; a knob given to another framework is an error.
+    """The Megatron knobs, checked; a knob given to another framework is an error (named
+    before its value is checked: the framework is the first thing wrong).
 
     Raises:
         ValueError: one line naming the knob, the framework and the valid choices.
@@ -129,29 +165,7 @@ def check_knobs(framework: str, **given: object) -> MegatronKnobs:
                 f"{name} is a Megatron-LM option; framework={framework!r} has no such knob "
                 f"(use framework='megatron' or leave it at its default{also})"
             )
-    k = MegatronKnobs(**given)  # type: ignore[arg-type]
-    if k.fp8_recipe is not None and k.fp8_recipe not in FP8_RECIPES:
-        raise ValueError(
-            f"unknown fp8 recipe {k.fp8_recipe!r}; choose one of {', '.join(FP8_RECIPES)}"
-        )
-    if k.fp8_param_gather and k.fp8_recipe is None:
-        raise ValueError("fp8_param_gather keeps fp8 primary weights: it needs an fp8_recipe")
-    if not 0.0 <= k.hidden_dropout < 1.0:
-        raise ValueError(f"hidden_dropout must be in [0, 1), got {k.hidden_dropout!r}")
-    for name in ("pipeline_first_layers", "pipeline_last_layers"):
-        v = getattr(k, name)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-            raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
-    if (k.pipeline_first_layers is not None or k.pipeline_last_layers is not None) and (
-        k.pipeline_split_embedding or k.pipeline_split_loss
-    ):
-        raise ValueError(
-            "pipeline_first_layers/pipeline_last_layers and pipeline_split_embedding/loss are "
-            "two ways to split the pipeline unevenly: give one (Megatron refuses both)"
-        )
-    if k.wgrad_deferral_limit < 0:
-        raise ValueError(f"wgrad_deferral_limit must be >= 0, got {k.wgrad_deferral_limit!r}")
-    return k
+    return MegatronKnobs(**given)  # type: ignore[arg-type]
 
 
 def fp8_saved_bytes(recipe: str | None, compute: int) -> float:

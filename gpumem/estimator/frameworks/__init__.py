@@ -1,0 +1,14 @@
+"""The training frameworks' conventions: whose buffers, recipes and options a bill follows.
+
+The core formulas (``activations``, ``backward``, ``terms``, ``peak``) are the same for every
+framework; what differs is priced here, one module per framework.
+
+Modules:
+
+    conventions        which framework's buffer conventions a bill follows, and their cost
+    deepspeed          DeepSpeed ZeRO's knobs (``ZeroConfig``), buffers, offload and formulas
+    megatron           Megatron-LM's knobs (``MegatronKnobs``), TE tensors, loss, fp8, pipeline
+    torchtitan         torchtitan's recipe (``TorchtitanKnobs``): modules, SAC, loss, FSDP units
+    titan_trace        torchtitan's step as allocations on FSDP2's streams (its reserved memory)
+    titan_compile      torchtitan's Inductor-compiled loss (--training.compile): what it keeps
+"""
