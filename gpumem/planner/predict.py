@@ -203,7 +203,7 @@ def predict_options(
         gap = max(avail.gap_s, longest.work_s / PREDICTION_TICKS_PER_WORK)
         avail = type(avail)(gap, mean_up=avail.mtbf_s / gap, mean_down=avail.mean_outage_s / gap)
     if horizon_h is None:
-        horizon = _horizon_ticks(longest, avail, gap)
+        horizon = _horizon_ticks(longest, gap)
     else:
         horizon = math.ceil(horizon_h * 3600.0 / gap)
     paths = avail.sample(lanes, horizon + 2, np.random.default_rng(seed))
@@ -225,11 +225,10 @@ def predict(
     return predict_options([(job, policy)], spot, reliable, **kw)[0]
 
 
-def _horizon_ticks(job: CapacityJob, avail: Any, gap: float) -> int:
-    """Long enough for a spot-only run to finish in all but hopeless cases: the work over the
-    availability, times a margin, at least the deadline."""
-    frac = max(avail.fraction, 1e-3)
-    span = max(HORIZON_FACTOR * job.work_s, job.work_s / frac * 8.0 + 20 * avail.mean_outage_s)
+def _horizon_ticks(job: CapacityJob, gap: float) -> int:
+    """The replay's horizon (``HORIZON_FACTOR`` x the work, at least the deadline), so that a
+    path that never finishes is cut where a trace window is: the two agree on "never"."""
+    span = HORIZON_FACTOR * job.work_s
     if math.isfinite(job.deadline_s):
         span = max(span, job.deadline_s)
     return int(min(math.ceil(span / gap) + 2, MAX_HORIZON_TICKS))
