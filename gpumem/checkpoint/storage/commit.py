@@ -341,7 +341,7 @@ class Commit:
         self._durable(done.committed_at)  # durable once the rename is: ``latest`` is a hint
         if done.set_aside:
             self.stats.set_aside = tuple(done.set_aside)
-            _warn_set_aside(self.step, done.set_aside)
+            warn_set_aside(self.step, done.set_aside)
         if done.pointer_error is not None:
             err = done.pointer_error
             self.stats.latest_error = f"{err.strerror or err} ({err.filename or 'latest'})"
@@ -393,7 +393,8 @@ def _raise(error: BaseException | None) -> None:
         raise error
 
 
-def _warn_set_aside(step: int, moved: list[str]) -> None:
+def warn_set_aside(step: int, moved: list[str]) -> None:
+    """The CheckpointBranchWarning of a save that set newer steps aside (any backend)."""
     names = ", ".join(os.path.basename(p) for p in moved)
     warnings.warn(
         f"step {step} is lower than committed checkpoints, so training went back (a rollback, "
