@@ -14,6 +14,7 @@ nothing). docs/architecture.md follows one save and one restore through the modu
 Modules:
     checkpointer  Checkpointer, the façade: save / restore / prepare / wait / close
     settings      CheckpointerConfig: every argument documented and validated once
+    factory       the storage a Checkpointer uses, picked from its root and the environment
     save          Save: one save in flight (its snapshot, its commit, the persist thread)
     preemption    PreemptionGuard: SIGTERM / SIGUSR1 -> a durable checkpoint and a requeue code
     tiers         Tiers: a local directory first, an s3:// remote uploaded in the background

@@ -33,21 +33,18 @@ from typing import Any
 
 from .capture.training_state import Capture, TrainingState, capture
 from .errors import CheckpointError, CheckpointStateError
+from .factory import open_storage
 from .group import Group
 from .lifecycle import LIVE, close_after, stop_workers
 from .optimizer_hooks import OptimizerHooks, prepare_first_save, prepare_quietly
-from .restore import peers
-from .restore.candidates import StagedRestore, restore
+from .restore.candidates import StagedRestore
 from .save import Save
 from .settings import CheckpointerConfig, check_positive, check_step
 from .stage.snapshot import Mode, Snapshot, pipelines
 from .stage.staging import Staging
 from .stats import SaveStats
-from .storage.commit import CommitOptions
+from .storage.backend import StorageRoot
 from .storage.format import CheckpointInfo
-from .storage.nodes import detect
-from .storage.root import open_root
-from .tiers import Tiers
 from .workers import Worker
 
 
@@ -125,19 +122,15 @@ class Checkpointer:
         self._closed = False
         self.last_restore: StagedRestore | None = None  # a sharded one says what it read
         self.history: collections.deque[SaveStats] = collections.deque(maxlen=256)  # newest last
-        try:  # the remote (if any) is probed before the local directory is created
-            self.tiers = Tiers.from_config(cfg, self._group)
-            # a shared directory, or one node-local per node (storage.nodes); a store is shared
-            probe = not cfg.read_only and cfg.url is None
-            self._nodes = detect(cfg.directory, self._group, cfg.replicas, probe)
-            self._commit = CommitOptions(
-                cfg.directory, cfg.alignment, cfg.direct_io, self._group, cfg.keep, self._nodes
-            )
-            self._root = open_root(cfg, self._group, self._nodes)  # a directory or an s3:// store
-            self.tiers.attach(self._nodes, cfg.endpoint_url, self._root)  # node-local: per rank
+        try:
+            storage = open_storage(cfg, self._group)  # the backend, picked by factory
         except BaseException:
             stop_workers(self._workers)
             raise
+        self._root: StorageRoot = storage.root  # a directory or an s3:// store
+        self._commit = storage.options
+        self.tiers = storage.tiers
+        self._restore = storage.restore
         LIVE.add(self)
 
     # ------------------------------------------------------------------ what it holds
@@ -334,14 +327,11 @@ class Checkpointer:
         self._check_open()
         self.wait()
         self._group.join("restore()")
-        self.tiers.before_restore(self._root, path)  # a newer remote step is fetched first
-        run = restore if path is not None or not self._nodes.local else peers.Restore(self._nodes)
-        step, staged = run(
+        self.tiers.before_restore(path)  # a newer remote step is fetched first
+        step, staged = self._restore(
             TrainingState(model, optimizer, scheduler, scaler, stateful, extra, rng),
             self._group,
             self._staging.restore_buffer,
-            root=self._root.maybe() if path is None else None,
-            directory=self.directory,
             path=path,
             verify_loaded=verify_loaded,
         )

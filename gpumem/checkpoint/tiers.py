@@ -127,6 +127,7 @@ class Tiers:
         self.last_error: CheckpointError | None = None
         self.restored_from: str | None = None  # the tier the last restore() read ("local"...)
         self.per_rank: Any = None  # node_uploads.NodeUploads, on node-local directories
+        self.local: Root | None = None  # the local directory's root, once attached
 
     @classmethod
     def from_config(cls, cfg: Any, group: Group) -> Tiers:
@@ -136,9 +137,10 @@ class Tiers:
         )
 
     def attach(self, nodes: Nodes, endpoint_url: str | None, root: Root) -> None:
-        """Node-local directories with several ranks (``nodes.local``): the uploads are per
-        rank (``node_uploads``); every rank opens the store, all raise if one cannot (``root``
-        is closed then)."""
+        """The local tier is ``root``. Node-local directories with several ranks
+        (``nodes.local``): the uploads are per rank (``node_uploads``); every rank opens the
+        store, all raise if one cannot (``root`` is closed then)."""
+        self.local = root
         if self.url is not None and nodes.local and self.group.world_size > 1:
             from .node_uploads import NodeUploads
 
@@ -265,12 +267,14 @@ class Tiers:
 
     # ------------------------------------------------------------------ restore
 
-    def before_restore(self, root: Root, path: Any = None) -> None:
+    def before_restore(self, path: Any = None) -> None:
         """Rank 0: fetch the remote's newest step into the local directory when it is newer than
         the local ones (every rank waits for the outcome: the restore that follows reads it).
         Nothing to do for a restore of a given ``path``."""
         if self.url is None or path is not None:
             return
+        root = self.local
+        assert root is not None  # attached when the Checkpointer opened its directory
         if self.per_rank is not None:
             self.restored_from = self.per_rank.before_restore(root)
             return
