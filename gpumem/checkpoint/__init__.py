@@ -16,6 +16,7 @@ Modules:
     settings      CheckpointerConfig: every argument documented and validated once
     factory       the storage a Checkpointer uses, picked from its root and the environment
     save          Save: one save in flight (its snapshot, its commit, the persist thread)
+    save_setup    SaveSetup: the parts every save is staged and committed with, declared
     preemption    PreemptionGuard: SIGTERM / SIGUSR1 -> a durable checkpoint and a requeue code
     tiers         Tiers: a local directory first, an s3:// remote uploaded in the background
     node_uploads  the tiers on node-local directories: each rank uploads its shards, rank 0 commits

@@ -39,8 +39,9 @@ from .lifecycle import LIVE, close_after, stop_workers
 from .optimizer_hooks import OptimizerHooks, prepare_first_save, prepare_quietly
 from .restore.candidates import StagedRestore
 from .save import Save
+from .save_setup import SaveSetup
 from .settings import CheckpointerConfig, check_positive, check_step
-from .stage.snapshot import Mode, Snapshot, pipelines
+from .stage.snapshot import Snapshot
 from .stage.staging import Staging
 from .stats import SaveStats
 from .storage.backend import StorageRoot
@@ -128,9 +129,11 @@ class Checkpointer:
             stop_workers(self._workers)
             raise
         self._root: StorageRoot = storage.root  # a directory or an s3:// store
-        self._commit = storage.options
         self.tiers = storage.tiers
         self._restore = storage.restore
+        in_flight = functools.partial(_snapshot_in_flight, weakref.ref(self))
+        parts = (self._staging, self._hooks, *self._workers, storage.root, storage.options)
+        self._saving = SaveSetup(cfg.overlap, *parts, in_flight)  # _workers: persister, copier
         LIVE.add(self)
 
     # ------------------------------------------------------------------ what it holds
@@ -213,8 +216,9 @@ class Checkpointer:
                 self._wait_previous()
             else:  # no back-pressure: only earlier failures are raised here
                 self._raise_job_error()
-            job = _stage_and_commit(
-                self, step, self._capture(step, state), state, blocking, t0, new_staging_bytes
+            captured = self._capture(step, state)
+            job = self._saving.stage_and_commit(
+                step, captured, state, blocking, t0, new_staging_bytes, self._wait_previous
             )
             self._job = job
             self._last_save = (step, state.objects())
@@ -404,31 +408,3 @@ def _snapshot_in_flight(ref: weakref.ref[Checkpointer]) -> Snapshot | None:
     """What overlap's fence waits for: the snapshot of the save in flight, if any."""
     job = ck._job if (ck := ref()) is not None else None
     return job.snapshot if job is not None else None
-
-
-def _stage_and_commit(
-    ckpt: Checkpointer,
-    step: int,
-    captured: Capture,
-    state: TrainingState,
-    blocking: bool,
-    t0: float,
-    new_memory: int | None = None,
-) -> Save:
-    """The save's snapshot (its mode and staging slot) and its commit, ready to run."""
-    table, cfg = captured.table, ckpt.config
-    overlap = cfg.overlap and not blocking and state.optimizer is not None
-    plan = ckpt._staging.plan(table, pipelines(table, overlap), new_memory)
-    if plan.streaming and ckpt._staging.coalescer is not None:
-        ckpt._wait_previous()  # one slot streams through the whole budget: no second one
-    mode = Mode.STREAMING if plan.streaming else Mode.OVERLAP if overlap else Mode.BLOCKING
-    if mode is Mode.OVERLAP:
-        ckpt._hooks.fence(
-            state.optimizer, functools.partial(_snapshot_in_flight, weakref.ref(ckpt))
-        )
-    stats = SaveStats(step, sum(p.nbytes for p in plan.pieces), mode.value)
-    snap, slot, victim = ckpt._staging.snapshot(
-        table, plan, mode, stats=stats, t0=t0, copier=ckpt._workers[1]
-    )
-    commit = ckpt._root.commit(ckpt._commit, step, captured, snap)
-    return Save(snap, commit, ckpt._workers[0], ckpt._staging.coalescer, slot, victim)
