@@ -1,7 +1,7 @@
 """Which storage a Checkpointer saves to and restores from, picked from its root and the
 environment (the façade only holds what this returns):
 
-- an ``s3://`` directory: the object store itself (``storage.object_backend``), each rank
+- an ``s3://`` directory: the object store itself (``storage.s3.object_backend``), each rank
   writing its own files; a restore takes the newest step that verifies;
 - a local directory: every rank shares it, or each node has its own (``storage.nodes.detect``
   tells which); on node-local directories a restore takes the newest step the nodes hold whole,
@@ -50,7 +50,7 @@ def open_storage(cfg: CheckpointerConfig, group: Group) -> Storage:
     nodes = detect(cfg.directory, group, cfg.replicas, not cfg.read_only and cfg.url is None)
     options = CommitOptions(cfg.directory, cfg.alignment, cfg.direct_io, group, cfg.keep, nodes)
     if cfg.url is not None:
-        from .storage.object_backend import ObjectBackend  # boto3: only for an s3:// root
+        from .storage.s3.object_backend import ObjectBackend  # boto3: only for an s3:// root
 
         store = ObjectBackend(cfg.url, cfg.endpoint_url, group, read_only=cfg.read_only)
         return Storage(store, options, tiers, NewestRestore(store, cfg.directory))

@@ -64,8 +64,8 @@ def tier_rows(local_steps: list[int], remote_steps: list[int]) -> list[TierRow]:
 
 def open_remote(url: str, endpoint_url: str | None, writable: bool = True) -> Any:
     """The ``ObjectRoot`` at ``url``, probed (bucket, credentials, conditional writes)."""
-    from .storage.object_root import ObjectRoot
-    from .storage.object_store import S3Store
+    from .storage.s3.object_root import ObjectRoot
+    from .storage.s3.object_store import S3Store
 
     return ObjectRoot(S3Store(url, endpoint_url=endpoint_url, writable=writable))
 

@@ -264,8 +264,8 @@ def _object_rows(root: Any) -> list[dict[str, Any]]:
 
 
 def _object_root(url: str) -> Any:
-    from gpumem.checkpoint.storage.object_root import ObjectRoot
-    from gpumem.checkpoint.storage.object_store import S3Store
+    from gpumem.checkpoint.storage.s3.object_root import ObjectRoot
+    from gpumem.checkpoint.storage.s3.object_store import S3Store
 
     return ObjectRoot(S3Store(url, writable=False))
 

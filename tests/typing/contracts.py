@@ -11,10 +11,10 @@ from gpumem.checkpoint.restore.candidates import NewestRestore, Restorer
 from gpumem.checkpoint.restore.peers import Restore
 from gpumem.checkpoint.storage.backend import Candidates, SaveCommit, StepFiles, StorageRoot
 from gpumem.checkpoint.storage.commit import Commit
-from gpumem.checkpoint.storage.object_backend import ObjectBackend, ObjectCandidates
-from gpumem.checkpoint.storage.object_commit import ObjectCommit
-from gpumem.checkpoint.storage.object_files import ObjectFiles
 from gpumem.checkpoint.storage.root import DirCandidates, Root
+from gpumem.checkpoint.storage.s3.object_backend import ObjectBackend, ObjectCandidates
+from gpumem.checkpoint.storage.s3.object_commit import ObjectCommit
+from gpumem.checkpoint.storage.s3.object_files import ObjectFiles
 from gpumem.checkpoint.storage.safe_fs import Dir
 from gpumem.profiler.hooks import ProfileEvents
 from gpumem.profiler.memory_viz import TimelineLike

@@ -1,8 +1,8 @@
 """The storage seam: what a Checkpointer asks of the root it saves to and restores from.
 
 Two backends implement it: ``root.Root`` (a directory every rank shares, or one per node:
-``nodes``) and ``object_backend.ObjectBackend`` (an ``s3://`` root each rank writes directly);
-``root.open_root`` picks one from the configuration. The tiers (``checkpoint.tiers``) sit
+``nodes``) and ``s3.object_backend.ObjectBackend`` (an ``s3://`` root each rank writes directly);
+``checkpoint.factory`` picks one from the configuration. The tiers (``checkpoint.tiers``) sit
 beside a directory root and copy what it committed; they are not a root.
 
 A save asks, in order (``Checkpointer.save``, then ``save.Save`` on the persist thread):

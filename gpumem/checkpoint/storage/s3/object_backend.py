@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import warnings
 
-from ..capture.training_state import Capture
-from ..errors import CheckpointError, CheckpointFallbackWarning, CheckpointStateError
-from ..group import Group
-from ..stage.snapshot import Snapshot
-from .commit import CommitOptions
-from .format import CheckpointInfo, step_dir_name
+from ...capture.training_state import Capture
+from ...errors import CheckpointError, CheckpointFallbackWarning, CheckpointStateError
+from ...group import Group
+from ...stage.snapshot import Snapshot
+from ..commit import CommitOptions
+from ..format import CheckpointInfo, step_dir_name
 from .object_commit import ObjectCommit
 from .object_files import ObjectFiles, ObjectPath
 from .object_root import COMMIT, ObjectRoot

@@ -32,10 +32,10 @@ import contextlib
 import uuid
 import warnings
 
-from ..capture.training_state import Capture
-from ..errors import CheckpointError, CheckpointPointerWarning, CheckpointStateError
-from ..stage.snapshot import Snapshot
-from .commit import Commit, CommitOptions, warn_set_aside
+from ...capture.training_state import Capture
+from ...errors import CheckpointError, CheckpointPointerWarning, CheckpointStateError
+from ...stage.snapshot import Snapshot
+from ..commit import Commit, CommitOptions, warn_set_aside
 from .object_files import ObjectFiles
 from .object_root import ObjectRoot
 
