@@ -3,9 +3,10 @@ environment (the façade only holds what this returns):
 
 - an ``s3://`` directory: the object store itself (``storage.s3.object_backend``), each rank
   writing its own files; a restore takes the newest step that verifies;
-- a local directory: every rank shares it, or each node has its own (``storage.nodes.detect``
-  tells which); on node-local directories a restore takes the newest step the nodes hold whole,
-  fetching missing files from peers (``restore.peers``), else the newest step that verifies;
+- a local directory: every rank shares it, or each node has its own
+  (``storage.nodes.topology.detect`` tells which); on node-local directories a restore takes
+  the newest step the nodes hold whole, fetching missing files from peers (``restore.peers``),
+  else the newest step that verifies;
 - ``remote=``: the tiers (``tiers``), the store behind the local directory, probed before that
   directory is created.
 """
@@ -20,7 +21,7 @@ from .restore.candidates import NewestRestore, Restorer
 from .settings import CheckpointerConfig
 from .storage.backend import StorageRoot
 from .storage.commit import CommitOptions
-from .storage.nodes import detect
+from .storage.nodes.topology import detect
 from .storage.root import Root
 from .tiers import Tiers
 

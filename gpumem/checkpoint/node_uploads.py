@@ -50,7 +50,7 @@ from typing import Any
 from .errors import CheckpointError, CheckpointIOError
 from .group import Group
 from .storage.format import step_dir_name
-from .storage.nodes import Nodes
+from .storage.nodes.topology import Nodes
 from .upload_thread import UploadThread
 
 UPLOAD_TIMEOUT_S = 2 * 3600.0  # the slowest rank's upload of one step, at most

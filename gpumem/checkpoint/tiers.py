@@ -38,7 +38,7 @@ from .errors import CheckpointError, CheckpointIOError
 from .group import Group
 from .storage.directory import list_checkpoints
 from .storage.format import step_dir_name
-from .storage.nodes import Nodes
+from .storage.nodes.topology import Nodes
 from .storage.root import Root
 from .upload_thread import UploadThread
 

@@ -40,9 +40,9 @@ from ..capture.training_state import TrainingState
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointFallbackWarning
 from ..group import Group
 from ..storage import directory as dirs
-from ..storage import peer_files
 from ..storage.format import MAIN_MANIFEST, shard_manifest_name, step_dir_name
-from ..storage.nodes import Nodes
+from ..storage.nodes import peer_files
+from ..storage.nodes.topology import Nodes
 from ..storage.root import Root
 from ..storage.safe_fs import Dir
 from .candidates import StagedRestore, restore

@@ -14,7 +14,5 @@ Modules:
     safe_fs    descriptor-relative, no-follow file access a hostile directory cannot redirect
     location   where a root is: a local directory, or a URL (refused, or an s3:// ObjectURL)
     s3         the object-store backend: the store, a root of checkpoints in it, direct saves
-    nodes      one shared directory or one per node (detected): nodes, leaders, replica holders
-    replicas   a node-local save: manifests on every node, replicas sent, one main manifest
-    peer_files checkpoint files sent between two ranks over the gloo group, CRC-checked
+    nodes      the node-local backend: which ranks share a directory, replicas, peer transfers
 """

@@ -45,8 +45,8 @@ from ..stage.snapshot import Snapshot
 from . import directory
 from .agreement import check_agreement, check_complete, check_layout, layout_blob
 from .format import MAIN_MANIFEST, Manifest, main_manifest, shard_manifest_name
-from .nodes import Nodes
-from .replicas import spread
+from .nodes.replicas import spread
+from .nodes.topology import Nodes
 from .safe_fs import Dir
 from .writes import HostChecksums, planned_files, rank_manifest, write_batches
 

@@ -37,7 +37,7 @@ from .directory import (
 )
 from .format import LATEST, CheckpointInfo
 from .lock import READ_ONLY_ERRNOS, DirLock
-from .nodes import Nodes
+from .nodes.topology import Nodes
 from .safe_fs import Dir
 
 # what rank 0 tells the others after opening the directory (else: the errno that made it

@@ -27,9 +27,9 @@ import torch
 
 from gpumem.checksum import crc32c
 
-from ..errors import CheckpointCorruptError
-from ..group import Group, peers_gone, torch_distributed
-from .safe_fs import Dir
+from ...errors import CheckpointCorruptError
+from ...group import Group, peers_gone, torch_distributed
+from ..safe_fs import Dir
 
 CHUNK = 16 << 20
 _MAX_HEADER = 1 << 20

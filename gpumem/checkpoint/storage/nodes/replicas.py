@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CheckpointIOError
-from ..group import Group, peers_gone, torch_distributed
+from ...errors import CheckpointIOError
+from ...group import Group, peers_gone, torch_distributed
+from ..format import MAX_MANIFEST_BYTES, Manifest, encode_manifest
+from ..format import shard_manifest_name as manifest_name
+from ..safe_fs import Dir
 from . import peer_files
-from .format import MAX_MANIFEST_BYTES, Manifest, encode_manifest
-from .format import shard_manifest_name as manifest_name
-from .nodes import Nodes
-from .safe_fs import Dir
+from .topology import Nodes
 
 
 def spread(
