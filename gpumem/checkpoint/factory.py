@@ -23,7 +23,7 @@ from .storage.backend import StorageRoot
 from .storage.commit import CommitOptions
 from .storage.nodes.topology import detect
 from .storage.root import Root
-from .tiers import Tiers
+from .tiers.remote import Tiers
 
 
 @dataclass(frozen=True)

@@ -197,7 +197,7 @@ def _ls(args: argparse.Namespace) -> int:
 def _with_remote(rows: list[dict[str, Any]], local: list[int], url: str) -> list[dict[str, Any]]:
     """The local rows and the remote's, one per step, each with the tiers holding it committed
     (a local step whose manifest is damaged is held by neither)."""
-    from gpumem.checkpoint.tiers import tier_rows
+    from gpumem.checkpoint.tiers.remote import tier_rows
 
     remote_rows = {r["step"]: r for r in _object_rows(_object_root(url))}
     held = {

@@ -150,7 +150,8 @@ def _data_put(method: str, path: str, query: dict, headers: dict) -> bool:
 def test_an_upload_fault_keeps_the_local_step_and_the_next_save_catches_up(
     s3_server, s3_proxy, s3_bucket, tmp_path, monkeypatch
 ):
-    from gpumem.checkpoint import tiers, verify
+    from gpumem.checkpoint import verify
+    from gpumem.checkpoint.tiers import remote as tiers
 
     # two attempts per request: the persistent fault below exhausts them quickly
     real = tiers.open_remote

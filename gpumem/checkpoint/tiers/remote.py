@@ -34,12 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError, CheckpointIOError
-from .group import Group
-from .storage.directory import list_checkpoints
-from .storage.format import step_dir_name
-from .storage.nodes.topology import Nodes
-from .storage.root import Root
+from ..errors import CheckpointError, CheckpointIOError
+from ..group import Group
+from ..storage.directory import list_checkpoints
+from ..storage.format import step_dir_name
+from ..storage.nodes.topology import Nodes
+from ..storage.root import Root
 from .upload_thread import UploadThread
 
 LOCAL, REMOTE = "local", "remote"
@@ -64,8 +64,8 @@ def tier_rows(local_steps: list[int], remote_steps: list[int]) -> list[TierRow]:
 
 def open_remote(url: str, endpoint_url: str | None, writable: bool = True) -> Any:
     """The ``ObjectRoot`` at ``url``, probed (bucket, credentials, conditional writes)."""
-    from .storage.s3.object_root import ObjectRoot
-    from .storage.s3.object_store import S3Store
+    from ..storage.s3.object_root import ObjectRoot
+    from ..storage.s3.object_store import S3Store
 
     return ObjectRoot(S3Store(url, endpoint_url=endpoint_url, writable=writable))
 
@@ -256,7 +256,7 @@ class Tiers:
     def holding(self) -> list[TierRow]:
         """Every committed step of either tier and which tiers hold it (rank 0; lists the
         store)."""
-        from .storage.safe_fs import Dir
+        from ..storage.safe_fs import Dir
 
         local: list[int] = []
         if self.directory.is_dir():
@@ -294,7 +294,7 @@ class Tiers:
             raise failure
 
     def _fetch_if_newer(self, root: Root) -> str | None:
-        from .restore.fetch import fetch
+        from ..restore.fetch import fetch
 
         d = root.maybe()
         local = max((i.step for i in list_checkpoints(d)), default=None) if d else None
