@@ -63,10 +63,6 @@ class ObjectBackend:
         if failure is not None:
             raise failure
 
-    @property
-    def opened(self) -> None:
-        return None  # no directory descriptor: the commit holds the ObjectRoot
-
     def commit(
         self, options: CommitOptions, step: int, captured: Capture, snapshot: Snapshot
     ) -> ObjectCommit:
