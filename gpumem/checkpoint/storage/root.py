@@ -236,5 +236,5 @@ class DirCandidates:
             warnings.warn(
                 f"ignoring the latest pointer: {exc}; scanning {self.path}",
                 CheckpointFallbackWarning,
-                stacklevel=5,  # Checkpointer.restore's caller (_names, restore, NewestRestore)
+                stacklevel=5,  # Checkpointer.restore, through NewestRestore, restore, _names
             )

@@ -132,5 +132,5 @@ class ObjectCandidates:
                 f"ignoring the latest pointer of {self.objects.url}: it names {step!r}, which is "
                 "not committed there; taking the newest committed step",
                 CheckpointFallbackWarning,
-                stacklevel=5,  # Checkpointer.restore's caller (_names, restore, NewestRestore)
+                stacklevel=5,  # Checkpointer.restore, through NewestRestore, restore, _names
             )
