@@ -279,8 +279,8 @@ def store_rows(
 ) -> tuple:
     """The store figures: upload_step and fetch against raw boto3 transfers of the same bytes."""
     from gpumem.checkpoint.restore.fetch import fetch
-    from gpumem.checkpoint.storage.object_root import ObjectRoot
-    from gpumem.checkpoint.storage.object_store import S3Store
+    from gpumem.checkpoint.storage.s3.object_root import ObjectRoot
+    from gpumem.checkpoint.storage.s3.object_store import S3Store
 
     step = make_checkpoint(tmp / "local", nbytes)
     files = data_files(step)

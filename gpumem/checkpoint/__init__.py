@@ -14,11 +14,11 @@ nothing). docs/architecture.md follows one save and one restore through the modu
 Modules:
     checkpointer  Checkpointer, the façade: save / restore / prepare / wait / close
     settings      CheckpointerConfig: every argument documented and validated once
+    factory       the storage a Checkpointer uses, picked from its root and the environment
     save          Save: one save in flight (its snapshot, its commit, the persist thread)
+    save_setup    SaveSetup: the parts every save is staged and committed with, declared
     preemption    PreemptionGuard: SIGTERM / SIGUSR1 -> a durable checkpoint and a requeue code
-    tiers         Tiers: a local directory first, an s3:// remote uploaded in the background
-    node_uploads  the tiers on node-local directories: each rank uploads its shards, rank 0 commits
-    upload_thread the one uploader thread both run their uploads on
+    tiers         the upload tiers: a local directory first, an s3:// remote in the background
     stats         SaveStats: what one save cost
     group         the private gloo group of checkpoint collectives and its roll call
     workers       the long-lived background threads (persist, overlap copy)
@@ -27,7 +27,7 @@ Modules:
     errors        CheckpointError and its kinds; the warnings
     capture       what a training state is: TrainingState, codec, replicated, DTensor blocks, boxes
     stage         host memory and the device: staging, plan, snapshot, host/device copies, spill
-    storage       the format (reader and writer), the directory, the commit, lock, safe_fs
+    storage       the format, the seam (backend), the directory, the commit; s3/, nodes/
     restore       candidates and fallback; plain and sharded restore; reshard; validate; verify
     interop       DCP storage (gpumem.dcp), plain DCP directories, safetensors export
 """

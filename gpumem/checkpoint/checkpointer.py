@@ -33,21 +33,19 @@ from typing import Any
 
 from .capture.training_state import Capture, TrainingState, capture
 from .errors import CheckpointError, CheckpointStateError
+from .factory import open_storage
 from .group import Group
 from .lifecycle import LIVE, close_after, stop_workers
 from .optimizer_hooks import OptimizerHooks, prepare_first_save, prepare_quietly
-from .restore import peers
-from .restore.candidates import StagedRestore, restore
+from .restore.candidates import StagedRestore
 from .save import Save
+from .save_setup import SaveSetup
 from .settings import CheckpointerConfig, check_positive, check_step
-from .stage.snapshot import Mode, Snapshot, pipelines
+from .stage.snapshot import Snapshot
 from .stage.staging import Staging
 from .stats import SaveStats
-from .storage.commit import CommitOptions
+from .storage.backend import StorageRoot
 from .storage.format import CheckpointInfo
-from .storage.nodes import detect
-from .storage.root import open_root
-from .tiers import Tiers
 from .workers import Worker
 
 
@@ -125,19 +123,17 @@ class Checkpointer:
         self._closed = False
         self.last_restore: StagedRestore | None = None  # a sharded one says what it read
         self.history: collections.deque[SaveStats] = collections.deque(maxlen=256)  # newest last
-        try:  # the remote (if any) is probed before the local directory is created
-            self.tiers = Tiers.from_config(cfg, self._group)
-            # a shared directory, or one node-local per node (storage.nodes); a store is shared
-            probe = not cfg.read_only and cfg.url is None
-            self._nodes = detect(cfg.directory, self._group, cfg.replicas, probe)
-            self._commit = CommitOptions(
-                cfg.directory, cfg.alignment, cfg.direct_io, self._group, cfg.keep, self._nodes
-            )
-            self._root = open_root(cfg, self._group, self._nodes)  # a directory or an s3:// store
-            self.tiers.attach(self._nodes, cfg.endpoint_url, self._root)  # node-local: per rank
+        try:
+            storage = open_storage(cfg, self._group)  # the backend, picked by factory
         except BaseException:
             stop_workers(self._workers)
             raise
+        self._root: StorageRoot = storage.root  # a directory or an s3:// store
+        self.tiers = storage.tiers
+        self._restore = storage.restore
+        in_flight = functools.partial(_snapshot_in_flight, weakref.ref(self))
+        parts = (self._staging, self._hooks, *self._workers, storage.root, storage.options)
+        self._saving = SaveSetup(cfg.overlap, *parts, in_flight)  # _workers: persister, copier
         LIVE.add(self)
 
     # ------------------------------------------------------------------ what it holds
@@ -220,8 +216,9 @@ class Checkpointer:
                 self._wait_previous()
             else:  # no back-pressure: only earlier failures are raised here
                 self._raise_job_error()
-            job = _stage_and_commit(
-                self, step, self._capture(step, state), state, blocking, t0, new_staging_bytes
+            captured = self._capture(step, state)
+            job = self._saving.stage_and_commit(
+                step, captured, state, blocking, t0, new_staging_bytes, self._wait_previous
             )
             self._job = job
             self._last_save = (step, state.objects())
@@ -334,14 +331,11 @@ class Checkpointer:
         self._check_open()
         self.wait()
         self._group.join("restore()")
-        self.tiers.before_restore(self._root, path)  # a newer remote step is fetched first
-        run = restore if path is not None or not self._nodes.local else peers.Restore(self._nodes)
-        step, staged = run(
+        self.tiers.before_restore(path)  # a newer remote step is fetched first
+        step, staged = self._restore(
             TrainingState(model, optimizer, scheduler, scaler, stateful, extra, rng),
             self._group,
             self._staging.restore_buffer,
-            root=self._root.maybe() if path is None else None,
-            directory=self.directory,
             path=path,
             verify_loaded=verify_loaded,
         )
@@ -385,23 +379,9 @@ class Checkpointer:
         try:
             self.wait()
         except BaseException:
-            self._release(failing=True)
+            _release(self, failing=True)
             raise
-        self._release(failing=False)
-
-    def _release(self, failing: bool) -> None:
-        self._closed = True
-        self.tiers.close()
-        stop_workers(self._workers)
-        self._hooks.remove()
-        self._staging.close()
-        LIVE.discard(self)
-        try:
-            self._root.close()
-        except CheckpointError as exc:
-            if not failing:
-                raise
-            warnings.warn(str(exc), RuntimeWarning, stacklevel=3)  # the save's failure comes first
+        _release(self, failing=False)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -428,29 +408,18 @@ def _snapshot_in_flight(ref: weakref.ref[Checkpointer]) -> Snapshot | None:
     return job.snapshot if job is not None else None
 
 
-def _stage_and_commit(
-    ckpt: Checkpointer,
-    step: int,
-    captured: Capture,
-    state: TrainingState,
-    blocking: bool,
-    t0: float,
-    new_memory: int | None = None,
-) -> Save:
-    """The save's snapshot (its mode and staging slot) and its commit, ready to run."""
-    table, cfg = captured.table, ckpt.config
-    overlap = cfg.overlap and not blocking and state.optimizer is not None
-    plan = ckpt._staging.plan(table, pipelines(table, overlap), new_memory)
-    if plan.streaming and ckpt._staging.coalescer is not None:
-        ckpt._wait_previous()  # one slot streams through the whole budget: no second one
-    mode = Mode.STREAMING if plan.streaming else Mode.OVERLAP if overlap else Mode.BLOCKING
-    if mode is Mode.OVERLAP:
-        ckpt._hooks.fence(
-            state.optimizer, functools.partial(_snapshot_in_flight, weakref.ref(ckpt))
-        )
-    stats = SaveStats(step, sum(p.nbytes for p in plan.pieces), mode.value)
-    snap, slot, victim = ckpt._staging.snapshot(
-        table, plan, mode, stats=stats, t0=t0, copier=ckpt._workers[1]
-    )
-    commit = ckpt._root.commit(ckpt._commit, step, captured, snap)
-    return Save(snap, commit, ckpt._workers[0], ckpt._staging.coalescer, slot, victim)
+def _release(ckpt: Checkpointer, failing: bool) -> None:
+    """What close() gives back, every part even when one fails; a failure to close the lock is
+    raised unless the save's own failure is on its way (then it is a warning)."""
+    ckpt._closed = True
+    ckpt.tiers.close()
+    stop_workers(ckpt._workers)
+    ckpt._hooks.remove()
+    ckpt._staging.close()
+    LIVE.discard(ckpt)
+    try:
+        ckpt._root.close()
+    except CheckpointError as exc:
+        if not failing:
+            raise
+        warnings.warn(str(exc), RuntimeWarning, stacklevel=3)  # the save's failure comes first

@@ -44,7 +44,7 @@ class Group:
     def __init__(self, timeout_s: float = 60.0) -> None:
         self.rank, self.world_size, self.pg = 0, 1, None
         self.roll: RollCall | None = None
-        dist = _dist()
+        dist = torch_distributed()
         if dist is not None and dist.is_initialized() and dist.get_world_size() > 1:
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             self.pg = _new_gloo_group(dist)
@@ -59,7 +59,7 @@ class Group:
         waiting up to ``timeout_s``; no roll call. Created collectively, like any group."""
         g = cls.__new__(cls)
         g.rank, g.world_size, g.pg, g.roll = 0, 1, None, None
-        dist = _dist()
+        dist = torch_distributed()
         if dist is not None and dist.is_initialized() and dist.get_world_size() > 1:
             g.rank, g.world_size = dist.get_rank(), dist.get_world_size()
             g.pg = _new_gloo_group(dist, timedelta(seconds=timeout_s))
@@ -98,9 +98,9 @@ class Group:
         """``op`` in {"min", "max"} over every rank."""
         if self.pg is None:
             return value
-        dist = _dist()
+        dist = torch_distributed()
         t = torch.tensor([value], dtype=torch.int64)
-        with _peers_gone():
+        with peers_gone():
             dist.all_reduce(
                 t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, group=self.pg
             )
@@ -110,10 +110,10 @@ class Group:
         """Every rank's ``values`` (same length on all ranks), indexed by rank."""
         if self.pg is None:
             return [list(values)]
-        dist = _dist()
+        dist = torch_distributed()
         mine = torch.tensor(values, dtype=torch.int64)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
-        with _peers_gone():
+        with peers_gone():
             dist.all_gather(out, mine, group=self.pg)
         return [t.tolist() for t in out]
 
@@ -122,13 +122,13 @@ class Group:
         to every rank already (from an earlier ``all_gather``), so this is one collective."""
         if self.pg is None:
             return [data]
-        dist = _dist()
+        dist = torch_distributed()
         width = max(sizes)
         mine = torch.zeros(width, dtype=torch.uint8)
         if data:
             mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
-        with _peers_gone():
+        with peers_gone():
             dist.all_gather(out, mine, group=self.pg)
         return [t[:n].numpy().tobytes() for t, n in zip(out, sizes, strict=True)]
 
@@ -136,10 +136,10 @@ class Group:
         """``src``'s ``text`` on every rank (UTF-8 bytes in a tensor: no pickle)."""
         if self.pg is None:
             return text
-        dist = _dist()
+        dist = torch_distributed()
         data = text.encode()[:65536] if self.rank == src else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
-        with _peers_gone():
+        with peers_gone():
             dist.broadcast(size, src=src, group=self.pg)
             buf = torch.zeros(int(size.item()), dtype=torch.uint8)
             if self.rank == src and data:
@@ -150,7 +150,7 @@ class Group:
 
 
 @contextlib.contextmanager
-def _peers_gone() -> Iterator[None]:
+def peers_gone() -> Iterator[None]:
     """A gloo error mid-collective (a peer's connection closed or timed out) as a
     CheckpointError that says what it means for the checkpoint."""
     try:
@@ -187,7 +187,8 @@ _EXIT_HOOK = False  # _let_gloo_threads_finish is registered (once per process)
 _EXIT_GRACE_S = 0.05
 
 
-def _dist():
+def torch_distributed():
+    """``torch.distributed`` where this torch build has it, else None."""
     try:
         import torch.distributed as dist
     except ImportError:  # pragma: no cover

@@ -39,7 +39,7 @@ class CheckpointerConfig:
     Attributes:
         directory: where ``step-<N>`` directories and the ``latest`` pointer live.
             An ``s3://bucket/prefix`` text is an object store as the root itself
-            (``storage.object_backend``): each rank uploads its shards there, restore reads them
+            (``storage.s3.object_backend``): each rank uploads its shards there, restore reads them
             back by ranged GETs.
         keep: how many checkpoints to keep (the newest ones); None keeps all.
         staging_bytes: cap on host staging memory. None: ``default_staging_bytes()``, resolved
@@ -206,7 +206,7 @@ class CheckpointerConfig:
 
     def _object_root(self, text: str) -> None:
         """``directory`` is an ``s3://`` root: saved to and restored from the store directly."""
-        from .storage.object_files import ObjectPath
+        from .storage.s3.object_files import ObjectPath
 
         try:
             url = str(ObjectURL.parse(text))

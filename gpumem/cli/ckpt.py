@@ -195,7 +195,7 @@ def _ls(args: argparse.Namespace) -> int:
 def _with_remote(rows: list[dict[str, Any]], local: list[int], url: str) -> list[dict[str, Any]]:
     """The local rows and the remote's, one per step, each with the tiers holding it committed
     (a local step whose manifest is damaged is held by neither)."""
-    from gpumem.checkpoint.tiers import tier_rows
+    from gpumem.checkpoint.tiers.remote import tier_rows
 
     remote_rows = {r["step"]: r for r in _object_rows(_object_root(url))}
     held = {
@@ -262,8 +262,8 @@ def _object_rows(root: Any) -> list[dict[str, Any]]:
 
 
 def _object_root(url: str) -> Any:
-    from gpumem.checkpoint.storage.object_root import ObjectRoot
-    from gpumem.checkpoint.storage.object_store import S3Store
+    from gpumem.checkpoint.storage.s3.object_root import ObjectRoot
+    from gpumem.checkpoint.storage.s3.object_store import S3Store
 
     return ObjectRoot(S3Store(url, writable=False))
 

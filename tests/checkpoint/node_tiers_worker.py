@@ -27,7 +27,7 @@ import torch.distributed as dist
 from sharded_lib import build, full_state, init_rank, train
 
 import gpumem
-from gpumem.checkpoint.storage.object_root import ObjectRoot
+from gpumem.checkpoint.storage.s3.object_root import ObjectRoot
 
 
 def _die_in_step_4_upload(sig: int) -> None:

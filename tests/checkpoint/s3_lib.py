@@ -337,7 +337,7 @@ def proxy_for(server: S3Server) -> Iterator[FaultProxy]:
 
 def open_store(endpoint: str, bucket: str, prefix: str = "run", **kw: object):
     """An ``S3Store`` on ``s3://bucket/prefix`` at ``endpoint`` with the test credentials."""
-    from gpumem.checkpoint.storage.object_store import S3Store
+    from gpumem.checkpoint.storage.s3.object_store import S3Store
 
     with env(CREDENTIALS):
         return S3Store(f"s3://{bucket}/{prefix}", endpoint_url=endpoint, **kw)

@@ -19,9 +19,10 @@ import torch
 import gpumem
 from gpumem.checkpoint import CheckpointError, CheckpointIOError
 from gpumem.checkpoint.stage.snapshot import Snapshot
-from gpumem.checkpoint.storage import directory, peer_files
+from gpumem.checkpoint.storage import directory
 from gpumem.checkpoint.storage.commit import Commit
-from gpumem.checkpoint.storage.object_upload import StepUploads
+from gpumem.checkpoint.storage.nodes import peer_files
+from gpumem.checkpoint.storage.s3.object_upload import StepUploads
 from gpumem.checkpoint.storage.safe_fs import Dir
 
 WATCHDOG_S = 30.0
@@ -272,7 +273,7 @@ def test_eio_closing_a_file_sent_still_sends_its_crc(tmp_path, close_faults, mon
     (tmp_path / "data").write_bytes(b"x" * 1000)
     sent: list[torch.Tensor] = []
     fake = types.SimpleNamespace(send=lambda t, dst, group=None: sent.append(t.clone()))
-    monkeypatch.setattr(peer_files, "_dist", lambda: fake)
+    monkeypatch.setattr(peer_files, "torch_distributed", lambda: fake)
     with Dir.open(tmp_path) as d:
         faults = close_faults(_fd_named("/data"))
         with pytest.warns(RuntimeWarning, match="data failed: Input/output error"):

@@ -15,7 +15,7 @@ import torch
 from s3_lib import CREDENTIALS, open_store
 from sharded_lib import differences, start_ranks
 
-from gpumem.checkpoint.storage.object_root import ObjectRoot
+from gpumem.checkpoint.storage.s3.object_root import ObjectRoot
 
 pytest.importorskip("boto3", reason="the object-store tests need boto3 (gpumem[s3])")
 pytest.importorskip("moto", reason="the object-store tests need moto[server]")

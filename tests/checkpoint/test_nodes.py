@@ -10,7 +10,7 @@ import torch
 from sharded_lib import differences, start_ranks
 
 from gpumem.checkpoint.restore.peers import complete_steps, plan
-from gpumem.checkpoint.storage.nodes import Nodes
+from gpumem.checkpoint.storage.nodes.topology import Nodes
 
 HERE = os.path.dirname(__file__)
 

@@ -1,4 +1,4 @@
-"""Checkpoints in an object store (gpumem.checkpoint.storage.object_root) against moto's S3 server
+"""Checkpoints in an object store (checkpoint.storage.s3.object_root) against moto's S3 server
 in a child process: a step saved by the real Checkpointer, uploaded and committed by conditional
 put, listed, fetched back, verified and restored bit-identical; racing commits, retention,
 damaged and truncated objects, what killed saves leave."""
@@ -23,7 +23,7 @@ pytest.importorskip("boto3", reason="the object-store tests need boto3 (gpumem[s
 pytest.importorskip("moto", reason="the object-store tests need moto[server]")
 
 from gpumem.checkpoint.restore.fetch import fetch
-from gpumem.checkpoint.storage.object_root import ObjectRoot
+from gpumem.checkpoint.storage.s3.object_root import ObjectRoot
 
 MiB = 1 << 20
 
@@ -297,7 +297,7 @@ def test_a_killed_uploader_commits_nothing_and_the_older_step_restores(
     code = (
         "import sys; sys.path.insert(0, sys.argv[1])\n"
         "from s3_lib import open_store\n"
-        "from gpumem.checkpoint.storage.object_root import ObjectRoot\n"
+        "from gpumem.checkpoint.storage.s3.object_root import ObjectRoot\n"
         "root = ObjectRoot(open_store(sys.argv[2], sys.argv[3]), part_bytes=5 << 20)\n"
         "root.upload_step(sys.argv[4])\n"
     )

@@ -1,4 +1,4 @@
-"""The object-store client (gpumem.checkpoint.storage.object_store) against a real S3-protocol
+"""The object-store client (gpumem.checkpoint.storage.s3.object_store) against a real S3-protocol
 server in its own process (moto's server mode, s3_lib.S3Server), with faults injected at the
 HTTP level (s3_lib.FaultProxy). Skipped where boto3 or moto is not installed (``.[test]``
 installs both)."""
@@ -22,12 +22,12 @@ from s3_lib import (
 
 from gpumem.checkpoint import CheckpointCorruptError, CheckpointIOError, CheckpointStateError
 from gpumem.checkpoint.storage.location import ObjectURL
-from gpumem.checkpoint.storage.object_body import Budget, crc32c_header
+from gpumem.checkpoint.storage.s3.object_body import Budget, crc32c_header
 
 boto3 = pytest.importorskip("boto3", reason="the object-store tests need boto3 (gpumem[s3])")
 pytest.importorskip("moto", reason="the object-store tests need moto[server]")
 
-from gpumem.checkpoint.storage.object_store import S3Store  # noqa: E402
+from gpumem.checkpoint.storage.s3.object_store import S3Store  # noqa: E402
 
 MiB = 1 << 20
 

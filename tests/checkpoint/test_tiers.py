@@ -150,14 +150,15 @@ def _data_put(method: str, path: str, query: dict, headers: dict) -> bool:
 def test_an_upload_fault_keeps_the_local_step_and_the_next_save_catches_up(
     s3_server, s3_proxy, s3_bucket, tmp_path, monkeypatch
 ):
-    from gpumem.checkpoint import tiers, verify
+    from gpumem.checkpoint import verify
+    from gpumem.checkpoint.tiers import remote as tiers
 
     # two attempts per request: the persistent fault below exhausts them quickly
     real = tiers.open_remote
 
     def few_attempts(url, endpoint_url, writable=True):
-        from gpumem.checkpoint.storage.object_root import ObjectRoot
-        from gpumem.checkpoint.storage.object_store import S3Store
+        from gpumem.checkpoint.storage.s3.object_root import ObjectRoot
+        from gpumem.checkpoint.storage.s3.object_store import S3Store
 
         assert real is not None
         return ObjectRoot(S3Store(url, endpoint_url=endpoint_url, max_attempts=2))
@@ -274,7 +275,7 @@ def test_sigterm_with_an_upload_in_flight_exits_within_the_grace_and_says_where(
     assert "step 2 was still uploading" in line and "(it holds step 1)" in line
     from s3_lib import open_store
 
-    from gpumem.checkpoint.storage.object_root import ObjectRoot
+    from gpumem.checkpoint.storage.s3.object_root import ObjectRoot
 
     root = ObjectRoot(open_store(s3_server.url, s3_bucket))
     assert root.steps() == [1]  # the abandoned upload committed nothing

@@ -93,7 +93,7 @@ class Weight:
 def model_weights(src: Any) -> tuple[Dir, list[Weight], dict[str, int]]:
     """The step directory read (open), its model tensors in saved order, and the sizes of its
     data files (from the manifests; no data read). ``src`` is a path, or a step of an object
-    store opened already (``storage.object_files.ObjectFiles``: read by ranged GETs)."""
+    store opened already (``storage.s3.object_files.ObjectFiles``: read by ranged GETs)."""
     step = open_step_dir(Path(src)) if isinstance(src, str | os.PathLike) else src
     step_dir = step.path
     body, _, _ = directory.read_manifest(step, MAIN_MANIFEST)

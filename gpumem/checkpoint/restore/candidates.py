@@ -28,7 +28,7 @@ import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -40,7 +40,8 @@ from ..errors import (
     CheckpointIOError,
 )
 from ..group import Group
-from ..storage.directory import LATEST, load_info, open_step, read_latest, step_dirs
+from ..storage.backend import Candidates, StorageRoot
+from ..storage.directory import load_info
 from ..storage.format import CheckpointInfo
 from ..storage.safe_fs import Dir, io_error
 from .files import open_checkpoint
@@ -71,12 +72,57 @@ class StagedRestore(Protocol):
         ...
 
 
+class Restorer(Protocol):
+    """How a Checkpointer restores from its root: the newest checkpoint that verifies
+    (``NewestRestore``), or from node-local directories the newest one the nodes hold whole
+    (``peers.Restore``); either one restores a ``path`` it is given as ``restore`` does."""
+
+    def __call__(
+        self,
+        state: TrainingState,
+        group: Group,
+        stage: Callable[[int], torch.Tensor],
+        *,
+        path: str | os.PathLike | None = None,
+        verify_loaded: bool = False,
+    ) -> tuple[int | None, StagedRestore | None]:
+        """(the restored step, the staged restore), or (None, None): nothing to restore."""
+        ...
+
+
+class NewestRestore:
+    """``restore`` over the committed steps of ``root`` (a directory every rank shares, or an
+    object store), ``directory`` its path for messages: a ``Restorer``."""
+
+    def __init__(self, root: StorageRoot, directory: Path):
+        self.root, self.directory = root, directory
+
+    def __call__(
+        self,
+        state: TrainingState,
+        group: Group,
+        stage: Callable[[int], torch.Tensor],
+        *,
+        path: str | os.PathLike | None = None,
+        verify_loaded: bool = False,
+    ) -> tuple[int | None, StagedRestore | None]:
+        return restore(
+            state,
+            group,
+            stage,
+            root=self.root.candidates() if path is None else None,
+            directory=self.directory,
+            path=path,
+            verify_loaded=verify_loaded,
+        )
+
+
 def restore(
     state: TrainingState,
     group: Group,
     stage: Callable[[int], torch.Tensor],
     *,
-    root: Any,
+    root: Candidates | None,
     directory: Path,
     path: str | os.PathLike | None = None,
     verify_loaded: bool = False,
@@ -88,8 +134,8 @@ def restore(
         state: the objects to load.
         group: the ranks that restore together.
         stage: host staging memory of ``n`` bytes for a sharded restore.
-        root: the checkpoint directory, open (None: it does not exist, yet, on this rank), or
-            an object store's candidates (``storage.object_backend.ObjectCandidates``).
+        root: the root's committed steps (``StorageRoot.candidates()``; None: the root does not
+            exist, yet, on this rank).
         directory: its path, for messages.
         path: one checkpoint directory to restore instead of the newest one.
         verify_loaded: check the loaded tensors where they live (on a GPU: the Triton CRC32C).
@@ -100,7 +146,7 @@ def restore(
         CheckpointIOError: the operating system failed a read.
     """
     dtensors = has_dtensors(state.model, state.optimizer)
-    names = _names(root, directory) if path is None else [None]  # None: the caller's path
+    names = _names(root) if path is None else [None]  # None: the caller's path
     failures: list[CheckpointError] = []
     for name in names:
         label = os.fsdecode(path) if path is not None else str(directory / str(name))
@@ -135,7 +181,7 @@ def restore(
             warnings.warn(
                 f"skipping {what} checkpoint {os.path.basename(label)}: {failures[-1]}",
                 CheckpointFallbackWarning,
-                stacklevel=3,
+                stacklevel=4,  # Checkpointer.restore's caller (through NewestRestore)
             )
     if not failures:
         return None, None
@@ -150,24 +196,18 @@ def restore(
 REMOVED = "was removed while it was being read"
 
 
-def _names(root: Any, directory: Path) -> list[str | None]:
-    """The committed steps of ``root`` newest first (``latest`` cross-checked): a directory's
-    ``step-<N>`` names, or an object store's (``storage.object_backend.ObjectCandidates``)."""
+def _names(root: Candidates | None) -> list[str | None]:
+    """The committed steps of ``root`` newest first (``latest`` cross-checked)."""
     if root is None:
         return []
-    if not isinstance(root, Dir):
-        root.check_pointer()
-        return list(root.names())
-    _check_pointer(root, directory)
-    return [n for _, n in step_dirs(root)]
+    root.check_pointer()
+    return list(root.names())
 
 
-def _gone(root: Any, name: str) -> bool:
+def _gone(root: Candidates | None, name: str) -> bool:
     """The step ``name`` no longer stands in ``root`` (retention renamed or deleted it)."""
     try:
-        if root is not None and not isinstance(root, Dir):  # an object store's COMMIT
-            return bool(root.gone(name))
-        return root is not None and root.lstat(name) is None
+        return root is not None and root.gone(name)
     except OSError:
         return False
 
@@ -210,33 +250,13 @@ def _prepare(
     return staged.prepare()
 
 
-def _open(root: Any, name: str | None, path: str | os.PathLike | None) -> Dir:
+def _open(root: Candidates | None, name: str | None, path: str | os.PathLike | None) -> Dir:
     if name is None:
         assert path is not None
         return open_checkpoint(path)
     assert root is not None
-    return open_step(root, name) if isinstance(root, Dir) else root.open(name)
-
-
-def _check_pointer(root: Dir, directory: Path) -> None:
-    """Cross-check ``latest`` (restore does not depend on it): a stale, damaged or unreadable
-    pointer gets a warning."""
-    try:
-        ptr = read_latest(root)
-        if ptr is None:
-            return
-        with open_step(root, ptr["path"]) as step:
-            info = load_info(step)
-        if info.manifest_crc32c != ptr["manifest_crc32c"] or info.step != ptr["step"]:
-            raise CheckpointCorruptError(
-                f"{root.path / LATEST} names {ptr['path']} with another manifest CRC (stale)"
-            )
-    except CheckpointError as exc:
-        warnings.warn(
-            f"ignoring the latest pointer: {exc}; scanning {directory}",
-            CheckpointFallbackWarning,
-            stacklevel=4,
-        )
+    # an object store's step reads through the same calls (``storage.backend.StepFiles``)
+    return root.open(name)
 
 
 def outcome(exc: Exception, where: str) -> tuple[int, CheckpointError]:

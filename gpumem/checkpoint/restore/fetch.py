@@ -1,7 +1,7 @@
 """``fetch``: the newest good checkpoint of an object-store root, copied into a local directory
 and checked there completely (``verify``), falling back to older steps as ``restore`` does.
 
-The copy is ``storage.object_root.ObjectRoot.download_step`` (manifests checked as read, sizes
+The copy is ``storage.s3.object_root.ObjectRoot.download_step`` (manifests checked as read, sizes
 before reading); every byte is then checked by the same ``verify`` as a local directory, so the
 trust rules are the directory's. A damaged step's local copy is removed.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..errors import CheckpointCorruptError, CheckpointFallbackWarning
 from ..storage.format import CheckpointInfo, step_dir_name
-from ..storage.object_root import ObjectRoot
+from ..storage.s3.object_root import ObjectRoot
 from .verify import verify
 
 

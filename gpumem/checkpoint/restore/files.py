@@ -60,7 +60,7 @@ def io_threads() -> int:
 def _check_sizes(step: Dir, shard: ShardManifest) -> None:
     """Every data file a regular file of its recorded size, before a byte is read (the reader
     checks again once it has the file open). An object store's step checks each object's size
-    by a HEAD (``storage.object_files``)."""
+    by a HEAD (``storage.s3.object_files``)."""
     if not isinstance(step, Dir):
         for name, size in shard.files.items():
             step.check_size(name, size)

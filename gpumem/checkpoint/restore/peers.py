@@ -27,6 +27,7 @@ lack the newest step. So, collectively:
 from __future__ import annotations
 
 import json
+import os
 import stat
 import warnings
 from collections.abc import Callable
@@ -39,9 +40,10 @@ from ..capture.training_state import TrainingState
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointFallbackWarning
 from ..group import Group
 from ..storage import directory as dirs
-from ..storage import peer_files
 from ..storage.format import MAIN_MANIFEST, shard_manifest_name, step_dir_name
-from ..storage.nodes import Nodes
+from ..storage.nodes import peer_files
+from ..storage.nodes.topology import Nodes
+from ..storage.root import Root
 from ..storage.safe_fs import Dir
 from .candidates import StagedRestore, restore
 
@@ -135,10 +137,11 @@ def plan(
 
 
 class Restore:
-    """``candidates.restore``'s signature, for node-local directories (the module docstring)."""
+    """A ``candidates.Restorer`` for node-local directories (the module docstring): ``root``
+    is this node's, ``directory`` its path; a given ``path`` is restored as ``restore`` does."""
 
-    def __init__(self, nodes: Nodes):
-        self.nodes = nodes
+    def __init__(self, nodes: Nodes, root: Root, directory: Path):
+        self.nodes, self.root, self.directory = nodes, root, directory
 
     def __call__(
         self,
@@ -146,11 +149,21 @@ class Restore:
         group: Group,
         stage: Callable[[int], torch.Tensor],
         *,
-        root: Dir | None,
-        directory: Path,
-        path: Any = None,
+        path: str | os.PathLike | None = None,
         verify_loaded: bool = False,
     ) -> tuple[int | None, StagedRestore | None]:
+        directory = self.directory
+        if path is not None:
+            return restore(
+                state,
+                group,
+                stage,
+                root=None,
+                directory=directory,
+                path=path,
+                verify_loaded=verify_loaded,
+            )
+        root = self.root.maybe()
         per_node = gather(group, self.nodes, inventory(root) if self._leads(group) else {})
         whole, partial = complete_steps(per_node)
         newest_whole = whole[0][0] if whole else -1
@@ -182,7 +195,7 @@ class Restore:
                     state,
                     group,
                     stage,
-                    root=root,
+                    root=None,  # the step is named
                     directory=directory,
                     path=label,
                     verify_loaded=verify_loaded,

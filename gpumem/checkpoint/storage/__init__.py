@@ -2,24 +2,17 @@
 an object store.
 
 Modules:
+    backend    the seam: what a save and a restore ask of a root, in order (Protocols)
     format     the format, reader and writer: manifests framed with CRC32C and version, validated
     tensor_table  a shard manifest's tensor table decoded natively (accept-only: Python decides)
     directory  the checkpoint directory: manifest files, the commit rename, latest, retention
     commit     Commit: one save's collectives, writes, manifests, commit and retention
     writes     one rank's data files from the snapshot, its host CRCs, its shard manifest
     agreement  what the ranks of a save must agree on, and the sharded save's block check
-    root       the directory as an open Checkpointer holds it: opened, locked, agreed on
+    root       the directory as an open Checkpointer holds it: opened, locked, agreed on, listed
     lock       one job per directory: the advisory lock rank 0 holds
     safe_fs    descriptor-relative, no-follow file access a hostile directory cannot redirect
     location   where a root is: a local directory, or a URL (refused, or an s3:// ObjectURL)
-    object_store  an S3-protocol store (boto3): multipart from memory, conditional put, ranged read
-    object_root   checkpoints in an object store: a step uploaded, committed by conditional put
-    object_upload a committed local step uploaded: whole, or each rank its own files, then commit
-    object_body   a request's bytes as views of caller memory: body, parts, CRC32C headers, budget
-    nodes      one shared directory or one per node (detected): nodes, leaders, replica holders
-    replicas   a node-local save: manifests on every node, replicas sent, one main manifest
-    peer_files checkpoint files sent between two ranks over the gloo group, CRC-checked
-    object_files  one save's objects as a step directory: written from the arena, ranged reads
-    object_commit ObjectCommit: Commit's protocol with a save's own objects and a conditional put
-    object_backend an s3:// root as an open Checkpointer holds it; its steps as restore candidates
+    s3         the object-store backend: the store, a root of checkpoints in it, direct saves
+    nodes      the node-local backend: which ranks share a directory, replicas, peer transfers
 """

@@ -45,8 +45,8 @@ from ..stage.snapshot import Snapshot
 from . import directory
 from .agreement import check_agreement, check_complete, check_layout, layout_blob
 from .format import MAIN_MANIFEST, Manifest, main_manifest, shard_manifest_name
-from .nodes import Nodes
-from .replicas import spread
+from .nodes.replicas import spread
+from .nodes.topology import Nodes
 from .safe_fs import Dir
 from .writes import HostChecksums, planned_files, rank_manifest, write_batches
 
@@ -343,7 +343,7 @@ class Commit:
         self._durable(done.committed_at)  # durable once the rename is: ``latest`` is a hint
         if done.set_aside:
             self.stats.set_aside = tuple(done.set_aside)
-            _warn_set_aside(self.step, done.set_aside)
+            warn_set_aside(self.step, done.set_aside)
         if done.pointer_error is not None:
             err = done.pointer_error
             self.stats.latest_error = f"{err.strerror or err} ({err.filename or 'latest'})"
@@ -395,7 +395,8 @@ def _raise(error: BaseException | None) -> None:
         raise error
 
 
-def _warn_set_aside(step: int, moved: list[str]) -> None:
+def warn_set_aside(step: int, moved: list[str]) -> None:
+    """The CheckpointBranchWarning of a save that set newer steps aside (any backend)."""
     names = ", ".join(os.path.basename(p) for p in moved)
     warnings.warn(
         f"step {step} is lower than committed checkpoints, so training went back (a rollback, "

@@ -16,13 +16,29 @@ import os
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any
 
-from ..errors import CheckpointError, CheckpointIOError, CheckpointStateError
+from ..capture.training_state import Capture
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointFallbackWarning,
+    CheckpointIOError,
+    CheckpointStateError,
+)
 from ..group import Group
-from .directory import clean_stale, list_checkpoints
+from ..stage.snapshot import Snapshot
+from .commit import Commit, CommitOptions
+from .directory import (
+    clean_stale,
+    list_checkpoints,
+    load_info,
+    open_step,
+    read_latest,
+    step_dirs,
+)
+from .format import LATEST, CheckpointInfo
 from .lock import READ_ONLY_ERRNOS, DirLock
-from .nodes import Nodes
+from .nodes.topology import Nodes
 from .safe_fs import Dir
 
 # what rank 0 tells the others after opening the directory (else: the errno that made it
@@ -77,18 +93,6 @@ class Root:
             with contextlib.suppress(CheckpointError):  # the failure is what to raise
                 self.close()
             raise failure
-
-    @classmethod
-    def from_config(cls, cfg: Any, group: Group, nodes: Nodes | None = None) -> Root:
-        """The directory of a Checkpointer with ``cfg`` (a ``config.CheckpointerConfig``)."""
-        return cls(
-            cfg.directory,
-            group,
-            read_only=cfg.read_only,
-            lock_timeout_s=cfg.lock_timeout_s,
-            collective_timeout_s=cfg.collective_timeout_s,
-            nodes=nodes,
-        )
 
     def _open(self, lock_timeout_s: float) -> None:
         """Rank 0: open (or create) the directory, take its lock, clean up after crashed saves;
@@ -161,15 +165,20 @@ class Root:
                 raise
             return None
 
-    def list(self) -> list[Any]:
+    def list(self) -> list[CheckpointInfo]:
         """The committed checkpoints with intact manifests, oldest first."""
         root = self.maybe()
         return list_checkpoints(root) if root is not None else []
 
-    def commit(self, options: Any, step: int, captured: Any, snapshot: Any) -> Any:
-        """The ``commit.Commit`` of one save into this directory."""
-        from .commit import Commit
+    def candidates(self) -> DirCandidates | None:
+        """The committed steps for a restore; None where the directory does not exist."""
+        root = self.maybe()
+        return DirCandidates(root, self.path) if root is not None else None
 
+    def commit(
+        self, options: CommitOptions, step: int, captured: Capture, snapshot: Snapshot
+    ) -> Commit:
+        """The ``commit.Commit`` of one save into this directory."""
         return Commit(options, self.opened, step, captured, snapshot)
 
     def check_writable(self) -> None:
@@ -202,12 +211,39 @@ class Root:
                 self._dir.close()
 
 
-def open_root(cfg: Any, group: Group, nodes: Nodes | None = None) -> Any:
-    """The root of a Checkpointer with ``cfg``: this directory (``Root``; ``nodes``: shared or
-    node-local), or for an ``s3://`` directory the store itself
-    (``object_backend.ObjectBackend``, the same methods)."""
-    if cfg.url is not None:
-        from .object_backend import ObjectBackend
+class DirCandidates:
+    """The committed ``step-<N>`` directories of an open root as a restore walks them
+    (``backend.Candidates``)."""
 
-        return ObjectBackend(cfg.url, cfg.endpoint_url, group, read_only=cfg.read_only)
-    return Root.from_config(cfg, group, nodes)
+    def __init__(self, root: Dir, path: Path):
+        self.root, self.path = root, path
+
+    def names(self) -> list[str]:
+        return [n for _, n in step_dirs(self.root)]
+
+    def open(self, name: str) -> Dir:
+        return open_step(self.root, name)
+
+    def gone(self, name: str) -> bool:
+        return self.root.lstat(name) is None
+
+    def check_pointer(self) -> None:
+        """Cross-check ``latest`` (restore does not depend on it): a stale, damaged or
+        unreadable pointer gets a warning."""
+        try:
+            ptr = read_latest(self.root)
+            if ptr is None:
+                return
+            with open_step(self.root, ptr["path"]) as step:
+                info = load_info(step)
+            if info.manifest_crc32c != ptr["manifest_crc32c"] or info.step != ptr["step"]:
+                raise CheckpointCorruptError(
+                    f"{self.root.path / LATEST} names {ptr['path']} with another manifest CRC "
+                    "(stale)"
+                )
+        except CheckpointError as exc:
+            warnings.warn(
+                f"ignoring the latest pointer: {exc}; scanning {self.path}",
+                CheckpointFallbackWarning,
+                stacklevel=5,  # Checkpointer.restore, through NewestRestore, restore, _names
+            )

@@ -12,11 +12,14 @@ kept apart by the conditional put of each step's ``COMMIT`` (one wins).
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
-from ..errors import CheckpointError, CheckpointFallbackWarning, CheckpointStateError
-from ..group import Group
-from .format import CheckpointInfo, step_dir_name
+from ...capture.training_state import Capture
+from ...errors import CheckpointError, CheckpointFallbackWarning, CheckpointStateError
+from ...group import Group
+from ...stage.snapshot import Snapshot
+from ..commit import CommitOptions
+from ..format import CheckpointInfo, step_dir_name
+from .object_commit import ObjectCommit
 from .object_files import ObjectFiles, ObjectPath
 from .object_root import COMMIT, ObjectRoot
 
@@ -60,14 +63,10 @@ class ObjectBackend:
         if failure is not None:
             raise failure
 
-    @property
-    def opened(self) -> None:
-        return None  # no directory descriptor: the commit holds the ObjectRoot
-
-    def commit(self, options: Any, step: int, captured: Any, snapshot: Any) -> Any:
+    def commit(
+        self, options: CommitOptions, step: int, captured: Capture, snapshot: Snapshot
+    ) -> ObjectCommit:
         """The ``object_commit.ObjectCommit`` of one save."""
-        from .object_commit import ObjectCommit
-
         assert self.objects is not None
         return ObjectCommit(options, self.objects, step, captured, snapshot)
 
@@ -82,8 +81,8 @@ class ObjectBackend:
         assert self.objects is not None
         return self.objects.list_checkpoints()
 
-    def maybe(self) -> ObjectCandidates:
-        """What ``restore.candidates.restore`` takes as its root here."""
+    def candidates(self) -> ObjectCandidates:
+        """The committed steps for a restore."""
         assert self.objects is not None
         return ObjectCandidates(self.objects)
 
@@ -133,5 +132,5 @@ class ObjectCandidates:
                 f"ignoring the latest pointer of {self.objects.url}: it names {step!r}, which is "
                 "not committed there; taking the newest committed step",
                 CheckpointFallbackWarning,
-                stacklevel=4,
+                stacklevel=5,  # Checkpointer.restore, through NewestRestore, restore, _names
             )

@@ -34,12 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError, CheckpointIOError
-from .group import Group
-from .storage.directory import list_checkpoints
-from .storage.format import step_dir_name
-from .storage.nodes import Nodes
-from .storage.root import Root
+from ..errors import CheckpointError, CheckpointIOError
+from ..group import Group
+from ..storage.directory import list_checkpoints
+from ..storage.format import step_dir_name
+from ..storage.nodes.topology import Nodes
+from ..storage.root import Root
 from .upload_thread import UploadThread
 
 LOCAL, REMOTE = "local", "remote"
@@ -64,8 +64,8 @@ def tier_rows(local_steps: list[int], remote_steps: list[int]) -> list[TierRow]:
 
 def open_remote(url: str, endpoint_url: str | None, writable: bool = True) -> Any:
     """The ``ObjectRoot`` at ``url``, probed (bucket, credentials, conditional writes)."""
-    from .storage.object_root import ObjectRoot
-    from .storage.object_store import S3Store
+    from ..storage.s3.object_root import ObjectRoot
+    from ..storage.s3.object_store import S3Store
 
     return ObjectRoot(S3Store(url, endpoint_url=endpoint_url, writable=writable))
 
@@ -127,6 +127,7 @@ class Tiers:
         self.last_error: CheckpointError | None = None
         self.restored_from: str | None = None  # the tier the last restore() read ("local"...)
         self.per_rank: Any = None  # node_uploads.NodeUploads, on node-local directories
+        self.local: Root | None = None  # the local directory's root, once attached
 
     @classmethod
     def from_config(cls, cfg: Any, group: Group) -> Tiers:
@@ -136,9 +137,10 @@ class Tiers:
         )
 
     def attach(self, nodes: Nodes, endpoint_url: str | None, root: Root) -> None:
-        """Node-local directories with several ranks (``nodes.local``): the uploads are per
-        rank (``node_uploads``); every rank opens the store, all raise if one cannot (``root``
-        is closed then)."""
+        """The local tier is ``root``. Node-local directories with several ranks
+        (``nodes.local``): the uploads are per rank (``node_uploads``); every rank opens the
+        store, all raise if one cannot (``root`` is closed then)."""
+        self.local = root
         if self.url is not None and nodes.local and self.group.world_size > 1:
             from .node_uploads import NodeUploads
 
@@ -255,7 +257,7 @@ class Tiers:
     def holding(self) -> list[TierRow]:
         """Every committed step of either tier and which tiers hold it (rank 0; lists the
         store)."""
-        from .storage.safe_fs import Dir
+        from ..storage.safe_fs import Dir
 
         local: list[int] = []
         if self.directory.is_dir():
@@ -266,12 +268,14 @@ class Tiers:
 
     # ------------------------------------------------------------------ restore
 
-    def before_restore(self, root: Root, path: Any = None) -> None:
+    def before_restore(self, path: Any = None) -> None:
         """Rank 0: fetch the remote's newest step into the local directory when it is newer than
         the local ones (every rank waits for the outcome: the restore that follows reads it).
         Nothing to do for a restore of a given ``path``."""
         if self.url is None or path is not None:
             return
+        root = self.local
+        assert root is not None  # attached when the Checkpointer opened its directory
         if self.per_rank is not None:
             self.restored_from = self.per_rank.before_restore(root)
             return
@@ -291,7 +295,7 @@ class Tiers:
             raise failure
 
     def _fetch_if_newer(self, root: Root) -> str | None:
-        from .restore.fetch import fetch
+        from ..restore.fetch import fetch
 
         d = root.maybe()
         local = max((i.step for i in list_checkpoints(d)), default=None) if d else None

@@ -1,7 +1,7 @@
 """The uploader thread of a Checkpointer's remote tier: jobs handed over under one condition, run
 one at a time, the thread started on first use and let go by ``close()``.
 
-``tiers.Tiers`` (rank 0 uploads the newest waiting save) and ``node_uploads.NodeUploads`` (every
+``remote.Tiers`` (rank 0 uploads the newest waiting save) and ``node_uploads.NodeUploads`` (every
 rank uploads every save, in order) differ only in which job runs next (``take``) and in what
 running one means (``run``); the condition is theirs too, for what they wait on besides.
 """

@@ -32,10 +32,10 @@ import contextlib
 import uuid
 import warnings
 
-from ..capture.training_state import Capture
-from ..errors import CheckpointError, CheckpointPointerWarning, CheckpointStateError
-from ..stage.snapshot import Snapshot
-from .commit import Commit, CommitOptions, _warn_set_aside
+from ...capture.training_state import Capture
+from ...errors import CheckpointError, CheckpointPointerWarning, CheckpointStateError
+from ...stage.snapshot import Snapshot
+from ..commit import Commit, CommitOptions, warn_set_aside
 from .object_files import ObjectFiles
 from .object_root import ObjectRoot
 
@@ -97,7 +97,7 @@ class ObjectCommit(Commit):
         moved = self.objects.set_aside_newer(self.step)  # going back: as a directory does
         if moved:
             self.stats.set_aside = tuple(moved)
-            _warn_set_aside(self.step, moved)
+            warn_set_aside(self.step, moved)
         try:
             self.objects.move_latest(self.step, crc, back=bool(moved))
         except CheckpointError as exc:

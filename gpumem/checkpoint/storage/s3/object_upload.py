@@ -15,10 +15,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CheckpointCorruptError, CheckpointError, CheckpointStateError
-from .directory import load_info, load_shard_manifest
-from .format import MAIN_MANIFEST, MAX_MANIFEST_BYTES, step_dir_name
-from .safe_fs import Dir, release_fd
+from ...errors import CheckpointCorruptError, CheckpointError, CheckpointStateError
+from ..directory import load_info, load_shard_manifest
+from ..format import MAIN_MANIFEST, MAX_MANIFEST_BYTES, step_dir_name
+from ..safe_fs import Dir, release_fd
 
 
 @dataclass

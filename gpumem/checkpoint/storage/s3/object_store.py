@@ -41,8 +41,8 @@ import numpy as np
 from gpumem._native import load
 from gpumem.checksum import crc32c, crc32c_combine
 
-from ..errors import CheckpointCorruptError, CheckpointIOError, CheckpointStateError
-from .location import ObjectURL
+from ...errors import CheckpointCorruptError, CheckpointIOError, CheckpointStateError
+from ..location import ObjectURL
 from .object_body import (
     Body,
     Budget,

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CheckpointIOError
-from ..group import Group, _dist, _peers_gone
+from ...errors import CheckpointIOError
+from ...group import Group, peers_gone, torch_distributed
+from ..format import MAX_MANIFEST_BYTES, Manifest, encode_manifest
+from ..format import shard_manifest_name as manifest_name
+from ..safe_fs import Dir
 from . import peer_files
-from .format import MAX_MANIFEST_BYTES, Manifest, encode_manifest
-from .format import shard_manifest_name as manifest_name
-from .nodes import Nodes
-from .safe_fs import Dir
+from .topology import Nodes
 
 
 def spread(
@@ -85,9 +85,9 @@ def spread(
 def broadcast_manifest(g: Group, main: Manifest | None) -> tuple[bytes, int]:
     """Rank 0's encoded ``main`` (and CRC32C) on every rank."""
     data, crc = encode_manifest(main.body, main.version) if main is not None else (b"", 0)
-    dist = _dist()
+    dist = torch_distributed()
     head = torch.tensor([len(data), crc], dtype=torch.int64)
-    with _peers_gone():
+    with peers_gone():
         dist.broadcast(head, src=0, group=g.pg)
         buf = torch.empty(int(head[0]), dtype=torch.uint8)
         if g.rank == 0:

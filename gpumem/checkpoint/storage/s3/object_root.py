@@ -31,7 +31,7 @@ next older step (with a ``CheckpointFallbackWarning``) when one is damaged.
 
 This is what a node-local tier needs (upload a committed local step, fetch one back), what
 ``gpumem ckpt`` reads, and what ``Checkpointer("s3://...")`` saves to directly
-(``storage.object_commit``: each rank uploads its own files from the staging arena) and
+(``object_commit``: each rank uploads its own files from the staging arena) and
 restores from (``restore.candidates`` over ``object_backend.ObjectCandidates``).
 """
 
@@ -49,22 +49,22 @@ import numpy as np
 
 from gpumem import _strict_json
 
-from ..errors import (
+from ...errors import (
     CheckpointCorruptError,
     CheckpointStateError,
 )
-from .directory import load_info, load_shard_manifest
-from .format import (
+from ..directory import load_info, load_shard_manifest
+from ..format import (
     LATEST,
     MAIN_MANIFEST,
     MAX_MANIFEST_BYTES,
     CheckpointInfo,
     step_dir_name,
 )
+from ..safe_fs import Dir
 from .object_files import ObjectFiles
 from .object_store import ObjectInfo, S3Store
 from .object_upload import StepUploads
-from .safe_fs import Dir
 
 COMMIT = "COMMIT"
 ABANDONED = "abandoned"  # going back: the newer steps' commit records, set aside

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from gpumem._env import env_int, env_str
 
-from ..errors import CheckpointStateError
-from ..group import Group
+from ...errors import CheckpointStateError
+from ...group import Group
 
 _PROBE = ".gpumem-probe-"
 

@@ -27,9 +27,9 @@ import torch
 
 from gpumem.checksum import crc32c
 
-from ..errors import CheckpointCorruptError
-from ..group import Group, _dist, _peers_gone
-from .safe_fs import Dir, close_fd, release_fd
+from ...errors import CheckpointCorruptError
+from ...group import Group, peers_gone, torch_distributed
+from ..safe_fs import Dir, close_fd, release_fd
 
 CHUNK = 16 << 20
 _MAX_HEADER = 1 << 20
@@ -72,7 +72,7 @@ def run(
 
 
 def send(group: Group, dst: int, d: Dir | None, names: list[str]) -> BaseException | None:
-    dist, failure = _dist(), None
+    dist, failure = torch_distributed(), None
     sizes = []
     for name in names:
         try:
@@ -82,7 +82,7 @@ def send(group: Group, dst: int, d: Dir | None, names: list[str]) -> BaseExcepti
             failure = failure or exc
             sizes.append(0)
     header = json.dumps([[n, s] for n, s in zip(names, sizes, strict=True)]).encode()
-    with _peers_gone():
+    with peers_gone():
         dist.send(torch.tensor([len(header)], dtype=torch.int64), dst, group=group.pg)
         dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=group.pg)
         for name, size in zip(names, sizes, strict=True):
@@ -115,10 +115,10 @@ def send(group: Group, dst: int, d: Dir | None, names: list[str]) -> BaseExcepti
 def receive(
     group: Group, src: int, d: Dir | None, allowed: Callable[[str], bool]
 ) -> BaseException | None:
-    dist = _dist()
+    dist = torch_distributed()
     failure: BaseException | None = None
     where = d.path if d is not None else Path("(not kept)")
-    with _peers_gone():
+    with peers_gone():
         n = torch.empty(1, dtype=torch.int64)
         dist.recv(n, src, group=group.pg)
         if not 2 <= int(n.item()) <= _MAX_HEADER:

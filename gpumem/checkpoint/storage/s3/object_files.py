@@ -22,7 +22,7 @@ import numpy as np
 from gpumem._native import load
 from gpumem.reader import MUST_BE_ZERO
 
-from ..errors import CheckpointCorruptError
+from ...errors import CheckpointCorruptError
 from .object_store import ObjectInfo, S3Store
 
 

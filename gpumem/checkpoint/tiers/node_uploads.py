@@ -47,10 +47,10 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from .errors import CheckpointError, CheckpointIOError
-from .group import Group
-from .storage.format import step_dir_name
-from .storage.nodes import Nodes
+from ..errors import CheckpointError, CheckpointIOError
+from ..group import Group
+from ..storage.format import step_dir_name
+from ..storage.nodes.topology import Nodes
 from .upload_thread import UploadThread
 
 UPLOAD_TIMEOUT_S = 2 * 3600.0  # the slowest rank's upload of one step, at most
@@ -247,8 +247,8 @@ class NodeUploads:
         """Fetch the remote's newest step into the directories that lack it when it is newer
         than the newest step the nodes hold whole (see the module docstring). Collective on the
         checkpoint's group. Returns the tier restore reads: "remote" when one was fetched."""
-        from .restore import peers
-        from .restore.fetch import fetch
+        from ..restore import peers
+        from ..restore.fetch import fetch
 
         g, nodes = self.tiers.group, self.nodes
         held = peers.inventory(root.maybe()) if g.rank == nodes.leader() else {}
