@@ -140,6 +140,17 @@ def report_figure(rep: ReportLike, depth: int | None = None) -> Any:
     }
     ax1.legend(**outside)
 
+    _draw_timeline(ax2, rep, scale, uname, outside)
+    ax2.set_xlabel(_time_label(rep))
+    ax2.set_ylabel(f"live tensor memory ({uname})")
+    ax2.set_title(f"{rep.model} on {rep.device}" + (" (estimate)" if rep.estimate else ""))
+    fig.tight_layout()
+    return fig
+
+
+def _draw_timeline(ax: Any, rep: ReportLike, scale: float, uname: str, legend: dict) -> None:
+    """Live memory over the run (operations in order for a fake run), phases shaded, the peak
+    and communication marked, the legend placed as ``legend`` says."""
     tl = rep.timeline
     if tl.get("t_ns"):
         t = list(range(len(tl["t_ns"]))) if rep.fake else [x / 1e6 for x in tl["t_ns"]]
@@ -152,12 +163,12 @@ def report_figure(rep: ReportLike, depth: int | None = None) -> Any:
                 or tl["step"][i] != tl["step"][start]
             ):
                 end = t[i] if i < len(t) else t[-1]
-                ax2.axvspan(t[start], end, color=_PHASE_COLORS[PHASES[tl["phase"][start]]], lw=0)
+                ax.axvspan(t[start], end, color=_PHASE_COLORS[PHASES[tl["phase"][start]]], lw=0)
                 start = i
-        ax2.step(t, y, where="post", color="black", lw=1)
+        ax.step(t, y, where="post", color="black", lw=1)
         comm = tl.get("communication")  # absent before schema 3
         if comm and any(comm):
-            ax2.fill_between(
+            ax.fill_between(
                 t,
                 [c / scale for c in comm],
                 step="post",
@@ -166,7 +177,7 @@ def report_figure(rep: ReportLike, depth: int | None = None) -> Any:
                 lw=0,
                 label="communication",
             )
-        ax2.axhline(
+        ax.axhline(
             rep.peak_bytes / scale,
             color="red",
             ls="--",
@@ -174,13 +185,8 @@ def report_figure(rep: ReportLike, depth: int | None = None) -> Any:
             label=f"peak {rep.peak_bytes / scale:.2f} {uname}",
         )
         for ph in PHASES:
-            ax2.fill_between([], [], color=_PHASE_COLORS[ph], label=ph)
-        ax2.legend(**outside)
-    ax2.set_xlabel(_time_label(rep))
-    ax2.set_ylabel(f"live tensor memory ({uname})")
-    ax2.set_title(f"{rep.model} on {rep.device}" + (" (estimate)" if rep.estimate else ""))
-    fig.tight_layout()
-    return fig
+            ax.fill_between([], [], color=_PHASE_COLORS[ph], label=ph)
+        ax.legend(**legend)
 
 
 def _time_label(rep: ReportLike) -> str:

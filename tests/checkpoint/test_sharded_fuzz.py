@@ -129,6 +129,7 @@ def _worker(rank: int, world: int, root: str) -> None:
         for r in range(world)
     }
     main_raw = (step / "MANIFEST").read_bytes()
+    dist.barrier()  # every rank holds the originals before rank 0 forges the first manifest
     named = {
         "classes": lambda b: (
             _set(b, ("state", "classes", "optimizer"), "SGD")
