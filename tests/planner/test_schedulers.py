@@ -185,3 +185,30 @@ def test_cli_grace_comes_from_the_persist_time(capsys, flag):
             yaml.safe_load(script)["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
             == 200
         )
+
+
+def test_cli_writes_the_script_alone_to_a_file(tmp_path, capsys):
+    """Issue #38: `gpumem plan ... --slurm > job.sbatch` mixed the report into the script."""
+    path = tmp_path / "job.sbatch"
+    assert main(["plan", "gpt2", "--gpus", "8", "--slurm", str(path)]) == 0
+    out, err = capsys.readouterr()
+    script = path.read_text()
+    assert script.startswith("#!/bin/bash\n") and "best layout" not in script
+    assert "best layout" in out and "#SBATCH" not in out and str(path) in err
+    _bash_n(tmp_path, script)
+
+
+@pytest.mark.parametrize("argv", [["--slurm"], ["--slurm", "-"]], ids=["bare", "dash"])
+def test_cli_script_alone_on_stdout(tmp_path, capsys, argv):
+    assert main(["plan", "gpt2", "--gpus", "8", *argv]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("#!/bin/bash\n") and "best layout" not in out
+    assert "best layout" in err
+    _bash_n(tmp_path, out)
+
+
+def test_cli_k8s_file_is_the_yaml_alone(tmp_path, capsys):
+    path = tmp_path / "job.yaml"
+    assert main(["plan", "gpt2", "--gpus", "8", "--k8s", str(path)]) == 0
+    assert yaml.safe_load(path.read_text())["kind"] == "Job"
+    assert "best layout" in capsys.readouterr().out
