@@ -32,6 +32,8 @@ REQUEUE_EXIT_CODE = 143  # 128 + SIGTERM: PreemptionGuard's default after a dura
 MIN_GRACE_S = 60
 TORCHRUN_SHUTDOWN_S = 30  # torchrun SIGKILLs its workers this long after passing SIGTERM on
 LAUNCHERS = ("srun", "torchrun")
+GKE_SPOT_GRACE_S = 15  # GKE gives non-system pods on spot nodes 15 s, whatever the Job asks
+GKE_SPOT_CAP = "GKE's grace on spot nodes"
 
 
 def grace_seconds(persist_s: float) -> int:
@@ -234,17 +236,22 @@ def k8s_job(
     layout: str = "",
     command: str = "python train.py",
     exit_code: int = REQUEUE_EXIT_CODE,
+    final_save_s: float | None = None,
 ) -> str:
     """A Kubernetes (indexed) Job YAML, one pod per node, gang-admitted by Kueue, whose
-    ``podFailurePolicy`` turns the trainer's ``exit_code`` and evictions into a new pod."""
+    ``podFailurePolicy`` turns the trainer's ``exit_code`` and evictions into a new pod.
+    ``final_save_s`` (measured, SIGTERM to durable) longer than ``grace_s`` or GKE's cap on spot
+    nodes is a warning comment at the top."""
     if grace_s <= 0:
         raise ValueError(f"grace_s must be positive, got {grace_s}")
+    windows = {"terminationGracePeriodSeconds": grace_s, GKE_SPOT_CAP: GKE_SPOT_GRACE_S}
+    warnings = "".join(f"# {w}\n" for w in _save_warnings(final_save_s, windows))
     if not 0 < exit_code < 256:
         raise ValueError(f"exit_code must be in 1..255, got {exit_code}")
     nodes = _nodes(n_gpus, gpus_per_node)
     per_node = min(n_gpus, gpus_per_node)
     argv = ", ".join(f'"{a}"' for a in shlex.split(command))
-    return f"""apiVersion: batch/v1
+    return f"""{warnings}apiVersion: batch/v1
 kind: Job
 metadata:
   name: {name}

@@ -212,3 +212,44 @@ def test_cli_k8s_file_is_the_yaml_alone(tmp_path, capsys):
     assert main(["plan", "gpt2", "--gpus", "8", "--k8s", str(path)]) == 0
     assert yaml.safe_load(path.read_text())["kind"] == "Job"
     assert "best layout" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"partition": "spot nodes"}, "partition 'spot nodes' is not a Slurm name"),
+        ({"job_name": "a;b"}, "job name 'a;b' is not a Slurm name"),
+        ({"signal_s": -5}, r"signal_s \(the --signal lead, -5\)"),
+        ({"signal_s": 60, "final_save_s": 90}, r"--signal lead \(60 s\) is shorter than"),
+        ({"grace_time_s": -1}, "GraceTime"),
+        ({"final_save_s": float("nan")}, "final_save_s"),
+        ({"launcher": "mpirun"}, "launcher must be one of srun, torchrun"),
+    ],
+)
+def test_sbatch_refuses_what_it_cannot_honour_in_one_line(kw, match):
+    with pytest.raises(ValueError, match=match) as e:
+        sbatch_header(n_gpus=8, **kw)
+    assert "\n" not in str(e.value)
+
+
+def test_sbatch_warns_in_the_header_when_the_site_window_is_short(tmp_path):
+    """GraceTime and torchrun's shutdown are the site's and torchrun's: a warning naming the
+    setting, in the header comment, not an error."""
+    s = sbatch_header(n_gpus=8, signal_s=120, final_save_s=40, grace_time_s=30, launcher="torchrun")
+    warnings = [line for line in s.splitlines() if line.startswith("# WARNING")]
+    assert len(warnings) == 2
+    assert "the partition's GraceTime (30 s)" in warnings[0] and "(40 s)" in warnings[0]
+    assert "torchrun's shutdown timeout (30 s)" in warnings[1]
+    assert s.index("# WARNING") < s.index("set -uo pipefail")
+    _bash_n(tmp_path, s)
+    fits = sbatch_header(n_gpus=8, signal_s=120, final_save_s=20, grace_time_s=30)
+    assert "WARNING" not in fits
+
+
+def test_k8s_warns_when_the_grace_period_is_shorter_than_the_final_save():
+    text = k8s_job(n_gpus=8, grace_s=60, final_save_s=90)
+    head = [line for line in text.splitlines() if line.startswith("# WARNING")]
+    assert "terminationGracePeriodSeconds (60 s)" in head[0]
+    assert "GKE's grace on spot nodes (15 s)" in head[1]
+    assert yaml.safe_load(text)["kind"] == "Job"
+    assert "WARNING" not in k8s_job(n_gpus=8, grace_s=60, final_save_s=10)
