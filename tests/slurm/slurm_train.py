@@ -2,9 +2,11 @@
 its latest checkpoint, saves every 10 steps, stops on SIGTERM with a durable final save.
 
     python slurm_train.py CKPT_DIR TOTAL_STEPS STEP_SECONDS
-Prints ``start <step>`` and ``loss <step> <float.hex>`` per step; exits with the guard's code.
+Prints ``start <step>`` and ``loss <step> <float.hex>`` per step (prefixed ``rank<N> `` for
+Slurm task N > 0, each task in its own directory); exits with the guard's code.
 """
 
+import os
 import sys
 import time
 
@@ -15,6 +17,8 @@ import gpumem
 
 def main() -> int:
     root, total, step_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    rank = int(os.environ.get("SLURM_PROCID", "0"))
+    root, tag = os.path.join(root, f"rank{rank}"), f"rank{rank} " if rank else ""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
@@ -22,14 +26,14 @@ def main() -> int:
     ck = gpumem.Checkpointer(root, keep=2)
     guard = gpumem.PreemptionGuard(ck, grace_s=20, state={"model": model, "optimizer": opt})
     start = ck.restore(model=model, optimizer=opt) or 0
-    print(f"start {start}", flush=True)
+    print(f"{tag}start {start}", flush=True)
     for step in range(start, total):
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
         loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
         opt.zero_grad()
         loss.backward()
         opt.step()
-        print(f"loss {step} {loss.item().hex()}", flush=True)
+        print(f"{tag}loss {step} {loss.item().hex()}", flush=True)
         done = step + 1
         if done % 10 == 0:
             ck.save(done, model=model, optimizer=opt)

@@ -29,9 +29,9 @@ def _trainer(ckpt: Path, total: int, step_s: float) -> list[str]:
     return [sys.executable, str(HERE / "slurm_train.py"), str(ckpt), str(total), str(step_s)]
 
 
-def _losses(text: str) -> dict[int, list[str]]:
+def _losses(text: str, tag: str = "") -> dict[int, list[str]]:
     out: dict[int, list[str]] = {}
-    for step, value in re.findall(r"^loss (\d+) (\S+)$", text, re.M):
+    for step, value in re.findall(rf"^{tag}loss (\d+) (\S+)$", text, re.M):
         out.setdefault(int(step), []).append(value)
     return out
 
@@ -45,7 +45,7 @@ def _until(ready, what: str, timeout_s: float, cluster) -> None:
         time.sleep(0.5)
 
 
-def _run_job(slurm, tmp_path, *, total, step_s, disturb, time_limit_min=10, signal_s=60):
+def _run_job(slurm, tmp_path, *, total, step_s, disturb, time_limit_min=10, signal_s=60, tasks=1):
     """Submit the generated script with the tiny trainer, call ``disturb(job_id)`` once it
     trains, release each requeue's ~120 s hold (BeginTime: Slurm's, not what is tested) and
     return the final ``scontrol show job``, the output and the reference losses."""
@@ -61,8 +61,8 @@ def _run_job(slurm, tmp_path, *, total, step_s, disturb, time_limit_min=10, sign
     command = ["env", f"PYTHONPATH={ROOT}", *_trainer(tmp_path / "ckpt", total, step_s)]
     script.write_text(
         sbatch_header(
-            n_gpus=1,
-            gpus_per_node=1,
+            n_gpus=tasks,
+            gpus_per_node=tasks,
             time_limit_min=time_limit_min,
             signal_s=signal_s,
             partition="spot",
@@ -85,13 +85,16 @@ def _run_job(slurm, tmp_path, *, total, step_s, disturb, time_limit_min=10, sign
     return info, out.read_text(), {s: v[0] for s, v in _losses(ref).items()}
 
 
-def _check(info, text, ref, total, what):
+def _check(info, text, ref, total, what, tasks=1):
     assert info["JobState"] == "COMPLETED", (info, text[-2000:])
-    losses = _losses(text)
-    assert sorted(losses) == list(range(total)), text[-2000:]
-    for step, values in losses.items():
-        assert set(values) == {ref[step]}, (step, values)
-    recomputed = sum(len(v) - 1 for v in losses.values())
+    assert "forcing job termination" not in text, text[-2000:]
+    recomputed = 0
+    for tag in ["", *(f"rank{r} " for r in range(1, tasks))]:
+        losses = _losses(text, tag)
+        assert sorted(losses) == list(range(total)), (tag, text[-2000:])
+        for step, values in losses.items():
+            assert set(values) == {ref[step]}, (tag, step, values)
+        recomputed = max(recomputed, sum(len(v) - 1 for v in losses.values()))
     starts = re.findall(r"^start (\d+)$", text, re.M)
     durable = re.findall(r"durable ([\d.]+) s after the signal", text)
     requeues = int(info["Restarts"])
@@ -100,7 +103,7 @@ def _check(info, text, ref, total, what):
         f"recomputed, signal to durable {durable} s"
     )
     assert requeues >= 1 and len(starts) == requeues + 1 and int(starts[1]) > 0, text[-2000:]
-    assert len(durable) == requeues, text[-2000:]
+    assert len(durable) == requeues * tasks, text[-2000:]
     assert recomputed <= requeues  # at most the step in flight, per stop
 
 
@@ -129,3 +132,14 @@ def test_time_limit_saves_and_requeues(slurm, tmp_path):
     )
     assert "gpumem: SIGUSR1: SIGTERM to the trainer tasks" in text
     _check(info, text, ref, 700, "time limit")
+
+
+def test_stop_by_hand_with_two_tasks_per_node(slurm, tmp_path):
+    """`scancel --batch --signal=USR1 JOB` (the header's way to stop and requeue by hand) with
+    `srun` running two tasks: both save, the script requeues, both resume."""
+
+    def by_hand(job):
+        slurm.run("scancel", "--batch", "--signal=USR1", job)
+
+    info, text, ref = _run_job(slurm, tmp_path, total=60, step_s=0.25, disturb=by_hand, tasks=2)
+    _check(info, text, ref, 60, "scancel --batch --signal=USR1, 2 tasks", tasks=2)
