@@ -3,7 +3,8 @@ its latest checkpoint, saves every 10 steps, stops on SIGTERM with a durable fin
 
     python slurm_train.py CKPT_DIR TOTAL_STEPS STEP_SECONDS
 Prints ``start <step>`` and ``loss <step> <float.hex>`` per step (prefixed ``rank<N> `` for
-Slurm task N > 0, each task in its own directory); exits with the guard's code.
+rank N > 0: torchrun's RANK, else Slurm's task; each rank in its own directory); exits with the
+guard's code.
 """
 
 import os
@@ -17,7 +18,7 @@ import gpumem
 
 def main() -> int:
     root, total, step_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-    rank = int(os.environ.get("SLURM_PROCID", "0"))
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))  # torchrun's first
     root, tag = os.path.join(root, f"rank{rank}"), f"rank{rank} " if rank else ""
     torch.set_num_threads(1)
     torch.manual_seed(0)

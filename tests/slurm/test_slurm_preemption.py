@@ -45,7 +45,18 @@ def _until(ready, what: str, timeout_s: float, cluster) -> None:
         time.sleep(0.5)
 
 
-def _run_job(slurm, tmp_path, *, total, step_s, disturb, time_limit_min=10, signal_s=60, tasks=1):
+def _run_job(
+    slurm,
+    tmp_path,
+    *,
+    total,
+    step_s,
+    disturb,
+    time_limit_min=10,
+    signal_s=60,
+    tasks=1,
+    launcher="srun",
+):
     """Submit the generated script with the tiny trainer, call ``disturb(job_id)`` once it
     trains, release each requeue's ~120 s hold (BeginTime: Slurm's, not what is tested) and
     return the final ``scontrol show job``, the output and the reference losses."""
@@ -59,6 +70,8 @@ def _run_job(slurm, tmp_path, *, total, step_s, disturb, time_limit_min=10, sign
     ).stdout
     script = tmp_path / "job.sbatch"
     command = ["env", f"PYTHONPATH={ROOT}", *_trainer(tmp_path / "ckpt", total, step_s)]
+    if launcher == "torchrun":  # torchrun runs the script with its own Python
+        command = command[3:]
     script.write_text(
         sbatch_header(
             n_gpus=tasks,
@@ -68,10 +81,19 @@ def _run_job(slurm, tmp_path, *, total, step_s, disturb, time_limit_min=10, sign
             partition="spot",
             command=" ".join(command),
             grace_time_s=30,
+            launcher=launcher,
         )
     )
     out = tmp_path / "job.out"
-    job = slurm.run("sbatch", "--parsable", f"--output={out}", str(script)).strip()
+    venv_bin = str(Path(sys.executable).parent)  # torchrun
+    env = {**slurm.env, "PYTHONPATH": str(ROOT), "PATH": f"{venv_bin}:{slurm.env['PATH']}"}
+    job = subprocess.run(
+        ["sbatch", "--parsable", f"--output={out}", str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     _until(lambda: out.exists() and "loss 5 " in out.read_text(), "training", 90, slurm.job(job))
     disturb(job)
     deadline, released = time.monotonic() + 400, 0
@@ -143,3 +165,17 @@ def test_stop_by_hand_with_two_tasks_per_node(slurm, tmp_path):
 
     info, text, ref = _run_job(slurm, tmp_path, total=60, step_s=0.25, disturb=by_hand, tasks=2)
     _check(info, text, ref, 60, "scancel --batch --signal=USR1, 2 tasks", tasks=2)
+
+
+def test_stop_under_srun_torchrun(slurm, tmp_path):
+    """`srun torchrun`, two workers: scancel --signal=TERM reaches torchrun and its workers, the
+    workers save and exit 143, torchrun exits with its own status, and the script requeues
+    because it was told to stop."""
+
+    def by_hand(job):
+        slurm.run("scancel", "--batch", "--signal=USR1", job)
+
+    info, text, ref = _run_job(
+        slurm, tmp_path, total=60, step_s=0.25, disturb=by_hand, tasks=2, launcher="torchrun"
+    )
+    _check(info, text, ref, 60, "srun torchrun, 2 workers", tasks=2)
