@@ -44,7 +44,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _config(d: Path, host: str) -> str:
+def _config(d: Path, host: str, extra: str) -> str:
     return f"""ClusterName=gpumemtest
 SlurmctldHost={host}
 SlurmUser=root
@@ -78,11 +78,14 @@ GresTypes=gpu
 NodeName={host} CPUs={os.cpu_count() or 1} RealMemory=1000 Gres=gpu:2 State=UNKNOWN
 PartitionName=spot Nodes={host} PriorityTier=1 GraceTime=30 Default=YES MaxTime=INFINITE State=UP
 PartitionName=prio Nodes={host} PriorityTier=10 MaxTime=INFINITE State=UP
+{extra}
 """
 
 
 @pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
+def slurm(request, tmp_path_factory):
+    """The cluster; ``pytest.mark.parametrize("slurm", [LINE], indirect=True)`` adds a line to
+    its slurm.conf (a cluster of its own: the other one is stopped first)."""
     missing = [exe for exe in DAEMONS if shutil.which(exe) is None]
     if missing:
         pytest.skip(f"Slurm is not installed ({', '.join(missing)} missing: slurm-wlm, munge)")
@@ -92,7 +95,7 @@ def slurm(tmp_path_factory):
     (d / "state").mkdir()
     (d / "spool").mkdir()
     host = socket.gethostname().split(".")[0]
-    (d / "slurm.conf").write_text(_config(d, host))
+    (d / "slurm.conf").write_text(_config(d, host, getattr(request, "param", "")))
     # two fake GPUs: device files that exist everywhere (slurmd counts the File= entries)
     (d / "gres.conf").write_text(
         "".join(f"NodeName={host} Name=gpu File={f}\n" for f in ("/dev/null", "/dev/zero"))

@@ -179,3 +179,19 @@ def test_stop_under_srun_torchrun(slurm, tmp_path):
         slurm, tmp_path, total=60, step_s=0.25, disturb=by_hand, tasks=2, launcher="torchrun"
     )
     _check(info, text, ref, 60, "srun torchrun, 2 workers", tasks=2)
+
+
+@pytest.mark.parametrize("slurm", ["SlurmctldParameters=preempt_send_user_signal"], indirect=True)
+def test_preemption_under_torchrun_with_send_user_signal(slurm, tmp_path):
+    """Under `srun torchrun` the exit status is torchrun's: a preempted job is requeued only
+    because Slurm sends the batch shell the --signal USR1 at preemption (22.05's spelling of
+    send_user_signal)."""
+
+    def preempt(job):
+        slurm.run("sbatch", "--parsable", "-p", "prio", "--gres=gpu:2", "--wrap", "sleep 2")
+
+    info, text, ref = _run_job(
+        slurm, tmp_path, total=60, step_s=0.25, disturb=preempt, tasks=2, launcher="torchrun"
+    )
+    assert "gpumem: SIGUSR1: SIGTERM to the trainer tasks" in text
+    _check(info, text, ref, 60, "preemption, srun torchrun, send_user_signal", tasks=2)
