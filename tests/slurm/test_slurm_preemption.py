@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,8 @@ def _run_job(
         assert time.monotonic() < deadline, info
         restarts = int(info.get("Restarts", 0))
         if info.get("JobState") == "PENDING" and restarts > released:
+            hold = datetime.fromisoformat(info["StartTime"]) - datetime.now()
+            print(f"requeued: held {hold.total_seconds():.0f} s (BeginTime); released now")
             slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
             released = restarts
         time.sleep(0.5)
