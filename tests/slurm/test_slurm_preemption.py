@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,11 @@ def _run_job(
     return info, out.read_text(), {s: v[0] for s, v in _losses(ref).items()}
 
 
+def _preempt(slurm, job):
+    """A job in the higher tier that needs both GPUs: Slurm preempts the spot job for it."""
+    slurm.run("sbatch", "-p", "prio", "--gres=gpu:2", "--output=/dev/null", "--wrap", "sleep 2")
+
+
 def _check(info, text, ref, total, what, tasks=1):
     assert info["JobState"] == "COMPLETED", (info, text[-2000:])
     assert "forcing job termination" not in text, text[-2000:]
@@ -136,8 +142,7 @@ def test_preemption_by_a_higher_tier_loses_at_most_one_step(slurm, tmp_path):
     """No send_user_signal: Slurm sends SIGTERM to the tasks, the trainer exits 143 and the
     script requeues on it."""
 
-    def preempt(job):
-        slurm.run("sbatch", "--parsable", "-p", "prio", "--gres=gpu:2", "--wrap", "sleep 2")
+    preempt = partial(_preempt, slurm)
 
     info, text, ref = _run_job(slurm, tmp_path, total=60, step_s=0.25, disturb=preempt)
     _check(info, text, ref, 60, "preemption")
@@ -190,8 +195,7 @@ def test_preemption_under_torchrun_with_send_user_signal(slurm, tmp_path):
     because Slurm sends the batch shell the --signal USR1 at preemption (22.05's spelling of
     send_user_signal)."""
 
-    def preempt(job):
-        slurm.run("sbatch", "--parsable", "-p", "prio", "--gres=gpu:2", "--wrap", "sleep 2")
+    preempt = partial(_preempt, slurm)
 
     info, text, ref = _run_job(
         slurm, tmp_path, total=60, step_s=0.25, disturb=preempt, tasks=2, launcher="torchrun"
