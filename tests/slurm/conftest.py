@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+# the requeue hold (BeginTime) is the credential lifetime, 120 s by default: a requeued job that
+# starts sooner on the same node is killed ("Job credential revoked")
+CRED_EXPIRE_S = 10
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol")
 
 
@@ -53,7 +56,7 @@ SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={d}/munge.sock
+AuthInfo=socket={d}/munge.sock,cred_expire={CRED_EXPIRE_S}
 StateSaveLocation={d}/state
 SlurmdSpoolDir={d}/spool
 SlurmctldPidFile={d}/slurmctld.pid

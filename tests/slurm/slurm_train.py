@@ -16,6 +16,12 @@ import torch
 import gpumem
 
 
+def say(line: str) -> None:
+    """One write per line: torchrun's workers share the job's output file, and print() may
+    split a line from its newline, interleaving ranks mid-line."""
+    os.write(1, f"{line}\n".encode())
+
+
 def main() -> int:
     root, total, step_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))  # torchrun's first
@@ -27,14 +33,14 @@ def main() -> int:
     ck = gpumem.Checkpointer(root, keep=2)
     guard = gpumem.PreemptionGuard(ck, grace_s=20, state={"model": model, "optimizer": opt})
     start = ck.restore(model=model, optimizer=opt) or 0
-    print(f"{tag}start {start}", flush=True)
+    say(f"{tag}start {start}")
     for step in range(start, total):
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
         loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
         opt.zero_grad()
         loss.backward()
         opt.step()
-        print(f"{tag}loss {step} {loss.item().hex()}", flush=True)
+        say(f"{tag}loss {step} {loss.item().hex()}")
         done = step + 1
         if done % 10 == 0:
             ck.save(done, model=model, optimizer=opt)
