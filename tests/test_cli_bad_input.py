@@ -104,6 +104,8 @@ SPECS: dict[str, tuple[list[str], dict[str, list[str]]]] = {
                 "on-demand,price=1,price=2",
             ],
             "--deadline": ["0", "-5h", "x", "inf", ""],
+            "--slurm": [f"{MISSING}/job.sbatch"],
+            "--k8s": [f"{MISSING}/job.yaml"],
             "--confidence": ["0", "1", "1.5", "x"],
         },
     ),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from typing import Any
 
 from gpumem.cli import _args
@@ -154,12 +156,29 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"probability of meeting the deadline required (default {DEFAULT_CONFIDENCE:g})",
     )
     sched = p.add_mutually_exclusive_group()
-    sched.add_argument(
-        "--slurm", action="store_true", help="print an sbatch script for the best layout"
-    )
-    sched.add_argument("--k8s", action="store_true", help="print a Kubernetes Job (Kueue) for it")
+    for flag, what in (
+        ("--slurm", "an sbatch script for the best layout"),
+        ("--k8s", "a Kubernetes Job (Kueue) for it"),
+    ):
+        sched.add_argument(
+            flag,
+            nargs="?",
+            const="-",
+            default=None,
+            type=_script_file,
+            metavar="FILE",
+            help=f"write {what} to FILE; without FILE (or -) it alone goes to stdout and the "
+            "report to stderr",
+        )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
+
+
+def _script_file(text: str) -> str:
+    """``-`` or a file whose directory exists: refused before the search, not after it."""
+    if text != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(text))):
+        raise argparse.ArgumentTypeError(f"no directory for the job script {text!r}")
+    return text
 
 
 def _capacity(text: str) -> Capacity:
@@ -345,9 +364,27 @@ def run(args: argparse.Namespace) -> int:
                 n_gpus=result.n_gpus, gpus_per_node=per_node, layout=layout, grace_s=grace
             )
         out["script"] = script
-        text += ["", script]
+        _emit(json.dumps(out, indent=2) if args.json else "\n".join(text), script, args)
+        return 0
     print(json.dumps(out, indent=2) if args.json else "\n".join(text))
     return 0
+
+
+def _emit(report: str, script: str, args: argparse.Namespace) -> None:
+    """The report and the job script apart, so the script can be submitted as it is: FILE gets
+    the script and stdout the report; with ``-`` stdout gets the script alone and stderr the
+    report; ``--json`` keeps stdout JSON (the script is its ``script`` field)."""
+    dest = args.slurm or args.k8s
+    if dest != "-":
+        with open(dest, "w") as f:
+            f.write(script)
+        print(report)
+        print(f"job script written to {dest}", file=sys.stderr)
+    elif args.json:
+        print(report)
+    else:
+        print(report, file=sys.stderr)
+        sys.stdout.write(script)
 
 
 def _check_capacity_args(args: argparse.Namespace) -> None:

@@ -2,12 +2,13 @@
 wired for preemption with a trainer that checkpoints on SIGTERM (``gpumem.PreemptionGuard``,
 which exits with ``REQUEUE_EXIT_CODE`` once its final checkpoint is durable).
 
-Slurm: ``--signal=B:TERM@N`` sends SIGTERM to the batch shell N seconds before the time limit.
-The script starts the trainer with ``srun`` in the background, traps TERM, forwards it to
-``srun`` (which passes it to every task), waits for the final checkpoint and requeues the job
-(``scontrol requeue``; ``--requeue`` lets Slurm requeue it itself when it preempts the job). On
-preemption Slurm signals the job and waits the partition's ``GraceTime`` before SIGKILL — the
-final checkpoint must persist within it.
+Slurm: ``--signal=B:USR1@N`` sends SIGUSR1 to the batch shell at least N seconds before the time
+limit; its trap sends SIGTERM to the trainer's tasks with ``scancel --signal=TERM`` (Slurm
+delivers it to every task, and under ``srun torchrun`` to torchrun and its workers), never to
+``srun``: srun answers SIGTERM by SIGKILLing its tasks (issue #38, on Slurm 22.05). On preemption
+Slurm signals the tasks itself and SIGKILLs them after the partition's ``GraceTime``. The script
+requeues the job (``scontrol requeue``) when the trainer exits with the requeue code or the shell
+was told to stop: a job that exits 143 is FAILED otherwise, ``--requeue`` notwithstanding.
 
 Kubernetes: ``terminationGracePeriodSeconds`` is the time between SIGTERM and SIGKILL on
 eviction; ``podFailurePolicy`` ignores the trainer's requeue exit code and evictions
@@ -24,10 +25,15 @@ Example:
 from __future__ import annotations
 
 import math
+import re
 import shlex
 
 REQUEUE_EXIT_CODE = 143  # 128 + SIGTERM: PreemptionGuard's default after a durable final save
 MIN_GRACE_S = 60
+TORCHRUN_SHUTDOWN_S = 30  # torchrun SIGKILLs its workers this long after passing SIGTERM on
+LAUNCHERS = ("srun", "torchrun")
+GKE_SPOT_GRACE_S = 15  # GKE gives non-system pods on spot nodes 15 s, whatever the Job asks
+GKE_SPOT_CAP = "GKE's grace on spot nodes"
 
 
 def grace_seconds(persist_s: float) -> int:
@@ -46,6 +52,31 @@ def _nodes(n_gpus: int, gpus_per_node: int) -> int:
     return max(1, n_gpus // gpus_per_node)
 
 
+def _slurm_name(setting: str, value: str) -> str:
+    """A Slurm name as one ``#SBATCH`` word: sbatch stops reading an option at a space."""
+    if not re.fullmatch(r"[A-Za-z0-9_.,+-]+", value):
+        raise ValueError(
+            f"{setting} {value!r} is not a Slurm name: use letters, digits and _ . , + - only"
+        )
+    return value
+
+
+def _save_warnings(final_save_s: float | None, windows: dict[str, float]) -> list[str]:
+    """One line per stop window (setting -> seconds) shorter than the measured final save."""
+    if final_save_s is None:
+        return []
+    if not (final_save_s >= 0 and math.isfinite(final_save_s)):
+        raise ValueError(
+            f"final_save_s must be a finite number of seconds >= 0, got {final_save_s}"
+        )
+    return [
+        f"WARNING: {setting} ({s:g} s) is shorter than the measured final save "
+        f"({final_save_s:g} s): a stop there loses the steps since the last periodic save"
+        for setting, s in windows.items()
+        if s < final_save_s
+    ]
+
+
 def sbatch_header(
     *,
     n_gpus: int,
@@ -55,70 +86,144 @@ def sbatch_header(
     job_name: str = "gpumem-train",
     partition: str | None = None,
     layout: str = "",
-    command: str = "python train.py",
+    command: str | None = None,
     exit_code: int = REQUEUE_EXIT_CODE,
+    launcher: str = "srun",
+    final_save_s: float | None = None,
+    grace_time_s: float | None = None,
 ) -> str:
-    """A Slurm batch script: nodes and GPUs, SIGTERM ``signal_s`` before the limit, forwarded to
-    the trainer (``command``, run under srun), and a requeue when the trainer stops for it."""
+    """A Slurm batch script: nodes and GPUs, SIGUSR1 to the shell at least ``signal_s`` before
+    the limit, turned into SIGTERM to the trainer's tasks, and a requeue when the trainer stops.
+
+    ``launcher``: ``"srun"`` runs ``command`` (default ``python train.py``) once per GPU;
+    ``"torchrun"`` runs ``srun torchrun ... command`` (default ``train.py``) once per node.
+    ``final_save_s``, the measured time from SIGTERM to a durable final save, is checked against
+    ``signal_s`` (an error), the partition's ``grace_time_s`` and torchrun's 30 s shutdown
+    (warnings in the header: the site sets those)."""
     if signal_s <= 0 or time_limit_min <= 0:
-        raise ValueError("signal_s and time_limit_min must be positive")
+        raise ValueError(
+            f"signal_s (the --signal lead, {signal_s}) and time_limit_min ({time_limit_min}) "
+            "must be positive"
+        )
     if signal_s >= time_limit_min * 60:
         raise ValueError(
             f"signal {signal_s} s ahead of a {time_limit_min} min limit leaves no run time"
         )
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
+    if grace_time_s is not None and not grace_time_s >= 0:
+        raise ValueError(
+            f"grace_time_s (the partition's GraceTime) must be >= 0, got {grace_time_s}"
+        )
+    torchrun = launcher == "torchrun"
+    command = command if command is not None else ("train.py" if torchrun else "python train.py")
     if not command.strip():
         raise ValueError("command must be the training command line")
+    windows: dict[str, float] = {"--signal lead": signal_s}
+    if grace_time_s is not None:
+        windows["the partition's GraceTime"] = grace_time_s
+    if torchrun:
+        windows["torchrun's shutdown timeout"] = TORCHRUN_SHUTDOWN_S
+    warnings = _save_warnings(final_save_s, windows)
+    if warnings and "--signal lead" in warnings[0]:
+        raise ValueError(f"{warnings[0]}; give a longer signal_s")
     nodes = _nodes(n_gpus, gpus_per_node)
     per_node = min(n_gpus, gpus_per_node)
     h, m = divmod(time_limit_min, 60)
     lines = [
         "#!/bin/bash",
-        f"#SBATCH --job-name={job_name}",
+        f"#SBATCH --job-name={_slurm_name('job name', job_name)}",
         f"#SBATCH --nodes={nodes}",
-        f"#SBATCH --ntasks-per-node={per_node}",
+        f"#SBATCH --ntasks-per-node={1 if torchrun else per_node}",
         f"#SBATCH --gpus-per-node={per_node}",
         f"#SBATCH --time={h:02d}:{m:02d}:00",
         "#SBATCH --requeue",
-        f"#SBATCH --signal=B:TERM@{signal_s}",
+        f"#SBATCH --signal=B:USR1@{signal_s}",
         "#SBATCH --open-mode=append",
     ]
-    if partition:
-        lines.append(f"#SBATCH --partition={partition}")
-    lines += [
+    if partition is not None:
+        lines.append(f"#SBATCH --partition={_slurm_name('partition', partition)}")
+    lines += [f"# {w}" for w in warnings]
+    lines += _slurm_body(layout=layout, signal_s=signal_s, exit_code=exit_code)
+    if torchrun:
+        launch = (
+            f"torchrun --nnodes=${{SLURM_NNODES}} --nproc-per-node={per_node} "
+            "--rdzv-backend=c10d --rdzv-endpoint=${HEAD_NODE}:29500 "
+        )
+        lines.insert(
+            lines.index("set -uo pipefail") + 1,
+            'HEAD_NODE=$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | head -n 1)',
+        )
+    else:
+        launch = ""
+    i = lines.index("TRAIN_CMD_PLACEHOLDER")
+    lines[i] = (
+        f"TRAIN_CMD=({launch}{command})  # your training command; it must resume from its "
+        "latest checkpoint"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _slurm_body(*, layout: str, signal_s: int, exit_code: int) -> list[str]:
+    """The script after the ``#SBATCH`` lines: what happens on each stop, then the traps."""
+    return [
         f"# layout: {layout or '(not given)'}",
-        f"# SIGTERM reaches this shell {signal_s} s before the time limit; it is forwarded to the",
-        "# trainer, which saves a final checkpoint (gpumem.PreemptionGuard) and exits "
-        f"{exit_code};",
-        "# the job is then requeued and resumes from that checkpoint. On preemption Slurm waits",
-        "# the partition's GraceTime (scontrol show partition <name> | grep GraceTime) before",
-        "# SIGKILL: the final checkpoint must persist within it.",
+        "# The trainer (gpumem.PreemptionGuard) saves a final checkpoint on SIGTERM and exits",
+        f"# {exit_code} once it is durable; this script then requeues the job (a job that exits",
+        f"# {exit_code} is FAILED unless something requeues it). The ways it stops:",
+        f"# - time limit: --signal sends USR1 to this shell at least {signal_s} s before the",
+        "#   limit (N is a minimum lead, not exact: it may come earlier); the trap sends SIGTERM",
+        "#   to the trainer's tasks with `scancel --signal=TERM`, never to srun (it would SIGKILL",
+        "#   them).",
+        "# - preemption: Slurm sends SIGTERM to the tasks and SIGKILL after the partition's",
+        "#   GraceTime (scontrol show partition NAME | grep GraceTime): the final save must be",
+        "#   durable within it. With send_user_signal (Slurm 22.05: SlurmctldParameters=",
+        "#   preempt_send_user_signal; later: PreemptParameters=send_user_signal) Slurm sends this",
+        "#   shell the USR1 instead, as at the time limit: needed under torchrun, whose exit",
+        "#   status is not the trainer's.",
+        "# - by hand: `scancel --batch --signal=USR1 JOBID` stops and requeues it the same way.",
+        "#   `scontrol requeue JOBID` and `scancel JOBID` send SIGTERM to srun as well: no final",
+        "#   save is promised there, and the script does not requeue (Slurm decides).",
+        "# A requeued job is held PENDING about 120 s (its BeginTime: the credential lifetime,",
+        "# AuthInfo=cred_expire) before it can start again: count that in the restart time.",
         "set -uo pipefail",
-        f"TRAIN_CMD=({command})  # your training command; it must resume from its latest "
-        "checkpoint",
+        "TRAIN_CMD_PLACEHOLDER",
+        "STOPPING=0   # 1: told to stop (USR1): requeue whatever the trainer's exit status",
+        "CANCELLED=0  # 1: SIGTERM to this shell (scancel, scontrol requeue): Slurm decides",
+        "TRAPPED=0",
         "",
         "requeue() {",
         '  echo "gpumem: requeueing job ${SLURM_JOB_ID}" >&2',
         '  scontrol requeue "${SLURM_JOB_ID}" || true  # Slurm may be requeueing it already',
         "}",
-        "on_term() {",
-        '  echo "gpumem: SIGTERM, forwarding it to the trainer (srun pid ${TRAINER_PID})" >&2',
-        '  kill -TERM "${TRAINER_PID}" 2>/dev/null',
-        '  wait "${TRAINER_PID}"',
-        "  status=$?",
-        "  requeue",
-        '  exit "${status}"',
+        "on_usr1() {",
+        "  STOPPING=1 TRAPPED=1",
+        '  echo "gpumem: SIGUSR1: SIGTERM to the trainer tasks (scancel --signal=TERM)" >&2',
+        "  # not `kill -TERM` to srun: srun answers SIGTERM by SIGKILLing its tasks",
+        "  # (kill -USR1: srun passes it on; the guard stops on it, torchrun does not)",
+        '  scancel --signal=TERM "${SLURM_JOB_ID}" || kill -USR1 "${TRAINER_PID}"',
         "}",
+        "on_term() {",
+        "  CANCELLED=1 TRAPPED=1",
+        '  echo "gpumem: SIGTERM: the job is being cancelled or requeued by Slurm" >&2',
+        "}",
+        "trap on_usr1 USR1",
         "trap on_term TERM",
         "",
         'srun "${TRAIN_CMD[@]}" &',
         "TRAINER_PID=$!",
-        'wait "${TRAINER_PID}"',
-        "status=$?",
-        f"# {exit_code}: the trainer stopped for a preemption signal that reached it directly",
-        f'if [ "${{status}}" -eq {exit_code} ]; then requeue; fi',
+        "while :; do",
+        "  TRAPPED=0",
+        '  wait "${TRAINER_PID}"',
+        "  status=$?",
+        '  [ "${TRAPPED}" -eq 1 ] || break  # a trap ended `wait` early: wait for the trainer',
+        "done",
+        f'if [ "${{CANCELLED}}" -eq 0 ] && {{ [ "${{STOPPING}}" -eq 1 ] || '
+        f'[ "${{status}}" -eq {exit_code} ]; }}; then',
+        "  requeue",
+        "fi",
         'exit "${status}"',
     ]
-    return "\n".join(lines) + "\n"
 
 
 def k8s_job(
@@ -132,17 +237,22 @@ def k8s_job(
     layout: str = "",
     command: str = "python train.py",
     exit_code: int = REQUEUE_EXIT_CODE,
+    final_save_s: float | None = None,
 ) -> str:
     """A Kubernetes (indexed) Job YAML, one pod per node, gang-admitted by Kueue, whose
-    ``podFailurePolicy`` turns the trainer's ``exit_code`` and evictions into a new pod."""
+    ``podFailurePolicy`` turns the trainer's ``exit_code`` and evictions into a new pod.
+    ``final_save_s`` (measured, SIGTERM to durable) longer than ``grace_s`` or GKE's cap on spot
+    nodes is a warning comment at the top."""
     if grace_s <= 0:
         raise ValueError(f"grace_s must be positive, got {grace_s}")
+    windows = {"terminationGracePeriodSeconds": grace_s, GKE_SPOT_CAP: GKE_SPOT_GRACE_S}
+    warnings = "".join(f"# {w}\n" for w in _save_warnings(final_save_s, windows))
     if not 0 < exit_code < 256:
         raise ValueError(f"exit_code must be in 1..255, got {exit_code}")
     nodes = _nodes(n_gpus, gpus_per_node)
     per_node = min(n_gpus, gpus_per_node)
     argv = ", ".join(f'"{a}"' for a in shlex.split(command))
-    return f"""apiVersion: batch/v1
+    return f"""{warnings}apiVersion: batch/v1
 kind: Job
 metadata:
   name: {name}

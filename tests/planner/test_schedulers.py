@@ -24,30 +24,58 @@ def test_grace_follows_the_persist_time():
 
 def test_sbatch_script_parses_and_has_the_signal_set_up(tmp_path):
     s = sbatch_header(n_gpus=64, gpus_per_node=8, time_limit_min=240, signal_s=300)
-    for line in ("#SBATCH --nodes=8", "#SBATCH --requeue", "#SBATCH --signal=B:TERM@300"):
+    for line in ("#SBATCH --nodes=8", "#SBATCH --requeue", "#SBATCH --signal=B:USR1@300"):
         assert line in s.splitlines()
-    assert "GraceTime" in s and "TRAINER_PID=$!" in s and "trap on_term TERM" in s
-    path = tmp_path / "job.sh"
-    path.write_text(s)
-    bash = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
-    assert bash.returncode == 0, bash.stderr
+    assert "#SBATCH --ntasks-per-node=8" in s.splitlines()
+    assert "GraceTime" in s and "BeginTime" in s and "minimum lead" in s
+    assert "send_user_signal" in s and "scancel --batch --signal=USR1" in s
+    assert 'kill -TERM "${TRAINER_PID}"' not in s  # srun answers SIGTERM by SIGKILLing its tasks
+    _bash_n(tmp_path, s)
     with pytest.raises(ValueError, match="multiple"):
         sbatch_header(n_gpus=12, gpus_per_node=8)
 
 
-def test_sbatch_script_forwards_sigterm_and_requeues(tmp_path):
-    """The script as Slurm runs it: SIGTERM to the batch shell reaches the trainer (under srun),
-    the shell waits for it and calls `scontrol requeue` with the job id, and exits the trainer's
-    code."""
-    log = tmp_path / "log"
-    bin_dir = tmp_path / "bin"
+def test_sbatch_torchrun_runs_one_task_per_node(tmp_path):
+    s = sbatch_header(n_gpus=16, gpus_per_node=8, launcher="torchrun")
+    assert "#SBATCH --ntasks-per-node=1" in s.splitlines()
+    assert "#SBATCH --gpus-per-node=8" in s.splitlines()
+    assert "TRAIN_CMD=(torchrun --nnodes=${SLURM_NNODES} --nproc-per-node=8 " in s
+    assert "train.py)" in s and "HEAD_NODE=$(scontrol show hostnames" in s
+    _bash_n(tmp_path, s)
+
+
+def _bash_n(tmp_path, script):
+    path = tmp_path / "job.sh"
+    path.write_text(script)
+    bash = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert bash.returncode == 0, bash.stderr
+
+
+def _run_script(tmp_path, *, trainer_exit, shell_signal=None, trainer_signal=False):
+    """The script as Slurm runs it, under stubs that behave as Slurm 22.05 did (issue #38):
+    srun SIGKILLs its task on SIGTERM and passes USR1 on; `scancel --signal=TERM` signals the
+    task directly. The trainer exits ``trainer_exit`` on SIGTERM or SIGUSR1 (torchrun exits 1).
+    Returns the script's exit status, the event log and its stderr."""
+    log, pid_file, bin_dir = tmp_path / "log", tmp_path / "trainer.pid", tmp_path / "bin"
     bin_dir.mkdir()
     stubs = {
-        "srun": '#!/bin/bash\nexec "$@"\n',
+        "srun": (
+            "#!/bin/bash\n"
+            '"$@" & child=$!\n'
+            f"trap 'echo srun-got-term >> {log}; kill -KILL $child' TERM\n"
+            "trap 'kill -USR1 $child' USR1\n"
+            'while :; do wait "$child"; rc=$?; kill -0 "$child" 2>/dev/null || exit "$rc"; done\n'
+        ),
         "scontrol": f'#!/bin/bash\necho "scontrol $*" >> {log}\n',
+        "scancel": (
+            f'#!/bin/bash\necho "scancel $*" >> {log}\n'
+            f'[ "$1" = --signal=TERM ] && kill -TERM "$(cat {pid_file})"\n'
+        ),
         "trainer": (
             "#!/bin/bash\n"
-            f"trap 'echo trainer-got-term >> {log}; exit 143' TERM\n"
+            f"echo $$ > {pid_file}\n"
+            f"trap 'echo trainer-got-term >> {log}; exit {trainer_exit}' TERM\n"
+            f"trap 'echo trainer-got-usr1 >> {log}; exit {trainer_exit}' USR1\n"
             f"echo trainer-started >> {log}\n"
             "while true; do sleep 0.05; done\n"
         ),
@@ -60,18 +88,59 @@ def test_sbatch_script_forwards_sigterm_and_requeues(tmp_path):
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
     proc = subprocess.Popen(["bash", str(script)], env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 20
-    while not (log.exists() and "trainer-started" in log.read_text()):
+    while not (log.exists() and "trainer-started" in log.read_text() and pid_file.exists()):
         assert time.monotonic() < deadline and proc.poll() is None, "trainer did not start"
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)  # what --signal=B:TERM@120 does
+    time.sleep(0.2)  # the stubs' traps are set
+    if shell_signal is not None:
+        proc.send_signal(shell_signal)
+    if trainer_signal:  # Slurm signals the tasks itself (preemption, scancel, scontrol requeue)
+        os.kill(int(pid_file.read_text()), signal.SIGTERM)
+    if shell_signal is None and not trainer_signal:
+        os.kill(int(pid_file.read_text()), signal.SIGUSR1)  # a trainer that stops on its own
     _, err = proc.communicate(timeout=20)
-    assert proc.returncode == 143, err
-    assert log.read_text().splitlines() == [
+    return proc.returncode, log.read_text().splitlines(), err
+
+
+@pytest.mark.parametrize("trainer_exit", [143, 1], ids=["srun", "torchrun-exits-1"])
+def test_time_limit_signals_the_tasks_not_srun_and_requeues(tmp_path, trainer_exit):
+    """--signal=B:USR1 reaches the shell: SIGTERM goes to the tasks through scancel (srun, sent
+    SIGTERM, would SIGKILL them: no final save), and the job is requeued whatever the exit status
+    (torchrun exits with its own)."""
+    rc, log, err = _run_script(tmp_path, trainer_exit=trainer_exit, shell_signal=signal.SIGUSR1)
+    assert rc == trainer_exit, err
+    assert log == [
         "trainer-started",
+        "scancel --signal=TERM 4242",
         "trainer-got-term",
         "scontrol requeue 4242",
-    ]
-    assert "forwarding it to the trainer" in err
+    ], err
+    assert "SIGUSR1: SIGTERM to the trainer tasks" in err and "requeueing job 4242" in err
+
+
+def test_preemption_requeues_on_the_trainer_exit_code(tmp_path):
+    """Preemption without send_user_signal: Slurm signals the tasks, not the shell; the trainer
+    exits 143 after its final save and the script requeues (else the job ends FAILED)."""
+    rc, log, err = _run_script(tmp_path, trainer_exit=143, trainer_signal=True)
+    assert rc == 143, err
+    assert log == ["trainer-started", "trainer-got-term", "scontrol requeue 4242"], err
+
+
+def test_cancel_is_not_turned_into_a_requeue(tmp_path):
+    """scancel or scontrol requeue: SIGTERM to the shell and the tasks; the script neither
+    forwards it to srun nor requeues the job (Slurm decides)."""
+    rc, log, err = _run_script(
+        tmp_path, trainer_exit=143, shell_signal=signal.SIGTERM, trainer_signal=True
+    )
+    assert rc == 143, err
+    assert log == ["trainer-started", "trainer-got-term"], err
+    assert "cancelled or requeued by Slurm" in err
+
+
+def test_a_trainer_that_finishes_is_not_requeued(tmp_path):
+    rc, log, err = _run_script(tmp_path, trainer_exit=0)
+    assert rc == 0, err
+    assert log == ["trainer-started", "trainer-got-usr1"], err
 
 
 def test_k8s_job_is_valid_and_requeues_on_the_trainer_exit_code():
@@ -110,9 +179,77 @@ def test_cli_grace_comes_from_the_persist_time(capsys, flag):
     assert main(argv) == 0
     script = json.loads(capsys.readouterr().out)["script"]
     if flag == "--slurm":
-        assert "#SBATCH --signal=B:TERM@200" in script
+        assert "#SBATCH --signal=B:USR1@200" in script
     else:
         assert (
             yaml.safe_load(script)["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
             == 200
         )
+
+
+def test_cli_writes_the_script_alone_to_a_file(tmp_path, capsys):
+    """Issue #38: `gpumem plan ... --slurm > job.sbatch` mixed the report into the script."""
+    path = tmp_path / "job.sbatch"
+    assert main(["plan", "gpt2", "--gpus", "8", "--slurm", str(path)]) == 0
+    out, err = capsys.readouterr()
+    script = path.read_text()
+    assert script.startswith("#!/bin/bash\n") and "best layout" not in script
+    assert "best layout" in out and "#SBATCH" not in out and str(path) in err
+    _bash_n(tmp_path, script)
+
+
+@pytest.mark.parametrize("argv", [["--slurm"], ["--slurm", "-"]], ids=["bare", "dash"])
+def test_cli_script_alone_on_stdout(tmp_path, capsys, argv):
+    assert main(["plan", "gpt2", "--gpus", "8", *argv]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("#!/bin/bash\n") and "best layout" not in out
+    assert "best layout" in err
+    _bash_n(tmp_path, out)
+
+
+def test_cli_k8s_file_is_the_yaml_alone(tmp_path, capsys):
+    path = tmp_path / "job.yaml"
+    assert main(["plan", "gpt2", "--gpus", "8", "--k8s", str(path)]) == 0
+    assert yaml.safe_load(path.read_text())["kind"] == "Job"
+    assert "best layout" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"partition": "spot nodes"}, "partition 'spot nodes' is not a Slurm name"),
+        ({"job_name": "a;b"}, "job name 'a;b' is not a Slurm name"),
+        ({"signal_s": -5}, r"signal_s \(the --signal lead, -5\)"),
+        ({"signal_s": 60, "final_save_s": 90}, r"--signal lead \(60 s\) is shorter than"),
+        ({"grace_time_s": -1}, "GraceTime"),
+        ({"final_save_s": float("nan")}, "final_save_s"),
+        ({"launcher": "mpirun"}, "launcher must be one of srun, torchrun"),
+    ],
+)
+def test_sbatch_refuses_what_it_cannot_honour_in_one_line(kw, match):
+    with pytest.raises(ValueError, match=match) as e:
+        sbatch_header(n_gpus=8, **kw)
+    assert "\n" not in str(e.value)
+
+
+def test_sbatch_warns_in_the_header_when_the_site_window_is_short(tmp_path):
+    """GraceTime and torchrun's shutdown are the site's and torchrun's: a warning naming the
+    setting, in the header comment, not an error."""
+    s = sbatch_header(n_gpus=8, signal_s=120, final_save_s=40, grace_time_s=30, launcher="torchrun")
+    warnings = [line for line in s.splitlines() if line.startswith("# WARNING")]
+    assert len(warnings) == 2
+    assert "the partition's GraceTime (30 s)" in warnings[0] and "(40 s)" in warnings[0]
+    assert "torchrun's shutdown timeout (30 s)" in warnings[1]
+    assert s.index("# WARNING") < s.index("set -uo pipefail")
+    _bash_n(tmp_path, s)
+    fits = sbatch_header(n_gpus=8, signal_s=120, final_save_s=20, grace_time_s=30)
+    assert "WARNING" not in fits
+
+
+def test_k8s_warns_when_the_grace_period_is_shorter_than_the_final_save():
+    text = k8s_job(n_gpus=8, grace_s=60, final_save_s=90)
+    head = [line for line in text.splitlines() if line.startswith("# WARNING")]
+    assert "terminationGracePeriodSeconds (60 s)" in head[0]
+    assert "GKE's grace on spot nodes (15 s)" in head[1]
+    assert yaml.safe_load(text)["kind"] == "Job"
+    assert "WARNING" not in k8s_job(n_gpus=8, grace_s=60, final_save_s=10)
