@@ -210,10 +210,6 @@ class Outcome:
     reliable_h: np.ndarray
     interval_s: tuple[float, float]
 
-    @property
-    def finished(self) -> np.ndarray:
-        return np.isfinite(self.wall_h)
-
     def mean_hours(self) -> float:
         return float(self.wall_h.mean())
 
