@@ -39,7 +39,7 @@ from ..errors import (
     CheckpointPointerWarning,
     CheckpointStateError,
 )
-from ..restore.files import io_threads, open_checkpoint
+from ..restore.files import open_checkpoint
 from ..restore.reshard import GlobalIndex, Reader, SavedBlock, data_files
 from ..storage import directory
 from ..storage.directory import load_shard_manifest
@@ -54,7 +54,7 @@ from ..storage.format import (
     step_dir_name,
     tensor_entry,
 )
-from ..storage.safe_fs import Dir
+from ..storage.safe_fs import Dir, io_threads
 
 DCP_KEY = "dcp"
 _ALIGN = 4096

@@ -26,12 +26,11 @@ import torch
 
 from ..capture.boxes import Box
 from ..errors import CheckpointCorruptError, CheckpointStateError
-from ..restore.files import io_threads
 from ..restore.reshard import GlobalIndex, Reader, SavedBlock, data_files
 from ..storage import directory
 from ..storage.directory import load_shard_manifest
 from ..storage.format import MAIN_MANIFEST
-from ..storage.safe_fs import Dir
+from ..storage.safe_fs import Dir, io_threads
 from .dcp_items import DCP_KEY, load_items, open_step_dir
 
 _WRAPPERS = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")

@@ -43,7 +43,8 @@ from ..group import Group
 from ..storage.backend import Candidates, StorageRoot
 from ..storage.directory import load_info
 from ..storage.format import CheckpointInfo
-from ..storage.safe_fs import Dir, io_error
+from ..storage.safe_fs import io_error
+from ..storage.step_reads import StepFiles
 from .files import open_checkpoint
 from .plain import PlainRestore
 from .sharded import ShardedRestore, has_dtensors
@@ -237,7 +238,7 @@ class _Agree:
 
 
 def _prepare(
-    step: Dir, state: TrainingState, group: Group, stage: Callable, dtensors: bool
+    step: StepFiles, state: TrainingState, group: Group, stage: Callable, dtensors: bool
 ) -> StagedRestore:
     """The candidate ``step`` prepared for this rank: block by block into the objects' layout
     when either side holds DTensor state, else whole from one saved rank."""
@@ -250,7 +251,7 @@ def _prepare(
     return staged.prepare()
 
 
-def _open(root: Candidates | None, name: str | None, path: str | os.PathLike | None) -> Dir:
+def _open(root: Candidates | None, name: str | None, path: str | os.PathLike | None) -> StepFiles:
     if name is None:
         assert path is not None
         return open_checkpoint(path)

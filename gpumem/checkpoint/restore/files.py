@@ -31,63 +31,34 @@ from __future__ import annotations
 import errno
 import itertools
 import os
-import stat
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from gpumem.reader import MUST_BE_ZERO, read_file, read_spans
+from gpumem.reader import MUST_BE_ZERO
 
 from ..errors import CheckpointCorruptError, CheckpointIOError
 from ..storage.directory import load_shard_manifest
 from ..storage.format import CheckpointInfo, ShardManifest, TensorEntry, shard_manifest_name
-from ..storage.safe_fs import Dir, describe, read_error
+from ..storage.safe_fs import Dir
+from ..storage.step_reads import StepFiles
 from ..storage.tensor_table import Columns
 
 DIRECT_MIN_BYTES = 1 << 20  # tensors read with O_DIRECT; page alignment costs them <= 0.4 %
 _PAGE = 4096
 
 
-def io_threads() -> int:
-    """Reads in flight: a disk (or a virtual one) wants a deeper queue than the core count."""
-    from gpumem._env import env_int
-
-    return max(1, env_int("GPUMEM_IO_THREADS", None) or max(4, min(16, os.cpu_count() or 1)))
-
-
-def _check_sizes(step: Dir, shard: ShardManifest) -> None:
-    """Every data file a regular file of its recorded size, before a byte is read (the reader
-    checks again once it has the file open). An object store's step checks each object's size
-    by a HEAD (``storage.s3.object_files``)."""
-    if not isinstance(step, Dir):
-        for name, size in shard.files.items():
-            step.check_size(name, size)
-        return
+def _check_sizes(step: StepFiles, shard: ShardManifest) -> None:
+    """Every data file of its recorded size, before a byte is read (a directory: a regular file,
+    by lstat; an object store: by a HEAD, ``storage.s3.object_files``)."""
     for name, size in shard.files.items():
-        file = step.path / name
-        try:
-            st = step.lstat(name)
-        except OSError as exc:
-            raise read_error(exc, file, "reading") from None
-        if st is None:
-            raise CheckpointCorruptError(f"{file}: data file unreadable: missing", path=str(file))
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointCorruptError(
-                f"{file}: data file is {describe(st.st_mode)}, not a regular file: refused",
-                path=str(file),
-            )
-        actual = st.st_size
-        if actual != size:
-            raise CheckpointCorruptError(
-                f"{file}: {actual} bytes on disk, manifest says {size} (truncated or damaged)",
-                path=str(file),
-            )
+        step.check_size(name, size)
 
 
 def _read_file(
-    step: Dir,
+    step: StepFiles,
     name: str,
     size: int,
     extents: list[tuple[int, torch.Tensor, int]],
@@ -98,32 +69,14 @@ def _read_file(
     into their buffers and their chunk CRCs into ``crcs`` (the padding between extents is
     checked by ``_stream_file``)."""
     ordered = sorted(extents, key=lambda x: x[0])
-    pieces = [(off, buf) for off, buf, _ in ordered]
-    file = step.path / name
-    if not isinstance(step, Dir):  # an object store: ranged GETs into the same buffers
-        step.read_file(
-            name,
-            pieces,
-            chunk_bytes=chunk,
-            crc_index=[slot for *_, slot in ordered],
-            crc_out=crcs,
-            expect_size=size,
-        )
-        return
-    try:
-        read_file(
-            name,
-            pieces,
-            threads=io_threads(),
-            direct=True,
-            chunk_bytes=chunk,
-            crc_index=[slot for *_, slot in ordered],
-            crc_out=crcs,
-            dir_fd=step.fd,
-            expect_size=size,
-        )
-    except OSError as exc:
-        raise read_error(exc, file, f"reading {len(pieces)} extents of") from None
+    step.read_file(
+        name,
+        [(off, buf) for off, buf, _ in ordered],
+        chunk_bytes=chunk,
+        crc_index=[slot for *_, slot in ordered],
+        crc_out=crcs,
+        expect_size=size,
+    )
 
 
 def _host_bytes(n: int, file: Any) -> torch.Tensor:
@@ -185,7 +138,7 @@ def _file_of(path: Any, entry: TensorEntry, byte: int) -> Any:
 
 
 def load_shard(
-    step: Dir, info: CheckpointInfo, rank: int, *, keep: bool = True
+    step: StepFiles, info: CheckpointInfo, rank: int, *, keep: bool = True
 ) -> tuple[ShardManifest, dict[str, torch.Tensor]]:
     """Verify and (if ``keep``) return every tensor of ``rank``'s shard; raises
     CheckpointCorruptError.
@@ -204,7 +157,7 @@ however large the files (a sparse one costs its apparent size in reads, not in m
 
 
 def read_tensors(
-    step: Dir,
+    step: StepFiles,
     shard: ShardManifest,
     names: list[str] | None = None,
     *,
@@ -285,7 +238,7 @@ def read_tensors(
     }
 
 
-def _check_columns(step: Dir, shard: ShardManifest, table: Columns) -> None:
+def _check_columns(step: StepFiles, shard: ShardManifest, table: Columns) -> None:
     """``read_tensors`` of every byte of a shard, nothing kept, from the decoded table's arrays:
     the same pieces, files in the same order, the same checks, no Python object per extent."""
     chunk = shard.chunk_bytes
@@ -304,7 +257,7 @@ def _check_columns(step: Dir, shard: ShardManifest, table: Columns) -> None:
 
 
 def _stream_file(
-    step: Dir,
+    step: StepFiles,
     name: str,
     size: int,
     spans: list[tuple[int, int, int]] | np.ndarray,
@@ -376,7 +329,7 @@ def _gaps(occupied: list[tuple[int, int]] | np.ndarray, size: int) -> np.ndarray
 
 
 def _read_spans(
-    step: Dir,
+    step: StepFiles,
     name: str,
     size: int,
     buf: torch.Tensor,
@@ -385,25 +338,7 @@ def _read_spans(
     crcs: np.ndarray,
 ) -> None:
     file = step.path / name
-    try:
-        if not isinstance(step, Dir):  # an object store: ranged GETs into the same buffer
-            nonzero = step.read_spans(
-                name, buf, spans, chunk_bytes=chunk, crc_out=crcs, expect_size=size
-            )
-        else:
-            nonzero = read_spans(
-                name,
-                buf,
-                spans,
-                threads=io_threads(),
-                direct=True,
-                chunk_bytes=chunk,
-                crc_out=crcs,
-                dir_fd=step.fd,
-                expect_size=size,
-            )
-    except OSError as exc:
-        raise read_error(exc, file, f"reading {len(spans)} extents of") from None
+    nonzero = step.read_spans(name, buf, spans, chunk_bytes=chunk, crc_out=crcs, expect_size=size)
     if nonzero >= 0:
         raise CheckpointCorruptError(
             f"{file}: alignment padding at byte {nonzero} is not zero", path=str(file)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +36,7 @@ from ..capture.training_state import (
 from ..errors import CheckpointCorruptError, CheckpointStateError
 from ..storage.directory import load_shard_manifest
 from ..storage.format import CheckpointInfo, ShardManifest, TensorEntry
-from ..storage.safe_fs import Dir
+from ..storage.step_reads import StepFiles, StepPath
 from .files import read_tensors
 from .load import apply
 from .validate import check_targets
@@ -55,7 +54,12 @@ class PlainRestore:
     """
 
     def __init__(
-        self, step: Dir, info: CheckpointInfo, rank: int, world_size: int, state: TrainingState
+        self,
+        step: StepFiles,
+        info: CheckpointInfo,
+        rank: int,
+        world_size: int,
+        state: TrainingState,
     ):
         self.step, self.info, self.rank, self.world_size = step, info, rank, world_size
         self.state = state
@@ -147,7 +151,7 @@ def in_place(
 
 
 def read_replicated(
-    step: Dir,
+    step: StepFiles,
     info: CheckpointInfo,
     shard: ShardManifest,
     out: dict[str, torch.Tensor],
@@ -170,7 +174,7 @@ def read_replicated(
     return tuple(entries)
 
 
-def check_replicated(step: Dir, info: CheckpointInfo, world_size: int) -> None:
+def check_replicated(step: StepFiles, info: CheckpointInfo, world_size: int) -> None:
     """Check from the shard manifests alone (no data read) that every rank saved the same
     model, optimizer, scheduler and scaler state: the same tree and, tensor by tensor, the
     same dtype, shape and chunk CRC32Cs. Then any rank's shard can seed a job of another size.
@@ -211,7 +215,7 @@ def check_replicated(step: Dir, info: CheckpointInfo, world_size: int) -> None:
 
 
 def restore_tree(
-    step: Dir, info: CheckpointInfo, rank: int, skip: frozenset[str] = frozenset()
+    step: StepFiles, info: CheckpointInfo, rank: int, skip: frozenset[str] = frozenset()
 ) -> tuple[dict[str, Any], ShardManifest]:
     """The verified, decoded state tree of ``rank`` (tensors loaded into fresh host memory) and
     its shard manifest, without the sections in ``skip`` (their bytes are verified, not held).
@@ -238,7 +242,7 @@ def restore_tree(
     return tree, shard
 
 
-def verify_loaded(path: Path, shard: ShardManifest, table: TensorTable) -> int:
+def verify_loaded(path: StepPath, shard: ShardManifest, table: TensorTable) -> int:
     """Check the tensors now held by the restored objects (``table``: a capture of them) against
     the manifest's chunk CRC32Cs, where they live: CUDA tensors with the Triton kernel on the
     device, host tensors natively. Catches damage in the host-to-device copy or device memory.
@@ -279,7 +283,7 @@ def replicated_trees(shard: ShardManifest) -> dict[str, Any]:
     return {k: state.get(k) for k in REPLICATED_KEYS}
 
 
-def check_same(own: ShardManifest, other: ShardManifest, path: Path) -> None:
+def check_same(own: ShardManifest, other: ShardManifest, path: StepPath) -> None:
     """Two shards of one replicated checkpoint must record the same owners, chunk size and
     replicated trees (the save checked this; a difference means the files do not belong together).
 

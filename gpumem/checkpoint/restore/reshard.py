@@ -26,18 +26,15 @@ manifests before anything is read. Damage is CheckpointCorruptError; an operatin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from gpumem.reader import read_file
-
 from ..capture.boxes import Box, TilingError, intersect, is_contiguous_block, linear, tile
 from ..errors import CheckpointCorruptError, CheckpointStateError
 from ..storage.format import ShardManifest, TensorEntry
-from ..storage.safe_fs import Dir, read_error
+from ..storage.step_reads import StepFiles, StepPath
 
 
 class SavedBlock(NamedTuple):
@@ -61,7 +58,7 @@ class SavedBlock(NamedTuple):
 class GlobalIndex:
     """Every saved block of every global tensor of one checkpoint, by name."""
 
-    def __init__(self, path: Path, shards: list[ShardManifest]):
+    def __init__(self, path: StepPath, shards: list[ShardManifest]):
         self.path = path
         self.blocks: dict[str, list[SavedBlock]] = {}
         self._checked: dict[str, list[SavedBlock]] = {}
@@ -103,7 +100,7 @@ class GlobalIndex:
             self.check(name)
 
 
-def data_files(path: Path, shards: list[ShardManifest]) -> dict[str, int]:
+def data_files(path: StepPath, shards: list[ShardManifest]) -> dict[str, int]:
     """Every data file the shard manifests list, with its recorded size.
 
     Raises:
@@ -145,7 +142,7 @@ class Reader:
         >>> reader.run(files, threads=4)                                     # doctest: +SKIP
     """
 
-    def __init__(self, step: Dir):
+    def __init__(self, step: StepFiles):
         self.step, self.path = step, step.path
         self._files: dict[tuple[str, int], _FileReads] = {}  # (file, chunk) -> reads
         self._expected: list[int] = []
@@ -281,32 +278,17 @@ class Reader:
                     path=str(self.path / f),
                 )
         for (f, chunk), reads in sorted(self._files.items(), key=lambda x: x[0]):
-            file = self.path / f
-            try:
-                if not isinstance(self.step, Dir):  # an object store: ranged GETs, same buffers
-                    self.step.read_file(
-                        f,
-                        reads.pieces,
-                        chunk_bytes=chunk,
-                        crc_index=reads.slots,
-                        crc_out=crcs,
-                        expect_size=files[f],
-                    )
-                    continue
-                # a regular file of the recorded size, never through a link, never a FIFO
-                read_file(
-                    f,
-                    reads.pieces,
-                    threads=threads,
-                    direct=False,
-                    chunk_bytes=chunk,
-                    crc_index=reads.slots,
-                    crc_out=crcs,
-                    dir_fd=self.step.fd,
-                    expect_size=files[f],
-                )
-            except OSError as exc:
-                raise read_error(exc, file, f"reading {len(reads.pieces)} ranges of") from None
+            # a regular file (or object) of the recorded size, never through a link or a FIFO
+            self.step.read_file(
+                f,
+                reads.pieces,
+                threads=threads,
+                direct=False,
+                chunk_bytes=chunk,
+                crc_index=reads.slots,
+                crc_out=crcs,
+                expect_size=files[f],
+            )
         expected = np.asarray(self._expected, dtype=np.int64)
         bad = np.flatnonzero(crcs != expected)
         if len(bad):

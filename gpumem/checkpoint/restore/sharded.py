@@ -57,8 +57,9 @@ from ..capture.training_state import TrainingState, canonical_key, unwrap_model
 from ..errors import CheckpointCorruptError, CheckpointStateError
 from ..storage.directory import load_shard_manifest
 from ..storage.format import CheckpointInfo, ShardManifest
-from ..storage.safe_fs import Dir
-from .files import io_threads, read_tensors
+from ..storage.safe_fs import io_threads
+from ..storage.step_reads import StepFiles
+from .files import read_tensors
 from .load import apply
 from .reshard import GlobalIndex, Reader, SavedBlock, data_files
 from .validate import check_targets, model_entries
@@ -151,7 +152,7 @@ class ShardedRestore:
 
     def __init__(
         self,
-        step: Dir,
+        step: StepFiles,
         info: CheckpointInfo,
         rank: int,
         world_size: int,

@@ -17,7 +17,7 @@ from gpumem._gc import paused as paused_gc
 from ..capture.codec import decode
 from ..storage.directory import load_info
 from ..storage.format import CheckpointInfo
-from ..storage.safe_fs import Dir
+from ..storage.step_reads import StepFiles
 from .files import load_shard, open_checkpoint
 from .plain import check_same
 from .reshard import GlobalIndex
@@ -40,7 +40,7 @@ def verify(path: str | os.PathLike) -> CheckpointInfo:
         return _verify(step)
 
 
-def _verify(step: Dir) -> CheckpointInfo:
+def _verify(step: StepFiles) -> CheckpointInfo:
     p = step.path
     info = load_info(step)
     shards = [load_shard(step, info, rank, keep=False)[0] for rank in range(info.world_size)]

@@ -3,6 +3,7 @@ an object store.
 
 Modules:
     backend    the seam: what a save and a restore ask of a root, in order (Protocols)
+    step_reads the seam's read half: what a restore reads of one committed step (StepFiles)
     format     the format, reader and writer: manifests framed with CRC32C and version, validated
     tensor_table  a shard manifest's tensor table decoded natively (accept-only: Python decides)
     directory  the checkpoint directory: manifest files, the commit rename, latest, retention

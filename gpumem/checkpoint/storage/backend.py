@@ -46,6 +46,7 @@ from ..capture.training_state import Capture
 from ..stage.snapshot import Snapshot
 from .commit import CommitOptions
 from .format import CheckpointInfo
+from .step_reads import StepFiles
 
 
 class SaveCommit(Protocol):
@@ -61,16 +62,6 @@ class SaveCommit(Protocol):
     def close(self) -> None:
         """Release what the save holds open (its temporary directory)."""
         ...
-
-
-class StepFiles(Protocol):
-    """The files of one committed step, read (step 3 of a restore)."""
-
-    def read_small(self, name: str, cap: int, what: str) -> bytes:
-        """The whole of a small file (a manifest), refused beyond ``cap`` bytes."""
-        ...
-
-    def close(self) -> None: ...
 
 
 class Candidates(Protocol):

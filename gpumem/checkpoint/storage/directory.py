@@ -45,6 +45,7 @@ from .format import (
     step_dir_name,
 )
 from .safe_fs import Dir, io_error, read_error
+from .step_reads import StepFiles
 
 _LATEST_MAX = 4096
 ABANDONED = "abandoned"  # holds the checkpoints of abandoned branches (set_aside_newer)
@@ -83,7 +84,7 @@ def write_manifest(d: Dir, name: str, manifest: Manifest) -> int:
 
 
 def read_manifest(
-    d: Dir, name: str, *, native_tensors: bool = False
+    d: StepFiles, name: str, *, native_tensors: bool = False
 ) -> tuple[dict[str, Any], int, int]:
     """Read (a regular file, size bounded before reading) and decode one manifest: (body, CRC32C,
     version); ``native_tensors``: see ``format.decode_manifest``."""
@@ -219,7 +220,7 @@ def open_step(root: Dir, name: str) -> Dir:
         raise read_error(exc, root.path / name, "opening") from None
 
 
-def load_info(step: Dir) -> CheckpointInfo:
+def load_info(step: StepFiles) -> CheckpointInfo:
     """Main-manifest view of a checkpoint directory (CRC and fields checked, data not read)."""
     body, crc, version = read_manifest(step, MAIN_MANIFEST)
     manifest = str(step.path / MAIN_MANIFEST)
@@ -232,7 +233,7 @@ def load_info(step: Dir) -> CheckpointInfo:
     return info
 
 
-def load_shard_manifest(step: Dir, info: CheckpointInfo, rank: int) -> ShardManifest:
+def load_shard_manifest(step: StepFiles, info: CheckpointInfo, rank: int) -> ShardManifest:
     """Rank ``rank``'s shard manifest of the checkpoint ``info`` describes, checked against it
     (its CRC32C as recorded, the same rank, world size, step, replicated flag and tensor bytes)."""
     ref = info.shards[rank]

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from gpumem.reader import read_file, read_spans
 from gpumem.writer import write_file
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointIOError
@@ -105,6 +106,13 @@ def release_fd(fd: int, path: Path | str) -> None:
         warnings.warn(
             f"{exc} (nothing is lost: nothing was written through it)", RuntimeWarning, stacklevel=3
         )
+
+
+def io_threads() -> int:
+    """Reads in flight: a disk (or a virtual one) wants a deeper queue than the core count."""
+    from gpumem._env import env_int
+
+    return max(1, env_int("GPUMEM_IO_THREADS", None) or max(4, min(16, os.cpu_count() or 1)))
 
 
 class Dir:
@@ -250,6 +258,90 @@ class Dir:
                 f"{path}: {what} ended {left} bytes short of its {st.st_size}", path=str(path)
             )
         return b"".join(chunks)
+
+    def check_size(self, name: str, size: int) -> None:
+        """The data file ``name`` is a regular file of the ``size`` bytes its manifest records,
+        checked before a byte is read (the reader checks again once it has the file open).
+
+        Raises:
+            CheckpointCorruptError: missing, not a regular file, or of another size.
+            CheckpointIOError: the operating system failed the lstat.
+        """
+        file = self.path / name
+        try:
+            st = self.lstat(name)
+        except OSError as exc:
+            raise read_error(exc, file, "reading") from None
+        if st is None:
+            raise CheckpointCorruptError(f"{file}: data file unreadable: missing", path=str(file))
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointCorruptError(
+                f"{file}: data file is {describe(st.st_mode)}, not a regular file: refused",
+                path=str(file),
+            )
+        if st.st_size != size:
+            raise CheckpointCorruptError(
+                f"{file}: {st.st_size} bytes on disk, manifest says {size} (truncated or damaged)",
+                path=str(file),
+            )
+
+    def read_file(
+        self,
+        name: str,
+        pieces: list[tuple[int, Any]],
+        *,
+        chunk_bytes: int,
+        crc_index: list[int],
+        crc_out: Any,
+        expect_size: int,
+        threads: int | None = None,
+        direct: bool = True,
+    ) -> None:
+        """``reader.read_file`` on the data file ``name`` (never through a link, never a FIFO):
+        every ``(offset, buffer)`` piece filled on ``threads`` native threads (None:
+        ``io_threads()``), its chunk CRC32Cs into ``crc_out`` from slot ``crc_index[i]``."""
+        try:
+            read_file(
+                name,
+                pieces,
+                threads=threads or io_threads(),
+                direct=direct,
+                chunk_bytes=chunk_bytes,
+                crc_index=crc_index,
+                crc_out=crc_out,
+                dir_fd=self.fd,
+                expect_size=expect_size,
+            )
+        except OSError as exc:
+            raise read_error(exc, self.path / name, f"reading {len(pieces)} ranges of") from None
+
+    def read_spans(
+        self,
+        name: str,
+        buffer: Any,
+        spans: np.ndarray,
+        *,
+        chunk_bytes: int,
+        crc_out: np.ndarray,
+        expect_size: int,
+    ) -> int:
+        """``reader.read_spans`` on the data file ``name``: rows ``(file offset, buffer offset,
+        length, slot)`` read into ``buffer``. Returns the lowest offset of a nonzero byte among
+        the ``MUST_BE_ZERO`` spans, or -1."""
+        try:
+            return read_spans(
+                name,
+                buffer,
+                spans,
+                threads=io_threads(),
+                direct=True,
+                chunk_bytes=chunk_bytes,
+                crc_out=crc_out,
+                dir_fd=self.fd,
+                expect_size=expect_size,
+            )
+        except OSError as exc:
+            raise read_error(exc, self.path / name, f"reading {len(spans)} extents of") from None
 
     def write_new(self, name: str, data: bytes) -> None:
         """Create the file ``name`` (it must not exist: never through a link), write ``data``

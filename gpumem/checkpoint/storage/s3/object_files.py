@@ -140,9 +140,12 @@ class ObjectFiles:
         crc_index: list[int],
         crc_out: Any,
         expect_size: int,
+        threads: int | None = None,
+        direct: bool = True,
     ) -> None:
         """``reader.read_file`` on the object ``name``: every ``(offset, buffer)`` piece filled
-        by ranged GETs, its chunk CRC32Cs into ``crc_out`` from slot ``crc_index[i]``."""
+        by ranged GETs, its chunk CRC32Cs into ``crc_out`` from slot ``crc_index[i]``
+        (``threads`` and ``direct`` are a local file's: the store's reads have their own)."""
         self.check_size(name, expect_size)
         self.store.read_pieces(
             f"{self.key}/{name}",
