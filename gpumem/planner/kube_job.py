@@ -17,6 +17,7 @@ gives pods on spot nodes 15 s whatever the Job asks (``GKE_SPOT_GRACE_S``). A fi
 than a window is a ``# WARNING`` line at the top naming the setting.
 
 Example:
+    >>> import yaml
     >>> text = k8s_job(n_gpus=16, gpus_per_node=8, final_save_s=40, layout="dp2/tp8/pp1")
     >>> [d["kind"] for d in yaml.safe_load_all(text)]
     ['PriorityClass', 'Service', 'Job']

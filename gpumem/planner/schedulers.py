@@ -22,8 +22,6 @@ from __future__ import annotations
 import math
 import re
 
-import yaml
-
 REQUEUE_EXIT_CODE = 143  # 128 + SIGTERM: PreemptionGuard's default after a durable final save
 MIN_GRACE_S = 60
 TORCHRUN_SHUTDOWN_S = 30  # torchrun SIGKILLs its workers this long after passing SIGTERM on
@@ -72,21 +70,30 @@ def torchrun_argv(
     ]
 
 
-class _BlockDumper(yaml.SafeDumper):
-    """Safe YAML with multi-line strings as ``|`` blocks (scripts stay readable)."""
-
-
-def _str(dumper: yaml.SafeDumper, text: str) -> yaml.Node:
-    style = "|" if "\n" in text else None
-    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
-
-
-_BlockDumper.add_representer(str, _str)
-
-
 def dump_yaml(*docs: dict) -> str:
-    """YAML documents in the order given, keys as built, multi-line strings as blocks."""
-    return yaml.dump_all(docs, Dumper=_BlockDumper, sort_keys=False, default_flow_style=False)
+    """YAML documents in the order given, keys as built, multi-line strings as ``|`` blocks
+    (scripts stay readable). PyYAML is imported here, for the Kubernetes and SkyPilot files
+    only: gpumem does not require it.
+
+    Raises:
+        ValueError: PyYAML is not installed (one line, saying what to install).
+    """
+    try:
+        import yaml
+    except ImportError:
+        raise ValueError(
+            "writing a Kubernetes manifest or a SkyPilot task needs PyYAML: pip install pyyaml"
+        ) from None
+
+    class BlockDumper(yaml.SafeDumper):
+        pass
+
+    def block(dumper: yaml.SafeDumper, text: str) -> yaml.Node:
+        style = "|" if "\n" in text else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+    BlockDumper.add_representer(str, block)
+    return yaml.dump_all(docs, Dumper=BlockDumper, sort_keys=False, default_flow_style=False)
 
 
 def save_warnings(final_save_s: float | None, windows: dict[str, float]) -> list[str]:

@@ -21,6 +21,7 @@ The task, field by field (SkyPilot's task YAML):
 Launch it with ``sky jobs launch task.yaml`` (managed jobs recover; ``sky launch`` does not).
 
 Example:
+    >>> import yaml
     >>> text = skypilot_task(n_gpus=16, accelerator="H100", capacity="spot-then-on-demand")
     >>> yaml.safe_load(text)["resources"]["ordered"]
     [{'use_spot': True}, {'use_spot': False}]

@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -384,3 +385,12 @@ def test_cli_notice_reaches_every_script(capsys):
         script = capsys.readouterr().out
         warnings = [line for line in script.splitlines() if line.startswith("# WARNING")]
         assert any(setting in w for w in warnings), (flag, warnings)
+
+
+def test_without_pyyaml_the_yaml_outputs_say_what_to_install(monkeypatch):
+    """gpumem does not require PyYAML: the Slurm script needs none, the others say so."""
+    monkeypatch.setitem(sys.modules, "yaml", None)  # import yaml raises ImportError
+    assert sbatch_header(n_gpus=8).startswith("#!/bin/bash")
+    with pytest.raises(ValueError, match="needs PyYAML: pip install pyyaml") as e:
+        k8s_job(n_gpus=8)
+    assert "\n" not in str(e.value)
