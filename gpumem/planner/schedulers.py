@@ -97,7 +97,8 @@ def dump_yaml(*docs: dict) -> str:
 
 
 def save_warnings(final_save_s: float | None, windows: dict[str, float]) -> list[str]:
-    """One line per stop window (setting -> seconds) shorter than the measured final save."""
+    """One line per stop window (setting -> seconds) shorter than the final save (measured with
+    a calibration, else estimated: the caller's figure, SIGTERM to durable)."""
     if final_save_s is None:
         return []
     if not (final_save_s >= 0 and math.isfinite(final_save_s)):
@@ -105,8 +106,8 @@ def save_warnings(final_save_s: float | None, windows: dict[str, float]) -> list
             f"final_save_s must be a finite number of seconds >= 0, got {final_save_s}"
         )
     return [
-        f"WARNING: {setting} ({s:g} s) is shorter than the measured final save "
-        f"({final_save_s:g} s): a stop there loses the steps since the last periodic save"
+        f"WARNING: {setting} ({s:g} s) is shorter than the final save, SIGTERM to durable "
+        f"({final_save_s:.3g} s): a stop there loses the steps since the last periodic save"
         for setting, s in windows.items()
         if s < final_save_s
     ]
