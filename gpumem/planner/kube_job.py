@@ -99,7 +99,7 @@ def k8s_job(
 
     Raises:
         ValueError: a name Kubernetes refuses, a non-positive grace or notice, an exit code
-            outside 1..255 (one line each).
+            outside 1..255, a priority the API server refuses (one line each).
     """
     save_warnings(final_save_s, {})  # a final save that is no number of seconds: its error
     if grace_s is None:
@@ -110,6 +110,8 @@ def k8s_job(
         raise ValueError(f"notice_s (the node's notice) must be > 0 seconds, got {notice_s}")
     if not 0 < exit_code < 256:
         raise ValueError(f"exit_code must be in 1..255, got {exit_code}")
+    if not -(2**31) <= priority <= 10**9:  # above 1e9 is the system's (system-cluster-critical)
+        raise ValueError(f"priority must be in -2147483648..1000000000, got {priority}")
     for setting, value in (("job name", name), ("priority class", priority_class)):
         _dns_name(setting, value)
     windows: dict[str, float] = {

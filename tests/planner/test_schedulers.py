@@ -350,6 +350,7 @@ def test_k8s_warns_when_the_grace_period_is_shorter_than_the_final_save():
         ({"grace_s": -5}, r"grace_s \(terminationGracePeriodSeconds\) must be > 0"),
         ({"notice_s": -1}, r"notice_s \(the node's notice\)"),
         ({"final_save_s": float("inf")}, "final_save_s"),
+        ({"priority": 2 * 10**9}, "priority must be in -2147483648..1000000000"),
     ],
 )
 def test_k8s_refuses_what_it_cannot_honour_in_one_line(kw, match):
