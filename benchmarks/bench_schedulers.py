@@ -82,7 +82,7 @@ def main() -> None:
             "scenario",
             "requeues",
             "steps recomputed",
-            "signal -> durable (s, per task)",
+            "signal -> durable (s, per task and stop)",
             "requeue -> first resumed step (s)",
             "of which the hold (s)",
         ],
