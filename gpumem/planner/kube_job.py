@@ -17,8 +17,7 @@ gives pods on spot nodes 15 s whatever the Job asks (``GKE_SPOT_GRACE_S``). A fi
 than a window is a ``# WARNING`` line at the top naming the setting.
 
 Example:
-    >>> import yaml
-    >>> text = k8s_job(n_gpus=16, gpus_per_node=8, final_save_s=40, layout="dp2/tp8/pp1")
+    >>>     >>> text = k8s_job(n_gpus=16, gpus_per_node=8, final_save_s=40, layout="dp2/tp8/pp1")
     >>> [d["kind"] for d in yaml.safe_load_all(text)]
     ['PriorityClass', 'Service', 'Job']
 """
@@ -28,6 +27,7 @@ from __future__ import annotations
 import re
 import shlex
 
+from gpumem._env import GRACE_S_VAR
 from gpumem.planner.notice import NOTICE_S
 from gpumem.planner.schedulers import (
     RDZV_PORT,
@@ -142,6 +142,7 @@ def k8s_job(
             per_node=per_node,
             grace_s=grace_s,
             exit_code=exit_code,
+            guard_s=min(grace_s, notice_s) if notice_s is not None else grace_s,
             argv=torchrun_argv(
                 nodes=nodes,
                 per_node=per_node,
@@ -202,12 +203,15 @@ def _job(
     grace_s: int,
     exit_code: int,
     argv: list[str],
+    guard_s: float,
 ) -> dict:
     container = {
         "name": "trainer",
         "image": image,
         "command": ["/bin/sh", "-c", ENTRYPOINT, "sh"],
         "args": argv,
+        # Kubernetes does not tell the container its grace: the guard's deadline (GPUMEM_GRACE_S)
+        "env": [{"name": GRACE_S_VAR, "value": f"{guard_s:g}"}],
         "resources": {"limits": {"nvidia.com/gpu": str(per_node)}},
     }
     pod = {

@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 import re
 
+from gpumem._env import GRACE_S_VAR
+
 REQUEUE_EXIT_CODE = 143  # 128 + SIGTERM: PreemptionGuard's default after a durable final save
 MIN_GRACE_S = 60
 TORCHRUN_SHUTDOWN_S = 30  # torchrun SIGKILLs its workers this long after passing SIGTERM on
@@ -185,6 +187,11 @@ def sbatch_header(
         lines.append(f"#SBATCH --partition={_slurm_name('partition', partition)}")
     lines += [f"# {w}" for w in warnings]
     lines += _slurm_body(layout=layout, signal_s=signal_s, exit_code=exit_code)
+    guard_s = signal_s if grace_time_s is None else min(signal_s, grace_time_s)
+    lines.insert(
+        lines.index("set -uo pipefail") + 1,
+        f"export {GRACE_S_VAR}={guard_s:g}  # the guard's deadline: the shorter stop window",
+    )
     if torchrun:
         argv = torchrun_argv(
             nodes="${SLURM_NNODES}",

@@ -32,6 +32,7 @@ from __future__ import annotations
 import re
 import shlex
 
+from gpumem._env import GRACE_S_VAR
 from gpumem.planner.schedulers import RDZV_PORT, dump_yaml, nodes_for, save_warnings, torchrun_argv
 
 CAPACITIES = ("spot", "on-demand", "spot-then-on-demand")
@@ -128,7 +129,8 @@ def skypilot_task(
         "name": name,
         "num_nodes": nodes,
         "resources": resources,
-        "envs": {"CKPT_DIR": CKPT_DIR},
+        # the guard's deadline (GPUMEM_GRACE_S): the spot notice, where one is known
+        "envs": {"CKPT_DIR": CKPT_DIR, **({GRACE_S_VAR: f"{notice_s:g}"} if notice_s else {})},
         "file_mounts": {CKPT_DIR: mount},
         "run": 'HEAD_IP=$(echo "$SKYPILOT_NODE_IPS" | head -n 1)\n'
         + "# exec: SIGTERM goes to torchrun itself; the trainer resumes from $CKPT_DIR\n"

@@ -5,6 +5,7 @@ forwards SIGTERM (run here under dash). The SkyPilot task: tests/planner/test_sk
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -395,3 +396,25 @@ def test_without_pyyaml_the_yaml_outputs_say_what_to_install(monkeypatch):
     with pytest.raises(ValueError, match="needs PyYAML: pip install pyyaml") as e:
         k8s_job(n_gpus=8)
     assert "\n" not in str(e.value)
+
+
+def test_each_script_tells_the_guard_its_deadline(monkeypatch):
+    """The guard cannot see GraceTime, the pod's grace or the spot notice: each script sets the
+    shorter stop window in the guard's environment variable, and the real guard reads it."""
+    from gpumem import PreemptionGuard
+    from gpumem.planner import skypilot_task
+
+    slurm = sbatch_header(n_gpus=8, signal_s=120, grace_time_s=30)
+    ((name, value),) = re.findall(r"^export (\w+)=(\S+)", slurm, re.M)
+    job = _k8s(k8s_job(n_gpus=8, final_save_s=10, notice_s=15))["Job"]
+    (env,) = job["spec"]["template"]["spec"]["containers"][0]["env"]
+    sky = yaml.safe_load(skypilot_task(n_gpus=8, accelerator="H100", notice_s=30))["envs"]
+    cases = [
+        ((name, value), 30.0),  # GraceTime 30 s < the --signal lead 120 s
+        ((env["name"], env["value"]), 15.0),  # the notice 15 s < the pod's grace 60 s
+        (next((k, v) for k, v in sky.items() if k.startswith("GPUMEM")), 30.0),
+    ]
+    for (var, text), expected in cases:
+        monkeypatch.setenv(var, text)
+        with PreemptionGuard(object()) as guard:
+            assert guard.grace_s == expected, (var, text)
