@@ -18,12 +18,15 @@
 (n: the machine's cores.)
 
 Modules read these through ``env_str``, ``env_int``, ``env_float`` and ``env_flag`` only, and
-every name they read is in the table (tests/test_env_reads.py).
+every name they read is in the table (tests/test_env_reads.py). A module that writes a switch
+for another process (a job script setting the guard's notice) names it by its constant here.
 """
 
 from __future__ import annotations
 
 import os
+
+GRACE_S_VAR = "GPUMEM_GRACE_S"  # set by the job scripts of gpumem.planner for the trainer's guard
 
 
 def env_str(name: str, default: str | None = None) -> str | None:

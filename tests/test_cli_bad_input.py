@@ -104,8 +104,9 @@ SPECS: dict[str, tuple[list[str], dict[str, list[str]]]] = {
                 "on-demand,price=1,price=2",
             ],
             "--deadline": ["0", "-5h", "x", "inf", ""],
-            "--slurm": [f"{MISSING}/job.sbatch"],
-            "--k8s": [f"{MISSING}/job.yaml"],
+            "--slurm": [f"{MISSING}/job.sbatch", "gpt2"],
+            "--k8s": [f"{MISSING}/job.yaml", "gpt2"],
+            "--skypilot": [f"{MISSING}/task.yaml", "llama-2-7b"],
             "--confidence": ["0", "1", "1.5", "x"],
         },
     ),
@@ -149,6 +150,9 @@ EXTRA: list[list[str]] = [
     ["plan", "gpt2", "--startup-s", "10", "--mtbf-hours", "5"],
     ["estimate", "gpt2", "--json", "--markdown"],
     ["plan", "gpt2", "--slurm", "--k8s"],
+    ["plan", "gpt2", "--slurm"],  # the FILE is required (- for stdout)
+    ["plan", "--slurm", "gpt2"],  # the model where the FILE goes
+    ["plan", "gpt2", "--k8s", "-", "--skypilot", "-"],
     # issue #13, found by hand: each printed a traceback
     ["profile", "llama", "--seq-len", "-4"],
     ["profile", "vit", "--batch-size", "100000000000"],

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from gpumem.cli import _args
@@ -157,28 +158,39 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     sched = p.add_mutually_exclusive_group()
     for flag, what in (
-        ("--slurm", "an sbatch script for the best layout"),
-        ("--k8s", "a Kubernetes Job (Kueue) for it"),
+        ("--slurm", "an sbatch script for the best layout (--notice: the partition's GraceTime)"),
+        ("--k8s", "a Kubernetes manifest for it: PriorityClass, Service, Job (Kueue)"),
+        ("--skypilot", "a SkyPilot task for it, on the capacity the decision chose"),
     ):
         sched.add_argument(
             flag,
-            nargs="?",
-            const="-",
             default=None,
-            type=_script_file,
+            type=_script_file(flag),
             metavar="FILE",
-            help=f"write {what} to FILE; without FILE (or -) it alone goes to stdout and the "
-            "report to stderr",
+            help=f"write {what} to FILE; with - it alone goes to stdout and the report to stderr",
         )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
 
 
-def _script_file(text: str) -> str:
-    """``-`` or a file whose directory exists: refused before the search, not after it."""
-    if text != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(text))):
-        raise argparse.ArgumentTypeError(f"no directory for the job script {text!r}")
-    return text
+def _script_file(flag: str) -> Callable[[str], str]:
+    """The FILE of ``flag``: ``-`` or a file whose directory exists, refused before the search,
+    not after it. A built-in model's name is refused too: ``plan --slurm gpt2`` meant the model,
+    not a file."""
+
+    def check(text: str) -> str:
+        from gpumem.estimator.model_presets import PRESETS
+
+        if text.lower() in PRESETS and not os.path.exists(text):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is a model, not the job script's FILE: give the FILE (or - for "
+                f"stdout) after the option, e.g. gpumem plan {text} {flag} job.{flag[2:]}"
+            )
+        if text != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(text))):
+            raise argparse.ArgumentTypeError(f"no directory for the job script {text!r}")
+        return text
+
+    return check
 
 
 def _capacity(text: str) -> Capacity:
@@ -249,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
     if args.inference:
         return _inference(args)
     from gpumem.estimator.frameworks.deepspeed import knobs_from_cli
-    from gpumem.planner import min_gpus, plan, realised, schedulers
+    from gpumem.planner import min_gpus, plan, realised
 
     if args.loss_chunks:
         raise ValueError(
@@ -351,18 +363,8 @@ def run(args: argparse.Namespace) -> int:
         text += ["", *lines]
     if args.capacity:
         text += ["", *_decision(args, result, times, out)]
-    if args.slurm or args.k8s:
-        layout = result.best.describe() if result.best else "none fits"
-        grace = schedulers.grace_seconds(times.persist_s)
-        per_node = result.gpu.gpus_per_node
-        if args.slurm:
-            script = schedulers.sbatch_header(
-                n_gpus=result.n_gpus, gpus_per_node=per_node, layout=layout, signal_s=grace
-            )
-        else:
-            script = schedulers.k8s_job(
-                n_gpus=result.n_gpus, gpus_per_node=per_node, layout=layout, grace_s=grace
-            )
+    if _script_dest(args) is not None:
+        script = _job_script(args, result, times.persist_s, out.get("decision"))
         out["script"] = script
         _emit(json.dumps(out, indent=2) if args.json else "\n".join(text), script, args)
         return 0
@@ -374,7 +376,7 @@ def _emit(report: str, script: str, args: argparse.Namespace) -> None:
     """The report and the job script apart, so the script can be submitted as it is: FILE gets
     the script and stdout the report; with ``-`` stdout gets the script alone and stderr the
     report; ``--json`` keeps stdout JSON (the script is its ``script`` field)."""
-    dest = args.slurm or args.k8s
+    dest = _script_dest(args)
     if dest != "-":
         with open(dest, "w") as f:
             f.write(script)
@@ -385,6 +387,53 @@ def _emit(report: str, script: str, args: argparse.Namespace) -> None:
     else:
         print(report, file=sys.stderr)
         sys.stdout.write(script)
+
+
+def _script_dest(args: argparse.Namespace) -> str | None:
+    return args.slurm or args.k8s or args.skypilot
+
+
+def _job_script(args: argparse.Namespace, result, persist_s: float, decision: dict | None) -> str:
+    """The job script asked for. Its grace is :func:`schedulers.grace_seconds` of the final save
+    (the step in flight, then every rank of a node saving at once: ``notice``'s model, with the
+    calibration when given) or of the persist time, whichever is longer; ``--notice`` is the
+    partition's GraceTime for Slurm and the node's notice for Kubernetes and SkyPilot."""
+    from gpumem.planner import kube_job, schedulers, sky_task
+    from gpumem.planner.notice import final_save_seconds
+
+    per_node = result.gpu.gpus_per_node
+    final_s = None
+    if result.best is not None:
+        final_s = result.best.step_seconds + final_save_seconds(
+            rank_bytes=result.checkpoint_bytes(),
+            ranks_per_node=min(per_node, result.n_gpus),
+            calibration=result.calibration,
+        )
+    grace = schedulers.grace_seconds(max(persist_s, final_s or 0.0))
+    common = {
+        "n_gpus": result.n_gpus,
+        "gpus_per_node": per_node,
+        "layout": result.best.describe() if result.best else "none fits",
+        "final_save_s": final_s,
+    }
+    if args.slurm:
+        return schedulers.sbatch_header(**common, signal_s=grace, grace_time_s=args.notice)
+    if args.k8s:
+        return kube_job.k8s_job(**common, grace_s=grace, notice_s=args.notice)
+    spot_notices = [c.notice_s for c in args.capacity or () if c.preemptible and c.notice_s]
+    best = (decision or {}).get("best")
+    why = (
+        f"the capacity decision: {best['policy']} on {best['capacity']}"
+        if best
+        else ("no --capacity given: spot first, on-demand when spot is unavailable")
+    )
+    return sky_task.skypilot_task(
+        **common,
+        accelerator=sky_task.SKYPILOT_ACCELERATORS.get(result.gpu.name, result.gpu.name),
+        capacity=sky_task.capacity_of_policy(best["policy"] if best else None),
+        notice_s=args.notice or min(spot_notices, default=None),
+        why=why,
+    )
 
 
 def _check_capacity_args(args: argparse.Namespace) -> None:

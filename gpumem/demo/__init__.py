@@ -427,8 +427,8 @@ def _summary(result: DemoResult, echo: Echo) -> None:
             echo(f"    {path}")
     echo(
         "Next: `gpumem profile gpt2 --plot p.png`, `gpumem estimate llama-2-70b --gpus 64 --tp 8 "
-        "--zero 1 --plot bill.png`, `gpumem plan llama-2-70b --gpus 64 --mtbf-hours 24 --slurm`, "
-        "`gpumem doctor`."
+        "--zero 1 --plot bill.png`, `gpumem plan llama-2-70b --gpus 64 --mtbf-hours 24 "
+        "--slurm job.sbatch`, `gpumem doctor`."
     )
 
 

@@ -20,7 +20,9 @@ Modules, bottom up:
     decision           layouts x capacities x policies ranked by cost under a deadline
     margin             the headroom a plan keeps free on every GPU (``--headroom``)
     search             the numba sweep: ``plan`` and ``PlanResult``
-    schedulers         Slurm and Kubernetes job scripts wired for preemption
+    schedulers         the Slurm script wired for preemption; what the others share with it
+    kube_job           the Kubernetes manifest: PriorityClass, headless Service, indexed Job
+    sky_task           the SkyPilot task: the decision's capacity, recovery, checkpoint bucket
     layout_chart       bills of layouts side by side (``gpumem estimate --plot``)
 """
 
@@ -37,10 +39,12 @@ from gpumem.planner.economics import (
     realised_loss,
     young_daly,
 )
+from gpumem.planner.kube_job import k8s_job
 from gpumem.planner.notice import NOTICE_S, NoticeFit, final_save_fit, notice_seconds
 from gpumem.planner.predict import Prediction, predict, predict_options, replay_windows
-from gpumem.planner.schedulers import grace_seconds, k8s_job, sbatch_header
+from gpumem.planner.schedulers import grace_seconds, sbatch_header
 from gpumem.planner.search import Candidate, PlanResult, min_gpus, plan
+from gpumem.planner.sky_task import skypilot_task
 from gpumem.planner.traces import CapacityTrace, TraceError, load_trace
 
 __all__ = [
@@ -77,5 +81,6 @@ __all__ = [
     "realised_loss",
     "replay_windows",
     "sbatch_header",
+    "skypilot_task",
     "young_daly",
 ]

@@ -1,6 +1,7 @@
-"""Job scripts for a chosen layout: a Slurm batch script and a Kubernetes Job for Kueue, both
-wired for preemption with a trainer that checkpoints on SIGTERM (``gpumem.PreemptionGuard``,
-which exits with ``REQUEUE_EXIT_CODE`` once its final checkpoint is durable).
+"""A Slurm batch script for a chosen layout, wired for preemption with a trainer that
+checkpoints on SIGTERM (``gpumem.PreemptionGuard``, which exits with ``REQUEUE_EXIT_CODE`` once its
+final checkpoint is durable); and what the Kubernetes manifest (``kube_job``) and the SkyPilot task
+(``sky_task``) share with it: the grace a final save needs, the nodes, the warnings, torchrun.
 
 Slurm: ``--signal=B:USR1@N`` sends SIGUSR1 to the batch shell at least N seconds before the time
 limit; its trap sends SIGTERM to the trainer's tasks with ``scancel --signal=TERM`` (Slurm
@@ -10,13 +11,7 @@ Slurm signals the tasks itself and SIGKILLs them after the partition's ``GraceTi
 requeues the job (``scontrol requeue``) when the trainer exits with the requeue code or the shell
 was told to stop: a job that exits 143 is FAILED otherwise, ``--requeue`` notwithstanding.
 
-Kubernetes: ``terminationGracePeriodSeconds`` is the time between SIGTERM and SIGKILL on
-eviction; ``podFailurePolicy`` ignores the trainer's requeue exit code and evictions
-(``DisruptionTarget``), so preemptions recreate the pod instead of counting against
-``backoffLimit``; Kueue admits the Job's pods all at once through its queue label and
-``suspend: true``.
-
-The grace period both use is :func:`grace_seconds` of the measured (or guessed) persist time.
+The grace period is :func:`grace_seconds` of the measured (or guessed) final save.
 
 Example:
     >>> print(sbatch_header(n_gpus=64, gpus_per_node=8, time_limit_min=240, signal_s=300))
@@ -26,14 +21,14 @@ from __future__ import annotations
 
 import math
 import re
-import shlex
+
+from gpumem._env import GRACE_S_VAR
 
 REQUEUE_EXIT_CODE = 143  # 128 + SIGTERM: PreemptionGuard's default after a durable final save
 MIN_GRACE_S = 60
 TORCHRUN_SHUTDOWN_S = 30  # torchrun SIGKILLs its workers this long after passing SIGTERM on
 LAUNCHERS = ("srun", "torchrun")
-GKE_SPOT_GRACE_S = 15  # GKE gives non-system pods on spot nodes 15 s, whatever the Job asks
-GKE_SPOT_CAP = "GKE's grace on spot nodes"
+RDZV_PORT = 29500  # torchrun's rendezvous port unless told otherwise
 
 
 def grace_seconds(persist_s: float) -> int:
@@ -44,7 +39,8 @@ def grace_seconds(persist_s: float) -> int:
     return max(MIN_GRACE_S, math.ceil(2 * persist_s))
 
 
-def _nodes(n_gpus: int, gpus_per_node: int) -> int:
+def nodes_for(n_gpus: int, gpus_per_node: int) -> int:
+    """Whole nodes for ``n_gpus`` (one node when the job fits in one)."""
     if n_gpus <= 0 or gpus_per_node <= 0:
         raise ValueError(f"need positive n_gpus and gpus_per_node, got {n_gpus}, {gpus_per_node}")
     if n_gpus > gpus_per_node and n_gpus % gpus_per_node:
@@ -61,8 +57,50 @@ def _slurm_name(setting: str, value: str) -> str:
     return value
 
 
-def _save_warnings(final_save_s: float | None, windows: dict[str, float]) -> list[str]:
-    """One line per stop window (setting -> seconds) shorter than the measured final save."""
+def torchrun_argv(
+    *, nodes: int | str, per_node: int, endpoint: str, command: list[str]
+) -> list[str]:
+    """torchrun over ``per_node`` GPUs on each of ``nodes`` nodes (a number or a shell
+    variable), meeting at ``endpoint`` (``host:port``, c10d), running ``command``."""
+    return [
+        "torchrun",
+        f"--nnodes={nodes}",
+        f"--nproc-per-node={per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        *command,
+    ]
+
+
+def dump_yaml(*docs: dict) -> str:
+    """YAML documents in the order given, keys as built, multi-line strings as ``|`` blocks
+    (scripts stay readable). PyYAML is imported here, for the Kubernetes and SkyPilot files
+    only: gpumem does not require it.
+
+    Raises:
+        ValueError: PyYAML is not installed (one line, saying what to install).
+    """
+    try:
+        import yaml
+    except ImportError:
+        raise ValueError(
+            "writing a Kubernetes manifest or a SkyPilot task needs PyYAML: pip install pyyaml"
+        ) from None
+
+    class BlockDumper(yaml.SafeDumper):
+        pass
+
+    def block(dumper: yaml.SafeDumper, text: str) -> yaml.Node:
+        style = "|" if "\n" in text else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+    BlockDumper.add_representer(str, block)
+    return yaml.dump_all(docs, Dumper=BlockDumper, sort_keys=False, default_flow_style=False)
+
+
+def save_warnings(final_save_s: float | None, windows: dict[str, float]) -> list[str]:
+    """One line per stop window (setting -> seconds) shorter than the final save (measured with
+    a calibration, else estimated: the caller's figure, SIGTERM to durable)."""
     if final_save_s is None:
         return []
     if not (final_save_s >= 0 and math.isfinite(final_save_s)):
@@ -70,8 +108,8 @@ def _save_warnings(final_save_s: float | None, windows: dict[str, float]) -> lis
             f"final_save_s must be a finite number of seconds >= 0, got {final_save_s}"
         )
     return [
-        f"WARNING: {setting} ({s:g} s) is shorter than the measured final save "
-        f"({final_save_s:g} s): a stop there loses the steps since the last periodic save"
+        f"WARNING: {setting} ({s:g} s) is shorter than the final save, SIGTERM to durable "
+        f"({final_save_s:.3g} s): a stop there loses the steps since the last periodic save"
         for setting, s in windows.items()
         if s < final_save_s
     ]
@@ -91,6 +129,7 @@ def sbatch_header(
     launcher: str = "srun",
     final_save_s: float | None = None,
     grace_time_s: float | None = None,
+    rdzv_port: int = RDZV_PORT,
 ) -> str:
     """A Slurm batch script: nodes and GPUs, SIGUSR1 to the shell at least ``signal_s`` before
     the limit, turned into SIGTERM to the trainer's tasks, and a requeue when the trainer stops.
@@ -99,7 +138,8 @@ def sbatch_header(
     ``"torchrun"`` runs ``srun torchrun ... command`` (default ``train.py``) once per node.
     ``final_save_s``, the measured time from SIGTERM to a durable final save, is checked against
     ``signal_s`` (an error), the partition's ``grace_time_s`` and torchrun's 30 s shutdown
-    (warnings in the header: the site sets those)."""
+    (warnings in the header: the site sets those). ``rdzv_port``: torchrun's rendezvous port
+    on the first node."""
     if signal_s <= 0 or time_limit_min <= 0:
         raise ValueError(
             f"signal_s (the --signal lead, {signal_s}) and time_limit_min ({time_limit_min}) "
@@ -109,6 +149,8 @@ def sbatch_header(
         raise ValueError(
             f"signal {signal_s} s ahead of a {time_limit_min} min limit leaves no run time"
         )
+    if not 0 < rdzv_port < 65536:
+        raise ValueError(f"rdzv_port must be a TCP port in 1..65535, got {rdzv_port}")
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
     if grace_time_s is not None and not grace_time_s >= 0:
@@ -124,10 +166,10 @@ def sbatch_header(
         windows["the partition's GraceTime"] = grace_time_s
     if torchrun:
         windows["torchrun's shutdown timeout"] = TORCHRUN_SHUTDOWN_S
-    warnings = _save_warnings(final_save_s, windows)
+    warnings = save_warnings(final_save_s, windows)
     if warnings and "--signal lead" in warnings[0]:
         raise ValueError(f"{warnings[0]}; give a longer signal_s")
-    nodes = _nodes(n_gpus, gpus_per_node)
+    nodes = nodes_for(n_gpus, gpus_per_node)
     per_node = min(n_gpus, gpus_per_node)
     h, m = divmod(time_limit_min, 60)
     lines = [
@@ -145,11 +187,19 @@ def sbatch_header(
         lines.append(f"#SBATCH --partition={_slurm_name('partition', partition)}")
     lines += [f"# {w}" for w in warnings]
     lines += _slurm_body(layout=layout, signal_s=signal_s, exit_code=exit_code)
+    guard_s = signal_s if grace_time_s is None else min(signal_s, grace_time_s)
+    lines.insert(
+        lines.index("set -uo pipefail") + 1,
+        f"export {GRACE_S_VAR}={guard_s:g}  # the guard's deadline: the shorter stop window",
+    )
     if torchrun:
-        launch = (
-            f"torchrun --nnodes=${{SLURM_NNODES}} --nproc-per-node={per_node} "
-            "--rdzv-backend=c10d --rdzv-endpoint=${HEAD_NODE}:29500 "
+        argv = torchrun_argv(
+            nodes="${SLURM_NNODES}",
+            per_node=per_node,
+            endpoint=f"${{HEAD_NODE}}:{rdzv_port}",
+            command=[],
         )
+        launch = " ".join(argv) + " "
         lines.insert(
             lines.index("set -uo pipefail") + 1,
             'HEAD_NODE=$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | head -n 1)',
@@ -224,71 +274,3 @@ def _slurm_body(*, layout: str, signal_s: int, exit_code: int) -> list[str]:
         "fi",
         'exit "${status}"',
     ]
-
-
-def k8s_job(
-    *,
-    n_gpus: int,
-    gpus_per_node: int = 8,
-    grace_s: int = 300,
-    name: str = "gpumem-train",
-    image: str = "REPLACE_WITH_IMAGE",
-    queue: str = "default",
-    layout: str = "",
-    command: str = "python train.py",
-    exit_code: int = REQUEUE_EXIT_CODE,
-    final_save_s: float | None = None,
-) -> str:
-    """A Kubernetes (indexed) Job YAML, one pod per node, gang-admitted by Kueue, whose
-    ``podFailurePolicy`` turns the trainer's ``exit_code`` and evictions into a new pod.
-    ``final_save_s`` (measured, SIGTERM to durable) longer than ``grace_s`` or GKE's cap on spot
-    nodes is a warning comment at the top."""
-    if grace_s <= 0:
-        raise ValueError(f"grace_s must be positive, got {grace_s}")
-    windows = {"terminationGracePeriodSeconds": grace_s, GKE_SPOT_CAP: GKE_SPOT_GRACE_S}
-    warnings = "".join(f"# {w}\n" for w in _save_warnings(final_save_s, windows))
-    if not 0 < exit_code < 256:
-        raise ValueError(f"exit_code must be in 1..255, got {exit_code}")
-    nodes = _nodes(n_gpus, gpus_per_node)
-    per_node = min(n_gpus, gpus_per_node)
-    argv = ", ".join(f'"{a}"' for a in shlex.split(command))
-    return f"""{warnings}apiVersion: batch/v1
-kind: Job
-metadata:
-  name: {name}
-  labels:
-    kueue.x-k8s.io/queue-name: {queue}
-  annotations:
-    gpumem/layout: "{layout}"
-spec:
-  suspend: true            # Kueue unsuspends when all {nodes} pods can be admitted together
-  completionMode: Indexed
-  parallelism: {nodes}
-  completions: {nodes}
-  backoffLimit: 10         # real failures; preemptions below do not count
-  podFailurePolicy:
-    rules:
-    - action: Ignore       # the trainer saved its final checkpoint and asks to be requeued
-      onExitCodes:
-        containerName: trainer
-        operator: In
-        values: [{exit_code}]
-    - action: Ignore       # evictions (preemption, node drain) do not count either
-      onPodConditions:
-      - type: DisruptionTarget
-  template:
-    metadata:
-      annotations:
-        kueue.x-k8s.io/pod-group-total-count: "{nodes}"
-    spec:
-      restartPolicy: Never   # podFailurePolicy needs it
-      terminationGracePeriodSeconds: {grace_s}   # SIGTERM -> SIGKILL: the final checkpoint \
-must persist within it
-      containers:
-      - name: trainer
-        image: {image}
-        command: [{argv}]   # your training command; it must resume from its latest checkpoint
-        resources:
-          limits:
-            nvidia.com/gpu: {per_node}
-"""

@@ -117,6 +117,7 @@ def test_cli_never_tracebacks(capsys):
                 "--mtbf-hours",
                 "12",
                 "--k8s",
+                "-",
             ]
         )
         == 0

@@ -33,6 +33,11 @@ class Cluster:
             argv, env=self.env, capture_output=True, text=True, check=True, timeout=30
         ).stdout
 
+    @staticmethod
+    def free_port() -> int:
+        """A TCP port free now (torchrun's rendezvous: never a fixed one)."""
+        return free_port()
+
     def job(self, job_id: str) -> dict[str, str]:
         """``scontrol show job`` as key=value pairs (JobState, Restarts, ...)."""
         text = subprocess.run(
@@ -41,7 +46,7 @@ class Cluster:
         return dict(w.split("=", 1) for w in text.split() if "=" in w)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -52,8 +57,8 @@ def _config(d: Path, host: str, extra: str) -> str:
 SlurmctldHost={host}
 SlurmUser=root
 SlurmdUser=root
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={d}/munge.sock,cred_expire={CRED_EXPIRE_S}

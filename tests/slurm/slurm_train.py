@@ -3,8 +3,10 @@ its latest checkpoint, saves every 10 steps, stops on SIGTERM with a durable fin
 
     python slurm_train.py CKPT_DIR TOTAL_STEPS STEP_SECONDS
 Prints ``start <step>`` and ``loss <step> <float.hex>`` per step (prefixed ``rank<N> `` for
-rank N > 0: torchrun's RANK, else Slurm's task; each rank in its own directory); exits with the
-guard's code.
+rank N > 0: torchrun's RANK, else Slurm's task; each rank in its own directory), ``at
+first-step <unix s>`` after a run's first step and ``at stop <unix s>`` when it leaves after its
+final save (the figures: from the job leaving the node to the next run's first step); exits with
+the guard's code.
 """
 
 import os
@@ -41,10 +43,13 @@ def main() -> int:
         loss.backward()
         opt.step()
         say(f"{tag}loss {step} {loss.item().hex()}")
+        if step == start:
+            say(f"{tag}at first-step {time.time():.3f}")
         done = step + 1
         if done % 10 == 0:
             ck.save(done, model=model, optimizer=opt)
         if guard.should_stop(done):
+            say(f"{tag}at stop {time.time():.3f}")
             return guard.exit_code
         time.sleep(step_s)
     ck.close()

@@ -5,6 +5,7 @@ uninterrupted run and at most one step recomputed. Runs only where slurmctld is 
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -84,6 +85,7 @@ def _run_job(
             command=" ".join(command),
             grace_time_s=30,
             launcher=launcher,
+            rdzv_port=slurm.free_port(),
         )
     )
     out = tmp_path / "job.out"
@@ -98,15 +100,17 @@ def _run_job(
     ).stdout.strip()
     _until(lambda: out.exists() and "loss 5 " in out.read_text(), "training", 90, slurm.job(job))
     disturb(job)
-    deadline, released = time.monotonic() + 400, 0
+    deadline, released, holds = time.monotonic() + 400, 0, []
     while (info := slurm.job(job)).get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED"):
         assert time.monotonic() < deadline, info
         restarts = int(info.get("Restarts", 0))
         if info.get("JobState") == "PENDING" and restarts > released:
-            hold = datetime.fromisoformat(info["StartTime"]) - datetime.now()
-            print(f"requeued: held {hold.total_seconds():.0f} s (BeginTime: cred_expire)")
+            hold = (datetime.fromisoformat(info["StartTime"]) - datetime.now()).total_seconds()
+            print(f"requeued: held {hold:.0f} s (BeginTime: cred_expire)")
+            holds.append(hold)
             released = restarts
         time.sleep(0.5)
+    info["holds"] = holds  # type: ignore[assignment]
     return info, out.read_text(), {s: v[0] for s, v in _losses(ref).items()}
 
 
@@ -128,10 +132,26 @@ def _check(info, text, ref, total, what, tasks=1):
     starts = re.findall(r"^start (\d+)$", text, re.M)
     durable = re.findall(r"durable ([\d.]+) s after the signal", text)
     requeues = int(info["Restarts"])
+    # from the job leaving the node (rank 0's exit after its final save) to the next run's first
+    # step: the requeue, its hold (BeginTime), the start and the restore
+    stops = [float(t) for t in re.findall(r"^at stop ([\d.]+)$", text, re.M)]
+    firsts = [float(t) for t in re.findall(r"^at first-step ([\d.]+)$", text, re.M)]
+    to_step = [round(b - a, 2) for a, b in zip(stops, firsts[1:], strict=False)]
     print(
         f"{what}: {requeues} requeue(s), resumed from {starts}, {recomputed} step(s) "
-        f"recomputed, signal to durable {durable} s"
+        f"recomputed, signal to durable {durable} s, requeue to first resumed step {to_step} s "
+        f"(of which the hold {[round(h) for h in info['holds']]} s)"
     )
+    figures = {
+        "scenario": what,
+        "requeues": requeues,
+        "recomputed": recomputed,
+        "signal_to_durable_s": [float(d) for d in durable],
+        "requeue_to_first_step_s": to_step,
+        "hold_s": info["holds"],
+    }
+    print(f"figures: {json.dumps(figures)}")  # benchmarks/bench_schedulers.py reads these
+    assert len(stops) == requeues and len(to_step) == requeues, text[-2000:]
     assert requeues >= 1 and len(starts) == requeues + 1 and int(starts[1]) > 0, text[-2000:]
     assert len(durable) == requeues * tasks, text[-2000:]
     assert recomputed <= requeues  # at most the step in flight, per stop
