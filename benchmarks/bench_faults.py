@@ -96,8 +96,9 @@ def main() -> int:
             print("bench_faults: no C compiler (gcc): the fault injector cannot be built")
             return 1
         t0 = time.perf_counter()
-        counts = counted(run_cases([Case(p, "", "", 0) for p in PHASES], shim, base, 300))
-        results = run_cases(sweep_cases(counts, not args.sample), shim, base, 3600)
+        counting = run_cases([Case(p, "", "", 0) for p in PHASES], shim, base, 300)
+        counts = counted(counting)
+        results = run_cases(sweep_cases(counting, not args.sample), shim, base, 3600)
         wall = time.perf_counter() - t0
     rows = tally(counts, results)
     total = {c: sum(int(r[i]) for r in rows) for i, c in enumerate(COLUMNS) if i >= 4}

@@ -32,12 +32,14 @@ import hashlib
 import importlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,6 +85,7 @@ class Result:
     error: str = ""  # the exception's type and message
     hit: str = ""  # the call the shim failed ("" when the n-th call never came)
     counts: dict[str, int] = field(default_factory=dict)
+    calls: list[list[Any]] = field(default_factory=list)  # counting: [kind, n, path in root]
     committed: bool | None = None  # what the faulted save reported
     restored: int | None = None  # the step the faulted restore returned
     check: dict[str, Any] = field(default_factory=dict)  # the fresh process's findings
@@ -164,15 +167,30 @@ def counted(results: list[Result]) -> dict[str, dict[str, int]]:
     return {r.case.phase: r.counts for r in results if not r.case.kind}
 
 
-def sweep_cases(counts: dict[str, dict[str, int]], full: bool) -> list[Case]:
-    """Every kind a phase makes x every errno x N: 1..count (``full``), else the first, the
-    middle and the last call."""
+def role(path: str) -> str:
+    """What a file is to the checkpoint, whatever its step, rank or number:
+    ``.tmp-step-#/data-r#-#.bin``, ``.lock``, ``step-#/MANIFEST``, ... ("" for the root)."""
+    return re.sub(r"\d+", "#", path)
+
+
+def sweep_cases(counting: list[Result], full: bool) -> list[Case]:
+    """Every kind a phase makes x every errno x N: 1..count (``full``). Else a sample: every
+    errno at the first and the last call, and EIO and EINTR at the first call on each file
+    role (the lock, a data file, the temporary directory, the pointer, ...), so that every
+    place a fault was found is in it (ENOSPC takes the paths EIO takes)."""
     cases = []
-    for phase, per_kind in counts.items():
+    for r in counting:
         for kind in KINDS:
-            c = per_kind.get(kind, 0)
-            ns = range(1, c + 1) if full else sorted({1, (c + 1) // 2, c})
-            cases += [Case(phase, kind, err, n) for err in ERRNOS for n in ns if c]
+            c = r.counts.get(kind, 0)
+            firsts: dict[str, int] = {}
+            for k, n, path in r.calls:
+                if k == kind:
+                    firsts.setdefault(role(path), n)
+            for err in ERRNOS:
+                ns: Iterable[int] = range(1, c + 1) if full else {1, c}
+                if not full and err != "ENOSPC":
+                    ns = {*ns, *firsts.values()}
+                cases += [Case(r.case.phase, kind, err, n) for n in sorted(ns) if c]
     return cases
 
 
@@ -235,11 +253,13 @@ def _faulted(case: Case, root: Path, shim: Any, out: dict[str, Any]) -> None:
     warnings.simplefilter("ignore")  # warnings are allowed; errors are what is checked
     kind = KINDS.index(case.kind) if case.kind else -1
     code = getattr(errno, case.err) if case.err else 0
-    where = str(root.resolve()).encode()  # the shim compares with /proc/self/fd's links
+    where = str(root.resolve())  # the shim compares with /proc/self/fd's links
+
+    log = os.open(root.parent / f"calls-{root.name}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
 
     def arm() -> None:
         os.access(f"{MARK}-begin-{case.phase}", os.F_OK)  # the window, for strace_counts
-        shim.faultshim_arm(where, kind, code, case.n)
+        shim.faultshim_arm(where.encode(), kind, code, case.n, -1 if case.kind else log)
 
     try:
         if case.phase == "save":
@@ -265,6 +285,11 @@ def _faulted(case: Case, root: Path, shim: Any, out: dict[str, Any]) -> None:
     finally:
         shim.faultshim_disarm()
         os.access(f"{MARK}-end", os.F_OK)
+    os.close(log)
+    calls = (root.parent / f"calls-{root.name}.log").read_text().splitlines()
+    out["calls"] = [
+        [k, int(n), p[len(str(where)) :]] for k, n, p in (c.split(" ", 2) for c in calls)
+    ]
     out["hit"] = shim.faultshim_hit().decode()
     out["counts"] = {k: shim.faultshim_count(i) for i, k in enumerate(KINDS)}
 
@@ -369,6 +394,7 @@ def run_one(case: Case, base: Path, index: int, shim: Any) -> Result:
     else:
         res.outcome, res.error = out.get("outcome", "ok"), out.get("error", "")
         res.hit, res.counts = out.get("hit", ""), out.get("counts", {})
+        res.calls = out.get("calls", [])
         res.committed, res.restored = out.get("committed"), out.get("restored")
         res.check["restored_same"] = out.get("restored_same", True)
     status, chk = _in_child(_check, root)
@@ -380,7 +406,13 @@ def run_one(case: Case, base: Path, index: int, shim: Any) -> Result:
 
 def _load_shim() -> Any:
     shim = ctypes.CDLL(None)  # LD_PRELOADed: its symbols are the process's
-    shim.faultshim_arm.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    shim.faultshim_arm.argtypes = [
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+        ctypes.c_int,
+    ]
     shim.faultshim_count.restype = ctypes.c_long
     shim.faultshim_hit.restype = ctypes.c_char_p
     return shim

@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -37,6 +38,7 @@ static int target = -1, target_errno;
 static long target_n;
 static long counts[K_N];
 static char hit[PATH_MAX + 64];
+static int log_fd = -1;
 
 const char *faultshim_kind_name(int k) { return k >= 0 && k < K_N ? kind_names[k] : ""; }
 int faultshim_kinds(void) { return K_N; }
@@ -44,14 +46,16 @@ long faultshim_count(int k) { return k >= 0 && k < K_N ? __atomic_load_n(&counts
 const char *faultshim_hit(void) { return hit; }
 
 /* Count calls under `path` (a directory), and fail the n-th call of `kind` with `err` (kind -1:
-   count only). Counters restart at zero. */
-void faultshim_arm(const char *path, int kind, int err, long n) {
+   count only); `log` >= 0: a descriptor (outside the root) that gets "kind n path" per call.
+   Counters restart at zero. */
+void faultshim_arm(const char *path, int kind, int err, long n, int log) {
   snprintf(root, sizeof root, "%s", path);
   root_len = strlen(root);
   while (root_len > 1 && root[root_len - 1] == '/') root[--root_len] = 0;
   target = kind, target_errno = err, target_n = n;
   for (int k = 0; k < K_N; k++) __atomic_store_n(&counts[k], 0, __ATOMIC_SEQ_CST);
   hit[0] = 0;
+  log_fd = log;
   __atomic_store_n(&armed, 1, __ATOMIC_SEQ_CST);
 }
 
@@ -91,6 +95,11 @@ static int at_path(int dirfd, const char *name, char *out, size_t size) {
 static int inject(int kind, const char *path) {
   if (path == NULL || !under_root(path)) return 0;
   const long n = __atomic_add_fetch(&counts[kind], 1, __ATOMIC_SEQ_CST);
+  if (log_fd >= 0) { /* the raw system call: never through this shim's write() */
+    char line[PATH_MAX + 64];
+    const int len = snprintf(line, sizeof line, "%s %ld %s\n", kind_names[kind], n, path);
+    if (len > 0) syscall(SYS_write, log_fd, line, (size_t)len < sizeof line ? (size_t)len : sizeof line - 1);
+  }
   if (kind != target || n != target_n) return 0;
   snprintf(hit, sizeof hit, "%s %ld %s", kind_names[kind], n, path);
   return 1;

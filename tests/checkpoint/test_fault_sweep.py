@@ -2,8 +2,9 @@
 write, read, fsync, fdatasync, rename, close, unlink or mkdir of a plain save and restore, in the
 native core and in Python alike (an LD_PRELOAD shim; gcc builds it here).
 
-CI runs a sample, every kind x errno at the first, the middle and the last call; ``--runslow``
-every N (``benchmarks/bench_faults.py`` writes the same sweep's table). Each (phase, kind, errno)
+CI runs a sample (``fault_sweep.sweep_cases``: every kind x errno at the first and the last call,
+and the first call on each file the kind touches: the lock, a data file, the pointer, ...);
+``--runslow`` every N (``benchmarks/bench_faults.py`` writes the same sweep's table). Each (phase, kind, errno)
 is one test, so the summary line counts them; the number of cases is printed.
 
 Per case: a CheckpointError or success, never a hang, a bare OSError or another exception; the
@@ -54,8 +55,8 @@ def shim(tmp_path_factory) -> Path:
 
 @cache
 def _sweep(shim: Path, base: Path, full: bool) -> tuple[dict, list[Result]]:
-    counts = counted(run_cases([Case(p, "", "", 0) for p in PHASES], shim, base, 300))
-    cases = sweep_cases(counts, full)
+    counting = run_cases([Case(p, "", "", 0) for p in PHASES], shim, base, 300)
+    counts, cases = counted(counting), sweep_cases(counting, full)
     results = run_cases(cases, shim, base, 3000 if full else 600)
     print(f"\nfault sweep ({'full' if full else 'sample'}): {len(results)} cases ran")
     return counts, results
