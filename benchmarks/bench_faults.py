@@ -117,7 +117,7 @@ def main() -> int:
         f"{total['cases']} cases ({'CI sample' if args.sample else 'every N'}) in {wall:.0f} s, "
         f"load average {load:.1f} on {os.cpu_count()} cores at start (shared machine). "
         "The scenario: a root with steps 1 and 2 committed (keep=2, 256 KiB staging, 64 KiB "
-        "chunks: the state of a 256-256-64 MLP goes out as 3 data files written concurrently); "
+        "chunks: the state of a 256-256-64 MLP goes out as 3 data files, the native writer on 2 threads); "
         "the faulted save is step 3 (its commit removes step 1), the faulted restore a resumed "
         "job's Checkpointer(root).restore(). Only calls that touch a file under the root count "
         "(N); the shim counts them over all threads of the process (strace's when=N counts per "

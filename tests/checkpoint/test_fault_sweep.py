@@ -4,8 +4,8 @@ native core and in Python alike (an LD_PRELOAD shim; gcc builds it here).
 
 CI runs a sample (``fault_sweep.sweep_cases``: every kind x errno at the first and the last call,
 and the first call on each file the kind touches: the lock, a data file, the pointer, ...);
-``--runslow`` every N (``benchmarks/bench_faults.py`` writes the same sweep's table). Each (phase, kind, errno)
-is one test, so the summary line counts them; the number of cases is printed.
+``--runslow`` every N (``benchmarks/bench_faults.py`` writes the same sweep's table). Each
+(phase, kind, errno) is one test, so the summary line counts them; the number of cases is printed.
 
 Per case: a CheckpointError or success, never a hang, a bare OSError or another exception; the
 fault named (errno and path); EINTR retried (the operation succeeds); then, in a fresh process
@@ -57,6 +57,8 @@ def shim(tmp_path_factory) -> Path:
 def _sweep(shim: Path, base: Path, full: bool) -> tuple[dict, list[Result]]:
     counting = run_cases([Case(p, "", "", 0) for p in PHASES], shim, base, 300)
     counts, cases = counted(counting), sweep_cases(counting, full)
+    if not any(counts["save"].values()):
+        pytest.skip("the LD_PRELOAD shim sees no calls here (a statically linked Python?)")
     results = run_cases(cases, shim, base, 3000 if full else 600)
     print(f"\nfault sweep ({'full' if full else 'sample'}): {len(results)} cases ran")
     return counts, results
