@@ -52,6 +52,7 @@ PHASES = ("save", "restore")
 WATCHDOG_S = 60.0
 LEFTOVERS = (".tmp-", ".trash-", ".latest.tmp-", ".replaced-")
 SAVED_STEP, FAULTED_STEP = 2, 3
+RAN: list[str] = []  # "fault sweep (...): N cases ran", for the test run's summary (conftest)
 MARK = "/faultshim-mark"  # a path no file has: the access() calls that bracket a case
 # the system calls behind each kind, as strace names them
 SYSCALLS = {

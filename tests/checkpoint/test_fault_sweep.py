@@ -26,6 +26,7 @@ from fault_sweep import (
     FAULTED_STEP,
     KINDS,
     PHASES,
+    RAN,
     Case,
     Result,
     build_shim,
@@ -60,7 +61,10 @@ def _sweep(shim: Path, base: Path, full: bool) -> tuple[dict, list[Result]]:
     if not any(counts["save"].values()):
         pytest.skip("the LD_PRELOAD shim sees no calls here (a statically linked Python?)")
     results = run_cases(cases, shim, base, 3000 if full else 600)
-    print(f"\nfault sweep ({'full' if full else 'sample'}): {len(results)} cases ran")
+    hangs = sum(r.outcome == "hang" for r in results)
+    RAN.append(
+        f"fault sweep ({'every N' if full else 'sample'}): {len(results)} cases ran, {hangs} hung"
+    )
     return counts, results
 
 
