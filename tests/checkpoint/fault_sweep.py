@@ -3,11 +3,11 @@ read, fsync, fdatasync, rename, close, unlink or mkdir that a plain save (or res
 every N, in the native core and in Python alike.
 
 How: ``faultshim.c`` (compiled here with gcc) is LD_PRELOADed into a driver process
-(``python fault_sweep.py``), which imports torch and gpumem once and forks one child per case.
-The child sets up a checkpoint root without faults, arms the shim (only calls that touch a file
-under the root count), runs the operation under the fault, disarms and reports. A second fork,
-a fresh process with no fault, then checks the invariants: the root opens, no temporary
-directory survives that open, the newest committed step and the previous one restore
+(``python fault_sweep.py``), which imports torch and gpumem once, makes a template root without
+faults and forks one child per case on a copy of it. The child arms the shim (only calls that
+touch a file under the root count), runs the operation under the fault, disarms and reports. A
+second fork, a fresh process with no fault, then checks the invariants: the root opens, no
+temporary directory survives that open, the newest committed step and the previous one restore
 bit-identically against their reference states (regenerated from the seeds). A child that
 outlives the watchdog is killed and reported as a hang.
 
@@ -18,9 +18,10 @@ and ``restore()`` of step 2.
 Outcomes, per case: ``ok`` (no exception), ``CheckpointError`` (a subclass named in ``error``),
 ``bare OSError``, ``other`` (another exception, or the child died), ``hang``. Violations
 (``violations``): a bare OSError, another error, a hang, a lost or altered committed step, a
-temporary directory that survives the next open, a CheckpointError that names neither the errno
-nor a path under the root, a restore that returned other bytes than saved, an EINTR that
-failed the operation (EINTR is to be retried: Python does, PEP 475; so must the native core).
+temporary directory that survives the next open, a CheckpointError that does not name the errno
+and the full path of the file whose call failed, a restore that returned other bytes than saved,
+an EINTR that failed the operation (EINTR is to be retried: Python does, PEP 475; so must the
+native core).
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ def run_cases(
     """Run ``cases`` in one driver process under the shim (and ``prefix``: strace); each case
     in its own forks."""
     base.mkdir(parents=True, exist_ok=True)
+    base = base.resolve()  # the paths in messages are then the ones the shim reports
     todo, done = base / "cases.json", base / "results.jsonl"
     todo.write_text(json.dumps([asdict(c) for c in cases]))
     done.unlink(missing_ok=True)
@@ -352,7 +354,7 @@ def _in_child(fn: Any, *args: Any) -> tuple[str, dict[str, Any]]:
     return ("died: " + out["died"], {}) if "died" in out else ("done", out)
 
 
-def _judge(case: Case, root: Path, res: Result) -> None:
+def _judge(case: Case, res: Result) -> None:
     """The invariants of the module docstring, as violations."""
     v, chk = res.violations, res.check
     if res.outcome in ("bare OSError", "other", "hang"):
@@ -361,7 +363,8 @@ def _judge(case: Case, root: Path, res: Result) -> None:
         v.append("EINTR not retried")
     if res.outcome == "CheckpointError" and res.hit:
         named = os.strerror(getattr(errno, case.err)) in res.error or case.err in res.error
-        if not (named and str(root) in res.error):
+        faulted = res.hit.split(" ", 2)[2]  # the file whose call failed, in full
+        if not (named and faulted in res.error):
             v.append("fault not named (errno and path)")
     if case.phase == "restore" and res.outcome == "ok" and res.restored != SAVED_STEP:
         v.append(f"restored step {res.restored}, not {SAVED_STEP}")
@@ -400,7 +403,7 @@ def run_one(case: Case, base: Path, index: int, shim: Any) -> Result:
         res.check["restored_same"] = out.get("restored_same", True)
     status, chk = _in_child(_check, root)
     res.check.update(chk if status == "done" else {"failed": status})
-    _judge(case, root, res)
+    _judge(case, res)
     shutil.rmtree(root, ignore_errors=True)
     return res
 
