@@ -26,7 +26,16 @@ void Fd::close(const std::string& path) {
   if (fd_ < 0) return;
   const int fd = fd_;
   fd_ = -1;  // closed (or lost) either way: close(2) must not be retried
-  if (::close(fd) != 0) throw SysError(errno, path, "close");
+  // EINTR: Linux has released the descriptor and the data were synced before (as CPython's
+  // os.close, which ignores EINTR: PEP 475); anything else is a write-back error reported late.
+  if (::close(fd) != 0 && errno != EINTR) throw SysError(errno, path, "close");
+}
+
+int retry_eintr(int (*call)(int), int fd) {
+  for (;;) {
+    const int rc = call(fd);
+    if (rc == 0 || errno != EINTR) return rc;
+  }
 }
 
 int open_at(int dir_fd, const std::string& path, int flags, mode_t mode) {

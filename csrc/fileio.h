@@ -57,6 +57,10 @@ class Fd {
 // the descriptor or -1 with errno set.
 int open_at(int dir_fd, const std::string& path, int flags, mode_t mode = 0644);
 
+// call(fd) (fsync, fdatasync) again while it fails with EINTR, as CPython does (PEP 475): a signal
+// that arrives during the call is no reason to fail it. Returns its result, errno set on -1.
+int retry_eintr(int (*call)(int), int fd);
+
 // Opens `path` (relative to dir_fd) for `flags` only if it is a regular file: never follows a
 // symbolic link (O_NOFOLLOW), never opens a FIFO or a device (fstatat checks the type first, the
 // open does not block, fstat checks the opened inode is the one checked), and, when

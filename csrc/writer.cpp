@@ -125,9 +125,13 @@ WriteResult write_file(const std::string& path, const std::vector<Piece>& pieces
       },
       opts.threads);
   error.raise(path);
-  if (opts.size >= 0 && ::ftruncate(fd.get(), static_cast<off_t>(opts.size)) != 0)
-    throw SysError(errno, path, "ftruncate to " + std::to_string(opts.size) + " bytes");
-  if (opts.fsync && ::fdatasync(fd.get()) != 0) throw SysError(errno, path, "fdatasync");
+  if (opts.size >= 0) {
+    int rc;
+    do rc = ::ftruncate(fd.get(), static_cast<off_t>(opts.size));
+    while (rc != 0 && errno == EINTR);
+    if (rc != 0) throw SysError(errno, path, "ftruncate to " + std::to_string(opts.size) + " bytes");
+  }
+  if (opts.fsync && retry_eintr(::fdatasync, fd.get()) != 0) throw SysError(errno, path, "fdatasync");
   dfd.close(path);
   fd.close(path);
   WriteResult result;
@@ -139,7 +143,7 @@ WriteResult write_file(const std::string& path, const std::vector<Piece>& pieces
 void fsync_dir(const std::string& path) {
   Fd fd(open_at(kCwd, path, O_RDONLY | O_DIRECTORY));
   if (!fd.valid()) throw SysError(errno, path, "open directory");
-  if (::fsync(fd.get()) != 0) throw SysError(errno, path, "fsync of directory");
+  if (retry_eintr(::fsync, fd.get()) != 0) throw SysError(errno, path, "fsync of directory");
   fd.close(path);
 }
 

@@ -45,7 +45,7 @@ class CheckpointIOError(CheckpointError, OSError):
     def wrap(cls, exc: OSError, doing: str) -> CheckpointIOError:
         """Wrap an ``OSError`` raised while ``doing`` something, keeping errno and filename."""
         what = exc.strerror or str(exc)
-        where = f" ({exc.filename})" if exc.filename else ""
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) not in doing else ""
         err = cls(f"{doing} failed: {what}{where}", errno=exc.errno, filename=exc.filename)
         err.__cause__ = exc
         return err

@@ -44,3 +44,10 @@ def s3_bucket(s3_server):
 
     with env(CREDENTIALS):
         return new_bucket(s3_server.url)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many fault-sweep cases ran (test_fault_sweep.py), in the output CI keeps."""
+    sweep = sys.modules.get("fault_sweep")
+    for line in getattr(sweep, "RAN", []):
+        terminalreporter.write_line(line)

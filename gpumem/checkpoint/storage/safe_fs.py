@@ -18,8 +18,9 @@ import errno
 import os
 import stat
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -32,6 +33,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 # errors that mean "this name is not the plain file or directory we made": content, not the OS
 _HOSTILE_ERRNOS = (errno.ELOOP, errno.ENOTDIR, errno.EISDIR)
 _MAX_DEPTH = 8  # abandoned/<time>/step-N/file is the deepest tree a checkpoint root holds
+_T = TypeVar("_T")
 
 
 def describe(mode: int) -> str:
@@ -82,16 +84,47 @@ def io_error(exc: OSError, path: Path | str, doing: str) -> CheckpointIOError:
     return err
 
 
+def retried(call: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """``call(*args, **kwargs)`` again while it fails with EINTR. CPython retries most calls
+    itself (PEP 475), but not mkdir, rename, unlink or rmdir, which a network or FUSE file
+    system may interrupt: a signal is no reason to fail a save."""
+    while True:
+        try:
+            return call(*args, **kwargs)
+        except InterruptedError:
+            continue
+
+
+@contextlib.contextmanager
+def naming(path: Path | str, call: str = "", path2: Path | str | None = None) -> Iterator[None]:
+    """An OSError raised inside names the full ``path`` (and ``path2``, a rename's target) and
+    the ``call`` that failed: a call through a directory descriptor reports the name relative
+    to it, or none at all (fsync), and a message must say which file failed, and how."""
+    try:
+        yield
+    except OSError as exc:
+        if not isinstance(exc, CheckpointError):
+            exc.filename = str(path)
+            if path2 is not None:
+                exc.filename2 = str(path2)
+            if call and exc.strerror:
+                exc.strerror = f"{exc.strerror} ({call})"
+        raise
+
+
 def close_fd(fd: int, path: Path | str) -> None:
     """Close ``fd``, which the caller has forgotten already: Linux releases a descriptor even
     when close() fails (EIO, a write-back error reported late), so it must never be closed again
-    (the number may belong to another file by then).
+    (the number may belong to another file by then). EINTR is no failure: the descriptor is
+    released and nothing was lost (CPython's own file objects ignore it too).
 
     Raises:
         CheckpointIOError: close() failed (errno and ``path`` kept).
     """
     try:
         os.close(fd)
+    except InterruptedError:
+        pass
     except OSError as exc:
         raise io_error(exc, path, "closing") from None
 
@@ -155,18 +188,21 @@ class Dir:
         Raises:
             OSError: ELOOP for a symbolic link, ENOTDIR for something else, ENOENT if missing.
         """
-        return Dir(os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.fd), self.path / name)
+        with naming(self.path / name):
+            fd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.fd)
+        return Dir(fd, self.path / name)
 
     def make_sub(self, name: str) -> Dir:
         """Create the directory ``name`` (it must not exist) and open it."""
-        os.mkdir(name, 0o755, dir_fd=self.fd)
+        with naming(self.path / name, "mkdir"):
+            retried(os.mkdir, name, 0o755, dir_fd=self.fd)
         return self.sub(name)
 
     def ensure_sub(self, name: str) -> Dir:
         """Open the directory ``name``, creating it if missing; a symbolic link or a file of that
         name is an error (ELOOP / ENOTDIR), never followed."""
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(name, 0o755, dir_fd=self.fd)
+        with contextlib.suppress(FileExistsError), naming(self.path / name, "mkdir"):
+            retried(os.mkdir, name, 0o755, dir_fd=self.fd)
         return self.sub(name)
 
     def close(self) -> None:
@@ -347,9 +383,7 @@ class Dir:
         """Create the file ``name`` (it must not exist: never through a link), write ``data``
         and fdatasync it."""
         buf = np.frombuffer(data, dtype=np.uint8)
-        write_file(
-            name, [(0, buf)] if len(buf) else [], size=len(buf), dir_fd=self.fd, exclusive=True
-        )
+        self._create(name, [(0, buf)] if len(buf) else [], len(buf))
 
     def write_pieces(
         self,
@@ -361,33 +395,34 @@ class Dir:
     ) -> None:
         """Create the data file ``name`` (exclusively) from ``pieces``, fdatasync'ed, on
         ``threads`` native threads (None: all cores)."""
-        write_file(
-            name,
-            pieces,
-            size=size,
-            fsync=True,
-            direct=direct,
-            dir_fd=self.fd,
-            exclusive=True,
-            threads=threads,
-        )
+        self._create(name, pieces, size, direct=direct, threads=threads)
+
+    def _create(self, name: str, pieces: list[tuple[int, Any]], size: int, **options: Any) -> None:
+        """Create ``name`` exclusively (never through a link) from ``pieces``, fdatasync'ed; an
+        error names the full path."""
+        with naming(self.path / name):
+            write_file(name, pieces, size=size, dir_fd=self.fd, exclusive=True, **options)
 
     def fsync(self) -> None:
         """Make creations, renames and removals inside this directory durable."""
-        os.fsync(self.fd)
+        with naming(self.path, "fsync"):
+            os.fsync(self.fd)
 
     # ------------------------------------------------------------------ moving and removing
 
     def rename(self, name: str, dest: Dir, new_name: str) -> None:
         """Rename ``name`` here to ``new_name`` in ``dest`` (a link is moved, never followed)."""
-        os.rename(name, new_name, src_dir_fd=self.fd, dst_dir_fd=dest.fd)
+        with naming(self.path / name, "rename", dest.path / new_name):
+            retried(os.rename, name, new_name, src_dir_fd=self.fd, dst_dir_fd=dest.fd)
 
     def replace(self, name: str, new_name: str) -> None:
         """Atomically replace ``new_name`` by ``name``, both in this directory."""
-        os.replace(name, new_name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        with naming(self.path / name, "rename", self.path / new_name):
+            retried(os.replace, name, new_name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
 
     def unlink(self, name: str) -> None:
-        os.unlink(name, dir_fd=self.fd)
+        with naming(self.path / name, "unlink"):
+            retried(os.unlink, name, dir_fd=self.fd)
 
     def remove_tree(self, name: str, _depth: int = 0) -> None:
         """Remove ``name`` and, if it is a directory, everything under it. Links are removed,
@@ -404,7 +439,8 @@ class Dir:
         with self.sub(name) as d:
             for e in d.entries():
                 d.remove_tree(e.name, _depth + 1)
-        os.rmdir(name, dir_fd=self.fd)
+        with naming(self.path / name, "rmdir"):
+            retried(os.rmdir, name, dir_fd=self.fd)
 
     def discard_tree(self, name: str) -> bool:
         """``remove_tree`` that reports failure instead of raising (cleanup that a later start
