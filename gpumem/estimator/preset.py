@@ -626,6 +626,7 @@ def estimate_preset(spec: ModelSpec, job: Job) -> Bill:
                 given=job.given,
             ),
             "float8": "given",
+            "sharding": job.sharding,
             "loss": "keep_logits given"
             if acts.keep_logits is not None
             else f"default: the {fw} loop",
@@ -695,12 +696,19 @@ def bill_inputs(
             else {}
         ),
         **({"compiled_loss": True} if tt.compiled_loss else {}),
+        **({"sharding": sharding_label(job)} if fw == "torchtitan" else {}),
         **(
             {"moe_imbalance": job.moe.imbalance, "moe_dispatcher": job.moe.dispatcher}
             if spec.is_moe
             else {}
         ),
     }
+
+
+def sharding_label(job: Job) -> str:
+    """``fsdp-full over 8 ranks``: the sharding a framework that decides it runs."""
+    lay = job.layout
+    return f"fsdp-{lay.fsdp} over {lay.shard_degree(job.gpu.gpus_per_node)} ranks"
 
 
 def preset_mix(spec: ModelSpec, pg: ParamGroups) -> ParamMix:
