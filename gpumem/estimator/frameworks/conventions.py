@@ -29,9 +29,9 @@ framework     conventions (sources in docs/estimator.md)
               default rotate method).
 ``transformers`` ``Trainer``'s loop (below); buffers of the engine the layout implies.
 ``torchtitan`` torchtitan's Llama recipe on FSDP2 (over every data-parallel rank by default, as
-              its ``dp_shard=-1`` does: ``torchtitan.titan_layout``): its modules, SAC policies, loss, FSDP units and
-              float8 (torchao's Float8Linear, FSDP float8 all-gather) (``torchtitan.py``); the
-              peak terms are its own.
+              its ``dp_shard=-1`` does: ``torchtitan.titan_layout``): its modules, SAC
+              policies, loss, FSDP units and float8 (torchao's Float8Linear, FSDP float8
+              all-gather) (``torchtitan.py``); the peak terms are its own.
 ``torch``     plain DDP: ``gradient_as_bucket_view=False`` (the default) keeps a flat bucket
               buffer beside ``.grad`` for every gradient (one gradient-size copy) when more than
               one data-parallel rank reduces. Context parallelism as fsdp2.
