@@ -217,6 +217,8 @@ def make_training(
     if grads is None:
         grads = default_grads(framework, Training(precision).master_bytes > 0)
     zero = zero_config(deepspeed, framework, layout, bool(extra.get("offload_param")))
+    if zero is not None and tr.offload_optimizer:  # one offload, whichever way it was spelled
+        zero = dataclasses.replace(zero, offload_optimizer="cpu")
     return Training(
         precision,
         optimizer,
