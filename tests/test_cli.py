@@ -72,3 +72,19 @@ def test_estimate_takes_deepspeed_knobs(capsys, tmp_path):
     assert "--deepspeed takes KEY=VALUE" in capsys.readouterr().err
     assert main(["estimate", "llama-2-7b", "--gpus", "8", "--zero", "2", "--offload-param"]) == 2
     assert "offload_param needs ZeRO-3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mtype", ["bert", "roberta"])
+def test_estimate_reads_an_encoder_config(capsys, tmp_path, mtype):
+    """A BERT / RoBERTa config.json on the command line: the bill of the same dict in Python."""
+    import gpumem
+    from gpumem.estimator.accuracy import HF_SWEEP
+
+    cfg = {**HF_SWEEP[mtype], "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    args = ["estimate", str(tmp_path), "--batch-size", "4", "--seq-len", "128", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    bill = gpumem.estimate(cfg, batch_size=4, seq_len=128)
+    assert out["per_gpu"] == bill.per_gpu and out["framework"] == "transformers"
+    assert "logits' dtype" in out["inputs"]["loss"]["value"]

@@ -70,6 +70,10 @@ class PresetTerms:
     """The caching allocator's settings the fragmentation is simulated under (``rank_shapes``);
     None: the flat ``gpu.fragmentation`` fraction instead."""
 
+    def __post_init__(self) -> None:
+        if self.spec.is_encoder and not self.dropout:  # the config's attention dropout
+            self.dropout = self.spec.attn_pdrop
+
     @property
     def mcore(self) -> bool:
         """Megatron-core's own saved tensors and loss (``frameworks/megatron.py``), not the
@@ -134,7 +138,8 @@ class PresetTerms:
             tp=layout.tp,
             sp=layout.sp,
             keep_logits=self.holds_logits,
-            upcast_logits=upcasts_logits(self.framework),
+            # BERT's MLM loss is CrossEntropyLoss on the model's dtype, not ForCausalLMLoss
+            upcast_logits=upcasts_logits(self.framework) and not self.spec.is_encoder,
             cp=layout.cp,
             dense=dense,
             ep=layout.ep,
@@ -688,7 +693,7 @@ def bill_inputs(
         "precision": job.training.precision,
         "optimizer": job.training.optimizer,
         "framework": fw,
-        "loss": loss_convention(fw, terms.holds_logits),
+        "loss": loss_convention(fw, terms.holds_logits, upcast=not spec.is_encoder),
         "fused_ops": tuple(sorted(terms.fused)),
         **(
             {"float8": torchtitan.float8_label(tt.fp8_recipe, tt.fsdp_float8_all_gather)}

@@ -95,8 +95,12 @@ def upcasts_logits(framework: str) -> bool:
     return framework == "transformers"
 
 
-def loss_convention(framework: str, keep_logits: bool) -> str:
-    """One line for the bill's header: where the loss runs and what lives through backward."""
+def loss_convention(framework: str, keep_logits: bool, upcast: bool = True) -> str:
+    """One line for the bill's header: where the loss runs and what lives through backward
+    (``upcast`` False: a transformers model whose loss keeps the logits' dtype, BERT's MLM)."""
+    if framework == "transformers" and not upcast:
+        where = "inside the model (model(**batch, labels=).loss), log-softmax in the logits' dtype"
+        return f"{where}, logits {'held' if keep_logits else 'not held'} through backward"
     where = {
         "transformers": "inside the model (model(**batch, labels=).loss), fp32 log-softmax",
         "megatron": "inside the model (GPTModel returns the loss), fp32 softmax",
