@@ -9,7 +9,10 @@ import sys
 from typing import Any
 
 from gpumem.cli import _args
+from gpumem.estimator.activations import FUSED_OPS
 from gpumem.estimator.frameworks.conventions import FRAMEWORKS
+from gpumem.estimator.knobs import MOE_DISPATCHERS
+from gpumem.estimator.states import FP8_PRECISIONS, PRECISIONS
 
 
 def add_job_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,8 +37,9 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--precision",
         default=None,  # None: the default, and the bill says so (a given bf16-mixed is given)
-        help="fp32, bf16-mixed, fp16-mixed, bf16-autocast, bf16 (default bf16-mixed); with "
-        "--inference the weights: fp32, bf16, fp16, fp8, int8, int4, nf4",
+        help=f"{', '.join(PRECISIONS)} (default bf16-mixed), or an fp8 recipe: "
+        f"{', '.join(FP8_PRECISIONS)}; with --inference the weights: fp32, bf16, fp16, fp8, "
+        "int8, int4, nf4",
     )
     p.add_argument(
         "--optimizer",
@@ -185,6 +189,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--attention", default="sdpa", help="sdpa, flash, efficient, eager")
     p.add_argument("--activation-model", default="ops", choices=("ops", "korthikanti"))
+    add_knob_arguments(p)
     p.add_argument("--offload-optimizer", action="store_true", help="optimizer state in CPU memory")
     p.add_argument(
         "--offload-param",
@@ -206,6 +211,59 @@ def register(sub: argparse._SubParsersAction) -> None:
     out.add_argument("--json", action="store_true", help="print the bill as JSON")
     out.add_argument("--markdown", action="store_true", help="print the bill as a Markdown table")
     p.set_defaults(func=run)
+
+
+def add_knob_arguments(p: argparse.ArgumentParser) -> None:
+    """The rest of ``TrainingKnobs``, ``ActivationKnobs`` and ``MoEKnobs`` (and ``device``):
+    every knob of ``gpumem.estimate`` has its flag (tests/test_cli.py holds the list)."""
+    p.add_argument(
+        "--attention-dropout",
+        type=_args.probability,
+        default=0.0,
+        help="attention dropout probability (Megatron's --attention-dropout; default 0; a BERT "
+        "config.json's attention_probs_dropout_prob when 0)",
+    )
+    p.add_argument(
+        "--fused-ops",
+        type=_args.name_list(FUSED_OPS),
+        default=None,
+        help=f"kernels that run fused, comma-separated from {', '.join(FUSED_OPS)}, or 'none' "
+        "(default: the framework's; Megatron fuses norm, swiglu, rope)",
+    )
+    p.add_argument(
+        "--moe-dispatcher",
+        default=None,
+        choices=MOE_DISPATCHERS,
+        help="MoE token dispatch under expert parallelism (Megatron's "
+        "--moe-token-dispatcher-type; default alltoall)",
+    )
+    p.add_argument(
+        "--moe-grouped-gemm",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="experts as one grouped GEMM (Megatron's --moe-grouped-gemm; default: on for "
+        "config.json models and Megatron, a loop over experts for gpumem.models)",
+    )
+    p.add_argument(
+        "--foreach",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.optim's foreach step (default: torch's choice for the device)",
+    )
+    p.add_argument("--fused-optimizer", action="store_true", help="torch.optim's fused=True step")
+    p.add_argument(
+        "--persistent-grads",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="gradients stay allocated across steps (default: when distributed or "
+        "accumulating; torchtitan: no)",
+    )
+    p.add_argument(
+        "--device",
+        default="cuda",
+        choices=("cuda", "cpu"),
+        help="cpu: compare with a CPU run (no CUDA context or NCCL reserve; default cuda)",
+    )
 
 
 def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
@@ -259,11 +317,16 @@ def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
             offload_optimizer=args.offload_optimizer,
             lora_rank=args.lora_rank,
             base_quant="nf4" if args.qlora else None,
+            foreach=args.foreach,
+            fused=args.fused_optimizer,
+            persistent_grads=args.persistent_grads,
         ),
         "activations": ActivationKnobs(
             attention=args.attention,
+            dropout=args.attention_dropout,
             activation_model=args.activation_model,
             keep_logits=args.keep_logits,
+            fused_ops=args.fused_ops,
         ),
         # a knob of a framework not named is named as such, before its value is checked
         "megatron": check_knobs(fw if fw is not None else "megatron", **megatron),
@@ -276,7 +339,9 @@ def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         ),
         "deepspeed": deepspeed,
         "moe": MoEKnobs(
-            **({} if args.moe_imbalance is None else {"imbalance": args.moe_imbalance})
+            **({} if args.moe_imbalance is None else {"imbalance": args.moe_imbalance}),
+            **({} if args.moe_dispatcher is None else {"dispatcher": args.moe_dispatcher}),
+            grouped_gemm=args.moe_grouped_gemm,
         ),
     }
 
@@ -409,6 +474,7 @@ def run(args: argparse.Namespace) -> int:
         framework=args.framework,
         calibration=args.calibration,
         alloc_conf=args.alloc_conf,
+        device=args.device,
         **knobs_from_args(args),
     )
     if args.json:
