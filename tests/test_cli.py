@@ -123,6 +123,7 @@ KNOB_FLAGS = {
         "pipeline_last_layers": ["--pipeline-last-layers", "3"],
         "pipeline_split_embedding": ["--pipeline-split-embedding"],
         "pipeline_split_loss": ["--pipeline-split-loss"],
+        "dist_opt_instances": ["--num-distributed-optimizer-instances", "2"],
     },
     "torchtitan": {
         "fp8_recipe": ["--fp8-recipe", "tensorwise"],

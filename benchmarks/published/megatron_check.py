@@ -193,6 +193,8 @@ def estimate_kwargs(args: dict[str, Any], gpus: int) -> tuple[dict[str, Any], li
         kw["pipeline_split_embedding"] = True
     if get("--account-for-loss-in-pipeline-split", False):
         kw["pipeline_split_loss"] = True
+    if get("--num-distributed-optimizer-instances", 1) > 1:
+        kw["dist_opt_instances"] = get("--num-distributed-optimizer-instances")
     unsupported = sorted(k for k in a if k not in used and k not in NEUTRAL)
     return kw, unsupported
 

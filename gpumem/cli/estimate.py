@@ -295,6 +295,13 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
         "--moe-layer-freq", default=None, help="MoE layer pattern: k or e.g. '([0]*1+[1]*27)'"
     )
     g.add_argument("--mtp-layers", type=_args.non_negative_int, default=0, help="MTP layers")
+    g.add_argument(
+        "--num-distributed-optimizer-instances",
+        dest="dist_opt_instances",
+        type=_args.positive_int,
+        default=None,
+        help="copies of the distributed optimizer, each sharded over dp*cp / N ranks",
+    )
 
 
 def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -356,6 +363,7 @@ MEGATRON = (
     "pipeline_last_layers",
     "pipeline_split_embedding",
     "pipeline_split_loss",
+    "dist_opt_instances",
 )
 
 

@@ -443,6 +443,8 @@ def stage_terms(pt: PresetTerms, st: _Stack, i: int) -> list[float]:
         layer_comm=max(st.acts["dense"][10], st.acts["moe"][10] if r.n_moe else 0.0),
         mix=preset_mix(spec, pg),
     )
+    if pt.framework == "megatron":
+        megatron.optimizer_shards(pt.knobs, layout, x)
     if pt.alloc_conf is not None:
         fill_fragmentation(
             pt, pt.alloc_conf, x, layout, st.batch, st.recompute,

@@ -331,3 +331,23 @@ def test_cli_takes_the_megatron_knobs(capsys):
     )
     assert main([*argv[:3], "torch", *argv[4:8], "--fp8-recipe", "delayed"]) == 2
     assert "fp8_recipe is a Megatron-LM option" in capsys.readouterr().err
+
+
+def test_distributed_optimizer_instances_shard_over_the_instance():
+    """--num-distributed-optimizer-instances 2 on dp 8: each copy of the distributed
+    optimizer is sharded over 4 ranks, so the fp32 master weights and Adam's moments (12 B a
+    parameter) are those of dp 4; the gradients (Megatron's fp32 main grads, not sharded)
+    and weights do not change. By hand against the ZeRO-1 bill."""
+    from gpumem.estimator.frameworks.megatron import MegatronKnobs
+
+    kw = {"seq_len": 1024, "framework": "megatron", "gpu": "H100-80GB"}
+    two = gpumem.estimate("llama-2-7b", layout=gpumem.Layout(dp=8, zero=1),
+                          megatron=MegatronKnobs(dist_opt_instances=2), **kw)  # fmt: skip
+    one = gpumem.estimate("llama-2-7b", layout=gpumem.Layout(dp=8, zero=1), **kw)
+    n = two.n_params
+    assert two.model_states["optimizer"] == pytest.approx(12 * n / 4, abs=8)
+    assert one.model_states["optimizer"] == pytest.approx(12 * n / 8, abs=8)
+    assert two.model_states["gradients"] == one.model_states["gradients"]
+    with pytest.raises(ValueError, match="dist_opt_instances=3 must divide"):
+        gpumem.estimate("llama-2-7b", layout=gpumem.Layout(dp=8, zero=1),
+                        megatron=MegatronKnobs(dist_opt_instances=3), **kw)  # fmt: skip

@@ -73,8 +73,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpumem.estimator import peak
 from gpumem.estimator.activations import Item, Workload, expert_tokens
 from gpumem.estimator.frameworks import torchtitan
+from gpumem.estimator.layout import Layout
 from gpumem.estimator.model_spec import ModelSpec
 
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
@@ -101,8 +103,13 @@ class MegatronKnobs:
     ``precision="fp8"`` is delayed), ``--fp8-param-gather``, ``--hidden-dropout`` (Megatron's
     default 0.1; the attention's dropout is ``ActivationKnobs.dropout``),
     ``--defer-embedding-wgrad-compute``, ``--wgrad-deferral-limit``,
-    ``--decoder-first/last-pipeline-num-layers`` and
-    ``--account-for-embedding/loss-in-pipeline-split``.
+    ``--decoder-first/last-pipeline-num-layers``,
+    ``--account-for-embedding/loss-in-pipeline-split`` and
+    ``--num-distributed-optimizer-instances`` (``dist_opt_instances``: the distributed
+    optimizer is replicated that many times over the data-parallel group, each copy sharded
+    over ``dp · cp / instances`` ranks: ``distributed_data_parallel_config``'s
+    ``num_distributed_optimizer_instances``, the intra-instance group of
+    ``parallel_state.initialize_model_parallel``).
 
     Raises:
         ValueError: one line naming the knob and the valid choices.
@@ -117,8 +124,12 @@ class MegatronKnobs:
     pipeline_last_layers: int | None = None
     pipeline_split_embedding: bool = False
     pipeline_split_loss: bool = False
+    dist_opt_instances: int = 1
 
     def __post_init__(self) -> None:
+        n = self.dist_opt_instances
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"dist_opt_instances must be an integer >= 1, got {n!r}")
         if self.fp8_recipe is not None and self.fp8_recipe not in FP8_RECIPES:
             raise ValueError(
                 f"unknown fp8 recipe {self.fp8_recipe!r}; choose one of {', '.join(FP8_RECIPES)}"
@@ -166,6 +177,27 @@ def check_knobs(framework: str, **given: object) -> MegatronKnobs:
                 f"(use framework='megatron' or leave it at its default{also})"
             )
     return MegatronKnobs(**given)  # type: ignore[arg-type]
+
+
+def optimizer_shards(knobs: MegatronKnobs, layout: Layout, x: list[float]) -> None:
+    """The distributed optimizer's shard degrees in the terms ``x`` under
+    ``dist_opt_instances`` copies: ``dp · cp / instances`` (the experts' data parallelism
+    over the same number).
+
+    Raises:
+        ValueError: instances that do not divide the data-parallel group, in one line.
+    """
+    n = knobs.dist_opt_instances
+    if n == 1:
+        return
+    if (layout.dp * layout.cp) % n or layout.expert_dp % n:
+        raise ValueError(
+            f"dist_opt_instances={n} must divide the data-parallel group dp*cp = "
+            f"{layout.dp * layout.cp} (and the experts' {layout.expert_dp}): Megatron splits "
+            "it into that many optimizer instances"
+        )
+    x[peak.N_SHARD] = max(1.0, x[peak.N_SHARD] / n)
+    x[peak.N_SHARD_EXP] = max(1.0, x[peak.N_SHARD_EXP] / n)
 
 
 def fp8_saved_bytes(recipe: str | None, compute: int) -> float:
