@@ -124,6 +124,9 @@ KNOB_FLAGS = {
         "pipeline_split_embedding": ["--pipeline-split-embedding"],
         "pipeline_split_loss": ["--pipeline-split-loss"],
         "dist_opt_instances": ["--num-distributed-optimizer-instances", "2"],
+        "pipeline_layout": ["--pipeline-model-parallel-layout", "Et|tL"],
+        "recompute_modules": ["--recompute-modules", "layernorm,mlp"],
+        "offload_modules": ["--offload-modules", "core_attn"],
     },
     "torchtitan": {
         "fp8_recipe": ["--fp8-recipe", "tensorwise"],

@@ -269,7 +269,11 @@ def add_knob_arguments(p: argparse.ArgumentParser) -> None:
 def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     """Megatron-LM's arguments of the same names (``--framework megatron``; see
     gpumem/estimator/frameworks/megatron.py)."""
-    from gpumem.estimator.frameworks.megatron import FP8_RECIPES
+    from gpumem.estimator.frameworks.megatron import (
+        FP8_RECIPES,
+        OFFLOAD_MODULES,
+        RECOMPUTE_MODULES,
+    )
     from gpumem.estimator.frameworks.torchtitan import FLOAT8_RECIPES
 
     g = p.add_argument_group("Megatron-LM (--framework megatron)")
@@ -295,6 +299,28 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
         "--moe-layer-freq", default=None, help="MoE layer pattern: k or e.g. '([0]*1+[1]*27)'"
     )
     g.add_argument("--mtp-layers", type=_args.non_negative_int, default=0, help="MTP layers")
+    g.add_argument(
+        "--pipeline-model-parallel-layout",
+        dest="pipeline_layout",
+        default=None,
+        metavar="LAYOUT",
+        help="Megatron's layout string, e.g. 'Et*3|(tt|)*6L' (its chunks over --pp ranks set "
+        "--vpp)",
+    )
+    g.add_argument(
+        "--recompute-modules",
+        type=_args.name_list(RECOMPUTE_MODULES),
+        default=None,
+        help=f"with --recompute selective: {', '.join(RECOMPUTE_MODULES)} (comma-separated; "
+        "Megatron's default core_attn)",
+    )
+    g.add_argument(
+        "--offload-modules",
+        type=_args.name_list(OFFLOAD_MODULES),
+        default=None,
+        help="--fine-grained-activation-offloading of these modules: "
+        f"{', '.join(OFFLOAD_MODULES)} (comma-separated)",
+    )
     g.add_argument(
         "--num-distributed-optimizer-instances",
         dest="dist_opt_instances",
@@ -364,6 +390,9 @@ MEGATRON = (
     "pipeline_split_embedding",
     "pipeline_split_loss",
     "dist_opt_instances",
+    "pipeline_layout",
+    "recompute_modules",
+    "offload_modules",
 )
 
 
@@ -393,6 +422,11 @@ def layout_from_args(args: argparse.Namespace):
     tp, pp, ep, cp = args.tp or 1, args.pp or 1, args.ep or 1, args.cp or 1
     if args.gpus % (tp * pp * cp):
         raise ValueError(f"--gpus {args.gpus} is not divisible by tp*pp*cp = {tp * pp * cp}")
+    vpp = args.vpp
+    if getattr(args, "pipeline_layout", None) and vpp == 1:  # the layout's chunks per rank
+        from gpumem.estimator.frameworks.megatron import layout_chunks
+
+        vpp = max(1, len(layout_chunks(args.pipeline_layout)) // pp)
     dp = args.dp or args.gpus // (tp * pp * cp)
     if dp * tp * pp * cp != args.gpus:
         raise ValueError(
@@ -406,7 +440,7 @@ def layout_from_args(args: argparse.Namespace):
         zero=args.zero,
         fsdp=args.fsdp,
         sp=args.sp,
-        vpp=args.vpp,
+        vpp=vpp,
         cp=cp,
         etp=args.etp,
     )

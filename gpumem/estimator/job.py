@@ -150,6 +150,11 @@ def check_job(model: Any, *, module: bool, flat: dict[str, Any], **a: Any) -> Jo
             "keep_logits=True does not apply to framework='torchtitan': its train step deletes "
             "pred before backward (leave keep_logits unset)"
         )
+    if megatron.recompute_modules and a["recompute"] != "selective":
+        raise ValueError(
+            f"recompute_modules are Megatron's selective recompute: give recompute='selective' "
+            f"(got {a['recompute']!r})"
+        )
     if not module:
         check_recompute(a["recompute"], fw)
     elif fw == "torchtitan":
