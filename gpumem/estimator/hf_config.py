@@ -44,6 +44,7 @@ _ROUTER_FIELDS = {
 }
 # defaults of the transformers config classes for fields a config.json may leave out
 _TIED_DEFAULT = {"gemma": True, "gemma2": True, "gemma3_text": True}
+_ENCODER_DECODERS = ("t5", "mt5", "umt5", "longt5", "bart", "mbart", "pegasus", "marian")
 HF_FAMILIES = tuple(_HF_ARCH)  # the config.json model_types this module reads
 
 
@@ -62,6 +63,14 @@ def from_hf_config(config: dict[str, Any], name: str = "config.json") -> ModelSp
     mtype = config.get("model_type")
     if mtype is None:
         raise ValueError(f"{name}: missing field 'model_type' (one of {', '.join(_HF_ARCH)})")
+    if mtype in _ENCODER_DECODERS:
+        raise ValueError(
+            f"{name}: model_type {mtype!r} is an encoder-decoder (two stacks, cross-attention), "
+            "not modelled from a config.json yet; estimate the module itself: gpumem.estimate("
+            "AutoModelForSeq2SeqLM.from_config(cfg) built on the meta device, example_input="
+            "{'input_ids': ids, 'labels': ids}) (read: "
+            f"{', '.join(_HF_ARCH)})"
+        )
     if mtype not in _HF_ARCH:
         raise ValueError(
             f"{name}: model_type {mtype!r} is not supported; supported: {', '.join(_HF_ARCH)}"

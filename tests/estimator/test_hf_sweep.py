@@ -159,7 +159,7 @@ def test_encoder_param_count_is_transformers(name):
     [
         ({"hidden_act": "relu"}, ("hidden_act", "'relu'", "gelu")),
         ({"hidden_dropout_prob": 1.5}, ("hidden_dropout_prob", "[0, 1)")),
-        ({"model_type": "t5"}, ("'t5'", "bert", "roberta")),
+        ({"model_type": "t5"}, ("'t5'", "encoder-decoder", "AutoModelForSeq2SeqLM", "bert")),
     ],
 )
 def test_encoder_config_errors_are_one_line(change, words):
@@ -169,3 +169,36 @@ def test_encoder_config_errors_are_one_line(change, words):
         from_hf_config({**HF_SWEEP["bert"], **change})
     msg = str(e.value)
     assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_t5_through_the_module_path_matches_its_fake_profile():
+    """What the T5 refusal points to: the module built on the meta device, estimated through
+    the nn.Module path (a fake pass of the model itself), against gpumem.profile of the same
+    module under fake tensors (the loop: ``model(input_ids=, labels=).loss``)."""
+    import torch
+    import transformers
+
+    import gpumem
+    from gpumem import profiler
+
+    cfg = transformers.T5Config(
+        vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    with torch.device("meta"):
+        meta = transformers.T5ForConditionalGeneration(cfg)
+    ids = torch.randint(0, 256, (2, 64))
+    bill = gpumem.estimate(meta, example_input={"input_ids": ids, "labels": ids}, device="cpu",
+                           persistent_grads=False)  # fmt: skip
+    with profiler.fake():
+        torch.manual_seed(0)
+        model = transformers.T5ForConditionalGeneration(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        fake_ids = torch.randint(0, 256, (2, 64))
+        with profiler.profile(model, optimizer=opt) as prof:
+            for _ in range(2):
+                model(input_ids=fake_ids, labels=fake_ids).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        rep = prof.report()
+    assert abs(bill.allocated_bytes / rep.peak_bytes - 1) < 0.05, (bill.per_gpu, rep.at_peak)
