@@ -192,3 +192,12 @@ def test_precision_help_lists_every_precision(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for name in (*PRECISIONS, *FP8_PRECISIONS):
         assert name in text, name
+
+
+def test_cli_torchtitan_on_plain_gpus_shards_by_default(capsys):
+    """`--framework torchtitan --gpus 8` without --fsdp: torchtitan's dp_shard=-1, said so."""
+    args = ["estimate", "llama-3-8b", "--framework", "torchtitan", "--gpus", "8", "--seq-len",
+            "2048"]  # fmt: skip
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "fsdp-full" in text and "default: torchtitan's dp_shard=-1" in text

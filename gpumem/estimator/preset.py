@@ -578,6 +578,7 @@ def estimate_preset(spec: ModelSpec, job: Job) -> Bill:
     batch_size = inputs.DEFAULT_BATCH_SIZE if job.batch_size is None else job.batch_size
     seq, seq_source = inputs.seq_len(spec, job.seq_len)
     layout, fw, acts, tt = job.layout, job.framework, job.activations, job.torchtitan
+    check_applies(spec, job)
     layout.check(spec, seq_len=seq, even_split=not megatron.uneven(job.megatron))
     terms = PresetTerms(
         spec,
@@ -645,6 +646,33 @@ def estimate_preset(spec: ModelSpec, job: Job) -> Bill:
         if not simulated and conf is not None
         else job.reserved_note,
     )
+
+
+def check_applies(spec: ModelSpec, job: Job) -> None:
+    """A knob given for what the model or layout does not have is one line naming both.
+
+    Raises:
+        ValueError: an MoE dispatcher or grouped GEMM for a dense model; Megatron's optimizer
+            instances without its distributed optimizer, or a pipeline layout without pp.
+    """
+    moe = [n for n, v in (("moe_dispatcher", job.moe.dispatcher != "alltoall"),
+                          ("moe_grouped_gemm", job.moe.grouped_gemm is not None)) if v]  # fmt: skip
+    if moe and not spec.is_moe:
+        raise ValueError(
+            f"{', '.join(moe)} applies to a mixture of experts; {spec.name} has no experts "
+            "(leave it out)"
+        )
+    k = job.megatron
+    if k.dist_opt_instances > 1 and job.layout.zero != 1:
+        raise ValueError(
+            f"dist_opt_instances={k.dist_opt_instances} splits Megatron's distributed optimizer "
+            f"(zero=1); the layout has zero={job.layout.zero}"
+        )
+    if k.pipeline_layout is not None and job.layout.pp == 1:
+        raise ValueError(
+            f"pipeline_layout {k.pipeline_layout!r} places layers on pipeline ranks; the layout "
+            "has pp=1 (give pp and vpp = its chunks / pp)"
+        )
 
 
 def titan_terms(spec: ModelSpec, job: Job, terms: PresetTerms, batch: int, seq: int) -> list:

@@ -402,3 +402,28 @@ def test_recompute_and_offload_modules_drop_what_the_module_keeps():
                         megatron=megatron.MegatronKnobs(recompute_modules=("mlp",)))  # fmt: skip
     with pytest.raises(ValueError, match="offload_modules must be a tuple of names from"):
         megatron.MegatronKnobs(offload_modules=("bogus",))
+
+
+@pytest.mark.parametrize(
+    ("kw", "words"),
+    [
+        ({"moe": {"dispatcher": "allgather"}}, ("moe_dispatcher", "no experts")),
+        ({"moe": {"grouped_gemm": False}}, ("moe_grouped_gemm", "no experts")),
+        (
+            {"megatron": {"dist_opt_instances": 2}, "layout": gpumem.Layout(dp=4)},
+            ("dist_opt_instances=2", "zero=1", "zero=0"),
+        ),
+        ({"megatron": {"pipeline_layout": "Et|tL"}}, ("pipeline_layout", "pp=1")),
+    ],
+)
+def test_a_knob_that_does_not_apply_is_one_line(kw, words):
+    from gpumem.estimator.knobs import MoEKnobs
+
+    if "moe" in kw:
+        kw = {"moe": MoEKnobs(**kw["moe"])}
+    else:
+        kw = {**kw, "megatron": megatron.MegatronKnobs(**kw["megatron"]), "framework": "megatron"}
+    with pytest.raises(ValueError) as e:
+        gpumem.estimate("llama-2-7b", seq_len=512, **kw)
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
