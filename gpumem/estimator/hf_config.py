@@ -145,6 +145,13 @@ def _encoder_spec(c: _Fields) -> ModelSpec:
             f"{c.name}: hidden_act {act!r} is not modelled for model_type {c.mtype!r}; "
             "the estimator follows BERT's exact 'gelu'"
         )
+    heads = [a for a in c.get("architectures") or [] if isinstance(a, str)]
+    if heads and not any(a.endswith("ForMaskedLM") for a in heads):
+        raise ValueError(
+            f"{c.name}: architectures {heads} name a head the estimator does not model for "
+            f"model_type {c.mtype!r}; it prices *ForMaskedLM (give architectures "
+            f"['{c.mtype.capitalize()}ForMaskedLM'], or estimate the module itself)"
+        )
     h, max_pos = c.need("hidden_size"), c.need("max_position_embeddings")
     return ModelSpec(
         name=c.label,

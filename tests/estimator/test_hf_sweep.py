@@ -159,6 +159,10 @@ def test_encoder_param_count_is_transformers(name):
     [
         ({"hidden_act": "relu"}, ("hidden_act", "'relu'", "gelu")),
         ({"hidden_dropout_prob": 1.5}, ("hidden_dropout_prob", "[0, 1)")),
+        (
+            {"architectures": ["BertForSequenceClassification"]},
+            ("BertForSequenceClassification", "ForMaskedLM", "module itself"),
+        ),
         ({"model_type": "t5"}, ("'t5'", "encoder-decoder", "AutoModelForSeq2SeqLM", "bert")),
     ],
 )
