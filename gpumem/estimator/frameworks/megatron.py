@@ -391,11 +391,15 @@ def stage_chunks(n_layers: int, pp: int, vpp: int, k: MegatronKnobs) -> list[lis
     counts: list[int] = []  # layers per chunk in model order (chunk c = v * pp + r)
     if k.pipeline_layout is not None:
         counts = [c.count("t") for c in layout_chunks(k.pipeline_layout)]
-        if len(counts) != pp * vpp or sum(counts) != n_layers:
+        if sum(counts) != n_layers:
             raise ValueError(
-                f"pipeline_layout {k.pipeline_layout!r} has {len(counts)} chunks of "
-                f"{sum(counts)} layers; the model has {n_layers} layers on pp*vpp = "
-                f"{pp}*{vpp} chunks (give vpp = chunks / pp = {len(counts) / pp:g})"
+                f"pipeline_layout {k.pipeline_layout!r} places {sum(counts)} layers (t); the "
+                f"model has {n_layers}"
+            )
+        if len(counts) != pp * vpp:
+            raise ValueError(
+                f"pipeline_layout {k.pipeline_layout!r} has {len(counts)} chunks, not pp*vpp = "
+                f"{pp}*{vpp} (give vpp = chunks / pp = {len(counts) / pp:g})"
             )
     elif first is not None or last is not None:
         rest, stages = n_layers, pp
