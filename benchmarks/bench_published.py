@@ -32,6 +32,28 @@ sys.path.insert(0, str(Path(__file__).parent / "published"))
 GiB = 2**30
 
 
+ERROR_COLS = [
+    "peak GiB (measured)",
+    "peak GiB (estimate)",
+    "peak error",
+    "steady GiB (measured)",
+    "steady GiB (estimate)",
+    "steady error",
+]
+
+
+def error_cells(r: dict[str, Any]) -> list[str]:
+    """A Megatron case's peak and steady figures: measured, estimated, error (GiB, %)."""
+    return [
+        f"{r['peak'] / GiB:.2f}",
+        f"{r['peak_est'] / GiB:.2f}",
+        f"{100 * r['peak_err']:+.1f} %",
+        f"{r['steady'] / GiB:.2f}",
+        f"{r['steady_est'] / GiB:.2f}",
+        f"{100 * r['steady_err']:+.1f} %",
+    ]
+
+
 def megatron_rows() -> tuple[list[list[object]], list[float]]:
     import json
 
@@ -49,12 +71,7 @@ def megatron_rows() -> tuple[list[list[object]], list[float]]:
             [
                 r["name"],
                 r["split"],
-                f"{r['peak'] / GiB:.2f}",
-                f"{r['peak_est'] / GiB:.2f}",
-                f"{100 * r['peak_err']:+.1f} %",
-                f"{r['steady'] / GiB:.2f}",
-                f"{r['steady_est'] / GiB:.2f}",
-                f"{100 * r['steady_err']:+.1f} %",
+                *error_cells(r),
                 ", ".join(r["unsupported"])[:60] or "-",
             ]
         )
@@ -303,12 +320,7 @@ def named_rows() -> tuple[list[list[object]], list[float]]:
         rows.append(
             [
                 r["name"],
-                f"{r['peak'] / GiB:.2f}",
-                f"{r['peak_est'] / GiB:.2f}",
-                f"{100 * r['peak_err']:+.1f} %",
-                f"{r['steady'] / GiB:.2f}",
-                f"{r['steady_est'] / GiB:.2f}",
-                f"{100 * r['steady_err']:+.1f} %",
+                *error_cells(r),
                 "within 5 %" if within else NAMED_REASONS.get(r["name"], "no reason recorded"),
             ]
         )
@@ -320,12 +332,7 @@ def only_megatron_named() -> None:
     rows, errors = named_rows()
     cols = [
         "Megatron-LM CI case (H100 golden values)",
-        "peak GiB (measured)",
-        "peak GiB (estimate)",
-        "peak error",
-        "steady GiB (measured)",
-        "steady GiB (estimate)",
-        "steady error",
+        *ERROR_COLS,
         "within 5 %, or why not",
     ]
     notes = f"""
@@ -466,12 +473,7 @@ def main() -> None:
     cols = [
         "Megatron-LM CI case",
         "split",
-        "peak GiB (measured)",
-        "peak GiB (estimate)",
-        "peak error",
-        "steady GiB (measured)",
-        "steady GiB (estimate)",
-        "steady error",
+        *ERROR_COLS,
         "arguments without a counterpart",
     ]
     from _report import markdown_table
