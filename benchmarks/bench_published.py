@@ -32,6 +32,28 @@ sys.path.insert(0, str(Path(__file__).parent / "published"))
 GiB = 2**30
 
 
+ERROR_COLS = [
+    "peak GiB (measured)",
+    "peak GiB (estimate)",
+    "peak error",
+    "steady GiB (measured)",
+    "steady GiB (estimate)",
+    "steady error",
+]
+
+
+def error_cells(r: dict[str, Any]) -> list[str]:
+    """A Megatron case's peak and steady figures: measured, estimated, error (GiB, %)."""
+    return [
+        f"{r['peak'] / GiB:.2f}",
+        f"{r['peak_est'] / GiB:.2f}",
+        f"{100 * r['peak_err']:+.1f} %",
+        f"{r['steady'] / GiB:.2f}",
+        f"{r['steady_est'] / GiB:.2f}",
+        f"{100 * r['steady_err']:+.1f} %",
+    ]
+
+
 def megatron_rows() -> tuple[list[list[object]], list[float]]:
     import json
 
@@ -49,12 +71,7 @@ def megatron_rows() -> tuple[list[list[object]], list[float]]:
             [
                 r["name"],
                 r["split"],
-                f"{r['peak'] / GiB:.2f}",
-                f"{r['peak_est'] / GiB:.2f}",
-                f"{100 * r['peak_err']:+.1f} %",
-                f"{r['steady'] / GiB:.2f}",
-                f"{r['steady_est'] / GiB:.2f}",
-                f"{100 * r['steady_err']:+.1f} %",
+                *error_cells(r),
                 ", ".join(r["unsupported"])[:60] or "-",
             ]
         )
@@ -267,6 +284,81 @@ def _merge_rows(
     return rows, errors, res
 
 
+# why a named Megatron-LM case (megatron_named.json, the cases issue #42 names) is not within
+# 5 %, per case; a case within 5 % needs none
+NAMED_REASONS = {
+    "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_fine_grained_offloading": (
+        "under: the estimate moves every offloaded module's saved tensors to the host for "
+        "every layer; not modelled, and the likely gap: what offloading still holds on the GPU "
+        "(the next module's reload prefetched in backward, a chunk whose offload has not "
+        "finished) and the transients of the MTP layer and of the a2a-overlapped "
+        "(--overlap-moe-expert-parallel-comm) second micro-batch; the twin case without the "
+        "two is over by the same amount"
+    ),
+    "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_no_mtp_no_a2a_ovlp_fine_grained_offloading": (
+        "over at the start of backward on the last rank, where the unfused cross-entropy's two "
+        "fp32 logits-sized gradients (0.79 GiB at vocab 51712 / tp 2, 4096 tokens) are billed "
+        "beside the last layer's weight gradients: with every layer offloaded that transient "
+        "decides the peak (how Megatron's vocab-parallel loss reuses its buffers there is not "
+        "modelled; the likely excess)"
+    ),
+}
+
+
+def named_rows() -> tuple[list[list[object]], list[float]]:
+    """The named Megatron-LM cases (``megatron_named.json``): the error and, beyond 5 %, why."""
+    import json
+
+    import megatron_check
+
+    cases = json.loads(megatron_check.DATA.with_name("megatron_named.json").read_text())["cases"]
+    rows, errors = [], []
+    for case in cases:
+        r = megatron_check.run_case(case)
+        errors += [abs(r["peak_err"]), abs(r["steady_err"])]
+        within = abs(r["peak_err"]) <= 0.05 and abs(r["steady_err"]) <= 0.05
+        rows.append(
+            [
+                r["name"],
+                *error_cells(r),
+                "within 5 %" if within else NAMED_REASONS.get(r["name"], "no reason recorded"),
+            ]
+        )
+    return rows, errors
+
+
+def only_megatron_named() -> None:
+    """The named Megatron-LM cases alone, to ``published_megatron_named.md/.json``."""
+    rows, errors = named_rows()
+    cols = [
+        "Megatron-LM CI case (H100 golden values)",
+        *ERROR_COLS,
+        "within 5 %, or why not",
+    ]
+    notes = f"""
+The cases issue #42 names (`benchmarks/published/megatron_named.json`: the arguments and the
+golden values, transcribed as `megatron_golden.json` does), estimated with the knobs they use:
+`--num-distributed-optimizer-instances` (`dist_opt_instances`), `--pipeline-model-parallel-
+layout` (`pipeline_layout`), `--recompute-modules` and `--fine-grained-activation-offloading
+--offload-modules` (`recompute_modules`, `offload_modules`). {_share(errors)}. Before these
+knobs: multi_dist_optimizer_instances -15.2 % peak / -29.3 % steady, the offloading cases
++18.4 % / +47.8 % peak. Not here: CUDA graphs (the scoped_cudagraph case's METRICS leave the
+memory out; attn_cudagraph not transcribed; no CUDA-graph knob yet) and the issue's worst case
+(-55 %, a custom pipeline layout: not identified among the CI cases read).
+"""
+    write_results(
+        "published_megatron_named",
+        "The estimate against Megatron-LM's CI cases that issue #42 names",
+        cols,
+        rows,
+        notes,
+        machine_info(),
+        figures=[
+            value_figure("named megatron median |error|", "%", 100 * statistics.median(errors))
+        ],
+    )
+
+
 def only_torchtitan(rows: str | None = None) -> None:
     """Rerun the torchtitan rows (``rows``: those named, comma-separated, the others kept as
     recorded) and replace their section and figures in published.md/.json, leaving the other
@@ -355,13 +447,20 @@ def main() -> None:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", choices=["torchtitan"], help="rerun this source's section alone")
+    ap.add_argument(
+        "--only",
+        choices=["torchtitan", "megatron-named"],
+        help="rerun this source's section alone (megatron-named: its own results file)",
+    )
     ap.add_argument(
         "--rows", default=None, help="with --only torchtitan: rerun these rows (comma-separated)"
     )
     args = ap.parse_args()
     if args.rows and not args.only:
         ap.error("--rows needs --only torchtitan")
+    if args.only == "megatron-named":
+        only_megatron_named()
+        return
     if args.only:
         only_torchtitan(args.rows)
         return
@@ -374,12 +473,7 @@ def main() -> None:
     cols = [
         "Megatron-LM CI case",
         "split",
-        "peak GiB (measured)",
-        "peak GiB (estimate)",
-        "peak error",
-        "steady GiB (measured)",
-        "steady GiB (estimate)",
-        "steady error",
+        *ERROR_COLS,
         "arguments without a counterpart",
     ]
     from _report import markdown_table

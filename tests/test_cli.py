@@ -72,3 +72,132 @@ def test_estimate_takes_deepspeed_knobs(capsys, tmp_path):
     assert "--deepspeed takes KEY=VALUE" in capsys.readouterr().err
     assert main(["estimate", "llama-2-7b", "--gpus", "8", "--zero", "2", "--offload-param"]) == 2
     assert "offload_param needs ZeRO-3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mtype", ["bert", "roberta"])
+def test_estimate_reads_an_encoder_config(capsys, tmp_path, mtype):
+    """A BERT / RoBERTa config.json on the command line: the bill of the same dict in Python."""
+    import gpumem
+    from gpumem.estimator.accuracy import HF_SWEEP
+
+    cfg = {**HF_SWEEP[mtype], "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    args = ["estimate", str(tmp_path), "--batch-size", "4", "--seq-len", "128", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    bill = gpumem.estimate(cfg, batch_size=4, seq_len=128)
+    assert out["per_gpu"] == bill.per_gpu and out["framework"] == "transformers"
+    assert "logits' dtype" in out["inputs"]["loss"]["value"]
+
+
+# every knob of gpumem.estimate and its flag (a new knob without a flag fails here)
+KNOB_FLAGS = {
+    "training": {
+        "grads": ["--grads", "fp32"],
+        "offload_optimizer": ["--offload-optimizer"],
+        "lora_rank": ["--lora-rank", "8"],
+        "base_quant": ["--lora-rank", "8", "--qlora"],
+        "foreach": ["--no-foreach"],
+        "fused": ["--fused-optimizer"],
+        "persistent_grads": ["--persistent-grads"],
+    },
+    "activations": {
+        "attention": ["--attention", "flash"],
+        "dropout": ["--attention-dropout", "0.1"],
+        "activation_model": ["--activation-model", "korthikanti"],
+        "keep_logits": ["--keep-logits"],
+        "fused_ops": ["--fused-ops", "norm,ce"],
+    },
+    "moe": {
+        "imbalance": ["--moe-imbalance", "1.5"],
+        "dispatcher": ["--moe-dispatcher", "allgather"],
+        "grouped_gemm": ["--no-moe-grouped-gemm"],
+    },
+    "megatron": {
+        "fp8_recipe": ["--fp8-recipe", "delayed"],
+        "fp8_param_gather": ["--fp8-recipe", "delayed", "--fp8-param-gather"],
+        "hidden_dropout": ["--hidden-dropout", "0.1"],
+        "defer_embedding_wgrad": ["--defer-embedding-wgrad"],
+        "wgrad_deferral_limit": ["--defer-embedding-wgrad", "--wgrad-deferral-limit", "2"],
+        "pipeline_first_layers": ["--pipeline-first-layers", "3"],
+        "pipeline_last_layers": ["--pipeline-last-layers", "3"],
+        "pipeline_split_embedding": ["--pipeline-split-embedding"],
+        "pipeline_split_loss": ["--pipeline-split-loss"],
+        "dist_opt_instances": ["--num-distributed-optimizer-instances", "2"],
+        "pipeline_layout": ["--pipeline-model-parallel-layout", "Et|tL"],
+        "recompute_modules": ["--recompute-modules", "layernorm,mlp"],
+        "offload_modules": ["--offload-modules", "core_attn"],
+    },
+    "torchtitan": {
+        "fp8_recipe": ["--fp8-recipe", "tensorwise"],
+        "fsdp_float8_all_gather": ["--fp8-recipe", "tensorwise", "--fsdp-float8-all-gather"],
+        "loss_chunks": ["--loss-chunks", "8"],
+        "compiled_loss": ["--compiled-loss"],
+    },
+}
+
+
+def test_every_python_knob_has_a_cli_flag():
+    """Each field of TrainingKnobs, ActivationKnobs, MoEKnobs, MegatronKnobs and
+    TorchtitanKnobs is set by its flag (and only the field named changes from the default)."""
+    import argparse
+    import dataclasses
+
+    from gpumem.cli import estimate as cli_estimate
+    from gpumem.estimator.job import GROUPS
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    cli_estimate.register(sub)
+    for group, cls in GROUPS.items():
+        assert set(KNOB_FLAGS[group]) == {f.name for f in dataclasses.fields(cls)}, group
+        fw = {"megatron": "megatron", "torchtitan": "torchtitan"}.get(group, "torch")
+        base = cli_estimate.knobs_from_args(
+            parser.parse_args(["estimate", "m", "--framework", fw])
+        )[group]
+        for name, flags in KNOB_FLAGS[group].items():
+            args = parser.parse_args(["estimate", "m", "--framework", fw, *flags])
+            knobs = cli_estimate.knobs_from_args(args)[group]
+            assert getattr(knobs, name) != getattr(base, name), (group, name)
+
+
+def test_cli_knobs_reach_the_estimate(capsys):
+    import gpumem
+    from gpumem.estimator.knobs import ActivationKnobs, MoEKnobs
+
+    args = ["estimate", "mixtral-8x7b", "--gpus", "8", "--ep", "8", "--seq-len", "1024"]
+    extra = ["--moe-dispatcher", "allgather", "--no-moe-grouped-gemm", "--attention-dropout",
+             "0.1", "--attention", "eager", "--fused-ops", "none", "--device", "cpu"]  # fmt: skip
+    extra.append("--json")
+    assert main([*args, *extra]) == 0
+    out = json.loads(capsys.readouterr().out)
+    bill = gpumem.estimate(
+        "mixtral-8x7b",
+        seq_len=1024,
+        layout=gpumem.Layout(dp=8, ep=8),
+        device="cpu",
+        activations=ActivationKnobs(attention="eager", dropout=0.1, fused_ops=()),
+        moe=MoEKnobs(dispatcher="allgather", grouped_gemm=False),
+    )
+    assert out["per_gpu"] == bill.per_gpu
+    plain = gpumem.estimate("mixtral-8x7b", seq_len=1024, layout=gpumem.Layout(dp=8, ep=8),
+                            device="cpu", attention="eager")  # fmt: skip
+    assert plain.per_gpu != bill.per_gpu
+
+
+def test_precision_help_lists_every_precision(capsys):
+    from gpumem.estimator.states import FP8_PRECISIONS, PRECISIONS
+
+    assert main(["estimate", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for name in (*PRECISIONS, *FP8_PRECISIONS):
+        assert name in text, name
+
+
+def test_cli_torchtitan_on_plain_gpus_shards_by_default(capsys):
+    """`--framework torchtitan --gpus 8` without --fsdp: torchtitan's dp_shard=-1, said so."""
+    args = ["estimate", "llama-3-8b", "--framework", "torchtitan", "--gpus", "8", "--seq-len",
+            "2048"]  # fmt: skip
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "fsdp-full" in text and "default: torchtitan's dp_shard=-1" in text

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import gpumem
-from gpumem.estimator.frameworks.megatron import layer_pattern
+from gpumem.estimator.frameworks.megatron import layer_pattern, layout_chunks
 
 DATA = Path(__file__).with_name("megatron_golden.json")
 PLATFORM_GPU = {"dgx_h100": "H100-80GB", "dgx_a100": "A100-80GB"}
@@ -133,6 +133,9 @@ def estimate_kwargs(args: dict[str, Any], gpus: int) -> tuple[dict[str, Any], li
         vpp = L // pp // get("--num-layers-per-virtual-pipeline-stage")
     if get("--num-virtual-stages-per-pipeline-rank"):
         vpp = get("--num-virtual-stages-per-pipeline-rank")
+    pipeline_layout = get("--pipeline-model-parallel-layout")
+    if pipeline_layout:  # its chunks over pp ranks: the virtual stages
+        vpp = len(layout_chunks(pipeline_layout)) // pp
     fsdp = get("--use-megatron-fsdp", False)
     strategy = get("--data-parallel-sharding-strategy", "optim_grads_params")
     zero = (
@@ -193,6 +196,14 @@ def estimate_kwargs(args: dict[str, Any], gpus: int) -> tuple[dict[str, Any], li
         kw["pipeline_split_embedding"] = True
     if get("--account-for-loss-in-pipeline-split", False):
         kw["pipeline_split_loss"] = True
+    if pipeline_layout:
+        kw["pipeline_layout"] = pipeline_layout
+    if get("--recompute-modules"):
+        kw["recompute_modules"] = tuple(get("--recompute-modules"))
+    if get("--fine-grained-activation-offloading", False):
+        kw["offload_modules"] = tuple(get("--offload-modules", ["core_attn"]))
+    if get("--num-distributed-optimizer-instances", 1) > 1:
+        kw["dist_opt_instances"] = get("--num-distributed-optimizer-instances")
     unsupported = sorted(k for k in a if k not in used and k not in NEUTRAL)
     return kw, unsupported
 

@@ -55,6 +55,32 @@ def _float(text: str, lo: float, strict: bool) -> float:
     return v
 
 
+def name_list(known: tuple[str, ...]) -> type[tuple]:
+    """Comma-separated names from ``known`` (``none``: the empty tuple)."""
+
+    def check(text: str) -> tuple[str, ...]:
+        names = tuple(n.strip() for n in text.split(",") if n.strip())
+        if names == ("none",):
+            return ()
+        bad = [n for n in names if n not in known]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(map(repr, bad)) or 'empty list'}; give names from "
+                f"{', '.join(known)} (comma-separated), or none"
+            )
+        return names
+
+    check.__name__ = "names"
+    return check  # type: ignore[return-value]
+
+
+def probability(text: str) -> float:
+    v = _float(text, 0.0, strict=False)
+    if v >= 1:
+        raise argparse.ArgumentTypeError(f"must be a probability in [0, 1), got {v:g}")
+    return v
+
+
 def positive_float(text: str) -> float:
     return _float(text, 0.0, strict=True)
 

@@ -9,7 +9,10 @@ import sys
 from typing import Any
 
 from gpumem.cli import _args
+from gpumem.estimator.activations import FUSED_OPS
 from gpumem.estimator.frameworks.conventions import FRAMEWORKS
+from gpumem.estimator.knobs import MOE_DISPATCHERS
+from gpumem.estimator.states import FP8_PRECISIONS, PRECISIONS
 
 
 def add_job_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,8 +37,9 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--precision",
         default=None,  # None: the default, and the bill says so (a given bf16-mixed is given)
-        help="fp32, bf16-mixed, fp16-mixed, bf16-autocast, bf16 (default bf16-mixed); with "
-        "--inference the weights: fp32, bf16, fp16, fp8, int8, int4, nf4",
+        help=f"{', '.join(PRECISIONS)} (default bf16-mixed), or an fp8 recipe: "
+        f"{', '.join(FP8_PRECISIONS)}; with --inference the weights: fp32, bf16, fp16, fp8, "
+        "int8, int4, nf4",
     )
     p.add_argument(
         "--optimizer",
@@ -185,6 +189,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--attention", default="sdpa", help="sdpa, flash, efficient, eager")
     p.add_argument("--activation-model", default="ops", choices=("ops", "korthikanti"))
+    add_knob_arguments(p)
     p.add_argument("--offload-optimizer", action="store_true", help="optimizer state in CPU memory")
     p.add_argument(
         "--offload-param",
@@ -208,10 +213,67 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def add_knob_arguments(p: argparse.ArgumentParser) -> None:
+    """The rest of ``TrainingKnobs``, ``ActivationKnobs`` and ``MoEKnobs`` (and ``device``):
+    every knob of ``gpumem.estimate`` has its flag (tests/test_cli.py holds the list)."""
+    p.add_argument(
+        "--attention-dropout",
+        type=_args.probability,
+        default=0.0,
+        help="attention dropout probability (Megatron's --attention-dropout; default 0; a BERT "
+        "config.json's attention_probs_dropout_prob when 0)",
+    )
+    p.add_argument(
+        "--fused-ops",
+        type=_args.name_list(FUSED_OPS),
+        default=None,
+        help=f"kernels that run fused, comma-separated from {', '.join(FUSED_OPS)}, or 'none' "
+        "(default: the framework's; Megatron fuses norm, swiglu, rope)",
+    )
+    p.add_argument(
+        "--moe-dispatcher",
+        default=None,
+        choices=MOE_DISPATCHERS,
+        help="MoE token dispatch under expert parallelism (Megatron's "
+        "--moe-token-dispatcher-type; default alltoall)",
+    )
+    p.add_argument(
+        "--moe-grouped-gemm",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="experts as one grouped GEMM (Megatron's --moe-grouped-gemm; default: on for "
+        "config.json models and Megatron, a loop over experts for gpumem.models)",
+    )
+    p.add_argument(
+        "--foreach",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.optim's foreach step (default: torch's choice for the device)",
+    )
+    p.add_argument("--fused-optimizer", action="store_true", help="torch.optim's fused=True step")
+    p.add_argument(
+        "--persistent-grads",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="gradients stay allocated across steps (default: when distributed or "
+        "accumulating; torchtitan: no)",
+    )
+    p.add_argument(
+        "--device",
+        default="cuda",
+        choices=("cuda", "cpu"),
+        help="cpu: compare with a CPU run (no CUDA context or NCCL reserve; default cuda)",
+    )
+
+
 def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     """Megatron-LM's arguments of the same names (``--framework megatron``; see
     gpumem/estimator/frameworks/megatron.py)."""
-    from gpumem.estimator.frameworks.megatron import FP8_RECIPES
+    from gpumem.estimator.frameworks.megatron import (
+        FP8_RECIPES,
+        OFFLOAD_MODULES,
+        RECOMPUTE_MODULES,
+    )
     from gpumem.estimator.frameworks.torchtitan import FLOAT8_RECIPES
 
     g = p.add_argument_group("Megatron-LM (--framework megatron)")
@@ -237,6 +299,35 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
         "--moe-layer-freq", default=None, help="MoE layer pattern: k or e.g. '([0]*1+[1]*27)'"
     )
     g.add_argument("--mtp-layers", type=_args.non_negative_int, default=0, help="MTP layers")
+    g.add_argument(
+        "--pipeline-model-parallel-layout",
+        dest="pipeline_layout",
+        default=None,
+        metavar="LAYOUT",
+        help="Megatron's layout string, e.g. 'Et*3|(tt|)*6L' (its chunks over --pp ranks set "
+        "--vpp)",
+    )
+    g.add_argument(
+        "--recompute-modules",
+        type=_args.name_list(RECOMPUTE_MODULES),
+        default=None,
+        help=f"with --recompute selective: {', '.join(RECOMPUTE_MODULES)} (comma-separated; "
+        "Megatron's default core_attn)",
+    )
+    g.add_argument(
+        "--offload-modules",
+        type=_args.name_list(OFFLOAD_MODULES),
+        default=None,
+        help="--fine-grained-activation-offloading of these modules: "
+        f"{', '.join(OFFLOAD_MODULES)} (comma-separated)",
+    )
+    g.add_argument(
+        "--num-distributed-optimizer-instances",
+        dest="dist_opt_instances",
+        type=_args.positive_int,
+        default=None,
+        help="copies of the distributed optimizer, each sharded over dp*cp / N ranks",
+    )
 
 
 def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -259,11 +350,16 @@ def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
             offload_optimizer=args.offload_optimizer,
             lora_rank=args.lora_rank,
             base_quant="nf4" if args.qlora else None,
+            foreach=args.foreach,
+            fused=args.fused_optimizer,
+            persistent_grads=args.persistent_grads,
         ),
         "activations": ActivationKnobs(
             attention=args.attention,
+            dropout=args.attention_dropout,
             activation_model=args.activation_model,
             keep_logits=args.keep_logits,
+            fused_ops=args.fused_ops,
         ),
         # a knob of a framework not named is named as such, before its value is checked
         "megatron": check_knobs(fw if fw is not None else "megatron", **megatron),
@@ -276,7 +372,9 @@ def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         ),
         "deepspeed": deepspeed,
         "moe": MoEKnobs(
-            **({} if args.moe_imbalance is None else {"imbalance": args.moe_imbalance})
+            **({} if args.moe_imbalance is None else {"imbalance": args.moe_imbalance}),
+            **({} if args.moe_dispatcher is None else {"dispatcher": args.moe_dispatcher}),
+            grouped_gemm=args.moe_grouped_gemm,
         ),
     }
 
@@ -291,6 +389,10 @@ MEGATRON = (
     "pipeline_last_layers",
     "pipeline_split_embedding",
     "pipeline_split_loss",
+    "dist_opt_instances",
+    "pipeline_layout",
+    "recompute_modules",
+    "offload_modules",
 )
 
 
@@ -320,6 +422,11 @@ def layout_from_args(args: argparse.Namespace):
     tp, pp, ep, cp = args.tp or 1, args.pp or 1, args.ep or 1, args.cp or 1
     if args.gpus % (tp * pp * cp):
         raise ValueError(f"--gpus {args.gpus} is not divisible by tp*pp*cp = {tp * pp * cp}")
+    vpp = args.vpp
+    if getattr(args, "pipeline_layout", None) and vpp == 1:  # the layout's chunks per rank
+        from gpumem.estimator.frameworks.megatron import layout_chunks
+
+        vpp = max(1, len(layout_chunks(args.pipeline_layout)) // pp)
     dp = args.dp or args.gpus // (tp * pp * cp)
     if dp * tp * pp * cp != args.gpus:
         raise ValueError(
@@ -333,7 +440,7 @@ def layout_from_args(args: argparse.Namespace):
         zero=args.zero,
         fsdp=args.fsdp,
         sp=args.sp,
-        vpp=args.vpp,
+        vpp=vpp,
         cp=cp,
         etp=args.etp,
     )
@@ -409,6 +516,7 @@ def run(args: argparse.Namespace) -> int:
         framework=args.framework,
         calibration=args.calibration,
         alloc_conf=args.alloc_conf,
+        device=args.device,
         **knobs_from_args(args),
     )
     if args.json:

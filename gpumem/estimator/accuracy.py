@@ -25,6 +25,7 @@ from gpumem.estimator.api import estimate
 from gpumem.estimator.bill import Bill
 from gpumem.estimator.gpus import find_gpu
 from gpumem.estimator.knobs import ActivationKnobs, TrainingKnobs
+from gpumem.estimator.param_count import MLM_ENCODERS
 from gpumem.estimator.resolver import from_model_config
 
 PROFILER_CATEGORIES = ("weights", "gradients", "optimizer", "activations", "temporary", "inputs")
@@ -242,6 +243,32 @@ HF_SWEEP: dict[str, dict[str, Any]] = {
         "n_group": 1,
         "topk_group": 1,
     },
+    # the encoders (*ForMaskedLM); dropout off as for gpt2 (tests/estimator/test_hf_sweep.py
+    # checks the checkpoints' 0.1 too)
+    "bert": {
+        "model_type": "bert",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "vocab_size": 256,
+        "max_position_embeddings": 256,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+    },
+    "roberta": {
+        "model_type": "roberta",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "vocab_size": 256,
+        "max_position_embeddings": 258,
+        "type_vocab_size": 1,
+        "pad_token_id": 1,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+    },
 }
 """Small random-init configs of every family the estimator reads from config.json (the sweep
 of tests/estimator/test_hf_sweep.py and benchmarks/bench_hf_sweep.py)."""
@@ -313,8 +340,11 @@ def compare_hf(case: HFCase, device: str = "cpu") -> Comparison:
     cfg = dict(case.config)
     mtype = cfg.pop("model_type")
     config = transformers.AutoConfig.for_model(mtype, **cfg)
+    # the head a checkpoint of the family has: a causal LM, or the encoders' masked LM
+    auto = "MASKED_LM" if mtype in MLM_ENCODERS else "CAUSAL_LM"
+    mapping = getattr(transformers.models.auto.modeling_auto, f"MODEL_FOR_{auto}_MAPPING")
+    arch = mapping[type(config)]
     # SDPA where transformers offers it (Gemma2 refuses it: eager, soft-capped attention)
-    arch = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     config._attn_implementation = "sdpa" if getattr(arch, "_supports_sdpa", True) else "eager"
     kwargs = {"experts_implementation": "grouped_mm"} if _is_moe_config(mtype) else {}
     dtype = torch.bfloat16 if case.precision == "bf16" else torch.float32
@@ -322,7 +352,7 @@ def compare_hf(case: HFCase, device: str = "cpu") -> Comparison:
     fake = profiler.fake() if use_fake else contextlib.nullcontext()
     torch.manual_seed(0)
     with fake, _grouped_mm_any_dtype():
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+        model = arch._from_config(config, dtype=dtype, **kwargs)
         if device != "cpu":
             model = model.to(device)
         model.train()

@@ -169,20 +169,7 @@ def layer_items(spec: ModelSpec, w: Workload) -> list[Item]:
     if rotary and w.autocast and "rope" not in w.fused:  # cos/sin cast to 16 bits for q and k
         items.append(Item("rope.cos_sin_casts", 4 * s * (d // 2) * A))
     if w.attention == "math":
-        M = A if w.cuda else 4  # on CPU the math backend upcasts 16-bit inputs to fp32
-        qm = n * a * d * M
-        items += [
-            Item("attn.q_scaled", qm, core=True),
-            Item("attn.k_scaled", qm, core=True),
-            Item("attn.v", qm),
-            Item("attn.softmax", b * a * sq * s * M, core=True),
-        ]
-        if w.dropout > 0:
-            mask = b * a * sq * s * (1 if w.cuda else M)  # bool on CUDA, float noise on CPU
-            items += [
-                Item("attn.dropout_mask", mask, core=True),
-                Item("attn.dropout_out", b * a * sq * s * M, core=True),
-            ]
+        items += math_attention_items(w, n, a, d)
         o_copy = True  # math output is (b, a, s, d): transpose + reshape copies
     else:
         lse = b * a * (sq if w.attention != "efficient" else -(-sq // 32) * 32) * 4
@@ -213,6 +200,27 @@ def layer_items(spec: ModelSpec, w: Workload) -> list[Item]:
         items += [
             Item("autocast.weight_casts", weights * A),
             Item("autocast.bias_casts", biases * A, saved=False),
+        ]
+    return items
+
+
+def math_attention_items(w: Workload, n: int, a: int, d: int) -> list[Item]:
+    """SDPA's math backend (eager attention, or the CPU with dropout): the scaled q and k, v,
+    the s × s softmax and, with dropout, its mask and output; on the CPU in fp32 whatever the
+    inputs (it upcasts 16-bit ones)."""
+    M = w.compute if w.cuda else 4
+    qm, s2 = n * a * d * M, w.batch * a * w.local_seq * w.seq
+    items = [
+        Item("attn.q_scaled", qm, core=True),
+        Item("attn.k_scaled", qm, core=True),
+        Item("attn.v", qm),
+        Item("attn.softmax", s2 * M, core=True),
+    ]
+    if w.dropout > 0:
+        mask = s2 * (1 if w.cuda else M)  # bool on CUDA, float noise on CPU
+        items += [
+            Item("attn.dropout_mask", mask, core=True),
+            Item("attn.dropout_out", s2 * M, core=True),
         ]
     return items
 

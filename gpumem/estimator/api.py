@@ -38,8 +38,7 @@ from gpumem.allocator.alloc_conf import AllocConf, NotSimulated, resolve
 from gpumem.calibrate.calibration import split_calibration
 from gpumem.calibrate.memory import MemoryCalibration, apply_memory_calibration
 from gpumem.estimator.bill import Bill
-from gpumem.estimator.frameworks.conventions import engine
-from gpumem.estimator.frameworks.deepspeed import ZeroConfig, host_bytes
+from gpumem.estimator.frameworks.deepspeed import ZeroConfig
 from gpumem.estimator.frameworks.megatron import MegatronKnobs
 from gpumem.estimator.frameworks.torchtitan import TorchtitanKnobs
 from gpumem.estimator.gpus import FRAGMENTATION, GPU
@@ -128,7 +127,7 @@ def estimate(
         bill = estimate_module(model, job)
     else:
         spec = model if isinstance(model, ModelSpec) else resolve_model(model)
-        bill = with_host_bytes(estimate_preset(spec, job), job.gpu)
+        bill = estimate_preset(spec, job)
     return bill if mem is None else apply_memory_calibration(bill, mem)
 
 
@@ -159,24 +158,6 @@ def resolve_alloc_conf(alloc_conf: Any, gpu: GPU | None = None) -> tuple[AllocCo
         if alloc_conf is not None:
             raise
         return None, f"{exc}; fragmentation as the flat share"
-
-
-def with_host_bytes(bill: Bill, gpu: GPU) -> Bill:
-    """The bill with DeepSpeed offload's pinned host memory per node (``deepspeed.host_bytes``)."""
-    tr, lay = bill.training, bill.layout
-    if engine(bill.framework, lay) != "deepspeed" or tr.deepspeed is None or lay.stage < 1:
-        return bill
-    trainable = bill.n_params / (lay.tp * lay.pp)  # full training (LoRA offloads little)
-    host = host_bytes(
-        tr.deepspeed,
-        lay.stage,
-        trainable=trainable,
-        n_shard=lay.shard_degree(gpu.gpus_per_node),
-        gpus_per_node=min(gpu.gpus_per_node, lay.n_gpus),
-        state_bytes=tr.optimizer_bytes,
-        weight_bytes=tr.weight_bytes,
-    )
-    return dataclasses.replace(bill, host_bytes=host)
 
 
 def is_module(obj: Any) -> bool:

@@ -129,7 +129,7 @@ def mlp_moment(spec: ModelSpec, s: Shape, ffn: int) -> Moment:
         _swiglu_rest(wk, n, h, f, A, s.grad_bytes, cast, in_cast, spec.family == "phi3")
     else:  # proj(gelu(fc(x)))
         wk.linear(n, f, h, True, A, s.grad_bytes, cast, saved=n * f * A, consumed=copy)
-        if spec.is_hf:
+        if spec.is_hf and not spec.is_encoder:  # GPT-2's gelu_new, as Python ops
             _gelu_new(wk, n * f * A)
         else:  # one fused GELU kernel
             wk.alloc(t=n * f * A)
@@ -384,7 +384,8 @@ def layer_moment(spec: ModelSpec, w, items, grad_bytes: int, recompute: str = "n
     mlp = mlp_moment(spec, s, f)
     # the MLP half of the layer's items: everything from its pre-norm on (autocast's cached
     # weight copies stay until their own matmul's backward)
-    cut = next(k for k, i in enumerate(items) if i.name.startswith("mlp_norm."))
+    # (a post-LN encoder's MLP half starts at the intermediate dense's input)
+    cut = next(k for k, i in enumerate(items) if i.name.startswith(("mlp_norm.", "intermediate.")))
     mlp_saved = sum(i.nbytes for i in items[cut:] if not i.name.startswith("autocast."))
     h, qd = spec.hidden, spec.n_heads * spec.dhead // t
     per_mlp = (3 if spec.arch == "llama" else 2) * h * f + (0 if spec.arch == "llama" else f + h)
@@ -425,7 +426,11 @@ def recompute_forward_moment(spec: ModelSpec, w, items, s: Shape) -> Moment:
     # not recomputed yet: everything from the output projection's input on
     cut = next(
         (k for k, i in enumerate(items) if i.name == "o_proj.input"),
-        next(k for k, i in enumerate(items) if i.name.startswith(("post_attn_norm.", "mlp_norm."))),
+        next(
+            k
+            for k, i in enumerate(items)
+            if i.name.startswith(("post_attn_norm.", "mlp_norm.", "attn_out.", "attn_ln."))
+        ),
     )
     freed = sum(i.nbytes for i in items[cut:] if not i.name.startswith("autocast."))
     if w.autocast:  # cached 16-bit weights of the MLP and the output projection: not made yet

@@ -23,7 +23,7 @@ from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.model_spec import ModelSpec
 from gpumem.estimator.states import Training
-from gpumem.estimator.terms import steady_states
+from gpumem.estimator.terms import offload_host_bytes, steady_states
 from gpumem.units import format_bytes
 
 CATEGORIES = (
@@ -58,8 +58,9 @@ class Bill:
         pipeline_ranks: one Bill per pipeline rank (first to last); this bill is the worst of
             them and decides ``fits``. Without pipelining, the one rank's bill.
         items: the itemised activations of one layer (one micro-batch), for the table.
-        host_bytes: pinned host memory per node that DeepSpeed's offload needs (0 without;
-            ``deepspeed.host_bytes``; DeepSpeed's own estimator adds half again as headroom).
+        host_bytes: pinned host memory per node that offloading needs (0 without; one rule
+            for every spelling and both paths: ``terms.offload_host_bytes``; DeepSpeed's own
+            estimator adds half again as headroom).
         peak_reserved_bytes: what PyTorch's caching allocator reserves at its peak with ample
             memory (``reserved_bytes.all.peak``), simulated (``step_trace.py``): the allocated
             peak plus ``fragmentation_bytes``; None when not simulated (CPU, an nn.Module, an
@@ -145,7 +146,7 @@ class Bill:
         of seq_len, batch_size, grad_accum, recompute, precision, optimizer), n_params,
         framework, per_gpu, fits, headroom_bytes, cluster_model_state_bytes, and per pipeline
         rank its stage, per_gpu, fits and phase; with a memory calibration, its record; with
-        DeepSpeed offload, host_bytes_per_node."""
+        offload, host_bytes_per_node."""
         out: dict[str, Any] = {
             "inputs": job_inputs.as_json(self.inputs, self.sources),
             "n_params": self.n_params,
@@ -159,7 +160,7 @@ class Bill:
                 for r in self.pipeline_ranks
             ],
         }
-        if self.host_bytes:  # DeepSpeed offload's pinned host memory
+        if self.host_bytes:  # offload's pinned host memory
             out["host_bytes_per_node"] = self.host_bytes
         out["reserved"] = self.reserved_dict()
         if self.calibration is not None:
@@ -271,6 +272,7 @@ def make_bill(
     """
     gpu = fields["gpu"]
     simulated = fields.get("alloc_conf") is not None
+    per_node = min(gpu.gpus_per_node, fields["layout"].n_gpus)
     ranks = []
     for i, x in zip(stages, terms_by_stage, strict=True):
         out = peak.assemble(x)
@@ -295,6 +297,7 @@ def make_bill(
                 peak_reserved_bytes=allocated + frag if simulated else None,
                 fragmentation_bytes=frag,
                 unreleasable_bytes=pinned,
+                host_bytes=offload_host_bytes(x, fields["training"], per_node),
                 **fields,
             )
         )

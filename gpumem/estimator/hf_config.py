@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumem.estimator.model_spec import ModelSpec
+from gpumem.estimator.param_count import MLM_ENCODERS
 
 # model_type -> our arch; field names differ between families
 _HF_ARCH = {
@@ -29,6 +30,9 @@ _HF_ARCH = {
     "deepseek_v2": "llama",
     "deepseek_v3": "llama",
     "gpt2": "gpt2",
+    # encoders (BertForMaskedLM's shapes: LayerNorm, biases, learned positions, MHA, GELU)
+    "bert": "gpt2",
+    "roberta": "gpt2",
 }
 # the fields that say how tokens are routed, per MoE family
 _ROUTER_FIELDS = {
@@ -40,13 +44,15 @@ _ROUTER_FIELDS = {
 }
 # defaults of the transformers config classes for fields a config.json may leave out
 _TIED_DEFAULT = {"gemma": True, "gemma2": True, "gemma3_text": True}
+_ENCODER_DECODERS = ("t5", "mt5", "umt5", "longt5", "bart", "mbart", "pegasus", "marian")
 HF_FAMILIES = tuple(_HF_ARCH)  # the config.json model_types this module reads
 
 
 def from_hf_config(config: dict[str, Any], name: str = "config.json") -> ModelSpec:
     """A ModelSpec from a Hugging Face ``config.json``: Llama, Mistral, Qwen2/3, Phi-3,
-    Gemma/Gemma2/Gemma3, GPT-2, and the MoE families Mixtral, Qwen2-MoE/Qwen3-MoE and
-    DeepSeek-V2/V3 (dense first layers, shared experts, multi-head latent attention). The spec
+    Gemma/Gemma2/Gemma3, GPT-2, the MoE families Mixtral, Qwen2-MoE/Qwen3-MoE and
+    DeepSeek-V2/V3 (dense first layers, shared experts, multi-head latent attention), and the
+    encoders BERT and RoBERTa (as ``*ForMaskedLM``: ``_encoder_spec``). The spec
     follows transformers' implementation (``impl="hf"``, see ``hf_ops.py``).
 
     Raises:
@@ -57,11 +63,21 @@ def from_hf_config(config: dict[str, Any], name: str = "config.json") -> ModelSp
     mtype = config.get("model_type")
     if mtype is None:
         raise ValueError(f"{name}: missing field 'model_type' (one of {', '.join(_HF_ARCH)})")
+    if mtype in _ENCODER_DECODERS:
+        raise ValueError(
+            f"{name}: model_type {mtype!r} is an encoder-decoder (two stacks, cross-attention), "
+            "not modelled from a config.json yet; estimate the module itself: gpumem.estimate("
+            "AutoModelForSeq2SeqLM.from_config(cfg) built on the meta device, example_input="
+            "{'input_ids': ids, 'labels': ids}) (read: "
+            f"{', '.join(_HF_ARCH)})"
+        )
     if mtype not in _HF_ARCH:
         raise ValueError(
             f"{name}: model_type {mtype!r} is not supported; supported: {', '.join(_HF_ARCH)}"
         )
     c = _Fields(config, name, mtype)
+    if mtype in MLM_ENCODERS:
+        return _encoder_spec(c)
     return _gpt2_spec(c) if _HF_ARCH[mtype] == "gpt2" else _llama_spec(c)
 
 
@@ -115,6 +131,55 @@ def _gpt2_spec(c: _Fields) -> ModelSpec:
         impl="hf",
         family="gpt2",
     )
+
+
+def _encoder_spec(c: _Fields) -> ModelSpec:
+    """BERT / RoBERTa as ``*ForMaskedLM`` (their checkpoints' ``architectures``): post-LN
+    layers with separate q/k/v, exact GELU, token-type embeddings and an embedding LayerNorm,
+    and the MLM head (dense + GELU + LayerNorm, the decoder tied to the word embeddings with its
+    own bias); ``hidden_dropout_prob`` and ``attention_probs_dropout_prob`` are the dropouts
+    (0.1 in both checkpoints: masks saved in training)."""
+    act = c.get("hidden_act", "gelu")
+    if act != "gelu":
+        raise ValueError(
+            f"{c.name}: hidden_act {act!r} is not modelled for model_type {c.mtype!r}; "
+            "the estimator follows BERT's exact 'gelu'"
+        )
+    heads = [a for a in c.get("architectures") or [] if isinstance(a, str)]
+    if heads and not any(a.endswith("ForMaskedLM") for a in heads):
+        raise ValueError(
+            f"{c.name}: architectures {heads} name a head the estimator does not model for "
+            f"model_type {c.mtype!r}; it prices *ForMaskedLM (give architectures "
+            f"['{c.mtype.capitalize()}ForMaskedLM'], or estimate the module itself)"
+        )
+    h, max_pos = c.need("hidden_size"), c.need("max_position_embeddings")
+    return ModelSpec(
+        name=c.label,
+        arch="gpt2",
+        n_layers=c.need("num_hidden_layers"),
+        hidden=h,
+        n_heads=c.need("num_attention_heads"),
+        ffn=c.need("intermediate_size"),
+        vocab=c.need("vocab_size"),
+        max_seq=max_pos - (c.opt("pad_token_id", 1) + 1 if c.mtype == "roberta" else 0),
+        position_rows=max_pos,
+        type_vocab=c.opt("type_vocab_size", 2),
+        tied_embeddings=bool(c.get("tie_word_embeddings", True)),
+        pdrop=_probability(c, "hidden_dropout_prob"),
+        attn_pdrop=_probability(c, "attention_probs_dropout_prob"),
+        # position_ids and token_type_ids: int64 buffers of max_position_embeddings
+        buffer_bytes=2 * max_pos * 8,
+        source=c.name,
+        impl="hf",
+        family=c.mtype,
+    )
+
+
+def _probability(c: _Fields, key: str) -> float:
+    v = c.get(key, 0.1)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+        raise ValueError(f"{c.name}: field {key!r} must be a probability in [0, 1), got {v!r}")
+    return float(v)
 
 
 def _moe_fields(c: _Fields) -> dict[str, Any]:

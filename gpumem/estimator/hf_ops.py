@@ -50,6 +50,8 @@ def layer_items(spec: ModelSpec, w: Workload) -> list[Item]:
     """Everything one layer keeps for backward, by the spec's implementation."""
     if not spec.is_hf:
         return act.layer_items(spec, w)
+    if spec.is_encoder:
+        return _encoder_layer(spec, w)
     if spec.arch == "gpt2":
         return _gpt2_layer(spec, w)
     t, n, A, R = w.tp, w.tokens, w.compute, w.residual
@@ -78,6 +80,8 @@ def layer_items(spec: ModelSpec, w: Workload) -> list[Item]:
 
 def embed_items(spec: ModelSpec, w: Workload) -> list[Item]:
     """Token ids, and (Hugging Face) RoPE's cos and sin, saved once by the first layer."""
+    if spec.is_encoder:
+        return _encoder_embed(spec, w)
     items = act.embed_items(spec, w)
     if spec.is_hf and spec.arch == "llama":
         rope = spec.qk_rope_dim if spec.is_mla else spec.dhead
@@ -91,6 +95,10 @@ def head_items(spec: ModelSpec, w: Workload) -> list[Item]:
     """Final norm, LM head input, logits and the loss (``activations.head_items``), with
     transformers' norm for a config.json model."""
     items = act.head_items(spec, w)
+    if spec.is_encoder:  # the MLM transform before the final LayerNorm (dense, GELU)
+        n = w.tokens
+        return [*_proj_inputs(w, "mlm.dense", 1, n, n, spec.hidden),
+                Item("mlm.gelu_input", n * spec.hidden * w.compute), *items]  # fmt: skip
     if not spec.is_hf or spec.arch != "llama":
         return items
     n_sp = w.tokens // w.tp if w.sp else w.tokens
@@ -325,6 +333,57 @@ def _gpt2_layer(spec: ModelSpec, w: Workload) -> list[Item]:
         weights = h * 3 * hq + hq * h + 2 * h * f
         items.append(Item("autocast.weight_casts", weights * A))
     return items
+
+
+def _dropout(w: Workload, tag: str, numel: int, p: float) -> list[Item]:
+    """A training dropout's saved tensor: a bool mask on CUDA (``native_dropout``), the scaled
+    noise in the input's dtype on the CPU (``input * noise``); nothing at p = 0."""
+    if p <= 0:
+        return []
+    return [Item(f"{tag}.dropout_mask", numel * (1 if w.cuda else w.compute))]
+
+
+def _encoder_layer(spec: ModelSpec, w: Workload) -> list[Item]:
+    """transformers' BERT / RoBERTa layer (post-LN): the q, k and v Linears share the layer's
+    input (the previous LayerNorm's output), SDPA saves its three projections (views of
+    separate outputs), output and log-sum-exp (the CPU's SDPA takes the math path under
+    attention dropout); the output dense reads the attention's output, dropout, then
+    ``LayerNorm(x + input)`` saves the sum, mean and rstd; the intermediate dense reads that
+    norm's output, exact GELU saves its input, the output dense its output; dropout and the
+    second LayerNorm as the first."""
+    t, n, A = w.tp, w.tokens, w.compute
+    n_sp = n // t if w.sp else n
+    h, f, a, d = spec.hidden, spec.ffn // t, spec.n_heads // t, spec.dhead
+    hq = a * d
+    items = _proj_inputs(w, "qkv", 3, n, n_sp, h)
+    if w.attention == "math":
+        items += act.math_attention_items(w, n, a, d)
+        items.append(Item("attn.dense_input", n * hq * A))  # (b, a, s, d) -> a copy
+    else:
+        items += _sdpa(w, a, n * hq * A, n * hq * A, n * hq * A, n * hq * A)
+    items += _dropout(w, "attn_out", n * h, spec.pdrop)
+    items += act._norm_items(spec, w, "attn_ln", n_sp)
+    items += _proj_inputs(w, "intermediate", 1, n, n_sp, h)
+    items += [Item("gelu.input", n * f * A), Item("output_dense.input", n * f * A)]
+    items += _dropout(w, "mlp_out", n * h, spec.pdrop)
+    items += act._norm_items(spec, w, "mlp_ln", n_sp)
+    if w.autocast:
+        items.append(Item("autocast.weight_casts", (4 * h * hq + 2 * h * f) * A))
+    return items
+
+
+def _encoder_embed(spec: ModelSpec, w: Workload) -> list[Item]:
+    """Token ids; the token-type ids (BERT gathers one row from its buffer, RoBERTa one per
+    sample) and RoBERTa's position ids (counted from the tokens past ``padding_idx``: a new
+    tensor; BERT slices its buffer); the LayerNorm of the three embeddings' sum and the
+    dropout after it."""
+    n = w.tokens
+    roberta = spec.family == "roberta"
+    items = [Item("embed.ids", n * 8), Item("embed.token_type_ids", (n if roberta else w.seq) * 8)]
+    if roberta:
+        items.append(Item("embed.position_ids", n * 8))
+    items += act._norm_items(spec, w, "embed_ln", n)
+    return items + _dropout(w, "embed", n * spec.hidden, spec.pdrop)
 
 
 def _linear_weights(spec: ModelSpec, t: int, dense: bool) -> int:

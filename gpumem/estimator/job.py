@@ -22,7 +22,12 @@ from gpumem.estimator import inputs
 from gpumem.estimator.frameworks.conventions import default_grads, engine, resolve_framework
 from gpumem.estimator.frameworks.deepspeed import ZeroConfig
 from gpumem.estimator.frameworks.megatron import MegatronKnobs, check_knobs
-from gpumem.estimator.frameworks.torchtitan import TorchtitanKnobs, check_recompute, titan_knobs
+from gpumem.estimator.frameworks.torchtitan import (
+    TorchtitanKnobs,
+    check_recompute,
+    titan_knobs,
+    titan_layout,
+)
 from gpumem.estimator.gpus import GPU, find_gpu
 from gpumem.estimator.knobs import ActivationKnobs, MoEKnobs, TrainingKnobs
 from gpumem.estimator.layout import Layout
@@ -70,6 +75,8 @@ class Job:
     loss_fn: Any = None
     alloc_conf: AllocConf | None = None
     reserved_note: str = ""
+    sharding: str = ""
+    """Where the layout's sharding came from, when the framework decides it (torchtitan)."""
 
 
 def regroup(flat: dict[str, Any], groups: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -122,6 +129,9 @@ def check_job(model: Any, *, module: bool, flat: dict[str, Any], **a: Any) -> Jo
     g = regroup(flat, {k: a[k] for k in GROUPS})
     hf = not module and describes_hf(model)
     fw, precision, megatron, titan = framework_knobs(a["framework"], layout, hf, a["precision"], g)
+    sharding = ""
+    if fw == "torchtitan":  # FSDP over every data-parallel rank unless told otherwise
+        layout, sharding = titan_layout(layout)
     acts = ActivationKnobs(**g["activations"])
     tr = TrainingKnobs(**g["training"])
     training = make_training(precision, a["optimizer"], tr, fw, layout, a["deepspeed"], g["extra"])
@@ -139,6 +149,11 @@ def check_job(model: Any, *, module: bool, flat: dict[str, Any], **a: Any) -> Jo
         raise ValueError(
             "keep_logits=True does not apply to framework='torchtitan': its train step deletes "
             "pred before backward (leave keep_logits unset)"
+        )
+    if megatron.recompute_modules and a["recompute"] != "selective":
+        raise ValueError(
+            f"recompute_modules are Megatron's selective recompute: give recompute='selective' "
+            f"(got {a['recompute']!r})"
         )
     if not module:
         check_recompute(a["recompute"], fw)
@@ -167,6 +182,7 @@ def check_job(model: Any, *, module: bool, flat: dict[str, Any], **a: Any) -> Jo
         given=given,
         example_input=a["example_input"],
         loss_fn=a["loss_fn"],
+        sharding=sharding,
     )
 
 
@@ -206,6 +222,8 @@ def make_training(
     if grads is None:
         grads = default_grads(framework, Training(precision).master_bytes > 0)
     zero = zero_config(deepspeed, framework, layout, bool(extra.get("offload_param")))
+    if zero is not None and tr.offload_optimizer:  # one offload, whichever way it was spelled
+        zero = dataclasses.replace(zero, offload_optimizer="cpu")
     return Training(
         precision,
         optimizer,

@@ -1,10 +1,11 @@
 """``ModelSpec``: the shape of a model, enough to count its parameters and what autograd saves,
 checked when made.
 
-A spec describes a decoder transformer (GPT-2 or Llama family, dense or MoE), a ViT, or a ResNet
-(bottleneck). Its parameter count (``n_params``) comes from ``param_count.py``; the built-in
-specs are ``model_presets.py``, those read from a config.json ``hf_config.py``, and
-``resolver.py`` turns whatever a user passes into one.
+A spec describes a decoder transformer (GPT-2 or Llama family, dense or MoE), an MLM encoder
+(BERT, RoBERTa: GPT-2's shapes, ``is_encoder``), a ViT, or a ResNet (bottleneck). Its parameter
+count (``n_params``) comes from ``param_count.py``; the built-in specs are
+``model_presets.py``, those read from a config.json ``hf_config.py``, and ``resolver.py`` turns
+whatever a user passes into one.
 
 Example:
     >>> ModelSpec(name="tiny", arch="llama", n_layers=2, hidden=64, n_heads=4, ffn=128,
@@ -17,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gpumem.estimator.param_count import param_groups
+from gpumem.estimator.param_count import MLM_ENCODERS, param_groups
 
 Arch = Literal["gpt2", "llama", "vit", "resnet"]
 MLP_ACTS = ("", "gelu", "swiglu", "geglu", "squared_relu")
@@ -76,7 +77,13 @@ class ModelSpec:
     # mlp_only_layers / decoder_sparse_step); empty: all but the first_k_dense
     moe_layer_freq: tuple[int, ...] = ()
     mtp_layers: int = 0  # multi-token prediction layers after the last stage (DeepSeek-V3 MTP)
-    pdrop: float = 0.0  # GPT-2's resid/embd/attn dropout from config.json
+    pdrop: float = 0.0  # GPT-2's resid/embd/attn dropout; an encoder's hidden_dropout_prob
+    # encoders (BERT, RoBERTa: family in MLM_ENCODERS): attention_probs_dropout_prob, the
+    # token-type embedding's rows, the position table's rows (0: max_seq; RoBERTa offsets its
+    # positions by padding_idx + 1)
+    attn_pdrop: float = 0.0
+    type_vocab: int = 0
+    position_rows: int = 0
     # vision
     image_size: int = 224
     patch: int = 16
@@ -164,7 +171,14 @@ class ModelSpec:
 
     @property
     def is_decoder(self) -> bool:
+        """A token model with a language-model head (the decoders, and the MLM encoders that
+        share GPT-2's shapes)."""
         return self.arch in ("gpt2", "llama")
+
+    @property
+    def is_encoder(self) -> bool:
+        """BERT / RoBERTa (``*ForMaskedLM``): bidirectional, post-LN, an MLM head."""
+        return self.family in MLM_ENCODERS
 
     @property
     def norm(self) -> str:

@@ -13,6 +13,9 @@ from typing import Any
 Spec = Any
 """A ``model_spec.ModelSpec`` (that module counts through this one, so no import back)."""
 
+MLM_ENCODERS = ("bert", "roberta")
+"""config.json families built as ``*ForMaskedLM`` encoders on GPT-2's shapes."""
+
 
 @dataclass(frozen=True)
 class ParamGroups:
@@ -117,6 +120,12 @@ def param_groups(s: Spec) -> ParamGroups:
     if s.arch == "llama":
         embed_tp, embed_rep = s.vocab * h, 0
         head_rep = h  # final RMSNorm
+        head_tp = 0 if s.tied_embeddings else s.vocab * h
+    elif s.family in MLM_ENCODERS:  # + token types and the embedding LayerNorm (no ln_f);
+        # the MLM head: dense, LayerNorm and the decoder's bias (its weight tied)
+        embed_tp = s.vocab * h
+        embed_rep = ((s.position_rows or s.max_seq) + s.type_vocab) * h + 2 * h
+        head_rep = h * h + h + 2 * h + s.vocab
         head_tp = 0 if s.tied_embeddings else s.vocab * h
     elif s.arch == "gpt2":
         embed_tp, embed_rep = s.vocab * h, s.max_seq * h

@@ -70,6 +70,10 @@ class PresetTerms:
     """The caching allocator's settings the fragmentation is simulated under (``rank_shapes``);
     None: the flat ``gpu.fragmentation`` fraction instead."""
 
+    def __post_init__(self) -> None:
+        if self.spec.is_encoder and not self.dropout:  # the config's attention dropout
+            self.dropout = self.spec.attn_pdrop
+
     @property
     def mcore(self) -> bool:
         """Megatron-core's own saved tensors and loss (``frameworks/megatron.py``), not the
@@ -134,7 +138,8 @@ class PresetTerms:
             tp=layout.tp,
             sp=layout.sp,
             keep_logits=self.holds_logits,
-            upcast_logits=upcasts_logits(self.framework),
+            # BERT's MLM loss is CrossEntropyLoss on the model's dtype, not ForCausalLMLoss
+            upcast_logits=upcasts_logits(self.framework) and not self.spec.is_encoder,
             cp=layout.cp,
             dense=dense,
             ep=layout.ep,
@@ -438,6 +443,8 @@ def stage_terms(pt: PresetTerms, st: _Stack, i: int) -> list[float]:
         layer_comm=max(st.acts["dense"][10], st.acts["moe"][10] if r.n_moe else 0.0),
         mix=preset_mix(spec, pg),
     )
+    if pt.framework == "megatron":
+        megatron.optimizer_shards(pt.knobs, layout, x)
     if pt.alloc_conf is not None:
         fill_fragmentation(
             pt, pt.alloc_conf, x, layout, st.batch, st.recompute,
@@ -571,6 +578,7 @@ def estimate_preset(spec: ModelSpec, job: Job) -> Bill:
     batch_size = inputs.DEFAULT_BATCH_SIZE if job.batch_size is None else job.batch_size
     seq, seq_source = inputs.seq_len(spec, job.seq_len)
     layout, fw, acts, tt = job.layout, job.framework, job.activations, job.torchtitan
+    check_applies(spec, job)
     layout.check(spec, seq_len=seq, even_split=not megatron.uneven(job.megatron))
     terms = PresetTerms(
         spec,
@@ -626,6 +634,7 @@ def estimate_preset(spec: ModelSpec, job: Job) -> Bill:
                 given=job.given,
             ),
             "float8": "given",
+            "sharding": job.sharding,
             "loss": "keep_logits given"
             if acts.keep_logits is not None
             else f"default: the {fw} loop",
@@ -637,6 +646,33 @@ def estimate_preset(spec: ModelSpec, job: Job) -> Bill:
         if not simulated and conf is not None
         else job.reserved_note,
     )
+
+
+def check_applies(spec: ModelSpec, job: Job) -> None:
+    """A knob given for what the model or layout does not have is one line naming both.
+
+    Raises:
+        ValueError: an MoE dispatcher or grouped GEMM for a dense model; Megatron's optimizer
+            instances without its distributed optimizer, or a pipeline layout without pp.
+    """
+    moe = [n for n, v in (("moe_dispatcher", job.moe.dispatcher != "alltoall"),
+                          ("moe_grouped_gemm", job.moe.grouped_gemm is not None)) if v]  # fmt: skip
+    if moe and not spec.is_moe:
+        raise ValueError(
+            f"{', '.join(moe)} applies to a mixture of experts; {spec.name} has no experts "
+            "(leave it out)"
+        )
+    k = job.megatron
+    if k.dist_opt_instances > 1 and job.layout.zero != 1:
+        raise ValueError(
+            f"dist_opt_instances={k.dist_opt_instances} splits Megatron's distributed optimizer "
+            f"(zero=1); the layout has zero={job.layout.zero}"
+        )
+    if k.pipeline_layout is not None and job.layout.pp == 1:
+        raise ValueError(
+            f"pipeline_layout {k.pipeline_layout!r} places layers on pipeline ranks; the layout "
+            "has pp=1 (give pp and vpp = its chunks / pp)"
+        )
 
 
 def titan_terms(spec: ModelSpec, job: Job, terms: PresetTerms, batch: int, seq: int) -> list:
@@ -687,7 +723,7 @@ def bill_inputs(
         "precision": job.training.precision,
         "optimizer": job.training.optimizer,
         "framework": fw,
-        "loss": loss_convention(fw, terms.holds_logits),
+        "loss": loss_convention(fw, terms.holds_logits, upcast=not spec.is_encoder),
         "fused_ops": tuple(sorted(terms.fused)),
         **(
             {"float8": torchtitan.float8_label(tt.fp8_recipe, tt.fsdp_float8_all_gather)}
@@ -695,12 +731,19 @@ def bill_inputs(
             else {}
         ),
         **({"compiled_loss": True} if tt.compiled_loss else {}),
+        **({"sharding": sharding_label(job)} if fw == "torchtitan" else {}),
         **(
             {"moe_imbalance": job.moe.imbalance, "moe_dispatcher": job.moe.dispatcher}
             if spec.is_moe
             else {}
         ),
     }
+
+
+def sharding_label(job: Job) -> str:
+    """``fsdp-full over 8 ranks``: the sharding a framework that decides it runs."""
+    lay = job.layout
+    return f"fsdp-{lay.fsdp} over {lay.shard_degree(job.gpu.gpus_per_node)} ranks"
 
 
 def preset_mix(spec: ModelSpec, pg: ParamGroups) -> ParamMix:

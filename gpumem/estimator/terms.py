@@ -165,6 +165,36 @@ def deepspeed_states(x: list[float], tr: Training, shard: float, mix: ParamMix |
         x[peak.W_BYTES] = x[peak.W_FROZEN_BYTES] = 0.0
 
 
+def offload_host_bytes(x: list[float], tr: Training, gpus_per_node: int) -> int:
+    """Pinned host memory per node that offloading needs (0 without), from a rank's terms: one
+    rule for every spelling (``offload_optimizer=True``, ``--offload-optimizer``, DeepSpeed's
+    ``offload_optimizer: cpu`` / ``{"device": "cpu"}``, ``offload_param``) and both paths (a
+    described model, an ``nn.Module``): ``deepspeed.host_bytes`` for the rank's optimizer
+    partition (``P_TRAIN`` over the shard degree when ZeRO/FSDP shards the state, its experts
+    over theirs), times the node's GPUs. Without DeepSpeed the host holds the same: the fp32
+    master and optimizer state, the fp32 gradients the CPU step reads and the 16-bit weights
+    it writes back."""
+    if not (tr.offload_optimizer or tr.offload_param):
+        return 0
+    cfg = deepspeed.ZeroConfig(
+        offload_optimizer="cpu" if tr.offload_optimizer else "none",
+        offload_param="cpu" if tr.offload_param else "none",
+    )
+    stage = int(x[peak.STAGE])
+    host = 0
+    for params, shard in ((x[peak.P_TRAIN], peak.N_SHARD), (x[peak.P_EXP_TRAIN], peak.N_SHARD_EXP)):
+        host += deepspeed.host_bytes(
+            cfg,
+            stage,
+            trainable=params,
+            n_shard=int(x[shard]) if stage >= 1 else 1,
+            gpus_per_node=gpus_per_node,
+            state_bytes=x[peak.O_BYTES],
+            weight_bytes=tr.weight_bytes,
+        )
+    return host
+
+
 def cluster_states(tr: Training, trainable: float, frozen: float) -> int:
     """Unique weights + gradients + optimizer state of a job (no sharding, no replicas)."""
     return int(

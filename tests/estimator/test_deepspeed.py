@@ -4,6 +4,8 @@
 Reference: DeepSpeed's docs/code-docs/source/memory.rst (research/published-memory.md, C).
 """
 
+import json
+
 import pytest
 
 import gpumem
@@ -17,6 +19,7 @@ from gpumem.estimator.frameworks.deepspeed import (
     step_bytes,
 )
 from gpumem.estimator.gpus import find_gpu
+from gpumem.estimator.knobs import TrainingKnobs
 from gpumem.estimator.param_count import param_groups
 from gpumem.estimator.resolver import resolve_model
 from gpumem.estimator.states import Training
@@ -348,3 +351,81 @@ def test_hf_trainer_with_zero_takes_the_deepspeed_knobs():
     assert b.host_bytes == b.n_params // 4 * (12 + 4 + 2) * 4
     with pytest.raises(ValueError, match="use framework='deepspeed'"):
         gpumem.estimate(cfg, seq_len=128, layout=Layout(dp=4), deepspeed=ds)
+
+
+# --- one host-memory rule for every offload spelling -----------------------------------------
+
+GPT2_XL = resolve_model("gpt2-xl").n_params
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"deepspeed": {"offload_optimizer": "cpu"}},
+        {"deepspeed": {"offload_optimizer": {"device": "cpu", "pin_memory": True}}},
+        {"deepspeed": {"offload_optimizer": True}},
+        {"offload_optimizer": True},
+        {"training": TrainingKnobs(offload_optimizer=True)},
+    ],
+    ids=["cpu", "device-dict", "true", "flat", "training-knobs"],
+)
+@pytest.mark.parametrize("offload_param", [False, True])
+def test_every_offload_spelling_bills_deepspeeds_host_memory(kw, offload_param):
+    """gpt2-xl, ZeRO-3 on 8 GPUs: DeepSpeed's ``estimate_zero3_model_states_mem_needs`` prints
+    16Ψ (18Ψ with parameter offload) times its 1.5 headroom per node; gpumem bills the bare sum
+    plus the 16-bit gradient partition ZeRO-3 pins on the host beside the fp32 one
+    (``grad_partitions_flat_buffer``, 2Ψ/N a GPU): the same for every spelling."""
+    b = gpumem.estimate(
+        "gpt2-xl",
+        seq_len=256,
+        layout=Layout(dp=8, zero=3),
+        framework="deepspeed",
+        offload_param=offload_param,
+        **kw,
+    )
+    theirs, _ = published_estimate(
+        GPT2_XL, stage=3, num_gpus_per_node=8, offload_param=offload_param
+    )
+    assert b.host_bytes == pytest.approx(theirs / 1.5 + 2 * GPT2_XL, abs=8)
+    assert b.model_states["optimizer"] == 0
+    if not offload_param:
+        assert f"{b.host_bytes / 2**30:.2f}" == "26.11"
+
+
+def test_cli_offload_spellings_agree(capsys):
+    from gpumem.cli import main
+
+    base = ["estimate", "gpt2-xl", "--gpus", "8", "--zero", "3", "--seq-len", "256", "--json"]
+    seen = set()
+    for extra in (
+        ["--framework", "deepspeed", "--deepspeed", "offload_optimizer=cpu"],
+        ["--framework", "deepspeed", "--deepspeed", "offload_optimizer=true"],
+        ["--framework", "deepspeed", "--offload-optimizer"],
+        ["--offload-optimizer"],
+    ):
+        assert main([*base, *extra]) == 0
+        seen.add(json.loads(capsys.readouterr().out)["host_bytes_per_node"])
+    assert seen == {GPT2_XL // 8 * 18 * 8}
+
+
+def test_module_path_bills_the_host_memory_too():
+    """An nn.Module under ZeRO-2 with the optimizer offloaded: the same rule on its exact
+    parameter count (fp32 master + Adam 12 B, fp32 grads 4 B, 16-bit copy 2 B, of 1/4 each GPU)."""
+    import torch
+
+    m = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    n = sum(p.numel() for p in m.parameters())
+    kw = {"example_input": torch.randn(2, 64), "loss_fn": lambda y: y.sum(), "device": "cpu"}
+    lay = Layout(dp=4, zero=2)
+    for spelling in ({"deepspeed": {"offload_optimizer": "cpu"}}, {"offload_optimizer": True}):
+        b = gpumem.estimate(m, layout=lay, framework="deepspeed", **spelling, **kw)
+        assert b.host_bytes == n // 4 * (12 + 4 + 2) * 4
+    assert gpumem.estimate(m, layout=lay, framework="deepspeed", **kw).host_bytes == 0
+
+
+def test_offload_under_fsdp_keeps_the_same_host_rule():
+    """Not DeepSpeed: the CPU step still needs the fp32 master and state, fp32 gradients and
+    16-bit weights to copy back, the same 18 B per sharded parameter."""
+    b = gpumem.estimate("gpt2-xl", seq_len=256, layout=Layout(dp=8, fsdp="full"),
+                        offload_optimizer=True)  # fmt: skip
+    assert b.framework == "fsdp2" and b.host_bytes == GPT2_XL // 8 * 18 * 8

@@ -39,6 +39,8 @@ CASES += [("gemma3", "bf16", True), ("gemma2", "bf16-autocast", True)]
 CASES += [("deepseek-v3", "bf16", True)]
 # the peak inside the first layer's recomputed forward (MLA's math-path attention)
 CASES += [("deepseek-v3", "bf16-autocast", True)]
+# the encoders (post-LN, MLM head, CrossEntropyLoss on the logits' dtype)
+CASES += [("bert", "bf16-autocast", True), ("roberta", "bf16", False), ("bert", "bf16", True)]
 CASES = list(dict.fromkeys(CASES))
 
 
@@ -110,3 +112,97 @@ def test_trainer_loop_on_the_default_convention(case):
     assert abs(c.error_pct) < 1.0, c.error_pct
     held = estimate_hf_case(HFCase(name, cfg, precision, False, loop="logits"))
     assert abs(100 * (held.per_gpu["total"] - c.measured_peak) / c.measured_peak) > 3.0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast", "bf16"])
+@pytest.mark.parametrize("loop", ["trainer", "logits"])
+def test_encoder_with_the_checkpoints_dropout(precision, loop):
+    """bert-base's config keeps 0.1 hidden and attention dropout: its masks (the CPU's noise
+    tensors) and, on the CPU, SDPA's math path (dropout rules out its flash kernel)."""
+    cfg = {**HF_SWEEP["bert"], "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1}
+    c = compare_hf(HFCase("bert-dropout", cfg, precision, False, loop=loop))
+    for k in PROFILER_CATEGORIES:
+        assert within_tolerance(c.measured.get(k, 0), c.estimated.get(k, 0)), k
+
+
+@pytest.mark.parametrize("name", ["bert", "roberta"])
+def test_encoder_param_count_is_transformers(name):
+    """The parameters of the *ForMaskedLM transformers builds from a full-size config (on the
+    meta device): bert-base's and roberta-base's shapes."""
+    import torch
+    import transformers
+
+    from gpumem.estimator.hf_config import from_hf_config
+
+    full = {
+        "hidden_size": 768,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "intermediate_size": 3072,
+    }
+    extra = {"bert": {"vocab_size": 30522, "max_position_embeddings": 512},
+             "roberta": {"vocab_size": 50265, "max_position_embeddings": 514,
+                         "type_vocab_size": 1, "pad_token_id": 1}}[name]  # fmt: skip
+    cfg = {**full, **extra}
+    config = transformers.AutoConfig.for_model(name, **cfg)
+    with torch.device("meta"):
+        model = transformers.AutoModelForMaskedLM.from_config(config)
+    # tied decoder weight counted once
+    expected = sum(p.numel() for p in model.parameters())
+    spec = from_hf_config({"model_type": name, **cfg})
+    assert spec.n_params == expected
+    assert spec.max_seq == 512
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"hidden_act": "relu"}, ("hidden_act", "'relu'", "gelu")),
+        ({"hidden_dropout_prob": 1.5}, ("hidden_dropout_prob", "[0, 1)")),
+        (
+            {"architectures": ["BertForSequenceClassification"]},
+            ("BertForSequenceClassification", "ForMaskedLM", "module itself"),
+        ),
+        ({"model_type": "t5"}, ("'t5'", "encoder-decoder", "AutoModelForSeq2SeqLM", "bert")),
+    ],
+)
+def test_encoder_config_errors_are_one_line(change, words):
+    from gpumem.estimator.hf_config import from_hf_config
+
+    with pytest.raises(ValueError) as e:
+        from_hf_config({**HF_SWEEP["bert"], **change})
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_t5_through_the_module_path_matches_its_fake_profile():
+    """What the T5 refusal points to: the module built on the meta device, estimated through
+    the nn.Module path (a fake pass of the model itself), against gpumem.profile of the same
+    module under fake tensors (the loop: ``model(input_ids=, labels=).loss``)."""
+    import torch
+    import transformers
+
+    import gpumem
+    from gpumem import profiler
+
+    cfg = transformers.T5Config(
+        vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    with torch.device("meta"):
+        meta = transformers.T5ForConditionalGeneration(cfg)
+    ids = torch.randint(0, 256, (2, 64))
+    bill = gpumem.estimate(meta, example_input={"input_ids": ids, "labels": ids}, device="cpu",
+                           persistent_grads=False)  # fmt: skip
+    with profiler.fake():
+        torch.manual_seed(0)
+        model = transformers.T5ForConditionalGeneration(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        fake_ids = torch.randint(0, 256, (2, 64))
+        with profiler.profile(model, optimizer=opt) as prof:
+            for _ in range(2):
+                model(input_ids=fake_ids, labels=fake_ids).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        rep = prof.report()
+    assert abs(bill.allocated_bytes / rep.peak_bytes - 1) < 0.05, (bill.per_gpu, rep.at_peak)

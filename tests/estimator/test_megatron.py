@@ -331,3 +331,99 @@ def test_cli_takes_the_megatron_knobs(capsys):
     )
     assert main([*argv[:3], "torch", *argv[4:8], "--fp8-recipe", "delayed"]) == 2
     assert "fp8_recipe is a Megatron-LM option" in capsys.readouterr().err
+
+
+def test_distributed_optimizer_instances_shard_over_the_instance():
+    """--num-distributed-optimizer-instances 2 on dp 8: each copy of the distributed
+    optimizer is sharded over 4 ranks, so the fp32 master weights and Adam's moments (12 B a
+    parameter) are those of dp 4; the gradients (Megatron's fp32 main grads, not sharded)
+    and weights do not change. By hand against the ZeRO-1 bill."""
+    from gpumem.estimator.frameworks.megatron import MegatronKnobs
+
+    kw = {"seq_len": 1024, "framework": "megatron", "gpu": "H100-80GB"}
+    two = gpumem.estimate("llama-2-7b", layout=gpumem.Layout(dp=8, zero=1),
+                          megatron=MegatronKnobs(dist_opt_instances=2), **kw)  # fmt: skip
+    one = gpumem.estimate("llama-2-7b", layout=gpumem.Layout(dp=8, zero=1), **kw)
+    n = two.n_params
+    assert two.model_states["optimizer"] == pytest.approx(12 * n / 4, abs=8)
+    assert one.model_states["optimizer"] == pytest.approx(12 * n / 8, abs=8)
+    assert two.model_states["gradients"] == one.model_states["gradients"]
+    with pytest.raises(ValueError, match="dist_opt_instances=3 must divide"):
+        gpumem.estimate("llama-2-7b", layout=gpumem.Layout(dp=8, zero=1),
+                        megatron=MegatronKnobs(dist_opt_instances=3), **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "chunks"),
+    [
+        ("Et*3|(tt|)*6L", ["Ettt", *["tt"] * 6, "L"]),
+        ("Et*3|(tt|)*6mL", ["Ettt", *["tt"] * 6, "mL"]),
+        ("Et\\\\|\\\\(tt\\\\|\\\\)*2L", ["Et", "tt", "tt", "L"]),  # the CI yaml's escaping
+    ],
+)
+def test_pipeline_layout_grammar(text, chunks):
+    assert megatron.layout_chunks(text) == chunks
+
+
+def test_pipeline_layout_places_layers_by_chunk():
+    """'Et*3|(tt|)*6L' on pp 2: 8 chunks (vpp 4), rank 0 holds chunks 0, 2, 4, 6 (3 + 2 + 2 + 2
+    layers), rank 1 chunks 1, 3, 5, 7 (2 + 2 + 2 + 0)."""
+    k = megatron.MegatronKnobs(pipeline_layout="Et*3|(tt|)*6L")
+    ranks = megatron.stage_chunks(15, 2, 4, k)
+    assert [[len(c) for c in r] for r in ranks] == [[3, 2, 2, 2], [2, 2, 2, 0]]
+    assert [c.start for c in ranks[0]] == [0, 5, 9, 13]
+    with pytest.raises(ValueError, match="give vpp = chunks / pp = 4"):
+        megatron.stage_chunks(15, 2, 2, k)
+    for bad, words in (
+        ("Ex|tL", r"use E \(embedding\)"),
+        ("tt|EL", r"embedding \(E\) in the first"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            megatron.MegatronKnobs(pipeline_layout=bad)
+
+
+def test_recompute_and_offload_modules_drop_what_the_module_keeps():
+    """By name: layernorm recompute drops the norms' statistics and outputs, moe_act the
+    activation's output; offloading core_attn moves every tensor saved inside the attention
+    core to the host, attn_norm the norm's input and statistics. core_attn not recomputed:
+    the attention core stays under recompute='selective'."""
+    spec = ModelSpec(name="t", arch="llama", n_layers=2, hidden=64, n_heads=4, ffn=128, vocab=256)
+    w = Workload(batch=1, seq=32, compute=2, residual=2, attention="flash")
+    plain = {i.name: i for i in megatron.layer_items(spec, w, megatron.MegatronKnobs())}
+    k = megatron.MegatronKnobs(recompute_modules=("layernorm",), offload_modules=("core_attn",))
+    got = {i.name: i for i in megatron.layer_items(spec, w, k)}
+    zero = {n for n, i in got.items() if i.nbytes == 0}
+    assert zero == {"attn_norm.stats", "qkv.input", "mlp_norm.stats", "mlp.fc1_input",
+                    "attn.q", "attn.k", "attn.v", "attn.out", "attn.lse"}  # fmt: skip
+    assert not any(i.core for i in got.values())
+    assert all(got[n].nbytes == plain[n].nbytes for n in plain if n not in zero)
+    with pytest.raises(ValueError, match="recompute='selective'"):
+        gpumem.estimate(spec, framework="megatron", seq_len=32,
+                        megatron=megatron.MegatronKnobs(recompute_modules=("mlp",)))  # fmt: skip
+    with pytest.raises(ValueError, match="offload_modules must be a tuple of names from"):
+        megatron.MegatronKnobs(offload_modules=("bogus",))
+
+
+@pytest.mark.parametrize(
+    ("kw", "words"),
+    [
+        ({"moe": {"dispatcher": "allgather"}}, ("moe_dispatcher", "no experts")),
+        ({"moe": {"grouped_gemm": False}}, ("moe_grouped_gemm", "no experts")),
+        (
+            {"megatron": {"dist_opt_instances": 2}, "layout": gpumem.Layout(dp=4)},
+            ("dist_opt_instances=2", "zero=1", "zero=0"),
+        ),
+        ({"megatron": {"pipeline_layout": "Et|tL"}}, ("pipeline_layout", "pp=1")),
+    ],
+)
+def test_a_knob_that_does_not_apply_is_one_line(kw, words):
+    from gpumem.estimator.knobs import MoEKnobs
+
+    if "moe" in kw:
+        kw = {"moe": MoEKnobs(**kw["moe"])}
+    else:
+        kw = {**kw, "megatron": megatron.MegatronKnobs(**kw["megatron"]), "framework": "megatron"}
+    with pytest.raises(ValueError) as e:
+        gpumem.estimate("llama-2-7b", seq_len=512, **kw)
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg

@@ -144,13 +144,34 @@ def test_torchtitan_refuses_what_it_does_not_model() -> None:
         estimate("selective", 2, grad_accum=2)
 
 
-def test_torchtitan_needs_fsdp_and_no_pp() -> None:
-    with pytest.raises(ValueError, match="torchtitan"):
-        gpumem.estimate("llama-3.1-8b", framework="torchtitan", layout=gpumem.Layout(dp=8))
-    with pytest.raises(ValueError, match="pp=2"):
-        gpumem.estimate(
-            "llama-3.1-8b", framework="torchtitan", layout=gpumem.Layout(dp=4, pp=2, fsdp="full")
-        )
+def test_torchtitan_shards_over_every_dp_rank_by_default() -> None:
+    """torchtitan's job_config: data_parallel_shard_degree = -1 (every data-parallel rank),
+    replicate degree 1: a plain dp layout is FSDP over all of them, and the bill says so."""
+    plain = gpumem.estimate("llama-3.1-8b", framework="torchtitan", layout=gpumem.Layout(dp=8))
+    full = gpumem.estimate(
+        "llama-3.1-8b", framework="torchtitan", layout=gpumem.Layout(dp=8, fsdp="full")
+    )
+    zero3 = gpumem.estimate(
+        "llama-3.1-8b", framework="torchtitan", layout=gpumem.Layout(dp=8, zero=3)
+    )
+    assert plain.per_gpu == full.per_gpu == zero3.per_gpu
+    assert plain.layout.fsdp == "full"
+    assert "sharding fsdp-full over 8 ranks (default: torchtitan's dp_shard=-1" in (
+        plain.inputs_line()
+    )
+    assert "sharding fsdp-full over 8 ranks (given)" in full.inputs_line()
+    assert plain.to_dict()["inputs"]["sharding"]["value"] == "fsdp-full over 8 ranks"
+
+
+def test_torchtitan_refuses_zero12_and_pp_in_one_line() -> None:
+    for layout, words in (
+        (gpumem.Layout(dp=8, zero=1), ("zero=1", "dp_shard=-1", "no ZeRO-1/2")),
+        (gpumem.Layout(dp=4, pp=2, fsdp="full"), ("pp=2", "no pp")),
+    ):
+        with pytest.raises(ValueError) as e:
+            gpumem.estimate("llama-3.1-8b", framework="torchtitan", layout=layout)
+        msg = str(e.value)
+        assert "\n" not in msg and all(w in msg for w in words), msg
 
 
 # --- against torchtitan's own model, fake-profiled --------------------------------------------

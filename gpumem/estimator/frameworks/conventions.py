@@ -28,9 +28,10 @@ framework     conventions (sources in docs/estimator.md)
               their reduce-scatter. Context parallelism: all-gather of K and V (torchtitan's
               default rotate method).
 ``transformers`` ``Trainer``'s loop (below); buffers of the engine the layout implies.
-``torchtitan`` torchtitan's Llama recipe on FSDP2: its modules, SAC policies, loss, FSDP units and
-              float8 (torchao's Float8Linear, FSDP float8 all-gather) (``torchtitan.py``); the
-              peak terms are its own.
+``torchtitan`` torchtitan's Llama recipe on FSDP2 (over every data-parallel rank by default, as
+              its ``dp_shard=-1`` does: ``torchtitan.titan_layout``): its modules, SAC
+              policies, loss, FSDP units and float8 (torchao's Float8Linear, FSDP float8
+              all-gather) (``torchtitan.py``); the peak terms are its own.
 ``torch``     plain DDP: ``gradient_as_bucket_view=False`` (the default) keeps a flat bucket
               buffer beside ``.grad`` for every gradient (one gradient-size copy) when more than
               one data-parallel rank reduces. Context parallelism as fsdp2.
@@ -61,7 +62,8 @@ _ALLOWED = {
     "megatron": "zero 0, 1 (the distributed optimizer) or 3 (Megatron-FSDP), no fsdp",
     "deepspeed": "zero 0-3, no fsdp",
     "fsdp2": "fsdp='full' or 'hybrid' (zero 0)",
-    "torchtitan": "fsdp='full' or 'hybrid' (zero 0), no pp",
+    "torchtitan": "FSDP2 over every data-parallel rank (its default dp_shard=-1: leave zero and "
+    "fsdp unset, or fsdp='full'; fsdp='hybrid' for dp_replicate > 1), no ZeRO-1/2, no pp",
     "torch": "zero 0, no fsdp (plain DDP)",
     "transformers": "any layout (DDP, FSDP or DeepSpeed ZeRO under accelerate)",
 }
@@ -93,8 +95,12 @@ def upcasts_logits(framework: str) -> bool:
     return framework == "transformers"
 
 
-def loss_convention(framework: str, keep_logits: bool) -> str:
-    """One line for the bill's header: where the loss runs and what lives through backward."""
+def loss_convention(framework: str, keep_logits: bool, upcast: bool = True) -> str:
+    """One line for the bill's header: where the loss runs and what lives through backward
+    (``upcast`` False: a transformers model whose loss keeps the logits' dtype, BERT's MLM)."""
+    if framework == "transformers" and not upcast:
+        where = "inside the model (model(**batch, labels=).loss), log-softmax in the logits' dtype"
+        return f"{where}, logits {'held' if keep_logits else 'not held'} through backward"
     where = {
         "transformers": "inside the model (model(**batch, labels=).loss), fp32 log-softmax",
         "megatron": "inside the model (GPTModel returns the loss), fp32 softmax",
@@ -123,13 +129,13 @@ def resolve_framework(framework: str | None, layout: Layout, hf: bool = False) -
         "megatron": layout.zero in (0, 1, 3) and not layout.fsdp,
         "deepspeed": not layout.fsdp,
         "fsdp2": bool(layout.fsdp),
-        "torchtitan": bool(layout.fsdp) and layout.pp == 1,
+        "torchtitan": layout.zero in (0, 3) and layout.pp == 1,
         "torch": layout.zero == 0 and not layout.fsdp,
         "transformers": True,
     }[fw]
     if not ok:
         got = f"fsdp={layout.fsdp!r}" if layout.fsdp else f"zero={layout.zero}"
-        if fw == "torchtitan" and layout.fsdp:
+        if fw == "torchtitan" and layout.zero in (0, 3):
             got = f"pp={layout.pp}"
         raise ValueError(
             f"framework={fw!r} does not run {got}: {fw} takes {_ALLOWED[fw]}; "

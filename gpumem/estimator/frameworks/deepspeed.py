@@ -111,6 +111,8 @@ class ZeroConfig:
                 v = int(v)  # ds_config sizes are often written 5e8
                 object.__setattr__(self, f.name, v)
             if f.name.startswith("offload_"):
+                v = offload_device(v)
+                object.__setattr__(self, f.name, v)
                 if v not in _OFFLOAD:
                     raise ValueError(
                         f"deepspeed {f.name} must be one of {', '.join(_OFFLOAD)}, got {v!r}"
@@ -145,8 +147,7 @@ class ZeroConfig:
                     f"unknown deepspeed key {key!r}; choose from {', '.join(sorted(known))}"
                 )
             if name.startswith("offload_"):
-                value = value.get("device", "none") if isinstance(value, dict) else value
-                value = "none" if value is None else str(value).lower()
+                value = offload_device(value)
             elif value == "auto":
                 raise ValueError(
                     f"deepspeed {key}='auto' is filled in by the HF Trainer; give a number "
@@ -169,6 +170,19 @@ class ZeroConfig:
 
     def overlap(self, stage: int) -> bool:
         return stage == 3 if self.overlap_comm is None else self.overlap_comm
+
+
+def offload_device(value: Any) -> Any:
+    """An offload setting as DeepSpeed's device name: ``{"device": "cpu", ...}``, ``"CPU"``,
+    ``True`` (the ``--offload-optimizer`` / ``offload_optimizer=True`` spellings) -> ``"cpu"``;
+    ``None`` / ``False`` -> ``"none"``; anything else as given (checked by ``ZeroConfig``)."""
+    if isinstance(value, dict):
+        value = value.get("device", "none")
+    if value is None or value is False:
+        return "none"
+    if value is True:
+        return "cpu"
+    return value.lower() if isinstance(value, str) else value
 
 
 def gpu_buffers(

@@ -71,10 +71,13 @@ the CI's golden values is ``benchmarks/published/megatron_check.py``.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
+from gpumem.estimator import peak
 from gpumem.estimator.activations import Item, Workload, expert_tokens
 from gpumem.estimator.frameworks import torchtitan
+from gpumem.estimator.layout import Layout
 from gpumem.estimator.model_spec import ModelSpec
 
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
@@ -94,6 +97,67 @@ GROUPED_GEMM_WORKSPACE = 4 * 32 * 2**20
 ``get_cublas_workspace_size_bytes()`` = 32 MiB on Hopper (``pytorch/module/base.py``)."""
 
 
+RECOMPUTE_MODULES = (
+    "core_attn",
+    "moe_act",
+    "layernorm",
+    "mla_up_proj",
+    "mlp",
+    "moe",
+    "shared_experts",
+)
+"""``--recompute-modules`` (``transformer_config.py``: ``recompute_modules``; default core_attn)."""
+OFFLOAD_MODULES = (
+    "attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act",
+)  # fmt: skip
+"""``--offload-modules`` of ``--fine-grained-activation-offloading``."""
+# what a layer no longer keeps when a module is recomputed (Megatron discards the checkpointed
+# module's output after its consumer ran: ``CheckpointWithoutOutput``) ...
+_RECOMPUTED = {
+    "moe_act": ("experts.fc2_input",),
+    "layernorm": (
+        *("attn_norm.stats", "qkv.input", "mlp_norm.stats", "mlp.fc1_input"),
+        *("router.input", "shared.fc1_input"),
+    ),
+    "mla_up_proj": (
+        *("q_norm.stats", "q_up.input", "kv_norm.stats", "kv_up.input"),
+        *("attn.q", "attn.k", "attn.v"),
+    ),
+    "mlp": ("mlp.fc1_out", "mlp.fc2_input"),
+    "moe": (
+        *("router.logits_scores_probs", "router.topk", "dispatch.", "experts."),
+        *("shared.fc1_out", "shared.fc2_input"),
+    ),
+    "shared_experts": ("shared.fc1_out", "shared.fc2_input"),
+}
+# ... and when a module is offloaded: every tensor saved inside it goes to the host (its
+# saved-tensor hooks), reloaded for its backward
+_OFFLOADED = {
+    "attn_norm": ("attn_norm.",),
+    "qkv_linear": ("qkv.input",),
+    "core_attn": ("attn.",),
+    "attn_proj": ("proj.input_fp8",),
+    "mlp_norm": ("mlp_norm.",),
+    "expert_fc1": ("experts.fc1_input",),
+    "moe_act": ("experts.fc1_out",),
+}
+
+
+def module_items(items: list[Item], k: MegatronKnobs) -> list[Item]:
+    """A layer's items under ``recompute_modules`` and ``offload_modules``: what those modules
+    no longer keep at 0 bytes (kept by name: the backward replay finds its places), the
+    attention core's ``core`` mark dropped when ``core_attn`` is not recomputed."""
+    if not k.recompute_modules and not k.offload_modules:
+        return items
+    gone = tuple(n for m in k.recompute_modules for n in _RECOMPUTED.get(m, ()))
+    gone += tuple(n for m in k.offload_modules for n in _OFFLOADED[m])
+    core = not k.recompute_modules or "core_attn" in k.recompute_modules
+    return [
+        Item(i.name, 0 if i.name.startswith(gone) else i.nbytes, i.saved, i.core and core)
+        for i in items
+    ]
+
+
 @dataclass(frozen=True)
 class MegatronKnobs:
     """Megatron-LM arguments the estimate takes (``gpumem.estimate(megatron=...)``), checked
@@ -101,8 +165,17 @@ class MegatronKnobs:
     ``precision="fp8"`` is delayed), ``--fp8-param-gather``, ``--hidden-dropout`` (Megatron's
     default 0.1; the attention's dropout is ``ActivationKnobs.dropout``),
     ``--defer-embedding-wgrad-compute``, ``--wgrad-deferral-limit``,
-    ``--decoder-first/last-pipeline-num-layers`` and
-    ``--account-for-embedding/loss-in-pipeline-split``.
+    ``--decoder-first/last-pipeline-num-layers``,
+    ``--account-for-embedding/loss-in-pipeline-split`` and
+    ``--pipeline-model-parallel-layout`` (``pipeline_layout``, ``layout_chunks``),
+    ``--recompute-modules`` (with ``recompute="selective"``) and ``--fine-grained-activation-
+    offloading --offload-modules`` (``recompute_modules``, ``offload_modules``: what each
+    module then no longer keeps on the GPU, ``_RECOMPUTED`` / ``_OFFLOADED``), and
+    ``--num-distributed-optimizer-instances`` (``dist_opt_instances``: the distributed
+    optimizer is replicated that many times over the data-parallel group, each copy sharded
+    over ``dp · cp / instances`` ranks: ``distributed_data_parallel_config``'s
+    ``num_distributed_optimizer_instances``, the intra-instance group of
+    ``parallel_state.initialize_model_parallel``).
 
     Raises:
         ValueError: one line naming the knob and the valid choices.
@@ -117,8 +190,32 @@ class MegatronKnobs:
     pipeline_last_layers: int | None = None
     pipeline_split_embedding: bool = False
     pipeline_split_loss: bool = False
+    dist_opt_instances: int = 1
+    pipeline_layout: str | None = None
+    recompute_modules: tuple[str, ...] = ()
+    offload_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        for name, known in (
+            ("recompute_modules", RECOMPUTE_MODULES),
+            ("offload_modules", OFFLOAD_MODULES),
+        ):
+            given = getattr(self, name)
+            if isinstance(given, str) or not all(m in known for m in given):
+                raise ValueError(
+                    f"{name} must be a tuple of names from {', '.join(known)}, got {given!r}"
+                )
+            object.__setattr__(self, name, tuple(given))
+        if self.pipeline_layout is not None:
+            layout_chunks(self.pipeline_layout)  # its grammar, checked when made
+            if self.pipeline_first_layers is not None or self.pipeline_last_layers is not None:
+                raise ValueError(
+                    "pipeline_layout places every layer itself: drop pipeline_first_layers/"
+                    "pipeline_last_layers (Megatron refuses both)"
+                )
+        n = self.dist_opt_instances
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"dist_opt_instances must be an integer >= 1, got {n!r}")
         if self.fp8_recipe is not None and self.fp8_recipe not in FP8_RECIPES:
             raise ValueError(
                 f"unknown fp8 recipe {self.fp8_recipe!r}; choose one of {', '.join(FP8_RECIPES)}"
@@ -166,6 +263,27 @@ def check_knobs(framework: str, **given: object) -> MegatronKnobs:
                 f"(use framework='megatron' or leave it at its default{also})"
             )
     return MegatronKnobs(**given)  # type: ignore[arg-type]
+
+
+def optimizer_shards(knobs: MegatronKnobs, layout: Layout, x: list[float]) -> None:
+    """The distributed optimizer's shard degrees in the terms ``x`` under
+    ``dist_opt_instances`` copies: ``dp · cp / instances`` (the experts' data parallelism
+    over the same number).
+
+    Raises:
+        ValueError: instances that do not divide the data-parallel group, in one line.
+    """
+    n = knobs.dist_opt_instances
+    if n == 1:
+        return
+    if (layout.dp * layout.cp) % n or layout.expert_dp % n:
+        raise ValueError(
+            f"dist_opt_instances={n} must divide the data-parallel group dp*cp = "
+            f"{layout.dp * layout.cp} (and the experts' {layout.expert_dp}): Megatron splits "
+            "it into that many optimizer instances"
+        )
+    x[peak.N_SHARD] = max(1.0, x[peak.N_SHARD] / n)
+    x[peak.N_SHARD_EXP] = max(1.0, x[peak.N_SHARD_EXP] / n)
 
 
 def fp8_saved_bytes(recipe: str | None, compute: int) -> float:
@@ -229,16 +347,61 @@ def _list_expression(text: str) -> object:
 # --- pipeline split -------------------------------------------------------------------------
 
 
-def stage_chunks(n_layers: int, pp: int, vpp: int, k: MegatronKnobs) -> list[list[range]]:
-    """The layers each pipeline rank builds, as one range per virtual chunk (rank r holds the
-    chunks r, r + pp, ... of the model order), by ``get_num_layers_to_build``.
+def layout_chunks(text: str) -> list[str]:
+    """``--pipeline-model-parallel-layout`` as one string of items per virtual chunk, in model
+    order (``pipeline_parallel/utils.py``'s grammar: ``E`` the embedding, ``t`` a transformer
+    layer, ``m`` an MTP layer, ``L`` the loss; ``X*N`` and ``(...)*N`` repeat, ``|`` ends a
+    chunk): ``"Et*3|(tt|)*6mL"`` is ``["Ettt", "tt", "tt", "tt", "tt", "tt", "tt", "mL"]``.
 
     Raises:
-        ValueError: a split Megatron refuses (counts that do not divide).
+        ValueError: a character outside the grammar, or the embedding / loss not in the
+            first / last chunk, in one line.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"pipeline_layout must be a string such as 'Et*3|(tt|)*6L', got {text!r}")
+    flat = text.replace(" ", "").replace("\\", "")
+    group = re.compile(r"\(([^()]*)\)\*(\d+)")
+    while group.search(flat):
+        flat = group.sub(lambda m: m.group(1) * int(m.group(2)), flat)
+    flat = re.sub(r"([EtmL])\*(\d+)", lambda m: m.group(1) * int(m.group(2)), flat)
+    if not flat or set(flat) - set("EtmL|"):
+        raise ValueError(
+            f"pipeline_layout {text!r}: use E (embedding), t (layer), m (MTP layer), L (loss), "
+            "X*N and (...)*N repeats and | between chunks, e.g. 'Et*3|(tt|)*6L'"
+        )
+    chunks = flat.split("|")
+    if "E" not in chunks[0] or "L" not in chunks[-1] or flat.count("E") + flat.count("L") != 2:
+        raise ValueError(
+            f"pipeline_layout {text!r}: the estimate models the embedding (E) in the first "
+            "chunk and the loss (L) in the last, once each"
+        )
+    return chunks
+
+
+def stage_chunks(n_layers: int, pp: int, vpp: int, k: MegatronKnobs) -> list[list[range]]:
+    """The layers each pipeline rank builds, as one range per virtual chunk (rank r holds the
+    chunks r, r + pp, ... of the model order), by ``get_num_layers_to_build`` (or the
+    ``pipeline_layout``'s chunks).
+
+    Raises:
+        ValueError: a split Megatron refuses (counts that do not divide, a layout of another
+            number of layers or chunks).
     """
     first, last = k.pipeline_first_layers, k.pipeline_last_layers
     counts: list[int] = []  # layers per chunk in model order (chunk c = v * pp + r)
-    if first is not None or last is not None:
+    if k.pipeline_layout is not None:
+        counts = [c.count("t") for c in layout_chunks(k.pipeline_layout)]
+        if sum(counts) != n_layers:
+            raise ValueError(
+                f"pipeline_layout {k.pipeline_layout!r} places {sum(counts)} layers (t); the "
+                f"model has {n_layers}"
+            )
+        if len(counts) != pp * vpp:
+            raise ValueError(
+                f"pipeline_layout {k.pipeline_layout!r} has {len(counts)} chunks, not pp*vpp = "
+                f"{pp}*{vpp} (give vpp = chunks / pp = {len(counts) / pp:g})"
+            )
+    elif first is not None or last is not None:
         rest, stages = n_layers, pp
         for v in (first, last):
             if v is not None:
@@ -295,7 +458,8 @@ def inflight_layers(chunks: list[range], pp: int, vpp: int, grad_accum: int, sta
 
 def uneven(k: MegatronKnobs) -> bool:
     return (
-        k.pipeline_first_layers is not None
+        k.pipeline_layout is not None
+        or k.pipeline_first_layers is not None
         or k.pipeline_last_layers is not None
         or k.pipeline_split_embedding
         or k.pipeline_split_loss
@@ -412,7 +576,7 @@ def layer_items(spec: ModelSpec, w: Workload, k: MegatronKnobs) -> list[Item]:
         items += _moe(spec, w, n_sp, A, L)
     else:
         items += _mlp(spec, "mlp", n, n_sp, spec.dense_layer_ffn // t, A, L)
-    return items + [Item("dropout.mask2", n_sp * h)] * bool(mask)
+    return module_items(items + [Item("dropout.mask2", n_sp * h)] * bool(mask), k)
 
 
 def embed_items(spec: ModelSpec, w: Workload, k: MegatronKnobs) -> list[Item]:

@@ -65,6 +65,7 @@ on the tests' model).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from gpumem.allocator.alloc_conf import AllocConf
@@ -318,6 +319,21 @@ def titan_knobs(framework: str, **given: object) -> TorchtitanKnobs:
         if framework != "torchtitan" and given.get(name):
             raise ValueError(f"{name} is " + why.format(fw=framework))
     return TorchtitanKnobs(**given)  # type: ignore[arg-type]
+
+
+SHARDING_DEFAULT = "default: torchtitan's dp_shard=-1 shards over every data-parallel rank"
+
+
+def titan_layout(layout: Layout) -> tuple[Layout, str]:
+    """(the layout torchtitan runs, where its sharding came from): torchtitan applies FSDP2 over
+    every data-parallel rank unless told otherwise (``parallelism.data_parallel_shard_degree``
+    defaults to -1, ``data_parallel_replicate_degree`` to 1: ``config/job_config.py``), so a
+    layout without ``fsdp`` is ``fsdp="full"`` (``zero=3`` says the same); ``fsdp="hybrid"``
+    is its HSDP (``dp_replicate > 1``)."""
+    if layout.fsdp:
+        return layout, "given"
+    full = dataclasses.replace(layout, fsdp="full", zero=0)
+    return full, "zero=3 given" if layout.zero == 3 else SHARDING_DEFAULT
 
 
 def float8_label(recipe: str | None, all_gather: bool) -> str:
