@@ -19,6 +19,7 @@ from typing import Any
 
 from gpumem.allocator.alloc_conf import AllocConf
 from gpumem.estimator import inputs
+from gpumem.estimator.finetune import FineTune
 from gpumem.estimator.frameworks.conventions import default_grads, engine, resolve_framework
 from gpumem.estimator.frameworks.deepspeed import ZeroConfig
 from gpumem.estimator.frameworks.megatron import MegatronKnobs, check_knobs
@@ -70,6 +71,7 @@ class Job:
     loss_fn: Any = None
     alloc_conf: AllocConf | None = None
     reserved_note: str = ""
+    finetune: FineTune | None = None
 
 
 def regroup(flat: dict[str, Any], groups: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -120,6 +122,9 @@ def check_job(model: Any, *, module: bool, flat: dict[str, Any], **a: Any) -> Jo
     if not module and (a["example_input"] is not None or a["loss_fn"] is not None):
         raise ValueError("example_input and loss_fn apply to an nn.Module model only")
     g = regroup(flat, {k: a[k] for k in GROUPS})
+    ft = g["training"].get("finetune")
+    if isinstance(ft, FineTune) and ft.source == "torchtune" and a["framework"] is None:
+        a["framework"] = "fsdp2" if layout.fsdp else "torch"  # torchtune's own recipes
     hf = not module and describes_hf(model)
     fw, precision, megatron, titan = framework_knobs(a["framework"], layout, hf, a["precision"], g)
     acts = ActivationKnobs(**g["activations"])
@@ -149,6 +154,7 @@ def check_job(model: Any, *, module: bool, flat: dict[str, Any], **a: Any) -> Jo
         )
     elif megatron != MegatronKnobs():
         raise ValueError("the Megatron-LM knobs apply to a described model, not an nn.Module")
+    check_finetune(tr.finetune, fw, module)
     return Job(
         training=training,
         layout=layout,
@@ -167,7 +173,34 @@ def check_job(model: Any, *, module: bool, flat: dict[str, Any], **a: Any) -> Jo
         given=given,
         example_input=a["example_input"],
         loss_fn=a["loss_fn"],
+        finetune=tr.finetune,
     )
+
+
+FINETUNE_FRAMEWORKS = ("transformers", "torch", "fsdp2", "deepspeed")
+"""The frameworks a fine-tuning recipe runs under: PEFT under transformers' Trainer, plain
+torch, FSDP2 or DeepSpeed; torchtune's recipes are single-device or FSDP2 (torch, fsdp2)."""
+
+
+def check_finetune(ft: FineTune | None, framework: str, module: bool) -> None:
+    """A recipe applies to a described model under a framework that runs it.
+
+    Raises:
+        ValueError: one line naming the recipe, the framework and the choices.
+    """
+    if ft is None:
+        return
+    if module:
+        raise ValueError(
+            "finetune= describes a recipe for a described model; an nn.Module carries its own "
+            "adapters: wrap it with PEFT (get_peft_model) and pass it without finetune="
+        )
+    allowed = ("torch", "fsdp2") if ft.source == "torchtune" else FINETUNE_FRAMEWORKS
+    if framework not in allowed:
+        raise ValueError(
+            f"finetune= ({ft.source}'s {ft.method} recipe) does not apply to "
+            f"framework={framework!r}: it runs under {', '.join(allowed)}"
+        )
 
 
 def framework_knobs(
@@ -211,7 +244,7 @@ def make_training(
         optimizer,
         grads,
         tr.offload_optimizer or (zero is not None and zero.offload_optimizer == "cpu"),
-        tr.lora_rank,
+        tr.finetune.rank if tr.finetune is not None and tr.finetune.adapters else tr.lora_rank,
         tr.base_quant,
         tr.foreach,
         tr.fused,
