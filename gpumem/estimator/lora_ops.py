@@ -12,9 +12,11 @@ test_finetune.py, benchmarks/bench_finetune.py):
   the adapters' dtype (PEFT's fp32 on a 16-bit base; torchtune: none, the input itself), with
   dropout its mask (only where the input carries a gradient) and the dropped copy instead,
   ``lora_A``'s output; under autocast the 16-bit casts of the input and of both adapter weights;
-- **DoRA** besides: the ``fin x fin`` identity pushed through ``lora_A``, its output, the
-  base output and the adapter output (the magnitude's two products), the weight norm and the
-  magnitude's scale;
+- **DoRA** besides: the base output and the adapter output (the magnitude's two products),
+  the weight norm, the magnitude's scale (and ``scale - 1`` where the base output carries a
+  gradient); the ``fin x fin`` identity ``get_lora_weight`` pushes through the adapter and the
+  dequantized weight ``get_weight_norm`` reads are forward temporaries (their graph is
+  detached, so nothing of them outlives the call);
 - **the rest of the layer** where a gradient flows: the norms' fp32 input and rstd; RoPE's cos
   and sin (once); SDPA's q, k, v, output and log-sum-exp; the MLP's gate and up outputs and the
   activation's output (down's input only as an adapter's); under autocast the 16-bit weight
@@ -56,15 +58,15 @@ def adapter_items(
         items.append(Item(f"{tag}.lora_a.input", x1))
     la = A if w.autocast else ab
     items.append(Item(f"{tag}.lora_b.input", n * r * la))
-    if ft.method == "dora":
+    if ft.method == "dora":  # magnitude / norm, (scale - 1) * base, scale * lora(x)
         items += [
-            Item(f"{tag}.dora.eye", fin * fin * ab),
-            Item(f"{tag}.dora.eye_a", fin * r * ab),
             Item(f"{tag}.dora.weight_norm", fout * ab),
             Item(f"{tag}.dora.base_out", n * fout * A),
             Item(f"{tag}.dora.lora_out", n * fout * ab),
             Item(f"{tag}.dora.scale", fout * ab),
         ]
+        if grad:  # the base output carries a gradient: its product saves (scale - 1) too
+            items.append(Item(f"{tag}.dora.scale_minus_one", fout * ab))
     return items, shared
 
 
