@@ -1,0 +1,207 @@
+"""Fine-tuning recipes (``gpumem.estimator.finetune``, ``lora_ops``).
+
+References, each independent of the estimator:
+
+- which modules carry adapters and how many parameters train: PEFT itself (``get_peft_model``
+  on a meta-device transformers model: its ``LoraLayer`` modules and
+  ``get_nb_trainable_parameters``);
+- the peak: the fake-tensor profile of the PEFT-wrapped model (``accuracy.compare_peft``),
+  within 1 %, as the transformers sweep;
+- torchtune: its builder's rule (``lora_attn_modules`` + ``apply_lora_to_mlp`` -> w1, w2, w3),
+  and its published "+ Packed Dataset" row (README, "Optimization flags": Llama 3.2 3B,
+  batch 2, 4096 tokens packed, bf16, A100: 60.0 GiB peak active).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import gpumem
+from gpumem.estimator.accuracy import PEFT_BASE, PEFT_SWEEP, PeftCase, compare_peft
+from gpumem.estimator.finetune import FineTune, adapter_params, describe, head_adapter_params
+from gpumem.estimator.hf_config import from_hf_config
+from gpumem.estimator.knobs import TrainingKnobs
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+SMALL = {**PEFT_BASE, "num_hidden_layers": 3, "vocab_size": 512}
+
+
+def _peft_model(config: dict, targets, dora: bool = False):
+    import torch
+
+    cfg = dict(config)
+    conf = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    lora = peft.LoraConfig(
+        r=4, target_modules=targets if isinstance(targets, str) else list(targets), use_dora=dora
+    )
+    with torch.device("meta"):
+        base = transformers.AutoModelForCausalLM.from_config(conf)
+        return peft.get_peft_model(base, lora)
+
+
+@pytest.mark.parametrize(
+    "targets",
+    [
+        ("q_proj", "v_proj"),
+        ("self_attn.o_proj", "down_proj"),
+        "all-linear",
+        r"model\.layers\.(0|2)\.mlp\.(gate|up)_proj",
+        ("q_proj", "lm_head"),
+    ],
+)
+@pytest.mark.parametrize("dora", [False, True])
+def test_targets_and_trainable_count_match_peft(targets, dora):
+    """The adapted modules and the trainable count are PEFT's own, for names, suffixes, a
+    regex, 'all-linear' and the output layer."""
+    from peft.tuners.lora import LoraLayer
+
+    model = _peft_model(SMALL, targets, dora)
+    wrapped = {
+        n.removeprefix("base_model.model.")
+        for n, m in model.named_modules()
+        if isinstance(m, LoraLayer)
+    }
+    spec = from_hf_config(SMALL)
+    plan = describe(FineTune(method="dora" if dora else "lora", rank=4, target_modules=targets), spec)
+    ours = {
+        f"model.layers.{i}.{'self_attn' if k in 'qkvo' else 'mlp'}.{k}_proj"
+        for i, s in enumerate(plan.layers)
+        for k in s
+    } | ({"lm_head"} if plan.head else set())
+    assert ours == wrapped
+    trainable = adapter_params(plan, spec) + head_adapter_params(plan, spec)
+    assert trainable == model.get_nb_trainable_parameters()[0]
+
+
+def test_torchtune_knobs_follow_its_builder():
+    """torchtune's lora_llama3_2: attention modules by name, MLP as w1/w2/w3, the output."""
+    spec = from_hf_config(SMALL)
+    ft = FineTune(
+        lora_attn_modules=("q_proj", "v_proj", "output_proj"),
+        apply_lora_to_mlp=True,
+        apply_lora_to_output=True,
+    )
+    plan = describe(ft, spec)
+    assert ft.source == "torchtune"
+    assert all(s == {"q", "v", "o", "gate", "up", "down"} for s in plan.layers) and plan.head
+    plan = describe(FineTune(source="torchtune"), spec)  # the builder's default: q and v
+    assert plan.layers[0] == {"q", "v"} and not plan.head
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"target_modules": ("qproj",)}, r"'qproj' is not in .*q_proj, k_proj, v_proj"),
+        ({"target_modules": r"layers\.9\..*"}, "matches none of the model's Linear modules"),
+        ({"target_modules": "(["}, "is not a regular expression"),
+    ],
+)
+def test_a_target_the_model_lacks_names_what_it_has(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gpumem.estimate(SMALL, training=TrainingKnobs(finetune=FineTune(**kwargs)))
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: FineTune(apply_lora_to_mlp=True, source="peft"), "torchtune's knobs"),
+        (lambda: FineTune(target_modules=("q_proj",), source="torchtune"), "PEFT's knob"),
+        (lambda: FineTune(method="loha"), "choose one of lora, dora, qlora, full"),
+        (lambda: FineTune(rank=0), "positive integer"),
+        (lambda: FineTune(offload_activations=True), "torchtune's recipe knobs"),
+        (lambda: TrainingKnobs(lora_rank=8, finetune=FineTune()), "both given"),
+    ],
+)
+def test_bad_recipe_knobs_are_one_line(make, match):
+    with pytest.raises(ValueError, match=match) as err:
+        make()
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"framework": "megatron"}, r"does not apply to framework='megatron': it runs under"),
+        (
+            {"framework": "transformers", "recipe": FineTune(source="torchtune")},
+            r"torchtune's lora recipe\) does not apply to framework='transformers': "
+            "it runs under torch, fsdp2",
+        ),
+    ],
+)
+def test_a_recipe_under_a_framework_that_does_not_run_it(kwargs, match):
+    ft = kwargs.pop("recipe", FineTune())
+    with pytest.raises(ValueError, match=match):
+        gpumem.estimate(SMALL, training=TrainingKnobs(finetune=ft), **kwargs)
+
+
+def test_unmodelled_models_and_modules_are_refused():
+    moe = {**SMALL, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+    with pytest.raises(ValueError, match="dense Llama-family"):
+        gpumem.estimate(moe, training=TrainingKnobs(finetune=FineTune()))
+    model = _peft_model(SMALL, ("q_proj",))
+    with pytest.raises(ValueError, match="carries its own adapters"):
+        gpumem.estimate(model, training=TrainingKnobs(finetune=FineTune()))
+
+
+def test_qlora_weights_by_hand():
+    """PEFT + bitsandbytes quantizes every Linear of the layers; torchtune only the adapted
+    ones. Weights = the rest in bf16 + NF4 (0.5 + 1/64 + 4/(64·256) B) + fp32/bf16 adapters."""
+    spec = from_hf_config(SMALL)
+    h, f, L = 256, 688, 3
+    qkvo = h * h + 2 * h * 128 + h * h  # q, k, v (2 kv heads of 64), o
+    layer_lin = qkvo + 3 * h * f
+    nf4 = 0.5 + 1 / 64 + 4 / (64 * 256)
+    r = 8
+    adapters = L * r * ((h + h) + (h + 128))  # q and v
+    kw = dict(batch_size=1, seq_len=64, precision="bf16", gpu="H100-80GB", alloc_conf=False)
+    peft_q = gpumem.estimate(SMALL, training=TrainingKnobs(finetune=FineTune(method="qlora")), **kw)
+    rest = spec.n_params - L * layer_lin
+    assert peft_q.per_gpu["weights"] == pytest.approx(
+        rest * 2 + L * layer_lin * nf4 + adapters * 4, abs=8
+    )
+    tt = FineTune(method="qlora", source="torchtune")
+    tt_q = gpumem.estimate(SMALL, training=TrainingKnobs(finetune=tt), framework="torch", **kw)
+    quant = L * (h * h + h * 128)
+    assert tt_q.per_gpu["weights"] == pytest.approx(
+        (spec.n_params - quant) * 2 + quant * nf4 + adapters * 2, abs=8
+    )
+
+
+def test_torchtune_packed_row_within_two_percent_of_published():
+    """torchtune README, "Optimization flags", "+ Packed Dataset": 60.0 GiB peak active
+    (full_finetune_single_device, fused AdamW, no checkpointing, plain cross-entropy)."""
+    cfg = {
+        "model_type": "llama", "hidden_size": 3072, "num_hidden_layers": 28,
+        "num_attention_heads": 24, "num_key_value_heads": 8, "intermediate_size": 8192,
+        "vocab_size": 128256, "max_position_embeddings": 131072, "tie_word_embeddings": True,
+        "head_dim": 128,
+    }  # fmt: skip
+    bill = gpumem.estimate(
+        cfg, batch_size=2, seq_len=4096, precision="bf16", gpu="A100-80GB", alloc_conf=False,
+        training=TrainingKnobs(fused=True, finetune=FineTune(method="full", source="torchtune")),
+    )  # fmt: skip
+    active = bill.per_gpu["total"] - bill.per_gpu["overhead"]
+    assert abs(active / 2**30 / 60.0 - 1) < 0.02
+    assert "torchtune full fine-tune" in bill.inputs["finetune"]
+
+
+SAMPLE = [PEFT_SWEEP[0], PEFT_SWEEP[10]]  # bf16 q,v; fp32 DoRA on attention
+
+
+def _check(case: PeftCase) -> None:
+    c = compare_peft(case)
+    assert abs(c.error_pct) < 1.0, (case.name, c.measured_peak, c.estimated["total"])
+
+
+@pytest.mark.parametrize("case", SAMPLE, ids=lambda c: c.name)
+def test_peft_sample_within_one_percent_of_fake_profile(case):
+    _check(case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", PEFT_SWEEP, ids=lambda c: c.name)
+def test_peft_sweep_within_one_percent_of_fake_profile(case):
+    _check(case)
