@@ -35,6 +35,7 @@ SHOWN = (
     "precision",
     "float8",  # torchtitan's float8 training, when given (framework="torchtitan")
     "optimizer",
+    "finetune",  # a fine-tuning recipe, when given (finetune.FineTune)
     "loss",
 )
 LABELS = {
@@ -45,6 +46,7 @@ LABELS = {
     "precision": "precision",
     "float8": "float8",
     "optimizer": "optimizer",
+    "finetune": "recipe",
     "loss": "loss",
 }
 CONTEXT = "default: the model's context"

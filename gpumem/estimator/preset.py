@@ -691,6 +691,7 @@ def estimate_preset(spec: ModelSpec, job: Job) -> Bill:
                 given=job.given,
             ),
             "float8": "given",
+            "finetune": "given",
             "loss": "keep_logits given"
             if acts.keep_logits is not None
             else f"default: the {fw} loop",

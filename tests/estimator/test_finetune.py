@@ -64,7 +64,9 @@ def test_targets_and_trainable_count_match_peft(targets, dora):
         if isinstance(m, LoraLayer)
     }
     spec = from_hf_config(SMALL)
-    plan = describe(FineTune(method="dora" if dora else "lora", rank=4, target_modules=targets), spec)
+    plan = describe(
+        FineTune(method="dora" if dora else "lora", rank=4, target_modules=targets), spec
+    )
     ours = {
         f"model.layers.{i}.{'self_attn' if k in 'qkvo' else 'mlp'}.{k}_proj"
         for i, s in enumerate(plan.layers)
@@ -156,7 +158,8 @@ def test_qlora_weights_by_hand():
     nf4 = 0.5 + 1 / 64 + 4 / (64 * 256)
     r = 8
     adapters = L * r * ((h + h) + (h + 128))  # q and v
-    kw = dict(batch_size=1, seq_len=64, precision="bf16", gpu="H100-80GB", alloc_conf=False)
+    kw = {"batch_size": 1, "seq_len": 64, "precision": "bf16", "gpu": "H100-80GB"}
+    kw["alloc_conf"] = False
     peft_q = gpumem.estimate(SMALL, training=TrainingKnobs(finetune=FineTune(method="qlora")), **kw)
     rest = spec.n_params - L * layer_lin
     assert peft_q.per_gpu["weights"] == pytest.approx(
@@ -205,3 +208,27 @@ def test_peft_sample_within_one_percent_of_fake_profile(case):
 @pytest.mark.parametrize("case", PEFT_SWEEP, ids=lambda c: c.name)
 def test_peft_sweep_within_one_percent_of_fake_profile(case):
     _check(case)
+
+
+def test_cli_recipe_flags(tmp_path, capsys):
+    """The command line builds the same recipe as the Python API, and bad flags are one line."""
+    import json
+
+    from gpumem.cli import main
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(SMALL))
+    args = ["estimate", str(cfg), "--batch-size", "2", "--seq-len", "128", "--precision", "bf16"]
+    assert main([*args, "--finetune", "dora", "--target-modules", "q_proj,v_proj"]) == 0
+    out = capsys.readouterr().out
+    assert "recipe peft dora r=8 on q,v" in out
+    dora = FineTune(method="dora", target_modules=("q_proj", "v_proj"))
+    want = gpumem.estimate(
+        SMALL, batch_size=2, seq_len=128, precision="bf16", training=TrainingKnobs(finetune=dora)
+    )
+    assert f"{want.per_gpu['total']:,}" in out
+    assert main([*args, "--finetune", "lora", "--target-modules", "qproj"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "'qproj' is not in" in err and "\n" not in err
+    assert main([*args, "--apply-lora-to-mlp", "--framework", "megatron"]) == 2
+    assert "does not apply to framework='megatron'" in capsys.readouterr().err
