@@ -25,16 +25,18 @@ vector per adapted Linear (``out`` features) and, per call, the identity it push
 adapter (``fin x fin``), the adapter's output and the base output (both saved by the magnitude's
 products); ``qlora``: the base Linears in NF4 (4 bits, an 8-bit absmax per 64 values and an
 fp32 scale per 256 absmax blocks: bitsandbytes' double quantisation, torchao's ``NF4Tensor``)
-— every Linear of the layers under PEFT + bitsandbytes (``BitsAndBytesConfig(load_in_4bit)``),
-only the adapted ones under torchtune (``LoRALinear(quantize_base=True)``) — and each one's
-weight dequantized to the compute dtype while it runs; ``full``: every parameter trains.
+— every Linear of the layers (PEFT + bitsandbytes' ``BitsAndBytesConfig(load_in_4bit)``;
+torchtune's ``LoRALinear(quantize_base=True)`` and ``FrozenNF4Linear``), not the embedding or
+the output layer — and each one's weight dequantized to the compute dtype while it runs;
+``full``: every parameter trains.
 
 Recipe settings beside the adapters: ``packed`` (every row holds ``seq_len`` tokens: torchtune's
 ``dataset.packed``, TRL's ``packing``; unpacked rows are padded to the longest sample of the
 batch, which ``seq_len`` then bounds), ``offload_activations`` (torchtune's
 ``enable_activation_offloading``: saved activations of the layers go to the host, one layer's
 come back at a time), ``optimizer_in_bwd`` (torchtune: each parameter steps as soon as its
-gradient exists and drops it, so no full set of gradients is ever alive).
+gradient exists and drops it, so no full set of gradients is ever alive), ``loss_chunks`` and
+``compile_loss`` (torchtune's ``CEWithChunkedOutputLoss`` and ``compile=True``'s compiled loss).
 
 Example:
     >>> import gpumem
@@ -86,6 +88,11 @@ class FineTune:
         packed: rows are packed to ``seq_len`` tokens.
         offload_activations: torchtune's activation offloading.
         optimizer_in_bwd: torchtune's optimizer step fused into backward.
+        loss_chunks: torchtune's ``CEWithChunkedOutputLoss`` (``num_output_chunks``, 8): the
+            model returns the logits in chunks, each upcast and reduced on its own.
+        compile_loss: torchtune's ``compile=True`` compiles the loss (``training.compile_loss``):
+            a chunk's compiled cross-entropy keeps its 16-bit logits, not fp32 log-probabilities
+            (the compiled layers' own savings are not modelled).
 
     Raises:
         ValueError: one line naming the bad knob and the choices.
@@ -102,6 +109,8 @@ class FineTune:
     packed: bool = False
     offload_activations: bool = False
     optimizer_in_bwd: bool = False
+    loss_chunks: int = 1
+    compile_loss: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -121,12 +130,20 @@ class FineTune:
                 "target_modules is PEFT's knob, but source='torchtune': give lora_attn_modules, "
                 "apply_lora_to_mlp, apply_lora_to_output (or source='peft')"
             )
-        if self.source == "peft" and (self.offload_activations or self.optimizer_in_bwd):
+        tt_recipe = [
+            n
+            for n in ("offload_activations", "optimizer_in_bwd", "compile_loss")
+            if getattr(self, n)
+        ] + (["loss_chunks"] if self.loss_chunks != 1 else [])
+        if self.source == "peft" and tt_recipe:
             raise ValueError(
-                "offload_activations and optimizer_in_bwd are torchtune's recipe knobs "
-                "(enable_activation_offloading, optimizer_in_bwd), but source='peft': "
+                f"{', '.join(tt_recipe)}: torchtune's recipe knobs (enable_activation_offloading, "
+                "optimizer_in_bwd, compile, CEWithChunkedOutputLoss), but source='peft': "
                 "use source='torchtune'"
             )
+        lc = self.loss_chunks
+        if isinstance(lc, bool) or not isinstance(lc, int) or lc < 1:
+            raise ValueError(f"loss_chunks must be a positive integer (8: torchtune's), got {lc!r}")
         _check_rank(self.rank, self.method)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout (lora_dropout) must be in [0, 1), got {self.dropout}")
@@ -333,16 +350,15 @@ def head_adapter_params(plan: AdapterPlan, spec: Any, t: int = 1) -> int:
     return plan.recipe.rank * (spec.hidden + v) + (v if plan.recipe.method == "dora" else 0)
 
 
-def quantized_params(plan: AdapterPlan, spec: Any, layers: range, t: int = 1) -> int:
-    """Base parameters stored in NF4 under ``qlora``: every Linear of the layers (PEFT with
-    bitsandbytes), the adapted ones only (torchtune's ``quantize_base``)."""
+def quantized_params(plan: AdapterPlan, spec: Any, layers: range | list[int], t: int = 1) -> int:
+    """Base parameters stored in NF4 under ``qlora``: every Linear of the layers, adapted or
+    not (PEFT with bitsandbytes' ``load_in_4bit``; torchtune's builders: ``LoRALinear
+    (quantize_base=True)`` or ``FrozenNF4Linear``); embeddings, norms and the output layer
+    stay in the model's dtype."""
     if plan.recipe.method != "qlora":
         return 0
-    shapes = linear_shapes(spec, t)
-    every = plan.recipe.source == "peft"
-    return sum(
-        shapes[k][0] * shapes[k][1] for i in layers for k in LINEARS if every or k in plan.layers[i]
-    )
+    per = sum(fin * fout for fin, fout in linear_shapes(spec, t).values())
+    return per * len(layers)
 
 
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)

@@ -262,6 +262,7 @@ class RecipeStage:
 
     layers: list[int]
     first: bool
+    last: bool
     recompute: str
     typical: float  # the saved bytes of one typical adapted layer (the rank's A_LAYER)
     layer_input: float  # a checkpointed layer's input
@@ -279,6 +280,8 @@ def fill_recipe(
     tensors differ from the typical one's (before the first adapter: none), QLoRA's
     dequantized weight, torchtune's activation offloading and optimizer-in-backward."""
     ft, tr = plan.recipe, st.precision
+    if st.last and (ft.loss_chunks > 1 or ft.compile_loss):
+        _chunked_loss(ft, spec, w, x)
     if ft.adapters:
         ab = ft.adapter_bytes(w.compute, w.autocast)
         if ab != tr.weight_bytes:
@@ -299,6 +302,26 @@ def fill_recipe(
     if ft.optimizer_in_bwd:  # each gradient steps and goes as soon as it exists
         x[peak.T_LAYER] += st.largest * x[peak.G_BYTES]
         x[peak.G_BYTES] = x[peak.T_STEP] = x[peak.G_PERSIST] = 0.0
+
+
+def _chunked_loss(ft: FineTune, spec: ModelSpec, w: Workload, x: list[float]) -> None:
+    """torchtune's loss in ``k`` chunks (``CEWithChunkedOutputLoss``), compiled or not, instead
+    of one ``cross_entropy`` on ``output(h).float()``: eager, each chunk's fp32 log-probabilities
+    stay saved (the same bytes in all) but backward runs one chunk at a time (its two
+    log-probability-sized gradients); compiled, a chunk keeps its 16-bit logits (the model no
+    longer upcasts them) and its backward writes one 16-bit chunk gradient."""
+    nv = w.tokens * (spec.vocab // w.tp)
+    k = ft.loss_chunks
+    old_ce = 2 * nv * 4
+    saved, ce = nv * 4, 2 * nv * 4 / k
+    if ft.compile_loss:
+        saved = nv * (w.compute if k > 1 else 4)
+        ce = nv * (w.compute if k > 1 else 4) / k
+    x[peak.A_LAST] += saved - nv * 4
+    if x[peak.A_GONE]:
+        x[peak.A_GONE] += saved - nv * 4
+    if x[peak.T_BWD0] == old_ce:
+        x[peak.T_BWD0] = ce
 
 
 def _layer_correction(plan: AdapterPlan, spec: ModelSpec, w: Workload, st: RecipeStage) -> float:

@@ -487,6 +487,7 @@ def recipe_stage(pt: PresetTerms, st: _Stack, r: _Rank) -> lora_ops.RecipeStage:
     return lora_ops.RecipeStage(
         layers=[i for c in r.chunks for i in c],
         first=r.is_first,
+        last=r.is_last,
         recompute=st.recompute,
         typical=st.acts["dense"][0],
         layer_input=st.batch

@@ -149,8 +149,9 @@ def test_unmodelled_models_and_modules_are_refused():
 
 
 def test_qlora_weights_by_hand():
-    """PEFT + bitsandbytes quantizes every Linear of the layers; torchtune only the adapted
-    ones. Weights = the rest in bf16 + NF4 (0.5 + 1/64 + 4/(64·256) B) + fp32/bf16 adapters."""
+    """PEFT + bitsandbytes and torchtune's builders quantize every Linear of the layers (not
+    the embedding or the head). Weights = the rest in bf16 + NF4 (0.5 + 1/64 + 4/(64·256) B)
+    + the adapters (PEFT: fp32, torchtune: bf16)."""
     spec = from_hf_config(SMALL)
     h, f, L = 256, 688, 3
     qkvo = h * h + 2 * h * 128 + h * h  # q, k, v (2 kv heads of 64), o
@@ -167,9 +168,8 @@ def test_qlora_weights_by_hand():
     )
     tt = FineTune(method="qlora", source="torchtune")
     tt_q = gpumem.estimate(SMALL, training=TrainingKnobs(finetune=tt), framework="torch", **kw)
-    quant = L * (h * h + h * 128)
     assert tt_q.per_gpu["weights"] == pytest.approx(
-        (spec.n_params - quant) * 2 + quant * nf4 + adapters * 2, abs=8
+        rest * 2 + L * layer_lin * nf4 + adapters * 2, abs=8
     )
 
 
