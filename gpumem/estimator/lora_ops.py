@@ -299,8 +299,10 @@ def fill_recipe(
     if ft.offload_activations:  # one layer's saved tensors back on the GPU at a time
         moved = x[peak.N_LAYERS] * x[peak.A_LAYER]
         x[peak.A_FIRST] -= moved - x[peak.A_LAYER]
-    if ft.optimizer_in_bwd:  # each gradient steps and goes as soon as it exists
+    if ft.optimizer_in_bwd:  # each gradient steps and goes as soon as it exists: the
+        # largest one (a tied head's, at the start of backward) is alive at either moment
         x[peak.T_LAYER] += st.largest * x[peak.G_BYTES]
+        x[peak.T_BWD0] += st.largest * x[peak.G_BYTES]
         x[peak.G_BYTES] = x[peak.T_STEP] = x[peak.G_PERSIST] = 0.0
 
 
@@ -349,10 +351,12 @@ def recipe_label(plan: AdapterPlan | None) -> str:
     if plan is None:
         return ""
     ft = plan.recipe
-    if not ft.adapters:
-        return f"{ft.source} full fine-tune"
-    mods = ",".join(sorted(plan.typical, key=LINEARS.index)) + (",head" if plan.head else "")
     extra = [k for k in ("packed", "offload_activations", "optimizer_in_bwd") if getattr(ft, k)]
-    return f"{ft.source} {ft.method} r={ft.rank} on {mods}" + (
-        f" ({', '.join(extra)})" if extra else ""
-    )
+    extra += [f"loss_chunks={ft.loss_chunks}"] if ft.loss_chunks > 1 else []
+    extra += ["compile_loss"] if ft.compile_loss else []
+    tail = f" ({', '.join(extra)})" if extra else ""
+    if not ft.adapters:
+        return f"{ft.source} full fine-tune{tail}"
+    mods = ",".join(sorted(plan.typical, key=LINEARS.index)) + (",head" if plan.head else "")
+    drop = f" dropout={ft.dropout}" if ft.dropout else ""
+    return f"{ft.source} {ft.method} r={ft.rank}{drop} on {mods}{tail}"
