@@ -22,14 +22,14 @@ from gpumem.estimator.finetune import FineTune, adapter_params, describe, head_a
 from gpumem.estimator.hf_config import from_hf_config
 from gpumem.estimator.knobs import TrainingKnobs
 
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
-
 SMALL = {**PEFT_BASE, "num_hidden_layers": 3, "vocab_size": 512}
 
 
 def _peft_model(config: dict, targets, dora: bool = False):
     import torch
+
+    peft = pytest.importorskip("peft")  # the test extra pins it
+    transformers = pytest.importorskip("transformers")
 
     cfg = dict(config)
     conf = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
@@ -55,9 +55,9 @@ def _peft_model(config: dict, targets, dora: bool = False):
 def test_targets_and_trainable_count_match_peft(targets, dora):
     """The adapted modules and the trainable count are PEFT's own, for names, suffixes, a
     regex, 'all-linear' and the output layer."""
+    model = _peft_model(SMALL, targets, dora)
     from peft.tuners.lora import LoraLayer
 
-    model = _peft_model(SMALL, targets, dora)
     wrapped = {
         n.removeprefix("base_model.model.")
         for n, m in model.named_modules()
@@ -195,6 +195,7 @@ SAMPLE = [PEFT_SWEEP[0], PEFT_SWEEP[10]]  # bf16 q,v; fp32 DoRA on attention
 
 
 def _check(case: PeftCase) -> None:
+    pytest.importorskip("peft")
     c = compare_peft(case)
     assert abs(c.error_pct) < 1.0, (case.name, c.measured_peak, c.estimated["total"])
 
