@@ -35,6 +35,7 @@ from gpumem.estimator.backward import Moment, Shape, attention_moment
 from gpumem.estimator.finetune import LINEARS, AdapterPlan, FineTune, linear_shapes
 from gpumem.estimator.model_spec import ModelSpec
 from gpumem.estimator.states import Training
+from gpumem.estimator.terms import own_dtype_states
 
 
 def adapter_items(
@@ -284,12 +285,8 @@ def fill_recipe(
         _chunked_loss(ft, spec, w, x)
     if ft.adapters:
         ab = ft.adapter_bytes(w.compute, w.autocast)
-        if ab != tr.weight_bytes:
-            t32 = Training("fp32", tr.optimizer, foreach=tr.foreach, fused=tr.fused)
-            x[peak.W_BYTES] = x[peak.G_BYTES] = float(ab)
-            x[peak.O_BYTES] = t32.optimizer_bytes
-            r_max = ft.rank * max(spec.hidden, spec.dense_layer_ffn // w.tp)
-            x[peak.T_STEP] = t32.step_temp_bytes(int(x[peak.P_TRAIN]), 3 * r_max, st.cuda)
+        r_max = ft.rank * max(spec.hidden, spec.dense_layer_ffn // w.tp)
+        own_dtype_states(x, tr, ab, 3 * r_max, st.cuda)
         x[peak.A_FIRST] += _layer_correction(plan, spec, w, st)
         if ft.method == "qlora":  # one base Linear dequantized while it runs
             shapes = linear_shapes(spec, w.tp)

@@ -25,7 +25,7 @@ from gpumem.estimator.knobs import TrainingKnobs
 SMALL = {**PEFT_BASE, "num_hidden_layers": 3, "vocab_size": 512}
 
 
-def _peft_model(config: dict, targets, dora: bool = False):
+def _peft_model(config: dict, targets, dora: bool = False, r: int = 4, dtype=None):
     import torch
 
     peft = pytest.importorskip("peft")  # the test extra pins it
@@ -34,10 +34,10 @@ def _peft_model(config: dict, targets, dora: bool = False):
     cfg = dict(config)
     conf = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     lora = peft.LoraConfig(
-        r=4, target_modules=targets if isinstance(targets, str) else list(targets), use_dora=dora
+        r=r, target_modules=targets if isinstance(targets, str) else list(targets), use_dora=dora
     )
     with torch.device("meta"):
-        base = transformers.AutoModelForCausalLM.from_config(conf)
+        base = transformers.AutoModelForCausalLM.from_config(conf, dtype=dtype)
         return peft.get_peft_model(base, lora)
 
 
@@ -233,3 +233,22 @@ def test_cli_recipe_flags(tmp_path, capsys):
     assert "'qproj' is not in" in err and "\n" not in err
     assert main([*args, "--apply-lora-to-mlp", "--framework", "megatron"]) == 2
     assert "does not apply to framework='megatron'" in capsys.readouterr().err
+
+
+def test_peft_wrapped_module_path_within_one_percent():
+    """``gpumem.estimate(peft_model)`` (the nn.Module path's fake pass) keeps PEFT's fp32
+    adapters beside the bf16 base: their weights, gradients and AdamW state in fp32."""
+    import torch
+
+    case = PEFT_SWEEP[0]
+    c = compare_peft(case)
+    model = _peft_model(case.config, case.target_modules, r=case.rank, dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+    bill = gpumem.estimate(
+        model, batch_size=case.batch, seq_len=case.seq, precision="bf16", device="cpu",
+        framework="torch", training=TrainingKnobs(persistent_grads=False),
+        gpu=gpumem.estimator.gpus.find_gpu("H100-80GB", 2**40),
+        example_input=lambda b, s: {"input_ids": torch.zeros(b, s, dtype=torch.long)},
+    )  # fmt: skip
+    total = bill.profiler_categories()["total"]
+    assert abs(total / c.measured_peak - 1) < 0.01
