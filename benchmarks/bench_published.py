@@ -402,7 +402,10 @@ active, GiB. The recipes' fused AdamW (``fused: True``), plain ``CrossEntropyLos
 "+ Chunked Cross Entropy", and the final command's settings for LoRA/QLoRA (rank 64 on q, v,
 output_proj and the MLP: ``llama3_2/3B_qlora_single_device``)."""
 FT_COLS = ["row", "published GiB", "estimate GiB", "error", "recipe", "what differs"]
-PEFT_COLS = ["case", "fake profile (B)", "estimated (B)", "error", "phase (meas / est)"]
+PEFT_COLS = [
+    "case", "fake profile (B)", "estimated (B)", "error", "phase (meas / est)",
+    "nn.Module path (B)", "its error",
+]  # fmt: skip
 
 
 def torchtune_rows() -> tuple[list[list[object]], list[tuple[str, float]]]:
@@ -436,16 +439,18 @@ def torchtune_rows() -> tuple[list[list[object]], list[tuple[str, float]]]:
 
 def peft_rows() -> tuple[list[list[object]], list[float]]:
     """``accuracy.PEFT_SWEEP``: the PEFT-wrapped model's fake profile against the estimate."""
-    from gpumem.estimator.accuracy import PEFT_SWEEP, compare_peft
+    from gpumem.estimator.accuracy import PEFT_SWEEP, compare_peft, estimate_peft_module
 
     rows: list[list[object]] = []
     errors = []
     for case in PEFT_SWEEP:
         c = compare_peft(case)
         errors.append(abs(c.error_pct) / 100)
+        module = estimate_peft_module(case).profiler_categories()["total"]
         rows.append(
             [case.name, c.measured_peak, c.estimated["total"], f"{c.error_pct:+.2f} %",
-             f"{c.measured_phase} / {c.bill.phase}"]
+             f"{c.measured_phase} / {c.bill.phase}", module,
+             f"{100 * (module / c.measured_peak - 1):+.2f} %"]
         )  # fmt: skip
         print(rows[-1], flush=True)
     return rows, errors
@@ -460,6 +465,10 @@ def only_finetune() -> None:
     pf, pf_err = peft_rows()
     notes = f"""
 ## PEFT-wrapped transformers models (fake profile of the wrapped model vs the estimate)
+
+The estimate from the config dict and a `FineTune` recipe, and the nn.Module path's bill of the
+PEFT-wrapped model itself (`gpumem.estimate(peft_model)`, its own fake pass), against the
+profile of two training steps of the wrapped model under fake tensors.
 
 {_share(pf_err)}; largest |error| {100 * max(pf_err):.2f} %. Model: `accuracy.PEFT_BASE`
 (Llama, hidden 256, ffn 688, 4 layers, GQA 4/2, vocabulary 32000; Qwen2 and Mistral

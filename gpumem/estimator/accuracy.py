@@ -418,15 +418,12 @@ class PeftCase:
         )  # fmt: skip
 
 
-def compare_peft(case: PeftCase) -> Comparison:
-    """Profile ``case`` (the loop of ``compare_hf``, ``logits`` held) and estimate it."""
+def peft_model(case: PeftCase) -> Any:
+    """``case``'s PEFT-wrapped transformers model on the meta device (PEFT moves its adapters
+    with ``.to()``, which fake tensors refuse); the adapters in PEFT's own dtype."""
     import torch
-    import torch.nn.functional as F
     import transformers
     from peft import LoraConfig, get_peft_model
-
-    from gpumem import profiler
-    from gpumem.estimator.module_inputs import fake_copy
 
     cfg = dict(case.config)
     config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
@@ -437,16 +434,40 @@ def compare_peft(case: PeftCase) -> Comparison:
         r=case.rank, target_modules=targets if isinstance(targets, str) else list(targets),
         lora_dropout=case.dropout, use_dora=case.method == "dora",
     )  # fmt: skip
-    with torch.device("meta"):  # PEFT moves its adapters with .to(), which fake tensors refuse
-        model = get_peft_model(
+    with torch.device("meta"):
+        return get_peft_model(
             transformers.AutoModelForCausalLM.from_config(config, dtype=dtype), lora
         )
+
+
+def estimate_peft_module(case: PeftCase) -> Bill:
+    """The nn.Module path's bill of ``case``'s PEFT-wrapped model (its own fake pass)."""
+    import torch
+
+    return estimate(
+        peft_model(case), batch_size=case.batch, seq_len=case.seq, precision=case.precision,
+        device="cpu", framework="torch", training=TrainingKnobs(persistent_grads=False),
+        recompute="full" if case.recompute else "none", gpu=find_gpu("H100-80GB", 2**40),
+        example_input=lambda b, s: {"input_ids": torch.zeros(b, s, dtype=torch.long)},
+    )  # fmt: skip
+
+
+def compare_peft(case: PeftCase) -> Comparison:
+    """Profile ``case`` (the loop of ``compare_hf``, ``logits`` held) and estimate it."""
+    import torch
+    import torch.nn.functional as F
+
+    from gpumem import profiler
+    from gpumem.estimator.module_inputs import fake_copy
+
+    model = peft_model(case)
+    vocab = case.config["vocab_size"]
     with profiler.fake():
         net = fake_copy(model, "cpu", None)
         if case.recompute:
             net.gradient_checkpointing_enable({"use_reentrant": False})
         opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-3)
-        ids = torch.randint(0, config.vocab_size, (case.batch, case.seq))
+        ids = torch.randint(0, vocab, (case.batch, case.seq))
         autocast = case.precision == "bf16-autocast"
         with profiler.profile(net, optimizer=opt) as prof:
             for _ in range(2):
