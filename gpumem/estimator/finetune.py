@@ -329,7 +329,9 @@ def _name_hint(spec: Any) -> str:
     return f"{leaf}, lm_head (full names: model.layers.0.{_HF_PATHS['q']}, ..., lm_head)"
 
 
-def adapter_params(plan: AdapterPlan, spec: Any, layers: range | None = None, t: int = 1) -> int:
+def adapter_params(
+    plan: AdapterPlan, spec: Any, layers: range | list[int] | None = None, t: int = 1
+) -> int:
     """Trainable parameters of the adapters of ``layers`` (default: all) on one tensor-parallel
     rank: ``r · (in + out)`` per adapted Linear, and DoRA's magnitude vector (``out``)."""
     r, dora = plan.recipe.rank, plan.recipe.method == "dora"

@@ -524,10 +524,10 @@ def _fill_params(pt: PresetTerms, st: _Stack, r: _Rank, x: list[float]) -> tuple
         expert += (r.mtp - r.mtp_dense) * st.expert_layer
     if pt.plan is not None and pt.plan.recipe.adapters:
         layers = [i for c in r.chunks for i in c]
-        p_train = ftn.adapter_params(pt.plan, spec, layers, t)
+        p_train: float = ftn.adapter_params(pt.plan, spec, layers, t)
         p_train += ftn.head_adapter_params(pt.plan, spec, t) if r.is_last else 0
         quant = ftn.quantized_params(pt.plan, spec, layers, t)
-        p_frozen = dense - quant + quant * ftn.NF4_BYTES / pt.training.weight_bytes
+        p_frozen: float = dense - quant + quant * ftn.NF4_BYTES / pt.training.weight_bytes
         p_exp_train, p_exp_frozen = 0.0, expert
     elif pt.training.lora_rank:
         p_train, p_frozen = pt._lora_params(r.n_l, t), dense
