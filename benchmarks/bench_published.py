@@ -481,7 +481,9 @@ Where the vocabulary is small beside the width (hidden 256 with a vocabulary of 
 while building this), the peak can move into a layer's forward or into DoRA's backward, which
 the peak formula does not price: DoRA on q, v at hidden 256 x 256 tokens is -4.4 %, a frozen
 model whose loss is small peaks in a layer's forward (-6.6 %). Real vocabularies put the peak at
-the start of backward, as above.
+the start of backward, as above. DoRA's fake profile itself moves by up to 0.5 % from run to
+run (205.0 to 206.0 MB for "bf16 attn dora"): some of its per-call temporaries are still alive
+at the peak in some runs and not in others (not explained).
 
 ## What the torchtune rows assume
 

@@ -117,7 +117,13 @@ class FineTune:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         tt = self._torchtune_knobs()
         if self.source is None:
-            object.__setattr__(self, "source", "torchtune" if tt else "peft")
+            full = self.method == "full"
+            object.__setattr__(self, "source", "torchtune" if tt or full else "peft")
+        if self.method == "full" and self.source == "peft":
+            raise ValueError(
+                "method='full' is torchtune's full fine-tune recipe (source='torchtune'); PEFT "
+                "trains adapters: for transformers' full training leave finetune= out"
+            )
         if self.source not in SOURCES:
             raise ValueError(f"unknown source {self.source!r}; choose one of {', '.join(SOURCES)}")
         if self.source == "peft" and tt:

@@ -249,3 +249,9 @@ def test_peft_wrapped_module_path_within_one_percent():
     c = compare_peft(case)
     total = estimate_peft_module(case).profiler_categories()["total"]
     assert abs(total / c.measured_peak - 1) < 0.01
+
+
+def test_full_is_torchtunes_recipe():
+    assert FineTune(method="full").source == "torchtune"
+    with pytest.raises(ValueError, match="full fine-tune recipe"):
+        FineTune(method="full", source="peft")
