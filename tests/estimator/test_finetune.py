@@ -255,3 +255,51 @@ def test_full_is_torchtunes_recipe():
     assert FineTune(method="full").source == "torchtune"
     with pytest.raises(ValueError, match="full fine-tune recipe"):
         FineTune(method="full", source="peft")
+
+
+TT_3B = {
+    "model_type": "llama", "hidden_size": 3072, "num_hidden_layers": 28,
+    "num_attention_heads": 24, "num_key_value_heads": 8, "intermediate_size": 8192,
+    "vocab_size": 128256, "max_position_embeddings": 131072, "tie_word_embeddings": True,
+    "head_dim": 128,
+}  # fmt: skip
+
+
+def _tt(recompute: str = "full", **fields):
+    ft = FineTune(method="full", source="torchtune", **fields)
+    return gpumem.estimate(
+        TT_3B, batch_size=2, seq_len=4096, precision="bf16", gpu="A100-80GB", alloc_conf=False,
+        recompute=recompute, training=TrainingKnobs(fused=True, finetune=ft),
+    )  # fmt: skip
+
+
+def test_chunked_compiled_loss_by_hand():
+    """torchtune's compiled CEWithChunkedOutputLoss(8) keeps the bf16 logits (n·V·2 B) where
+    the eager loss on output(h).float() keeps fp32 log-probabilities (n·V·4 B), and its backward
+    writes one bf16 chunk gradient (n·V·2/8 B) where the eager one holds two fp32 (2·n·V·4)."""
+    n, v = 2 * 4096, 128256
+    eager = _tt("none")
+    chunked = _tt("none", loss_chunks=8, compile_loss=True)
+    assert eager.phase == chunked.phase == "backward start"
+    assert eager.per_gpu["activations"] - chunked.per_gpu["activations"] == n * v * 2
+    assert eager.per_gpu["temporary"] == 2 * n * v * 4
+    assert chunked.per_gpu["temporary"] == n * v * 2 // 8
+
+
+def test_activation_offloading_keeps_one_layer_by_hand():
+    """Checkpointed layers save their input (n·h·2 B each); offloading moves all but one."""
+    n, h, layers = 2 * 4096, 3072, 28
+    base = {"loss_chunks": 8, "compile_loss": True, "optimizer_in_bwd": True}
+    kept, offloaded = _tt(**base), _tt(**base, offload_activations=True)
+    assert kept.phase == offloaded.phase == "backward start"
+    moved = kept.per_gpu["activations"] - offloaded.per_gpu["activations"]
+    assert moved == (layers - 1) * n * h * 2
+
+
+def test_optimizer_in_backward_holds_no_gradients():
+    """optimizer_in_bwd: no step moment with every gradient, only the largest (the tied
+    embedding, V·h·2 B) at once."""
+    plain = _tt(loss_chunks=8, compile_loss=True)
+    fused = _tt(loss_chunks=8, compile_loss=True, optimizer_in_bwd=True)
+    assert plain.per_gpu["gradients"] > 0 and fused.per_gpu["gradients"] == 0
+    assert fused.per_gpu["temporary"] - 128256 * 3072 * 2 == 2 * 4096 * 128256 * 2 // 8
