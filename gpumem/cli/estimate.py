@@ -106,7 +106,8 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
         "--lora-rank",
         type=_args.non_negative_int,
         default=0,
-        help="train LoRA adapters of this rank only",
+        help="train LoRA adapters of this rank only (alone: on every Linear, a fully trained "
+        "model's activations; with --finetune: the recipe's rank, default 8)",
     )
     p.add_argument(
         "--qlora", action="store_true", help="4-bit (NF4) frozen base; needs --lora-rank"
