@@ -356,13 +356,6 @@ def _share(errors: list[float]) -> str:
     )
 
 
-TORCHTUNE_3B = {
-    "model_type": "llama", "hidden_size": 3072, "num_hidden_layers": 28,
-    "num_attention_heads": 24, "num_key_value_heads": 8, "intermediate_size": 8192,
-    "vocab_size": 128256, "max_position_embeddings": 131072, "tie_word_embeddings": True,
-    "head_dim": 128,
-}  # fmt: skip
-"""Llama 3.2 3B (meta-llama/Llama-3.2-3B config.json; torchtune's ``llama3_2_3b``)."""
 _TT = {"source": "torchtune", "packed": True}
 _TT_FULL = {**_TT, "method": "full"}
 _LOSS = {"compile_loss": True, "loss_chunks": 8}
@@ -441,7 +434,9 @@ def torchtune_rows() -> tuple[list[list[object]], list[tuple[str, float]]]:
 
     rows: list[list[object]] = []
     errors = []
-    tables = [(row, TORCHTUNE_3B, 4096) for row in TORCHTUNE_ROWS]
+    from gpumem.estimator.accuracy import LLAMA_3_2_3B
+
+    tables = [(row, LLAMA_3_2_3B, 4096) for row in TORCHTUNE_ROWS]
     tables += [(row, TORCHTUNE_8B, 2048) for row in TORCHTUNE_8B_ROWS]
     for (name, published, fields, optimizer, recompute, differs), model, seq in tables:
         if fields is None:

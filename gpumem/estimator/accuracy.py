@@ -345,9 +345,13 @@ def compare_hf(case: HFCase, device: str = "cpu") -> Comparison:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         rep = prof.report()
-    bill = estimate_hf_case(case, device)
+    return profile_comparison(case, rep, estimate_hf_case(case, device))
+
+
+def profile_comparison(case: Any, rep: Any, bill: Bill) -> Comparison:
+    """A fake profile's report against a bill, in the profile's categories."""
     return Comparison(
-        case=case,  # type: ignore[arg-type]
+        case=case,
         measured_peak=rep.peak_bytes,
         measured=dict(rep.at_peak),
         measured_phase=rep.peak_phase,
@@ -491,16 +495,7 @@ def compare_peft(case: PeftCase) -> Comparison:
         recompute="full" if case.recompute else "none",
         gpu=find_gpu("H100-80GB", 2**40),
     )
-    return Comparison(
-        case=case,  # type: ignore[arg-type]
-        measured_peak=rep.peak_bytes,
-        measured=dict(rep.at_peak),
-        measured_phase=rep.peak_phase,
-        measured_step=rep.peak_step,
-        bill=bill,
-        estimated=bill.profiler_categories(tuple(rep.at_peak)),
-        assumptions=list(rep.assumptions),
-    )
+    return profile_comparison(case, rep, bill)
 
 
 PEFT_BASE = {
@@ -539,3 +534,13 @@ PEFT_SWEEP: tuple[PeftCase, ...] = tuple(
 """Model shapes x target sets x rank x precision: the held-out style sweep of
 benchmarks/bench_published.py (``--only finetune``); tests/estimator/test_finetune.py runs a
 sample (all behind ``--runslow``)."""
+
+
+LLAMA_3_2_3B = {
+    "model_type": "llama", "hidden_size": 3072, "num_hidden_layers": 28,
+    "num_attention_heads": 24, "num_key_value_heads": 8, "intermediate_size": 8192,
+    "vocab_size": 128256, "max_position_embeddings": 131072, "tie_word_embeddings": True,
+    "head_dim": 128,
+}  # fmt: skip
+"""Llama 3.2 3B's config.json fields (meta-llama/Llama-3.2-3B; torchtune's ``llama3_2_3b``):
+the model of torchtune's published "Optimization flags" table."""

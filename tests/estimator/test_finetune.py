@@ -18,6 +18,7 @@ import pytest
 
 import gpumem
 from gpumem.estimator.accuracy import (
+    LLAMA_3_2_3B,
     PEFT_BASE,
     PEFT_SWEEP,
     PeftCase,
@@ -182,16 +183,7 @@ def test_qlora_weights_by_hand():
 def test_torchtune_packed_row_within_two_percent_of_published():
     """torchtune README, "Optimization flags", "+ Packed Dataset": 60.0 GiB peak active
     (full_finetune_single_device, fused AdamW, no checkpointing, plain cross-entropy)."""
-    cfg = {
-        "model_type": "llama", "hidden_size": 3072, "num_hidden_layers": 28,
-        "num_attention_heads": 24, "num_key_value_heads": 8, "intermediate_size": 8192,
-        "vocab_size": 128256, "max_position_embeddings": 131072, "tie_word_embeddings": True,
-        "head_dim": 128,
-    }  # fmt: skip
-    bill = gpumem.estimate(
-        cfg, batch_size=2, seq_len=4096, precision="bf16", gpu="A100-80GB", alloc_conf=False,
-        training=TrainingKnobs(fused=True, finetune=FineTune(method="full", source="torchtune")),
-    )  # fmt: skip
+    bill = _tt("none", packed=True)
     active = bill.per_gpu["total"] - bill.per_gpu["overhead"]
     assert abs(active / 2**30 / 60.0 - 1) < 0.02
     assert "torchtune full fine-tune" in bill.inputs["finetune"]
@@ -257,19 +249,11 @@ def test_full_is_torchtunes_recipe():
         FineTune(method="full", source="peft")
 
 
-TT_3B = {
-    "model_type": "llama", "hidden_size": 3072, "num_hidden_layers": 28,
-    "num_attention_heads": 24, "num_key_value_heads": 8, "intermediate_size": 8192,
-    "vocab_size": 128256, "max_position_embeddings": 131072, "tie_word_embeddings": True,
-    "head_dim": 128,
-}  # fmt: skip
-
-
 def _tt(recompute: str = "full", **fields):
     ft = FineTune(method="full", source="torchtune", **fields)
     return gpumem.estimate(
-        TT_3B, batch_size=2, seq_len=4096, precision="bf16", gpu="A100-80GB", alloc_conf=False,
-        recompute=recompute, training=TrainingKnobs(fused=True, finetune=ft),
+        LLAMA_3_2_3B, batch_size=2, seq_len=4096, precision="bf16", gpu="A100-80GB",
+        alloc_conf=False, recompute=recompute, training=TrainingKnobs(fused=True, finetune=ft),
     )  # fmt: skip
 
 
