@@ -529,6 +529,13 @@ PEFT_SWEEP: tuple[PeftCase, ...] = tuple(
             ("k_proj", "o_proj"),
             {},
         ),
+        ("qwen3 v", {"model_type": "qwen3", "head_dim": 64}, ("v_proj",), {}),
+        (
+            "qwen3 all-linear ckpt",
+            {"model_type": "qwen3", "head_dim": 64},
+            "all-linear",
+            {"recompute": True},
+        ),
     )
 )
 """Model shapes x target sets x rank x precision: the held-out style sweep of

@@ -67,9 +67,10 @@ _HF_PATHS = {
 }
 _TORCHTUNE_ATTN = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "output_proj": "o"}
 _TORCHTUNE_MLP = ("gate", "down", "up")  # w1, w2, w3
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 """config.json model types whose adapted layers the rules follow (transformers' Llama layer:
-RMSNorm without q/k norms, SDPA, a gated MLP of three Linears); ``describe`` refuses others."""
+RMSNorm (Qwen3: also per-head q/k norms), SDPA, a gated MLP of three Linears); ``describe``
+refuses others."""
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")
 
 
@@ -273,7 +274,6 @@ def describe(recipe: FineTune, spec: Any) -> AdapterPlan:
         spec.arch != "llama"
         or spec.is_moe
         or spec.is_mla
-        or spec.qk_norm
         or (spec.is_hf and family not in FAMILIES)
     ):
         raise ValueError(

@@ -86,7 +86,7 @@ def layer_items(
     items += _adapters(("q", "k", "v"), adapted, shapes, w, ft, R, grad, h)
     grad = grad or bool(adapted & {"q", "k", "v"})
     if grad:
-        items += _attention(spec, w, ft)
+        items += _attention(spec, w, ft, grad_in or "q" in adapted, grad_in or "k" in adapted)
     if "o" in adapted:
         qd = shapes["o"][0]
         o_items, shared = adapter_items("o", qd, h, w, ft, A, grad)
@@ -140,10 +140,20 @@ def _frozen_norm(tag: str, n: int, h: int) -> list[Item]:
     return [Item(f"{tag}.input_fp32", n * h * 4), Item(f"{tag}.rstd", n * 4)]
 
 
-def _attention(spec: ModelSpec, w: Workload, ft: FineTune) -> list[Item]:
+def _attention(
+    spec: ModelSpec, w: Workload, ft: FineTune, q_grad: bool = True, k_grad: bool = True
+) -> list[Item]:
     """SDPA's saved tensors (``hf_ops.attention_items``), and torchtune's copies: k and v
-    expanded to every head, the output made contiguous for ``output_proj``."""
-    items = hf_ops.attention_items(spec, w)
+    expanded to every head, the output made contiguous for ``output_proj``. Qwen3's per-head
+    q and k norms have frozen weights: their fp32 input and rstd, where q (k) carries a
+    gradient, and no normalised output."""
+    items = [
+        i
+        for i in hf_ops.attention_items(spec, w)
+        if not i.name.endswith("_norm.normalized")
+        and (q_grad or not i.name.startswith("q_norm."))
+        and (k_grad or not i.name.startswith("k_norm."))
+    ]
     if ft.source != "torchtune":
         return items
     n, A, t = w.tokens, w.compute, w.tp
