@@ -492,8 +492,8 @@ PEFT-wrapped model itself (`gpumem.estimate(peft_model)`, its own fake pass), ag
 profile of two training steps of the wrapped model under fake tensors.
 
 {_share(pf_err)}; largest |error| {100 * max(pf_err):.2f} %. Model: `accuracy.PEFT_BASE`
-(Llama, hidden 256, ffn 688, 4 layers, GQA 4/2, vocabulary 32000; Qwen2, Qwen3 and Mistral
-variants), batch 2 x 256 tokens, two AdamW steps of the adapters (PEFT's fp32 adapters on a
+(Llama, hidden 256, ffn 688, 4 layers, GQA 4/2, vocabulary 32000; Qwen2, Qwen3, Gemma and
+Mistral variants), batch 2 x 256 tokens, two AdamW steps of the adapters (PEFT's fp32 adapters on a
 bf16 base), the logits held by the loop (`framework="torch"`).
 
 {markdown_table(PEFT_COLS, pf)}

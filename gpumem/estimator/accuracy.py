@@ -530,6 +530,7 @@ PEFT_SWEEP: tuple[PeftCase, ...] = tuple(
             {},
         ),
         ("qwen3 v", {"model_type": "qwen3", "head_dim": 64}, ("v_proj",), {}),
+        ("gemma q,v", {"model_type": "gemma", "head_dim": 64}, ("q_proj", "v_proj"), {}),
         (
             "qwen3 all-linear ckpt",
             {"model_type": "qwen3", "head_dim": 64},

@@ -67,10 +67,11 @@ _HF_PATHS = {
 }
 _TORCHTUNE_ATTN = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "output_proj": "o"}
 _TORCHTUNE_MLP = ("gate", "down", "up")  # w1, w2, w3
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 """config.json model types whose adapted layers the rules follow (transformers' Llama layer:
-RMSNorm (Qwen3: also per-head q/k norms), SDPA, a gated MLP of three Linears); ``describe``
-refuses others."""
+RMSNorm (Qwen3: also per-head q/k norms; Gemma: ``1 + w``), SDPA, a gated MLP of three
+Linears); ``describe`` refuses others (Gemma2/3's post-norms and soft-capped eager attention,
+Phi-3's fused projections, GPT-2's Conv1D)."""
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")
 
 

@@ -82,7 +82,7 @@ def layer_items(
     items: list[Item] = []
     grad = grad_in
     if grad:
-        items += _frozen_norm("attn_norm", n, h)
+        items += _frozen_norm(spec, "attn_norm", n, h)
     items += _adapters(("q", "k", "v"), adapted, shapes, w, ft, R, grad, h)
     grad = grad or bool(adapted & {"q", "k", "v"})
     if grad:
@@ -95,7 +95,7 @@ def layer_items(
             items.append(Item("o.input", n * qd * A))
     grad = grad or "o" in adapted
     if grad:
-        items += _frozen_norm("mlp_norm", n, h)
+        items += _frozen_norm(spec, "mlp_norm", n, h)
     items += _adapters(("gate", "up"), adapted, shapes, w, ft, R, grad, h)
     items += _mlp(spec, w, adapted, grad)
     mlp_grad = grad or bool(adapted & {"gate", "up"})
@@ -134,10 +134,14 @@ def _adapters(
     return items
 
 
-def _frozen_norm(tag: str, n: int, h: int) -> list[Item]:
+def _frozen_norm(spec: ModelSpec, tag: str, n: int, h: int) -> list[Item]:
     """transformers' RMSNorm with a frozen weight: the fp32 input (x itself when fp32) and
-    rstd; ``weight *`` saves no normalised output (it only needs the weight)."""
-    return [Item(f"{tag}.input_fp32", n * h * 4), Item(f"{tag}.rstd", n * 4)]
+    rstd; ``weight *`` saves no normalised output (it only needs the weight). Gemma's
+    ``* (1 + weight.float())`` saves its fp32 ``1 + w`` (a new vector each call)."""
+    items = [Item(f"{tag}.input_fp32", n * h * 4), Item(f"{tag}.rstd", n * 4)]
+    if spec.family in hf_ops.GEMMA:
+        items.append(Item(f"{tag}.one_plus_w", h * 4))
+    return items
 
 
 def _attention(
