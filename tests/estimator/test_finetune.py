@@ -195,7 +195,10 @@ SAMPLE = [c for c in PEFT_SWEEP if c.name in ("bf16 q,v r8", "fp32 attn dora")]
 def _check(case: PeftCase) -> None:
     pytest.importorskip("peft")
     c = compare_peft(case)
-    assert abs(c.error_pct) < 1.0, (case.name, c.measured_peak, c.estimated["total"])
+    # DoRA's fake profile itself moves by up to 0.5 % from run to run (some of its per-call
+    # identities outlive the call under fake tensors: benchmarks/results/published_finetune.md)
+    bound = 1.5 if case.method == "dora" else 1.0
+    assert abs(c.error_pct) < bound, (case.name, c.measured_peak, c.estimated["total"])
 
 
 @pytest.mark.parametrize("case", SAMPLE, ids=lambda c: c.name)
