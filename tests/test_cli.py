@@ -100,6 +100,7 @@ KNOB_FLAGS = {
         "foreach": ["--no-foreach"],
         "fused": ["--fused-optimizer"],
         "persistent_grads": ["--persistent-grads"],
+        "finetune": ["--finetune", "lora", "--target-modules", "q_proj,v_proj"],
     },
     "activations": {
         "attention": ["--attention", "flash"],

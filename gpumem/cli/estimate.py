@@ -110,11 +110,13 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
         "--lora-rank",
         type=_args.non_negative_int,
         default=0,
-        help="train LoRA adapters of this rank only",
+        help="train LoRA adapters of this rank only (alone: on every Linear, a fully trained "
+        "model's activations; with --finetune: the recipe's rank, default 8)",
     )
     p.add_argument(
         "--qlora", action="store_true", help="4-bit (NF4) frozen base; needs --lora-rank"
     )
+    add_finetune_args(p)
     p.add_argument(
         "--calibration",
         metavar="FILE",
@@ -330,12 +332,109 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+FINETUNE_FLAGS = (
+    "finetune", "target_modules", "target_regex", "lora_attn_modules", "apply_lora_to_mlp",
+    "apply_lora_to_output", "lora_dropout", "finetune_source", "packed",
+    "offload_activations", "optimizer_in_bwd",
+)  # fmt: skip
+
+
+def add_finetune_args(p: argparse.ArgumentParser) -> None:
+    """A fine-tuning recipe's flags (``finetune.FineTune``; docs/estimator.md, "Fine-tuning")."""
+    g = p.add_argument_group("fine-tuning recipe (PEFT or torchtune; docs/estimator.md)")
+    g.add_argument(
+        "--finetune",
+        choices=("lora", "dora", "qlora", "full"),
+        default=None,
+        help="a recipe: adapters of --lora-rank (default 8) on the target modules over a "
+        "frozen base (qlora: NF4), or torchtune's full fine-tune",
+    )
+    g.add_argument(
+        "--target-modules",
+        metavar="NAMES",
+        default=None,
+        help="PEFT's target_modules: comma-separated names matched as suffixes "
+        "(q_proj,v_proj), or all-linear (default: PEFT's for the model type, q_proj,v_proj)",
+    )
+    g.add_argument(
+        "--target-regex",
+        metavar="REGEX",
+        default=None,
+        help="PEFT's target_modules as a string: a regex over full module names (re.fullmatch)",
+    )
+    g.add_argument(
+        "--lora-attn-modules",
+        metavar="NAMES",
+        default=None,
+        help="torchtune's lora_attn_modules: q_proj,k_proj,v_proj,output_proj",
+    )
+    g.add_argument("--apply-lora-to-mlp", action="store_true", default=None, help="torchtune's")
+    g.add_argument("--apply-lora-to-output", action="store_true", default=None, help="torchtune's")
+    g.add_argument("--lora-dropout", type=float, default=0.0, help="lora_dropout (default 0)")
+    g.add_argument(
+        "--finetune-source",
+        choices=("peft", "torchtune"),
+        default=None,
+        help="whose modules and adapters (default: torchtune when one of its flags is given)",
+    )
+    g.add_argument(
+        "--packed", action="store_true", help="rows packed to --seq-len tokens (dataset.packed)"
+    )
+    g.add_argument(
+        "--offload-activations",
+        action="store_true",
+        help="torchtune's enable_activation_offloading",
+    )
+    g.add_argument("--optimizer-in-bwd", action="store_true", help="torchtune's optimizer_in_bwd")
+
+
+def training_knobs(args: argparse.Namespace) -> Any:
+    """``TrainingKnobs`` from the flags: a ``FineTune`` recipe when a recipe flag is given."""
+    from gpumem.estimator.finetune import FineTune
+    from gpumem.estimator.knobs import TrainingKnobs
+
+    given = [n for n in FINETUNE_FLAGS if getattr(args, n, None) not in (None, False, 0.0)]
+    common = {
+        "grads": args.grads,
+        "offload_optimizer": args.offload_optimizer,
+        "foreach": args.foreach,
+        "fused": args.fused_optimizer,
+        "persistent_grads": args.persistent_grads,
+    }
+    if not given:
+        return TrainingKnobs(
+            **common, lora_rank=args.lora_rank, base_quant="nf4" if args.qlora else None
+        )
+    if args.target_modules and args.target_regex:
+        raise ValueError("--target-modules and --target-regex both given: give one")
+    targets: Any = args.target_regex
+    if args.target_modules:
+        names = tuple(n.strip() for n in args.target_modules.split(",") if n.strip())
+        targets = "all-linear" if names == ("all-linear",) else names
+    attn = args.lora_attn_modules
+    method = args.finetune or ("qlora" if args.qlora else "lora")
+    recipe = FineTune(
+        method=method,
+        rank=args.lora_rank or 8,
+        target_modules=targets,
+        lora_attn_modules=tuple(a.strip() for a in attn.split(",")) if attn else None,
+        apply_lora_to_mlp=args.apply_lora_to_mlp,
+        apply_lora_to_output=args.apply_lora_to_output,
+        dropout=args.lora_dropout,
+        source=args.finetune_source,
+        packed=args.packed,
+        offload_activations=args.offload_activations,
+        optimizer_in_bwd=args.optimizer_in_bwd,
+    )
+    return TrainingKnobs(**common, finetune=recipe)
+
+
 def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The grouped knobs of ``gpumem.estimate`` from the command line (checked as made)."""
     from gpumem.estimator.frameworks.deepspeed import ZeroConfig, knobs_from_cli
     from gpumem.estimator.frameworks.megatron import check_knobs
     from gpumem.estimator.frameworks.torchtitan import titan_knobs
-    from gpumem.estimator.knobs import ActivationKnobs, MoEKnobs, TrainingKnobs
+    from gpumem.estimator.knobs import ActivationKnobs, MoEKnobs
 
     fw = args.framework
     titan = fw == "torchtitan"  # --fp8-recipe is torchtitan's float8 there
@@ -345,15 +444,7 @@ def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.offload_param:  # ZeRO-3's parameter offload, also a ds_config key
         deepspeed = dataclasses.replace(ZeroConfig.from_dict(deepspeed), offload_param="cpu")
     return {
-        "training": TrainingKnobs(
-            grads=args.grads,
-            offload_optimizer=args.offload_optimizer,
-            lora_rank=args.lora_rank,
-            base_quant="nf4" if args.qlora else None,
-            foreach=args.foreach,
-            fused=args.fused_optimizer,
-            persistent_grads=args.persistent_grads,
-        ),
+        "training": training_knobs(args),
         "activations": ActivationKnobs(
             attention=args.attention,
             dropout=args.attention_dropout,

@@ -17,6 +17,8 @@ Modules, bottom up:
     states             bytes per parameter of weights, gradients and optimizer state
     activations        what autograd saves, op by op
     hf_ops             what transformers' decoder modules save for backward
+    finetune           ``FineTune``: LoRA / DoRA / QLoRA by target modules (PEFT, torchtune)
+    lora_ops           what an adapted layer saves over a frozen base
     frameworks/        each framework's conventions, knobs and buffers (Megatron, torchtitan, ...)
     backward           a layer's widest backward moment
     peak               the one peak formula (numba-compiled for the planner)

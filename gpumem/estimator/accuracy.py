@@ -375,9 +375,13 @@ def compare_hf(case: HFCase, device: str = "cpu") -> Comparison:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         rep = prof.report()
-    bill = estimate_hf_case(case, device)
+    return profile_comparison(case, rep, estimate_hf_case(case, device))
+
+
+def profile_comparison(case: Any, rep: Any, bill: Bill) -> Comparison:
+    """A fake profile's report against a bill, in the profile's categories."""
     return Comparison(
-        case=case,  # type: ignore[arg-type]
+        case=case,
         measured_peak=rep.peak_bytes,
         measured=dict(rep.at_peak),
         measured_phase=rep.peak_phase,
@@ -411,3 +415,170 @@ def _grouped_mm_any_dtype() -> Any:
         "_can_use_grouped_mm",
         lambda i, w, o: w.dtype == torch.bfloat16 and original(i, w, o),
     )
+
+
+# --- PEFT-wrapped transformers models (fine-tuning recipes), under fake tensors ----------------
+
+
+@dataclass(frozen=True)
+class PeftCase:
+    """A transformers model from a config dict wrapped by PEFT (``get_peft_model`` with a
+    ``LoraConfig``), two AdamW steps of its adapters profiled under ``gpumem.fake()`` (the
+    adapters keep PEFT's own dtype: fp32 on a 16-bit base), and the same job estimated from the
+    dict and a ``FineTune`` recipe.
+
+    Attributes:
+        target_modules: PEFT's (names, a regex string or ``"all-linear"``).
+        method: ``lora`` or ``dora``; rank, dropout: ``r``, ``lora_dropout``.
+    """
+
+    name: str
+    config: dict[str, Any]
+    target_modules: tuple[str, ...] | str = ("q_proj", "v_proj")
+    precision: str = "bf16"
+    method: str = "lora"
+    rank: int = 8
+    dropout: float = 0.0
+    recompute: bool = False
+    batch: int = 2
+    seq: int = 256
+
+    def recipe(self) -> Any:
+        from gpumem.estimator.finetune import FineTune
+
+        return FineTune(
+            method=self.method, rank=self.rank, target_modules=self.target_modules,
+            dropout=self.dropout,
+        )  # fmt: skip
+
+
+def peft_model(case: PeftCase) -> Any:
+    """``case``'s PEFT-wrapped transformers model on the meta device (PEFT moves its adapters
+    with ``.to()``, which fake tensors refuse); the adapters in PEFT's own dtype."""
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    cfg = dict(case.config)
+    config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    config._attn_implementation = "sdpa"
+    dtype = torch.bfloat16 if case.precision == "bf16" else torch.float32
+    targets = case.target_modules
+    lora = LoraConfig(
+        r=case.rank, target_modules=targets if isinstance(targets, str) else list(targets),
+        lora_dropout=case.dropout, use_dora=case.method == "dora",
+    )  # fmt: skip
+    with torch.device("meta"):
+        return get_peft_model(
+            transformers.AutoModelForCausalLM.from_config(config, dtype=dtype), lora
+        )
+
+
+def estimate_peft_module(case: PeftCase) -> Bill:
+    """The nn.Module path's bill of ``case``'s PEFT-wrapped model (its own fake pass)."""
+    import torch
+
+    return estimate(
+        peft_model(case), batch_size=case.batch, seq_len=case.seq, precision=case.precision,
+        device="cpu", framework="torch", training=TrainingKnobs(persistent_grads=False),
+        recompute="full" if case.recompute else "none", gpu=find_gpu("H100-80GB", 2**40),
+        example_input=lambda b, s: {"input_ids": torch.zeros(b, s, dtype=torch.long)},
+    )  # fmt: skip
+
+
+def compare_peft(case: PeftCase) -> Comparison:
+    """Profile ``case`` (the loop of ``compare_hf``, ``logits`` held) and estimate it."""
+    import torch
+    import torch.nn.functional as F
+
+    from gpumem import profiler
+    from gpumem.estimator.module_inputs import fake_copy
+
+    model = peft_model(case)
+    vocab = case.config["vocab_size"]
+    with profiler.fake():
+        net = fake_copy(model, "cpu", None)
+        if case.recompute:
+            net.gradient_checkpointing_enable({"use_reentrant": False})
+        opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-3)
+        ids = torch.randint(0, vocab, (case.batch, case.seq))
+        autocast = case.precision == "bf16-autocast"
+        with profiler.profile(net, optimizer=opt) as prof:
+            for _ in range(2):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    logits = net(input_ids=ids).logits
+                    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1))
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        rep = prof.report()
+    bill = estimate(
+        dict(case.config),
+        batch_size=case.batch,
+        seq_len=case.seq,
+        precision=case.precision,
+        optimizer="adamw",
+        device="cpu",
+        framework="torch",
+        activations=ActivationKnobs(attention="sdpa"),
+        training=TrainingKnobs(persistent_grads=False, finetune=case.recipe()),
+        recompute="full" if case.recompute else "none",
+        gpu=find_gpu("H100-80GB", 2**40),
+    )
+    return profile_comparison(case, rep, bill)
+
+
+PEFT_BASE = {
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 32000,
+    "max_position_embeddings": 1024,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+"""The PEFT sweep's model: proportions of a real one (vocabulary 125x the width), so that the
+loss weighs as it does in a real run."""
+PEFT_SWEEP: tuple[PeftCase, ...] = tuple(
+    PeftCase(f"{prec} {label}", {**PEFT_BASE, **shape}, targets, prec, **kw)
+    for prec in ("bf16", "fp32", "bf16-autocast")
+    for label, shape, targets, kw in (
+        ("q,v r8", {}, ("q_proj", "v_proj"), {}),
+        ("all-linear r64", {}, "all-linear", {"rank": 64}),
+        ("all-linear ckpt", {}, "all-linear", {"recompute": True}),
+        ("attn dora", {}, ("q_proj", "k_proj", "v_proj", "o_proj"), {"method": "dora"}),
+        ("mlp dropout", {}, ("gate_proj", "up_proj", "down_proj"), {"dropout": 0.05}),
+        ("regex late layers", {"model_type": "qwen2"}, r".*layers\.[23]\..*(q|v)_proj", {}),
+        (
+            "mistral k,o",
+            {"model_type": "mistral", "num_key_value_heads": 1},
+            ("k_proj", "o_proj"),
+            {},
+        ),
+        ("qwen3 v", {"model_type": "qwen3", "head_dim": 64}, ("v_proj",), {}),
+        ("gemma q,v", {"model_type": "gemma", "head_dim": 64}, ("q_proj", "v_proj"), {}),
+        (
+            "qwen3 all-linear ckpt",
+            {"model_type": "qwen3", "head_dim": 64},
+            "all-linear",
+            {"recompute": True},
+        ),
+    )
+)
+"""Model shapes x target sets x rank x precision: the held-out style sweep of
+benchmarks/bench_published.py (``--only finetune``); tests/estimator/test_finetune.py runs a
+sample (all behind ``--runslow``)."""
+
+
+LLAMA_3_2_3B = {
+    "model_type": "llama", "hidden_size": 3072, "num_hidden_layers": 28,
+    "num_attention_heads": 24, "num_key_value_heads": 8, "intermediate_size": 8192,
+    "vocab_size": 128256, "max_position_embeddings": 131072, "tie_word_embeddings": True,
+    "head_dim": 128,
+}  # fmt: skip
+"""Llama 3.2 3B's config.json fields (meta-llama/Llama-3.2-3B; torchtune's ``llama3_2_3b``):
+the model of torchtune's published "Optimization flags" table."""

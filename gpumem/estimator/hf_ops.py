@@ -109,6 +109,12 @@ def head_items(spec: ModelSpec, w: Workload) -> list[Item]:
     return _norm(spec, w, "final_norm", n_sp, spec.hidden, w.residual) + rest
 
 
+def attention_items(spec: ModelSpec, w: Workload) -> list[Item]:
+    """What one layer's attention core saves (q/k norms, RoPE'd q and k, v, the output, the
+    log-sum-exp; eager attention's scores): the part of a layer an adapter does not change."""
+    return _attention(spec, w, w.tokens)
+
+
 def ce_backward_bytes(spec: ModelSpec, w: Workload) -> int:
     return act.ce_backward_bytes(spec, w)
 

@@ -36,6 +36,7 @@ SHOWN = (
     "float8",  # torchtitan's float8 training, when given (framework="torchtitan")
     "optimizer",
     "sharding",  # the framework's sharding when it decides it (framework="torchtitan")
+    "finetune",  # a fine-tuning recipe, when given (finetune.FineTune)
     "loss",
 )
 LABELS = {
@@ -47,6 +48,7 @@ LABELS = {
     "float8": "float8",
     "optimizer": "optimizer",
     "sharding": "sharding",
+    "finetune": "recipe",
     "loss": "loss",
 }
 CONTEXT = "default: the model's context"

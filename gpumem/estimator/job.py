@@ -19,6 +19,7 @@ from typing import Any
 
 from gpumem.allocator.alloc_conf import AllocConf
 from gpumem.estimator import inputs
+from gpumem.estimator.finetune import FineTune
 from gpumem.estimator.frameworks.conventions import default_grads, engine, resolve_framework
 from gpumem.estimator.frameworks.deepspeed import ZeroConfig
 from gpumem.estimator.frameworks.megatron import MegatronKnobs, check_knobs
@@ -77,6 +78,7 @@ class Job:
     reserved_note: str = ""
     sharding: str = ""
     """Where the layout's sharding came from, when the framework decides it (torchtitan)."""
+    finetune: FineTune | None = None
 
 
 def regroup(flat: dict[str, Any], groups: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -127,6 +129,9 @@ def check_job(model: Any, *, module: bool, flat: dict[str, Any], **a: Any) -> Jo
     if not module and (a["example_input"] is not None or a["loss_fn"] is not None):
         raise ValueError("example_input and loss_fn apply to an nn.Module model only")
     g = regroup(flat, {k: a[k] for k in GROUPS})
+    ft = g["training"].get("finetune")
+    if isinstance(ft, FineTune) and ft.source == "torchtune" and a["framework"] is None:
+        a["framework"] = "fsdp2" if layout.fsdp else "torch"  # torchtune's own recipes
     hf = not module and describes_hf(model)
     fw, precision, megatron, titan = framework_knobs(a["framework"], layout, hf, a["precision"], g)
     sharding = ""
@@ -137,14 +142,7 @@ def check_job(model: Any, *, module: bool, flat: dict[str, Any], **a: Any) -> Jo
     training = make_training(precision, a["optimizer"], tr, fw, layout, a["deepspeed"], g["extra"])
     gpu = a["gpu"]
     gpu = gpu if isinstance(gpu, GPU) else find_gpu(gpu, g["extra"].get("gpu_memory"))
-    for name in ("batch_size", "grad_accum"):
-        value = a[name]
-        if value is not None and (
-            not isinstance(value, int) or isinstance(value, bool) or value <= 0
-        ):
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if a["device"] not in ("cuda", "cpu"):
-        raise ValueError(f"device must be 'cuda' or 'cpu', got {a['device']!r}")
+    _check_scalars(a)
     if fw == "torchtitan" and acts.keep_logits:
         raise ValueError(
             "keep_logits=True does not apply to framework='torchtitan': its train step deletes "
@@ -164,6 +162,7 @@ def check_job(model: Any, *, module: bool, flat: dict[str, Any], **a: Any) -> Jo
         )
     elif megatron != MegatronKnobs():
         raise ValueError("the Megatron-LM knobs apply to a described model, not an nn.Module")
+    check_finetune(tr.finetune, fw, module)
     return Job(
         training=training,
         layout=layout,
@@ -183,7 +182,46 @@ def check_job(model: Any, *, module: bool, flat: dict[str, Any], **a: Any) -> Jo
         example_input=a["example_input"],
         loss_fn=a["loss_fn"],
         sharding=sharding,
+        finetune=tr.finetune,
     )
+
+
+def _check_scalars(a: dict[str, Any]) -> None:
+    """batch_size and grad_accum positive integers (or unset), device cuda or cpu."""
+    for name in ("batch_size", "grad_accum"):
+        value = a[name]
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value <= 0
+        ):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if a["device"] not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {a['device']!r}")
+
+
+FINETUNE_FRAMEWORKS = ("transformers", "torch", "fsdp2", "deepspeed")
+"""The frameworks a fine-tuning recipe runs under: PEFT under transformers' Trainer, plain
+torch, FSDP2 or DeepSpeed; torchtune's recipes are single-device or FSDP2 (torch, fsdp2)."""
+
+
+def check_finetune(ft: FineTune | None, framework: str, module: bool) -> None:
+    """A recipe applies to a described model under a framework that runs it.
+
+    Raises:
+        ValueError: one line naming the recipe, the framework and the choices.
+    """
+    if ft is None:
+        return
+    if module:
+        raise ValueError(
+            "finetune= describes a recipe for a described model; an nn.Module carries its own "
+            "adapters: wrap it with PEFT (get_peft_model) and pass it without finetune="
+        )
+    allowed = ("torch", "fsdp2") if ft.source == "torchtune" else FINETUNE_FRAMEWORKS
+    if framework not in allowed:
+        raise ValueError(
+            f"finetune= ({ft.source}'s {ft.method} recipe) does not apply to "
+            f"framework={framework!r}: it runs under {', '.join(allowed)}"
+        )
 
 
 def framework_knobs(
@@ -229,7 +267,7 @@ def make_training(
         optimizer,
         grads,
         tr.offload_optimizer or (zero is not None and zero.offload_optimizer == "cpu"),
-        tr.lora_rank,
+        tr.finetune.rank if tr.finetune is not None and tr.finetune.adapters else tr.lora_rank,
         tr.base_quant,
         tr.foreach,
         tr.fused,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpumem.estimator.activations import FUSED_OPS
+from gpumem.estimator.finetune import FineTune
 
 MOE_IMBALANCE = 1.25
 """Default tokens of the most loaded expert-parallel rank over the mean: the capacity factor
@@ -36,7 +37,11 @@ class TrainingKnobs:
     Attributes:
         grads: the gradients' dtype (default: the framework's; Megatron: fp32 main grads).
         offload_optimizer: the optimizer state and step on the CPU.
-        lora_rank / base_quant: LoRA adapters of this rank on a frozen base (``"nf4"``: QLoRA).
+        lora_rank / base_quant: LoRA adapters of this rank on every Linear of a frozen base
+            (``"nf4"``: QLoRA), the activations of a fully trained model.
+        finetune: a fine-tuning recipe (``finetune.FineTune``: LoRA / DoRA / QLoRA by target
+            modules, PEFT's or torchtune's, or torchtune's full fine-tune), whose frozen base
+            also changes what the activations are (``lora_ops.py``).
         foreach / fused: torch.optim's step implementation (``Training.step_temp_bytes``).
         persistent_grads: gradients stay allocated across steps (default: when distributed or
             accumulating; torchtitan: False, its ``set_to_none=True`` step).
@@ -49,6 +54,17 @@ class TrainingKnobs:
     foreach: bool | None = None
     fused: bool = False
     persistent_grads: bool | None = None
+    finetune: FineTune | None = None
+
+    def __post_init__(self) -> None:
+        ft = self.finetune
+        if ft is not None and not isinstance(ft, FineTune):
+            raise TypeError(f"finetune must be a FineTune, got {type(ft).__name__}")
+        if ft is not None and (self.lora_rank or self.base_quant):
+            raise ValueError(
+                "lora_rank/base_quant and finetune= both given: give the rank and method in "
+                "FineTune(rank=, method='qlora') only"
+            )
 
 
 @dataclass(frozen=True)

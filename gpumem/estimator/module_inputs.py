@@ -26,19 +26,20 @@ def weight_dtype(training: Training):
 
 def fake_copy(module: Any, device: str, dtype: Any) -> Any:
     """A copy of ``module`` whose parameters and buffers are fake tensors on ``device``; floating
-    ones in ``dtype`` (as ``module.to(dtype)`` would). Call inside ``gpumem.fake()``."""
+    ones in ``dtype`` (as ``module.to(dtype)`` would; None: each keeps its own, as PEFT's fp32
+    adapters on a 16-bit base). Call inside ``gpumem.fake()``."""
     import torch
 
     memo: dict[int, Any] = {}
     for p in module.parameters():
         if id(p) not in memo:
-            dt = dtype if p.is_floating_point() else p.dtype
+            dt = (dtype or p.dtype) if p.is_floating_point() else p.dtype
             memo[id(p)] = torch.nn.Parameter(
                 torch.empty(p.shape, dtype=dt, device=device), requires_grad=p.requires_grad
             )
     for b in module.buffers():
         if id(b) not in memo:
-            dt = dtype if b.is_floating_point() else b.dtype
+            dt = (dtype or b.dtype) if b.is_floating_point() else b.dtype
             memo[id(b)] = torch.empty(b.shape, dtype=dt, device=device)
     try:
         out = copy.deepcopy(module, memo)

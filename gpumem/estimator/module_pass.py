@@ -35,7 +35,13 @@ from gpumem.estimator.module_structure import (
     step_scratch,
 )
 from gpumem.estimator.states import Training, param_mix
-from gpumem.estimator.terms import grads_persist, inflight, job_terms, split_layers
+from gpumem.estimator.terms import (
+    grads_persist,
+    inflight,
+    job_terms,
+    own_dtype_states,
+    split_layers,
+)
 
 _CUDA_BLOCK = 512  # the caching allocator's granularity, as the profiler counts CUDA storages
 
@@ -229,8 +235,9 @@ def measure(
     def autocast():
         return torch.autocast(run, dtype=amp) if training.autocast else contextlib.nullcontext()
 
+    own = own_trainable_bytes(module)
     with profiler.fake(device=run if run == "cuda" else None):
-        net = fake_copy(module, run, dtype)
+        net = fake_copy(module, run, None if own else dtype)
         args, kwargs = make_inputs(module, example_input, batch, seq, run)
         order, io, saved, held, target = _structure(
             net, blocks, args, kwargs, run, autocast, loss_fn, keep_logits
@@ -249,7 +256,7 @@ def measure(
             loss.backward()
         rep = prof.report()
         log = prof.tracker.alloc_log or []
-    spec = _spec(module, training, blocks, order, io, saved, held, rep)
+    spec = _spec(module, training, blocks, order, io, saved, held, rep, own)
     from gpumem.profiler.reserved import log_events
 
     spec.alloc_events = tuple((ev[1], ev[2] if ev[0] == "alloc" else -1) for ev in log_events(log))
@@ -282,7 +289,18 @@ def _muon_split(module, in_block) -> list[tuple[tuple[int, ...], bool]]:
     return out
 
 
-def _spec(module, training, blocks, order, io, saved, held, rep) -> ModuleSpec:
+def own_trainable_bytes(module: Any) -> int:
+    """Bytes per element of the trainable parameters when they are in another floating dtype
+    than the frozen ones (PEFT's fp32 adapters on a 16-bit base: the copy keeps every dtype
+    as built), else 0 (the copy takes the precision's dtype, as ``module.to(dtype)``)."""
+    train = {p.dtype for p in module.parameters() if p.requires_grad and p.is_floating_point()}
+    frozen = {p.dtype for p in module.parameters() if not p.requires_grad and p.is_floating_point()}
+    if len(train) != 1 or not frozen or train == frozen:
+        return 0
+    return next(iter(train)).itemsize
+
+
+def _spec(module, training, blocks, order, io, saved, held, rep, own=0) -> ModuleSpec:
     """Turn the two passes into a ModuleSpec (see ``module_estimate.py`` for the mapping)."""
     block_pos = [order[b] for b in blocks if b in order]
     first = min(block_pos) if block_pos else -1
@@ -334,6 +352,7 @@ def _spec(module, training, blocks, order, io, saved, held, rep) -> ModuleSpec:
         tp_split={r: (1.0 - s[1] / s[0]) if s[0] else 1.0 for r, s in saved.items()},
     )
     spec.mix = param_mix(_muon_split(module, in_block if blocks else None))
+    spec.trainable_bytes = own
     total = [sum(s[k] for s in saved.values()) for k in (0, 1)]
     spec.tp_split["all"] = 1.0 - total[1] / total[0] if total[0] else 1.0
     if g == 0:  # no parameter gradient yet: the start of backward (or the forward)
@@ -341,7 +360,7 @@ def _spec(module, training, blocks, order, io, saved, held, rep) -> ModuleSpec:
         spec.t_start = max(0.0, rep.peak_bytes - w - a_all - i - held)
     else:
         spec.moment = "end"
-        spec.pend_params = max(0.0, n_train - g / training.weight_bytes)
+        spec.pend_params = max(0.0, n_train - g / (own or training.weight_bytes))
         spec.a_end = a - acts[PRE]
         spec.t_end = t - held
     return spec
@@ -410,5 +429,7 @@ def module_terms(
             framework=framework,
             mix=ms.mix,
         )
+        if ms.trainable_bytes:  # PEFT's fp32 adapters: their states in their own dtype
+            own_dtype_states(x, tr, ms.trainable_bytes, ms.scratch / t, cuda)
         out.append(x)
     return out

@@ -72,6 +72,9 @@ class ModuleSpec:
     # bytes) allocations and (handle, -1) frees (the profiler's log; empty when not logged)
     alloc_events: tuple[tuple[int, int], ...] = ()
     trainable_numels: tuple[int, ...] = ()  # each trainable tensor's elements, tied ones once
+    # bytes per element of the trainable parameters when they keep a dtype of their own beside
+    # a frozen base of another (PEFT's fp32 adapters on a 16-bit base); 0: the precision's
+    trainable_bytes: int = 0
 
     @property
     def n_blocks(self) -> int:

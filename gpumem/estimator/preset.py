@@ -13,7 +13,8 @@ from typing import Any
 from gpumem.allocator.alloc_conf import AllocConf
 from gpumem.estimator import activations as act
 from gpumem.estimator import backward as bwd
-from gpumem.estimator import hf_ops, inputs, peak
+from gpumem.estimator import finetune as ftn
+from gpumem.estimator import hf_ops, inputs, lora_ops, peak
 from gpumem.estimator.bill import Bill, make_bill
 from gpumem.estimator.frameworks import megatron, torchtitan
 from gpumem.estimator.frameworks.conventions import (
@@ -69,6 +70,13 @@ class PresetTerms:
     alloc_conf: AllocConf | None = None
     """The caching allocator's settings the fragmentation is simulated under (``rank_shapes``);
     None: the flat ``gpu.fragmentation`` fraction instead."""
+    plan: ftn.AdapterPlan | None = None
+    """A fine-tuning recipe's adapters (``finetune.describe``): the frozen base's rules
+    (``lora_ops.py``) replace the fully trained model's."""
+
+    @property
+    def torchtune(self) -> bool:
+        return self.plan is not None and self.plan.recipe.source == "torchtune"
 
     def __post_init__(self) -> None:
         if self.spec.is_encoder and not self.dropout:  # the config's attention dropout
@@ -89,8 +97,8 @@ class PresetTerms:
     @property
     def holds_logits(self) -> bool:
         """The loop holds the logits through backward (given, or the framework's loop)."""
-        if self.keep_logits is None:
-            return default_keep_logits(self.framework)
+        if self.keep_logits is None:  # torchtune's recipe drops them (``del logits``)
+            return default_keep_logits(self.framework) and not self.torchtune
         return self.keep_logits
 
     @property
@@ -139,7 +147,8 @@ class PresetTerms:
             sp=layout.sp,
             keep_logits=self.holds_logits,
             # BERT's MLM loss is CrossEntropyLoss on the model's dtype, not ForCausalLMLoss
-            upcast_logits=upcasts_logits(self.framework) and not self.spec.is_encoder,
+            upcast_logits=(upcasts_logits(self.framework) or self.torchtune)
+            and not self.spec.is_encoder,
             cp=layout.cp,
             dense=dense,
             ep=layout.ep,
@@ -155,6 +164,10 @@ class PresetTerms:
         return self._items(self.workload(layout, batch, dense))
 
     def _items(self, w: act.Workload) -> list[act.Item]:
+        if self.plan is not None and self.plan.recipe.adapters:
+            return lora_ops.layer_items(self.spec, w, self.plan.typical, True, self.plan.recipe)
+        if self.plan is not None:  # torchtune's full fine-tune: its modules' copies besides
+            return hf_ops.layer_items(self.spec, w) + lora_ops.torchtune_copies(self.spec, w)
         if self.mcore and self.spec.is_decoder:
             return megatron.layer_items(self.spec, w, self.knobs)
         return hf_ops.layer_items(self.spec, w)
@@ -162,11 +175,25 @@ class PresetTerms:
     def cluster_model_states(self) -> int:
         """Unique (unsharded, unreplicated) weights + gradients + optimizer state of the job."""
         tr, spec = self.training, self.spec
+        if self.plan is not None and self.plan.recipe.adapters:
+            trainable = ftn.adapter_params(self.plan, spec) + ftn.head_adapter_params(
+                self.plan, spec
+            )
+            quant = ftn.quantized_params(self.plan, spec, range(spec.n_layers))
+            frozen = spec.n_params - quant + quant * ftn.NF4_BYTES / tr.weight_bytes
+            return cluster_states(tr, trainable, frozen)
         trainable = self._lora_params(spec.n_layers, 1) if tr.lora_rank else spec.n_params
         return cluster_states(tr, trainable, spec.n_params if tr.lora_rank else 0)
 
     def _lora_params(self, n_layers: int, t: int) -> int:
-        """LoRA adapters of rank r on every Linear of a layer: r·(in + out) each."""
+        """LoRA adapters of rank r on every Linear of a layer: r·(in + out) each (a recipe's:
+        its typical layer's)."""
+        if self.plan is not None:
+            per = ftn.adapter_params(
+                ftn.AdapterPlan((self.plan.typical,), False, self.plan.recipe), self.spec,
+                range(1), t,
+            )  # fmt: skip
+            return n_layers * per
         s, r = self.spec, self.training.lora_rank
         h, qd, kvd, f = s.hidden, s.n_heads * s.dhead, s.kv_heads * s.dhead, s.ffn
         per = (h + qd) + 2 * (h + kvd) + (qd + h)
@@ -256,7 +283,10 @@ class PresetTerms:
             last = act.sum_items(megatron.head_items(spec, w, self.knobs))
             return float(first), float(last)
         first = act.sum_items(hf_ops.embed_items(spec, w))
-        last = act.sum_items(hf_ops.head_items(spec, w))
+        if self.plan is not None and self.plan.recipe.adapters:
+            last = act.sum_items(lora_ops.head_items(spec, w, self.plan))
+        else:
+            last = act.sum_items(hf_ops.head_items(spec, w))
         if (
             self.activation_model == "korthikanti"
         ):  # Megatron: ids 8sb, output layer + CE 4sbh(1 + v/h)
@@ -298,7 +328,10 @@ class PresetTerms:
         saved = {"none": full, "selective": act.sum_items(items, drop_core=True)}.get(
             recompute, n_in / (k or 1)
         )
-        m = bwd.layer_moment(spec, w, items, self.training.grad_bytes, recompute)
+        if self.plan is not None and self.plan.recipe.adapters:
+            m = lora_ops.layer_moment(spec, w, items, self.plan.recipe, self.plan.typical)
+        else:
+            m = bwd.layer_moment(spec, w, items, self.training.grad_bytes, recompute)
         # recomputed activations are temporaries again (the profiler's view); the norm's saved
         # input is the checkpointed block input itself when it is already fp32 (LayerNorm, or
         # the fp32 residual stream of RMSNorm)
@@ -445,12 +478,36 @@ def stage_terms(pt: PresetTerms, st: _Stack, i: int) -> list[float]:
     )
     if pt.framework == "megatron":
         megatron.optimizer_shards(pt.knobs, layout, x)
+    if pt.plan is not None:
+        lora_ops.fill_recipe(
+            pt.plan, spec, pt.workload(layout, st.batch), x, recipe_stage(pt, st, r)
+        )
     if pt.alloc_conf is not None:
         fill_fragmentation(
             pt, pt.alloc_conf, x, layout, st.batch, st.recompute,
             first=r.is_first, last=r.is_last, moe=r.n_moe > r.n_dense,
         )  # fmt: skip
     return x
+
+
+def recipe_stage(pt: PresetTerms, st: _Stack, r: _Rank) -> lora_ops.RecipeStage:
+    """What ``lora_ops.fill_recipe`` needs of one pipeline rank."""
+    return lora_ops.RecipeStage(
+        layers=[i for c in r.chunks for i in c],
+        first=r.is_first,
+        last=r.is_last,
+        recompute=st.recompute,
+        typical=st.acts["dense"][0],
+        layer_input=st.batch
+        * pt.seq
+        // st.layout.cp
+        * pt.spec.hidden
+        * pt.workload(st.layout, st.batch).residual,
+        largest=pt.param_groups.largest_tensor / st.layout.tp,
+        precision=pt.training,
+        scratch=pt.param_groups.step_scratch / st.layout.tp,
+        cuda=pt.cuda,
+    )
 
 
 def _fill_params(pt: PresetTerms, st: _Stack, r: _Rank, x: list[float]) -> tuple[float, ...]:
@@ -473,7 +530,14 @@ def _fill_params(pt: PresetTerms, st: _Stack, r: _Rank, x: list[float]) -> tuple
         mtp_tp, mtp_rep = megatron.mtp_params(spec, m_tp, m_rep, t)
         dense += mtp_tp + mtp_rep
         expert += (r.mtp - r.mtp_dense) * st.expert_layer
-    if pt.training.lora_rank:
+    if pt.plan is not None and pt.plan.recipe.adapters:
+        layers = [i for c in r.chunks for i in c]
+        p_train: float = ftn.adapter_params(pt.plan, spec, layers, t)
+        p_train += ftn.head_adapter_params(pt.plan, spec, t) if r.is_last else 0
+        quant = ftn.quantized_params(pt.plan, spec, layers, t)
+        p_frozen: float = dense - quant + quant * ftn.NF4_BYTES / pt.training.weight_bytes
+        p_exp_train, p_exp_frozen = 0.0, expert
+    elif pt.training.lora_rank:
         p_train, p_frozen = pt._lora_params(r.n_l, t), dense
         p_exp_train, p_exp_frozen = 0.0, expert
     else:
@@ -534,6 +598,8 @@ def _fill_activations(pt: PresetTerms, st: _Stack, r: _Rank, x: list[float]) -> 
         # by the last layer's widest moment the loss and head have run: their saved
         # tensors are gone (the held logits stay), the head's weight grad exists
         head = (pg.embed_tp if spec.tied_embeddings else pg.head_tp) / t + pg.head_rep
+        if pt.plan is not None and pt.plan.recipe.adapters:  # the head's adapter, if any
+            head = ftn.head_adapter_params(pt.plan, spec, t)
         g_start += head * tr.grad_bytes
         gone = last - held
     if t_start + g_start - gone > grad_in:
@@ -597,6 +663,7 @@ def estimate_preset(spec: ModelSpec, job: Job) -> Bill:
         acts.fused_ops,
         job.megatron,
         job.alloc_conf,
+        None if job.finetune is None else ftn.describe(job.finetune, spec),
     )
     stages = list(range(layout.pp))
     if fw == "torchtitan":
@@ -635,6 +702,7 @@ def estimate_preset(spec: ModelSpec, job: Job) -> Bill:
             ),
             "float8": "given",
             "sharding": job.sharding,
+            "finetune": "given",
             "loss": "keep_logits given"
             if acts.keep_logits is not None
             else f"default: the {fw} loop",
@@ -725,6 +793,7 @@ def bill_inputs(
         "framework": fw,
         "loss": loss_convention(fw, terms.holds_logits, upcast=not spec.is_encoder),
         "fused_ops": tuple(sorted(terms.fused)),
+        **({"finetune": lora_ops.recipe_label(terms.plan)} if terms.plan is not None else {}),
         **(
             {"float8": torchtitan.float8_label(tt.fp8_recipe, tt.fsdp_float8_all_gather)}
             if tt.fp8_recipe is not None

@@ -195,6 +195,19 @@ def offload_host_bytes(x: list[float], tr: Training, gpus_per_node: int) -> int:
     return host
 
 
+def own_dtype_states(x: list[float], tr: Training, nbytes: int, scratch: float, cuda: bool) -> None:
+    """Trainable parameters kept in a dtype of their own (``nbytes`` per element: PEFT's fp32
+    adapters on a 16-bit base): their weights, gradients, optimizer state (as fp32 training's)
+    and the step's temporaries, in place of the precision's (after ``job_terms``)."""
+    if nbytes == tr.weight_bytes:
+        return
+    own = Training("fp32" if nbytes == 4 else tr.precision, tr.optimizer, foreach=tr.foreach,
+                   fused=tr.fused)  # fmt: skip
+    x[peak.W_BYTES] = x[peak.G_BYTES] = float(nbytes)
+    x[peak.O_BYTES] = own.optimizer_bytes
+    x[peak.T_STEP] = own.step_temp_bytes(int(x[peak.P_TRAIN]), int(scratch), cuda)
+
+
 def cluster_states(tr: Training, trainable: float, frozen: float) -> int:
     """Unique weights + gradients + optimizer state of a job (no sharding, no replicas)."""
     return int(
