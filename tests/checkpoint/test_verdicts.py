@@ -107,6 +107,65 @@ def test_a_step_retention_removes_mid_read_is_named_removed_not_damaged(tmp_path
     assert "was removed while it was being read" in skip and "not damaged" in skip
 
 
+def _writer_saves_while_reading(root: Path, monkeypatch, steps, keep: int) -> dict[int, list]:
+    """While a reader prepares its first candidate, a writer with ``keep`` saves ``steps`` (a
+    callable: the steps to save given the step being read), its retention removing what the
+    reader listed. What each step saved holds."""
+    saved: dict[int, list] = {}
+    real = candidates._prepare
+
+    def writer_first(step: Dir, *args):
+        read = int(step.path.name.split("-")[1])
+        with gpumem.Checkpointer(root, keep=keep) as ck:
+            for s in steps(read):
+                model, opt = objects(s)
+                ck.save(s, model=model, optimizer=opt)
+                ck.wait()
+                saved[s] = snapshot(model, opt)
+        return real(step, *args)
+
+    monkeypatch.setattr(candidates, "_prepare", writer_first)
+    return saved
+
+
+def test_a_reader_racing_a_keep_2_writer_lists_again_and_takes_the_newest_step(
+    tmp_path, monkeypatch
+):
+    """A read-only reader lists steps 2 and 1; while it reads step 2 a writer (keep=2) commits
+    steps 3 and 4, its retention removing 1 and 2. Before: the reader gave up with "all 2
+    checkpoints ... are damaged; newest: ... removed ..., not damaged" though newer committed
+    steps stood the whole time. Now it lists again and restores step 4, the newest."""
+    _two_steps(tmp_path)
+    saved = _writer_saves_while_reading(
+        tmp_path, monkeypatch, lambda read: (3, 4) if read == 2 else (), keep=2
+    )
+    model, opt = objects(9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gpumem.Checkpointer(tmp_path, read_only=True) as ck:
+            step = ck.restore(model=model, optimizer=opt)
+    assert step == 4 and snapshot(model, opt) == saved[4]
+    said = [str(w.message) for w in caught]
+    assert [w for w in said if w.startswith("skipping removed checkpoint step-000000002")]
+    assert not [w for w in said if "damaged" in w.replace("not damaged", "")], said
+
+
+def test_a_writer_that_removes_every_step_read_is_named_not_called_damage(tmp_path, monkeypatch):
+    """A writer (keep=1) commits a newer step, removing the one being read, every time the
+    reader starts one: the reader lists again a bounded number of times, then says the steps
+    were removed by retention (not damaged) and what to do."""
+    _two_steps(tmp_path)
+    _writer_saves_while_reading(tmp_path, monkeypatch, lambda read: (read + 1,), keep=1)
+    with pytest.raises(CheckpointIOError) as err, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with gpumem.Checkpointer(tmp_path, read_only=True) as ck:
+            ck.restore(model=objects(9)[0])
+    text = str(err.value)
+    assert err.value.errno == errno.EAGAIN
+    assert f"listed again {candidates.MAX_RELISTS} time(s)" in text
+    assert "none damaged" in text and "are damaged" not in text and "keep=" in text
+
+
 def test_the_pointer_is_read_through_one_descriptor(tmp_path, monkeypatch):
     """The writer replaces ``latest`` by rename; a reader that stat'ed one file and read the
     other saw "70 bytes, expected 71". Checks and read now use the one descriptor opened: the
