@@ -9,6 +9,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -164,6 +166,55 @@ def test_a_writer_that_removes_every_step_read_is_named_not_called_damage(tmp_pa
     assert err.value.errno == errno.EAGAIN
     assert f"listed again {candidates.MAX_RELISTS} time(s)" in text
     assert "none damaged" in text and "are damaged" not in text and "keep=" in text
+
+
+_WRITER = """
+import sys, torch, gpumem
+root, n = sys.argv[1], int(sys.argv[2])
+with gpumem.Checkpointer(root, keep=2) as ck:
+    for step in range(3, 3 + n):
+        ck.save(step, extra={"w": torch.full((4096,), float(step))}, rng=False, blocking=True)
+print("writer done", flush=True)
+"""
+
+
+def _race(tmp_path: Path, restores: int) -> None:
+    """A writer process saves with keep=2 as fast as it can while this process restores
+    ``restores`` times read-only: every restore returns a step the writer committed, and its
+    tensor is that step's (an independent reference: the value the writer stored)."""
+    with gpumem.Checkpointer(tmp_path, keep=2) as ck:
+        for step in (1, 2):
+            ck.save(step, extra={"w": torch.full((4096,), float(step))}, rng=False)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(tmp_path), str(4 * restores)],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        got = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "skipping removed checkpoint" is expected here
+            for _ in range(restores):
+                extra: dict = {}
+                with gpumem.Checkpointer(tmp_path, read_only=True) as ro:
+                    step = ro.restore(extra=extra)
+                assert step is not None and torch.equal(extra["w"], torch.full((4096,), step))
+                got.append(step)
+    finally:
+        out = writer.communicate(timeout=300)[0]
+    assert writer.returncode == 0, out
+    assert got == sorted(got)  # newer and newer: never an older step once a newer one was seen
+
+
+def test_restores_racing_a_keep_2_writer_process_all_succeed(tmp_path):
+    _race(tmp_path, 8)
+
+
+@pytest.mark.slow
+def test_64_restores_racing_a_keep_2_writer_process_all_succeed(tmp_path):
+    _race(tmp_path, 64)
 
 
 def test_the_pointer_is_read_through_one_descriptor(tmp_path, monkeypatch):
