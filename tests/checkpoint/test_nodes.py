@@ -109,6 +109,27 @@ def test_a_damaged_or_missing_primary_is_repaired_from_a_replica_not_fallen_back
         assert f.read_bytes() == good[f.name]
 
 
+def test_a_commit_that_fails_on_one_node_is_taken_back_on_the_others(tmp_path):
+    """Node 1's leader gets EIO syncing its directory after step 4's commit rename, node 0's
+    commit goes through. Before: save() failed on every rank while node 0 kept step 4 (and,
+    before issue 39 item 8, node 1 too), so the next restore took the step the save reported
+    failed. Now every node takes it back: the save fails everywhere, no node holds step 4, and
+    the restore takes step 2 bit-identical."""
+    outs, codes = launch(tmp_path, "save", 4, env={"EIO_NODE": "1"})
+    assert codes == [3] * 4, outs
+    assert all(f"rank {r} step 4 failed: CheckpointIOError" in outs[r] for r in range(4)), outs
+    base = tmp_path / "run"
+    for node in ("node0", "node1"):
+        assert sorted(p.name for p in (base / node).iterdir() if "step-" in p.name) == [
+            "step-000000002"
+        ], node
+    outs, codes = launch(tmp_path, "restore", 4)
+    assert codes == [0] * 4, outs
+    assert all(f"rank {r} restored 2 OK" in outs[r] for r in range(4)), outs
+    got = load(base / "got-4.pt")
+    assert got["step"] == 2 and differences(load(base / "ref-2.pt"), got["state"]) == []
+
+
 def test_kill_9_of_a_rank_mid_save_leaves_the_previous_step(tmp_path):
     outs, codes = launch(tmp_path, "crash", 4, env={"CRASH_RANK": "3"})
     assert codes[3] == -9, outs

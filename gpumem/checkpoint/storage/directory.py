@@ -138,7 +138,7 @@ def _rolled_back(root: Dir, step: int, final: str, exc: OSError) -> CheckpointIO
     caller see agree) the rename is undone. The caller's clean-up (``clean_stale``) then removes
     the files and puts back a committed step it was replacing."""
     try:
-        root.rename(final, root, tmp_name(step))
+        uncommit(root, step, final)
         undone = f"{final} was renamed back: nothing was committed, the previous steps stand"
     except OSError as undo:
         undone = (
@@ -150,6 +150,14 @@ def _rolled_back(root: Dir, step: int, final: str, exc: OSError) -> CheckpointIO
         errno=exc.errno,
         filename=str(root.path),
     )
+
+
+def uncommit(root: Dir, step: int, final: str) -> None:
+    """Take back the committed ``final`` (``step-<N>``) of a save that failed after all: renamed
+    back to its temporary name, which ``clean_stale`` then removes. Raises OSError."""
+    root.rename(final, root, tmp_name(step))
+    with contextlib.suppress(OSError):  # the step is gone from view; only durability is at stake
+        root.fsync()
 
 
 def set_aside_newer(root: Dir, step: int) -> list[str]:
