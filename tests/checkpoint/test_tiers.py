@@ -413,22 +413,20 @@ def test_two_ranks_upload_a_shared_or_node_local_directory_and_restore_from_the_
         assert p.returncode == 0 and f"rank {r} restored" in out, out
 
 
-def _two_node_ranks(tmp_path, url, endpoint, phase):
-    env_ = dict(
-        os.environ, **CREDENTIALS, WORLD_SIZE="2", INIT=f"file://{tmp_path / f'rdv-{phase}'}"
-    )
-    args = [sys.executable, str(HERE / "tiers_worker.py"), "outage", str(tmp_path / "local")]
-    return [
-        subprocess.Popen(
-            [*args, url, endpoint, phase],
-            env={**env_, "RANK": str(r), "GPUMEM_NODE": str(r)},
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
+def _next(proc: subprocess.Popen, mark: str) -> str:
+    """What ``proc`` printed up to the line ``mark`` (or its end)."""
+    assert proc.stdout is not None
+    lines = []
+    while (line := proc.stdout.readline()) and line.strip() != mark:
+        lines.append(line)
+    return "".join(lines)
+
+
+def _go(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
 
 
 def test_node_local_ranks_outlive_a_store_outage_at_restart(
@@ -439,24 +437,26 @@ def test_node_local_ranks_outlive_a_store_outage_at_restart(
     rank although each node held step 3 whole. Now the job starts with one warning (rank 0),
     restores step 3 from its nodes, step 4's upload fails, and once the store answers again
     step 5 is committed remotely."""
-    url = f"s3://{s3_bucket}/nodes"
-    procs = _two_node_ranks(tmp_path, url, s3_proxy.url, "save")
-    outs = [p.communicate(timeout=240)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    outage = s3_proxy.add("reset_request", _anything, times=None)
-    procs = _two_node_ranks(tmp_path, url, s3_proxy.url, "restart")
+    env_ = dict(os.environ, **CREDENTIALS, WORLD_SIZE="2", INIT=f"file://{tmp_path / 'rdv'}")
+    args = [sys.executable, str(HERE / "tiers_worker.py"), "outage", str(tmp_path / "local")]
+    procs = [
+        subprocess.Popen(
+            [*args, f"s3://{s3_bucket}/nodes", s3_proxy.url],
+            env={**env_, "RANK": str(r), "GPUMEM_NODE": str(r)},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
     try:
-        assert all(p.stdout is not None and p.stdin is not None for p in procs)
-        heads = []
-        for p in procs:
-            lines = []
-            while (line := p.stdout.readline()) and line.strip() != "down":
-                lines.append(line)
-            heads.append("".join(lines))
+        heads = [_next(p, "saved") for p in procs]
+        outage = s3_proxy.add("reset_request", _anything, times=None)
+        _go(procs)
+        heads = [h + _next(p, "down") for h, p in zip(heads, procs, strict=True)]
         outage.times = 0  # the store answers again
-        for p in procs:
-            p.stdin.write("go\n")
-            p.stdin.flush()
+        _go(procs)
         outs = [h + p.communicate(timeout=240)[0] for h, p in zip(heads, procs, strict=True)]
     finally:
         for p in procs:

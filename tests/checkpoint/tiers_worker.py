@@ -8,12 +8,12 @@ RANK=r WORLD_SIZE=2 INIT=file://... python tiers_worker.py ranks LOCAL URL ENDPO
     two gloo ranks: a save uploaded with both ranks' shards ("shared": by rank 0; "node": each
     rank its own directory and node (GPUMEM_NODE), each rank uploads its own shards), rank 0's
     directory deleted, restored from the remote bit-identical on every rank.
-RANK=r WORLD_SIZE=2 INIT=file://... python tiers_worker.py outage LOCAL URL ENDPOINT save|restart
-    two gloo ranks, each its own directory and node. ``save``: step 3 saved and uploaded.
-    ``restart`` (the test made the store reset every request): the Checkpointer opens (rank 0
-    prints its RuntimeWarnings), restores step 3 bit-identical, saves step 4 (its upload fails),
-    prints "down", reads a line from stdin (the test lets the store answer again), saves step 5
-    and prints whether it went up.
+RANK=r WORLD_SIZE=2 INIT=file://... python tiers_worker.py outage LOCAL URL ENDPOINT
+    two gloo ranks, each its own directory and node: step 3 saved and uploaded, the Checkpointer
+    closed; "saved", then a line read from stdin (the test makes the store reset every request
+    meanwhile); a new Checkpointer opens (rank 0 prints its RuntimeWarnings), restores step 3
+    bit-identical, saves step 4 (its upload fails); "down", a line read (the test lets the store
+    answer again); step 5 saved, and whether it went up printed.
 """
 
 import os
@@ -91,7 +91,7 @@ def ranks(local: str, url: str, endpoint: str, layout: str) -> int:
     return 0
 
 
-def outage(local: str, url: str, endpoint: str, phase: str) -> int:
+def outage(local: str, url: str, endpoint: str) -> int:
     import warnings
 
     import torch.distributed as dist
@@ -109,12 +109,11 @@ def outage(local: str, url: str, endpoint: str, phase: str) -> int:
     kw = {"staging_bytes": 64 << 20, "overlap": False, "remote": url, "endpoint_url": endpoint}
     directory = f"{local}-node{rank}"
     model, opt = _state(10 + rank)
-    if phase == "save":
-        with gpumem.Checkpointer(directory, **kw) as ck:
-            ck.save(3, model=model, optimizer=opt, blocking=True)
-            assert ck.tiers.wait(120)
-        print(f"rank {rank} saved", flush=True)
-        return 0
+    with gpumem.Checkpointer(directory, **kw) as ck:
+        ck.save(3, model=model, optimizer=opt, blocking=True)
+        assert ck.tiers.wait(120)
+    print("saved", flush=True)
+    sys.stdin.readline()
     fresh, fresh_opt = _state(99)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
