@@ -2,8 +2,10 @@
 
 The protocol of ``restore`` (every rank runs it; ``Checkpointer.restore`` is a collective):
 
-1. the candidates are the committed ``step-<N>`` directories, newest first (or the one
-   checkpoint the caller named); ``latest`` is only cross-checked, never relied on;
+1. the candidates are the committed ``step-<N>`` directories, newest first, as rank 0 lists them
+   (or the one checkpoint the caller named); ``latest`` is only cross-checked, never relied on.
+   A step a writer's retention removed while it was read is not damage: the steps are listed
+   again and the newest one not tried yet comes next (``_StepQueue``, ``MAX_RELISTS``);
 2. each rank *prepares* the candidate (``StagedRestore.prepare``: read, verify, decode and
    validate against the objects, touching none of them): plain state through ``PlainRestore``,
    DTensor state on either side through ``ShardedRestore``;
@@ -141,9 +143,12 @@ def restore(
         verify_loaded: check the loaded tensors where they live (on a GPU: the Triton CRC32C).
 
     Raises:
-        CheckpointCorruptError: every checkpoint (or the one named by ``path``) is damaged.
+        CheckpointCorruptError: every checkpoint (or the one named by ``path``) is damaged, or
+            removed by a writer's retention while read (the message counts them apart).
+        CheckpointIOError: (EAGAIN) none was damaged, but a writer's retention removed every
+            step this restore tried, ``MAX_RELISTS`` listings over; or the operating system
+            failed a read.
         CheckpointStateError: the checkpoint does not fit the objects.
-        CheckpointIOError: the operating system failed a read.
     """
     dtensors = has_dtensors(state.model, state.optimizer)
     queue = _StepQueue(root, group) if path is None else None
@@ -200,6 +205,9 @@ MAX_RELISTS = 8
 the step it was reading (each time it takes the newest step not tried yet)."""
 
 
+_LISTING_CHARS = 60_000  # of rank 0's listing sent (broadcast_text sends 64 KiB): ~4,000 steps
+
+
 class _StepQueue:
     """The committed steps of ``root`` a restore tries, newest first, the same on every rank
     (rank 0's listing). After a step was removed by a writer's retention (``relist``), the
@@ -232,7 +240,10 @@ class _StepQueue:
     def _listing(self) -> list[str]:
         names = list(self.root.names()) if self.root is not None else []
         if self.group.world_size > 1:  # one list on every rank, though a writer commits meanwhile
-            text = self.group.broadcast_text("\n".join(names), 0)
+            text = "\n".join(names)
+            if len(text) > _LISTING_CHARS:  # the newest steps whole, never a name cut short
+                text = text[:_LISTING_CHARS].rsplit("\n", 1)[0]
+            text = self.group.broadcast_text(text, 0)
             names = [n for n in text.split("\n") if n]
         return names
 
