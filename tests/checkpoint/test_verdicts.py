@@ -208,6 +208,53 @@ def _race(tmp_path: Path, restores: int) -> None:
     assert got == sorted(got)  # newer and newer: never an older step once a newer one was seen
 
 
+def _relist_worker(rank: int, world: int, root: str) -> None:
+    """One of two read-only ranks: rank 0, on reaching step 2, first lets a writer process
+    (keep=2) commit steps 3 and 4, which removes steps 1 and 2."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{root}/rdzv", rank=rank, world_size=world)
+    ck_dir = f"{root}/ck"
+    if rank == 0:
+        real = candidates._prepare
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+        def writer_first(step: Dir, *args):
+            if step.path.name == STEP2:
+                cmd = [sys.executable, "-c", _WRITER, ck_dir, "2"]
+                subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=300)
+            return real(step, *args)
+
+        candidates._prepare = writer_first
+    extra: dict = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gpumem.Checkpointer(ck_dir, read_only=True) as ro:
+            step = ro.restore(extra=extra)
+    out = {
+        "step": step,
+        "w": float(extra["w"][0]),
+        "warned": [str(w.message)[:200] for w in caught],
+    }
+    Path(root, f"rank{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def test_two_ranks_list_again_together_when_a_writer_removes_the_step_read(tmp_path):
+    """Two read-only ranks list steps 2 and 1; while rank 0 reads step 2 a writer (keep=2)
+    commits 3 and 4, removing 1 and 2. Both ranks hear step 2 was removed, list again (rank
+    0's listing on both) and restore step 4, whose tensor holds 4.0 as the writer stored."""
+    with gpumem.Checkpointer(tmp_path / "ck", keep=2) as ck:
+        for step in (1, 2):
+            ck.save(step, extra={"w": torch.full((4096,), float(step))}, rng=False)
+    mp.spawn(_relist_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    for r in range(2):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got["step"] == 4 and got["w"] == 4.0, got
+        assert any(
+            w.startswith("skipping removed checkpoint step-000000002") for w in got["warned"]
+        )
+
+
 def test_restores_racing_a_keep_2_writer_process_all_succeed(tmp_path):
     _race(tmp_path, 8)
 
