@@ -15,6 +15,8 @@ from .workers import Worker
 
 
 class _Closable(Protocol):
+    def wait(self, timeout: float | None = None) -> bool: ...
+
     def close(self) -> None: ...
 
 
@@ -43,14 +45,26 @@ def close_after(ckpt: _Closable, failing: bool) -> None:
 @atexit.register
 def _close_all_at_exit() -> None:
     """Interpreter exit: finish every save in flight; a failed one is reported loudly and the
-    process exits non-zero (an async failure must never look like success)."""
+    process exits non-zero (an async failure must never look like success). The save's failure
+    (``wait``) and a failure to release the directory (``close``: its lock file) are told apart:
+    the latter leaves every committed step as it was."""
     failed = False
     for ckpt in list(LIVE):
+        try:
+            ckpt.wait()
+        except CheckpointError as exc:
+            failed = True
+            print(f"\ngpumem: CHECKPOINT SAVE FAILED at exit: {exc}\n", file=sys.stderr, flush=True)
         try:
             ckpt.close()
         except CheckpointError as exc:
             failed = True
-            print(f"\ngpumem: CHECKPOINT SAVE FAILED at exit: {exc}\n", file=sys.stderr, flush=True)
+            print(
+                f"\ngpumem: closing the checkpoint directory failed at exit: {exc} (the saves "
+                "committed before it stand)\n",
+                file=sys.stderr,
+                flush=True,
+            )
     if failed:
         sys.stdout.flush()
         os._exit(1)

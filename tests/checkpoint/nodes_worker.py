@@ -7,7 +7,8 @@ Each simulated node k has its own directory BASE/node<k> (NODE_DIR overrides the
 rank 0 for the test to compare with); ``crash`` saves step 2, then rank CRASH_RANK kills itself
 (SIGKILL) in the middle of step 4's save (its shard written, its replicas not sent yet);
 ``restore`` restores and writes what it restored to BASE/got-<world>.pt; ``refuse`` constructs a
-Checkpointer and prints the error it raises.
+Checkpointer and prints the error it raises. With EIO_NODE=k, node k's leader gets EIO syncing its
+directory after step 4's commit rename (the other nodes' commits succeed).
 """
 
 import os
@@ -41,6 +42,8 @@ def main() -> None:
         dist.barrier()
         return
     model, opt = build(layout, seed=0)
+    if os.environ.get("EIO_NODE") == os.environ["GPUMEM_NODE"]:
+        _eio_after_step_4s_rename()
     if mode == "crash" and rank == int(os.environ["CRASH_RANK"]):
         spread = commit_module.spread
 
@@ -83,6 +86,21 @@ def main() -> None:
         torch.save({"step": step, "state": got}, os.path.join(base, f"got-{world}.pt"))
     ck.close()
     print(f"rank {rank} restored {step} OK", flush=True)
+
+
+def _eio_after_step_4s_rename() -> None:
+    import errno
+
+    from gpumem.checkpoint.storage.safe_fs import Dir
+
+    real = Dir.fsync
+
+    def fsync(self: Dir) -> None:
+        if self.path.name != "step-000000004" and (self.path / "step-000000004").is_dir():
+            raise OSError(errno.EIO, "Input/output error")
+        real(self)
+
+    Dir.fsync = fsync
 
 
 if __name__ == "__main__":

@@ -78,6 +78,58 @@ def test_a_damaged_replica_is_found_and_the_older_step_restored(tmp_path):
     assert got["step"] == 2 and differences(load(base / "ref-2.pt"), got["state"]) == []
 
 
+def test_a_damaged_or_missing_primary_is_repaired_from_a_replica_not_fallen_back(tmp_path):
+    """Node 0's own copy of rank 0's data is damaged (a flipped byte) and node 1's of rank 2's
+    is gone, while each node holds a good replica of the other's (replicas=2). Before: the
+    flipped byte passed the inventory (sizes only), failed the restore's CRC checks, and every
+    rank fell back to step 2. Now each node fetches what it lacks or what fails its CRC32C from
+    the other, CRC-checked, rewrites its copy, and step 4 restores."""
+    outs, codes = launch(tmp_path, "save", 4)
+    assert codes == [0] * 4, outs
+    base = tmp_path / "run"
+    node0, node1 = base / "node0" / "step-000000004", base / "node1" / "step-000000004"
+    flipped, gone = node0 / "data-r00000-0000.bin", node1 / "data-r00002-0000.bin"
+    good = {
+        f.name: (node1 if f is flipped else node0).joinpath(f.name).read_bytes()
+        for f in (flipped, gone)
+    }
+    assert flipped.read_bytes() == good[flipped.name]  # the replica is the same file
+    raw = bytearray(good[flipped.name])
+    raw[100] ^= 0xFF
+    flipped.write_bytes(bytes(raw))
+    gone.unlink()
+    outs, codes = launch(tmp_path, "restore", 4)
+    assert codes == [0] * 4, outs
+    assert all(f"rank {r} restored 4 OK" in outs[r] for r in range(4)), outs
+    assert "skipping" not in "".join(outs), outs
+    assert "the files of saved rank(s) [0] on node 0 fail their CRC32C" in outs[0], outs
+    got = load(base / "got-4.pt")
+    assert got["step"] == 4 and differences(load(base / "ref-4.pt"), got["state"]) == []
+    for f in (flipped, gone):  # rewritten locally from the replica
+        assert f.read_bytes() == good[f.name]
+
+
+def test_a_commit_that_fails_on_one_node_is_taken_back_on_the_others(tmp_path):
+    """Node 1's leader gets EIO syncing its directory after step 4's commit rename, node 0's
+    commit goes through. Before: save() failed on every rank while node 0 kept step 4 (and,
+    before issue 39 item 8, node 1 too), so the next restore took the step the save reported
+    failed. Now every node takes it back: the save fails everywhere, no node holds step 4, and
+    the restore takes step 2 bit-identical."""
+    outs, codes = launch(tmp_path, "save", 4, env={"EIO_NODE": "1"})
+    assert codes == [3] * 4, outs
+    assert all(f"rank {r} step 4 failed: CheckpointIOError" in outs[r] for r in range(4)), outs
+    base = tmp_path / "run"
+    for node in ("node0", "node1"):
+        assert sorted(p.name for p in (base / node).iterdir() if "step-" in p.name) == [
+            "step-000000002"
+        ], node
+    outs, codes = launch(tmp_path, "restore", 4)
+    assert codes == [0] * 4, outs
+    assert all(f"rank {r} restored 2 OK" in outs[r] for r in range(4)), outs
+    got = load(base / "got-4.pt")
+    assert got["step"] == 2 and differences(load(base / "ref-2.pt"), got["state"]) == []
+
+
 def test_kill_9_of_a_rank_mid_save_leaves_the_previous_step(tmp_path):
     outs, codes = launch(tmp_path, "crash", 4, env={"CRASH_RANK": "3"})
     assert codes[3] == -9, outs
@@ -153,6 +205,38 @@ def test_plan_takes_the_newest_step_held_whole_and_fetches_only_what_is_missing(
     # a node whose main manifest of the step differs (another save) is not one of its holders
     other = {4: (9, 4, False, {0, 1, 2, 3})}
     assert complete_steps([held((4, [0, 1])), other]) == ([], [(4, [2, 3])])
+
+
+class _TwoRanks:
+    """Rank 1 of a 2-rank group whose all-gathers are recorded (rank 0 reports success)."""
+
+    rank, world_size = 1, 2
+
+    def __init__(self):
+        self.gathered = []
+
+    def all_gather(self, values):
+        self.gathered.append(values)
+        return [[1] * len(values), values]
+
+
+def test_a_fetched_step_that_fails_to_commit_still_joins_the_all_gather(tmp_path, monkeypatch):
+    """Node 1 receives step 4 (the transfers succeed) but its main manifest does not load.
+    Before: load_info raised on that rank before the all-gather every rank takes part in, so
+    the others waited there (or disagreed). Now the failure travels through the all-gather and
+    every rank raises the same error naming rank 1."""
+    from gpumem.checkpoint.errors import CheckpointCorruptError
+    from gpumem.checkpoint.restore import peers
+    from gpumem.checkpoint.storage.safe_fs import Dir
+
+    monkeypatch.setattr(peers.peer_files, "run", lambda *args, **kwargs: None)
+    nodes = Nodes(True, ((0,), (1,)), 1)
+    group = _TwoRanks()
+    restorer = peers.Restore(nodes, None, tmp_path)
+    with Dir.open(tmp_path) as root, pytest.raises(CheckpointCorruptError) as err:
+        restorer._fetch(group, [held((4, [0, 1, 2, 3])), {}], 4, [0], root)
+    assert group.gathered == [[0]]
+    assert "failed on rank(s) [1]" in str(err.value) and "MANIFEST" in str(err.value)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])

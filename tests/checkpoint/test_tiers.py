@@ -195,6 +195,65 @@ def test_an_upload_fault_keeps_the_local_step_and_the_next_save_catches_up(
     _equal_state(model, fresh, opt, fresh_opt)
 
 
+def _few_attempts(monkeypatch) -> None:
+    """Two attempts per request: a store that does not answer fails fast."""
+    from gpumem.checkpoint.storage.s3.object_root import ObjectRoot
+    from gpumem.checkpoint.storage.s3.object_store import S3Store
+    from gpumem.checkpoint.tiers import remote as tiers
+
+    def few(url, endpoint_url, writable=True):
+        return ObjectRoot(S3Store(url, endpoint_url=endpoint_url, max_attempts=2))
+
+    monkeypatch.setattr(tiers, "open_remote", few)
+
+
+def _anything(method: str, path: str, query: dict, headers: dict) -> bool:
+    return True
+
+
+def test_a_store_outage_at_restart_starts_from_a_whole_local_tier_and_uploads_resume(
+    s3_server, s3_proxy, s3_bucket, tmp_path, monkeypatch
+):
+    """Before: an unreachable store made Checkpointer(...) raise CheckpointIOError although the
+    local directory held committed steps. Now: one RuntimeWarning, a restore from the local tier
+    (not asking the store again), a save whose upload fails while the store is down, and the
+    next save's upload once it answers again. With no local step the outage stays an error."""
+    import warnings
+
+    _few_attempts(monkeypatch)
+    url = f"s3://{s3_bucket}/run"
+    model, opt = _state(1)
+    with _tiered(tmp_path / "local", url, s3_proxy.url) as ck:
+        ck.save(1, model=model, optimizer=opt, blocking=True)
+    outage = s3_proxy.add("reset_request", _anything, times=None)  # every request: reset
+    with pytest.raises(CheckpointIOError), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _tiered(tmp_path / "empty", url, s3_proxy.url)
+    assert not (tmp_path / "empty").exists()
+    fresh, fresh_opt = _state(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ck = _tiered(tmp_path / "local", url, s3_proxy.url)
+        assert ck.restore(model=fresh, optimizer=fresh_opt) == 1
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(said) == 1 and "does not answer" in said[0] and "uploads resume" in said[0], said
+    assert ck.tiers.restored_from == "local"
+    _equal_state(model, fresh, opt, fresh_opt)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            down = ck.save(2, model=fresh, optimizer=fresh_opt, blocking=True)
+            assert ck.tiers.wait(120)
+        assert down.remote.startswith("upload failed") and down.tiers == ("local",)
+        outage.times = 0  # the store answers again
+        back = ck.save(3, model=fresh, optimizer=fresh_opt, blocking=True)
+        assert ck.tiers.wait(120)
+        assert back.remote == "uploaded" and back.tiers == ("local", "remote"), back.remote
+        assert [(r.step, r.tiers) for r in ck.tiers.holding()][-1] == (3, ("local", "remote"))
+    finally:
+        ck.close()
+
+
 def test_a_newer_save_while_an_upload_runs_queues_only_the_newest(
     s3_server, s3_proxy, s3_bucket, tmp_path
 ):
@@ -352,3 +411,62 @@ def test_two_ranks_upload_a_shared_or_node_local_directory_and_restore_from_the_
             p.kill()
     for r, (p, out) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0 and f"rank {r} restored" in out, out
+
+
+def _next(proc: subprocess.Popen, mark: str) -> str:
+    """What ``proc`` printed up to the line ``mark`` (or its end)."""
+    assert proc.stdout is not None
+    lines = []
+    while (line := proc.stdout.readline()) and line.strip() != mark:
+        lines.append(line)
+    return "".join(lines)
+
+
+def _go(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+
+
+def test_node_local_ranks_outlive_a_store_outage_at_restart(
+    s3_server, s3_proxy, s3_bucket, tmp_path
+):
+    """Node-local directories, two ranks (two nodes): each uploads its shards of step 3. The
+    store then resets every request: before, Checkpointer(...) raised CheckpointIOError on every
+    rank although each node held step 3 whole. Now the job starts with one warning (rank 0),
+    restores step 3 from its nodes, step 4's upload fails, and once the store answers again
+    step 5 is committed remotely."""
+    env_ = dict(os.environ, **CREDENTIALS, WORLD_SIZE="2", INIT=f"file://{tmp_path / 'rdv'}")
+    args = [sys.executable, str(HERE / "tiers_worker.py"), "outage", str(tmp_path / "local")]
+    procs = [
+        subprocess.Popen(
+            [*args, f"s3://{s3_bucket}/nodes", s3_proxy.url],
+            env={**env_, "RANK": str(r), "GPUMEM_NODE": str(r)},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        heads = [_next(p, "saved") for p in procs]
+        outage = s3_proxy.add("reset_request", _anything, times=None)
+        _go(procs)
+        heads = [h + _next(p, "down") for h, p in zip(heads, procs, strict=True)]
+        outage.times = 0  # the store answers again
+        _go(procs)
+        outs = [h + p.communicate(timeout=240)[0] for h, p in zip(heads, procs, strict=True)]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    warned = [line for line in outs[0].splitlines() if "rank 0 warned" in line]
+    # one warning of the outage (the restore does not add "could not be read"); one of step 4
+    assert [w for w in warned if "does not answer" in w and "uploads resume" in w] == warned[:1]
+    assert len(warned) == 2 and "step 4 is committed" in warned[1], outs[0]
+    assert "does not answer" not in outs[1], outs[1]
+    for r in range(2):
+        assert f"rank {r} restored from local; step 4: upload failed" in outs[r], outs[r]
+    assert "rank 0 step 5: uploaded ('local', 'remote')" in outs[0], outs[0]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -105,6 +107,161 @@ def test_a_step_retention_removes_mid_read_is_named_removed_not_damaged(tmp_path
     (skip,) = [w for w in said if "step-000000002" in w and "skipping" in w]
     assert skip.startswith("skipping removed checkpoint step-000000002")
     assert "was removed while it was being read" in skip and "not damaged" in skip
+
+
+def _writer_saves_while_reading(root: Path, monkeypatch, steps, keep: int) -> dict[int, list]:
+    """While a reader prepares its first candidate, a writer with ``keep`` saves ``steps`` (a
+    callable: the steps to save given the step being read), its retention removing what the
+    reader listed. What each step saved holds."""
+    saved: dict[int, list] = {}
+    real = candidates._prepare
+
+    def writer_first(step: Dir, *args):
+        read = int(step.path.name.split("-")[1])
+        with gpumem.Checkpointer(root, keep=keep) as ck:
+            for s in steps(read):
+                model, opt = objects(s)
+                ck.save(s, model=model, optimizer=opt)
+                ck.wait()
+                saved[s] = snapshot(model, opt)
+        return real(step, *args)
+
+    monkeypatch.setattr(candidates, "_prepare", writer_first)
+    return saved
+
+
+def test_a_reader_racing_a_keep_2_writer_lists_again_and_takes_the_newest_step(
+    tmp_path, monkeypatch
+):
+    """A read-only reader lists steps 2 and 1; while it reads step 2 a writer (keep=2) commits
+    steps 3 and 4, its retention removing 1 and 2. Before: the reader gave up with "all 2
+    checkpoints ... are damaged; newest: ... removed ..., not damaged" though newer committed
+    steps stood the whole time. Now it lists again and restores step 4, the newest."""
+    _two_steps(tmp_path)
+    saved = _writer_saves_while_reading(
+        tmp_path, monkeypatch, lambda read: (3, 4) if read == 2 else (), keep=2
+    )
+    model, opt = objects(9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gpumem.Checkpointer(tmp_path, read_only=True) as ck:
+            step = ck.restore(model=model, optimizer=opt)
+    assert step == 4 and snapshot(model, opt) == saved[4]
+    said = [str(w.message) for w in caught]
+    assert [w for w in said if w.startswith("skipping removed checkpoint step-000000002")]
+    assert not [w for w in said if "damaged" in w.replace("not damaged", "")], said
+
+
+def test_a_writer_that_removes_every_step_read_is_named_not_called_damage(tmp_path, monkeypatch):
+    """A writer (keep=1) commits a newer step, removing the one being read, every time the
+    reader starts one: the reader lists again a bounded number of times, then says the steps
+    were removed by retention (not damaged) and what to do."""
+    _two_steps(tmp_path)
+    _writer_saves_while_reading(tmp_path, monkeypatch, lambda read: (read + 1,), keep=1)
+    with pytest.raises(CheckpointIOError) as err, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with gpumem.Checkpointer(tmp_path, read_only=True) as ck:
+            ck.restore(model=objects(9)[0])
+    text = str(err.value)
+    assert err.value.errno == errno.EAGAIN
+    assert f"listed again {candidates.MAX_RELISTS} time(s)" in text
+    assert "none damaged" in text and "are damaged" not in text and "keep=" in text
+
+
+_WRITER = """
+import sys, torch, gpumem
+root, n = sys.argv[1], int(sys.argv[2])
+with gpumem.Checkpointer(root, keep=2) as ck:
+    for step in range(3, 3 + n):
+        ck.save(step, extra={"w": torch.full((4096,), float(step))}, rng=False, blocking=True)
+print("writer done", flush=True)
+"""
+
+
+def _race(tmp_path: Path, restores: int) -> None:
+    """A writer process saves with keep=2 as fast as it can while this process restores
+    ``restores`` times read-only: every restore returns a step the writer committed, and its
+    tensor is that step's (an independent reference: the value the writer stored)."""
+    with gpumem.Checkpointer(tmp_path, keep=2) as ck:
+        for step in (1, 2):
+            ck.save(step, extra={"w": torch.full((4096,), float(step))}, rng=False)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(tmp_path), str(4 * restores)],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        got = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "skipping removed checkpoint" is expected here
+            for _ in range(restores):
+                extra: dict = {}
+                with gpumem.Checkpointer(tmp_path, read_only=True) as ro:
+                    step = ro.restore(extra=extra)
+                assert step is not None and torch.equal(extra["w"], torch.full((4096,), step))
+                got.append(step)
+    finally:
+        out = writer.communicate(timeout=300)[0]
+    assert writer.returncode == 0, out
+    assert got == sorted(got)  # newer and newer: never an older step once a newer one was seen
+
+
+def _relist_worker(rank: int, world: int, root: str) -> None:
+    """One of two read-only ranks: rank 0, on reaching step 2, first lets a writer process
+    (keep=2) commit steps 3 and 4, which removes steps 1 and 2."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{root}/rdzv", rank=rank, world_size=world)
+    ck_dir = f"{root}/ck"
+    if rank == 0:
+        real = candidates._prepare
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+        def writer_first(step: Dir, *args):
+            if step.path.name == STEP2:
+                cmd = [sys.executable, "-c", _WRITER, ck_dir, "2"]
+                subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=300)
+            return real(step, *args)
+
+        candidates._prepare = writer_first
+    extra: dict = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gpumem.Checkpointer(ck_dir, read_only=True) as ro:
+            step = ro.restore(extra=extra)
+    out = {
+        "step": step,
+        "w": float(extra["w"][0]),
+        "warned": [str(w.message)[:200] for w in caught],
+    }
+    Path(root, f"rank{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def test_two_ranks_list_again_together_when_a_writer_removes_the_step_read(tmp_path):
+    """Two read-only ranks list steps 2 and 1; while rank 0 reads step 2 a writer (keep=2)
+    commits 3 and 4, removing 1 and 2. Both ranks hear step 2 was removed, list again (rank
+    0's listing on both) and restore step 4, whose tensor holds 4.0 as the writer stored."""
+    with gpumem.Checkpointer(tmp_path / "ck", keep=2) as ck:
+        for step in (1, 2):
+            ck.save(step, extra={"w": torch.full((4096,), float(step))}, rng=False)
+    mp.spawn(_relist_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    for r in range(2):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got["step"] == 4 and got["w"] == 4.0, got
+        assert any(
+            w.startswith("skipping removed checkpoint step-000000002") for w in got["warned"]
+        )
+
+
+def test_restores_racing_a_keep_2_writer_process_all_succeed(tmp_path):
+    _race(tmp_path, 8)
+
+
+@pytest.mark.slow
+def test_64_restores_racing_a_keep_2_writer_process_all_succeed(tmp_path):
+    _race(tmp_path, 64)
 
 
 def test_the_pointer_is_read_through_one_descriptor(tmp_path, monkeypatch):

@@ -8,6 +8,12 @@ RANK=r WORLD_SIZE=2 INIT=file://... python tiers_worker.py ranks LOCAL URL ENDPO
     two gloo ranks: a save uploaded with both ranks' shards ("shared": by rank 0; "node": each
     rank its own directory and node (GPUMEM_NODE), each rank uploads its own shards), rank 0's
     directory deleted, restored from the remote bit-identical on every rank.
+RANK=r WORLD_SIZE=2 INIT=file://... python tiers_worker.py outage LOCAL URL ENDPOINT
+    two gloo ranks, each its own directory and node: step 3 saved and uploaded, the Checkpointer
+    closed; "saved", then a line read from stdin (the test makes the store reset every request
+    meanwhile); a new Checkpointer opens (rank 0 prints its RuntimeWarnings), restores step 3
+    bit-identical, saves step 4 (its upload fails); "down", a line read (the test lets the store
+    answer again); step 5 saved, and whether it went up printed.
 """
 
 import os
@@ -85,8 +91,57 @@ def ranks(local: str, url: str, endpoint: str, layout: str) -> int:
     return 0
 
 
+def outage(local: str, url: str, endpoint: str) -> int:
+    import warnings
+
+    import torch.distributed as dist
+
+    from gpumem.checkpoint.storage.s3.object_root import ObjectRoot
+    from gpumem.checkpoint.storage.s3.object_store import S3Store
+    from gpumem.checkpoint.tiers import remote
+
+    def few_attempts(url, endpoint_url, writable=True):  # a store that does not answer: fast
+        return ObjectRoot(S3Store(url, endpoint_url=endpoint_url, max_attempts=2))
+
+    remote.open_remote = few_attempts
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", init_method=os.environ["INIT"], rank=rank, world_size=2)
+    kw = {"staging_bytes": 64 << 20, "overlap": False, "remote": url, "endpoint_url": endpoint}
+    directory = f"{local}-node{rank}"
+    model, opt = _state(10 + rank)
+    with gpumem.Checkpointer(directory, **kw) as ck:
+        ck.save(3, model=model, optimizer=opt, blocking=True)
+        assert ck.tiers.wait(120)
+    print("saved", flush=True)
+    sys.stdin.readline()
+    fresh, fresh_opt = _state(99)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ck = gpumem.Checkpointer(directory, **kw)
+        assert ck.restore(model=fresh, optimizer=fresh_opt) == 3
+        for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
+            assert torch.equal(a, b)
+        down = ck.save(4, model=fresh, optimizer=fresh_opt, blocking=True)
+        assert ck.tiers.wait(120)
+    for w in caught:
+        if issubclass(w.category, RuntimeWarning):
+            print(f"rank {rank} warned: {w.message}", flush=True)
+    print(f"rank {rank} restored from {ck.tiers.restored_from}; step 4: {down.remote}", flush=True)
+    print("down", flush=True)
+    sys.stdin.readline()
+    back = ck.save(5, model=fresh, optimizer=fresh_opt, blocking=True)
+    assert ck.tiers.wait(120)
+    print(f"rank {rank} step 5: {back.remote} {back.tiers}", flush=True)
+    ck.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
 if __name__ == "__main__":
     mode, args = sys.argv[1], sys.argv[2:]
     if mode == "sigterm":
         sys.exit(sigterm(args[0], args[1], args[2], float(args[3])))
+    if mode == "outage":
+        sys.exit(outage(*args))
     sys.exit(ranks(*args))

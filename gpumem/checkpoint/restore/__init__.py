@@ -11,5 +11,5 @@ Modules:
     load        apply(): the tree loaded into the objects with rollback
     verify      verify(): a whole checkpoint directory checked without objects
     fetch       fetch(): an object-store root's newest good step copied locally and verified
-    peers       node-local restore: the newest step the nodes hold whole, missing files fetched
+    peers       node-local restore: the newest step held whole, missing or damaged files fetched
 """

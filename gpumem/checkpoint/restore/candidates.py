@@ -2,8 +2,10 @@
 
 The protocol of ``restore`` (every rank runs it; ``Checkpointer.restore`` is a collective):
 
-1. the candidates are the committed ``step-<N>`` directories, newest first (or the one
-   checkpoint the caller named); ``latest`` is only cross-checked, never relied on;
+1. the candidates are the committed ``step-<N>`` directories, newest first, as rank 0 lists them
+   (or the one checkpoint the caller named); ``latest`` is only cross-checked, never relied on.
+   A step a writer's retention removed while it was read is not damage: the steps are listed
+   again and the newest one not tried yet comes next (``_StepQueue``, ``MAX_RELISTS``);
 2. each rank *prepares* the candidate (``StagedRestore.prepare``: read, verify, decode and
    validate against the objects, touching none of them): plain state through ``PlainRestore``,
    DTensor state on either side through ``ShardedRestore``;
@@ -142,14 +144,18 @@ def restore(
         verify_loaded: check the loaded tensors where they live (on a GPU: the Triton CRC32C).
 
     Raises:
-        CheckpointCorruptError: every checkpoint (or the one named by ``path``) is damaged.
+        CheckpointCorruptError: every checkpoint (or the one named by ``path``) is damaged, or
+            removed by a writer's retention while read (the message counts them apart).
+        CheckpointIOError: (EAGAIN) none was damaged, but a writer's retention removed every
+            step this restore tried, ``MAX_RELISTS`` listings over; or the operating system
+            failed a read.
         CheckpointStateError: the checkpoint does not fit the objects.
-        CheckpointIOError: the operating system failed a read.
     """
     dtensors = has_dtensors(state.model, state.optimizer)
-    names = _names(root) if path is None else [None]  # None: the caller's path
-    failures: list[CheckpointError] = []
-    for name in names:
+    queue = _StepQueue(root, group) if path is None else None
+    failures: list[CheckpointError] = []  # damaged
+    removed: list[CheckpointError] = []  # removed by a writer's retention while being read
+    for name in queue if queue is not None else [None]:  # None: the caller's path
         label = os.fsdecode(path) if path is not None else str(directory / str(name))
         status, err, staged = _OK, None, None
         try:
@@ -174,35 +180,104 @@ def restore(
                 if verify_loaded:
                     staged.verify_loaded()
                 return staged.info.step, staged
+        assert err is not None
         if status == _RAISE:
             raise err
-        failures.append(err)
-        if path is None:
-            what = "removed" if REMOVED in str(err) else "damaged"
+        gone = REMOVED in str(err)  # the same on every rank: the verdict is unified
+        (removed if gone else failures).append(err)
+        if queue is not None:
+            if gone:
+                queue.relist()
             warnings.warn(
-                f"skipping {what} checkpoint {os.path.basename(label)}: {failures[-1]}",
+                f"skipping {'removed' if gone else 'damaged'} checkpoint "
+                f"{os.path.basename(label)}: {err}",
                 CheckpointFallbackWarning,
                 stacklevel=4,  # Checkpointer.restore's caller (through NewestRestore)
             )
-    if not failures:
-        return None, None
-    if len(failures) == 1:
-        raise failures[0]
-    raise CheckpointCorruptError(
-        f"all {len(failures)} checkpoints in {directory} are damaged; newest: {failures[0]}",
-        path=str(directory),
-    )
+    if failures or removed:
+        raise _none_restored(failures, removed, directory, queue.relists if queue else 0)
+    return None, None
 
 
 REMOVED = "was removed while it was being read"
 
+MAX_RELISTS = 8
+"""How many times one restore lists the committed steps again after a writer's retention removed
+the step it was reading (each time it takes the newest step not tried yet)."""
 
-def _names(root: Candidates | None) -> list[str | None]:
-    """The committed steps of ``root`` newest first (``latest`` cross-checked)."""
-    if root is None:
-        return []
-    root.check_pointer()
-    return list(root.names())
+
+_LISTING_CHARS = 60_000  # of rank 0's listing sent (broadcast_text sends 64 KiB): ~4,000 steps
+
+
+class _StepQueue:
+    """The committed steps of ``root`` a restore tries, newest first, the same on every rank
+    (rank 0's listing). After a step was removed by a writer's retention (``relist``), the
+    steps are listed again, at most ``MAX_RELISTS`` times: the newer steps that writer committed
+    meanwhile are tried before the older ones it is about to remove."""
+
+    def __init__(self, root: Candidates | None, group: Group):
+        self.root, self.group = root, group
+        self.relists = 0
+        self.tried: set[str] = set()
+        if root is not None:
+            root.check_pointer()
+        self.queue = self._listing()
+
+    def __iter__(self) -> _StepQueue:
+        return self
+
+    def __next__(self) -> str:
+        if not self.queue:
+            raise StopIteration
+        name = self.queue.pop(0)
+        self.tried.add(name)
+        return name
+
+    def relist(self) -> None:
+        if self.relists < MAX_RELISTS:
+            self.relists += 1
+            self.queue = [n for n in self._listing() if n not in self.tried]
+
+    def _listing(self) -> list[str]:
+        names = list(self.root.names()) if self.root is not None else []
+        if self.group.world_size > 1:  # one list on every rank, though a writer commits meanwhile
+            text = "\n".join(names)
+            if len(text) > _LISTING_CHARS:  # the newest steps whole, never a name cut short
+                text = text[:_LISTING_CHARS].rsplit("\n", 1)[0]
+            text = self.group.broadcast_text(text, 0)
+            names = [n for n in text.split("\n") if n]
+        return names
+
+
+def _none_restored(
+    failures: list[CheckpointError], removed: list[CheckpointError], directory: Path, relists: int
+) -> CheckpointError:
+    """Why no candidate restored: the damage found, and apart from it the steps a writer's
+    retention removed while they were read (those are not damage)."""
+    if not removed:
+        if len(failures) == 1:
+            return failures[0]
+        return CheckpointCorruptError(
+            f"all {len(failures)} checkpoints in {directory} are damaged; newest: {failures[0]}",
+            path=str(directory),
+        )
+    gone = (
+        f"{len(removed)} removed by a writer's retention while being read (listed again "
+        f"{relists} time(s))"
+    )
+    if not failures:
+        return CheckpointIOError(
+            f"{directory}: no checkpoint was restored, none damaged: {gone}; a writer removes "
+            "steps faster than this restore reads them: restore again, or give that writer a "
+            "larger keep=",
+            errno=errno.EAGAIN,
+            filename=str(directory),
+        )
+    return CheckpointCorruptError(
+        f"{directory}: {len(failures)} checkpoint(s) damaged and {gone}; newest damaged: "
+        f"{failures[0]}",
+        path=str(directory),
+    )
 
 
 def _gone(root: Candidates | None, name: str) -> bool:

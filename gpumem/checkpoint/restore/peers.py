@@ -20,12 +20,20 @@ lack the newest step. So, collectively:
    missing (renamed into place as a committed step once complete), the data files of its own
    ranks at the same world size, of every saved rank otherwise (resharding, replicated state);
 4. every rank restores that one step from its own directory (``candidates.restore`` with the
-   step's path, so all ranks load the same step), verifying every byte as usual. A step that
-   fails verification there falls back to the next one held whole (steps 3-4 again).
+   step's path, so all ranks load the same step), verifying every byte as usual;
+5. a step that fails verification there is repaired before anything falls back (``_repair``):
+   each leader verifies every chunk of the ranks' files its node holds of that step, drops the
+   ranks whose files fail from its inventory, and the inventories are exchanged again; when the
+   copies that verified still make the step whole (``replicas=k``), the damaged files are fetched
+   from the nodes holding good ones (step 3: CRC-checked on the way, renamed over the damaged
+   file) and the step is restored again, with a RuntimeWarning naming what was replaced. Only a
+   step that the good copies do not make whole falls back to the next one held whole (steps 3-5
+   again), with a CheckpointFallbackWarning.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import stat
@@ -46,6 +54,7 @@ from ..storage.nodes.topology import Nodes
 from ..storage.root import Root
 from ..storage.safe_fs import Dir
 from .candidates import StagedRestore, restore
+from .files import load_shard
 
 # step -> (main manifest CRC, saved world size, replicated, saved ranks held whole)
 Held = dict[int, tuple[int, int, bool, set[int]]]
@@ -77,6 +86,27 @@ def _whole(d: Dir, info: Any, rank: int) -> bool:
     except (CheckpointError, OSError):
         return False
     return True
+
+
+def verified(root: Dir | None, step: int, held: Held) -> Held:
+    """This node's inventory of ``step`` (from ``held``) keeping only the saved ranks whose files
+    verify completely, every chunk's CRC32C (step 5); empty where the step itself is unreadable."""
+    if root is None or step not in held:
+        return {}
+    crc, world, replicated, ranks = held[step]
+    good = set()
+    try:
+        with dirs.open_step(root, step_dir_name(step)) as d:
+            info = dirs.load_info(d)
+            for r in sorted(ranks):
+                try:
+                    load_shard(d, info, r, keep=False)
+                    good.add(r)
+                except CheckpointCorruptError:
+                    continue
+    except (CheckpointError, OSError):
+        return {}
+    return {step: (crc, world, replicated, good)}
 
 
 def gather(group: Group, nodes: Nodes, held: Held) -> list[Held]:
@@ -136,6 +166,33 @@ def plan(
     return out
 
 
+def _whole_steps(per_node: list[Held], directory: Path) -> list[tuple[int, list[int]]]:
+    """Step 2: the steps held whole, newest first, with their holders; the newer steps held in
+    part are warned about, and none held whole while some are held in part is an error."""
+    whole, partial = complete_steps(per_node)
+    newest_whole = whole[0][0] if whole else -1
+    skipped = [
+        f"step {s}: the files of saved rank(s) {missing} are on no node"
+        for s, missing in partial
+        if s > newest_whole
+    ]
+    if not whole and skipped:
+        raise CheckpointCorruptError(
+            f"{directory}: no step is held whole by the nodes this job reaches ("
+            + "; ".join(skipped)
+            + "): they were on lost nodes, with no replica elsewhere (replicas=k keeps each "
+            "rank's files on k nodes). Bring those nodes' directories back, or start afresh",
+            path=str(directory),
+        )
+    for line in skipped:
+        warnings.warn(
+            f"skipping {line} (lost nodes, no replica left)",
+            CheckpointFallbackWarning,
+            stacklevel=4,
+        )
+    return whole
+
+
 class Restore:
     """A ``candidates.Restorer`` for node-local directories (the module docstring): ``root``
     is this node's, ``directory`` its path; a given ``path`` is restored as ``restore`` does."""
@@ -165,48 +222,29 @@ class Restore:
             )
         root = self.root.maybe()
         per_node = gather(group, self.nodes, inventory(root) if self._leads(group) else {})
-        whole, partial = complete_steps(per_node)
-        newest_whole = whole[0][0] if whole else -1
-        skipped = [
-            f"step {s}: the files of saved rank(s) {missing} are on no node"
-            for s, missing in partial
-            if s > newest_whole
-        ]
-        if not whole and skipped:
-            raise CheckpointCorruptError(
-                f"{directory}: no step is held whole by the nodes this job reaches ("
-                + "; ".join(skipped)
-                + "): they were on lost nodes, with no replica elsewhere (replicas=k keeps each "
-                "rank's files on k nodes). Bring those nodes' directories back, or start afresh",
-                path=str(directory),
-            )
-        for line in skipped:
-            warnings.warn(
-                f"skipping {line} (lost nodes, no replica left)",
-                CheckpointFallbackWarning,
-                stacklevel=3,
-            )
+        whole = _whole_steps(per_node, directory)
         failures: list[CheckpointError] = []
         for step, holders in whole:
             self._fetch(group, per_node, step, holders, root)
             label = directory / step_dir_name(step)
+            again = functools.partial(
+                restore, state, group, stage, root=None, directory=directory, path=label
+            )
             try:
-                return restore(
-                    state,
-                    group,
-                    stage,
-                    root=None,  # the step is named
-                    directory=directory,
-                    path=label,
-                    verify_loaded=verify_loaded,
-                )
+                return again(verify_loaded=verify_loaded)
             except CheckpointCorruptError as exc:
-                failures.append(exc)
-                warnings.warn(
-                    f"skipping damaged checkpoint {label.name}: {exc}",
-                    CheckpointFallbackWarning,
-                    stacklevel=3,
-                )
+                failure = exc
+            try:
+                if self._repair(group, per_node, step, root):
+                    return again(verify_loaded=verify_loaded)
+            except CheckpointCorruptError as exc:
+                failure = exc
+            failures.append(failure)
+            warnings.warn(
+                f"skipping damaged checkpoint {label.name}: {failure}",
+                CheckpointFallbackWarning,
+                stacklevel=3,
+            )
         if failures:
             raise (
                 failures[0]
@@ -218,6 +256,38 @@ class Restore:
                 )
             )
         return None, None
+
+    def _repair(self, group: Group, per_node: list[Held], step: int, root: Dir | None) -> bool:
+        """Step 5: the files of ``step`` that fail verification on a node fetched from the nodes
+        whose copies verify; True when some were (restore it again), False when no node found
+        a damaged file or the good copies do not make the step whole (fall back)."""
+        mine = verified(root, step, per_node[self.nodes.node]) if self._leads(group) else {}
+        now = gather(group, self.nodes, mine)
+        if all(n.get(step) == held.get(step) for n, held in zip(now, per_node, strict=True)):
+            return False
+        mended = [
+            {**{s: v for s, v in held.items() if s != step}, **n}
+            for n, held in zip(now, per_node, strict=True)
+        ]
+        holders = dict(complete_steps(mended)[0]).get(step)
+        if holders is None:
+            return False
+        if group.rank == 0:
+            bad = {
+                node: sorted(per_node[node][step][3] - n.get(step, (0, 0, False, set()))[3])
+                for node, n in enumerate(now)
+                if step in per_node[node]
+            }
+            warnings.warn(
+                f"{step_dir_name(step)}: the files of saved rank(s) "
+                + "; ".join(f"{r} on node {node}" for node, r in bad.items() if r)
+                + " fail their CRC32C; replaced by the copies on the nodes whose files verify "
+                "(replicas), and the step restored again",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        self._fetch(group, mended, step, holders, root)
+        return True
 
     def _leads(self, group: Group) -> bool:
         return group.rank == self.nodes.leader()
@@ -267,8 +337,11 @@ class Restore:
         failure = failure or err
         if failure is None and mine and not here:
             assert root is not None and target is not None
-            info = dirs.load_info(target)
-            dirs.commit(root, target, step, info.manifest_crc32c)
+            try:  # a failure here still reaches the all-gather below, as every rank must
+                info = dirs.load_info(target)
+                dirs.commit(root, target, step, info.manifest_crc32c)
+            except (CheckpointError, OSError) as exc:
+                failure = exc
         for d in opened.values():
             d.close()
         if target is not None:

@@ -266,12 +266,34 @@ class Commit:
                 local_error, ok = exc, 0
                 self._clean_failed()
         if g.all_reduce(ok, "min") == 0:
+            self._undo_commit()
             self._raise_commit_failure(local_error)
         if not self.stats.durable_s:  # ranks other than 0: durable once rank 0 committed
             self.stats.durable_s = time.perf_counter() - self.snapshot.t0
         self.stats.committed = True
         if self._leads and self._committed_name is not None:
             self._retain(self._committed_name)
+
+    def _undo_commit(self) -> None:
+        """A leader whose commit went through while another node's failed (node-local
+        directories): its step is taken back, so that no node holds a step of a save that
+        failed (a restore would otherwise take it from that node)."""
+        if not self._leads or self._committed_name is None:
+            return
+        assert self.root is not None
+        self.stats.committed, self.stats.durable_s = False, 0.0
+        try:
+            directory.uncommit(self.root, self.step, self._committed_name)
+        except OSError as exc:
+            warnings.warn(
+                f"step {self.step} failed on another node, but taking it back here failed "
+                f"({exc.strerror or exc}): {self.options.root_path / self._committed_name} "
+                "stays; a restore verifies it before using it",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+        self._committed_name = None
+        self._clean_failed()
 
     def _raise_commit_failure(self, local_error: BaseException | None) -> None:
         """Every rank raises rank 0's reason (a sharded save it found incomplete, say)."""

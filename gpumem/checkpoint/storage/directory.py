@@ -29,7 +29,7 @@ from typing import Any
 from gpumem import _strict_json
 from gpumem._gc import paused as paused_gc
 
-from ..errors import CheckpointCorruptError, CheckpointStateError
+from ..errors import CheckpointCorruptError, CheckpointIOError, CheckpointStateError
 from .format import (
     LATEST,
     MAIN_MANIFEST,
@@ -106,8 +106,9 @@ class Committed:
 
 def commit(root: Dir, tmp: Dir, step: int, manifest_crc: int) -> Committed:
     """Make the fully written ``tmp`` visible as ``step-<N>`` (the commit), then point ``latest``
-    at it. A failure before the rename raises and commits nothing; once renamed, the step is
-    committed, and a failure to move ``latest`` is returned in ``pointer_error``."""
+    at it. The step is committed once the rename is durable (the directory synced after it); a
+    failure before that raises and commits nothing (a rename whose sync failed is undone,
+    ``_rolled_back``). A failure to move ``latest`` is returned in ``pointer_error``."""
     tmp.fsync()
     # before the rename: a crash in between then leaves the new branch's history, not the old one
     moved = set_aside_newer(root, step)
@@ -118,7 +119,10 @@ def commit(root: Dir, tmp: Dir, step: int, manifest_crc: int) -> Committed:
         replaced = f"{_REPLACED}{final}-{time.time_ns()}"
         root.rename(final, root, replaced)
     root.rename(tmp_name(step), root, final)
-    root.fsync()
+    try:
+        root.fsync()
+    except OSError as exc:
+        raise _rolled_back(root, step, final, exc) from None
     done = Committed(final, moved, committed_at=time.perf_counter())
     try:
         write_latest(root, step, final, manifest_crc)
@@ -127,6 +131,34 @@ def commit(root: Dir, tmp: Dir, step: int, manifest_crc: int) -> Committed:
     if replaced is not None:
         root.discard_tree(replaced)
     return done
+
+
+def _rolled_back(root: Dir, step: int, final: str, exc: OSError) -> CheckpointIOError:
+    """The commit rename stands but syncing the directory failed, so whether it survives a crash
+    is unknown: the save fails, and so that a failed save commits nothing (what a restore and the
+    caller see agree) the rename is undone. The caller's clean-up (``clean_stale``) then removes
+    the files and puts back a committed step it was replacing."""
+    try:
+        uncommit(root, step, final)
+        undone = f"{final} was renamed back: nothing was committed, the previous steps stand"
+    except OSError as undo:
+        undone = (
+            f"renaming {final} back failed too ({undo.strerror or undo}): it stays in place, "
+            "and a restore verifies every byte of it before using it"
+        )
+    return CheckpointIOError(
+        f"syncing {root.path} after the commit rename failed ({exc.strerror or exc}); {undone}",
+        errno=exc.errno,
+        filename=str(root.path),
+    )
+
+
+def uncommit(root: Dir, step: int, final: str) -> None:
+    """Take back the committed ``final`` (``step-<N>``) of a save that failed after all: renamed
+    back to its temporary name, which ``clean_stale`` then removes. Raises OSError."""
+    root.rename(final, root, tmp_name(step))
+    with contextlib.suppress(OSError):  # the step is gone from view; only durability is at stake
+        root.fsync()
 
 
 def set_aside_newer(root: Dir, step: int) -> list[str]:

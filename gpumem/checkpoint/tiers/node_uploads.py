@@ -75,9 +75,10 @@ class NodeUploads:
 
     def __init__(self, tiers: Any, nodes: Nodes, opener: Callable[[], Any]):
         self.tiers, self.nodes, g = tiers, nodes, tiers.group
-        self.root: Any = tiers.root
+        self.root: Any = tiers.root  # None: the store did not answer (``tiers.down``)
+        self.opener = opener
         failure: Exception | None = None
-        if g.rank != 0:
+        if g.rank != 0 and tiers.down is None:
             try:
                 self.root = opener()
             except Exception as exc:  # raised below, once every rank has heard of it
@@ -146,13 +147,15 @@ class NodeUploads:
         stats.remote = "uploading"
         t0, error = time.perf_counter(), None
         try:
+            if self.root is None:  # the store did not answer at construction: it may now
+                self.root = self.tiers.store() if g.rank == 0 else self.opener()
             self.root.upload_rank(path, g.rank, save)
         except Exception as exc:
             error = exc
         try:
             oks = self._gather([int(error is None)])
         except CheckpointError as exc:
-            if g.rank == 0:
+            if g.rank == 0 and self.root is not None:
                 self.root.discard_save(job.step, save)
             self._stop(job, exc)
             return
@@ -164,7 +167,8 @@ class NodeUploads:
                 stats.remote = "its shards uploaded; rank 0 commits the step remotely"
             return
         if bad:
-            self.root.discard_save(job.step, save)
+            if self.root is not None:
+                self.root.discard_save(job.step, save)
             if error is None:
                 self._failed(job, None, f"rank(s) {bad} could not upload their shards")
             return
@@ -256,8 +260,11 @@ class NodeUploads:
         whole, _ = peers.complete_steps(per_node)
         best = whole[0][0] if whole else None
         remote, listing_error = -1, None
+        warned = self.root is None  # the store did not answer at construction: warned there
         if g.rank == 0:
             try:
+                if warned:
+                    raise CheckpointIOError(str(self.tiers.down))
                 remote = max(self.root.steps(), default=-1)
             except CheckpointError as exc:
                 remote, listing_error = -2, exc
@@ -270,7 +277,7 @@ class NodeUploads:
                     "); not starting from scratch while the store may hold the run: fix the "
                     "store's access and restart"
                 )
-            if g.rank == 0:
+            if g.rank == 0 and not warned:
                 warnings.warn(
                     f"remote={self.tiers.url} could not be read ({listing_error}); restoring "
                     "from the node-local directories",

@@ -14,6 +14,12 @@ the background (``Checkpointer(directory, remote="s3://bucket/prefix")``).
   damaged) and the normal restore reads it from there. An unreachable remote is a warning when
   the local directory holds a checkpoint, an error when it holds none (starting from scratch
   because the store did not answer would lose the run).
+- **A store outage at construction** (it does not answer: refused, reset, timed out, 5xx past
+  the retries; not a missing bucket, denied credentials or a store without conditional writes,
+  which stay errors) is one RuntimeWarning when the local tier holds a committed step (any
+  rank's directory, node-local or shared): the job starts, restores from the local tier without
+  asking the store again, and each upload opens the store first, so uploads resume once it
+  answers. With no committed local step it is the error it always was, nothing created.
 - **Ranks**: with a directory every rank shares, rank 0 uploads the whole step. With node-local
   directories (``storage.nodes``) each rank uploads its own shards from its node's committed
   step and rank 0 commits once all succeeded (``node_uploads``); a restore then also fetches
@@ -27,6 +33,7 @@ period, see ``stop_waiting``) abandons the upload in flight; what it sent is nev
 from __future__ import annotations
 
 import contextlib
+import errno
 import sys
 import time
 import warnings
@@ -44,6 +51,22 @@ from .upload_thread import UploadThread
 
 LOCAL, REMOTE = "local", "remote"
 
+OUTAGE_ERRNOS = frozenset(
+    {
+        errno.ECONNREFUSED,
+        errno.ECONNRESET,
+        errno.ETIMEDOUT,
+        errno.EHOSTUNREACH,
+        errno.ENETUNREACH,
+        errno.EAGAIN,
+        errno.EIO,
+    }
+)
+"""The errnos of a store that does not answer (``CheckpointIOError`` from ``S3Store``): an outage
+the job may outlive on its local tier, not a configuration to fix first."""
+
+_OK, _FAILED, _DOWN = 0, 1, 2  # rank 0's word on opening the store
+
 
 @dataclass(frozen=True)
 class TierRow:
@@ -60,6 +83,17 @@ def tier_rows(local_steps: list[int], remote_steps: list[int]) -> list[TierRow]:
         TierRow(s, tuple(t for t, held in ((LOCAL, s in local), (REMOTE, s in remote)) if held))
         for s in sorted(local | remote)
     ]
+
+
+def _holds_a_step(directory: Path) -> bool:
+    """This rank's view of ``directory`` holds a committed step (nothing is created)."""
+    from ..storage.safe_fs import Dir
+
+    try:
+        with Dir.open(directory) as d:
+            return bool(list_checkpoints(d))
+    except (CheckpointError, OSError):
+        return False
 
 
 def open_remote(url: str, endpoint_url: str | None, writable: bool = True) -> Any:
@@ -101,24 +135,11 @@ class Tiers:
         timeout_s: float,
     ):
         self.url, self.directory, self.keep, self.group = url, directory, keep, group
-        self.collective_timeout_s = timeout_s
+        self.endpoint_url, self.collective_timeout_s = endpoint_url, timeout_s
         self.root: Any = None  # the ObjectRoot, on rank 0
-        failure: Exception | None = None
-        if group.rank == 0 and url is not None:
-            try:
-                self.root = open_remote(url, endpoint_url)
-            except Exception as exc:  # raised below, once every rank has heard of it
-                failure = exc
-        if group.world_size > 1 and url is not None:
-            code = group.from_rank0(
-                "remote-open", int(failure is not None), timeout_s, f"whether it opened {url}"
-            )
-            if code and failure is None:
-                failure = CheckpointError(
-                    f"rank 0 could not open remote={url} (its error is there)"
-                )
-        if failure is not None:
-            raise failure
+        self.down: str | None = None  # why the store did not answer at construction
+        if url is not None:
+            self._open(url, endpoint_url, timeout_s)
         self._pending: Any = None  # the newest committed-or-committing save not yet uploaded
         self._uploads = UploadThread(self._take, self._upload)
         self._cond = self._uploads.cond
@@ -128,6 +149,46 @@ class Tiers:
         self.restored_from: str | None = None  # the tier the last restore() read ("local"...)
         self.per_rank: Any = None  # node_uploads.NodeUploads, on node-local directories
         self.local: Root | None = None  # the local directory's root, once attached
+
+    def _open(self, url: str, endpoint_url: str | None, timeout_s: float) -> None:
+        """Rank 0 opens the store; every rank hears how it went. An outage is survived when the
+        local tier holds a committed step (the module docstring); anything else is raised."""
+        group, failure, code = self.group, None, _OK
+        if group.rank == 0:
+            try:
+                self.root = open_remote(url, endpoint_url)
+            except Exception as exc:  # raised below, once every rank has heard of it
+                failure = exc
+                down = isinstance(exc, CheckpointIOError) and exc.errno in OUTAGE_ERRNOS
+                code = _DOWN if down else _FAILED
+        if group.world_size > 1:
+            code = group.from_rank0("remote-open", code, timeout_s, f"whether it opened {url}")
+            if code and failure is None:
+                failure = CheckpointError(
+                    f"rank 0 could not open remote={url} (its error is there)"
+                )
+        if code == _DOWN and group.all_reduce(int(_holds_a_step(self.directory)), "max"):
+            self.down = str(failure) if group.rank == 0 else f"rank 0 could not reach {url}"
+            if group.rank == 0:
+                warnings.warn(
+                    f"remote={url} does not answer ({failure}); starting from the local tier "
+                    f"{self.directory}, which holds committed steps: uploads resume once the "
+                    "store answers",
+                    RuntimeWarning,
+                    stacklevel=5,  # Checkpointer(...)'s caller (through open_storage)
+                )
+            return
+        if failure is not None:
+            raise failure
+
+    def store(self) -> Any:
+        """Rank 0's ``ObjectRoot``, opened again if the store did not answer before (raises
+        what opening it raises)."""
+        if self.root is None:
+            assert self.url is not None
+            self.root = open_remote(self.url, self.endpoint_url)
+            self.down = None
+        return self.root
 
     @classmethod
     def from_config(cls, cfg: Any, group: Group) -> Tiers:
@@ -191,7 +252,8 @@ class Tiers:
         t0 = time.perf_counter()
         try:
             # a local save that went back sets the remote's newer steps aside too
-            done = self.root.upload_step(path, keep=self.keep, back=bool(stats.set_aside))
+            store = self.store()  # the store may answer again after an outage
+            done = store.upload_step(path, keep=self.keep, back=bool(stats.set_aside))
         except Exception as exc:  # the thread never dies; the local step stays as it was
             if not path.is_dir():  # local retention removed it while it went up
                 stats.remote = "not uploaded: removed locally (keep) during its upload"
@@ -299,8 +361,10 @@ class Tiers:
 
         d = root.maybe()
         local = max((i.step for i in list_checkpoints(d)), default=None) if d else None
+        if self.down is not None and local is not None:
+            return LOCAL  # the store did not answer at construction: warned there, once
         try:
-            remote = self.root.steps()
+            remote = self.store().steps()
             newer = remote and (local is None or remote[0] > local)
             got = fetch(self.root, self.directory, newer_than=local) if newer else None
         except CheckpointError as exc:
