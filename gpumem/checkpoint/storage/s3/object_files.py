@@ -23,7 +23,8 @@ from gpumem._native import load
 from gpumem.reader import MUST_BE_ZERO
 
 from ...errors import CheckpointCorruptError
-from .object_store import ObjectInfo, S3Store
+from .object_listing import ObjectInfo
+from .object_store import S3Store
 
 
 class ObjectPath:

@@ -63,7 +63,8 @@ from ..format import (
 )
 from ..safe_fs import Dir
 from .object_files import ObjectFiles
-from .object_store import ObjectInfo, S3Store
+from .object_listing import ObjectInfo
+from .object_store import S3Store
 from .object_upload import StepUploads
 
 COMMIT = "COMMIT"
@@ -206,12 +207,8 @@ class ObjectRoot(StepUploads):
         return removed + orphans
 
     def _objects_with_times(self) -> Iterator[tuple[str, float]]:
-        pages = self.store.client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.store.url.bucket, Prefix=self._key("") if self.store.url.prefix else ""
-        )
-        for page in self.store._pages("list", pages):
-            for item in page.get("Contents", []):
-                yield item["Key"], item["LastModified"].timestamp()
+        for obj in self.store.list():
+            yield obj.key, obj.modified if obj.modified is not None else time.time()
 
     def _delete_prefix(self, prefix: str) -> None:
         self.store.delete([o.key for o in self.store.list(prefix)])
