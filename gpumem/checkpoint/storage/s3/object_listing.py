@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from ...errors import CheckpointCorruptError, CheckpointIOError
 from .object_body import parse_crc32c_header
+from .object_deadline import Deadline
 from .object_requests import NotFound, S3Requests
 
 SMALL_OBJECT = 64 << 20  # the most ``get`` reads into memory (manifests, pointers)
@@ -44,6 +45,25 @@ class Upload:
     initiated: float  # seconds since the epoch
 
 
+def sized(found: object, name: str, size: int) -> ObjectInfo:
+    """``found`` (a HEAD's answer for the data object ``name``) where it holds the ``size``
+    bytes its manifest records: checked before a byte is read.
+
+    Raises:
+        CheckpointCorruptError: it is missing, or holds another size.
+    """
+    if found is None:
+        raise CheckpointCorruptError(f"{name}: data object missing", path=name)
+    assert isinstance(found, ObjectInfo)
+    if found.size != size:
+        raise CheckpointCorruptError(
+            f"{name} holds {found.size} bytes, not the {size} its manifest records "
+            "(truncated or replaced): not read",
+            path=name,
+        )
+    return found
+
+
 class ObjectListing:
     """HEAD, small reads, listing, deletion and incomplete uploads under one root.
 
@@ -56,9 +76,10 @@ class ObjectListing:
         self.url = requests.url
 
     def head(
-        self, key: str, metadata: bool = False
+        self, key: str, metadata: bool = False, *, deadline: Deadline | None = None
     ) -> ObjectInfo | tuple[ObjectInfo, dict[str, str]] | None:
-        """The object at ``key`` (with its user metadata when asked), or None if there is none."""
+        """The object at ``key`` (with its user metadata when asked), or None if there is none;
+        ``deadline``: of the operation it is part of (``S3Requests.watch``)."""
         try:
             resp = self.requests.call(
                 "read",
@@ -66,6 +87,7 @@ class ObjectListing:
                 Bucket=self.url.bucket,
                 Key=key,
                 ChecksumMode="ENABLED",
+                deadline=deadline,
             )
         except NotFound:
             return None
@@ -78,17 +100,29 @@ class ObjectListing:
         )
         return (info, dict(resp.get("Metadata", {}))) if metadata else info
 
-    def get(self, key: str, max_bytes: int = SMALL_OBJECT) -> tuple[bytes, str] | None:
+    def get(
+        self, key: str, max_bytes: int = SMALL_OBJECT, *, deadline: Deadline | None = None
+    ) -> tuple[bytes, str] | None:
         """The bytes and ETag of a small object (a manifest, a pointer); None if there is none.
+        The request and its body's read are one request to the deadlines.
 
         Raises:
             CheckpointCorruptError: it is larger than ``max_bytes`` (checked before reading),
                 or shorter than it said.
+            CheckpointIOError: the store failed, or answered too slowly.
         """
+        with self.requests.watch("read", self.requests.name(key), deadline):
+            return self._get(key, max_bytes, deadline)
+
+    def _get(self, key: str, max_bytes: int, deadline: Deadline | None) -> tuple[bytes, str] | None:
         name = self.requests.name(key)
         try:
             resp = self.requests.call(
-                "read", self.requests.client.get_object, Bucket=self.url.bucket, Key=key
+                "read",
+                self.requests.client.get_object,
+                Bucket=self.url.bucket,
+                Key=key,
+                deadline=deadline,
             )
         except NotFound:
             return None

@@ -22,6 +22,7 @@ from gpumem.checksum import crc32c, crc32c_combine
 
 from ...errors import CheckpointIOError, CheckpointStateError
 from .object_body import Body, Budget, as_bytes_view, crc32c_header, crc_of, cut_parts, zeros
+from .object_deadline import Deadline
 from .object_listing import ObjectListing, Upload
 from .object_requests import NotFound, PreconditionFailed, S3Requests
 
@@ -55,12 +56,14 @@ class MultipartWrites:
         self.requests, self.listing = requests, listing
         self._writer = uuid.uuid4().hex
 
-    def put(self, key: str, data: Any) -> str:
+    def put(self, key: str, data: Any, *, deadline: Deadline | None = None) -> str:
         """Store ``data`` (bytes-like, array or CPU tensor) at ``key`` unconditionally; its
         CRC32C is checked by the store. Returns the ETag."""
-        return self._put([as_bytes_view(data)], key)
+        return self._put([as_bytes_view(data)], key, deadline)
 
-    def _put(self, segments: Sequence[memoryview], key: str) -> str:
+    def _put(
+        self, segments: Sequence[memoryview], key: str, deadline: Deadline | None = None
+    ) -> str:
         resp = self.requests.call(
             "write", self.requests.client.put_object, **self._put_args(key, segments)
         )
@@ -121,6 +124,7 @@ class MultipartWrites:
         *,
         part_bytes: int = DEFAULT_PART,
         budget_bytes: int = DEFAULT_BUDGET,
+        deadline: Deadline | None = None,
     ) -> Uploaded:
         """Store the concatenation of ``buffers`` (bytes-like, arrays, CPU tensors: e.g. the
         staging arena's segments) as one object, sent from that memory as it is.
@@ -150,7 +154,7 @@ class MultipartWrites:
         if len(parts) <= 1:  # one request: a plain put carries the object's CRC32C
             segments = parts[0] if parts else []
             crc = crc_of(segments)
-            etag = self._put(segments, key)
+            etag = self._put(segments, key, deadline)
             return Uploaded(key, total, crc, etag, (crc,))
         created = self.requests.call(
             "write",
@@ -160,10 +164,11 @@ class MultipartWrites:
             ChecksumAlgorithm="CRC32C",
             ChecksumType="FULL_OBJECT",
             Metadata={WRITER: self._writer},
+            deadline=deadline,
         )
         upload_id = created["UploadId"]
         try:
-            crcs, etags = self._send_parts(key, upload_id, parts, budget_bytes)
+            crcs, etags = self._send_parts(key, upload_id, parts, budget_bytes, deadline)
             whole = crcs[0]
             for size, crc in zip(sizes[1:], crcs[1:], strict=True):
                 whole = crc32c_combine(whole, crc, size)
@@ -181,14 +186,22 @@ class MultipartWrites:
                         for i, (etag, c) in enumerate(zip(etags, crcs, strict=True))
                     ]
                 },
+                deadline=deadline,
             )
         except BaseException:
             self.listing.abort(Upload(key, upload_id, 0.0))
             raise
-        self._check_stored(key, done.get("ChecksumCRC32C"), whole, crcs)
+        self._check_stored(key, done.get("ChecksumCRC32C"), whole, crcs, deadline)
         return Uploaded(key, total, whole, str(done["ETag"]), tuple(crcs))
 
-    def _check_stored(self, key: str, stored: str | None, whole: int, crcs: list[int]) -> None:
+    def _check_stored(
+        self,
+        key: str,
+        stored: str | None,
+        whole: int,
+        crcs: list[int],
+        deadline: Deadline | None = None,
+    ) -> None:
         """The checksum the store computed over what it assembled must be gpumem's: a store
         that does not check each part's header (some compatibles do not) still reports it, in
         the completion's answer or else to a HEAD. On a mismatch the object is deleted (it is
@@ -200,6 +213,7 @@ class MultipartWrites:
                 Bucket=self.requests.url.bucket,
                 Key=key,
                 ChecksumMode="ENABLED",
+                deadline=deadline,
             )
             stored = resp.get("ChecksumCRC32C")
         if not stored:
@@ -245,7 +259,12 @@ class MultipartWrites:
         return self.upload(key, views, **kw)
 
     def _send_parts(
-        self, key: str, upload_id: str, parts: list[list[memoryview]], budget_bytes: int
+        self,
+        key: str,
+        upload_id: str,
+        parts: list[list[memoryview]],
+        budget_bytes: int,
+        deadline: Deadline | None,
     ) -> tuple[list[int], list[str]]:
         """Send every part (see ``upload``); their CRC32Cs and ETags."""
         budget = Budget(budget_bytes)
@@ -270,6 +289,7 @@ class MultipartWrites:
                     ContentLength=len(body),
                     ChecksumAlgorithm="CRC32C",
                     ChecksumCRC32C=crc32c_header(crcs[i]),
+                    deadline=deadline,
                 )
                 etags[i] = str(resp["ETag"])
             except BaseException:

@@ -8,7 +8,8 @@ from the byte it reached.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,10 +20,12 @@ from gpumem.checksum import crc32c
 
 from ...errors import CheckpointCorruptError, CheckpointIOError
 from .object_body import as_bytes_view
-from .object_listing import ObjectInfo, ObjectListing
-from .object_requests import NotFound, PreconditionFailed, S3Requests, back_off
+from .object_deadline import Deadline
+from .object_listing import ObjectInfo, ObjectListing, sized
+from .object_requests import NotFound, PreconditionFailed, S3Requests
 
 _READ_BLOCK = 4 << 20
+REREADS = 2  # a range whose bytes fail the CRC32C the caller gave is read again this often
 
 
 class RangedReads:
@@ -46,6 +49,7 @@ class RangedReads:
         etag: str | None = None,
         crc: int | None = None,
         range_bytes: int = 16 << 20,
+        deadline: Deadline | None = None,
     ) -> None:
         """Fill ``out`` (a writable bytes-like, array or CPU tensor) with the object's bytes
         ``[offset, offset + len(out))`` by ranged GETs: one, or for more than two
@@ -73,37 +77,56 @@ class RangedReads:
             )
         if n == 0:
             return
+        for _ in range(REREADS + 1):
+            self._fill(key, offset, view, object_size, etag, range_bytes, deadline)
+            if crc is None or crc32c(view) == crc:
+                return
+            # a fault in transit (a flipped byte) is read again before the bytes are damaged
+        raise CheckpointCorruptError(
+            f"{name}: bytes [{offset}, {offset + n}) fail their CRC32C (expected "
+            f"{crc:#010x}), read {REREADS + 1} times; the object was damaged or replaced",
+            path=name,
+        )
+
+    def _fill(
+        self,
+        key: str,
+        offset: int,
+        view: memoryview,
+        object_size: int,
+        etag: str | None,
+        range_bytes: int,
+        deadline: Deadline | None,
+    ) -> None:
+        """``read_into``'s ranged GETs, without the CRC check."""
+        n = len(view)
         if n <= 2 * range_bytes or self.requests.max_concurrency == 1:
-            self._read_resuming(key, offset, view, object_size, etag)
-        else:
-            if etag is None:  # every range from the same object, not a mix of two versions
-                found = self.listing.head(key)
-                if found is None:
-                    raise CheckpointCorruptError(f"{name} is missing", path=name)
-                assert isinstance(found, ObjectInfo)
-                etag = found.etag
-            starts = range(0, n, range_bytes)
-            with ThreadPoolExecutor(
-                min(self.requests.max_concurrency, len(starts)), thread_name_prefix="gpumem-s3-get"
-            ) as pool:
-                for f in [
-                    pool.submit(
-                        self._read_resuming,
-                        key,
-                        offset + a,
-                        view[a : a + range_bytes],
-                        object_size,
-                        etag,
-                    )
-                    for a in starts
-                ]:
-                    f.result()
-        if crc is not None and crc32c(view) != crc:
-            raise CheckpointCorruptError(
-                f"{name}: bytes [{offset}, {offset + n}) fail their CRC32C (expected "
-                f"{crc:#010x}); the object was damaged or replaced",
-                path=name,
-            )
+            self._read_resuming(key, offset, view, object_size, etag, deadline)
+            return
+        if etag is None:  # every range from the same object, not a mix of two versions
+            found = self.listing.head(key, deadline=deadline)
+            if found is None:
+                name = self.requests.name(key)
+                raise CheckpointCorruptError(f"{name} is missing", path=name)
+            assert isinstance(found, ObjectInfo)
+            etag = found.etag
+        starts = range(0, n, range_bytes)
+        threads = min(self.requests.max_concurrency, len(starts))
+        _all(
+            threads,
+            [
+                functools.partial(
+                    self._read_resuming,
+                    key,
+                    offset + a,
+                    view[a : a + range_bytes],
+                    object_size,
+                    etag,
+                    deadline,
+                )
+                for a in starts
+            ],
+        )
 
     def read_pieces(
         self,
@@ -116,6 +139,7 @@ class RangedReads:
         crc_out: Any = None,
         etag: str | None = None,
         range_bytes: int = 16 << 20,
+        deadline: Deadline | None = None,
     ) -> int:
         """``gpumem.reader.read_file``'s contract on an object: fill every ``(offset, buffer)``
         piece (``max_concurrency`` ranged GETs at once, all pinned to one version), and with
@@ -130,17 +154,12 @@ class RangedReads:
             CheckpointIOError: the store failed after the retries.
             ValueError: CRC slots out of range, or chunk_bytes without crc_out.
         """
-        name = self.requests.name(key)
-        found = self.listing.head(key) if etag is None else ObjectInfo(key, expect_size, etag)
-        if found is None:
-            raise CheckpointCorruptError(f"{name} is missing", path=name)
-        assert isinstance(found, ObjectInfo)
-        if found.size != expect_size:
-            raise CheckpointCorruptError(
-                f"{name} holds {found.size} bytes, not the {expect_size} its manifest records: "
-                "not read",
-                path=name,
-            )
+        head = (
+            ObjectInfo(key, expect_size, etag)
+            if etag
+            else self.listing.head(key, deadline=deadline)
+        )
+        found = sized(head, self.requests.name(key), expect_size)
         views = [(off, as_bytes_view(buf, writable=True)) for off, buf in pieces]
         index = [-1] * len(views) if crc_index is None else list(crc_index)
         out = None
@@ -168,40 +187,57 @@ class RangedReads:
         def one(j: int) -> None:
             off, view, slot = work[j]
             self.read_into(
-                key, off, view, object_size=expect_size, etag=found.etag, range_bytes=1 << 62
+                key,
+                off,
+                view,
+                object_size=expect_size,
+                etag=found.etag,
+                range_bytes=1 << 62,
+                deadline=deadline,
             )
             if out is not None and slot >= 0:
                 count = -(-len(view) // chunk_bytes)
                 data = np.frombuffer(view, dtype=np.uint8)  # a view: nothing copied
                 load().chunk_crc32c(data, chunk_bytes, out[slot : slot + count])
 
-        with ThreadPoolExecutor(
-            self.requests.max_concurrency, thread_name_prefix="gpumem-s3-get"
-        ) as pool:
-            for f in [pool.submit(one, j) for j in range(len(work))]:
-                f.result()
+        _all(self.requests.max_concurrency, [functools.partial(one, j) for j in range(len(work))])
         return sum(len(v) for _, v in views)
 
     def _read_resuming(
-        self, key: str, offset: int, view: memoryview, size: int, etag: str | None
+        self,
+        key: str,
+        offset: int,
+        view: memoryview,
+        size: int,
+        etag: str | None,
+        deadline: Deadline | None = None,
     ) -> None:
-        """One ranged GET into ``view``, resumed from where its body broke off."""
-        done = 0
-        for attempt in range(1, self.requests.max_attempts + 1):
-            try:
-                self._read_range(key, offset, view, done, size, etag)
-                return
-            except _Transient as exc:
-                done = exc.done
-                if attempt == self.requests.max_attempts:
-                    raise CheckpointIOError(
-                        f"reading {self.requests.name(key)} failed after {attempt} attempts: "
-                        f"{exc.__cause__}"
-                    ) from exc
-                back_off(attempt)
+        """One ranged GET into ``view``, resumed from where its body broke off: one request
+        to the deadlines (``S3Requests.watch``), its resumptions included."""
+        done, name = 0, self.requests.name(key)
+        with self.requests.watch("read", name, deadline) as guard:
+            for attempt in range(1, self.requests.max_attempts + 1):
+                try:
+                    self._read_range(key, offset, view, done, size, etag, deadline)
+                    return
+                except _Transient as exc:
+                    done = exc.done
+                    if attempt == self.requests.max_attempts:
+                        raise CheckpointIOError(
+                            f"reading {name} failed after {attempt} attempts: {exc.__cause__}"
+                        ) from exc
+                    if not self.requests.pause(attempt, guard):
+                        raise self.requests.too_slow("read", name, deadline, guard) from exc
 
     def _read_range(
-        self, key: str, offset: int, view: memoryview, done: int, size: int, etag: str | None
+        self,
+        key: str,
+        offset: int,
+        view: memoryview,
+        done: int,
+        size: int,
+        etag: str | None,
+        deadline: Deadline | None,
     ) -> int:
         """Read ``view[done:]`` from ``offset + done``; returns the bytes read so far."""
         name = self.requests.name(key)
@@ -214,6 +250,7 @@ class RangedReads:
                 Bucket=self.requests.url.bucket,
                 Key=key,
                 Range=f"bytes={first}-{last}",
+                deadline=deadline,
                 **extra,
             )
         except NotFound:
@@ -254,6 +291,20 @@ class _Transient(Exception):
     def __init__(self, done: int):
         super().__init__(f"broke off after {done} bytes")
         self.done = done
+
+
+def _all(threads: int, calls: list[Callable[[], None]]) -> None:
+    """Run ``calls`` on ``threads`` threads; the first failure is raised once those running
+    end, and those not started never start (each would wait out its own deadline)."""
+    with ThreadPoolExecutor(threads, thread_name_prefix="gpumem-s3-get") as pool:
+        futures = [pool.submit(c) for c in calls]
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
 
 
 def _range_total(content_range: str | None) -> int | None:

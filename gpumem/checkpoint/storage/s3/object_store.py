@@ -13,9 +13,17 @@ Integrity: gpumem computes every CRC32C itself and sends it (``object_multipart`
 checks the bytes it received; boto3's own checksumming is turned off (``when_required``): it
 would read every byte again in Python.
 
-Retries: botocore's ``standard`` mode retries a request on 503 SlowDown, 500/502/504, throttling
-and connection errors, with exponential back-off and jitter; a ranged read whose body breaks off
-mid-stream (which botocore does not retry) is resumed here from the byte it reached.
+Deadlines (``object_deadline``): every request ends within ``request_deadline_s`` (default
+120 s, ``GPUMEM_S3_REQUEST_DEADLINE_S``), retries and back-off included, and the requests of one
+save's or one restore's objects within ``deadline_s`` (default 3600 s, ``GPUMEM_S3_DEADLINE_S``)
+all together; past either, the request is cut off and fails as ``CheckpointIOError`` (ETIMEDOUT)
+naming what it did and the object.
+
+Retries (``object_requests``): a transient fault (a 5xx or throttling answer, a reset or broken
+connection, a timeout) is tried again, ``max_attempts`` (default 8, ``GPUMEM_S3_ATTEMPTS``) in
+all, with exponential back-off and jitter that never runs past the deadline; a ranged read
+whose body breaks off is resumed from the byte it reached; a range whose bytes fail the CRC32C
+the caller gave is read again (``object_ranges.REREADS``) before it is called damaged.
 
 Errors: a missing bucket, denied or missing credentials, an unreachable endpoint are
 ``CheckpointIOError`` (errno ENOENT, EACCES, ECONNREFUSED) naming the URL and what to do
@@ -37,6 +45,7 @@ from typing import Any
 
 from ...errors import CheckpointIOError
 from ..location import ObjectURL
+from .object_deadline import Deadline
 from .object_listing import SMALL_OBJECT, ObjectInfo, ObjectListing, Upload
 from .object_multipart import MultipartWrites, Uploaded
 from .object_ranges import RangedReads
@@ -52,10 +61,15 @@ class S3Store:
             (``AWS_ENDPOINT_URL_S3``) or AWS itself, as boto3 resolves it.
         region: None: ``AWS_REGION`` / ``AWS_DEFAULT_REGION`` / the profile's, else us-east-1.
         profile: a named profile of ``~/.aws/config``; None: ``AWS_PROFILE`` or the default.
-        max_attempts: attempts per request (botocore's standard retry mode), and per ranged
-            read whose body breaks off.
+        max_attempts: attempts per request, and per ranged read whose body breaks off; None:
+            ``GPUMEM_S3_ATTEMPTS``, else 8.
         max_concurrency: requests in flight at once in ``upload`` and ``read_ranges``.
-        connect_timeout_s, read_timeout_s: per request.
+        connect_timeout_s, read_timeout_s: botocore's, for each connect and each wait for
+            the socket.
+        request_deadline_s: the most one request may take, retries included; None:
+            ``GPUMEM_S3_REQUEST_DEADLINE_S``, else 120.
+        deadline_s: the most the requests of one save's or one restore's objects may take
+            together (``deadline``); None: ``GPUMEM_S3_DEADLINE_S``, else 3600.
         check: probe the root at once (``check``), so a bad URL, bucket or credentials fail here.
         writable: the probe also checks that the bucket honours conditional writes.
 
@@ -77,10 +91,12 @@ class S3Store:
         endpoint_url: str | None = None,
         region: str | None = None,
         profile: str | None = None,
-        max_attempts: int = 8,
+        max_attempts: int | None = None,
         max_concurrency: int = 8,
         connect_timeout_s: float = 10.0,
         read_timeout_s: float = 60.0,
+        request_deadline_s: float | None = None,
+        deadline_s: float | None = None,
         check: bool = True,
         writable: bool = True,
     ):
@@ -94,6 +110,8 @@ class S3Store:
             max_concurrency=max_concurrency,
             connect_timeout_s=connect_timeout_s,
             read_timeout_s=read_timeout_s,
+            request_deadline_s=request_deadline_s,
+            deadline_s=deadline_s,
         )
         self.listing = ObjectListing(self.requests)
         self.writes = MultipartWrites(self.requests, self.listing)
@@ -105,6 +123,11 @@ class S3Store:
     def endpoint(self) -> str:
         """The endpoint the client talks to."""
         return str(self.requests.endpoint)
+
+    def deadline(self, what: str) -> Deadline:
+        """A deadline for an operation (``what``: "save of s3://...") of many requests,
+        ``deadline_s`` from now: pass it as their ``deadline``."""
+        return self.requests.deadline(what)
 
     @property
     def max_attempts(self) -> int:
@@ -152,14 +175,16 @@ class S3Store:
     # (each documented where it lives)
 
     def head(
-        self, key: str, metadata: bool = False
+        self, key: str, metadata: bool = False, *, deadline: Deadline | None = None
     ) -> ObjectInfo | tuple[ObjectInfo, dict[str, str]] | None:
         """``ObjectListing.head``."""
-        return self.listing.head(key, metadata)
+        return self.listing.head(key, metadata, deadline=deadline)
 
-    def get(self, key: str, max_bytes: int = SMALL_OBJECT) -> tuple[bytes, str] | None:
+    def get(
+        self, key: str, max_bytes: int = SMALL_OBJECT, *, deadline: Deadline | None = None
+    ) -> tuple[bytes, str] | None:
         """``ObjectListing.get``."""
-        return self.listing.get(key, max_bytes)
+        return self.listing.get(key, max_bytes, deadline=deadline)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """``ObjectListing.list``."""
@@ -177,9 +202,9 @@ class S3Store:
         """``ObjectListing.abort``."""
         self.listing.abort(upload)
 
-    def put(self, key: str, data: Any) -> str:
+    def put(self, key: str, data: Any, *, deadline: Deadline | None = None) -> str:
         """``MultipartWrites.put``."""
-        return self.writes.put(key, data)
+        return self.writes.put(key, data, deadline=deadline)
 
     def put_new(self, key: str, data: Any) -> bool:
         """``MultipartWrites.put_new``: the commit primitive."""
@@ -190,7 +215,7 @@ class S3Store:
         return self.writes.put_over(key, data, etag)
 
     def upload(self, key: str, buffers: Sequence[Any], **kw: Any) -> Uploaded:
-        """``MultipartWrites.upload`` (``kw``: ``part_bytes``, ``budget_bytes``)."""
+        """``MultipartWrites.upload`` (``kw``: ``part_bytes``, ``budget_bytes``, ``deadline``)."""
         return self.writes.upload(key, buffers, **kw)
 
     def upload_pieces(
