@@ -4,8 +4,11 @@ proxy in front of it that injects faults.
 ``S3Server`` runs moto's server mode (``python -m moto.server``) on 127.0.0.1 as a separate
 process, started and stopped by the test that uses it. ``FaultProxy`` forwards HTTP requests to
 it and, by rule, resets the connection part way through a request or a response body, answers
-503 SlowDown, flips a byte of a body, or strips the conditional-write headers (a store without
+503 SlowDown, flips a byte of a body, mangles an ETag, drips its answer a byte at a time (a
+store that never finishes), or strips the conditional-write headers (a store without
 conditional-write support). It logs every request it saw, so a test can count the retries.
+The Checkpointer helpers at the end (``open_checkpointer``, ``save_steps``, ``restore_from``)
+save and restore a small model through an ``s3://`` root.
 """
 
 from __future__ import annotations
