@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from s3_lib import (
+    is_part,
     is_ranged_get,
     open_checkpointer,
     open_store,
@@ -150,6 +151,25 @@ def test_an_operation_deadline_bounds_many_requests_together(s3_server, s3_proxy
     assert isinstance(exc, CheckpointIOError), exc
     assert f"read s3://{s3_bucket}/run/big" in str(exc)
     assert "the restore of s3://x/run passed its 1.5 s deadline" in str(exc)
+
+
+@pytest.mark.parametrize("doing", ["save", "restore"])
+def test_a_save_or_a_restore_ends_at_its_own_deadline(
+    s3_server, s3_proxy, s3_bucket, monkeypatch, doing
+):
+    # each request may take 10 minutes, the whole save or restore 2 s
+    url = f"s3://{s3_bucket}/op-{doing}"
+    if doing == "restore":
+        _save(url, s3_server.url, [1])
+    monkeypatch.setenv("GPUMEM_S3_REQUEST_DEADLINE_S", "600")
+    monkeypatch.setenv("GPUMEM_S3_DEADLINE_S", DEADLINE)
+    s3_proxy.add("drip", is_part if doing == "save" else _is_data_get, times=None)
+    exc = _ends(
+        lambda: _save(url, s3_proxy.url, [1]) if doing == "save" else _restore(url, s3_proxy.url)
+    )
+    assert isinstance(exc, CheckpointIOError), exc
+    assert f"the {doing} of s3://{s3_bucket}/op-{doing}/step-000000001/" in str(exc)
+    assert f"passed its {DEADLINE} s deadline (GPUMEM_S3_DEADLINE_S" in str(exc)
 
 
 @pytest.mark.parametrize(
