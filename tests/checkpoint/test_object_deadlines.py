@@ -9,7 +9,12 @@ the test fails, instead of hanging, if the operation does not end; no test asser
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import threading
+import time
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -170,6 +175,33 @@ def test_a_save_or_a_restore_ends_at_its_own_deadline(
     assert isinstance(exc, CheckpointIOError), exc
     assert f"the {doing} of s3://{s3_bucket}/op-{doing}/step-000000001/" in str(exc)
     assert f"passed its {DEADLINE} s deadline (GPUMEM_S3_DEADLINE_S" in str(exc)
+
+
+@pytest.mark.parametrize("in_child", [False, True], ids=["here", "in-a-forked-child"])
+def test_the_watchdog_ends_a_read_blocked_past_its_deadline(in_child):
+    from gpumem.checkpoint.storage.s3.object_deadline import WATCHDOG
+
+    def blocked_read() -> list:
+        a, b = socket.socketpair()  # b never writes: a.recv blocks until a is shut down
+        got: list = []
+        with a, b, WATCHDOG.guard(time.monotonic() + 0.3) as guard:
+            WATCHDOG.sending(types.SimpleNamespace(sock=a))
+            got += [a.recv(1), guard.fired]
+        return got
+
+    with WATCHDOG.guard(time.monotonic() + 60):  # the watchdog thread runs in this process
+        pass
+    if not in_child:
+        out: list = []
+        assert _ends(lambda: out.extend(blocked_read())) is None
+        assert out == [b"", True]  # the read ended (end of stream), because the guard fired
+        return
+    pid = os.fork()
+    if pid == 0:  # the child has no watchdog thread until its first guard starts one
+        signal.alarm(30)  # a child whose read never ends is killed, and the test fails
+        os._exit(0 if blocked_read() == [b"", True] else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ socket down, which ends a read or a send blocked on it at once; the request then
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -61,6 +62,11 @@ class Watchdog:
     One per process, on a daemon thread started with the first guard."""
 
     def __init__(self) -> None:
+        self._forked()
+        # a forked child has no watchdog thread (and its parent's lock may be held): start over
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
         self._cond = threading.Condition()
         self._guards: dict[int, list[Guard]] = {}  # by thread: nested guards, innermost last
         self._thread: threading.Thread | None = None
