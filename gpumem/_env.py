@@ -14,6 +14,9 @@
 | GPUMEM_NODE           | this rank's node (node-local checkpoints, replicas) | GROUP_RANK, host |
 | GPUMEM_GRACE_S        | PreemptionGuard's notice: seconds, signal to kill | 30 (or grace_s=)   |
 | GPUMEM_CACHE_DIR      | folder of the estimator's step simulation cache  | off (also: off, 0) |
+| GPUMEM_S3_REQUEST_DEADLINE_S | s3://: seconds one request may take, retries included | 120 |
+| GPUMEM_S3_DEADLINE_S  | s3://: seconds one save's or restore's requests may take | 3600      |
+| GPUMEM_S3_ATTEMPTS    | s3://: tries of a request with transient faults  | 8                  |
 
 (n: the machine's cores.)
 

@@ -4,8 +4,11 @@ proxy in front of it that injects faults.
 ``S3Server`` runs moto's server mode (``python -m moto.server``) on 127.0.0.1 as a separate
 process, started and stopped by the test that uses it. ``FaultProxy`` forwards HTTP requests to
 it and, by rule, resets the connection part way through a request or a response body, answers
-503 SlowDown, flips a byte of a body, or strips the conditional-write headers (a store without
+503 SlowDown, flips a byte of a body, mangles an ETag, drips its answer a byte at a time (a
+store that never finishes), or strips the conditional-write headers (a store without
 conditional-write support). It logs every request it saw, so a test can count the retries.
+The Checkpointer helpers at the end (``open_checkpointer``, ``save_steps``, ``restore_from``)
+save and restore a small model through an ``s3://`` root.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -106,7 +110,10 @@ class Rule:
     SlowDown), "bad_digest" (400 BadDigest, what S3 answers to a body that fails its checksum
     header, not forwarded), "flip_request" / "flip_response" (one byte of the body changed),
     "strip_conditions" (If-None-Match and If-Match removed before forwarding), "hang" (hold the
-    request unanswered until the proxy closes: a writer stuck mid-part, to be killed).
+    request unanswered until the proxy closes: a writer stuck mid-part, to be killed),
+    "mangle_etag" (one character of the answer's ETag header changed), "drip" (forward, then
+    send the whole answer, status line and headers included, one byte every
+    ``FaultProxy.drip_s``: a store that never stops answering and never finishes).
     """
 
     action: str
@@ -141,6 +148,7 @@ class FaultProxy:
     seen: list[tuple[str, str, str, int]] = field(default_factory=list)
     # (x-amz-checksum-crc32c header, body) of every PUT, as the proxy received them
     puts: list[tuple[str | None, bytes]] = field(default_factory=list)
+    drip_s: float = 0.5  # between two bytes of a "drip" answer
 
     def __post_init__(self) -> None:
         proxy = self
@@ -249,6 +257,14 @@ class FaultProxy:
         if action == "drop_response":
             _reset(h)
             return
+        if action == "drip":
+            self._drip(h, status, resp_headers, b"" if method == "HEAD" else data)
+            return
+        if action == "mangle_etag":
+            resp_headers = [
+                (k, _flip(v.encode()).decode() if k.lower() == "etag" else v)
+                for k, v in resp_headers
+            ]
         if action == "flip_response" and data:
             data = _flip(data)
         h.send_response(status)
@@ -268,6 +284,21 @@ class FaultProxy:
             _reset(h)
             return
         h.wfile.write(data)
+
+    def _drip(self, h: BaseHTTPRequestHandler, status: int, headers: list, body: bytes) -> None:
+        """Send the answer a byte at a time until it is sent, the client hangs up, or the
+        proxy closes."""
+        h.close_connection = True
+        lines = [f"HTTP/1.1 {status} {http.client.responses.get(status, '')}"]
+        lines += [f"{k}: {v}" for k, v in headers if k.lower() not in ("transfer-encoding",)]
+        raw = ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+        for i in range(len(raw)):
+            if self._release.wait(self.drip_s):
+                return
+            try:
+                h.connection.sendall(raw[i : i + 1])
+            except OSError:
+                return  # the client gave up
 
 
 def _flip(data: bytes) -> bytes:
@@ -341,3 +372,73 @@ def open_store(endpoint: str, bucket: str, prefix: str = "run", **kw: object):
 
     with env(CREDENTIALS):
         return S3Store(f"s3://{bucket}/{prefix}", endpoint_url=endpoint, **kw)
+
+
+# ---------------------------------------------------------------------- Checkpointer("s3://...")
+
+
+def train_state(seed: int, width: int = 1024, hidden: int = 1536) -> tuple[Any, Any]:
+    """A model and Adam after one step (``width`` x ``hidden``: 1024 x 1536 are ~18 MiB with
+    Adam, data files of several 5 MiB parts)."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(width, hidden), torch.nn.Linear(hidden, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(4, width)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def open_checkpointer(url: str, endpoint: str, **kw: Any) -> Any:
+    """A Checkpointer on ``url`` at ``endpoint`` uploading 5 MiB parts (several per file)."""
+    import gpumem
+
+    with env(CREDENTIALS):
+        ck = gpumem.Checkpointer(
+            url, endpoint_url=endpoint, staging_bytes=64 << 20, overlap=False, **kw
+        )
+    if ck._root.objects is not None:
+        ck._root.objects.part_bytes = 5 << 20
+    return ck
+
+
+def snapshot(model: Any, opt: Any) -> dict[str, Any]:
+    """Copies of the model's and the optimizer's tensors, by name."""
+    import torch
+
+    out = {f"m.{k}": v.clone() for k, v in model.state_dict().items()}
+    for pid, st in opt.state_dict()["state"].items():
+        out.update({f"o.{pid}.{k}": v.clone() for k, v in st.items() if torch.is_tensor(v)})
+    return out
+
+
+def save_steps(
+    url: str, endpoint: str, steps: Any, size: tuple[int, int] = (1024, 1536), **kw: Any
+) -> dict[int, dict[str, Any]]:
+    """Save ``steps`` (each ``train_state(step, *size)``), each waited for; their snapshots."""
+    states = {}
+    with open_checkpointer(url, endpoint, **kw) as ck:
+        for step in steps:
+            model, opt = train_state(step, *size)
+            ck.save(step, model=model, optimizer=opt, blocking=True)
+            ck.wait()
+            states[step] = snapshot(model, opt)
+    return states
+
+
+def restore_from(
+    url: str, endpoint: str, size: tuple[int, int] = (1024, 1536), **kw: Any
+) -> tuple[int | None, dict[str, Any]]:
+    """Restore into a fresh ``train_state``: the step restored and the snapshot."""
+    model, opt = train_state(999, *size)
+    with open_checkpointer(url, endpoint, **kw) as ck:
+        step = ck.restore(model=model, optimizer=opt)
+    return step, snapshot(model, opt)
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two snapshots hold the same tensors, bit for bit."""
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

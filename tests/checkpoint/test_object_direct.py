@@ -18,7 +18,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from s3_lib import CREDENTIALS, S3Server, env, is_conditional_put, is_part, is_ranged_get
+from s3_lib import (
+    CREDENTIALS,
+    S3Server,
+    env,
+    is_conditional_put,
+    is_part,
+    is_ranged_get,
+)
+from s3_lib import open_checkpointer as _ck
+from s3_lib import restore_from as _restored
+from s3_lib import same as _same
+from s3_lib import save_steps as _save_steps
+from s3_lib import snapshot as _snapshot
+from s3_lib import train_state as _state
 
 import gpumem
 from gpumem.checkpoint import (
@@ -34,43 +47,6 @@ MiB = 1 << 20
 HERE = Path(__file__).parent
 
 
-def _state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)  # ~18 MiB with Adam: data files of several 5 MiB parts
-    model = torch.nn.Sequential(torch.nn.Linear(1024, 1536), torch.nn.Linear(1536, 8))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model(torch.randn(4, 1024)).sum().backward()
-    opt.step()
-    return model, opt
-
-
-def _ck(url: str, endpoint: str, **kw) -> gpumem.Checkpointer:
-    with env(CREDENTIALS):
-        ck = gpumem.Checkpointer(
-            url, endpoint_url=endpoint, staging_bytes=64 * MiB, overlap=False, **kw
-        )
-    if ck._root.objects is not None:
-        ck._root.objects.part_bytes = 5 * MiB  # several parts per data file
-    return ck
-
-
-def _snapshot(model, opt) -> dict[str, torch.Tensor]:
-    out = {f"m.{k}": v.clone() for k, v in model.state_dict().items()}
-    for pid, st in opt.state_dict()["state"].items():
-        out.update({f"o.{pid}.{k}": v.clone() for k, v in st.items() if torch.is_tensor(v)})
-    return out
-
-
-def _restored(url: str, endpoint: str, **kw) -> tuple[int | None, dict[str, torch.Tensor]]:
-    model, opt = _state(999)
-    with _ck(url, endpoint, **kw) as ck:
-        step = ck.restore(model=model, optimizer=opt)
-    return step, _snapshot(model, opt)
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 def _raw(endpoint: str):
     import boto3
 
@@ -81,17 +57,6 @@ def _raw(endpoint: str):
 def _keys(endpoint: str, bucket: str, prefix: str = "") -> list[str]:
     got = _raw(endpoint).list_objects_v2(Bucket=bucket, Prefix=prefix)
     return sorted(o["Key"] for o in got.get("Contents", []))
-
-
-def _save_steps(url: str, endpoint: str, steps, **kw) -> dict[int, dict[str, torch.Tensor]]:
-    states = {}
-    with _ck(url, endpoint, **kw) as ck:
-        for step in steps:
-            model, opt = _state(step)
-            ck.save(step, model=model, optimizer=opt, blocking=True)
-            ck.wait()
-            states[step] = _snapshot(model, opt)
-    return states
 
 
 # ------------------------------------------------------------------------------ one rank

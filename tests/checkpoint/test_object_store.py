@@ -140,9 +140,13 @@ def test_a_changed_object_is_detected_by_crc_and_by_etag(s3_server, s3_proxy, s3
     data = _data(MiB)
     up = store.upload("run/s", [data])
     out = np.zeros_like(data)
-    s3_proxy.add("flip_response", is_ranged_get)  # damaged on the way out
-    with pytest.raises(CheckpointCorruptError, match="fail their CRC32C"):
+    s3_proxy.add("flip_response", is_ranged_get)  # damaged on the way out, once: read again
+    store.read_into("run/s", 0, out, object_size=data.nbytes, crc=up.crc32c)
+    assert np.array_equal(out, data) and s3_proxy.count("GET") == 2
+    s3_proxy.add("flip_response", is_ranged_get, times=None)  # every time: damaged
+    with pytest.raises(CheckpointCorruptError, match=r"fail their CRC32C.*read 3 times"):
         store.read_into("run/s", 0, out, object_size=data.nbytes, crc=up.crc32c)
+    s3_proxy.rules.clear()
     # replaced behind gpumem's back (same size): the ETag no longer matches
     _raw(s3_server.url).put_object(Bucket=s3_bucket, Key="run/s", Body=_data(MiB, 9).tobytes())
     with pytest.raises(CheckpointCorruptError, match="changed after it was written"):

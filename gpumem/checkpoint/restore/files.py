@@ -29,9 +29,10 @@ that freed memory gets it back already faulted in. A file system that refuses ``
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -156,6 +157,25 @@ sections a restore was not asked for): at most ``max(STREAM_BYTES, chunk_bytes)`
 however large the files (a sparse one costs its apparent size in reads, not in memory)."""
 
 
+def _read_again(
+    read: Callable[..., dict[str, torch.Tensor]],
+) -> Callable[..., dict[str, torch.Tensor]]:
+    """``read``, where an object store's bytes that fail a check are read again first: a fault
+    in transit is gone on the next read (``ObjectFiles.read_again`` says how often)."""
+
+    @functools.wraps(read)
+    def again(step: StepFiles, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        while True:
+            try:
+                return read(step, *args, **kwargs)
+            except CheckpointCorruptError:
+                if not step.read_again():
+                    raise
+
+    return again
+
+
+@_read_again
 def read_tensors(
     step: StepFiles,
     shard: ShardManifest,

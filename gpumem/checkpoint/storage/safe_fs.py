@@ -295,6 +295,10 @@ class Dir:
             )
         return b"".join(chunks)
 
+    def read_again(self) -> bool:
+        """Never: a file read is not in transit, what it read is what the disk holds."""
+        return False
+
     def check_size(self, name: str, size: int) -> None:
         """The data file ``name`` is a regular file of the ``size`` bytes its manifest records,
         checked before a byte is read (the reader checks again once it has the file open).

@@ -11,16 +11,23 @@ kept apart by the conditional put of each step's ``COMMIT`` (one wins).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 from ...capture.training_state import Capture
-from ...errors import CheckpointError, CheckpointFallbackWarning, CheckpointStateError
+from ...errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointFallbackWarning,
+    CheckpointStateError,
+)
 from ...group import Group
 from ...stage.snapshot import Snapshot
 from ..commit import CommitOptions
 from ..format import CheckpointInfo, step_dir_name
 from .object_commit import ObjectCommit
 from .object_files import ObjectFiles, ObjectPath
+from .object_ranges import REREADS
 from .object_root import COMMIT, ObjectRoot
 
 
@@ -103,6 +110,11 @@ class ObjectCandidates:
         return [step_dir_name(s) for s in self.objects.steps()]
 
     def open(self, name: str) -> ObjectFiles:
+        """The step's files, its manifest checked; a manifest that fails its checks is read
+        again (``REREADS`` times) before the step is called damaged: a fault in transit."""
+        for _ in range(REREADS):
+            with contextlib.suppress(CheckpointCorruptError):
+                return self.objects.open_step(int(name.removeprefix("step-")))[0]
         return self.objects.open_step(int(name.removeprefix("step-")))[0]
 
     def gone(self, name: str) -> bool:

@@ -23,7 +23,9 @@ from gpumem._native import load
 from gpumem.reader import MUST_BE_ZERO
 
 from ...errors import CheckpointCorruptError
-from .object_store import ObjectInfo, S3Store
+from .object_listing import ObjectInfo, sized
+from .object_ranges import REREADS
+from .object_store import S3Store
 
 
 class ObjectPath:
@@ -56,15 +58,24 @@ class ObjectFiles:
         store: the opened store.
         key: the full key prefix of the save (``<prefix>/step-<N>/<save>``).
         part_bytes, budget_bytes: of the multipart uploads (``S3Store.upload``).
+        doing: "save" or "restore": every request for these files, from now on, is part of
+            that operation and its deadline (``S3Store.deadline``).
     """
 
     def __init__(
-        self, store: S3Store, key: str, part_bytes: int = 64 << 20, budget_bytes: int = 512 << 20
+        self,
+        store: S3Store,
+        key: str,
+        part_bytes: int = 64 << 20,
+        budget_bytes: int = 512 << 20,
+        doing: str = "save",
     ):
         self.store, self.key = store, key.rstrip("/")
         self.part_bytes, self.budget_bytes = part_bytes, budget_bytes
         self.path = ObjectPath(f"s3://{store.url.bucket}/{self.key}")
+        self.deadline = store.deadline(f"{doing} of {self.path}")
         self._heads: dict[str, ObjectInfo] = {}
+        self._reads = 0
 
     def __enter__(self) -> ObjectFiles:
         return self
@@ -93,10 +104,11 @@ class ObjectFiles:
             size,
             part_bytes=self.part_bytes,
             budget_bytes=self.budget_bytes,
+            deadline=self.deadline,
         )
 
     def write_new(self, name: str, data: bytes) -> None:
-        self.store.put(f"{self.key}/{name}", data)
+        self.store.put(f"{self.key}/{name}", data, deadline=self.deadline)
 
     def discard(self) -> None:
         """Delete every object of this save (a failed or losing one; never a committed one)."""
@@ -108,7 +120,7 @@ class ObjectFiles:
     # ------------------------------------------------------------------ reading
 
     def read_small(self, name: str, cap: int, what: str) -> bytes:
-        got = self.store.get(f"{self.key}/{name}", max_bytes=cap)
+        got = self.store.get(f"{self.key}/{name}", max_bytes=cap, deadline=self.deadline)
         if got is None:
             path = str(self.path / name)
             raise CheckpointCorruptError(f"{path}: {what} unreadable: missing", path=path)
@@ -117,17 +129,11 @@ class ObjectFiles:
     def check_size(self, name: str, size: int) -> ObjectInfo:
         """The data object ``name`` exists and holds the ``size`` bytes its manifest records
         (checked before any byte is read); its HEAD, whose ETag pins the reads that follow."""
-        path = str(self.path / name)
-        found = self._heads.get(name) or self.store.head(f"{self.key}/{name}")
-        if found is None:
-            raise CheckpointCorruptError(f"{path}: data object missing", path=path)
-        assert isinstance(found, ObjectInfo)
-        if found.size != size:
-            raise CheckpointCorruptError(
-                f"{path} holds {found.size} bytes, not the {size} its manifest records "
-                "(truncated or replaced): not read",
-                path=path,
-            )
+        found = sized(
+            self._heads.get(name) or self.store.head(f"{self.key}/{name}", deadline=self.deadline),
+            str(self.path / name),
+            size,
+        )
         self._heads[name] = found
         return found
 
@@ -156,7 +162,19 @@ class ObjectFiles:
             crc_out=crc_out,
             etag=self._heads[name].etag,
             range_bytes=self.part_bytes,
+            deadline=self.deadline,
         )
+
+    def read_again(self) -> bool:
+        """Whether bytes that failed their check (a CRC32C, a changed ETag) are worth reading
+        again before the step is called damaged: a fault in transit (a flipped byte, a
+        mangled header) is gone on the next read, a damaged object is not. True ``REREADS``
+        times per step opened, each time forgetting the HEADs, so the next read asks again."""
+        if self._reads >= REREADS:
+            return False
+        self._reads += 1
+        self._heads.clear()
+        return True
 
     def read_spans(
         self,
@@ -196,6 +214,7 @@ class ObjectFiles:
             expect_size=expect_size,
             etag=self._heads[name].etag,
             range_bytes=self.part_bytes,
+            deadline=self.deadline,
         )
         native, nonzero = load(), -1
         for f, b, n, slot in spans:

@@ -63,7 +63,7 @@ from ..format import (
 )
 from ..safe_fs import Dir
 from .object_files import ObjectFiles
-from .object_store import ObjectInfo, S3Store
+from .object_store import S3Store
 from .object_upload import StepUploads
 
 COMMIT = "COMMIT"
@@ -206,12 +206,8 @@ class ObjectRoot(StepUploads):
         return removed + orphans
 
     def _objects_with_times(self) -> Iterator[tuple[str, float]]:
-        pages = self.store.client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.store.url.bucket, Prefix=self._key("") if self.store.url.prefix else ""
-        )
-        for page in self.store._pages("list", pages):
-            for item in page.get("Contents", []):
-                yield item["Key"], item["LastModified"].timestamp()
+        for obj in self.store.list():
+            yield obj.key, obj.modified if obj.modified is not None else time.time()
 
     def _delete_prefix(self, prefix: str) -> None:
         self.store.delete([o.key for o in self.store.list(prefix)])
@@ -261,6 +257,7 @@ class ObjectRoot(StepUploads):
             self._key(f"{step_dir_name(step)}/{record['save']}"),
             self.part_bytes,
             self.budget_bytes,
+            doing="restore",
         )
         info = load_info(files)
         manifest = str(files.path / MAIN_MANIFEST)
@@ -304,10 +301,15 @@ class ObjectRoot(StepUploads):
                         shard = load_shard_manifest(files, info, r)
                         for fname, size in shard.files.items():
                             key = f"{files.key}/{fname}"
-                            self._check_size(key, size)  # before memory is taken for it
+                            files.check_size(fname, size)  # before memory is taken for it
                             buf = np.empty(size, dtype=np.uint8)
                             self.store.read_into(
-                                key, 0, buf, object_size=size, range_bytes=self.part_bytes
+                                key,
+                                0,
+                                buf,
+                                object_size=size,
+                                range_bytes=self.part_bytes,
+                                deadline=files.deadline,
                             )
                             out.write_pieces(fname, [(0, buf)] if size else [], size, False)
                     for manifest in [*(ref.file for ref in info.shards), MAIN_MANIFEST]:
@@ -318,20 +320,6 @@ class ObjectRoot(StepUploads):
                 root.discard_tree(name)
                 raise
         return Path(os.fsdecode(dest)) / name
-
-    def _check_size(self, key: str, size: int) -> None:
-        """The data object ``key`` exists and holds the ``size`` bytes its manifest records."""
-        found = self.store.head(key)
-        name = f"s3://{self.store.url.bucket}/{key}"
-        if found is None:
-            raise CheckpointCorruptError(f"{name}: data object missing", path=name)
-        assert isinstance(found, ObjectInfo)
-        if found.size != size:
-            raise CheckpointCorruptError(
-                f"{name} holds {found.size} bytes, not the {size} its manifest records "
-                "(truncated or replaced): not read",
-                path=name,
-            )
 
 
 def _json(obj: dict[str, Any]) -> bytes:
