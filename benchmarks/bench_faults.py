@@ -7,8 +7,8 @@ One row per (phase, call kind, errno): the cases and what they ended in. The inv
 columns after "CheckpointError" must be 0): never a hang (a 60 s watchdog), never a bare OSError
 or another exception, never a lost or altered committed step, no temporary directory surviving
 the next open, every CheckpointError naming the errno and a path under the root, EINTR retried
-(the operation succeeds), and a save reported failed never found committed (the one exception:
-issue #39 item 8, assigned elsewhere, counted in its own column).
+(the operation succeeds), and a save reported failed never found committed (issue #39 item 8:
+an fsync EIO after the commit's rename now rolls the rename back).
 
     python benchmarks/bench_faults.py                 # the full sweep (a few minutes)
     python benchmarks/bench_faults.py --sample        # the CI sample only
@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "checkpoint"))
 from _report import machine_info, value_figure, write_results
 from fault_sweep import PHASES, Case, Result, build_shim, counted, run_cases, sweep_cases
-from test_fault_sweep import is_item_8
 
 COLUMNS = [
     "phase",
@@ -45,7 +44,6 @@ COLUMNS = [
     "temp left",
     "not named",
     "EINTR failed",
-    "item 8",
 ]
 # each violation's column, by how fault_sweep._judge's text starts
 _COLUMN_OF = (
@@ -72,9 +70,6 @@ def tally(counts: dict, results: list[Result]) -> list[list[object]]:
         row = rows[(r.case.phase, r.case.kind, r.case.err)]
         row["cases"] += 1
         row[_OUTCOME_COLUMN.get(r.outcome, r.outcome)] += 1
-        if is_item_8(r):
-            row["item 8"] += 1
-            continue
         for col in {column(v) for v in r.violations} - {"hang", "bare OSError", "other error"}:
             row[col] += 1
     out = []
@@ -111,7 +106,6 @@ def main() -> int:
         ),
         value_figure("not named", "cases", total["not named"]),
         value_figure("EINTR failed", "cases", total["EINTR failed"]),
-        value_figure("item 8 (known, assigned elsewhere)", "cases", total["item 8"]),
     ]
     notes = (
         f"{total['cases']} cases ({'CI sample' if args.sample else 'every N'}) in {wall:.0f} s, "
@@ -122,9 +116,7 @@ def main() -> int:
         "resumed job's Checkpointer(root).restore(). Only calls that touch a file under the root "
         "count (N); the shim counts them over all threads of the process (strace's when=N counts "
         "per thread). Each case runs in a forked child under a 60 s watchdog; the checks run in a"
-        " fresh process without faults. 'item 8': EIO/ENOSPC from fsync of the parent directory "
-        "after the commit's rename fails a save whose step is in place (issue #39 item 8, "
-        "assigned to another helper; an xfail in tests/checkpoint/test_fault_sweep.py)."
+        " fresh process without faults."
     )
     write_results(
         "faults",

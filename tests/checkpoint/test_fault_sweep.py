@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 from fault_sweep import (
     ERRNOS,
-    FAULTED_STEP,
     KINDS,
     PHASES,
     RAN,
@@ -40,10 +39,6 @@ from fault_sweep import (
 # missing here means the sweep stopped reaching it
 SAVE_KINDS = ("open", "write", "fsync", "fdatasync", "rename", "close", "unlink", "mkdir")
 RESTORE_KINDS = ("open", "read", "close")
-ITEM_8 = (
-    "issue #39 item 8 (assigned to another helper): EIO/ENOSPC from the parent directory's "
-    "fsync after the commit's rename fails a save whose step is in place"
-)
 
 
 @pytest.fixture(scope="module")
@@ -73,18 +68,6 @@ def sample(shim, tmp_path_factory) -> tuple[dict, list[Result]]:
     return _sweep(shim, tmp_path_factory.mktemp("sweep"), False)
 
 
-def is_item_8(r: Result) -> bool:
-    """The fault is the fsync of the root after the rename (the step is in place), and the
-    save reported a failure: issue #39 item 8, not this sweep's to fix."""
-    hit = r.hit.split(" ", 2)
-    return (
-        r.case.kind == "fsync"
-        and len(hit) == 3
-        and Path(hit[2]).name.startswith("case-")
-        and r.violations == [f"step {FAULTED_STEP} committed, save reported failed"]
-    )
-
-
 def _violations(results: list[Result], phase: str, kind: str, err: str) -> list[str]:
     mine = [r for r in results if (r.case.phase, r.case.kind, r.case.err) == (phase, kind, err)]
     assert mine, f"no {phase} case faults {kind} with {err}"
@@ -92,7 +75,7 @@ def _violations(results: list[Result], phase: str, kind: str, err: str) -> list[
     return [
         f"{r.case.kind} #{r.case.n} {r.case.err}: {'; '.join(r.violations)} ({r.error[:200]})"
         for r in mine
-        if r.violations and not is_item_8(r)
+        if r.violations
     ]
 
 
@@ -112,19 +95,11 @@ def test_fault_sample(sample, phase, kind, err):
     assert _violations(results, phase, kind, err) == []
 
 
-@pytest.mark.xfail(reason=ITEM_8, strict=False)
-def test_eio_fsyncing_the_parent_after_the_rename_does_not_fail_a_committed_save(sample):
-    _, results = sample
-    assert [r.case for r in results if is_item_8(r)] == []
-
-
 @pytest.mark.slow
 def test_the_full_sweep(shim, tmp_path_factory):
     _, results = _sweep(shim, tmp_path_factory.mktemp("full"), True)
     bad = [
-        f"{r.case}: {'; '.join(r.violations)} ({r.error[:200]})"
-        for r in results
-        if r.violations and not is_item_8(r)
+        f"{r.case}: {'; '.join(r.violations)} ({r.error[:200]})" for r in results if r.violations
     ]
     assert bad == []
 
