@@ -5,6 +5,7 @@ the decision: spot alone, on-demand alone, or spot first with on-demand as the f
 
 import copy
 import json
+import sys
 
 import pytest
 import yaml
@@ -20,6 +21,19 @@ def _sky_home(tmp_path_factory, monkeypatch):
     home = tmp_path_factory.getbasetemp() / "sky-home"
     home.mkdir(exist_ok=True)
     monkeypatch.setenv("HOME", str(home))
+
+
+@pytest.fixture(autouse=True)
+def _keep_tracebacks():
+    """SkyPilot validates inside ``print_exception_no_traceback``, which sets
+    ``sys.tracebacklimit = 0`` and, when the validation raises, never puts it back: every later
+    traceback of the session (``gpumem --debug``'s) would print as its last line alone."""
+    had, old = hasattr(sys, "tracebacklimit"), getattr(sys, "tracebacklimit", None)
+    yield
+    if had:
+        sys.tracebacklimit = old
+    elif hasattr(sys, "tracebacklimit"):
+        del sys.tracebacklimit
 
 
 def _sky():
