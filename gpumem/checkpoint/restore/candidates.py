@@ -74,6 +74,12 @@ class StagedRestore(Protocol):
         """Check the loaded tensors where they live; how many were checked."""
         ...
 
+    def release(self) -> None:
+        """Drop the staged tensors once loaded (the objects hold what they took): kept as
+        ``Checkpointer.last_restore``, it must not hold a copy of the state until the next
+        restore, nor the objects' replaced tensors."""
+        ...
+
 
 class Restorer(Protocol):
     """How a Checkpointer restores from its root: the newest checkpoint that verifies
@@ -179,6 +185,7 @@ def restore(
             if status == _OK:
                 if verify_loaded:
                     staged.verify_loaded()
+                staged.release()
                 return staged.info.step, staged
         assert err is not None
         if status == _RAISE:

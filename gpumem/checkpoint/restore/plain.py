@@ -102,6 +102,11 @@ class PlainRestore:
         commit = (lambda: copy_many(staged, live)) if staged else None
         apply(tree, self.state, agree=agree, commit=commit)
 
+    def release(self) -> None:
+        """Drop the tree: its model tensors were copied into the live ones (a second copy of
+        the model until the next restore otherwise), the rest is the objects' now."""
+        self.tree = {}
+
     def verify_loaded(self) -> int:
         """CRC32C of the loaded tensors against the manifest, where they live; how many."""
         objects = dataclasses.replace(self.state, extra=None, rng=False)

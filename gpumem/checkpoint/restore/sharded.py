@@ -335,6 +335,12 @@ class ShardedRestore:
         if sync:
             torch.cuda.synchronize()  # the staging is released after this
 
+    def release(self) -> None:
+        """Drop the staged blocks and the references to the loaded tensors: what was read stays
+        in ``bytes_read``/``bytes_needed``."""
+        self.tree, self._loaded = {}, {}
+        self.targets.clear()
+
     def verify_loaded(self) -> int:
         """CRC32C of the loaded tensors whose box is exactly one saved block, where they live.
 

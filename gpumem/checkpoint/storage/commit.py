@@ -28,9 +28,10 @@ import errno
 import os
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..capture.codec import TensorTable
 from ..capture.replicated import check_signatures, signature
 from ..capture.training_state import Capture, sections
 from ..errors import (
@@ -110,7 +111,11 @@ class Commit:
         self._commit_everywhere(local_error, shard_crc)
 
     def close(self) -> None:
-        """Release the temporary directory's descriptor; never raises (``Dir.close``)."""
+        """Release the temporary directory's descriptor and the captured tensors; never raises
+        (``Dir.close``). The tensors are the caller's: held by the Checkpointer's last save until
+        the next one, a restore's replaced optimizer state would stay alive beside the new one
+        (on a GPU too) and the next save would pay for freeing it."""
+        self.captured = replace(self.captured, table=TensorTable())
         if self._tmp is not None:
             self._tmp.close()
 
