@@ -313,8 +313,8 @@ NAMED_REASONS = {
         "before the first optimizer step has made Adam's moments (1.1 GiB of the estimate; not "
         "modelled); steady under: this run keeps 4.9 boundary tensors per graph (32 graphs of "
         "8 MiB) where 3 are priced (a Transformer Engine before 2.7, which gives every graph "
-        "its own output gradients, would keep 4), and the MLA/MoE runs' steady figures are under without graphs too "
-        "(the dsv3 fp8 twin of the moe2.0 case: -7.7 %)"
+        "its own output gradients, would keep 4), and the MLA/MoE runs' steady figures are "
+        "under without graphs too (the dsv3 fp8 twin of the moe2.0 case: -7.7 %)"
     ),
 }
 
