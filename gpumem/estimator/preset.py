@@ -16,7 +16,7 @@ from gpumem.estimator import backward as bwd
 from gpumem.estimator import finetune as ftn
 from gpumem.estimator import hf_ops, inputs, lora_ops, peak
 from gpumem.estimator.bill import Bill, make_bill
-from gpumem.estimator.frameworks import megatron, torchtitan
+from gpumem.estimator.frameworks import cuda_graphs, megatron, torchtitan
 from gpumem.estimator.frameworks.conventions import (
     cp_exchange_bytes,
     default_fused_ops,
@@ -73,6 +73,9 @@ class PresetTerms:
     plan: ftn.AdapterPlan | None = None
     """A fine-tuning recipe's adapters (``finetune.describe``): the frozen base's rules
     (``lora_ops.py``) replace the fully trained model's."""
+    graph_capture: bool = False
+    """Megatron's CUDA-graph capture as the allocator sees it (``cuda_graphs.py``): the graphed
+    parts alone, no embedding, head or loss; ``terms`` takes it where it is the larger."""
 
     @property
     def torchtune(self) -> bool:
@@ -169,7 +172,7 @@ class PresetTerms:
         if self.plan is not None:  # torchtune's full fine-tune: its modules' copies besides
             return hf_ops.layer_items(self.spec, w) + lora_ops.torchtune_copies(self.spec, w)
         if self.mcore and self.spec.is_decoder:
-            return megatron.layer_items(self.spec, w, self.knobs)
+            return megatron.layer_items(self.spec, w, self.knobs, self.graph_capture)
         return hf_ops.layer_items(self.spec, w)
 
     def cluster_model_states(self) -> int:
@@ -222,7 +225,12 @@ class PresetTerms:
         if stages is None:
             pp = layout.pp
             stages = list(range(pp)) if st.pg.n_dense else sorted({0, min(1, pp - 1), pp - 1})
-        return [stage_terms(self, st, i) for i in stages]
+        rows = [stage_terms(self, st, i) for i in stages]
+        if self.mcore and self.knobs.cuda_graph_scope and not self.graph_capture:
+            capture = replace(self, graph_capture=True)
+            args = (layout, batch, recompute, grad_accum, persistent_grads, stages)
+            rows = cuda_graphs.larger(rows, capture.terms(*args))
+        return rows
 
     def _act_terms(
         self, layout: Layout, batch: int, recompute: str, dense: bool
@@ -251,7 +259,10 @@ class PresetTerms:
                 if dec
                 else 0
             )
-            if self.mcore and spec.is_decoder:
+            if self.graph_capture:  # the capture runs the graphed layers alone
+                held = ids = 0
+                ce0 = 0
+            elif self.mcore and spec.is_decoder:
                 ce0 = megatron.loss_transient(spec, w, "ce" in self.fused)
             else:
                 ce0 = hf_ops.ce_backward_bytes(spec, w) if spec.is_decoder else 0
@@ -278,6 +289,8 @@ class PresetTerms:
         if spec.arch == "vit":  # patch conv input (images) + classifier input; small
             img = w.batch * spec.channels * spec.image_size**2 * 4
             return float(img), float(w.batch * spec.hidden * w.compute + w.batch * 8)
+        if self.graph_capture:
+            return 0.0, 0.0
         if self.mcore:
             first = act.sum_items(megatron.embed_items(spec, w, self.knobs))
             last = act.sum_items(megatron.head_items(spec, w, self.knobs))
@@ -561,6 +574,15 @@ def _fill_buffers(
             x[peak.W_BUFFERS] += megatron.pipeline_input_bytes(
                 pt.workload(layout, st.batch), spec.hidden, layout.pp, layout.vpp, r.i
             )
+    if pt.mcore and pt.knobs.cuda_graph_scope:  # the CUDA graphs' static buffers
+        w = pt.workload(layout, st.batch)
+        x[peak.W_BUFFERS] += cuda_graphs.static_bytes(
+            pt.knobs.cuda_graph_scope,
+            r.n_dense + r.mtp_dense,
+            r.n_moe + r.mtp - r.mtp_dense,
+            st.grad_accum if layout.pp > 1 else 1,
+            (w.tokens // w.tp if w.sp else w.tokens) * spec.hidden * w.compute,
+        )
     if st.w8:  # fp8 copies of the TE Linears' weights (not norms, biases, embedding, head)
         lin = r.n_dense * st.dense_tp + r.n_moe * st.moe_tp if spec.is_moe else n_l * st.moe_tp
         x[peak.W_BUFFERS] += st.w8 * (lin + expert + mtp_tp)
