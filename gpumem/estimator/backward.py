@@ -399,8 +399,8 @@ def layer_moment(spec: ModelSpec, w, items, grad_bytes: int, recompute: str = "n
         spec.n_heads // t,
         w.seq,
         w.batch,
-        "math" if spec.eager_attention else w.attention,
-        w.compute if w.cuda else 4,
+        "math" if spec.eager_attention or (w.eager and spec.is_encoder) else w.attention,
+        _score_grad_bytes(w, w.eager and spec.is_encoder),
     )
     if recompute == "selective":  # the attention core comes back before its backward
         core = sum(i.nbytes for i in items if i.core)
@@ -475,3 +475,12 @@ def _attention_in_weights(spec: ModelSpec, t: int) -> int:
         q = h * qr + qr * a * qk // t if qr else h * a * qk // t
         return q + h * (kvr + rope) + kvr * a * (spec.qk_nope_dim + spec.v_head_dim) // t
     return h * (a * d // t + 2 * g * d // min(t, g))
+
+
+def _score_grad_bytes(w, eager: bool) -> int:
+    """Bytes of a score gradient in the attention's backward: the compute dtype on CUDA, fp32
+    for the CPU's SDPA math path; for an encoder's eager attention fp32 under CUDA autocast (its
+    softmax ran in fp32), else the compute dtype."""
+    if eager:
+        return 4 if w.autocast and w.cuda else w.compute
+    return w.compute if w.cuda else 4

@@ -362,7 +362,9 @@ def _encoder_layer(spec: ModelSpec, w: Workload) -> list[Item]:
     h, f, a, d = spec.hidden, spec.ffn // t, spec.n_heads // t, spec.dhead
     hq = a * d
     items = _proj_inputs(w, "qkv", 3, n, n_sp, h)
-    if w.attention == "math":
+    if w.eager:
+        items += _eager_attention(w, n, a, d, spec.attn_pdrop)
+    elif w.attention == "math":
         items += act.math_attention_items(w, n, a, d)
         items.append(Item("attn.dense_input", n * hq * A))  # (b, a, s, d) -> a copy
     else:
@@ -376,6 +378,24 @@ def _encoder_layer(spec: ModelSpec, w: Workload) -> list[Item]:
     if w.autocast:
         items.append(Item("autocast.weight_casts", (4 * h * hq + 2 * h * f) * A))
     return items
+
+
+def _eager_attention(w: Workload, n: int, a: int, d: int, p: float) -> list[Item]:
+    """transformers' eager attention (``eager_attention_forward``): the matmuls' q, k and v
+    (copies: the transposed heads are not contiguous), the softmax output, with dropout its mask
+    and output, the output's contiguous copy for the output dense. CUDA autocast runs softmax in
+    fp32 (its fp32 list; the CPU's in 16 bits): the fp32 probabilities, and the 16-bit copy the
+    probabilities-times-v matmul casts; 7 B a score with dropout, against SDPA math's 5."""
+    A = w.compute
+    s2 = w.batch * a * w.local_seq * w.seq
+    soft = 4 if w.autocast and w.cuda else A
+    items = [Item(f"attn.{k}", n * a * d * A, core=k != "v") for k in ("q", "k", "v")]
+    items.append(Item("attn.softmax", s2 * soft, core=True))
+    if p > 0:
+        items.append(Item("attn.dropout_mask", s2 * (1 if w.cuda else soft), core=True))
+    if p > 0 or soft != A:  # the matmul's input: dropout's output, or autocast's copy
+        items.append(Item("attn.probs", s2 * A, core=True))
+    return [*items, Item("attn.dense_input", n * a * d * A)]
 
 
 def _encoder_embed(spec: ModelSpec, w: Workload) -> list[Item]:

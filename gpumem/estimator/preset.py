@@ -156,6 +156,7 @@ class PresetTerms:
             moe_imbalance=self.moe_imbalance,
             grouped_gemm=self.grouped_gemm,
             fused=self.fused,
+            eager=self.attention == "eager",
         )
 
     def layer_items(self, layout: Layout, batch: int, dense: bool = False) -> list[act.Item]:
@@ -608,10 +609,19 @@ def _fill_activations(pt: PresetTerms, st: _Stack, r: _Rank, x: list[float]) -> 
         x[peak.T_BWD0] = grad_in
     x[peak.T_LAYER] = a_first_layer[1]
     x[peak.A_END] = a_first_layer[2]
+    if tr.autocast and st.recompute == "full" and r.n_l:  # the forward's end (peak.py)
+        x[peak.CASTS] = r.n_dense * _casts(pt, st, True) + r.n_moe * _casts(pt, st, False)
     x[peak.HELD] = held if r.is_last else 0.0
     x[peak.IDS] = ids_b if r.is_first else 0.0
     x[peak.G_WALK] = a_first_layer[3]
     _fill_pending(pt, st, r, x)
+
+
+def _casts(pt: PresetTerms, st: _Stack, dense: bool) -> float:
+    """Autocast's cached 16-bit weight copies of one checkpointed layer: nothing saved keeps
+    them, the cache does until the forward ends."""
+    items = pt.layer_items(st.layout, st.batch, dense)
+    return float(sum(i.nbytes for i in items if i.name.startswith("autocast.")))
 
 
 def _fill_pending(pt: PresetTerms, st: _Stack, r: _Rank, x: list[float]) -> None:

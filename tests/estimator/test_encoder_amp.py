@@ -112,3 +112,57 @@ def test_module_path_matches_a_fake_profile_with_cuda_kernels(precision, recompu
     # the CPU's kernels were +8.2 %, -2.6 % and -4.8 %
     bound = 0.03 if recompute else 0.01
     assert abs(bill.allocated_bytes / measured - 1) < bound, (bill.per_gpu, measured)
+
+
+@pytest.mark.parametrize(
+    ("precision", "kernels", "dropout"),
+    [("fp16-autocast", "cuda", 0.1), ("fp16-autocast", "cuda", 0.0), ("fp32", "cuda", 0.1),
+     ("bf16-autocast", "cpu", 0.1), ("fp32", "cpu", 0.0)],
+)  # fmt: skip
+def test_config_eager_attention_matches_its_fake_profile(precision, kernels, dropout):
+    """A BERT config.json with ``attention="eager"`` (transformers' ``eager_attention_forward``)
+    against the fake profile of the model transformers builds, per category within the
+    sweep's bound; ``kernels="cuda"``: a CUDA job (fp32 softmax under autocast, bool dropout
+    masks), profiled with CUDA's kernels on the CPU."""
+    from gpumem.estimator.accuracy import (
+        HF_SWEEP,
+        PROFILER_CATEGORIES,
+        HFCase,
+        compare_hf,
+        within_tolerance,
+    )
+
+    cfg = {**HF_SWEEP["bert"], "hidden_dropout_prob": dropout}
+    cfg["attention_probs_dropout_prob"] = dropout
+    case = HFCase("bert-eager", cfg, precision, False, attention="eager", kernels=kernels)
+    c = compare_hf(case)
+    for k in PROFILER_CATEGORIES:
+        assert within_tolerance(c.measured.get(k, 0), c.estimated.get(k, 0)), k
+    assert abs(c.error_pct) < 1.0
+
+
+def test_config_path_has_the_forward_end_too():
+    """The described model's bill (a BERT config.json) under fp16 AMP and full recompute with
+    persistent gradients: the forward's end, autocast's copies of every layer's Linear weights
+    (hand count), and the nn.Module path's measured bill of the same BertForMaskedLM within 1 %."""
+    import transformers
+
+    cfg = {
+        "model_type": "bert", "hidden_size": H, "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS, "intermediate_size": FFN, "vocab_size": VOCAB,
+        "max_position_embeddings": SEQ, "hidden_dropout_prob": 0.1,
+        "attention_probs_dropout_prob": 0.1,
+    }  # fmt: skip
+    knobs = TrainingKnobs(persistent_grads=True, foreach=False)
+    kw = {"precision": "fp16-autocast", "recompute": "full", "alloc_conf": False}
+    kw["training"] = knobs
+    bill = gpumem.estimate(dict(cfg), batch_size=1, seq_len=64, **kw)
+    assert bill.phase == "forward end"
+    assert bill.per_gpu["temporary"] == LAYERS * (4 * H * H + 2 * H * FFN) * 2
+    fields = {k: v for k, v in cfg.items() if k != "model_type"}
+    with torch.device("meta"):
+        model = transformers.BertForMaskedLM(transformers.BertConfig(**fields))
+    ids = torch.zeros(1, 64, dtype=torch.long)
+    measured = gpumem.estimate(model, example_input={"input_ids": ids, "labels": ids}, **kw)
+    assert measured.phase == "forward end"
+    assert abs(bill.allocated_bytes / measured.allocated_bytes - 1) < 0.01
