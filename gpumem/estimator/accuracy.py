@@ -347,10 +347,14 @@ def compare_hf(case: HFCase, device: str = "cpu") -> Comparison:
     cfg = dict(case.config)
     mtype = cfg.pop("model_type")
     config = transformers.AutoConfig.for_model(mtype, **cfg)
-    # the head a checkpoint of the family has: a causal LM, or the encoders' masked LM
+    # the head a checkpoint of the family has: a causal LM, or the encoders' masked LM; an
+    # encoder's architectures may name another
     auto = "MASKED_LM" if mtype in MLM_ENCODERS else "CAUSAL_LM"
     mapping = getattr(transformers.models.auto.modeling_auto, f"MODEL_FOR_{auto}_MAPPING")
     arch = mapping[type(config)]
+    named = [a for a in cfg.get("architectures") or [] if hasattr(transformers, a)]
+    if mtype in MLM_ENCODERS and named:
+        arch = getattr(transformers, named[0])
     # SDPA where transformers offers it (Gemma2 refuses it: eager, soft-capped attention)
     sdpa = case.attention == "sdpa" and getattr(arch, "_supports_sdpa", True)
     config._attn_implementation = "sdpa" if sdpa else "eager"
@@ -369,13 +373,14 @@ def compare_hf(case: HFCase, device: str = "cpu") -> Comparison:
             model.gradient_checkpointing_enable({"use_reentrant": False})
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         ids = torch.randint(0, config.vocab_size, (case.batch, case.seq), device=device)
+        targets = _head_targets(arch.__name__, ids, config)
         autocast = case.precision.endswith("-autocast")
         amp = torch.float16 if case.precision.startswith("fp16") else torch.bfloat16
         with profiler.profile(model, optimizer=opt) as prof:
             for _ in range(2):
                 with torch.autocast(device, dtype=amp, enabled=autocast):
                     if case.loop == "trainer":
-                        loss = model(input_ids=ids, labels=ids).loss
+                        loss = model(input_ids=ids, **targets).loss
                     else:
                         logits = model(ids).logits
                         loss = F.cross_entropy(
@@ -386,6 +391,22 @@ def compare_hf(case: HFCase, device: str = "cpu") -> Comparison:
                 opt.zero_grad(set_to_none=True)
         rep = prof.report()
     return profile_comparison(case, rep, estimate_hf_case(case, device))
+
+
+def _head_targets(arch: str, ids: Any, config: Any) -> dict[str, Any]:
+    """The loss's keyword targets of a model's head: the tokens (language models), a label
+    per sample or per token (classification), start and end positions (question answering)."""
+    import torch
+
+    b, s = ids.shape
+    if arch.endswith("ForSequenceClassification"):
+        return {"labels": torch.randint(0, config.num_labels, (b,), device=ids.device)}
+    if arch.endswith("ForTokenClassification"):
+        return {"labels": torch.randint(0, config.num_labels, (b, s), device=ids.device)}
+    if arch.endswith("ForQuestionAnswering"):
+        pos = torch.randint(0, s, (b,), device=ids.device)
+        return {"start_positions": pos, "end_positions": pos.clone()}
+    return {"labels": ids}
 
 
 def profile_comparison(case: Any, rep: Any, bill: Bill) -> Comparison:

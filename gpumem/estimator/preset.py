@@ -268,7 +268,8 @@ class PresetTerms:
                 )
             if spec.is_moe and not dense:
                 comm += hf_ops.dispatch_bytes(spec, w, self.moe_dispatcher)
-            cache[key] = (*layer, first, last, float(held), float(ids), float(ce0), comm)
+            cache[key] = (*layer[:5], first, last, float(held), float(ids), float(ce0), comm)
+            cache[key] += (layer[5],)  # [11]: saved tensors the widest moment released
         return cache[key]
 
     def _ends(self, w: act.Workload) -> tuple[float, float]:
@@ -303,7 +304,7 @@ class PresetTerms:
         grads of that layer; the transient of the start of backward)."""
         spec = self.spec
         if spec.arch == "resnet":
-            return 0.0, 0.0, 0.0, 0.0, 0.0
+            return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
         every = recompute_every(recompute)
         if self.activation_model == "korthikanti":
             mode = "full" if every else recompute
@@ -316,6 +317,7 @@ class PresetTerms:
             return (
                 float(saved / (every or 1)),
                 float(full * (every or 1) if every else 0),
+                0.0,
                 0.0,
                 0.0,
                 0.0,
@@ -348,7 +350,10 @@ class PresetTerms:
             t_end, a_end = m.temporary, full - m.freed
         # backward start: the last layer's widest moment (its recomputation included)
         t_start = m.excess + (full - shared if k else 0)
-        return float(saved), float(t_end), float(a_end), float(m.grads), float(t_start)
+        return (
+            float(saved), float(t_end), float(a_end), float(m.grads), float(t_start),
+            float(m.freed),
+        )  # fmt: skip
 
 
 @dataclass
@@ -604,6 +609,10 @@ def _fill_activations(pt: PresetTerms, st: _Stack, r: _Rank, x: list[float]) -> 
         g_start += head * tr.grad_bytes
         gone = last - held
     if t_start + g_start - gone > grad_in:
+        if spec.encoder_head and st.recompute == "none":
+            # a classifier's loss is small: the start is inside the last layer's post-LN
+            # backward, whose released tensors are activations gone, not negative temporaries
+            t_start, gone = t_start + a_last_layer[11], gone + a_last_layer[11]
         x[peak.T_BWD0], x[peak.G_START], x[peak.A_GONE] = t_start, g_start, gone
     else:
         x[peak.T_BWD0] = grad_in
