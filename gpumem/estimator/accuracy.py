@@ -25,7 +25,7 @@ from gpumem.estimator.api import estimate
 from gpumem.estimator.bill import Bill
 from gpumem.estimator.gpus import find_gpu
 from gpumem.estimator.knobs import ActivationKnobs, TrainingKnobs
-from gpumem.estimator.param_count import MLM_ENCODERS
+from gpumem.estimator.param_count import MLM_ENCODERS, T5_FAMILIES
 from gpumem.estimator.resolver import from_model_config
 
 PROFILER_CATEGORIES = ("weights", "gradients", "optimizer", "activations", "temporary", "inputs")
@@ -305,6 +305,8 @@ class HFCase:
     kernels: str = "cpu"
     """``cuda``: a CUDA job, estimated for CUDA and profiled on the CPU with CUDA's kernels
     where they save other tensors (``profiler.fake.cuda_kernels_on_cpu``)."""
+    target_seq: int | None = None
+    """An encoder-decoder's (T5's) target tokens per sample (None: ``seq``)."""
     loop: str = "logits"
     """``logits``: ``logits = model(ids).logits`` held through backward, ``F.cross_entropy``
     in the loop (estimated on the ``torch`` convention, which holds them); ``trainer``: the
@@ -321,7 +323,7 @@ def estimate_hf_case(case: HFCase, device: str = "cpu") -> Bill:
         precision=case.precision,
         optimizer="adamw",
         device="cuda" if case.kernels == "cuda" else device,
-        activations=ActivationKnobs(attention=case.attention),
+        activations=ActivationKnobs(attention=case.attention, target_seq=case.target_seq),
         # the logits loop computes the loss itself, on the logits' dtype: torch's convention
         framework="torch" if case.loop == "logits" else None,
         # the reference's AdamW: torch's CPU default (a CUDA job's would be foreach)
@@ -350,6 +352,8 @@ def compare_hf(case: HFCase, device: str = "cpu") -> Comparison:
     # the head a checkpoint of the family has: a causal LM, or the encoders' masked LM; an
     # encoder's architectures may name another
     auto = "MASKED_LM" if mtype in MLM_ENCODERS else "CAUSAL_LM"
+    if mtype in T5_FAMILIES:
+        auto = "SEQ_TO_SEQ_CAUSAL_LM"
     mapping = getattr(transformers.models.auto.modeling_auto, f"MODEL_FOR_{auto}_MAPPING")
     arch = mapping[type(config)]
     named = [a for a in cfg.get("architectures") or [] if hasattr(transformers, a)]
@@ -374,15 +378,21 @@ def compare_hf(case: HFCase, device: str = "cpu") -> Comparison:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         ids = torch.randint(0, config.vocab_size, (case.batch, case.seq), device=device)
         targets = _head_targets(arch.__name__, ids, config)
+        inputs: dict[str, Any] = {"input_ids": ids}
+        if mtype in T5_FAMILIES:  # the decoder reads (and the loss scores) the target
+            tgt = torch.randint(
+                0, config.vocab_size, (case.batch, case.target_seq or case.seq), device=device
+            )
+            targets, inputs["decoder_input_ids"], ids = {"labels": tgt}, tgt, tgt
         autocast = case.precision.endswith("-autocast")
         amp = torch.float16 if case.precision.startswith("fp16") else torch.bfloat16
         with profiler.profile(model, optimizer=opt) as prof:
             for _ in range(2):
                 with torch.autocast(device, dtype=amp, enabled=autocast):
                     if case.loop == "trainer":
-                        loss = model(input_ids=ids, **targets).loss
+                        loss = model(input_ids=inputs["input_ids"], **targets).loss
                     else:
-                        logits = model(ids).logits
+                        logits = model(**inputs).logits
                         loss = F.cross_entropy(
                             logits.reshape(-1, logits.shape[-1]), ids.reshape(-1)
                         )

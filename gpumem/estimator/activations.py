@@ -73,6 +73,7 @@ class Workload:
         fused: which of ``FUSED_OPS`` run as fused kernels.
         eager: transformers' eager attention (``attn_implementation="eager"``) rather than
             SDPA's math path: the softmax is a module op, which CUDA autocast runs in fp32.
+        target_seq: an encoder-decoder's target tokens per sample (the decoder's; 0: ``seq``).
         kv_cache: a transformers model builds its KV cache in forward (its default in training;
             gradient checkpointing turns it off); GPT-2's attention then saves the cache's
             contiguous copies of k and v.
@@ -99,6 +100,7 @@ class Workload:
     fused: frozenset[str] = frozenset()
     kv_cache: bool = True
     eager: bool = False
+    target_seq: int = 0
 
     @property
     def tokens(self) -> int:

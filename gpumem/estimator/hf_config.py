@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumem.estimator.model_spec import ModelSpec
-from gpumem.estimator.param_count import MLM_ENCODERS
+from gpumem.estimator.param_count import MLM_ENCODERS, T5_FAMILIES
 
 # model_type -> our arch; field names differ between families
 _HF_ARCH = {
@@ -33,6 +33,10 @@ _HF_ARCH = {
     # encoders (BertForMaskedLM's shapes: LayerNorm, biases, learned positions, MHA, GELU)
     "bert": "gpt2",
     "roberta": "gpt2",
+    # encoder-decoders (T5ForConditionalGeneration's shapes: RMS norms, no biases, relative
+    # position bias)
+    "t5": "llama",
+    "mt5": "llama",
 }
 # the fields that say how tokens are routed, per MoE family
 _ROUTER_FIELDS = {
@@ -44,7 +48,7 @@ _ROUTER_FIELDS = {
 }
 # defaults of the transformers config classes for fields a config.json may leave out
 _TIED_DEFAULT = {"gemma": True, "gemma2": True, "gemma3_text": True}
-_ENCODER_DECODERS = ("t5", "mt5", "umt5", "longt5", "bart", "mbart", "pegasus", "marian")
+_ENCODER_DECODERS = ("umt5", "longt5", "bart", "mbart", "pegasus", "marian")
 HF_FAMILIES = tuple(_HF_ARCH)  # the config.json model_types this module reads
 
 
@@ -65,8 +69,8 @@ def from_hf_config(config: dict[str, Any], name: str = "config.json") -> ModelSp
         raise ValueError(f"{name}: missing field 'model_type' (one of {', '.join(_HF_ARCH)})")
     if mtype in _ENCODER_DECODERS:
         raise ValueError(
-            f"{name}: model_type {mtype!r} is an encoder-decoder (two stacks, cross-attention), "
-            "not modelled from a config.json yet; estimate the module itself: gpumem.estimate("
+            f"{name}: model_type {mtype!r} is an encoder-decoder the estimator does not model "
+            "from a config.json (it reads t5 and mt5); estimate the module itself: gpumem.estimate("
             "AutoModelForSeq2SeqLM.from_config(cfg) built on the meta device, example_input="
             "{'input_ids': ids, 'labels': ids}) (read: "
             f"{', '.join(_HF_ARCH)})"
@@ -78,6 +82,8 @@ def from_hf_config(config: dict[str, Any], name: str = "config.json") -> ModelSp
     c = _Fields(config, name, mtype)
     if mtype in MLM_ENCODERS:
         return _encoder_spec(c)
+    if mtype in T5_FAMILIES:
+        return _t5_spec(c)
     return _gpt2_spec(c) if _HF_ARCH[mtype] == "gpt2" else _llama_spec(c)
 
 
@@ -177,6 +183,44 @@ def _encoder_spec(c: _Fields) -> ModelSpec:
         head_pdrop=head_pdrop,
         # position_ids and token_type_ids: int64 buffers of max_position_embeddings
         buffer_bytes=2 * max_pos * 8,
+        source=c.name,
+        impl="hf",
+        family=c.mtype,
+    )
+
+
+def _t5_spec(c: _Fields) -> ModelSpec:
+    """T5 and mT5 as ``T5ForConditionalGeneration`` (``MT5ForConditionalGeneration``) builds
+    them: ``num_layers`` encoder and ``num_decoder_layers`` decoder layers (default: as many),
+    ``num_heads`` heads of ``d_kv`` (their product need not be ``d_model``), ``d_ff``,
+    ``feed_forward_proj`` ``relu`` (t5-small/base/large) or ``gated-gelu`` (v1.1, flan-t5,
+    mT5: ``gelu_new`` of ``wi_0`` times ``wi_1``), ``dropout_rate`` everywhere (0.1 in the
+    checkpoints), ``relative_attention_num_buckets``. transformers 5 ties the LM head to the
+    shared embedding whatever ``tie_word_embeddings`` says (that flag only decides whether the
+    decoder's output is scaled by ``d_model**-0.5``, a tensor of the same size)."""
+    proj = c.get("feed_forward_proj", "gated-gelu" if c.mtype == "mt5" else "relu")
+    if proj not in ("relu", "gated-gelu"):
+        raise ValueError(
+            f"{c.name}: feed_forward_proj {proj!r} is not modelled for model_type {c.mtype!r}; "
+            "the estimator reads 'relu' (T5) and 'gated-gelu' (T5 v1.1, flan-t5, mT5)"
+        )
+    n_enc = c.need("num_layers")
+    n_dec = c.opt("num_decoder_layers", n_enc) or n_enc
+    return ModelSpec(
+        name=c.label,
+        arch="llama",
+        n_layers=n_enc + n_dec,
+        dec_layers=n_dec,
+        hidden=c.need("d_model"),
+        n_heads=c.need("num_heads"),
+        head_dim=c.need("d_kv"),
+        ffn=c.need("d_ff"),
+        vocab=c.need("vocab_size"),
+        max_seq=c.opt("n_positions", 512) or 512,
+        tied_embeddings=True,
+        mlp_act="geglu" if proj == "gated-gelu" else "relu",
+        pdrop=_probability(c, "dropout_rate"),
+        rel_buckets=c.opt("relative_attention_num_buckets", 32),
         source=c.name,
         impl="hf",
         family=c.mtype,

@@ -40,6 +40,7 @@ against ``gpumem.profile`` under fake tensors (tests/estimator/test_hf_sweep.py)
 from __future__ import annotations
 
 from gpumem.estimator import activations as act
+from gpumem.estimator import t5_ops
 from gpumem.estimator.activations import Item, Workload
 from gpumem.estimator.model_spec import ModelSpec
 
@@ -50,6 +51,8 @@ def layer_items(spec: ModelSpec, w: Workload) -> list[Item]:
     """Everything one layer keeps for backward, by the spec's implementation."""
     if not spec.is_hf:
         return act.layer_items(spec, w)
+    if spec.is_encoder_decoder:
+        return t5_ops.layer_items(spec, w)
     if spec.is_encoder:
         return _encoder_layer(spec, w)
     if spec.arch == "gpt2":
@@ -82,6 +85,8 @@ def embed_items(spec: ModelSpec, w: Workload) -> list[Item]:
     """Token ids, and (Hugging Face) RoPE's cos and sin, saved once by the first layer."""
     if spec.is_encoder:
         return _encoder_embed(spec, w)
+    if spec.is_encoder_decoder:
+        return t5_ops.embed_items(spec, w)
     items = act.embed_items(spec, w)
     if spec.is_hf and spec.arch == "llama":
         rope = spec.qk_rope_dim if spec.is_mla else spec.dhead
@@ -96,6 +101,8 @@ def head_items(spec: ModelSpec, w: Workload) -> list[Item]:
     transformers' norm for a config.json model."""
     if spec.encoder_head:
         return _classifier_head(spec, w)
+    if spec.is_encoder_decoder:
+        return t5_ops.head_items(spec, w)
     items = act.head_items(spec, w)
     if spec.is_encoder:  # the MLM transform before the final LayerNorm (dense, GELU)
         n = w.tokens
@@ -118,6 +125,8 @@ def attention_items(spec: ModelSpec, w: Workload) -> list[Item]:
 
 
 def ce_backward_bytes(spec: ModelSpec, w: Workload) -> int:
+    if spec.is_encoder_decoder:
+        return t5_ops.ce_backward_bytes(spec, w)
     if spec.encoder_head:  # the loss's gradient and its log-softmax's: the logits' size
         return 2 * sum(i.nbytes for i in _classifier_head(spec, w) if i.name == "loss.log_softmax")
     return act.ce_backward_bytes(spec, w)

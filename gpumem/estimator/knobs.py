@@ -80,6 +80,8 @@ class ActivationKnobs:
             (default: the framework's loop; see ``frameworks.default_keep_logits``).
         fused_ops: which of ``norm``, ``swiglu``, ``rope``, ``ce`` run fused (default: the
             framework's; Megatron fuses the first three).
+        target_seq: an encoder-decoder's (T5's) target tokens per sample, the decoder's
+            length and the loss's (default: ``seq_len``, the encoder's).
 
     Raises:
         ValueError: one line naming the bad value and the valid ones.
@@ -90,9 +92,13 @@ class ActivationKnobs:
     activation_model: str = "ops"
     keep_logits: bool | None = None
     fused_ops: tuple[str, ...] | None = None
+    target_seq: int | None = None
 
     def __post_init__(self) -> None:
         check_attention(self.attention)
+        t = self.target_seq
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t <= 0):
+            raise ValueError(f"target_seq must be a positive integer, got {t!r}")
         if self.activation_model not in ACTIVATION_MODELS:
             raise ValueError(
                 f"activation_model must be 'ops' or 'korthikanti', got {self.activation_model!r}"

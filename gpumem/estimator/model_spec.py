@@ -21,7 +21,7 @@ from typing import Any, Literal
 from gpumem.estimator.param_count import MLM_ENCODERS, param_groups
 
 Arch = Literal["gpt2", "llama", "vit", "resnet"]
-MLP_ACTS = ("", "gelu", "swiglu", "geglu", "squared_relu")
+MLP_ACTS = ("", "gelu", "swiglu", "geglu", "squared_relu", "relu")
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,8 @@ class ModelSpec:
     attn_softcap: bool = False
     logit_softcap: bool = False
     mlp_act: str = ""  # "" (the arch's: gelu / swiglu), "geglu" (Gemma: gelu_tanh(gate) * up),
-    # or set explicitly: "gelu", "swiglu", "squared_relu" (Megatron's --swiglu / --squared-relu)
+    # or set explicitly: "gelu", "swiglu", "squared_relu" (Megatron's --swiglu / --squared-relu),
+    # "relu" (T5's DenseReluDense)
     bias: bool | None = None  # Linear biases (None: the arch's; Megatron --disable-bias-linear)
     # which layers are MoE, one 0/1 per layer (Megatron --moe-layer-freq, transformers'
     # mlp_only_layers / decoder_sparse_step); empty: all but the first_k_dense
@@ -90,6 +91,11 @@ class ModelSpec:
     encoder_head: str = ""
     n_labels: int = 0
     head_pdrop: float = 0.0
+    # an encoder-decoder (T5: family in T5_FAMILIES): n_layers counts both stacks, the last
+    # ``dec_layers`` of them the decoder's (self- and cross-attention); the relative position
+    # bias's buckets (one table per stack, in its first layer)
+    dec_layers: int = 0
+    rel_buckets: int = 0
     # vision
     image_size: int = 224
     patch: int = 16
@@ -187,6 +193,15 @@ class ModelSpec:
         return self.family in MLM_ENCODERS
 
     @property
+    def is_encoder_decoder(self) -> bool:
+        """T5: an encoder stack and a decoder stack (``dec_layers`` of ``n_layers``)."""
+        return self.dec_layers > 0
+
+    @property
+    def enc_layers(self) -> int:
+        return self.n_layers - self.dec_layers
+
+    @property
     def norm(self) -> str:
         return "rmsnorm" if self.arch == "llama" else "layernorm"
 
@@ -250,6 +265,11 @@ def _validate(s: ModelSpec) -> None:
         )
     if s.first_k_dense and not s.n_experts:
         raise ValueError(f"model {s.name!r}: first_k_dense needs experts (n_experts > 0)")
+    if s.dec_layers and not 0 < s.dec_layers < s.n_layers:
+        raise ValueError(
+            f"model {s.name!r}: dec_layers {s.dec_layers} must leave encoder layers in "
+            f"n_layers {s.n_layers}"
+        )
     if s.mlp_act not in MLP_ACTS:
         known = ", ".join(map(repr, MLP_ACTS))
         raise ValueError(f"model {s.name!r}: mlp_act {s.mlp_act!r} is not one of {known}")

@@ -15,6 +15,8 @@ Spec = Any
 
 MLM_ENCODERS = ("bert", "roberta")
 """config.json families built as ``*ForMaskedLM`` encoders on GPT-2's shapes."""
+T5_FAMILIES = ("t5", "mt5")
+"""config.json encoder-decoders built as ``T5ForConditionalGeneration``."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,8 @@ def param_groups(s: Spec) -> ParamGroups:
     """Exact parameter counts of the reference implementation of ``s``, in parallelism buckets."""
     if s.arch == "resnet":
         return _resnet_groups(s)
+    if s.dec_layers:
+        return _t5_groups(s)
     h, a, g, d = s.hidden, s.n_heads, s.kv_heads, s.dhead
     q, kv = a * d, g * d
     attn_tp, attn_rep = attention_params(s)
@@ -197,6 +201,34 @@ def _step_scratch(s: Spec, largest: int) -> int:
     else:  # vision: a bound, the largest tensor after one as large
         return 3 * largest
     return max(c)
+
+
+def _t5_groups(s: Spec) -> ParamGroups:
+    """T5 (``T5ForConditionalGeneration``): bias-free q, k, v, o and the MLP (``wi`` and ``wo``,
+    or v1.1's gated ``wi_0``, ``wi_1``, ``wo``), one weight-only norm per sub-layer (two in an
+    encoder layer, three in a decoder layer: self-attention, cross-attention, MLP), each
+    stack's relative position bias (``buckets x heads``) and final norm, the shared embedding
+    and an untied ``lm_head`` (v1.1). A layer's counts are the mean over both stacks (the
+    remainder with the final norms), so that the total is exact."""
+    h, f, v, hq = s.hidden, s.ffn, s.vocab, s.n_heads * s.dhead
+    n_enc, n_dec, n = s.enc_layers, s.dec_layers, s.n_layers
+    mlp = (3 if s.gated else 2) * h * f
+    tp_all = n_enc * (4 * h * hq + mlp) + n_dec * (8 * h * hq + mlp)
+    rep_all = n_enc * 2 * h + n_dec * 3 * h
+    head_tp = 0 if s.tied_embeddings else v * h
+    scratch = [h + 2 * h * hq, 3 * h * hq, mlp, 2 * v * h, h + 2 * head_tp]
+    return ParamGroups(
+        n_layers=n,
+        layer_tp=tp_all // n,
+        layer_rep=rep_all // n,
+        layer_expert=0,
+        embed_tp=v * h,
+        embed_rep=2 * s.rel_buckets * s.n_heads,
+        head_tp=head_tp,
+        head_rep=2 * h + tp_all % n + rep_all % n,
+        largest_tensor=max(v * h, h * f, h * hq),
+        step_scratch=max(scratch),
+    )
 
 
 def resnet_stages(s: Spec) -> list[tuple[int, int, int, int]]:

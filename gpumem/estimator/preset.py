@@ -76,6 +76,8 @@ class PresetTerms:
     graph_capture: bool = False
     """Megatron's CUDA-graph capture as the allocator sees it (``cuda_graphs.py``): the graphed
     parts alone, no embedding, head or loss; ``terms`` takes it where it is the larger."""
+    target_seq: int | None = None
+    """An encoder-decoder's target tokens per sample (None: ``seq``)."""
 
     @property
     def torchtune(self) -> bool:
@@ -84,6 +86,8 @@ class PresetTerms:
     def __post_init__(self) -> None:
         if self.spec.is_encoder and not self.dropout:  # the config's attention dropout
             self.dropout = self.spec.attn_pdrop
+        if self.spec.is_encoder_decoder and not self.dropout:  # T5's dropout_rate
+            self.dropout = self.spec.pdrop
 
     @property
     def mcore(self) -> bool:
@@ -151,7 +155,7 @@ class PresetTerms:
             keep_logits=self.holds_logits,
             # BERT's MLM loss is CrossEntropyLoss on the model's dtype, not ForCausalLMLoss
             upcast_logits=(upcasts_logits(self.framework) or self.torchtune)
-            and not self.spec.is_encoder,
+            and not (self.spec.is_encoder or self.spec.is_encoder_decoder),
             cp=layout.cp,
             dense=dense,
             ep=layout.ep,
@@ -160,6 +164,7 @@ class PresetTerms:
             grouped_gemm=self.grouped_gemm,
             fused=self.fused,
             eager=self.attention == "eager",
+            target_seq=self.target_seq or 0,
         )
 
     def layer_items(self, layout: Layout, batch: int, dense: bool = False) -> list[act.Item]:
@@ -705,6 +710,7 @@ def estimate_preset(spec: ModelSpec, job: Job) -> Bill:
         job.megatron,
         job.alloc_conf,
         None if job.finetune is None else ftn.describe(job.finetune, spec),
+        target_seq=acts.target_seq,
     )
     stages = list(range(layout.pp))
     if fw == "torchtitan":
@@ -771,6 +777,12 @@ def check_applies(spec: ModelSpec, job: Job) -> None:
             f"{', '.join(moe)} applies to a mixture of experts; {spec.name} has no experts "
             "(leave it out)"
         )
+    target = job.activations.target_seq
+    if target is not None and not spec.is_encoder_decoder:
+        raise ValueError(
+            f"target_seq={target} is the decoder's length of an encoder-decoder (T5); "
+            f"{spec.name} has one stack: give seq_len alone"
+        )
     k = job.megatron
     if k.dist_opt_instances > 1 and job.layout.zero != 1:
         raise ValueError(
@@ -825,6 +837,7 @@ def bill_inputs(
     return {
         "batch_size": batch,
         "seq_len": seq,
+        **({"target_seq": terms.target_seq or seq} if spec.is_encoder_decoder else {}),
         "recompute": job.recompute,
         "grad_accum": job.grad_accum,
         "attention": terms.backend,
@@ -832,7 +845,9 @@ def bill_inputs(
         "precision": job.training.precision,
         "optimizer": job.training.optimizer,
         "framework": fw,
-        "loss": loss_convention(fw, terms.holds_logits, upcast=not spec.is_encoder),
+        "loss": loss_convention(
+            fw, terms.holds_logits, upcast=not (spec.is_encoder or spec.is_encoder_decoder)
+        ),
         "fused_ops": tuple(sorted(terms.fused)),
         **({"finetune": lora_ops.recipe_label(terms.plan)} if terms.plan is not None else {}),
         **(
