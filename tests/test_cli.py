@@ -108,6 +108,7 @@ KNOB_FLAGS = {
         "activation_model": ["--activation-model", "korthikanti"],
         "keep_logits": ["--keep-logits"],
         "fused_ops": ["--fused-ops", "norm,ce"],
+        "target_seq": ["--target-seq", "128"],
     },
     "moe": {
         "imbalance": ["--moe-imbalance", "1.5"],

@@ -226,6 +226,13 @@ def add_knob_arguments(p: argparse.ArgumentParser) -> None:
         "config.json's attention_probs_dropout_prob when 0)",
     )
     p.add_argument(
+        "--target-seq",
+        type=_args.positive_int,
+        default=None,
+        help="an encoder-decoder's (T5's) target tokens per sample: the decoder's length and "
+        "the loss's (default: --seq-len, the encoder's)",
+    )
+    p.add_argument(
         "--fused-ops",
         type=_args.name_list(FUSED_OPS),
         default=None,
@@ -449,6 +456,7 @@ def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
             activation_model=args.activation_model,
             keep_logits=args.keep_logits,
             fused_ops=args.fused_ops,
+            target_seq=args.target_seq,
         ),
         # a knob of a framework not named is named as such, before its value is checked
         "megatron": check_knobs(fw if fw is not None else "megatron", **megatron),

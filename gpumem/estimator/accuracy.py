@@ -269,6 +269,37 @@ HF_SWEEP: dict[str, dict[str, Any]] = {
         "hidden_dropout_prob": 0.0,
         "attention_probs_dropout_prob": 0.0,
     },
+    # the encoder-decoders (T5ForConditionalGeneration): t5-small's shapes (relu, d_kv x heads
+    # below d_model), v1.1's / flan-t5's (gated-gelu, a deeper decoder); dropout off as above
+    "t5": {
+        "model_type": "t5",
+        "d_model": 64,
+        "d_kv": 8,
+        "d_ff": 128,
+        "num_layers": 2,
+        "num_heads": 4,
+        "vocab_size": 256,
+        "dropout_rate": 0.0,
+        "decoder_start_token_id": 0,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+    },
+    "t5-v1.1": {
+        "model_type": "t5",
+        "d_model": 64,
+        "d_kv": 32,
+        "d_ff": 96,
+        "num_layers": 2,
+        "num_decoder_layers": 3,
+        "num_heads": 4,
+        "vocab_size": 256,
+        "feed_forward_proj": "gated-gelu",
+        "tie_word_embeddings": False,
+        "dropout_rate": 0.0,
+        "decoder_start_token_id": 0,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+    },
 }
 """Small random-init configs of every family the estimator reads from config.json (the sweep
 of tests/estimator/test_hf_sweep.py and benchmarks/bench_hf_sweep.py)."""

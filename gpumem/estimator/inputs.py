@@ -29,6 +29,7 @@ DEFAULT_PRECISION = "bf16-mixed"
 DEFAULT_OPTIMIZER = "adamw"
 SHOWN = (
     "seq_len",
+    "target_seq",  # an encoder-decoder's decoder length (T5)
     "batch_size",
     "grad_accum",
     "recompute",
@@ -41,6 +42,7 @@ SHOWN = (
 )
 LABELS = {
     "seq_len": "seq_len",
+    "target_seq": "target_seq",
     "batch_size": "micro-batch",
     "grad_accum": "grad accumulation",
     "recompute": "recompute",

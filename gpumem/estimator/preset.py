@@ -748,6 +748,7 @@ def estimate_preset(spec: ModelSpec, job: Job) -> Bill:
                 given=job.given,
             ),
             "float8": "given",
+            "target_seq": "given" if acts.target_seq else "default: seq_len",
             "sharding": job.sharding,
             "finetune": "given",
             "loss": "keep_logits given"
