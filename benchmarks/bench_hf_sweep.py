@@ -110,6 +110,16 @@ forward transients live); a Linear's cached 16-bit weight copy goes with its nod
 recompute row closer but Phi-3's (to -0.8 %: the shortfall its fp32 and bf16 recompute rows
 already had, no longer hidden).
 
+T5 (`t5`: t5-small's shapes, relu, `d_kv` x heads below `d_model`; `t5-v1.1`: gated-gelu,
+three decoder layers over two encoder layers) is built as `T5ForConditionalGeneration`, the
+decoder fed a 64-token target (`decoder_input_ids`, the loss over it). Without recompute every
+T5 row but pure-bf16 v1.1 is within the bound; that one peaks in the forward at `lm_head` (the
+previous step's logits held beside the forward's temporaries), a moment the rules do not price
+for T5. Under recompute (every `T5Block` checkpointed) the peak is the decoder's first layer's
+recomputation, with every later decoder layer's weight gradients and the gradients of both
+position biases and of the encoder output collected (`t5_ops.checkpointed`); its temporaries
+are counted 7-24 % short, so those rows are 2.5-6 % under in total.
+
 ## BERT's classification heads (`architectures`: sequence, token classification, QA)
 
 {heads_ok} of {heads_total} have every category within the bound; the loop is `Trainer`'s

@@ -14,7 +14,7 @@ from gpumem.allocator.alloc_conf import AllocConf
 from gpumem.estimator import activations as act
 from gpumem.estimator import backward as bwd
 from gpumem.estimator import finetune as ftn
-from gpumem.estimator import hf_ops, inputs, lora_ops, peak
+from gpumem.estimator import hf_ops, inputs, lora_ops, peak, t5_ops
 from gpumem.estimator.bill import Bill, make_bill
 from gpumem.estimator.frameworks import cuda_graphs, megatron, torchtitan
 from gpumem.estimator.frameworks.conventions import (
@@ -368,6 +368,9 @@ class PresetTerms:
             t_end, a_end = m.temporary, full - m.freed
         # backward start: the last layer's widest moment (its recomputation included)
         t_start = m.excess + (full - shared if k else 0)
+        if k == 1 and spec.is_encoder_decoder:  # T5's checkpointed blocks (t5_ops)
+            saved, t0, g0, t1 = t5_ops.checkpointed(spec, w, self.training.grad_bytes)
+            return saved, t1, float(a_end), g0, t0 + g0, 0.0
         return (
             float(saved), float(t_end), float(a_end), float(m.grads), float(t_start),
             float(m.freed),
@@ -633,7 +636,10 @@ def _fill_activations(pt: PresetTerms, st: _Stack, r: _Rank, x: list[float]) -> 
         head = (pg.embed_tp if spec.tied_embeddings else pg.head_tp) / t + pg.head_rep
         if pt.plan is not None and pt.plan.recipe.adapters:  # the head's adapter, if any
             head = ftn.head_adapter_params(pt.plan, spec, t)
-        g_start += head * tr.grad_bytes
+        if spec.is_encoder_decoder:  # T5's tied head: its gradient waits in autograd's
+            t_start += head * tr.grad_bytes  # buffer until both embeddings' backward
+        else:
+            g_start += head * tr.grad_bytes
         gone = last - held
     if t_start + g_start - gone > grad_in:
         if spec.encoder_head and st.recompute == "none":
@@ -650,6 +656,8 @@ def _fill_activations(pt: PresetTerms, st: _Stack, r: _Rank, x: list[float]) -> 
     x[peak.HELD] = held if r.is_last else 0.0
     x[peak.IDS] = ids_b if r.is_first else 0.0
     x[peak.G_WALK] = a_first_layer[3]
+    if spec.is_encoder_decoder and recompute_every(st.recompute) == 1:
+        x[peak.G_WALK] = 0.0  # T5's end: the first layer's recomputation, before its grads
     _fill_pending(pt, st, r, x)
 
 

@@ -103,6 +103,38 @@ def target_seq(w: Workload) -> int:
     return w.target_seq or w.seq
 
 
+def checkpointed(spec: ModelSpec, w: Workload, grad_bytes: int) -> tuple[float, ...]:
+    """Under gradient checkpointing (every ``T5Block``): (what a layer keeps, the mean over
+    both stacks; the temporaries and the weight-gradient bytes at the widest moment of the
+    backward's start; the temporaries at its end, the encoder's first layer recomputed).
+
+    A checkpointed layer keeps its inputs: the hidden states, and once per stack the position
+    bias the first layer made (the decoder's also the cross-attention's zeros, which
+    checkpointing makes require a gradient); the encoder output is the head's. The widest
+    moment is the recomputation of the decoder's first layer (measured: every later decoder
+    layer's weight gradients exist): its recomputed activations (cross-attention on the CPU's
+    math path: its mask needs a gradient now; the first layer also remakes the biases), the
+    incoming gradient, the gradients of both biases and of the encoder output collected from
+    the later layer."""
+    b, s, t, h, a = w.batch, w.seq, target_seq(w), spec.hidden, spec.n_heads // w.tp
+    n, m, R, A = b * s, b * t, w.residual, w.compute
+    n_enc, n_dec = spec.enc_layers, spec.dec_layers
+    biases = (a * s * s * R if n_enc > 1 else 0) + (a * t * (t * R + s * A) if n_dec > 1 else 0)
+    # less the cross-attention's mask, which the flash kernel no longer saves (embed_items)
+    saved = (n_enc * n * h * R + n_dec * m * h * R + biases - a * t * s * A) / spec.n_layers
+    layer = _decoder_layer(spec, w, checkpointed=True)
+    recomputed = sum(i.nbytes for i in layer)  # autocast: its weights cast again
+    recomputed -= m * h * R  # the first norm's input is the checkpoint's
+    remade = t * t * 8 + a * t * (t * R * 2 + s * A)  # buckets, bias, its masked form, zeros
+    in_flight = m * h * R + n * h * R + a * t * (t + s) * 4
+    grads = (n_dec - 1) * (_weights(spec, w, True) + 3 * h)
+    # the end: the encoder's first layer recomputed (its bias remade), the incoming gradient
+    # and the bias's, collected from every later encoder layer
+    enc = sum(i.nbytes for i in _encoder_layer(spec, w))
+    end = enc - n * h * R + s * s * 8 + a * s * s * R + n * h * R + a * s * s * 4
+    return saved, float(recomputed + remade + in_flight), float(grads * grad_bytes), float(end)
+
+
 # --- the pieces ----------------------------------------------------------------------------
 
 
@@ -160,14 +192,17 @@ def _math(w: Workload, tag: str, rows: int, sq: int, sk: int, a: int, d: int) ->
     return [*items, Item(f"{tag}.o_input", rows * a * d * w.compute)]
 
 
-def _cross_attention(spec: ModelSpec, w: Workload, m: int, n: int) -> list[Item]:
-    """Cross-attention: ``m`` target queries over the ``n`` encoder outputs."""
+def _cross_attention(
+    spec: ModelSpec, w: Workload, m: int, n: int, checkpointed: bool = False
+) -> list[Item]:
+    """Cross-attention: ``m`` target queries over the ``n`` encoder outputs (checkpointed: its
+    zeros bias requires a gradient, so the CPU takes the math path)."""
     a, d, A = spec.n_heads // w.tp, spec.dhead, w.compute
     items = []
     if w.autocast:  # k and v cast the (fp32) encoder output, each its own copy
         items += [Item("cross.k_input_cast", n * spec.hidden * A)]
         items += [Item("cross.v_input_cast", n * spec.hidden * A)]
-    if not w.cuda and w.dropout > 0:
+    if not w.cuda and (w.dropout > 0 or checkpointed):
         return items + _math(w, "cross", m, target_seq(w), w.seq, a, d)
     return [
         *items,
@@ -217,13 +252,13 @@ def _encoder_layer(spec: ModelSpec, w: Workload) -> list[Item]:
     return items
 
 
-def _decoder_layer(spec: ModelSpec, w: Workload) -> list[Item]:
+def _decoder_layer(spec: ModelSpec, w: Workload, checkpointed: bool = False) -> list[Item]:
     m, h = w.batch * target_seq(w), spec.hidden
     items = _norm(w, "dec.attn_norm", m, h, 3)
     items += _self_attention(spec, w, "dec.attn", m, target_seq(w))
     items += _sublayer_end(spec, w, "dec.attn_out", m)
     items += _norm(w, "cross_norm", m, h, 1)
-    items += _cross_attention(spec, w, m, w.tokens)
+    items += _cross_attention(spec, w, m, w.tokens, checkpointed)
     items += _sublayer_end(spec, w, "cross_out", m)
     items += _norm(w, "dec.mlp_norm", m, h, 2 if spec.gated else 1)
     items += _mlp(spec, w, m) + _sublayer_end(spec, w, "dec.mlp_out", m)

@@ -163,7 +163,7 @@ def test_encoder_param_count_is_transformers(name):
             {"architectures": ["BertForMultipleChoice"]},
             ("BertForMultipleChoice", "ForMaskedLM", "ForSequenceClassification", "module itself"),
         ),
-        ({"model_type": "t5"}, ("'t5'", "encoder-decoder", "AutoModelForSeq2SeqLM", "bert")),
+        ({"model_type": "bart"}, ("'bart'", "encoder-decoder", "AutoModelForSeq2SeqLM", "t5")),
     ],
 )
 def test_encoder_config_errors_are_one_line(change, words):
@@ -176,7 +176,8 @@ def test_encoder_config_errors_are_one_line(change, words):
 
 
 def test_t5_through_the_module_path_matches_its_fake_profile():
-    """What the T5 refusal points to: the module built on the meta device, estimated through
+    """What the refusal of other encoder-decoders points to (T5 itself is read from its
+    config.json: tests/estimator/test_t5.py): the module built on the meta device, estimated through
     the nn.Module path (a fake pass of the model itself), against gpumem.profile of the same
     module under fake tensors (the loop: ``model(input_ids=, labels=).loss``)."""
     import torch
