@@ -17,6 +17,7 @@ Modules, bottom up:
     states             bytes per parameter of weights, gradients and optimizer state
     activations        what autograd saves, op by op
     hf_ops             what transformers' decoder modules save for backward
+    t5_ops             what transformers' T5 (encoder-decoder) saves for backward
     finetune           ``FineTune``: LoRA / DoRA / QLoRA by target modules (PEFT, torchtune)
     lora_ops           what an adapted layer saves over a frozen base
     frameworks/        each framework's conventions, knobs and buffers (Megatron, torchtitan, ...)
