@@ -241,29 +241,29 @@ def _sublayer_end(spec: ModelSpec, w: Workload, tag: str, rows: int) -> list[Ite
 
 
 def _encoder_layer(spec: ModelSpec, w: Workload) -> list[Item]:
-    n, h = w.tokens, spec.hidden
-    items = _norm(w, "attn_norm", n, h, 3)
-    items += _self_attention(spec, w, "attn", n, w.seq)
-    items += _sublayer_end(spec, w, "attn_out", n)
-    items += _norm(w, "mlp_norm", n, h, 2 if spec.gated else 1)
-    items += _mlp(spec, w, n) + _sublayer_end(spec, w, "mlp_out", n)
-    if w.autocast:
-        items.append(Item("autocast.weight_casts", _weights(spec, w, False) * w.compute))
-    return items
+    return _layer(spec, w, False)
 
 
 def _decoder_layer(spec: ModelSpec, w: Workload, checkpointed: bool = False) -> list[Item]:
-    m, h = w.batch * target_seq(w), spec.hidden
-    items = _norm(w, "dec.attn_norm", m, h, 3)
-    items += _self_attention(spec, w, "dec.attn", m, target_seq(w))
-    items += _sublayer_end(spec, w, "dec.attn_out", m)
-    items += _norm(w, "cross_norm", m, h, 1)
-    items += _cross_attention(spec, w, m, w.tokens, checkpointed)
-    items += _sublayer_end(spec, w, "cross_out", m)
-    items += _norm(w, "dec.mlp_norm", m, h, 2 if spec.gated else 1)
-    items += _mlp(spec, w, m) + _sublayer_end(spec, w, "dec.mlp_out", m)
+    return _layer(spec, w, True, checkpointed)
+
+
+def _layer(spec: ModelSpec, w: Workload, decoder: bool, checkpointed: bool = False) -> list[Item]:
+    """An encoder layer (self-attention, MLP) or a decoder layer (causal self-attention,
+    cross-attention over the encoder output, MLP), each sub-layer after its norm."""
+    seq = target_seq(w) if decoder else w.seq
+    rows, h, pre = w.batch * seq, spec.hidden, "dec." if decoder else ""
+    items = _norm(w, f"{pre}attn_norm", rows, h, 3)
+    items += _self_attention(spec, w, f"{pre}attn", rows, seq)
+    items += _sublayer_end(spec, w, f"{pre}attn_out", rows)
+    if decoder:
+        items += _norm(w, "cross_norm", rows, h, 1)
+        items += _cross_attention(spec, w, rows, w.tokens, checkpointed)
+        items += _sublayer_end(spec, w, "cross_out", rows)
+    items += _norm(w, f"{pre}mlp_norm", rows, h, 2 if spec.gated else 1)
+    items += _mlp(spec, w, rows) + _sublayer_end(spec, w, f"{pre}mlp_out", rows)
     if w.autocast:
-        items.append(Item("autocast.weight_casts", _weights(spec, w, True) * w.compute))
+        items.append(Item("autocast.weight_casts", _weights(spec, w, decoder) * w.compute))
     return items
 
 
