@@ -364,7 +364,7 @@ def recipe_label(plan: AdapterPlan | None) -> str:
     ft = plan.recipe
     extra = [k for k in ("packed", "offload_activations", "optimizer_in_bwd") if getattr(ft, k)]
     extra += [f"loss_chunks={ft.loss_chunks}"] if ft.loss_chunks > 1 else []
-    extra += ["compile_loss"] if ft.compile_loss else []
+    extra += [k for k in ("compile_loss", "compile_layers") if getattr(ft, k)]
     tail = f" ({', '.join(extra)})" if extra else ""
     if not ft.adapters:
         return f"{ft.source} full fine-tune{tail}"

@@ -1,0 +1,77 @@
+"""What an Inductor-compiled torchtune decoder layer saves for backward (``compile=True``).
+
+torchtune's ``compile=True`` (``training.compile_model``) compiles each
+``TransformerSelfAttentionLayer`` on its own; AOTAutograd's min-cut partitioner (the one
+Inductor runs, with Inductor's decompositions) then chooses what the forward keeps. Measured at
+bf16 and fp32 on six small configurations (MHA, GQA 3:1 and 4:1, MQA) from the partitioned
+backward graph's inputs (``benchmarks/published/tune_compiled_probe.py``), per token of a layer
+with hidden ``h``, ``a`` heads of ``d``, ``g`` KV heads, intermediate ``f``, ``A`` bytes per
+element of the compute dtype:
+
+- the layer's input itself (``A·h``): the norm's fp32 upcast, ``x²`` and the mean are
+  recomputed from it, and each norm keeps its fp32 ``rstd`` (4 B) and its scaled 16-bit output
+  (``A·h``, read by q, k and v; by w1 and w3);
+- q after RoPE (``A·a·d``); k after RoPE and v, expanded to every head (``A·a·d`` each) where
+  the expansion is a copy (``1 < g < a``), else as ``k_proj``/``v_proj`` made them (``A·g·d``:
+  MHA, and MQA, where ``flatten`` of the expanded size-1 dim is a view); SDPA's output
+  (``A·a·d``) and log-sum-exp (``4·a``);
+- ``output_proj``'s output (``A·h``: the second residual's addend; the sum is recomputed);
+- w1's and w3's outputs and their gated product (``3·A·f``).
+
+So ``A·(4h + 2ad + 2·kv + 3f) + 4a + 8`` bytes a token, where eager keeps the norms' fp32 inputs,
+RoPE's fp32 intermediates, the unexpanded and expanded k and v, the contiguous attention
+output and SiLU's output besides (Llama 3.2 3B: 98,408 B a token against eager's 145,512,
+what ``hf_ops`` and torchtune's copies price).
+Full activation checkpointing (torchtune wraps the compiled layer in ``checkpoint``) keeps the
+layer input only, as eager does; the compiled set is what one layer's recomputation brings
+back. Not modelled: Inductor's fused backward kernels (the layer's backward moment is eager's,
+an upper bound), adapters under compile (LoRA's compiled layers are refused, see
+``finetune.FineTune``), compile's own workspace (autotuning, CUDA graphs: torchtune uses none).
+"""
+
+from __future__ import annotations
+
+from gpumem.estimator.activations import Item, Workload
+from gpumem.estimator.model_spec import ModelSpec
+
+_RSTD = 4  # the norms' fp32 reciprocal RMS, one per token
+_LSE = 4  # SDPA's fp32 log-sum-exp, one per token and head
+
+
+def kv_width(spec: ModelSpec, t: int = 1) -> int:
+    """Elements per token of the saved k (and of v): expanded to every head where torchtune's
+    ``expand(...).flatten(1, 2)`` copies (``1 < g < a``), else the projections' own output."""
+    a, g, d = spec.n_heads // t, max(1, spec.kv_heads // t), spec.dhead
+    return a * d if 1 < g < a else g * d
+
+
+def compiled_layer_items(spec: ModelSpec, w: Workload) -> list[Item]:
+    """The saved tensors of one compiled torchtune layer (module docstring), in forward order."""
+    n, A, t = w.tokens, w.compute, w.tp
+    h, a, d, f = spec.hidden, spec.n_heads // t, spec.dhead, spec.dense_layer_ffn // t
+    kv = kv_width(spec, t)
+    return [
+        Item("attn_norm.input", n * h * A),
+        Item("attn_norm.rstd", n * _RSTD),
+        Item("attn_norm.normalized", n * h * A),
+        Item("attn.q_rope", n * a * d * A),
+        Item("attn.k_rope", n * kv * A),
+        Item("attn.v", n * kv * A),
+        Item("attn.out", n * a * d * A, core=True),
+        Item("attn.lse", n * a * _LSE, core=True),
+        Item("attn.proj_out", n * h * A),
+        Item("mlp_norm.rstd", n * _RSTD),
+        Item("mlp_norm.normalized", n * h * A),
+        Item("mlp.gate_out", n * f * A),
+        Item("mlp.up_out", n * f * A),
+        Item("mlp.product", n * f * A),
+    ]
+
+
+def compiled_layer_bytes_per_token(spec: ModelSpec, compute: int) -> int:
+    """The module docstring's formula: ``A·(4h + 2ad + 2·kv + 3f) + 4a + 8``."""
+    h, a, d, f = spec.hidden, spec.n_heads, spec.dhead, spec.dense_layer_ffn
+    return compute * (4 * h + 2 * a * d + 2 * kv_width(spec) + 3 * f) + _LSE * a + 2 * _RSTD
+
+
+__all__ = ["compiled_layer_bytes_per_token", "compiled_layer_items", "kv_width"]
