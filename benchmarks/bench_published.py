@@ -646,7 +646,8 @@ GiB) are torchtune's.
 compiled cross-entropy keeps the 16-bit logits) and the compiled decoder layers
 (`compile_layers`, `gpumem/estimator/tune_compiled.py`): what Inductor's partition of torchtune's
 `TransformerSelfAttentionLayer` keeps, read from the backward graph Inductor compiles and equal
-to it tensor by tensor at six small configurations (`tests/estimator/test_tune_compiled.py`):
+to it tensor by tensor at six small configurations and at the 3B's and 8B's widths
+(`tests/estimator/test_tune_compiled.py`):
 `A(4h + 2ad + 2kv + 3f) + 4a + 8` bytes a token, 98,408 for Llama 3.2 3B against eager's
 145,512 (the layer input instead of the norms' fp32 copies, no RoPE intermediates, k and v
 once, no contiguous attention output, no SiLU output). "+ Compile" went from +11.9 % to

@@ -3,8 +3,9 @@
 torchtune's ``compile=True`` (``training.compile_model``) compiles each
 ``TransformerSelfAttentionLayer`` on its own; AOTAutograd's min-cut partitioner (the one
 Inductor runs, with Inductor's decompositions) then chooses what the forward keeps. Measured at
-bf16 and fp32 on six small configurations (MHA, GQA 3:1 and 4:1, MQA) from the partitioned
-backward graph's inputs (``benchmarks/published/tune_compiled_probe.py``), per token of a layer
+bf16 and fp32 on six small configurations (MHA, GQA 3:1, 4:1 and 5:1, MQA) and at Llama 3.2 3B's
+and 3.1 8B's widths, from the partitioned backward graph's inputs
+(``tests/estimator/test_tune_compiled.py``), per token of a layer
 with hidden ``h``, ``a`` heads of ``d``, ``g`` KV heads, intermediate ``f``, ``A`` bytes per
 element of the compute dtype:
 

@@ -147,6 +147,12 @@ CONFIGS = [
     pytest.param(384, 24, 8, 1024, 2, 64, torch.bfloat16, id="gqa3-bf16", marks=pytest.mark.slow),
     pytest.param(320, 10, 2, 864, 2, 48, torch.bfloat16, id="gqa5-bf16", marks=pytest.mark.slow),
     pytest.param(256, 8, 2, 688, 2, 64, torch.float32, id="gqa4-fp32", marks=pytest.mark.slow),
+    # Llama 3.2 3B's and Llama 3.1 8B's widths at 128 tokens: the partition's choice is by
+    # tensor sizes, and every saved tensor scales with the tokens
+    pytest.param(3072, 24, 8, 8192, 2, 64, torch.bfloat16, id="3b-widths", marks=pytest.mark.slow),
+    pytest.param(
+        4096, 32, 8, 14336, 1, 128, torch.bfloat16, id="8b-widths", marks=pytest.mark.slow
+    ),
 ]
 
 
