@@ -98,7 +98,7 @@ class FineTune:
             (the compiled layers: ``compile_layers``).
         compile_layers: torchtune's ``compile=True`` compiles each decoder layer too: a layer
             saves what Inductor's partitioner keeps (``tune_compiled``; measured on torchtune's
-            full fine-tune modules: with adapters it is refused).
+            modules, full and LoRA: DoRA and QLoRA are refused).
 
     Raises:
         ValueError: one line naming the bad knob and the choices.
@@ -165,10 +165,10 @@ class FineTune:
                 "method='full' trains every parameter: target_modules, lora_* knobs and "
                 "dropout apply to lora, dora and qlora"
             )
-        if self.compile_layers and self.method != "full":
+        if self.compile_layers and self.method not in ("full", "lora"):
             raise ValueError(
-                f"compile_layers prices torchtune's compiled full fine-tune layers (measured); "
-                f"method={self.method!r}'s compiled adapted layers are not modelled: leave "
+                f"compile_layers prices torchtune's compiled full and LoRA layers (measured); "
+                f"method={self.method!r}'s compiled layers are not modelled: leave "
                 "compile_layers out (its layers priced eager, an upper bound)"
             )
         _check_targets(self.target_modules)

@@ -23,11 +23,21 @@ So ``A·(4h + 2ad + 2·kv + 3f) + 4a + 8`` bytes a token, where eager keeps the 
 RoPE's fp32 intermediates, the unexpanded and expanded k and v, the contiguous attention
 output and SiLU's output besides (Llama 3.2 3B: 98,408 B a token against eager's 145,512,
 what ``hf_ops`` and torchtune's copies price).
+
+With LoRA (torchtune's ``LoRALinear``: ``linear(x, W) + lora_b(lora_a(x)) * scaling`` on a frozen
+``W``) a frozen Linear's input is not kept: each norm's output only where an adapter reads it
+(q, k, v; w1, w3), the gated product only for w2's adapter, w1's and w3's outputs wherever a
+gradient crosses the MLP, the attention set wherever one reaches it, the layer input and the
+first norm's rstd only where the input carries a gradient, and each adapter's ``lora_a``
+output (``A·r``); measured the same way with the adapters on q, v; q, v, o; and every Linear,
+with and without a gradient into the layer.
+
 Full activation checkpointing (torchtune wraps the compiled layer in ``checkpoint``) keeps the
 layer input only, as eager does; the compiled set is what one layer's recomputation brings
 back. Not modelled: Inductor's fused backward kernels (the layer's backward moment is eager's,
-an upper bound), adapters under compile (LoRA's compiled layers are refused, see
-``finetune.FineTune``), compile's own workspace (autotuning, CUDA graphs: torchtune uses none).
+an upper bound), DoRA and QLoRA under compile (refused, see ``finetune.FineTune``: the NF4
+weight's dequantization is inside the compiled region, whose partition may keep it), compile's
+own workspace (autotuning, CUDA graphs: torchtune uses none).
 """
 
 from __future__ import annotations
@@ -46,27 +56,53 @@ def kv_width(spec: ModelSpec, t: int = 1) -> int:
     return a * d if 1 < g < a else g * d
 
 
-def compiled_layer_items(spec: ModelSpec, w: Workload) -> list[Item]:
-    """The saved tensors of one compiled torchtune layer (module docstring), in forward order."""
+ALL = frozenset(("q", "k", "v", "o", "gate", "up", "down"))
+"""Every Linear of a layer trains (a full fine-tune saves what an adapter on each would read)."""
+
+
+def compiled_layer_items(
+    spec: ModelSpec,
+    w: Workload,
+    adapted: frozenset[str] = ALL,
+    grad_in: bool = True,
+    rank: int = 0,
+) -> list[Item]:
+    """The saved tensors of one compiled torchtune layer (module docstring), in forward order.
+
+    ``adapted``: the Linears whose weights (full fine-tune: all) or LoRA adapters (``rank`` > 0)
+    train; ``grad_in``: the layer's input carries a gradient. A frozen Linear's input is not
+    kept, so a LoRA layer keeps the norms' outputs only where an adapter reads them, the gated
+    product only for ``w2``'s adapter, and each adapter's ``lora_a`` output (``n·r``)."""
     n, A, t = w.tokens, w.compute, w.tp
     h, a, d, f = spec.hidden, spec.n_heads // t, spec.dhead, spec.dense_layer_ffn // t
     kv = kv_width(spec, t)
-    return [
-        Item("attn_norm.input", n * h * A),
-        Item("attn_norm.rstd", n * _RSTD),
-        Item("attn_norm.normalized", n * h * A),
-        Item("attn.q_rope", n * a * d * A),
-        Item("attn.k_rope", n * kv * A),
-        Item("attn.v", n * kv * A),
-        Item("attn.out", n * a * d * A, core=True),
-        Item("attn.lse", n * a * _LSE, core=True),
-        Item("attn.proj_out", n * h * A),
-        Item("mlp_norm.rstd", n * _RSTD),
-        Item("mlp_norm.normalized", n * h * A),
-        Item("mlp.gate_out", n * f * A),
-        Item("mlp.up_out", n * f * A),
-        Item("mlp.product", n * f * A),
-    ]
+    g_attn = grad_in or bool(adapted & {"q", "k", "v"})
+    g_mlp = g_attn or "o" in adapted
+    g_act = g_mlp or bool(adapted & {"gate", "up"})
+    items: list[Item] = []
+    if grad_in:
+        items += [Item("attn_norm.input", n * h * A), Item("attn_norm.rstd", n * _RSTD)]
+    if adapted & {"q", "k", "v"}:
+        items.append(Item("attn_norm.normalized", n * h * A))
+    lora = [k for k in ("q", "k", "v", "o", "gate", "up", "down") if k in adapted and rank]
+    items += [Item(f"{k}.lora_b.input", n * rank * A) for k in lora]
+    if g_attn:
+        items += [
+            Item("attn.q_rope", n * a * d * A),
+            Item("attn.k_rope", n * kv * A),
+            Item("attn.v", n * kv * A),
+            Item("attn.out", n * a * d * A, core=True),
+            Item("attn.lse", n * a * _LSE, core=True),
+        ]
+    if g_mlp:  # the residual sum (or output_proj's output beside the kept input)
+        items += [Item("mlp_norm.input", n * h * A), Item("mlp_norm.rstd", n * _RSTD)]
+    if adapted & {"gate", "up"}:
+        items.append(Item("mlp_norm.normalized", n * h * A))
+    if g_act:
+        items += [Item("mlp.gate_out", n * f * A), Item("mlp.up_out", n * f * A)]
+    if "down" in adapted:
+        items.append(Item("down.input", n * f * A))
+    return items
 
 
 def compiled_layer_bytes_per_token(spec: ModelSpec, compute: int) -> int:
@@ -75,4 +111,4 @@ def compiled_layer_bytes_per_token(spec: ModelSpec, compute: int) -> int:
     return compute * (4 * h + 2 * a * d + 2 * kv_width(spec) + 3 * f) + _LSE * a + 2 * _RSTD
 
 
-__all__ = ["compiled_layer_bytes_per_token", "compiled_layer_items", "kv_width"]
+__all__ = ["ALL", "compiled_layer_bytes_per_token", "compiled_layer_items", "kv_width"]

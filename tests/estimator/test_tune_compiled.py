@@ -103,6 +103,35 @@ class TuneLayer(nn.Module):
         return h + self.w2(F.silu(self.w1(m)) * self.w3(m))
 
 
+class TuneLoRALinear(nn.Module):
+    """torchtune/modules/peft/lora.py ``LoRALinear`` (no dropout, no quantized base): a frozen
+    ``linear(x, W)`` plus ``lora_b(lora_a(x)) * (alpha / rank)``."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float = 16.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(base.weight.detach().clone(), requires_grad=False)
+        self.lora_a = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_b = nn.Linear(rank, base.out_features, bias=False)
+        self.scaling = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight) + self.lora_b(self.lora_a(x)) * self.scaling
+
+
+_PATHS = {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj", "o": "attn.output_proj",
+          "gate": "w1", "up": "w3", "down": "w2"}  # fmt: skip
+
+
+def lora_layer(layer: TuneLayer, adapted: frozenset[str], rank: int) -> TuneLayer:
+    """torchtune's ``lora_llama3_2``: the base frozen, ``LoRALinear`` on the adapted Linears."""
+    layer.requires_grad_(False)
+    for key in adapted:
+        parent, _, name = _PATHS[key].rpartition(".")
+        owner = layer.get_submodule(parent) if parent else layer
+        setattr(owner, name, TuneLoRALinear(getattr(owner, name), rank))
+    return layer
+
+
 def inductor_saved(layer: nn.Module, x: torch.Tensor) -> list[int]:
     """Bytes of each tensor the compiled layer's forward keeps for backward (its parameters and
     RoPE's cache left out: the backward inputs of the layer input's shape or made in forward)."""
@@ -156,6 +185,32 @@ CONFIGS = [
 ]
 
 
+LORA = [
+    # (adapted Linears, the layer input carries a gradient)
+    pytest.param("q,v", True, id="qv"),
+    pytest.param("q,v,o,gate,up,down", True, id="all"),
+    pytest.param("q,v", False, id="qv-first"),
+    pytest.param("q,v,o", True, id="qvo", marks=pytest.mark.slow),
+    pytest.param("q,v,o,gate,up,down", False, id="all-first", marks=pytest.mark.slow),
+    pytest.param("gate,up", False, id="mlp-first", marks=pytest.mark.slow),
+    pytest.param("down", True, id="down", marks=pytest.mark.slow),
+    pytest.param("k,o", False, id="ko-first", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("mods", "grad_in"), LORA)
+def test_lora_formula_equals_inductors_saved_tensors(mods: str, grad_in: bool) -> None:
+    torch.manual_seed(0)
+    h, heads, kv, f, b, s, rank = 256, 8, 2, 688, 2, 64, 8
+    adapted = frozenset(mods.split(","))
+    layer = lora_layer(TuneLayer(h, heads, kv, f), adapted, rank).to(torch.bfloat16)
+    x = torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=grad_in)
+    measured = inductor_saved(layer, x)
+    w = act.Workload(batch=b, seq=s, cuda=False, attention="cpu-flash")
+    items = compiled_layer_items(_spec(h, heads, kv, f), w, adapted, grad_in, rank)
+    assert sorted(measured) == sorted(i.nbytes for i in items)
+
+
 @pytest.mark.parametrize(("h", "heads", "kv", "f", "b", "s", "dtype"), CONFIGS)
 def test_formula_equals_inductors_saved_tensors(h, heads, kv, f, b, s, dtype) -> None:
     torch.manual_seed(0)
@@ -205,8 +260,12 @@ def test_compiled_layers_change_only_the_layers_saved_bytes() -> None:
     ("fields", "match"),
     [
         (
-            {"method": "lora", "source": "torchtune", "compile_layers": True},
-            "compiled adapted layers are not modelled",
+            {"method": "qlora", "source": "torchtune", "compile_layers": True},
+            "'qlora''s compiled layers are not",
+        ),
+        (
+            {"method": "dora", "source": "torchtune", "compile_layers": True},
+            "'dora''s compiled layers are not",
         ),
         ({"method": "lora", "source": "peft", "compile_layers": True}, "torchtune's recipe"),
     ],
@@ -218,7 +277,7 @@ def test_compile_layers_where_not_modelled_is_one_line(fields, match) -> None:
 
 
 def test_cli_compile_flags(tmp_path, capsys) -> None:
-    """``--compile-layers --compile-loss``: the Python API's recipe; with adapters, one line."""
+    """``--compile-layers --compile-loss``: the Python API's recipe; with QLoRA, one line."""
     import json
 
     from gpumem.cli import main
@@ -235,9 +294,7 @@ def test_cli_compile_flags(tmp_path, capsys) -> None:
         training=TrainingKnobs(finetune=ft),
     )  # fmt: skip
     assert "compile_loss, compile_layers" in out and f"{want.per_gpu['total']:,}" in out
-    assert (
-        main([*args, "--finetune", "lora", "--lora-attn-modules", "q_proj", "--compile-layers"])
-        == 2
-    )
+    qlora = ["--finetune", "qlora", "--lora-attn-modules", "q_proj", "--compile-layers"]
+    assert main([*args, *qlora]) == 2
     err = capsys.readouterr().err.strip()
-    assert "compiled adapted layers are not modelled" in err and "\n" not in err
+    assert "compiled layers are not modelled" in err and "\n" not in err
