@@ -505,10 +505,11 @@ TORCHTUNE_ROWS: tuple[tuple[str, float, dict[str, Any] | None, str, str, str], .
      "PagedAdamW8bit keeps it in CUDA managed memory, which active bytes never see (without "
      "it 9.16 GiB, -48 %): the published row holds >= 1.7 GiB more than either reading, "
      "not found (notes)"),
-    ("LoRA", 8.5, {**_TT_LORA, "method": "lora"}, "adamw", "full",
-     "compiled layers priced eager"),
+    ("LoRA", 8.5, {**_TT_LORA, "method": "lora", "compile_layers": True}, "adamw", "full",
+     "compiled layers priced, no change: the peak is at backward start, where checkpointed "
+     "layers keep their inputs; 0.3 GiB over, not found"),
     ("QLoRA", 4.6, {**_TT_LORA, "method": "qlora"}, "adamw", "full",
-     "compiled layers priced eager"),
+     "compiled layers priced eager (QLoRA's compiled NF4 dequantization not measured)"),
 )  # fmt: skip
 """torchtune's README, "Optimization flags" (full_finetune_single_device then
 lora_finetune_single_device, Llama 3.2 3B, batch 2, max_seq_len 4096, bf16, A100; each row on
@@ -527,11 +528,12 @@ _TT_8B = {
     "apply_lora_to_mlp": True,
 }  # fmt: skip
 TORCHTUNE_8B_ROWS: tuple[tuple[str, float, dict[str, Any] | None, str, str, str], ...] = (
-    ("8B LoRA, 1x 4090", 16.2, {**_TT_8B, "method": "lora"}, "adamw", "full",
+    ("8B LoRA, 1x 4090", 16.2, {**_TT_8B, "method": "lora", "compile_layers": True}, "adamw",
+     "full",
      "settings are llama3_1/8B_lora_single_device's (not stated by the table); compiled "
-     "layers priced eager"),
+     "layers priced (no change at backward start)"),
     ("8B QLoRA, 1x 4090", 7.4, {**_TT_8B, "method": "qlora"}, "adamw", "full",
-     "settings are llama3_1/8B_qlora_single_device's; compiled layers priced eager"),
+     "settings are llama3_1/8B_qlora_single_device's; compiled layers priced eager (QLoRA)"),
     ("8B LoRA, 1x A6000", 30.3, None, "adamw", "full", "not priced: the same recipe as the "
      "4090 row measured 14 GiB more; its changed settings are not stated"),
     ("8B full finetune, 1x 4090", 18.9, None, "adamw", "full", "not priced: "
@@ -654,9 +656,11 @@ once, no contiguous attention output, no SiLU output). "+ Compile" went from +11
 -7.9 % and "+ Chunked Cross Entropy" from +19.9 % to -3.6 %; with full checkpointing a
 compiled layer keeps its input only, as eager does, so the later rows move only where a
 recomputed layer sets the peak ("+ Activation Checkpointing" +1.4 % to -0.0 %). Not modelled:
-Inductor's fused backward kernels (a layer's backward moment is eager's) and the LoRA/QLoRA
-rows' compiled adapted layers (`compile_layers` is refused with adapters; those rows stay
-eager). What still differs in "+ Compile" is in the unchunked compiled loss (its row).
+Inductor's fused backward kernels (a layer's backward moment is eager's) and QLoRA's compiled
+layers (`compile_layers` is refused with QLoRA and DoRA; those rows stay eager). The LoRA rows
+price their compiled layers too (measured the same way, `tune_compiled`), which moves nothing:
+their peak is at the start of backward, where checkpointed layers keep their inputs only.
+What still differs in "+ Compile" is in the unchunked compiled loss (its row).
 
 ## 8-bit AdamW: what is modelled, what is measured
 
