@@ -298,3 +298,42 @@ def test_cli_compile_flags(tmp_path, capsys) -> None:
     assert main([*args, *qlora]) == 2
     err = capsys.readouterr().err.strip()
     assert "compiled layers are not modelled" in err and "\n" not in err
+
+
+def test_compiled_unchunked_loss_keeps_the_fp32_logits() -> None:
+    """torchtune's ``compile=True`` with the plain ``CrossEntropyLoss``: the compiled loss takes
+    ``output(h).float()`` and keeps that fp32 input and two fp32 per-row statistics (Inductor's
+    partition, read as for the layers), no log-probabilities: what ``compile_loss`` with one
+    chunk prices (4 B a logit kept; one fp32 gradient, not eager's two, in its backward)."""
+    from functorch.compile import make_boxed_func
+    from torch._inductor import compile_fx as cfx
+
+    n, v = 512, 1000
+    saved: list[int] = []
+
+    def inner(gm: torch.fx.GraphModule, _inputs: object, **kw: object) -> object:
+        if kw.get("is_backward"):
+            for node in gm.graph.find_nodes(op="placeholder"):
+                val = node.meta.get("val")
+                floating = isinstance(val, torch.Tensor) and val.is_floating_point()
+                if floating and val.dim() and not node.name.startswith("tangents"):
+                    saved.append(val.numel() * val.element_size())
+        return make_boxed_func(gm)
+
+    def backend(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> object:
+        return cfx.compile_fx(gm, inputs, inner_compile=inner)
+
+    torch._dynamo.reset()
+    loss_fn = torch.compile(nn.CrossEntropyLoss(), backend=backend)
+    h = torch.randn(n, v, dtype=torch.bfloat16, requires_grad=True)
+    loss_fn(h.float(), torch.randint(0, v, (n,))).backward()
+    torch._dynamo.reset()
+    assert sorted(saved) == [n * 4, n * 4, n * v * 4]
+    tokens, vocab = 2 * 4096, 128256
+    bill = gpumem.estimate(
+        dict(LLAMA_3_2_3B), batch_size=2, seq_len=4096, precision="bf16", gpu="A100-80GB",
+        alloc_conf=False, recompute="none",
+        training=TrainingKnobs(fused=True, finetune=FineTune(method="full", compile_loss=True)),
+    )  # fmt: skip
+    assert bill.phase == "backward start"
+    assert bill.per_gpu["temporary"] == tokens * vocab * 4
