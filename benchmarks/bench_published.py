@@ -476,7 +476,7 @@ def _share(errors: list[float]) -> str:
 
 
 _TT = {"source": "torchtune", "packed": True}
-_TT_FULL = {**_TT, "method": "full"}
+_TT_FULL = {**_TT, "method": "full", "compile_layers": True}
 _LOSS = {"compile_loss": True, "loss_chunks": 8}
 _TT_LORA = {
     **_TT, **_LOSS, "rank": 64, "lora_attn_modules": ("q_proj", "v_proj", "output_proj"),
@@ -486,26 +486,32 @@ TORCHTUNE_ROWS: tuple[tuple[str, float, dict[str, Any] | None, str, str, str], .
     # (row, published GiB, FineTune fields, optimizer, recompute, what differs)
     ("Baseline", 25.5, None, "adamw", "none", "not priced: unpacked alpaca rows are padded to "
      "each batch's longest sample, which the table does not give"),
-    ("+ Packed Dataset", 60.0, _TT_FULL, "adamw", "none", "-"),
+    ("+ Packed Dataset", 60.0, {**_TT_FULL, "compile_layers": False}, "adamw", "none", "-"),
     ("+ Compile", 51.0, {**_TT_FULL, "compile_loss": True}, "adamw", "none",
-     "compiled layers priced eager (Inductor's fused norms and SwiGLU save less)"),
+     "the published step saves 9.0 GiB, the estimate 14.0: compiled layers 10.1 (the chunked "
+     "row bears them out), the compiled loss 3.9 (measured: it keeps the fp32 logits and two "
+     "row statistics, its backward writes one fp32 gradient where eager holds two; that loss "
+     "priced eager would be -0.2 %); not found"),
     ("+ Chunked Cross Entropy", 42.9, {**_TT_FULL, **_LOSS}, "adamw", "none",
-     "compiled layers priced eager"),
-    ("+ Activation Checkpointing", 24.9, {**_TT_FULL, **_LOSS}, "adamw", "full",
-     "compiled layers priced eager"),
+     "compiled layers' backward priced eager (Inductor fuses its temporaries)"),
+    ("+ Activation Checkpointing", 24.9, {**_TT_FULL, **_LOSS}, "adamw", "full", "-"),
     ("+ Fuse optimizer step into backward", 23.1,
      {**_TT_FULL, **_LOSS, "optimizer_in_bwd": True}, "adamw", "full",
-     "compiled layers priced eager"),
+     "0.7 GiB under; not found"),
     ("+ Activation Offloading", 21.8,
      {**_TT_FULL, **_LOSS, "optimizer_in_bwd": True, "offload_activations": True}, "adamw",
-     "full", "compiled layers priced eager; offloading keeps one layer's on the GPU"),
+     "full", "offloading keeps one layer's on the GPU"),
     ("+ 8-bit AdamW", 17.6,
      {**_TT_FULL, **_LOSS, "optimizer_in_bwd": True, "offload_activations": True}, "adam8bit",
-     "full", "PagedAdamW8bit's paging and its step not modelled; compiled layers eager"),
-    ("LoRA", 8.5, {**_TT_LORA, "method": "lora"}, "adamw", "full",
-     "compiled layers priced eager"),
+     "full", "8-bit state counted (6.08 GiB; bitsandbytes' step allocates nothing); "
+     "PagedAdamW8bit keeps it in CUDA managed memory, which active bytes never see (without "
+     "it 9.16 GiB, -48 %): the published row holds >= 1.7 GiB more than either reading, "
+     "not found (notes)"),
+    ("LoRA", 8.5, {**_TT_LORA, "method": "lora", "compile_layers": True}, "adamw", "full",
+     "compiled layers priced, no change: the peak is at backward start, where checkpointed "
+     "layers keep their inputs; 0.3 GiB over, not found"),
     ("QLoRA", 4.6, {**_TT_LORA, "method": "qlora"}, "adamw", "full",
-     "compiled layers priced eager"),
+     "compiled layers priced eager (QLoRA's compiled NF4 dequantization not measured)"),
 )  # fmt: skip
 """torchtune's README, "Optimization flags" (full_finetune_single_device then
 lora_finetune_single_device, Llama 3.2 3B, batch 2, max_seq_len 4096, bf16, A100; each row on
@@ -524,11 +530,12 @@ _TT_8B = {
     "apply_lora_to_mlp": True,
 }  # fmt: skip
 TORCHTUNE_8B_ROWS: tuple[tuple[str, float, dict[str, Any] | None, str, str, str], ...] = (
-    ("8B LoRA, 1x 4090", 16.2, {**_TT_8B, "method": "lora"}, "adamw", "full",
+    ("8B LoRA, 1x 4090", 16.2, {**_TT_8B, "method": "lora", "compile_layers": True}, "adamw",
+     "full",
      "settings are llama3_1/8B_lora_single_device's (not stated by the table); compiled "
-     "layers priced eager"),
+     "layers priced (no change at backward start)"),
     ("8B QLoRA, 1x 4090", 7.4, {**_TT_8B, "method": "qlora"}, "adamw", "full",
-     "settings are llama3_1/8B_qlora_single_device's; compiled layers priced eager"),
+     "settings are llama3_1/8B_qlora_single_device's; compiled layers priced eager (QLoRA)"),
     ("8B LoRA, 1x A6000", 30.3, None, "adamw", "full", "not priced: the same recipe as the "
      "4090 row measured 14 GiB more; its changed settings are not stated"),
     ("8B full finetune, 1x 4090", 18.9, None, "adamw", "full", "not priced: "
@@ -637,14 +644,45 @@ expanded to every head, the attention output made contiguous, `output(h).float()
 recipe's `del logits`. The "+ Packed Dataset" row was -10 % under the `torch` convention
 (53.8 GiB: transformers' modules, 16-bit logits held): the fp32 logits' log-probabilities and
 their gradients (+3.9 GiB), the expanded k and v (+1.75 GiB) and the contiguous output (+1.31
-GiB) are torchtune's. `compile=True` is priced as its compiled loss only
-(`compile_loss`: a chunk's compiled cross-entropy keeps the 16-bit logits); the compiled
-layers are priced eager, which is most of the remaining error of "+ Compile" and
-"+ Chunked Cross Entropy". Pricing them compiled is not simply a discount: an Inductor-compiled
-transformers Llama layer (bf16, hidden 256, ffn 512, on the CPU) saves 6,296 B a token against
-9,880 eager (each norm keeps its rstd and 16-bit output only, the MLP three ffn-wide tensors,
-the attention output one more copy); that rule applied to the 3B rows gives -10 % and -22 %,
-so the measured runs did not keep all of that saving; left open.
+GiB) are torchtune's.
+
+`compile=True` is priced as both of its parts: the compiled loss (`compile_loss`: a chunk's
+compiled cross-entropy keeps the 16-bit logits) and the compiled decoder layers
+(`compile_layers`, `gpumem/estimator/tune_compiled.py`): what Inductor's partition of torchtune's
+`TransformerSelfAttentionLayer` keeps, read from the backward graph Inductor compiles and equal
+to it tensor by tensor at six small configurations and at the 3B's and 8B's widths
+(`tests/estimator/test_tune_compiled.py`):
+`A(4h + 2ad + 2kv + 3f) + 4a + 8` bytes a token, 98,408 for Llama 3.2 3B against eager's
+145,512 (the layer input instead of the norms' fp32 copies, no RoPE intermediates, k and v
+once, no contiguous attention output, no SiLU output). "+ Compile" went from +11.9 % to
+-7.9 % and "+ Chunked Cross Entropy" from +19.9 % to -3.6 %; with full checkpointing a
+compiled layer keeps its input only, as eager does, so the later rows move only where a
+recomputed layer sets the peak ("+ Activation Checkpointing" +1.4 % to -0.0 %). Not modelled:
+Inductor's fused backward kernels (a layer's backward moment is eager's) and QLoRA's compiled
+layers (`compile_layers` is refused with QLoRA and DoRA; those rows stay eager). The LoRA rows
+price their compiled layers too (measured the same way, `tune_compiled`), which moves nothing:
+their peak is at the start of backward, where checkpointed layers keep their inputs only.
+What still differs in "+ Compile" is in the unchunked compiled loss (its row).
+
+## 8-bit AdamW: what is modelled, what is measured
+
+bitsandbytes' `PagedAdamW8bit` (`bitsandbytes/optim/optimizer.py`, `Optimizer2State`): two
+uint8 states per parameter, an fp32 absmax per block of each (256 values since 0.45, 2048
+before: 6.08 or 6.00 GiB for the 3.21 B parameters), fp32 states for tensors under
+`min_8bit_size` (4,096: the norms, 1.4 MB); its step (`optimizer_update_8bit_blockwise`)
+dequantizes and requantizes block by block in registers and allocates nothing, so no step
+temporaries. Paged: every state tensor of at least 1e5 elements comes from `cudaMallocManaged`
+wrapped by `torch.frombuffer` (`F.get_paged`), outside the caching allocator: torch's active
+and reserved bytes never count it. The estimate bills the state (on the device whenever it fits:
+the question a bill answers), 15.23 GiB; without it, what `active_bytes` could see, 9.16 GiB.
+The published 17.6 GiB is above both. Term by term from the row before (21.8 published,
+21.12 estimated): the bf16 AdamW state (11.97 GiB) goes, the 8-bit one (6.08) comes; the
+published step is -4.2 GiB, so the measured run holds at least 1.7 GiB that neither
+bitsandbytes' optimizer nor anything the estimate prices allocates (not the
+32-bit states, not the absmax, not a step temporary). The 8B full fine-tune row (18.9 GiB on a
+24 GiB 4090) matches the other reading (-3.9 % without the state, whose 15 GiB could not fit
+beside 15 GiB of weights), so the two rows cannot both follow one rule; a GPU run of the
+recipe with `memory_stats` is what would settle it.
 """
     figures = [
         value_figure("peft sweep median |error|", "%", 100 * statistics.median(pf_err)),

@@ -333,7 +333,7 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
 FINETUNE_FLAGS = (
     "finetune", "target_modules", "target_regex", "lora_attn_modules", "apply_lora_to_mlp",
     "apply_lora_to_output", "lora_dropout", "finetune_source", "packed",
-    "offload_activations", "optimizer_in_bwd",
+    "offload_activations", "optimizer_in_bwd", "compile_loss", "compile_layers",
 )  # fmt: skip
 
 
@@ -384,6 +384,16 @@ def add_finetune_args(p: argparse.ArgumentParser) -> None:
         help="torchtune's enable_activation_offloading",
     )
     g.add_argument("--optimizer-in-bwd", action="store_true", help="torchtune's optimizer_in_bwd")
+    g.add_argument(
+        "--compile-loss",
+        action="store_true",
+        help="torchtune's compile=True: its compiled loss (a chunk keeps its 16-bit logits)",
+    )
+    g.add_argument(
+        "--compile-layers",
+        action="store_true",
+        help="torchtune's compile=True: its Inductor-compiled decoder layers (--finetune full)",
+    )
 
 
 def training_knobs(args: argparse.Namespace) -> Any:
@@ -423,6 +433,8 @@ def training_knobs(args: argparse.Namespace) -> Any:
         packed=args.packed,
         offload_activations=args.offload_activations,
         optimizer_in_bwd=args.optimizer_in_bwd,
+        compile_loss=args.compile_loss,
+        compile_layers=args.compile_layers,
     )
     return TrainingKnobs(**common, finetune=recipe)
 

@@ -14,7 +14,7 @@ from gpumem.allocator.alloc_conf import AllocConf
 from gpumem.estimator import activations as act
 from gpumem.estimator import backward as bwd
 from gpumem.estimator import finetune as ftn
-from gpumem.estimator import hf_ops, inputs, lora_ops, peak
+from gpumem.estimator import hf_ops, inputs, lora_ops, peak, tune_compiled
 from gpumem.estimator.bill import Bill, make_bill
 from gpumem.estimator.frameworks import cuda_graphs, megatron, torchtitan
 from gpumem.estimator.frameworks.conventions import (
@@ -170,6 +170,8 @@ class PresetTerms:
     def _items(self, w: act.Workload) -> list[act.Item]:
         if self.plan is not None and self.plan.recipe.adapters:
             return lora_ops.layer_items(self.spec, w, self.plan.typical, True, self.plan.recipe)
+        if self.plan is not None and self.plan.recipe.compile_layers:
+            return tune_compiled.compiled_layer_items(self.spec, w)
         if self.plan is not None:  # torchtune's full fine-tune: its modules' copies besides
             return hf_ops.layer_items(self.spec, w) + lora_ops.torchtune_copies(self.spec, w)
         if self.mcore and self.spec.is_decoder:
