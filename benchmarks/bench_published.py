@@ -17,6 +17,7 @@
     python benchmarks/bench_published.py --only torchtitan   # reruns that section alone
     python benchmarks/bench_published.py --only torchtitan --rows "Trainy FSDP 32,Trainy FSDP 64"
     python benchmarks/bench_published.py --only finetune   # writes results/published_finetune.md
+    python benchmarks/bench_published.py --only torchtitan-pp   # its section of published.md
 
 - **fine-tuning** (``--only finetune``, its own results file): torchtune's published "Optimization
   flags" table (Llama 3.2 3B, README) row by row with the recipe's settings, and PEFT-wrapped
@@ -409,6 +410,69 @@ def only_torchtitan(rows: str | None = None) -> None:
     print(section)
 
 
+PP_HEADING = "## torchtitan with pipeline parallelism (every rank: estimate vs fake profile)"
+PP_FIGURE = "torchtitan pp max |error|"
+
+
+def only_torchtitan_pp() -> None:
+    """torchtitan's pipeline-parallel layouts (``torchtitan_pp_results``), every rank, into
+    their own section of published.md and figures of published.json (the rest as recorded)."""
+    import dataclasses
+    import json
+
+    import torchtitan_pp_results
+    from _report import RESULTS, markdown_table
+
+    info = machine_info()
+    measured = torchtitan_pp_results.run()
+    rows, figures = [], []
+    for m in measured:
+        r, worst = m.row, max(map(abs, m.errors))
+        rows.append(
+            [r.name, " / ".join(f"{b / GiB:.2f}" for b in m.reference),
+             " / ".join(f"{b / GiB:.2f}" for b in m.estimate), f"{100 * worst:.4f} %",
+             f"rank {m.worst}: {m.estimate[m.worst] / GiB:.2f}",
+             f"dp_shard {r.dp}, {r.batch} x {r.seq}, AC {r.ac}"]
+        )  # fmt: skip
+        figures.append(value_figure(f"{PP_FIGURE}, {r.name}", "%", 100 * worst))
+    cols = ["layout", "fake profile GiB (rank 0 / 1 / ...)", "estimate GiB (rank 0 / 1 / ...)",
+            "max |error| over ranks", "the bill (worst rank)", "how"]  # fmt: skip
+    section = f"""{PP_HEADING}
+
+Run alone (`bench_published.py --only torchtitan-pp`, {info["date"]}, git commit
+{info["git commit"]}, {info["cpu"]}, torch {info["torch"]}, torchtitan 0.3.0). Peak
+allocated of every pipeline rank: the estimate (`gpumem/estimator/frameworks/titan_pipeline.py`,
+`titan_schedules.py`) against one rank of torchtitan's own Llama split by its own
+`pipeline_module_split` code, parallelized with `apply_fsdp_to_decoder(pp_enabled=True)` and
+driven through torch's `PipelineStage`
+(`forward_one_chunk`, `backward_one_chunk`, `perform_reduce_grad`) in the order its schedule runs on
+that rank, two steps under fake tensors on the fake process group
+(`benchmarks/published/torchtitan_pp_reference.py`). Emulated: the sends and receives are not
+issued (one process holds one rank; the recv buffers keep their shapes, fake tensors carry no
+values) and the first step's metadata inference is replaced by the shapes given (torch's static
+mode). No published table measures torchtitan's pipeline memory. Max |error| over every rank of
+every layout: {max(f.p50 for f in figures):.4f} %. The reserved figure is not
+simulated under pp (the flat fragmentation share).
+
+{markdown_table(cols, rows)}
+"""
+    md, js = RESULTS / "published.md", RESULTS / "published.json"
+    text = md.read_text()
+    if PP_HEADING in text:
+        start = text.index(PP_HEADING)
+        end = text.find("\n## ", start + 1)
+        text = text[:start] + section + (text[end + 1 :] if end >= 0 else "")
+    else:
+        at = text.index("## transformers")
+        text = text[:at] + section + "\n" + text[at:]
+    md.write_text(text)
+    record = json.loads(js.read_text())
+    record["figures"] = [f for f in record["figures"] if not f["name"].startswith(PP_FIGURE)]
+    record["figures"] += [dataclasses.asdict(f) for f in figures]
+    js.write_text(json.dumps(record, indent=1) + "\n")
+    print(section)
+
+
 TITAN_COLS = [
     "row",
     "fake profile GiB",
@@ -641,7 +705,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
         "--only",
-        choices=["torchtitan", "megatron-named", "finetune"],
+        choices=["torchtitan", "torchtitan-pp", "megatron-named", "finetune"],
         help="rerun this source's section alone (megatron-named, finetune: own results files)",
     )
     ap.add_argument(
@@ -655,6 +719,9 @@ def main() -> None:
         return
     if args.only == "finetune":
         only_finetune()
+        return
+    if args.only == "torchtitan-pp":
+        only_torchtitan_pp()
         return
     if args.only:
         only_torchtitan(args.rows)

@@ -112,27 +112,55 @@ class StageBytes:
 Moment = tuple[float, float, float]
 
 
-def rank_peak(stages: list[StageBytes], order: list[tuple[str, int, int]]) -> Moment:
-    """(activations, fp32 accumulators, temporaries) at the widest moment of ``order``: the end
-    of a forward, or a moment of a backward (``StageBytes.backward_moments``), beside every
-    other micro-batch in flight on each stage and the accumulators of the stages that have run
-    a backward."""
+def reduce_moment(st: StageBytes, n_shard: float) -> tuple[float, float]:
+    """(fp32 gradients, temporaries) at the widest moment of a stage's ``perform_reduce_grad``:
+    unit by unit (the embedding, the blocks, the head, in registration order) FSDP reshards the
+    bf16 parameters, then reduce-scatters a copy of the unsharded fp32 accumulator into the
+    sharded gradient; the accumulators of the units not yet reduced are still there."""
+    units = [u for u in (st.embed, *[st.blk] * st.part.blocks, st.head) if u]
+    best, freed, done = (4.0 * st.params, 0.0), 0.0, 0.0
+    for u in units:
+        grads = 4.0 * st.params - freed + done + 4.0 * u / n_shard
+        temp = 4.0 * u - 2.0 * u  # the reduce-scatter input; its bf16 parameters resharded
+        if grads + temp > sum(best):
+            best = (grads, temp)
+        freed += 4.0 * u + 2.0 * u  # its accumulator and its bf16 parameters
+        done += 4.0 * u / n_shard
+    return best
+
+
+def rank_peak(
+    stages: list[StageBytes], order: list[tuple[str, int, int]], n_shard: float
+) -> Moment:
+    """(activations, fp32 gradients, temporaries) at the widest moment of ``order``: the end of
+    a forward, a moment of a backward (``StageBytes.backward_moments``) or of a stage's reduce
+    after its last backward (``reduce_moment``), beside every other micro-batch in flight on
+    each stage and the accumulators of the stages that have run a backward (the sharded
+    gradients of those already reduced)."""
     by_index = {st.part.index: st for st in stages}
     inflight = dict.fromkeys(by_index, 0)
-    accum = dict.fromkeys(by_index, False)
+    accum = dict.fromkeys(by_index, 0.0)
+    backwards = dict.fromkeys(by_index, 0)
+    n_mb = sum(kind == "F" for kind, i, _ in order if i == stages[0].part.index)
     best: Moment = (0.0, 0.0, 0.0)
     for kind, i, _mb in order:
         st = by_index[i]
         if kind == "F":
             inflight[i] += 1
         acts = sum(inflight[j] * by_index[j].acts for j in by_index) - (kind == "B") * st.acts
-        grads = sum(4.0 * by_index[j].params for j in by_index if accum[j] and j != i)
+        grads = sum(accum[j] for j in by_index if j != i)
         if kind == "F":
-            own = [(0.0, 4.0 * st.params if accum[i] else 0.0, 0.0)]
+            own = [(0.0, accum[i], 0.0)]
         else:
-            own = st.backward_moments(accum[i])
+            own = st.backward_moments(accum[i] > 0)
             inflight[i] -= 1
-            accum[i] = True
+            accum[i] = 4.0 * st.params
+            backwards[i] += 1
+            if backwards[i] == n_mb:  # REDUCE_GRAD after the stage's last backward
+                g, t = reduce_moment(st, n_shard)
+                own.append((0.0, g, t))
+                # its sharded gradients made, its bf16 parameters resharded
+                accum[i] = 4.0 * st.params / n_shard - 2.0 * st.params
         for a, g, t in own:
             if acts + a + grads + g + t > sum(best):
                 best = (acts + a, grads + g, t)
@@ -214,7 +242,8 @@ def pipeline_terms(
     sh = Shapes(spec, layout, knobs.pp_microbatch_size, seq)
     rows = []
     for r, stages in enumerate(rank_stages(spec, sh, layout, sched, recompute)):
-        acts, accum, temp = rank_peak(stages, rank_order(sched, r, layout.pp, n_mb))
+        order = rank_order(sched, r, layout.pp, n_mb)
+        acts, accum, temp = rank_peak(stages, order, layout.shard_degree(gpu.gpus_per_node))
         params = sum(st.params for st in stages)
         x = [0.0] * peak.N_TERMS
         x[peak.P_TRAIN], x[peak.P_PEND] = params, params  # no sharded gradient before the reduce
