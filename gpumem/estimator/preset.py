@@ -16,7 +16,7 @@ from gpumem.estimator import backward as bwd
 from gpumem.estimator import finetune as ftn
 from gpumem.estimator import hf_ops, inputs, lora_ops, peak
 from gpumem.estimator.bill import Bill, make_bill
-from gpumem.estimator.frameworks import megatron, titan_pipeline, torchtitan
+from gpumem.estimator.frameworks import megatron, titan_moe, titan_pipeline, torchtitan
 from gpumem.estimator.frameworks.conventions import (
     cp_exchange_bytes,
     default_fused_ops,
@@ -669,7 +669,11 @@ def estimate_preset(spec: ModelSpec, job: Job) -> Bill:
     if fw == "torchtitan":
         rows = titan_terms(spec, job, terms, batch_size, seq)
         stages = stages[: len(rows)]
-        items = torchtitan.layer_items(spec, layout, batch_size, seq, job.recompute)
+        items = (
+            titan_moe.layer_items(spec, layout, batch_size, seq, job.recompute)
+            if spec.is_moe
+            else torchtitan.layer_items(spec, layout, batch_size, seq, job.recompute)
+        )
     else:
         rows = terms.terms(
             layout, batch_size, job.recompute, job.grad_accum, job.persistent_grads, stages
@@ -718,8 +722,12 @@ def titan_simulated(job: Job, terms: PresetTerms) -> bool:
     """torchtitan's step is simulated from its own allocation order (titan_trace), except for
     what that order does not cover (pipeline parallelism among them)."""
     tt = job.torchtitan
-    return job.layout.pp == 1 and torchtitan.simulated(
-        terms.alloc_conf, tt.loss_chunks, bool(job.persistent_grads), tt.fp8_recipe
+    return (
+        job.layout.pp == 1
+        and not terms.spec.is_moe
+        and torchtitan.simulated(
+            terms.alloc_conf, tt.loss_chunks, bool(job.persistent_grads), tt.fp8_recipe
+        )
     )
 
 
@@ -751,12 +759,12 @@ def check_applies(spec: ModelSpec, job: Job) -> None:
 
 
 def titan_terms(spec: ModelSpec, job: Job, terms: PresetTerms, batch: int, seq: int) -> list:
-    """The peak terms of each torchtitan rank (its dense Llama only): one row, or one per
-    pipeline rank (``titan_pipeline``)."""
-    if spec.arch != "llama" or spec.is_moe:
+    """The peak terms of each torchtitan rank (its dense Llama; its Qwen3-MoE: ``titan_moe``):
+    one row, or one per pipeline rank (``titan_pipeline``)."""
+    if spec.arch != "llama":
         raise ValueError(
-            f"framework='torchtitan' models torchtitan's dense Llama; got {spec.name!r} "
-            f"({spec.arch}{', MoE' if spec.is_moe else ''})"
+            f"framework='torchtitan' models torchtitan's Llama and Qwen3-MoE; got {spec.name!r} "
+            f"({spec.arch})"
         )
     if job.grad_accum != 1:
         raise ValueError("framework='torchtitan' models one micro-batch per step: grad_accum=1")
@@ -766,6 +774,14 @@ def titan_terms(spec: ModelSpec, job: Job, terms: PresetTerms, batch: int, seq: 
             "gather [tok_embeddings, norm, lm_head] as one FSDP unit for the whole step)"
         )
     tt = job.torchtitan
+    if spec.is_moe:
+        given = [n for n, on in (("loss_chunks", tt.loss_chunks), ("fp8_recipe", tt.fp8_recipe),
+                                 ("compiled_loss", tt.compiled_loss),
+                                 ("persistent_grads", job.persistent_grads)) if on]  # fmt: skip
+        titan_moe.check_moe(spec, job.layout, job.recompute, given)
+        cuda = job.device == "cuda"
+        return [titan_moe.moe_terms(spec, job.layout, job.gpu, batch=batch, seq=seq,
+                                    recompute=job.recompute, cuda=cuda)]  # fmt: skip
     common: dict[str, Any] = {
         "batch": batch,
         "seq": seq,

@@ -13,4 +13,5 @@ Modules:
     titan_compile      torchtitan's Inductor-compiled loss (--training.compile): what it keeps
     titan_schedules    torchtitan's pipeline stages (its split) and each rank's schedule order
     titan_pipeline     torchtitan under pp: what each pipeline rank holds, moment by moment
+    titan_moe          torchtitan's Qwen3-MoE: router, dispatch, grouped experts, their buffers
 """
