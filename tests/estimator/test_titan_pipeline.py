@@ -166,7 +166,7 @@ def test_bill_names_the_worst_rank_and_the_pipeline() -> None:
         ({"loss_chunks": 8}, ("loss_chunks", "pp=4", "not modelled")),
         ({"layout": gpumem.Layout(dp=4, pp=4, tp=2)}, ("tp", "pp=4")),
         ({"layout": gpumem.Layout(dp=8, pp=4, vpp=4)}, ("vpp=4", "pp_schedule")),
-        ({"framework": "megatron", "pp_schedule": "1F1B"}, ("pp_schedule", "megatron")),
+        ({"framework": "megatron", "pp_schedule": "GPipe"}, ("pp_schedule", "megatron")),
     ],
 )
 def test_bad_pipeline_input_is_one_line(kwargs: dict, words: tuple[str, ...]) -> None:

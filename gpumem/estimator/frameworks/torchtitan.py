@@ -331,8 +331,9 @@ _ELSEWHERE = {
 def titan_knobs(framework: str, **given: object) -> TorchtitanKnobs:
     """The torchtitan knobs, checked; one given to another framework is an error (named before
     its value is checked: the framework is the first thing wrong)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TorchtitanKnobs)}
     for name, why in _ELSEWHERE.items():
-        if framework != "torchtitan" and given.get(name):
+        if framework != "torchtitan" and name in given and given[name] != defaults[name]:
             raise ValueError(f"{name} is " + why.format(fw=framework))
     return TorchtitanKnobs(**given)  # type: ignore[arg-type]
 
