@@ -17,7 +17,7 @@
     python benchmarks/bench_published.py --only torchtitan   # reruns that section alone
     python benchmarks/bench_published.py --only torchtitan --rows "Trainy FSDP 32,Trainy FSDP 64"
     python benchmarks/bench_published.py --only finetune   # writes results/published_finetune.md
-    python benchmarks/bench_published.py --only torchtitan-pp   # its section of published.md
+    python benchmarks/bench_published.py --only torchtitan-pp   # pp and MoE: their section
 
 - **fine-tuning** (``--only finetune``, its own results file): torchtune's published "Optimization
   flags" table (Llama 3.2 3B, README) row by row with the recipe's settings, and PEFT-wrapped
@@ -410,8 +410,40 @@ def only_torchtitan(rows: str | None = None) -> None:
     print(section)
 
 
-PP_HEADING = "## torchtitan with pipeline parallelism (every rank: estimate vs fake profile)"
+PP_HEADING = "## torchtitan with pipeline parallelism and with MoE (estimate vs fake profile)"
 PP_FIGURE = "torchtitan pp max |error|"
+MOE_FIGURE = "torchtitan moe |error|"
+
+
+def recorded_pp_section() -> str:
+    """The pp / MoE section as last recorded (``--only torchtitan-pp`` reruns it; a full run
+    keeps it), or nothing."""
+    from _report import RESULTS
+
+    md = RESULTS / "published.md"
+    text = md.read_text() if md.exists() else ""
+    if PP_HEADING not in text:
+        return ""
+    start = text.index(PP_HEADING)
+    end = text.find("\n## ", start + 1)
+    return text[start : end + 1 if end >= 0 else len(text)]
+
+
+def titan_moe_table() -> tuple[str, list[Any]]:
+    """The MoE rows (``torchtitan_moe_results``) as a Markdown table, and their figures."""
+    import torchtitan_moe_results
+    from _report import markdown_table
+
+    rows, figures = [], []
+    for m in torchtitan_moe_results.run():
+        r = m.row
+        rows.append(
+            [r.name, f"{m.reference / GiB:.2f}", f"{m.estimate / GiB:.2f}",
+             f"{100 * m.error:+.4f} %", m.phase, f"dp_shard {r.dp}, {r.batch} x {r.seq}, AC {r.ac}"]
+        )  # fmt: skip
+        figures.append(value_figure(f"{MOE_FIGURE}, {r.name}", "%", 100 * abs(m.error)))
+    cols = ["layout", "fake profile GiB", "estimate GiB", "error", "phase", "how"]
+    return markdown_table(cols, rows), figures
 
 
 def only_torchtitan_pp() -> None:
@@ -452,10 +484,24 @@ issued (one process holds one rank; the recv buffers keep their shapes, fake ten
 values) and the first step's metadata inference is replaced by the shapes given (torch's static
 mode). No published table measures torchtitan's pipeline memory. Max |error| over every rank of
 every layout: {max(f.p50 for f in figures):.4f} %. The reserved figure is not
-simulated under pp (the flat fragmentation share).
+simulated under pp or MoE (the flat fragmentation share).
 
 {markdown_table(cols, rows)}
 """
+    moe_table, moe_figures = titan_moe_table()
+    section += f"""
+**MoE**: torchtitan 0.3.0's Qwen3-30B-A3B (`_30b_a3b`: 48 blocks, 128 experts of 768, top-8,
+vocabulary 151936), FSDP over `dp_shard` ranks, ep = 1, the estimate
+(`gpumem/estimator/frameworks/titan_moe.py`, the model described as its `config.json` would)
+against the fake profile of torchtitan's own `Qwen3Model` with its `MoE` blocks, AC and
+`apply_fsdp_to_decoder` (`benchmarks/published/torchtitan_moe_reference.py`; the router's gate
+as CUDA's `autocast(float32)` runs it, the attention the flash kernel). The loss's moment is the
+peak in every row (a block's backward, the widest when the logits are small, is priced roughly
+and not checked). Per-op SAC, EP and PP/TP/CP with MoE are not modelled.
+
+{moe_table}
+"""
+    figures += moe_figures
     md, js = RESULTS / "published.md", RESULTS / "published.json"
     text = md.read_text()
     if PP_HEADING in text:
@@ -467,7 +513,9 @@ simulated under pp (the flat fragmentation share).
         text = text[:at] + section + "\n" + text[at:]
     md.write_text(text)
     record = json.loads(js.read_text())
-    record["figures"] = [f for f in record["figures"] if not f["name"].startswith(PP_FIGURE)]
+    record["figures"] = [
+        f for f in record["figures"] if not f["name"].startswith((PP_FIGURE, MOE_FIGURE))
+    ]
     record["figures"] += [dataclasses.asdict(f) for f in figures]
     js.write_text(json.dumps(record, indent=1) + "\n")
     print(section)
@@ -748,7 +796,7 @@ rule was fitted; the only fitted number is the library workspace (median of the 
 steady residuals: `megatron.WORKSPACE_BYTES`).
 
 {titan_section(titan, titan_err, titan_res)}
-## transformers, trained as `Trainer` trains them (real CPU runs, default convention)
+{recorded_pp_section()}## transformers, trained as `Trainer` trains them (real CPU runs, default convention)
 
 {_share(hf_err)}.
 
