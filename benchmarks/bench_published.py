@@ -788,6 +788,7 @@ def main() -> None:
     ]
     from _report import markdown_table
 
+    pp_section = recorded_pp_section()
     notes = f"""
 **Megatron-LM** (`framework="megatron"`, last pipeline stage, `allocated_bytes`):
 {_share(mega_err)}.
@@ -796,7 +797,7 @@ rule was fitted; the only fitted number is the library workspace (median of the 
 steady residuals: `megatron.WORKSPACE_BYTES`).
 
 {titan_section(titan, titan_err, titan_res)}
-{recorded_pp_section()}## transformers, trained as `Trainer` trains them (real CPU runs, default convention)
+{pp_section}## transformers, trained as `Trainer` trains them (real CPU runs, default convention)
 
 {_share(hf_err)}.
 
