@@ -60,7 +60,8 @@ def check_moe(spec: ModelSpec, layout: Layout, recompute: str, unsupported: list
     Raises:
         ValueError: one line naming the problem and the choices.
     """
-    if not spec.qk_norm or spec.n_shared_experts or spec.first_k_dense or spec.kv_lora_rank:
+    dense_layers = spec.first_k_dense or (spec.moe_layer_freq and not all(spec.moe_layer_freq))
+    if not spec.qk_norm or spec.n_shared_experts or dense_layers or spec.kv_lora_rank:
         raise ValueError(
             f"framework='torchtitan' models its Qwen3-MoE (q/k norms, no shared experts, no "
             f"dense first layers); {spec.name!r} is another mixture of experts (DeepSeek-V3 and "
