@@ -29,12 +29,11 @@ cos/sin RoPE cache per block (``seq · 2 hd`` fp32) and the load-balancing ``exp
 ``tokens_per_expert_E`` (fp32, ``E`` each). FSDP (``apply_fsdp_to_decoder``, ep = 1): a block
 with its experts is one unit, the states fp32 over the shard degree as in the dense recipe.
 
-The peak priced is the start of backward (the loss's moment: every block's saved set, the head's,
-the loss backward's fp32 logits gradients, the ``[norm, lm_head]`` unit gathered), checked against
-the fake profile of torchtitan's model (``benchmarks/published/torchtitan_moe_reference.py``). A
-block's backward moment (the gathered experts, the grouped GEMMs' gradients) is priced roughly
-(``block_moment``), not checked; it decides the peak only when the logits are small beside a
-block (a small vocabulary or few tokens).
+The peak priced is the wider of the loss's moment (every block's saved set, the head's, the loss
+backward's fp32 logits gradients, the ``[norm, lm_head]`` unit gathered) and a block's backward
+(``block_moment``: the combine's fp32 backward), checked against the fake profile of
+torchtitan's model (``benchmarks/published/torchtitan_moe_reference.py``); the block's moment
+decides only when the logits are small beside a block (a small vocabulary or few tokens).
 
 Not modelled: per-op SAC under MoE (its save list keeps ``topk`` and the linears), expert
 parallelism, shared experts and dense first layers (DeepSeek-V3), other routers (sigmoid,
@@ -110,16 +109,30 @@ def moe_layer_saved(spec: ModelSpec, sh: Shapes, policy: str) -> dict[str, int]:
     }
 
 
-def block_moment(spec: ModelSpec, sh: Shapes, saved: int, checkpointed: bool, n_shard: float):
-    """A rough widest moment of the last block's backward beyond the blocks' saved sets: its
-    recomputed set (under AC), the block gathered (bf16) and its unsharded bf16 gradients, the
-    experts' SwiGLU gradients over the routed rows, the head's fp32 reduce-scatter input."""
+def block_moment(
+    spec: ModelSpec, sh: Shapes, saved: list[int], checkpointed: list[bool], n_shard: float
+) -> float:
+    """The widest moment of block L-1's or block 0's backward, everything held: the combine's
+    backward (the expert outputs' gradient and the scores' in fp32 beside the saved fp32
+    outputs, ``3 · N · D · 4`` new, and the block's incoming gradient), with the blocks below's saved sets, the block's own (recomputed under
+    AC, beside its saved input), the block gathered (bf16) with the next unit prefetched on more
+    than one rank, the previous unit's fp32 reduce-scatter input and the sharded gradients
+    done. Checked on the tests' model under full AC (a small vocabulary)."""
+    L, d, n = spec.n_layers, spec.hidden, sh.n
     blk = moe_block_params(spec)
+    head = spec.vocab * d + d
     none = sum(moe_layer_saved(spec, sh, "none").values())
-    recomputed = none - saved + sh.n * spec.hidden * _BF16 if checkpointed else 0
-    swiglu = 3 * sh.n * spec.top_k * spec.ffn * _BF16
-    head = spec.vocab * spec.hidden + spec.hidden
-    return recomputed + 2 * blk * (2 if n_shard > 1 else 1) + 2 * blk + swiglu + 4 * head
+    rows = n * spec.top_k
+    temp = 3 * rows * d * 4 + n * d * _BF16
+    best = 0.0
+    for i in {L - 1, 0}:
+        grads = 4 * (head + (L - 1 - i) * blk) / n_shard
+        own = none + (n * d * _BF16 if checkpointed[i] else 0)
+        fetch = (2 * blk if i > 0 else 2 * spec.vocab * d) if n_shard > 1 else 0
+        prev = head if i == L - 1 else blk
+        comm = 2 * blk + fetch + 4 * prev
+        best = max(best, grads + sum(saved[:i]) + own + temp + comm)
+    return best
 
 
 def moe_terms(
@@ -147,11 +160,13 @@ def moe_terms(
     x[peak.A_LAST] = sum(head_saved(sh).values())
     x[peak.T_BWD0] = 2 * n * v * 4  # the loss backward's two fp32 logits-sized gradients
     x[peak.GATHER] = head_params * _BF16  # [norm, lm_head] gathered from forward to backward
-    # the last block's backward instead, when wider (the head's saved tensors gone)
-    last = block_moment(spec, sh, saved[-1], policies[-1] == "full", x[peak.N_SHARD])
-    if last + n * 8 > x[peak.A_LAST] + x[peak.T_BWD0] + x[peak.GATHER]:
-        x[peak.A_GONE] = x[peak.A_LAST]
-        x[peak.T_BWD0] = last + n * 8 - x[peak.GATHER]
+    # a block's backward instead, when wider (the head's saved tensors gone but the labels)
+    start = L * x[peak.A_LAYER] + x[peak.A_LAST] + x[peak.T_BWD0] + x[peak.GATHER]
+    full = [p == "full" for p in policies]
+    blocks = block_moment(spec, sh, saved, full, x[peak.N_SHARD]) + n * 8
+    if blocks > start:
+        x[peak.A_GONE] = x[peak.A_LAST] + L * x[peak.A_LAYER]
+        x[peak.T_BWD0] = blocks - x[peak.GATHER]
     # the end of backward and the step are narrower: every gradient counted pending
     x[peak.P_PEND] = x[peak.P_TRAIN]
     if cuda:
