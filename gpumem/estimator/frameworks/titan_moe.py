@@ -114,10 +114,10 @@ def block_moment(
 ) -> float:
     """The widest moment of block L-1's or block 0's backward, everything held: the combine's
     backward (the expert outputs' gradient and the scores' in fp32 beside the saved fp32
-    outputs, ``3 · N · D · 4`` new, and the block's incoming gradient), with the blocks below's saved sets, the block's own (recomputed under
-    AC, beside its saved input), the block gathered (bf16) with the next unit prefetched on more
-    than one rank, the previous unit's fp32 reduce-scatter input and the sharded gradients
-    done. Checked on the tests' model under full AC (a small vocabulary)."""
+    outputs, ``3 · N · D · 4`` new, and the block's incoming gradient), with the blocks
+    below's saved sets, the block's own (recomputed under AC, beside its saved input), the
+    block gathered (bf16) with the next unit prefetched on more than one rank, the previous
+    unit's fp32 reduce-scatter input and the sharded gradients done."""
     L, d, n = spec.n_layers, spec.hidden, sh.n
     blk = moe_block_params(spec)
     head = spec.vocab * d + d
