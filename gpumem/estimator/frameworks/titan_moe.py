@@ -112,7 +112,8 @@ def moe_layer_saved(spec: ModelSpec, sh: Shapes, policy: str) -> dict[str, int]:
 def block_moment(
     spec: ModelSpec, sh: Shapes, saved: list[int], checkpointed: list[bool], n_shard: float
 ) -> float:
-    """The widest moment of block L-1's or block 0's backward, everything held: the combine's
+    """The widest moment of a block's backward (L-1, L-2, 1 or 0: across the stack the saved
+    sets fall and the sharded gradients grow linearly), everything held: the combine's
     backward (the expert outputs' gradient and the scores' in fp32 beside the saved fp32
     outputs, ``3 · N · D · 4`` new, and the block's incoming gradient), with the blocks
     below's saved sets, the block's own (recomputed under AC, beside its saved input), the
@@ -125,7 +126,7 @@ def block_moment(
     rows = n * spec.top_k
     temp = 3 * rows * d * 4 + n * d * _BF16
     best = 0.0
-    for i in {L - 1, 0}:
+    for i in {L - 1, max(L - 2, 0), min(1, L - 1), 0}:  # the widest is at an end of the stack
         grads = 4 * (head + (L - 1 - i) * blk) / n_shard
         own = none + (n * d * _BF16 if checkpointed[i] else 0)
         fetch = (2 * blk if i > 0 else 2 * spec.vocab * d) if n_shard > 1 else 0
