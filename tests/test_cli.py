@@ -128,6 +128,7 @@ KNOB_FLAGS = {
         "pipeline_layout": ["--pipeline-model-parallel-layout", "Et|tL"],
         "recompute_modules": ["--recompute-modules", "layernorm,mlp"],
         "offload_modules": ["--offload-modules", "core_attn"],
+        "cuda_graph_scope": ["--cuda-graph-scope", "attn,moe_router"],
     },
     "torchtitan": {
         "fp8_recipe": ["--fp8-recipe", "tensorwise"],

@@ -202,6 +202,9 @@ def estimate_kwargs(args: dict[str, Any], gpus: int) -> tuple[dict[str, Any], li
         kw["recompute_modules"] = tuple(get("--recompute-modules"))
     if get("--fine-grained-activation-offloading", False):
         kw["offload_modules"] = tuple(get("--offload-modules", ["core_attn"]))
+    if get("--cuda-graph-impl") == "transformer_engine":
+        scope = get("--cuda-graph-scope") or ["attn", "mlp", "moe"]  # empty: the whole layer
+        kw["cuda_graph_scope"] = tuple([scope] if isinstance(scope, str) else scope)
     if get("--num-distributed-optimizer-instances", 1) > 1:
         kw["dist_opt_instances"] = get("--num-distributed-optimizer-instances")
     unsupported = sorted(k for k in a if k not in used and k not in NEUTRAL)

@@ -284,6 +284,7 @@ def add_knob_arguments(p: argparse.ArgumentParser) -> None:
 def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     """Megatron-LM's arguments of the same names (``--framework megatron``; see
     gpumem/estimator/frameworks/megatron.py)."""
+    from gpumem.estimator.frameworks.cuda_graphs import CUDA_GRAPH_SCOPES
     from gpumem.estimator.frameworks.megatron import (
         FP8_RECIPES,
         OFFLOAD_MODULES,
@@ -322,20 +323,17 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
         help="Megatron's layout string, e.g. 'Et*3|(tt|)*6L' (its chunks over --pp ranks set "
         "--vpp)",
     )
-    g.add_argument(
-        "--recompute-modules",
-        type=_args.name_list(RECOMPUTE_MODULES),
-        default=None,
-        help=f"with --recompute selective: {', '.join(RECOMPUTE_MODULES)} (comma-separated; "
-        "Megatron's default core_attn)",
-    )
-    g.add_argument(
-        "--offload-modules",
-        type=_args.name_list(OFFLOAD_MODULES),
-        default=None,
-        help="--fine-grained-activation-offloading of these modules: "
-        f"{', '.join(OFFLOAD_MODULES)} (comma-separated)",
-    )
+    for flag, known, what in (
+        ("--recompute-modules", RECOMPUTE_MODULES, "with --recompute selective:"),
+        ("--offload-modules", OFFLOAD_MODULES, "--fine-grained-activation-offloading of"),
+        ("--cuda-graph-scope", CUDA_GRAPH_SCOPES, "per-layer CUDA graphs (TE) of"),
+    ):
+        g.add_argument(
+            flag,
+            type=_args.name_list(known),
+            default=None,
+            help=f"{what} {', '.join(known)} (comma-separated)",
+        )
     g.add_argument(
         "--num-distributed-optimizer-instances",
         dest="dist_opt_instances",
@@ -505,6 +503,7 @@ MEGATRON = (
     "pipeline_layout",
     "recompute_modules",
     "offload_modules",
+    "cuda_graph_scope",
 )
 
 

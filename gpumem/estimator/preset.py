@@ -16,7 +16,13 @@ from gpumem.estimator import backward as bwd
 from gpumem.estimator import finetune as ftn
 from gpumem.estimator import hf_ops, inputs, lora_ops, peak
 from gpumem.estimator.bill import Bill, make_bill
-from gpumem.estimator.frameworks import megatron, titan_moe, titan_pipeline, torchtitan
+from gpumem.estimator.frameworks import (
+    cuda_graphs,
+    megatron,
+    titan_moe,
+    titan_pipeline,
+    torchtitan,
+)
 from gpumem.estimator.frameworks.conventions import (
     cp_exchange_bytes,
     default_fused_ops,
@@ -73,6 +79,9 @@ class PresetTerms:
     plan: ftn.AdapterPlan | None = None
     """A fine-tuning recipe's adapters (``finetune.describe``): the frozen base's rules
     (``lora_ops.py``) replace the fully trained model's."""
+    graph_capture: bool = False
+    """Megatron's CUDA-graph capture as the allocator sees it (``cuda_graphs.py``): the graphed
+    parts alone, no embedding, head or loss; ``terms`` takes it where it is the larger."""
 
     @property
     def torchtune(self) -> bool:
@@ -156,6 +165,7 @@ class PresetTerms:
             moe_imbalance=self.moe_imbalance,
             grouped_gemm=self.grouped_gemm,
             fused=self.fused,
+            eager=self.attention == "eager",
         )
 
     def layer_items(self, layout: Layout, batch: int, dense: bool = False) -> list[act.Item]:
@@ -169,7 +179,7 @@ class PresetTerms:
         if self.plan is not None:  # torchtune's full fine-tune: its modules' copies besides
             return hf_ops.layer_items(self.spec, w) + lora_ops.torchtune_copies(self.spec, w)
         if self.mcore and self.spec.is_decoder:
-            return megatron.layer_items(self.spec, w, self.knobs)
+            return megatron.layer_items(self.spec, w, self.knobs, self.graph_capture)
         return hf_ops.layer_items(self.spec, w)
 
     def cluster_model_states(self) -> int:
@@ -222,7 +232,12 @@ class PresetTerms:
         if stages is None:
             pp = layout.pp
             stages = list(range(pp)) if st.pg.n_dense else sorted({0, min(1, pp - 1), pp - 1})
-        return [stage_terms(self, st, i) for i in stages]
+        rows = [stage_terms(self, st, i) for i in stages]
+        if self.mcore and self.knobs.cuda_graph_scope and not self.graph_capture:
+            capture = replace(self, graph_capture=True)
+            args = (layout, batch, recompute, grad_accum, persistent_grads, stages)
+            rows = cuda_graphs.larger(rows, capture.terms(*args))
+        return rows
 
     def _act_terms(
         self, layout: Layout, batch: int, recompute: str, dense: bool
@@ -251,7 +266,10 @@ class PresetTerms:
                 if dec
                 else 0
             )
-            if self.mcore and spec.is_decoder:
+            if self.graph_capture:  # the capture runs the graphed layers alone
+                held = ids = 0
+                ce0 = 0
+            elif self.mcore and spec.is_decoder:
                 ce0 = megatron.loss_transient(spec, w, "ce" in self.fused)
             else:
                 ce0 = hf_ops.ce_backward_bytes(spec, w) if spec.is_decoder else 0
@@ -267,7 +285,8 @@ class PresetTerms:
                 )
             if spec.is_moe and not dense:
                 comm += hf_ops.dispatch_bytes(spec, w, self.moe_dispatcher)
-            cache[key] = (*layer, first, last, float(held), float(ids), float(ce0), comm)
+            cache[key] = (*layer[:5], first, last, float(held), float(ids), float(ce0), comm)
+            cache[key] += (layer[5],)  # [11]: saved tensors the widest moment released
         return cache[key]
 
     def _ends(self, w: act.Workload) -> tuple[float, float]:
@@ -278,6 +297,8 @@ class PresetTerms:
         if spec.arch == "vit":  # patch conv input (images) + classifier input; small
             img = w.batch * spec.channels * spec.image_size**2 * 4
             return float(img), float(w.batch * spec.hidden * w.compute + w.batch * 8)
+        if self.graph_capture:
+            return 0.0, 0.0
         if self.mcore:
             first = act.sum_items(megatron.embed_items(spec, w, self.knobs))
             last = act.sum_items(megatron.head_items(spec, w, self.knobs))
@@ -302,7 +323,7 @@ class PresetTerms:
         grads of that layer; the transient of the start of backward)."""
         spec = self.spec
         if spec.arch == "resnet":
-            return 0.0, 0.0, 0.0, 0.0, 0.0
+            return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
         every = recompute_every(recompute)
         if self.activation_model == "korthikanti":
             mode = "full" if every else recompute
@@ -315,6 +336,7 @@ class PresetTerms:
             return (
                 float(saved / (every or 1)),
                 float(full * (every or 1) if every else 0),
+                0.0,
                 0.0,
                 0.0,
                 0.0,
@@ -347,7 +369,10 @@ class PresetTerms:
             t_end, a_end = m.temporary, full - m.freed
         # backward start: the last layer's widest moment (its recomputation included)
         t_start = m.excess + (full - shared if k else 0)
-        return float(saved), float(t_end), float(a_end), float(m.grads), float(t_start)
+        return (
+            float(saved), float(t_end), float(a_end), float(m.grads), float(t_start),
+            float(m.freed),
+        )  # fmt: skip
 
 
 @dataclass
@@ -561,6 +586,15 @@ def _fill_buffers(
             x[peak.W_BUFFERS] += megatron.pipeline_input_bytes(
                 pt.workload(layout, st.batch), spec.hidden, layout.pp, layout.vpp, r.i
             )
+    if pt.mcore and pt.knobs.cuda_graph_scope:  # the CUDA graphs' static buffers
+        w = pt.workload(layout, st.batch)
+        x[peak.W_BUFFERS] += cuda_graphs.static_bytes(
+            pt.knobs.cuda_graph_scope,
+            r.n_dense + r.mtp_dense,
+            r.n_moe + r.mtp - r.mtp_dense,
+            st.grad_accum if layout.pp > 1 else 1,
+            (w.tokens // w.tp if w.sp else w.tokens) * spec.hidden * w.compute,
+        )
     if st.w8:  # fp8 copies of the TE Linears' weights (not norms, biases, embedding, head)
         lin = r.n_dense * st.dense_tp + r.n_moe * st.moe_tp if spec.is_moe else n_l * st.moe_tp
         x[peak.W_BUFFERS] += st.w8 * (lin + expert + mtp_tp)
@@ -603,15 +637,28 @@ def _fill_activations(pt: PresetTerms, st: _Stack, r: _Rank, x: list[float]) -> 
         g_start += head * tr.grad_bytes
         gone = last - held
     if t_start + g_start - gone > grad_in:
+        if spec.encoder_head and st.recompute == "none":
+            # a classifier's loss is small: the start is inside the last layer's post-LN
+            # backward, whose released tensors are activations gone, not negative temporaries
+            t_start, gone = t_start + a_last_layer[11], gone + a_last_layer[11]
         x[peak.T_BWD0], x[peak.G_START], x[peak.A_GONE] = t_start, g_start, gone
     else:
         x[peak.T_BWD0] = grad_in
     x[peak.T_LAYER] = a_first_layer[1]
     x[peak.A_END] = a_first_layer[2]
+    if tr.autocast and st.recompute == "full" and r.n_l:  # the forward's end (peak.py)
+        x[peak.CASTS] = r.n_dense * _casts(pt, st, True) + r.n_moe * _casts(pt, st, False)
     x[peak.HELD] = held if r.is_last else 0.0
     x[peak.IDS] = ids_b if r.is_first else 0.0
     x[peak.G_WALK] = a_first_layer[3]
     _fill_pending(pt, st, r, x)
+
+
+def _casts(pt: PresetTerms, st: _Stack, dense: bool) -> float:
+    """Autocast's cached 16-bit weight copies of one checkpointed layer: nothing saved keeps
+    them, the cache does until the forward ends."""
+    items = pt.layer_items(st.layout, st.batch, dense)
+    return float(sum(i.nbytes for i in items if i.name.startswith("autocast.")))
 
 
 def _fill_pending(pt: PresetTerms, st: _Stack, r: _Rank, x: list[float]) -> None:

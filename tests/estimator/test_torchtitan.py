@@ -487,6 +487,43 @@ def test_float8_equals_fake_profile(float8_reference, vocab, world, recompute, r
     assert abs(est - ref.peak_bytes) < 512
 
 
+# tp 4 splits the KV heads: 4 of them (TINY's 2 would not split)
+TP_TINY = {**TINY, "vocab": 512, "n_kv_heads": 4}
+F8_TP = [
+    (tp, recompute, recipe)
+    for tp in (2, 4)
+    for recipe in ("rowwise", "rowwise_with_gw_hp")
+    for recompute in ("none", "selective", "full", "selective:2")
+]
+F8_TP_SAMPLE = {
+    (2, "none", "rowwise"),
+    (4, "selective", "rowwise"),
+    (2, "full", "rowwise_with_gw_hp"),
+    (4, "none", "rowwise_with_gw_hp"),
+    (2, "none", "rowwise_with_gw_hp"),
+}
+
+
+@pytest.mark.parametrize(
+    ("tp", "recompute", "recipe"),
+    [c if c in F8_TP_SAMPLE else pytest.param(*c, marks=pytest.mark.slow) for c in F8_TP],
+)
+def test_float8_with_tensor_parallelism_equals_fake_profile(
+    float8_reference, tp, recompute, recipe
+):
+    """torchtitan 0.3.0's rowwise recipes under its own TP plan (sequence parallel): the
+    Float8Linears cast their local shards. The sample covers each moment the TP shapes change
+    (w2's backward, the last block's forward, the recomputed forward, w1's under gw_hp); the
+    whole grid (both recipes, four AC policies, tp 2 and 4) runs with --runslow."""
+    ac = recompute.split(":")[1] if ":" in recompute else recompute
+    ref = float8_reference.profile_step(
+        **TP_TINY, world=2, batch=BATCH, seq=SEQ, ac=ac, tp=tp, float8=recipe
+    )
+    spec = dataclasses.replace(tiny_spec(512), n_kv_heads=4)
+    est = f8_estimate(recompute, 2, recipe, tp=tp, spec=spec)
+    assert abs(est - ref.peak_bytes) < 512
+
+
 @pytest.mark.parametrize(
     ("vocab", "recompute", "recipe", "all_gather", "chunks", "persistent"),
     [
@@ -550,8 +587,8 @@ def test_float8_reference_sees_what_cuda_saves(float8_reference) -> None:
         ),
         ({"fsdp_float8_all_gather": True}, ("needs fp8_recipe='tensorwise'",)),
         (
-            {"fp8_recipe": "rowwise", "layout": gpumem.Layout(dp=4, tp=2, fsdp="full", sp=True)},
-            ("tensor parallelism", "tp=1"),
+            {"fp8_recipe": "tensorwise", "layout": gpumem.Layout(dp=4, tp=2, fsdp="full", sp=True)},
+            ("tensor parallelism", "float8 TP styles", "fp8_recipe='rowwise'", "tp=1"),
         ),
         (
             {"framework": "fsdp2", "fsdp_float8_all_gather": True},

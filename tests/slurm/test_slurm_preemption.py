@@ -153,7 +153,8 @@ def _check(info, text, ref, total, what, tasks=1):
     print(f"figures: {json.dumps(figures)}")  # benchmarks/bench_schedulers.py reads these
     assert len(stops) == requeues and len(to_step) == requeues, text[-2000:]
     assert requeues >= 1 and len(starts) == requeues + 1 and int(starts[1]) > 0, text[-2000:]
-    assert len(durable) == requeues * tasks, text[-2000:]
+    said = "\n".join(re.findall(r"^.*gpumem: .*$", text, re.M))  # every rank's stop lines
+    assert len(durable) == requeues * tasks, said or text[-2000:]
     assert recomputed <= requeues  # at most the step in flight, per stop
 
 

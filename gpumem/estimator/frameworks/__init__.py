@@ -6,6 +6,7 @@ framework; what differs is priced here, one module per framework.
 Modules:
 
     conventions        which framework's buffer conventions a bill follows, and their cost
+    cuda_graphs        Megatron's per-layer CUDA graphs: a step's, the capture's and the static view
     deepspeed          DeepSpeed ZeRO's knobs (``ZeroConfig``), buffers, offload and formulas
     megatron           Megatron-LM's knobs (``MegatronKnobs``), TE tensors, loss, fp8, pipeline
     torchtitan         torchtitan's recipe (``TorchtitanKnobs``): modules, SAC, loss, FSDP units

@@ -76,7 +76,7 @@ from dataclasses import dataclass
 
 from gpumem.estimator import peak
 from gpumem.estimator.activations import Item, Workload, expert_tokens
-from gpumem.estimator.frameworks import torchtitan
+from gpumem.estimator.frameworks import cuda_graphs, torchtitan
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.model_spec import ModelSpec
 
@@ -175,7 +175,9 @@ class MegatronKnobs:
     optimizer is replicated that many times over the data-parallel group, each copy sharded
     over ``dp · cp / instances`` ranks: ``distributed_data_parallel_config``'s
     ``num_distributed_optimizer_instances``, the intra-instance group of
-    ``parallel_state.initialize_model_parallel``).
+    ``parallel_state.initialize_model_parallel``), and ``--cuda-graph-impl transformer_engine
+    --cuda-graph-scope`` (``cuda_graph_scope``: per-layer CUDA graphs of those parts, priced by
+    ``cuda_graphs.py``; empty: none).
 
     Raises:
         ValueError: one line naming the knob and the valid choices.
@@ -194,8 +196,10 @@ class MegatronKnobs:
     pipeline_layout: str | None = None
     recompute_modules: tuple[str, ...] = ()
     offload_modules: tuple[str, ...] = ()
+    cuda_graph_scope: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "cuda_graph_scope", cuda_graphs.check_scope(self.cuda_graph_scope))
         for name, known in (
             ("recompute_modules", RECOMPUTE_MODULES),
             ("offload_modules", OFFLOAD_MODULES),
@@ -561,9 +565,12 @@ def _moe(spec: ModelSpec, w: Workload, n_sp: int, A: int, L: float) -> list[Item
     return items
 
 
-def layer_items(spec: ModelSpec, w: Workload, k: MegatronKnobs) -> list[Item]:
+def layer_items(
+    spec: ModelSpec, w: Workload, k: MegatronKnobs, capture: bool = False
+) -> list[Item]:
     """What one Megatron-core TE transformer layer keeps for backward (one micro-batch, one
-    TP rank)."""
+    TP rank); under ``cuda_graph_scope`` what a step's allocator sees of it, or (``capture``)
+    what the graphs' capture does (``cuda_graphs.split_items``)."""
     t, n, A = w.tp, w.tokens, w.compute
     n_sp = n // t if w.sp else n
     h = spec.hidden
@@ -576,7 +583,10 @@ def layer_items(spec: ModelSpec, w: Workload, k: MegatronKnobs) -> list[Item]:
         items += _moe(spec, w, n_sp, A, L)
     else:
         items += _mlp(spec, "mlp", n, n_sp, spec.dense_layer_ffn // t, A, L)
-    return module_items(items + [Item("dropout.mask2", n_sp * h)] * bool(mask), k)
+    items = module_items(items + [Item("dropout.mask2", n_sp * h)] * bool(mask), k)
+    if k.cuda_graph_scope:
+        items = cuda_graphs.split_items(items, k.cuda_graph_scope, capture)
+    return items
 
 
 def embed_items(spec: ModelSpec, w: Workload, k: MegatronKnobs) -> list[Item]:

@@ -55,7 +55,10 @@ modules, Megatron's recompute) in every part that decides the peak:
 - **torch.compile** of the loss (``compiled_loss``, ``titan_compile``). The compiled blocks are
   not modelled (priced as eager; docs/estimator.md, "torch.compile").
 
-Not modelled (left for later): float8 with tensor parallelism, the chunked loss under TP
+Float8 with tensor parallelism: torchtitan 0.3.0's rowwise recipes under its own TP plan (the
+Float8Linear casts its local shards; the same moments with the rank's shapes, the sequence
+shards kept beside the all-gathered tensors). Not modelled (left for later): tensorwise float8
+with TP (torchao's float8 TP styles, which 0.3.0 does not apply), the chunked loss under TP
 (loss parallel per chunk), FlexAttention's block masks and the RoPE cache gathered by explicit
 positions (0.3.0's default backend: small),
 HSDP's replicate all-reduce buffers. Pipeline parallelism: ``titan_schedules`` and
@@ -268,10 +271,12 @@ def check_float8(recipe: str | None, all_gather: bool, tp: int) -> None:
             f"fsdp_float8_all_gather is tensorwise only (torchao), got fp8_recipe={recipe!r}; "
             "use fp8_recipe='tensorwise' or drop fsdp_float8_all_gather"
         )
-    if tp > 1:
+    if tp > 1 and recipe == "tensorwise":
         raise ValueError(
-            "framework='torchtitan': float8 with tensor parallelism (torchao's float8 TP "
-            "styles) is not modelled yet; use tp=1 or no fp8_recipe"
+            "framework='torchtitan': tensorwise float8 with tensor parallelism needs torchao's "
+            "float8 TP styles (Float8ColwiseParallel, ...), which torchtitan 0.3.0 does not "
+            "apply: use fp8_recipe='rowwise' or 'rowwise_with_gw_hp' (its converter's, which "
+            "run under its TP plan), or tp=1"
         )
 
 
@@ -378,6 +383,12 @@ def float8_sac_saved(spec: ModelSpec, recipe: str, all_gather: bool) -> int:
     return len(float8_linears(spec)) * (1 if all_gather else 2) * _BF16
 
 
+def w2_converted(spec: ModelSpec) -> bool:
+    """Whether ``w2`` is a Float8Linear: the converter filters the model's Linears by their
+    whole (unsharded) dims, before tensor parallelism splits them."""
+    return (spec.ffn, spec.hidden) in float8_linears(spec)
+
+
 def float8_gathered(spec: ModelSpec, t: int, all_gather: bool) -> int:
     """Bytes of one block's parameters gathered by FSDP: bf16, or under float8 all-gather 1 B
     for the converted Linears' weights."""
@@ -400,18 +411,28 @@ def float8_moment(sh: Shapes, spec: ModelSpec, recipe: str, all_gather: bool) ->
     its ``clamp`` and the fp8 result alive at once (9 B per element: ``_ToFloat8ConstrFunc``,
     ``to_fp8_saturated``), beside the fp32 scales (rowwise: one per row or column; tensorwise:
     scalars). ``rowwise_with_gw_hp`` computes the weight gradient in bf16 (no dim-1 casts).
+    Under tensor parallelism (sequence parallel) ``h`` stays whole and ``ffn`` is the rank's
+    share; each of these moments is checked against a fake profile of torchtitan's model at
+    tp 2 and 4 (``tests/estimator/test_torchtitan.py``).
     """
     h, f = sh.h, sh.f
-    if (f, h) not in float8_linears(spec):
+    if not w2_converted(spec):
         return None
     n = sh.n
-    if recipe == "rowwise_with_gw_hp":
-        return None
     weight_cast = 0 if all_gather else h * f
+    # under TP the incoming gradient is w2's reduce-scatter output's: its sequence-parallel
+    # shard stays beside the all-gathered copy w2's backward reads
+    shard = sh.n_sp * h * _BF16 if sh.t > 1 else 0
+    if recipe == "rowwise_with_gw_hp":
+        # no ffn-wide cast for w2's weight gradient: the widest moment is w1's backward, whose
+        # incoming gradient (n · ffn) is cast rowwise for the input gradient: its fp32 scaled
+        # copy and the fp8 result (5 B per element), one fp32 scale per row; the incoming
+        # gradient's two fp8 copies of w2 still held (the reference's accounting)
+        return n * h * _BF16 + shard + n * f * _BF16 + 2 * n * h + 5 * n * f + 4 * n
     # rowwise: one fp32 per row or column; tensorwise: scalars (a float8-gathered weight
     # carries its own)
     scales = 4 * (n + h + f + f) if recipe == "rowwise" else 4 * (3 if all_gather else 4)
-    return n * h * _BF16 + n * f * _BF16 + 2 * n * h + weight_cast + 9 * n * f + scales
+    return n * h * _BF16 + shard + n * f * _BF16 + 2 * n * h + weight_cast + 9 * n * f + scales
 
 
 def float8_forward_moment(
@@ -434,12 +455,14 @@ def float8_forward_moment(
     checkpointed or w2 not converted)."""
     i = n_layers - 1
     h, f, n = sh.h, sh.f, sh.n
-    if block_checkpointed(recompute, i) or (f, h) not in float8_linears(spec):
+    if block_checkpointed(recompute, i) or not w2_converted(spec):
         return None
     acts = sum(block_saved(sh, recompute, j) for j in range(n_layers))
     scale = 4 * n if recipe.startswith("rowwise") else 4
     comm = gathered * (2 if n_shard > 1 else 1)
-    return 0.0, float(acts), float(2 * n * h * _BF16 + 9 * n * f + scale), float(comm)
+    # the block input and the residual stream: the latter a sequence-parallel shard under TP
+    streams = (n + sh.n_sp) * h * _BF16
+    return 0.0, float(acts), float(streams + 9 * n * f + scale), float(comm)
 
 
 def float8_recompute_moment(sh: Shapes, spec: ModelSpec, recipe: str, per_op: bool) -> int | None:
@@ -450,11 +473,15 @@ def float8_recompute_moment(sh: Shapes, spec: ModelSpec, recipe: str, per_op: bo
     under per-op SAC w2's cached output, not yet replayed. It is the widest for
     ``rowwise_with_gw_hp``, whose backward casts no ffn-wide tensor for the weight gradient."""
     h, f, n = sh.h, sh.f, sh.n
-    if (f, h) not in float8_linears(spec):
+    if not w2_converted(spec):
         return None
     scale = 4 * n if recipe.startswith("rowwise") else 4
-    cached = n * h * _BF16 if per_op else 0
-    return 2 * n * h * _BF16 + 9 * n * f + scale + cached
+    # under TP (sequence parallel) the incoming gradient, the residual stream and the block's
+    # checkpointed input are shards of their own, beside the all-gathered norm output that the
+    # column-parallel w1/w3 read; SAC caches w2's partial sums and their reduce-scatter output
+    streams = (n + 3 * sh.n_sp if sh.t > 1 else 2 * n) * h * _BF16
+    cached = (n + (sh.n_sp if sh.t > 1 else 0)) * h * _BF16 if per_op else 0
+    return streams + 9 * n * f + scale + cached
 
 
 def _check_terms(
