@@ -17,14 +17,11 @@ kernel called directly (``torchtitan_reference.flash_forward``); the router's ga
 bf16), so its forward is the CUDA autocast's: ``F.linear(x.float(), weight.float())``. No expert
 parallelism (ep = 1), no shared experts (Qwen3-MoE has none).
 
-    python benchmarks/published/torchtitan_moe_reference.py --world 8 --ac none
+Its rows: ``torchtitan_moe_results.py`` (``bench_published.py --only torchtitan-pp``).
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
 import types
 from typing import Any
 
@@ -125,19 +122,3 @@ def profile_flavor(flavor: str, **kw: Any) -> Result:
         dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
         moe_hidden=hidden, experts=experts, top_k=top_k, vocab=vocab, **kw,
     )  # fmt: skip
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--flavor", default="debug", choices=sorted(FLAVORS))
-    ap.add_argument("--world", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--ac", default="none", help="none, selective, full or N (layer SAC)")
-    args = ap.parse_args()
-    r = profile_flavor(args.flavor, world=args.world, batch=args.batch, seq=args.seq, ac=args.ac)
-    print(json.dumps(dataclasses.asdict(r), indent=1))
-
-
-if __name__ == "__main__":
-    main()
