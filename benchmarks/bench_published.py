@@ -523,8 +523,9 @@ vocabulary 151936), FSDP over `dp_shard` ranks, ep = 1, the estimate
 against the fake profile of torchtitan's own `Qwen3Model` with its `MoE` blocks, AC and
 `apply_fsdp_to_decoder` (`benchmarks/published/torchtitan_moe_reference.py`; the router's gate
 as CUDA's `autocast(float32)` runs it, the attention the flash kernel). The loss's moment is the
-peak in every row (a block's backward, the widest when the logits are small, is priced roughly
-and not checked). Per-op SAC, EP and PP/TP/CP with MoE are not modelled.
+peak in every row (a block's backward, the widest when the logits are small, is checked on the
+tests' model: tests/estimator/test_titan_moe.py). Per-op SAC, EP and PP/TP/CP with MoE are not
+modelled.
 
 {moe_table}
 """
