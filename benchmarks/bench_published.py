@@ -17,6 +17,7 @@
     python benchmarks/bench_published.py --only torchtitan   # reruns that section alone
     python benchmarks/bench_published.py --only torchtitan --rows "Trainy FSDP 32,Trainy FSDP 64"
     python benchmarks/bench_published.py --only finetune   # writes results/published_finetune.md
+    python benchmarks/bench_published.py --only torchtitan-pp   # pp and MoE: their section
 
 - **fine-tuning** (``--only finetune``, its own results file): torchtune's published "Optimization
   flags" table (Llama 3.2 3B, README) row by row with the recipe's settings, and PEFT-wrapped
@@ -432,6 +433,118 @@ def only_torchtitan(rows: str | None = None) -> None:
             if not f["name"].startswith((TITAN_FIGURE, RESERVED_FIGURE))
         ]
         record["figures"] += [dataclasses.asdict(f) for f in titan_figures(titan_err, titan_res)]
+    js.write_text(json.dumps(record, indent=1) + "\n")
+    print(section)
+
+
+PP_HEADING = "## torchtitan with pipeline parallelism and with MoE (estimate vs fake profile)"
+PP_FIGURE = "torchtitan pp max |error|"
+MOE_FIGURE = "torchtitan moe |error|"
+
+
+def recorded_pp_section() -> str:
+    """The pp / MoE section as last recorded (``--only torchtitan-pp`` reruns it; a full run
+    keeps it), or nothing."""
+    from _report import RESULTS
+
+    md = RESULTS / "published.md"
+    text = md.read_text() if md.exists() else ""
+    if PP_HEADING not in text:
+        return ""
+    start = text.index(PP_HEADING)
+    end = text.find("\n## ", start + 1)
+    return text[start : end + 1 if end >= 0 else len(text)]
+
+
+def titan_moe_table() -> tuple[str, list[Any]]:
+    """The MoE rows (``torchtitan_moe_results``) as a Markdown table, and their figures."""
+    import torchtitan_moe_results
+    from _report import markdown_table
+
+    rows, figures = [], []
+    for m in torchtitan_moe_results.run():
+        r = m.row
+        rows.append(
+            [r.name, f"{m.reference / GiB:.2f}", f"{m.estimate / GiB:.2f}",
+             f"{100 * m.error:+.4f} %", m.phase, f"dp_shard {r.dp}, {r.batch} x {r.seq}, AC {r.ac}"]
+        )  # fmt: skip
+        figures.append(value_figure(f"{MOE_FIGURE}, {r.name}", "%", 100 * abs(m.error)))
+    cols = ["layout", "fake profile GiB", "estimate GiB", "error", "phase", "how"]
+    return markdown_table(cols, rows), figures
+
+
+def only_torchtitan_pp() -> None:
+    """torchtitan's pipeline-parallel layouts (``torchtitan_pp_results``), every rank, into
+    their own section of published.md and figures of published.json (the rest as recorded)."""
+    import dataclasses
+    import json
+
+    import torchtitan_pp_results
+    from _report import RESULTS, markdown_table
+
+    info = machine_info()
+    measured = torchtitan_pp_results.run()
+    rows, figures = [], []
+    for m in measured:
+        r, worst = m.row, max(map(abs, m.errors))
+        rows.append(
+            [r.name, " / ".join(f"{b / GiB:.2f}" for b in m.reference),
+             " / ".join(f"{b / GiB:.2f}" for b in m.estimate), f"{100 * worst:.4f} %",
+             f"rank {m.worst}: {m.estimate[m.worst] / GiB:.2f}",
+             f"dp_shard {r.dp}, {r.batch} x {r.seq}, AC {r.ac}"]
+        )  # fmt: skip
+        figures.append(value_figure(f"{PP_FIGURE}, {r.name}", "%", 100 * worst))
+    cols = ["layout", "fake profile GiB (rank 0 / 1 / ...)", "estimate GiB (rank 0 / 1 / ...)",
+            "max |error| over ranks", "the bill (worst rank)", "how"]  # fmt: skip
+    section = f"""{PP_HEADING}
+
+Run alone (`bench_published.py --only torchtitan-pp`, {info["date"]}, git commit
+{info["git commit"]}, {info["cpu"]}, torch {info["torch"]}, torchtitan 0.3.0). Peak
+allocated of every pipeline rank: the estimate (`gpumem/estimator/frameworks/titan_pipeline.py`,
+`titan_schedules.py`) against one rank of torchtitan's own Llama split by its own
+`pipeline_module_split` code, parallelized with `apply_fsdp_to_decoder(pp_enabled=True)` and
+driven through torch's `PipelineStage`
+(`forward_one_chunk`, `backward_one_chunk`, `perform_reduce_grad`) in the order its schedule runs on
+that rank, two steps under fake tensors on the fake process group
+(`benchmarks/published/torchtitan_pp_reference.py`). Emulated: the sends and receives are not
+issued (one process holds one rank; the recv buffers keep their shapes, fake tensors carry no
+values) and the first step's metadata inference is replaced by the shapes given (torch's static
+mode). No published table measures torchtitan's pipeline memory. Max |error| over every rank of
+every layout: {max(f.p50 for f in figures):.4f} %. The reserved figure is not
+simulated under pp or MoE (the flat fragmentation share).
+
+{markdown_table(cols, rows)}
+"""
+    moe_table, moe_figures = titan_moe_table()
+    section += f"""
+**MoE**: torchtitan 0.3.0's Qwen3-30B-A3B (`_30b_a3b`: 48 blocks, 128 experts of 768, top-8,
+vocabulary 151936), FSDP over `dp_shard` ranks, ep = 1, the estimate
+(`gpumem/estimator/frameworks/titan_moe.py`, the model described as its `config.json` would)
+against the fake profile of torchtitan's own `Qwen3Model` with its `MoE` blocks, AC and
+`apply_fsdp_to_decoder` (`benchmarks/published/torchtitan_moe_reference.py`; the router's gate
+as CUDA's `autocast(float32)` runs it, the attention the flash kernel). The loss's moment is the
+peak in every row (a block's backward, the widest when the logits are small, is checked on the
+tests' model: tests/estimator/test_titan_moe.py). Per-op SAC, EP and PP/TP/CP with MoE are not
+modelled.
+
+{moe_table}
+"""
+    figures += moe_figures
+    md, js = RESULTS / "published.md", RESULTS / "published.json"
+    text = md.read_text()
+    if PP_HEADING in text:
+        start = text.index(PP_HEADING)
+        end = text.find("\n## ", start + 1)
+        text = text[:start] + section + (text[end + 1 :] if end >= 0 else "")
+    else:
+        at = text.index("## transformers")
+        text = text[:at] + section + "\n" + text[at:]
+    md.write_text(text)
+    record = json.loads(js.read_text())
+    record["figures"] = [
+        f for f in record["figures"] if not f["name"].startswith((PP_FIGURE, MOE_FIGURE))
+    ]
+    record["figures"] += [dataclasses.asdict(f) for f in figures]
     js.write_text(json.dumps(record, indent=1) + "\n")
     print(section)
 
@@ -855,7 +968,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
         "--only",
-        choices=["torchtitan", "megatron-named", "finetune", "anatomy"],
+        choices=["torchtitan", "torchtitan-pp", "megatron-named", "finetune", "anatomy"],
         help="rerun this source's section alone (megatron-named, finetune: own results files)",
     )
     ap.add_argument(
@@ -869,6 +982,9 @@ def main() -> None:
         return
     if args.only == "finetune":
         only_finetune()
+        return
+    if args.only == "torchtitan-pp":
+        only_torchtitan_pp()
         return
     if args.only == "anatomy":
         only_anatomy()
@@ -890,6 +1006,7 @@ def main() -> None:
     ]
     from _report import markdown_table
 
+    pp_section = recorded_pp_section()
     notes = f"""
 **Megatron-LM** (`framework="megatron"`, last pipeline stage, `allocated_bytes`):
 {_share(mega_err)}.
@@ -898,7 +1015,7 @@ rule was fitted; the only fitted number is the library workspace (median of the 
 steady residuals: `megatron.WORKSPACE_BYTES`).
 
 {titan_section(titan, titan_err, titan_res)}
-## transformers, trained as `Trainer` trains them (real CPU runs, default convention)
+{pp_section}## transformers, trained as `Trainer` trains them (real CPU runs, default convention)
 
 {_share(hf_err)}.
 

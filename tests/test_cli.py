@@ -135,6 +135,8 @@ KNOB_FLAGS = {
         "fsdp_float8_all_gather": ["--fp8-recipe", "tensorwise", "--fsdp-float8-all-gather"],
         "loss_chunks": ["--loss-chunks", "8"],
         "compiled_loss": ["--compiled-loss"],
+        "pp_schedule": ["--pp-schedule", "GPipe"],
+        "pp_microbatch_size": ["--pp-microbatch-size", "2"],
     },
 }
 

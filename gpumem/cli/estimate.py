@@ -81,6 +81,19 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
         "does from 2025 (the blocks are priced eager)",
     )
     p.add_argument(
+        "--pp-schedule",
+        default=None,
+        help="--framework torchtitan with --pp: its pipeline_parallel_schedule (1F1B, GPipe, "
+        "Interleaved1F1B; default 1F1B)",
+    )
+    p.add_argument(
+        "--pp-microbatch-size",
+        type=_args.positive_int,
+        default=None,
+        help="--framework torchtitan with --pp: its pipeline_parallel_microbatch_size (default "
+        "1): --batch-size is the local batch, run as batch / this micro-batches",
+    )
+    p.add_argument(
         "--keep-logits",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -470,6 +483,14 @@ def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
             fsdp_float8_all_gather=args.fsdp_float8_all_gather,
             loss_chunks=args.loss_chunks,
             compiled_loss=args.compiled_loss,
+            **{
+                k: v
+                for k, v in (
+                    ("pp_schedule", args.pp_schedule),
+                    ("pp_microbatch_size", args.pp_microbatch_size),
+                )
+                if v is not None
+            },
         ),
         "deepspeed": deepspeed,
         "moe": MoEKnobs(

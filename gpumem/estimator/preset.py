@@ -16,7 +16,13 @@ from gpumem.estimator import backward as bwd
 from gpumem.estimator import finetune as ftn
 from gpumem.estimator import hf_ops, inputs, lora_ops, peak, tune_compiled
 from gpumem.estimator.bill import Bill, make_bill
-from gpumem.estimator.frameworks import cuda_graphs, megatron, torchtitan
+from gpumem.estimator.frameworks import (
+    cuda_graphs,
+    megatron,
+    titan_moe,
+    titan_pipeline,
+    torchtitan,
+)
 from gpumem.estimator.frameworks.conventions import (
     cp_exchange_bytes,
     default_fused_ops,
@@ -710,18 +716,19 @@ def estimate_preset(spec: ModelSpec, job: Job) -> Bill:
     )
     stages = list(range(layout.pp))
     if fw == "torchtitan":
-        rows = [titan_terms(spec, job, terms, batch_size, seq)]
-        items = torchtitan.layer_items(spec, layout, batch_size, seq, job.recompute)
+        rows = titan_terms(spec, job, terms, batch_size, seq)
+        stages = stages[: len(rows)]
+        items = (
+            titan_moe.layer_items(spec, layout, batch_size, seq, job.recompute)
+            if spec.is_moe
+            else torchtitan.layer_items(spec, layout, batch_size, seq, job.recompute)
+        )
     else:
         rows = terms.terms(
             layout, batch_size, job.recompute, job.grad_accum, job.persistent_grads, stages
         )
         items = terms.layer_items(layout, batch_size)
-    # torchtitan's step is simulated from its own allocation order (titan_trace), except for
-    # what that order does not cover
-    simulated = fw != "torchtitan" or torchtitan.simulated(
-        terms.alloc_conf, tt.loss_chunks, bool(job.persistent_grads), tt.fp8_recipe
-    )
+    simulated = fw != "torchtitan" or titan_simulated(job, terms)
     conf = terms.alloc_conf
     return make_bill(
         spec,
@@ -745,6 +752,7 @@ def estimate_preset(spec: ModelSpec, job: Job) -> Bill:
             ),
             "float8": "given",
             "sharding": job.sharding,
+            "pipeline": titan_pipeline.pipeline_source(tt),
             "finetune": "given",
             "loss": "keep_logits given"
             if acts.keep_logits is not None
@@ -752,10 +760,23 @@ def estimate_preset(spec: ModelSpec, job: Job) -> Bill:
         },
         items=items,
         alloc_conf=None if conf is None or not simulated else conf.text or "default",
-        reserved_note="framework='torchtitan' keeps the flat share with loss_chunks, "
+        reserved_note="framework='torchtitan' keeps the flat share with pp, loss_chunks, "
         "persistent gradients or float8"
         if not simulated and conf is not None
         else job.reserved_note,
+    )
+
+
+def titan_simulated(job: Job, terms: PresetTerms) -> bool:
+    """torchtitan's step is simulated from its own allocation order (titan_trace), except for
+    what that order does not cover (pipeline parallelism among them)."""
+    tt = job.torchtitan
+    return (
+        job.layout.pp == 1
+        and not terms.spec.is_moe
+        and torchtitan.simulated(
+            terms.alloc_conf, tt.loss_chunks, bool(job.persistent_grads), tt.fp8_recipe
+        )
     )
 
 
@@ -787,11 +808,12 @@ def check_applies(spec: ModelSpec, job: Job) -> None:
 
 
 def titan_terms(spec: ModelSpec, job: Job, terms: PresetTerms, batch: int, seq: int) -> list:
-    """The peak terms of one torchtitan rank (its dense Llama only)."""
-    if spec.arch != "llama" or spec.is_moe:
+    """The peak terms of each torchtitan rank (its dense Llama; its Qwen3-MoE: ``titan_moe``):
+    one row, or one per pipeline rank (``titan_pipeline``)."""
+    if spec.arch != "llama":
         raise ValueError(
-            f"framework='torchtitan' models torchtitan's dense Llama; got {spec.name!r} "
-            f"({spec.arch}{', MoE' if spec.is_moe else ''})"
+            f"framework='torchtitan' models torchtitan's Llama and Qwen3-MoE; got {spec.name!r} "
+            f"({spec.arch})"
         )
     if job.grad_accum != 1:
         raise ValueError("framework='torchtitan' models one micro-batch per step: grad_accum=1")
@@ -801,22 +823,36 @@ def titan_terms(spec: ModelSpec, job: Job, terms: PresetTerms, batch: int, seq: 
             "gather [tok_embeddings, norm, lm_head] as one FSDP unit for the whole step)"
         )
     tt = job.torchtitan
-    return torchtitan.terms(
+    if spec.is_moe:
+        given = [n for n, on in (("loss_chunks", tt.loss_chunks), ("fp8_recipe", tt.fp8_recipe),
+                                 ("compiled_loss", tt.compiled_loss),
+                                 ("persistent_grads", job.persistent_grads)) if on]  # fmt: skip
+        titan_moe.check_moe(spec, job.layout, job.recompute, given)
+        cuda = job.device == "cuda"
+        return [titan_moe.moe_terms(spec, job.layout, job.gpu, batch=batch, seq=seq,
+                                    recompute=job.recompute, cuda=cuda)]  # fmt: skip
+    common: dict[str, Any] = {
+        "batch": batch,
+        "seq": seq,
+        "recompute": job.recompute,
+        "cuda": job.device == "cuda",
+        "persistent_grads": bool(job.persistent_grads),
+    }
+    if job.layout.pp > 1:
+        return titan_pipeline.pipeline_terms(spec, job.layout, job.gpu, knobs=tt, **common)
+    row = torchtitan.terms(
         spec,
         job.training,
         job.layout,
         job.gpu,
-        batch=batch,
-        seq=seq,
-        recompute=job.recompute,
-        cuda=job.device == "cuda",
-        persistent_grads=bool(job.persistent_grads),
+        **common,
         loss_chunks=tt.loss_chunks,
         fp8_recipe=tt.fp8_recipe,
         fsdp_float8_all_gather=tt.fsdp_float8_all_gather,
         alloc_conf=terms.alloc_conf,
         compiled_loss=tt.compiled_loss,
     )
+    return [row]
 
 
 def bill_inputs(
@@ -844,6 +880,11 @@ def bill_inputs(
         ),
         **({"compiled_loss": True} if tt.compiled_loss else {}),
         **({"sharding": sharding_label(job)} if fw == "torchtitan" else {}),
+        **(
+            {"pipeline": titan_pipeline.pipeline_label(tt, job.layout.pp, batch)}
+            if fw == "torchtitan" and job.layout.pp > 1
+            else {}
+        ),
         **(
             {"moe_imbalance": job.moe.imbalance, "moe_dispatcher": job.moe.dispatcher}
             if spec.is_moe
