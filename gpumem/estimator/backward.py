@@ -389,7 +389,9 @@ def layer_moment(spec: ModelSpec, w, items, grad_bytes: int, recompute: str = "n
     mlp_saved = sum(i.nbytes for i in items[cut:] if not i.name.startswith("autocast."))
     h, qd = spec.hidden, spec.n_heads * spec.dhead // t
     per_mlp = (3 if spec.arch == "llama" else 2) * h * f + (0 if spec.arch == "llama" else f + h)
-    n_mlps = max(spec.n_experts, 1) if moe else 1
+    # the rank's own experts (``s.n_experts``: n_experts / ep) made their weight gradients;
+    # the router's (h x n_experts) is replicated
+    n_mlps = max(s.n_experts, 1) if moe else 1
     mlp_params = per_mlp * n_mlps + (h * spec.n_experts if moe else 0) + qd * h + 2 * h
     att = attention_moment(
         spec,
