@@ -221,6 +221,8 @@ def estimate_kwargs(
     if get("--cuda-graph-impl") == "transformer_engine":
         scope = get("--cuda-graph-scope") or ["attn", "mlp", "moe"]  # empty: the whole layer
         kw["cuda_graph_scope"] = tuple([scope] if isinstance(scope, str) else scope)
+        if get("--cuda-graph-warmup-steps") is not None:
+            kw["cuda_graph_warmup_steps"] = get("--cuda-graph-warmup-steps")
     if get("--num-distributed-optimizer-instances", 1) > 1:
         kw["dist_opt_instances"] = get("--num-distributed-optimizer-instances")
     unsupported = sorted(k for k in a if k not in used and k not in NEUTRAL)
