@@ -358,7 +358,10 @@ class PresetTerms:
         if self.plan is not None and self.plan.recipe.adapters:
             m = lora_ops.layer_moment(spec, w, items, self.plan.recipe, self.plan.typical)
         else:
-            m = bwd.layer_moment(spec, w, items, self.training.grad_bytes, recompute)
+            m = bwd.layer_moment(
+                spec, w, items, self.training.grad_bytes, recompute,
+                megatron.score_grads(w) if self.mcore else 2,
+            )  # fmt: skip
         # recomputed activations are temporaries again (the profiler's view); the norm's saved
         # input is the checkpointed block input itself when it is already fp32 (LayerNorm, or
         # the fp32 residual stream of RMSNorm)

@@ -601,6 +601,14 @@ def layer_items(
     return items
 
 
+def score_grads(w: Workload) -> int:
+    """The s x s gradients TE's unfused attention holds at once in backward: its fused
+    scaled-masked softmax produces its gradient in place (``scaled_masked_softmax_backward``,
+    ``transformer_engine/pytorch/csrc/extensions/softmax.cpp``), so one, unless attention
+    dropout's backward makes a second before it."""
+    return 2 if w.dropout > 0 else 1
+
+
 def embed_items(spec: ModelSpec, w: Workload, k: MegatronKnobs) -> list[Item]:
     """Token ids, and the embedding dropout's mask (``--hidden-dropout`` applies there too)."""
     n_sp = w.tokens // w.tp if w.sp else w.tokens
