@@ -392,7 +392,10 @@ The graphs' static buffers are derived from Transformer Engine's `make_graphed_c
 attention mask) per graphed layer forward in flight, one set of output gradients per output
 signature, the last input gradient; the previous run priced 3 hidden-state tensors per graph
 (calibrated): attn_cudagraph then +12.7 % / -10.7 %, scoped_cudagraph +1.7 % / +0.3 %,
-dsv3_tp2pp2ep4_cudagraph -3.5 % / +2.9 %. A peak the capture decides is labelled so
+dsv3_tp2pp2ep4_cudagraph -3.5 % / +2.9 %. The graphs' own share of the steady figure (measured
+minus the estimate without graphs) against the derived buffers: attn_cudagraph 1.23 GiB (1.00
+derived; 3 per graph: 0.75), dsv3_tp2pp2ep4_cudagraph 1.46 (1.29; 1.69), scoped_cudagraph 0.16
+(0.03; 0.16): the attention mask is most of the first two. A peak the capture decides is labelled so
 (`CUDA-graph capture`); with `--cuda-graph-warmup-steps 0` the capture comes before the first
 optimizer step (no Adam moments; the attn case). TE's unfused attention holds one s x s
 gradient in backward (its softmax's backward works in place), and under expert parallelism
