@@ -331,9 +331,11 @@ NAMED_REASONS = {
         "and optimizer (3 MoE layers, the MTP layer, the output layer and the MTP's copy of "
         "the embedding; the experts unsharded at expert-data-parallel 1) are 28.9 GiB of the "
         "31.1 measured, the rest not identified (DeepEP's buffers are outside the caching "
-        "allocator); peak over at the start of backward on the last rank, where the output "
-        "layer's 3.5 GiB weight gradient is billed as made beside the MTP layer's backward "
-        "(Megatron accumulates it into the fp32 main grad: the likely excess)"
+        "allocator); peak over by 2.6 GiB at the start of backward on the last rank (9 "
+        "in-flight MoE-layer forwards, 11.8 GiB, beside the MTP layer's backward and the "
+        "output layer's 3.5 GiB weight gradient), not attributed: the routed experts' tokens "
+        "are priced at the default imbalance 1.25, and the measured peak itself moved by "
+        "1.5 GB over the run as the routing changed (50.3 GB at step 5, 51.8 at step 345)"
     ),
 }
 
