@@ -300,6 +300,11 @@ class HFCase:
     reference: str = "fake"
     """``fake``: profiled under fake tensors; ``real``: trained for real on the CPU (the same
     numbers to the byte: tests/estimator/test_hf_sweep.py::test_fake_equals_real)."""
+    attention: str = "sdpa"
+    """``sdpa`` (where transformers offers it) or ``eager`` (``attn_implementation``)."""
+    kernels: str = "cpu"
+    """``cuda``: a CUDA job, estimated for CUDA and profiled on the CPU with CUDA's kernels
+    where they save other tensors (``profiler.fake.cuda_kernels_on_cpu``)."""
     loop: str = "logits"
     """``logits``: ``logits = model(ids).logits`` held through backward, ``F.cross_entropy``
     in the loop (estimated on the ``torch`` convention, which holds them); ``trainer``: the
@@ -315,11 +320,12 @@ def estimate_hf_case(case: HFCase, device: str = "cpu") -> Bill:
         seq_len=case.seq,
         precision=case.precision,
         optimizer="adamw",
-        device=device,
-        activations=ActivationKnobs(attention="sdpa"),
+        device="cuda" if case.kernels == "cuda" else device,
+        activations=ActivationKnobs(attention=case.attention),
         # the logits loop computes the loss itself, on the logits' dtype: torch's convention
         framework="torch" if case.loop == "logits" else None,
-        training=TrainingKnobs(persistent_grads=False),
+        # the reference's AdamW: torch's CPU default (a CUDA job's would be foreach)
+        training=TrainingKnobs(persistent_grads=False, foreach=False),
         recompute="full" if case.recompute else "none",
         gpu=find_gpu("H100-80GB", 2**40),
     )
@@ -336,22 +342,29 @@ def compare_hf(case: HFCase, device: str = "cpu") -> Comparison:
     import transformers
 
     from gpumem import profiler
+    from gpumem.profiler.fake import cuda_kernels_on_cpu
 
     cfg = dict(case.config)
     mtype = cfg.pop("model_type")
     config = transformers.AutoConfig.for_model(mtype, **cfg)
-    # the head a checkpoint of the family has: a causal LM, or the encoders' masked LM
+    # the head a checkpoint of the family has: a causal LM, or the encoders' masked LM; an
+    # encoder's architectures may name another
     auto = "MASKED_LM" if mtype in MLM_ENCODERS else "CAUSAL_LM"
     mapping = getattr(transformers.models.auto.modeling_auto, f"MODEL_FOR_{auto}_MAPPING")
     arch = mapping[type(config)]
+    named = [a for a in cfg.get("architectures") or [] if hasattr(transformers, a)]
+    if mtype in MLM_ENCODERS and named:
+        arch = getattr(transformers, named[0])
     # SDPA where transformers offers it (Gemma2 refuses it: eager, soft-capped attention)
-    config._attn_implementation = "sdpa" if getattr(arch, "_supports_sdpa", True) else "eager"
+    sdpa = case.attention == "sdpa" and getattr(arch, "_supports_sdpa", True)
+    config._attn_implementation = "sdpa" if sdpa else "eager"
     kwargs = {"experts_implementation": "grouped_mm"} if _is_moe_config(mtype) else {}
     dtype = torch.bfloat16 if case.precision == "bf16" else torch.float32
     use_fake = device == "cpu" and case.reference == "fake"
     fake = profiler.fake() if use_fake else contextlib.nullcontext()
+    kernels = cuda_kernels_on_cpu() if case.kernels == "cuda" else contextlib.nullcontext()
     torch.manual_seed(0)
-    with fake, _grouped_mm_any_dtype():
+    with fake, kernels, _grouped_mm_any_dtype():
         model = arch._from_config(config, dtype=dtype, **kwargs)
         if device != "cpu":
             model = model.to(device)
@@ -360,12 +373,14 @@ def compare_hf(case: HFCase, device: str = "cpu") -> Comparison:
             model.gradient_checkpointing_enable({"use_reentrant": False})
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         ids = torch.randint(0, config.vocab_size, (case.batch, case.seq), device=device)
-        autocast = case.precision == "bf16-autocast"
+        targets = _head_targets(arch.__name__, ids, config)
+        autocast = case.precision.endswith("-autocast")
+        amp = torch.float16 if case.precision.startswith("fp16") else torch.bfloat16
         with profiler.profile(model, optimizer=opt) as prof:
             for _ in range(2):
-                with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+                with torch.autocast(device, dtype=amp, enabled=autocast):
                     if case.loop == "trainer":
-                        loss = model(input_ids=ids, labels=ids).loss
+                        loss = model(input_ids=ids, **targets).loss
                     else:
                         logits = model(ids).logits
                         loss = F.cross_entropy(
@@ -376,6 +391,22 @@ def compare_hf(case: HFCase, device: str = "cpu") -> Comparison:
                 opt.zero_grad(set_to_none=True)
         rep = prof.report()
     return profile_comparison(case, rep, estimate_hf_case(case, device))
+
+
+def _head_targets(arch: str, ids: Any, config: Any) -> dict[str, Any]:
+    """The loss's keyword targets of a model's head: the tokens (language models), a label
+    per sample or per token (classification), start and end positions (question answering)."""
+    import torch
+
+    b, s = ids.shape
+    if arch.endswith("ForSequenceClassification"):
+        return {"labels": torch.randint(0, config.num_labels, (b,), device=ids.device)}
+    if arch.endswith("ForTokenClassification"):
+        return {"labels": torch.randint(0, config.num_labels, (b, s), device=ids.device)}
+    if arch.endswith("ForQuestionAnswering"):
+        pos = torch.randint(0, s, (b,), device=ids.device)
+        return {"start_positions": pos, "end_positions": pos.clone()}
+    return {"labels": ids}
 
 
 def profile_comparison(case: Any, rep: Any, bill: Bill) -> Comparison:

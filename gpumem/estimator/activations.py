@@ -71,6 +71,8 @@ class Workload:
         grouped_gemm: experts run as one grouped GEMM over all routed tokens (Megatron's
             TEGroupedMLP, transformers' ``grouped_mm``) rather than a loop over experts.
         fused: which of ``FUSED_OPS`` run as fused kernels.
+        eager: transformers' eager attention (``attn_implementation="eager"``) rather than
+            SDPA's math path: the softmax is a module op, which CUDA autocast runs in fp32.
         kv_cache: a transformers model builds its KV cache in forward (its default in training;
             gradient checkpointing turns it off); GPT-2's attention then saves the cache's
             contiguous copies of k and v.
@@ -96,6 +98,7 @@ class Workload:
     grouped_gemm: bool = False
     fused: frozenset[str] = frozenset()
     kv_cache: bool = True
+    eager: bool = False
 
     @property
     def tokens(self) -> int:

@@ -36,7 +36,7 @@ CATEGORIES = (
     "overhead",
     "total",
 )
-PHASES = ("backward start", "backward end", "optimizer step")
+PHASES = ("backward start", "backward end", "optimizer step", "forward end")
 CAPTURE_PHASE = "CUDA-graph capture"
 """The phase of a peak that Megatron's CUDA-graph capture decides (``cuda_graphs.py``)."""
 
@@ -296,7 +296,7 @@ def make_bill(
                 x, out, phase = capture_x, c_out, CAPTURE_PHASE
         per_gpu = dict(zip(CATEGORIES, out[: peak.OUT_TOTAL + 1], strict=True))
         # the held logits and the inputs inside the peak's activations (profiler: temporary, inputs)
-        ids = x[peak.IDS] * (x[peak.INFLIGHT] if out[peak.OUT_PHASE] == 0 else 1)
+        ids = x[peak.IDS] * (x[peak.INFLIGHT] if out[peak.OUT_PHASE] in (0, 3) else 1)
         allocated = out[peak.OUT_TOTAL] - out[peak.OUT_OVERHEAD]
         frag = int(x[peak.RESERVED_FRAG]) if simulated else 0
         pinned = int(x[peak.FRAG_BYTES]) if simulated else int(allocated * x[peak.FRAG])

@@ -52,7 +52,7 @@ def from_hf_config(config: dict[str, Any], name: str = "config.json") -> ModelSp
     """A ModelSpec from a Hugging Face ``config.json``: Llama, Mistral, Qwen2/3, Phi-3,
     Gemma/Gemma2/Gemma3, GPT-2, the MoE families Mixtral, Qwen2-MoE/Qwen3-MoE and
     DeepSeek-V2/V3 (dense first layers, shared experts, multi-head latent attention), and the
-    encoders BERT and RoBERTa (as ``*ForMaskedLM``: ``_encoder_spec``). The spec
+    encoders BERT and RoBERTa (``_encoder_spec``: the masked LM or a classification head). The spec
     follows transformers' implementation (``impl="hf"``, see ``hf_ops.py``).
 
     Raises:
@@ -134,24 +134,28 @@ def _gpt2_spec(c: _Fields) -> ModelSpec:
 
 
 def _encoder_spec(c: _Fields) -> ModelSpec:
-    """BERT / RoBERTa as ``*ForMaskedLM`` (their checkpoints' ``architectures``): post-LN
-    layers with separate q/k/v, exact GELU, token-type embeddings and an embedding LayerNorm,
-    and the MLM head (dense + GELU + LayerNorm, the decoder tied to the word embeddings with its
-    own bias); ``hidden_dropout_prob`` and ``attention_probs_dropout_prob`` are the dropouts
-    (0.1 in both checkpoints: masks saved in training)."""
+    """BERT / RoBERTa: post-LN layers with separate q/k/v, exact GELU, token-type embeddings
+    and an embedding LayerNorm, and the head ``architectures`` names: ``*ForMaskedLM`` (the
+    checkpoints' and the default: dense + GELU + LayerNorm, the decoder tied to the word
+    embeddings with its own bias), ``*ForSequenceClassification`` (pooler + classifier),
+    ``*ForTokenClassification``, ``*ForQuestionAnswering`` (``num_labels`` outputs per token);
+    ``hidden_dropout_prob`` and ``attention_probs_dropout_prob`` are the dropouts (0.1 in both
+    checkpoints: masks saved in training), ``classifier_dropout`` the head's."""
     act = c.get("hidden_act", "gelu")
     if act != "gelu":
         raise ValueError(
             f"{c.name}: hidden_act {act!r} is not modelled for model_type {c.mtype!r}; "
             "the estimator follows BERT's exact 'gelu'"
         )
-    heads = [a for a in c.get("architectures") or [] if isinstance(a, str)]
-    if heads and not any(a.endswith("ForMaskedLM") for a in heads):
-        raise ValueError(
-            f"{c.name}: architectures {heads} name a head the estimator does not model for "
-            f"model_type {c.mtype!r}; it prices *ForMaskedLM (give architectures "
-            f"['{c.mtype.capitalize()}ForMaskedLM'], or estimate the module itself)"
-        )
+    head = _encoder_head(c)
+    labels = 0
+    if head:  # transformers' num_labels (from id2label when not given; QA's start and end: 2)
+        id2label = c.get("id2label")
+        labels = c.opt("num_labels", len(id2label) if isinstance(id2label, dict) else 2)
+    pdrop = _probability(c, "hidden_dropout_prob")
+    head_pdrop = pdrop
+    if c.get("classifier_dropout") is not None:
+        head_pdrop = _probability(c, "classifier_dropout")
     h, max_pos = c.need("hidden_size"), c.need("max_position_embeddings")
     return ModelSpec(
         name=c.label,
@@ -164,15 +168,45 @@ def _encoder_spec(c: _Fields) -> ModelSpec:
         max_seq=max_pos - (c.opt("pad_token_id", 1) + 1 if c.mtype == "roberta" else 0),
         position_rows=max_pos,
         type_vocab=c.opt("type_vocab_size", 2),
-        tied_embeddings=bool(c.get("tie_word_embeddings", True)),
-        pdrop=_probability(c, "hidden_dropout_prob"),
+        # only the masked LM's decoder ties to the word embeddings
+        tied_embeddings=not head and bool(c.get("tie_word_embeddings", True)),
+        pdrop=pdrop,
         attn_pdrop=_probability(c, "attention_probs_dropout_prob"),
+        encoder_head=head,
+        n_labels=labels,
+        head_pdrop=head_pdrop,
         # position_ids and token_type_ids: int64 buffers of max_position_embeddings
         buffer_bytes=2 * max_pos * 8,
         source=c.name,
         impl="hf",
         family=c.mtype,
     )
+
+
+# the heads an encoder's ``architectures`` may name, by suffix
+_ENCODER_HEAD_NAMES = {
+    "ForMaskedLM": "",
+    "ForSequenceClassification": "seq_cls",
+    "ForTokenClassification": "token_cls",
+    "ForQuestionAnswering": "qa",
+}
+
+
+def _encoder_head(c: _Fields) -> str:
+    """The head ``architectures`` names (none: the masked LM, what the checkpoints name)."""
+    names = [a for a in c.get("architectures") or [] if isinstance(a, str)]
+    for a in names:
+        for suffix, head in _ENCODER_HEAD_NAMES.items():
+            if a.endswith(suffix):
+                return head
+    if names:
+        known = ", ".join(f"*{k}" for k in _ENCODER_HEAD_NAMES)
+        raise ValueError(
+            f"{c.name}: architectures {names} name a head the estimator does not model for "
+            f"model_type {c.mtype!r}; it prices {known} (give one in architectures, or "
+            "estimate the module itself)"
+        )
+    return ""
 
 
 def _probability(c: _Fields, key: str) -> float:

@@ -94,6 +94,8 @@ def embed_items(spec: ModelSpec, w: Workload) -> list[Item]:
 def head_items(spec: ModelSpec, w: Workload) -> list[Item]:
     """Final norm, LM head input, logits and the loss (``activations.head_items``), with
     transformers' norm for a config.json model."""
+    if spec.encoder_head:
+        return _classifier_head(spec, w)
     items = act.head_items(spec, w)
     if spec.is_encoder:  # the MLM transform before the final LayerNorm (dense, GELU)
         n = w.tokens
@@ -116,6 +118,8 @@ def attention_items(spec: ModelSpec, w: Workload) -> list[Item]:
 
 
 def ce_backward_bytes(spec: ModelSpec, w: Workload) -> int:
+    if spec.encoder_head:  # the loss's gradient and its log-softmax's: the logits' size
+        return 2 * sum(i.nbytes for i in _classifier_head(spec, w) if i.name == "loss.log_softmax")
     return act.ce_backward_bytes(spec, w)
 
 
@@ -362,7 +366,9 @@ def _encoder_layer(spec: ModelSpec, w: Workload) -> list[Item]:
     h, f, a, d = spec.hidden, spec.ffn // t, spec.n_heads // t, spec.dhead
     hq = a * d
     items = _proj_inputs(w, "qkv", 3, n, n_sp, h)
-    if w.attention == "math":
+    if w.eager:
+        items += _eager_attention(w, n, a, d, spec.attn_pdrop)
+    elif w.attention == "math":
         items += act.math_attention_items(w, n, a, d)
         items.append(Item("attn.dense_input", n * hq * A))  # (b, a, s, d) -> a copy
     else:
@@ -375,6 +381,64 @@ def _encoder_layer(spec: ModelSpec, w: Workload) -> list[Item]:
     items += act._norm_items(spec, w, "mlp_ln", n_sp)
     if w.autocast:
         items.append(Item("autocast.weight_casts", (4 * h * hq + 2 * h * f) * A))
+    return items
+
+
+def _eager_attention(w: Workload, n: int, a: int, d: int, p: float) -> list[Item]:
+    """transformers' eager attention (``eager_attention_forward``): the matmuls' q, k and v
+    (copies: the transposed heads are not contiguous), the softmax output, with dropout its mask
+    and output, the output's contiguous copy for the output dense. CUDA autocast runs softmax in
+    fp32 (its fp32 list; the CPU's in 16 bits): the fp32 probabilities, and the 16-bit copy the
+    probabilities-times-v matmul casts; 7 B a score with dropout, against SDPA math's 5."""
+    A = w.compute
+    s2 = w.batch * a * w.local_seq * w.seq
+    soft = 4 if w.autocast and w.cuda else A
+    items = [Item(f"attn.{k}", n * a * d * A, core=k != "v") for k in ("q", "k", "v")]
+    items.append(Item("attn.softmax", s2 * soft, core=True))
+    if p > 0:
+        items.append(Item("attn.dropout_mask", s2 * (1 if w.cuda else soft), core=True))
+    if p > 0 or soft != A:  # the matmul's input: dropout's output, or autocast's copy
+        items.append(Item("attn.probs", s2 * A, core=True))
+    return [*items, Item("attn.dense_input", n * a * d * A)]
+
+
+def _classifier_head(spec: ModelSpec, w: Workload) -> list[Item]:
+    """An encoder's classification head (``*ForSequenceClassification``: the pooler's dense
+    and tanh on the first token, dropout, the classifier; ``*ForTokenClassification``: dropout
+    and the classifier on every token; ``*ForQuestionAnswering``: ``qa_outputs`` on every
+    token, split into start and end logits) and its loss (``CrossEntropyLoss``; the QA head's
+    two, on the start and the end logits; one label: ``MSELoss``).
+
+    The pooler's Linear saves its input, ``hidden[:, 0]``: a view that keeps the last layer's
+    whole output alive (under autocast its 16-bit copy of the b rows instead). A Linear's output
+    is 16-bit under autocast, else the residual dtype; cross-entropy runs in fp32 under
+    autocast."""
+    n, b, h, L, head = w.tokens, w.batch, spec.hidden, spec.n_labels, spec.encoder_head
+    A, R = w.compute, w.residual
+    out = A if w.autocast else R
+    items: list[Item] = []
+    rows, x_bytes = n, R  # the classifier's input rows and their dtype before it
+    if head == "seq_cls":
+        items.append(Item("pooler.input", b * h * A if w.autocast else n * h * R))
+        items.append(Item("pooler.tanh", b * h * out))
+        rows, x_bytes = b, out
+    if head != "qa" and spec.head_pdrop > 0:
+        items.append(Item("classifier.dropout_mask", rows * h * (1 if w.cuda else x_bytes)))
+        items.append(Item("classifier.input", rows * h * (A if w.autocast else x_bytes)))
+    elif head != "seq_cls" or (w.autocast and x_bytes != A):
+        items.append(Item("classifier.input", rows * h * (A if w.autocast else x_bytes)))
+    if w.keep_logits:
+        items.append(Item("logits", rows * L * out, saved=False))
+    lsm = 4 if w.autocast else out
+    if head == "qa":  # start and end: a (b, s) log-softmax and the positions each
+        items += [Item("loss.log_softmax", 2 * n * lsm), Item("loss.targets", 2 * b * 8)]
+    elif L == 1:  # regression: MSELoss keeps the logits and the labels
+        items += [Item("loss.log_softmax", rows * lsm), Item("loss.targets", rows * 4)]
+    else:
+        items += [Item("loss.log_softmax", rows * L * lsm), Item("loss.targets", rows * 8)]
+    if w.autocast:
+        weights = (h * h if head == "seq_cls" else 0) + h * L
+        items.append(Item("autocast.head_casts", weights * A))
     return items
 
 

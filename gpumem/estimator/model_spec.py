@@ -84,6 +84,12 @@ class ModelSpec:
     attn_pdrop: float = 0.0
     type_vocab: int = 0
     position_rows: int = 0
+    # an encoder's head (``architectures``): "" the masked LM, ``seq_cls`` (pooler + classifier
+    # of the [CLS] token), ``token_cls`` (a classifier per token), ``qa`` (start/end logits per
+    # token); the classifier's labels and dropout (``classifier_dropout``, else the hidden one)
+    encoder_head: str = ""
+    n_labels: int = 0
+    head_pdrop: float = 0.0
     # vision
     image_size: int = 224
     patch: int = 16
@@ -177,7 +183,7 @@ class ModelSpec:
 
     @property
     def is_encoder(self) -> bool:
-        """BERT / RoBERTa (``*ForMaskedLM``): bidirectional, post-LN, an MLM head."""
+        """BERT / RoBERTa: bidirectional, post-LN, an MLM head or ``encoder_head``'s."""
         return self.family in MLM_ENCODERS
 
     @property
@@ -197,11 +203,22 @@ class ModelSpec:
         return dataclasses.replace(self, **changes)
 
 
+ENCODER_HEADS = ("", "seq_cls", "token_cls", "qa")
+"""An encoder's heads: the masked LM, sequence and token classification, question answering."""
+
+
 def _validate(s: ModelSpec) -> None:
     def positive(name: str, value: int) -> None:
         if not isinstance(value, int) or value <= 0:
             raise ValueError(f"model {s.name!r}: {name} must be a positive integer, got {value!r}")
 
+    if s.encoder_head not in ENCODER_HEADS:
+        raise ValueError(
+            f"model {s.name!r}: encoder_head {s.encoder_head!r} is not one of "
+            f"{', '.join(map(repr, ENCODER_HEADS))}"
+        )
+    if s.encoder_head and s.n_labels <= 0:
+        raise ValueError(f"model {s.name!r}: a {s.encoder_head} head needs n_labels >= 1")
     if s.arch not in ("gpt2", "llama", "vit", "resnet"):
         raise ValueError(
             f"model {s.name!r}: arch {s.arch!r} is not one of gpt2, llama, vit, resnet"

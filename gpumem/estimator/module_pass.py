@@ -42,6 +42,8 @@ from gpumem.estimator.terms import (
     own_dtype_states,
     split_layers,
 )
+from gpumem.profiler.categories import TEMPORARY
+from gpumem.profiler.fake import cuda_kernels_on_cpu
 
 _CUDA_BLOCK = 512  # the caching allocator's granularity, as the profiler counts CUDA storages
 
@@ -236,7 +238,11 @@ def measure(
         return torch.autocast(run, dtype=amp) if training.autocast else contextlib.nullcontext()
 
     own = own_trainable_bytes(module)
-    with profiler.fake(device=run if run == "cuda" else None):
+    # a CUDA job priced on the CPU: CUDA autocast's fp32 ops and dropout's bool mask
+    on_cpu = contextlib.nullcontext()
+    if device == "cuda" and run == "cpu":
+        on_cpu = cuda_kernels_on_cpu()
+    with profiler.fake(device=run if run == "cuda" else None), on_cpu:
         net = fake_copy(module, run, None if own else dtype)
         args, kwargs = make_inputs(module, example_input, batch, seq, run)
         order, io, saved, held, target = _structure(
@@ -251,12 +257,16 @@ def measure(
             with autocast():
                 out = net(*args, **kwargs)
                 loss = loss_fn(out) if loss_fn else default_loss(out, target)
+                # autocast's cached 16-bit weight copies that nothing saved (checkpointed
+                # blocks): alive until the autocast region ends, with the forward's end
+                casts = prof.tracker.by_category[TEMPORARY] if training.autocast else 0
             if not keep_logits:
                 del out
             loss.backward()
         rep = prof.report()
         log = prof.tracker.alloc_log or []
     spec = _spec(module, training, blocks, order, io, saved, held, rep, own)
+    spec.casts = casts
     from gpumem.profiler.reserved import log_events
 
     spec.alloc_events = tuple((ev[1], ev[2] if ev[0] == "alloc" else -1) for ev in log_events(log))
@@ -408,6 +418,8 @@ def module_terms(
             x[peak.A_LAST] = ms.acts[POST] * ms.act_scale(POST, t, sp) + held
             x[peak.HELD] = held
         grad_in = ms.block_out * resid  # what a non-last stage receives from the next one
+        # the forward's end: autocast's unsaved weight copies, of this stage's blocks
+        x[peak.CASTS] = ms.casts * f_all * (n_l / ms.n_blocks if ms.n_blocks else 1.0)
         if ms.moment == "start":
             x[peak.T_BWD0] = ms.t_start * f_all if is_last else grad_in
         else:

@@ -71,6 +71,7 @@ class ModuleSpec:
     # the measured pass's storages as the caching allocator sees them, in order: (handle,
     # bytes) allocations and (handle, -1) frees (the profiler's log; empty when not logged)
     alloc_events: tuple[tuple[int, int], ...] = ()
+    casts: float = 0.0  # temporaries alive at the forward's end (autocast's unsaved casts)
     trainable_numels: tuple[int, ...] = ()  # each trainable tensor's elements, tied ones once
     # bytes per element of the trainable parameters when they keep a dtype of their own beside
     # a frozen base of another (PEFT's fp32 adapters on a 16-bit base); 0: the precision's

@@ -127,6 +127,9 @@ def param_groups(s: Spec) -> ParamGroups:
         embed_rep = ((s.position_rows or s.max_seq) + s.type_vocab) * h + 2 * h
         head_rep = h * h + h + 2 * h + s.vocab
         head_tp = 0 if s.tied_embeddings else s.vocab * h
+        if s.encoder_head:  # a classifier (after the pooler's dense), no MLM head
+            head_rep = (h * h + h if s.encoder_head == "seq_cls" else 0) + (h + 1) * s.n_labels
+            head_tp = 0
     elif s.arch == "gpt2":
         embed_tp, embed_rep = s.vocab * h, s.max_seq * h
         head_rep = 2 * h

@@ -15,7 +15,10 @@ memory" and the Megatron golden values agree on this shape):
    grads the layer has produced by its widest moment, its live (or recomputed) activations and
    the gradients in flight there (``backward.py`` replays its nodes), the logits the caller
    still holds;
-3. optimizer step: all gradients plus the step's temporaries.
+3. optimizer step: all gradients plus the step's temporaries;
+4. end of forward, before the autocast region exits: every saved activation plus what only
+   the forward holds (``CASTS``: autocast's cached 16-bit weight copies that no saved tensor
+   keeps, all the layers' under full recompute; they are freed before backward starts).
 
 Logits the training loop still holds (``keep_logits``: a ``logits = model(x)`` variable lives
 until the next forward replaces it) count in all three, and so does the input batch (``IDS``,
@@ -56,10 +59,10 @@ N_OUT = 9
 
 def assemble(x):
     """Category bytes at the peak of one rank: (weights, gradients, optimizer, activations,
-    communication, temporary, overhead, total, phase) with phase 0/1/2 = backward start/end,
-    step. Every sum is in float64 (exact for integers below 2**53, and without overflow far
-    beyond: a job of 1e14 tokens or 1e9 layers comes out as a huge number, never a wrapped
-    negative one); each category saturates at ``LIMIT`` when made an integer."""
+    communication, temporary, overhead, total, phase) with phase 0/1/2/3 = backward start/end,
+    step, forward end. Every sum is in float64 (exact for integers below 2**53, and without
+    overflow far beyond: a job of 1e14 tokens or 1e9 layers comes out as a huge number, never
+    a wrapped negative one); each category saturates at ``LIMIT`` when made an integer."""
     stage = x[STAGE]
     nw = x[N_SHARD] if stage >= 3 else 1.0
     nwe = x[N_SHARD_EXP] if stage >= 3 else 1.0
@@ -76,7 +79,7 @@ def assemble(x):
     optim = (
         0.0 if x[OFFLOAD] > 0 else x[P_TRAIN] * x[O_BYTES] / no + x[P_EXP_TRAIN] * x[O_BYTES] / noe
     )
-    acts = x[INFLIGHT] * (x[N_LAYERS] * x[A_LAYER] + x[A_FIRST]) + x[A_LAST] + x[CASTS]
+    acts = x[INFLIGHT] * (x[N_LAYERS] * x[A_LAYER] + x[A_FIRST]) + x[A_LAST]
     g_keep = grads if x[G_PERSIST] > 0 else 0.0
     base = weights + optim + x[COMM]
     # weight grads made inside the last layer: new tensors, unless gradients persist (they
@@ -88,6 +91,7 @@ def assemble(x):
     g_end = grads - pend + x[G_WALK]
     end = base + g_end + x[A_FIRST] + x[A_END] + x[HELD] + x[T_LAYER] + x[GATHER]
     step = base + grads + x[HELD] + x[IDS] + x[T_STEP]
+    fwd = base + g_keep + acts + x[CASTS] + x[GATHER]
     phase = 0
     best = start
     if end > best:
@@ -96,12 +100,17 @@ def assemble(x):
     if step > best:
         phase = 2
         best = step
+    if fwd > best:
+        phase = 3
+        best = fwd
     if phase == 0:
         g, a, c, t = g_keep + g_new, acts - x[A_GONE], x[GATHER] + x[COMM], t_start
     elif phase == 1:
         g, a, c, t = g_end, x[A_FIRST] + x[A_END] + x[HELD], x[GATHER] + x[COMM], x[T_LAYER]
-    else:
+    elif phase == 2:
         g, a, c, t = grads, x[HELD] + x[IDS], x[COMM], x[T_STEP]
+    else:
+        g, a, c, t = g_keep, acts, x[GATHER] + x[COMM], x[CASTS]
     # min(LIMIT, v) saturates each category (and maps a NaN, which only absurd inputs produce,
     # to the limit): their integer sum stays far inside int64 however large the job
     w_i, g_i, o_i = int(min(LIMIT, weights)), int(min(LIMIT, g)), int(min(LIMIT, optim))

@@ -159,6 +159,7 @@ class PresetTerms:
             moe_imbalance=self.moe_imbalance,
             grouped_gemm=self.grouped_gemm,
             fused=self.fused,
+            eager=self.attention == "eager",
         )
 
     def layer_items(self, layout: Layout, batch: int, dense: bool = False) -> list[act.Item]:
@@ -292,7 +293,8 @@ class PresetTerms:
                 )
             if spec.is_moe and not dense:
                 comm += hf_ops.dispatch_bytes(spec, w, self.moe_dispatcher)
-            cache[key] = (*layer, first, last, float(held), float(ids), float(ce0), comm)
+            cache[key] = (*layer[:5], first, last, float(held), float(ids), float(ce0), comm)
+            cache[key] += (layer[5],)  # [11]: saved tensors the widest moment released
         return cache[key]
 
     def _ends(self, w: act.Workload) -> tuple[float, float]:
@@ -329,7 +331,7 @@ class PresetTerms:
         grads of that layer; the transient of the start of backward)."""
         spec = self.spec
         if spec.arch == "resnet":
-            return 0.0, 0.0, 0.0, 0.0, 0.0
+            return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
         every = recompute_every(recompute)
         if self.activation_model == "korthikanti":
             mode = "full" if every else recompute
@@ -342,6 +344,7 @@ class PresetTerms:
             return (
                 float(saved / (every or 1)),
                 float(full * (every or 1) if every else 0),
+                0.0,
                 0.0,
                 0.0,
                 0.0,
@@ -377,7 +380,10 @@ class PresetTerms:
             t_end, a_end = m.temporary, full - m.freed
         # backward start: the last layer's widest moment (its recomputation included)
         t_start = m.excess + (full - shared if k else 0)
-        return float(saved), float(t_end), float(a_end), float(m.grads), float(t_start)
+        return (
+            float(saved), float(t_end), float(a_end), float(m.grads), float(t_start),
+            float(m.freed),
+        )  # fmt: skip
 
 
 @dataclass
@@ -671,15 +677,28 @@ def _fill_activations(pt: PresetTerms, st: _Stack, r: _Rank, x: list[float]) -> 
         g_start += head * tr.grad_bytes
         gone = last - held
     if t_start + g_start - gone > grad_in:
+        if spec.encoder_head and st.recompute == "none":
+            # a classifier's loss is small: the start is inside the last layer's post-LN
+            # backward, whose released tensors are activations gone, not negative temporaries
+            t_start, gone = t_start + a_last_layer[11], gone + a_last_layer[11]
         x[peak.T_BWD0], x[peak.G_START], x[peak.A_GONE] = t_start, g_start, gone
     else:
         x[peak.T_BWD0] = grad_in
     x[peak.T_LAYER] = a_first_layer[1]
     x[peak.A_END] = a_first_layer[2]
+    if tr.autocast and st.recompute == "full" and r.n_l:  # the forward's end (peak.py)
+        x[peak.CASTS] = r.n_dense * _casts(pt, st, True) + r.n_moe * _casts(pt, st, False)
     x[peak.HELD] = held if r.is_last else 0.0
     x[peak.IDS] = ids_b if r.is_first else 0.0
     x[peak.G_WALK] = a_first_layer[3]
     _fill_pending(pt, st, r, x)
+
+
+def _casts(pt: PresetTerms, st: _Stack, dense: bool) -> float:
+    """Autocast's cached 16-bit weight copies of one checkpointed layer: nothing saved keeps
+    them, the cache does until the forward ends."""
+    items = pt.layer_items(st.layout, st.batch, dense)
+    return float(sum(i.nbytes for i in items if i.name.startswith("autocast.")))
 
 
 def _fill_pending(pt: PresetTerms, st: _Stack, r: _Rank, x: list[float]) -> None:

@@ -21,7 +21,9 @@ What follows from having no data:
   choice, which PyTorch makes from the real GPU (on a GPU machine the fake run asks the real
   device; without one it falls back to the math kernel's shapes). Without a usable CUDA device
   only no-grad work is possible: ops that would record autograd are refused with an error,
-  because PyTorch itself would abort the process.
+  because PyTorch itself would abort the process. :func:`cuda_kernels_on_cpu` instead makes a
+  CPU pass save what CUDA's kernels save where they differ (autocast's fp32 softmax and norms,
+  dropout's bool mask): the nn.Module path prices a CUDA job that way without a GPU.
 - models that read values for control flow may take another branch when they see fake tensors.
   transformers does so in one place that changes memory: without a KV cache (training, and
   always under gradient checkpointing) it checks whether ``position_ids`` describe packed
@@ -472,3 +474,72 @@ def is_fake_model(model: torch.nn.Module) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return any(isinstance(view, FakeTensor) for p in model.parameters() for view, _ in views_of(p))
+
+
+# CUDA autocast's fp32 policies (aten/src/ATen/autocast_mode.cpp) for the ops whose saved
+# tensors change with them; CPU autocast leaves them in the input's dtype. ``fp32_set_opt_dtype``
+# (softmax, log_softmax: the op's own dtype argument set to fp32 when not given) and ``fp32``
+# (the norms: floating inputs cast to fp32).
+_CUDA_FP32_OPT_DTYPE = ("softmax.int", "log_softmax.int")
+_CUDA_FP32 = ("layer_norm", "group_norm")
+
+
+@contextlib.contextmanager
+def cuda_kernels_on_cpu() -> Iterator[None]:
+    """Run a CPU pass with what CUDA's kernels and autocast save where the CPU's differ:
+    CUDA autocast's fp32 ops (softmax and log_softmax in fp32 when no dtype is given, the
+    norms on fp32 inputs; CPU autocast runs them in 16 bits) and dropout's bool mask
+    (``native_dropout``; the CPU's ``dropout`` saves its float noise). For a pass that prices
+    a CUDA job on a machine without a GPU (the nn.Module path of ``gpumem.estimate``).
+
+    The kernels are registered for the duration of the block (process-wide) and removed on
+    exit.
+
+    Example:
+        >>> with gpumem.fake(), cuda_kernels_on_cpu(), torch.autocast("cpu", torch.float16):
+        ...     probs = torch.softmax(torch.randn(4, 4).half(), -1)   # float32, as on CUDA
+    """
+    autocast_key = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+    low = (torch.float16, torch.bfloat16)
+
+    def fp32_opt_dtype(op):
+        def kernel(x, dim, dtype=None):
+            with torch._C._ExcludeDispatchKeyGuard(autocast_key):
+                if dtype is None and x.dtype in low:
+                    dtype = torch.float32
+                return op(x, dim, dtype)
+
+        return kernel
+
+    def fp32(op):
+        def kernel(*args, **kwargs):
+            with torch._C._ExcludeDispatchKeyGuard(autocast_key):
+                args = tuple(
+                    a.float() if isinstance(a, torch.Tensor) and a.dtype in low else a for a in args
+                )
+                return op(*args, **kwargs)
+
+        return kernel
+
+    def dropout(x, p, train):
+        if not train or p == 0:
+            return x
+        return torch.ops.aten.native_dropout.default(x, p, train)[0]
+
+    import warnings
+
+    libs = [torch.library.Library("aten", "IMPL") for _ in range(2)]
+    try:
+        with warnings.catch_warnings():  # dropout's composite kernel is replaced on purpose
+            warnings.simplefilter("ignore", UserWarning)
+            for name in _CUDA_FP32_OPT_DTYPE:
+                base, overload = name.split(".")
+                op = getattr(getattr(torch.ops.aten, base), overload)
+                libs[0].impl(name, fp32_opt_dtype(op), "AutocastCPU")
+            for name in _CUDA_FP32:
+                libs[0].impl(name, fp32(getattr(torch.ops.aten, name).default), "AutocastCPU")
+            libs[1].impl("dropout", dropout, "CompositeImplicitAutograd")
+        yield
+    finally:
+        for lib in libs:
+            lib._destroy()

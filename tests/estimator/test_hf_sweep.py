@@ -160,8 +160,8 @@ def test_encoder_param_count_is_transformers(name):
         ({"hidden_act": "relu"}, ("hidden_act", "'relu'", "gelu")),
         ({"hidden_dropout_prob": 1.5}, ("hidden_dropout_prob", "[0, 1)")),
         (
-            {"architectures": ["BertForSequenceClassification"]},
-            ("BertForSequenceClassification", "ForMaskedLM", "module itself"),
+            {"architectures": ["BertForMultipleChoice"]},
+            ("BertForMultipleChoice", "ForMaskedLM", "ForSequenceClassification", "module itself"),
         ),
         ({"model_type": "t5"}, ("'t5'", "encoder-decoder", "AutoModelForSeq2SeqLM", "bert")),
     ],
@@ -206,3 +206,75 @@ def test_t5_through_the_module_path_matches_its_fake_profile():
                 opt.zero_grad(set_to_none=True)
         rep = prof.report()
     assert abs(bill.allocated_bytes / rep.peak_bytes - 1) < 0.05, (bill.per_gpu, rep.at_peak)
+
+
+HEADS = ("BertForSequenceClassification", "BertForTokenClassification", "BertForQuestionAnswering")
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_encoder_head_param_count_is_transformers(head):
+    """A classification head named by ``architectures``: the pooler (sequence classification)
+    and the classifier, no MLM head; bert-base's shapes with 3 labels, on the meta device."""
+    import torch
+    import transformers
+
+    from gpumem.estimator.hf_config import from_hf_config
+
+    cfg = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+           "intermediate_size": 3072, "vocab_size": 30522, "max_position_embeddings": 512,
+           "num_labels": 3}  # fmt: skip
+    with torch.device("meta"):
+        model = getattr(transformers, head)(transformers.BertConfig(**cfg))
+    spec = from_hf_config({"model_type": "bert", "architectures": [head], **cfg})
+    assert spec.n_params == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("head", "precision", "recompute", "dropout", "bound"),
+    [(h, "fp32", False, 0.0, 0.0) for h in HEADS]
+    + [("BertForSequenceClassification", "bf16", True, 0.0, 0.0),
+       ("BertForQuestionAnswering", "fp32", True, 0.0, 0.0),
+       ("BertForTokenClassification", "bf16-autocast", False, 0.1, 5.0),
+       ("BertForQuestionAnswering", "fp32", True, 0.1, 5.0)],
+)  # fmt: skip
+def test_encoder_heads_match_their_fake_profile(head, precision, recompute, dropout, bound):
+    """The heads as ``Trainer`` runs them (the model's own loss); bound 0: every category
+    within the sweep's bound. The post-LN layer's backward starts with its norm, so with a
+    classifier's small loss the peak is inside the last layer's MLP (``backward._post_ln_mlp``);
+    under autocast or dropout the total is within 5 % (the peak moves into the forward on
+    these tiny models: docs/estimator.md)."""
+    cfg = {**HF_SWEEP["bert"], "architectures": [head], "hidden_dropout_prob": dropout}
+    cfg["attention_probs_dropout_prob"] = dropout
+    c = compare_hf(HFCase(head, cfg, precision, recompute, loop="trainer"))
+    assert c.estimated["weights"] == c.measured["weights"]
+    if bound:
+        assert abs(c.error_pct) < bound
+        return
+    bad = {
+        k: (c.measured.get(k, 0), c.estimated.get(k, 0))
+        for k in PROFILER_CATEGORIES
+        if not within_tolerance(c.measured.get(k, 0), c.estimated.get(k, 0))
+    }
+    assert not bad, bad
+    assert abs(c.error_pct) < 0.5
+
+
+def test_encoder_head_on_the_cli(tmp_path, capsys):
+    """``gpumem estimate path/`` reads the head from the config's architectures, with the eager
+    attention BERT ran before SDPA; the same bill as the Python call."""
+    import json
+
+    import gpumem
+    from gpumem.cli import main
+    from gpumem.estimator.knobs import ActivationKnobs
+
+    cfg = {**HF_SWEEP["bert"], "architectures": ["BertForSequenceClassification"]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    args = ["--batch-size", "2", "--seq-len", "64", "--attention", "eager", "--json"]
+    assert main(["estimate", str(tmp_path), *args]) == 0
+    out = json.loads(capsys.readouterr().out)
+    bill = gpumem.estimate(
+        dict(cfg), batch_size=2, seq_len=64, activations=ActivationKnobs(attention="eager")
+    )
+    assert out["per_gpu"]["total"] == bill.per_gpu["total"]
+    assert out["n_params"] == bill.n_params

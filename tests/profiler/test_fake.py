@@ -159,3 +159,22 @@ with gpumem.fake(device="cuda"):
     # weights 512 + 512 (8x8 fp32 = 256 B and 8 B bias, each a 512-byte block), input 512,
     # output 512
     assert out.stdout.split() == ["peak", "2048", "refused", "True", "refused", "True"]
+
+
+def test_cuda_kernels_on_cpu_and_back():
+    """CUDA autocast's fp32 softmax and norms, and dropout's bool mask, on the CPU for the
+    block only (the nn.Module path prices a CUDA job on a machine without a GPU)."""
+    from gpumem.profiler.fake import cuda_kernels_on_cpu
+
+    x = torch.randn(4, 8, requires_grad=True)
+    with cuda_kernels_on_cpu(), torch.autocast("cpu", dtype=torch.float16):
+        assert torch.softmax(x.half(), -1).dtype == torch.float32
+        assert torch.log_softmax(x.half(), -1, dtype=torch.float16).dtype == torch.float16
+        assert torch.nn.functional.layer_norm(x.half(), (8,)).dtype == torch.float32
+        d = torch.nn.functional.dropout(x, 0.5, True)
+        assert type(d.grad_fn).__name__ == "NativeDropoutBackward0"
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert torch.softmax(x.half(), -1).dtype == torch.float16
+        assert type(torch.nn.functional.dropout(x, 0.5, True).grad_fn).__name__ != (
+            "NativeDropoutBackward0"
+        )
