@@ -248,7 +248,7 @@ class Bill:
     def pipeline_table(self) -> str:
         """The bill of every pipeline rank side by side (GiB), the worst marked."""
         ranks = self.pipeline_ranks or [self]
-        width = max(16, *(len(f"rank {r.stage}") + 2 for r in ranks))
+        width = max(16, *(max(len(f"rank {r.stage}"), len(r.phase)) + 2 for r in ranks))
         head = f"{'category':<14}" + "".join(f"{'rank ' + str(r.stage):>{width}}" for r in ranks)
         lines = [
             f"{self.model.name}, {self.layout.describe()}, {self.framework} conventions: "
