@@ -300,23 +300,44 @@ NAMED_REASONS = {
         "(the next module's reload prefetched in backward, a chunk whose offload has not "
         "finished) and the transients of the MTP layer and of the a2a-overlapped "
         "(--overlap-moe-expert-parallel-comm) second micro-batch; the twin case without the "
-        "two is over by the same amount"
-    ),
-    "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_no_mtp_no_a2a_ovlp_fine_grained_offloading": (
-        "over at the start of backward on the last rank, where the unfused cross-entropy's two "
-        "fp32 logits-sized gradients (0.79 GiB at vocab 51712 / tp 2, 4096 tokens) are billed "
-        "beside the last layer's weight gradients: with every layer offloaded that transient "
-        "decides the peak (how Megatron's vocab-parallel loss reuses its buffers there is not "
-        "modelled; the likely excess)"
+        "two is within 5 %"
     ),
     "gpt3_mcore_te_tp2_pp2_ep4_etp1_resume_torch_dist_attn_cudagraph": (
-        "peak over at the graphs' capture, where the unfused attention's s x s softmax of the "
-        "14 in-flight layers decides it: with --cuda-graph-warmup-steps 0 the capture comes "
-        "before the first optimizer step has made Adam's moments (1.1 GiB of the estimate; not "
-        "modelled); steady under: this run keeps 4.9 boundary tensors per graph (32 graphs of "
-        "8 MiB) where 3 are priced (a Transformer Engine before 2.7, which gives every graph "
-        "its own output gradients, would keep 4), and the MLA/MoE runs' steady figures are "
-        "under without graphs too (the dsv3 fp8 twin of the moe2.0 case: -7.7 %)"
+        "steady under by 0.24 GiB: the derived static buffers are 1.0 GiB (14 static inputs "
+        "in flight, each 8 MiB of hidden states and the 64 MiB [4, 1, 4096, 4096] attention "
+        "mask, and two 8 MiB gradients), and the MLA/MoE runs' steady figures are under "
+        "without graphs too (the dsv3 fp8 twin of the moe2.0 case: -7.7 %); the peak is the "
+        "capture's, before the first optimizer step (--cuda-graph-warmup-steps 0: no Adam "
+        "moments yet)"
+    ),
+    "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph": (
+        "under by the same 0.11-0.13 GiB in both: the derived static buffers of its 112 graphs "
+        "(16 micro-batches x 7 layers) are 35 MiB (13 static inputs in flight of 0.5 MiB "
+        "hidden states and a 2 MiB mask, the attention and MoE-router graphs' output "
+        "gradients), where the run keeps about 165 MiB beside the rest of the estimate, "
+        "1.5 MiB per graph; its memory golden values are those of the config version that "
+        "still logged memory, likely a Megatron and Transformer Engine older than the buffer "
+        "reuse priced (with every graph's static input made before the capture the peak is "
+        "-3.7 %, the capture's)"
+    ),
+    "moe2.0/dsv3_tp2pp2ep4_cudagraph": (
+        "peak under at the capture: it is billed with the 15 static inputs in flight "
+        "(Megatron's _get_sample_arguments reuse); a Megatron that makes all 36 graphs' "
+        "inputs before the capture (Transformer Engine 2.7 drops the extra ones after it) "
+        "holds 1.7 GiB more there: +2.9 % (the attn case then +8.2 %)"
+    ),
+    "deepseekv3_proxy_flex_tp1pp4emp16etp1cp1_release_sm": (
+        "on 64 GPUs (8 nodes: the smallest its ep 16 x tp 2 x pp 4 allows; the release recipe "
+        "naming its nodes was not among the files read; 128 would put the steady figure "
+        "25 % under); steady under by 2.2 GiB: the last rank's bf16 weights, fp32 gradients "
+        "and optimizer (3 MoE layers, the MTP layer, the output layer and the MTP's copy of "
+        "the embedding; the experts unsharded at expert-data-parallel 1) are 28.9 GiB of the "
+        "31.1 measured, the rest not identified (DeepEP's buffers are outside the caching "
+        "allocator); peak over by 2.6 GiB at the start of backward on the last rank (9 "
+        "in-flight MoE-layer forwards, 11.8 GiB, beside the MTP layer's backward and the "
+        "output layer's 3.5 GiB weight gradient), not attributed: the routed experts' tokens "
+        "are priced at the default imbalance 1.25, and the measured peak itself moved by "
+        "1.5 GB over the run as the routing changed (50.3 GB at step 5, 51.8 at step 345)"
     ),
 }
 
@@ -357,27 +378,45 @@ golden values, transcribed as `megatron_golden.json` does), estimated with the k
 `--num-distributed-optimizer-instances` (`dist_opt_instances`), `--pipeline-model-parallel-
 layout` (`pipeline_layout`), `--recompute-modules` and `--fine-grained-activation-offloading
 --offload-modules` (`recompute_modules`, `offload_modules`), `--cuda-graph-impl
-transformer_engine --cuda-graph-scope` (`cuda_graph_scope`). {_share(errors)}. Before these
-knobs: multi_dist_optimizer_instances -15.2 % peak / -29.3 % steady, the offloading cases
-+18.4 % / +47.8 % peak; the CUDA-graph cases (every H100 case with `--cuda-graph-impl` whose
-METRICS include memory, among the moe/ and moe2.0/ cases read; the moe2.0 case's arguments are
-its model and runtime configs merged) attn_cudagraph +21.5 % / -27.2 %, scoped_cudagraph
--6.2 % / -18.6 % (its memory golden values are those of the config version that still logged
-memory), dsv3_tp2pp2ep4_cudagraph +26.0 % / -18.0 % (peak / steady). Its twin without graphs
-(moe2.0 dsv3_tp2pp2ep4_fp8, not a named case) is estimated +8.9 % / -7.7 %: the graphs' own
-share is what the knob moves. Not here: deepseek_proxy_mfsdp_v2_ep2_bf16_cg (`--cuda-graph-impl
-full_iteration` under Megatron-FSDP with a paged MoE stash: not modelled).
+transformer_engine --cuda-graph-scope` and `--cuda-graph-warmup-steps` (`cuda_graph_scope`,
+`cuda_graph_warmup_steps`). {_share(errors)}. Before these knobs:
+multi_dist_optimizer_instances -15.2 % peak / -29.3 % steady, the offloading cases +18.4 % /
++47.8 % peak; the CUDA-graph cases (every H100 case with `--cuda-graph-impl` whose METRICS
+include memory, among the moe/ and moe2.0/ cases read; the moe2.0 case's arguments are its
+model and runtime configs merged) attn_cudagraph +21.5 % / -27.2 %, scoped_cudagraph -6.2 % /
+-18.6 % (its memory golden values are those of the config version that still logged memory),
+dsv3_tp2pp2ep4_cudagraph +26.0 % / -18.0 % (peak / steady). Its twin without graphs (moe2.0
+dsv3_tp2pp2ep4_fp8, not a named case) is estimated +8.9 % / -7.7 %. Not here:
+deepseek_proxy_mfsdp_v2_ep2_bf16_cg (`--cuda-graph-impl full_iteration` under Megatron-FSDP
+with a paged MoE stash: not modelled).
 
-The issue's worst case (-55 %, a custom pipeline layout): every CI case read with
-`--pipeline-model-parallel-layout` is in the table (the two offloading cases, scoped_cudagraph)
-but one, the DeepSeek-V3 proxy release run (core/models/gpt/
-deepseekv3_proxy_flex_tp1pp4emp16etp1cp1_release_sm, layout `Et*2|(tt|)*5t|tmL`: 8 chunks of
-1-2 layers, the MTP layer and the loss in the last, on pp 4 = vpp 2). Its steady figure comes
-out at -55.3 % on 128 GPUs when the layout is ignored (an even split) and the GPT-2 vocabulary
-stands in for its 256k SentencePiece one: the likely origin of the -55 %. With the layout and
-the 256k vocabulary it is +5.8 % peak / -25.1 % steady on 128 GPUs, +17.5 % / -7.1 % on 64;
-its release recipe's node count (hence the data-parallel sharding of the distributed optimizer)
-was not among the files read, so it is not in the table.
+The graphs' static buffers are derived from Transformer Engine's `make_graphed_callables`
+(>= 2.7, `_reuse_graph_input_output_buffers`) and Megatron's `TECudaGraphHelper`
+(`_get_sample_arguments` reuse): a static input (hidden states and, under `attn`, the bool
+attention mask) per graphed layer forward in flight, one set of output gradients per output
+signature, the last input gradient; the previous run priced 3 hidden-state tensors per graph
+(calibrated): attn_cudagraph then +12.7 % / -10.7 %, scoped_cudagraph +1.7 % / +0.3 %,
+dsv3_tp2pp2ep4_cudagraph -3.5 % / +2.9 %. The graphs' own share of the steady figure (measured
+minus the estimate without graphs) against the derived buffers: attn_cudagraph 1.23 GiB (1.00
+derived; 3 per graph: 0.75), dsv3_tp2pp2ep4_cudagraph 1.46 (1.29; 1.69), scoped_cudagraph 0.16
+(0.03; 0.16): the attention mask is most of the first two. A peak the capture decides is labelled so
+(`CUDA-graph capture`); with `--cuda-graph-warmup-steps 0` the capture comes before the first
+optimizer step (no Adam moments; the attn case). TE's unfused attention holds one s x s
+gradient in backward (its softmax's backward works in place), and under expert parallelism
+the attention moment's weight gradients are the rank's own experts' (they were all
+experts'): the offloading cases moved with these two.
+
+The issue's worst case (-55 %, a custom pipeline layout): the DeepSeek-V3 proxy release run
+(mixtral/deepseekv3_proxy_flex_tp1pp4emp16etp1cp1_release_sm, layout `Et*2|(tt|)*5t|tmL`: 8
+chunks of 1-2 layers, the MTP layer and the loss in the last, on pp 4 = vpp 2), config
+256f606 with the golden values of 6042300 (steady and peak at step 9535). No file read names
+its node count (the release recipes are not among the stored files); 64 GPUs is the smallest
+world its arguments allow (ep 16 x etp 1 must divide tp 2 x dp, times pp 4), the size its
+name's original tp1 x pp4 x ep16 layout needs, and the one the steady figure supports (128
+puts it 25 % under; no term grows back with more GPUs). Its steady figure is -55 % on 128 GPUs
+(-40 % on 64) when the layout is ignored (the default split) and the GPT-2 vocabulary stands
+in for its 256k SentencePiece one (nemotron_2_256k, 256,000 pieces): the likely origin of the
+-55 %; the vocabulary is most of it (-7 % on 64 GPUs with it and no layout).
 """
     write_results(
         "published_megatron_named",

@@ -129,6 +129,7 @@ KNOB_FLAGS = {
         "recompute_modules": ["--recompute-modules", "layernorm,mlp"],
         "offload_modules": ["--offload-modules", "core_attn"],
         "cuda_graph_scope": ["--cuda-graph-scope", "attn,moe_router"],
+        "cuda_graph_warmup_steps": ["--cuda-graph-scope", "attn", "--cuda-graph-warmup-steps", "0"],
     },
     "torchtitan": {
         "fp8_recipe": ["--fp8-recipe", "tensorwise"],

@@ -335,6 +335,14 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
             help=f"{what} {', '.join(known)} (comma-separated)",
         )
     g.add_argument(
+        "--cuda-graph-warmup-steps",
+        dest="cuda_graph_warmup_steps",
+        type=_args.non_negative_int,
+        default=None,
+        help="steps before the CUDA graphs' capture (Megatron: 3; 0 captures before the first "
+        "optimizer step)",
+    )
+    g.add_argument(
         "--num-distributed-optimizer-instances",
         dest="dist_opt_instances",
         type=_args.positive_int,
@@ -516,6 +524,7 @@ MEGATRON = (
     "recompute_modules",
     "offload_modules",
     "cuda_graph_scope",
+    "cuda_graph_warmup_steps",
 )
 
 

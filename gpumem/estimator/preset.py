@@ -228,18 +228,32 @@ class PresetTerms:
         never exceeds the second (it holds at most as many layers and in-flight micro-batches,
         and neither the embedding nor the head), which the planner relies on. An MoE with
         dense first layers breaks the symmetry (a later rank of all-MoE layers can exceed the
-        second): then every rank is a candidate.
+        second): then every rank is a candidate. Under Megatron's CUDA graphs a rank's terms
+        are those of the larger of a step's peak and the capture's (``views`` keeps both).
         """
         st = _Stack.of(self, layout, batch, recompute, grad_accum, persistent_grads)
         if stages is None:
             pp = layout.pp
             stages = list(range(pp)) if st.pg.n_dense else sorted({0, min(1, pp - 1), pp - 1})
+        rows, capture = self.views(st, stages)
+        return rows if capture is None else cuda_graphs.larger(rows, capture)
+
+    def views(
+        self, st: _Stack, stages: list[int]
+    ) -> tuple[list[list[float]], list[list[float]] | None]:
+        """A step's peak terms of the ranks ``stages`` (``terms``), and under Megatron's CUDA
+        graphs their capture's (``cuda_graphs.py``; None without graphs): the capture runs
+        the graphed parts alone, before the first optimizer step with 0 warm-up steps."""
         rows = [stage_terms(self, st, i) for i in stages]
-        if self.mcore and self.knobs.cuda_graph_scope and not self.graph_capture:
-            capture = replace(self, graph_capture=True)
-            args = (layout, batch, recompute, grad_accum, persistent_grads, stages)
-            rows = cuda_graphs.larger(rows, capture.terms(*args))
-        return rows
+        if not (self.mcore and self.knobs.cuda_graph_scope) or self.graph_capture:
+            return rows, None
+        pt = replace(self, graph_capture=True)
+        cst = _Stack.of(pt, st.layout, st.batch, st.recompute, st.grad_accum, st.persist)
+        capture = [stage_terms(pt, cst, i) for i in stages]
+        if self.knobs.cuda_graph_warmup_steps == 0:
+            for x in capture:
+                cuda_graphs.before_first_step(x, self.training.master_bytes)
+        return rows, capture
 
     def _act_terms(
         self, layout: Layout, batch: int, recompute: str, dense: bool
@@ -355,7 +369,10 @@ class PresetTerms:
         if self.plan is not None and self.plan.recipe.adapters:
             m = lora_ops.layer_moment(spec, w, items, self.plan.recipe, self.plan.typical)
         else:
-            m = bwd.layer_moment(spec, w, items, self.training.grad_bytes, recompute)
+            m = bwd.layer_moment(
+                spec, w, items, self.training.grad_bytes, recompute,
+                megatron.score_grads(w) if self.mcore else 2,
+            )  # fmt: skip
         # recomputed activations are temporaries again (the profiler's view); the norm's saved
         # input is the checkpointed block input itself when it is already fp32 (LayerNorm, or
         # the fp32 residual stream of RMSNorm)
@@ -589,14 +606,7 @@ def _fill_buffers(
                 pt.workload(layout, st.batch), spec.hidden, layout.pp, layout.vpp, r.i
             )
     if pt.mcore and pt.knobs.cuda_graph_scope:  # the CUDA graphs' static buffers
-        w = pt.workload(layout, st.batch)
-        x[peak.W_BUFFERS] += cuda_graphs.static_bytes(
-            pt.knobs.cuda_graph_scope,
-            r.n_dense + r.mtp_dense,
-            r.n_moe + r.mtp - r.mtp_dense,
-            st.grad_accum if layout.pp > 1 else 1,
-            (w.tokens // w.tp if w.sp else w.tokens) * spec.hidden * w.compute,
-        )
+        x[peak.W_BUFFERS] += graph_static_bytes(pt, st, r)
     if st.w8:  # fp8 copies of the TE Linears' weights (not norms, biases, embedding, head)
         lin = r.n_dense * st.dense_tp + r.n_moe * st.moe_tp if spec.is_moe else n_l * st.moe_tp
         x[peak.W_BUFFERS] += st.w8 * (lin + expert + mtp_tp)
@@ -610,6 +620,42 @@ def _fill_buffers(
             )
             / n_l
         )
+
+
+def graph_static_bytes(pt: PresetTerms, st: _Stack, r: _Rank) -> float:
+    """What rank ``r``'s CUDA graphs keep allocated for their replays
+    (``cuda_graphs.static_bytes``): a static input per graphed layer forward in flight, the
+    output gradients of each kind of graph, the last input gradient."""
+    spec, layout, scope = pt.spec, st.layout, pt.knobs.cuda_graph_scope
+    w = pt.workload(layout, st.batch)
+    chunks = st.chunks_by_stage[r.i]
+    counts = [
+        cuda_graphs.graphed_layers(scope, spec.dense_in(c), len(c) - spec.dense_in(c))
+        for c in chunks
+    ]
+    mtp = cuda_graphs.graphed_layers(scope, r.mtp_dense, r.mtp - r.mtp_dense)
+    counts[-1] += mtp  # MTP layers run in the last chunk
+    if layout.pp > 1:
+        inflight = megatron.inflight_layers(
+            [range(n) for n in counts], layout.pp, layout.vpp, st.grad_accum, r.i
+        )
+    else:  # one micro-batch is captured
+        inflight = sum(counts)
+    boundary = (w.tokens // w.tp if w.sp else w.tokens) * spec.hidden * w.compute
+    n_sp = w.tokens // w.tp if w.sp else w.tokens
+    shared = bool(spec.n_shared_experts or spec.shared_ffn)
+    kinds = [
+        k
+        for k, n in (("dense", r.n_dense + r.mtp_dense), ("moe", r.n_moe + r.mtp - r.mtp_dense))
+        if n
+    ]
+    outputs = tuple(
+        cuda_graphs.graph_outputs(scope, k == "moe", shared, boundary, n_sp * spec.n_experts * 4)
+        for k in kinds
+        if cuda_graphs.graphed_layers(scope, k == "dense", k == "moe")
+    )
+    mask = w.batch * w.local_seq * w.seq  # the attention mask's bools, [b, 1, s/cp, s]
+    return cuda_graphs.static_bytes(scope, inflight, boundary, mask, outputs)
 
 
 def _fill_activations(pt: PresetTerms, st: _Stack, r: _Rank, x: list[float]) -> None:
@@ -715,6 +761,7 @@ def estimate_preset(spec: ModelSpec, job: Job) -> Bill:
         None if job.finetune is None else ftn.describe(job.finetune, spec),
     )
     stages = list(range(layout.pp))
+    capture = None
     if fw == "torchtitan":
         rows = titan_terms(spec, job, terms, batch_size, seq)
         stages = stages[: len(rows)]
@@ -724,9 +771,10 @@ def estimate_preset(spec: ModelSpec, job: Job) -> Bill:
             else torchtitan.layer_items(spec, layout, batch_size, seq, job.recompute)
         )
     else:
-        rows = terms.terms(
-            layout, batch_size, job.recompute, job.grad_accum, job.persistent_grads, stages
+        st = _Stack.of(
+            terms, layout, batch_size, job.recompute, job.grad_accum, job.persistent_grads
         )
+        rows, capture = terms.views(st, stages)
         items = terms.layer_items(layout, batch_size)
     simulated = fw != "torchtitan" or titan_simulated(job, terms)
     conf = terms.alloc_conf
@@ -735,6 +783,7 @@ def estimate_preset(spec: ModelSpec, job: Job) -> Bill:
         spec.n_params,
         rows,
         stages,
+        capture_by_stage=capture,
         layout=layout,
         training=job.training,
         gpu=job.gpu,
