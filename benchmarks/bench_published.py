@@ -17,6 +17,7 @@
     python benchmarks/bench_published.py --only torchtitan   # reruns that section alone
     python benchmarks/bench_published.py --only torchtitan --rows "Trainy FSDP 32,Trainy FSDP 64"
     python benchmarks/bench_published.py --only finetune   # writes results/published_finetune.md
+    python benchmarks/bench_published.py --only torchtitan-pp   # pp and MoE: their section
 
 - **fine-tuning** (``--only finetune``, its own results file): torchtune's published "Optimization
   flags" table (Llama 3.2 3B, README) row by row with the recipe's settings, and PEFT-wrapped
@@ -299,23 +300,44 @@ NAMED_REASONS = {
         "(the next module's reload prefetched in backward, a chunk whose offload has not "
         "finished) and the transients of the MTP layer and of the a2a-overlapped "
         "(--overlap-moe-expert-parallel-comm) second micro-batch; the twin case without the "
-        "two is over by the same amount"
-    ),
-    "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_no_mtp_no_a2a_ovlp_fine_grained_offloading": (
-        "over at the start of backward on the last rank, where the unfused cross-entropy's two "
-        "fp32 logits-sized gradients (0.79 GiB at vocab 51712 / tp 2, 4096 tokens) are billed "
-        "beside the last layer's weight gradients: with every layer offloaded that transient "
-        "decides the peak (how Megatron's vocab-parallel loss reuses its buffers there is not "
-        "modelled; the likely excess)"
+        "two is within 5 %"
     ),
     "gpt3_mcore_te_tp2_pp2_ep4_etp1_resume_torch_dist_attn_cudagraph": (
-        "peak over at the graphs' capture, where the unfused attention's s x s softmax of the "
-        "14 in-flight layers decides it: with --cuda-graph-warmup-steps 0 the capture comes "
-        "before the first optimizer step has made Adam's moments (1.1 GiB of the estimate; not "
-        "modelled); steady under: this run keeps 4.9 boundary tensors per graph (32 graphs of "
-        "8 MiB) where 3 are priced (a Transformer Engine before 2.7, which gives every graph "
-        "its own output gradients, would keep 4), and the MLA/MoE runs' steady figures are "
-        "under without graphs too (the dsv3 fp8 twin of the moe2.0 case: -7.7 %)"
+        "steady under by 0.24 GiB: the derived static buffers are 1.0 GiB (14 static inputs "
+        "in flight, each 8 MiB of hidden states and the 64 MiB [4, 1, 4096, 4096] attention "
+        "mask, and two 8 MiB gradients), and the MLA/MoE runs' steady figures are under "
+        "without graphs too (the dsv3 fp8 twin of the moe2.0 case: -7.7 %); the peak is the "
+        "capture's, before the first optimizer step (--cuda-graph-warmup-steps 0: no Adam "
+        "moments yet)"
+    ),
+    "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph": (
+        "under by the same 0.11-0.13 GiB in both: the derived static buffers of its 112 graphs "
+        "(16 micro-batches x 7 layers) are 35 MiB (13 static inputs in flight of 0.5 MiB "
+        "hidden states and a 2 MiB mask, the attention and MoE-router graphs' output "
+        "gradients), where the run keeps about 165 MiB beside the rest of the estimate, "
+        "1.5 MiB per graph; its memory golden values are those of the config version that "
+        "still logged memory, likely a Megatron and Transformer Engine older than the buffer "
+        "reuse priced (with every graph's static input made before the capture the peak is "
+        "-3.7 %, the capture's)"
+    ),
+    "moe2.0/dsv3_tp2pp2ep4_cudagraph": (
+        "peak under at the capture: it is billed with the 15 static inputs in flight "
+        "(Megatron's _get_sample_arguments reuse); a Megatron that makes all 36 graphs' "
+        "inputs before the capture (Transformer Engine 2.7 drops the extra ones after it) "
+        "holds 1.7 GiB more there: +2.9 % (the attn case then +8.2 %)"
+    ),
+    "deepseekv3_proxy_flex_tp1pp4emp16etp1cp1_release_sm": (
+        "on 64 GPUs (8 nodes: the smallest its ep 16 x tp 2 x pp 4 allows; the release recipe "
+        "naming its nodes was not among the files read; 128 would put the steady figure "
+        "25 % under); steady under by 2.2 GiB: the last rank's bf16 weights, fp32 gradients "
+        "and optimizer (3 MoE layers, the MTP layer, the output layer and the MTP's copy of "
+        "the embedding; the experts unsharded at expert-data-parallel 1) are 28.9 GiB of the "
+        "31.1 measured, the rest not identified (DeepEP's buffers are outside the caching "
+        "allocator); peak over by 2.6 GiB at the start of backward on the last rank (9 "
+        "in-flight MoE-layer forwards, 11.8 GiB, beside the MTP layer's backward and the "
+        "output layer's 3.5 GiB weight gradient), not attributed: the routed experts' tokens "
+        "are priced at the default imbalance 1.25, and the measured peak itself moved by "
+        "1.5 GB over the run as the routing changed (50.3 GB at step 5, 51.8 at step 345)"
     ),
 }
 
@@ -356,27 +378,45 @@ golden values, transcribed as `megatron_golden.json` does), estimated with the k
 `--num-distributed-optimizer-instances` (`dist_opt_instances`), `--pipeline-model-parallel-
 layout` (`pipeline_layout`), `--recompute-modules` and `--fine-grained-activation-offloading
 --offload-modules` (`recompute_modules`, `offload_modules`), `--cuda-graph-impl
-transformer_engine --cuda-graph-scope` (`cuda_graph_scope`). {_share(errors)}. Before these
-knobs: multi_dist_optimizer_instances -15.2 % peak / -29.3 % steady, the offloading cases
-+18.4 % / +47.8 % peak; the CUDA-graph cases (every H100 case with `--cuda-graph-impl` whose
-METRICS include memory, among the moe/ and moe2.0/ cases read; the moe2.0 case's arguments are
-its model and runtime configs merged) attn_cudagraph +21.5 % / -27.2 %, scoped_cudagraph
--6.2 % / -18.6 % (its memory golden values are those of the config version that still logged
-memory), dsv3_tp2pp2ep4_cudagraph +26.0 % / -18.0 % (peak / steady). Its twin without graphs
-(moe2.0 dsv3_tp2pp2ep4_fp8, not a named case) is estimated +8.9 % / -7.7 %: the graphs' own
-share is what the knob moves. Not here: deepseek_proxy_mfsdp_v2_ep2_bf16_cg (`--cuda-graph-impl
-full_iteration` under Megatron-FSDP with a paged MoE stash: not modelled).
+transformer_engine --cuda-graph-scope` and `--cuda-graph-warmup-steps` (`cuda_graph_scope`,
+`cuda_graph_warmup_steps`). {_share(errors)}. Before these knobs:
+multi_dist_optimizer_instances -15.2 % peak / -29.3 % steady, the offloading cases +18.4 % /
++47.8 % peak; the CUDA-graph cases (every H100 case with `--cuda-graph-impl` whose METRICS
+include memory, among the moe/ and moe2.0/ cases read; the moe2.0 case's arguments are its
+model and runtime configs merged) attn_cudagraph +21.5 % / -27.2 %, scoped_cudagraph -6.2 % /
+-18.6 % (its memory golden values are those of the config version that still logged memory),
+dsv3_tp2pp2ep4_cudagraph +26.0 % / -18.0 % (peak / steady). Its twin without graphs (moe2.0
+dsv3_tp2pp2ep4_fp8, not a named case) is estimated +8.9 % / -7.7 %. Not here:
+deepseek_proxy_mfsdp_v2_ep2_bf16_cg (`--cuda-graph-impl full_iteration` under Megatron-FSDP
+with a paged MoE stash: not modelled).
 
-The issue's worst case (-55 %, a custom pipeline layout): every CI case read with
-`--pipeline-model-parallel-layout` is in the table (the two offloading cases, scoped_cudagraph)
-but one, the DeepSeek-V3 proxy release run (core/models/gpt/
-deepseekv3_proxy_flex_tp1pp4emp16etp1cp1_release_sm, layout `Et*2|(tt|)*5t|tmL`: 8 chunks of
-1-2 layers, the MTP layer and the loss in the last, on pp 4 = vpp 2). Its steady figure comes
-out at -55.3 % on 128 GPUs when the layout is ignored (an even split) and the GPT-2 vocabulary
-stands in for its 256k SentencePiece one: the likely origin of the -55 %. With the layout and
-the 256k vocabulary it is +5.8 % peak / -25.1 % steady on 128 GPUs, +17.5 % / -7.1 % on 64;
-its release recipe's node count (hence the data-parallel sharding of the distributed optimizer)
-was not among the files read, so it is not in the table.
+The graphs' static buffers are derived from Transformer Engine's `make_graphed_callables`
+(>= 2.7, `_reuse_graph_input_output_buffers`) and Megatron's `TECudaGraphHelper`
+(`_get_sample_arguments` reuse): a static input (hidden states and, under `attn`, the bool
+attention mask) per graphed layer forward in flight, one set of output gradients per output
+signature, the last input gradient; the previous run priced 3 hidden-state tensors per graph
+(calibrated): attn_cudagraph then +12.7 % / -10.7 %, scoped_cudagraph +1.7 % / +0.3 %,
+dsv3_tp2pp2ep4_cudagraph -3.5 % / +2.9 %. The graphs' own share of the steady figure (measured
+minus the estimate without graphs) against the derived buffers: attn_cudagraph 1.23 GiB (1.00
+derived; 3 per graph: 0.75), dsv3_tp2pp2ep4_cudagraph 1.46 (1.29; 1.69), scoped_cudagraph 0.16
+(0.03; 0.16): the attention mask is most of the first two. A peak the capture decides is labelled so
+(`CUDA-graph capture`); with `--cuda-graph-warmup-steps 0` the capture comes before the first
+optimizer step (no Adam moments; the attn case). TE's unfused attention holds one s x s
+gradient in backward (its softmax's backward works in place), and under expert parallelism
+the attention moment's weight gradients are the rank's own experts' (they were all
+experts'): the offloading cases moved with these two.
+
+The issue's worst case (-55 %, a custom pipeline layout): the DeepSeek-V3 proxy release run
+(mixtral/deepseekv3_proxy_flex_tp1pp4emp16etp1cp1_release_sm, layout `Et*2|(tt|)*5t|tmL`: 8
+chunks of 1-2 layers, the MTP layer and the loss in the last, on pp 4 = vpp 2), config
+256f606 with the golden values of 6042300 (steady and peak at step 9535). No file read names
+its node count (the release recipes are not among the stored files); 64 GPUs is the smallest
+world its arguments allow (ep 16 x etp 1 must divide tp 2 x dp, times pp 4), the size its
+name's original tp1 x pp4 x ep16 layout needs, and the one the steady figure supports (128
+puts it 25 % under; no term grows back with more GPUs). Its steady figure is -55 % on 128 GPUs
+(-40 % on 64) when the layout is ignored (the default split) and the GPT-2 vocabulary stands
+in for its 256k SentencePiece one (nemotron_2_256k, 256,000 pieces): the likely origin of the
+-55 %; the vocabulary is most of it (-7 % on 64 GPUs with it and no layout).
 """
     write_results(
         "published_megatron_named",
@@ -436,6 +476,118 @@ def only_torchtitan(rows: str | None = None) -> None:
     print(section)
 
 
+PP_HEADING = "## torchtitan with pipeline parallelism and with MoE (estimate vs fake profile)"
+PP_FIGURE = "torchtitan pp max |error|"
+MOE_FIGURE = "torchtitan moe |error|"
+
+
+def recorded_pp_section() -> str:
+    """The pp / MoE section as last recorded (``--only torchtitan-pp`` reruns it; a full run
+    keeps it), or nothing."""
+    from _report import RESULTS
+
+    md = RESULTS / "published.md"
+    text = md.read_text() if md.exists() else ""
+    if PP_HEADING not in text:
+        return ""
+    start = text.index(PP_HEADING)
+    end = text.find("\n## ", start + 1)
+    return text[start : end + 1 if end >= 0 else len(text)]
+
+
+def titan_moe_table() -> tuple[str, list[Any]]:
+    """The MoE rows (``torchtitan_moe_results``) as a Markdown table, and their figures."""
+    import torchtitan_moe_results
+    from _report import markdown_table
+
+    rows, figures = [], []
+    for m in torchtitan_moe_results.run():
+        r = m.row
+        rows.append(
+            [r.name, f"{m.reference / GiB:.2f}", f"{m.estimate / GiB:.2f}",
+             f"{100 * m.error:+.4f} %", m.phase, f"dp_shard {r.dp}, {r.batch} x {r.seq}, AC {r.ac}"]
+        )  # fmt: skip
+        figures.append(value_figure(f"{MOE_FIGURE}, {r.name}", "%", 100 * abs(m.error)))
+    cols = ["layout", "fake profile GiB", "estimate GiB", "error", "phase", "how"]
+    return markdown_table(cols, rows), figures
+
+
+def only_torchtitan_pp() -> None:
+    """torchtitan's pipeline-parallel layouts (``torchtitan_pp_results``), every rank, into
+    their own section of published.md and figures of published.json (the rest as recorded)."""
+    import dataclasses
+    import json
+
+    import torchtitan_pp_results
+    from _report import RESULTS, markdown_table
+
+    info = machine_info()
+    measured = torchtitan_pp_results.run()
+    rows, figures = [], []
+    for m in measured:
+        r, worst = m.row, max(map(abs, m.errors))
+        rows.append(
+            [r.name, " / ".join(f"{b / GiB:.2f}" for b in m.reference),
+             " / ".join(f"{b / GiB:.2f}" for b in m.estimate), f"{100 * worst:.4f} %",
+             f"rank {m.worst}: {m.estimate[m.worst] / GiB:.2f}",
+             f"dp_shard {r.dp}, {r.batch} x {r.seq}, AC {r.ac}"]
+        )  # fmt: skip
+        figures.append(value_figure(f"{PP_FIGURE}, {r.name}", "%", 100 * worst))
+    cols = ["layout", "fake profile GiB (rank 0 / 1 / ...)", "estimate GiB (rank 0 / 1 / ...)",
+            "max |error| over ranks", "the bill (worst rank)", "how"]  # fmt: skip
+    section = f"""{PP_HEADING}
+
+Run alone (`bench_published.py --only torchtitan-pp`, {info["date"]}, git commit
+{info["git commit"]}, {info["cpu"]}, torch {info["torch"]}, torchtitan 0.3.0). Peak
+allocated of every pipeline rank: the estimate (`gpumem/estimator/frameworks/titan_pipeline.py`,
+`titan_schedules.py`) against one rank of torchtitan's own Llama split by its own
+`pipeline_module_split` code, parallelized with `apply_fsdp_to_decoder(pp_enabled=True)` and
+driven through torch's `PipelineStage`
+(`forward_one_chunk`, `backward_one_chunk`, `perform_reduce_grad`) in the order its schedule runs on
+that rank, two steps under fake tensors on the fake process group
+(`benchmarks/published/torchtitan_pp_reference.py`). Emulated: the sends and receives are not
+issued (one process holds one rank; the recv buffers keep their shapes, fake tensors carry no
+values) and the first step's metadata inference is replaced by the shapes given (torch's static
+mode). No published table measures torchtitan's pipeline memory. Max |error| over every rank of
+every layout: {max(f.p50 for f in figures):.4f} %. The reserved figure is not
+simulated under pp or MoE (the flat fragmentation share).
+
+{markdown_table(cols, rows)}
+"""
+    moe_table, moe_figures = titan_moe_table()
+    section += f"""
+**MoE**: torchtitan 0.3.0's Qwen3-30B-A3B (`_30b_a3b`: 48 blocks, 128 experts of 768, top-8,
+vocabulary 151936), FSDP over `dp_shard` ranks, ep = 1, the estimate
+(`gpumem/estimator/frameworks/titan_moe.py`, the model described as its `config.json` would)
+against the fake profile of torchtitan's own `Qwen3Model` with its `MoE` blocks, AC and
+`apply_fsdp_to_decoder` (`benchmarks/published/torchtitan_moe_reference.py`; the router's gate
+as CUDA's `autocast(float32)` runs it, the attention the flash kernel). The loss's moment is the
+peak in every row (a block's backward, the widest when the logits are small, is checked on the
+tests' model: tests/estimator/test_titan_moe.py). Per-op SAC, EP and PP/TP/CP with MoE are not
+modelled.
+
+{moe_table}
+"""
+    figures += moe_figures
+    md, js = RESULTS / "published.md", RESULTS / "published.json"
+    text = md.read_text()
+    if PP_HEADING in text:
+        start = text.index(PP_HEADING)
+        end = text.find("\n## ", start + 1)
+        text = text[:start] + section + (text[end + 1 :] if end >= 0 else "")
+    else:
+        at = text.index("## transformers")
+        text = text[:at] + section + "\n" + text[at:]
+    md.write_text(text)
+    record = json.loads(js.read_text())
+    record["figures"] = [
+        f for f in record["figures"] if not f["name"].startswith((PP_FIGURE, MOE_FIGURE))
+    ]
+    record["figures"] += [dataclasses.asdict(f) for f in figures]
+    js.write_text(json.dumps(record, indent=1) + "\n")
+    print(section)
+
+
 TITAN_COLS = [
     "row",
     "fake profile GiB",
@@ -476,7 +628,7 @@ def _share(errors: list[float]) -> str:
 
 
 _TT = {"source": "torchtune", "packed": True}
-_TT_FULL = {**_TT, "method": "full"}
+_TT_FULL = {**_TT, "method": "full", "compile_layers": True}
 _LOSS = {"compile_loss": True, "loss_chunks": 8}
 _TT_LORA = {
     **_TT, **_LOSS, "rank": 64, "lora_attn_modules": ("q_proj", "v_proj", "output_proj"),
@@ -486,26 +638,32 @@ TORCHTUNE_ROWS: tuple[tuple[str, float, dict[str, Any] | None, str, str, str], .
     # (row, published GiB, FineTune fields, optimizer, recompute, what differs)
     ("Baseline", 25.5, None, "adamw", "none", "not priced: unpacked alpaca rows are padded to "
      "each batch's longest sample, which the table does not give"),
-    ("+ Packed Dataset", 60.0, _TT_FULL, "adamw", "none", "-"),
+    ("+ Packed Dataset", 60.0, {**_TT_FULL, "compile_layers": False}, "adamw", "none", "-"),
     ("+ Compile", 51.0, {**_TT_FULL, "compile_loss": True}, "adamw", "none",
-     "compiled layers priced eager (Inductor's fused norms and SwiGLU save less)"),
+     "the published step saves 9.0 GiB, the estimate 14.0: compiled layers 10.1 (the chunked "
+     "row bears them out), the compiled loss 3.9 (measured: it keeps the fp32 logits and two "
+     "row statistics, its backward writes one fp32 gradient where eager holds two; that loss "
+     "priced eager would be -0.2 %); not found"),
     ("+ Chunked Cross Entropy", 42.9, {**_TT_FULL, **_LOSS}, "adamw", "none",
-     "compiled layers priced eager"),
-    ("+ Activation Checkpointing", 24.9, {**_TT_FULL, **_LOSS}, "adamw", "full",
-     "compiled layers priced eager"),
+     "compiled layers' backward priced eager (Inductor fuses its temporaries)"),
+    ("+ Activation Checkpointing", 24.9, {**_TT_FULL, **_LOSS}, "adamw", "full", "-"),
     ("+ Fuse optimizer step into backward", 23.1,
      {**_TT_FULL, **_LOSS, "optimizer_in_bwd": True}, "adamw", "full",
-     "compiled layers priced eager"),
+     "0.7 GiB under; not found"),
     ("+ Activation Offloading", 21.8,
      {**_TT_FULL, **_LOSS, "optimizer_in_bwd": True, "offload_activations": True}, "adamw",
-     "full", "compiled layers priced eager; offloading keeps one layer's on the GPU"),
+     "full", "offloading keeps one layer's on the GPU"),
     ("+ 8-bit AdamW", 17.6,
      {**_TT_FULL, **_LOSS, "optimizer_in_bwd": True, "offload_activations": True}, "adam8bit",
-     "full", "PagedAdamW8bit's paging and its step not modelled; compiled layers eager"),
-    ("LoRA", 8.5, {**_TT_LORA, "method": "lora"}, "adamw", "full",
-     "compiled layers priced eager"),
+     "full", "8-bit state counted (6.08 GiB; bitsandbytes' step allocates nothing); "
+     "PagedAdamW8bit keeps it in CUDA managed memory, which active bytes never see (without "
+     "it 9.16 GiB, -48 %): the published row holds >= 1.7 GiB more than either reading, "
+     "not found (notes)"),
+    ("LoRA", 8.5, {**_TT_LORA, "method": "lora", "compile_layers": True}, "adamw", "full",
+     "compiled layers priced, no change: the peak is at backward start, where checkpointed "
+     "layers keep their inputs; 0.3 GiB over, not found"),
     ("QLoRA", 4.6, {**_TT_LORA, "method": "qlora"}, "adamw", "full",
-     "compiled layers priced eager"),
+     "compiled layers priced eager (QLoRA's compiled NF4 dequantization not measured)"),
 )  # fmt: skip
 """torchtune's README, "Optimization flags" (full_finetune_single_device then
 lora_finetune_single_device, Llama 3.2 3B, batch 2, max_seq_len 4096, bf16, A100; each row on
@@ -524,11 +682,12 @@ _TT_8B = {
     "apply_lora_to_mlp": True,
 }  # fmt: skip
 TORCHTUNE_8B_ROWS: tuple[tuple[str, float, dict[str, Any] | None, str, str, str], ...] = (
-    ("8B LoRA, 1x 4090", 16.2, {**_TT_8B, "method": "lora"}, "adamw", "full",
+    ("8B LoRA, 1x 4090", 16.2, {**_TT_8B, "method": "lora", "compile_layers": True}, "adamw",
+     "full",
      "settings are llama3_1/8B_lora_single_device's (not stated by the table); compiled "
-     "layers priced eager"),
+     "layers priced (no change at backward start)"),
     ("8B QLoRA, 1x 4090", 7.4, {**_TT_8B, "method": "qlora"}, "adamw", "full",
-     "settings are llama3_1/8B_qlora_single_device's; compiled layers priced eager"),
+     "settings are llama3_1/8B_qlora_single_device's; compiled layers priced eager (QLoRA)"),
     ("8B LoRA, 1x A6000", 30.3, None, "adamw", "full", "not priced: the same recipe as the "
      "4090 row measured 14 GiB more; its changed settings are not stated"),
     ("8B full finetune, 1x 4090", 18.9, None, "adamw", "full", "not priced: "
@@ -637,14 +796,45 @@ expanded to every head, the attention output made contiguous, `output(h).float()
 recipe's `del logits`. The "+ Packed Dataset" row was -10 % under the `torch` convention
 (53.8 GiB: transformers' modules, 16-bit logits held): the fp32 logits' log-probabilities and
 their gradients (+3.9 GiB), the expanded k and v (+1.75 GiB) and the contiguous output (+1.31
-GiB) are torchtune's. `compile=True` is priced as its compiled loss only
-(`compile_loss`: a chunk's compiled cross-entropy keeps the 16-bit logits); the compiled
-layers are priced eager, which is most of the remaining error of "+ Compile" and
-"+ Chunked Cross Entropy". Pricing them compiled is not simply a discount: an Inductor-compiled
-transformers Llama layer (bf16, hidden 256, ffn 512, on the CPU) saves 6,296 B a token against
-9,880 eager (each norm keeps its rstd and 16-bit output only, the MLP three ffn-wide tensors,
-the attention output one more copy); that rule applied to the 3B rows gives -10 % and -22 %,
-so the measured runs did not keep all of that saving; left open.
+GiB) are torchtune's.
+
+`compile=True` is priced as both of its parts: the compiled loss (`compile_loss`: a chunk's
+compiled cross-entropy keeps the 16-bit logits) and the compiled decoder layers
+(`compile_layers`, `gpumem/estimator/tune_compiled.py`): what Inductor's partition of torchtune's
+`TransformerSelfAttentionLayer` keeps, read from the backward graph Inductor compiles and equal
+to it tensor by tensor at six small configurations and at the 3B's and 8B's widths
+(`tests/estimator/test_tune_compiled.py`):
+`A(4h + 2ad + 2kv + 3f) + 4a + 8` bytes a token, 98,408 for Llama 3.2 3B against eager's
+145,512 (the layer input instead of the norms' fp32 copies, no RoPE intermediates, k and v
+once, no contiguous attention output, no SiLU output). "+ Compile" went from +11.9 % to
+-7.9 % and "+ Chunked Cross Entropy" from +19.9 % to -3.6 %; with full checkpointing a
+compiled layer keeps its input only, as eager does, so the later rows move only where a
+recomputed layer sets the peak ("+ Activation Checkpointing" +1.4 % to -0.0 %). Not modelled:
+Inductor's fused backward kernels (a layer's backward moment is eager's) and QLoRA's compiled
+layers (`compile_layers` is refused with QLoRA and DoRA; those rows stay eager). The LoRA rows
+price their compiled layers too (measured the same way, `tune_compiled`), which moves nothing:
+their peak is at the start of backward, where checkpointed layers keep their inputs only.
+What still differs in "+ Compile" is in the unchunked compiled loss (its row).
+
+## 8-bit AdamW: what is modelled, what is measured
+
+bitsandbytes' `PagedAdamW8bit` (`bitsandbytes/optim/optimizer.py`, `Optimizer2State`): two
+uint8 states per parameter, an fp32 absmax per block of each (256 values since 0.45, 2048
+before: 6.08 or 6.00 GiB for the 3.21 B parameters), fp32 states for tensors under
+`min_8bit_size` (4,096: the norms, 1.4 MB); its step (`optimizer_update_8bit_blockwise`)
+dequantizes and requantizes block by block in registers and allocates nothing, so no step
+temporaries. Paged: every state tensor of at least 1e5 elements comes from `cudaMallocManaged`
+wrapped by `torch.frombuffer` (`F.get_paged`), outside the caching allocator: torch's active
+and reserved bytes never count it. The estimate bills the state (on the device whenever it fits:
+the question a bill answers), 15.23 GiB; without it, what `active_bytes` could see, 9.16 GiB.
+The published 17.6 GiB is above both. Term by term from the row before (21.8 published,
+21.12 estimated): the bf16 AdamW state (11.97 GiB) goes, the 8-bit one (6.08) comes; the
+published step is -4.2 GiB, so the measured run holds at least 1.7 GiB that neither
+bitsandbytes' optimizer nor anything the estimate prices allocates (not the
+32-bit states, not the absmax, not a step temporary). The 8B full fine-tune row (18.9 GiB on a
+24 GiB 4090) matches the other reading (-3.9 % without the state, whose 15 GiB could not fit
+beside 15 GiB of weights), so the two rows cannot both follow one rule; a GPU run of the
+recipe with `memory_stats` is what would settle it.
 """
     figures = [
         value_figure("peft sweep median |error|", "%", 100 * statistics.median(pf_err)),
@@ -817,7 +1007,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
         "--only",
-        choices=["torchtitan", "megatron-named", "finetune", "anatomy"],
+        choices=["torchtitan", "torchtitan-pp", "megatron-named", "finetune", "anatomy"],
         help="rerun this source's section alone (megatron-named, finetune: own results files)",
     )
     ap.add_argument(
@@ -831,6 +1021,9 @@ def main() -> None:
         return
     if args.only == "finetune":
         only_finetune()
+        return
+    if args.only == "torchtitan-pp":
+        only_torchtitan_pp()
         return
     if args.only == "anatomy":
         only_anatomy()
@@ -852,6 +1045,7 @@ def main() -> None:
     ]
     from _report import markdown_table
 
+    pp_section = recorded_pp_section()
     notes = f"""
 **Megatron-LM** (`framework="megatron"`, last pipeline stage, `allocated_bytes`):
 {_share(mega_err)}.
@@ -860,7 +1054,7 @@ rule was fitted; the only fitted number is the library workspace (median of the 
 steady residuals: `megatron.WORKSPACE_BYTES`).
 
 {titan_section(titan, titan_err, titan_res)}
-## transformers, trained as `Trainer` trains them (real CPU runs, default convention)
+{pp_section}## transformers, trained as `Trainer` trains them (real CPU runs, default convention)
 
 {_share(hf_err)}.
 

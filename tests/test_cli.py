@@ -130,12 +130,15 @@ KNOB_FLAGS = {
         "recompute_modules": ["--recompute-modules", "layernorm,mlp"],
         "offload_modules": ["--offload-modules", "core_attn"],
         "cuda_graph_scope": ["--cuda-graph-scope", "attn,moe_router"],
+        "cuda_graph_warmup_steps": ["--cuda-graph-scope", "attn", "--cuda-graph-warmup-steps", "0"],
     },
     "torchtitan": {
         "fp8_recipe": ["--fp8-recipe", "tensorwise"],
         "fsdp_float8_all_gather": ["--fp8-recipe", "tensorwise", "--fsdp-float8-all-gather"],
         "loss_chunks": ["--loss-chunks", "8"],
         "compiled_loss": ["--compiled-loss"],
+        "pp_schedule": ["--pp-schedule", "GPipe"],
+        "pp_microbatch_size": ["--pp-microbatch-size", "2"],
     },
 }
 

@@ -36,11 +36,18 @@ NEUTRAL = {
     "--overlap-param-gather",
     "--vocab-file",
     "--tokenizer-type",
+    "--tokenizer-model",
+    "--use-flash-attn",
     "--max-position-embeddings",
     "--no-bias-gelu-fusion",
     "--no-rope-fusion",
     "--moe-router-load-balancing-type",
     "--moe-router-dtype",
+    "--moe-router-score-function",
+    "--moe-router-pre-softmax",
+    "--moe-router-group-topk",
+    "--moe-router-num-groups",
+    "--moe-router-enable-expert-bias",
     "--moe-permute-fusion",
     "--cross-entropy-fusion-impl",
     "--megatron-fsdp-version",
@@ -53,10 +60,13 @@ NEUTRAL = {
 }
 
 
-def padded_vocab(args: dict[str, Any], tp: int) -> int:
-    """Megatron's ``vocab_size_with_padding``: the tokenizer's size (NullTokenizer adds EOD)
-    rounded up to ``make_vocab_size_divisible_by`` (128) x TP."""
-    if "--vocab-size" in args:
+def padded_vocab(args: dict[str, Any], tp: int, tokenizer_vocab: int | None = None) -> int:
+    """Megatron's ``vocab_size_with_padding``: the tokenizer's size (NullTokenizer adds EOD;
+    ``tokenizer_vocab``: a case's SentencePiece model, whose size no argument states) rounded
+    up to ``make_vocab_size_divisible_by`` (128) x TP."""
+    if tokenizer_vocab is not None:
+        v = tokenizer_vocab
+    elif "--vocab-size" in args:
         v = int(args["--vocab-size"]) + (
             1 if args.get("--tokenizer-type") == "NullTokenizer" else 0
         )
@@ -66,7 +76,9 @@ def padded_vocab(args: dict[str, Any], tp: int) -> int:
     return -(-v // m) * m
 
 
-def estimate_kwargs(args: dict[str, Any], gpus: int) -> tuple[dict[str, Any], list[str]]:
+def estimate_kwargs(
+    args: dict[str, Any], gpus: int, tokenizer_vocab: int | None = None
+) -> tuple[dict[str, Any], list[str]]:
     """One case's arguments as ``gpumem.estimate`` keyword arguments (``model`` a ModelSpec
     dict), and the arguments it could not express."""
     a = dict(args)
@@ -93,7 +105,7 @@ def estimate_kwargs(args: dict[str, Any], gpus: int) -> tuple[dict[str, Any], li
         "hidden": h,
         "n_heads": heads,
         "ffn": ffn,
-        "vocab": padded_vocab(a, tp),
+        "vocab": padded_vocab(a, tp, tokenizer_vocab),
         "max_seq": get("--seq-length"),
         "tied_embeddings": not get("--untie-embeddings-and-output-weights", False),
         "mlp_act": "swiglu" if swiglu else ("squared_relu" if get("--squared-relu") else "gelu"),
@@ -180,6 +192,10 @@ def estimate_kwargs(args: dict[str, Any], gpus: int) -> tuple[dict[str, Any], li
     used |= {"--bf16", "--fp16", "--use-mcore-models"}
     if get("--num-experts"):
         kw["moe_dispatcher"] = get("--moe-token-dispatcher-type", "allgather")
+        if kw["moe_dispatcher"] == "flex":  # DeepEP's buffers are its own cudaMalloc (and
+            # NVSHMEM), outside the caching allocator; what it saves is alltoall's
+            kw["moe_dispatcher"] = "alltoall"
+            used.add("--moe-enable-deepep")
         kw["moe_grouped_gemm"] = bool(get("--moe-grouped-gemm", False))
         kw["moe_imbalance"] = 1.0 if ep == 1 else gpumem.estimator.preset.MOE_IMBALANCE
     if get("--fp8-format"):
@@ -205,6 +221,8 @@ def estimate_kwargs(args: dict[str, Any], gpus: int) -> tuple[dict[str, Any], li
     if get("--cuda-graph-impl") == "transformer_engine":
         scope = get("--cuda-graph-scope") or ["attn", "mlp", "moe"]  # empty: the whole layer
         kw["cuda_graph_scope"] = tuple([scope] if isinstance(scope, str) else scope)
+        if get("--cuda-graph-warmup-steps") is not None:
+            kw["cuda_graph_warmup_steps"] = get("--cuda-graph-warmup-steps")
     if get("--num-distributed-optimizer-instances", 1) > 1:
         kw["dist_opt_instances"] = get("--num-distributed-optimizer-instances")
     unsupported = sorted(k for k in a if k not in used and k not in NEUTRAL)
@@ -212,7 +230,7 @@ def estimate_kwargs(args: dict[str, Any], gpus: int) -> tuple[dict[str, Any], li
 
 
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
-    kw, unsupported = estimate_kwargs(case["args"], case["gpus"])
+    kw, unsupported = estimate_kwargs(case["args"], case["gpus"], case.get("tokenizer_vocab"))
     kw["gpu"] = PLATFORM_GPU[case["platform"]]
     name = case["name"] + ("" if case["platform"] == "dgx_h100" else f" ({case['platform']})")
     row: dict[str, Any] = {"name": name, "split": case["split"], "unsupported": unsupported}

@@ -79,9 +79,10 @@ def flash_forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa
 
 
 @contextlib.contextmanager
-def fake_job(dp: int, tp: int = 1, cp: int = 1) -> Iterator[Any]:
+def fake_job(dp: int, tp: int = 1, cp: int = 1, pp: int = 1, pp_rank: int = 0) -> Iterator[Any]:
     """torchtitan's ``ParallelDims`` (legacy ``partial_dtensor`` backend) over a fake process
-    group of ``dp · tp · cp`` ranks, this process rank 0.
+    group of ``pp · dp · tp · cp`` ranks, this process the first rank of pipeline rank
+    ``pp_rank`` (``pp`` is the mesh's outermost dimension).
 
     A ``DeviceMesh`` holds real rank tensors: FSDP builds new meshes (the dp × tp mesh of a
     TP-sharded parameter) inside the fake region, so mesh construction runs outside fake mode.
@@ -92,7 +93,7 @@ def fake_job(dp: int, tp: int = 1, cp: int = 1) -> Iterator[Any]:
     from torch.distributed.device_mesh import DeviceMesh
     from torchtitan.distributed.utils import get_spmd_backend, set_spmd_backend
 
-    world = dp * tp * cp
+    world = pp * dp * tp * cp
     init, mesh_fget = DeviceMesh.__init__, DeviceMesh.mesh.fget
     device_type, backend = parallel_dims.device_type, get_spmd_backend()
 
@@ -109,14 +110,14 @@ def fake_job(dp: int, tp: int = 1, cp: int = 1) -> Iterator[Any]:
     parallel_dims.device_type = "cpu"  # torchtitan defaults to "cuda" without a device
     set_spmd_backend("partial_dtensor")
     with unset_fake_temporarily():
-        dist.init_process_group("fake", rank=0, world_size=world)
+        dist.init_process_group("fake", rank=pp_rank * dp * tp * cp, world_size=world)
     try:
         dims = parallel_dims.ParallelDims(
             dp_replicate=1,
             dp_shard=dp,
             cp=cp,
             tp=tp,
-            pp=1,
+            pp=pp,
             ep=1,
             world_size=world,
             spmd_backend="partial_dtensor",
@@ -405,22 +406,29 @@ def profile_step(
             if float8_all_gather:  # torchtitan's Float8 converter's post-optimizer hook
                 precompute_float8_dynamic_scale_for_fsdp(model)
 
-        # torchtitan's GarbageCollection: automatic gc off during training, a collection every
-        # gc_freq steps; here before each step, so that every step starts as one after a
-        # collection (the chunked loss leaves reference cycles that gc would free at random)
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            with fsdp_streams() as current, gpumem.profile(model, opt) as prof:
-                log = _StreamLog(prof.tracker.alloc_log, current)
-                prof.tracker.alloc_log = log
-                for _ in range(steps):
-                    gc.collect()
-                    step()
-        finally:
-            if enabled:
-                gc.enable()
-        rep = prof.report()
+        return run_profiled(model, opt, lambda _i: step(), steps)
+
+
+def run_profiled(model: nn.Module, opt: Any, step: Any, steps: int) -> Result:
+    """``step(i)`` for i in range(steps) under ``gpumem.profile(model, opt)``, each step's
+    allocations tagged with FSDP2's stream: the peak and the replayed reserved bytes.
+
+    torchtitan's GarbageCollection: automatic gc off during training, a collection every
+    gc_freq steps; here before each step, so that every step starts as one after a collection
+    (the chunked loss leaves reference cycles that gc would free at random)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with fsdp_streams() as current, gpumem.profile(model, opt) as prof:
+            log = _StreamLog(prof.tracker.alloc_log, current)
+            prof.tracker.alloc_log = log
+            for i in range(steps):
+                gc.collect()
+                step(i)
+    finally:
+        if enabled:
+            gc.enable()
+    rep = prof.report()
     return Result(
         rep.peak_bytes,
         dict(rep.at_peak),

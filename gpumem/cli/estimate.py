@@ -81,6 +81,19 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
         "does from 2025 (the blocks are priced eager)",
     )
     p.add_argument(
+        "--pp-schedule",
+        default=None,
+        help="--framework torchtitan with --pp: its pipeline_parallel_schedule (1F1B, GPipe, "
+        "Interleaved1F1B; default 1F1B)",
+    )
+    p.add_argument(
+        "--pp-microbatch-size",
+        type=_args.positive_int,
+        default=None,
+        help="--framework torchtitan with --pp: its pipeline_parallel_microbatch_size (default "
+        "1): --batch-size is the local batch, run as batch / this micro-batches",
+    )
+    p.add_argument(
         "--keep-logits",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -329,6 +342,14 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
             help=f"{what} {', '.join(known)} (comma-separated)",
         )
     g.add_argument(
+        "--cuda-graph-warmup-steps",
+        dest="cuda_graph_warmup_steps",
+        type=_args.non_negative_int,
+        default=None,
+        help="steps before the CUDA graphs' capture (Megatron: 3; 0 captures before the first "
+        "optimizer step)",
+    )
+    g.add_argument(
         "--num-distributed-optimizer-instances",
         dest="dist_opt_instances",
         type=_args.positive_int,
@@ -340,7 +361,7 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
 FINETUNE_FLAGS = (
     "finetune", "target_modules", "target_regex", "lora_attn_modules", "apply_lora_to_mlp",
     "apply_lora_to_output", "lora_dropout", "finetune_source", "packed",
-    "offload_activations", "optimizer_in_bwd",
+    "offload_activations", "optimizer_in_bwd", "compile_loss", "compile_layers",
 )  # fmt: skip
 
 
@@ -391,6 +412,16 @@ def add_finetune_args(p: argparse.ArgumentParser) -> None:
         help="torchtune's enable_activation_offloading",
     )
     g.add_argument("--optimizer-in-bwd", action="store_true", help="torchtune's optimizer_in_bwd")
+    g.add_argument(
+        "--compile-loss",
+        action="store_true",
+        help="torchtune's compile=True: its compiled loss (a chunk keeps its 16-bit logits)",
+    )
+    g.add_argument(
+        "--compile-layers",
+        action="store_true",
+        help="torchtune's compile=True: its Inductor-compiled decoder layers (--finetune full)",
+    )
 
 
 def training_knobs(args: argparse.Namespace) -> Any:
@@ -430,6 +461,8 @@ def training_knobs(args: argparse.Namespace) -> Any:
         packed=args.packed,
         offload_activations=args.offload_activations,
         optimizer_in_bwd=args.optimizer_in_bwd,
+        compile_loss=args.compile_loss,
+        compile_layers=args.compile_layers,
     )
     return TrainingKnobs(**common, finetune=recipe)
 
@@ -466,6 +499,14 @@ def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
             fsdp_float8_all_gather=args.fsdp_float8_all_gather,
             loss_chunks=args.loss_chunks,
             compiled_loss=args.compiled_loss,
+            **{
+                k: v
+                for k, v in (
+                    ("pp_schedule", args.pp_schedule),
+                    ("pp_microbatch_size", args.pp_microbatch_size),
+                )
+                if v is not None
+            },
         ),
         "deepspeed": deepspeed,
         "moe": MoEKnobs(
@@ -491,6 +532,7 @@ MEGATRON = (
     "recompute_modules",
     "offload_modules",
     "cuda_graph_scope",
+    "cuda_graph_warmup_steps",
 )
 
 

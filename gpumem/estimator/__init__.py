@@ -20,6 +20,7 @@ Modules, bottom up:
     t5_ops             what transformers' T5 (encoder-decoder) saves for backward
     finetune           ``FineTune``: LoRA / DoRA / QLoRA by target modules (PEFT, torchtune)
     lora_ops           what an adapted layer saves over a frozen base
+    tune_compiled      what torchtune's Inductor-compiled decoder layer saves (``compile=True``)
     frameworks/        each framework's conventions, knobs and buffers (Megatron, torchtitan, ...)
     backward           a layer's widest backward moment
     peak               the one peak formula (numba-compiled for the planner)

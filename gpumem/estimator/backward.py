@@ -389,21 +389,33 @@ def attention_moment(
     batch: int,
     backend: str,
     math_bytes: int,
+    score_grads: int = 2,
 ) -> Moment:
     """The attention core's backward, after the MLP's: the MLP's activations are gone and its
     weight gradients (and the output projection's) exist; in flight are the residual gradient,
     the gradient of the attention output, and the backend's own: q/k/v gradients (fused
-    kernels) or two s x s score gradients (the math backend)."""
+    kernels) or ``score_grads`` s x s score gradients (the math backend: two, the
+    probabilities' and the softmax's own; one where the softmax's backward writes its
+    gradient into the incoming one, Transformer Engine's fused scaled-masked softmax with no
+    attention dropout between)."""
     n, h, A, d = s.tokens, spec.hidden, s.compute, spec.dhead
     q = n * heads * d * A
     t = s.tokens_sp * h * s.residual + q
-    t += 2 * batch * heads * seq * seq * math_bytes if backend == "math" else 3 * q
+    t += score_grads * batch * heads * seq * seq * math_bytes if backend == "math" else 3 * q
     return Moment(temporary=t, grads=mlp_params * s.grad_bytes, freed=mlp_saved)
 
 
-def layer_moment(spec: ModelSpec, w, items, grad_bytes: int, recompute: str = "none") -> Moment:
+def layer_moment(
+    spec: ModelSpec,
+    w,
+    items,
+    grad_bytes: int,
+    recompute: str = "none",
+    score_grads: int = 2,
+) -> Moment:
     """The widest moment of one layer's backward: the MLP's replay or the attention core's,
-    whichever holds more. ``w`` is an activations.Workload, ``items`` its layer items."""
+    whichever holds more. ``w`` is an activations.Workload, ``items`` its layer items;
+    ``score_grads``: the s x s gradients the math backend holds at once (``attention_moment``)."""
     t = w.tp
     moe = spec.is_moe and not w.dense
     s = Shape(
@@ -433,7 +445,9 @@ def layer_moment(spec: ModelSpec, w, items, grad_bytes: int, recompute: str = "n
     mlp_saved = sum(i.nbytes for i in items[cut:] if not i.name.startswith("autocast."))
     h, qd = spec.hidden, spec.n_heads * spec.dhead // t
     per_mlp = (3 if spec.arch == "llama" else 2) * h * f + (0 if spec.arch == "llama" else f + h)
-    n_mlps = max(spec.n_experts, 1) if moe else 1
+    # the rank's own experts (``s.n_experts``: n_experts / ep) made their weight gradients;
+    # the router's (h x n_experts) is replicated
+    n_mlps = max(s.n_experts, 1) if moe else 1
     mlp_params = per_mlp * n_mlps + (h * spec.n_experts if moe else 0) + qd * h + 2 * h
     att = attention_moment(
         spec,
@@ -445,6 +459,7 @@ def layer_moment(spec: ModelSpec, w, items, grad_bytes: int, recompute: str = "n
         w.batch,
         "math" if spec.eager_attention or (w.eager and spec.is_encoder) else w.attention,
         _score_grad_bytes(w, w.eager and spec.is_encoder),
+        score_grads,
     )
     if recompute == "selective":  # the attention core comes back before its backward
         core = sum(i.nbytes for i in items if i.core)

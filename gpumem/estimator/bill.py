@@ -37,6 +37,8 @@ CATEGORIES = (
     "total",
 )
 PHASES = ("backward start", "backward end", "optimizer step", "forward end")
+CAPTURE_PHASE = "CUDA-graph capture"
+"""The phase of a peak that Megatron's CUDA-graph capture decides (``cuda_graphs.py``)."""
 
 
 @dataclass
@@ -246,7 +248,7 @@ class Bill:
     def pipeline_table(self) -> str:
         """The bill of every pipeline rank side by side (GiB), the worst marked."""
         ranks = self.pipeline_ranks or [self]
-        width = max(16, *(len(f"rank {r.stage}") + 2 for r in ranks))
+        width = max(16, *(max(len(f"rank {r.stage}"), len(r.phase)) + 2 for r in ranks))
         head = f"{'category':<14}" + "".join(f"{'rank ' + str(r.stage):>{width}}" for r in ranks)
         lines = [
             f"{self.model.name}, {self.layout.describe()}, {self.framework} conventions: "
@@ -263,19 +265,35 @@ class Bill:
 
 
 def make_bill(
-    model: Any, n_params: int, terms_by_stage: list[list[float]], stages: list[int], **fields: Any
+    model: Any,
+    n_params: int,
+    terms_by_stage: list[list[float]],
+    stages: list[int],
+    capture_by_stage: list[list[float]] | None = None,
+    **fields: Any,
 ) -> Bill:
     """The Bill of the most loaded pipeline rank, with every rank's own bill.
 
     Args:
         terms_by_stage: peak terms of the ranks in ``stages`` (every rank for an estimate).
+        capture_by_stage: the same ranks' terms at Megatron's CUDA-graph capture, if any: a
+            rank's peak is the larger of the two views (its phase then ``CAPTURE_PHASE``), its
+            steady figures (``model_states``) always a step's.
     """
     gpu = fields["gpu"]
     simulated = fields.get("alloc_conf") is not None
     per_node = min(gpu.gpus_per_node, fields["layout"].n_gpus)
     ranks = []
-    for i, x in zip(stages, terms_by_stage, strict=True):
-        out = peak.assemble(x)
+    captures: list[list[float] | None] = [None] * len(stages)
+    if capture_by_stage is not None:
+        captures = list(capture_by_stage)
+    for i, step_x, capture_x in zip(stages, terms_by_stage, captures, strict=True):
+        x, out = step_x, peak.assemble(step_x)
+        phase = PHASES[out[peak.OUT_PHASE]]
+        if capture_x is not None:
+            c_out = peak.assemble(capture_x)
+            if c_out[peak.OUT_TOTAL] > out[peak.OUT_TOTAL]:
+                x, out, phase = capture_x, c_out, CAPTURE_PHASE
         per_gpu = dict(zip(CATEGORIES, out[: peak.OUT_TOTAL + 1], strict=True))
         # the held logits and the inputs inside the peak's activations (profiler: temporary, inputs)
         ids = x[peak.IDS] * (x[peak.INFLIGHT] if out[peak.OUT_PHASE] in (0, 3) else 1)
@@ -289,15 +307,15 @@ def make_bill(
                 per_gpu=per_gpu,
                 fits=per_gpu["total"] <= gpu.total_bytes,
                 headroom_bytes=gpu.total_bytes - per_gpu["total"],
-                model_states=steady_states(x),
-                phase=PHASES[out[peak.OUT_PHASE]],
+                model_states=steady_states(step_x),
+                phase=phase,
                 stage=i,
                 held_logits=int(x[peak.HELD]),
                 input_bytes=int(ids),
                 peak_reserved_bytes=allocated + frag if simulated else None,
                 fragmentation_bytes=frag,
                 unreleasable_bytes=pinned,
-                host_bytes=offload_host_bytes(x, fields["training"], per_node),
+                host_bytes=offload_host_bytes(step_x, fields["training"], per_node),
                 **fields,
             )
         )

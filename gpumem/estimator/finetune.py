@@ -36,7 +36,8 @@ batch, which ``seq_len`` then bounds), ``offload_activations`` (torchtune's
 ``enable_activation_offloading``: saved activations of the layers go to the host, one layer's
 come back at a time), ``optimizer_in_bwd`` (torchtune: each parameter steps as soon as its
 gradient exists and drops it, so no full set of gradients is ever alive), ``loss_chunks`` and
-``compile_loss`` (torchtune's ``CEWithChunkedOutputLoss`` and ``compile=True``'s compiled loss).
+``compile_loss`` (torchtune's ``CEWithChunkedOutputLoss`` and ``compile=True``'s compiled loss),
+``compile_layers`` (``compile=True``'s compiled decoder layers: ``tune_compiled``).
 
 Example:
     >>> import gpumem
@@ -94,7 +95,10 @@ class FineTune:
             model returns the logits in chunks, each upcast and reduced on its own.
         compile_loss: torchtune's ``compile=True`` compiles the loss (``training.compile_loss``):
             a chunk's compiled cross-entropy keeps its 16-bit logits, not fp32 log-probabilities
-            (the compiled layers' own savings are not modelled).
+            (the compiled layers: ``compile_layers``).
+        compile_layers: torchtune's ``compile=True`` compiles each decoder layer too: a layer
+            saves what Inductor's partitioner keeps (``tune_compiled``; measured on torchtune's
+            modules, full and LoRA: DoRA and QLoRA are refused).
 
     Raises:
         ValueError: one line naming the bad knob and the choices.
@@ -113,6 +117,7 @@ class FineTune:
     optimizer_in_bwd: bool = False
     loss_chunks: int = 1
     compile_loss: bool = False
+    compile_layers: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -140,7 +145,7 @@ class FineTune:
             )
         tt_recipe = [
             n
-            for n in ("offload_activations", "optimizer_in_bwd", "compile_loss")
+            for n in ("offload_activations", "optimizer_in_bwd", "compile_loss", "compile_layers")
             if getattr(self, n)
         ] + (["loss_chunks"] if self.loss_chunks != 1 else [])
         if self.source == "peft" and tt_recipe:
@@ -159,6 +164,12 @@ class FineTune:
             raise ValueError(
                 "method='full' trains every parameter: target_modules, lora_* knobs and "
                 "dropout apply to lora, dora and qlora"
+            )
+        if self.compile_layers and self.method not in ("full", "lora"):
+            raise ValueError(
+                f"compile_layers prices torchtune's compiled full and LoRA layers (measured); "
+                f"method={self.method!r}'s compiled layers are not modelled: leave "
+                "compile_layers out (its layers priced eager, an upper bound)"
             )
         _check_targets(self.target_modules)
         if self.lora_attn_modules is not None:

@@ -37,6 +37,7 @@ SHOWN = (
     "float8",  # torchtitan's float8 training, when given (framework="torchtitan")
     "optimizer",
     "sharding",  # the framework's sharding when it decides it (framework="torchtitan")
+    "pipeline",  # torchtitan's schedule and micro-batches under pp (framework="torchtitan")
     "finetune",  # a fine-tuning recipe, when given (finetune.FineTune)
     "loss",
 )
@@ -50,6 +51,7 @@ LABELS = {
     "float8": "float8",
     "optimizer": "optimizer",
     "sharding": "sharding",
+    "pipeline": "pipeline",
     "finetune": "recipe",
     "loss": "loss",
 }

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpumem.estimator import hf_ops, peak
+from gpumem.estimator import hf_ops, peak, tune_compiled
 from gpumem.estimator.activations import Item, Workload
 from gpumem.estimator.backward import Moment, Shape, attention_moment
 from gpumem.estimator.finetune import LINEARS, AdapterPlan, FineTune, linear_shapes
@@ -75,7 +75,10 @@ def layer_items(
     spec: ModelSpec, w: Workload, adapted: frozenset[str], grad_in: bool, ft: FineTune
 ) -> list[Item]:
     """Everything one adapted layer keeps for backward; ``grad_in``: its input carries a
-    gradient (an adapter ran in an earlier layer)."""
+    gradient (an adapter ran in an earlier layer). Compiled (``compile_layers``): what
+    Inductor's partition keeps (``tune_compiled``)."""
+    if ft.compile_layers:
+        return tune_compiled.compiled_layer_items(spec, w, adapted, grad_in, ft.rank)
     n, A, R = w.tokens, w.compute, w.residual
     shapes = linear_shapes(spec, w.tp)
     h = spec.hidden
@@ -364,7 +367,7 @@ def recipe_label(plan: AdapterPlan | None) -> str:
     ft = plan.recipe
     extra = [k for k in ("packed", "offload_activations", "optimizer_in_bwd") if getattr(ft, k)]
     extra += [f"loss_chunks={ft.loss_chunks}"] if ft.loss_chunks > 1 else []
-    extra += ["compile_loss"] if ft.compile_loss else []
+    extra += [k for k in ("compile_loss", "compile_layers") if getattr(ft, k)]
     tail = f" ({', '.join(extra)})" if extra else ""
     if not ft.adapters:
         return f"{ft.source} full fine-tune{tail}"

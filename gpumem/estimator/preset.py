@@ -14,9 +14,15 @@ from gpumem.allocator.alloc_conf import AllocConf
 from gpumem.estimator import activations as act
 from gpumem.estimator import backward as bwd
 from gpumem.estimator import finetune as ftn
-from gpumem.estimator import hf_ops, inputs, lora_ops, peak, t5_ops
+from gpumem.estimator import hf_ops, inputs, lora_ops, peak, t5_ops, tune_compiled
 from gpumem.estimator.bill import Bill, make_bill
-from gpumem.estimator.frameworks import cuda_graphs, megatron, torchtitan
+from gpumem.estimator.frameworks import (
+    cuda_graphs,
+    megatron,
+    titan_moe,
+    titan_pipeline,
+    torchtitan,
+)
 from gpumem.estimator.frameworks.conventions import (
     cp_exchange_bytes,
     default_fused_ops,
@@ -175,6 +181,8 @@ class PresetTerms:
     def _items(self, w: act.Workload) -> list[act.Item]:
         if self.plan is not None and self.plan.recipe.adapters:
             return lora_ops.layer_items(self.spec, w, self.plan.typical, True, self.plan.recipe)
+        if self.plan is not None and self.plan.recipe.compile_layers:
+            return tune_compiled.compiled_layer_items(self.spec, w)
         if self.plan is not None:  # torchtune's full fine-tune: its modules' copies besides
             return hf_ops.layer_items(self.spec, w) + lora_ops.torchtune_copies(self.spec, w)
         if self.mcore and self.spec.is_decoder:
@@ -225,18 +233,32 @@ class PresetTerms:
         never exceeds the second (it holds at most as many layers and in-flight micro-batches,
         and neither the embedding nor the head), which the planner relies on. An MoE with
         dense first layers breaks the symmetry (a later rank of all-MoE layers can exceed the
-        second): then every rank is a candidate.
+        second): then every rank is a candidate. Under Megatron's CUDA graphs a rank's terms
+        are those of the larger of a step's peak and the capture's (``views`` keeps both).
         """
         st = _Stack.of(self, layout, batch, recompute, grad_accum, persistent_grads)
         if stages is None:
             pp = layout.pp
             stages = list(range(pp)) if st.pg.n_dense else sorted({0, min(1, pp - 1), pp - 1})
+        rows, capture = self.views(st, stages)
+        return rows if capture is None else cuda_graphs.larger(rows, capture)
+
+    def views(
+        self, st: _Stack, stages: list[int]
+    ) -> tuple[list[list[float]], list[list[float]] | None]:
+        """A step's peak terms of the ranks ``stages`` (``terms``), and under Megatron's CUDA
+        graphs their capture's (``cuda_graphs.py``; None without graphs): the capture runs
+        the graphed parts alone, before the first optimizer step with 0 warm-up steps."""
         rows = [stage_terms(self, st, i) for i in stages]
-        if self.mcore and self.knobs.cuda_graph_scope and not self.graph_capture:
-            capture = replace(self, graph_capture=True)
-            args = (layout, batch, recompute, grad_accum, persistent_grads, stages)
-            rows = cuda_graphs.larger(rows, capture.terms(*args))
-        return rows
+        if not (self.mcore and self.knobs.cuda_graph_scope) or self.graph_capture:
+            return rows, None
+        pt = replace(self, graph_capture=True)
+        cst = _Stack.of(pt, st.layout, st.batch, st.recompute, st.grad_accum, st.persist)
+        capture = [stage_terms(pt, cst, i) for i in stages]
+        if self.knobs.cuda_graph_warmup_steps == 0:
+            for x in capture:
+                cuda_graphs.before_first_step(x, self.training.master_bytes)
+        return rows, capture
 
     def _act_terms(
         self, layout: Layout, batch: int, recompute: str, dense: bool
@@ -352,7 +374,10 @@ class PresetTerms:
         if self.plan is not None and self.plan.recipe.adapters:
             m = lora_ops.layer_moment(spec, w, items, self.plan.recipe, self.plan.typical)
         else:
-            m = bwd.layer_moment(spec, w, items, self.training.grad_bytes, recompute)
+            m = bwd.layer_moment(
+                spec, w, items, self.training.grad_bytes, recompute,
+                megatron.score_grads(w) if self.mcore else 2,
+            )  # fmt: skip
         # recomputed activations are temporaries again (the profiler's view); the norm's saved
         # input is the checkpointed block input itself when it is already fp32 (LayerNorm, or
         # the fp32 residual stream of RMSNorm)
@@ -589,14 +614,7 @@ def _fill_buffers(
                 pt.workload(layout, st.batch), spec.hidden, layout.pp, layout.vpp, r.i
             )
     if pt.mcore and pt.knobs.cuda_graph_scope:  # the CUDA graphs' static buffers
-        w = pt.workload(layout, st.batch)
-        x[peak.W_BUFFERS] += cuda_graphs.static_bytes(
-            pt.knobs.cuda_graph_scope,
-            r.n_dense + r.mtp_dense,
-            r.n_moe + r.mtp - r.mtp_dense,
-            st.grad_accum if layout.pp > 1 else 1,
-            (w.tokens // w.tp if w.sp else w.tokens) * spec.hidden * w.compute,
-        )
+        x[peak.W_BUFFERS] += graph_static_bytes(pt, st, r)
     if st.w8:  # fp8 copies of the TE Linears' weights (not norms, biases, embedding, head)
         lin = r.n_dense * st.dense_tp + r.n_moe * st.moe_tp if spec.is_moe else n_l * st.moe_tp
         x[peak.W_BUFFERS] += st.w8 * (lin + expert + mtp_tp)
@@ -610,6 +628,42 @@ def _fill_buffers(
             )
             / n_l
         )
+
+
+def graph_static_bytes(pt: PresetTerms, st: _Stack, r: _Rank) -> float:
+    """What rank ``r``'s CUDA graphs keep allocated for their replays
+    (``cuda_graphs.static_bytes``): a static input per graphed layer forward in flight, the
+    output gradients of each kind of graph, the last input gradient."""
+    spec, layout, scope = pt.spec, st.layout, pt.knobs.cuda_graph_scope
+    w = pt.workload(layout, st.batch)
+    chunks = st.chunks_by_stage[r.i]
+    counts = [
+        cuda_graphs.graphed_layers(scope, spec.dense_in(c), len(c) - spec.dense_in(c))
+        for c in chunks
+    ]
+    mtp = cuda_graphs.graphed_layers(scope, r.mtp_dense, r.mtp - r.mtp_dense)
+    counts[-1] += mtp  # MTP layers run in the last chunk
+    if layout.pp > 1:
+        inflight = megatron.inflight_layers(
+            [range(n) for n in counts], layout.pp, layout.vpp, st.grad_accum, r.i
+        )
+    else:  # one micro-batch is captured
+        inflight = sum(counts)
+    boundary = (w.tokens // w.tp if w.sp else w.tokens) * spec.hidden * w.compute
+    n_sp = w.tokens // w.tp if w.sp else w.tokens
+    shared = bool(spec.n_shared_experts or spec.shared_ffn)
+    kinds = [
+        k
+        for k, n in (("dense", r.n_dense + r.mtp_dense), ("moe", r.n_moe + r.mtp - r.mtp_dense))
+        if n
+    ]
+    outputs = tuple(
+        cuda_graphs.graph_outputs(scope, k == "moe", shared, boundary, n_sp * spec.n_experts * 4)
+        for k in kinds
+        if cuda_graphs.graphed_layers(scope, k == "dense", k == "moe")
+    )
+    mask = w.batch * w.local_seq * w.seq  # the attention mask's bools, [b, 1, s/cp, s]
+    return cuda_graphs.static_bytes(scope, inflight, boundary, mask, outputs)
 
 
 def _fill_activations(pt: PresetTerms, st: _Stack, r: _Rank, x: list[float]) -> None:
@@ -697,7 +751,7 @@ def estimate_preset(spec: ModelSpec, job: Job) -> Bill:
     allocator under it (None: the flat fragmentation fraction)."""
     batch_size = inputs.DEFAULT_BATCH_SIZE if job.batch_size is None else job.batch_size
     seq, seq_source = inputs.seq_len(spec, job.seq_len)
-    layout, fw, acts, tt = job.layout, job.framework, job.activations, job.torchtitan
+    layout, fw, acts = job.layout, job.framework, job.activations
     check_applies(spec, job)
     layout.check(spec, seq_len=seq, even_split=not megatron.uneven(job.megatron))
     terms = PresetTerms(
@@ -721,54 +775,72 @@ def estimate_preset(spec: ModelSpec, job: Job) -> Bill:
         target_seq=acts.target_seq,
     )
     stages = list(range(layout.pp))
+    capture = None
     if fw == "torchtitan":
-        rows = [titan_terms(spec, job, terms, batch_size, seq)]
-        items = torchtitan.layer_items(spec, layout, batch_size, seq, job.recompute)
-    else:
-        rows = terms.terms(
-            layout, batch_size, job.recompute, job.grad_accum, job.persistent_grads, stages
+        rows = titan_terms(spec, job, terms, batch_size, seq)
+        stages = stages[: len(rows)]
+        items = (
+            titan_moe.layer_items(spec, layout, batch_size, seq, job.recompute)
+            if spec.is_moe
+            else torchtitan.layer_items(spec, layout, batch_size, seq, job.recompute)
         )
+    else:
+        st = _Stack.of(
+            terms, layout, batch_size, job.recompute, job.grad_accum, job.persistent_grads
+        )
+        rows, capture = terms.views(st, stages)
         items = terms.layer_items(layout, batch_size)
-    # torchtitan's step is simulated from its own allocation order (titan_trace), except for
-    # what that order does not cover
-    simulated = fw != "torchtitan" or torchtitan.simulated(
-        terms.alloc_conf, tt.loss_chunks, bool(job.persistent_grads), tt.fp8_recipe
-    )
+    simulated = fw != "torchtitan" or titan_simulated(job, terms)
     conf = terms.alloc_conf
     return make_bill(
         spec,
         spec.n_params,
         rows,
         stages,
+        capture_by_stage=capture,
         layout=layout,
         training=job.training,
         gpu=job.gpu,
         framework=fw,
         cluster_model_state_bytes=terms.cluster_model_states(),
         inputs=bill_inputs(spec, job, terms, batch_size, seq),
-        sources={
-            **inputs.sources(
-                seq_source=seq_source,
-                batch_size=job.batch_size,
-                grad_accum=job.grad_accum,
-                recompute=job.recompute,
-                training=job.training,
-                given=job.given,
-            ),
-            "float8": "given",
-            "target_seq": "given" if acts.target_seq else "default: seq_len",
-            "sharding": job.sharding,
-            "finetune": "given",
-            "loss": "keep_logits given"
-            if acts.keep_logits is not None
-            else f"default: the {fw} loop",
-        },
+        sources=bill_sources(job, seq_source),
         items=items,
         alloc_conf=None if conf is None or not simulated else conf.text or "default",
-        reserved_note="framework='torchtitan' keeps the flat share with loss_chunks, "
+        reserved_note="framework='torchtitan' keeps the flat share with pp, loss_chunks, "
         "persistent gradients or float8"
         if not simulated and conf is not None
         else job.reserved_note,
+    )
+
+
+def bill_sources(job: Job, seq_source: str) -> dict[str, str]:
+    """Where each input of a described model's bill came from."""
+    acts = job.activations
+    fields = ("batch_size", "grad_accum", "recompute", "training", "given")
+    return {
+        **inputs.sources(seq_source=seq_source, **{k: getattr(job, k) for k in fields}),
+        "float8": "given",
+        "target_seq": "given" if acts.target_seq else "default: seq_len",
+        "sharding": job.sharding,
+        "pipeline": titan_pipeline.pipeline_source(job.torchtitan),
+        "finetune": "given",
+        "loss": "keep_logits given"
+        if acts.keep_logits is not None
+        else f"default: the {job.framework} loop",
+    }
+
+
+def titan_simulated(job: Job, terms: PresetTerms) -> bool:
+    """torchtitan's step is simulated from its own allocation order (titan_trace), except for
+    what that order does not cover (pipeline parallelism among them)."""
+    tt = job.torchtitan
+    return (
+        job.layout.pp == 1
+        and not terms.spec.is_moe
+        and torchtitan.simulated(
+            terms.alloc_conf, tt.loss_chunks, bool(job.persistent_grads), tt.fp8_recipe
+        )
     )
 
 
@@ -806,11 +878,12 @@ def check_applies(spec: ModelSpec, job: Job) -> None:
 
 
 def titan_terms(spec: ModelSpec, job: Job, terms: PresetTerms, batch: int, seq: int) -> list:
-    """The peak terms of one torchtitan rank (its dense Llama only)."""
-    if spec.arch != "llama" or spec.is_moe:
+    """The peak terms of each torchtitan rank (its dense Llama; its Qwen3-MoE: ``titan_moe``):
+    one row, or one per pipeline rank (``titan_pipeline``)."""
+    if spec.arch != "llama":
         raise ValueError(
-            f"framework='torchtitan' models torchtitan's dense Llama; got {spec.name!r} "
-            f"({spec.arch}{', MoE' if spec.is_moe else ''})"
+            f"framework='torchtitan' models torchtitan's Llama and Qwen3-MoE; got {spec.name!r} "
+            f"({spec.arch})"
         )
     if job.grad_accum != 1:
         raise ValueError("framework='torchtitan' models one micro-batch per step: grad_accum=1")
@@ -820,22 +893,36 @@ def titan_terms(spec: ModelSpec, job: Job, terms: PresetTerms, batch: int, seq: 
             "gather [tok_embeddings, norm, lm_head] as one FSDP unit for the whole step)"
         )
     tt = job.torchtitan
-    return torchtitan.terms(
+    if spec.is_moe:
+        given = [n for n, on in (("loss_chunks", tt.loss_chunks), ("fp8_recipe", tt.fp8_recipe),
+                                 ("compiled_loss", tt.compiled_loss),
+                                 ("persistent_grads", job.persistent_grads)) if on]  # fmt: skip
+        titan_moe.check_moe(spec, job.layout, job.recompute, given)
+        cuda = job.device == "cuda"
+        return [titan_moe.moe_terms(spec, job.layout, job.gpu, batch=batch, seq=seq,
+                                    recompute=job.recompute, cuda=cuda)]  # fmt: skip
+    common: dict[str, Any] = {
+        "batch": batch,
+        "seq": seq,
+        "recompute": job.recompute,
+        "cuda": job.device == "cuda",
+        "persistent_grads": bool(job.persistent_grads),
+    }
+    if job.layout.pp > 1:
+        return titan_pipeline.pipeline_terms(spec, job.layout, job.gpu, knobs=tt, **common)
+    row = torchtitan.terms(
         spec,
         job.training,
         job.layout,
         job.gpu,
-        batch=batch,
-        seq=seq,
-        recompute=job.recompute,
-        cuda=job.device == "cuda",
-        persistent_grads=bool(job.persistent_grads),
+        **common,
         loss_chunks=tt.loss_chunks,
         fp8_recipe=tt.fp8_recipe,
         fsdp_float8_all_gather=tt.fsdp_float8_all_gather,
         alloc_conf=terms.alloc_conf,
         compiled_loss=tt.compiled_loss,
     )
+    return [row]
 
 
 def bill_inputs(
@@ -866,6 +953,11 @@ def bill_inputs(
         ),
         **({"compiled_loss": True} if tt.compiled_loss else {}),
         **({"sharding": sharding_label(job)} if fw == "torchtitan" else {}),
+        **(
+            {"pipeline": titan_pipeline.pipeline_label(tt, job.layout.pp, batch)}
+            if fw == "torchtitan" and job.layout.pp > 1
+            else {}
+        ),
         **(
             {"moe_imbalance": job.moe.imbalance, "moe_dispatcher": job.moe.dispatcher}
             if spec.is_moe

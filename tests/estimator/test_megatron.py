@@ -141,6 +141,23 @@ def test_unfused_attention_keeps_scores_mask_and_dropout():
     )
 
 
+def test_te_softmax_backward_writes_its_gradient_in_place(monkeypatch):
+    """TE's unfused attention runs its fused scaled-masked softmax, whose backward produces
+    the scores' gradient in the probabilities' (``scaled_masked_softmax_backward``): one
+    s x s gradient in flight, not the two of PyTorch's softmax; attention dropout's backward
+    makes the second. A 4-head layer of 2048 tokens whose attention backward is the peak:
+    one [1, 4, 2048, 2048] bf16 tensor (32 MiB) less than the two-gradient rule."""
+    spec = ModelSpec(name="t", arch="llama", n_layers=2, hidden=64, n_heads=4, ffn=128, vocab=256)
+    kw = {"seq_len": 2048, "batch_size": 1, "framework": "megatron", "attention": "eager",
+          "dropout": 0.0, "gpu": "H100-80GB"}  # fmt: skip
+    one = gpumem.estimate(spec, **kw)
+    assert megatron.score_grads(Workload(1, 8, 2, 2, dropout=0.1)) == 2
+    monkeypatch.setattr(megatron, "score_grads", lambda w: 2)
+    two = gpumem.estimate(spec, **kw)
+    assert one.phase == two.phase == "backward start"
+    assert two.per_gpu["temporary"] - one.per_gpu["temporary"] == 4 * 2048 * 2048 * 2
+
+
 def test_gelu_and_squared_relu_experts_priced_as_themselves():
     w = Workload(batch=1, seq=128)
     base = {

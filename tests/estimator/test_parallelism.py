@@ -191,6 +191,35 @@ def test_experts_fold_over_tp_times_dp():
         _est(layout=Layout(dp=1, tp=2, etp=2))
 
 
+def test_attention_moment_counts_only_the_ranks_experts_grads(monkeypatch):
+    """By the attention core's backward the MLP's weight gradients exist: under expert
+    parallelism those of the rank's own experts only (Mixtral 8x7B, ep=4: 2 of 8 experts of
+    3·h·ffn each), plus the replicated router (h x 8) and the output projection and norms.
+    Counting all 8 experts put 6 experts' fp32 gradients (2.1 GiB) into a rank that never
+    holds them."""
+    from gpumem.estimator import backward
+
+    seen = []
+    real = backward.attention_moment
+
+    def spy(spec, s, mlp_saved, mlp_params, *a):
+        seen.append(mlp_params)
+        return real(spec, s, mlp_saved, mlp_params, *a)
+
+    monkeypatch.setattr(backward, "attention_moment", spy)
+    spec = resolve_model("mixtral-8x7b")
+    h, f = spec.hidden, spec.moe_ffn
+    most = {}
+    for ep in (1, 4):  # the MoE layer's moment (the terms also price a dense one)
+        seen.clear()
+        lay = Layout(dp=4, ep=ep, zero=1)
+        estimate(spec, seq_len=256, layout=lay, framework="megatron", moe_imbalance=1.0)
+        most[ep] = max(seen)
+    rest = h * spec.n_experts + spec.n_heads * spec.dhead * h + 2 * h
+    assert most[1] == 8 * 3 * h * f + rest
+    assert most[4] == 2 * 3 * h * f + rest
+
+
 def test_moe_imbalance_and_dispatch_only_with_expert_parallelism():
     spec = resolve_model("mixtral-8x7b")
     one = [estimate(spec, seq_len=512, moe_imbalance=f).per_gpu for f in (1.0, 2.0)]

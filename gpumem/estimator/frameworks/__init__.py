@@ -12,4 +12,7 @@ Modules:
     torchtitan         torchtitan's recipe (``TorchtitanKnobs``): modules, SAC, loss, FSDP units
     titan_trace        torchtitan's step as allocations on FSDP2's streams (its reserved memory)
     titan_compile      torchtitan's Inductor-compiled loss (--training.compile): what it keeps
+    titan_schedules    torchtitan's pipeline stages (its split) and each rank's schedule order
+    titan_pipeline     torchtitan under pp: what each pipeline rank holds, moment by moment
+    titan_moe          torchtitan's Qwen3-MoE: router, dispatch, grouped experts, their buffers
 """

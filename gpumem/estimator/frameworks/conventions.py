@@ -63,7 +63,7 @@ _ALLOWED = {
     "deepspeed": "zero 0-3, no fsdp",
     "fsdp2": "fsdp='full' or 'hybrid' (zero 0)",
     "torchtitan": "FSDP2 over every data-parallel rank (its default dp_shard=-1: leave zero and "
-    "fsdp unset, or fsdp='full'; fsdp='hybrid' for dp_replicate > 1), no ZeRO-1/2, no pp",
+    "fsdp unset, or fsdp='full'; fsdp='hybrid' for dp_replicate > 1), no ZeRO-1/2",
     "torch": "zero 0, no fsdp (plain DDP)",
     "transformers": "any layout (DDP, FSDP or DeepSpeed ZeRO under accelerate)",
 }
@@ -129,14 +129,12 @@ def resolve_framework(framework: str | None, layout: Layout, hf: bool = False) -
         "megatron": layout.zero in (0, 1, 3) and not layout.fsdp,
         "deepspeed": not layout.fsdp,
         "fsdp2": bool(layout.fsdp),
-        "torchtitan": layout.zero in (0, 3) and layout.pp == 1,
+        "torchtitan": layout.zero in (0, 3),
         "torch": layout.zero == 0 and not layout.fsdp,
         "transformers": True,
     }[fw]
     if not ok:
         got = f"fsdp={layout.fsdp!r}" if layout.fsdp else f"zero={layout.zero}"
-        if fw == "torchtitan" and layout.zero in (0, 3):
-            got = f"pp={layout.pp}"
         raise ValueError(
             f"framework={fw!r} does not run {got}: {fw} takes {_ALLOWED[fw]}; "
             f"for {got} use framework={default_framework(layout)!r}"

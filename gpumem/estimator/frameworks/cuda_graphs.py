@@ -12,18 +12,31 @@ for ``torch.cuda.max_memory_allocated`` (the CI's ``mem-max-allocated-bytes``):
 - **Replay** (every training step): a graphed part's saved tensors live in the pool, whose
   blocks the caching allocator counts as free once the capture ended; a step's allocated bytes
   hold only the eager parts' saved tensors (``split_items``: each scope's items).
-- **Capture** (once, before the step that follows ``--cuda-graph-warmup-steps``): the schedule
-  runs once with the graphed parts alone, their saved tensors allocated in the pool as they are
-  made: its peak is the in-flight micro-batches of the graphed parts, without the embedding, the
-  head and the loss (``PresetTerms`` ``graph_view="capture"``); the bill takes the larger view.
-- **Static buffers**: each graph's boundary tensors stay allocated for replays: the static
-  input Megatron makes per graph (``_get_sample_arguments``), the static outputs captured in the
-  pool and the static input gradients of the backward graph (``Graphed`` holds both), and the
-  output gradients (shared by every graph since TE 2.7's ``_reuse_graph_input_output_buffers``).
-  ``STATIC_PER_GRAPH`` boundary tensors (a micro-batch's hidden states, ``[s·b/tp, h]`` under
-  sequence parallelism) per graph: TE 2.7 also drops its references to the outputs and input
-  gradients once captured, which would leave one, but the three CI cases' steady figures keep
-  2.6-4.9 per graph above everything else (``benchmarks/results/published_megatron_named.md``).
+- **Capture** (once, at the start of iteration ``--cuda-graph-warmup-steps``, Megatron's
+  default 3; ``megatron/training/training.py``): the schedule runs once with the graphed parts
+  alone, their saved tensors allocated in the pool as they are made: its peak is the in-flight
+  micro-batches of the graphed parts, without the embedding, the head and the loss
+  (``PresetTerms`` ``graph_capture``). With 0 warm-up steps it comes before the first optimizer
+  step: the optimizer has made its fp32 master weights (at construction) but not its state
+  (Adam's moments, made by the first ``step``), so that view bills the master weights alone
+  (``before_first_step``). The bill's peak is the larger of the capture's and a step's, and
+  says which (phase ``CUDA-graph capture``); its steady figures are always a step's.
+- **Static buffers** (TE >= 2.7, which Megatron asks to ``_reuse_graph_input_output_buffers``,
+  and Megatron's own reuse in ``_get_sample_arguments``), what stays allocated for the
+  replays (``static_bytes``):
+
+  - the static inputs Megatron makes (``get_layer_static_inputs``): the hidden states
+    ``[s·b/(tp·cp), h]`` and, when ``attn`` is in the scope, a bool attention mask
+    ``[b, 1, s/cp, s]`` (``TransformerLayer``); a (layer, micro-batch) whose backward has run
+    hands its inputs on to the next forward of the same signature, so there are as many as
+    graphed layer forwards in flight at the first backward (``megatron.inflight_layers``
+    over the graphed layers: every graphed layer with one micro-batch, without pipelining);
+  - the static output gradients TE makes outside the pool, one set per output signature
+    (a whole layer or part: the hidden states; ``moe_router`` without ``moe``: the residual,
+    the pre-MLP norm's output, the shared experts' output and the fp32 routing probabilities);
+  - the static outputs and input gradients live in the pool: TE drops its references to an
+    output once its backward is captured, and to an input gradient once the next backward of
+    the chunk is, which leaves the last backward's input gradient.
 
 Scopes (``--cuda-graph-scope``, ``transformer/enums.py`` ``CudaGraphScope``): ``attn`` (the
 input norm, self-attention and its residual), ``mlp`` (a dense layer's norm and MLP), ``moe``
@@ -38,9 +51,6 @@ from gpumem.estimator.activations import Item
 
 CUDA_GRAPH_SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess")
 """``--cuda-graph-scope`` values priced (with ``--cuda-graph-impl transformer_engine``)."""
-
-STATIC_PER_GRAPH = 3
-"""Boundary tensors a captured (layer, micro-batch) graph keeps allocated (module docstring)."""
 
 # the items (``megatron.layer_items`` names) each scope captures; a name ending in "." is a
 # prefix, any other an exact name; (dense layers, MoE layers)
@@ -107,18 +117,46 @@ def graphed_layers(scope: tuple[str, ...], n_dense: int, n_moe: int) -> int:
     return dense + (n_moe if any(s.startswith("moe") for s in scope) else 0)
 
 
-def static_bytes(
-    scope: tuple[str, ...], n_dense: int, n_moe: int, microbatches: int, boundary: float
+def graph_outputs(
+    scope: tuple[str, ...], moe: bool, shared: bool, boundary: float, probs: float
 ) -> float:
-    """The static buffers of a rank's graphs: ``STATIC_PER_GRAPH`` boundary tensors for each
-    graphed layer and micro-batch (``microbatches``: the step's, under pipelining; else 1)."""
-    if not scope:
+    """The output gradients one graph's backward reads (TE's static output gradients): the
+    hidden states, or under ``moe_router`` without ``moe`` (an MoE layer captured up to its
+    router) the residual, the pre-MLP norm's output and (``shared``) the shared experts'
+    output (``boundary`` each; TransformerLayer's ``_te_cuda_graph_capture``) and the routing
+    probabilities (``probs``)."""
+    if moe and "moe" not in scope and ("moe_router" in scope or "moe_preprocess" in scope):
+        return (3 if shared else 2) * boundary + probs
+    return boundary
+
+
+def static_bytes(
+    scope: tuple[str, ...],
+    inflight: float,
+    boundary: float,
+    mask: float,
+    outputs: tuple[float, ...],
+) -> float:
+    """The static buffers of a rank's graphs (module docstring): a static input (the hidden
+    states, ``boundary``, and the attention mask, ``mask``, under ``attn``) per graphed layer
+    forward in flight (``inflight``), one set of output gradients per output signature
+    (``outputs``: ``graph_outputs`` of each kind of layer graphed) and the last backward's
+    input gradient."""
+    if not scope or not inflight:
         return 0.0
-    return STATIC_PER_GRAPH * graphed_layers(scope, n_dense, n_moe) * microbatches * boundary
+    per_input = boundary + (mask if "attn" in scope else 0.0)
+    return inflight * per_input + sum(set(outputs)) + boundary
+
+
+def before_first_step(x: list[float], master_bytes: float) -> None:
+    """The capture's terms ``x`` when it runs before the first optimizer step (0 warm-up
+    steps): the optimizer holds its master weights, not yet its state."""
+    x[peak.O_BYTES] = min(x[peak.O_BYTES], master_bytes)
 
 
 def larger(replay: list[list[float]], capture: list[list[float]]) -> list[list[float]]:
-    """Per rank, the terms of the view whose peak is the larger (the capture's or a step's)."""
+    """Per rank, the terms of the view whose peak is the larger (the capture's or a step's):
+    the planner's peak; the bill keeps both (``bill.make_bill``'s ``capture_by_stage``)."""
     return [
         c if peak.assemble(c)[peak.OUT_TOTAL] > peak.assemble(r)[peak.OUT_TOTAL] else r
         for r, c in zip(replay, capture, strict=True)

@@ -177,7 +177,9 @@ class MegatronKnobs:
     ``num_distributed_optimizer_instances``, the intra-instance group of
     ``parallel_state.initialize_model_parallel``), and ``--cuda-graph-impl transformer_engine
     --cuda-graph-scope`` (``cuda_graph_scope``: per-layer CUDA graphs of those parts, priced by
-    ``cuda_graphs.py``; empty: none).
+    ``cuda_graphs.py``; empty: none) with ``--cuda-graph-warmup-steps``
+    (``cuda_graph_warmup_steps``, Megatron's default 3: with 0 the capture runs before the
+    first optimizer step has made the optimizer's state).
 
     Raises:
         ValueError: one line naming the knob and the valid choices.
@@ -197,9 +199,19 @@ class MegatronKnobs:
     recompute_modules: tuple[str, ...] = ()
     offload_modules: tuple[str, ...] = ()
     cuda_graph_scope: tuple[str, ...] = ()
+    cuda_graph_warmup_steps: int = 3
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cuda_graph_scope", cuda_graphs.check_scope(self.cuda_graph_scope))
+        n = self.cuda_graph_warmup_steps
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"cuda_graph_warmup_steps must be an integer >= 0, got {n!r}")
+        if n != 3 and not self.cuda_graph_scope:
+            raise ValueError(
+                f"cuda_graph_warmup_steps={n} times the CUDA graphs' capture; no "
+                "cuda_graph_scope is given (give one of "
+                f"{', '.join(cuda_graphs.CUDA_GRAPH_SCOPES)}, or leave the warm-up at 3)"
+            )
         for name, known in (
             ("recompute_modules", RECOMPUTE_MODULES),
             ("offload_modules", OFFLOAD_MODULES),
@@ -587,6 +599,14 @@ def layer_items(
     if k.cuda_graph_scope:
         items = cuda_graphs.split_items(items, k.cuda_graph_scope, capture)
     return items
+
+
+def score_grads(w: Workload) -> int:
+    """The s x s gradients TE's unfused attention holds at once in backward: its fused
+    scaled-masked softmax produces its gradient in place (``scaled_masked_softmax_backward``,
+    ``transformer_engine/pytorch/csrc/extensions/softmax.cpp``), so one, unless attention
+    dropout's backward makes a second before it."""
+    return 2 if w.dropout > 0 else 1
 
 
 def embed_items(spec: ModelSpec, w: Workload, k: MegatronKnobs) -> list[Item]:

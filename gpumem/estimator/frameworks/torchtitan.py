@@ -61,7 +61,8 @@ shards kept beside the all-gathered tensors). Not modelled (left for later): ten
 with TP (torchao's float8 TP styles, which 0.3.0 does not apply), the chunked loss under TP
 (loss parallel per chunk), FlexAttention's block masks and the RoPE cache gathered by explicit
 positions (0.3.0's default backend: small),
-pipeline parallelism, HSDP's replicate all-reduce buffers. Under TP a block's widest backward
+HSDP's replicate all-reduce buffers. Pipeline parallelism: ``titan_schedules`` and
+``titan_pipeline``. Under TP a block's widest backward
 moment is the sequence-parallel all-gather's backward, approximated here by SwiGLU's (within 1 %
 on the tests' model).
 """
@@ -80,6 +81,7 @@ from gpumem.estimator.frameworks.titan_compile import (
     compiled_loss_bwd,
     compiled_loss_saved,
 )
+from gpumem.estimator.frameworks.titan_schedules import check_schedule
 from gpumem.estimator.gpus import GPU
 from gpumem.estimator.layout import Layout
 from gpumem.estimator.model_spec import ModelSpec
@@ -288,6 +290,10 @@ class TorchtitanKnobs:
         fsdp_float8_all_gather: torchao's ``enable_fsdp_float8_all_gather`` (tensorwise only).
         loss_chunks: 0: the loss on the whole logits; N: ``ChunkedLossWrapper(num_chunks=N)``.
         compiled_loss: the loss compiled by Inductor (``--training.compile``; ``titan_compile``).
+        pp_schedule: ``parallelism.pipeline_parallel_schedule`` under ``pp > 1`` (1F1B, GPipe,
+            Interleaved1F1B; ``titan_pipeline``).
+        pp_microbatch_size: ``parallelism.pipeline_parallel_microbatch_size``: the local batch
+            runs as ``batch_size / pp_microbatch_size`` micro-batches.
 
     Raises:
         ValueError: one line naming the problem and the valid choices.
@@ -297,9 +303,15 @@ class TorchtitanKnobs:
     fsdp_float8_all_gather: bool = False
     loss_chunks: int = 0
     compiled_loss: bool = False
+    pp_schedule: str = "1F1B"
+    pp_microbatch_size: int = 1
 
     def __post_init__(self) -> None:
         check_float8(self.fp8_recipe, self.fsdp_float8_all_gather, tp=1)
+        check_schedule(self.pp_schedule)
+        m = self.pp_microbatch_size
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"pp_microbatch_size must be an integer >= 1, got {m!r}")
         n = self.loss_chunks
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"loss_chunks must be an integer >= 0, got {n!r}")
@@ -314,14 +326,19 @@ _ELSEWHERE = {
     "not model torch.compile",
     "loss_chunks": "torchtitan's ChunkedLossWrapper; framework={fw!r} has none (use "
     "framework='torchtitan', or loss_chunks=0)",
+    "pp_schedule": "torchtitan's pipeline_parallel_schedule; framework={fw!r} has no such knob "
+    "(use framework='torchtitan'; Megatron's interleaving is the layout's vpp)",
+    "pp_microbatch_size": "torchtitan's pipeline_parallel_microbatch_size; framework={fw!r} has "
+    "no such knob (use framework='torchtitan'; elsewhere batch_size is the micro-batch)",
 }
 
 
 def titan_knobs(framework: str, **given: object) -> TorchtitanKnobs:
     """The torchtitan knobs, checked; one given to another framework is an error (named before
     its value is checked: the framework is the first thing wrong)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TorchtitanKnobs)}
     for name, why in _ELSEWHERE.items():
-        if framework != "torchtitan" and given.get(name):
+        if framework != "torchtitan" and name in given and given[name] != defaults[name]:
             raise ValueError(f"{name} is " + why.format(fw=framework))
     return TorchtitanKnobs(**given)  # type: ignore[arg-type]
 
