@@ -161,3 +161,72 @@ def test_a_sharded_restore_leaves_no_staged_blocks_alive(tmp_path):
             assert ck.last_restore.bytes_read >= ck.last_restore.bytes_needed >= state_bytes
     finally:
         dist.destroy_process_group()
+
+
+def _arena_range(ck) -> tuple[int, int]:
+    arena = ck._staging.arena
+    assert arena is not None
+    t = arena.view(0, arena.nbytes)
+    return t.data_ptr(), t.data_ptr() + arena.nbytes
+
+
+def _all_tensors(model, opt):
+    yield from model.state_dict().values()
+    for st in opt.state.values():
+        yield from (t for t in st.values() if isinstance(t, torch.Tensor))
+
+
+def test_a_running_optimizer_keeps_its_state_tensors_and_nothing_points_into_the_arena(tmp_path):
+    """A restore into objects that already hold state (a rollback, or the calibration's rounds)
+    reads into the staging arena and copies into the live tensors: the optimizer keeps its
+    state tensors (the same storage) with the saved values, and no tensor the objects keep lies
+    in the arena the next save overwrites (tied weights and a non-contiguous buffer included)."""
+    model, opt = _objects(1)
+    with gpumem.Checkpointer(tmp_path, keep=None) as ck:
+        ck.prepare(model, opt, background=False)
+        ck.save(1, model=model, optimizer=opt, blocking=True)
+        ck.wait()
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        saved_opt = {
+            (i, k): t.clone() for i, st in opt.state_dict()["state"].items() for k, t in st.items()
+        }
+        ptrs = {id(t): t.data_ptr() for st in opt.state.values() for t in st.values()}
+        model.head(model.norm(model.emb(torch.arange(4)))).sum().backward()
+        opt.step()  # the live state moves on
+        assert ck.restore(model=model, optimizer=opt) == 1
+        assert {id(t): t.data_ptr() for st in opt.state.values() for t in st.values()} == ptrs
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, saved[k]), k
+        for (i, k), t in saved_opt.items():
+            assert torch.equal(opt.state_dict()["state"][i][k], t), (i, k)
+        lo, hi = _arena_range(ck)
+        assert not [t for t in _all_tensors(model, opt) if lo <= t.data_ptr() < hi]
+
+
+def test_a_state_the_optimizer_casts_on_load_gets_the_saved_values_cast(tmp_path):
+    """bf16 parameters with fp32 optimizer state: torch's ``load_state_dict`` casts the state to
+    the parameter's dtype (a new tensor, made before the commit copies): the commit copies the
+    staged values into the tensor the optimizer holds, so the result is torch's own load's."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    for st in opt.state.values():
+        for k in ("exp_avg", "exp_avg_sq"):
+            st[k] = st[k].float() + 0.123  # fp32 state (not what load_state_dict keeps)
+    ref = torch.optim.AdamW(nn.Linear(64, 64).to(torch.bfloat16).parameters())
+    with gpumem.Checkpointer(tmp_path, keep=None) as ck:
+        ck.prepare(model, opt, background=False)
+        ck.save(1, model=model, optimizer=opt, blocking=True)
+        ck.wait()
+        ref.load_state_dict(opt.state_dict())  # torch's own load of the same state
+        for st in opt.state.values():
+            for k in ("exp_avg", "exp_avg_sq"):
+                st[k].zero_()
+        assert ck.restore(model=model, optimizer=opt) == 1
+    got, want = opt.state_dict()["state"], ref.state_dict()["state"]
+    for i in want:
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert got[i][k].dtype == want[i][k].dtype == torch.bfloat16
+            assert torch.equal(got[i][k], want[i][k]), (i, k)

@@ -385,7 +385,7 @@ def test_verify_loaded_checks_every_restored_tensor_and_names_damage(tmp_path, m
         # every tensor of the model and the optimizer state was checked (the 0-d AdamW steps too)
         path = ck.latest().path
         with Dir.open(path) as step:
-            _, shard = restore_tree(step, load_info(step), 0)
+            _, shard, _ = restore_tree(step, load_info(step), 0)
         table = capture(1, TrainingState(model=model2, optimizer=opt2, rng=False)).table
         assert verify_loaded(Path(path), shard, table) == len(shard.tensors) == len(table.names)
         real_apply = state_mod.apply

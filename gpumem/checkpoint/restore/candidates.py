@@ -329,7 +329,7 @@ def _prepare(
     if info.sharded or dtensors:
         staged = ShardedRestore(step, info, group.rank, group.world_size, state, stage)
     else:
-        staged = PlainRestore(step, info, group.rank, group.world_size, state)
+        staged = PlainRestore(step, info, group.rank, group.world_size, state, stage)
     return staged.prepare()
 
 

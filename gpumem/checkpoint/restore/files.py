@@ -80,6 +80,13 @@ def _read_file(
     )
 
 
+def _buffer(entry: TensorEntry, file: Any, into: Callable | None) -> torch.Tensor:
+    """Where ``entry``'s bytes land: the caller's buffer (``read_tensors``' ``into``), else
+    fresh host memory."""
+    given = into(entry) if into is not None else None
+    return _host_bytes(entry.nbytes, file) if given is None else given
+
+
 def _host_bytes(n: int, file: Any) -> torch.Tensor:
     """Fresh host memory for ``n`` bytes of ``file``, page-aligned from ``DIRECT_MIN_BYTES`` on
     (see the module docs). ``n`` is bounded by the file sizes checked on disk, so a failure here
@@ -183,6 +190,7 @@ def read_tensors(
     *,
     keep: bool = True,
     keep_only: set[str] | None = None,
+    into: Callable[[TensorEntry], torch.Tensor | None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read and verify tensors of a shard whose manifest is loaded: all of them (``names``
     None: every byte of its data files, the zero padding too) or only those named (only their
@@ -192,10 +200,9 @@ def read_tensors(
         keep: return the tensors (False: only check them, through ``STREAM_BYTES`` of memory).
         keep_only: of the tensors read, return only these; the others are checked through the
             bounded stream, never held whole (a restore not asked for ``extra``, say).
+        into: a kept tensor's destination (a page-aligned uint8 buffer of its size) or None.
 
-    Returns:
-        name -> tensor (empty without ``keep``).
-
+    Returns: name -> tensor (empty without ``keep``).
     Raises:
         CheckpointCorruptError: naming the file and the tensor.
         CheckpointIOError: the operating system failed a read (errno and path kept).
@@ -237,7 +244,7 @@ def read_tensors(
         for t, pos, off, length in spans:
             if t in kept:
                 if t not in buffers:
-                    buffers[t] = _host_bytes(entries[t].nbytes, path / f)
+                    buffers[t] = _buffer(entries[t], path / f, into)
                 extents.append((off, buffers[t][pos : pos + length], base[t] + pos // chunk))
             else:
                 streamed.append((off, length, base[t] + pos // chunk))

@@ -1,10 +1,11 @@
 """Restoring plain (non-DTensor) state: one saved rank's tree, read and verified, then loaded.
 
 ``PlainRestore`` is the restore of a checkpoint whose state is plain on both sides (DDP, single
-process, pipeline stages): ``prepare`` reads this rank's source shard whole into fresh host
-memory (saved rank ``rank mod N`` on another world size, once every saved rank is shown to hold
-the same model and optimizer state, or it was declared replicated at save time), decodes it and
-checks it against the objects; ``apply`` loads it all or nothing (``load.apply``);
+process, pipeline stages): ``prepare`` reads this rank's source shard whole into host memory
+(saved rank ``rank mod N`` on another world size, once every saved rank is shown to hold the
+same model and optimizer state, or it was declared replicated at save time; what the live
+objects take in place into the staging arena: ``into_live``), decodes it and checks it against
+the objects; ``apply`` loads it all or nothing (``load.apply``);
 ``verify_loaded`` checks the loaded tensors where they now live.
 
 A replicated checkpoint (``Checkpointer(..., replicated=True)``) holds each replicated tensor in
@@ -38,6 +39,14 @@ from ..storage.directory import load_shard_manifest
 from ..storage.format import CheckpointInfo, ShardManifest, TensorEntry
 from ..storage.step_reads import StepFiles, StepPath
 from .files import read_tensors
+from .into_live import (
+    arena_views,
+    clone_out,
+    copy_optimizer_state,
+    live_targets,
+    optimizer_in_place,
+    takes,
+)
 from .load import apply
 from .validate import check_targets
 
@@ -60,12 +69,15 @@ class PlainRestore:
         rank: int,
         world_size: int,
         state: TrainingState,
+        stage: Callable[[int], torch.Tensor] | None = None,
     ):
         self.step, self.info, self.rank, self.world_size = step, info, rank, world_size
         self.state = state
         self.path = step.path
         self.tree: dict[str, Any] = {}
         self.shard: ShardManifest | None = None
+        self._stage = stage
+        self._arena: torch.Tensor | None = None  # what the model's and optimizer's reads used
 
     def prepare(self) -> PlainRestore:
         """Read, verify, decode and validate this rank's state; touch no object.
@@ -82,30 +94,44 @@ class PlainRestore:
             if not info.replicated:  # replicated=True declared it at save time
                 check_replicated(self.step, info, self.world_size)
             src = self.rank % info.world_size
-        self.tree, self.shard = restore_tree(self.step, info, src, unrequested(self.state))
+        live = live_targets(self.state.model, self.state.optimizer) if self._stage else {}
+        self.tree, self.shard, self._arena = restore_tree(
+            self.step, info, src, unrequested(self.state), self._stage, live
+        )
         check_targets(self.tree, self.state)
         return self
 
     def apply(self, agree: Callable[[bool], bool] | None = None) -> None:
         """Load the prepared tree into the objects, all or nothing (``load.apply``).
 
-        The model's tensors that can take the verified bytes as they are (CPU, contiguous, the
-        saved dtype and shape, a storage of their own) get them in one native copy once every
-        object that may refuse its state has taken it and every rank agreed (``commit``); the
-        model's ``load_state_dict`` then finds them already in place (torch skips a copy of a
-        tensor onto itself). Why not read them straight into the parameters: torch's allocator
+        The model's tensors and the optimizer's state tensors that can take the verified bytes
+        as they are (CPU, contiguous, the saved dtype and shape, a storage of their own) get
+        them in one copy once every object that may refuse its state has taken it and every
+        rank agreed (``commit``); the model's ``load_state_dict`` then finds them already in
+        place (torch skips a copy of a tensor onto itself), the optimizer's keeps them. Why not read them straight into the parameters: torch's allocator
         places a parameter 64 bytes past a page, so an O_DIRECT read cannot land there, and a
         read into live storage needs a rollback copy of what it overwrites: two copies where
         this takes one (``benchmarks/results/checkpoint_restore.md``).
         """
         tree, staged, live = in_place(self.tree, self.state.model)
-        commit = (lambda: copy_many(staged, live)) if staged else None
-        apply(tree, self.state, agree=agree, commit=commit)
+        optimizer = self.state.optimizer
+        tree, copies = optimizer_in_place(tree, optimizer)
+        # what the objects keep must not point into the arena, which the next save overwrites
+        tree = clone_out(tree, self._arena, {id(t) for t in staged} | {id(c[2]) for c in copies})
+
+        def commit() -> None:
+            if staged:
+                copy_many([as_bytes(t) for t in staged], live)
+            if copies:
+                copy_optimizer_state(optimizer, copies)
+
+        apply(tree, self.state, agree=agree, commit=commit if staged or copies else None)
 
     def release(self) -> None:
-        """Drop the tree: its model tensors were copied into the live ones (a second copy of
-        the model until the next restore otherwise), the rest is the objects' now."""
-        self.tree = {}
+        """Drop the tree and the staging: the model's and the optimizer's tensors were copied
+        into the live ones (a second copy of them until the next restore otherwise), the rest
+        is the objects' now."""
+        self.tree, self._arena = {}, None
 
     def verify_loaded(self) -> int:
         """CRC32C of the loaded tensors against the manifest, where they live; how many."""
@@ -119,7 +145,8 @@ def in_place(
 ) -> tuple[dict[str, Any], list[torch.Tensor], list[torch.Tensor]]:
     """``tree`` with each model tensor that the live tensor of its key can take byte for byte
     (CPU, strided, contiguous, the same dtype and shape, no storage shared with another key)
-    replaced by that live tensor, and the (staged, live) pairs to copy before the model loads."""
+    replaced by that live tensor, the staged tensors and the live ones' bytes, to copy (pair by
+    pair) before the model loads."""
     saved = tree.get("model") if model is not None else None
     if not isinstance(saved, dict):
         return tree, [], []
@@ -128,19 +155,7 @@ def in_place(
     fits = {}
     for k, v in saved.items():
         t = live.get(k)
-        if (
-            isinstance(v, torch.Tensor)
-            and isinstance(t, torch.Tensor)
-            and type(t) is torch.Tensor
-            and t.device.type == "cpu"
-            and t.layout == torch.strided
-            and t.is_contiguous()
-            and not (t.is_conj() or t.is_neg())
-            and t.dtype == v.dtype
-            and t.shape == v.shape
-            and t.numel() > 0
-            and v.is_contiguous()
-        ):
+        if takes(t, v):
             fits[k] = t
     storages: dict[int, int] = {}
     for t in live.values():
@@ -151,7 +166,7 @@ def in_place(
     if not fits:
         return tree, [], []
     model_tree = {k: fits.get(k, v) for k, v in saved.items()}
-    staged = [as_bytes(saved[k]) for k in fits]
+    staged = [saved[k] for k in fits]
     return {**tree, "model": model_tree}, staged, [as_bytes(t) for t in fits.values()]
 
 
@@ -220,13 +235,19 @@ def check_replicated(step: StepFiles, info: CheckpointInfo, world_size: int) -> 
 
 
 def restore_tree(
-    step: StepFiles, info: CheckpointInfo, rank: int, skip: frozenset[str] = frozenset()
-) -> tuple[dict[str, Any], ShardManifest]:
-    """The verified, decoded state tree of ``rank`` (tensors loaded into fresh host memory) and
-    its shard manifest, without the sections in ``skip`` (their bytes are verified, not held).
-    For a replicated checkpoint, the replicated tensors other shards hold are read from them,
-    and the returned manifest's ``tensors`` also lists their entries (every tensor the tree
-    holds, for ``verify_loaded``)."""
+    step: StepFiles,
+    info: CheckpointInfo,
+    rank: int,
+    skip: frozenset[str] = frozenset(),
+    stage: Callable[[int], torch.Tensor] | None = None,
+    live: dict[str, torch.Tensor] | None = None,
+) -> tuple[dict[str, Any], ShardManifest, torch.Tensor | None]:
+    """The verified, decoded state tree of ``rank``, its shard manifest and the staging buffer
+    (``stage``) that the tensors the ``live`` ones will take were read into
+    (``into_live.arena_views``; None: every tensor in fresh host memory), without the sections
+    in ``skip`` (their bytes are verified, not held). For a replicated checkpoint, the
+    replicated tensors other shards hold are read from them, and the returned manifest's
+    ``tensors`` also lists their entries (every tensor the tree holds, for ``verify_loaded``)."""
     path = step.path
     shard = load_shard_manifest(step, info, rank)
     state = shard.state
@@ -234,7 +255,8 @@ def restore_tree(
         state = {k: v for k, v in state.items() if k not in skip}
     needed = tensor_refs(state)
     # every byte of the shard is verified; only the tensors the kept sections refer to are held
-    tensors = read_tensors(step, shard, keep_only=needed)
+    views, arena = arena_views(shard.tensors, needed, live, stage) if live and stage else ({}, None)
+    tensors = read_tensors(step, shard, keep_only=needed, into=lambda e: views.get(e.name))
     if shard.replicated:
         foreign = read_replicated(step, info, shard, tensors, needed)
         shard = dataclasses.replace(shard, tensors=shard.tensors + foreign)
@@ -244,7 +266,7 @@ def restore_tree(
         raise CheckpointCorruptError(
             f"{path}: rank {rank} state does not record step {info.step}", path=str(path)
         )
-    return tree, shard
+    return tree, shard, arena
 
 
 def verify_loaded(path: StepPath, shard: ShardManifest, table: TensorTable) -> int:
