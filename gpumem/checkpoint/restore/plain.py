@@ -108,10 +108,11 @@ class PlainRestore:
         as they are (CPU, contiguous, the saved dtype and shape, a storage of their own) get
         them in one copy once every object that may refuse its state has taken it and every
         rank agreed (``commit``); the model's ``load_state_dict`` then finds them already in
-        place (torch skips a copy of a tensor onto itself), the optimizer's keeps them. Why not read them straight into the parameters: torch's allocator
-        places a parameter 64 bytes past a page, so an O_DIRECT read cannot land there, and a
-        read into live storage needs a rollback copy of what it overwrites: two copies where
-        this takes one (``benchmarks/results/checkpoint_restore.md``).
+        place (torch skips a copy of a tensor onto itself), the optimizer's keeps them. Why not
+        read them straight into the live tensors: torch's allocator places a parameter 64 bytes
+        past a page, so an O_DIRECT read cannot land there, and a read into live storage needs
+        a rollback copy of what it overwrites: two copies where this takes one
+        (``benchmarks/results/checkpoint_restore.md``).
         """
         tree, staged, live = in_place(self.tree, self.state.model)
         optimizer = self.state.optimizer
