@@ -230,3 +230,34 @@ def test_a_state_the_optimizer_casts_on_load_gets_the_saved_values_cast(tmp_path
         for k in ("exp_avg", "exp_avg_sq"):
             assert got[i][k].dtype == want[i][k].dtype == torch.bfloat16
             assert torch.equal(got[i][k], want[i][k]), (i, k)
+
+
+class _OwnLoad(torch.optim.AdamW):
+    """An optimizer with its own load_state_dict (its state may not load as torch's does)."""
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+
+
+def test_an_optimizer_with_its_own_loading_gets_new_state_tensors_as_before(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    opt = _OwnLoad(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    with gpumem.Checkpointer(tmp_path, keep=None) as ck:
+        ck.prepare(model, opt, background=False)
+        ck.save(1, model=model, optimizer=opt, blocking=True)
+        ck.wait()
+        want = {
+            i: {k: t.clone() for k, t in st.items()} for i, st in opt.state_dict()["state"].items()
+        }
+        before = {t.data_ptr() for st in opt.state.values() for t in st.values()}
+        opt.step()
+        assert ck.restore(model=model, optimizer=opt) == 1
+        lo, hi = _arena_range(ck)
+    got = opt.state_dict()["state"]
+    assert all(torch.equal(got[i][k], t) for i, st in want.items() for k, t in st.items())
+    after = [t.data_ptr() for st in opt.state.values() for t in st.values() if t.numel() > 1]
+    assert not set(after) & before  # not copied in place: new tensors, as torch's load makes
+    assert not [p for p in after if lo <= p < hi]

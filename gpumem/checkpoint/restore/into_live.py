@@ -31,6 +31,7 @@ def live_targets(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
     strided, contiguous, plain values), by the name a save gives them (``capture``): a fresh
     optimizer has no state yet, so a resume's optimizer state reads into fresh memory, as the
     tensors the optimizer will keep."""
+    optimizer = optimizer if torch_loads(optimizer) else None
     if model is None and optimizer is None:
         return {}
     try:
@@ -90,7 +91,7 @@ def optimizer_in_place(
     values replaced by that live tensor, and the (index, key, staged) copies the commit makes:
     ``load_state_dict`` then keeps the live tensors (its ``.to()`` of a tensor already in place
     returns it), and the commit copies the staged values into whatever tensor it holds."""
-    saved = tree.get("optimizer") if optimizer is not None else None
+    saved = tree.get("optimizer") if torch_loads(optimizer) else None
     if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
         return tree, []
     live_state = optimizer.state_dict().get("state", {})
@@ -115,6 +116,18 @@ def optimizer_in_place(
                 copies.append((idx, key, v))
         state[idx] = row
     return {**tree, "optimizer": {**saved, "state": state}}, copies
+
+
+def torch_loads(optimizer: Any) -> bool:
+    """Whether ``optimizer`` saves and loads its state as ``torch.optim.Optimizer`` does (state
+    by parameter index in ``param_groups``' order, ``load_state_dict`` keeping a tensor already
+    in place), which the commit's copies rely on; another one loads its state as before."""
+    cls, base = type(optimizer), torch.optim.Optimizer
+    return (
+        isinstance(optimizer, base)
+        and cls.state_dict is base.state_dict
+        and cls.load_state_dict is base.load_state_dict
+    )
 
 
 def takes(live: Any, saved: Any) -> bool:
