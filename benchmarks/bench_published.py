@@ -495,6 +495,19 @@ def recorded_pp_section() -> str:
     return text[start : end + 1 if end >= 0 else len(text)]
 
 
+def recorded_pp_figures() -> list[Any]:
+    """The pp / MoE figures as last recorded in published.json (a full run keeps them, as it
+    keeps their section)."""
+    import json
+
+    from _report import RESULTS, Figure
+
+    js = RESULTS / "published.json"
+    record = json.loads(js.read_text()) if js.exists() else {"figures": []}
+    keep = (PP_FIGURE, MOE_FIGURE)
+    return [Figure(**f) for f in record["figures"] if f["name"].startswith(keep)]
+
+
 def titan_moe_table() -> tuple[str, list[Any]]:
     """The MoE rows (``torchtitan_moe_results``) as a Markdown table, and their figures."""
     import torchtitan_moe_results
@@ -1074,6 +1087,7 @@ gradients live as this rank's partition plus the IPG bucket, not whole).
         value_figure("transformers median |error|", "%", 100 * statistics.median(hf_err)),
     ]
     figures += titan_figures(titan_err, titan_res)
+    figures += recorded_pp_figures()
     write_results(
         "published",
         "The estimate against published and measured memory of real training jobs",
