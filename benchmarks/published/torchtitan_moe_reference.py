@@ -7,9 +7,9 @@ its config, one rank of the job on torch's fake process group, two steps profile
 tensors (``gpumem.profile``), as ``torchtitan_reference.py`` does for the dense Llama.
 
 What is torchtitan's: the model and its config builders (``models/qwen3/__init__.py``:
-``_build_qwen3_moe_layers``), activation checkpointing (``_apply_ac``), ``apply_fsdp_to_decoder``
-(each block one FSDP unit with its experts, ``Shard(0)`` over the experts while the FSDP degree
-is at most their number), the loss, the fused AdamW.
+``_build_qwen3_moe_layers``), activation checkpointing and ``apply_fsdp_to_decoder``
+(``ac_and_fsdp``; each block one FSDP unit with its experts, ``Shard(0)`` over the experts while
+the FSDP degree is at most their number), the loss, the fused AdamW.
 
 Deviations, each to make a CPU fake run save what the CUDA run saves: the attention is the flash
 kernel called directly (``torchtitan_reference.flash_forward``); the router's gate runs under
@@ -27,7 +27,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torchtitan_reference import Result, _apply_ac, fake_job, flash_forward, run_profiled
+from torchtitan_reference import (
+    Result,
+    ac_and_fsdp,
+    adamw,
+    fake_job,
+    flash_forward,
+    run_profiled,
+)
 
 import gpumem
 
@@ -75,7 +82,6 @@ def profile_moe_step(
     """Peak allocated bytes of rank 0 of ``world`` FSDP ranks over ``steps`` steps (``dims``:
     ``moe_config``'s model sizes), on fake CPU tensors."""
     from torchtitan.components.loss import CrossEntropyLoss
-    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
     from torchtitan.distributed.utils import clip_grad_norm_
     from torchtitan.models.qwen3.model import Qwen3Model
 
@@ -88,17 +94,8 @@ def profile_moe_step(
             inner.forward = types.MethodType(flash_forward, inner)
             gate = block.moe.router.gate
             gate.forward = types.MethodType(_gate_fp32, gate)
-        _apply_ac(model, ac)
-        apply_fsdp_to_decoder(
-            model,
-            d.get_mesh(["fsdp"]),
-            param_dtype=torch.bfloat16,
-            reduce_dtype=torch.float32,
-            pp_enabled=False,
-        )
-        opt = torch.optim.AdamW(
-            model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True
-        )
+        ac_and_fsdp(model, d.get_mesh(["fsdp"]), ac)
+        opt = adamw(model.parameters())
         loss_fn = CrossEntropyLoss.Config(global_vocab_size=vocab).build()
         tokens = torch.randint(0, vocab, (batch, seq))
         labels = torch.randint(0, vocab, (batch, seq))

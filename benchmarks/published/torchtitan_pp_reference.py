@@ -42,7 +42,8 @@ import torch
 from torchtitan_reference import (
     VOCAB,
     Result,
-    _apply_ac,
+    ac_and_fsdp,
+    adamw,
     fake_job,
     flash_forward,
     model_config,
@@ -86,7 +87,6 @@ def schedule_actions(schedule: Any, rank: int, single: bool) -> list[tuple[str, 
 def _build_parts(cfg: Any, dims: Any, n_stages: int, idx: tuple[int, ...], ac: str) -> list:
     """The rank's model parts, as ``pipeline_llm`` builds them, each parallelized."""
     from torchtitan.distributed import pipeline_parallel
-    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
     from torchtitan.distributed.pipeline_parallel import (
         _generate_llm_fqn_per_model_part,
         _split_module,
@@ -106,14 +106,7 @@ def _build_parts(cfg: Any, dims: Any, n_stages: int, idx: tuple[int, ...], ac: s
         for block in part.layers.values():
             inner = block.attention.inner_attention
             inner.forward = types.MethodType(flash_forward, inner)
-        _apply_ac(part, ac)
-        apply_fsdp_to_decoder(
-            part,
-            dims.get_mesh(["fsdp"]),
-            param_dtype=torch.bfloat16,
-            reduce_dtype=torch.float32,
-            pp_enabled=True,
-        )
+        ac_and_fsdp(part, dims.get_mesh(["fsdp"]), ac, pp_enabled=True)
     return parts
 
 
@@ -238,9 +231,7 @@ def profile_pp_step(
     with fake_job(world, pp=pp, pp_rank=pp_rank) as dims, gpumem.fake():
         parts = _build_parts(cfg, dims, n_stages, idx, ac)
         params = [p for part in parts for p in part.parameters()]
-        opt = torch.optim.AdamW(
-            params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True
-        )
+        opt = adamw(params)
         loss_fn = CrossEntropyLoss.Config(global_vocab_size=vocab).build()
 
         def scalar_loss(*a: Any, **k: Any) -> torch.Tensor:

@@ -220,6 +220,28 @@ def _float8_tensorwise(model: nn.Module, all_gather: bool) -> None:
     )
 
 
+def ac_and_fsdp(model: nn.Module, mesh, ac: str, *, pp_enabled: bool = False) -> None:
+    """torchtitan's activation checkpointing, then ``apply_fsdp_to_decoder`` as its recipes call
+    it (bf16 parameters, fp32 reduce); ``pp_enabled``: a pipeline stage's part."""
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+    _apply_ac(model, ac)
+    apply_fsdp_to_decoder(
+        model,
+        mesh,
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+        pp_enabled=pp_enabled,
+    )
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    """torchtitan's default optimizer (``OptimizersContainer``: fused AdamW, its defaults)."""
+    return torch.optim.AdamW(
+        params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True
+    )
+
+
 def _apply_ac(model: nn.Module, ac: str) -> None:
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
@@ -346,7 +368,6 @@ def profile_step(
         raise ValueError("float8_all_gather is torchao's tensorwise option")
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.distributed.context_parallel import apply_cp_to_forward
-    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
     from torchtitan.distributed.utils import clip_grad_norm_
     from torchtitan.models.llama3.model import Llama3Model
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
@@ -371,17 +392,8 @@ def profile_step(
             apply_cp_to_forward(inners, dims.get_mesh("cp"))
         if tp > 1:  # parallelize_llama: TP (model.parallelize), then AC, then FSDP
             model.parallelize(dims)
-        _apply_ac(model, ac)
-        apply_fsdp_to_decoder(
-            model,
-            dims.get_mesh(["fsdp"]),
-            param_dtype=torch.bfloat16,
-            reduce_dtype=torch.float32,
-            pp_enabled=False,
-        )
-        opt = torch.optim.AdamW(
-            model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True
-        )
+        ac_and_fsdp(model, dims.get_mesh(["fsdp"]), ac)
+        opt = adamw(model.parameters())
         if loss_chunks:  # Trainer.__init__: set_lm_head, _skip_lm_head
             loss_fn = ChunkedLossWrapper.Config(
                 num_chunks=loss_chunks, loss_fn=CrossEntropyLoss.Config(global_vocab_size=vocab)
